@@ -1,0 +1,139 @@
+"""DeepSpeed checkpoints with a completeness marker, rotation and resume.
+
+`engine.save_checkpoint` writes <dir>/<tag>/ and then <dir>/latest. A checkpoint counts as complete only
+once every rank has finished writing and rank 0 has written <tag>/ds_exp_complete.json; resume never picks
+a directory without it, so a crash in the middle of a save leaves the previous checkpoint in charge.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_exp.errors import ResumeError
+from ds_exp.tracking import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+COMPLETE_MARKER = "ds_exp_complete.json"
+_TAG = re.compile(r"^step(\d+)$")
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Where training stands: enough to continue exactly as if it had never stopped."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # current epoch
+    step_in_epoch: int = 0  # optimizer steps done within `epoch`
+    wandb_run_id: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def tag_for(step: int) -> str:
+    return f"step{step}"
+
+
+def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Complete checkpoint directories, oldest first."""
+    if not checkpoint_dir.is_dir():
+        return []
+    found = []
+    for child in checkpoint_dir.iterdir():
+        match = _TAG.match(child.name)
+        if match and (child / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def find_resume_checkpoint(resume: str | None, run_dir: Path, checkpoint_subdir: str) -> Path | None:
+    """The checkpoint tag directory to resume from; None to start fresh (resume=null, or auto with none yet)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(run_dir / checkpoint_subdir)
+        return found[-1] if found else None
+    path = Path(resume).expanduser()
+    if (path / COMPLETE_MARKER).is_file():
+        return path
+    for candidate in (path, path / checkpoint_subdir):
+        found = complete_checkpoints(candidate)
+        if found:
+            return found[-1]
+    raise ResumeError(
+        f"resume={resume}: no complete checkpoint in {path} (looked for step<N>/{COMPLETE_MARKER} there and "
+        f"under {checkpoint_subdir}/); give a run directory, its checkpoints directory or one step<N> directory"
+    )
+
+
+def rng_states() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [np.random.get_state()[0], np.random.get_state()[1].tolist(), *np.random.get_state()[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_states(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(_as_tuples(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, keep_last: int) -> Path:
+    """Collective: every rank must call it. Returns the tag directory."""
+    import torch
+    import torch.distributed as dist
+
+    tag = tag_for(state.step)
+    path = checkpoint_dir / tag
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"ds_exp": state.as_dict()})
+    # per-rank RNG states, loadable with torch.load(weights_only=True)
+    torch.save(rng_states(), path / f"rng_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        write_json_atomic(path / COMPLETE_MARKER, state.as_dict())
+        for old in complete_checkpoints(checkpoint_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    log.info("saved checkpoint %s", path)
+    return path
+
+
+def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
+    """Collective: restores module, optimizer, LR scheduler and this rank's RNG states."""
+    import torch
+
+    load_path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    if load_path is None:
+        raise ResumeError(f"resume: DeepSpeed found no checkpoint in {tag_dir}; it may be from another run layout")
+    rng_file = tag_dir / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_states(torch.load(rng_file, weights_only=True))
+    saved = (client_state or {}).get("ds_exp") or json.loads((tag_dir / COMPLETE_MARKER).read_text())
+    log.info("resumed from %s at step %s", tag_dir, saved["step"])
+    return TrainState(**saved)

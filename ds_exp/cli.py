@@ -1,0 +1,118 @@
+"""The one entry point: `python -m ds_exp ...` and the `ds-exp` console script.
+
+Everything imported at module level here is light (Hydra, OmegaConf, our config package): `--help`,
+`--cfg job` and validation never import torch or deepspeed. The training stack is imported inside `run_job`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ds_exp.errors import DsExpError
+
+log = logging.getLogger("ds_exp")
+
+_LOCAL_RANK_FLAG = re.compile(r"^--local[_-]rank(=(\d+))?$")
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Drop the `--local_rank=N` / `--local-rank N` the deepspeed launcher appends (Hydra rejects it).
+
+    The value is kept in LOCAL_RANK when the launcher did not export it already.
+    """
+    kept: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        match = _LOCAL_RANK_FLAG.match(arg)
+        if not match:
+            kept.append(arg)
+            continue
+        value = match.group(2) if match.group(1) else next(args, None)
+        if value is not None and value.isdigit():
+            os.environ.setdefault("LOCAL_RANK", value)
+    return kept
+
+
+def per_rank_overrides(args: list[str]) -> list[str]:
+    """Hydra overrides that keep ranks > 0 of a torchrun / deepspeed / mpirun / srun launch out of outputs/.
+
+    Every rank runs Hydra; only rank 0's run directory is real. The others get a placeholder directory in
+    /tmp (removed at the end) and learn rank 0's directory once torch.distributed is up.
+    """
+    from ds_exp.distributed import launch_rank_from_env, launched_with_several_ranks
+
+    if not launched_with_several_ranks():
+        return []
+    if "-m" in args or "--multirun" in args:
+        raise SystemExit(
+            "ds_exp: error: -m/--multirun under torchrun, mpirun, srun or the deepspeed launcher would run the whole "
+            "sweep on every rank; use a submitit launcher with several tasks per node instead "
+            "(hydra/launcher=slurm hydra.launcher.tasks_per_node=N)"
+        )
+    if launch_rank_from_env() == 0:
+        return []
+    import tempfile
+
+    placeholder = tempfile.mkdtemp(prefix=f"ds_exp_rank{launch_rank_from_env()}_")
+    return [f"hydra.run.dir={placeholder}", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def run_dir_of_job() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def run_job(cfg: DictConfig) -> Any:
+    """Validate, then either plan (dry_run=true) or train. Heavy imports happen only past validation."""
+    from ds_exp.config.validate import validate
+
+    validate(cfg)
+    run_dir = run_dir_of_job()
+    if cfg.dry_run:
+        from ds_exp.dry_run import dry_run
+
+        return dry_run(cfg, run_dir)
+    from ds_exp.train import train
+
+    return train(cfg, run_dir)
+
+
+def report_user_error(err: DsExpError) -> None:
+    lines = str(err).splitlines() or [type(err).__name__]
+    print(f"ds_exp: error: {lines[0]}", file=sys.stderr)
+    for line in lines[1:]:
+        print(f"  {line}", file=sys.stderr)
+    if os.environ.get("HYDRA_FULL_ERROR") != "1":
+        print("  (set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
+
+
+def hydra_task(cfg: DictConfig) -> Any:
+    try:
+        return run_job(cfg)
+    except DsExpError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        report_user_error(err)
+        sys.exit(err.exit_code)
+
+
+def main() -> None:
+    import hydra
+
+    from ds_exp.config.resolvers import register_resolvers
+    from ds_exp.config.schema import register_configs
+    from ds_exp.paths import conf_dir
+
+    sys.argv = strip_local_rank(sys.argv)
+    sys.argv += per_rank_overrides(sys.argv[1:])
+    register_resolvers()
+    register_configs()
+    hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(hydra_task)()

@@ -1,0 +1,260 @@
+"""The DeepSpeed config: groups + optional user JSON, with "auto" filled (Hugging Face's convention).
+
+Precedence, in one place:
+1. `deepspeed.config` (built from the groups by interpolation in conf/config.yaml) is the base.
+2. `deepspeed.config_file`, when given, is merged over it key by key: the file wins for every key that is
+   DeepSpeed's alone (ZeRO stage and buckets, offload, monitors, ...), and its `optimizer` / `scheduler`
+   blocks make DeepSpeed own those.
+3. Keys that mirror a ds_exp setting (batch sizes, clipping, optimizer and scheduler values, precision) must
+   be "auto" or agree with that setting. Every disagreement is reported at once, suggesting "auto".
+4. "auto" is filled from ds_exp's settings and from what only the run knows (world size, the model's hidden
+   size, total steps). Config validation passes `partial=True`: the run-time ones stay "auto" there.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ds_exp.config.resolvers import AUTO
+from ds_exp.errors import ConfigError
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What only the run knows. Any field may be None when it is not known yet."""
+
+    world_size: int | None = None
+    hidden_size: int | None = None
+    total_steps: int | None = None
+    warmup_steps: int | None = None
+    precision: str | None = None  # fp32 | fp16 | bf16, after "auto" was decided
+    run_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class Expectation:
+    path: str
+    value: Any
+    source: str  # the ds_exp setting it comes from, for messages
+
+
+def strip_none(value: Any) -> Any:
+    """Drop null keys (recursively): a null group knob means "DeepSpeed's default"."""
+    if isinstance(value, dict):
+        return {k: strip_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [strip_none(v) for v in value]
+    return value
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def get_path(tree: dict[str, Any], path: str, default: Any = _MISSING) -> Any:
+    node: Any = tree
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    node = tree
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+
+
+def delete_path(tree: dict[str, Any], path: str) -> None:
+    *parents, leaf = path.split(".")
+    node = tree
+    for part in parents:
+        node = node[part]
+    node.pop(leaf, None)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    file = Path(path).expanduser()
+    key = f"deepspeed.config_file={path}"
+    if not file.is_file():
+        raise ConfigError(f"{key}: file not found; give the path of an existing DeepSpeed JSON config")
+    try:
+        loaded = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f"{key} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); fix the file"
+        ) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key} is not a text file; give a DeepSpeed JSON config") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{key}: the top level must be a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+def groups_ds_config(cfg: DictConfig) -> dict[str, Any]:
+    """The DeepSpeed config as composed from the groups, interpolations resolved, nulls dropped."""
+    raw = OmegaConf.to_container(cfg.deepspeed.config, resolve=True, enum_to_str=True)
+    return strip_none(raw)
+
+
+def merged_ds_config(cfg: DictConfig) -> dict[str, Any]:
+    """Groups, then the user's file over them (steps 1-2 of the module docstring); nothing filled yet."""
+    base = groups_ds_config(cfg)
+    if cfg.deepspeed.config_file:
+        return deep_merge(base, load_config_file(cfg.deepspeed.config_file))
+    return base
+
+
+def _effective_warmup(cfg: DictConfig, total_steps: int | None) -> int | None:
+    sched = cfg.scheduler
+    if sched.warmup_steps > 0:
+        return int(sched.warmup_steps)
+    if sched.warmup_ratio > 0:
+        return None if total_steps is None else math.ceil(total_steps * sched.warmup_ratio)
+    return 0
+
+
+def expected_values(cfg: DictConfig, facts: RunFacts) -> list[Expectation]:
+    """Keys that mirror a ds_exp setting (REFERENCE.md §2): "auto" is filled with them, anything else must agree."""
+    train, opt, sched = cfg.train, cfg.optimizer, cfg.scheduler
+    out = [
+        Expectation("train_micro_batch_size_per_gpu", train.micro_batch_size, "train.micro_batch_size"),
+        Expectation(
+            "gradient_accumulation_steps", train.gradient_accumulation_steps, "train.gradient_accumulation_steps"
+        ),
+        Expectation("gradient_clipping", float(train.gradient_clipping), "train.gradient_clipping"),
+        Expectation("optimizer.params.lr", float(opt.lr), "optimizer.lr"),
+        Expectation("optimizer.params.betas", [float(b) for b in opt.betas], "optimizer.betas"),
+        Expectation("optimizer.params.eps", float(opt.eps), "optimizer.eps"),
+        Expectation("optimizer.params.weight_decay", float(opt.weight_decay), "optimizer.weight_decay"),
+    ]
+    if facts.world_size is not None:
+        out.append(
+            Expectation(
+                "train_batch_size",
+                train.micro_batch_size * train.gradient_accumulation_steps * facts.world_size,
+                f"train.micro_batch_size x train.gradient_accumulation_steps x world size {facts.world_size}",
+            )
+        )
+    if facts.precision is not None:
+        out.append(Expectation("fp16.enabled", facts.precision == "fp16", f"precision {facts.precision}"))
+        out.append(Expectation("bf16.enabled", facts.precision == "bf16", f"precision {facts.precision}"))
+    constant = str(sched.name.value if hasattr(sched.name, "value") else sched.name) == "constant"
+    out.append(
+        Expectation(
+            "scheduler.params.warmup_min_lr",
+            float(opt.lr) if constant else 0.0,
+            "optimizer.lr (constant schedule)" if constant else "0 (warmup starts from zero)",
+        )
+    )
+    out.append(Expectation("scheduler.params.warmup_max_lr", float(opt.lr), "optimizer.lr"))
+    if facts.total_steps is not None:
+        out.append(Expectation("scheduler.params.total_num_steps", facts.total_steps, "the computed training steps"))
+    warmup = _effective_warmup(cfg, facts.total_steps)
+    if warmup is not None:
+        out.append(Expectation("scheduler.params.warmup_num_steps", warmup, "scheduler.warmup_steps / warmup_ratio"))
+    return out
+
+
+def hidden_size_values(hidden_size: int) -> dict[str, int]:
+    """Fill-only keys (REFERENCE.md §2): explicit values are the user's tuning, never a mismatch."""
+    return {
+        "zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or (isinstance(a, bool) and isinstance(b, bool) and a == b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def find_auto(tree: Any, prefix: str = "") -> list[str]:
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in find_auto(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")] if tree == AUTO else []
+
+
+def resolve_ds_config(cfg: DictConfig, facts: RunFacts, *, partial: bool = False) -> dict[str, Any]:
+    """Merge, check and fill. Unless `partial` (validation, before the run knows its facts), the result has
+    no "auto" left, or a ConfigError names the keys."""
+    ds = merged_ds_config(cfg)
+
+    fp16_on, bf16_on = get_path(ds, "fp16.enabled"), get_path(ds, "bf16.enabled")
+    if fp16_on is True and bf16_on is True:
+        raise ConfigError(
+            "fp16.enabled and bf16.enabled are both true in the DeepSpeed config: pick one "
+            '(set both to "auto" and choose with precision=fp16 or precision=bf16)'
+        )
+
+    mismatches = []
+    for exp in expected_values(cfg, facts):
+        current = get_path(ds, exp.path)
+        if current is _MISSING:
+            continue  # e.g. no scheduler block: nothing to fill
+        if current == AUTO:
+            set_path(ds, exp.path, exp.value)
+        elif not _same(current, exp.value):
+            mismatches.append(
+                f"- {exp.path}={json.dumps(current)} but ds_exp uses {json.dumps(exp.value)} (from {exp.source})"
+            )
+    if mismatches:
+        raise ConfigError(
+            [
+                "the DeepSpeed config disagrees with ds_exp's settings:",
+                *mismatches,
+                'fix: set these keys to "auto" in the DeepSpeed config (ds_exp fills them), '
+                "or change the ds_exp settings named above to match",
+            ]
+        )
+
+    stage = get_path(ds, "zero_optimization.stage")
+    if stage is not _MISSING and stage != 3:
+        # stage-3 knobs mean nothing below stage 3; drop the ones still waiting to be filled
+        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+            if get_path(ds, f"zero_optimization.{key}") == AUTO:
+                delete_path(ds, f"zero_optimization.{key}")
+    if facts.hidden_size is not None:
+        for path, value in hidden_size_values(facts.hidden_size).items():
+            if get_path(ds, path) == AUTO:
+                set_path(ds, path, value)
+
+    if get_path(ds, "csv_monitor.output_path") == AUTO and facts.run_dir is not None:
+        set_path(ds, "csv_monitor.output_path", str(Path(facts.run_dir) / "ds_monitor"))
+
+    if not partial:
+        left = find_auto(ds)
+        if left:
+            needs_hidden = [p for p in left if p in hidden_size_values(1)]
+            hint = (
+                "the model config has no hidden_size to derive them from; set them to numbers "
+                "(e.g. zero.reduce_bucket_size=500000000)"
+                if needs_hidden and facts.hidden_size is None
+                else "set them to explicit values"
+            )
+            raise ConfigError(f'"auto" could not be filled for {", ".join(left)}: {hint}')
+    return ds

@@ -1,0 +1,282 @@
+"""Typed schema of the composed config.
+
+Registered with Hydra's ConfigStore as the base of `conf/config.yaml`, so every group YAML merges into a
+typed node: a wrong type, an unknown key or an enum value that does not exist is rejected at composition,
+before any code of ours runs. Semantic checks (combinations, ranges, paths) live in `validate.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from omegaconf import MISSING
+
+
+class Launcher(str, Enum):
+    auto = "auto"
+    single = "single"
+    env = "env"  # torchrun / the deepspeed launcher: RANK, WORLD_SIZE, ... already set
+    mpi = "mpi"  # mpirun: OMPI_COMM_WORLD_* or PMI_*
+    submitit = "submitit"
+    slurm = "slurm"  # plain srun
+
+
+class Backend(str, Enum):
+    auto = "auto"
+    nccl = "nccl"
+    mpi = "mpi"
+    ccl = "ccl"
+    gloo = "gloo"
+    hccl = "hccl"
+
+
+class OffloadDevice(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class Dtype(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    auto = "auto"
+
+
+class Owner(str, Enum):
+    ds_exp = "ds_exp"  # built in Python and handed to deepspeed.initialize (DeepSpeed-Chat's convention)
+    deepspeed = "deepspeed"  # "optimizer"/"scheduler" blocks of the DeepSpeed config (Hugging Face's convention)
+
+
+class SchedulerName(str, Enum):
+    """Every schedule of transformers.get_scheduler."""
+
+    linear = "linear"
+    cosine = "cosine"
+    cosine_with_restarts = "cosine_with_restarts"
+    polynomial = "polynomial"
+    constant = "constant"
+    constant_with_warmup = "constant_with_warmup"
+    inverse_sqrt = "inverse_sqrt"
+    reduce_lr_on_plateau = "reduce_lr_on_plateau"
+    cosine_with_min_lr = "cosine_with_min_lr"
+    cosine_warmup_with_min_lr = "cosine_warmup_with_min_lr"
+    warmup_stable_decay = "warmup_stable_decay"
+    greedy = "greedy"
+
+
+class WandbMode(str, Enum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class PromptTemplate(str, Enum):
+    dschat = "dschat"  # " Human: {prompt} Assistant: {chosen}<|endoftext|>"
+    chat_template = "chat_template"  # the tokenizer's own chat template
+    auto = "auto"  # chat_template when the tokenizer has one, else dschat
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    name_or_path: str | None = None  # local directory or hub id; null = build from `arch` (no weights)
+    arch: dict[str, Any] | None = None  # transformers config kwargs (model_type, hidden_size, ...) for from_config
+    tokenizer: str | None = None  # null = name_or_path, or the tokenizer shipped in ds_exp/assets
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    disable_dropout: bool = False
+    vocab_multiple: int = 8  # pad the embedding matrix to a multiple of this
+    attn_implementation: str | None = None
+
+
+@dataclass
+class DataSource:
+    path: str = MISSING  # file, directory (DeepSpeed-Chat layout or save_to_disk) or hub id
+    format: str = "auto"  # auto (from the path) | json | jsonl | csv | parquet | arrow | dschat | hub
+    split: str = "train"  # the split trained on, for sources that have splits (save_to_disk dict, hub)
+    eval_split: str | None = "auto"  # auto = eval/validation/test when the source has one; null = none
+    eval_path: str | None = None  # a separate file (same format) holding this source's eval rows
+    prompt_field: str = "prompt"  # column holding the prompt
+    chosen_field: str = "chosen"  # column holding the answer trained on
+    rejected_field: str | None = "rejected"  # kept for reward-model phases when present; never required
+    name: str | None = None  # hub config (subset) name
+    revision: str | None = None  # hub revision (branch, tag or commit)
+
+
+@dataclass
+class SyntheticDataConfig:
+    num_train: int = 4000  # train rows of the embedded task (before data_split)
+    num_eval: int = 200  # eval rows, drawn from a separate stream and never seen in train
+    seed: int = 0  # fixes the task's content; train.seed only shuffles and splits it
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # the option picked in conf/data (synthetic, local, dschat_local, blend)
+    sources: list[DataSource] = field(default_factory=list)  # blended; empty = the embedded synthetic task
+    sft_only_sources: list[DataSource] = field(default_factory=list)  # used whole, no data_split
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)  # used when sources is empty
+    data_split: str = "10,0,0"  # proportions for phases 1/2/3 (DeepSpeed-Chat); SFT uses phase 1
+    eval_fraction: float = 0.05  # of a source's phase-1 share, held out for eval when it has no eval split
+    max_seq_len: int = 512  # longer examples are truncated (and counted)
+    template: PromptTemplate = PromptTemplate.dschat  # how a prompt/answer pair becomes text
+    end_of_conversation_token: str | None = None  # appended by the dschat template; null = the eos token
+    train_on_prompt: bool = False  # false = prompt tokens get label -100
+    packing: bool = False  # concatenate short train examples up to max_seq_len (eval is never packed)
+    cache_dir: str = ".cache/ds_exp/data"  # tokenized Arrow datasets, one directory per settings hash
+    num_proc: int | None = None  # tokenization processes; null = 1, or up to 4 for large datasets
+    max_eval_examples: int | None = None  # cap on eval rows (after shuffling); null = all
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed `zero_optimization` keys; null keys are left out of the DeepSpeed config."""
+
+    stage: int = 0
+    overlap_comm: bool | None = None
+    contiguous_gradients: bool | None = None
+    reduce_scatter: bool | None = None
+    reduce_bucket_size: Any = None  # int or "auto"
+    allgather_partitions: bool | None = None
+    allgather_bucket_size: Any = None
+    round_robin_gradients: bool | None = None
+    sub_group_size: Any = None
+    stage3_prefetch_bucket_size: Any = None
+    stage3_param_persistence_threshold: Any = None
+    stage3_max_live_parameters: Any = None
+    stage3_max_reuse_distance: Any = None
+    stage3_gather_16bit_weights_on_model_save: bool | None = None
+    memory_efficient_linear: bool | None = None
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Dtype = Dtype.fp32
+    loss_scale: float = 0.0  # fp16 only; 0 = dynamic loss scaling
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class OffloadConfig:
+    optimizer: OffloadDevice = OffloadDevice.none
+    param: OffloadDevice = OffloadDevice.none  # ZeRO-3 only
+    nvme_path: str | None = None
+    pin_memory: bool = True
+
+
+@dataclass
+class LoraConfig:
+    dim: int = 0  # LoRA rank; 0 = LoRA off
+    alpha: float | None = None  # scaling = alpha / dim; null = dim (scaling 1, as DeepSpeed-Chat's lora_scaling=1)
+    dropout: float = 0.0
+    module_name: str = "layers."  # Linear layers whose name contains this get adapters
+    only_optimize: bool = True  # freeze everything but the adapters
+
+
+@dataclass
+class OptimizerConfig:
+    owner: Owner = Owner.ds_exp
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    no_decay: list[str] = field(
+        default_factory=lambda: ["bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight"]
+    )
+
+
+@dataclass
+class SchedulerConfig:
+    owner: Owner = Owner.ds_exp
+    name: SchedulerName = SchedulerName.cosine
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # fraction of the total steps; use either this or warmup_steps
+    kwargs: dict[str, Any] = field(default_factory=dict)  # scheduler_specific_kwargs of get_scheduler
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 16  # per device
+    eval_micro_batch_size: int | None = None  # null = micro_batch_size
+    gradient_accumulation_steps: int = 1
+    global_batch_size: Any = "auto"  # int or "auto" (= micro x accumulation x world size)
+    epochs: int = 1
+    max_steps: int = -1  # > 0 overrides epochs
+    gradient_clipping: float = 1.0
+    seed: int = 1234
+    log_every: int = 10  # optimizer steps between metric lines (and DeepSpeed's steps_per_print)
+    eval_every: int = 0  # 0 = only before training, after each epoch and at the end
+    eval_at_start: bool = True
+    save_every: int = 0  # 0 = only at the end
+    keep_last: int = 2  # checkpoints kept
+    save_final_checkpoint: bool = True
+    checkpoint_dir: str = "checkpoints"  # relative to the run directory
+    export: bool = True
+    export_dir: str = "hf_model"  # relative to the run directory
+    export_adapter: bool = False  # also save the PEFT adapter alone
+    max_bad_steps: int = 10  # consecutive non-finite losses before giving up
+
+
+@dataclass
+class DistConfig:
+    launcher: Launcher = Launcher.auto
+    backend: Backend = Backend.auto
+    timeout_minutes: int = 30
+    master_port: int = 29500
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = WandbMode.disabled
+    project: str = "ds_exp"
+    entity: str | None = None
+    group: str | None = None  # null = the sweep / experiment name
+    name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    dir: str | None = None  # null = the run directory
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    deepspeed_monitors: bool = False  # also let DeepSpeed write its csv monitor into the run directory
+
+
+@dataclass
+class DeepSpeedSection:
+    config_file: str | None = None  # an existing DeepSpeed JSON (Hugging Face / Axolotl style, "auto" allowed)
+    config: dict[str, Any] = field(default_factory=dict)  # built from the groups by interpolation
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    experiment_name: str = "default"
+    dry_run: bool = False
+    resume: str | None = None  # null | auto | path to a checkpoint directory
+
+
+def register_configs() -> None:
+    """Make the schema the base of conf/config.yaml (its defaults list starts with `ds_exp_schema`)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="ds_exp_schema", node=Config)

@@ -1,0 +1,188 @@
+"""Semantic checks of a composed config: combinations, ranges and paths the typed schema cannot express.
+
+Runs before anything heavy (no torch, no deepspeed): every problem found becomes one line naming the key
+and the fix, all reported together in one ConfigError.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ds_exp.accelerator import decide_precision, detect_accelerator, supports_bf16, supports_fp16
+from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
+from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
+from ds_exp.errors import ConfigError
+
+
+def _v(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else path-shaped is meant as a local directory."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.path.exists(name)
+
+
+def _check_model(cfg: DictConfig) -> list[str]:
+    problems = []
+    model = cfg.model
+    if model.name_or_path is None and model.arch is None:
+        problems.append(
+            "model.name_or_path is not set and the model has no `arch`: give model.name_or_path=<local dir or "
+            "hub id> or pick a preset (model=tiny)"
+        )
+    for key in ("name_or_path", "tokenizer"):
+        value = model[key]
+        if value is None or not looks_like_local_path(value):
+            continue
+        path = Path(value).expanduser()
+        if not path.exists():
+            problems.append(f"model.{key}={value}: directory not found; give an existing local directory or a hub id")
+        elif key == "name_or_path" and not (path / "config.json").is_file():
+            problems.append(
+                f"model.name_or_path={value} has no config.json: point it at a Hugging Face checkpoint directory"
+            )
+    if model.vocab_multiple < 1:
+        problems.append(f"model.vocab_multiple={model.vocab_multiple}: must be >= 1 (1 = no padding)")
+    return problems
+
+
+def _check_zero_and_offload(ds: dict[str, Any]) -> list[str]:
+    problems = []
+    stage = get_path(ds, "zero_optimization.stage", None)
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        problems.append(f"zero.stage={stage}: ZeRO stage must be 0, 1, 2 or 3 (zero=stage0 ... zero=stage3)")
+        return problems
+    param_dev = get_path(ds, "zero_optimization.offload_param.device", "none")
+    opt_dev = get_path(ds, "zero_optimization.offload_optimizer.device", "none")
+    if param_dev in ("cpu", "nvme") and stage != 3:
+        problems.append(
+            f"offload.param={param_dev} needs ZeRO stage 3 (got stage {stage}): use zero=stage3, "
+            "or offload=cpu to offload only the optimizer"
+        )
+    if opt_dev in ("cpu", "nvme") and stage == 0:
+        problems.append(
+            f"offload.optimizer={opt_dev} needs ZeRO stage 1, 2 or 3 (got stage 0): use zero=stage1 or higher"
+        )
+    for kind, dev in (("optimizer", opt_dev), ("param", param_dev)):
+        if dev == "nvme" and not get_path(ds, f"zero_optimization.offload_{kind}.nvme_path", None):
+            problems.append(f"offload.{kind}=nvme needs a directory: set offload.nvme_path=/path/on/local/nvme")
+    return problems
+
+
+def _check_numbers(cfg: DictConfig) -> list[str]:
+    problems = []
+    train, opt, sched, lora = cfg.train, cfg.optimizer, cfg.scheduler, cfg.lora
+    if lora.dim < 0:
+        problems.append(f"lora.dim={lora.dim}: must be >= 0 (0 turns LoRA off, e.g. lora.dim=64 turns it on)")
+    if lora.dim > 0:
+        if lora.alpha is not None and lora.alpha <= 0:
+            problems.append(f"lora.alpha={lora.alpha}: must be > 0, or null for alpha = dim")
+        if not 0 <= lora.dropout < 1:
+            problems.append(f"lora.dropout={lora.dropout}: must be in [0, 1)")
+        if not lora.module_name:
+            problems.append(
+                "lora.module_name is empty: name the layers that get adapters, e.g. lora.module_name=layers."
+            )
+    if opt.lr <= 0:
+        problems.append(f"optimizer.lr={opt.lr}: the learning rate must be > 0 (DeepSpeed-Chat uses 1e-3 for SFT)")
+    if len(opt.betas) != 2 or not all(0 <= b < 1 for b in opt.betas):
+        problems.append(f"optimizer.betas={list(opt.betas)}: give two numbers in [0, 1), e.g. [0.9,0.95]")
+    if opt.eps <= 0:
+        problems.append(f"optimizer.eps={opt.eps}: must be > 0")
+    if opt.weight_decay < 0:
+        problems.append(f"optimizer.weight_decay={opt.weight_decay}: must be >= 0")
+    if opt.name != "adamw":
+        problems.append(f"optimizer.name={opt.name}: only adamw is available")
+    if sched.warmup_steps < 0:
+        problems.append(f"scheduler.warmup_steps={sched.warmup_steps}: must be >= 0")
+    if not 0 <= sched.warmup_ratio < 1:
+        problems.append(f"scheduler.warmup_ratio={sched.warmup_ratio}: must be in [0, 1)")
+    if sched.warmup_steps > 0 and sched.warmup_ratio > 0:
+        problems.append("scheduler.warmup_steps and scheduler.warmup_ratio are both set: keep one, set the other to 0")
+    if _v(sched.owner) == "deepspeed" and _v(sched.name) not in DEEPSPEED_SCHEDULERS:
+        problems.append(
+            f"scheduler.name={_v(sched.name)} has no DeepSpeed equivalent: use scheduler.owner=ds_exp, or one of "
+            f"{', '.join(DEEPSPEED_SCHEDULERS)} with scheduler.owner=deepspeed"
+        )
+    for key in ("micro_batch_size", "gradient_accumulation_steps", "epochs", "log_every"):
+        if train[key] < 1:
+            problems.append(f"train.{key}={train[key]}: must be >= 1")
+    if train.eval_micro_batch_size is not None and train.eval_micro_batch_size < 1:
+        problems.append(f"train.eval_micro_batch_size={train.eval_micro_batch_size}: must be >= 1 or null")
+    if train.max_steps == 0 or train.max_steps < -1:
+        problems.append(
+            f"train.max_steps={train.max_steps}: give a positive number of steps, or -1 to use train.epochs"
+        )
+    for key in ("eval_every", "save_every", "keep_last"):
+        if train[key] < 0:
+            problems.append(f"train.{key}={train[key]}: must be >= 0")
+    if train.gradient_clipping < 0:
+        problems.append(f"train.gradient_clipping={train.gradient_clipping}: must be >= 0 (0 = no clipping)")
+    global_batch = train.global_batch_size
+    per_rank = train.micro_batch_size * train.gradient_accumulation_steps
+    if global_batch != "auto":
+        if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+            problems.append(f"train.global_batch_size={global_batch}: give a positive integer or auto")
+        elif per_rank >= 1 and global_batch % per_rank:
+            problems.append(
+                f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size x "
+                f"train.gradient_accumulation_steps = {per_rank}: the batch arithmetic cannot hold; use auto"
+            )
+        elif (
+            per_rank >= 1
+            and (world := os.environ.get("WORLD_SIZE", "")).isdigit()
+            and global_batch != per_rank * int(world)
+        ):
+            problems.append(
+                f"train.global_batch_size={global_batch} but micro {train.micro_batch_size} x accumulation "
+                f"{train.gradient_accumulation_steps} x world size {world} = {per_rank * int(world)}: use auto"
+            )
+    if cfg.dist.timeout_minutes < 1:
+        problems.append(f"dist.timeout_minutes={cfg.dist.timeout_minutes}: must be >= 1")
+    return problems
+
+
+def _check_precision(cfg: DictConfig, accelerator: str) -> list[str]:
+    dtype = _v(cfg.precision.dtype)
+    if dtype == "fp16" and not supports_fp16(accelerator):
+        return [
+            f'precision=fp16: the {accelerator} accelerator cannot train in fp16 (DeepSpeed: "Type fp16 is not '
+            'supported on your device"); use precision=bf16 or precision=fp32'
+        ]
+    if dtype == "bf16" and supports_bf16(accelerator) is False:
+        return [f"precision=bf16: the {accelerator} accelerator cannot train in bf16; use precision=fp32"]
+    return []
+
+
+def _check_resume(cfg: DictConfig) -> list[str]:
+    if cfg.resume in (None, "auto"):
+        return []
+    if not Path(cfg.resume).expanduser().exists():
+        return [f"resume={cfg.resume}: no such checkpoint directory; give a run's checkpoints directory or resume=auto"]
+    return []
+
+
+def validate(cfg: DictConfig, accelerator: str | None = None) -> dict[str, Any]:
+    """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept)."""
+    accelerator = accelerator or detect_accelerator()
+    problems = _check_model(cfg) + _check_numbers(cfg) + _check_precision(cfg, accelerator) + _check_resume(cfg)
+    from ds_exp.data import check_data_config
+
+    problems += check_data_config(cfg)
+    ds: dict[str, Any] = {}
+    try:
+        precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))
+        ds = resolve_ds_config(cfg, RunFacts(precision=precision), partial=True)
+    except ConfigError as err:
+        problems += err.problems
+    if ds:
+        problems += _check_zero_and_offload(ds)
+    if problems:
+        raise ConfigError(problems)
+    return ds

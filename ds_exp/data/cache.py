@@ -1,0 +1,126 @@
+"""The tokenized-data cache: one directory per settings hash, built once under an `fcntl` lock.
+
+Layout: `<cache_dir>/<key>/{train,eval}` (datasets.save_to_disk, Arrow) and `meta.json` (stats and the
+settings that made the key). A build goes to `.<key>.tmp-<pid>-<rand>` and is renamed into place, so a
+directory named `<key>` is always complete. Every process (ranks of a job, or jobs of a sweep started at
+once) takes the lock on `<key>.lock`; the first builds, the others wait and then find the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+META = "meta.json"
+# Files up to this size are fingerprinted by content; bigger ones by size and modification time.
+HASH_LIMIT = 64 * 1024 * 1024
+
+
+def file_fingerprint(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    if stat.st_size <= HASH_LIMIT:
+        digest = hashlib.sha256()
+        with path.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+        return {"size": stat.st_size, "sha256": digest.hexdigest()}
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def path_fingerprint(path: Path) -> Any:
+    """Content fingerprint of a file or of every file under a directory (hidden files skipped)."""
+    if path.is_file():
+        return file_fingerprint(path)
+    if path.is_dir():
+        return {
+            str(p.relative_to(path)): file_fingerprint(p)
+            for p in sorted(path.rglob("*"))
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        }
+    return None
+
+
+def hash_key(material: Any) -> str:
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Exclusive flock; says so when it has to wait (another process is building the same data)."""
+    with path.open("a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building %s", path.with_suffix(""))
+            start = time.monotonic()
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            log.info("lock acquired after %.1f s", time.monotonic() - start)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def read_meta(directory: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((directory / META).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cached_build(
+    cache_dir: Path,
+    key: str,
+    build: Callable[[Path], dict[str, Any]],
+    load: Callable[[Path], Any],
+    material: Any,
+) -> tuple[Any, dict[str, Any], bool, Path]:
+    """(loaded, meta, cache_hit, path). `build(tmp)` writes into tmp and returns stats; `load(dir)` reads it.
+
+    A complete directory that fails to load (files deleted by hand, disk trouble) is rebuilt once.
+    """
+    final = cache_dir / key
+    meta = read_meta(final)
+    if meta is not None:  # fast path, no lock: a directory named <key> is complete by construction
+        with contextlib.suppress(Exception):
+            return load(final), meta, True, final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with file_lock(cache_dir / f"{key}.lock"):
+        meta = read_meta(final)
+        if meta is not None:
+            try:
+                return load(final), meta, True, final
+            except Exception as err:  # a broken cache entry is rebuilt, not fatal
+                log.warning("cache %s is unreadable (%s); rebuilding it", final, err)
+        if final.exists():
+            shutil.rmtree(final)
+        for stale in cache_dir.glob(f".{key}.tmp-*"):  # left by a build that crashed; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = cache_dir / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            stats = build(tmp)
+            meta = {
+                "key": key,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "stats": stats,
+                "settings": material,
+            }
+            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+            os.rename(tmp, final)  # atomic on one file system; final does not exist (we hold the lock)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return load(final), meta, False, final

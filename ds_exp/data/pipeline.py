@@ -1,0 +1,298 @@
+"""`prepare_sft_data` and `count_train_examples`: sources -> splits -> blend -> tokenize -> cached Arrow.
+
+DeepSpeed-Chat step 1 semantics, minus its defects: each source is cut into phases by `data_split` with a
+seeded permutation and SFT takes phase 1 (sft_only sources are taken whole); a source without an eval split
+gives `eval_fraction` of its SFT share to eval; sources are concatenated and shuffled with the seed. The
+result is Arrow on disk (not a pickle), keyed on everything that changes it, and padding never gets a label.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds_exp.data.cache import cached_build, hash_key, path_fingerprint
+from ds_exp.data.checks import _get, check_data_config
+from ds_exp.data.formats import expand, resolve_format
+from ds_exp.data.sources import RawSource, Rows, load_source, synthetic_source
+from ds_exp.data.splits import eval_carve_count, parse_data_split, phase1_count
+from ds_exp.errors import DataError
+
+log = logging.getLogger(__name__)
+
+# Bump when the stored layout changes; the code of these modules is hashed into the key as well.
+CACHE_VERSION = 1
+_CODE_FILES = ("synthetic.py", "sources.py", "splits.py", "encode.py", "pipeline.py")
+
+
+@dataclass
+class SFTData:
+    train: Any  # datasets.Dataset: input_ids, labels (+ position_ids when packed), unpadded int lists
+    eval: Any  # datasets.Dataset: input_ids, labels; may hold 0 rows (eval_fraction=0, no eval splits)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------- splits
+
+
+def _sources(cfg: Any) -> list[tuple[Any, str, bool]]:
+    """(source config or None for synthetic, config key, sft_only) in blend order."""
+    data = cfg.data
+    listed = [(s, f"data.sources[{i}]", False) for i, s in enumerate(_get(data, "sources") or [])]
+    listed += [
+        (s, f"data.sft_only_sources[{i}]", True) for i, s in enumerate(_get(data, "sft_only_sources") or [])
+    ]
+    return listed or [(None, "data.synthetic", False)]
+
+
+def _load(src: Any, key: str, cfg: Any) -> RawSource:
+    return synthetic_source(cfg.data.synthetic) if src is None else load_source(src, key)
+
+
+def plan_counts(
+    key: str, n_train: int, n_eval: int | None, sft_only: bool, split: tuple[float, float, float], frac: float
+) -> tuple[int, int, int]:
+    """(train rows, eval rows taken from the eval split, eval rows carved from train) of one source."""
+    share = n_train if sft_only else phase1_count(n_train, split)
+    if share == 0:
+        raise DataError(
+            f"{key}: data.data_split={','.join(f'{v:g}' for v in split)} leaves phase 1 (SFT) empty for its "
+            f"{n_train} rows; give phase 1 a larger share (e.g. 10,0,0) or add rows"
+        )
+    if n_eval is not None:
+        return share, n_eval if sft_only else phase1_count(n_eval, split), 0
+    carve = eval_carve_count(share, frac)
+    return share - carve, 0, carve
+
+
+def _rng(seed: int, *tags: int) -> Any:
+    import numpy as np
+
+    return np.random.default_rng([seed % 2**32, *tags])
+
+
+def split_and_blend(raws: list[tuple[RawSource, bool]], cfg: Any) -> tuple[Rows, Rows, list[dict[str, Any]]]:
+    data = cfg.data
+    seed = int(cfg.train.seed)
+    split = parse_data_split(data.data_split)
+    frac = float(data.eval_fraction)
+    train, evals, per_source = Rows(), Rows(), []
+    for raw, sft_only in raws:
+        n_eval = len(raw.eval) if raw.eval is not None else None
+        n_tr, n_ev, n_carve = plan_counts(raw.key, len(raw.train), n_eval, sft_only, split, frac)
+        # one seeded permutation for every source, as DeepSpeed-Chat (its index files depend on the seed only)
+        perm = _rng(seed, 0).permutation(len(raw.train))[: n_tr + n_carve]
+        evals.extend(raw.train.take(perm[:n_carve]))
+        train.extend(raw.train.take(perm[n_carve:]))
+        if raw.eval is not None:
+            evals.extend(raw.eval.take(_rng(seed, 0).permutation(len(raw.eval))[:n_ev]))
+        per_source.append(
+            {"source": raw.key, "train": n_tr, "eval": n_ev + n_carve, "filtered": raw.num_filtered}
+        )
+    train = train.take(_rng(seed, 1).permutation(len(train)))  # blend: concatenate, then shuffle
+    evals = evals.take(_rng(seed, 2).permutation(len(evals)))
+    max_eval = _get(data, "max_eval_examples")
+    if max_eval is not None and len(evals) > max_eval:
+        evals = evals.take(range(max_eval))
+    return train, evals, per_source
+
+
+def count_train_examples(cfg: Any) -> int:
+    """SFT train examples after splits, without tokenizing (files are read; synthetic is arithmetic).
+
+    Exact unless examples are dropped at tokenization (the prompt alone fills max_seq_len) or packing is on,
+    where it is an upper bound: the number of examples before they are packed.
+    """
+    problems = check_data_config(cfg)
+    if problems:
+        raise DataError("\n".join(problems))
+    data = cfg.data
+    split = parse_data_split(data.data_split)
+    frac = float(data.eval_fraction)
+    total = 0
+    for src, key, sft_only in _sources(cfg):
+        if src is None:
+            syn = data.synthetic
+            n_train, n_eval = int(syn.num_train), (int(syn.num_eval) or None)
+        else:
+            raw = load_source(src, key)
+            n_train, n_eval = len(raw.train), len(raw.eval) if raw.eval is not None else None
+        total += plan_counts(key, n_train, n_eval, sft_only, split, frac)[0]
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- cache key
+
+
+def tokenizer_fingerprint(tok: Any) -> str:
+    parts: dict[str, Any] = {"class": type(tok).__name__}
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("truncation", None)  # runtime state that tokenizing with max_length changes
+        spec.pop("padding", None)
+        parts["backend"] = hash_key(spec)
+    else:
+        parts["vocab"] = hash_key(sorted(tok.get_vocab().items()))
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token", "padding_side"):
+        parts[name] = str(getattr(tok, name, None))
+    parts["added"] = sorted((str(k), int(v)) for k, v in getattr(tok, "added_tokens_encoder", {}).items())
+    parts["chat_template"] = getattr(tok, "chat_template", None)
+    return hash_key(parts)
+
+
+def _source_material(src: Any, key: str) -> dict[str, Any]:
+    if src is None:
+        return {"synthetic": True}
+    keys = ("format", "split", "eval_split", "prompt_field", "chosen_field", "name", "revision")
+    material: dict[str, Any] = {k: _get(src, k) for k in keys}
+    path = str(_get(src, "path"))
+    try:
+        fmt = resolve_format(path, str(_get(src, "format", "auto")))
+    except ValueError as err:
+        raise DataError(f"{key}.path={path}: {err}") from None
+    if fmt == "hub":  # no content fingerprint: the hub revision (if pinned) stands for it
+        material["path"] = path
+        return material
+    local = expand(path).resolve()
+    material.update(path=str(local), content=path_fingerprint(local))
+    eval_path = _get(src, "eval_path")
+    if eval_path:
+        material.update(
+            eval_path=str(expand(eval_path).resolve()), eval_content=path_fingerprint(expand(eval_path))
+        )
+    return material
+
+
+def _code_hash() -> str:
+    here = Path(__file__).resolve().parent
+    return hash_key([(name, (here / name).read_text()) for name in _CODE_FILES])
+
+
+def cache_material(cfg: Any, tokenizer: Any, template: str, eot: str) -> dict[str, Any]:
+    data = cfg.data
+    material: dict[str, Any] = {
+        "version": CACHE_VERSION,
+        "code": _code_hash(),
+        "sources": [(key, sft_only, _source_material(src, key)) for src, key, sft_only in _sources(cfg)],
+        "data_split": list(parse_data_split(data.data_split)),
+        "eval_fraction": float(data.eval_fraction),
+        "max_eval_examples": _get(data, "max_eval_examples"),
+        "seed": int(cfg.train.seed),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_seq_len": int(data.max_seq_len),
+        "template": template,
+        "end_of_conversation": eot,
+        "train_on_prompt": bool(data.train_on_prompt),
+        "packing": bool(data.packing),
+    }
+    if not (_get(data, "sources") or _get(data, "sft_only_sources")):
+        syn = data.synthetic
+        material["synthetic"] = {"num_train": syn.num_train, "num_eval": syn.num_eval, "seed": syn.seed}
+    return material
+
+
+# ----------------------------------------------------------------------------------------------- build
+
+
+def _empty() -> Any:
+    import datasets
+
+    features = datasets.Features({k: datasets.List(datasets.Value("int32")) for k in ("input_ids", "labels")})
+    return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
+
+
+def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
+    """Tokenized train/eval sets, from the cache when the same settings were built before.
+
+    Safe to call from every rank (and every job of a sweep) at once: one process builds, the rest wait on
+    the lock and load the result. Raises DataError (one line per problem) on bad input.
+    """
+    import datasets
+
+    from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack, resolve_template
+
+    problems = check_data_config(cfg)
+    if problems:
+        raise DataError("\n".join(problems))
+    data = cfg.data
+    template = resolve_template(_get(data, "template", "dschat"), tokenizer)
+    eot = (
+        end_of_conversation(_get(data, "end_of_conversation_token"), tokenizer)
+        if template == "dschat"
+        else ""
+    )
+    material = cache_material(cfg, tokenizer, template, eot)
+    key = f"sft-{hash_key(material)}"
+    max_seq_len = int(data.max_seq_len)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        raws = [(_load(src, key_, cfg), sft_only) for src, key_, sft_only in _sources(cfg)]
+        train_rows, eval_rows, per_source = split_and_blend(raws, cfg)
+        encoder = Encoder(tokenizer, template, eot, max_seq_len, bool(data.train_on_prompt))
+        num_proc = _get(data, "num_proc")
+        train, train_counts = encode(train_rows, encoder, num_proc=num_proc, desc="train")
+        if len(eval_rows):
+            evals, eval_counts = encode(eval_rows, encoder, num_proc=num_proc, desc="eval")
+        else:
+            evals, eval_counts = _empty(), {"truncated": 0, "dropped": 0}
+        if len(train) == 0:
+            raise DataError(
+                f"data.max_seq_len={max_seq_len}: every train prompt fills it, so no answer token is left to "
+                "train on; raise data.max_seq_len"
+            )
+        stats: dict[str, Any] = {
+            "num_examples_before_packing": len(train),
+            "num_truncated_train": train_counts["truncated"],
+            "num_truncated_eval": eval_counts["truncated"],
+            "num_dropped_no_labels": train_counts["dropped"] + eval_counts["dropped"],
+            "num_filtered_rows": sum(p["filtered"] for p in per_source),
+            "per_source": per_source,
+            "template": template,
+        }
+        if data.packing:
+            train = pack(train, max_seq_len)
+        train.save_to_disk(str(tmp / "train"))
+        evals.save_to_disk(str(tmp / "eval"), num_shards=1)  # an empty set needs its one (empty) shard
+        return stats
+
+    def load(directory: Path) -> tuple[Any, Any]:
+        return datasets.load_from_disk(str(directory / "train")), datasets.load_from_disk(
+            str(directory / "eval")
+        )
+
+    cache_dir = expand(str(data.cache_dir))
+    (train, evals), meta, hit, path = cached_build(cache_dir, key, build, load, material)
+    stats = dict(meta["stats"])
+    stats.update(
+        num_train=len(train),
+        num_eval=len(evals),
+        num_truncated=stats["num_truncated_train"] + stats["num_truncated_eval"],
+        cache_hit=hit,
+        cache_path=str(path),
+    )
+    if stats["num_truncated"]:
+        log.warning(
+            "%d examples (%d train, %d eval) were longer than data.max_seq_len=%d and were truncated",
+            stats["num_truncated"],
+            stats["num_truncated_train"],
+            stats["num_truncated_eval"],
+            max_seq_len,
+        )
+    if stats["num_dropped_no_labels"]:
+        log.warning(
+            "%d examples had no answer token left within data.max_seq_len=%d and were dropped",
+            stats["num_dropped_no_labels"],
+            max_seq_len,
+        )
+    log.info(
+        "data: %d train / %d eval examples (%s %s)",
+        stats["num_train"],
+        stats["num_eval"],
+        "cache hit" if hit else "built",
+        path,
+    )
+    return SFTData(train, evals, stats)

@@ -1,0 +1,71 @@
+"""`load_tokenizer`: the tokenizer of the run, with a pad token and a single-token end of conversation."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ds_exp.data.checks import _get
+from ds_exp.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def tokenizer_source(cfg: Any) -> str:
+    """cfg.model.tokenizer, else cfg.model.name_or_path, else the tokenizer shipped in ds_exp/assets."""
+    from ds_exp.paths import embedded_tokenizer_dir
+
+    model = _get(cfg, "model")
+    for key in ("tokenizer", "name_or_path"):
+        value = _get(model, key) if model is not None else None
+        if value:
+            return str(value)
+    return str(embedded_tokenizer_dir())
+
+
+def load_tokenizer(cfg: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    source = tokenizer_source(cfg)
+    model = _get(cfg, "model")
+    trust = bool(_get(model, "trust_remote_code", False)) if model is not None else False
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
+    except (OSError, ValueError, KeyError) as err:
+        key = "model.tokenizer" if model is not None and _get(model, "tokenizer") else "model.name_or_path"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(
+            f"{key}={source}: cannot load a tokenizer ({first}); use a local directory with tokenizer files "
+            "(nothing is downloaded offline), or null for the embedded one"
+        ) from None
+    tok.padding_side = "right"  # the collator pads right; generation code may switch it locally
+    if tok.pad_token is None:
+        if tok.eos_token is not None:
+            # safe: padding is masked by position in the collator, never by comparing with pad_token_id
+            tok.pad_token = tok.eos_token
+        else:
+            tok.add_special_tokens({"pad_token": "<|pad|>"})
+            log.warning(
+                "tokenizer %s has no pad or eos token; added <|pad|> (vocab now %d)", source, len(tok)
+            )
+    _ensure_end_of_conversation(cfg, tok, source)
+    return tok
+
+
+def _ensure_end_of_conversation(cfg: Any, tok: Any, source: str) -> None:
+    """DeepSpeed-Chat's add_eot_token: a configured end-of-conversation token must be one token."""
+    data = _get(cfg, "data")
+    eot = _get(data, "end_of_conversation_token") if data is not None else None
+    template = _get(data, "template", "dschat") if data is not None else "dschat"
+    if eot is None or template == "chat_template" or (template == "auto" and tok.chat_template):
+        return
+    if len(tok(eot, add_special_tokens=False)["input_ids"]) == 1:
+        return
+    tok.add_tokens([eot], special_tokens=True)  # same call in transformers 4 and 5; never split again
+    log.warning(
+        "data.end_of_conversation_token=%s is not one token of %s: added it as a special token "
+        "(vocab now %d; the model's embeddings must be resized to match)",
+        eot,
+        source,
+        len(tok),
+    )

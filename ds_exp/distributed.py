@@ -1,0 +1,198 @@
+"""How the process was launched, and distributed initialisation.
+
+`detect_launch` reads only the environment (cheap, no torch): it is used by the dry run and by training.
+`export_launch_env` fills RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT where the launcher did
+not, never overwriting what it set; `init_distributed` then hands over to deepspeed.init_distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from omegaconf import DictConfig
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    launcher: str  # single | env | mpi | submitit | slurm
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _v(value: Any) -> str:
+    return value.value if isinstance(value, Enum) else str(value)
+
+
+def _int_env(*names: str, default: int | None = None) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return default
+
+
+def _in_submitit_job() -> bool:
+    return "SUBMITIT_EXECUTOR" in os.environ or "SUBMITIT_FOLDER" in os.environ
+
+
+def _auto_launcher() -> str:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "env"
+    if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env or "PMIX_RANK" in env:
+        return "mpi"
+    if _in_submitit_job():
+        return "submitit"
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and _int_env("SLURM_NTASKS", default=1) > 1:
+        return "slurm"
+    return "single"
+
+
+def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
+    launcher = _v(dist_cfg.launcher) if dist_cfg is not None else "auto"
+    default_port = int(dist_cfg.master_port) if dist_cfg is not None else 29500
+    if launcher == "auto":
+        launcher = _auto_launcher()
+    env = os.environ
+    port = _int_env("MASTER_PORT", default=default_port)
+    if launcher == "single":
+        return LaunchInfo("single", 0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port)
+    if launcher == "env":
+        return LaunchInfo(
+            "env",
+            _int_env("RANK", default=0),
+            _int_env("LOCAL_RANK", default=0),
+            _int_env("WORLD_SIZE", default=1),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            port,
+        )
+    if launcher == "mpi":
+        rank = _int_env("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", default=0)
+        world = _int_env("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)
+        local = _int_env("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID", default=None)
+        if local is None:
+            local = rank  # single node MPICH without a local-rank variable
+        # every rank must agree on the address: without MASTER_ADDR it can only be this node (single node)
+        return LaunchInfo("mpi", rank, local, world, env.get("MASTER_ADDR", "127.0.0.1"), port)
+    if launcher == "submitit":
+        # JobEnvironment only reads SLURM's variables; unlike submitit.helpers.TorchDistributedEnvironment
+        # .export() it leaves CUDA_VISIBLE_DEVICES alone, so every task still sees all GPUs of its node.
+        import submitit
+
+        job_env = submitit.JobEnvironment()
+        master = job_env.hostnames[0] if job_env.hostnames else "127.0.0.1"
+        job_port = _int_env("MASTER_PORT", default=_job_port(job_env.job_id, default_port))
+        return LaunchInfo(
+            "submitit",
+            job_env.global_rank,
+            job_env.local_rank,
+            job_env.num_tasks,
+            env.get("MASTER_ADDR", master),
+            job_port,
+        )
+    if launcher == "slurm":
+        return LaunchInfo(
+            "slurm",
+            _int_env("SLURM_PROCID", default=0),
+            _int_env("SLURM_LOCALID", default=0),
+            _int_env("SLURM_NTASKS", default=1),
+            env.get("MASTER_ADDR") or _first_slurm_host(),
+            _int_env("MASTER_PORT", default=_job_port(env.get("SLURM_JOB_ID"), default_port)),
+        )
+    raise ValueError(f"unknown dist.launcher {launcher}")
+
+
+def _job_port(job_id: str | None, default: int) -> int:
+    """A port derived from the SLURM job id, so concurrent jobs on one node do not collide."""
+    digits = "".join(ch for ch in str(job_id or "") if ch.isdigit())
+    return 20000 + int(digits) % 20000 if digits else default
+
+
+def _first_slurm_host() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return "127.0.0.1"
+    from submitit.slurm.slurm import _parse_node_list
+
+    hosts = _parse_node_list(nodelist)
+    return hosts[0] if hosts else socket.gethostname()
+
+
+def export_launch_env(info: LaunchInfo) -> None:
+    """Publish the launch as the torch.distributed env:// variables, keeping whatever the launcher set."""
+    values = {
+        "RANK": info.rank,
+        "LOCAL_RANK": info.local_rank,
+        "WORLD_SIZE": info.world_size,
+        "MASTER_ADDR": info.master_addr,
+        "MASTER_PORT": info.master_port,
+    }
+    for name, value in values.items():
+        os.environ.setdefault(name, str(value))
+
+
+def launch_rank_from_env() -> int:
+    """This process's global rank as any launcher announces it (0 when alone); reads the environment only."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        value = _int_env(name)
+        if value is not None:
+            return value
+    if "SLURM_STEP_ID" in os.environ and _int_env("SLURM_NTASKS", default=1) > 1 and not _in_submitit_job():
+        return _int_env("SLURM_PROCID", default=0)
+    return 0
+
+
+def launched_with_several_ranks() -> bool:
+    """torchrun, the deepspeed launcher, mpirun or srun started this process as one of several."""
+    world = _int_env("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=None)
+    if world is None and "SLURM_STEP_ID" in os.environ and not _in_submitit_job():
+        world = _int_env("SLURM_NTASKS", default=1)
+    return (world or 1) > 1
+
+
+def choose_backend(requested: str, accelerator: str) -> str:
+    """nccl on CUDA, hccl on Ascend, ccl where oneCCL's bindings import, gloo otherwise; `requested` wins."""
+    if requested != "auto":
+        return requested
+    if accelerator == "cuda":
+        return "nccl"
+    if accelerator in ("npu", "hpu"):
+        return "hccl"
+    try:
+        import oneccl_bindings_for_pytorch  # noqa: F401
+    except ImportError:
+        return "gloo"
+    return "ccl"
+
+
+def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str) -> str:
+    """Export the launch variables and start torch.distributed through DeepSpeed; returns the backend."""
+    import datetime
+
+    import deepspeed
+
+    export_launch_env(launch)
+    backend = choose_backend(_v(dist_cfg.backend), accelerator)
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        auto_mpi_discovery=False,  # the variables are exported above, from whichever launcher it was
+        distributed_port=launch.master_port,
+        timeout=datetime.timedelta(minutes=int(dist_cfg.timeout_minutes)),
+        verbose=False,
+    )
+    if accelerator == "cuda":
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().set_device(launch.local_rank)
+    return backend

@@ -1,0 +1,101 @@
+"""`dry_run=true`: everything up to building the engine, without weights.
+
+Reads the model's config (not its weights) for the hidden size and the parameter counts, fills "auto",
+estimates per-rank model-state memory, writes the exact DeepSpeed config the engine would receive to
+<run dir>/ds_config.json and a plan to <run dir>/plan.json, prints a short plan, exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ds_exp.accelerator import detect_accelerator, resolved_precision
+from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
+from ds_exp.distributed import detect_launch
+from ds_exp.memory import estimate_model_states, human_bytes
+from ds_exp.plan import total_steps, warmup_steps
+
+
+def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    from ds_exp.data import count_train_examples, load_tokenizer
+    from ds_exp.model import build_model_config, count_parameters, hidden_size_of
+
+    launch = detect_launch(cfg.dist)
+    accelerator = detect_accelerator()
+    precision = resolved_precision(cfg.precision.dtype, accelerator)
+    tokenizer = load_tokenizer(cfg)
+    model_config = build_model_config(cfg, tokenizer)
+    hidden = hidden_size_of(model_config)
+    counts = count_parameters(cfg, model_config)
+    num_train = count_train_examples(cfg)
+    steps = total_steps(num_train, cfg, launch.world_size)
+    facts = RunFacts(
+        world_size=launch.world_size,
+        hidden_size=hidden,
+        total_steps=steps,
+        warmup_steps=warmup_steps(cfg, steps),
+        precision=precision,
+        run_dir=str(run_dir),
+    )
+    ds_config = resolve_ds_config(cfg, facts)
+    stage = int(get_path(ds_config, "zero_optimization.stage"))
+    memory = estimate_model_states(
+        counts.total,
+        counts.trainable,
+        stage=stage,
+        world_size=launch.world_size,
+        precision=precision,
+        offload_optimizer=str(get_path(ds_config, "zero_optimization.offload_optimizer.device", "none")),
+        offload_param=str(get_path(ds_config, "zero_optimization.offload_param.device", "none")),
+    )
+    return {
+        "launcher": launch.launcher,
+        "world_size": launch.world_size,
+        "accelerator": accelerator,
+        "precision": precision,
+        "model": cfg.model.name_or_path or f"{cfg.model.name} (built from model.arch)",
+        "model_type": model_config.model_type,
+        "hidden_size": hidden,
+        "vocab_size": model_config.vocab_size,
+        "parameters": counts.total,
+        "trainable_parameters": counts.trainable,
+        "lora_targets": len(counts.lora_targets),
+        "train_examples": num_train,
+        "global_batch_size": ds_config["train_batch_size"],
+        "total_steps": steps,
+        "zero_stage": stage,
+        "memory_per_rank": memory.as_dict(),
+        "ds_config": ds_config,
+    }
+
+
+def dry_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    plan = make_plan(cfg, run_dir)
+    if detect_launch(cfg.dist).is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "ds_config.json").write_text(json.dumps(plan["ds_config"], indent=2) + "\n")
+        (run_dir / "plan.json").write_text(json.dumps({k: v for k, v in plan.items() if k != "ds_config"}, indent=2))
+        print(format_plan(plan, run_dir))
+    return plan
+
+
+def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
+    mem = plan["memory_per_rank"]
+    lines = [
+        f"ds_exp dry run -> {run_dir / 'ds_config.json'}",
+        f"  launch     {plan['launcher']}, world size {plan['world_size']}, {plan['accelerator']}, {plan['precision']}",
+        f"  model      {plan['model']} ({plan['model_type']}, hidden {plan['hidden_size']}, "
+        f"vocab {plan['vocab_size']})",
+        f"  params     {plan['parameters']:,} total, {plan['trainable_parameters']:,} trainable"
+        + (f" ({plan['lora_targets']} LoRA layers)" if plan["lora_targets"] else ""),
+        f"  data       {plan['train_examples']:,} train examples, global batch {plan['global_batch_size']}, "
+        f"{plan['total_steps']:,} optimizer steps",
+        f"  ZeRO {plan['zero_stage']}     per rank: params {human_bytes(mem['params_bytes'])}, grads "
+        f"{human_bytes(mem['grads_bytes'])}, optimizer {human_bytes(mem['optimizer_bytes'])} -> "
+        f"device {human_bytes(mem['device_bytes'])}, host {human_bytes(mem['host_bytes'])} (model states only)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,31 @@
+"""Errors meant for people: one message naming the key (or file) and the fix, no traceback by default."""
+
+from __future__ import annotations
+
+
+class DsExpError(Exception):
+    """Base of every error ds_exp reports to the user as a message instead of a traceback."""
+
+    exit_code = 2
+
+
+class ConfigError(DsExpError):
+    """A bad config value or combination. Holds one or more lines, each naming a key and its fix."""
+
+    def __init__(self, problems: str | list[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class DataError(DsExpError):
+    """A missing file, a malformed row or a dataset that cannot feed training."""
+
+
+class ResumeError(DsExpError):
+    """`resume=` points at something that holds no usable checkpoint."""
+
+
+class RunFailed(DsExpError):
+    """Training stopped for a reason the user must act on (non-finite losses, a dead rank, ...)."""
+
+    exit_code = 1

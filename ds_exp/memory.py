@@ -1,0 +1,61 @@
+"""Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
+paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 12 of fp32 master weights
+and Adam moments per parameter (fp32 training: 4 + 4 + 8). Stage 1 partitions the optimizer states, stage 2
+also the gradients, stage 3 also the parameters; offload moves optimizer states (and ZeRO-3 parameters) to
+host memory. Activations and buffers are not included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    device_bytes: int  # on the accelerator, per rank
+    host_bytes: int  # offloaded to CPU memory (or NVMe), per rank
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def estimate_model_states(
+    total_params: int,
+    trainable_params: int,
+    *,
+    stage: int,
+    world_size: int,
+    precision: str,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+) -> MemoryEstimate:
+    weight_bytes = 4 if precision == "fp32" else 2
+    optimizer_per_param = 8 if precision == "fp32" else 12  # Adam m, v (+ fp32 master weights)
+    params = total_params * weight_bytes
+    grads = trainable_params * weight_bytes
+    optimizer = trainable_params * optimizer_per_param
+    if stage >= 1:
+        optimizer = -(-optimizer // world_size)
+    if stage >= 2:
+        grads = -(-grads // world_size)
+    if stage >= 3:
+        params = -(-params // world_size)
+    device = host = 0
+    for size, offloaded in ((params, offload_param != "none"), (optimizer, offload_optimizer != "none")):
+        if offloaded:
+            host += size
+        else:
+            device += size
+    device += grads
+    return MemoryEstimate(params, grads, optimizer, device, host)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

@@ -1,0 +1,235 @@
+"""Model config, parameter accounting and model construction (tiny from `arch`, or a checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ds_exp.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+
+def padded_vocab_size(tokenizer_len: int, current: int, multiple: int) -> int:
+    """Never shrink the embedding; round up to `multiple` (DeepSpeed-Chat pads to 8)."""
+    return int(multiple * math.ceil(max(tokenizer_len, current) / multiple))
+
+
+def build_model_config(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The transformers config of the model to train, vocabulary already sized for the tokenizer."""
+    from transformers import AutoConfig
+
+    model_cfg = cfg.model
+    if model_cfg.name_or_path is None:
+        arch: dict[str, Any] = OmegaConf.to_container(model_cfg.arch, resolve=True)  # type: ignore[assignment]
+        arch = dict(arch)
+        model_type = arch.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError(
+                "model.arch.model_type is missing: name the architecture, e.g. model.arch.model_type=llama"
+            )
+        vocab = padded_vocab_size(len(tokenizer), int(arch.pop("vocab_size", 0)), model_cfg.vocab_multiple)
+        config = AutoConfig.for_model(model_type, vocab_size=vocab, **arch)
+    else:
+        config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
+    config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None:
+        config.eos_token_id = tokenizer.eos_token_id
+    if tokenizer.bos_token_id is not None:
+        config.bos_token_id = tokenizer.bos_token_id
+    if model_cfg.disable_dropout:
+        disable_dropout_in_config(config)
+    return config
+
+
+def disable_dropout_in_config(config: PretrainedConfig) -> None:
+    for key in (
+        "dropout",
+        "attention_dropout",
+        "activation_dropout",
+        "hidden_dropout",
+        "attn_pdrop",
+        "resid_pdrop",
+        "embd_pdrop",
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+    ):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+
+
+def hidden_size_of(config: Any) -> int | None:
+    """hidden_size, else the largest of hidden_sizes, else the same of a nested text_config (REFERENCE.md §2)."""
+    for candidate in (config, getattr(config, "text_config", None)):
+        if candidate is None:
+            continue
+        if getattr(candidate, "hidden_size", None):
+            return int(candidate.hidden_size)
+        if getattr(candidate, "hidden_sizes", None):
+            return int(max(candidate.hidden_sizes))
+    return None
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    total: int  # of the base model
+    trainable: int  # what the optimizer updates (adapters only with lora.only_optimize)
+    lora_targets: tuple[str, ...]
+
+
+def lora_target_names(model: torch.nn.Module, module_name: str) -> list[str]:
+    """Full names of the Linear layers inside the `lora.module_name` scope; an error lists candidates."""
+    import torch
+
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    targets = [name for name in linears if module_name in name]
+    if not targets:
+        scopes = sorted({name.rsplit(".", 1)[0] + "." for name in linears if "." in name})
+        example = ", ".join(scopes[:8]) + (" ..." if len(scopes) > 8 else "")
+        raise ConfigError(
+            f"lora.module_name={module_name} matches no Linear layer of this model; Linear layers live under: "
+            f"{example} (e.g. lora.module_name=layers.)"
+        )
+    return targets
+
+
+def count_parameters(cfg: DictConfig, config: PretrainedConfig) -> ParameterCounts:
+    """Exact counts from a model built on the meta device: no memory, no weights read."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    total = sum(p.numel() for p in model.parameters())
+    if cfg.lora.dim <= 0:
+        return ParameterCounts(total, total, ())
+    modules = dict(model.named_modules())
+    targets = lora_target_names(model, cfg.lora.module_name)
+    adapters = sum(cfg.lora.dim * (modules[n].in_features + modules[n].out_features) for n in targets)
+    trainable = adapters if cfg.lora.only_optimize else total + adapters
+    return ParameterCounts(total + adapters, trainable, tuple(targets))
+
+
+def init_weights_by_name(model: Any, seed: int, *, zero3: bool) -> None:
+    """Random init that depends only on the seed and each module's name, never on the ZeRO stage.
+
+    Under deepspeed.zero.Init the order in which random numbers are drawn differs from a plain build, so the
+    same seed would give different weights at stage 3. Re-running the model's own `_init_weights` module by
+    module, each from a generator seeded by (seed, module name), makes every stage start from the same model.
+    At stage 3 each module's parameters are gathered for the moment (one module at a time).
+    """
+    import contextlib
+    import zlib
+
+    import torch
+
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        if zero3:
+            import deepspeed
+
+            gather: Any = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+        else:
+            gather = contextlib.nullcontext()
+        with gather, torch.no_grad():
+            torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            for param in params:
+                param._is_hf_initialized = False  # transformers 5 skips tensors it has marked initialized
+            model._init_weights(module)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What PEFT needs to wrap (and later rebuild for export) the same adapters."""
+
+    dim: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    only_optimize: bool
+
+
+def wrap_lora(model: Any, spec: LoraSpec) -> Any:
+    """PEFT LoRA on exactly the listed Linear layers: W x + (alpha / r) B(A(dropout(x))), B = 0 at start."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_config = LoraConfig(
+        r=spec.dim,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    wrapped = get_peft_model(model, peft_config)
+    if not spec.only_optimize:
+        for name, param in wrapped.named_parameters():
+            if "lora_" not in name:
+                param.requires_grad_(True)
+    return wrapped
+
+
+@dataclass
+class BuiltModel:
+    model: Any
+    config: Any  # the transformers config (vocabulary already padded)
+    lora: LoraSpec | None
+    hf_ds_config: Any  # keeps transformers' ZeRO-3 mode alive while the engine is built
+
+
+def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
+    """The model to train. At ZeRO-3, transformers builds it inside deepspeed.zero.Init (each rank holds only
+    its shard) because an HfDeepSpeedConfig for the final DeepSpeed config is alive during construction."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = build_model_config(cfg, tokenizer)
+    if cfg.model.gradient_checkpointing:
+        config.use_cache = False
+    zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
+    extra = {"attn_implementation": cfg.model.attn_implementation} if cfg.model.attn_implementation else {}
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model.name_or_path is None:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model.name_or_path,
+            config=config,
+            dtype=torch.float32,
+            trust_remote_code=cfg.model.trust_remote_code,
+            **extra,
+        )
+    if cfg.model.name_or_path is None:
+        init_weights_by_name(model, cfg.train.seed, zero3=zero3)
+    vocab = padded_vocab_size(len(tokenizer), model.get_input_embeddings().num_embeddings, cfg.model.vocab_multiple)
+    if vocab != model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(vocab)  # gathers the embedding under ZeRO-3
+        config = model.config
+    lora = None
+    if cfg.lora.dim > 0:
+        lora = LoraSpec(
+            dim=int(cfg.lora.dim),
+            alpha=float(cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.dim),
+            dropout=float(cfg.lora.dropout),
+            targets=tuple(lora_target_names(model, cfg.lora.module_name)),
+            only_optimize=bool(cfg.lora.only_optimize),
+        )
+        torch.manual_seed(cfg.train.seed + 1)  # adapters start the same whatever the ZeRO stage consumed above
+        model = wrap_lora(model, lora)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # frozen embeddings (LoRA only) would leave checkpointed blocks without inputs that require grad
+        model.enable_input_require_grads()
+    return BuiltModel(model=model, config=config, lora=lora, hf_ds_config=hf_ds_config)

@@ -1,0 +1,23 @@
+"""Where ds_exp finds its own files, in a checkout and after `pip install .` alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def conf_dir() -> Path:
+    """conf/ at the top of a checkout, or the copy installed as the package data `ds_exp/conf`."""
+    for candidate in (PACKAGE_DIR.parent / "conf", PACKAGE_DIR / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"ds_exp's conf/ directory was not found next to {PACKAGE_DIR}")
+
+
+def assets_dir() -> Path:
+    return PACKAGE_DIR / "assets"
+
+
+def embedded_tokenizer_dir() -> Path:
+    return assets_dir() / "tokenizer"

@@ -1,0 +1,41 @@
+"""Step arithmetic shared by the dry run and the trainer.
+
+Every optimizer step consumes exactly one global batch (micro x accumulation x world size samples); an
+incomplete global batch at the end of an epoch is dropped, so the step count and the samples of each step do
+not depend on how the global batch is split over ranks and micro batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+from omegaconf import DictConfig
+
+from ds_exp.errors import ConfigError
+
+
+def global_batch_size(cfg: DictConfig, world_size: int) -> int:
+    return cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * world_size
+
+
+def steps_per_epoch(num_train: int, cfg: DictConfig, world_size: int) -> int:
+    return num_train // global_batch_size(cfg, world_size)
+
+
+def total_steps(num_train: int, cfg: DictConfig, world_size: int) -> int:
+    per_epoch = steps_per_epoch(num_train, cfg, world_size)
+    if per_epoch == 0:
+        raise ConfigError(
+            f"the training set has {num_train} examples, fewer than one global batch of "
+            f"{global_batch_size(cfg, world_size)} (train.micro_batch_size x train.gradient_accumulation_steps x "
+            f"world size {world_size}): lower train.micro_batch_size or add data"
+        )
+    if cfg.train.max_steps > 0:
+        return int(cfg.train.max_steps)
+    return per_epoch * cfg.train.epochs
+
+
+def warmup_steps(cfg: DictConfig, total: int) -> int:
+    if cfg.scheduler.warmup_steps > 0:
+        return int(cfg.scheduler.warmup_steps)
+    return math.ceil(total * cfg.scheduler.warmup_ratio)

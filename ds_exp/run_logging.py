@@ -1,0 +1,57 @@
+"""Per-rank log files, and a quiet console on every rank but 0."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+STEP_LOGGER = "ds_exp.steps"
+_LOGGERS = ("ds_exp", STEP_LOGGER, "DeepSpeed")
+_FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def setup_run_logging(run_dir: Path, rank: int) -> Path:
+    """Every rank logs to <run dir>/logs/rank<N>.log; only rank 0 keeps INFO on the console."""
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"rank{rank}.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.addFilter(_RankFilter(rank))
+    handler.setLevel(logging.INFO)
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    logging.getLogger(STEP_LOGGER).propagate = False  # step lines: in the file; the console has the progress bar
+    # DeepSpeed prints a lot on every rank: keep its console output to warnings (the full text is in the file).
+    for h in logging.getLogger("DeepSpeed").handlers:
+        if h is not handler:
+            h.setLevel(logging.WARNING)
+    if rank != 0:
+        root = logging.getLogger()
+        for h in root.handlers:
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                h.setLevel(logging.WARNING)
+        if not root.handlers:
+            logging.getLogger("ds_exp").propagate = False
+    return path
+
+
+def close_run_logging() -> None:
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        for h in list(logger.handlers):
+            if isinstance(h, logging.FileHandler) and "/logs/rank" in h.baseFilename:
+                logger.removeHandler(h)
+                h.close()

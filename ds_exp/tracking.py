@@ -1,0 +1,98 @@
+"""What a run leaves behind for people: metrics.jsonl, summary.json and the wandb run (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+
+
+def redact(tree: Any) -> Any:
+    """Blank every value whose key looks like a secret: configs are saved and sent to wandb."""
+    if isinstance(tree, dict):
+        return {
+            k: ("<redacted>" if _SECRET_KEY.search(str(k)) and v is not None else redact(v)) for k, v in tree.items()
+        }
+    if isinstance(tree, list):
+        return [redact(v) for v in tree]
+    return tree
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write to a temporary name and rename, so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """One JSON object per line in <run dir>/metrics.jsonl (rank 0 writes; other ranks hold a disabled log)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path = path
+        self.enabled = enabled
+        self._file = path.open("a", buffering=1) if enabled else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, default=float) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class WandbRun:
+    """A wandb run on rank 0 when logger.wandb.mode is not disabled; a no-op everywhere else."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, *, enabled: bool, run_id: str | None) -> None:
+        self.run = None
+        self.run_id = run_id
+        wandb_cfg = cfg.logger.wandb
+        mode = getattr(wandb_cfg.mode, "value", wandb_cfg.mode)
+        if not enabled or mode == "disabled":
+            return
+        import wandb
+
+        self.run_id = run_id or wandb.util.generate_id()
+        tags = [
+            f"zero{cfg.zero.stage}",
+            str(getattr(cfg.precision.dtype, "value", cfg.precision.dtype)),
+            cfg.model.name,
+        ]
+        self.run = wandb.init(
+            project=wandb_cfg.project,
+            entity=wandb_cfg.entity,
+            group=wandb_cfg.group or cfg.experiment_name,
+            name=wandb_cfg.name or run_dir.name,
+            tags=[*tags, *wandb_cfg.tags],
+            dir=str(wandb_cfg.dir or run_dir),
+            mode=mode,
+            id=self.run_id,
+            resume="allow",
+            config=redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
+        )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.run is not None:
+            for key, value in values.items():
+                self.run.summary[key] = value
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=exit_code)
+            self.run = None

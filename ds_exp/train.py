@@ -1,0 +1,476 @@
+"""The supervised fine-tuning recipe (DeepSpeed-Chat step 1's main.py, readable and exact).
+
+setup (launch, distributed, run directory, logs) -> data -> DeepSpeed config -> model -> engine -> resume
+-> loop (train, log, evaluate, checkpoint) -> export -> summary.
+
+The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number
+of label tokens: it does not depend on how the batch is split over ranks and micro batches, and padding
+never counts. Perplexity is exp(summed eval token loss / eval label tokens) over the whole eval set.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ds_exp import checkpoint
+from ds_exp.accelerator import detect_accelerator, resolved_precision
+from ds_exp.config.ds_config import RunFacts, resolve_ds_config
+from ds_exp.distributed import detect_launch, init_distributed
+from ds_exp.errors import RunFailed
+from ds_exp.plan import steps_per_epoch, total_steps, warmup_steps
+from ds_exp.run_logging import STEP_LOGGER, close_run_logging, setup_run_logging
+from ds_exp.tracking import MetricsLog, WandbRun, write_json_atomic
+
+log = logging.getLogger("ds_exp.train")
+step_log = logging.getLogger(STEP_LOGGER)
+
+IGNORE_INDEX = -100
+
+
+def token_loss_sum(logits: Any, labels: Any) -> tuple[Any, Any]:
+    """Summed next-token cross-entropy over label tokens (fp32), and how many there were."""
+    import torch.nn.functional as F
+
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    loss = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss, (shift_labels != IGNORE_INDEX).sum()
+
+
+def label_tokens(batch: dict[str, Any]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def peak_memory_bytes(accelerator: str) -> int:
+    if accelerator == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # peak RSS (Linux reports KiB)
+
+
+def all_reduce_sum(values: list[float], device: Any) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+@dataclass
+class Window:
+    """Sums since the last metric line, reduced over ranks when the line is written."""
+
+    loss_sum: float = 0.0
+    label_tokens: float = 0.0
+    input_tokens: float = 0.0
+    samples: float = 0.0
+    steps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Progress:
+    step: int
+    epoch: int
+    step_in_epoch: int
+    last_eval_step: int = -1
+    last_save_step: int = -1
+
+
+class Trainer:
+    """One run: holds the engine and the data, and runs the loop. Built by `train()`."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+
+    # ----------------------------------------------------------------- setup
+    def setup(self) -> None:
+        import torch.distributed as dist
+        from deepspeed.accelerator import get_accelerator
+
+        cfg = self.cfg
+        self.launch = detect_launch(cfg.dist)
+        self.accelerator = get_accelerator().device_name() if detect_accelerator() != "cpu" else "cpu"
+        self.backend = init_distributed(cfg.dist, self.launch, self.accelerator)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.rank == 0
+        shared = [str(self.run_dir)]
+        dist.broadcast_object_list(shared, src=0)  # every rank works in rank 0's run directory
+        self.run_dir = Path(shared[0])
+        self.log_file = setup_run_logging(self.run_dir, self.rank)
+        self.precision = resolved_precision(cfg.precision.dtype, self.accelerator)
+        log.info(
+            "launch %s: rank %d of %d, %s backend on %s, %s",
+            self.launch.launcher,
+            self.rank,
+            self.world,
+            self.backend,
+            self.accelerator,
+            self.precision,
+        )
+
+    def prepare(self) -> None:
+        from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
+        from ds_exp.engine import build_engine
+        from ds_exp.model import build_model, build_model_config, hidden_size_of
+
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg)
+        self.data = prepare_sft_data(cfg, self.tokenizer)
+        log.info("data: %s", {k: v for k, v in self.data.stats.items()})
+        self.collator = make_collator(self.tokenizer)
+        self.total_steps = total_steps(len(self.data.train), cfg, self.world)
+        self.steps_per_epoch = steps_per_epoch(len(self.data.train), cfg, self.world)
+        warmup = warmup_steps(cfg, self.total_steps)
+        hidden = hidden_size_of(build_model_config(cfg, self.tokenizer))
+        facts = RunFacts(self.world, hidden, self.total_steps, warmup, self.precision, str(self.run_dir))
+        self.ds_config = resolve_ds_config(cfg, facts)
+        self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
+        if self.is_main:
+            write_json_atomic(self.run_dir / "ds_config.json", self.ds_config)
+        self.built = build_model(cfg, self.tokenizer, self.ds_config)
+        self.num_parameters = sum(_numel(p) for p in self.built.model.parameters())
+        self.num_trainable = sum(_numel(p) for p in self.built.model.parameters() if p.requires_grad)
+        engine = build_engine(
+            cfg,
+            self.built.model,
+            self.ds_config,
+            total_steps=self.total_steps,
+            warmup_steps=warmup,
+            accelerator=self.accelerator,
+        )
+        self.engine, self.metric_scheduler = engine.engine, engine.metric_scheduler
+        self.device = self.engine.device
+
+    # ------------------------------------------------------------------ loop
+    def train_step(self, batches: list[dict[str, Any]]) -> tuple[float, float, float, float]:
+        """One optimizer step over `accumulation` micro batches. Returns this rank's loss sum, label tokens,
+        input tokens and samples; the step's global loss is reduced by the caller."""
+        engine = self.engine
+        scale = self.world * len(batches)  # undoes DeepSpeed's mean over ranks and micro batches
+        (global_tokens,) = all_reduce_sum([float(sum(label_tokens(b) for b in batches))], self.device)
+        if global_tokens == 0:
+            raise RunFailed("a training batch holds no label tokens: check data.max_seq_len and data.train_on_prompt")
+        loss_sum = 0.0
+        labels = inputs = samples = 0.0
+        for batch in batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            summed, count = token_loss_sum(out.logits, batch["labels"])
+            engine.backward(summed * (scale / global_tokens))
+            engine.step()
+            loss_sum += float(summed.detach())
+            labels += float(count)
+            inputs += float(batch["attention_mask"].sum())
+            samples += batch["input_ids"].size(0)
+        return loss_sum, labels, inputs, samples
+
+    def evaluate(self) -> dict[str, float]:
+        """Exact over the whole eval set: summed token losses / label tokens, reduced over ranks. Ranks with
+        fewer examples run masked batches so that ZeRO-3's collective forwards stay in step."""
+        import torch
+
+        eval_ds = self.data.eval
+        micro = self.cfg.train.eval_micro_batch_size or self.cfg.train.micro_batch_size
+        mine = list(range(self.rank, len(eval_ds), self.world))
+        batches = math.ceil(math.ceil(len(eval_ds) / self.world) / micro)
+        loss_sum = tokens = 0.0
+        self.engine.eval()
+        with torch.no_grad():
+            for i in range(batches):
+                chunk = mine[i * micro : (i + 1) * micro]
+                batch = self.collator([eval_ds[j] for j in (chunk or [0])])
+                if not chunk:
+                    batch["labels"].fill_(IGNORE_INDEX)
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+                summed, count = token_loss_sum(out.logits, batch["labels"])
+                loss_sum += float(summed)
+                tokens += float(count)
+        self.engine.train()
+        loss_sum, tokens = all_reduce_sum([loss_sum, tokens], self.device)
+        eval_loss = loss_sum / max(tokens, 1.0)
+        return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 700.0)), "eval_tokens": tokens}
+
+    def run(self) -> dict[str, Any]:
+        from torch.utils.data import DataLoader
+        from tqdm.auto import tqdm
+
+        from ds_exp.data import ResumableDistributedSampler
+
+        cfg, train_cfg = self.cfg, self.cfg.train
+        micro, accum = train_cfg.micro_batch_size, train_cfg.gradient_accumulation_steps
+        self.checkpoint_dir = self.run_dir / train_cfg.checkpoint_dir
+        resume_from = checkpoint.find_resume_checkpoint(cfg.resume, self.run_dir, train_cfg.checkpoint_dir)
+        state = checkpoint.load(self.engine, resume_from, rank=self.rank) if resume_from else checkpoint.TrainState()
+        self.wandb = WandbRun(cfg, self.run_dir, enabled=self.is_main, run_id=state.wandb_run_id)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
+        progress = Progress(state.step, state.epoch, state.step_in_epoch)
+        self.results: dict[str, Any] = {"resumed_from": str(resume_from) if resume_from else None}
+
+        if train_cfg.eval_at_start and progress.step == 0:
+            self.results["initial"] = self.record_eval(progress)
+        sampler = ResumableDistributedSampler(
+            len(self.data.train),
+            rank=self.rank,
+            world_size=self.world,
+            seed=train_cfg.seed,
+            shuffle=True,
+            drop_last=True,
+        )
+        bar = tqdm(
+            total=self.total_steps,
+            initial=progress.step,
+            desc="train",
+            disable=not self.is_main,
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
+        window, bad_steps = Window(), 0
+        self.train_seconds, self.train_tokens, self.train_samples = 0.0, 0.0, 0.0
+        while progress.step < self.total_steps:
+            sampler.set_epoch(progress.epoch)
+            sampler.set_start(progress.step_in_epoch * micro * accum)
+            loader = iter(
+                DataLoader(self.data.train, batch_size=micro, sampler=sampler, collate_fn=self.collator, drop_last=True)
+            )
+            while progress.step_in_epoch < self.steps_per_epoch and progress.step < self.total_steps:
+                started = time.perf_counter()
+                batches = [next(loader) for _ in range(accum)]
+                loss_sum, labels, inputs, samples = self.train_step(batches)
+                step_loss_sum, step_labels = all_reduce_sum([loss_sum, labels], self.device)
+                step_loss = step_loss_sum / step_labels
+                progress.step += 1
+                progress.step_in_epoch += 1
+                self.train_seconds += time.perf_counter() - started
+                bad_steps = 0 if math.isfinite(step_loss) else bad_steps + 1
+                if bad_steps:
+                    log.warning("step %d: non-finite loss %s (%d in a row)", progress.step, step_loss, bad_steps)
+                    if bad_steps > train_cfg.max_bad_steps:
+                        raise RunFailed(
+                            f"{bad_steps} optimizer steps in a row ended with a non-finite loss (last: step "
+                            f"{progress.step}); lower optimizer.lr or use precision=bf16/fp32 "
+                            f"(train.max_bad_steps={train_cfg.max_bad_steps})"
+                        )
+                window.loss_sum += step_loss_sum
+                window.label_tokens += step_labels
+                window.input_tokens += inputs
+                window.samples += samples
+                window.steps += 1
+                if self.metric_scheduler is not None and _schedule_name(cfg) == "greedy":
+                    self.metric_scheduler.step(step_loss)
+                bar.update(1)
+                if progress.step % train_cfg.log_every == 0 or progress.step == self.total_steps:
+                    self.record_train(progress, window, bar)
+                    window = Window()
+                if train_cfg.eval_every and progress.step % train_cfg.eval_every == 0:
+                    self.record_eval(progress)
+                if train_cfg.save_every and progress.step % train_cfg.save_every == 0:
+                    self.save(progress)
+            if progress.step_in_epoch >= self.steps_per_epoch:
+                progress.epoch += 1
+                progress.step_in_epoch = 0
+                if not train_cfg.eval_every and progress.step < self.total_steps:
+                    self.record_eval(progress)  # after each epoch
+        bar.close()
+        if progress.last_eval_step != progress.step:
+            self.results["final"] = self.record_eval(progress)
+        else:
+            self.results["final"] = self.results["last_eval"]
+        if train_cfg.save_final_checkpoint and progress.last_save_step != progress.step:
+            self.save(progress)
+        self.results["step"] = progress.step
+        self.results["epoch"] = progress.epoch
+        self.results["last_train_loss"] = self.results.get("last_train_loss")
+        if train_cfg.export:
+            from ds_exp.export import export_hf
+
+            export_dir = self.run_dir / train_cfg.export_dir
+            export_hf(
+                self.engine,
+                zero_stage=self.zero_stage,
+                model_config=self.built.config,
+                tokenizer=self.tokenizer,
+                lora=self.built.lora,
+                export_dir=export_dir,
+                save_adapter=train_cfg.export_adapter,
+            )
+            self.results["export_dir"] = str(export_dir)
+        return self.results
+
+    # ------------------------------------------------------------ recording
+    def record_train(self, progress: Progress, window: Window, bar: Any) -> None:
+        elapsed = max(time.perf_counter() - window.started, 1e-9)
+        inputs, samples = all_reduce_sum([window.input_tokens, window.samples], self.device)
+        self.train_tokens += inputs
+        self.train_samples += samples
+        loss = window.loss_sum / max(window.label_tokens, 1.0)
+        grad_norm = self.engine.get_global_grad_norm()
+        record = {
+            "type": "train",
+            "step": progress.step,
+            "epoch": progress.epoch + progress.step_in_epoch / max(self.steps_per_epoch, 1),
+            "loss": loss,
+            "lr": self.current_lr(),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens_per_s": inputs / elapsed,
+            "samples_per_s": samples / elapsed,
+            "peak_memory_bytes": peak_memory_bytes(self.accelerator),
+            "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
+        }
+        self.results["last_train_loss"] = loss
+        self.metrics.write(record)
+        self.wandb.log({f"train/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=progress.step)
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+        step_log.info(
+            "step %d loss %.5f lr %.3e tokens/s %.0f", progress.step, loss, record["lr"], record["tokens_per_s"]
+        )
+
+    def record_eval(self, progress: Progress) -> dict[str, float]:
+        result = self.evaluate()
+        if self.metric_scheduler is not None and _schedule_name(self.cfg) == "reduce_lr_on_plateau":
+            self.metric_scheduler.step(result["eval_loss"])
+        record = {"type": "eval", "step": progress.step, "epoch": progress.epoch, **result}
+        self.metrics.write(record)
+        self.wandb.log({"eval/loss": result["eval_loss"], "eval/perplexity": result["perplexity"]}, step=progress.step)
+        log.info("eval at step %d: loss %.5f perplexity %.3f", progress.step, result["eval_loss"], result["perplexity"])
+        progress.last_eval_step = progress.step
+        self.results["last_eval"] = result
+        return result
+
+    def save(self, progress: Progress) -> None:
+        state = checkpoint.TrainState(progress.step, progress.epoch, progress.step_in_epoch, self.wandb.run_id)
+        path = checkpoint.save(
+            self.engine, self.checkpoint_dir, state, rank=self.rank, keep_last=self.cfg.train.keep_last
+        )
+        progress.last_save_step = progress.step
+        self.results["checkpoint"] = str(path)
+
+    def current_lr(self) -> float:
+        lrs = self.engine.get_lr()
+        return float(lrs[0]) if lrs else float(self.engine.optimizer.param_groups[0]["lr"])
+
+
+def _numel(param: Any) -> int:
+    return int(getattr(param, "ds_numel", 0) or param.numel())  # ZeRO-3 keeps the full size in ds_numel
+
+
+def _schedule_name(cfg: DictConfig) -> str:
+    return str(getattr(cfg.scheduler.name, "value", cfg.scheduler.name))
+
+
+def _choices() -> dict[str, Any]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return dict(HydraConfig.get().runtime.choices)
+    except Exception:  # not under Hydra (e.g. called from a test)
+        return {}
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Train under whatever launcher started this process; write metrics, summary, checkpoints and export."""
+    import torch.distributed as dist
+
+    started = time.time()
+    trainer = Trainer(cfg, run_dir)
+    status, error, results = "failed", None, {}
+    trainer.setup()
+    try:
+        trainer.prepare()
+        results = trainer.run()
+        status = "completed"
+        return results
+    except KeyboardInterrupt:
+        status, error = "interrupted", "interrupted by the user"
+        raise
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        log.exception("run failed")
+        raise
+    finally:
+        write_summary(trainer, status, error, results, started)
+        wandb = getattr(trainer, "wandb", None)
+        if wandb is not None:
+            wandb.summary({"status": status})
+            wandb.finish(exit_code=0 if status == "completed" else 1)
+        metrics = getattr(trainer, "metrics", None)
+        if metrics is not None:
+            metrics.close()
+        close_run_logging()
+        if status == "completed" and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()  # a multirun in one process starts the next job clean
+        if trainer.rank != 0 and trainer.run_dir != run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)  # the placeholder Hydra made for this rank
+
+
+def write_summary(trainer: Trainer, status: str, error: str | None, results: dict[str, Any], started: float) -> None:
+    import torch.distributed as dist
+
+    cfg = trainer.cfg
+    peak = peak_memory_bytes(trainer.accelerator)
+    peaks: list[Any] = [peak]
+    if status == "completed" and dist.is_initialized():
+        peaks = [None] * trainer.world
+        dist.all_gather_object(peaks, peak)
+    if not trainer.is_main:
+        return
+    train_seconds = getattr(trainer, "train_seconds", 0.0)
+    summary = {
+        "status": status,
+        "error": error,
+        "run_dir": str(trainer.run_dir),
+        "wall_time_s": time.time() - started,
+        "world_size": trainer.world,
+        "launcher": trainer.launch.launcher,
+        "backend": trainer.backend,
+        "accelerator": trainer.accelerator,
+        "precision": trainer.precision,
+        "zero_stage": getattr(trainer, "zero_stage", None),
+        "choices": _choices(),
+        "model": cfg.model.name_or_path or cfg.model.name,
+        "lora_dim": cfg.lora.dim,
+        "parameters": getattr(trainer, "num_parameters", None),
+        "trainable_parameters": getattr(trainer, "num_trainable", None),
+        "total_steps": getattr(trainer, "total_steps", None),
+        "steps": results.get("step"),
+        "train_loss": results.get("last_train_loss"),
+        "initial_eval": results.get("initial"),
+        "final_eval": results.get("final"),
+        "tokens_per_s": getattr(trainer, "train_tokens", 0.0) / train_seconds if train_seconds else None,
+        "samples_per_s": getattr(trainer, "train_samples", 0.0) / train_seconds if train_seconds else None,
+        "peak_memory_bytes_per_rank": peaks,
+        "checkpoint": results.get("checkpoint"),
+        "export_dir": results.get("export_dir"),
+        "resumed_from": results.get("resumed_from"),
+        "log_file": str(getattr(trainer, "log_file", "")),
+    }
+    trainer.run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(trainer.run_dir / "summary.json", summary)
+    if status == "completed":
+        final = summary["final_eval"] or {}
+        initial = summary["initial_eval"] or {}
+        print(
+            f"ds_exp: {status} {summary['steps']} steps in {summary['wall_time_s']:.1f}s; perplexity "
+            f"{initial.get('perplexity', float('nan')):.3f} -> {final.get('perplexity', float('nan')):.3f}; "
+            f"run directory {trainer.run_dir}"
+        )

@@ -1,0 +1,44 @@
+"""Shared fixtures: compose the real conf/ tree with Hydra's compose API, run the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from ds_exp.config.resolvers import register_resolvers
+from ds_exp.config.schema import register_configs
+from ds_exp.paths import conf_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+register_resolvers()
+register_configs()
+
+
+@pytest.fixture
+def compose_cfg() -> Callable[..., DictConfig]:
+    def _compose(*overrides: str) -> DictConfig:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+
+    return _compose
+
+
+def run_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """`python -m ds_exp ARGS` as a user types it, in `cwd` (its outputs/ land there)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", **(env or {})}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if env is None or name not in env:
+            full_env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "ds_exp", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )

@@ -1,0 +1,241 @@
+"""The command line as a user meets it: bad values give one clear message and a non-zero exit before any
+heavy work; --help, --cfg job and validation never import torch or deepspeed; the dry run plans without
+weights and writes a DeepSpeed config with no "auto" left."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_exp.cli import strip_local_rank
+from tests.conftest import REPO, run_cli
+
+
+def _json_file(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BAD_VALUES = [
+    # (overrides, what the message must say)
+    (["zero.stage=7"], "zero.stage=7: ZeRO stage must be 0, 1, 2 or 3"),
+    (["zero=stage2", "offload=cpu_all"], "offload.param=cpu needs ZeRO stage 3 (got stage 2)"),
+    (["offload=cpu"], "offload.optimizer=cpu needs ZeRO stage 1, 2 or 3 (got stage 0)"),
+    (["zero=stage3", "offload=nvme"], "offload.optimizer=nvme needs a directory: set offload.nvme_path="),
+    (["precision=fp16"], "precision=fp16: the cpu accelerator cannot train in fp16"),
+    (["lora.dim=-1"], "lora.dim=-1: must be >= 0"),
+    (["train.global_batch_size=30", "train.micro_batch_size=4"], "not a multiple of train.micro_batch_size"),
+    (["optimizer.lr=0"], "optimizer.lr=0.0: the learning rate must be > 0"),
+    (["optimizer.lr=-1e-4"], "optimizer.lr=-0.0001: the learning rate must be > 0"),
+    (["model=local"], "model.name_or_path is not set and the model has no `arch`: give model.name_or_path="),
+    (["model=local", "model.name_or_path=/no/such/model"], "model.name_or_path=/no/such/model: directory not found"),
+    (["deepspeed.config_file=/no/such.json"], "deepspeed.config_file=/no/such.json: file not found"),
+    (["scheduler.warmup_steps=10", "scheduler.warmup_ratio=0.1"], "are both set: keep one"),
+    (["scheduler=polynomial", "scheduler.owner=deepspeed"], "scheduler.name=polynomial has no DeepSpeed equivalent"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size=0: must be >= 1"),
+    (["train.max_steps=0"], "train.max_steps=0: give a positive number of steps"),
+    (["resume=/no/such/checkpoint"], "resume=/no/such/checkpoint: no such checkpoint directory"),
+]
+
+# Rejected by the typed schema while Hydra composes (Hydra's own message names the key).
+SCHEMA_ERRORS = [
+    (["zero.stage=three"], "zero.stage"),
+    (["zero=stage9"], "Could not find 'zero/stage9'"),
+    (["train.not_a_knob=1"], "not_a_knob"),
+    (["offload.optimizer=gpu"], "offload.optimizer"),
+    (["precision.dtype=fp8"], "precision.dtype"),
+    (["dist.launcher=pbs"], "dist.launcher"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_VALUES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_bad_values_give_one_clear_message(tmp_path, overrides, message):
+    result = run_cli(*overrides, "dry_run=true", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert result.stderr.startswith("ds_exp: error:")
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.rglob("ds_config.json"))  # nothing that looks like a planned or finished run
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"), SCHEMA_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, list) else ""
+)
+def test_schema_rejects_wrong_types_and_unknown_options(tmp_path, overrides, message):
+    result = run_cli(*overrides, "--cfg", "job", cwd=tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_several_problems_are_reported_together(tmp_path):
+    result = run_cli("lora.dim=-2", "optimizer.lr=0", "zero.stage=5", "dry_run=true", cwd=tmp_path)
+    assert result.returncode == 2
+    for message in ("lora.dim=-2", "optimizer.lr=0.0", "zero.stage=5"):
+        assert message in result.stderr
+
+
+def test_config_file_that_is_not_json(tmp_path):
+    path = _json_file(tmp_path, "broken.json", '{"train_batch_size": 8,\n  "zero_optimization": {stage: 3}}')
+    result = run_cli(f"deepspeed.config_file={path}", "dry_run=true", cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"deepspeed.config_file={path} is not valid JSON (line 2, column 25" in result.stderr
+
+
+def test_config_file_with_fp16_and_bf16_both_on(tmp_path):
+    path = _json_file(tmp_path, "both.json", json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
+    result = run_cli(f"deepspeed.config_file={path}", "dry_run=true", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "fp16.enabled and bf16.enabled are both true" in result.stderr
+
+
+def test_full_traceback_on_request(tmp_path):
+    result = run_cli("lora.dim=-1", "dry_run=true", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "ConfigError" in result.stderr
+
+
+LIGHT_CHECK = """
+import sys
+sys.argv = ["ds_exp", *{args!r}]
+from ds_exp.cli import main
+try:
+    main()
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("torch", "deepspeed", "transformers", "datasets") if m in sys.modules)
+print("HEAVY:", heavy)
+"""
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], ["--cfg", "job"], ["--cfg", "job", "--resolve", "zero=stage3"], ["lora.dim=-1"]]
+)
+def test_help_cfg_and_validation_import_no_heavy_library(tmp_path, args):
+    result = subprocess.run(
+        [sys.executable, "-c", LIGHT_CHECK.format(args=args)],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
+    assert "HEAVY: []" in result.stdout, result.stdout + result.stderr
+
+
+def test_validation_of_a_valid_config_imports_no_heavy_library(compose_cfg):
+    code = """
+import sys
+from hydra import compose, initialize_config_dir
+from ds_exp.config.resolvers import register_resolvers
+from ds_exp.config.schema import register_configs
+from ds_exp.config.validate import validate
+from ds_exp.paths import conf_dir
+register_resolvers(); register_configs()
+with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    cfg = compose("config", overrides=["zero=stage3", "offload=cpu_all", "lora.dim=64", "precision=bf16"])
+validate(cfg)
+print("HEAVY:", sorted(m for m in ("torch", "deepspeed", "transformers", "datasets") if m in sys.modules))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
+    assert "HEAVY: []" in result.stdout, result.stdout + result.stderr
+
+
+def test_dry_run_writes_a_complete_deepspeed_config(tmp_path):
+    run_dir = tmp_path / "plan"
+    result = run_cli(
+        "dry_run=true", "zero=stage3", "precision=bf16", "lora.dim=64", f"hydra.run.dir={run_dir}", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert "auto" not in json.dumps(ds).replace(str(run_dir), "")
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["train_batch_size"] == 16
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 128 * 128  # the tiny model's hidden size
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 1280
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["trainable_parameters"] < plan["parameters"] and plan["lora_targets"] == 14
+    assert plan["memory_per_rank"]["device_bytes"] > 0
+    assert "ZeRO 3" in result.stdout
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "summary.json").exists()
+
+
+def test_dry_run_reads_a_local_checkpoint_config_without_weights(tmp_path):
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path / "model"
+    LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000
+    ).save_pretrained(model_dir)  # a config and no weights at all
+    run_dir = tmp_path / "plan"
+    result = run_cli(
+        "dry_run=true",
+        "model=local",
+        f"model.name_or_path={model_dir}",
+        "zero=stage2",
+        f"model.tokenizer={REPO / 'ds_exp' / 'assets' / 'tokenizer'}",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 256 * 256
+
+
+def test_hf_style_config_file_resolves_in_a_dry_run(tmp_path):
+    path = _json_file(
+        tmp_path,
+        "zero3.json",
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "train_batch_size": "auto",
+                "gradient_accumulation_steps": "auto",
+                "bf16": {"enabled": "auto"},
+                "optimizer": {
+                    "type": "AdamW",
+                    "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+                },
+                "zero_optimization": {
+                    "stage": 3,
+                    "reduce_bucket_size": "auto",
+                    "stage3_prefetch_bucket_size": "auto",
+                    "stage3_param_persistence_threshold": "auto",
+                },
+            }
+        ),
+    )
+    run_dir = tmp_path / "plan"
+    result = run_cli(
+        "dry_run=true", f"deepspeed.config_file={path}", "precision=bf16", f"hydra.run.dir={run_dir}", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 3  # the file wins over the default zero=stage0
+    assert ds["optimizer"]["params"]["lr"] == 1e-3 and ds["bf16"]["enabled"] is True
+
+
+def test_strip_local_rank_both_spellings(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_local_rank(["prog", "--local_rank=3", "zero=stage3"]) == ["prog", "zero=stage3"]
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "3"
+    assert strip_local_rank(["prog", "--local-rank", "1", "a=b"]) == ["prog", "a=b"]
+    assert os.environ["LOCAL_RANK"] == "3"  # never overwrites what is set
+
+
+def test_multirun_under_a_multi_rank_launcher_is_refused(tmp_path):
+    result = run_cli("-m", "zero=stage0,stage1", cwd=tmp_path, env={"RANK": "0", "WORLD_SIZE": "2"})
+    assert result.returncode != 0
+    assert "use a submitit launcher with several tasks per node" in result.stderr

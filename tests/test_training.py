@@ -1,0 +1,267 @@
+"""Correctness of real DeepSpeed training on CPU (fp32): stage, accumulation and world-size equivalence,
+exact resume, exports that reload, launchers, wandb offline files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.training import FAST, assert_close, launch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory, cache_dir):
+    """The same 2-rank run at every ZeRO stage, with and without LoRA (shared by several tests)."""
+    root = tmp_path_factory.mktemp("zero")
+    runs = {}
+    for lora in (0, 8):
+        for stage in range(4):
+            run = launch(
+                root / f"stage{stage}_lora{lora}",
+                *FAST,
+                f"zero=stage{stage}",
+                f"lora.dim={lora}",
+                "train.export=true",
+                launcher="torchrun",
+                nproc=2,
+                cache_dir=cache_dir,
+            )
+            assert run.ok, run.explain()
+            runs[stage, lora] = run
+    return runs
+
+
+@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
+def test_losses_equal_across_zero_stages(zero_runs, lora):
+    reference = zero_runs[0, lora].losses
+    assert len(reference) == 8
+    assert reference[-1] < reference[0]  # it trains
+    for stage in (1, 2, 3):
+        assert_close(zero_runs[stage, lora].losses, reference)
+    assert zero_runs[3, lora].summary["zero_stage"] == 3
+
+
+def test_zero3_export_holds_every_weight(zero_runs):
+    full = load_file(zero_runs[0, 0].run_dir / "hf_model" / "model.safetensors")
+    sharded = load_file(zero_runs[3, 0].run_dir / "hf_model" / "model.safetensors")
+    assert full.keys() == sharded.keys() and full
+    for name, tensor in full.items():
+        assert sharded[name].numel() > 0 and sharded[name].shape == tensor.shape, name
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_lora_export_is_merged(zero_runs):
+    weights = load_file(zero_runs[3, 8].run_dir / "hf_model" / "model.safetensors")
+    assert not [k for k in weights if "lora" in k]
+    assert zero_runs[3, 8].summary["trainable_parameters"] < zero_runs[3, 0].summary["trainable_parameters"]
+
+
+@pytest.mark.parametrize(("micro", "accumulation"), [(2, 2), (1, 4)])
+def test_gradient_accumulation_equivalence(tmp_path, cache_dir, micro, accumulation):
+    reference = launch(tmp_path / "m4", *FAST, cache_dir=cache_dir)
+    assert reference.ok, reference.explain()
+    run = launch(
+        tmp_path / f"m{micro}x{accumulation}",
+        *FAST,
+        f"train.micro_batch_size={micro}",
+        f"train.gradient_accumulation_steps={accumulation}",
+        cache_dir=cache_dir,
+    )
+    assert run.ok, run.explain()
+    assert_close(run.losses, reference.losses)
+
+
+def test_world_size_equivalence(tmp_path, cache_dir):
+    one = launch(tmp_path / "one", *FAST, cache_dir=cache_dir)
+    two = launch(tmp_path / "two", *FAST, "train.micro_batch_size=2", launcher="torchrun", nproc=2, cache_dir=cache_dir)
+    assert one.ok, one.explain()
+    assert two.ok, two.explain()
+    assert two.summary["world_size"] == 2
+    assert_close(two.losses, one.losses)
+
+
+def test_resume_continues_exactly(tmp_path, cache_dir):
+    common = [*FAST, "train.save_every=4", "train.save_final_checkpoint=true", "train.export=true"]
+    straight = launch(tmp_path / "straight", *common, cache_dir=cache_dir)
+    assert straight.ok, straight.explain()
+    resumed = launch(
+        tmp_path / "resumed", *common, f"resume={straight.run_dir / 'checkpoints' / 'step4'}", cache_dir=cache_dir
+    )
+    assert resumed.ok, resumed.explain()
+    assert [r["step"] for r in resumed.records("train")] == [5, 6, 7, 8]
+    assert_close(resumed.losses, straight.losses[4:], rel=1e-6)
+    a = load_file(straight.run_dir / "hf_model" / "model.safetensors")
+    b = load_file(resumed.run_dir / "hf_model" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path, cache_dir):
+    common = [*FAST, "train.save_every=4", "train.save_final_checkpoint=false", "train.max_steps=4"]
+    first = launch(tmp_path / "run", *common, cache_dir=cache_dir)
+    assert first.ok, first.explain()
+    # a torn save: the directory of a later step without the completeness marker must be ignored
+    (first.run_dir / "checkpoints" / "step6").mkdir()
+    again = launch(tmp_path / "run", *FAST, "train.save_every=4", "resume=auto", cache_dir=cache_dir)
+    assert again.ok, again.explain()
+    assert again.summary["resumed_from"].endswith("step4")
+    assert [r["step"] for r in again.records("train")][-4:] == [5, 6, 7, 8]
+
+
+def test_resume_from_a_directory_without_checkpoints_is_an_error(tmp_path, cache_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = launch(tmp_path / "run", *FAST, f"resume={empty}", cache_dir=cache_dir)
+    assert run.proc.returncode != 0
+    assert f"resume={empty}: no complete checkpoint in {empty}" in run.proc.stderr
+    assert "Traceback" not in run.proc.stderr
+
+
+def test_exported_model_reloads_with_the_engines_eval_loss(tmp_path, cache_dir, compose_cfg):
+    from transformers import AutoModelForCausalLM
+
+    from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
+    from ds_exp.train import token_loss_sum
+
+    run = launch(
+        tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", "train.export_adapter=true", cache_dir=cache_dir
+    )
+    assert run.ok, run.explain()
+    model = AutoModelForCausalLM.from_pretrained(run.run_dir / "hf_model").eval()
+    cfg = compose_cfg(*FAST, f"data.cache_dir={cache_dir}")
+    tokenizer = load_tokenizer(cfg)
+    eval_set = prepare_sft_data(cfg, tokenizer).eval
+    collate = make_collator(tokenizer)
+    total = tokens = 0.0
+    with torch.no_grad():
+        for start in range(0, len(eval_set), 8):
+            batch = collate([eval_set[i] for i in range(start, min(start + 8, len(eval_set)))])
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss, count = token_loss_sum(logits, batch["labels"])
+            total, tokens = total + float(loss), tokens + float(count)
+    assert math.isclose(total / tokens, run.summary["final_eval"]["eval_loss"], rel_tol=1e-4)
+    assert (run.run_dir / "hf_model_adapter" / "adapter_config.json").is_file()
+
+
+def test_merged_lora_export_equals_the_adapter_model(tmp_path, cache_dir, compose_cfg):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ds_exp.data import load_tokenizer
+    from ds_exp.model import build_model
+
+    run = launch(
+        tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", "train.export_adapter=true", cache_dir=cache_dir
+    )
+    assert run.ok, run.explain()
+    merged = AutoModelForCausalLM.from_pretrained(run.run_dir / "hf_model").eval()
+    # only the adapters trained, so the base under them is the initial model, rebuilt from the same seed
+    cfg = compose_cfg()
+    base = build_model(cfg, load_tokenizer(cfg), {"zero_optimization": {"stage": 0}}).model
+    adapter = PeftModel.from_pretrained(base, run.run_dir / "hf_model_adapter").eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_padding_never_changes_the_loss(compose_cfg):
+    from ds_exp.data import load_tokenizer
+    from ds_exp.model import build_model
+    from ds_exp.train import IGNORE_INDEX, token_loss_sum
+
+    cfg = compose_cfg()
+    tokenizer = load_tokenizer(cfg)
+    model = build_model(cfg, tokenizer, {"zero_optimization": {"stage": 0}}).model.eval()
+    ids = torch.tensor([tokenizer(" Human: copy a b Assistant: a b")["input_ids"]])
+    labels = ids.clone()
+    labels[:, :3] = IGNORE_INDEX
+    pad = torch.full((1, 9), tokenizer.pad_token_id)
+    padded_ids = torch.cat([ids, pad], dim=1)
+    padded_labels = torch.cat([labels, torch.full_like(pad, IGNORE_INDEX)], dim=1)
+    mask = torch.cat([torch.ones_like(ids), torch.zeros_like(pad)], dim=1)
+    with torch.no_grad():
+        plain = token_loss_sum(model(input_ids=ids).logits, labels)
+        padded = token_loss_sum(model(input_ids=padded_ids, attention_mask=mask).logits, padded_labels)
+    assert int(plain[1]) == int(padded[1])
+    torch.testing.assert_close(padded[0], plain[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("launcher", ["single", "torchrun", "deepspeed", "mpirun"])
+def test_launchers_train_the_user_command(tmp_path, cache_dir, launcher):
+    """`python -m ds_exp zero=stage3 precision=bf16 lora.dim=64` under every launcher: one run directory
+    with checkpoints, metrics, summary, an export and one log file per rank."""
+    nproc = 1 if launcher == "single" else 2
+    run = launch(
+        tmp_path / "outputs" / "run",
+        *FAST,
+        "zero=stage3",
+        "precision=bf16",
+        "lora.dim=64",
+        "train.max_steps=4",
+        "train.save_final_checkpoint=true",
+        "train.export=true",
+        launcher=launcher,
+        nproc=nproc,
+        cache_dir=cache_dir,
+        cwd=tmp_path,
+    )
+    assert run.ok, run.explain()
+    summary = run.summary
+    assert summary["status"] == "completed" and summary["world_size"] == nproc
+    assert summary["launcher"] == {"single": "single", "torchrun": "env", "deepspeed": "env", "mpirun": "mpi"}[launcher]
+    assert sorted(p.name for p in (run.run_dir / "logs").iterdir()) == [f"rank{r}.log" for r in range(nproc)]
+    assert (run.run_dir / "checkpoints" / "step4" / "ds_exp_complete.json").is_file()
+    assert (run.run_dir / "hf_model" / "model.safetensors").is_file()
+    assert len(run.records("train")) == 4
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["run"]  # no directory per rank
+    ds_config = json.loads((run.run_dir / "ds_config.json").read_text())
+    assert ds_config["zero_optimization"]["stage"] == 3 and ds_config["bf16"]["enabled"] is True
+
+
+def test_wandb_offline_files_hold_the_metrics(tmp_path, cache_dir):
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    run = launch(
+        tmp_path / "run",
+        *FAST,
+        "logger=wandb",
+        "logger.wandb.mode=offline",
+        cache_dir=cache_dir,
+        env={"WANDB_MODE": "offline"},
+    )
+    assert run.ok, run.explain()
+    files = list((run.run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    store = datastore.DataStore()
+    store.open_for_scan(str(files[0]))
+    logged: dict[int, dict[str, float]] = {}
+    while (record := store.scan_record()) is not None:
+        pb = wandb_internal_pb2.Record()
+        pb.ParseFromString(record[1])
+        if pb.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in pb.history.item}
+            logged[int(items["_step"])] = items
+    for record in run.records("train"):
+        assert math.isclose(logged[record["step"]]["train/loss"], record["loss"], rel_tol=1e-6)
+    assert run.summary["status"] == "completed"
+
+
+def test_default_run_learns(tmp_path, cache_dir):
+    """`python -m ds_exp` on its embedded defaults: eval perplexity falls well below where it started."""
+    run = launch(tmp_path / "run", cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    summary = run.summary
+    assert summary["final_eval"]["perplexity"] < 0.05 * summary["initial_eval"]["perplexity"]
+    assert summary["final_eval"]["perplexity"] < 10

@@ -1,0 +1,133 @@
+"""Run ds_exp as users do (python -m, torchrun, the deepspeed launcher, mpirun) and read back what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Short, fully logged runs on a small slice of the embedded task.
+FAST = [
+    "train.max_steps=8",
+    "train.log_every=1",
+    "train.eval_at_start=false",
+    "train.save_final_checkpoint=false",
+    "train.export=false",
+    "train.micro_batch_size=4",
+    "data.synthetic.num_train=256",
+    "data.synthetic.num_eval=32",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Run:
+    proc: subprocess.CompletedProcess
+    run_dir: Path
+
+    @property
+    def ok(self) -> bool:
+        return self.proc.returncode == 0
+
+    def records(self, kind: str) -> list[dict[str, Any]]:
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["type"] == kind]
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records("train")]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def explain(self) -> str:
+        return (
+            f"rc={self.proc.returncode}\n--- stdout\n{self.proc.stdout[-4000:]}\n--- stderr\n{self.proc.stderr[-6000:]}"
+        )
+
+
+def launch(
+    run_dir: Path,
+    *overrides: str,
+    launcher: str = "single",
+    nproc: int = 1,
+    cache_dir: Path | None = None,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> Run:
+    """Start one run the way a user would and wait for it."""
+    args = [*overrides, f"hydra.run.dir={run_dir}"]
+    if cache_dir is not None:
+        args.append(f"data.cache_dir={cache_dir}")
+    port = str(free_port())
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", **(env or {})}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(name, None)
+    if launcher == "single":
+        cmd = [sys.executable, "-m", "ds_exp", *args]
+    elif launcher == "torchrun":
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_port",
+            port,
+            "-m",
+            "ds_exp",
+            *args,
+        ]
+    elif launcher == "deepspeed":
+        cmd = [
+            shutil.which("deepspeed") or "deepspeed",
+            "--num_gpus",
+            str(nproc),
+            "--master_port",
+            port,
+            "--module",
+            "ds_exp",
+            *args,
+        ]
+    elif launcher == "mpirun":
+        cmd = [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            str(nproc),
+            "-x",
+            "PYTHONPATH",
+            "-x",
+            f"MASTER_PORT={port}",
+            "-x",
+            "WANDB_MODE",
+            sys.executable,
+            "-m",
+            "ds_exp",
+            *args,
+        ]
+    else:
+        raise ValueError(launcher)
+    proc = subprocess.run(cmd, cwd=cwd or run_dir.parent, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return Run(proc, run_dir)
+
+
+def assert_close(a: list[float], b: list[float], rel: float = 1e-4) -> None:
+    assert len(a) == len(b) and a, (a, b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert abs(x - y) <= rel * max(abs(x), abs(y)), f"step {i + 1}: {x} vs {y} (all: {a} vs {b})"
