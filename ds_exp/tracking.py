@@ -64,7 +64,6 @@ class WandbRun:
             return
         import wandb
 
-        self.run_id = run_id or wandb.util.generate_id()
         tags = [
             f"zero{cfg.zero.stage}",
             str(getattr(cfg.precision.dtype, "value", cfg.precision.dtype)),
@@ -78,10 +77,11 @@ class WandbRun:
             tags=[*tags, *wandb_cfg.tags],
             dir=str(wandb_cfg.dir or run_dir),
             mode=mode,
-            id=self.run_id,
+            id=run_id,  # set when resuming: the same wandb run continues
             resume="allow",
             config=redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
         )
+        self.run_id = self.run.id
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.run is not None:

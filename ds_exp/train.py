@@ -248,7 +248,7 @@ class Trainer:
         self.train_seconds, self.train_tokens, self.train_samples = 0.0, 0.0, 0.0
         while progress.step < self.total_steps:
             sampler.set_epoch(progress.epoch)
-            sampler.set_start(progress.step_in_epoch * micro * accum)
+            sampler.set_start(progress.step_in_epoch * micro * accum * self.world)  # counted over all ranks
             loader = iter(
                 DataLoader(self.data.train, batch_size=micro, sampler=sampler, collate_fn=self.collator, drop_last=True)
             )
@@ -467,10 +467,12 @@ def write_summary(trainer: Trainer, status: str, error: str | None, results: dic
     trainer.run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(trainer.run_dir / "summary.json", summary)
     if status == "completed":
-        final = summary["final_eval"] or {}
-        initial = summary["initial_eval"] or {}
+        before, after = (_ppl(summary[k]) for k in ("initial_eval", "final_eval"))
         print(
-            f"ds_exp: {status} {summary['steps']} steps in {summary['wall_time_s']:.1f}s; perplexity "
-            f"{initial.get('perplexity', float('nan')):.3f} -> {final.get('perplexity', float('nan')):.3f}; "
-            f"run directory {trainer.run_dir}"
+            f"ds_exp: {status} {summary['steps']} steps in {summary['wall_time_s']:.1f}s; "
+            f"eval perplexity {before} -> {after}; run directory {trainer.run_dir}"
         )
+
+
+def _ppl(result: dict[str, float] | None) -> str:
+    return f"{result['perplexity']:.3f}" if result else "n/a"

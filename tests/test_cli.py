@@ -239,3 +239,56 @@ def test_multirun_under_a_multi_rank_launcher_is_refused(tmp_path):
     result = run_cli("-m", "zero=stage0,stage1", cwd=tmp_path, env={"RANK": "0", "WORLD_SIZE": "2"})
     assert result.returncode != 0
     assert "use a submitit launcher with several tasks per node" in result.stderr
+
+
+def test_zero_sweep_composes_four_jobs(tmp_path):
+    """`-m experiment=zero_sweep` runs one job per ZeRO stage (as dry runs here: quick, no engine)."""
+    result = run_cli(
+        "-m", "experiment=zero_sweep", "dry_run=true", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    stages = sorted(
+        json.loads(path.read_text())["zero_optimization"]["stage"]
+        for path in (tmp_path / "sweep").glob("*/ds_config.json")
+    )
+    assert stages == [0, 1, 2, 3]
+
+
+def test_wheel_ships_conf_and_assets(tmp_path):
+    """After a non-editable install the package finds conf/ (shipped as ds_exp/conf) and its tokenizer."""
+    import zipfile
+
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(REPO),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("ds_exp-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for expected in (
+        "ds_exp/conf/config.yaml",
+        "ds_exp/conf/zero/stage3.yaml",
+        "ds_exp/conf/experiment/dschat_step1.yaml",
+        "ds_exp/assets/tokenizer/tokenizer.json",
+        "ds_exp/cli.py",
+    ):
+        assert expected in names
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    code = "from ds_exp.paths import conf_dir; print(conf_dir())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site)}, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == str(site / "ds_exp" / "conf"), out.stderr

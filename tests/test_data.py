@@ -50,9 +50,7 @@ def fresh(cfg, tmp_path: Path):
 
 
 def rows(n: int, tag: str = "q") -> list[dict[str, str]]:
-    return [
-        {"prompt": f"{tag} question {i}", "chosen": f"answer {i}", "rejected": f"wrong {i}"} for i in range(n)
-    ]
+    return [{"prompt": f"{tag} question {i}", "chosen": f"answer {i}", "rejected": f"wrong {i}"} for i in range(n)]
 
 
 def write_jsonl(path: Path, items: list[dict]) -> Path:
@@ -161,9 +159,7 @@ def _source(kind: str, tmp_path: Path) -> tuple[dict, int, int]:
         datasets.Dataset.from_list(items).save_to_disk(str(tmp_path / "ds"))
         return {"path": str(tmp_path / "ds")}, 36, 4
     if kind == "arrow_dict":
-        dd = datasets.DatasetDict(
-            train=datasets.Dataset.from_list(items), test=datasets.Dataset.from_list(evals)
-        )
+        dd = datasets.DatasetDict(train=datasets.Dataset.from_list(items), test=datasets.Dataset.from_list(evals))
         dd.save_to_disk(str(tmp_path / "dd"))
         return {"path": str(tmp_path / "dd")}, 40, 10
     if kind == "dschat":
@@ -205,9 +201,7 @@ def test_source_kinds(kind, tmp_path, tok):
 def test_field_mapping(tmp_path, tok):
     items = [{"question": f"q {i}", "response": f"r {i}"} for i in range(10)]
     path = write_jsonl(tmp_path / "x.jsonl", items)
-    cfg = make_cfg(
-        tmp_path, sources=[{"path": str(path), "prompt_field": "question", "chosen_field": "response"}]
-    )
+    cfg = make_cfg(tmp_path, sources=[{"path": str(path), "prompt_field": "question", "chosen_field": "response"}])
     cfg.data.eval_fraction = 0.0
     data = prepare_sft_data(cfg, tok)
     assert len(data.train) == 10 and len(data.eval) == 0
@@ -216,9 +210,7 @@ def test_field_mapping(tmp_path, tok):
 
 def test_rows_without_answer_are_filtered(tmp_path, tok):
     items = [*rows(10), {"prompt": "p", "chosen": ""}, {"prompt": None, "chosen": "x"}, {"chosen": "y"}]
-    cfg = make_cfg(
-        tmp_path, sources=[{"path": str(write_jsonl(tmp_path / "x.jsonl", items))}], eval_fraction=0
-    )
+    cfg = make_cfg(tmp_path, sources=[{"path": str(write_jsonl(tmp_path / "x.jsonl", items))}], eval_fraction=0)
     data = prepare_sft_data(cfg, tok)
     assert len(data.train) == 10 and data.stats["num_filtered_rows"] == 3
 
@@ -259,9 +251,7 @@ def test_split_arithmetic():
     assert parse_data_split("2,4,4") == (2, 4, 4)
     assert phase_bounds(10, (2, 4, 4)) == [0, 2, 6, 10]
     assert phase_bounds(7, (10, 0, 0)) == [0, 7, 7, 7]
-    assert (
-        eval_carve_count(100, 0.05) == 5 and eval_carve_count(3, 0.05) == 1 and eval_carve_count(1, 0.5) == 0
-    )
+    assert eval_carve_count(100, 0.05) == 5 and eval_carve_count(3, 0.05) == 1 and eval_carve_count(1, 0.5) == 0
     for bad in ("1,2", "a,b,c", "0,1,1", "-1,1,1"):
         with pytest.raises(ValueError):
             parse_data_split(bad)
@@ -403,12 +393,7 @@ def test_collator_pads_to_longest_and_masks_pads(tmp_path, tok):
     feats = [data.train[i] for i in range(8)]
     lengths = [len(f["input_ids"]) for f in feats]
     batch = make_collator(tok)(feats)
-    assert (
-        batch["input_ids"].shape
-        == batch["labels"].shape
-        == batch["attention_mask"].shape
-        == (8, max(lengths))
-    )
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (8, max(lengths))
     for i, n in enumerate(lengths):
         assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (max(lengths) - n)
         assert batch["labels"][i, n:].eq(-100).all() and batch["input_ids"][i, n:].eq(tok.pad_token_id).all()
@@ -433,9 +418,7 @@ def test_collator_with_pad_equal_to_eos_keeps_the_eos_label(tok):
 
 def test_truncation_is_counted(tmp_path, tok):
     items = [{"prompt": "p", "chosen": " ".join(["apple"] * n)} for n in (2, 30, 40, 50)]
-    cfg = make_cfg(
-        tmp_path, sources=[{"path": str(write_jsonl(tmp_path / "x.jsonl", items))}], eval_fraction=0
-    )
+    cfg = make_cfg(tmp_path, sources=[{"path": str(write_jsonl(tmp_path / "x.jsonl", items))}], eval_fraction=0)
     cfg.data.max_seq_len = 24
     data = prepare_sft_data(cfg, tok)
     assert data.stats["num_truncated"] == 3 and max(len(x) for x in data.train["input_ids"]) == 24
@@ -470,9 +453,7 @@ def test_chat_template(tmp_path, tok):
     assert data.stats["template"] == "chat_template"
     ex = data.train[0]
     assert tok.decode(ex["input_ids"]).startswith("<|user|>")
-    assert decode_answer(chat, ex).endswith("<|endoftext|>") and "<|assistant|>" not in decode_answer(
-        chat, ex
-    )
+    assert decode_answer(chat, ex).endswith("<|endoftext|>") and "<|assistant|>" not in decode_answer(chat, ex)
     # the plain tokenizer has no template: auto falls back to DeepSpeed-Chat's format, chat_template fails
     assert prepare_sft_data(make_cfg(tmp_path, template="auto"), tok).stats["template"] == "dschat"
     with pytest.raises(DataError, match="no chat template"):
@@ -515,9 +496,7 @@ def test_missing_column_names_the_existing_ones(tmp_path, tok):
 
 
 def test_empty_after_filtering(tmp_path, tok):
-    path = write_jsonl(
-        tmp_path / "x.jsonl", [{"prompt": "a", "chosen": " "}, {"prompt": "b", "chosen": None}]
-    )
+    path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "a", "chosen": " "}, {"prompt": "b", "chosen": None}])
     assert "empty after filtering" in _error(make_cfg(tmp_path, sources=[{"path": str(path)}]), tok)
     (tmp_path / "empty.jsonl").write_text("")
     assert "empty" in _error(make_cfg(tmp_path, sources=[{"path": str(tmp_path / "empty.jsonl")}]), tok)
@@ -562,9 +541,7 @@ def test_bad_settings_are_reported_by_key(tmp_path):
 
 def test_prompt_filling_max_seq_len(tmp_path, tok):
     items = [{"prompt": " ".join(["apple"] * 40), "chosen": "b"}] * 3
-    cfg = make_cfg(
-        tmp_path, sources=[{"path": str(write_jsonl(tmp_path / "x.jsonl", items))}], eval_fraction=0
-    )
+    cfg = make_cfg(tmp_path, sources=[{"path": str(write_jsonl(tmp_path / "x.jsonl", items))}], eval_fraction=0)
     cfg.data.max_seq_len = 16
     assert "no answer token is left" in _error(cfg, tok)
 

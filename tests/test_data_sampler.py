@@ -16,9 +16,7 @@ def test_shards_are_disjoint_and_cover(world):
     parts = shards(103, world, seed=1)
     flat = [i for p in parts for i in p]
     assert len(flat) == len(set(flat)) == 103 - 103 % world  # drop_last: whole rounds only
-    assert all(
-        len(p) == len(ResumableDistributedSampler(103, rank=0, world_size=world, seed=1)) for p in parts
-    )
+    assert all(len(p) == len(ResumableDistributedSampler(103, rank=0, world_size=world, seed=1)) for p in parts)
     padded = shards(103, world, seed=1, drop_last=False)
     assert set().union(*map(set, padded)) == set(range(103)) and len({len(p) for p in padded}) == 1
 

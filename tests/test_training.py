@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.training import FAST, assert_close, launch
+from tests.training import FAST, REPO, assert_close, launch
+from tests.wandb_files import history
 
 pytestmark = pytest.mark.slow
 
@@ -230,9 +234,6 @@ def test_launchers_train_the_user_command(tmp_path, cache_dir, launcher):
 
 
 def test_wandb_offline_files_hold_the_metrics(tmp_path, cache_dir):
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
-
     run = launch(
         tmp_path / "run",
         *FAST,
@@ -242,20 +243,12 @@ def test_wandb_offline_files_hold_the_metrics(tmp_path, cache_dir):
         env={"WANDB_MODE": "offline"},
     )
     assert run.ok, run.explain()
-    files = list((run.run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(files) == 1
-    store = datastore.DataStore()
-    store.open_for_scan(str(files[0]))
-    logged: dict[int, dict[str, float]] = {}
-    while (record := store.scan_record()) is not None:
-        pb = wandb_internal_pb2.Record()
-        pb.ParseFromString(record[1])
-        if pb.WhichOneof("record_type") == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in pb.history.item}
-            logged[int(items["_step"])] = items
+    (run_file,) = (run.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = history(run_file)
     for record in run.records("train"):
         assert math.isclose(logged[record["step"]]["train/loss"], record["loss"], rel_tol=1e-6)
-    assert run.summary["status"] == "completed"
+    final = run.records("eval")[-1]
+    assert math.isclose(logged[final["step"]]["eval/perplexity"], final["perplexity"], rel_tol=1e-6)
 
 
 def test_default_run_learns(tmp_path, cache_dir):
@@ -265,3 +258,58 @@ def test_default_run_learns(tmp_path, cache_dir):
     summary = run.summary
     assert summary["final_eval"]["perplexity"] < 0.05 * summary["initial_eval"]["perplexity"]
     assert summary["final_eval"]["perplexity"] < 10
+
+
+def test_gradient_checkpointing_with_lora_gives_the_same_losses(tmp_path, cache_dir):
+    plain = launch(tmp_path / "plain", *FAST, "lora.dim=8", cache_dir=cache_dir)
+    checkpointed = launch(
+        tmp_path / "ckpt", *FAST, "lora.dim=8", "model.gradient_checkpointing=true", cache_dir=cache_dir
+    )
+    assert plain.ok, plain.explain()
+    assert checkpointed.ok, checkpointed.explain()
+    assert_close(checkpointed.losses, plain.losses)
+
+
+def test_optimizer_offload_uses_cpu_adam_with_the_same_losses(tmp_path, cache_dir):
+    reference = launch(tmp_path / "ref", *FAST, "zero=stage2", cache_dir=cache_dir)
+    offloaded = launch(tmp_path / "off", *FAST, "zero=stage2", "offload=cpu", cache_dir=cache_dir)
+    assert reference.ok, reference.explain()
+    assert offloaded.ok, offloaded.explain()
+    assert "DeepSpeedCPUAdam" in (offloaded.run_dir / "logs" / "rank0.log").read_text()
+    assert_close(offloaded.losses, reference.losses, rel=1e-3)
+
+
+def test_lora_scope_that_matches_nothing_lists_the_candidates(tmp_path, cache_dir):
+    run = launch(tmp_path / "run", *FAST, "lora.dim=8", "lora.module_name=decoder.layers.", cache_dir=cache_dir)
+    assert run.proc.returncode == 2
+    assert "lora.module_name=decoder.layers. matches no Linear layer" in run.proc.stderr
+    assert "model.layers.0.self_attn." in run.proc.stderr
+    assert "Traceback" not in run.proc.stderr
+    assert run.summary["status"] == "failed"
+
+
+def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
+    """The basic launcher runs jobs one after another in one process: each gets a clean process group."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_exp",
+            "-m",
+            "zero=stage0,stage2",
+            *FAST,
+            "train.max_steps=2",
+            f"data.cache_dir={cache_dir}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert [s["zero_stage"] for s in summaries] == [0, 2]
+    assert all(s["status"] == "completed" for s in summaries)

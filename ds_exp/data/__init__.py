@@ -46,9 +46,7 @@ def count_train_examples(cfg: Any) -> int:
     return _count(cfg)
 
 
-def make_collator(
-    tokenizer: Any, pad_to_multiple_of: int | None = None, *, isolate_packed: bool = False
-) -> Any:
+def make_collator(tokenizer: Any, pad_to_multiple_of: int | None = None, *, isolate_packed: bool = False) -> Any:
     """callable(list of examples) -> dict of torch tensors input_ids, attention_mask, labels."""
     from ds_exp.data.collate import make_collator as _make
 

@@ -33,8 +33,7 @@ def check_source(src: Any, key: str) -> list[str]:
     if not path or not isinstance(path, str):
         hint = key.replace("[", ".").replace("]", "")  # Hydra override syntax: data.sources.0.path
         return [
-            f"{key}.path is not set; set it to a data file, a directory or a hub id "
-            f"(e.g. {hint}.path=/data/x.jsonl)"
+            f"{key}.path is not set; set it to a data file, a directory or a hub id (e.g. {hint}.path=/data/x.jsonl)"
         ]
     fmt = str(_get(src, "format", "auto") or "auto")
     try:
@@ -50,9 +49,7 @@ def check_source(src: Any, key: str) -> list[str]:
     eval_path = _get(src, "eval_path")
     if eval_path:
         if resolved is not None and resolved not in FILE_FORMATS:
-            problems.append(
-                f"{key}.eval_path is only for file sources (json, jsonl, csv, parquet); remove it"
-            )
+            problems.append(f"{key}.eval_path is only for file sources (json, jsonl, csv, parquet); remove it")
         else:
             try:
                 resolve_format(eval_path, resolved or fmt)

@@ -17,9 +17,7 @@ class SFTCollator:
     attention_mask, and transformers then keeps each packed example's attention to itself.
     """
 
-    def __init__(
-        self, pad_token_id: int, pad_to_multiple_of: int | None = None, isolate_packed: bool = False
-    ):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, isolate_packed: bool = False):
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
         self.pad_token_id = pad_token_id

@@ -57,9 +57,7 @@ class Encoder:
             return f"{head} {chosen}{self.eot}", len(head)
         user = [{"role": "user", "content": prompt}]
         head = self.tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-        full = self.tokenizer.apply_chat_template(
-            [*user, {"role": "assistant", "content": chosen}], tokenize=False
-        )
+        full = self.tokenizer.apply_chat_template([*user, {"role": "assistant", "content": chosen}], tokenize=False)
         if full.startswith(head):
             return full, len(head)
         # templates that rewrite earlier turns (rare): the prompt is the common prefix
@@ -87,9 +85,7 @@ class Encoder:
             if fast:
                 offsets = enc["offset_mapping"][i]
                 # the prompt is the longest prefix of tokens starting inside it (specials at (0, 0) included)
-                n_prompt = next(
-                    (j for j, (s, e) in enumerate(offsets) if s >= prompt_chars and e > s), len(ids)
-                )
+                n_prompt = next((j for j, (s, e) in enumerate(offsets) if s >= prompt_chars and e > s), len(ids))
             else:  # slow tokenizers have no offsets: tokenize the prompt alone (exact for most)
                 head = self.tokenizer(texts[i][:prompt_chars], add_special_tokens=add_special)["input_ids"]
                 n_prompt = len(head)

@@ -42,9 +42,7 @@ def _sources(cfg: Any) -> list[tuple[Any, str, bool]]:
     """(source config or None for synthetic, config key, sft_only) in blend order."""
     data = cfg.data
     listed = [(s, f"data.sources[{i}]", False) for i, s in enumerate(_get(data, "sources") or [])]
-    listed += [
-        (s, f"data.sft_only_sources[{i}]", True) for i, s in enumerate(_get(data, "sft_only_sources") or [])
-    ]
+    listed += [(s, f"data.sft_only_sources[{i}]", True) for i, s in enumerate(_get(data, "sft_only_sources") or [])]
     return listed or [(None, "data.synthetic", False)]
 
 
@@ -89,9 +87,7 @@ def split_and_blend(raws: list[tuple[RawSource, bool]], cfg: Any) -> tuple[Rows,
         train.extend(raw.train.take(perm[n_carve:]))
         if raw.eval is not None:
             evals.extend(raw.eval.take(_rng(seed, 0).permutation(len(raw.eval))[:n_ev]))
-        per_source.append(
-            {"source": raw.key, "train": n_tr, "eval": n_ev + n_carve, "filtered": raw.num_filtered}
-        )
+        per_source.append({"source": raw.key, "train": n_tr, "eval": n_ev + n_carve, "filtered": raw.num_filtered})
     train = train.take(_rng(seed, 1).permutation(len(train)))  # blend: concatenate, then shuffle
     evals = evals.take(_rng(seed, 2).permutation(len(evals)))
     max_eval = _get(data, "max_eval_examples")
@@ -161,9 +157,7 @@ def _source_material(src: Any, key: str) -> dict[str, Any]:
     material.update(path=str(local), content=path_fingerprint(local))
     eval_path = _get(src, "eval_path")
     if eval_path:
-        material.update(
-            eval_path=str(expand(eval_path).resolve()), eval_content=path_fingerprint(expand(eval_path))
-        )
+        material.update(eval_path=str(expand(eval_path).resolve()), eval_content=path_fingerprint(expand(eval_path)))
     return material
 
 
@@ -220,11 +214,7 @@ def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
         raise DataError("\n".join(problems))
     data = cfg.data
     template = resolve_template(_get(data, "template", "dschat"), tokenizer)
-    eot = (
-        end_of_conversation(_get(data, "end_of_conversation_token"), tokenizer)
-        if template == "dschat"
-        else ""
-    )
+    eot = end_of_conversation(_get(data, "end_of_conversation_token"), tokenizer) if template == "dschat" else ""
     material = cache_material(cfg, tokenizer, template, eot)
     key = f"sft-{hash_key(material)}"
     max_seq_len = int(data.max_seq_len)
@@ -260,9 +250,7 @@ def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
         return stats
 
     def load(directory: Path) -> tuple[Any, Any]:
-        return datasets.load_from_disk(str(directory / "train")), datasets.load_from_disk(
-            str(directory / "eval")
-        )
+        return datasets.load_from_disk(str(directory / "train")), datasets.load_from_disk(str(directory / "eval"))
 
     cache_dir = expand(str(data.cache_dir))
     (train, evals), meta, hit, path = cached_build(cache_dir, key, build, load, material)

@@ -64,9 +64,7 @@ class ResumableDistributedSampler(Sampler[int]):
     def _order(self) -> list[int]:
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(
-                _mix(self.seed, self.epoch)
-            )  # seed and epoch only: rank and world size play no part
+            g.manual_seed(_mix(self.seed, self.epoch))  # seed and epoch only: rank and world size play no part
             order = torch.randperm(self.num_samples, generator=g).tolist()
         else:
             order = list(range(self.num_samples))

@@ -71,9 +71,7 @@ def _json_records(path: Path, key: str) -> list[dict[str, Any]]:
         # "Extra data" = a first document parsed and more follow: JSON lines. Otherwise the file is one
         # broken document and the decoder's position is the answer.
         if err.msg != "Extra data":
-            raise DataError(
-                f"{key}: {path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})"
-            ) from None
+            raise DataError(f"{key}: {path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
         return _json_lines(text, path, key)
     if isinstance(whole, list):
         bad = next((i for i, row in enumerate(whole) if not isinstance(row, dict)), None)
@@ -98,13 +96,9 @@ def _json_lines(text: str, path: Path, key: str) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DataError(
-                f"{key}: {path}:{lineno}: not valid JSON ({err.msg}, column {err.colno})"
-            ) from None
+            raise DataError(f"{key}: {path}:{lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
         if not isinstance(row, dict):
-            raise DataError(
-                f"{key}: {path}:{lineno}: expected a JSON object per line, got {type(row).__name__}"
-            )
+            raise DataError(f"{key}: {path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
         records.append(row)
     return records
 
@@ -163,9 +157,7 @@ def _pick_splits(dd: Any, src: Any, key: str, label: str) -> tuple[Any, Any | No
         found = next((n for n in EVAL_SPLIT_NAMES if n in dd and n != split), None)
         return dd[split], dd[found] if found else None
     if eval_split not in dd:
-        raise DataError(
-            f"{key}.eval_split={eval_split}: {label} has no such split; it has {', '.join(names)}"
-        )
+        raise DataError(f"{key}.eval_split={eval_split}: {label} has no such split; it has {', '.join(names)}")
     return dd[split], dd[eval_split]
 
 
@@ -214,9 +206,7 @@ def _load_tables(src: Any, key: str, fields: list[str]) -> tuple[_Table, _Table 
         loaded = datasets.load_dataset(path, _get(src, "name"), revision=_get(src, "revision"))
     except Exception as err:  # the hub raises many types (connection, missing repo, auth)
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(
-            f"{key}.path={path}: cannot load from the hub ({first}); offline? use a local copy"
-        ) from None
+        raise DataError(f"{key}.path={path}: cannot load from the hub ({first}); offline? use a local copy") from None
     train_ds, eval_ds = _pick_splits(loaded, src, key, path)
     return _read_dataset(train_ds), _read_dataset(eval_ds) if eval_ds is not None else None, path
 
@@ -243,9 +233,7 @@ def _rows(table: _Table, src: Any, key: str, label: str) -> tuple[Rows, int]:
     for role, column in names.items():
         if column not in table.columns:
             shown = ", ".join(table.columns) if table.columns else "none (empty file?)"
-            raise DataError(
-                f"{key}.{role}_field={column}: column not found in {label}; its columns are: {shown}"
-            )
+            raise DataError(f"{key}.{role}_field={column}: column not found in {label}; its columns are: {shown}")
     rejected_col = _get(src, "rejected_field")
     prompts = [_text(v, key, "prompt_field", label) for v in table.get(names["prompt"])]
     chosens = [_text(v, key, "chosen_field", label) for v in table.get(names["chosen"])]
@@ -263,9 +251,7 @@ def _rows(table: _Table, src: Any, key: str, label: str) -> tuple[Rows, int]:
 
 
 def load_source(src: Any, key: str) -> RawSource:
-    fields = [
-        f for f in (_get(src, "prompt_field"), _get(src, "chosen_field"), _get(src, "rejected_field")) if f
-    ]
+    fields = [f for f in (_get(src, "prompt_field"), _get(src, "chosen_field"), _get(src, "rejected_field")) if f]
     train_table, eval_table, label = _load_tables(src, key, fields)
     train, dropped = _rows(train_table, src, key, label)
     if not len(train):
@@ -288,8 +274,6 @@ def synthetic_source(synthetic: Any) -> RawSource:
     )
 
     def rows(items: list[dict[str, str]]) -> Rows:
-        return Rows(
-            [r["prompt"] for r in items], [r["chosen"] for r in items], [r["rejected"] for r in items]
-        )
+        return Rows([r["prompt"] for r in items], [r["chosen"] for r in items], [r["rejected"] for r in items])
 
     return RawSource("data.synthetic", rows(train), rows(eval_rows) if eval_rows else None)

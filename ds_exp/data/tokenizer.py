@@ -45,9 +45,7 @@ def load_tokenizer(cfg: Any) -> Any:
             tok.pad_token = tok.eos_token
         else:
             tok.add_special_tokens({"pad_token": "<|pad|>"})
-            log.warning(
-                "tokenizer %s has no pad or eos token; added <|pad|> (vocab now %d)", source, len(tok)
-            )
+            log.warning("tokenizer %s has no pad or eos token; added <|pad|> (vocab now %d)", source, len(tok))
     _ensure_end_of_conversation(cfg, tok, source)
     return tok
 
