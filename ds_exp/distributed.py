@@ -7,6 +7,7 @@ not, never overwriting what it set; `init_distributed` then hands over to deepsp
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass
@@ -181,9 +182,12 @@ def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str)
     import datetime
 
     import deepspeed
+    import torch.distributed as dist
 
     export_launch_env(launch)
     backend = choose_backend(_v(dist_cfg.backend), accelerator)
+    if not dist.is_initialized():
+        atexit.register(_destroy_process_group)
     deepspeed.init_distributed(
         dist_backend=backend,
         auto_mpi_discovery=False,  # the variables are exported above, from whichever launcher it was
@@ -196,3 +200,10 @@ def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str)
 
         get_accelerator().set_device(launch.local_rank)
     return backend
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -417,8 +417,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             metrics.close()
         close_run_logging()
         if status == "completed" and dist.is_initialized():
+            # The process group stays up: the next job of a multirun in this process reuses it (DeepSpeed
+            # caches its groups, so a destroyed one cannot be replaced); it is torn down at exit.
             dist.barrier()
-            dist.destroy_process_group()  # a multirun in one process starts the next job clean
         if trainer.rank != 0 and trainer.run_dir != run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)  # the placeholder Hydra made for this rank
 

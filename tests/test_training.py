@@ -313,3 +313,50 @@ def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
     assert [s["zero_stage"] for s in summaries] == [0, 2]
     assert all(s["status"] == "completed" for s in summaries)
+
+
+def test_local_checkpoint_trains_and_its_vocabulary_is_padded(tmp_path, cache_dir):
+    """model=local model.name_or_path=<dir>: weights and tokenizer come from a Hugging Face directory."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "checkpoint"
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "ds_exp" / "assets" / "tokenizer")
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=len(tokenizer) - 3
+    )  # smaller than the tokenizer and not a multiple of 8
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    run = launch(
+        tmp_path / "run",
+        *FAST,
+        "model=local",
+        f"model.name_or_path={model_dir}",
+        "train.export=true",
+        "zero=stage3",
+        launcher="torchrun",
+        nproc=2,
+        cache_dir=cache_dir,
+    )
+    assert run.ok, run.explain()
+    assert run.losses[-1] < run.losses[0]
+    exported = json.loads((run.run_dir / "hf_model" / "config.json").read_text())
+    assert exported["vocab_size"] == len(tokenizer) and exported["vocab_size"] % 8 == 0
+
+
+def test_deepspeed_can_own_optimizer_and_scheduler(tmp_path, cache_dir):
+    run = launch(
+        tmp_path / "run",
+        *FAST,
+        "optimizer.owner=deepspeed",
+        "scheduler.owner=deepspeed",
+        "scheduler=constant",
+        "zero=stage2",
+        cache_dir=cache_dir,
+    )
+    assert run.ok, run.explain()
+    ds_config = json.loads((run.run_dir / "ds_config.json").read_text())
+    assert ds_config["optimizer"]["params"]["lr"] == 1e-3 and ds_config["scheduler"]["type"] == "WarmupLR"
+    assert "DeepSpeed using configured LR scheduler = WarmupLR" in (run.run_dir / "logs" / "rank0.log").read_text()
+    assert {r["lr"] for r in run.records("train")} == {1e-3}
+    assert run.losses[-1] < run.losses[0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -74,53 +73,15 @@ def launch(
     args = [*overrides, f"hydra.run.dir={run_dir}"]
     if cache_dir is not None:
         args.append(f"data.cache_dir={cache_dir}")
-    port = str(free_port())
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", **(env or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         full_env.pop(name, None)
+    full_env["MASTER_PORT"] = str(free_port())
+    full_env["PYTHON"] = sys.executable
     if launcher == "single":
         cmd = [sys.executable, "-m", "ds_exp", *args]
-    elif launcher == "torchrun":
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            "--master_port",
-            port,
-            "-m",
-            "ds_exp",
-            *args,
-        ]
-    elif launcher == "deepspeed":
-        cmd = [
-            shutil.which("deepspeed") or "deepspeed",
-            "--num_gpus",
-            str(nproc),
-            "--master_port",
-            port,
-            "--module",
-            "ds_exp",
-            *args,
-        ]
-    elif launcher == "mpirun":
-        cmd = [
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            str(nproc),
-            "-x",
-            "PYTHONPATH",
-            "-x",
-            f"MASTER_PORT={port}",
-            "-x",
-            "WANDB_MODE",
-            sys.executable,
-            "-m",
-            "ds_exp",
-            *args,
-        ]
+    elif launcher in ("torchrun", "deepspeed", "mpirun"):
+        cmd = [str(REPO / "launchers" / f"{launcher}.sh"), str(nproc), *args]  # the scripts users run
     else:
         raise ValueError(launcher)
     proc = subprocess.run(cmd, cwd=cwd or run_dir.parent, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -170,7 +170,10 @@ def expected_values(cfg: DictConfig, facts: RunFacts) -> list[Expectation]:
         out.append(Expectation("scheduler.params.total_num_steps", facts.total_steps, "the computed training steps"))
     warmup = _effective_warmup(cfg, facts.total_steps)
     if warmup is not None:
-        out.append(Expectation("scheduler.params.warmup_num_steps", warmup, "scheduler.warmup_steps / warmup_ratio"))
+        # DeepSpeed's schedulers reject 0 warmup steps; one step from warmup_min_lr is the nearest they allow
+        out.append(
+            Expectation("scheduler.params.warmup_num_steps", max(warmup, 1), "scheduler.warmup_steps / warmup_ratio")
+        )
     return out
 
 

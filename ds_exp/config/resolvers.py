@@ -43,7 +43,7 @@ DEEPSPEED_SCHEDULERS: dict[str, dict[str, Any]] = {
     },
     "constant": {
         "type": "WarmupLR",
-        "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO, "warmup_num_steps": 0, "warmup_type": "linear"},
+        "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO, "warmup_num_steps": 1, "warmup_type": "linear"},
     },
 }
 
