@@ -100,6 +100,12 @@ class Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        # known from the environment alone, so a failure during setup is still reported by the right rank
+        self.launch = detect_launch(cfg.dist)
+        self.rank, self.world = self.launch.rank, self.launch.world_size
+        self.is_main = self.rank == 0
+        self.accelerator = detect_accelerator()
+        self.backend = self.precision = None
 
     # ----------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -107,8 +113,8 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         cfg = self.cfg
-        self.launch = detect_launch(cfg.dist)
-        self.accelerator = get_accelerator().device_name() if detect_accelerator() != "cpu" else "cpu"
+        if self.accelerator != "cpu":
+            self.accelerator = get_accelerator().device_name()
         self.backend = init_distributed(cfg.dist, self.launch, self.accelerator)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
@@ -393,8 +399,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     started = time.time()
     trainer = Trainer(cfg, run_dir)
     status, error, results = "failed", None, {}
-    trainer.setup()
     try:
+        trainer.setup()
         trainer.prepare()
         results = trainer.run()
         status = "completed"
