@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from typing import Any
 
 from omegaconf import DictConfig
@@ -77,13 +78,11 @@ def build_engine(
 
     groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
     optimizer = None if "optimizer" in ds_config else build_optimizer(cfg, groups, ds_config, accelerator)
-    scheduler = metric_scheduler = None
     metric_schedule = _v(cfg.scheduler.name) in METRIC_SCHEDULES
+    scheduler = None
     if "scheduler" not in ds_config and not metric_schedule:
-        # a callable lets DeepSpeed hand over the optimizer it built when the DeepSpeed config owns it
-        def scheduler(opt: Any) -> Any:
-            return build_scheduler(cfg, opt, total_steps, warmup_steps)
-
+        # a callable: DeepSpeed calls it with the optimizer, including one it built from the DeepSpeed config
+        scheduler = partial(build_scheduler, cfg, total_steps=total_steps, warmup_steps=warmup_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=groups,
@@ -91,6 +90,7 @@ def build_engine(
         lr_scheduler=scheduler,
         config=ds_config,
     )
+    metric_scheduler = None
     if "scheduler" not in ds_config and metric_schedule:
         metric_scheduler = build_scheduler(cfg, optimizer or engine.optimizer, total_steps, warmup_steps)
     return Engine(engine=engine, metric_scheduler=metric_scheduler)

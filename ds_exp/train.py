@@ -300,12 +300,11 @@ class Trainer:
         if progress.last_eval_step != progress.step:
             self.results["final"] = self.record_eval(progress)
         else:
-            self.results["final"] = self.results["last_eval"]
+            self.results["final"] = self.results.get("last_eval", {})
         if train_cfg.save_final_checkpoint and progress.last_save_step != progress.step:
             self.save(progress)
         self.results["step"] = progress.step
         self.results["epoch"] = progress.epoch
-        self.results["last_train_loss"] = self.results.get("last_train_loss")
         if train_cfg.export:
             from ds_exp.export import export_hf
 
@@ -351,6 +350,9 @@ class Trainer:
         )
 
     def record_eval(self, progress: Progress) -> dict[str, float]:
+        progress.last_eval_step = progress.step
+        if len(self.data.eval) == 0:
+            return {}  # no eval split (data.eval_fraction=0 and no source has one): nothing to measure
         result = self.evaluate()
         if self.metric_scheduler is not None and _schedule_name(self.cfg) == "reduce_lr_on_plateau":
             self.metric_scheduler.step(result["eval_loss"])
@@ -358,7 +360,6 @@ class Trainer:
         self.metrics.write(record)
         self.wandb.log({"eval/loss": result["eval_loss"], "eval/perplexity": result["perplexity"]}, step=progress.step)
         log.info("eval at step %d: loss %.5f perplexity %.3f", progress.step, result["eval_loss"], result["perplexity"])
-        progress.last_eval_step = progress.step
         self.results["last_eval"] = result
         return result
 
