@@ -51,18 +51,9 @@ def build_model_config(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> P
 
 
 def disable_dropout_in_config(config: PretrainedConfig) -> None:
-    for key in (
-        "dropout",
-        "attention_dropout",
-        "activation_dropout",
-        "hidden_dropout",
-        "attn_pdrop",
-        "resid_pdrop",
-        "embd_pdrop",
-        "hidden_dropout_prob",
-        "attention_probs_dropout_prob",
-    ):
-        if hasattr(config, key):
+    """Every float dropout probability of the config to 0 (DeepSpeed-Chat's --disable_dropout)."""
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)
 
 

@@ -50,6 +50,16 @@ def token_loss_sum(logits: Any, labels: Any) -> tuple[Any, Any]:
     return loss, (shift_labels != IGNORE_INDEX).sum()
 
 
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """input_ids with attention_mask, or with position_ids for packed batches (each example attends to itself)."""
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def input_tokens(batch: dict[str, Any]) -> float:
+    mask = batch.get("attention_mask")
+    return float(mask.sum()) if mask is not None else float(batch["input_ids"].numel())
+
+
 def label_tokens(batch: dict[str, Any]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
@@ -142,7 +152,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg)
         self.data = prepare_sft_data(cfg, self.tokenizer)
         log.info("data: %s", {k: v for k, v in self.data.stats.items()})
-        self.collator = make_collator(self.tokenizer)
+        self.collator = make_collator(self.tokenizer, isolate_packed=bool(cfg.data.packing))
         self.total_steps = total_steps(len(self.data.train), cfg, self.world)
         self.steps_per_epoch = steps_per_epoch(len(self.data.train), cfg, self.world)
         warmup = warmup_steps(cfg, self.total_steps)
@@ -179,13 +189,13 @@ class Trainer:
         labels = inputs = samples = 0.0
         for batch in batches:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            out = engine(**model_inputs(batch), use_cache=False)
             summed, count = token_loss_sum(out.logits, batch["labels"])
             engine.backward(summed * (scale / global_tokens))
             engine.step()
             loss_sum += float(summed.detach())
             labels += float(count)
-            inputs += float(batch["attention_mask"].sum())
+            inputs += input_tokens(batch)
             samples += batch["input_ids"].size(0)
         return loss_sum, labels, inputs, samples
 
@@ -207,7 +217,7 @@ class Trainer:
                 if not chunk:
                     batch["labels"].fill_(IGNORE_INDEX)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+                out = self.engine(**model_inputs(batch), use_cache=False)
                 summed, count = token_loss_sum(out.logits, batch["labels"])
                 loss_sum += float(summed)
                 tokens += float(count)

@@ -292,3 +292,14 @@ def test_wheel_ships_conf_and_assets(tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site)}, capture_output=True, text=True
     )
     assert out.stdout.strip() == str(site / "ds_exp" / "conf"), out.stderr
+
+
+def test_console_script(tmp_path):
+    import shutil
+
+    script = shutil.which("ds-exp")
+    if script is None:
+        pytest.skip("ds_exp is not installed (pip install -e .) so there is no ds-exp script")
+    result = subprocess.run([script, "--cfg", "job", "zero=stage2"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "stage: 2" in result.stdout

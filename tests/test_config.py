@@ -305,3 +305,25 @@ def test_dschat_step1_options(compose_cfg):
     assert list(cfg.optimizer.betas) == [0.9, 0.95]
     assert cfg.lora.module_name == "decoder.layers." and cfg.lora.only_optimize is False
     assert cfg.scheduler.name.value == "cosine" and cfg.precision.dtype.value == "fp16"
+
+
+def test_disable_dropout_zeroes_every_dropout_probability():
+    from transformers import GPT2Config, OPTConfig
+
+    from ds_exp.model import disable_dropout_in_config
+
+    for config in (OPTConfig(dropout=0.1, attention_dropout=0.1), GPT2Config()):
+        disable_dropout_in_config(config)
+        probabilities = {k: v for k, v in config.to_dict().items() if "dropout" in k or k.endswith("pdrop")}
+        assert probabilities and all(v == 0.0 for v in probabilities.values() if isinstance(v, float))
+
+
+def test_hidden_size_rules():
+    from types import SimpleNamespace
+
+    from ds_exp.model import hidden_size_of
+
+    assert hidden_size_of(SimpleNamespace(hidden_size=768)) == 768
+    assert hidden_size_of(SimpleNamespace(hidden_sizes=[64, 128, 320])) == 320
+    assert hidden_size_of(SimpleNamespace(text_config=SimpleNamespace(hidden_size=4096))) == 4096
+    assert hidden_size_of(SimpleNamespace()) is None

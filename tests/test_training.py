@@ -360,3 +360,10 @@ def test_deepspeed_can_own_optimizer_and_scheduler(tmp_path, cache_dir):
     assert "DeepSpeed using configured LR scheduler = WarmupLR" in (run.run_dir / "logs" / "rank0.log").read_text()
     assert {r["lr"] for r in run.records("train")} == {1e-3}
     assert run.losses[-1] < run.losses[0]
+
+
+def test_packed_training_learns(tmp_path, cache_dir):
+    run = launch(tmp_path / "run", *FAST, "data.packing=true", "train.eval_at_start=true", cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    evals = run.records("eval")
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]

@@ -1,0 +1,100 @@
+"""Launch detection: each launcher's environment gives the right rank, world size and rendezvous, and what
+the launcher set is never overwritten."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from ds_exp.config.schema import DistConfig
+from ds_exp.distributed import choose_backend, detect_launch, export_launch_env, launched_with_several_ranks
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "SUBMITIT_")) or name in LAUNCH_VARS:
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def dist(**kw):
+    return OmegaConf.merge(OmegaConf.structured(DistConfig), kw)
+
+
+def test_single_process(clean_env):
+    info = detect_launch(dist())
+    assert (info.launcher, info.rank, info.world_size, info.master_port) == ("single", 0, 1, 29500)
+    assert not launched_with_several_ranks()
+
+
+def test_torchrun_and_deepspeed_launcher(clean_env):
+    for name, value in {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "node0",
+        "MASTER_PORT": "1234",
+    }.items():
+        clean_env.setenv(name, value)
+    info = detect_launch(dist())
+    assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("env", 3, 1, 4)
+    assert (info.master_addr, info.master_port) == ("node0", 1234)
+    assert launched_with_several_ranks()
+
+
+def test_openmpi(clean_env):
+    for name, value in {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    }.items():
+        clean_env.setenv(name, value)
+    info = detect_launch(dist(master_port=29999))
+    assert (info.launcher, info.rank, info.local_rank, info.world_size, info.master_port) == ("mpi", 1, 1, 2, 29999)
+    export_launch_env(info)
+    assert [os.environ[n] for n in LAUNCH_VARS] == ["1", "1", "2", "127.0.0.1", "29999"]
+
+
+def test_mpich_pmi(clean_env):
+    for name, value in {"PMI_RANK": "2", "PMI_SIZE": "3"}.items():
+        clean_env.setenv(name, value)
+    info = detect_launch(dist())
+    assert (info.launcher, info.rank, info.world_size) == ("mpi", 2, 3)
+
+
+def test_plain_srun(clean_env):
+    for name, value in {
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "4711",
+        "SLURM_JOB_NODELIST": "gpu[3-4]",
+    }.items():
+        clean_env.setenv(name, value)
+    info = detect_launch(dist())
+    assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("slurm", 1, 1, 2)
+    assert info.master_addr == "gpu3"
+    assert info.master_port == 20000 + 4711  # derived from the job id: concurrent jobs do not collide
+
+
+def test_forced_launcher_and_what_the_launcher_set_is_kept(clean_env):
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("MASTER_PORT", "4242")
+    assert detect_launch(dist(launcher="single")).world_size == 1
+    info = detect_launch(dist())
+    export_launch_env(info)
+    assert os.environ["MASTER_PORT"] == "4242" and os.environ["RANK"] == "1"
+
+
+def test_backend_choice():
+    assert choose_backend("auto", "cuda") == "nccl"
+    assert choose_backend("auto", "cpu") == "gloo"  # oneCCL's bindings are not installed here
+    assert choose_backend("auto", "npu") == "hccl"
+    assert choose_backend("mpi", "cpu") == "mpi"
