@@ -94,6 +94,13 @@ def report_user_error(err: DsExpError) -> None:
         print("  (set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
 
 
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def hydra_task(cfg: DictConfig) -> Any:
     try:
         return run_job(cfg)
@@ -101,6 +108,9 @@ def hydra_task(cfg: DictConfig) -> Any:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         report_user_error(err)
+        if in_multirun():
+            # the other jobs of the sweep go on; the job's summary.json and the sweep report name the failure
+            return {"status": "failed", "error": str(err)}
         sys.exit(err.exit_code)
 
 

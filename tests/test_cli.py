@@ -303,3 +303,12 @@ def test_console_script(tmp_path):
     result = subprocess.run([script, "--cfg", "job", "zero=stage2"], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "stage: 2" in result.stdout
+
+
+def test_a_sweep_with_one_bad_combination_is_refused_before_any_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "zero=stage2,stage3", "offload=cpu_all", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "the sweep was not started: 1 problem(s) in its 2 jobs" in result.stderr
+    assert "job [zero=stage2 offload=cpu_all]: offload.param=cpu needs ZeRO stage 3" in result.stderr
+    assert not sweep.exists()  # no job ran

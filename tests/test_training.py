@@ -3,6 +3,7 @@ exact resume, exports that reload, launchers, wandb offline files."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -313,6 +314,48 @@ def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
     assert [s["zero_stage"] for s in summaries] == [0, 2]
     assert all(s["status"] == "completed" for s in summaries)
+    # the sweep report, written at the end of the multirun and again on demand
+    with (sweep / "report.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["zero_stage"], r["status"]) for r in rows] == [("0", "completed"), ("2", "completed")]
+    assert all(float(r["tokens_per_s"]) > 0 and float(r["peak_memory_mib"]) > 0 for r in rows)
+    assert (sweep / "report.png").stat().st_size > 10_000 and "| zero=stage0" in (sweep / "report.md").read_text()
+    again = subprocess.run(
+        [sys.executable, "-m", "ds_exp.report", str(sweep)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert again.returncode == 0 and "zero=stage2" in again.stdout
+
+
+def test_a_failed_sweep_job_is_reported_and_the_sweep_goes_on(tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_exp",
+            "-m",
+            "lora.module_name=nomatch.,layers.",
+            "lora.dim=4",
+            *FAST,
+            "train.max_steps=2",
+            f"data.cache_dir={cache_dir}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "1 of 2 sweep jobs did not complete" in proc.stderr
+    with (sweep / "report.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["status"] for r in rows] == ["failed", "completed"]
+    assert "matches no Linear layer" in rows[0]["error"]
 
 
 def test_local_checkpoint_trains_and_its_vocabulary_is_padded(tmp_path, cache_dir):
