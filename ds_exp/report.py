@@ -81,6 +81,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def varying_overrides(rows: list[dict[str, Any]]) -> list[str]:
+    """Per job, only the overrides that differ between jobs (what the sweep varies), for short labels."""
+    parsed = [dict(item.split("=", 1) for item in (row["overrides"] or "").split() if "=" in item) for row in rows]
+    keys = sorted({k for p in parsed for k in p if len({q.get(k) for q in parsed}) > 1})
+    return [
+        " ".join(f"{k}={p[k]}" for k in keys if k in p) or f"job {row['job']}"
+        for p, row in zip(parsed, rows, strict=True)
+    ]
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Throughput and peak memory per job, side by side."""
     import matplotlib
@@ -88,11 +98,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [row["overrides"] or f"job {row['job']}" for row in rows]
+    labels = varying_overrides(rows)
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4.5))
     for ax, key, title in (
-        (axes[0], "tokens_per_s", "throughput (tokens/s, all ranks)"),
-        (axes[1], "peak_memory_mib", "peak memory per rank (MiB, max over ranks)"),
+        (axes[0], "tokens_per_s", "tokens/s (all ranks)"),
+        (axes[1], "peak_memory_mib", "peak memory per rank (MiB)"),
     ):
         values = [row[key] or 0.0 for row in rows]
         bars = ax.bar(

@@ -235,7 +235,9 @@ class Trainer:
         cfg, train_cfg = self.cfg, self.cfg.train
         micro, accum = train_cfg.micro_batch_size, train_cfg.gradient_accumulation_steps
         self.checkpoint_dir = self.run_dir / train_cfg.checkpoint_dir
-        resume_from = checkpoint.find_resume_checkpoint(cfg.resume, self.run_dir, train_cfg.checkpoint_dir)
+        # a submitit job that SLURM requeued runs again in the same directory: it must continue, not restart
+        resume = cfg.resume if cfg.resume is not None or self.launch.launcher != "submitit" else "auto"
+        resume_from = checkpoint.find_resume_checkpoint(resume, self.run_dir, train_cfg.checkpoint_dir)
         state = checkpoint.load(self.engine, resume_from, rank=self.rank) if resume_from else checkpoint.TrainState()
         self.wandb = WandbRun(cfg, self.run_dir, enabled=self.is_main, run_id=state.wandb_run_id)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
