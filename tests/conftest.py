@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -35,10 +34,9 @@ def run_cli(
     *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
     """`python -m ds_exp ARGS` as a user types it, in `cwd` (its outputs/ land there)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", **(env or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        if env is None or name not in env:
-            full_env.pop(name, None)
+    from tests.training import user_env
+
+    full_env = {**user_env(), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "ds_exp", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )

@@ -226,7 +226,8 @@ def test_hf_style_config_file_resolves_in_a_dry_run(tmp_path):
 
 
 def test_strip_local_rank_both_spellings(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "")
+    monkeypatch.delenv("LOCAL_RANK")  # recorded by monkeypatch: whatever strip_local_rank sets is undone
     assert strip_local_rank(["prog", "--local_rank=3", "zero=stage3"]) == ["prog", "zero=stage3"]
     import os
 

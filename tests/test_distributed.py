@@ -16,10 +16,14 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    """No launcher variables; the whole environment is restored afterwards (export_launch_env writes to it)."""
+    saved = dict(os.environ)
     for name in list(os.environ):
         if name.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "SUBMITIT_")) or name in LAUNCH_VARS:
             monkeypatch.delenv(name)
-    return monkeypatch
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def dist(**kw):

@@ -3,7 +3,6 @@ started by launchers/slurm_cluster.sh) and with submitit's local executor. Each 
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import shutil
@@ -12,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.training import FAST, REPO, assert_close
+from tests.training import FAST, REPO, assert_close, multirun, report_rows, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -39,26 +38,9 @@ def slurm():
     return True
 
 
-def sweep(tmp_path, *overrides, timeout=900):
+def sweep(tmp_path, *overrides):
     sweep_dir = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ds_exp",
-            "-m",
-            *overrides,
-            *FAST,
-            "train.max_steps=4",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            f"hydra.sweep.dir={sweep_dir}",
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = multirun(tmp_path, sweep_dir, *overrides, *FAST, "train.max_steps=4", f"data.cache_dir={tmp_path / 'cache'}")
     return proc, sweep_dir
 
 
@@ -81,8 +63,7 @@ def test_zero_sweep_on_slurm_with_two_tasks_per_job(slurm, tmp_path):
         "hydra.launcher.timeout_min=15",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    with (sweep_dir / "report.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
+    rows = report_rows(sweep_dir)
     assert [(r["zero_stage"], r["status"], r["world_size"]) for r in rows] == [
         (str(stage), "completed", "2") for stage in range(4)
     ]
@@ -125,7 +106,7 @@ def test_sbatch_script_runs_one_job_over_several_tasks(slurm, tmp_path):
             f"data.cache_dir={tmp_path / 'cache'}",
         ],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "PYTHON": sys.executable},
+        env={**user_env(), "PYTHON": sys.executable},
         capture_output=True,
         text=True,
         timeout=600,

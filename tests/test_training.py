@@ -3,10 +3,8 @@ exact resume, exports that reload, launchers, wandb offline files."""
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -14,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.training import FAST, REPO, assert_close, launch
+from tests.training import FAST, REPO, assert_close, launch, multirun, report_rows, user_env
 from tests.wandb_files import history
 
 pytestmark = pytest.mark.slow
@@ -292,31 +290,13 @@ def test_lora_scope_that_matches_nothing_lists_the_candidates(tmp_path, cache_di
 def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
     """The basic launcher runs jobs one after another in one process: each gets a clean process group."""
     sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ds_exp",
-            "-m",
-            "zero=stage0,stage2",
-            *FAST,
-            "train.max_steps=2",
-            f"data.cache_dir={cache_dir}",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = multirun(tmp_path, sweep, "zero=stage0,stage2", *FAST, "train.max_steps=2", f"data.cache_dir={cache_dir}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
     assert [s["zero_stage"] for s in summaries] == [0, 2]
     assert all(s["status"] == "completed" for s in summaries)
     # the sweep report, written at the end of the multirun and again on demand
-    with (sweep / "report.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
+    rows = report_rows(sweep)
     assert [(r["zero_stage"], r["status"]) for r in rows] == [("0", "completed"), ("2", "completed")]
     assert all(float(r["tokens_per_s"]) > 0 and float(r["peak_memory_mib"]) > 0 for r in rows)
     assert (sweep / "report.png").stat().st_size > 10_000 and "| zero=stage0" in (sweep / "report.md").read_text()
@@ -324,36 +304,25 @@ def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
         [sys.executable, "-m", "ds_exp.report", str(sweep)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=user_env(),
     )
     assert again.returncode == 0 and "zero=stage2" in again.stdout
 
 
 def test_a_failed_sweep_job_is_reported_and_the_sweep_goes_on(tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ds_exp",
-            "-m",
-            "lora.module_name=nomatch.,layers.",
-            "lora.dim=4",
-            *FAST,
-            "train.max_steps=2",
-            f"data.cache_dir={cache_dir}",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = multirun(
+        tmp_path,
+        sweep,
+        "lora.module_name=nomatch.,layers.",
+        "lora.dim=4",
+        *FAST,
+        "train.max_steps=2",
+        f"data.cache_dir={cache_dir}",
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "1 of 2 sweep jobs did not complete" in proc.stderr
-    with (sweep / "report.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
+    rows = report_rows(sweep)
     assert [r["status"] for r in rows] == ["failed", "completed"]
     assert "matches no Linear layer" in rows[0]["error"]
 

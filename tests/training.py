@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import socket
@@ -24,6 +25,14 @@ FAST = [
     "data.synthetic.num_train=256",
     "data.synthetic.num_eval=32",
 ]
+
+
+def user_env() -> dict[str, str]:
+    """A user's shell: this checkout importable, wandb quiet, and no launcher variables from elsewhere."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
 
 
 def free_port() -> int:
@@ -73,10 +82,7 @@ def launch(
     args = [*overrides, f"hydra.run.dir={run_dir}"]
     if cache_dir is not None:
         args.append(f"data.cache_dir={cache_dir}")
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", **(env or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        full_env.pop(name, None)
-    full_env["MASTER_PORT"] = str(free_port())
+    full_env = {**user_env(), **(env or {}), "MASTER_PORT": str(free_port())}
     full_env["PYTHON"] = sys.executable
     if launcher == "single":
         cmd = [sys.executable, "-m", "ds_exp", *args]
@@ -86,6 +92,23 @@ def launch(
         raise ValueError(launcher)
     proc = subprocess.run(cmd, cwd=cwd or run_dir.parent, env=full_env, capture_output=True, text=True, timeout=timeout)
     return Run(proc, run_dir)
+
+
+def multirun(cwd: Path, sweep_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python -m ds_exp -m OVERRIDES` with its sweep directory at `sweep_dir`."""
+    return subprocess.run(
+        [sys.executable, "-m", "ds_exp", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
+        cwd=cwd,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def report_rows(sweep_dir: Path) -> list[dict[str, str]]:
+    with (sweep_dir / "report.csv").open() as fh:
+        return list(csv.DictReader(fh))
 
 
 def assert_close(a: list[float], b: list[float], rel: float = 1e-4) -> None:
