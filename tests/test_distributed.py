@@ -21,7 +21,12 @@ def clean_env(monkeypatch):
     for name in list(os.environ):
         if name.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "SUBMITIT_")) or name in LAUNCH_VARS:
             monkeypatch.delenv(name)
-    yield monkeypatch
+
+    def set_vars(**values: str) -> None:
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+
+    yield set_vars
     os.environ.clear()
     os.environ.update(saved)
 
@@ -37,14 +42,7 @@ def test_single_process(clean_env):
 
 
 def test_torchrun_and_deepspeed_launcher(clean_env):
-    for name, value in {
-        "RANK": "3",
-        "LOCAL_RANK": "1",
-        "WORLD_SIZE": "4",
-        "MASTER_ADDR": "node0",
-        "MASTER_PORT": "1234",
-    }.items():
-        clean_env.setenv(name, value)
+    clean_env(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", MASTER_ADDR="node0", MASTER_PORT="1234")
     info = detect_launch(dist())
     assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("env", 3, 1, 4)
     assert (info.master_addr, info.master_port) == ("node0", 1234)
@@ -52,12 +50,7 @@ def test_torchrun_and_deepspeed_launcher(clean_env):
 
 
 def test_openmpi(clean_env):
-    for name, value in {
-        "OMPI_COMM_WORLD_RANK": "1",
-        "OMPI_COMM_WORLD_SIZE": "2",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-    }.items():
-        clean_env.setenv(name, value)
+    clean_env(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="1")
     info = detect_launch(dist(master_port=29999))
     assert (info.launcher, info.rank, info.local_rank, info.world_size, info.master_port) == ("mpi", 1, 1, 2, 29999)
     export_launch_env(info)
@@ -65,22 +58,20 @@ def test_openmpi(clean_env):
 
 
 def test_mpich_pmi(clean_env):
-    for name, value in {"PMI_RANK": "2", "PMI_SIZE": "3"}.items():
-        clean_env.setenv(name, value)
+    clean_env(PMI_RANK="2", PMI_SIZE="3")
     info = detect_launch(dist())
     assert (info.launcher, info.rank, info.world_size) == ("mpi", 2, 3)
 
 
 def test_plain_srun(clean_env):
-    for name, value in {
-        "SLURM_PROCID": "1",
-        "SLURM_LOCALID": "1",
-        "SLURM_NTASKS": "2",
-        "SLURM_STEP_ID": "0",
-        "SLURM_JOB_ID": "4711",
-        "SLURM_JOB_NODELIST": "gpu[3-4]",
-    }.items():
-        clean_env.setenv(name, value)
+    clean_env(
+        SLURM_PROCID="1",
+        SLURM_LOCALID="1",
+        SLURM_NTASKS="2",
+        SLURM_STEP_ID="0",
+        SLURM_JOB_ID="4711",
+        SLURM_JOB_NODELIST="gpu[3-4]",
+    )
     info = detect_launch(dist())
     assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("slurm", 1, 1, 2)
     assert info.master_addr == "gpu3"
@@ -88,9 +79,9 @@ def test_plain_srun(clean_env):
 
 
 def test_forced_launcher_and_what_the_launcher_set_is_kept(clean_env):
-    clean_env.setenv("RANK", "1")
-    clean_env.setenv("WORLD_SIZE", "2")
-    clean_env.setenv("MASTER_PORT", "4242")
+    clean_env(RANK="1")
+    clean_env(WORLD_SIZE="2")
+    clean_env(MASTER_PORT="4242")
     assert detect_launch(dist(launcher="single")).world_size == 1
     info = detect_launch(dist())
     export_launch_env(info)
