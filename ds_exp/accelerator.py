@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import os
 
+from ds_exp.config.schema import plain
+
 
 def detect_accelerator() -> str:
     """DS_ACCELERATOR when set (as DeepSpeed does), else cuda when an NVIDIA device node exists, else cpu."""
@@ -40,7 +42,7 @@ def runtime_supports_bf16() -> bool:
 
 def decide_precision(dtype: object, accelerator: str, bf16_supported: bool | None) -> str | None:
     """precision.dtype with "auto" decided: bf16 where supported, else fp32; None while that is unknown."""
-    name = str(getattr(dtype, "value", dtype))
+    name = str(plain(dtype))
     if name != "auto":
         return name
     if bf16_supported is None:
@@ -51,7 +53,7 @@ def decide_precision(dtype: object, accelerator: str, bf16_supported: bool | Non
 def resolved_precision(dtype: object, accelerator: str) -> str:
     """decide_precision, asking the live accelerator when needed (the run itself, never validation)."""
     bf16 = supports_bf16(accelerator)
-    if bf16 is None and str(getattr(dtype, "value", dtype)) == "auto":
+    if bf16 is None and plain(dtype) == "auto":
         bf16 = runtime_supports_bf16()
     precision = decide_precision(dtype, accelerator, bf16)
     assert precision is not None

@@ -11,10 +11,10 @@ import atexit
 import os
 import socket
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any
 
 from omegaconf import DictConfig
+
+from ds_exp.config.schema import plain
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,6 @@ class LaunchInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _v(value: Any) -> str:
-    return value.value if isinstance(value, Enum) else str(value)
 
 
 def _int_env(*names: str, default: int | None = None) -> int | None:
@@ -61,7 +57,7 @@ def _auto_launcher() -> str:
 
 
 def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
-    launcher = _v(dist_cfg.launcher) if dist_cfg is not None else "auto"
+    launcher = plain(dist_cfg.launcher) if dist_cfg is not None else "auto"
     default_port = int(dist_cfg.master_port) if dist_cfg is not None else 29500
     if launcher == "auto":
         launcher = _auto_launcher()
@@ -185,7 +181,7 @@ def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str)
     import torch.distributed as dist
 
     export_launch_env(launch)
-    backend = choose_backend(_v(dist_cfg.backend), accelerator)
+    backend = choose_backend(plain(dist_cfg.backend), accelerator)
     if not dist.is_initialized():
         atexit.register(_destroy_process_group)
     deepspeed.init_distributed(

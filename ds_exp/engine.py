@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from enum import Enum
 from functools import partial
 from typing import Any
 
 from omegaconf import DictConfig
 
+from ds_exp.config.schema import plain
+
 log = logging.getLogger(__name__)
 
 # Schedules stepped with a metric rather than once per optimizer step: kept outside the engine.
 METRIC_SCHEDULES = {"reduce_lr_on_plateau", "greedy"}
-
-
-def _v(value: Any) -> Any:
-    return value.value if isinstance(value, Enum) else value
 
 
 def parameter_groups(model: Any, weight_decay: float, no_decay: list[str]) -> list[dict[str, Any]]:
@@ -57,7 +54,7 @@ def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: int, warmup_st
     from transformers import get_scheduler
 
     return get_scheduler(
-        _v(cfg.scheduler.name),
+        plain(cfg.scheduler.name),
         optimizer,
         num_warmup_steps=warmup_steps,
         num_training_steps=total_steps,
@@ -78,7 +75,7 @@ def build_engine(
 
     groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
     optimizer = None if "optimizer" in ds_config else build_optimizer(cfg, groups, ds_config, accelerator)
-    metric_schedule = _v(cfg.scheduler.name) in METRIC_SCHEDULES
+    metric_schedule = plain(cfg.scheduler.name) in METRIC_SCHEDULES
     scheduler = None
     if "scheduler" not in ds_config and not metric_schedule:
         # a callable: DeepSpeed calls it with the optimizer, including one it built from the DeepSpeed config

@@ -11,6 +11,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ds_exp.config.schema import plain
+
 log = logging.getLogger(__name__)
 
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
@@ -59,14 +61,14 @@ class WandbRun:
         self.run = None
         self.run_id = run_id
         wandb_cfg = cfg.logger.wandb
-        mode = getattr(wandb_cfg.mode, "value", wandb_cfg.mode)
+        mode = plain(wandb_cfg.mode)
         if not enabled or mode == "disabled":
             return
         import wandb
 
         tags = [
             f"zero{cfg.zero.stage}",
-            str(getattr(cfg.precision.dtype, "value", cfg.precision.dtype)),
+            str(plain(cfg.precision.dtype)),
             cfg.model.name,
         ]
         self.run = wandb.init(

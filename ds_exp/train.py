@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from ds_exp import checkpoint
 from ds_exp.accelerator import detect_accelerator, resolved_precision
 from ds_exp.config.ds_config import RunFacts, resolve_ds_config
+from ds_exp.config.schema import plain
 from ds_exp.distributed import detect_launch, init_distributed
 from ds_exp.errors import RunFailed
 from ds_exp.plan import steps_per_epoch, total_steps, warmup_steps
@@ -393,7 +394,7 @@ def _numel(param: Any) -> int:
 
 
 def _schedule_name(cfg: DictConfig) -> str:
-    return str(getattr(cfg.scheduler.name, "value", cfg.scheduler.name))
+    return str(plain(cfg.scheduler.name))
 
 
 def _choices() -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.resolvers import AUTO
+from ds_exp.config.schema import plain
 from ds_exp.errors import ConfigError
 
 _MISSING = object()
@@ -157,7 +158,7 @@ def expected_values(cfg: DictConfig, facts: RunFacts) -> list[Expectation]:
     if facts.precision is not None:
         out.append(Expectation("fp16.enabled", facts.precision == "fp16", f"precision {facts.precision}"))
         out.append(Expectation("bf16.enabled", facts.precision == "bf16", f"precision {facts.precision}"))
-    constant = str(sched.name.value if hasattr(sched.name, "value") else sched.name) == "constant"
+    constant = plain(sched.name) == "constant"
     out.append(
         Expectation(
             "scheduler.params.warmup_min_lr",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from ds_exp.config.schema import plain
 
 AUTO = "auto"
 
@@ -53,19 +54,15 @@ DEEPSPEED_OPTIMIZER: dict[str, Any] = {
 }
 
 
-def _plain(value: Any) -> Any:
-    return value.value if isinstance(value, Enum) else value
-
-
 # Blocks are returned as DictConfig: `OmegaConf.resolve` (used by `--cfg job --resolve`) cannot store a
 # plain dict in a value node.
 def deepspeed_optimizer(owner: Any) -> DictConfig | None:
-    return OmegaConf.create(DEEPSPEED_OPTIMIZER) if _plain(owner) == "deepspeed" else None
+    return OmegaConf.create(DEEPSPEED_OPTIMIZER) if plain(owner) == "deepspeed" else None
 
 
 def deepspeed_scheduler(owner: Any, name: Any) -> DictConfig | None:
-    block = DEEPSPEED_SCHEDULERS.get(_plain(name))  # an unsupported name is reported by validate()
-    return OmegaConf.create(block) if block is not None and _plain(owner) == "deepspeed" else None
+    block = DEEPSPEED_SCHEDULERS.get(plain(name))  # an unsupported name is reported by validate()
+    return OmegaConf.create(block) if block is not None and plain(owner) == "deepspeed" else None
 
 
 def register_resolvers() -> None:

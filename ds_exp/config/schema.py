@@ -14,6 +14,11 @@ from typing import Any
 from omegaconf import MISSING
 
 
+def plain(value: Any) -> Any:
+    """An Enum member's value (what the YAML said), anything else unchanged."""
+    return value.value if isinstance(value, Enum) else value
+
+
 class Launcher(str, Enum):
     auto = "auto"
     single = "single"

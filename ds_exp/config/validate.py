@@ -7,7 +7,6 @@ and the fix, all reported together in one ConfigError.
 from __future__ import annotations
 
 import os
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +15,8 @@ from omegaconf import DictConfig
 from ds_exp.accelerator import decide_precision, detect_accelerator, supports_bf16, supports_fp16
 from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
+from ds_exp.config.schema import plain
 from ds_exp.errors import ConfigError
-
-
-def _v(value: Any) -> Any:
-    return value.value if isinstance(value, Enum) else value
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -105,9 +101,9 @@ def _check_numbers(cfg: DictConfig) -> list[str]:
         problems.append(f"scheduler.warmup_ratio={sched.warmup_ratio}: must be in [0, 1)")
     if sched.warmup_steps > 0 and sched.warmup_ratio > 0:
         problems.append("scheduler.warmup_steps and scheduler.warmup_ratio are both set: keep one, set the other to 0")
-    if _v(sched.owner) == "deepspeed" and _v(sched.name) not in DEEPSPEED_SCHEDULERS:
+    if plain(sched.owner) == "deepspeed" and plain(sched.name) not in DEEPSPEED_SCHEDULERS:
         problems.append(
-            f"scheduler.name={_v(sched.name)} has no DeepSpeed equivalent: use scheduler.owner=ds_exp, or one of "
+            f"scheduler.name={plain(sched.name)} has no DeepSpeed equivalent: use scheduler.owner=ds_exp, or one of "
             f"{', '.join(DEEPSPEED_SCHEDULERS)} with scheduler.owner=deepspeed"
         )
     for key in ("micro_batch_size", "gradient_accumulation_steps", "epochs", "log_every"):
@@ -149,7 +145,7 @@ def _check_numbers(cfg: DictConfig) -> list[str]:
 
 
 def _check_precision(cfg: DictConfig, accelerator: str) -> list[str]:
-    dtype = _v(cfg.precision.dtype)
+    dtype = plain(cfg.precision.dtype)
     if dtype == "fp16" and not supports_fp16(accelerator):
         return [
             f'precision=fp16: the {accelerator} accelerator cannot train in fp16 (DeepSpeed: "Type fp16 is not '
