@@ -26,9 +26,11 @@ COLUMNS = [
     "tokens_per_s",
     "samples_per_s",
     "peak_memory_mib",
+    "peak_memory_mib_per_rank",
     "train_loss",
     "perplexity",
     "wall_time_s",
+    "restarts",
     "error",
 ]
 
@@ -59,9 +61,11 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         tokens_per_s=summary.get("tokens_per_s"),
         samples_per_s=summary.get("samples_per_s"),
         peak_memory_mib=max(peaks) / 2**20 if peaks else None,
+        peak_memory_mib_per_rank=" ".join(f"{p / 2**20:.0f}" for p in peaks) or None,
         train_loss=summary.get("train_loss"),
         perplexity=final.get("perplexity"),
         wall_time_s=summary.get("wall_time_s"),
+        restarts=summary.get("restarts"),
         error=summary.get("error"),
     )
     return row

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +30,15 @@ from ds_exp.distributed import detect_launch, init_distributed
 from ds_exp.errors import RunFailed
 from ds_exp.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.run_logging import STEP_LOGGER, close_run_logging, setup_run_logging
+from ds_exp.signals import StopRequested, StopSignals
 from ds_exp.tracking import MetricsLog, WandbRun, write_json_atomic
 
 log = logging.getLogger("ds_exp.train")
 step_log = logging.getLogger(STEP_LOGGER)
 
 IGNORE_INDEX = -100
+# how a run ends with every rank alive and its state saved: finished, or stopped by a signal and resumable
+RESUMABLE_ENDS = ("completed", "stopped", "requeued")
 
 
 def token_loss_sum(logits: Any, labels: Any) -> tuple[Any, Any]:
@@ -117,9 +122,11 @@ class Trainer:
         self.is_main = self.rank == 0
         self.accelerator = detect_accelerator()
         self.backend = self.precision = None
+        self.stop = StopSignals(self.launch.launcher)
 
     # ----------------------------------------------------------------- setup
     def setup(self) -> None:
+        import torch
         import torch.distributed as dist
         from deepspeed.accelerator import get_accelerator
 
@@ -135,13 +142,14 @@ class Trainer:
         self.log_file = setup_run_logging(self.run_dir, self.rank)
         self.precision = resolved_precision(cfg.precision.dtype, self.accelerator)
         log.info(
-            "launch %s: rank %d of %d, %s backend on %s, %s",
+            "launch %s: rank %d of %d, %s backend on %s, %s, %d CPU threads",
             self.launch.launcher,
             self.rank,
             self.world,
             self.backend,
             self.accelerator,
             self.precision,
+            torch.get_num_threads(),
         )
 
     def prepare(self) -> None:
@@ -263,8 +271,11 @@ class Trainer:
             dynamic_ncols=True,
             mininterval=1.0,
         )
-        window, bad_steps = Window(), 0
+        window, bad_steps = Window(state.window_loss_sum, state.window_label_tokens), 0
         self.train_seconds, self.train_tokens, self.train_samples = 0.0, 0.0, 0.0
+        (stop_votes,) = all_reduce_sum([float(self.stop.requested)], self.device)
+        if stop_votes:  # a signal during setup: nothing trained since the last checkpoint
+            raise StopRequested(self.stop.reason, progress.step, None, self.stop.stopped_status)
         while progress.step < self.total_steps:
             sampler.set_epoch(progress.epoch)
             sampler.set_start(progress.step_in_epoch * micro * accum * self.world)  # counted over all ranks
@@ -275,7 +286,10 @@ class Trainer:
                 started = time.perf_counter()
                 batches = [next(loader) for _ in range(accum)]
                 loss_sum, labels, inputs, samples = self.train_step(batches)
-                step_loss_sum, step_labels = all_reduce_sum([loss_sum, labels], self.device)
+                # the stop vote rides on the step's loss all-reduce: every rank sees the same sum, after the same step
+                step_loss_sum, step_labels, stop_votes = all_reduce_sum(
+                    [loss_sum, labels, float(self.stop.requested)], self.device
+                )
                 step_loss = step_loss_sum / step_labels
                 progress.step += 1
                 progress.step_in_epoch += 1
@@ -303,7 +317,16 @@ class Trainer:
                 if train_cfg.eval_every and progress.step % train_cfg.eval_every == 0:
                     self.record_eval(progress)
                 if train_cfg.save_every and progress.step % train_cfg.save_every == 0:
-                    self.save(progress)
+                    self.save(progress, window)
+                if stop_votes:
+                    if progress.last_save_step != progress.step:
+                        self.save(progress, window)
+                    raise StopRequested(
+                        self.stop.reason or "a signal on another rank",
+                        progress.step,
+                        self.results["checkpoint"],
+                        self.stop.stopped_status,
+                    )
             if progress.step_in_epoch >= self.steps_per_epoch:
                 progress.epoch += 1
                 progress.step_in_epoch = 0
@@ -315,7 +338,7 @@ class Trainer:
         else:
             self.results["final"] = self.results.get("last_eval", {})
         if train_cfg.save_final_checkpoint and progress.last_save_step != progress.step:
-            self.save(progress)
+            self.save(progress, Window())
         self.results["step"] = progress.step
         self.results["epoch"] = progress.epoch
         if train_cfg.export:
@@ -349,6 +372,7 @@ class Trainer:
             "loss": loss,
             "lr": self.current_lr(),
             "grad_norm": None if grad_norm is None else float(grad_norm),
+            "step_time_s": elapsed / max(window.steps, 1),  # wall time per optimizer step over the window
             "tokens_per_s": inputs / elapsed,
             "samples_per_s": samples / elapsed,
             "peak_memory_bytes": peak_memory_bytes(self.accelerator),
@@ -376,8 +400,16 @@ class Trainer:
         self.results["last_eval"] = result
         return result
 
-    def save(self, progress: Progress) -> None:
-        state = checkpoint.TrainState(progress.step, progress.epoch, progress.step_in_epoch, self.wandb.run_id)
+    def save(self, progress: Progress, window: Window) -> None:
+        """Collective checkpoint; `window` is the metric window still open (carried over on resume)."""
+        state = checkpoint.TrainState(
+            progress.step,
+            progress.epoch,
+            progress.step_in_epoch,
+            self.wandb.run_id,
+            window.loss_sum,
+            window.label_tokens,
+        )
         path = checkpoint.save(
             self.engine, self.checkpoint_dir, state, rank=self.rank, keep_last=self.cfg.train.keep_last
         )
@@ -413,12 +445,20 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     started = time.time()
     trainer = Trainer(cfg, run_dir)
     status, error, results = "failed", None, {}
+    trainer.stop.install()
     try:
         trainer.setup()
         trainer.prepare()
         results = trainer.run()
         status = "completed"
         return results
+    except StopRequested as stopped:  # every rank agreed and the checkpoint is complete
+        status, results = stopped.status, {**trainer.results, "step": stopped.step}
+        error = f"{stopped}; " + (
+            "submitit requeues the job, which resumes from it"
+            if stopped.status == "requeued"
+            else f"continue with the same overrides plus hydra.run.dir={trainer.run_dir} resume=auto"
+        )
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
         raise
@@ -427,11 +467,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         log.exception("run failed")
         raise
     finally:
+        trainer.stop.restore()
         write_summary(trainer, status, error, results, started)
         wandb = getattr(trainer, "wandb", None)
         if wandb is not None:
             wandb.summary({"status": status})
-            wandb.finish(exit_code=0 if status == "completed" else 1)
+            wandb.finish(exit_code=0 if status in RESUMABLE_ENDS else 1)
         metrics = getattr(trainer, "metrics", None)
         if metrics is not None:
             metrics.close()
@@ -442,6 +483,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             dist.barrier()
         if trainer.rank != 0 and trainer.run_dir != run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)  # the placeholder Hydra made for this rank
+    if trainer.is_main:
+        print(f"ds_exp: {error}", file=sys.stderr)
+    trainer.stop.leave(trainer.rank)
 
 
 def write_summary(trainer: Trainer, status: str, error: str | None, results: dict[str, Any], started: float) -> None:
@@ -450,7 +494,7 @@ def write_summary(trainer: Trainer, status: str, error: str | None, results: dic
     cfg = trainer.cfg
     peak = peak_memory_bytes(trainer.accelerator)
     peaks: list[Any] = [peak]
-    if status == "completed" and dist.is_initialized():
+    if status in RESUMABLE_ENDS and dist.is_initialized():  # every rank is still here
         peaks = [None] * trainer.world
         dist.all_gather_object(peaks, peak)
     if not trainer.is_main:
@@ -483,6 +527,7 @@ def write_summary(trainer: Trainer, status: str, error: str | None, results: dic
         "checkpoint": results.get("checkpoint"),
         "export_dir": results.get("export_dir"),
         "resumed_from": results.get("resumed_from"),
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0),  # SLURM requeues of this job so far
         "log_file": str(getattr(trainer, "log_file", "")),
     }
     trainer.run_dir.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 # A one-node SLURM cluster on this machine (munge + slurmctld + slurmd), for development and the tests.
 #   sudo launchers/slurm_cluster.sh start     # needs Debian's slurm-wlm and munge (apt-get install slurm-wlm munge)
 #   launchers/slurm_cluster.sh status
+#   sudo launchers/slurm_cluster.sh restart   # after changing this script's slurm.conf
 #   sudo launchers/slurm_cluster.sh stop
 # State lives under $SLURM_DEV_DIR (default /tmp/ds_exp_slurm); accounting is off (submitit warns, and goes on).
 set -euo pipefail
@@ -24,6 +25,8 @@ SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job may start again after cred_expire seconds (default 120): short, for requeue tests
+AuthInfo=cred_expire=10
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -63,6 +66,7 @@ CONF
 stop() {
   pkill -x slurmd || true
   pkill -x slurmctld || true
+  for _ in $(seq 20); do pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || return 0; sleep 0.5; done
 }
 
 status() { sinfo; squeue; }
@@ -70,6 +74,7 @@ status() { sinfo; squeue; }
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
+  restart) stop; start ;;
   status) status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|restart|status" >&2; exit 2 ;;
 esac

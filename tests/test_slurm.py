@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.training import FAST, REPO, assert_close, multirun, report_rows, user_env
+from tests.training import FAST, REPO, assert_close, launch, multirun, report_rows, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -116,3 +116,41 @@ def test_sbatch_script_runs_one_job_over_several_tasks(slurm, tmp_path):
     assert proc.returncode == 0, proc.stderr + output[-3000:]
     summary = json.loads((tmp_path / "outputs" / "sbatch" / job_id / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["launcher"] == "slurm" and summary["world_size"] == 2
+
+
+# Long enough (about 100 s of training on 2 cores) that SLURM's warning signal, sent 30-60 s before the job's
+# 2-minute limit, always comes in the middle of training; short enough that a requeued job gets far.
+REQUEUED_RUN = [
+    *FAST,
+    "train.max_steps=3600",
+    "train.log_every=50",
+    "data.synthetic.num_train=2048",
+]
+
+
+def test_job_past_its_time_limit_is_requeued_and_ends_like_an_uninterrupted_run(slurm, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    proc = multirun(
+        tmp_path,
+        sweep_dir,
+        *REQUEUED_RUN,
+        cache,
+        "hydra/launcher=slurm",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.timeout_min=2",
+        "hydra.launcher.signal_delay_s=30",
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    job = sweep_dir / "0"
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["restarts"] >= 1 and "/checkpoints/step" in summary["resumed_from"]
+    for rank in (0, 1):  # each rank caught the signal, and they saved one checkpoint together
+        assert "caught SIGUSR2" in (job / "logs" / f"rank{rank}.log").read_text()
+
+    reference = launch(tmp_path / "reference", *REQUEUED_RUN, cache, launcher="torchrun", nproc=2)
+    assert reference.ok, reference.explain()
+    assert_close(losses(job), reference.losses, rel=1e-6)
+    assert summary["final_eval"]["eval_loss"] == pytest.approx(reference.summary["final_eval"]["eval_loss"], rel=1e-6)

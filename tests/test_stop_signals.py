@@ -1,0 +1,91 @@
+"""SIGTERM / SIGINT to a running single-process run: a checkpoint after the current step, a clean exit with
+128 + the signal, and `resume=auto` ends exactly where an uninterrupted run ends. (SLURM's time-limit signal
+and the requeue it leads to are tested on the real cluster in test_slurm.py.)"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.training import FAST, Run, assert_close, free_port, launch, user_env
+
+pytestmark = pytest.mark.slow
+
+# Metric lines every 10 steps, so a stop usually falls inside a metric window (carried over by the checkpoint).
+STOPPABLE = [*FAST, "train.max_steps=400", "train.log_every=10", "data.synthetic.num_train=1024"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache_dir) -> Run:
+    run = launch(tmp_path_factory.mktemp("uninterrupted") / "run", *STOPPABLE, cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    return run
+
+
+def logged_steps(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return 0
+    steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["type"] == "train"]
+    return max(steps, default=0)
+
+
+def start_and_signal(run_dir: Path, cache_dir: Path, signum: int, after_step: int) -> tuple[int, str]:
+    """Start a run, send `signum` once it has logged `after_step`; return its exit code and stderr."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    stderr_file = run_dir.parent / "stderr.txt"
+    with stderr_file.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ds_exp", *STOPPABLE, f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"],
+            cwd=run_dir.parent,
+            env={**user_env(), "MASTER_PORT": str(free_port())},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        deadline = time.monotonic() + 300
+        while logged_steps(run_dir) < after_step:
+            assert proc.poll() is None, f"the run ended before step {after_step}: {stderr_file.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "no progress within 300 s"
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        code = proc.wait(timeout=120)
+    return code, stderr_file.read_text()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(
+    signum, tmp_path, cache_dir, uninterrupted
+):
+    run_dir = tmp_path / "run"
+    code, stderr = start_and_signal(run_dir, cache_dir, signum, after_step=30)
+    assert code == 128 + signum, stderr[-3000:]
+    assert "Traceback" not in stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped_at = summary["steps"]
+    assert summary["status"] == "stopped" and 30 <= stopped_at < 400
+    assert summary["error"].startswith(f"stopped by {signal.Signals(signum).name} after step {stopped_at}")
+    assert f"hydra.run.dir={run_dir} resume=auto" in stderr
+    assert (run_dir / "checkpoints" / f"step{stopped_at}" / "ds_exp_complete.json").is_file()
+    assert not (run_dir / "hf_model").exists()  # nothing that looks like a finished run
+
+    resumed = launch(run_dir, *STOPPABLE, "resume=auto", cache_dir=cache_dir)
+    assert resumed.ok, resumed.explain()
+    assert resumed.summary["status"] == "completed"
+    assert resumed.summary["resumed_from"].endswith(f"step{stopped_at}")
+    # metrics.jsonl holds both parts: the same lines, every 10 steps, as the uninterrupted run
+    assert [r["step"] for r in resumed.records("train")] == [r["step"] for r in uninterrupted.records("train")]
+    assert_close(resumed.losses, uninterrupted.losses, rel=1e-6)
+    assert resumed.summary["final_eval"]["eval_loss"] == pytest.approx(
+        uninterrupted.summary["final_eval"]["eval_loss"], rel=1e-6
+    )
