@@ -1,14 +1,17 @@
 """DeepSpeed checkpoints with a completeness marker, rotation and resume.
 
-`engine.save_checkpoint` writes <dir>/<tag>/ and then <dir>/latest. A checkpoint counts as complete only
-once every rank has finished writing and rank 0 has written <tag>/ds_exp_complete.json; resume never picks
-a directory without it, so a crash in the middle of a save leaves the previous checkpoint in charge.
+`engine.save_checkpoint` writes <dir>/<tag>/. A checkpoint counts as complete only once every rank has
+finished writing and rank 0 has written <tag>/ds_exp_complete.json; only then does rank 0 point <dir>/latest
+at it (DeepSpeed's own `latest`, written before anything is known to be complete, is switched off). Resume
+never picks a directory without the marker, so a crash in the middle of a save leaves the previous checkpoint
+in charge, and `latest` still names it (for tools that read DeepSpeed's layout, such as zero_to_fp32.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -22,6 +25,10 @@ from ds_exp.tracking import write_json_atomic
 log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "ds_exp_complete.json"
+LATEST = "latest"  # DeepSpeed's name for the file that holds the newest tag
+# Fault injection for the reliability tests: DS_EXP_FAULT=save:<tag>[@<rank>] kills this process (SIGKILL, as
+# the OOM killer or a node failure would) once DeepSpeed has written checkpoint <tag>, before it is complete.
+_FAULT_ENV = "DS_EXP_FAULT"
 _TAG = re.compile(r"^step(\d+)$")
 
 
@@ -115,17 +122,38 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, kee
 
     tag = tag_for(state.step)
     path = checkpoint_dir / tag
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"ds_exp": state.as_dict()})
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"ds_exp": state.as_dict()}, save_latest=False)
     # per-rank RNG states, loadable with torch.load(weights_only=True)
     torch.save(rng_states(), path / f"rng_rank{rank}.pt")
+    inject_fault(f"save:{tag}", rank)
     dist.barrier()
     if rank == 0:
         write_json_atomic(path / COMPLETE_MARKER, state.as_dict())
+        _write_atomic(checkpoint_dir / LATEST, tag)
         for old in complete_checkpoints(checkpoint_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     log.info("saved checkpoint %s", path)
     return path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def inject_fault(point: str, rank: int) -> None:
+    """SIGKILL this process at `point` when DS_EXP_FAULT names it (and this rank, if it names one)."""
+    wanted = os.environ.get(_FAULT_ENV)
+    if not wanted:
+        return
+    name, _, only_rank = wanted.partition("@")
+    if name == point and (not only_rank or int(only_rank) == rank):
+        import signal
+
+        log.error("fault injection (%s=%s): killing rank %d", _FAULT_ENV, wanted, rank)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:

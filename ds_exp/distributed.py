@@ -222,8 +222,34 @@ def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str)
     return backend
 
 
+# What the backends say when the other end of a collective is gone (its process died or was killed).
+_PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket closed",
+    "communicator was aborted",
+    "remote process exited",
+)
+_lost_peer = False
+
+
+def is_lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` says that another rank went away in the middle of a collective."""
+    import torch.distributed as dist
+
+    text = str(exc).lower()
+    return isinstance(exc, getattr(dist, "DistNetworkError", ())) or any(s in text for s in _PEER_GONE)
+
+
+def mark_lost_peer() -> None:
+    """A rank is gone: tearing the process group down at exit could wait on it, so skip that."""
+    global _lost_peer
+    _lost_peer = True
+
+
 def _destroy_process_group() -> None:
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_initialized() and not _lost_peer:
         dist.destroy_process_group()

@@ -26,7 +26,7 @@ from ds_exp import checkpoint
 from ds_exp.accelerator import detect_accelerator, resolved_precision
 from ds_exp.config.ds_config import RunFacts, resolve_ds_config
 from ds_exp.config.schema import plain
-from ds_exp.distributed import detect_launch, init_distributed
+from ds_exp.distributed import detect_launch, init_distributed, is_lost_peer, mark_lost_peer
 from ds_exp.errors import RunFailed
 from ds_exp.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.run_logging import STEP_LOGGER, close_run_logging, setup_run_logging
@@ -45,10 +45,11 @@ def token_loss_sum(logits: Any, labels: Any) -> tuple[Any, Any]:
     """Summed next-token cross-entropy over label tokens (fp32), and how many there were."""
     import torch.nn.functional as F
 
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
+    # Shift the labels, not the logits: slicing the logits would copy them (batch x length x vocabulary) and
+    # scatter their gradient back; the padded last position is ignored like any other masked token.
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     loss = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
+        logits.float().reshape(-1, logits.size(-1)),
         shift_labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
@@ -62,6 +63,7 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def input_tokens(batch: dict[str, Any]) -> float:
+    """Counted on the host batch (before it moves to the device), so counting never syncs with the device."""
     mask = batch.get("attention_mask")
     return float(mask.sum()) if mask is not None else float(batch["input_ids"].numel())
 
@@ -91,14 +93,24 @@ def all_reduce_sum(values: list[float], device: Any) -> list[float]:
 
 @dataclass
 class Window:
-    """Sums since the last metric line, reduced over ranks when the line is written."""
+    """This rank's sums since the last metric line; reduced over ranks when the line is written, so a step
+    costs no collective of its own for them."""
 
-    loss_sum: float = 0.0
+    loss_sum: Any = 0.0  # a tensor once a step has run: read (a device sync on GPUs) only when the line is written
     label_tokens: float = 0.0
     input_tokens: float = 0.0
     samples: float = 0.0
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class StepVotes:
+    """What every rank learns at the start of a step from the one all-reduce the step makes anyway."""
+
+    global_label_tokens: float  # this step's, over all ranks and micro batches
+    stop: float  # ranks that had caught a stop signal when the step began
+    non_finite: float  # ranks whose previous step ended with a non-finite loss
 
 
 @dataclass
@@ -123,6 +135,7 @@ class Trainer:
         self.accelerator = detect_accelerator()
         self.backend = self.precision = None
         self.stop = StopSignals(self.launch.launcher)
+        self.progress: Progress | None = None  # set once the loop starts
 
     # ----------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -174,6 +187,7 @@ class Trainer:
         self.built = build_model(cfg, self.tokenizer, self.ds_config)
         self.num_parameters = sum(_numel(p) for p in self.built.model.parameters())
         self.num_trainable = sum(_numel(p) for p in self.built.model.parameters() if p.requires_grad)
+        self.check_disk_space()
         engine = build_engine(
             cfg,
             self.built.model,
@@ -185,28 +199,74 @@ class Trainer:
         self.engine, self.metric_scheduler = engine.engine, engine.metric_scheduler
         self.device = self.engine.device
 
+    def check_disk_space(self) -> None:
+        """Collective: rank 0 checks that a checkpoint and the export fit on their disks, every rank obeys."""
+        import torch.distributed as dist
+
+        from ds_exp.storage import check_free_space, checkpoint_bytes, export_bytes
+
+        train_cfg, verdict = self.cfg.train, [None]
+        if self.is_main:
+            needs: dict[Path, int] = {}
+            keys: dict[Path, str] = {}
+            if train_cfg.save_every or train_cfg.save_final_checkpoint:
+                path = self.run_dir / train_cfg.checkpoint_dir
+                needs[path] = checkpoint_bytes(self.num_parameters, self.num_trainable, self.precision)
+                keys[path] = "train.checkpoint_dir"
+            if train_cfg.export:
+                path = self.run_dir / train_cfg.export_dir
+                needs[path] = export_bytes(self.num_parameters, self.precision)
+                keys[path] = "train.export_dir"
+            try:
+                check_free_space(needs, keys)
+            except RunFailed as err:
+                verdict = [str(err)]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise RunFailed(verdict[0])
+
     # ------------------------------------------------------------------ loop
-    def train_step(self, batches: list[dict[str, Any]]) -> tuple[float, float, float, float]:
-        """One optimizer step over `accumulation` micro batches. Returns this rank's loss sum, label tokens,
-        input tokens and samples; the step's global loss is reduced by the caller."""
-        engine = self.engine
+    def train_step(self, batches: list[dict[str, Any]], previous_loss: Any) -> tuple[StepVotes, Any]:
+        """One optimizer step over `accumulation` micro batches; adds this rank's sums to `self.window`.
+
+        The step's only collective of its own sums the label tokens of the global batch (the loss is divided by
+        them), this rank's stop vote and whether its previous step's loss was non-finite. It is started before
+        the first forward and awaited before the first backward, so its latency hides behind the forward, and
+        every rank gets the same votes after the same step. Returns them and this rank's summed loss (a tensor)."""
+        import torch
+        import torch.distributed as dist
+
+        engine, window = self.engine, self.window
         scale = self.world * len(batches)  # undoes DeepSpeed's mean over ranks and micro batches
-        (global_tokens,) = all_reduce_sum([float(sum(label_tokens(b) for b in batches))], self.device)
-        if global_tokens == 0:
-            raise RunFailed("a training batch holds no label tokens: check data.max_seq_len and data.train_on_prompt")
-        loss_sum = 0.0
-        labels = inputs = samples = 0.0
+        # reading the previous step's loss here costs nothing: that step has finished on every device by now
+        previous_non_finite = previous_loss is not None and not bool(torch.isfinite(previous_loss))
+        labels_per_batch = [label_tokens(b) for b in batches]
+        local = [float(sum(labels_per_batch)), float(self.stop.requested), float(previous_non_finite)]
+        reduced = torch.tensor(local, dtype=torch.float64, device=self.device)
+        pending = dist.all_reduce(reduced, async_op=True)
+        votes: StepVotes | None = None
+        step_loss: Any = 0.0
+        window.label_tokens += sum(labels_per_batch)
         for batch in batches:
+            window.input_tokens += input_tokens(batch)
+            window.samples += batch["input_ids"].size(0)
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             out = engine(**model_inputs(batch), use_cache=False)
-            summed, count = token_loss_sum(out.logits, batch["labels"])
-            engine.backward(summed * (scale / global_tokens))
+            summed, _ = token_loss_sum(out.logits, batch["labels"])
+            if votes is None:
+                pending.wait()
+                votes = StepVotes(*reduced.tolist())
+                if votes.global_label_tokens == 0:
+                    raise RunFailed(
+                        "a training batch holds no label tokens: check data.max_seq_len and data.train_on_prompt"
+                    )
+            engine.backward(summed * (scale / votes.global_label_tokens))
             engine.step()
-            loss_sum += float(summed.detach())
-            labels += float(count)
-            inputs += input_tokens(batch)
-            samples += batch["input_ids"].size(0)
-        return loss_sum, labels, inputs, samples
+            step_loss = step_loss + summed.detach()
+        window.loss_sum = window.loss_sum + step_loss
+        window.steps += 1
+        assert votes is not None
+        return votes, step_loss
 
     def evaluate(self) -> dict[str, float]:
         """Exact over the whole eval set: summed token losses / label tokens, reduced over ranks. Ranks with
@@ -250,7 +310,7 @@ class Trainer:
         state = checkpoint.load(self.engine, resume_from, rank=self.rank) if resume_from else checkpoint.TrainState()
         self.wandb = WandbRun(cfg, self.run_dir, enabled=self.is_main, run_id=state.wandb_run_id)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
-        progress = Progress(state.step, state.epoch, state.step_in_epoch)
+        progress = self.progress = Progress(state.step, state.epoch, state.step_in_epoch)
         self.results: dict[str, Any] = {"resumed_from": str(resume_from) if resume_from else None}
 
         if train_cfg.eval_at_start and progress.step == 0:
@@ -271,7 +331,9 @@ class Trainer:
             dynamic_ncols=True,
             mininterval=1.0,
         )
-        window, bad_steps = Window(state.window_loss_sum, state.window_label_tokens), 0
+        # a resumed window's sums are over all ranks: rank 0 carries them, so the reduction counts them once
+        carried = (state.window_loss_sum, state.window_label_tokens) if self.is_main else (0.0, 0.0)
+        self.window, bad_steps, step_loss = Window(*carried), 0, None
         self.train_seconds, self.train_tokens, self.train_samples = 0.0, 0.0, 0.0
         (stop_votes,) = all_reduce_sum([float(self.stop.requested)], self.device)
         if stop_votes:  # a signal during setup: nothing trained since the last checkpoint
@@ -285,42 +347,26 @@ class Trainer:
             while progress.step_in_epoch < self.steps_per_epoch and progress.step < self.total_steps:
                 started = time.perf_counter()
                 batches = [next(loader) for _ in range(accum)]
-                loss_sum, labels, inputs, samples = self.train_step(batches)
-                # the stop vote rides on the step's loss all-reduce: every rank sees the same sum, after the same step
-                step_loss_sum, step_labels, stop_votes = all_reduce_sum(
-                    [loss_sum, labels, float(self.stop.requested)], self.device
-                )
-                step_loss = step_loss_sum / step_labels
+                votes, step_loss = self.train_step(batches, step_loss)
                 progress.step += 1
                 progress.step_in_epoch += 1
                 self.train_seconds += time.perf_counter() - started
-                bad_steps = 0 if math.isfinite(step_loss) else bad_steps + 1
+                # the votes were cast when this step began: they speak of the step before it
+                bad_steps = bad_steps + 1 if votes.non_finite else 0
                 if bad_steps:
-                    log.warning("step %d: non-finite loss %s (%d in a row)", progress.step, step_loss, bad_steps)
-                    if bad_steps > train_cfg.max_bad_steps:
-                        raise RunFailed(
-                            f"{bad_steps} optimizer steps in a row ended with a non-finite loss (last: step "
-                            f"{progress.step}); lower optimizer.lr or use precision=bf16/fp32 "
-                            f"(train.max_bad_steps={train_cfg.max_bad_steps})"
-                        )
-                window.loss_sum += step_loss_sum
-                window.label_tokens += step_labels
-                window.input_tokens += inputs
-                window.samples += samples
-                window.steps += 1
+                    self.report_non_finite(progress.step - 1, bad_steps)
                 if self.metric_scheduler is not None and _schedule_name(cfg) == "greedy":
-                    self.metric_scheduler.step(step_loss)
+                    self.metric_scheduler.step(self.global_step_loss(step_loss, batches))
                 bar.update(1)
                 if progress.step % train_cfg.log_every == 0 or progress.step == self.total_steps:
-                    self.record_train(progress, window, bar)
-                    window = Window()
+                    self.record_train(progress, bar)
                 if train_cfg.eval_every and progress.step % train_cfg.eval_every == 0:
                     self.record_eval(progress)
                 if train_cfg.save_every and progress.step % train_cfg.save_every == 0:
-                    self.save(progress, window)
-                if stop_votes:
+                    self.save(progress)
+                if votes.stop:
                     if progress.last_save_step != progress.step:
-                        self.save(progress, window)
+                        self.save(progress)
                     raise StopRequested(
                         self.stop.reason or "a signal on another rank",
                         progress.step,
@@ -338,7 +384,7 @@ class Trainer:
         else:
             self.results["final"] = self.results.get("last_eval", {})
         if train_cfg.save_final_checkpoint and progress.last_save_step != progress.step:
-            self.save(progress, Window())
+            self.save(progress)
         self.results["step"] = progress.step
         self.results["epoch"] = progress.epoch
         if train_cfg.export:
@@ -358,12 +404,32 @@ class Trainer:
         return self.results
 
     # ------------------------------------------------------------ recording
-    def record_train(self, progress: Progress, window: Window, bar: Any) -> None:
-        elapsed = max(time.perf_counter() - window.started, 1e-9)
-        inputs, samples = all_reduce_sum([window.input_tokens, window.samples], self.device)
+    def report_non_finite(self, step: int, in_a_row: int) -> None:
+        log.warning("step %d: non-finite loss (%d steps in a row)", step, in_a_row)
+        max_bad = self.cfg.train.max_bad_steps
+        if in_a_row > max_bad:
+            raise RunFailed(
+                f"{in_a_row} optimizer steps in a row ended with a non-finite loss (last: step {step}); lower "
+                f"optimizer.lr or use precision=bf16/fp32 (train.max_bad_steps={max_bad})"
+            )
+
+    def global_step_loss(self, step_loss: Any, batches: list[dict[str, Any]]) -> float:
+        """The step's loss over all ranks: an extra collective, made only for schedules that need it (greedy)."""
+        loss_sum, labels = all_reduce_sum([float(step_loss), float(sum(label_tokens(b) for b in batches))], self.device)
+        return loss_sum / max(labels, 1.0)
+
+    def record_train(self, progress: Progress, bar: Any) -> None:
+        """Write the metric line of the window that ends here and open the next one. The next window starts
+        now, so the cost of writing this line is counted in the step time of the steps after it."""
+        window, now = self.window, time.perf_counter()
+        self.window = Window(started=now)
+        elapsed = max(now - window.started, 1e-9)
+        loss_sum, labels, inputs, samples = all_reduce_sum(
+            [float(window.loss_sum), window.label_tokens, window.input_tokens, window.samples], self.device
+        )
         self.train_tokens += inputs
         self.train_samples += samples
-        loss = window.loss_sum / max(window.label_tokens, 1.0)
+        loss = loss_sum / max(labels, 1.0)
         grad_norm = self.engine.get_global_grad_norm()
         record = {
             "type": "train",
@@ -400,21 +466,39 @@ class Trainer:
         self.results["last_eval"] = result
         return result
 
-    def save(self, progress: Progress, window: Window) -> None:
-        """Collective checkpoint; `window` is the metric window still open (carried over on resume)."""
+    def save(self, progress: Progress) -> None:
+        """Collective checkpoint. The metric window still open travels with it (summed over ranks), so a resumed
+        run's next metric line covers the same steps as an uninterrupted run's."""
+        window_loss_sum, window_labels = all_reduce_sum(
+            [float(self.window.loss_sum), self.window.label_tokens], self.device
+        )
         state = checkpoint.TrainState(
             progress.step,
             progress.epoch,
             progress.step_in_epoch,
             self.wandb.run_id,
-            window.loss_sum,
-            window.label_tokens,
+            window_loss_sum,
+            window_labels,
         )
-        path = checkpoint.save(
-            self.engine, self.checkpoint_dir, state, rank=self.rank, keep_last=self.cfg.train.keep_last
-        )
+        try:
+            path = checkpoint.save(
+                self.engine, self.checkpoint_dir, state, rank=self.rank, keep_last=self.cfg.train.keep_last
+            )
+        except OSError as exc:
+            from ds_exp.storage import save_failure_message
+
+            tag_dir = self.checkpoint_dir / checkpoint.tag_for(progress.step)
+            message = save_failure_message(exc, tag_dir)
+            if message is None:
+                raise
+            if self.is_main:
+                shutil.rmtree(tag_dir, ignore_errors=True)  # never complete: give its space back
+            raise RunFailed(message) from exc
         progress.last_save_step = progress.step
         self.results["checkpoint"] = str(path)
+
+    def progress_note(self) -> str:
+        return f"step {self.progress.step}" if self.progress is not None else "setup"
 
     def current_lr(self) -> float:
         lrs = self.engine.get_lr()
@@ -464,6 +548,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         raise
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
+        if trainer.world > 1 and is_lost_peer(exc):
+            # a rank died or was killed: the others learn it from their next collective and leave at once
+            mark_lost_peer()
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            error = (
+                f"lost contact with another rank at {trainer.progress_note()} ({first_line}): it died or was "
+                f"killed, see the other ranks' logs in {trainer.run_dir / 'logs'}; continue from the last complete "
+                f"checkpoint with the same overrides plus hydra.run.dir={trainer.run_dir} resume=auto"
+            )
+            log.error("%s", error)
+            raise RunFailed(error) from exc
         log.exception("run failed")
         raise
     finally:
@@ -517,7 +612,7 @@ def write_summary(trainer: Trainer, status: str, error: str | None, results: dic
         "parameters": getattr(trainer, "num_parameters", None),
         "trainable_parameters": getattr(trainer, "num_trainable", None),
         "total_steps": getattr(trainer, "total_steps", None),
-        "steps": results.get("step"),
+        "steps": results.get("step", trainer.progress.step if trainer.progress else None),
         "train_loss": results.get("last_train_loss"),
         "initial_eval": results.get("initial"),
         "final_eval": results.get("final"),

@@ -115,7 +115,7 @@ def _check_numbers(cfg: DictConfig) -> list[str]:
         problems.append(
             f"train.max_steps={train.max_steps}: give a positive number of steps, or -1 to use train.epochs"
         )
-    for key in ("eval_every", "save_every", "keep_last"):
+    for key in ("eval_every", "save_every", "keep_last", "max_bad_steps"):
         if train[key] < 0:
             problems.append(f"train.{key}={train[key]}: must be >= 0")
     if train.gradient_clipping < 0:

@@ -1,0 +1,103 @@
+"""Where a run writes, checked before any heavy work: directories that can be written, and room on the disk.
+
+* `check_writable` runs before Hydra creates the run (or sweep) directory (the `CheckOutputDir` callback), so
+  an unwritable `hydra.run.dir` gets one message instead of Hydra's traceback.
+* `check_free_space` runs once the model is built and before the first step: one checkpoint plus the export
+  must fit on the disk that holds them. A disk that fills up later is caught when a save fails
+  (`save_failure_message`): the checkpoint is never marked complete, so resume never picks it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from ds_exp.errors import ConfigError, RunFailed
+from ds_exp.memory import human_bytes
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable(path: Path, key: str) -> None:
+    """`path` is, or can be created as, a directory this process can write to."""
+    existing = _existing_ancestor(path)
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={path}: {existing} is a file, not a directory; point {key} at a directory")
+    read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    if read_only or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only file system" if read_only else "is not writable by this user"
+        raise ConfigError(f"{key}={path}: {existing} {why}; point {key} at a writable directory")
+
+
+def checkpoint_bytes(parameters: int, trainable: int, precision: str) -> int:
+    """About what one DeepSpeed checkpoint takes: the weights in the training dtype, plus the fp32 master
+    weights and the two Adam moments of every trainable parameter (12 bytes each)."""
+    weight = 4 if precision == "fp32" else 2
+    return parameters * weight + trainable * 12
+
+
+def export_bytes(parameters: int, precision: str) -> int:
+    return parameters * (4 if precision == "fp32" else 2)
+
+
+def check_free_space(needs: dict[Path, int], keys: dict[Path, str]) -> None:
+    """Each file system must have room for what is bound for it (paths on one file system add up)."""
+    per_device: dict[int, tuple[Path, int]] = {}
+    for path, size in needs.items():
+        existing = _existing_ancestor(path)
+        device = existing.stat().st_dev
+        first, total = per_device.get(device, (path, 0))
+        per_device[device] = (first, total + size)
+    for path, needed in per_device.values():
+        free = _free_bytes(_existing_ancestor(path))
+        if free < needed:
+            raise RunFailed(
+                f"not enough disk space for {keys[path]}={path}: {human_bytes(free)} free, one checkpoint and the "
+                f"export need about {human_bytes(needed)}; free some space or point {keys[path]} at a larger disk"
+            )
+
+
+def _free_bytes(path: Path) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def save_failure_message(exc: BaseException, tag_dir: Path) -> str | None:
+    """A person's message for a save that failed for lack of room or rights; None for other failures."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        return None
+    return (
+        f"could not write checkpoint {tag_dir} ({os.strerror(exc.errno)}); it is incomplete and will never be "
+        f"resumed from. Free some space (or fix the directory), then continue from the last complete checkpoint "
+        f"with resume=auto"
+    )
+
+
+class CheckOutputDir(Callback):
+    """Hydra callback: the run / sweep directory must be writable before Hydra creates it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _exit_on_error(lambda: check_writable(Path(str(config.hydra.run.dir)), "hydra.run.dir"))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _exit_on_error(lambda: check_writable(Path(str(config.hydra.sweep.dir)), "hydra.sweep.dir"))
+
+
+def _exit_on_error(check: Any) -> None:
+    from ds_exp.cli import report_user_error
+
+    try:
+        check()
+    except ConfigError as err:
+        report_user_error(err)
+        raise SystemExit(err.exit_code) from None

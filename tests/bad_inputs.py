@@ -1,0 +1,272 @@
+"""The bad-input catalogue: every case is a command a user could type (and the files it reads), with what the
+one-message answer must say. tests/test_bad_inputs.py runs each case; `python -m tests.bad_inputs` runs them
+all and writes docs/bad_inputs.md with the messages ds_exp actually prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.training import REPO, user_env
+
+GOOD_ROW = {"prompt": "What is 2+2?", "chosen": "4"}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    kind: str  # config value | combination | path | DeepSpeed JSON | data row | launch
+    args: tuple[str, ...]  # after `python -m ds_exp`; {tmp} is the case's scratch directory
+    expect: tuple[str, ...]  # fragments the message must hold (what is wrong, and the fix)
+    files: dict[str, str] = field(default_factory=dict)  # name -> content, written into {tmp} first
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def jsonl(*rows: object) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+def local_data(name: str = "sft.jsonl") -> tuple[str, ...]:
+    return ("data=local", f"data.sources.0.path={{tmp}}/{name}", "train.max_steps=2")
+
+
+CASES: list[Case] = [
+    # --- config values: the typed schema (while Hydra composes) and the semantic checks
+    Case("micro batch 0", "config value", ("train.micro_batch_size=0",), ("train.micro_batch_size=0", ">= 1")),
+    Case("micro batch not a number", "config value", ("train.micro_batch_size=abc",), ("train.micro_batch_size",)),
+    Case("unknown key", "config value", ("train.micro_batchsize=4",), ("micro_batchsize",)),
+    Case("unknown option", "config value", ("zero=stage5",), ("zero/stage5", "stage3")),
+    Case("bad enum value", "config value", ("precision.dtype=fp8",), ("fp8", "bf16")),
+    Case("negative learning rate", "config value", ("optimizer.lr=-1",), ("optimizer.lr=-1", "must be > 0")),
+    Case("beta out of range", "config value", ("optimizer.betas=[0.9,1.5]",), ("optimizer.betas", "[0, 1)")),
+    Case("negative eps", "config value", ("optimizer.eps=0",), ("optimizer.eps=0", "must be > 0")),
+    Case("negative LoRA dim", "config value", ("lora.dim=-4",), ("lora.dim=-4", "lora.dim=64")),
+    Case("LoRA dropout 1.5", "config value", ("lora.dim=8", "lora.dropout=1.5"), ("lora.dropout=1.5", "[0, 1)")),
+    Case("warmup ratio 1.5", "config value", ("scheduler.warmup_ratio=1.5",), ("scheduler.warmup_ratio", "[0, 1)")),
+    Case("max_steps 0", "config value", ("train.max_steps=0",), ("train.max_steps=0", "-1")),
+    Case("negative clipping", "config value", ("train.gradient_clipping=-1",), ("train.gradient_clipping", ">= 0")),
+    Case("timeout 0", "config value", ("dist.timeout_minutes=0",), ("dist.timeout_minutes=0", ">= 1")),
+    Case("max_bad_steps negative", "config value", ("train.max_bad_steps=-1",), ("train.max_bad_steps=-1", ">= 0")),
+    # --- combinations
+    Case(
+        "parameter offload below stage 3",
+        "combination",
+        ("zero=stage2", "offload=cpu_all"),
+        ("offload.param=cpu needs ZeRO stage 3", "zero=stage3"),
+    ),
+    Case(
+        "optimizer offload at stage 0",
+        "combination",
+        ("zero=stage0", "offload=cpu"),
+        ("offload.optimizer=cpu needs ZeRO stage 1", "zero=stage1"),
+    ),
+    Case("NVMe offload without a path", "combination", ("zero=stage3", "offload=nvme"), ("offload.nvme_path",)),
+    Case("fp16 on a CPU", "combination", ("precision=fp16",), ("precision=fp16", "precision=bf16")),
+    Case(
+        "warmup steps and ratio",
+        "combination",
+        ("scheduler.warmup_steps=10", "scheduler.warmup_ratio=0.1"),
+        ("both set", "keep one"),
+    ),
+    Case(
+        "DeepSpeed-owned polynomial schedule",
+        "combination",
+        ("scheduler=polynomial", "scheduler.owner=deepspeed"),
+        ("no DeepSpeed equivalent", "scheduler.owner=ds_exp"),
+    ),
+    Case(
+        "global batch not a multiple",
+        "combination",
+        ("train.global_batch_size=30", "train.micro_batch_size=16"),
+        ("train.global_batch_size=30", "use auto"),
+    ),
+    # --- paths
+    Case(
+        "model directory missing",
+        "path",
+        ("model.name_or_path=/nonexistent/model",),
+        ("model.name_or_path=/nonexistent/model", "directory not found"),
+    ),
+    Case(
+        "model directory without config.json",
+        "path",
+        ("model.name_or_path={tmp}/empty_model",),
+        ("has no config.json", "Hugging Face checkpoint directory"),
+        files={"empty_model/README": "not a model\n"},
+    ),
+    Case("resume path missing", "path", ("resume=/nonexistent/run",), ("resume=/nonexistent/run", "resume=auto")),
+    Case(
+        "resume from a run without checkpoints",
+        "path",
+        ("resume={tmp}/old_run",),
+        ("no complete checkpoint", "step<N>"),
+        files={"old_run/metrics.jsonl": ""},
+    ),
+    Case(
+        "run directory under a file",
+        "path",
+        ("hydra.run.dir={tmp}/a_file/run",),
+        ("hydra.run.dir", "is a file, not a directory"),
+        files={"a_file": "x\n"},
+    ),
+    Case(
+        "data file missing",
+        "path",
+        local_data("missing.jsonl"),
+        ("data.sources.0", "missing.jsonl"),
+    ),
+    # --- DeepSpeed JSON files
+    Case(
+        "DeepSpeed config missing",
+        "DeepSpeed JSON",
+        ("deepspeed.config_file={tmp}/nope.json",),
+        ("deepspeed.config_file", "file not found"),
+    ),
+    Case(
+        "DeepSpeed config not JSON",
+        "DeepSpeed JSON",
+        ("deepspeed.config_file={tmp}/ds.json",),
+        ("is not valid JSON", "line 1"),
+        files={"ds.json": '{"zero_optimization": {"stage": 2,}}\n'},
+    ),
+    Case(
+        "DeepSpeed config a list",
+        "DeepSpeed JSON",
+        ("deepspeed.config_file={tmp}/ds.json",),
+        ("top level must be a JSON object",),
+        files={"ds.json": "[1, 2]\n"},
+    ),
+    Case(
+        "DeepSpeed config disagrees",
+        "DeepSpeed JSON",
+        ("deepspeed.config_file={tmp}/ds.json", "train.micro_batch_size=4"),
+        ("train_micro_batch_size_per_gpu=3", '"auto"'),
+        files={"ds.json": json.dumps({"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.5})},
+    ),
+    Case(
+        "DeepSpeed config fp16 and bf16",
+        "DeepSpeed JSON",
+        ("deepspeed.config_file={tmp}/ds.json",),
+        ("fp16.enabled and bf16.enabled are both true", "pick one"),
+        files={"ds.json": json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}})},
+    ),
+    Case(
+        "DeepSpeed config ZeRO stage 7",
+        "DeepSpeed JSON",
+        ("deepspeed.config_file={tmp}/ds.json",),
+        ("ZeRO stage must be 0, 1, 2 or 3",),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 7}})},
+    ),
+    # --- data rows (read once the run starts, before the model is built)
+    Case(
+        "malformed JSON line",
+        "data row",
+        local_data(),
+        ("sft.jsonl:2", "not valid JSON"),
+        files={"sft.jsonl": jsonl(GOOD_ROW, '{"prompt": "x", "chosen": ', GOOD_ROW)},
+    ),
+    Case(
+        "row not an object",
+        "data row",
+        local_data(),
+        ("sft.jsonl:2", "expected a JSON object per line"),
+        files={"sft.jsonl": jsonl(GOOD_ROW, "[1, 2]", GOOD_ROW)},
+    ),
+    Case(
+        "prompt column missing",
+        "data row",
+        local_data(),
+        ("prompt_field=prompt", "column not found", "question"),
+        files={"sft.jsonl": jsonl({"question": "q", "chosen": "a"}, {"question": "r", "chosen": "b"})},
+    ),
+    Case(
+        "non-text prompt",
+        "data row",
+        local_data(),
+        ("prompt_field", "not text"),
+        files={"sft.jsonl": jsonl({"prompt": 7, "chosen": "a"}, {"prompt": 8, "chosen": "b"})},
+    ),
+    Case(
+        "max_seq_len too short",
+        "data row",
+        ("data.max_seq_len=4", "train.max_steps=2"),
+        ("data.max_seq_len=4", "raise data.max_seq_len"),
+    ),
+    # --- launch
+    Case(
+        "sweep under torchrun",
+        "launch",
+        ("-m", "zero=stage0,stage1"),
+        ("-m/--multirun under torchrun", "hydra/launcher=slurm"),
+        env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+    ),
+]
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stdout: str
+    stderr: str
+    tmp: Path
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_case(case: Case, tmp: Path) -> Outcome:
+    """`python -m ds_exp ARGS` in `tmp` (outputs land there) after writing the case's files."""
+    for name, content in case.files.items():
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    args = [a.replace("{tmp}", str(tmp)) for a in case.args]
+    if not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
+        args.append(f"hydra.run.dir={tmp}/run")
+    args.append(f"data.cache_dir={tmp}/cache")
+    env = {**user_env(), **case.env, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_exp", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=300
+    )
+    return Outcome(proc.returncode, proc.stdout, proc.stderr, tmp)
+
+
+def message_of(outcome: Outcome) -> str:
+    """The message a person reads: ds_exp's error lines, or Hydra's when composition failed."""
+    lines = [line for line in outcome.stderr.splitlines() if line.strip()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("ds_exp: error")), 0)
+    kept = [line for line in lines[start:] if "HYDRA_FULL_ERROR" not in line]
+    return "\n".join(kept)
+
+
+def write_docs(path: Path) -> None:
+    import tempfile
+
+    rows = []
+    for case in CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            outcome = run_case(case, Path(tmp))
+        message = message_of(outcome).replace(str(tmp), "<tmp>").replace("|", "\\|").replace("\n", "<br>")
+        command = " ".join(a.replace("{tmp}", "<tmp>") for a in case.args)
+        rows.append(f"| {case.kind} | {case.id} | `{command}` | {outcome.returncode} | {message} |")
+    header = [
+        "# Bad inputs and what ds_exp says",
+        "",
+        "Every row is a case of `tests/bad_inputs.py`, run by `tests/test_bad_inputs.py`: the command after",
+        "`python -m ds_exp` (`<tmp>` holds the files the case writes), the exit status and the message printed.",
+        "Each exits non-zero, prints no traceback (`HYDRA_FULL_ERROR=1` shows it) and leaves nothing that looks",
+        "like a finished run. Regenerate with `python -m tests.bad_inputs`.",
+        "",
+        "| kind | case | command | exit | message |",
+        "|---|---|---|---|---|",
+    ]
+    path.write_text("\n".join(header + rows) + "\n")
+
+
+if __name__ == "__main__":
+    write_docs(REPO / "docs" / "bad_inputs.md")
+    print(f"wrote {REPO / 'docs' / 'bad_inputs.md'} ({len(CASES)} cases)")

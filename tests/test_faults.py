@@ -1,0 +1,189 @@
+"""Faults injected for real: a rank killed with SIGKILL in a 2-rank run, a process killed in the middle of
+writing a checkpoint, and non-finite losses. Each time nothing is lost: `resume=auto` continues from the last
+complete checkpoint and ends with the uninterrupted run's weights. (SIGTERM / SIGINT: test_stop_signals.py;
+SLURM's time limit: test_slurm.py; disks and directories: test_disk_faults.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.training import FAST, REPO, Run, assert_close, free_port, launch, user_env
+
+pytestmark = pytest.mark.slow
+
+# Checkpoints every 20 steps, metric lines every 10, an export to compare final weights.
+RESUMABLE = [
+    *FAST,
+    "train.max_steps=100",
+    "train.log_every=10",
+    "train.save_every=20",
+    "train.keep_last=3",
+    "train.export=true",
+    "data.synthetic.num_train=1024",
+]
+
+
+def exported_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted((run_dir / "hf_model").glob("*.safetensors"))
+    assert files, f"no safetensors export in {run_dir / 'hf_model'}"
+    weights: dict = {}
+    for file in files:
+        weights.update(load_file(file))
+    return weights
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    import torch
+
+    wa, wb = exported_weights(a), exported_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-6, atol=1e-7, msg=f"{name} differs")
+
+
+def logged_steps(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return 0
+    steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["type"] == "train"]
+    return max(steps, default=0)
+
+
+def pids_with(tag: str, rank: int) -> list[int]:
+    """Processes started with DS_EXP_TEST_TAG=tag that are rank `rank` of their launch."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"DS_EXP_TEST_TAG={tag}".encode() in environ and f"RANK={rank}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_2ranks(tmp_path_factory, cache_dir) -> Run:
+    run = launch(
+        tmp_path_factory.mktemp("uninterrupted2") / "run", *RESUMABLE, launcher="torchrun", nproc=2, cache_dir=cache_dir
+    )
+    assert run.ok, run.explain()
+    return run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_1rank(tmp_path_factory, cache_dir) -> Run:
+    run = launch(tmp_path_factory.mktemp("uninterrupted1") / "run", *RESUMABLE, cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    return run
+
+
+def test_sigkill_of_one_rank_fails_fast_and_resume_ends_like_an_uninterrupted_run(
+    tmp_path, cache_dir, uninterrupted_2ranks
+):
+    run_dir = tmp_path / "run"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex
+    env = {**user_env(), "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "DS_EXP_TEST_TAG": tag}
+    cmd = [str(REPO / "launchers" / "torchrun.sh"), "2", *RESUMABLE, f"hydra.run.dir={run_dir}"]
+    cmd.append(f"data.cache_dir={cache_dir}")
+    log_file = tmp_path / "launch.log"
+    with log_file.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while logged_steps(run_dir) < 50:  # checkpoints at steps 20 and 40 are complete by then
+            assert proc.poll() is None, log_file.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no progress within 300 s"
+            time.sleep(0.05)
+        victims = pids_with(tag, rank=1)
+        assert len(victims) == 1, victims
+        os.kill(victims[0], signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - killed
+    output = log_file.read_text()
+    assert code != 0, output[-3000:]
+    assert took < 60, f"the launch took {took:.0f} s to end after rank 1 died"
+    assert not pids_with(tag, rank=0), "rank 0 outlived the launch"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed", summary
+    assert "lost contact with another rank" in summary["error"], summary["error"]
+    assert "resume=auto" in summary["error"]
+    assert not (run_dir / "hf_model").exists()  # nothing that looks like a finished run
+
+    resumed = launch(run_dir, *RESUMABLE, "resume=auto", launcher="torchrun", nproc=2, cache_dir=cache_dir)
+    assert resumed.ok, resumed.explain()
+    assert resumed.summary["status"] == "completed"
+    assert resumed.summary["resumed_from"].endswith("step40")
+    assert_close(resumed.losses[-5:], uninterrupted_2ranks.losses[-5:], rel=1e-6)
+    assert_same_weights(run_dir, uninterrupted_2ranks.run_dir)
+
+
+def test_kill_while_saving_leaves_the_previous_checkpoint_in_charge(tmp_path, cache_dir, uninterrupted_1rank):
+    run_dir = tmp_path / "run"
+    # SIGKILL once DeepSpeed has written step40's files, before the checkpoint is marked complete
+    crashed = launch(run_dir, *RESUMABLE, cache_dir=cache_dir, env={"DS_EXP_FAULT": "save:step40"})
+    assert crashed.proc.returncode == -signal.SIGKILL, crashed.explain()
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "step40").is_dir() and any((checkpoints / "step40").iterdir())
+    assert not (checkpoints / "step40" / "ds_exp_complete.json").exists()
+    assert (checkpoints / "latest").read_text().strip() == "step20"  # DeepSpeed's pointer names the complete one
+    assert not (run_dir / "hf_model").exists()
+
+    resumed = launch(run_dir, *RESUMABLE, "resume=auto", cache_dir=cache_dir)
+    assert resumed.ok, resumed.explain()
+    assert resumed.summary["resumed_from"].endswith("step20")
+    assert (checkpoints / "latest").read_text().strip() == "step100"
+    assert_close(resumed.losses[-5:], uninterrupted_1rank.losses[-5:], rel=1e-6)
+    assert_same_weights(run_dir, uninterrupted_1rank.run_dir)
+
+
+def test_a_run_that_keeps_producing_nan_stops_with_the_step_named(tmp_path, cache_dir):
+    # a learning rate this large overflows fp32 within a few steps: every later loss is NaN
+    run = launch(
+        tmp_path / "run",
+        *FAST,
+        "train.max_steps=60",
+        "optimizer.lr=1e8",
+        "train.gradient_clipping=0",
+        "train.max_bad_steps=3",
+        cache_dir=cache_dir,
+    )
+    assert run.proc.returncode == 1, run.explain()
+    assert "Traceback" not in run.proc.stderr
+    summary = run.summary
+    assert summary["status"] == "failed"
+    assert "4 optimizer steps in a row ended with a non-finite loss" in summary["error"]
+    assert "train.max_bad_steps=3" in summary["error"]
+    log_text = (run.run_dir / "logs" / "rank0.log").read_text()
+    assert "non-finite loss (1 steps in a row)" in log_text
+
+
+@pytest.mark.gpu
+def test_fp16_overflow_skips_steps_without_failing(tmp_path, cache_dir):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("fp16 needs CUDA (DeepSpeed's CPU accelerator refuses fp16)")
+    run = launch(tmp_path / "run", *FAST, "precision=fp16", "precision.initial_scale_power=32", cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    assert run.records("train")[-1]["skipped_steps"] > 0
+    assert "skipped" in (run.run_dir / "logs" / "rank0.log").read_text()
