@@ -1,6 +1,7 @@
-"""`python -m bench`: ds_exp's CPU benchmarks, one after another; each prints its table and writes
-bench/results/<name>.json. `python -m bench --quick` is a short smoke run; `python -m bench step_time memory`
-runs only those. These measure; they assert nothing (the tests do that)."""
+"""`python -m bench`: ds_exp's benchmarks, one after another; each prints its table and writes
+bench/results/<name>.json. The CPU set runs anywhere; gpu_throughput runs on CUDA and says it skipped
+elsewhere. `python -m bench --quick` is a short smoke run; `python -m bench step_time memory` runs only those.
+These measure; they assert nothing (the tests do that)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 BENCHMARKS = {
     "startup": "launch to first step, and the light commands (--help, --cfg job, dry run, sweep validation)",
     "step_time": "steady-state step time: ds_exp vs a bare DeepSpeed loop vs HF Trainer, ZeRO 0-3, 2 ranks",
+    "step_overhead": "ds_exp's per-step overhead over a bare step, paired in the same processes, ZeRO 0-3",
     "tokenize_data": "tokenization of 100k examples, cold and cached, vs a bare datasets.map; peak memory",
     "memory": "per-rank parameter, gradient and optimizer-state bytes at ZeRO 0-3 vs formulas and estimators",
     "gpu_throughput": "CUDA only (skipped without): tokens/s and MFU of a ~1B model, bf16, ZeRO 2/3, vs Trainer",

@@ -1,7 +1,8 @@
 """Steady-state optimizer-step time of ds_exp against a bare DeepSpeed loop (the floor) and Hugging Face's
 Trainer, with the same model, data, micro batches and DeepSpeed config, 2 CPU ranks under torchrun, ZeRO 0-3.
 
-    python -m bench.step_time            # the benchmark (12 launches, about 5 minutes on 2 cores)
+    python -m bench.step_time            # the benchmark (12 launches, about 4 minutes on 2 cores)
+    python -m bench.step_time --before 3fc6147 --stages 0 2   # also ds_exp at an earlier commit
     python -m bench.step_time --quick    # smoke run: stage 0, few steps (bench/results/step_time_quick.json)
 
 For each stage, in this order (never two multi-process jobs at once):
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -34,10 +36,11 @@ MICRO_BATCH = 16  # ds_exp's default: ~0.1 s steps on 2 cores, well above timer 
 STAGES = (0, 1, 2, 3)
 # Each launch spends ~15-20 s starting up (imports, rendezvous, data, model, engine) on this 2-core machine;
 # 60 steps of ~0.05-0.2 s leave 10 windows of 5 steps after warm-up (the first 10 steps run slower: allocator
-# and autograd caches, DeepSpeed's first steps). Launches vary by a few percent from one to the next on a
-# shared 2-core machine, so each method is launched REPS times, interleaved (ds_exp, bare, Trainer, ds_exp,
-# ...), and its windows are pooled.
-STEPS, WINDOW, WARMUP_WINDOWS, REPS = 60, 5, 2, 2
+# and autograd caches, DeepSpeed's first steps). Launches vary by several percent from one to the next on a
+# 2-core machine (which core a rank lands on, the machine's slow spells): REPS > 1 launches each method REPS
+# times, interleaved (ds_exp, bare, Trainer, ds_exp, ...), and pools their windows; the default of 1 keeps
+# `python -m bench` within 15 minutes, and bench/step_overhead.py pairs steps within one launch instead.
+STEPS, WINDOW, WARMUP_WINDOWS, REPS = 60, 5, 2, 1
 QUICK_STAGES, QUICK_STEPS = (0,), 15
 METHODS = ("ds_exp", "bare", "hf_trainer")
 SCRIPTS = {"bare": "bench.bare_loop", "hf_trainer": "bench.hf_trainer"}
@@ -56,6 +59,8 @@ class Setup:
     warmup_windows: int = WARMUP_WINDOWS
     reps: int = REPS
     overrides: tuple[str, ...] = (f"train.micro_batch_size={MICRO_BATCH}",)
+    # a checkout of an earlier ds_exp to time beside this one ("ds_exp_before"): the before of a speed-up
+    before_src: Path | None = None
 
 
 def shared_overrides(setup: Setup, stage: int, cache_dir: Path) -> list[str]:
@@ -97,13 +102,15 @@ def median(values: Sequence[float]) -> float | None:
     return stats(values).get("median") if values else None
 
 
-def measure_ds_exp(setup: Setup, stage: int, rep: int, work: Path, cache: Path) -> dict[str, Any]:
-    """One launch of ds_exp; every metric line's step_time_s (wall time per optimizer step between two metric
-    lines, writing the line included) is one window."""
-    run_dir = work / f"ds_exp_stage{stage}_rep{rep}"
+def measure_ds_exp(
+    setup: Setup, stage: int, rep: int, work: Path, cache: Path, src: Path = REPO, name: str = "ds_exp"
+) -> dict[str, Any]:
+    """One launch of ds_exp (from the checkout `src`); every metric line's step_time_s (wall time per optimizer
+    step between two metric lines) is one window."""
+    run_dir = work / f"{name}_stage{stage}_rep{rep}"
     overrides = [*shared_overrides(setup, stage, cache), *ds_exp_overrides(setup.steps, run_dir)]
     cmd = torchrun(setup.nproc, "-m", "ds_exp", *overrides)
-    wall, _ = run(cmd, cwd=work, timeout=600)
+    wall, _ = run(cmd, cwd=work, timeout=600, PYTHONPATH=str(src))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r["type"] == "train"][setup.warmup_windows :]
     return {
@@ -168,7 +175,8 @@ def pooled(launches: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure_stage(setup: Setup, stage: int, work: Path, cache: Path) -> dict[str, Any]:
     """All methods, `setup.reps` launches each, interleaved so that slow spells of the machine hit all three."""
-    launches: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+    methods = (*METHODS, "ds_exp_before") if setup.before_src else METHODS
+    launches: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     ds_config: Path | None = None
     for rep in range(setup.reps):
         first = measure_ds_exp(setup, stage, rep, work, cache)
@@ -177,8 +185,14 @@ def measure_stage(setup: Setup, stage: int, work: Path, cache: Path) -> dict[str
         launches["ds_exp"].append(first)
         for method in ("bare", "hf_trainer"):
             launches[method].append(measure_script(method, setup, stage, rep, work, cache, ds_config))
+        if setup.before_src:
+            before = measure_ds_exp(setup, stage, rep, work, cache, setup.before_src, "ds_exp_before")
+            before.pop("ds_config")
+            launches["ds_exp_before"].append(before)
     assert ds_config is not None
-    res: dict[str, Any] = {m: pooled(launches[m]) for m in METHODS}
+    res: dict[str, Any] = {m: pooled(launches[m]) for m in methods}
+    if setup.before_src:
+        res["ds_exp_before/bare"] = ratio(res["ds_exp_before"], res["bare"])
     res["ds_config"] = json.loads(ds_config.read_text())
     res["ds_exp/bare"] = ratio(res["ds_exp"], res["bare"])
     res["ds_exp/Trainer"] = ratio(res["ds_exp"], res["hf_trainer"])
@@ -315,7 +329,29 @@ def main(quick: bool = False) -> dict[str, Any]:
     return payload
 
 
+def before_and_after(ref: str, stages: Sequence[int]) -> dict[str, Any]:
+    """ds_exp at git `ref` beside this checkout, the bare loop and the Trainer, interleaved: the before and
+    after of a speed-up (bench/results/step_time_before_after.json)."""
+    with tempfile.TemporaryDirectory(prefix="ds_exp_before_") as tmp:
+        src = Path(tmp) / "src"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(src), ref], check=True)
+        try:
+            payload = compare(Setup(before_src=src), stages, describe={"before": ref, "after": "this checkout"})
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(src)], check=False)
+    for stage, res in payload["stages"].items():
+        print(f"ZeRO-{stage}: before/bare {res['ds_exp_before/bare']:.3f}, after/bare {res['ds_exp/bare']:.3f}")
+    write_result("step_time_before_after", payload)
+    return payload
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="stage 0 only, few steps (smoke run)")
-    main(quick=parser.parse_args().quick)
+    parser.add_argument("--before", metavar="GIT_REF", help="also time ds_exp at GIT_REF (the before of a speed-up)")
+    parser.add_argument("--stages", type=int, nargs="*", default=list(STAGES), help="with --before: stages to time")
+    args = parser.parse_args()
+    if args.before:
+        before_and_after(args.before, args.stages)
+    else:
+        main(quick=args.quick)

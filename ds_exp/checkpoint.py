@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -156,11 +157,36 @@ def inject_fault(point: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def load_weights_only(engine: Any) -> None:
+    """DeepSpeed reads checkpoint files with torch.load(weights_only=False), which runs whatever a pickle says.
+    A resume reads files an earlier process wrote, so ds_exp has it read them with weights_only=True instead,
+    allowing only the few DeepSpeed types its checkpoints hold."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+    def safe_load(path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine.load = safe_load
+
+
 def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
     """Collective: restores module, optimizer, LR scheduler and this rank's RNG states."""
     import torch
 
-    load_path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    load_weights_only(engine)
+    try:
+        load_path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    except pickle.UnpicklingError as err:
+        raise ResumeError(
+            f"resume: {tag_dir} holds objects a checkpoint written by ds_exp never holds, so it was not loaded "
+            f"(torch.load with weights_only=True: {str(err).splitlines()[0]}); resume only from checkpoints you trust"
+        ) from None
     if load_path is None:
         raise ResumeError(f"resume: DeepSpeed found no checkpoint in {tag_dir}; it may be from another run layout")
     rng_file = tag_dir / f"rng_rank{rank}.pt"

@@ -18,6 +18,7 @@ from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
 from ds_exp.distributed import detect_launch
 from ds_exp.memory import estimate_model_states, human_bytes
 from ds_exp.plan import total_steps, warmup_steps
+from ds_exp.tracking import redact
 
 
 def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -77,7 +78,7 @@ def dry_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     plan = make_plan(cfg, run_dir)
     if detect_launch(cfg.dist).is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "ds_config.json").write_text(json.dumps(plan["ds_config"], indent=2) + "\n")
+        (run_dir / "ds_config.json").write_text(json.dumps(redact(plan["ds_config"]), indent=2) + "\n")
         (run_dir / "plan.json").write_text(json.dumps({k: v for k, v in plan.items() if k != "ds_config"}, indent=2))
         print(format_plan(plan, run_dir))
     return plan

@@ -1,8 +1,10 @@
 """Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
 paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 12 of fp32 master weights
-and Adam moments per parameter (fp32 training: 4 + 4 + 8). Stage 1 partitions the optimizer states, stage 2
-also the gradients, stage 3 also the parameters; offload moves optimizer states (and ZeRO-3 parameters) to
-host memory. Activations and buffers are not included.
+and Adam moments per parameter. In fp32 training: 4 + 4 + 8 (Adam moments) at stage 0, where the torch
+optimizer updates the model's own weights, and + 4 more at stages 1-3, where DeepSpeed keeps an fp32 master
+partition even in fp32 (measured in bench/memory.py). Stage 1 partitions the optimizer states, stage 2 also
+the gradients, stage 3 also the parameters; offload moves optimizer states (and ZeRO-3 parameters) to host
+memory. Activations, communication buckets and buffers are not included.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def estimate_model_states(
     offload_param: str = "none",
 ) -> MemoryEstimate:
     weight_bytes = 4 if precision == "fp32" else 2
-    optimizer_per_param = 8 if precision == "fp32" else 12  # Adam m, v (+ fp32 master weights)
+    # Adam m, v, plus the fp32 master weights wherever a ZeRO optimizer or mixed precision keeps them
+    optimizer_per_param = 8 if precision == "fp32" and stage == 0 else 12
     params = total_params * weight_bytes
     grads = trainable_params * weight_bytes
     optimizer = trainable_params * optimizer_per_param

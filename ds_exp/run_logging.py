@@ -6,17 +6,26 @@ import logging
 from pathlib import Path
 
 STEP_LOGGER = "ds_exp.steps"
-_LOGGERS = ("ds_exp", STEP_LOGGER, "DeepSpeed")
+FILE_LOGGER = "ds_exp.file"  # the log file only, never the console (e.g. the traceback behind a user error)
+_LOGGERS = ("ds_exp", STEP_LOGGER, FILE_LOGGER, "DeepSpeed")
 _FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
 
 
 class _RankFilter(logging.Filter):
+    """Stamps the rank, and blanks registered secrets (ds_exp.tracking.register_secrets) in the message."""
+
     def __init__(self, rank: int) -> None:
         super().__init__()
         self.rank = rank
 
     def filter(self, record: logging.LogRecord) -> bool:
+        from ds_exp.tracking import redact_text
+
         record.rank = self.rank
+        message = record.getMessage()
+        redacted = redact_text(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
         return True
 
 
@@ -34,6 +43,7 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     logging.getLogger(STEP_LOGGER).propagate = False  # step lines: in the file; the console has the progress bar
+    logging.getLogger(FILE_LOGGER).propagate = False
     # DeepSpeed prints a lot on every rank: keep its console output to warnings (the full text is in the file).
     for h in logging.getLogger("DeepSpeed").handlers:
         if h is not handler:

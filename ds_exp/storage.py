@@ -72,14 +72,20 @@ def _free_bytes(path: Path) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def save_failure_message(exc: BaseException, tag_dir: Path) -> str | None:
-    """A person's message for a save that failed for lack of room or rights; None for other failures."""
-    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+def save_failure_message(exc: BaseException, tag_dir: Path, needed: int) -> str | None:
+    """A person's message for a save that failed for lack of room or rights; None for other failures.
+    torch.save reports a full disk as a RuntimeError of its zip writer ("unexpected pos ..."), so a failure
+    with less room left than a checkpoint needs counts as a full disk whatever its type."""
+    free = _free_bytes(_existing_ancestor(tag_dir))
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        reason = os.strerror(exc.errno)
+    elif free < needed:
+        reason = f"the disk is full: {human_bytes(free)} free, a checkpoint needs about {human_bytes(needed)}"
+    else:
         return None
     return (
-        f"could not write checkpoint {tag_dir} ({os.strerror(exc.errno)}); it is incomplete and will never be "
-        f"resumed from. Free some space (or fix the directory), then continue from the last complete checkpoint "
-        f"with resume=auto"
+        f"could not write checkpoint {tag_dir} ({reason}); it is incomplete and will never be resumed from. "
+        f"Free some space (or fix the directory), then continue from the last complete checkpoint with resume=auto"
     )
 
 

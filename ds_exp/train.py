@@ -27,14 +27,15 @@ from ds_exp.accelerator import detect_accelerator, resolved_precision
 from ds_exp.config.ds_config import RunFacts, resolve_ds_config
 from ds_exp.config.schema import plain
 from ds_exp.distributed import detect_launch, init_distributed, is_lost_peer, mark_lost_peer
-from ds_exp.errors import RunFailed
+from ds_exp.errors import DsExpError, RunFailed
 from ds_exp.plan import steps_per_epoch, total_steps, warmup_steps
-from ds_exp.run_logging import STEP_LOGGER, close_run_logging, setup_run_logging
+from ds_exp.run_logging import FILE_LOGGER, STEP_LOGGER, close_run_logging, setup_run_logging
 from ds_exp.signals import StopRequested, StopSignals
-from ds_exp.tracking import MetricsLog, WandbRun, write_json_atomic
+from ds_exp.tracking import MetricsLog, WandbRun, redact, register_secrets, write_json_atomic
 
 log = logging.getLogger("ds_exp.train")
 step_log = logging.getLogger(STEP_LOGGER)
+file_log = logging.getLogger(FILE_LOGGER)
 
 IGNORE_INDEX = -100
 # how a run ends with every rank alive and its state saved: finished, or stopped by a signal and resumable
@@ -152,6 +153,7 @@ class Trainer:
         shared = [str(self.run_dir)]
         dist.broadcast_object_list(shared, src=0)  # every rank works in rank 0's run directory
         self.run_dir = Path(shared[0])
+        register_secrets(environ=dict(os.environ))
         self.log_file = setup_run_logging(self.run_dir, self.rank)
         self.precision = resolved_precision(cfg.precision.dtype, self.accelerator)
         log.info(
@@ -181,9 +183,10 @@ class Trainer:
         hidden = hidden_size_of(build_model_config(cfg, self.tokenizer))
         facts = RunFacts(self.world, hidden, self.total_steps, warmup, self.precision, str(self.run_dir))
         self.ds_config = resolve_ds_config(cfg, facts)
+        register_secrets(self.ds_config)  # a user's DeepSpeed JSON may hold keys (comet.api_key); DeepSpeed logs it
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
         if self.is_main:
-            write_json_atomic(self.run_dir / "ds_config.json", self.ds_config)
+            write_json_atomic(self.run_dir / "ds_config.json", redact(self.ds_config))
         self.built = build_model(cfg, self.tokenizer, self.ds_config)
         self.num_parameters = sum(_numel(p) for p in self.built.model.parameters())
         self.num_trainable = sum(_numel(p) for p in self.built.model.parameters() if p.requires_grad)
@@ -203,7 +206,7 @@ class Trainer:
         """Collective: rank 0 checks that a checkpoint and the export fit on their disks, every rank obeys."""
         import torch.distributed as dist
 
-        from ds_exp.storage import check_free_space, checkpoint_bytes, export_bytes
+        from ds_exp.storage import check_free_space, export_bytes
 
         train_cfg, verdict = self.cfg.train, [None]
         if self.is_main:
@@ -211,7 +214,7 @@ class Trainer:
             keys: dict[Path, str] = {}
             if train_cfg.save_every or train_cfg.save_final_checkpoint:
                 path = self.run_dir / train_cfg.checkpoint_dir
-                needs[path] = checkpoint_bytes(self.num_parameters, self.num_trainable, self.precision)
+                needs[path] = self.checkpoint_bytes()
                 keys[path] = "train.checkpoint_dir"
             if train_cfg.export:
                 path = self.run_dir / train_cfg.export_dir
@@ -224,6 +227,11 @@ class Trainer:
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None:
             raise RunFailed(verdict[0])
+
+    def checkpoint_bytes(self) -> int:
+        from ds_exp.storage import checkpoint_bytes
+
+        return checkpoint_bytes(self.num_parameters, self.num_trainable, self.precision)
 
     # ------------------------------------------------------------------ loop
     def train_step(self, batches: list[dict[str, Any]], previous_loss: Any) -> tuple[StepVotes, Any]:
@@ -331,10 +339,7 @@ class Trainer:
             dynamic_ncols=True,
             mininterval=1.0,
         )
-        # a resumed window's sums are over all ranks: rank 0 carries them, so the reduction counts them once
-        carried = (state.window_loss_sum, state.window_label_tokens) if self.is_main else (0.0, 0.0)
-        self.window, bad_steps, step_loss = Window(*carried), 0, None
-        self.train_seconds, self.train_tokens, self.train_samples = 0.0, 0.0, 0.0
+        self.start_loop(state)
         (stop_votes,) = all_reduce_sum([float(self.stop.requested)], self.device)
         if stop_votes:  # a signal during setup: nothing trained since the last checkpoint
             raise StopRequested(self.stop.reason, progress.step, None, self.stop.stopped_status)
@@ -347,32 +352,7 @@ class Trainer:
             while progress.step_in_epoch < self.steps_per_epoch and progress.step < self.total_steps:
                 started = time.perf_counter()
                 batches = [next(loader) for _ in range(accum)]
-                votes, step_loss = self.train_step(batches, step_loss)
-                progress.step += 1
-                progress.step_in_epoch += 1
-                self.train_seconds += time.perf_counter() - started
-                # the votes were cast when this step began: they speak of the step before it
-                bad_steps = bad_steps + 1 if votes.non_finite else 0
-                if bad_steps:
-                    self.report_non_finite(progress.step - 1, bad_steps)
-                if self.metric_scheduler is not None and _schedule_name(cfg) == "greedy":
-                    self.metric_scheduler.step(self.global_step_loss(step_loss, batches))
-                bar.update(1)
-                if progress.step % train_cfg.log_every == 0 or progress.step == self.total_steps:
-                    self.record_train(progress, bar)
-                if train_cfg.eval_every and progress.step % train_cfg.eval_every == 0:
-                    self.record_eval(progress)
-                if train_cfg.save_every and progress.step % train_cfg.save_every == 0:
-                    self.save(progress)
-                if votes.stop:
-                    if progress.last_save_step != progress.step:
-                        self.save(progress)
-                    raise StopRequested(
-                        self.stop.reason or "a signal on another rank",
-                        progress.step,
-                        self.results["checkpoint"],
-                        self.stop.stopped_status,
-                    )
+                self.optimizer_step(batches, progress, bar, started)
             if progress.step_in_epoch >= self.steps_per_epoch:
                 progress.epoch += 1
                 progress.step_in_epoch = 0
@@ -402,6 +382,44 @@ class Trainer:
             )
             self.results["export_dir"] = str(export_dir)
         return self.results
+
+    def start_loop(self, state: checkpoint.TrainState) -> None:
+        """The loop's running sums, fresh or carried over from a checkpoint."""
+        # a resumed window's sums are over all ranks: rank 0 carries them, so the reduction counts them once
+        carried = (state.window_loss_sum, state.window_label_tokens) if self.is_main else (0.0, 0.0)
+        self.window, self.bad_steps, self.step_loss = Window(*carried), 0, None
+        self.train_seconds, self.train_tokens, self.train_samples = 0.0, 0.0, 0.0
+
+    def optimizer_step(self, batches: list[dict[str, Any]], progress: Progress, bar: Any, started: float) -> None:
+        """One step of the loop: train, then what follows a step (NaN votes, metric line, eval, checkpoint, stop).
+        `started` is when fetching its batches began."""
+        train_cfg = self.cfg.train
+        votes, self.step_loss = self.train_step(batches, self.step_loss)
+        progress.step += 1
+        progress.step_in_epoch += 1
+        self.train_seconds += time.perf_counter() - started
+        # the votes were cast when this step began: they speak of the step before it
+        self.bad_steps = self.bad_steps + 1 if votes.non_finite else 0
+        if self.bad_steps:
+            self.report_non_finite(progress.step - 1, self.bad_steps)
+        if self.metric_scheduler is not None and _schedule_name(self.cfg) == "greedy":
+            self.metric_scheduler.step(self.global_step_loss(self.step_loss, batches))
+        bar.update(1)
+        if progress.step % train_cfg.log_every == 0 or progress.step == self.total_steps:
+            self.record_train(progress, bar)
+        if train_cfg.eval_every and progress.step % train_cfg.eval_every == 0:
+            self.record_eval(progress)
+        if train_cfg.save_every and progress.step % train_cfg.save_every == 0:
+            self.save(progress)
+        if votes.stop:
+            if progress.last_save_step != progress.step:
+                self.save(progress)
+            raise StopRequested(
+                self.stop.reason or "a signal on another rank",
+                progress.step,
+                self.results["checkpoint"],
+                self.stop.stopped_status,
+            )
 
     # ------------------------------------------------------------ recording
     def report_non_finite(self, step: int, in_a_row: int) -> None:
@@ -445,6 +463,13 @@ class Trainer:
             "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
         }
         self.results["last_train_loss"] = loss
+        if record["skipped_steps"] > self.results.get("skipped_steps", 0):
+            log.warning(
+                "step %d: the fp16 loss scaler skipped %d steps so far (gradient overflow; the scale is lowered)",
+                progress.step,
+                record["skipped_steps"],
+            )
+        self.results["skipped_steps"] = record["skipped_steps"]
         self.metrics.write(record)
         self.wandb.log({f"train/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=progress.step)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -484,15 +509,16 @@ class Trainer:
             path = checkpoint.save(
                 self.engine, self.checkpoint_dir, state, rank=self.rank, keep_last=self.cfg.train.keep_last
             )
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
             from ds_exp.storage import save_failure_message
 
             tag_dir = self.checkpoint_dir / checkpoint.tag_for(progress.step)
-            message = save_failure_message(exc, tag_dir)
-            if message is None:
-                raise
+            _release_files(exc)
             if self.is_main:
                 shutil.rmtree(tag_dir, ignore_errors=True)  # never complete: give its space back
+            message = save_failure_message(exc, tag_dir, self.checkpoint_bytes())
+            if message is None:
+                raise
             raise RunFailed(message) from exc
         progress.last_save_step = progress.step
         self.results["checkpoint"] = str(path)
@@ -503,6 +529,19 @@ class Trainer:
     def current_lr(self) -> float:
         lrs = self.engine.get_lr()
         return float(lrs[0]) if lrs else float(self.engine.optimizer.param_groups[0]["lr"])
+
+
+def _release_files(exc: BaseException) -> None:
+    """Close the files a failed save left open: the frames of its traceback hold torch.save's writer, and a
+    deleted file that is still open keeps its space on the disk."""
+    import gc
+    import traceback
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        traceback.clear_frames(seen.__traceback__)
+        seen = seen.__cause__ or seen.__context__
+    gc.collect()
 
 
 def _numel(param: Any) -> int:
@@ -546,6 +585,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
         raise
+    except DsExpError as exc:  # a message for the user (printed by the CLI); the traceback only in the log file
+        error = f"{type(exc).__name__}: {exc}"
+        file_log.error("run failed", exc_info=True)
+        raise
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         if trainer.world > 1 and is_lost_peer(exc):
@@ -563,7 +606,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         raise
     finally:
         trainer.stop.restore()
-        write_summary(trainer, status, error, results, started)
+        try:
+            write_summary(trainer, status, error, results, started)
+        except OSError as err:  # e.g. a full disk: the run's own error matters more than its summary
+            log.error("could not write %s: %s", trainer.run_dir / "summary.json", err)
         wandb = getattr(trainer, "wandb", None)
         if wandb is not None:
             wandb.summary({"status": status})

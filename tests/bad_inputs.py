@@ -116,7 +116,7 @@ CASES: list[Case] = [
         "data file missing",
         "path",
         local_data("missing.jsonl"),
-        ("data.sources.0", "missing.jsonl"),
+        ("data.sources[0].path=", "missing.jsonl: file not found", "fix the path"),
     ),
     # --- DeepSpeed JSON files
     Case(
@@ -186,8 +186,15 @@ CASES: list[Case] = [
         "non-text prompt",
         "data row",
         local_data(),
-        ("prompt_field", "not text"),
-        files={"sft.jsonl": jsonl({"prompt": 7, "chosen": "a"}, {"prompt": 8, "chosen": "b"})},
+        ("prompt_field", "not text", "point the field at a text column"),
+        files={"sft.jsonl": jsonl(*({"prompt": {"text": f"q{i}"}, "chosen": "a"} for i in range(40)))},
+    ),
+    Case(
+        "fewer rows than one batch",
+        "data row",
+        local_data(),
+        ("fewer than one global batch", "lower train.micro_batch_size or add data"),
+        files={"sft.jsonl": jsonl(GOOD_ROW, GOOD_ROW, GOOD_ROW)},
     ),
     Case(
         "max_seq_len too short",

@@ -187,3 +187,114 @@ def test_fp16_overflow_skips_steps_without_failing(tmp_path, cache_dir):
     assert run.ok, run.explain()
     assert run.records("train")[-1]["skipped_steps"] > 0
     assert "skipped" in (run.run_dir / "logs" / "rank0.log").read_text()
+
+
+# ------------------------------------------------------------------------------------------ disks and directories
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """mount_tmpfs(size, read_only=False) -> a fresh tmpfs of that size (needs root; skips where not allowed)."""
+    mounted: list[Path] = []
+
+    def mount(size: str, read_only: bool = False) -> Path:
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        options = f"size={size}" + (",ro" if read_only else "")
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.decode().strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_unwritable_run_directory_is_refused_before_anything_starts(tmp_path, mount_tmpfs):
+    read_only = mount_tmpfs("1m", read_only=True)
+    run = launch(read_only / "run", *FAST, cwd=tmp_path)
+    assert run.proc.returncode == 2, run.explain()
+    assert "Traceback" not in run.proc.stderr
+    assert f"hydra.run.dir={read_only / 'run'}: {read_only} is on a read-only file system" in run.proc.stderr
+    assert "point hydra.run.dir at a writable directory" in run.proc.stderr
+
+
+def test_a_disk_too_small_for_a_checkpoint_is_refused_before_training(tmp_path, cache_dir, mount_tmpfs):
+    small = mount_tmpfs("4m")  # one checkpoint of the tiny model (fp32 weights + Adam) is about 8 MB
+    run = launch(small / "run", *RESUMABLE, cache_dir=cache_dir, cwd=tmp_path)
+    assert run.proc.returncode == 1, run.explain()
+    assert "Traceback" not in run.proc.stderr
+    assert "not enough disk space for train.checkpoint_dir=" in run.proc.stderr
+    assert run.summary["status"] == "failed" and run.summary["steps"] is None  # before the first step
+    assert not (small / "run" / "metrics.jsonl").exists() or not run.records("train")
+
+
+def test_a_disk_that_fills_up_during_training_leaves_no_corrupt_checkpoint(
+    tmp_path, cache_dir, mount_tmpfs, uninterrupted_1rank
+):
+    disk = mount_tmpfs("40m")
+    run_dir = disk / "run"
+    filler = disk / "filler"
+    cmd = [sys.executable, "-m", "ds_exp", *RESUMABLE, f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
+    env = {**user_env(), "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while logged_steps(run_dir) < 25:  # step20's checkpoint is complete
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no progress within 300 s"
+        time.sleep(0.05)
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    filler.write_bytes(b"\0" * (free - 1024 * 1024))  # leave 1 MiB: metric lines fit, a checkpoint does not
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert f"could not write checkpoint {run_dir / 'checkpoints' / 'step40'}" in summary["error"]
+    assert "resume=auto" in summary["error"]
+    checkpoints = run_dir / "checkpoints"
+    assert not (checkpoints / "step40" / "ds_exp_complete.json").exists()
+    assert (checkpoints / "latest").read_text().strip() == "step20"
+
+    filler.unlink()
+    resumed = launch(run_dir, *RESUMABLE, "train.keep_last=1", "resume=auto", cache_dir=cache_dir, cwd=tmp_path)
+    assert resumed.ok, resumed.explain()
+    assert resumed.summary["resumed_from"].endswith("step20")
+    assert_same_weights(run_dir, uninterrupted_1rank.run_dir)
+
+
+# ------------------------------------------------------------------------------------------------- shared data
+
+
+def test_four_sweep_jobs_starting_at_once_build_the_data_cache_once(tmp_path):
+    cache = tmp_path / "cache"
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_exp",
+            "-m",
+            "zero=stage0,stage1,stage2,stage3",
+            "hydra/launcher=local",
+            *FAST,
+            "train.max_steps=2",
+            f"data.cache_dir={cache}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/summary.json"))]
+    assert [s["status"] for s in summaries] == ["completed"] * 4
+    logs = [p.read_text() for p in sorted(sweep_dir.glob("*/logs/rank0.log"))]
+    built = [text for text in logs if "'cache_hit': False" in text]
+    assert len(logs) == 4 and len(built) == 1, [t[-2000:] for t in logs]
+    entries = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert len(entries) == 1, entries

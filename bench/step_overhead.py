@@ -1,0 +1,174 @@
+"""ds_exp's per-step overhead over a bare DeepSpeed step, paired: in the same 2 ranks and on the same engine,
+steps alternate between ds_exp's loop step and the bare step, so that launch-to-launch luck (which core a
+rank lands on, memory layout) and the machine's slow spells hit both alike.
+
+    python -m bench step_overhead        # 2 CPU ranks under torchrun, ZeRO 0-3, one launch per stage
+
+* ds_exp step: `Trainer.optimizer_step` exactly as `Trainer.run` calls it (its one all-reduce of label tokens
+  and votes, the loss over the global batch's label tokens, bookkeeping, progress bar, and a metric line
+  every WINDOW ds_exp steps with its all-reduce, grad norm and JSON line).
+* bare step: forward with the model's own loss, `engine.backward`, `engine.step`, nothing else.
+Both fetch their micro batches inside the timed step from the same DataLoader. Steps alternate
+ds_exp, bare, ds_exp, ...; the first WARMUP pairs are dropped. bench/step_time.py measures whole launches
+(ds_exp vs bare loop vs Trainer, separate processes): its ratios carry the launch-to-launch spread of this
+2-core machine (several percent), which this pairing removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import run, stats, table, torchrun, write_result
+
+NPROC, STAGES, PAIRS, WARMUP, WINDOW, MICRO_BATCH = 2, (0, 1, 2, 3), 150, 20, 5, 16
+
+
+def worker(stage: int, pairs: int, out: Path, cache: Path) -> None:
+    """One rank: build ds_exp's Trainer, then alternate its loop step with the bare step."""
+    import torch
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+
+    from bench.workload import compose
+    from ds_exp.checkpoint import TrainState
+    from ds_exp.data import ResumableDistributedSampler
+    from ds_exp.tracking import MetricsLog, WandbRun
+    from ds_exp.train import Progress, Trainer, model_inputs
+
+    steps = 2 * pairs
+    cfg = compose(
+        [
+            f"zero=stage{stage}",
+            f"train.micro_batch_size={MICRO_BATCH}",
+            f"train.max_steps={steps + 1}",  # never the last step: that one always writes a metric line
+            f"train.log_every={WINDOW}",
+            "train.eval_every=0",
+            "train.save_every=0",
+            f"data.cache_dir={cache}",
+            f"data.synthetic.num_train={MICRO_BATCH * NPROC * (steps + 8)}",  # one epoch: no epoch-end eval
+        ]
+    )
+    run_dir = Path(tempfile.mkdtemp(prefix="ds_exp_overhead_"))
+    trainer = Trainer(cfg, run_dir)
+    trainer.setup()
+    trainer.prepare()
+    # what Trainer.run sets up before its loop (no resume, wandb off)
+    trainer.checkpoint_dir = run_dir / "checkpoints"
+    trainer.wandb = WandbRun(cfg, run_dir, enabled=False, run_id=None)
+    trainer.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=trainer.is_main)
+    trainer.results = {}
+    trainer.start_loop(TrainState())
+    progress = trainer.progress = Progress(0, 0, 0)
+    bar = tqdm(total=trainer.total_steps, disable=not trainer.is_main, mininterval=1.0, desc="train")
+    sampler = ResumableDistributedSampler(
+        len(trainer.data.train), rank=trainer.rank, world_size=trainer.world, seed=0, shuffle=True, drop_last=True
+    )
+    loader = iter(DataLoader(trainer.data.train, batch_size=MICRO_BATCH, sampler=sampler, collate_fn=trainer.collator))
+    engine = trainer.engine
+    times: dict[str, list[float]] = {"ds_exp": [], "bare": []}
+    for i in range(steps):
+        started = time.perf_counter()
+        batch = next(loader)
+        if i % 2 == 0:
+            trainer.optimizer_step([batch], progress, bar, started)
+            times["ds_exp"].append(time.perf_counter() - started)
+        else:
+            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            loss = engine(**model_inputs(batch), labels=batch["labels"], use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+            times["bare"].append(time.perf_counter() - started)
+    bar.close()
+    trainer.metrics.close()
+    if trainer.rank == 0:
+        out.write_text(json.dumps({"stage": stage, "threads": torch.get_num_threads(), **times}) + "\n")
+
+
+def measure(stage: int, pairs: int, work: Path, cache: Path) -> dict[str, Any]:
+    out = work / f"stage{stage}.json"
+    cmd = torchrun(NPROC, "-m", "bench.step_overhead", "--worker", "--stage", str(stage), "--pairs", str(pairs))
+    run([*cmd, "--out", str(out), "--cache", str(cache)], cwd=work, timeout=900)
+    result = json.loads(out.read_text())
+    ds_exp, bare = result["ds_exp"][WARMUP:], result["bare"][WARMUP:]
+    diffs = [a - b for a, b in zip(ds_exp, bare, strict=True)]  # each ds_exp step minus the bare step after it
+    ds_med, bare_med = statistics.median(ds_exp), statistics.median(bare)
+    return {
+        "ds_exp_s": stats(ds_exp),
+        "bare_s": stats(bare),
+        "paired_difference_s": stats(diffs),
+        "ratio_of_medians": ds_med / bare_med,
+        "overhead_ms": statistics.median(diffs) * 1e3,
+        "overhead_pct": 100 * statistics.median(diffs) / bare_med,
+        "torch_threads": result["threads"],
+        "samples": {"ds_exp": result["ds_exp"], "bare": result["bare"]},
+    }
+
+
+def main(quick: bool = False) -> dict[str, Any]:
+    stages, pairs = ((0,), 40) if quick else (STAGES, PAIRS)
+    started = time.perf_counter()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_overhead_") as tmp:
+        work = Path(tmp)
+        for stage in stages:
+            print(f"ZeRO-{stage}: {pairs} pairs of steps (ds_exp, bare), 2 ranks", flush=True)
+            results[str(stage)] = measure(stage, pairs, work, work / "cache")
+    rows = [
+        [
+            stage,
+            r["ds_exp_s"]["median"] * 1e3,
+            r["bare_s"]["median"] * 1e3,
+            r["overhead_ms"],
+            f"{r['paired_difference_s']['q1'] * 1e3:.2f} to {r['paired_difference_s']['q3'] * 1e3:.2f}",
+            r["overhead_pct"],
+        ]
+        for stage, r in results.items()
+    ]
+    headers = [
+        "ZeRO stage",
+        "ds_exp step ms (median)",
+        "bare step ms (median)",
+        "overhead ms (median of paired differences)",
+        "paired differences IQR ms",
+        "overhead % of the bare step (target <= 2)",
+    ]
+    text = table(headers, rows)
+    print(text)
+    payload = {
+        "setup": {
+            "nproc_per_node": NPROC,
+            "micro_batch_size": MICRO_BATCH,
+            "pairs": pairs,
+            "warmup_pairs_dropped": WARMUP,
+            "metric_line_every": WINDOW,
+            "quick": quick,
+        },
+        "stages": results,
+        "table": text,
+        "total_wall_s": time.perf_counter() - started,
+    }
+    write_result("step_overhead_quick" if quick else "step_overhead", payload)
+    return payload
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stage", type=int, default=0)
+    parser.add_argument("--pairs", type=int, default=PAIRS)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--cache", type=Path)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.stage, args.pairs, args.out, args.cache)
+    else:
+        main(quick=args.quick)
+    sys.exit(0)
