@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.errors import ResumeError
-from ds_exp.tracking import write_json_atomic
+from ds_exp.tracking import write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -130,18 +130,12 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, kee
     dist.barrier()
     if rank == 0:
         write_json_atomic(path / COMPLETE_MARKER, state.as_dict())
-        _write_atomic(checkpoint_dir / LATEST, tag)
+        write_text_atomic(checkpoint_dir / LATEST, tag)
         for old in complete_checkpoints(checkpoint_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     log.info("saved checkpoint %s", path)
     return path
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def inject_fault(point: str, rank: int) -> None:

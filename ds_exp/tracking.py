@@ -65,11 +65,15 @@ def redact_text(text: str) -> str:
     return text
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temporary name and rename, so a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
 class MetricsLog:

@@ -115,6 +115,18 @@ class StepVotes:
 
 
 @dataclass
+class PendingLine:
+    """A metric line whose sums over ranks are still being all-reduced: written once they arrive, at the next
+    step (or before anything else is logged or saved), so that no rank waits for the slower one to write it."""
+
+    work: Any  # the async all-reduce
+    sums: Any  # its tensor: loss sum, label tokens, input tokens, samples
+    record: dict[str, Any]  # the line, less what the sums give
+    elapsed: float
+    bar: Any
+
+
+@dataclass
 class Progress:
     step: int
     epoch: int
@@ -137,6 +149,7 @@ class Trainer:
         self.backend = self.precision = None
         self.stop = StopSignals(self.launch.launcher)
         self.progress: Progress | None = None  # set once the loop starts
+        self.pending_line: PendingLine | None = None  # a metric line waiting for its sums over ranks
 
     # ----------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -358,6 +371,7 @@ class Trainer:
                 progress.step_in_epoch = 0
                 if not train_cfg.eval_every and progress.step < self.total_steps:
                     self.record_eval(progress)  # after each epoch
+        self.flush_metric_line()
         bar.close()
         if progress.last_eval_step != progress.step:
             self.results["final"] = self.record_eval(progress)
@@ -395,6 +409,7 @@ class Trainer:
         `started` is when fetching its batches began."""
         train_cfg = self.cfg.train
         votes, self.step_loss = self.train_step(batches, self.step_loss)
+        self.flush_metric_line()  # the previous step's line: its all-reduce finished during this step
         progress.step += 1
         progress.step_in_epoch += 1
         self.train_seconds += time.perf_counter() - started
@@ -414,6 +429,7 @@ class Trainer:
         if votes.stop:
             if progress.last_save_step != progress.step:
                 self.save(progress)
+            self.flush_metric_line()
             raise StopRequested(
                 self.stop.reason or "a signal on another rank",
                 progress.step,
@@ -437,47 +453,66 @@ class Trainer:
         return loss_sum / max(labels, 1.0)
 
     def record_train(self, progress: Progress, bar: Any) -> None:
-        """Write the metric line of the window that ends here and open the next one. The next window starts
-        now, so the cost of writing this line is counted in the step time of the steps after it."""
+        """Close the metric window that ends here and open the next one; its line is written by
+        `flush_metric_line` once its sums over ranks arrive. The next window starts now, so the cost of the
+        line is counted in the step time of the steps after it."""
+        import torch
+        import torch.distributed as dist
+
+        self.flush_metric_line()
         window, now = self.window, time.perf_counter()
         self.window = Window(started=now)
-        elapsed = max(now - window.started, 1e-9)
-        loss_sum, labels, inputs, samples = all_reduce_sum(
-            [float(window.loss_sum), window.label_tokens, window.input_tokens, window.samples], self.device
+        sums = torch.tensor(
+            [float(window.loss_sum), window.label_tokens, window.input_tokens, window.samples],
+            dtype=torch.float64,
+            device=self.device,
         )
-        self.train_tokens += inputs
-        self.train_samples += samples
-        loss = loss_sum / max(labels, 1.0)
+        work = dist.all_reduce(sums, async_op=True)
         grad_norm = self.engine.get_global_grad_norm()
         record = {
             "type": "train",
             "step": progress.step,
             "epoch": progress.epoch + progress.step_in_epoch / max(self.steps_per_epoch, 1),
-            "loss": loss,
             "lr": self.current_lr(),
             "grad_norm": None if grad_norm is None else float(grad_norm),
-            "step_time_s": elapsed / max(window.steps, 1),  # wall time per optimizer step over the window
-            "tokens_per_s": inputs / elapsed,
-            "samples_per_s": samples / elapsed,
+            "step_time_s": (now - window.started) / max(window.steps, 1),  # wall time per optimizer step
             "peak_memory_bytes": peak_memory_bytes(self.accelerator),
             "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
         }
+        self.pending_line = PendingLine(work, sums, record, max(now - window.started, 1e-9), bar)
+
+    def flush_metric_line(self) -> None:
+        """Write the pending metric line (a no-op when there is none)."""
+        pending, self.pending_line = self.pending_line, None
+        if pending is None:
+            return
+        pending.work.wait()
+        loss_sum, labels, inputs, samples = pending.sums.tolist()
+        self.train_tokens += inputs
+        self.train_samples += samples
+        loss = loss_sum / max(labels, 1.0)
+        record = {
+            **pending.record,
+            "loss": loss,
+            "tokens_per_s": inputs / pending.elapsed,
+            "samples_per_s": samples / pending.elapsed,
+        }
+        step = record["step"]
         self.results["last_train_loss"] = loss
         if record["skipped_steps"] > self.results.get("skipped_steps", 0):
             log.warning(
                 "step %d: the fp16 loss scaler skipped %d steps so far (gradient overflow; the scale is lowered)",
-                progress.step,
+                step,
                 record["skipped_steps"],
             )
         self.results["skipped_steps"] = record["skipped_steps"]
         self.metrics.write(record)
-        self.wandb.log({f"train/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=progress.step)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-        step_log.info(
-            "step %d loss %.5f lr %.3e tokens/s %.0f", progress.step, loss, record["lr"], record["tokens_per_s"]
-        )
+        self.wandb.log({f"train/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=step)
+        pending.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+        step_log.info("step %d loss %.5f lr %.3e tokens/s %.0f", step, loss, record["lr"], record["tokens_per_s"])
 
     def record_eval(self, progress: Progress) -> dict[str, float]:
+        self.flush_metric_line()  # keeps metrics.jsonl in step order
         progress.last_eval_step = progress.step
         if len(self.data.eval) == 0:
             return {}  # no eval split (data.eval_fraction=0 and no source has one): nothing to measure
@@ -494,6 +529,7 @@ class Trainer:
     def save(self, progress: Progress) -> None:
         """Collective checkpoint. The metric window still open travels with it (summed over ranks), so a resumed
         run's next metric line covers the same steps as an uninterrupted run's."""
+        self.flush_metric_line()
         window_loss_sum, window_labels = all_reduce_sum(
             [float(self.window.loss_sum), self.window.label_tokens], self.device
         )
@@ -600,7 +636,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 f"killed, see the other ranks' logs in {trainer.run_dir / 'logs'}; continue from the last complete "
                 f"checkpoint with the same overrides plus hydra.run.dir={trainer.run_dir} resume=auto"
             )
-            log.error("%s", error)
+            file_log.error("run failed", exc_info=True)  # the collective's own error, for the log file
             raise RunFailed(error) from exc
         log.exception("run failed")
         raise

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training import FAST, REPO, Run, assert_close, free_port, launch, user_env
+from tests.training import FAST, REPO, Run, assert_close, free_port, launch, logged_steps, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +50,6 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys()
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-6, atol=1e-7, msg=f"{name} differs")
-
-
-def logged_steps(run_dir: Path) -> int:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return 0
-    steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["type"] == "train"]
-    return max(steps, default=0)
 
 
 def pids_with(tag: str, rank: int) -> list[int]:

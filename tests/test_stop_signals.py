@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training import FAST, Run, assert_close, free_port, launch, user_env
+from tests.training import FAST, Run, assert_close, free_port, launch, logged_steps, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +31,6 @@ def uninterrupted(tmp_path_factory, cache_dir) -> Run:
     run = launch(tmp_path_factory.mktemp("uninterrupted") / "run", *STOPPABLE, cache_dir=cache_dir)
     assert run.ok, run.explain()
     return run
-
-
-def logged_steps(run_dir: Path) -> int:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return 0
-    steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["type"] == "train"]
-    return max(steps, default=0)
 
 
 def start_and_signal(run_dir: Path, cache_dir: Path, signum: int, after_step: int) -> tuple[int, str]:

@@ -115,3 +115,12 @@ def assert_close(a: list[float], b: list[float], rel: float = 1e-4) -> None:
     assert len(a) == len(b) and a, (a, b)
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert abs(x - y) <= rel * max(abs(x), abs(y)), f"step {i + 1}: {x} vs {y} (all: {a} vs {b})"
+
+
+def logged_steps(run_dir: Path) -> int:
+    """The last step with a train metric line so far (0 before the first): for tests that act mid-run."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return 0
+    steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["type"] == "train"]
+    return max(steps, default=0)
