@@ -48,12 +48,16 @@ Rank 0 writes the result; on failure it writes the error instead and exits non-z
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from bench.workload import accelerator, load_workload, parse_args, write_json
+
+RECOMMENDED = Path(__file__).with_name("hf_zero2_recommended.json")
 
 
 def make_timer() -> Any:
@@ -104,9 +108,11 @@ def train(args: Any) -> dict[str, Any]:
     precision = {k: bool(work.ds_config.get(k, {}).get("enabled")) for k in ("fp16", "bf16")}
     on_gpu = accelerator() == "cuda"  # the GPU benchmark: nccl, and the Trainer's own default (fused) AdamW
     output_dir = args.out.parent / f"{args.out.stem}_trainer"  # stays empty: nothing is saved
+    # --recommended: the Trainer as its documentation sets it up (its ZeRO-2 template, "auto" filled by Trainer)
+    trainer_ds_config = json.loads(RECOMMENDED.read_text()) if args.recommended else work.ds_config
     targs = TrainingArguments(
         output_dir=str(output_dir),
-        deepspeed=work.ds_config,
+        deepspeed=trainer_ds_config,
         use_cpu=not on_gpu,
         ddp_backend=None if on_gpu else "gloo",
         per_device_train_batch_size=work.micro,

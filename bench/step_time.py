@@ -123,11 +123,19 @@ def measure_ds_exp(
 
 
 def measure_script(
-    method: str, setup: Setup, stage: int, rep: int, work: Path, cache: Path, ds_config: Path
+    method: str,
+    setup: Setup,
+    stage: int,
+    rep: int,
+    work: Path,
+    cache: Path,
+    ds_config: Path,
+    extra_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """One launch of bench/bare_loop.py or bench/hf_trainer.py; its per-step times grouped like ds_exp's."""
-    out = work / f"{method}_stage{stage}_rep{rep}.json"
-    args = ["--ds-config", str(ds_config), "--steps", str(setup.steps), "--out", str(out), "--"]
+    tag = "_".join(a.strip("-") for a in extra_args)
+    out = work / f"{method}{'_' + tag if tag else ''}_stage{stage}_rep{rep}.json"
+    args = ["--ds-config", str(ds_config), "--steps", str(setup.steps), "--out", str(out), *extra_args, "--"]
     cmd = torchrun(setup.nproc, "-m", SCRIPTS[method], *args, *shared_overrides(setup, stage, cache))
     started = time.perf_counter()
     try:

@@ -38,6 +38,12 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--ds-config", required=True, type=Path, help="ds_config.json written by the ds_exp run")
     parser.add_argument("--steps", required=True, type=int, help="optimizer steps to time")
     parser.add_argument("--out", required=True, type=Path, help="JSON result (written by rank 0)")
+    parser.add_argument(
+        "--recommended",
+        action="store_true",
+        help='hf_trainer only: Hugging Face\'s own recommended settings (its ZeRO-2 template with "auto" values, '
+        "bf16 when the GPU has it, its default fused AdamW) instead of ds_exp's resolved config",
+    )
     parser.add_argument("overrides", nargs="*", help="the ds_exp overrides of the run being compared")
     return parser.parse_args()
 

@@ -208,6 +208,11 @@ def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str)
     backend = choose_backend(plain(dist_cfg.backend), accelerator)
     if not dist.is_initialized():
         atexit.register(_destroy_process_group)
+        if accelerator == "cpu":
+            from ds_exp import ops
+
+            # DeepSpeed compiles this inside init_distributed: build it first, with a notice and a clear failure
+            ops.ensure_built(ops.SHM_COMM, announce=launch.rank == 0)
     deepspeed.init_distributed(
         dist_backend=backend,
         auto_mpi_discovery=False,  # the variables are exported above, from whichever launcher it was

@@ -32,22 +32,46 @@ def parameter_groups(model: Any, weight_decay: float, no_decay: list[str]) -> li
     return [g for g in groups if g["params"]]
 
 
+def optimizer_impl(cfg: DictConfig, ds_config: dict[str, Any], accelerator: str) -> str:
+    """optimizer.impl with auto decided: DeepSpeed's CPU Adam under optimizer offload (the optimizer step runs on
+    the host), torch's fused AdamW on CUDA (as fast as DeepSpeed's FusedAdam, and nothing to compile), torch
+    AdamW otherwise."""
+    impl = str(plain(cfg.optimizer.impl))
+    if impl != "auto":
+        return impl
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if offload in ("cpu", "nvme"):
+        return "deepspeed_cpu"
+    return "torch_fused" if accelerator == "cuda" else "torch"
+
+
 def build_optimizer(cfg: DictConfig, groups: list[dict[str, Any]], ds_config: dict[str, Any], accelerator: str) -> Any:
-    """DeepSpeed's CPU Adam under optimizer offload, fused Adam on CUDA, torch AdamW otherwise."""
     import torch
+
+    from ds_exp import ops
 
     opt = cfg.optimizer
     kwargs = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
-    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    if offload in ("cpu", "nvme"):
+    impl = optimizer_impl(cfg, ds_config, accelerator)
+    announce = _is_rank0()
+    if impl == "deepspeed_cpu":
+        ops.ensure_built(ops.CPU_ADAM, announce=announce)
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    if accelerator == "cuda":
+    if impl == "deepspeed_fused":
+        ops.ensure_built(ops.FUSED_ADAM, announce=announce)
         from deepspeed.ops.adam import FusedAdam
 
         return FusedAdam(groups, adam_w_mode=True, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    # fused=None lets torch pick its default (foreach on CUDA, single-tensor on CPU)
+    return torch.optim.AdamW(groups, fused=True if impl == "torch_fused" else None, **kwargs)
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: int, warmup_steps: int) -> Any:
@@ -66,6 +90,7 @@ def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: int, warmup_st
 class Engine:
     engine: Any  # deepspeed.DeepSpeedEngine
     metric_scheduler: Any | None  # stepped by the loop with a metric (plateau, greedy)
+    optimizer: str  # what updates the weights (describe_optimizer)
 
 
 def build_engine(
@@ -73,8 +98,18 @@ def build_engine(
 ) -> Engine:
     import deepspeed
 
+    from ds_exp import ops
+
     groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
-    optimizer = None if "optimizer" in ds_config else build_optimizer(cfg, groups, ds_config, accelerator)
+    if "optimizer" in ds_config:
+        optimizer = None
+        op = ops.deepspeed_optimizer_op(ds_config)
+        if op is not None:  # DeepSpeed compiles it inside initialize: build it first, with a notice
+            ops.ensure_built(op, announce=_is_rank0())
+    else:
+        optimizer = build_optimizer(cfg, groups, ds_config, accelerator)
+    name = describe_optimizer(optimizer, ds_config)
+    log.info("optimizer: %s", name)
     metric_schedule = plain(cfg.scheduler.name) in METRIC_SCHEDULES
     scheduler = None
     if "scheduler" not in ds_config and not metric_schedule:
@@ -90,4 +125,12 @@ def build_engine(
     metric_scheduler = None
     if "scheduler" not in ds_config and metric_schedule:
         metric_scheduler = build_scheduler(cfg, optimizer or engine.optimizer, total_steps, warmup_steps)
-    return Engine(engine=engine, metric_scheduler=metric_scheduler)
+    return Engine(engine=engine, metric_scheduler=metric_scheduler, optimizer=name)
+
+
+def describe_optimizer(optimizer: Any, ds_config: dict[str, Any]) -> str:
+    """What updates the weights, for the log and summary.json: e.g. "AdamW (fused)", "DeepSpeedCPUAdam"."""
+    if optimizer is None:
+        return f"{ds_config['optimizer'].get('type')} (built by DeepSpeed from the config's optimizer block)"
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    return type(optimizer).__name__ + (" (fused)" if fused else "")

@@ -170,6 +170,23 @@ def wrap_lora(model: Any, spec: LoraSpec) -> Any:
     return wrapped
 
 
+def attn_implementation(requested: str | None, ds_config: dict[str, Any]) -> str | None:
+    """model.attn_implementation with auto decided: flash_attention_2 where flash-attn imports, a GPU is there and
+    the weights are 16-bit (its kernels need them), else transformers' default. Packed batches then run as
+    variable-length sequences (transformers reads the example boundaries from position_ids)."""
+    if requested != "auto":
+        return requested
+    import importlib.util
+
+    import torch
+
+    half = any(ds_config.get(key, {}).get("enabled") is True for key in ("bf16", "fp16"))
+    if half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    log.info("model.attn_implementation=auto: flash-attn is not usable here (needs the package, a GPU and bf16/fp16)")
+    return None
+
+
 @dataclass
 class BuiltModel:
     model: Any
@@ -190,7 +207,8 @@ def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: 
         config.use_cache = False
     zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
     hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
-    extra = {"attn_implementation": cfg.model.attn_implementation} if cfg.model.attn_implementation else {}
+    attention = attn_implementation(cfg.model.attn_implementation, ds_config)
+    extra = {"attn_implementation": attention} if attention else {}
     torch.manual_seed(cfg.train.seed)
     if cfg.model.name_or_path is None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
@@ -204,6 +222,10 @@ def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: 
         )
     if cfg.model.name_or_path is None:
         init_weights_by_name(model, cfg.train.seed, zero3=zero3)
+    if cfg.model.liger_kernel:
+        from ds_exp import compat
+
+        compat.apply_liger_kernels(model)
     vocab = padded_vocab_size(len(tokenizer), model.get_input_embeddings().num_embeddings, cfg.model.vocab_multiple)
     if vocab != model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(vocab)  # gathers the embedding under ZeRO-3

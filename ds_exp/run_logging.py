@@ -10,6 +10,11 @@ FILE_LOGGER = "ds_exp.file"  # the log file only, never the console (e.g. the tr
 _LOGGERS = ("ds_exp", STEP_LOGGER, FILE_LOGGER, "DeepSpeed")
 _FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
 
+# The file-only logger never reaches the console, not even before the log file exists (Python's last-resort
+# handler would print its tracebacks to stderr): until setup_run_logging adds the file, it drops records.
+logging.getLogger(FILE_LOGGER).addHandler(logging.NullHandler())
+logging.getLogger(FILE_LOGGER).propagate = False
+
 
 class _RankFilter(logging.Filter):
     """Stamps the rank, and blanks registered secrets (ds_exp.tracking.register_secrets) in the message."""

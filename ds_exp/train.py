@@ -28,6 +28,7 @@ from ds_exp.config.ds_config import RunFacts, resolve_ds_config
 from ds_exp.config.schema import plain
 from ds_exp.distributed import detect_launch, init_distributed, is_lost_peer, mark_lost_peer
 from ds_exp.errors import DsExpError, RunFailed
+from ds_exp.flops import device_name, flops_model, numel, peak_flops, sum_squared_lengths
 from ds_exp.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.run_logging import FILE_LOGGER, STEP_LOGGER, close_run_logging, setup_run_logging
 from ds_exp.signals import StopRequested, StopSignals
@@ -101,6 +102,7 @@ class Window:
     label_tokens: float = 0.0
     input_tokens: float = 0.0
     samples: float = 0.0
+    flops: float = 0.0  # model FLOPs of this rank's batches (ds_exp.flops), counted on the host
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -120,7 +122,7 @@ class PendingLine:
     step (or before anything else is logged or saved), so that no rank waits for the slower one to write it."""
 
     work: Any  # the async all-reduce
-    sums: Any  # its tensor: loss sum, label tokens, input tokens, samples
+    sums: Any  # its tensor: loss sum, label tokens, input tokens, samples, model FLOPs
     record: dict[str, Any]  # the line, less what the sums give
     elapsed: float
     bar: Any
@@ -201,8 +203,11 @@ class Trainer:
         if self.is_main:
             write_json_atomic(self.run_dir / "ds_config.json", redact(self.ds_config))
         self.built = build_model(cfg, self.tokenizer, self.ds_config)
-        self.num_parameters = sum(_numel(p) for p in self.built.model.parameters())
-        self.num_trainable = sum(_numel(p) for p in self.built.model.parameters() if p.requires_grad)
+        self.num_parameters = sum(numel(p) for p in self.built.model.parameters())
+        self.num_trainable = sum(numel(p) for p in self.built.model.parameters() if p.requires_grad)
+        self.flops = flops_model(self.built.model, self.built.config)
+        self.device_name = device_name(self.accelerator)
+        self.peak_flops = peak_flops(self.device_name, self.precision, cfg.train.peak_tflops)
         self.check_disk_space()
         engine = build_engine(
             cfg,
@@ -212,8 +217,14 @@ class Trainer:
             warmup_steps=warmup,
             accelerator=self.accelerator,
         )
-        self.engine, self.metric_scheduler = engine.engine, engine.metric_scheduler
+        self.engine, self.metric_scheduler, self.optimizer_name = (
+            engine.engine,
+            engine.metric_scheduler,
+            engine.optimizer,
+        )
         self.device = self.engine.device
+        if cfg.train.compile:
+            self.engine.compile()  # torch.compile of the wrapped module, DeepSpeed's hooks kept working
 
     def check_disk_space(self) -> None:
         """Collective: rank 0 checks that a checkpoint and the export fit on their disks, every rank obeys."""
@@ -269,8 +280,10 @@ class Trainer:
         step_loss: Any = 0.0
         window.label_tokens += sum(labels_per_batch)
         for batch in batches:
-            window.input_tokens += input_tokens(batch)
+            tokens = input_tokens(batch)
+            window.input_tokens += tokens
             window.samples += batch["input_ids"].size(0)
+            window.flops += self.flops.per_batch(tokens, sum_squared_lengths(batch))
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             out = engine(**model_inputs(batch), use_cache=False)
             summed, _ = token_loss_sum(out.logits, batch["labels"])
@@ -284,6 +297,8 @@ class Trainer:
             engine.backward(summed * (scale / votes.global_label_tokens))
             engine.step()
             step_loss = step_loss + summed.detach()
+        # the loss scaler (fp16) skips the update of a step whose gradients overflowed
+        self.skipped_steps += not engine.was_step_applied()
         window.loss_sum = window.loss_sum + step_loss
         window.steps += 1
         assert votes is not None
@@ -402,7 +417,8 @@ class Trainer:
         # a resumed window's sums are over all ranks: rank 0 carries them, so the reduction counts them once
         carried = (state.window_loss_sum, state.window_label_tokens) if self.is_main else (0.0, 0.0)
         self.window, self.bad_steps, self.step_loss = Window(*carried), 0, None
-        self.train_seconds, self.train_tokens, self.train_samples = 0.0, 0.0, 0.0
+        self.train_seconds, self.train_tokens, self.train_samples, self.train_flops = 0.0, 0.0, 0.0, 0.0
+        self.skipped_steps = 0
 
     def optimizer_step(self, batches: list[dict[str, Any]], progress: Progress, bar: Any, started: float) -> None:
         """One step of the loop: train, then what follows a step (NaN votes, metric line, eval, checkpoint, stop).
@@ -463,7 +479,7 @@ class Trainer:
         window, now = self.window, time.perf_counter()
         self.window = Window(started=now)
         sums = torch.tensor(
-            [float(window.loss_sum), window.label_tokens, window.input_tokens, window.samples],
+            [float(window.loss_sum), window.label_tokens, window.input_tokens, window.samples, window.flops],
             dtype=torch.float64,
             device=self.device,
         )
@@ -477,7 +493,8 @@ class Trainer:
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "step_time_s": (now - window.started) / max(window.steps, 1),  # wall time per optimizer step
             "peak_memory_bytes": peak_memory_bytes(self.accelerator),
-            "skipped_steps": int(getattr(self.engine, "skipped_steps", 0)),
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": loss_scale(self.engine) if self.precision == "fp16" else None,
         }
         self.pending_line = PendingLine(work, sums, record, max(now - window.started, 1e-9), bar)
 
@@ -487,15 +504,19 @@ class Trainer:
         if pending is None:
             return
         pending.work.wait()
-        loss_sum, labels, inputs, samples = pending.sums.tolist()
+        loss_sum, labels, inputs, samples, flops = pending.sums.tolist()
         self.train_tokens += inputs
         self.train_samples += samples
+        self.train_flops += flops
         loss = loss_sum / max(labels, 1.0)
         record = {
             **pending.record,
             "loss": loss,
             "tokens_per_s": inputs / pending.elapsed,
+            "tokens_per_s_per_device": inputs / pending.elapsed / self.world,
             "samples_per_s": samples / pending.elapsed,
+            "tflops_per_device": flops / pending.elapsed / self.world / 1e12,
+            "mfu": self.mfu(flops, pending.elapsed),
         }
         step = record["step"]
         self.results["last_train_loss"] = loss
@@ -508,7 +529,10 @@ class Trainer:
         self.results["skipped_steps"] = record["skipped_steps"]
         self.metrics.write(record)
         self.wandb.log({f"train/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=step)
-        pending.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+        postfix = {"loss": f"{loss:.4f}", "lr": f"{record['lr']:.2e}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+        if record["mfu"] is not None:
+            postfix["mfu"] = f"{record['mfu']:.1%}"
+        pending.bar.set_postfix(postfix)
         step_log.info("step %d loss %.5f lr %.3e tokens/s %.0f", step, loss, record["lr"], record["tokens_per_s"])
 
     def record_eval(self, progress: Progress) -> dict[str, float]:
@@ -559,6 +583,12 @@ class Trainer:
         progress.last_save_step = progress.step
         self.results["checkpoint"] = str(path)
 
+    def mfu(self, flops: float, seconds: float) -> float | None:
+        """Model FLOPs utilization over all ranks; None where the device's peak is unknown (CPUs)."""
+        if not self.peak_flops or seconds <= 0:
+            return None
+        return flops / seconds / (self.peak_flops * self.world)
+
     def progress_note(self) -> str:
         return f"step {self.progress.step}" if self.progress is not None else "setup"
 
@@ -580,8 +610,15 @@ def _release_files(exc: BaseException) -> None:
     gc.collect()
 
 
-def _numel(param: Any) -> int:
-    return int(getattr(param, "ds_numel", 0) or param.numel())  # ZeRO-3 keeps the full size in ds_numel
+def loss_scale(engine: Any) -> float | None:
+    """The fp16 loss scaler's current scale: DeepSpeed's fp16 optimizers call it cur_scale, its ZeRO optimizers
+    loss_scale."""
+    optimizer = engine.optimizer
+    for name in ("cur_scale", "loss_scale"):
+        value = getattr(optimizer, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
 
 
 def _schedule_name(cfg: DictConfig) -> str:
@@ -688,6 +725,7 @@ def write_summary(trainer: Trainer, status: str, error: str | None, results: dic
         "accelerator": trainer.accelerator,
         "precision": trainer.precision,
         "zero_stage": getattr(trainer, "zero_stage", None),
+        "optimizer": getattr(trainer, "optimizer_name", None),
         "choices": _choices(),
         "model": cfg.model.name_or_path or cfg.model.name,
         "lora_dim": cfg.lora.dim,
@@ -699,7 +737,14 @@ def write_summary(trainer: Trainer, status: str, error: str | None, results: dic
         "initial_eval": results.get("initial"),
         "final_eval": results.get("final"),
         "tokens_per_s": getattr(trainer, "train_tokens", 0.0) / train_seconds if train_seconds else None,
+        "tokens_per_s_per_device": (
+            getattr(trainer, "train_tokens", 0.0) / train_seconds / trainer.world if train_seconds else None
+        ),
         "samples_per_s": getattr(trainer, "train_samples", 0.0) / train_seconds if train_seconds else None,
+        "mfu": trainer.mfu(getattr(trainer, "train_flops", 0.0), train_seconds) if train_seconds else None,
+        "device": getattr(trainer, "device_name", None),
+        "peak_tflops_per_device": (getattr(trainer, "peak_flops", None) or 0) / 1e12 or None,
+        "skipped_steps": getattr(trainer, "skipped_steps", 0),
         "peak_memory_bytes_per_rank": peaks,
         "checkpoint": results.get("checkpoint"),
         "export_dir": results.get("export_dir"),

@@ -30,6 +30,12 @@ def compose_cfg() -> Callable[..., DictConfig]:
     return _compose
 
 
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One tokenized-data cache for the whole session: runs with the same data settings tokenize once."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
 def run_cli(
     *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:

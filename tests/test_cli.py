@@ -152,8 +152,15 @@ print("HEAVY:", sorted(m for m in ("torch", "deepspeed", "transformers", "datase
 
 def test_dry_run_writes_a_complete_deepspeed_config(tmp_path):
     run_dir = tmp_path / "plan"
+    hidden_size_rules = ("zero.reduce_bucket_size=auto", "zero.stage3_param_persistence_threshold=auto")
     result = run_cli(
-        "dry_run=true", "zero=stage3", "precision=bf16", "lora.dim=64", f"hydra.run.dir={run_dir}", cwd=tmp_path
+        "dry_run=true",
+        "zero=stage3",
+        "precision=bf16",
+        "lora.dim=64",
+        *hidden_size_rules,
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     ds = json.loads((run_dir / "ds_config.json").read_text())
@@ -183,6 +190,7 @@ def test_dry_run_reads_a_local_checkpoint_config_without_weights(tmp_path):
         "model=local",
         f"model.name_or_path={model_dir}",
         "zero=stage2",
+        "zero.reduce_bucket_size=auto",  # Hugging Face's rule: hidden_size^2, from the config alone
         f"model.tokenizer={REPO / 'ds_exp' / 'assets' / 'tokenizer'}",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,

@@ -194,13 +194,14 @@ def test_train_batch_size_that_cannot_hold_is_a_mismatch(compose_cfg):
 
 
 def test_missing_hidden_size_names_the_keys_to_set(compose_cfg):
-    cfg = compose_cfg("zero=stage3")
+    # ds_exp's own stage-3 defaults are numbers; "auto" (Hugging Face's hidden_size rule) is asked for here
+    cfg = compose_cfg("zero=stage3", "zero.reduce_bucket_size=auto", "zero.stage3_prefetch_bucket_size=auto")
     with pytest.raises(ConfigError, match=r"reduce_bucket_size.*no hidden_size"):
         resolve_ds_config(cfg, RunFacts(world_size=1, hidden_size=None, total_steps=10, precision="fp32", run_dir="/x"))
 
 
 def test_stage3_knobs_left_auto_are_dropped_below_stage3(compose_cfg):
-    cfg = compose_cfg("zero=stage2", "+zero.stage3_prefetch_bucket_size=auto")
+    cfg = compose_cfg("zero=stage2", "+zero.stage3_prefetch_bucket_size=auto", "zero.reduce_bucket_size=auto")
     ds = resolve_ds_config(cfg, RunFacts(world_size=1, hidden_size=64, total_steps=10, precision="fp32", run_dir="/x"))
     assert "stage3_prefetch_bucket_size" not in ds["zero_optimization"]
     assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64

@@ -68,11 +68,6 @@ def pids_with(tag: str, rank: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data_cache")
-
-
-@pytest.fixture(scope="module")
 def uninterrupted_2ranks(tmp_path_factory, cache_dir) -> Run:
     run = launch(
         tmp_path_factory.mktemp("uninterrupted2") / "run", *RESUMABLE, launcher="torchrun", nproc=2, cache_dir=cache_dir

@@ -22,11 +22,6 @@ STOPPABLE = [*FAST, "train.max_steps=400", "train.log_every=10", "data.synthetic
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data_cache")
-
-
-@pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, cache_dir) -> Run:
     run = launch(tmp_path_factory.mktemp("uninterrupted") / "run", *STOPPABLE, cache_dir=cache_dir)
     assert run.ok, run.explain()

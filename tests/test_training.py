@@ -19,11 +19,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("data_cache")
-
-
-@pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory, cache_dir):
     """The same 2-rank run at every ZeRO stage, with and without LoRA (shared by several tests)."""
     root = tmp_path_factory.mktemp("zero")

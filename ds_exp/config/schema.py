@@ -50,6 +50,16 @@ class Dtype(str, Enum):
     auto = "auto"
 
 
+class OptimizerImpl(str, Enum):
+    """Which AdamW implementation ds_exp builds (optimizer.owner=ds_exp)."""
+
+    auto = "auto"  # DeepSpeed's CPU Adam under optimizer offload, torch's fused AdamW on CUDA, torch AdamW else
+    torch = "torch"  # torch.optim.AdamW (foreach)
+    torch_fused = "torch_fused"  # torch.optim.AdamW(fused=True): no compilation, CUDA and CPU
+    deepspeed_fused = "deepspeed_fused"  # DeepSpeed's FusedAdam: a JIT-compiled op (about a minute, once)
+    deepspeed_cpu = "deepspeed_cpu"  # DeepSpeed's CPU Adam: what optimizer offload needs (JIT-compiled, once)
+
+
 class Owner(str, Enum):
     ds_exp = "ds_exp"  # built in Python and handed to deepspeed.initialize (DeepSpeed-Chat's convention)
     deepspeed = "deepspeed"  # "optimizer"/"scheduler" blocks of the DeepSpeed config (Hugging Face's convention)
@@ -94,7 +104,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     disable_dropout: bool = False
     vocab_multiple: int = 8  # pad the embedding matrix to a multiple of this
-    attn_implementation: str | None = None
+    attn_implementation: str | None = None  # null = transformers' default; auto = flash_attention_2 when usable
+    liger_kernel: bool = False  # Liger's Triton kernels (CUDA, `pip install liger-kernel`)
 
 
 @dataclass
@@ -141,7 +152,7 @@ class ZeroConfig:
     """DeepSpeed `zero_optimization` keys; null keys are left out of the DeepSpeed config."""
 
     stage: int = 0
-    overlap_comm: bool | None = None
+    overlap_comm: Any = None  # bool, or "auto" (= world size > 1: only where there is communication to hide)
     contiguous_gradients: bool | None = None
     reduce_scatter: bool | None = None
     reduce_bucket_size: Any = None  # int or "auto"
@@ -188,6 +199,7 @@ class LoraConfig:
 class OptimizerConfig:
     owner: Owner = Owner.ds_exp
     name: str = "adamw"
+    impl: OptimizerImpl = OptimizerImpl.auto
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -227,6 +239,8 @@ class TrainConfig:
     export_dir: str = "hf_model"  # relative to the run directory
     export_adapter: bool = False  # also save the PEFT adapter alone
     max_bad_steps: int = 10  # consecutive non-finite losses before giving up
+    compile: bool = False  # torch.compile the model through DeepSpeed's engine (engine.compile())
+    peak_tflops: float | None = None  # per device, for MFU; null = the GPU's dense peak from ds_exp/flops.py
 
 
 @dataclass

@@ -48,6 +48,55 @@ def _check_model(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _check_speed_features(cfg: DictConfig, accelerator: str) -> list[str]:
+    """Features that need a package or a GPU: told here, not as an ImportError after the model is loaded."""
+    import importlib.util
+
+    problems = []
+    attention = cfg.model.attn_implementation
+    if attention in ("flash_attention_2", "flash_attention_3"):
+        package = "flash_attn" if attention == "flash_attention_2" else "flash_attn_interface"
+        if accelerator != "cuda":
+            problems.append(
+                f"model.attn_implementation={attention} needs a CUDA GPU (this is {accelerator}); use "
+                "model.attn_implementation=auto (FlashAttention where usable, else transformers' default)"
+            )
+        elif importlib.util.find_spec(package) is None:
+            problems.append(
+                f"model.attn_implementation={attention}: the {package} package is not installed "
+                "(pip install flash-attn --no-build-isolation); or use model.attn_implementation=auto"
+            )
+    if cfg.model.liger_kernel:
+        if accelerator != "cuda":
+            problems.append(
+                f"model.liger_kernel=true: Liger's kernels are Triton GPU kernels and this is {accelerator}; "
+                "set model.liger_kernel=false"
+            )
+        elif importlib.util.find_spec("liger_kernel") is None:
+            problems.append("model.liger_kernel=true: pip install liger-kernel, or set model.liger_kernel=false")
+    if cfg.train.peak_tflops is not None and cfg.train.peak_tflops <= 0:
+        problems.append(f"train.peak_tflops={cfg.train.peak_tflops}: must be > 0, or null for the GPU's own")
+    return problems
+
+
+def _check_optimizer_impl(cfg: DictConfig, ds: dict[str, Any], accelerator: str) -> list[str]:
+    impl = plain(cfg.optimizer.impl)
+    offload = get_path(ds, "zero_optimization.offload_optimizer.device", "none")
+    if plain(cfg.optimizer.owner) == "deepspeed" or impl == "auto":
+        return []
+    if offload in ("cpu", "nvme") and impl != "deepspeed_cpu":
+        return [
+            f"optimizer.impl={impl} with offload.optimizer={offload}: the offloaded optimizer step runs on the host "
+            "with DeepSpeed's CPU Adam; use optimizer.impl=auto (or deepspeed_cpu)"
+        ]
+    if impl == "deepspeed_cpu" and offload not in ("cpu", "nvme") and accelerator != "cpu":
+        return [
+            f"optimizer.impl=deepspeed_cpu updates parameters in host memory, but they live on the {accelerator} "
+            "device: add offload=cpu (with zero=stage1 or higher) or use optimizer.impl=auto"
+        ]
+    return []
+
+
 def _check_zero_and_offload(ds: dict[str, Any]) -> list[str]:
     problems = []
     stage = get_path(ds, "zero_optimization.stage", None)
@@ -167,7 +216,8 @@ def _check_resume(cfg: DictConfig) -> list[str]:
 def validate(cfg: DictConfig, accelerator: str | None = None) -> dict[str, Any]:
     """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept)."""
     accelerator = accelerator or detect_accelerator()
-    problems = _check_model(cfg) + _check_numbers(cfg) + _check_precision(cfg, accelerator) + _check_resume(cfg)
+    problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg)
+    problems += _check_precision(cfg, accelerator) + _check_resume(cfg)
     from ds_exp.data import check_data_config
 
     problems += check_data_config(cfg)
@@ -178,7 +228,7 @@ def validate(cfg: DictConfig, accelerator: str | None = None) -> dict[str, Any]:
     except ConfigError as err:
         problems += err.problems
     if ds:
-        problems += _check_zero_and_offload(ds)
+        problems += _check_zero_and_offload(ds) + _check_optimizer_impl(cfg, ds, accelerator)
     if problems:
         raise ConfigError(problems)
     return ds

@@ -1,0 +1,59 @@
+"""Every touch of a library's private internals, in one place.
+
+Each function says which versions it was checked against and what breaks if the internal changes. When a library
+is upgraded, this file is the list to re-check; nothing outside it reaches into private names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def op_loaded(builder: Any) -> bool:
+    """Whether DeepSpeed already holds this op's module in memory.
+
+    DeepSpeed 0.19.8: `OpBuilder._loaded_ops` (a class-level dict keyed by op name) caches loaded modules, so an
+    op ds_exp built is not loaded again when DeepSpeed asks for it. If it disappears, ops are merely loaded twice
+    (fast: the compiled library is on disk)."""
+    return builder.name in getattr(type(builder), "_loaded_ops", {})
+
+
+def skip_op(builder: Any) -> None:
+    """Make DeepSpeed treat this op as unavailable on this machine.
+
+    DeepSpeed 0.19.8: `deepspeed.ops.__compatible_ops__` (a module-level dict, op name -> bool) is what
+    `comm.torch.build_shm_op` consults before building the CPU shared-memory op; False makes it return None and
+    the CPU backend uses torch.distributed's collectives. If the dict goes away, DeepSpeed would try the build
+    itself and fail with its own traceback."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def op_prebuilt(builder: Any) -> bool:
+    """Whether loading this op needs no compilation: installed with DeepSpeed (DS_BUILD_OPS=1), or compiled
+    before into torch's extension directory.
+
+    torch 2.4-2.13: `torch.utils.cpp_extension._get_build_directory(name, verbose)` names that directory
+    (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<python>_<cuda tag>/<name>). If it changes, the only
+    effect is a "compiling ..." notice for an op that loads from its cache."""
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if installed_ops.get(builder.name, False):
+        return True
+    build_dir = Path(_get_build_directory(builder.name, verbose=False))
+    return (build_dir / f"{builder.name}.so").is_file()
+
+
+def apply_liger_kernels(model: Any) -> None:
+    """Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) patched into this model instance.
+
+    liger-kernel 0.8.5: `liger_kernel.transformers._apply_liger_kernel_to_instance` (exported, underscore-named) patches
+    a built model by its model_type. Its cross-entropy kernels stay off: ds_exp's loss is the exact sum over the
+    global batch's label tokens, computed from the logits. If the function moves, model.liger_kernel=true fails
+    at model build with an ImportError naming it."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
