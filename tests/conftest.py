@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
 from ds_exp.paths import conf_dir
+from tests.real_model import ModelUnavailable, smollm2_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +35,15 @@ def compose_cfg() -> Callable[..., DictConfig]:
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenized-data cache for the whole session: runs with the same data settings tokenize once."""
     return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a plain HF checkpoint dir, built once and cached (see tests/real_model.py)."""
+    try:
+        return smollm2_checkpoint()
+    except ModelUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def run_cli(
