@@ -57,3 +57,12 @@ def apply_liger_kernels(model: Any) -> None:
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def zero3_full_state_dict(engine: Any) -> dict[str, Any] | None:
+    """Collective: the full (unpartitioned) state dict on rank 0, gathered layer by layer, None elsewhere.
+
+    DeepSpeed 0.19.8: `DeepSpeedEngine._zero3_consolidated_16bit_state_dict()` (what its public
+    save_16bit_model uses, but returning the dict instead of writing a file). It keeps each tensor's dtype. If it
+    changes, the export at ZeRO-3 fails with an AttributeError naming it."""
+    return engine._zero3_consolidated_16bit_state_dict()

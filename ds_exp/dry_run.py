@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_exp.accelerator import detect_accelerator, resolved_precision
-from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
+from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
 from ds_exp.distributed import detect_launch
 from ds_exp.memory import estimate_model_states, human_bytes
 from ds_exp.plan import total_steps, warmup_steps
@@ -23,7 +23,13 @@ from ds_exp.tracking import redact
 
 def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from ds_exp.data import count_train_examples, load_tokenizer
-    from ds_exp.model import build_model_config, count_parameters, hidden_size_of
+    from ds_exp.model import (
+        base_vocab_size,
+        build_model_config,
+        count_parameters,
+        hidden_size_of,
+        padded_vocab_size,
+    )
 
     launch = detect_launch(cfg.dist)
     accelerator = detect_accelerator()
@@ -31,6 +37,9 @@ def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg)
     model_config = build_model_config(cfg, tokenizer)
     hidden = hidden_size_of(model_config)
+    base_vocab = base_vocab_size(cfg, tokenizer, model_config.vocab_size)  # what the export keeps
+    padded = padded_vocab_size(len(tokenizer), model_config.vocab_size, cfg.model.vocab_multiple)
+    model_config.vocab_size = padded
     counts = count_parameters(cfg, model_config)
     num_train = count_train_examples(cfg)
     steps = total_steps(num_train, cfg, launch.world_size)
@@ -43,6 +52,7 @@ def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         run_dir=str(run_dir),
     )
     ds_config = resolve_ds_config(cfg, facts)
+    notes = replaced_by_config_file(cfg, facts)
     stage = int(get_path(ds_config, "zero_optimization.stage"))
     memory = estimate_model_states(
         counts.total,
@@ -61,7 +71,8 @@ def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "model": cfg.model.name_or_path or f"{cfg.model.name} (built from model.arch)",
         "model_type": model_config.model_type,
         "hidden_size": hidden,
-        "vocab_size": model_config.vocab_size,
+        "vocab_size": base_vocab,
+        "padded_vocab_size": padded,
         "parameters": counts.total,
         "trainable_parameters": counts.trainable,
         "lora_targets": len(counts.lora_targets),
@@ -71,6 +82,7 @@ def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "zero_stage": stage,
         "memory_per_rank": memory.as_dict(),
         "ds_config": ds_config,
+        "notes": notes,
     }
 
 
@@ -81,6 +93,8 @@ def dry_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         (run_dir / "ds_config.json").write_text(json.dumps(redact(plan["ds_config"]), indent=2) + "\n")
         (run_dir / "plan.json").write_text(json.dumps({k: v for k, v in plan.items() if k != "ds_config"}, indent=2))
         print(format_plan(plan, run_dir))
+        for note in plan["notes"]:
+            print(f"  note       {note}")
     return plan
 
 
@@ -90,7 +104,13 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
         f"ds_exp dry run -> {run_dir / 'ds_config.json'}",
         f"  launch     {plan['launcher']}, world size {plan['world_size']}, {plan['accelerator']}, {plan['precision']}",
         f"  model      {plan['model']} ({plan['model_type']}, hidden {plan['hidden_size']}, "
-        f"vocab {plan['vocab_size']})",
+        f"vocab {plan['vocab_size']}"
+        + (
+            f", padded to {plan['padded_vocab_size']} for training"
+            if plan["padded_vocab_size"] != plan["vocab_size"]
+            else ""
+        )
+        + ")",
         f"  params     {plan['parameters']:,} total, {plan['trainable_parameters']:,} trainable"
         + (f" ({plan['lora_targets']} LoRA layers)" if plan["lora_targets"] else ""),
         f"  data       {plan['train_examples']:,} train examples, global batch {plan['global_batch_size']}, "

@@ -193,6 +193,9 @@ class BuiltModel:
     config: Any  # the transformers config (vocabulary already padded)
     lora: LoraSpec | None
     hf_ds_config: Any  # keeps transformers' ZeRO-3 mode alive while the engine is built
+    base_rows: int  # embedding rows before padding (the checkpoint's, for a model loaded from one)
+    base_dtype: str  # the dtype the checkpoint's weights are stored in (float32 when built from a config)
+    vocab_size: int  # the base vocabulary the export keeps: the tokenizer's, or the checkpoint's if larger
 
 
 def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
@@ -226,6 +229,7 @@ def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: 
         from ds_exp import compat
 
         compat.apply_liger_kernels(model)
+    base_rows = model.get_input_embeddings().num_embeddings
     vocab = padded_vocab_size(len(tokenizer), model.get_input_embeddings().num_embeddings, cfg.model.vocab_multiple)
     if vocab != model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(vocab)  # gathers the embedding under ZeRO-3
@@ -245,4 +249,32 @@ def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # frozen embeddings (LoRA only) would leave checkpointed blocks without inputs that require grad
         model.enable_input_require_grads()
-    return BuiltModel(model=model, config=config, lora=lora, hf_ds_config=hf_ds_config)
+    return BuiltModel(
+        model=model,
+        config=config,
+        lora=lora,
+        hf_ds_config=hf_ds_config,
+        base_rows=base_rows,
+        base_dtype=checkpoint_dtype(cfg),
+        vocab_size=base_vocab_size(cfg, tokenizer, base_rows),
+    )
+
+
+def base_vocab_size(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, checkpoint_rows: int) -> int:
+    """The vocabulary an export keeps (model.vocab_multiple's padding rows trimmed): the tokenizer's size, or the
+    base's own if larger (the checkpoint's embedding rows; model.arch.vocab_size for a model built from a config,
+    whose config is padded already)."""
+    own = checkpoint_rows if cfg.model.name_or_path else int((cfg.model.arch or {}).get("vocab_size") or 0)
+    return max(len(tokenizer), own)
+
+
+def checkpoint_dtype(cfg: DictConfig) -> str:
+    """The dtype a checkpoint's weights are stored in, from its config.json (float32 when unsaid or built)."""
+    if cfg.model.name_or_path is None:
+        return "float32"
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+    return name if name in ("float32", "bfloat16", "float16") else "float32"

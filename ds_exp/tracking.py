@@ -129,6 +129,14 @@ class WandbRun:
         if self.run is not None:
             self.run.log(metrics, step=step)
 
+    def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Rows of equal keys as a wandb Table (e.g. the generations of one evaluation)."""
+        if self.run is not None and rows:
+            import wandb
+
+            columns = list(rows[0])
+            self.run.log({key: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
+
     def summary(self, values: dict[str, Any]) -> None:
         if self.run is not None:
             for key, value in values.items():

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from ds_exp import checkpoint
 from ds_exp.accelerator import detect_accelerator, resolved_precision
-from ds_exp.config.ds_config import RunFacts, resolve_ds_config
+from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
 from ds_exp.config.schema import plain
 from ds_exp.distributed import detect_launch, init_distributed, is_lost_peer, mark_lost_peer
 from ds_exp.errors import DsExpError, RunFailed
@@ -185,6 +185,7 @@ class Trainer:
     def prepare(self) -> None:
         from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
         from ds_exp.engine import build_engine
+        from ds_exp.generate import load_prompts, stop_token_ids
         from ds_exp.model import build_model, build_model_config, hidden_size_of
 
         cfg = self.cfg
@@ -192,12 +193,17 @@ class Trainer:
         self.data = prepare_sft_data(cfg, self.tokenizer)
         log.info("data: %s", {k: v for k, v in self.data.stats.items()})
         self.collator = make_collator(self.tokenizer, isolate_packed=bool(cfg.data.packing))
+        self.prompts = load_prompts(cfg.eval)
+        self.stop_ids = stop_token_ids(self.tokenizer, cfg.data.end_of_conversation_token)
         self.total_steps = total_steps(len(self.data.train), cfg, self.world)
         self.steps_per_epoch = steps_per_epoch(len(self.data.train), cfg, self.world)
         warmup = warmup_steps(cfg, self.total_steps)
         hidden = hidden_size_of(build_model_config(cfg, self.tokenizer))
         facts = RunFacts(self.world, hidden, self.total_steps, warmup, self.precision, str(self.run_dir))
         self.ds_config = resolve_ds_config(cfg, facts)
+        if self.is_main:
+            for note in replaced_by_config_file(cfg, facts):
+                log.warning(note)
         register_secrets(self.ds_config)  # a user's DeepSpeed JSON may hold keys (comet.api_key); DeepSpeed logs it
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
         if self.is_main:
@@ -351,6 +357,8 @@ class Trainer:
 
         if train_cfg.eval_at_start and progress.step == 0:
             self.results["initial"] = self.record_eval(progress)
+        if progress.step == 0:
+            self.record_generations(progress.step)  # what the model says before training
         sampler = ResumableDistributedSampler(
             len(self.data.train),
             rank=self.rank,
@@ -392,20 +400,34 @@ class Trainer:
             self.results["final"] = self.record_eval(progress)
         else:
             self.results["final"] = self.results.get("last_eval", {})
+        if self.last_generation_step != progress.step:
+            self.record_generations(progress.step)  # and after
         if train_cfg.save_final_checkpoint and progress.last_save_step != progress.step:
             self.save(progress)
         self.results["step"] = progress.step
         self.results["epoch"] = progress.epoch
         if train_cfg.export:
-            from ds_exp.export import export_hf
+            from ds_exp.data.tokenizer import tokenizer_source
+            from ds_exp.export import ExportSpec, export_hf
 
             export_dir = self.run_dir / train_cfg.export_dir
+            spec = ExportSpec(
+                model_config=self.built.config,
+                base_path=cfg.model.name_or_path,
+                base_dtype=self.built.base_dtype,
+                base_rows=self.built.base_rows,
+                vocab_size=self.built.vocab_size,
+                tokenizer_source=tokenizer_source(cfg),
+                lora=self.built.lora,
+                precision=self.precision,
+                dtype=str(plain(train_cfg.export_dtype)),
+                trust_remote_code=bool(cfg.model.trust_remote_code),
+            )
             export_hf(
                 self.engine,
                 zero_stage=self.zero_stage,
-                model_config=self.built.config,
+                spec=spec,
                 tokenizer=self.tokenizer,
-                lora=self.built.lora,
                 export_dir=export_dir,
                 save_adapter=train_cfg.export_adapter,
             )
@@ -419,6 +441,7 @@ class Trainer:
         self.window, self.bad_steps, self.step_loss = Window(*carried), 0, None
         self.train_seconds, self.train_tokens, self.train_samples, self.train_flops = 0.0, 0.0, 0.0, 0.0
         self.skipped_steps = 0
+        self.last_generation_step = -1
 
     def optimizer_step(self, batches: list[dict[str, Any]], progress: Progress, bar: Any, started: float) -> None:
         """One step of the loop: train, then what follows a step (NaN votes, metric line, eval, checkpoint, stop).
@@ -548,7 +571,33 @@ class Trainer:
         self.wandb.log({"eval/loss": result["eval_loss"], "eval/perplexity": result["perplexity"]}, step=progress.step)
         log.info("eval at step %d: loss %.5f perplexity %.3f", progress.step, result["eval_loss"], result["perplexity"])
         self.results["last_eval"] = result
+        if self.cfg.eval.every_eval and progress.step not in (0, self.total_steps):
+            self.record_generations(progress.step)
         return result
+
+    def record_generations(self, step: int) -> None:
+        """Collective at ZeRO-3. Greedy completions of eval.prompts, written by rank 0 to generations.jsonl, the log
+        and wandb."""
+        from ds_exp.generate import generate, write_generations
+
+        self.last_generation_step = step
+        if not self.prompts:
+            return
+        self.flush_metric_line()
+        completions = generate(
+            self.engine,
+            self.tokenizer,
+            self.prompts,
+            template=str(self.data.stats["template"]),
+            max_new_tokens=int(self.cfg.eval.max_new_tokens),
+            stop_ids=self.stop_ids,
+        )
+        if completions is None:
+            return
+        rows = write_generations(self.run_dir / "generations.jsonl", step, self.prompts, completions)
+        self.wandb.table("eval/generations", rows, step=step)
+        for row in rows:
+            log.info("step %d: %r -> %r", step, row["prompt"], row["completion"])
 
     def save(self, progress: Progress) -> None:
         """Collective checkpoint. The metric window still open travels with it (summed over ranks), so a resumed

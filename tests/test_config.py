@@ -142,6 +142,20 @@ def test_auto_table_is_filled_from_settings_and_run_facts(compose_cfg, tmp_path)
     assert find_auto(ds) == []
 
 
+def test_a_file_that_brings_its_own_optimizer_and_scheduler_says_so(compose_cfg, tmp_path):
+    from ds_exp.config.ds_config import replaced_by_config_file
+
+    cfg = compose_cfg(f"deepspeed.config_file={_hf_style_file(tmp_path)}", "scheduler.warmup_steps=5")
+    facts = RunFacts(world_size=1, hidden_size=64, total_steps=50, precision="fp32", run_dir=str(tmp_path))
+    optimizer, scheduler = replaced_by_config_file(cfg, facts)
+    assert "brings its own optimizer (AdamW)" in optimizer and "optimizer.impl=auto" in optimizer
+    assert "brings its own scheduler (WarmupDecayLR): it replaces ds_exp's cosine schedule" in scheduler
+    assert "(5 steps)" in scheduler
+    # and the warmup it runs is ds_exp's own setting
+    assert resolve_ds_config(cfg, facts)["scheduler"]["params"]["warmup_num_steps"] == 5
+    assert replaced_by_config_file(compose_cfg(), facts) == []
+
+
 def test_warmup_ratio_uses_total_steps(compose_cfg):
     cfg = compose_cfg("scheduler=linear", "scheduler.owner=deepspeed", "scheduler.warmup_ratio=0.1")
     ds = resolve_ds_config(cfg, RunFacts(world_size=1, hidden_size=64, total_steps=95, precision="fp32", run_dir="/x"))

@@ -245,6 +245,34 @@ def test_wandb_offline_files_hold_the_metrics(tmp_path, cache_dir):
     assert math.isclose(logged[final["step"]]["eval/perplexity"], final["perplexity"], rel_tol=1e-6)
 
 
+def test_generations_before_and_after_under_zero3_reach_the_file_and_wandb(tmp_path, cache_dir):
+    prompts = ["reverse the words: cat dog", "sort the digits: 3 1 2"]
+    run = launch(
+        tmp_path / "run",
+        *FAST,
+        "zero=stage3",  # every forward is a collective: both ranks generate, rank 0 writes
+        f"eval.prompts=[{','.join(repr(p) for p in prompts)}]",
+        "eval.max_new_tokens=6",
+        "logger=wandb",
+        "logger.wandb.mode=offline",
+        launcher="torchrun",
+        nproc=2,
+        cache_dir=cache_dir,
+        env={"WANDB_MODE": "offline"},
+    )
+    assert run.ok, run.explain()
+    lines = [json.loads(line) for line in (run.run_dir / "generations.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in lines] == [(0, p) for p in prompts] + [(8, p) for p in prompts]
+    assert all(isinstance(r["completion"], str) for r in lines)
+    (run_file,) = (run.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    tables = {step: items for step, items in history(run_file).items() if "eval/generations/path" in items}
+    assert sorted(tables) == [0, 8]
+    for step, items in tables.items():
+        table = json.loads((run_file.parent / "files" / items["eval/generations/path"]).read_text())
+        assert table["columns"] == ["step", "prompt", "completion"]
+        assert table["data"] == [[r["step"], r["prompt"], r["completion"]] for r in lines if r["step"] == step]
+
+
 def test_default_run_learns(tmp_path, cache_dir):
     """`python -m ds_exp` on its embedded defaults: eval perplexity falls well below where it started."""
     run = launch(tmp_path / "run", cache_dir=cache_dir)

@@ -110,6 +110,29 @@ def load_config_file(path: str) -> dict[str, Any]:
     return loaded
 
 
+def replaced_by_config_file(cfg: DictConfig, facts: RunFacts) -> list[str]:
+    """One line for each of ds_exp's own settings that a user's DeepSpeed file replaces: an "optimizer" block
+    (DeepSpeed builds that optimizer) and a "scheduler" block (its schedule, not scheduler.name's)."""
+    if not cfg.deepspeed.config_file:
+        return []
+    file = load_config_file(cfg.deepspeed.config_file)
+    key = f"deepspeed.config_file={cfg.deepspeed.config_file}"
+    notes = []
+    if isinstance(file.get("optimizer"), dict):
+        notes.append(
+            f"{key} brings its own optimizer ({file['optimizer'].get('type')}): DeepSpeed builds it, not ds_exp's "
+            f"optimizer.impl={plain(cfg.optimizer.impl)}; remove the block to use ds_exp's"
+        )
+    if isinstance(file.get("scheduler"), dict):
+        warmup = _effective_warmup(cfg, facts.total_steps)
+        notes.append(
+            f"{key} brings its own scheduler ({file['scheduler'].get('type')}): it replaces ds_exp's "
+            f"{plain(cfg.scheduler.name)} schedule; its warmup comes from scheduler.warmup_steps / warmup_ratio "
+            f"({max(warmup or 0, 1)} steps); remove the block to use ds_exp's schedule"
+        )
+    return notes
+
+
 def groups_ds_config(cfg: DictConfig) -> dict[str, Any]:
     """The DeepSpeed config as composed from the groups, interpolations resolved, nulls dropped."""
     raw = OmegaConf.to_container(cfg.deepspeed.config, resolve=True, enum_to_str=True)

@@ -50,6 +50,13 @@ class Dtype(str, Enum):
     auto = "auto"
 
 
+class ExportDtype(str, Enum):
+    auto = "auto"  # the base checkpoint's dtype, or the training precision where every base weight was trained
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 class OptimizerImpl(str, Enum):
     """Which AdamW implementation ds_exp builds (optimizer.owner=ds_exp)."""
 
@@ -238,9 +245,18 @@ class TrainConfig:
     export: bool = True
     export_dir: str = "hf_model"  # relative to the run directory
     export_adapter: bool = False  # also save the PEFT adapter alone
+    export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/export.py)
     max_bad_steps: int = 10  # consecutive non-finite losses before giving up
     compile: bool = False  # torch.compile the model through DeepSpeed's engine (engine.compile())
     peak_tflops: float | None = None  # per device, for MFU; null = the GPU's dense peak from ds_exp/flops.py
+
+
+@dataclass
+class EvalConfig:
+    prompts: list[str] = field(default_factory=list)  # completed greedily at the first and the last evaluation
+    prompts_file: str | None = None  # more prompts: one per line, or JSON lines with a "prompt" field
+    max_new_tokens: int = 64
+    every_eval: bool = False  # also at every evaluation in between
 
 
 @dataclass
@@ -286,6 +302,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)

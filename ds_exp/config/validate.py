@@ -205,6 +205,17 @@ def _check_precision(cfg: DictConfig, accelerator: str) -> list[str]:
     return []
 
 
+def _check_eval(cfg: DictConfig) -> list[str]:
+    problems = []
+    if cfg.eval.max_new_tokens < 1:
+        problems.append(f"eval.max_new_tokens={cfg.eval.max_new_tokens}: must be >= 1")
+    if cfg.eval.prompts_file and not Path(cfg.eval.prompts_file).expanduser().is_file():
+        problems.append(
+            f"eval.prompts_file={cfg.eval.prompts_file}: file not found; give a text file with one prompt per line"
+        )
+    return problems
+
+
 def _check_resume(cfg: DictConfig) -> list[str]:
     if cfg.resume in (None, "auto"):
         return []
@@ -217,7 +228,7 @@ def validate(cfg: DictConfig, accelerator: str | None = None) -> dict[str, Any]:
     """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept)."""
     accelerator = accelerator or detect_accelerator()
     problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg)
-    problems += _check_precision(cfg, accelerator) + _check_resume(cfg)
+    problems += _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg)
     from ds_exp.data import check_data_config
 
     problems += check_data_config(cfg)
