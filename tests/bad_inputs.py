@@ -13,6 +13,8 @@ from pathlib import Path
 from tests.training import REPO, user_env
 
 GOOD_ROW = {"prompt": "What is 2+2?", "chosen": "4"}
+GOOD_CHAT = {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]}
+DSCHAT_ROW = {"prompt": " Human: What is 2+2? Assistant:", "chosen": " 4", "rejected": " 5"}  # DeepSpeed-Chat's form
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,13 @@ CASES: list[Case] = [
     Case("negative clipping", "config value", ("train.gradient_clipping=-1",), ("train.gradient_clipping", ">= 0")),
     Case("timeout 0", "config value", ("dist.timeout_minutes=0",), ("dist.timeout_minutes=0", ">= 1")),
     Case("max_bad_steps negative", "config value", ("train.max_bad_steps=-1",), ("train.max_bad_steps=-1", ">= 0")),
+    Case(
+        "unknown row layout",
+        "config value",
+        (*local_data(), "data.sources.0.layout=xml"),
+        ("data.sources[0].layout=xml", "prompt_chosen, messages, sharegpt, alpaca"),
+        files={"sft.jsonl": jsonl(GOOD_ROW)},
+    ),
     # --- combinations
     Case(
         "parameter offload below stage 3",
@@ -188,6 +197,48 @@ CASES: list[Case] = [
         local_data(),
         ("prompt_field", "not text", "point the field at a text column"),
         files={"sft.jsonl": jsonl(*({"prompt": {"text": f"q{i}"}, "chosen": "a"} for i in range(40)))},
+    ),
+    Case(
+        "DeepSpeed-Chat rows wrapped twice",
+        "data row",
+        (*local_data(), "data.template=dschat"),
+        ("already carry DeepSpeed-Chat's markers", "sft.jsonl:1", "data.template=raw"),
+        files={"sft.jsonl": jsonl(*[DSCHAT_ROW] * 40)},
+    ),
+    Case(
+        "unknown chat role",
+        "data row",
+        local_data(),
+        ("sft.jsonl:2", "unknown role 'bot'", "use one of system, user (human), assistant (gpt)"),
+        files={"sft.jsonl": jsonl(GOOD_CHAT, {"messages": [{"role": "bot", "content": "hi"}]}, GOOD_CHAT)},
+    ),
+    Case(
+        "empty conversation",
+        "data row",
+        local_data(),
+        ("sft.jsonl:3", "empty conversation", "remove the row"),
+        files={"sft.jsonl": jsonl(GOOD_CHAT, GOOD_CHAT, {"messages": []})},
+    ),
+    Case(
+        "conversation without an answer",
+        "data row",
+        local_data(),
+        ("sft.jsonl:2", "no assistant turn", "add the answer as an assistant turn"),
+        files={"sft.jsonl": jsonl(GOOD_CHAT, {"messages": [{"role": "user", "content": "hi"}]})},
+    ),
+    Case(
+        "chat content not text",
+        "data row",
+        local_data("sft.json"),
+        ("sft.json: item 1", "turn 1 (gpt) content is dict, not a string"),
+        files={
+            "sft.json": json.dumps(
+                [
+                    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+                    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": {"text": "x"}}]},
+                ]
+            )
+        },
     ),
     Case(
         "fewer rows than one batch",

@@ -569,6 +569,321 @@ def test_hub_ids_are_recognized():
         resolve_format("data/missing.jsonl", "auto")
 
 
+# ----------------------------------------------------------------------------------------------- templates
+
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def chatml(tok):
+    """The embedded tokenizer with SmolLM2's ChatML markup (and its default system prompt)."""
+    import copy
+
+    chat = copy.deepcopy(tok)
+    chat.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    chat.chat_template = CHATML
+    return chat
+
+
+def label_runs(tok, ex) -> list[str]:
+    """The labelled tokens of an example, decoded per contiguous run."""
+    runs: list[list[int]] = []
+    previous = False
+    for token, label in zip(ex["input_ids"], ex["labels"], strict=True):
+        if label != -100:
+            runs.append([token]) if not previous else runs[-1].append(token)
+        previous = label != -100
+    return [tok.decode(run) for run in runs]
+
+
+def dschat_rows(n: int, tag: str = "") -> list[dict[str, str]]:
+    """Rows exactly as DeepSpeed-Chat's local train.json / Dahoas/rm-static hold them: markers in the prompt."""
+    return [
+        {
+            "prompt": f" Human: I have {i} yellow foxs{tag} and buy 9 more. How many do I have? Assistant:",
+            "chosen": f" You have {i + 9} yellow foxs{tag}.",
+            "rejected": f" You have {i} yellow foxs{tag}.",
+        }
+        for i in range(n)
+    ]
+
+
+def dschat_dir(tmp_path: Path, n: int = 50, n_eval: int = 10) -> Path:
+    directory = tmp_path / "dschat_data"
+    directory.mkdir()
+    (directory / "train.json").write_text(json.dumps(dschat_rows(n)))
+    (directory / "eval.json").write_text(json.dumps(dschat_rows(n_eval, " (eval)")))
+    return directory
+
+
+def dschat_local_cfg(tmp_path: Path, path: Path, **overrides):
+    """data=dschat_local as shipped in conf/data, pointed at `path`."""
+    data = OmegaConf.to_container(OmegaConf.load(REPO / "conf/data/dschat_local.yaml"))
+    data["sources"][0]["path"] = str(path)
+    data.pop("cache_dir")
+    return make_cfg(tmp_path, **{**data, **overrides})
+
+
+def test_dschat_rows_are_trained_on_as_given(tmp_path, tok):
+    cfg = dschat_local_cfg(tmp_path, dschat_dir(tmp_path))
+    assert cfg.data.template.value == "raw" and cfg.data.data_split == "2,4,4"
+    assert count_train_examples(cfg) == 10
+    data = prepare_sft_data(cfg, tok)
+    assert (len(data.train), len(data.eval)) == (10, 2) and data.stats["template"] == "raw"
+    rows = {r["chosen"]: r for r in dschat_rows(50) + dschat_rows(10, " (eval)")}
+    for ex in [*data.train, *data.eval]:
+        text = tok.decode(ex["input_ids"])
+        chosen = " You" + text.split(" You", 1)[1].removesuffix("<|endoftext|>")
+        row = rows[chosen]
+        # exactly DeepSpeed-Chat's prompt + chosen + eot: no second " Human:", no doubled space
+        assert text == row["prompt"] + row["chosen"] + "<|endoftext|>"
+        assert text.count("Human:") == 1 and "  " not in text
+        assert label_runs(tok, ex) == [row["chosen"] + "<|endoftext|>"]
+    full = prepare_sft_data(dschat_local_cfg(tmp_path, tmp_path / "dschat_data", train_on_prompt=True), tok)
+    assert all(ex["labels"] == ex["input_ids"] for ex in full.train)
+    # the rejected column is carried with the rows (reward-model phases), as before
+    from ds_exp.data.sources import load_source
+
+    raw = load_source(cfg.data.sources[0], "data.sources[0]")
+    assert raw.layout == "prompt_chosen" and raw.num_marked == 60
+    assert raw.train.rejected[:2] == [r["rejected"] for r in dschat_rows(2)]
+
+
+def test_dschat_step1_trains_on_the_text_as_given(tmp_path):
+    from ds_exp.config.schema import register_configs
+    from ds_exp.paths import conf_dir
+
+    hydra = pytest.importorskip("hydra")
+    register_configs()
+    try:
+        with hydra.initialize_config_dir(str(conf_dir()), version_base=None):
+            cfg = hydra.compose("config", overrides=["experiment=dschat_step1", "data=dschat_local"])
+            plain = hydra.compose("config", overrides=["experiment=dschat_step1"])
+    except Exception as err:  # the rest of the conf tree is someone else's and may be mid-change
+        pytest.skip(f"root config does not compose: {err}")
+    assert cfg.data.template.value == plain.data.template.value == "raw"
+    assert cfg.data.sources[0].layout == "prompt_chosen"
+
+
+@pytest.mark.parametrize("template", ["dschat", "chat_template"])
+def test_marked_rows_are_refused_by_wrapping_templates(template, tmp_path, tok, chatml):
+    directory = dschat_dir(tmp_path)
+    cfg = dschat_local_cfg(tmp_path, directory, template=template)
+    msg = _error(cfg, chatml if template == "chat_template" else tok)
+    assert msg.startswith("data.sources[0]: all 60 rows already carry DeepSpeed-Chat's markers")
+    assert f"{directory / 'train.json'}: item 0" in msg and "data.template=raw" in msg
+    with pytest.raises(DataError, match=r"data\.template=raw"):
+        count_train_examples(cfg)  # the dry run says so too
+
+
+def test_auto_picks_raw_for_marked_rows(tmp_path, chatml, caplog):
+    plain = write_jsonl(tmp_path / "plain.jsonl", rows(20))
+    directory = dschat_dir(tmp_path)
+    cfg = dschat_local_cfg(tmp_path, directory, template="auto", data_split="10,0,0")
+    cfg = make_cfg(
+        tmp_path, **{**OmegaConf.to_container(cfg.data), "sources": [{"path": str(directory)}, {"path": str(plain)}]}
+    )
+    with caplog.at_level("INFO", logger="ds_exp"):
+        data = prepare_sft_data(cfg, chatml)
+    assert "data.template=auto uses raw for this source" in caplog.text
+    assert data.stats["template"] == "raw+chat_template"
+    assert [s["template"] for s in data.stats["per_source"]] == ["raw", "chat_template"]
+    texts = [chatml.decode(ex["input_ids"]) for ex in data.train]
+    marked = [t for t in texts if "Human:" in t]
+    assert len(marked) == 50 and not any("<|im_start|>" in t for t in marked)
+    assert all(t.startswith(DEFAULT_SYSTEM) for t in texts if t not in marked)
+
+
+CHAT_ROWS = {
+    "messages": lambda i, system: {
+        "messages": [
+            *([{"role": "system", "content": "Be brief."}] if system else []),
+            {"role": "user", "content": f"hi {i}"},
+            {"role": "assistant", "content": f"hello {i}"},
+            {"role": "user", "content": "and now?"},
+            {"role": "assistant", "content": f"bye {i}"},
+        ]
+    },
+    "sharegpt": lambda i, system: {
+        "conversations": [
+            *([{"from": "system", "value": "Be brief."}] if system else []),
+            {"from": "human", "value": f"hi {i}"},
+            {"from": "gpt", "value": f"hello {i}"},
+            {"from": "human", "value": "and now?"},
+            {"from": "gpt", "value": f"bye {i}"},
+        ]
+    },
+}
+
+
+def _chat_expected(system: bool, i: int, chat: bool) -> tuple[str, list[str]]:
+    if chat:
+        head = "<|im_start|>system\nBe brief.<|im_end|>\n" if system else DEFAULT_SYSTEM
+        text = (
+            f"{head}<|im_start|>user\nhi {i}<|im_end|>\n<|im_start|>assistant\nhello {i}<|im_end|>\n"
+            f"<|im_start|>user\nand now?<|im_end|>\n<|im_start|>assistant\nbye {i}<|im_end|>\n"
+        )
+        return text, [f"hello {i}<|im_end|>", f"bye {i}<|im_end|>"]
+    text = f"{'Be brief.' if system else ''} Human: hi {i} Assistant: hello {i} Human: and now? Assistant: bye {i}"
+    return text + "<|endoftext|>", [f" hello {i}", f" bye {i}<|endoftext|>"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["embedded-dschat", "chatml"])
+@pytest.mark.parametrize("layout", ["messages", "sharegpt"])
+def test_multi_turn_chat_rows(layout, chat, tmp_path, tok, chatml):
+    tokenizer = chatml if chat else tok
+    items = [CHAT_ROWS[layout](i, system=i % 2 == 0) for i in range(12)]
+    path = write_jsonl(tmp_path / "chat.jsonl", items)
+    cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], template="auto", eval_fraction=0, max_seq_len=128)
+    assert count_train_examples(cfg) == 12
+    data = prepare_sft_data(cfg, tokenizer)
+    assert data.stats["per_source"][0]["layout"] == layout
+    assert data.stats["template"] == ("chat_template" if chat else "dschat")
+    for ex in data.train:
+        text = tokenizer.decode(ex["input_ids"])
+        i = int(text.split("hello ", 1)[1].split("<", 1)[0].split(" ", 1)[0])
+        expected, labels = _chat_expected(i % 2 == 0, i, chat)
+        assert text == expected
+        # every answer (and the end of turn right after it) counts; no system, user or header token does
+        assert label_runs(tokenizer, ex) == labels
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["embedded-dschat", "chatml"])
+def test_alpaca_rows(chat, tmp_path, tok, chatml):
+    tokenizer = chatml if chat else tok
+    items = [{"instruction": "Add the numbers.", "input": f"{i} 2", "output": f"{i + 2}"} for i in range(5)]
+    items += [{"instruction": f"Say {i}.", "input": "", "output": f"{i}"} for i in range(5, 8)]
+    items.append({"instruction": "Nothing to learn.", "input": "", "output": " "})  # blank answer: dropped
+    (tmp_path / "alpaca.json").write_text(json.dumps(items))
+    cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "alpaca.json")}], template="auto", eval_fraction=0)
+    assert count_train_examples(cfg) == 8
+    data = prepare_sft_data(cfg, tokenizer)
+    assert data.stats["per_source"][0]["layout"] == "alpaca" and data.stats["num_filtered_rows"] == 1
+    seen = set()
+    for ex in data.train:
+        text = tokenizer.decode(ex["input_ids"])
+        answer = label_runs(tokenizer, ex)
+        assert len(answer) == 1
+        out = answer[0].removesuffix("<|im_end|>" if chat else "<|endoftext|>").strip()
+        i = int(out) - 2 if "Add" in text else int(out)
+        prompt = f"Add the numbers.\n\n{i} 2" if i < 5 else f"Say {i}."
+        if chat:
+            turns = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{out}<|im_end|>\n"
+            assert text == DEFAULT_SYSTEM + turns
+            assert answer == [f"{out}<|im_end|>"]
+        else:
+            assert text == f" Human: {prompt} Assistant: {out}<|endoftext|>"
+            assert answer == [f" {out}<|endoftext|>"]
+        seen.add(i)
+    assert seen == set(range(8))
+
+
+def test_raw_template_on_chat_rows(tmp_path, tok):
+    path = write_jsonl(tmp_path / "chat.jsonl", [CHAT_ROWS["messages"](i, system=True) for i in range(4)])
+    cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], template="raw", eval_fraction=0)
+    for ex in prepare_sft_data(cfg, tok).train:
+        text = tok.decode(ex["input_ids"])
+        i = text.split("hello ", 1)[1][0]
+        assert text == f"Be brief.hi {i}hello {i}and now?bye {i}<|endoftext|>"  # contents as given
+        assert label_runs(tok, ex) == [f"hello {i}", f"bye {i}<|endoftext|>"]
+
+
+def test_layout_is_detected_and_part_of_the_cache_key(tmp_path, tok):
+    items = [{"prompt": f"p {i}", "chosen": f"c {i}", **CHAT_ROWS["messages"](i, system=False)} for i in range(6)]
+    path = write_jsonl(tmp_path / "both.jsonl", items)
+    cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], eval_fraction=0)
+    chat = prepare_sft_data(cfg, tok)  # a messages column wins over prompt/chosen
+    assert "Human: hi" in tok.decode(chat.train[0]["input_ids"])
+    cfg.data.sources[0].layout = "prompt_chosen"
+    pairs = prepare_sft_data(cfg, tok)
+    assert pairs.stats["cache_hit"] is False and tok.decode(pairs.train[0]["input_ids"]).startswith(" Human: p ")
+    renamed = make_cfg(tmp_path, sources=[{"path": str(path), "prompt_field": "chosen", "chosen_field": "prompt"}])
+    from ds_exp.data.sources import load_source
+
+    assert load_source(renamed.data.sources[0], "data.sources[0]").layout == "prompt_chosen"  # renamed fields win
+
+
+def test_chat_rows_with_parallel_tokenization(tmp_path, chatml):
+    items = [CHAT_ROWS["sharegpt"](i, system=i % 3 == 0) for i in range(1500)]
+    path = write_jsonl(tmp_path / "chat.jsonl", items)
+    cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], template="auto", eval_fraction=0, max_seq_len=128)
+    serial = prepare_sft_data(cfg, chatml)
+    cfg.data.num_proc = 2
+    parallel = prepare_sft_data(fresh(cfg, tmp_path / "np"), chatml)
+    assert parallel.train["input_ids"] == serial.train["input_ids"]
+    assert parallel.train["labels"] == serial.train["labels"]
+
+
+def test_chat_template_rejecting_a_row_names_it(tmp_path, tok):
+    import copy
+
+    strict = copy.deepcopy(tok)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    items = [CHAT_ROWS["messages"](i, system=i == 3) for i in range(5)]
+    path = write_jsonl(tmp_path / "chat.jsonl", items)
+    msg = _error(make_cfg(tmp_path, sources=[{"path": str(path)}], template="chat_template"), strict)
+    assert msg.startswith(f"data.sources[0]: {path}:4: the tokenizer's chat template rejects this conversation")
+    assert "no system role" in msg and "data.template=dschat" in msg
+
+
+BAD_TURNS = [
+    ({"messages": [{"role": "bot", "content": "x"}]}, "turn 0 has unknown role 'bot'"),
+    ({"messages": []}, "empty conversation"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
+    (
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ["y"]}]},
+        "turn 1 (assistant) content is list, not a string",
+    ),
+    ({"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "y"}]}, "content is int"),
+    ({"conversations": [{"from": "narrator", "value": "x"}]}, "unknown role 'narrator'"),
+]
+
+
+@pytest.mark.parametrize("bad,expect", BAD_TURNS, ids=[e.split(" (")[0] for _, e in BAD_TURNS])
+def test_bad_chat_rows_name_file_and_row(bad, expect, tmp_path, tok):
+    column = next(iter(bad))
+    good = CHAT_ROWS["messages" if column == "messages" else "sharegpt"](0, system=False)
+    path = write_jsonl(tmp_path / "chat.jsonl", [good, good, bad, good])
+    msg = _error(make_cfg(tmp_path, sources=[{"path": str(path)}]), tok)
+    assert msg.startswith(f"data.sources[0]: {path}:3: ") and expect in msg, msg
+    array = tmp_path / "chat.json"
+    array.write_text(json.dumps([good, bad]))
+    msg = _error(make_cfg(tmp_path, sources=[{"path": str(array)}]), tok)
+    assert msg.startswith(f"data.sources[0]: {array}: item 1: ") and expect in msg, msg
+    with pytest.raises(DataError, match=":3: "):
+        count_train_examples(make_cfg(tmp_path, sources=[{"path": str(path)}]))
+
+
+def test_bad_alpaca_row_and_layout_settings(tmp_path, tok):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "a", "output": "b"}, {"instruction": "a", "output": 5.5}])
+    assert _error(make_cfg(tmp_path, sources=[{"path": str(path)}]), tok).startswith(
+        f"data.sources[0]: {path}:2: 'output' is float, not a string"
+    )
+    cfg = make_cfg(tmp_path, sources=[{"path": str(path), "layout": "xml"}])
+    assert check_data_config(cfg) == [
+        "data.sources[0].layout=xml: unknown row layout; use one of auto, prompt_chosen, messages, sharegpt, alpaca"
+    ]
+    msg = _error(make_cfg(tmp_path, sources=[{"path": str(path), "layout": "messages"}]), tok)
+    assert msg.startswith("data.sources[0].layout=messages:") and "no 'messages' column" in msg
+    assert check_data_config(make_cfg(tmp_path, template="raw")) == []
+
+
+def test_single_conversation_json_file(tmp_path, tok):
+    (tmp_path / "one.json").write_text(json.dumps(CHAT_ROWS["messages"](7, system=False)))
+    cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "one.json")}], eval_fraction=0)
+    data = prepare_sft_data(cfg, tok)
+    assert len(data.train) == 1 and label_runs(tok, data.train[0]) == [" hello 7", " bye 7<|endoftext|>"]
+
+
 # ----------------------------------------------------------------------------------------------- wiring
 
 

@@ -96,9 +96,10 @@ class WandbMode(str, Enum):
 
 
 class PromptTemplate(str, Enum):
+    raw = "raw"  # the text as given (DeepSpeed-Chat's rows hold the markers): prompt + chosen + eot
     dschat = "dschat"  # " Human: {prompt} Assistant: {chosen}<|endoftext|>"
     chat_template = "chat_template"  # the tokenizer's own chat template
-    auto = "auto"  # chat_template when the tokenizer has one, else dschat
+    auto = "auto"  # chat_template when the tokenizer has one, else dschat; raw for rows with the markers
 
 
 @dataclass
@@ -119,6 +120,7 @@ class ModelConfig:
 class DataSource:
     path: str = MISSING  # file, directory (DeepSpeed-Chat layout or save_to_disk) or hub id
     format: str = "auto"  # auto (from the path) | json | jsonl | csv | parquet | arrow | dschat | hub
+    layout: str = "auto"  # rows: auto (from the columns) | prompt_chosen | messages | sharegpt | alpaca
     split: str = "train"  # the split trained on, for sources that have splits (save_to_disk dict, hub)
     eval_split: str | None = "auto"  # auto = eval/validation/test when the source has one; null = none
     eval_path: str | None = None  # a separate file (same format) holding this source's eval rows
@@ -145,8 +147,8 @@ class DataConfig:
     data_split: str = "10,0,0"  # proportions for phases 1/2/3 (DeepSpeed-Chat); SFT uses phase 1
     eval_fraction: float = 0.05  # of a source's phase-1 share, held out for eval when it has no eval split
     max_seq_len: int = 512  # longer examples are truncated (and counted)
-    template: PromptTemplate = PromptTemplate.dschat  # how a prompt/answer pair becomes text
-    end_of_conversation_token: str | None = None  # appended by the dschat template; null = the eos token
+    template: PromptTemplate = PromptTemplate.dschat  # how a conversation becomes text (docs/data_templates.md)
+    end_of_conversation_token: str | None = None  # appended by raw and dschat; null = the eos token
     train_on_prompt: bool = False  # false = prompt tokens get label -100
     packing: bool = False  # concatenate short train examples up to max_seq_len (eval is never packed)
     cache_dir: str = ".cache/ds_exp/data"  # tokenized Arrow datasets, one directory per settings hash

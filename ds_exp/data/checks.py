@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ds_exp.data.conversations import LAYOUTS
 from ds_exp.data.formats import FILE_FORMATS, resolve_format
 from ds_exp.data.splits import parse_data_split
 
-TEMPLATES = ("dschat", "chat_template", "auto")
+TEMPLATES = ("raw", "dschat", "chat_template", "auto")
 
 
 def _get(node: Any, key: str, default: Any = None) -> Any:
@@ -43,6 +44,9 @@ def check_source(src: Any, key: str) -> list[str]:
         shown = fmt if what == "format" else path
         problems.append(f"{key}.{what}={shown}: {err}")
         resolved = None
+    layout = str(_get(src, "layout", "auto") or "auto")
+    if layout not in LAYOUTS:
+        problems.append(f"{key}.layout={layout}: unknown row layout; use one of {', '.join(LAYOUTS)}")
     for field in ("prompt_field", "chosen_field"):
         if not _get(src, field):
             problems.append(f"{key}.{field} is empty; name the column that holds it (default {field[:-6]})")

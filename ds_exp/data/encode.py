@@ -1,43 +1,57 @@
-"""Prompt/answer pairs -> unpadded input_ids and labels, through `datasets.map` with the fast tokenizer.
+"""Conversations -> unpadded input_ids and labels, through `datasets.map` with the fast tokenizer.
 
-The prompt/answer boundary is found from the character offsets of one joint tokenization (what the model
-sees at inference), so it is exact for BPE and SentencePiece tokenizers alike and no token is split in two.
+The template (templates.py) gives the text and the character spans that are labels; one tokenization with
+offsets maps them onto tokens (what the model sees at inference), so the boundaries are exact for BPE and
+SentencePiece tokenizers alike and no token is split in two.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ds_exp.data.sources import Rows
+from ds_exp.data.templates import Span, render_chat, render_dschat, render_raw
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # labels that never count in the loss (torch cross_entropy's ignore_index)
 # Below this many rows a process pool costs more than it saves: the fast tokenizer already uses threads.
 PARALLEL_MIN_ROWS = 50_000
-
-
-def resolve_template(template: str, tokenizer: Any) -> str:
-    """dschat or chat_template; auto = chat_template when the tokenizer has one."""
-    template = getattr(template, "value", template)
-    if template == "auto":
-        return "chat_template" if getattr(tokenizer, "chat_template", None) else "dschat"
-    if template == "chat_template" and not getattr(tokenizer, "chat_template", None):
-        from ds_exp.errors import DataError
-
-        raise DataError(
-            "data.template=chat_template: the tokenizer has no chat template; use dschat or auto, "
-            "or a tokenizer that ships one"
-        )
-    return str(template)
+COLUMNS = ("roles", "contents", "template")  # what the map reads from Rows
 
 
 def end_of_conversation(eot: str | None, tokenizer: Any) -> str:
-    """The text appended after the answer by the dschat template: the configured token, else the eos."""
+    """The text appended after the last answer by raw and dschat: the configured token, else the eos."""
     return eot if eot is not None else (tokenizer.eos_token or "")
+
+
+def label_ranges(offsets: Sequence[tuple[int, int]], spans: Sequence[Span], text_len: int) -> list[tuple[int, int]]:
+    """Token index ranges [lo, hi) whose tokens start inside a label span. Zero-width tokens (a bos or eos the
+    tokenizer adds) go with the token before them: a leading bos is prompt, a trailing eos is label."""
+    n = len(offsets)
+    if len(spans) == 1 and spans[0][1] >= text_len:  # one answer at the end (prompt/chosen rows): one scan
+        start = spans[0][0]
+        lo = next((j for j, (s, e) in enumerate(offsets) if s >= start and e > s), n)
+        return [(lo, n)] if lo < n else []
+    ranges: list[tuple[int, int]] = []
+    i = 0
+    for start, end in spans:
+        while i < n and (offsets[i][1] <= offsets[i][0] or offsets[i][0] < start):
+            i += 1
+        if i == n or offsets[i][0] >= end:
+            continue  # no token starts inside (an empty answer)
+        lo = i
+        if end >= text_len:  # the last span runs to the end of the text: every token after lo
+            ranges.append((lo, n))
+            break
+        while i < n and (offsets[i][1] <= offsets[i][0] or offsets[i][0] < end):
+            i += 1
+        ranges.append((lo, i))
+    return ranges
 
 
 @dataclass
@@ -45,60 +59,66 @@ class Encoder:
     """The batched map function. A plain picklable object so `num_proc > 1` can ship it to workers."""
 
     tokenizer: Any
-    template: str  # resolved: dschat | chat_template
-    eot: str
+    eot: str  # after the last answer of raw and dschat rows
     max_seq_len: int
     train_on_prompt: bool
+    specials: tuple[str, ...] = ()  # the tokenizer's special tokens as text (templates.special_strings)
 
-    def texts(self, prompt: str, chosen: str) -> tuple[str, int]:
-        """(full text, number of characters that belong to the prompt)."""
-        if self.template == "dschat":
-            head = f" Human: {prompt} Assistant:"
-            return f"{head} {chosen}{self.eot}", len(head)
-        user = [{"role": "user", "content": prompt}]
-        head = self.tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-        full = self.tokenizer.apply_chat_template([*user, {"role": "assistant", "content": chosen}], tokenize=False)
-        if full.startswith(head):
-            return full, len(head)
-        # templates that rewrite earlier turns (rare): the prompt is the common prefix
-        shared = min(len(head), len(full))
-        return full, next((i for i in range(shared) if head[i] != full[i]), shared)
+    def render(self, template: str, roles: Sequence[str], contents: Sequence[str]) -> tuple[str, list[Span]]:
+        """(full text, label character spans) of one row."""
+        if template == "raw":
+            return render_raw(roles, contents, self.eot)
+        if template == "dschat":
+            return render_dschat(roles, contents, self.eot)
+        return render_chat(self.tokenizer, roles, contents, self.specials)
 
-    def __call__(self, batch: dict[str, list[str]]) -> dict[str, list[Any]]:
-        pairs = [self.texts(p, c) for p, c in zip(batch["prompt"], batch["chosen"], strict=True)]
-        texts = [t for t, _ in pairs]
-        # chat templates carry their own bos; DeepSpeed-Chat's format relies on the tokenizer adding it
-        add_special = self.template == "dschat"
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        templates = batch["template"]
+        rendered = [self.render(*row) for row in zip(templates, batch["roles"], batch["contents"], strict=True)]
+        names = ("input_ids", "labels", "truncated", "keep")
+        out: dict[str, list[Any]] = {name: [None] * len(rendered) for name in names}
+        # chat templates carry their own bos; DeepSpeed-Chat's text relies on the tokenizer adding it
+        groups: dict[bool, list[int]] = {}
+        for i, template in enumerate(templates):
+            groups.setdefault(template != "chat_template", []).append(i)
         fast = getattr(self.tokenizer, "is_fast", False)
-        # one token past the limit tells truncated examples apart without tokenizing huge texts whole
-        enc = self.tokenizer(
-            texts,
-            add_special_tokens=add_special,
-            truncation=True,
-            max_length=self.max_seq_len + 1,
-            return_offsets_mapping=fast,
-            return_attention_mask=False,
-        )
-        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "truncated": [], "keep": []}
-        for i, ids in enumerate(enc["input_ids"]):
-            prompt_chars = pairs[i][1]
-            if fast:
-                offsets = enc["offset_mapping"][i]
-                # the prompt is the longest prefix of tokens starting inside it (specials at (0, 0) included)
-                n_prompt = next((j for j, (s, e) in enumerate(offsets) if s >= prompt_chars and e > s), len(ids))
-            else:  # slow tokenizers have no offsets: tokenize the prompt alone (exact for most)
-                head = self.tokenizer(texts[i][:prompt_chars], add_special_tokens=add_special)["input_ids"]
-                n_prompt = len(head)
-            truncated = len(ids) > self.max_seq_len
-            ids = list(ids[: self.max_seq_len])
-            labels = list(ids)
-            if not self.train_on_prompt:
-                labels[: min(n_prompt, len(ids))] = [IGNORE_INDEX] * min(n_prompt, len(ids))
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["truncated"].append(truncated)
-            out["keep"].append(any(label != IGNORE_INDEX for label in labels))
+        for add_special, rows in groups.items():
+            # one token past the limit tells truncated examples apart without tokenizing huge texts whole
+            enc = self.tokenizer(
+                [rendered[i][0] for i in rows],
+                add_special_tokens=add_special,
+                truncation=True,
+                max_length=self.max_seq_len + 1,
+                return_offsets_mapping=fast,
+                return_attention_mask=False,
+            )
+            for k, i in enumerate(rows):
+                ids = enc["input_ids"][k]
+                text, spans = rendered[i]
+                if self.train_on_prompt:
+                    ranges = [(0, len(ids))]
+                elif fast:
+                    ranges = label_ranges(enc["offset_mapping"][k], spans, len(text))
+                else:
+                    ranges = self._slow_ranges(text, spans, len(ids), add_special)
+                truncated = len(ids) > self.max_seq_len
+                ids = list(ids[: self.max_seq_len])
+                labels = [IGNORE_INDEX] * len(ids)
+                for lo, hi in ranges:
+                    labels[lo:hi] = ids[lo:hi]  # slices past the truncation point are empty
+                out["input_ids"][i] = ids
+                out["labels"][i] = labels
+                out["truncated"][i] = truncated
+                out["keep"][i] = labels.count(IGNORE_INDEX) < len(labels)
         return out
+
+    def _slow_ranges(self, text: str, spans: list[Span], n: int, add_special: bool) -> list[tuple[int, int]]:
+        """Slow tokenizers have no offsets: tokenize the text up to each span boundary (exact for most)."""
+
+        def count(chars: int) -> int:
+            return len(self.tokenizer(text[:chars], add_special_tokens=add_special)["input_ids"])
+
+        return [(count(start), n if end >= len(text) else count(end)) for start, end in spans]
 
 
 def pick_num_proc(num_proc: int | None, num_rows: int) -> int:
@@ -123,14 +143,14 @@ def encode(rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str) -> 
             "keep": datasets.Value("bool"),
         }
     )
-    raw = datasets.Dataset.from_dict({"prompt": rows.prompt, "chosen": rows.chosen})
+    raw = datasets.Dataset.from_dict({name: getattr(rows, name) for name in COLUMNS})
     procs = pick_num_proc(num_proc, len(raw))
     ds = raw.map(
         encoder,
         batched=True,
         batch_size=1000,
         num_proc=procs if procs > 1 else None,
-        remove_columns=["prompt", "chosen"],
+        remove_columns=list(COLUMNS),
         features=features,
         load_from_cache_file=False,
         new_fingerprint=f"ds_exp-encode-{desc}",  # skips hashing the tokenizer; our own cache keys the result

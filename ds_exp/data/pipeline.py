@@ -17,15 +17,24 @@ from typing import Any
 from ds_exp.data.cache import cached_build, hash_key, path_fingerprint
 from ds_exp.data.checks import _get, check_data_config
 from ds_exp.data.formats import expand, resolve_format
-from ds_exp.data.sources import RawSource, Rows, load_source, synthetic_source
+from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
 from ds_exp.data.splits import eval_carve_count, parse_data_split, phase1_count
+from ds_exp.data.templates import RowError, source_template
 from ds_exp.errors import DataError
 
 log = logging.getLogger(__name__)
 
 # Bump when the stored layout changes; the code of these modules is hashed into the key as well.
-CACHE_VERSION = 1
-_CODE_FILES = ("synthetic.py", "sources.py", "splits.py", "encode.py", "pipeline.py")
+CACHE_VERSION = 2  # 2: rows are conversations (layouts), per-source templates (raw)
+_CODE_FILES = (
+    "synthetic.py",
+    "sources.py",
+    "conversations.py",
+    "templates.py",
+    "splits.py",
+    "encode.py",
+    "pipeline.py",
+)
 
 
 @dataclass
@@ -87,7 +96,16 @@ def split_and_blend(raws: list[tuple[RawSource, bool]], cfg: Any) -> tuple[Rows,
         train.extend(raw.train.take(perm[n_carve:]))
         if raw.eval is not None:
             evals.extend(raw.eval.take(_rng(seed, 0).permutation(len(raw.eval))[:n_ev]))
-        per_source.append({"source": raw.key, "train": n_tr, "eval": n_ev + n_carve, "filtered": raw.num_filtered})
+        per_source.append(
+            {
+                "source": raw.key,
+                "train": n_tr,
+                "eval": n_ev + n_carve,
+                "filtered": raw.num_filtered,
+                "layout": raw.layout,
+                "template": raw.template,
+            }
+        )
     train = train.take(_rng(seed, 1).permutation(len(train)))  # blend: concatenate, then shuffle
     evals = evals.take(_rng(seed, 2).permutation(len(evals)))
     max_eval = _get(data, "max_eval_examples")
@@ -108,6 +126,8 @@ def count_train_examples(cfg: Any) -> int:
     data = cfg.data
     split = parse_data_split(data.data_split)
     frac = float(data.eval_fraction)
+    # without a tokenizer auto stays undecided; dschat / chat_template still refuse rows with markers
+    configured = str(_get(data, "template", "dschat"))
     total = 0
     for src, key, sft_only in _sources(cfg):
         if src is None:
@@ -115,6 +135,8 @@ def count_train_examples(cfg: Any) -> int:
             n_train, n_eval = int(syn.num_train), (int(syn.num_eval) or None)
         else:
             raw = load_source(src, key)
+            if configured != "auto":
+                source_template(configured, configured, raw)
             n_train, n_eval = len(raw.train), len(raw.eval) if raw.eval is not None else None
         total += plan_counts(key, n_train, n_eval, sft_only, split, frac)[0]
     return total
@@ -143,7 +165,7 @@ def tokenizer_fingerprint(tok: Any) -> str:
 def _source_material(src: Any, key: str) -> dict[str, Any]:
     if src is None:
         return {"synthetic": True}
-    keys = ("format", "split", "eval_split", "prompt_field", "chosen_field", "name", "revision")
+    keys = ("format", "layout", "split", "eval_split", "prompt_field", "chosen_field", "name", "revision")
     material: dict[str, Any] = {k: _get(src, k) for k in keys}
     path = str(_get(src, "path"))
     try:
@@ -167,6 +189,8 @@ def _code_hash() -> str:
 
 
 def cache_material(cfg: Any, tokenizer: Any, template: str, eot: str) -> dict[str, Any]:
+    """Everything the tokenized result depends on. Per-source templates follow from the configured template,
+    its resolution for this tokenizer and the rows (fingerprinted with the sources)."""
     data = cfg.data
     material: dict[str, Any] = {
         "version": CACHE_VERSION,
@@ -179,6 +203,7 @@ def cache_material(cfg: Any, tokenizer: Any, template: str, eot: str) -> dict[st
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "max_seq_len": int(data.max_seq_len),
         "template": template,
+        "template_setting": str(_get(data, "template", "dschat")),  # auto and explicit differ on marked rows
         "end_of_conversation": eot,
         "train_on_prompt": bool(data.train_on_prompt),
         "packing": bool(data.packing),
@@ -190,6 +215,18 @@ def cache_material(cfg: Any, tokenizer: Any, template: str, eot: str) -> dict[st
 
 
 # ----------------------------------------------------------------------------------------------- build
+
+
+def _row_error(cfg: Any, problem: str, roles: list[str], contents: list[str]) -> DataError:
+    """A row the template cannot render, named by source and file:line (the rows are read again to find it)."""
+    fix = "use data.template=dschat or a tokenizer whose chat template accepts it"
+    for src, key, _ in _sources(cfg):
+        if src is None:
+            return DataError(f"data.synthetic: {problem}; {fix}")
+        where = find_row(src, key, roles, contents)
+        if where is not None:
+            return DataError(f"{key}: {where}: {problem}; fix or remove the row, or {fix}")
+    return DataError(f"{problem} (turns: {', '.join(roles)}); {fix}")
 
 
 def _empty() -> Any:
@@ -207,28 +244,35 @@ def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
     """
     import datasets
 
-    from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack, resolve_template
+    from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack
+    from ds_exp.data.templates import resolve_template, special_strings
 
     problems = check_data_config(cfg)
     if problems:
         raise DataError("\n".join(problems))
     data = cfg.data
-    template = resolve_template(_get(data, "template", "dschat"), tokenizer)
-    eot = end_of_conversation(_get(data, "end_of_conversation_token"), tokenizer) if template == "dschat" else ""
+    configured = _get(data, "template", "dschat")
+    template = resolve_template(configured, tokenizer)
+    eot = end_of_conversation(_get(data, "end_of_conversation_token"), tokenizer)
     material = cache_material(cfg, tokenizer, template, eot)
     key = f"sft-{hash_key(material)}"
     max_seq_len = int(data.max_seq_len)
 
     def build(tmp: Path) -> dict[str, Any]:
         raws = [(_load(src, key_, cfg), sft_only) for src, key_, sft_only in _sources(cfg)]
+        for raw, _ in raws:
+            raw.set_template(source_template(configured, template, raw))
         train_rows, eval_rows, per_source = split_and_blend(raws, cfg)
-        encoder = Encoder(tokenizer, template, eot, max_seq_len, bool(data.train_on_prompt))
+        encoder = Encoder(tokenizer, eot, max_seq_len, bool(data.train_on_prompt), special_strings(tokenizer))
         num_proc = _get(data, "num_proc")
-        train, train_counts = encode(train_rows, encoder, num_proc=num_proc, desc="train")
-        if len(eval_rows):
-            evals, eval_counts = encode(eval_rows, encoder, num_proc=num_proc, desc="eval")
-        else:
-            evals, eval_counts = _empty(), {"truncated": 0, "dropped": 0}
+        try:
+            train, train_counts = encode(train_rows, encoder, num_proc=num_proc, desc="train")
+            if len(eval_rows):
+                evals, eval_counts = encode(eval_rows, encoder, num_proc=num_proc, desc="eval")
+            else:
+                evals, eval_counts = _empty(), {"truncated": 0, "dropped": 0}
+        except RowError as err:
+            raise _row_error(cfg, *err.args) from None
         if len(train) == 0:
             raise DataError(
                 f"data.max_seq_len={max_seq_len}: every train prompt fills it, so no answer token is left to "
@@ -241,7 +285,7 @@ def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
             "num_dropped_no_labels": train_counts["dropped"] + eval_counts["dropped"],
             "num_filtered_rows": sum(p["filtered"] for p in per_source),
             "per_source": per_source,
-            "template": template,
+            "template": "+".join(dict.fromkeys(raw.template for raw, _ in raws)),
         }
         if data.packing:
             train = pack(train, max_seq_len)
@@ -277,9 +321,10 @@ def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
             max_seq_len,
         )
     log.info(
-        "data: %d train / %d eval examples (%s %s)",
+        "data: %d train / %d eval examples, %s (%s %s)",
         stats["num_train"],
         stats["num_eval"],
+        ", ".join(f"{s['source']}: {s['layout']} rows, template {s['template']}" for s in stats["per_source"]),
         "cache hit" if hit else "built",
         path,
     )

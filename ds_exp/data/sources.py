@@ -1,4 +1,4 @@
-"""Reading every source kind into plain prompt/chosen/rejected columns.
+"""Reading every source kind into conversations (prompt/chosen, messages, ShareGPT or Alpaca rows).
 
 Rows are read into Python lists (not into the `datasets` cache under ~/.cache/huggingface): the only cache
 is ours, keyed on the file contents, and JSON is parsed by us so a bad row is reported by file and line.
@@ -8,42 +8,20 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ds_exp.data.checks import _get
+from ds_exp.data.conversations import ALPACA_COLUMNS, CHAT_COLUMNS, PAIR, Fields, Parsed, Rows, parse_rows
 from ds_exp.data.formats import dschat_files, expand, resolve_format
 from ds_exp.errors import DataError
 
 log = logging.getLogger(__name__)
 
 EVAL_SPLIT_NAMES = ("eval", "validation", "valid", "test")
-
-
-@dataclass
-class Rows:
-    """One split of one source, already filtered: every row has a prompt and a non-blank answer."""
-
-    prompt: list[str] = field(default_factory=list)
-    chosen: list[str] = field(default_factory=list)
-    rejected: list[str | None] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.prompt)
-
-    def take(self, indices: Any) -> Rows:
-        return Rows(
-            [self.prompt[i] for i in indices],
-            [self.chosen[i] for i in indices],
-            [self.rejected[i] for i in indices],
-        )
-
-    def extend(self, other: Rows) -> None:
-        self.prompt += other.prompt
-        self.chosen += other.chosen
-        self.rejected += other.rejected
+Where = Callable[[int], str]  # row index -> "file:line", "file: item i" or "file: row i"
 
 
 @dataclass
@@ -52,19 +30,33 @@ class RawSource:
     train: Rows
     eval: Rows | None  # None = the source has no eval split (eval_fraction is carved out instead)
     num_filtered: int = 0  # rows dropped for a missing prompt or a blank answer
+    layout: str = "prompt_chosen"  # of the train split
+    num_marked: int = 0  # rows that already carry DeepSpeed-Chat's " Human: ... Assistant:" markers
+    first_marked: str | None = None  # where the first of them is
+    template: str = ""  # resolved by the pipeline (templates.source_template)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.train) + (len(self.eval) if self.eval is not None else 0)
+
+    def set_template(self, template: str) -> None:
+        self.template = template
+        self.train.set_template(template)
+        if self.eval is not None:
+            self.eval.set_template(template)
 
 
 # ----------------------------------------------------------------------------------------------- readers
 
 
-def _json_records(path: Path, key: str) -> list[dict[str, Any]]:
+def _json_records(path: Path, key: str) -> tuple[list[dict[str, Any]], Where]:
     """A JSON array of objects, an object of columns (or of one list of records), or JSON lines."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"{key}: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     if not text.strip():
-        return []
+        return [], lambda i: str(path)
     try:
         whole = json.loads(text)
     except json.JSONDecodeError as err:
@@ -77,19 +69,22 @@ def _json_records(path: Path, key: str) -> list[dict[str, Any]]:
         bad = next((i for i, row in enumerate(whole) if not isinstance(row, dict)), None)
         if bad is not None:
             raise DataError(f"{key}: {path}: item {bad} of the JSON array is not an object")
-        return whole
+        return whole, lambda i: f"{path}: item {i}"
     if not isinstance(whole, dict):
         raise DataError(f"{key}: {path}: expected JSON objects, got a {type(whole).__name__}")
     values = list(whole.values())
-    if values and all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
+    single = len(values) == 1 and next(iter(whole)) in CHAT_COLUMNS  # one conversation, not {"data": [...]}
+    if values and not single and all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
         if len(values) == 1 and all(isinstance(r, dict) for r in values[0]):
-            return values[0]  # {"data": [{...}, ...]}
-        return [dict(zip(whole, row, strict=True)) for row in zip(*values, strict=True)]  # {"prompt": [...]}
-    return [whole]  # a single record
+            return values[0], lambda i: f"{path}: item {i}"  # {"data": [{...}, ...]}
+        rows = [dict(zip(whole, row, strict=True)) for row in zip(*values, strict=True)]  # {"prompt": [...]}
+        return rows, lambda i: f"{path}: row {i}"
+    line = text[: len(text) - len(text.lstrip())].count("\n") + 1
+    return [whole], lambda i: f"{path}:{line}"  # a single record (or a JSON lines file of one line)
 
 
-def _json_lines(text: str, path: Path, key: str) -> list[dict[str, Any]]:
-    records = []
+def _json_lines(text: str, path: Path, key: str) -> tuple[list[dict[str, Any]], Where]:
+    records, linenos = [], []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -100,7 +95,8 @@ def _json_lines(text: str, path: Path, key: str) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise DataError(f"{key}: {path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
         records.append(row)
-    return records
+        linenos.append(lineno)
+    return records, lambda i: f"{path}:{linenos[i]}"
 
 
 def _columns_of_records(records: list[dict[str, Any]]) -> list[str]:
@@ -114,14 +110,14 @@ def _columns_of_records(records: list[dict[str, Any]]) -> list[str]:
 class _Table:
     """Column names plus a way to fetch one column as a list, whatever the storage."""
 
-    def __init__(self, columns: list[str], getter: Any, n: int) -> None:
-        self.columns, self.get, self.n = columns, getter, n
+    def __init__(self, columns: list[str], getter: Callable[[str], list[Any]], n: int, where: Where) -> None:
+        self.columns, self.get, self.n, self.where = columns, getter, n, where
 
 
 def _read_file(path: Path, fmt: str, key: str, fields: list[str]) -> _Table:
     if fmt in ("json", "jsonl"):
-        records = _json_records(path, key)
-        return _Table(_columns_of_records(records), lambda f: [r.get(f) for r in records], len(records))
+        records, where = _json_records(path, key)
+        return _Table(_columns_of_records(records), lambda f: [r.get(f) for r in records], len(records), where)
     import pyarrow as pa
 
     try:
@@ -137,28 +133,30 @@ def _read_file(path: Path, fmt: str, key: str, fields: list[str]) -> _Table:
             table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise DataError(f"{key}: {path}: cannot read as {fmt}: {str(err).splitlines()[0]}") from None
-    return _Table(table.column_names, lambda f: table.column(f).to_pylist(), table.num_rows)
+    return _Table(table.column_names, lambda f: table.column(f).to_pylist(), table.num_rows, _rows_of(str(path)))
 
 
-def _read_dataset(ds: Any) -> _Table:
-    return _Table(list(ds.column_names), lambda f: ds[f], len(ds))
+def _rows_of(label: str) -> Where:
+    return lambda i: f"{label}: row {i}"  # 0-based, as datasets' ds[i]
 
 
-def _pick_splits(dd: Any, src: Any, key: str, label: str) -> tuple[Any, Any | None]:
-    """(train, eval or None) out of a DatasetDict, following split / eval_split."""
+def _read_dataset(ds: Any, label: str) -> _Table:
+    return _Table(list(ds.column_names), lambda f: ds[f], len(ds), _rows_of(label))
+
+
+def _pick_splits(dd: Any, src: Any, key: str, label: str) -> tuple[_Table, _Table | None]:
+    """(train, eval or None) tables out of a DatasetDict, following split / eval_split."""
     names = list(dd.keys())
     split = _get(src, "split", "train")
     if split not in dd:
         raise DataError(f"{key}.split={split}: {label} has no such split; it has {', '.join(names)}")
     eval_split = _get(src, "eval_split", "auto")
-    if eval_split is None:
-        return dd[split], None
     if eval_split == "auto":
-        found = next((n for n in EVAL_SPLIT_NAMES if n in dd and n != split), None)
-        return dd[split], dd[found] if found else None
-    if eval_split not in dd:
+        eval_split = next((n for n in EVAL_SPLIT_NAMES if n in dd and n != split), None)
+    elif eval_split is not None and eval_split not in dd:
         raise DataError(f"{key}.eval_split={eval_split}: {label} has no such split; it has {', '.join(names)}")
-    return dd[split], dd[eval_split]
+    train = _read_dataset(dd[split], f"{label} [{split}]")
+    return train, _read_dataset(dd[eval_split], f"{label} [{eval_split}]") if eval_split is not None else None
 
 
 def _load_tables(src: Any, key: str, fields: list[str]) -> tuple[_Table, _Table | None, str]:
@@ -192,13 +190,8 @@ def _load_tables(src: Any, key: str, fields: list[str]) -> tuple[_Table, _Table 
         except (FileNotFoundError, ValueError, OSError) as err:
             raise DataError(f"{key}.path={path}: cannot load a save_to_disk directory: {err}") from None
         if isinstance(loaded, datasets.DatasetDict):
-            train_ds, eval_ds = _pick_splits(loaded, src, key, str(local))
-            return (
-                _read_dataset(train_ds),
-                _read_dataset(eval_ds) if eval_ds is not None else None,
-                str(local),
-            )
-        return _read_dataset(loaded), None, str(local)
+            return (*_pick_splits(loaded, src, key, str(local)), str(local))
+        return _read_dataset(loaded, str(local)), None, str(local)
     # hub: only works online; errors are passed on in one line
     import datasets
 
@@ -207,63 +200,62 @@ def _load_tables(src: Any, key: str, fields: list[str]) -> tuple[_Table, _Table 
     except Exception as err:  # the hub raises many types (connection, missing repo, auth)
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"{key}.path={path}: cannot load from the hub ({first}); offline? use a local copy") from None
-    train_ds, eval_ds = _pick_splits(loaded, src, key, path)
-    return _read_dataset(train_ds), _read_dataset(eval_ds) if eval_ds is not None else None, path
+    return (*_pick_splits(loaded, src, key, path), path)
 
 
 # ----------------------------------------------------------------------------------------------- rows
 
 
-def _text(value: Any, key: str, field: str, label: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, float) and math.isnan(value):  # pandas-style missing value
-        return None
-    if isinstance(value, (int, float, bool)):
-        return str(value)
-    raise DataError(
-        f"{key}.{field}: {label} holds {type(value).__name__} values in that column, not text; "
-        "point the field at a text column"
+def _parse(table: _Table, fields: Fields, key: str, label: str, locate: bool = False) -> tuple[Parsed, str]:
+    return parse_rows(table.columns, table.get, table.where, fields, key, label, locate=locate)
+
+
+def source_fields(src: Any) -> Fields:
+    return Fields(
+        layout=str(_get(src, "layout", "auto") or "auto"),
+        prompt=_get(src, "prompt_field", "prompt"),
+        chosen=_get(src, "chosen_field", "chosen"),
+        rejected=_get(src, "rejected_field"),
     )
 
 
-def _rows(table: _Table, src: Any, key: str, label: str) -> tuple[Rows, int]:
-    """Filtered rows and the number of rows dropped."""
-    names = {"prompt": _get(src, "prompt_field", "prompt"), "chosen": _get(src, "chosen_field", "chosen")}
-    for role, column in names.items():
-        if column not in table.columns:
-            shown = ", ".join(table.columns) if table.columns else "none (empty file?)"
-            raise DataError(f"{key}.{role}_field={column}: column not found in {label}; its columns are: {shown}")
-    rejected_col = _get(src, "rejected_field")
-    prompts = [_text(v, key, "prompt_field", label) for v in table.get(names["prompt"])]
-    chosens = [_text(v, key, "chosen_field", label) for v in table.get(names["chosen"])]
-    if rejected_col and rejected_col in table.columns:
-        rejecteds = [_text(v, key, "rejected_field", label) for v in table.get(rejected_col)]
-    else:
-        rejecteds = [None] * len(prompts)
-    out = Rows()
-    for p, c, r in zip(prompts, chosens, rejecteds, strict=True):
-        if p is not None and c is not None and c.strip():
-            out.prompt.append(p)
-            out.chosen.append(c)
-            out.rejected.append(r)
-    return out, len(prompts) - len(out)
+def _text_columns(fields: Fields) -> list[str]:
+    """Columns CSV reads as text: answers that look like numbers stay text."""
+    return [f for f in (fields.prompt, fields.chosen, fields.rejected, *ALPACA_COLUMNS) if f]
 
 
 def load_source(src: Any, key: str) -> RawSource:
-    fields = [f for f in (_get(src, "prompt_field"), _get(src, "chosen_field"), _get(src, "rejected_field")) if f]
-    train_table, eval_table, label = _load_tables(src, key, fields)
-    train, dropped = _rows(train_table, src, key, label)
-    if not len(train):
+    fields = source_fields(src)
+    train_table, eval_table, label = _load_tables(src, key, _text_columns(fields))
+    train, layout = _parse(train_table, fields, key, label)
+    if not len(train.rows):
         why = f"all {train_table.n} rows lack a prompt or an answer" if train_table.n else "it holds no rows"
         raise DataError(f"{key}: {label}: dataset is empty after filtering ({why})")
-    eval_rows = None
+    raw = RawSource(key, train.rows, None, train.dropped, layout, train.marked, train.first_marked)
     if eval_table is not None:
-        eval_rows, eval_dropped = _rows(eval_table, src, key, f"{label} (eval)")
-        dropped += eval_dropped
-    if dropped:
-        log.warning("%s: %d rows without a prompt or with a blank answer were dropped", key, dropped)
-    return RawSource(key, train, eval_rows, dropped)
+        # the eval split is read with the train split's layout: one source, one row format
+        evals, _ = _parse(eval_table, replace(fields, layout=layout), key, f"{label} (eval)")
+        raw.eval = evals.rows
+        raw.num_filtered += evals.dropped
+        raw.num_marked += evals.marked
+        raw.first_marked = raw.first_marked or evals.first_marked
+    if raw.num_filtered:
+        log.warning("%s: %d rows without a prompt or with a blank answer were dropped", key, raw.num_filtered)
+    return raw
+
+
+def find_row(src: Any, key: str, roles: list[str], contents: list[str]) -> str | None:
+    """Where a row with these turns is in a source (read again: only for an error message), or None."""
+    fields = source_fields(src)
+    train_table, eval_table, label = _load_tables(src, key, _text_columns(fields))
+    for table in (train_table, eval_table):
+        if table is None:
+            continue
+        parsed, fields.layout = _parse(table, fields, key, label, locate=True)
+        for j, (r, c) in enumerate(zip(parsed.rows.roles, parsed.rows.contents, strict=True)):
+            if r == roles and c == contents and parsed.where is not None:
+                return parsed.where[j]
+    return None
 
 
 def synthetic_source(synthetic: Any) -> RawSource:
@@ -274,6 +266,11 @@ def synthetic_source(synthetic: Any) -> RawSource:
     )
 
     def rows(items: list[dict[str, str]]) -> Rows:
-        return Rows([r["prompt"] for r in items], [r["chosen"] for r in items], [r["rejected"] for r in items])
+        return Rows(
+            [PAIR] * len(items),
+            [[r["prompt"], r["chosen"]] for r in items],
+            [r["rejected"] for r in items],
+            [""] * len(items),
+        )
 
     return RawSource("data.synthetic", rows(train), rows(eval_rows) if eval_rows else None)

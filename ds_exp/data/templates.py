@@ -1,0 +1,186 @@
+"""Templates: how a conversation becomes one text, and which characters of it are labels.
+
+* raw: the turn contents as given, concatenated, then the end-of-conversation token (DeepSpeed-Chat's rows
+  already hold " Human: ... Assistant:" in the prompt; step 1 trains on prompt + chosen + eot as is).
+* dschat: " Human: {user}" and " Assistant: {assistant}" per turn, system content as given, then the
+  end-of-conversation token after the last assistant turn (DeepSpeed-Chat's own multi-turn text).
+* chat_template: the tokenizer's chat template, rendered turn by turn to find each answer.
+* auto: chat_template when the tokenizer has one, else dschat; raw for a source whose rows carry the markers.
+
+Labels are the assistant contents (every assistant turn), plus the end-of-conversation token (raw, dschat)
+or the end-of-turn token the chat template writes right after each answer (e.g. <|im_end|>). Headers,
+system prompts and user turns never are. Only the tokenizer object is used here: no heavy import.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ds_exp.errors import DataError
+
+log = logging.getLogger(__name__)
+
+Span = tuple[int, int]  # [start, end) characters of the rendered text that are labels
+
+
+class RowError(Exception):
+    """A row the template cannot render: args = (problem, roles, contents); the pipeline finds the row."""
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def resolve_template(template: Any, tokenizer: Any) -> str:
+    """The run's template before looking at rows: raw, dschat or chat_template (auto = by the tokenizer)."""
+    template = str(getattr(template, "value", template))
+    if template == "auto":
+        return "chat_template" if has_chat_template(tokenizer) else "dschat"
+    if template == "chat_template" and not has_chat_template(tokenizer):
+        raise DataError(
+            "data.template=chat_template: the tokenizer has no chat template; use dschat or auto, "
+            "or a tokenizer that ships one"
+        )
+    return template
+
+
+def source_template(configured: Any, resolved: str, raw: Any) -> str:
+    """The template of one source (a sources.RawSource), given what its rows hold.
+
+    Rows that already carry DeepSpeed-Chat's markers would be wrapped twice by dschat or a chat template:
+    that is an error naming the row, and auto picks raw for them instead. The synthetic task is plain
+    prompt/answer pairs, so raw renders it as DeepSpeed-Chat's text (dschat) would.
+    """
+    configured = str(getattr(configured, "value", configured))
+    marked, total = raw.num_marked, raw.num_rows
+    if raw.key == "data.synthetic":
+        if resolved == "raw":
+            log.info("data.synthetic: template raw renders the task as DeepSpeed-Chat's text (dschat)")
+            return "dschat"
+        return resolved
+    if resolved == "raw":
+        if not marked:
+            log.warning(
+                "%s: data.template=raw but no row carries ' Human: ... Assistant:' markers: prompt and answer "
+                "are concatenated as given, with no markup between them",
+                raw.key,
+            )
+        return "raw"
+    if not marked:
+        return resolved
+    share = f"{marked} of {total} rows" if marked < total else f"all {total} rows"
+    what = f"{share} already carry DeepSpeed-Chat's markers (' Human: ... Assistant:'), first at {raw.first_marked}"
+    if configured == "auto" and 2 * marked >= total:
+        log.info("%s: %s; data.template=auto uses raw for this source (the text as given)", raw.key, what)
+        return "raw"
+    if configured == "auto":
+        log.warning("%s: %s; data.template=auto wraps them again (%s): clean those rows", raw.key, what, resolved)
+        return resolved
+    raise DataError(
+        f"{raw.key}: {what}; data.template={configured} would wrap them a second time: "
+        "set data.template=raw to train on the text as given (or auto, which picks raw for such rows)"
+    )
+
+
+# ----------------------------------------------------------------------------------------------- render
+
+
+def _is_pair(roles: Sequence[str]) -> bool:
+    return len(roles) == 2 and roles[0] == "user" and roles[1] == "assistant"
+
+
+def render_raw(roles: Sequence[str], contents: Sequence[str], eot: str) -> tuple[str, list[Span]]:
+    if _is_pair(roles):  # prompt/chosen rows, the common case: no loop
+        text = f"{contents[0]}{contents[1]}{eot}"
+        return text, [(len(contents[0]), len(text))]
+    return _render_pieces([("", c) for c in contents], roles, eot)
+
+
+def render_dschat(roles: Sequence[str], contents: Sequence[str], eot: str) -> tuple[str, list[Span]]:
+    if _is_pair(roles):
+        head = f" Human: {contents[0]} Assistant:"
+        text = f"{head} {contents[1]}{eot}"
+        return text, [(len(head), len(text))]
+    heads = {"user": " Human: ", "assistant": " Assistant:", "system": ""}
+    pieces = []
+    for role, content in zip(roles, contents, strict=True):
+        # the answer's label starts at the space after " Assistant:", as DeepSpeed-Chat's text has it
+        pieces.append((heads[role], f" {content}" if role == "assistant" else content))
+    return _render_pieces(pieces, roles, eot)
+
+
+def _render_pieces(pieces: list[tuple[str, str]], roles: Sequence[str], eot: str) -> tuple[str, list[Span]]:
+    """(head, body) per turn; assistant bodies are labels and the eot after the last one is too."""
+    parts: list[str] = []
+    spans: list[Span] = []
+    pos = 0
+    for (head, body), role in zip(pieces, roles, strict=True):
+        pos += len(head)
+        if role == "assistant":
+            spans.append((pos, pos + len(body)))
+        parts += (head, body)
+        pos += len(body)
+    text = "".join(parts) + eot
+    spans[-1] = (spans[-1][0], len(text))
+    return text, spans
+
+
+def render_chat(
+    tokenizer: Any, roles: Sequence[str], contents: Sequence[str], specials: Sequence[str]
+) -> tuple[str, list[Span]]:
+    """The tokenizer's chat template; spans found by rendering each answer's prefix.
+
+    For assistant turn i, the template's text of turns[:i] with the generation prompt ends where the answer
+    starts (headers and default system prompts before it stay prompt); the answer ends where its content
+    does, plus the special token the template writes right after it (its end of turn, e.g. <|im_end|>).
+    """
+    messages = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+
+    def apply(turns: list[dict[str, str]], generation: bool = False) -> str:
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation)
+        except Exception as err:  # jinja's raise_exception (roles must alternate, ...) and template bugs
+            problem = f"the tokenizer's chat template rejects this conversation ({type(err).__name__}: {err})"
+            raise RowError(problem, list(roles), list(contents)) from None
+
+    full = apply(messages)
+    last = len(messages) - 1  # rows end on an assistant turn (conversations._keep)
+    spans: list[Span] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        head = apply(messages[:i], generation=True)
+        turn = full if i == last else apply(messages[: i + 1])
+        # templates that rewrite earlier turns (rare): the answer starts after the common prefix
+        start = len(head) if full.startswith(head) else _common_prefix(head, full)
+        turn_end = len(turn) if full.startswith(turn) else len(full)
+        content = message["content"]
+        found = full.find(content, start, turn_end) if content else start
+        if found < 0 and content.strip():
+            content = content.strip()  # templates that trim the answer
+            found = full.find(content, start, turn_end)
+        if found < 0:
+            problem = "the tokenizer's chat template changes the assistant's text, so its tokens cannot be found"
+            raise RowError(problem, list(roles), list(contents))
+        end = found + len(content)
+        tail = full[end:turn_end]
+        gap = len(tail) - len(tail.lstrip())
+        eot = next((s for s in specials if tail.startswith(s, gap)), None)
+        spans.append((found, end + gap + len(eot) if eot else end))
+    return full, spans
+
+
+def _common_prefix(a: str, b: str) -> int:
+    shared = min(len(a), len(b))
+    return next((i for i in range(shared) if a[i] != b[i]), shared)
+
+
+def special_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's special tokens as text, longest first (end-of-turn candidates for chat templates)."""
+    found = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            found.add(str(token.content))
+    return tuple(sorted((s for s in found if s), key=lambda s: (-len(s), s)))
