@@ -80,6 +80,11 @@ def export_dtype(spec: ExportSpec, base_trained: bool) -> tuple[str, str]:
         return trained_in, f"built from a config: its weights exist only as the engine's {spec.precision} copy"
     if base_trained and spec.precision != "fp32":
         return trained_in, f"every base weight was trained in {spec.precision}: no more precise copy exists"
+    if base_trained:
+        return spec.base_dtype, (
+            f"the base checkpoint's dtype; the weights were trained in fp32 and rounded to {spec.base_dtype} once, "
+            "here (train.export_dtype=fp32 keeps them whole)"
+        )
     return spec.base_dtype, "the base checkpoint's dtype; weights training left unchanged are copied from it exactly"
 
 

@@ -51,22 +51,14 @@ def stop_token_ids(tokenizer: Any, end_of_conversation: str | None) -> list[int]
     return ids
 
 
-def render_prompt(prompt: str, template: str, tokenizer: Any) -> tuple[str, bool]:
-    """(text to complete, whether the tokenizer adds its special tokens) for the run's template."""
-    if template == "chat_template":
-        messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
-    if template == "dschat":
-        return f" Human: {prompt} Assistant:", True
-    return prompt, True  # raw: the text as given
-
-
 def generate(
     engine: Any, tokenizer: Any, prompts: list[str], *, template: str, max_new_tokens: int, stop_ids: list[int]
 ) -> list[str] | None:
     """Collective at ZeRO-3 (every rank calls it), rank 0 only otherwise. Greedy completions on rank 0, else None."""
     import torch
     import torch.distributed as dist
+
+    from ds_exp.data.templates import render_prompt
 
     zero3 = engine.zero_optimization_stage() == 3
     rank = dist.get_rank()

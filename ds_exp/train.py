@@ -588,7 +588,7 @@ class Trainer:
             self.engine,
             self.tokenizer,
             self.prompts,
-            template=str(self.data.stats["template"]),
+            template=str(self.data.stats["template"]).split("+")[0],  # blended sources: the first one's
             max_new_tokens=int(self.cfg.eval.max_new_tokens),
             stop_ids=self.stop_ids,
         )

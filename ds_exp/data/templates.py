@@ -87,6 +87,17 @@ def source_template(configured: Any, resolved: str, raw: Any) -> str:
 # ----------------------------------------------------------------------------------------------- render
 
 
+def render_prompt(prompt: str, template: str, tokenizer: Any) -> tuple[str, bool]:
+    """A user's prompt as the run's template asks the model (for generation): (text to complete, whether the
+    tokenizer adds its special tokens, as it does when training on that template)."""
+    if template == "chat_template":
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+    if template == "dschat":
+        return f" Human: {prompt} Assistant:", True
+    return prompt, True  # raw: the text as given (DeepSpeed-Chat's rows hold their own markers)
+
+
 def _is_pair(roles: Sequence[str]) -> bool:
     return len(roles) == 2 and roles[0] == "user" and roles[1] == "assistant"
 
