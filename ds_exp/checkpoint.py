@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_exp.errors import ResumeError
+from ds_exp.errors import ResumeError, RunFailed
 from ds_exp.tracking import write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,10 @@ class TrainState:
     # metric line covers the same steps as an uninterrupted run's (summed over ranks)
     window_loss_sum: float = 0.0
     window_label_tokens: float = 0.0
+    # the run that wrote the checkpoint (kept across resumes): rotation only ever deletes this run's checkpoints
+    run_id: str | None = None
+    # what the checkpoint depends on (ds_exp.resume.settings_of): a resume with other values is refused
+    settings: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -64,6 +68,14 @@ def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
         if match and (child / COMPLETE_MARKER).is_file():
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
+
+
+def read_marker(tag_dir: Path) -> dict[str, Any]:
+    """The completeness marker of a checkpoint (its TrainState); {} when unreadable."""
+    try:
+        return json.loads((tag_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def find_resume_checkpoint(resume: str | None, run_dir: Path, checkpoint_subdir: str) -> Path | None:
@@ -123,6 +135,14 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, kee
 
     tag = tag_for(state.step)
     path = checkpoint_dir / tag
+    if (path / COMPLETE_MARKER).is_file():  # a complete checkpoint is never rewritten in place
+        if read_marker(path).get("run_id") == state.run_id:  # this run's, run again after it finished
+            log.info("checkpoint %s is complete already; not saved again", path)
+            return path
+        raise RunFailed(
+            f"{path} is a complete checkpoint of another run, so it is not overwritten; point train.checkpoint_dir "
+            "at a directory of this run's own"
+        )
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"ds_exp": state.as_dict()}, save_latest=False)
     # per-rank RNG states, loadable with torch.load(weights_only=True)
     torch.save(rng_states(), path / f"rng_rank{rank}.pt")
@@ -131,7 +151,9 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, kee
     if rank == 0:
         write_json_atomic(path / COMPLETE_MARKER, state.as_dict())
         write_text_atomic(checkpoint_dir / LATEST, tag)
-        for old in complete_checkpoints(checkpoint_dir)[:-keep_last] if keep_last > 0 else []:
+        # only checkpoints this run wrote: a checkpoint directory shared with another run keeps that run's
+        own = [c for c in complete_checkpoints(checkpoint_dir) if read_marker(c).get("run_id") == state.run_id]
+        for old in own[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     log.info("saved checkpoint %s", path)
@@ -169,6 +191,23 @@ def load_weights_only(engine: Any) -> None:
     engine.checkpoint_engine.load = safe_load
 
 
+def damaged_message(tag_dir: Path, err: BaseException) -> str:
+    """A checkpoint marked complete that cannot be read (a file truncated or deleted since): name the fallback."""
+    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    earlier = [c for c in complete_checkpoints(tag_dir.parent) if _step_of(c) < _step_of(tag_dir)]
+    fallback = (
+        f"the previous complete checkpoint is {earlier[-1]}: continue from it with resume={earlier[-1]}"
+        if earlier
+        else "there is no earlier complete checkpoint: start over without resume"
+    )
+    return f"resume: {tag_dir} cannot be read, a file of it is damaged or missing ({first}); {fallback}"
+
+
+def _step_of(tag_dir: Path) -> int:
+    match = _TAG.match(tag_dir.name)
+    return int(match.group(1)) if match else -1
+
+
 def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
     """Collective: restores module, optimizer, LR scheduler and this rank's RNG states."""
     import torch
@@ -181,6 +220,8 @@ def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
             f"resume: {tag_dir} holds objects a checkpoint written by ds_exp never holds, so it was not loaded "
             f"(torch.load with weights_only=True: {str(err).splitlines()[0]}); resume only from checkpoints you trust"
         ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a truncated or missing file
+        raise ResumeError(damaged_message(tag_dir, err)) from None
     if load_path is None:
         raise ResumeError(f"resume: DeepSpeed found no checkpoint in {tag_dir}; it may be from another run layout")
     rng_file = tag_dir / f"rng_rank{rank}.pt"

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_exp.errors import DsExpError
+from ds_exp.errors import DsExpError, report_user_error
 
 log = logging.getLogger("ds_exp")
 
@@ -58,10 +58,25 @@ def per_rank_overrides(args: list[str]) -> list[str]:
         )
     if launch_rank_from_env() == 0:
         return []
+    import atexit
+    import shutil
     import tempfile
 
     placeholder = tempfile.mkdtemp(prefix=f"ds_exp_rank{launch_rank_from_env()}_")
+    atexit.register(shutil.rmtree, placeholder, True)  # however the process ends, short of a SIGKILL
     return [f"hydra.run.dir={placeholder}", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def check_launch_env() -> None:
+    """Inconsistent launcher variables are refused at once: the process would wait for ranks that never come."""
+    from ds_exp.distributed import launch_env_problems
+    from ds_exp.errors import ConfigError
+
+    problems = launch_env_problems()
+    if problems:
+        err = ConfigError(problems)
+        report_user_error(err)
+        raise SystemExit(err.exit_code)
 
 
 def run_dir_of_job() -> Path:
@@ -83,15 +98,6 @@ def run_job(cfg: DictConfig) -> Any:
     from ds_exp.train import train
 
     return train(cfg, run_dir)
-
-
-def report_user_error(err: DsExpError) -> None:
-    lines = str(err).splitlines() or [type(err).__name__]
-    print(f"ds_exp: error: {lines[0]}", file=sys.stderr)
-    for line in lines[1:]:
-        print(f"  {line}", file=sys.stderr)
-    if os.environ.get("HYDRA_FULL_ERROR") != "1":
-        print("  (set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
 
 
 def in_multirun() -> bool:
@@ -120,8 +126,11 @@ def main() -> None:
     from ds_exp.config.resolvers import register_resolvers
     from ds_exp.config.schema import register_configs
     from ds_exp.paths import conf_dir
+    from ds_exp.run_logging import hold_library_logs
 
+    hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
     sys.argv = strip_local_rank(sys.argv)
+    check_launch_env()
     sys.argv += per_rank_overrides(sys.argv[1:])
     register_resolvers()
     register_configs()

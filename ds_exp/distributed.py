@@ -8,13 +8,20 @@ not, never overwriting what it set; `init_distributed` then hands over to deepsp
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
+import logging
 import os
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import DictConfig
 
 from ds_exp.config.schema import plain
+from ds_exp.run_logging import LIBRARY_LOGGER
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,9 @@ def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
     env = os.environ
     port = _int_env("MASTER_PORT", default=default_port)
     if launcher == "single":
+        # alone, nobody needs to find this process: any free port (two single-GPU runs on one machine would
+        # otherwise both take 29500)
+        port = _int_env("MASTER_PORT") or _free_port()
         return LaunchInfo("single", 0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port)
     if launcher == "env":
         return LaunchInfo(
@@ -113,6 +123,42 @@ def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
             _int_env("SLURM_NTASKS", default=1) // max(_int_env("SLURM_NNODES", default=1), 1),
         )
     raise ValueError(f"unknown dist.launcher {launcher}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def launch_env_problems() -> list[str]:
+    """Launcher variables that cannot describe a launch (a process would wait for ranks that never come)."""
+    env = os.environ
+    problems = []
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        value = env.get(name)
+        if value is not None and not value.strip().isdigit():
+            problems.append(f"{name}={value!r} is not a whole number; unset it or let the launcher set it")
+    rank, world = _int_env("RANK"), _int_env("WORLD_SIZE")
+    local, local_world = _int_env("LOCAL_RANK"), _int_env("LOCAL_WORLD_SIZE")
+    if world is not None and world > 1 and rank is None and not any(v in env for v in _RANK_VARIABLES):
+        problems.append(
+            f"WORLD_SIZE={world} is set but RANK is not: each of the {world} processes needs its own RANK. Start "
+            f"them with a launcher (torchrun --nproc_per_node {world} -m ds_exp ...), or unset WORLD_SIZE to train "
+            "in one process"
+        )
+    if rank is not None and world is None:
+        problems.append(f"RANK={rank} is set but WORLD_SIZE is not: set both (a launcher does), or unset RANK")
+    if rank is not None and world is not None and not 0 <= rank < world:
+        problems.append(f"RANK={rank} with WORLD_SIZE={world}: ranks go from 0 to {world - 1}; fix RANK or WORLD_SIZE")
+    if local is not None and local_world is not None and not 0 <= local < local_world:
+        problems.append(
+            f"LOCAL_RANK={local} with LOCAL_WORLD_SIZE={local_world}: local ranks go from 0 to {local_world - 1}"
+        )
+    return problems
 
 
 def _job_port(job_id: str | None, default: int) -> int:
@@ -206,6 +252,7 @@ def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str)
 
         torch.set_num_threads(threads)
     backend = choose_backend(plain(dist_cfg.backend), accelerator)
+    check_backend(backend, accelerator)
     if not dist.is_initialized():
         atexit.register(_destroy_process_group)
         if accelerator == "cpu":
@@ -213,18 +260,87 @@ def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str)
 
             # DeepSpeed compiles this inside init_distributed: build it first, with a notice and a clear failure
             ops.ensure_built(ops.SHM_COMM, announce=launch.rank == 0)
-    deepspeed.init_distributed(
-        dist_backend=backend,
-        auto_mpi_discovery=False,  # the variables are exported above, from whichever launcher it was
-        distributed_port=launch.master_port,
-        timeout=datetime.timedelta(minutes=int(dist_cfg.timeout_minutes)),
-        verbose=False,
-    )
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # DeepSpeed prints per rank ("... built successfully"): to the log
+        wait_for_rendezvous(
+            lambda: deepspeed.init_distributed(
+                dist_backend=backend,
+                auto_mpi_discovery=False,  # the variables are exported above, from whichever launcher it was
+                distributed_port=launch.master_port,
+                timeout=datetime.timedelta(minutes=int(dist_cfg.timeout_minutes)),
+                verbose=False,
+            ),
+            launch,
+            int(dist_cfg.timeout_minutes),
+        )
+    for line in printed.getvalue().splitlines():
+        logging.getLogger(LIBRARY_LOGGER).info(line)
     if accelerator == "cuda":
         from deepspeed.accelerator import get_accelerator
 
         get_accelerator().set_device(launch.local_rank)
     return backend
+
+
+def check_backend(backend: str, accelerator: str) -> None:
+    """dist.backend must exist in this torch and fit the device: told now, not as a C++ error at rendezvous."""
+    import torch.distributed as dist
+
+    from ds_exp.errors import ConfigError
+
+    available = {
+        "nccl": dist.is_nccl_available() and accelerator == "cuda",
+        "mpi": dist.is_mpi_available(),
+        "gloo": dist.is_gloo_available(),
+    }
+    why = {
+        "nccl": "needs NVIDIA GPUs and a CUDA build of torch",
+        "mpi": "needs a torch built with MPI (pip's builds are not)",
+        "gloo": "is not in this torch build",
+    }
+    if backend in available and not available[backend]:
+        raise ConfigError(f"dist.backend={backend} {why[backend]}; use dist.backend=auto (gloo on CPUs, nccl on GPUs)")
+    if backend == "ccl":
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "dist.backend=ccl needs Intel's oneCCL bindings (pip install oneccl_bind_pt); or dist.backend=auto"
+            ) from None
+
+
+def wait_for_rendezvous(start: Callable[[], Any], launch: LaunchInfo, timeout_minutes: int) -> None:
+    """Run `start` (the rendezvous) in a helper thread while the main thread waits in Python: a blocked rendezvous
+    would otherwise hold off Ctrl-C and SIGTERM until it times out (dist.timeout_minutes). Says what it waits for."""
+    import threading
+    import time
+
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            start()
+        except BaseException as exc:  # handed to the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="ds_exp-rendezvous", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    next_notice = 10.0
+    while thread.is_alive():
+        thread.join(timeout=0.5)  # signal handlers run in the main thread between these waits
+        waited = time.monotonic() - started
+        if thread.is_alive() and launch.world_size > 1 and waited >= next_notice:
+            print(
+                f"ds_exp: rank {launch.rank} has waited {waited:.0f} s for the {launch.world_size} ranks to meet at "
+                f"{launch.master_addr}:{launch.master_port} (gives up after dist.timeout_minutes={timeout_minutes}; "
+                "Ctrl-C stops it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            next_notice *= 3
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 # What the backends say when the other end of a collective is gone (its process died or was killed).

@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_exp.config.schema import plain
+from ds_exp.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,30 @@ def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: int, warmup_st
     )
 
 
+def check_deepspeed_config(ds_config: dict[str, Any], config_file: str | None) -> None:
+    """Let DeepSpeed's own schema read the zero_optimization block now (it rejects unknown keys), so a misspelt key
+    in a user's JSON is one message before the model is built, not a pydantic traceback after it."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
+    except ValidationError as err:
+        raise ConfigError(deepspeed_config_problems(err, "zero_optimization", config_file)) from None
+
+
+def deepspeed_config_problems(err: Any, block: str, config_file: str | None) -> list[str]:
+    source = f"deepspeed.config_file={config_file}" if config_file else "the DeepSpeed config built from the groups"
+    lines = [f"DeepSpeed rejects the {block} block of {source}:"]
+    for problem in err.errors():
+        key = ".".join(str(part) for part in (block, *problem["loc"]))
+        if problem["type"] == "extra_forbidden":
+            lines.append(f"- {key}: DeepSpeed has no such key (misspelt?); remove or fix it")
+        else:
+            lines.append(f"- {key}={problem.get('input')!r}: {problem['msg']}")
+    return lines
+
+
 @dataclass
 class Engine:
     engine: Any  # deepspeed.DeepSpeedEngine
@@ -115,13 +140,18 @@ def build_engine(
     if "scheduler" not in ds_config and not metric_schedule:
         # a callable: DeepSpeed calls it with the optimizer, including one it built from the DeepSpeed config
         scheduler = partial(build_scheduler, cfg, total_steps=total_steps, warmup_steps=warmup_steps)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=groups,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=ds_config,
-    )
+    from pydantic import ValidationError
+
+    try:
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=groups,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ds_config,
+        )
+    except ValidationError as err:  # another block than zero_optimization (checked before the model was built)
+        raise ConfigError(deepspeed_config_problems(err, err.title, cfg.deepspeed.config_file)) from None
     metric_scheduler = None
     if "scheduler" not in ds_config and metric_schedule:
         metric_scheduler = build_scheduler(cfg, optimizer or engine.optimizer, total_steps, warmup_steps)

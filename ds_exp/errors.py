@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class DsExpError(Exception):
     """Base of every error ds_exp reports to the user as a message instead of a traceback."""
@@ -29,3 +32,13 @@ class RunFailed(DsExpError):
     """Training stopped for a reason the user must act on (non-finite losses, a dead rank, ...)."""
 
     exit_code = 1
+
+
+def report_user_error(err: DsExpError) -> None:
+    """The message on stderr: its first line after "ds_exp: error:", the rest indented; no traceback."""
+    lines = str(err).splitlines() or [type(err).__name__]
+    print(f"ds_exp: error: {lines[0]}", file=sys.stderr)
+    for line in lines[1:]:
+        print(f"  {line}", file=sys.stderr)
+    if os.environ.get("HYDRA_FULL_ERROR") != "1":
+        print("  (set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)

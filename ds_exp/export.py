@@ -222,7 +222,22 @@ def _is_tied_copy(model: Any, key: str) -> bool:
     return key.endswith("lm_head.weight") and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
+def check_target(export_dir: Path) -> None:
+    """The export replaces `export_dir` only when it is an earlier export (it holds ds_exp_export.json, or the
+    adapter's files): whatever else is there is not ds_exp's to delete."""
+    from ds_exp.errors import RunFailed
+
+    for path in (export_dir, export_dir.with_name(f"{export_dir.name}_adapter")):
+        mine = (path / METADATA).is_file() or (path / "adapter_config.json").is_file()
+        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not mine)):
+            raise RunFailed(
+                f"train.export_dir: {path} exists and is not an export of a ds_exp run, so it is not replaced; "
+                "move it away or point train.export_dir elsewhere"
+            )
+
+
 def _replace(src: Path, dst: Path) -> None:
+    check_target(dst)
     if dst.exists():
         shutil.rmtree(dst)
     src.rename(dst)

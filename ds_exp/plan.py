@@ -18,6 +18,19 @@ def global_batch_size(cfg: DictConfig, world_size: int) -> int:
     return cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * world_size
 
 
+def global_batch_mismatch(cfg: DictConfig, world: int) -> str:
+    """train.global_batch_size names a world size other than this launch's."""
+    train = cfg.train
+    per_rank = train.micro_batch_size * train.gradient_accumulation_steps
+    fits = train.global_batch_size / per_rank
+    where = f"holds only at world size {fits:g}" if fits == int(fits) else "holds at no world size"
+    return (
+        f"train.global_batch_size={train.global_batch_size} {where} (micro {train.micro_batch_size} x accumulation "
+        f"{train.gradient_accumulation_steps} x world size), and this launch has {world} rank(s): use "
+        "train.global_batch_size=auto, or change train.micro_batch_size / gradient_accumulation_steps"
+    )
+
+
 def steps_per_epoch(num_train: int, cfg: DictConfig, world_size: int) -> int:
     return num_train // global_batch_size(cfg, world_size)
 
@@ -37,5 +50,10 @@ def total_steps(num_train: int, cfg: DictConfig, world_size: int) -> int:
 
 def warmup_steps(cfg: DictConfig, total: int) -> int:
     if cfg.scheduler.warmup_steps > 0:
+        if cfg.scheduler.warmup_steps > total:
+            raise ConfigError(
+                f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} is longer than the whole run ({total} optimizer "
+                "steps): the learning rate would never reach optimizer.lr; lower it, or use scheduler.warmup_ratio"
+            )
         return int(cfg.scheduler.warmup_steps)
     return math.ceil(total * cfg.scheduler.warmup_ratio)

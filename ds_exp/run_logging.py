@@ -1,19 +1,63 @@
-"""Per-rank log files, and a quiet console on every rank but 0."""
+"""Per-rank log files and a console people can read: rank 0 speaks, other ranks only on error, library chatter
+goes to the log files, and each warning reaches the console at most once.
+
+Libraries talk before the log file exists (DeepSpeed logs "Setting accelerator to CPU" on import, on every rank):
+`hold_library_logs` (first thing in the CLI) holds those records, and `setup_run_logging` replays them into the
+rank's log file once it exists.
+"""
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 STEP_LOGGER = "ds_exp.steps"
 FILE_LOGGER = "ds_exp.file"  # the log file only, never the console (e.g. the traceback behind a user error)
-_LOGGERS = ("ds_exp", STEP_LOGGER, FILE_LOGGER, "DeepSpeed")
+LIBRARY_LOGGER = "ds_exp.library"  # what libraries printed on stdout (captured): the log file only
+_LOGGERS = ("ds_exp", STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "DeepSpeed", "py.warnings")
 _FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
+# Warnings from inside libraries that a user can do nothing about: the log file only, never the console.
+_CHATTER = (
+    "torch.distributed.all_gather_into_tensor` is deprecated",
+    "torch.distributed.reduce_scatter_tensor` is deprecated",
+    "is_gradient_checkpointing` is deprecated",
+)
 
-# The file-only logger never reaches the console, not even before the log file exists (Python's last-resort
-# handler would print its tracebacks to stderr): until setup_run_logging adds the file, it drops records.
-logging.getLogger(FILE_LOGGER).addHandler(logging.NullHandler())
-logging.getLogger(FILE_LOGGER).propagate = False
+# The file-only loggers never reach the console, not even before the log file exists (Python's last-resort
+# handler would print their tracebacks to stderr): until setup_run_logging adds the file, they drop records.
+for _name in (FILE_LOGGER, LIBRARY_LOGGER):
+    logging.getLogger(_name).addHandler(logging.NullHandler())
+    logging.getLogger(_name).propagate = False
+
+
+class _Held(logging.Filter):
+    """Holds the records of a logger until the log file exists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.active = True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.active:
+            self.records.append(record)
+            return False
+        return True
+
+
+_HELD = _Held()
+
+
+def hold_library_logs() -> None:
+    """Before anything imports DeepSpeed: hold its records (and Python warnings, and captured library output) for
+    the log file, and silence the compiler probes DeepSpeed runs at import (setuptools' logger)."""
+    logging.captureWarnings(True)
+    for name in ("DeepSpeed", "py.warnings", LIBRARY_LOGGER):
+        logger = logging.getLogger(name)
+        if _HELD not in logger.filters:
+            logger.addFilter(_HELD)
+    logging.getLogger("compilers").setLevel(logging.WARNING)  # "gcc ... test.c" from DeepSpeed's op checks
 
 
 class _RankFilter(logging.Filter):
@@ -34,8 +78,46 @@ class _RankFilter(logging.Filter):
         return True
 
 
+class _Once(logging.Filter):
+    """The console sees each warning once; library-internal deprecations never (they stay in the file)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        message = record.getMessage()
+        if any(chatter in message for chatter in _CHATTER):
+            return False
+        key = message.strip().splitlines()[0] if message.strip() else message
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+class _FirstOnly(logging.Filter):
+    """A warning raised at every step (torch's deprecations inside DeepSpeed) is recorded once, file included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+_WARNINGS_ONCE = _FirstOnly()
+
+
 def setup_run_logging(run_dir: Path, rank: int) -> Path:
-    """Every rank logs to <run dir>/logs/rank<N>.log; only rank 0 keeps INFO on the console."""
+    """Every rank logs to <run dir>/logs/rank<N>.log; rank 0 keeps INFO on the console, the others only errors."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"rank{rank}.log"
@@ -47,20 +129,51 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-    logging.getLogger(STEP_LOGGER).propagate = False  # step lines: in the file; the console has the progress bar
-    logging.getLogger(FILE_LOGGER).propagate = False
-    # DeepSpeed prints a lot on every rank: keep its console output to warnings (the full text is in the file).
-    for h in logging.getLogger("DeepSpeed").handlers:
-        if h is not handler:
-            h.setLevel(logging.WARNING)
+    for name in (STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "py.warnings"):
+        logging.getLogger(name).propagate = False  # the console gets these only through the handlers below
+    for record in _HELD.records:  # what libraries said before the file existed
+        handler.handle(record)
+    _HELD.records.clear()
+    _HELD.active = False
+    once = _Once()
+    console_level = logging.INFO if rank == 0 else logging.ERROR
+    warnings_console = logging.StreamHandler(sys.stderr)
+    warnings_console.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+    warnings_console.addFilter(once)
+    warnings_console.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("py.warnings").addHandler(warnings_console)
+    if _WARNINGS_ONCE not in logging.getLogger("py.warnings").filters:
+        logging.getLogger("py.warnings").addFilter(_WARNINGS_ONCE)
+    # DeepSpeed and transformers print on every rank through their own handlers: warnings once on rank 0
+    for name in ("DeepSpeed", "transformers"):
+        for h in logging.getLogger(name).handlers:
+            if h is not handler:
+                _console(h, logging.WARNING if rank == 0 else logging.ERROR, once)
+    root = logging.getLogger()
+    for h in root.handlers:
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            _console(h, console_level, once)
     if rank != 0:
-        root = logging.getLogger()
-        for h in root.handlers:
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                h.setLevel(logging.WARNING)
+        _quiet_library_progress()
         if not root.handlers:
             logging.getLogger("ds_exp").propagate = False
     return path
+
+
+def _console(handler: logging.Handler, level: int, once: _Once) -> None:
+    handler.setLevel(level)
+    handler.filters = [f for f in handler.filters if not isinstance(f, _Once)]  # one per run, not one per job
+    handler.addFilter(once)
+
+
+def _quiet_library_progress() -> None:
+    """Ranks > 0 draw no progress bars (tokenizing, loading weights): rank 0's are the console's."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
 
 
 def close_run_logging() -> None:
@@ -70,3 +183,7 @@ def close_run_logging() -> None:
             if isinstance(h, logging.FileHandler) and "/logs/rank" in h.baseFilename:
                 logger.removeHandler(h)
                 h.close()
+    warnings_logger = logging.getLogger("py.warnings")
+    for h in list(warnings_logger.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            warnings_logger.removeHandler(h)

@@ -7,13 +7,16 @@
 * Under any other launcher, SIGTERM and SIGINT: save, then exit with 128 + the signal's number. A second
   SIGINT interrupts at once (KeyboardInterrupt), for a user who cannot wait for the step to end.
 
-Handlers only set a flag. The training loop votes on it in an all-reduce it makes anyway at every step, so
-all ranks stop after the same step even though the signal reaches them at different moments.
+During training, handlers only set a flag. The training loop votes on it in an all-reduce it makes anyway at
+every step, so all ranks stop after the same step even though the signal reaches them at different moments.
+Before the first step (tokenization, model build, the first evaluation: minutes, with nothing to save) a signal
+stops the run at once (SLURM's grace period before SIGKILL is short).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -28,8 +31,11 @@ _REQUEUE_WAIT_S = 300  # how long ranks > 0 wait for the requeue to end them bef
 class StopRequested(Exception):
     """Raised by the loop once every rank has agreed to stop and the checkpoint (if any) is complete."""
 
-    def __init__(self, reason: str, step: int, checkpoint: str | None, status: str) -> None:
+    def __init__(self, reason: str, step: int | None, checkpoint: str | None, status: str) -> None:
         self.reason, self.step, self.checkpoint, self.status = reason, step, checkpoint, status
+        if step is None:
+            super().__init__(f"stopped by {reason} before the first training step; no checkpoint was written")
+            return
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no step was trained)"
         super().__init__(f"stopped by {reason} after step {step}; {where}")
 
@@ -40,6 +46,7 @@ class StopSignals:
     def __init__(self, launcher: str) -> None:
         self.under_submitit = launcher == "submitit"
         self.signum: int | None = None
+        self.immediate = True  # before the training loop: stop at once (set False when the loop starts)
         self._previous: dict[int, Any] = {}
 
     @property
@@ -63,6 +70,7 @@ class StopSignals:
         return [signal.SIGTERM, signal.SIGINT]
 
     def install(self) -> None:
+        self.pid = os.getpid()
         for signum in self.watched():
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -72,10 +80,31 @@ class StopSignals:
             signal.signal(signum, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:
+            # a forked worker (tokenization pool, data loader) inherited this handler: it dies as by default, so
+            # that its pool's terminate() can reap it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # asked twice: stop now, without the checkpoint
         self.signum = signum
+        if self.immediate:
+            log.warning("caught %s before training started: stopping now", self.reason)
+            raise StopRequested(self.reason, None, None, self.stopped_status)
         log.warning("caught %s: saving a checkpoint after the current step, then stopping", self.reason)
+
+    def behind(self, exc: BaseException) -> StopRequested | None:
+        """The stop behind `exc`: a library that catches the exception a signal raised during setup may raise its
+        own instead (datasets' worker pool raises a TimeoutError from its cleanup)."""
+        seen: BaseException | None = exc
+        while seen is not None:
+            if isinstance(seen, StopRequested):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+        if self.requested and self.immediate:
+            return StopRequested(self.reason, None, None, self.stopped_status)
+        return None
 
     def leave(self, rank: int) -> NoReturn:
         """Exit after a stop. Under submitit rank 0 requeues the job; the other ranks wait for SLURM to end them

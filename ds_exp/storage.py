@@ -1,6 +1,6 @@
 """Where a run writes, checked before any heavy work: directories that can be written, and room on the disk.
 
-* `check_writable` runs before Hydra creates the run (or sweep) directory (the `CheckOutputDir` callback), so
+* `check_writable` runs before Hydra creates the run (or sweep) directory (ds_exp.run_dir's callback), so
   an unwritable `hydra.run.dir` gets one message instead of Hydra's traceback.
 * `check_free_space` runs once the model is built and before the first step: one checkpoint plus the export
   must fit on the disk that holds them. A disk that fills up later is caught when a save fails
@@ -12,10 +12,6 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import Any
-
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
 
 from ds_exp.errors import ConfigError, RunFailed
 from ds_exp.memory import human_bytes
@@ -87,23 +83,3 @@ def save_failure_message(exc: BaseException, tag_dir: Path, needed: int) -> str 
         f"could not write checkpoint {tag_dir} ({reason}); it is incomplete and will never be resumed from. "
         f"Free some space (or fix the directory), then continue from the last complete checkpoint with resume=auto"
     )
-
-
-class CheckOutputDir(Callback):
-    """Hydra callback: the run / sweep directory must be writable before Hydra creates it."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _exit_on_error(lambda: check_writable(Path(str(config.hydra.run.dir)), "hydra.run.dir"))
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _exit_on_error(lambda: check_writable(Path(str(config.hydra.sweep.dir)), "hydra.sweep.dir"))
-
-
-def _exit_on_error(check: Any) -> None:
-    from ds_exp.cli import report_user_error
-
-    try:
-        check()
-    except ConfigError as err:
-        report_user_error(err)
-        raise SystemExit(err.exit_code) from None

@@ -27,9 +27,11 @@ from ds_exp.accelerator import detect_accelerator, resolved_precision
 from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
 from ds_exp.config.schema import plain
 from ds_exp.distributed import detect_launch, init_distributed, is_lost_peer, mark_lost_peer
-from ds_exp.errors import DsExpError, RunFailed
+from ds_exp.errors import DsExpError, ResumeError, RunFailed
 from ds_exp.flops import device_name, flops_model, numel, peak_flops, sum_squared_lengths
 from ds_exp.plan import steps_per_epoch, total_steps, warmup_steps
+from ds_exp.resume import check_resume, settings_of
+from ds_exp.run_dir import set_aside_attempt
 from ds_exp.run_logging import FILE_LOGGER, STEP_LOGGER, close_run_logging, setup_run_logging
 from ds_exp.signals import StopRequested, StopSignals
 from ds_exp.tracking import MetricsLog, WandbRun, redact, register_secrets, write_json_atomic
@@ -41,6 +43,10 @@ file_log = logging.getLogger(FILE_LOGGER)
 IGNORE_INDEX = -100
 # how a run ends with every rank alive and its state saved: finished, or stopped by a signal and resumable
 RESUMABLE_ENDS = ("completed", "stopped", "requeued")
+
+
+class NothingToDo(Exception):
+    """A resume of a run that is complete already: nothing is trained, saved, exported or rewritten."""
 
 
 def token_loss_sum(logits: Any, labels: Any) -> tuple[Any, Any]:
@@ -184,14 +190,14 @@ class Trainer:
 
     def prepare(self) -> None:
         from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
-        from ds_exp.engine import build_engine
+        from ds_exp.engine import build_engine, check_deepspeed_config
         from ds_exp.generate import load_prompts, stop_token_ids
         from ds_exp.model import build_model, build_model_config, hidden_size_of
 
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg)
         self.data = prepare_sft_data(cfg, self.tokenizer)
-        log.info("data: %s", {k: v for k, v in self.data.stats.items()})
+        file_log.info("data statistics: %s", self.data.stats)  # the console has the pipeline's sentence
         self.collator = make_collator(self.tokenizer, isolate_packed=bool(cfg.data.packing))
         self.prompts = load_prompts(cfg.eval)
         self.stop_ids = stop_token_ids(self.tokenizer, cfg.data.end_of_conversation_token)
@@ -205,12 +211,23 @@ class Trainer:
             for note in replaced_by_config_file(cfg, facts):
                 log.warning(note)
         register_secrets(self.ds_config)  # a user's DeepSpeed JSON may hold keys (comet.api_key); DeepSpeed logs it
+        self.settings = settings_of(cfg, self.world, self.ds_config, self.precision)
+        check_deepspeed_config(self.ds_config, cfg.deepspeed.config_file)
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
         if self.is_main:
             write_json_atomic(self.run_dir / "ds_config.json", redact(self.ds_config))
         self.built = build_model(cfg, self.tokenizer, self.ds_config)
         self.num_parameters = sum(numel(p) for p in self.built.model.parameters())
         self.num_trainable = sum(numel(p) for p in self.built.model.parameters() if p.requires_grad)
+        lora = self.built.lora
+        log.info(
+            "model: %s, %s parameters, %s trainable (%.2f%%)%s",
+            cfg.model.name_or_path or f"{cfg.model.name} (built from model.arch)",
+            f"{self.num_parameters:,}",
+            f"{self.num_trainable:,}",
+            100.0 * self.num_trainable / max(self.num_parameters, 1),
+            f", LoRA rank {lora.dim} on {len(lora.targets)} layers" if lora else "",
+        )
         self.flops = flops_model(self.built.model, self.built.config)
         self.device_name = device_name(self.accelerator)
         self.peak_flops = peak_flops(self.device_name, self.precision, cfg.train.peak_tflops)
@@ -236,6 +253,7 @@ class Trainer:
         """Collective: rank 0 checks that a checkpoint and the export fit on their disks, every rank obeys."""
         import torch.distributed as dist
 
+        from ds_exp.export import check_target
         from ds_exp.storage import check_free_space, export_bytes
 
         train_cfg, verdict = self.cfg.train, [None]
@@ -252,6 +270,8 @@ class Trainer:
                 keys[path] = "train.export_dir"
             try:
                 check_free_space(needs, keys)
+                if train_cfg.export:
+                    check_target(self.run_dir / train_cfg.export_dir)  # fail now, not after the training
             except RunFailed as err:
                 verdict = [str(err)]
         dist.broadcast_object_list(verdict, src=0)
@@ -349,10 +369,27 @@ class Trainer:
         # a submitit job that SLURM requeued runs again in the same directory: it must continue, not restart
         resume = cfg.resume if cfg.resume is not None or self.launch.launcher != "submitit" else "auto"
         resume_from = checkpoint.find_resume_checkpoint(resume, self.run_dir, train_cfg.checkpoint_dir)
-        state = checkpoint.load(self.engine, resume_from, rank=self.rank) if resume_from else checkpoint.TrainState()
+        if resume_from is not None:
+            check_resume(cfg, resume_from, self.settings)  # also where Hydra's callback did not run (submitit)
+            state = checkpoint.load(self.engine, resume_from, rank=self.rank)
+            if state.step >= self.total_steps:
+                raise NothingToDo(f"{self.run_dir} is complete at step {state.step} of {self.total_steps}")
+        else:
+            state = checkpoint.TrainState()
+            if resume is not None and self.is_main:
+                moved = set_aside_attempt(self.run_dir)  # an attempt that left no checkpoint: start over beside it
+                if moved is not None:
+                    log.warning(
+                        "no complete checkpoint to resume from: starting over; the files of the attempt "
+                        "before are in %s",
+                        moved,
+                    )
+        self.run_id = state.run_id or self.new_run_id()
         self.wandb = WandbRun(cfg, self.run_dir, enabled=self.is_main, run_id=state.wandb_run_id)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
         progress = self.progress = Progress(state.step, state.epoch, state.step_in_epoch)
+        if resume_from is not None:
+            progress.last_save_step = state.step  # that checkpoint exists: it is never written again
         self.results: dict[str, Any] = {"resumed_from": str(resume_from) if resume_from else None}
 
         if train_cfg.eval_at_start and progress.step == 0:
@@ -376,6 +413,9 @@ class Trainer:
             mininterval=1.0,
         )
         self.start_loop(state)
+        if train_cfg.keep_last == 0 and self.is_main:
+            log.warning("train.keep_last=0: no checkpoint is ever deleted (every one saved is kept)")
+        self.stop.immediate = False  # from here a signal is voted on and answered with a checkpoint
         (stop_votes,) = all_reduce_sum([float(self.stop.requested)], self.device)
         if stop_votes:  # a signal during setup: nothing trained since the last checkpoint
             raise StopRequested(self.stop.reason, progress.step, None, self.stop.stopped_status)
@@ -613,6 +653,8 @@ class Trainer:
             self.wandb.run_id,
             window_loss_sum,
             window_labels,
+            run_id=self.run_id,
+            settings=self.settings,
         )
         try:
             path = checkpoint.save(
@@ -623,7 +665,7 @@ class Trainer:
 
             tag_dir = self.checkpoint_dir / checkpoint.tag_for(progress.step)
             _release_files(exc)
-            if self.is_main:
+            if self.is_main and not (tag_dir / checkpoint.COMPLETE_MARKER).is_file():
                 shutil.rmtree(tag_dir, ignore_errors=True)  # never complete: give its space back
             message = save_failure_message(exc, tag_dir, self.checkpoint_bytes())
             if message is None:
@@ -637,6 +679,16 @@ class Trainer:
         if not self.peak_flops or seconds <= 0:
             return None
         return flops / seconds / (self.peak_flops * self.world)
+
+    def new_run_id(self) -> str:
+        """A fresh run's id, the same on every rank (rank 0 draws it)."""
+        import uuid
+
+        import torch.distributed as dist
+
+        drawn = [uuid.uuid4().hex]
+        dist.broadcast_object_list(drawn, src=0)
+        return str(drawn[0])
 
     def progress_note(self) -> str:
         return f"step {self.progress.step}" if self.progress is not None else "setup"
@@ -697,15 +749,18 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         results = trainer.run()
         status = "completed"
         return results
+    except NothingToDo as done:
+        status = "unchanged"
+        if trainer.is_main:
+            print(f"ds_exp: {done}: nothing to do; its checkpoints, export and summary are unchanged")
+        return {}
     except StopRequested as stopped:  # every rank agreed and the checkpoint is complete
-        status, results = stopped.status, {**trainer.results, "step": stopped.step}
-        error = f"{stopped}; " + (
-            "submitit requeues the job, which resumes from it"
-            if stopped.status == "requeued"
-            else f"continue with the same overrides plus hydra.run.dir={trainer.run_dir} resume=auto"
-        )
+        status, results, error = stopped_outcome(trainer, stopped)
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
+        raise
+    except ResumeError as exc:  # refused before anything was loaded or trained: the run's files stay as they were
+        status, error = "unchanged", f"{type(exc).__name__}: {exc}"
         raise
     except DsExpError as exc:  # a message for the user (printed by the CLI); the traceback only in the log file
         error = f"{type(exc).__name__}: {exc}"
@@ -713,7 +768,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         raise
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-        if trainer.world > 1 and is_lost_peer(exc):
+        stopped = trainer.stop.behind(exc)
+        if stopped is not None:  # a library turned the stop into an error of its own (datasets' worker pool)
+            status, results, error = stopped_outcome(trainer, stopped)
+        elif trainer.world > 1 and is_lost_peer(exc):
             # a rank died or was killed: the others learn it from their next collective and leave at once
             mark_lost_peer()
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -724,12 +782,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             )
             file_log.error("run failed", exc_info=True)  # the collective's own error, for the log file
             raise RunFailed(error) from exc
-        log.exception("run failed")
-        raise
+        else:
+            log.exception("run failed")
+            raise
     finally:
         trainer.stop.restore()
         try:
-            write_summary(trainer, status, error, results, started)
+            if status != "unchanged":
+                write_summary(trainer, status, error, results, started)
         except OSError as err:  # e.g. a full disk: the run's own error matters more than its summary
             log.error("could not write %s: %s", trainer.run_dir / "summary.json", err)
         wandb = getattr(trainer, "wandb", None)
@@ -740,7 +800,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if metrics is not None:
             metrics.close()
         close_run_logging()
-        if status == "completed" and dist.is_initialized():
+        if status in ("completed", "unchanged") and dist.is_initialized():
             # The process group stays up: the next job of a multirun in this process reuses it (DeepSpeed
             # caches its groups, so a destroyed one cannot be replaced); it is torn down at exit.
             dist.barrier()
@@ -749,6 +809,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if trainer.is_main:
         print(f"ds_exp: {error}", file=sys.stderr)
     trainer.stop.leave(trainer.rank)
+
+
+def stopped_outcome(trainer: Trainer, stopped: StopRequested) -> tuple[str, dict[str, Any], str]:
+    """(status, results, error) of a run that stopped on a signal."""
+    results = {**getattr(trainer, "results", {}), "step": stopped.step}
+    error = f"{stopped}; " + (
+        "submitit requeues the job, which resumes from it"
+        if stopped.status == "requeued"
+        else f"continue with the same overrides plus hydra.run.dir={trainer.run_dir} resume=auto"
+    )
+    return stopped.status, results, error
 
 
 def write_summary(trainer: Trainer, status: str, error: str | None, results: dict[str, Any], started: float) -> None:

@@ -261,6 +261,85 @@ CASES: list[Case] = [
         ("-m/--multirun under torchrun", "hydra/launcher=slurm"),
         env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
     ),
+    # --- issue 14: launch variables, output paths, DeepSpeed keys, schedules
+    Case(
+        "WORLD_SIZE without RANK",
+        "launch",
+        ("train.max_steps=2",),
+        ("WORLD_SIZE=2 is set but RANK is not", "torchrun --nproc_per_node 2", "unset WORLD_SIZE"),
+        env={"WORLD_SIZE": "2"},
+    ),
+    Case(
+        "RANK beyond WORLD_SIZE",
+        "launch",
+        ("train.max_steps=2",),
+        ("RANK=3 with WORLD_SIZE=2", "ranks go from 0 to 1"),
+        env={"RANK": "3", "WORLD_SIZE": "2"},
+    ),
+    Case(
+        "RANK without WORLD_SIZE",
+        "launch",
+        ("train.max_steps=2",),
+        ("RANK=1 is set but WORLD_SIZE is not",),
+        env={"RANK": "1"},
+    ),
+    Case(
+        "nccl without GPUs",
+        "launch",
+        ("dist.backend=nccl", "train.max_steps=2"),
+        ("dist.backend=nccl needs NVIDIA GPUs", "dist.backend=auto"),
+    ),
+    Case(
+        "mpi backend missing from torch",
+        "launch",
+        ("dist.backend=mpi", "train.max_steps=2"),
+        ("dist.backend=mpi needs a torch built with MPI", "dist.backend=auto"),
+    ),
+    Case(
+        "checkpoint_dir outside the run",
+        "path",
+        ("train.checkpoint_dir=/tmp/elsewhere",),
+        ("train.checkpoint_dir=/tmp/elsewhere", "inside the run directory", "train.allow_outside_run_dir=true"),
+    ),
+    Case(
+        "export_dir climbing out of the run",
+        "path",
+        ("train.export_dir=../../x",),
+        ("train.export_dir=../../x", "no '..'", "train.allow_outside_run_dir=true"),
+    ),
+    Case(
+        "export_dir onto a directory that is not an export",
+        "path",
+        ("train.max_steps=2", "train.allow_outside_run_dir=true", "train.export_dir={tmp}/mine"),
+        ("mine exists and is not an export of a ds_exp run", "point train.export_dir elsewhere"),
+        files={"mine/notes.txt": "a user's own file"},
+    ),
+    Case(
+        "misspelt key in a DeepSpeed JSON block",
+        "DeepSpeed JSON",
+        ("deepspeed.config_file={tmp}/ds.json", "train.max_steps=2"),
+        ("zero_optimization.overlap_com: DeepSpeed has no such key", "deepspeed.config_file="),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}})},
+    ),
+    Case(
+        "warmup longer than the run",
+        "combination",
+        ("train.max_steps=5", "scheduler.warmup_steps=50"),
+        ("scheduler.warmup_steps=50 is longer than the whole run (5 optimizer steps)", "scheduler.warmup_ratio"),
+    ),
+    Case(
+        "global batch of another world size",
+        "combination",
+        ("train.global_batch_size=32", "train.micro_batch_size=8"),
+        ("train.global_batch_size=32 holds only at world size 4", "this launch has 1 rank", "auto"),
+    ),
+    Case(
+        "a fresh run into a directory that holds a run",
+        "path",
+        ("hydra.run.dir={tmp}/done", "train.max_steps=2"),
+        ("already holds a run (summary.json: status failed at step 10)", "nothing was changed", "resume=auto"),
+        files={"done/summary.json": json.dumps({"status": "failed", "steps": 10})},
+    ),
 ]
 
 

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import plain
 from ds_exp.errors import ConfigError
+from ds_exp.plan import global_batch_mismatch
 
 _MISSING = object()
 
@@ -237,6 +238,12 @@ def resolve_ds_config(cfg: DictConfig, facts: RunFacts, *, partial: bool = False
             "fp16.enabled and bf16.enabled are both true in the DeepSpeed config: pick one "
             '(set both to "auto" and choose with precision=fp16 or precision=bf16)'
         )
+
+    file_sets_batch = cfg.deepspeed.config_file and "train_batch_size" in load_config_file(cfg.deepspeed.config_file)
+    if cfg.train.global_batch_size != AUTO and facts.world_size is not None and not file_sets_batch:
+        per_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
+        if cfg.train.global_batch_size != per_rank * facts.world_size:  # ds_exp's own setting, not a file's
+            raise ConfigError(global_batch_mismatch(cfg, facts.world_size))
 
     mismatches = []
     for exp in expected_values(cfg, facts):

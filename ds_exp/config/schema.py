@@ -248,6 +248,7 @@ class TrainConfig:
     export_dir: str = "hf_model"  # relative to the run directory
     export_adapter: bool = False  # also save the PEFT adapter alone
     export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/export.py)
+    allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
     max_bad_steps: int = 10  # consecutive non-finite losses before giving up
     compile: bool = False  # torch.compile the model through DeepSpeed's engine (engine.compile())
     peak_tflops: float | None = None  # per device, for MFU; null = the GPU's dense peak from ds_exp/flops.py

@@ -16,7 +16,9 @@ from ds_exp.accelerator import decide_precision, detect_accelerator, supports_bf
 from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.schema import plain
+from ds_exp.distributed import detect_launch
 from ds_exp.errors import ConfigError
+from ds_exp.plan import global_batch_mismatch
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -179,15 +181,10 @@ def _check_numbers(cfg: DictConfig) -> list[str]:
                 f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size x "
                 f"train.gradient_accumulation_steps = {per_rank}: the batch arithmetic cannot hold; use auto"
             )
-        elif (
-            per_rank >= 1
-            and (world := os.environ.get("WORLD_SIZE", "")).isdigit()
-            and global_batch != per_rank * int(world)
-        ):
-            problems.append(
-                f"train.global_batch_size={global_batch} but micro {train.micro_batch_size} x accumulation "
-                f"{train.gradient_accumulation_steps} x world size {world} = {per_rank * int(world)}: use auto"
-            )
+        elif per_rank >= 1:
+            world = detect_launch(cfg.dist).world_size
+            if global_batch != per_rank * world:
+                problems.append(global_batch_mismatch(cfg, world))
     if cfg.dist.timeout_minutes < 1:
         problems.append(f"dist.timeout_minutes={cfg.dist.timeout_minutes}: must be >= 1")
     return problems
@@ -203,6 +200,23 @@ def _check_precision(cfg: DictConfig, accelerator: str) -> list[str]:
     if dtype == "bf16" and supports_bf16(accelerator) is False:
         return [f"precision=bf16: the {accelerator} accelerator cannot train in bf16; use precision=fp32"]
     return []
+
+
+def _check_output_paths(cfg: DictConfig) -> list[str]:
+    """Checkpoints and the export stay inside the run directory: rotation deletes in checkpoint_dir, and a run must
+    not write over another run's files."""
+    if cfg.train.allow_outside_run_dir:
+        return []
+    problems = []
+    for key in ("checkpoint_dir", "export_dir"):
+        value = str(cfg.train[key])
+        path = Path(value).expanduser()
+        if not value or path.is_absolute() or ".." in path.parts:
+            problems.append(
+                f"train.{key}={value}: must be a directory inside the run directory (relative, no '..'), so that "
+                f"no run writes into or deletes from another's; set train.allow_outside_run_dir=true to allow it"
+            )
+    return problems
 
 
 def _check_eval(cfg: DictConfig) -> list[str]:
@@ -228,7 +242,7 @@ def validate(cfg: DictConfig, accelerator: str | None = None) -> dict[str, Any]:
     """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept)."""
     accelerator = accelerator or detect_accelerator()
     problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg)
-    problems += _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg)
+    problems += _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + _check_output_paths(cfg)
     from ds_exp.data import check_data_config
 
     problems += check_data_config(cfg)

@@ -1,0 +1,133 @@
+"""The run directory: checked before Hydra writes into it, so that no run overwrites another's files.
+
+`CheckRunDir` (a Hydra callback, conf/config.yaml) runs before Hydra creates the run or sweep directory and
+saves `.hydra/` into it:
+* the directory must be writable (storage.check_writable);
+* a directory that already holds a run is refused unless `resume` is given (a fresh run would overwrite its
+  `.hydra/`, summary, export and checkpoints and append to its metrics);
+* `resume` must name a usable checkpoint written with the same settings (ds_exp.resume): a refused resume
+  changes nothing;
+* a resumed run keeps the first attempt's `.hydra/` and saves its own config under `.hydra/resume-<time>/`.
+Light: no torch, no deepspeed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, open_dict, read_write
+
+from ds_exp.errors import ConfigError, DsExpError, report_user_error
+
+# Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
+# append to: they are moved aside into attempts/<time>/ first.
+ATTEMPT_FILES = ("metrics.jsonl", "generations.jsonl", "summary.json")
+
+
+def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
+    """What shows that `run_dir` holds a run (for messages), or None."""
+    if not run_dir.is_dir():
+        return None
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        try:
+            data = json.loads(summary.read_text())
+            return f"summary.json: status {data.get('status')} at step {data.get('steps')}"
+        except ValueError:
+            return "summary.json"
+    for name in ("metrics.jsonl", ".hydra/config.yaml", "ds_config.json"):
+        if (run_dir / name).is_file():
+            return name
+    checkpoints = run_dir / checkpoint_subdir
+    if checkpoints.is_dir() and any(checkpoints.glob("step*")):
+        return f"{checkpoint_subdir}/"
+    return None
+
+
+def check_run_start(config: DictConfig) -> None:
+    """Before a single run: the checks of the module docstring. May move .hydra's output for a resume."""
+    from ds_exp.storage import check_writable
+
+    run_dir = Path(str(config.hydra.run.dir))
+    check_writable(run_dir, "hydra.run.dir")
+    found = holds_a_run(run_dir, str(config.train.checkpoint_dir))
+    if found is None:
+        return
+    if config.get("resume") is None:
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} already holds a run ({found}); nothing was changed. Continue it with "
+            "resume=auto, or start a new run in another directory (leave hydra.run.dir unset for a fresh one)"
+        )
+    check_resume_target(config, run_dir)
+    if (run_dir / ".hydra").is_dir() and config.hydra.output_subdir == ".hydra":
+        with read_write(config.hydra), open_dict(config.hydra):  # the first attempt's config stays as it was
+            config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+
+
+def check_resume_target(config: DictConfig, run_dir: Path) -> None:
+    """The checkpoint `resume` names exists, is complete and was written with this run's settings."""
+    from ds_exp.accelerator import decide_precision, detect_accelerator, supports_bf16
+    from ds_exp.checkpoint import find_resume_checkpoint
+    from ds_exp.config.ds_config import merged_ds_config
+    from ds_exp.distributed import detect_launch
+    from ds_exp.resume import check_resume, settings_of
+
+    tag_dir = find_resume_checkpoint(config.resume, run_dir, str(config.train.checkpoint_dir))
+    if tag_dir is None:
+        return
+    accelerator = detect_accelerator()
+    precision = decide_precision(config.precision.dtype, accelerator, supports_bf16(accelerator))
+    world = detect_launch(config.dist).world_size
+    check_resume(config, tag_dir, settings_of(config, world, merged_ds_config(config), precision))
+
+
+def check_sweep_start(config: DictConfig) -> None:
+    """Before a sweep: writable, and not an earlier sweep's directory (unless its jobs are resumed)."""
+    from ds_exp.storage import check_writable
+
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    check_writable(sweep_dir, "hydra.sweep.dir")
+    if config.get("resume") is None and sweep_dir.is_dir():
+        jobs = sorted(p.parent.parent.name for p in sweep_dir.glob("*/.hydra/config.yaml"))
+        if jobs:
+            raise ConfigError(
+                f"hydra.sweep.dir={sweep_dir} already holds the jobs of a sweep ({', '.join(jobs[:5])}"
+                f"{' ...' if len(jobs) > 5 else ''}); nothing was changed. Continue them with resume=auto, or "
+                "leave hydra.sweep.dir unset for a fresh directory"
+            )
+
+
+def set_aside_attempt(run_dir: Path) -> Path | None:
+    """Move the per-attempt files of an attempt that left no checkpoint into attempts/<time>/ (a restart from
+    scratch then neither appends to its metrics nor replaces its summary). Returns where they went."""
+    present = [run_dir / name for name in ATTEMPT_FILES if (run_dir / name).is_file()]
+    if not present:
+        return None
+    target = run_dir / "attempts" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    target.mkdir(parents=True, exist_ok=True)
+    for path in present:
+        shutil.move(str(path), target / path.name)
+    return target
+
+
+class CheckRunDir(Callback):
+    """Hydra callback: run_dir's checks before Hydra creates the run / sweep directory or writes into it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _exit_on_error(lambda: check_run_start(config))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _exit_on_error(lambda: check_sweep_start(config))
+
+
+def _exit_on_error(check: Any) -> None:
+    try:
+        check()
+    except DsExpError as err:
+        report_user_error(err)
+        raise SystemExit(err.exit_code) from None

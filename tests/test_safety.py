@@ -1,0 +1,249 @@
+"""Nothing lost, no hang, a readable console: run directories that other runs cannot overwrite, resumes that
+change nothing when refused, rotation that only deletes its own checkpoints, signals obeyed before training
+starts, a single process on any free port, and a console where rank 0 speaks once."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.training import FAST, REPO, free_port, launch, user_env
+
+SAVED = [*FAST, "train.save_final_checkpoint=true", "train.export=true"]
+
+
+def checksums(root: Path) -> dict[str, str]:
+    """Every file under `root` with its sha256: what "changes nothing" is checked against."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, cache_dir):
+    run = launch(tmp_path_factory.mktemp("finished") / "run", *SAVED, cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    return run
+
+
+def test_a_fresh_run_into_a_finished_runs_directory_is_refused_and_changes_nothing(finished, cache_dir):
+    before = checksums(finished.run_dir)
+    again = launch(finished.run_dir, *SAVED, "train.max_steps=3", cache_dir=cache_dir)
+    assert again.proc.returncode == 2, again.explain()
+    assert "already holds a run (summary.json: status completed at step 8)" in again.proc.stderr
+    assert "resume=auto" in again.proc.stderr and "Traceback" not in again.proc.stderr
+    assert checksums(finished.run_dir) == before
+
+
+def test_resume_auto_of_a_finished_run_has_nothing_to_do_and_changes_nothing(finished, cache_dir):
+    before = checksums(finished.run_dir)
+    logs = {name: (finished.run_dir / name).read_text() for name in ("ds_exp.log", "logs/rank0.log")}
+    again = launch(finished.run_dir, *SAVED, "resume=auto", cache_dir=cache_dir)
+    assert again.ok, again.explain()
+    assert "is complete at step 8 of 8" in again.proc.stdout and "nothing to do" in again.proc.stdout
+    after = checksums(finished.run_dir)
+    # the same files, byte for byte; this attempt only added its own .hydra/resume-<time>/ and log lines
+    changed = {k for k in before if after.get(k) != before[k]}
+    assert changed <= set(logs), changed
+    for name, text in logs.items():  # appended to, never truncated
+        assert (finished.run_dir / name).read_text().startswith(text), name
+    assert all(k in before or k.startswith((".hydra/resume-", "logs/")) for k in after), set(after) - set(before)
+
+
+def test_a_resume_with_another_lora_dim_is_refused_and_changes_nothing(finished, cache_dir):
+    before = checksums(finished.run_dir)
+    again = launch(finished.run_dir, *SAVED, "train.max_steps=16", "resume=auto", "lora.dim=8", cache_dir=cache_dir)
+    assert again.proc.returncode == 2, again.explain()
+    err = again.proc.stderr
+    assert "was written with other settings, so it cannot be loaded" in err
+    assert "- lora: none in the checkpoint" in err and "Traceback" not in err
+    assert checksums(finished.run_dir) == before  # .hydra, summary (still completed), ds_config.json
+
+
+def test_a_resume_that_trains_on_keeps_the_first_attempts_config(tmp_path, cache_dir):
+    first = launch(tmp_path / "run", *SAVED, cache_dir=cache_dir)
+    assert first.ok, first.explain()
+    original = (first.run_dir / ".hydra" / "overrides.yaml").read_text()
+    longer = launch(first.run_dir, *SAVED, "train.max_steps=12", "resume=auto", cache_dir=cache_dir)
+    assert longer.ok, longer.explain()
+    assert (first.run_dir / ".hydra" / "overrides.yaml").read_text() == original
+    (resumed_config,) = (first.run_dir / ".hydra").glob("resume-*/overrides.yaml")
+    assert "train.max_steps=12" in resumed_config.read_text()
+    assert [r["step"] for r in longer.records("train")] == list(range(1, 13))  # no step twice in metrics.jsonl
+
+
+def test_rotation_never_deletes_another_runs_checkpoints(tmp_path, cache_dir):
+    other = launch(tmp_path / "other", *SAVED, "train.save_every=4", "train.keep_last=0", cache_dir=cache_dir)
+    assert other.ok, other.explain()
+    shared = other.run_dir / "checkpoints"
+    theirs = {k: v for k, v in checksums(shared).items() if k.startswith("step")}
+    assert sorted(p.name for p in shared.glob("step*")) == ["step4", "step8"]
+    outside = ("train.allow_outside_run_dir=true", f"train.checkpoint_dir={shared}", "train.export=false")
+    mine = launch(
+        tmp_path / "mine",
+        *SAVED,
+        *outside,
+        "train.max_steps=7",
+        "train.save_every=3",
+        "train.keep_last=1",
+        cache_dir=cache_dir,
+    )
+    assert mine.ok, mine.explain()
+    # rotation deleted this run's step3 and step6 only; the other run's checkpoints are there, byte for byte
+    assert sorted(p.name for p in shared.glob("step*")) == ["step4", "step7", "step8"]
+    assert {k: v for k, v in checksums(shared).items() if k in theirs} == theirs
+    # and a checkpoint of the other run is never overwritten by this one
+    clash = launch(tmp_path / "clash", *SAVED, *outside, "train.max_steps=4", cache_dir=cache_dir)
+    assert clash.proc.returncode == 1, clash.explain()
+    assert f"{shared / 'step4'} is a complete checkpoint of another run" in clash.proc.stderr
+    assert {k: v for k, v in checksums(shared).items() if k in theirs} == theirs
+
+
+def test_a_damaged_checkpoint_names_the_previous_complete_one(tmp_path, cache_dir):
+    run = launch(tmp_path / "run", *SAVED, "train.save_every=4", "train.export=false", cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    newest = run.run_dir / "checkpoints" / "step8"
+    weights = next(newest.glob("*model_states.pt"))
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as by a full disk or a copy cut short
+    summary = (run.run_dir / "summary.json").read_bytes()
+    again = launch(run.run_dir, *SAVED, "train.max_steps=12", "resume=auto", cache_dir=cache_dir)
+    assert again.proc.returncode == 2, again.explain()
+    assert f"{newest} cannot be read" in again.proc.stderr and "Traceback" not in again.proc.stderr
+    assert f"resume={run.run_dir / 'checkpoints' / 'step4'}" in again.proc.stderr
+    assert (run.run_dir / "summary.json").read_bytes() == summary  # the refused resume rewrote nothing
+
+
+def test_a_single_process_does_not_need_port_29500(tmp_path, cache_dir):
+    with socket.socket() as busy:
+        with contextlib.suppress(OSError):  # taken by something else already: just as good
+            busy.bind(("127.0.0.1", 29500))
+            busy.listen()
+        env = {k: v for k, v in user_env().items() if k != "MASTER_PORT"}
+        args = [*FAST, "train.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "ds_exp", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _start(tmp_path: Path, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ds_exp", *args],
+        cwd=tmp_path,
+        env={**user_env(), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for(proc: subprocess.Popen, text: str, timeout: float) -> str:
+    """Read the process's output until `text` appears; returns what was read."""
+    seen, deadline = "", time.monotonic() + timeout
+    while text not in seen:
+        assert time.monotonic() < deadline, f"{text!r} did not appear within {timeout} s:\n{seen[-3000:]}"
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, f"exited early ({proc.returncode}):\n{seen[-3000:]}"
+        seen += line
+    return seen
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_waiting_for_its_peers_says_so_and_obeys_sigterm(tmp_path, cache_dir, rank):
+    tmpdir = tmp_path / "tmp"  # where rank 1's placeholder run directory goes: it must not be left behind
+    tmpdir.mkdir()
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_PORT": str(free_port())}
+    env["TMPDIR"] = str(tmpdir)
+    args = [*FAST, f"hydra.run.dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}"]
+    proc = _start(tmp_path, args, env)  # the other rank never comes
+    try:
+        _wait_for(proc, "for the 2 ranks to meet at 127.0.0.1:", timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        output = proc.communicate(timeout=60)[0]
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert took < 10, f"{took:.0f} s from SIGTERM to exit"
+    assert "Traceback" not in output
+    assert not list(tmpdir.iterdir()), list(tmpdir.iterdir())
+
+
+def test_sigterm_during_tokenization_stops_within_seconds(tmp_path):
+    args = [
+        "data.synthetic.num_train=400000",  # tokenizing this takes half a minute here
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    proc = _start(tmp_path, args, {"MASTER_PORT": str(free_port())})
+    try:
+        _wait_for(proc, "Tokenizing train", timeout=120)
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        output = proc.communicate(timeout=120)[0]
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert took < 15, f"{took:.0f} s from SIGTERM to exit"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and "before the first training step" in summary["error"]
+    cache = tmp_path / "cache"
+    assert not list(cache.glob(".*tmp*")), "a half-built cache entry was left behind"
+
+
+def test_two_ranks_of_zero3_print_a_short_console(tmp_path, cache_dir):
+    run = launch(
+        tmp_path / "run", *FAST, "zero=stage3", "train.log_every=2", launcher="torchrun", nproc=2, cache_dir=cache_dir
+    )
+    assert run.ok, run.explain()
+    console = run.proc.stdout + run.proc.stderr
+    ours = [
+        line for line in console.splitlines() if line.strip() and "OMP_NUM_THREADS" not in line and "****" not in line
+    ]
+    assert len(ours) <= 16, "\n".join(ours)
+    for noise in ("FutureWarning", "Setting accelerator", "built successfully", "gcc ", "rank 1 of 2", "{'num_"):
+        assert noise not in console, noise
+    assert "data: 256 train / 32 eval examples" in console
+    assert "trainable (100.00%)" in console
+    # what the console left out is in the rank log files
+    rank1 = (run.run_dir / "logs" / "rank1.log").read_text()
+    assert "Setting accelerator to CPU" in rank1 and "rank 1 of 2" in rank1
+    assert rank1.count("is deprecated") <= 2  # each library warning once, not once per step
+
+
+def test_keep_last_zero_says_what_it_means(tmp_path, cache_dir):
+    run = launch(tmp_path / "run", *FAST, "train.keep_last=0", "train.max_steps=2", cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    assert "train.keep_last=0: no checkpoint is ever deleted" in run.proc.stderr + run.proc.stdout
+
+
+def test_the_placeholder_of_a_refused_rank_is_removed(tmp_path):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**user_env(), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TMPDIR": str(tmpdir)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_exp", "train.micro_batch_size=0"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert not list(tmpdir.iterdir())
+    assert os.path.isdir(REPO)
