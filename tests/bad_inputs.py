@@ -322,6 +322,12 @@ CASES: list[Case] = [
         files={"ds.json": json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}})},
     ),
     Case(
+        "flash attention without flash-attn or a GPU",
+        "combination",
+        ("model.attn_implementation=flash_attention_2",),
+        ("model.attn_implementation=flash_attention_2 needs a CUDA GPU", "model.attn_implementation=auto"),
+    ),
+    Case(
         "warmup longer than the run",
         "combination",
         ("train.max_steps=5", "scheduler.warmup_steps=50"),
