@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from ds_exp.accelerator import detect_accelerator, resolved_precision
 from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
+from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.distributed import detect_launch
 from ds_exp.memory import estimate_model_states, human_bytes
 from ds_exp.plan import total_steps, warmup_steps
@@ -52,7 +53,7 @@ def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         run_dir=str(run_dir),
     )
     ds_config = resolve_ds_config(cfg, facts)
-    notes = replaced_by_config_file(cfg, facts)
+    notes = [*replaced_by_config_file(cfg, facts), *max_seq_len_notes(cfg)]
     stage = int(get_path(ds_config, "zero_optimization.stage"))
     memory = estimate_model_states(
         counts.total,

@@ -39,7 +39,13 @@ def build_model_config(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> P
         vocab = padded_vocab_size(len(tokenizer), int(arch.pop("vocab_size", 0)), model_cfg.vocab_multiple)
         config = AutoConfig.for_model(model_type, vocab_size=vocab, **arch)
     else:
-        config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
+        try:
+            config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
+        except (OSError, ValueError, KeyError) as err:
+            mapped = checkpoint_error(cfg, err)
+            if mapped is None:
+                raise
+            raise mapped from err
     config.pad_token_id = tokenizer.pad_token_id
     if tokenizer.eos_token_id is not None:
         config.eos_token_id = tokenizer.eos_token_id
@@ -48,6 +54,38 @@ def build_model_config(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> P
     if model_cfg.disable_dropout:
         disable_dropout_in_config(config)
     return config
+
+
+def checkpoint_error(cfg: DictConfig, err: BaseException, *, weights: bool = False) -> ConfigError | None:
+    """transformers' error loading the checkpoint in model.name_or_path (its weights too with `weights`) as one
+    message naming the file and the fix; None when its files explain nothing (the error is then raised as is)."""
+    from ds_exp.config.model_checks import local_checkpoint, read_config_json, weights_problem
+
+    directory = local_checkpoint(cfg)
+    if directory is None:
+        return None
+    shown = f"model.name_or_path={cfg.model.name_or_path}"
+    settings, problem = read_config_json(directory, cfg.model.name_or_path)
+    if problem is not None:
+        return ConfigError(problem)
+    text = str(err)
+    if settings is not None and ("does not recognize this architecture" in text or "custom code" in text):
+        model_type = settings.get("model_type")
+        if "auto_map" in settings and not cfg.model.trust_remote_code:
+            return ConfigError(
+                f"{shown}: the checkpoint ships its own model code (auto_map in config.json) for model_type="
+                f"{model_type}, which transformers does not have built in; model.trust_remote_code=true runs that "
+                "code (only do so for a source you trust), or use a checkpoint of an architecture transformers knows"
+            )
+        import transformers
+
+        return ConfigError(
+            f"{shown}: config.json has model_type={model_type}, which transformers {transformers.__version__} does "
+            "not know; upgrade transformers (pip install -U transformers), or set model.trust_remote_code=true if "
+            "the checkpoint ships its own model code"
+        )
+    problem = weights_problem(directory, cfg.model.name_or_path) if weights else None
+    return ConfigError(problem) if problem is not None else None
 
 
 def disable_dropout_in_config(config: PretrainedConfig) -> None:
@@ -216,13 +254,19 @@ def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: 
     if cfg.model.name_or_path is None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.model.name_or_path,
-            config=config,
-            dtype=torch.float32,
-            trust_remote_code=cfg.model.trust_remote_code,
-            **extra,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model.name_or_path,
+                config=config,
+                dtype=torch.float32,
+                trust_remote_code=cfg.model.trust_remote_code,
+                **extra,
+            )
+        except Exception as err:  # safetensors and torch raise their own types for a damaged file
+            mapped = checkpoint_error(cfg, err, weights=True)
+            if mapped is None:
+                raise
+            raise mapped from err
     if cfg.model.name_or_path is None:
         init_weights_by_name(model, cfg.train.seed, zero3=zero3)
     if cfg.model.liger_kernel:

@@ -21,3 +21,11 @@ def assets_dir() -> Path:
 
 def embedded_tokenizer_dir() -> Path:
     return assets_dir() / "tokenizer"
+
+
+def not_a_directory(path: Path) -> Path | None:
+    """`path`, or its nearest existing ancestor, when that is not a directory (so no directory can be made there)."""
+    for candidate in (path, *path.absolute().parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None

@@ -189,13 +189,19 @@ class Trainer:
         )
 
     def prepare(self) -> None:
+        from ds_exp.config.model_checks import max_seq_len_notes
         from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
         from ds_exp.engine import build_engine, check_deepspeed_config
         from ds_exp.generate import load_prompts, stop_token_ids
         from ds_exp.model import build_model, build_model_config, hidden_size_of
 
         cfg = self.cfg
+        if self.is_main:
+            for note in max_seq_len_notes(cfg):
+                log.warning(note)
         self.tokenizer = load_tokenizer(cfg)
+        # the model's config before the data: a checkpoint transformers cannot read fails before tokenizing
+        model_config = build_model_config(cfg, self.tokenizer)
         self.data = prepare_sft_data(cfg, self.tokenizer)
         file_log.info("data statistics: %s", self.data.stats)  # the console has the pipeline's sentence
         self.collator = make_collator(self.tokenizer, isolate_packed=bool(cfg.data.packing))
@@ -204,7 +210,7 @@ class Trainer:
         self.total_steps = total_steps(len(self.data.train), cfg, self.world)
         self.steps_per_epoch = steps_per_epoch(len(self.data.train), cfg, self.world)
         warmup = warmup_steps(cfg, self.total_steps)
-        hidden = hidden_size_of(build_model_config(cfg, self.tokenizer))
+        hidden = hidden_size_of(model_config)
         facts = RunFacts(self.world, hidden, self.total_steps, warmup, self.precision, str(self.run_dir))
         self.ds_config = resolve_ds_config(cfg, facts)
         if self.is_main:

@@ -4,6 +4,7 @@ all and writes docs/bad_inputs.md with the messages ds_exp actually prints."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -23,7 +24,7 @@ class Case:
     kind: str  # config value | combination | path | DeepSpeed JSON | data row | launch
     args: tuple[str, ...]  # after `python -m ds_exp`; {tmp} is the case's scratch directory
     expect: tuple[str, ...]  # fragments the message must hold (what is wrong, and the fix)
-    files: dict[str, str] = field(default_factory=dict)  # name -> content, written into {tmp} first
+    files: dict[str, str | bytes] = field(default_factory=dict)  # name -> content, written into {tmp} first
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -346,6 +347,130 @@ CASES: list[Case] = [
         ("already holds a run (summary.json: status failed at step 10)", "nothing was changed", "resume=auto"),
         files={"done/summary.json": json.dumps({"status": "failed", "steps": 10})},
     ),
+    # --- issue 14: data files, paths, model checkpoints
+    Case(
+        "repeated key in a JSON line",
+        "data row",
+        local_data(),
+        ("sft.jsonl:2", "the key 'prompt' appears twice", "remove or rename one of them"),
+        files={"sft.jsonl": jsonl(GOOD_ROW, '{"prompt": "a", "prompt": "b", "chosen": "c"}', GOOD_ROW)},
+    ),
+    Case(
+        "repeated key in a JSON array item",
+        "data row",
+        local_data("sft.json"),
+        ("sft.json: item 1", "the key 'content' appears twice", "remove or rename one of them"),
+        files={"sft.json": json.dumps([GOOD_CHAT, GOOD_CHAT])[:-4] + ', "content": "5"}]}]'},
+    ),
+    Case(
+        "repeated CSV column",
+        "data row",
+        local_data("sft.csv"),
+        ("sft.csv: the column prompt appears more than once", "rename the columns"),
+        files={"sft.csv": "prompt,chosen,prompt\nWhat is 2+2?,4,x\n"},
+    ),
+    Case(
+        "gzip file named .jsonl",
+        "path",
+        local_data(),
+        ("sft.jsonl is gzip-compressed", "rename it to sft.jsonl.gz"),
+        files={"sft.jsonl": gzip.compress(jsonl(GOOD_ROW).encode(), mtime=0)},
+    ),
+    Case(
+        "damaged gzip file",
+        "path",
+        local_data("sft.jsonl.gz"),
+        ("sft.jsonl.gz is a damaged gzip file", "compress or copy it again"),
+        files={"sft.jsonl.gz": gzip.compress(jsonl(*[GOOD_ROW] * 50).encode(), mtime=0)[:40]},
+    ),
+    Case(
+        "Parquet file named .jsonl",
+        "path",
+        local_data(),
+        ("sft.jsonl is a Parquet file", "format=parquet"),
+        files={"sft.jsonl": b"PAR1\x15\x04\x15\x10" + bytes(32) + b"PAR1"},
+    ),
+    Case(
+        "zip archive named .jsonl",
+        "path",
+        local_data(),
+        ("sft.jsonl is a zip archive", "unzip it"),
+        files={"sft.jsonl": b"PK\x03\x04\x14\x00" + bytes(32)},
+    ),
+    Case(
+        "data cache directory is a file",
+        "path",
+        (),  # run_case points data.cache_dir at {tmp}/cache
+        ("data.cache_dir=", "is a file, not a directory", "point data.cache_dir at a directory"),
+        files={"cache": "not a directory\n"},
+    ),
+    Case(
+        "NVMe path is a file",
+        "path",
+        ("zero=stage3", "offload=nvme", "offload.nvme_path={tmp}/nvme"),
+        ("offload.nvme_path=", "is a file, not a directory", "point offload.nvme_path at a directory"),
+        files={"nvme": "not a directory\n"},
+    ),
+    Case(
+        "max_seq_len beyond learned positions",
+        "combination",
+        ("model=local", "model.name_or_path={tmp}/opt", "data.max_seq_len=256"),
+        ("data.max_seq_len=256 is beyond the model's 128 positions", "set data.max_seq_len=128"),
+        files={
+            "opt/config.json": json.dumps({"model_type": "opt", "hidden_size": 64, "max_position_embeddings": 128}),
+            "opt/model.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00{}",  # a complete file holding no tensor
+        },
+    ),
+    Case(
+        "model config.json not JSON",
+        "path",
+        ("model=local", "model.name_or_path={tmp}/model"),
+        ("config.json is not valid JSON (line 1 column", "fix or replace the file"),
+        files={"model/config.json": '{"model_type": "llama", "hidden_size": 64,}\n'},
+    ),
+    Case(
+        "unknown model_type",
+        "path",
+        ("model=local", "model.name_or_path={tmp}/model", f"model.tokenizer={REPO / 'ds_exp/assets/tokenizer'}"),
+        ("model_type=mystery_lm, which transformers", "upgrade transformers"),
+        files={
+            "model/config.json": json.dumps({"model_type": "mystery_lm", "hidden_size": 64}),
+            "model/model.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00{}",
+        },
+    ),
+    Case(
+        "checkpoint with its own code",
+        "path",
+        ("model=local", "model.name_or_path={tmp}/model", f"model.tokenizer={REPO / 'ds_exp/assets/tokenizer'}"),
+        ("ships its own model code (auto_map in config.json)", "model.trust_remote_code=true runs that code"),
+        files={
+            "model/config.json": json.dumps(
+                {"model_type": "mystery_lm", "auto_map": {"AutoConfig": "configuration_mystery.MysteryConfig"}}
+            ),
+            "model/configuration_mystery.py": "raise SystemExit('ds_exp ran code it was not allowed to run')\n",
+            "model/model.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00{}",
+        },
+    ),
+    Case(
+        "checkpoint without weights",
+        "path",
+        ("model=local", "model.name_or_path={tmp}/model"),
+        ("no weights file (model.safetensors", "copy the checkpoint's weights there"),
+        files={"model/config.json": json.dumps({"model_type": "llama", "hidden_size": 64})},
+    ),
+    Case(
+        "truncated weights file",
+        "path",
+        ("model=local", "model.name_or_path={tmp}/model"),
+        ("model.safetensors is cut short", "download or copy it again"),
+        files={
+            "model/config.json": json.dumps({"model_type": "llama", "hidden_size": 64}),
+            # a 58-byte header announcing 400 bytes of float32 data, and 16 of them
+            "model/model.safetensors": b"\x3a\x00\x00\x00\x00\x00\x00\x00"
+            + b'{"w":{"dtype":"F32","shape":[100],"data_offsets":[0,400]}}'
+            + bytes(16),
+        },
+    ),
 ]
 
 
@@ -366,7 +491,10 @@ def run_case(case: Case, tmp: Path) -> Outcome:
     for name, content in case.files.items():
         path = tmp / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
     if not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
         args.append(f"hydra.run.dir={tmp}/run")

@@ -321,3 +321,27 @@ def test_a_sweep_with_one_bad_combination_is_refused_before_any_job(tmp_path):
     assert "the sweep was not started: 1 problem(s) in its 2 jobs" in result.stderr
     assert "job [zero=stage2 offload=cpu_all]: offload.param=cpu needs ZeRO stage 3" in result.stderr
     assert not sweep.exists()  # no job ran
+
+
+def test_max_seq_len_beyond_a_rotary_context_is_warned_once_at_run_start(tmp_path):
+    """The tiny default is Llama (RoPE, 512 positions): a longer data.max_seq_len trains, with one warning."""
+    expected = "data.max_seq_len=1024 is beyond the model's trained context (max_position_embeddings=512)"
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "data.max_seq_len=1024",
+        "train.max_steps=1",
+        "train.eval_at_start=false",
+        "train.save_final_checkpoint=false",
+        "train.export=false",
+        "train.micro_batch_size=4",
+        "data.synthetic.num_train=64",
+        "data.synthetic.num_eval=8",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run_dir / "logs" / "rank0.log").read_text().count(expected) == 1
+    plan = run_cli("dry_run=true", "data.max_seq_len=1024", f"hydra.run.dir={tmp_path / 'plan'}", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert f"  note       {expected}" in plan.stdout

@@ -342,3 +342,198 @@ def test_hidden_size_rules():
     assert hidden_size_of(SimpleNamespace(hidden_sizes=[64, 128, 320])) == 320
     assert hidden_size_of(SimpleNamespace(text_config=SimpleNamespace(hidden_size=4096))) == 4096
     assert hidden_size_of(SimpleNamespace()) is None
+
+
+# ----------------------------------------------------------------------------------------- model files (issue 14)
+
+NO_TENSORS = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"  # a complete safetensors file that holds no tensor
+LLAMA = {"model_type": "llama", "hidden_size": 64, "max_position_embeddings": 128, "rope_parameters": {}}
+
+
+def _checkpoint(directory: Path, config: dict | str, weights: bytes | None = NO_TENSORS) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if weights is not None:
+        (directory / "model.safetensors").write_bytes(weights)
+    return directory
+
+
+def _problems(cfg) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, accelerator="cpu")
+    return info.value.problems
+
+
+def test_an_nvme_path_that_is_a_file_is_refused(compose_cfg, tmp_path):
+    (tmp_path / "nvme").write_text("x")
+    expected = (
+        f"offload.nvme_path={tmp_path / 'nvme'} is a file, not a directory; point offload.nvme_path at a directory on "
+        "a local NVMe drive"
+    )
+    cfg = compose_cfg("zero=stage3", "offload=nvme", f"offload.nvme_path={tmp_path / 'nvme'}", "offload.param=nvme")
+    assert _problems(cfg) == [expected]  # once, though optimizer and parameters both use it
+    cfg = compose_cfg("zero=stage3", "offload=nvme", f"offload.nvme_path={tmp_path / 'nvme' / 'swap'}")
+    assert _problems(cfg) == [
+        f"offload.nvme_path={tmp_path / 'nvme' / 'swap'}: {tmp_path / 'nvme'} is a file, not a directory; point "
+        "offload.nvme_path at a directory on a local NVMe drive"
+    ]
+    validate(compose_cfg("zero=stage3", "offload=nvme", f"offload.nvme_path={tmp_path / 'new'}"), accelerator="cpu")
+
+
+def test_position_limits_read_from_a_config():
+    from ds_exp.config.model_checks import position_limit
+
+    assert position_limit({"model_type": "gpt2", "n_positions": 1024}) == ("n_positions", 1024, "learned")
+    assert position_limit({"model_type": "opt", "max_position_embeddings": 2048}) == (
+        "max_position_embeddings",
+        2048,
+        "learned",
+    )
+    assert position_limit({"model_type": "roberta", "max_position_embeddings": 514})[1] == 512  # padding offset
+    assert position_limit({"model_type": "llama", "max_position_embeddings": 4096})[2] == "rope"
+    assert position_limit({"model_type": "new_lm", "max_position_embeddings": 8, "rope_theta": 1e4})[2] == "rope"
+    assert position_limit({"model_type": "new_lm", "max_position_embeddings": 8})[2] == "unknown"
+    assert position_limit({"model_type": "bloom", "n_positions": 8}) is None  # ALiBi
+    assert position_limit({"model_type": "falcon", "alibi": True, "max_position_embeddings": 8}) is None
+    assert position_limit({"model_type": "llama"}) is None  # nothing said: transformers' default, unknown here
+    nested = {"model_type": "llava", "text_config": {"model_type": "mistral", "max_position_embeddings": 32768}}
+    assert position_limit(nested) == ("max_position_embeddings", 32768, "rope")
+
+
+def test_max_seq_len_beyond_a_learned_position_table_is_an_error(compose_cfg, tmp_path):
+    opt = _checkpoint(tmp_path / "opt", {"model_type": "opt", "hidden_size": 64, "max_position_embeddings": 128})
+    cfg = compose_cfg("model=local", f"model.name_or_path={opt}", "data.max_seq_len=256")
+    assert _problems(cfg) == [
+        "data.max_seq_len=256 is beyond the model's 128 positions (opt, max_position_embeddings=128; it learned a "
+        "table of absolute positions, longer inputs fail in the forward pass): set data.max_seq_len=128 or lower"
+    ]
+    validate(compose_cfg("model=local", f"model.name_or_path={opt}", "data.max_seq_len=128"), accelerator="cpu")
+    gpt2 = ("model.arch.model_type=gpt2", "~model.arch.max_position_embeddings", "+model.arch.n_positions=64")
+    gpt2 = compose_cfg(*gpt2, "data.max_seq_len=128")
+    assert "data.max_seq_len=128 is beyond the model's 64 positions" in _problems(gpt2)[0]
+
+
+def test_max_seq_len_beyond_a_rotary_context_is_a_warning(compose_cfg, tmp_path):
+    from ds_exp.config.model_checks import check_max_seq_len, max_seq_len_notes
+
+    llama = _checkpoint(tmp_path / "llama", LLAMA)
+    cfg = compose_cfg("model=local", f"model.name_or_path={llama}", "data.max_seq_len=256")
+    validate(cfg, accelerator="cpu")
+    assert max_seq_len_notes(cfg) == [
+        "data.max_seq_len=256 is beyond the model's trained context (max_position_embeddings=128): rotary position "
+        "embeddings run past it, but quality usually drops there; set data.max_seq_len=128 unless the context is "
+        "meant to be extended (rope_scaling)"
+    ]
+    tiny = compose_cfg()  # the embedded default: llama, 512 positions
+    validate(tiny, accelerator="cpu")
+    assert max_seq_len_notes(tiny) == [] and tiny.data.max_seq_len <= tiny.model.arch.max_position_embeddings
+    assert "(max_position_embeddings=512)" in max_seq_len_notes(compose_cfg("data.max_seq_len=1024"))[0]
+    hub = compose_cfg("model=opt-1.3b", "data.max_seq_len=100000")  # a hub id: no local config.json to read
+    assert check_max_seq_len(hub) == [] and max_seq_len_notes(hub) == []
+
+
+def test_a_broken_config_json_is_reported_in_validation(compose_cfg, tmp_path):
+    broken = _checkpoint(tmp_path / "broken", '{"model_type": "llama",\n  "hidden_size": 64,,\n}')
+    assert _problems(compose_cfg("model=local", f"model.name_or_path={broken}")) == [
+        f"model.name_or_path={broken}: config.json is not valid JSON (line 2 column 21: Expecting property name "
+        "enclosed in double quotes); fix or replace the file"
+    ]
+    listed = _checkpoint(tmp_path / "list", "[1, 2]")
+    assert _problems(compose_cfg("model=local", f"model.name_or_path={listed}")) == [
+        f"model.name_or_path={listed}: config.json holds a JSON list, not an object; fix or replace the file"
+    ]
+
+
+def test_weights_that_are_missing_or_incomplete_are_refused_before_the_run(compose_cfg, tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    def problems(directory: Path, *extra: str) -> list[str]:
+        cfg = compose_cfg("model=local", f"model.name_or_path={directory}", *extra)
+        try:
+            validate(cfg, accelerator="cpu")
+        except ConfigError as err:
+            return err.problems
+        return []
+
+    complete = _checkpoint(tmp_path / "complete", LLAMA, weights=None)
+    save_file({"w": np.zeros((64, 64), dtype=np.float32)}, str(complete / "model.safetensors"))
+    assert problems(complete) == []
+    cut = _checkpoint(tmp_path / "cut", LLAMA, (complete / "model.safetensors").read_bytes()[:5000])
+    size = (complete / "model.safetensors").stat().st_size
+    assert problems(cut) == [
+        f"model.name_or_path={cut}: model.safetensors is cut short (5000 of the {size} bytes its header lists); "
+        "download or copy it again"
+    ]
+    lfs = _checkpoint(tmp_path / "lfs", LLAMA, b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
+    assert problems(lfs) == [
+        f"model.name_or_path={lfs}: model.safetensors is a Git LFS pointer, not the weights; run `git lfs pull` in "
+        "the checkpoint directory"
+    ]
+    none = _checkpoint(tmp_path / "none", LLAMA, weights=None)
+    assert problems(none) == [
+        f"model.name_or_path={none}: no weights file (model.safetensors, model.safetensors.index.json, "
+        f"pytorch_model.bin, pytorch_model.bin.index.json) in {none}; copy the checkpoint's weights there (or use "
+        "model.arch to train a model built from a config)"
+    ]
+    assert problems(none, "dry_run=true") == []  # a dry run plans from the config alone
+    (none / "adapter_config.json").write_text("{}")
+    assert "holds a PEFT adapter (adapter_config.json), not a whole model" in problems(none)[0]
+    sharded = _checkpoint(tmp_path / "sharded", LLAMA, weights=None)
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    (sharded / "model-00001-of-00002.safetensors").write_bytes(NO_TENSORS)
+    assert problems(sharded) == [
+        f"model.name_or_path={sharded}: model-00002-of-00002.safetensors is missing (model.safetensors.index.json "
+        "lists it); download or copy it again"
+    ]
+
+
+def test_checkpoint_errors_at_load_are_one_message(compose_cfg, tmp_path):
+    """What validation cannot see without transformers (model_type, custom code), and weights that break after
+    validation, are mapped where transformers loads them (ds_exp.model.checkpoint_error)."""
+    import shutil
+
+    from ds_exp.data import load_tokenizer
+    from ds_exp.model import build_model, build_model_config
+
+    embedded = str(conf_dir().parent / "ds_exp" / "assets" / "tokenizer")
+
+    def load(directory: Path, *extra: str) -> str:
+        cfg = compose_cfg("model=local", f"model.name_or_path={directory}", f"model.tokenizer={embedded}", *extra)
+        validate(cfg, accelerator="cpu")
+        tokenizer = load_tokenizer(cfg)
+        with pytest.raises(ConfigError) as info:
+            build_model(cfg, tokenizer, {"zero_optimization": {"stage": 0}})
+        return str(info.value)
+
+    unknown = _checkpoint(tmp_path / "unknown", {"model_type": "mystery_lm", "hidden_size": 64})
+    assert load(unknown).startswith(f"model.name_or_path={unknown}: config.json has model_type=mystery_lm, which ")
+    assert "does not know; upgrade transformers (pip install -U transformers)" in load(unknown)
+    custom = _checkpoint(tmp_path / "custom", {"model_type": "mystery_lm", "auto_map": {"AutoConfig": "c.C"}})
+    (custom / "c.py").write_text("raise SystemExit('ran code it was not allowed to run')\n")
+    assert load(custom) == (
+        f"model.name_or_path={custom}: the checkpoint ships its own model code (auto_map in config.json) for "
+        "model_type=mystery_lm, which transformers does not have built in; model.trust_remote_code=true runs that "
+        "code (only do so for a source you trust), or use a checkpoint of an architecture transformers knows"
+    )
+    # weights cut short after validation (a copy still running): from_pretrained's error, named by file
+    good = tmp_path / "good"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=512)
+    LlamaForCausalLM(tiny).save_pretrained(good)
+    cfg = compose_cfg("model=local", f"model.name_or_path={good}", f"model.tokenizer={embedded}")
+    validate(cfg, accelerator="cpu")
+    weights = good / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4000])
+    with pytest.raises(ConfigError, match=r"model.safetensors is cut short \(4000 of the \d+ bytes"):
+        build_model(cfg, load_tokenizer(cfg), {"zero_optimization": {"stage": 0}})
+    # a config.json broken after validation is named as such by the tokenizer and config loaders too
+    shutil.copytree(good, tmp_path / "later")
+    (tmp_path / "later" / "config.json").write_text("{")
+    cfg = compose_cfg("model=local", f"model.name_or_path={tmp_path / 'later'}")
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
+        load_tokenizer(cfg)
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
+        build_model_config(cfg, load_tokenizer(compose_cfg()))

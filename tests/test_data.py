@@ -912,3 +912,227 @@ def test_conf_data_options_compose(option, tmp_path):
         assert problems == [] and cfg.data.max_seq_len <= 128
     else:  # paths are mandatory (???) and reported by key
         assert problems and all(p.startswith("data.sources[") and "is not set" in p for p in problems)
+
+
+# ----------------------------------------------------------------------------------------------- files (issue 14)
+
+
+def _read_error(path: Path, **src) -> str:
+    from ds_exp.data.sources import load_source
+
+    with pytest.raises(DataError) as info:
+        load_source({"path": str(path), **src}, "data.sources[0]")
+    return str(info.value)
+
+
+def _read(path: Path, **src) -> list[list[str]]:
+    from ds_exp.data.sources import load_source
+
+    return load_source({"path": str(path), **src}, "data.sources[0]").train.contents
+
+
+ONE = '{"prompt": "a", "chosen": "b"}'
+REPEATED = [
+    # (file name, content, where, repeated key)
+    ("x.jsonl", f'{ONE}\n\n{{"prompt": "a", "prompt": "b", "chosen": "c"}}\n', "x.jsonl:3", "prompt"),
+    ("x.jsonl", '\n{"prompt": "a", "chosen": "b", "chosen": "c"}\n', "x.jsonl:2", "chosen"),  # one record
+    ("x.json", f'[{ONE}, {{"prompt": "a", "chosen": "b", "prompt": "c"}}]', "x.json: item 1", "prompt"),
+    ("x.json", f'{{"data": [{ONE}, {ONE}, {{"prompt": "", "prompt": "c"}}]}}', "x.json: item 2", "prompt"),
+    ("x.json", '{"prompt": ["a"], "chosen": ["b"], "prompt": ["c"]}', "x.json:1", "prompt"),  # columns
+    (
+        "x.jsonl",
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})[:-3]
+        + ', "content": "b"}]}\n',
+        "x.jsonl:1",
+        "content",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "where", "key"), REPEATED)
+def test_a_key_repeated_in_one_json_object_is_refused(name, content, where, key, tmp_path):
+    (tmp_path / name).write_text(content)
+    msg = _read_error(tmp_path / name)
+    assert msg == (
+        f"data.sources[0]: {tmp_path / where}: the key {key!r} appears twice in one object (JSON would keep only "
+        "the last value); remove or rename one of them"
+    )
+
+
+def test_the_same_key_in_different_objects_is_fine(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "a", "chosen": "b", "meta": {"prompt": "c"}}] * 3)
+    assert _read(path) == [["a", "b"]] * 3
+
+
+def test_a_repeated_csv_column_is_refused(tmp_path):
+    (tmp_path / "x.csv").write_text("prompt,chosen,prompt,chosen,extra\na,b,c,d,e\n")
+    msg = _read_error(tmp_path / "x.csv")
+    assert msg == (
+        f"data.sources[0]: {tmp_path / 'x.csv'}: the columns prompt, chosen appear more than once in the header; "
+        "rename the columns so each name is unique"
+    )
+
+
+@pytest.mark.parametrize("name", ["x.jsonl", "x.json", "x.csv"])
+def test_a_utf8_byte_order_mark_is_dropped_and_noted_once(name, tmp_path, caplog):
+    from ds_exp.data import textfiles
+
+    items = rows(20)
+    if name == "x.csv":
+        write_csv(tmp_path / name, items)
+    elif name == "x.json":
+        (tmp_path / name).write_text(json.dumps(items))
+    else:
+        write_jsonl(tmp_path / name, items)
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    textfiles._noted_bom.discard(str(path))
+    cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], eval_fraction=0)
+    with caplog.at_level("INFO", logger="ds_exp.data.textfiles"):
+        assert count_train_examples(cfg) == 20 == count_train_examples(cfg)
+    assert _read(path)[0] == ["q question 0", "answer 0"]  # the first column keeps its name
+    notes = [r.getMessage() for r in caplog.records if "byte order mark" in r.getMessage()]
+    assert notes == [f"{path} starts with a UTF-8 byte order mark (as Windows tools write it); it is ignored"]
+
+
+@pytest.mark.parametrize("name", ["x.jsonl.gz", "x.json.gz", "x.csv.gz", "x.ndjson.GZ", "x.CSV.GZ"])
+def test_gzip_files_are_read_transparently(name, tmp_path, tok):
+    import gzip
+
+    plain = tmp_path / name[: -len(".gz")]
+    items = rows(30)
+    if plain.suffix.lower() == ".csv":
+        write_csv(plain, items)
+    elif plain.suffix == ".json":
+        plain.write_text(json.dumps(items))
+    else:
+        write_jsonl(plain, items)
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(b"\xef\xbb\xbf" + plain.read_bytes()))  # a BOM inside is dropped too
+    cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], eval_fraction=0)
+    assert check_data_config(cfg) == []
+    assert _read(path) == _read(plain)
+    explicit = {"csv": "csv", "json": "json", "jsonl": "jsonl", "ndjson": "jsonl"}[name.split(".")[1].lower()]
+    assert _read(path, format=explicit) == _read(plain)
+    data = prepare_sft_data(cfg, tok)
+    assert len(data.train) == 30
+
+
+def test_formats_with_gzip_extensions():
+    from ds_exp.data.formats import extension, looks_like_hub_id
+
+    assert extension("a/b.v2.JSONL.gz") == ".jsonl.gz" and extension("x.tar.gz") == ".tar.gz"
+    assert extension("data") == "" and extension("d.jsonl") == ".jsonl"
+    assert not looks_like_hub_id("train.jsonl.gz") and looks_like_hub_id("org/name")
+
+
+def test_an_unknown_compound_extension_is_named(tmp_path):
+    (tmp_path / "x.tar.gz").write_bytes(b"\x1f\x8b")
+    cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "x.tar.gz")}])
+    assert "unknown file extension '.tar.gz'" in check_data_config(cfg)[0]
+
+
+def _binary(kind: str, path: Path) -> None:
+    import gzip
+    import zipfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == "gzip":
+        path.write_bytes(gzip.compress(b'{"prompt": "a", "chosen": "b"}\n'))
+    elif kind == "parquet":
+        pq.write_table(pa.table({"prompt": ["a"], "chosen": ["b"]}), path)
+    elif kind == "zip":
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr("x.jsonl", '{"prompt": "a", "chosen": "b"}\n')
+    elif kind == "utf16":
+        path.write_text('{"prompt": "a", "chosen": "b"}\n', encoding="utf-16")
+    elif kind == "latin1":
+        path.write_bytes('{"prompt": "café", "chosen": "b"}\n'.encode("latin-1"))
+
+
+BINARY = [
+    ("gzip", "x.jsonl", "x.jsonl is gzip-compressed, not JSON text; rename it to x.jsonl.gz"),
+    ("gzip", "x.csv", "x.csv is gzip-compressed, not CSV text; rename it to x.csv.gz"),
+    ("parquet", "x.jsonl", "x.jsonl is a Parquet file, not JSON text; rename it to x.parquet, or set format=parquet"),
+    ("parquet", "x.csv", "x.csv is a Parquet file, not CSV text"),
+    ("zip", "x.json", "x.json is a zip archive, not JSON text; unzip it"),
+    ("utf16", "x.jsonl", "x.jsonl is UTF-16 text, not JSON text; save it as UTF-8"),
+    ("latin1", "x.jsonl", "x.jsonl is not UTF-8 text (invalid continuation byte at byte 15)"),
+]
+
+
+@pytest.mark.parametrize(("kind", "name", "expect"), BINARY, ids=[f"{k}-{n}" for k, n, _ in BINARY])
+def test_a_file_that_is_not_text_says_what_it_is(kind, name, expect, tmp_path):
+    _binary(kind, tmp_path / name)
+    assert f"data.sources[0]: {tmp_path}/{expect}" in _read_error(tmp_path / name)
+
+
+def test_a_gz_file_that_is_not_gzip_or_is_cut_short(tmp_path):
+    import gzip
+
+    write_jsonl(tmp_path / "x.jsonl.gz", rows(3))
+    msg = _read_error(tmp_path / "x.jsonl.gz")
+    assert msg.endswith("x.jsonl.gz is named .gz but is not gzip-compressed; rename it to x.jsonl")
+    (tmp_path / "y.jsonl.gz").write_bytes(gzip.compress(json.dumps(rows(200)).encode())[:50])
+    msg = _read_error(tmp_path / "y.jsonl.gz")
+    assert "y.jsonl.gz is a damaged gzip file (" in msg and msg.endswith("; compress or copy it again")
+
+
+def test_json_lines_break_only_at_newlines(tmp_path):
+    # U+2028 and U+0085 are line breaks to str.splitlines() but plain characters inside JSON strings
+    line = json.dumps({"prompt": "a\u2028b", "chosen": "c\x85d"}, ensure_ascii=False) + "\r\n"
+    (tmp_path / "x.jsonl").write_text(line * 2)
+    assert _read(tmp_path / "x.jsonl") == [["a\u2028b", "c\x85d"]] * 2
+
+
+def test_a_cache_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    cfg = make_cfg(tmp_path)
+    cfg.data.cache_dir = str(tmp_path / "file")
+    assert check_data_config(cfg) == [
+        f"data.cache_dir={tmp_path / 'file'} is a file, not a directory; point data.cache_dir at a directory"
+    ]
+    cfg.data.cache_dir = str(tmp_path / "file" / "cache")
+    assert check_data_config(cfg) == [
+        f"data.cache_dir={tmp_path / 'file' / 'cache'}: {tmp_path / 'file'} is a file, not a directory; point "
+        "data.cache_dir at a directory"
+    ]
+    cfg.data.cache_dir = str(tmp_path / "not_yet" / "cache")  # made when the cache is built
+    assert check_data_config(cfg) == []
+
+
+def test_a_full_disk_while_writing_the_cache_is_one_message(tmp_path, tok, mount_tmpfs):
+    disk = mount_tmpfs("1m")
+    stat = os.statvfs(disk)
+    (disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 64 * 1024))  # 64 KiB left
+    cfg = make_cfg(tmp_path, eval_fraction=0)
+    cfg.data.synthetic.num_train = 2000  # about 0.5 MB of Arrow
+    cfg.data.cache_dir = str(disk / "cache")
+    msg = _error(cfg, tok)
+    assert msg.startswith(f"data.cache_dir={disk / 'cache'}: the disk is full (")
+    assert msg.endswith(
+        " free) while writing the tokenized cache; free some space or point data.cache_dir at a larger disk"
+    )
+    assert [p.name for p in (disk / "cache").iterdir() if not p.name.endswith(".lock")] == []  # no partial build
+    (disk / "filler").unlink()
+    assert prepare_sft_data(cfg, tok).stats["cache_hit"] is False  # room again: it builds
+
+
+def test_a_full_disk_is_recognised_through_wrappers(tmp_path):
+    import errno
+
+    from ds_exp.data.cache import disk_full, disk_full_message
+
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError as inner:
+            raise RuntimeError("could not save") from inner
+    except RuntimeError as outer:
+        assert disk_full(outer) == errno.EDQUOT
+        assert "the disk quota is used up" in disk_full_message(outer, tmp_path / "cache")
+    assert disk_full(ValueError("pyarrow: IOError: No space left on device")) == errno.ENOSPC
+    assert disk_full(OSError(errno.EACCES, "Permission denied")) is None
+    assert disk_full_message(ValueError("bad row"), tmp_path) is None

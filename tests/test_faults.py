@@ -179,24 +179,7 @@ def test_fp16_overflow_skips_steps_without_failing(tmp_path, cache_dir):
 # ------------------------------------------------------------------------------------------ disks and directories
 
 
-@pytest.fixture
-def mount_tmpfs(tmp_path):
-    """mount_tmpfs(size, read_only=False) -> a fresh tmpfs of that size (needs root; skips where not allowed)."""
-    mounted: list[Path] = []
-
-    def mount(size: str, read_only: bool = False) -> Path:
-        point = tmp_path / f"mnt{len(mounted)}"
-        point.mkdir()
-        options = f"size={size}" + (",ro" if read_only else "")
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.decode().strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        subprocess.run(["umount", "-l", str(point)], check=False)
+# mount_tmpfs: tests/conftest.py
 
 
 def test_unwritable_run_directory_is_refused_before_anything_starts(tmp_path, mount_tmpfs):

@@ -6,7 +6,6 @@ and the fix, all reported together in one ConfigError.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +13,13 @@ from omegaconf import DictConfig
 
 from ds_exp.accelerator import decide_precision, detect_accelerator, supports_bf16, supports_fp16
 from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
+from ds_exp.config.model_checks import check_checkpoint, check_max_seq_len, looks_like_local_path
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.schema import plain
 from ds_exp.distributed import detect_launch
 from ds_exp.errors import ConfigError
+from ds_exp.paths import not_a_directory
 from ds_exp.plan import global_batch_mismatch
-
-
-def looks_like_local_path(name: str) -> bool:
-    """Hub ids are `name` or `org/name`; anything else path-shaped is meant as a local directory."""
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.path.exists(name)
 
 
 def _check_model(cfg: DictConfig) -> list[str]:
@@ -47,7 +43,7 @@ def _check_model(cfg: DictConfig) -> list[str]:
             )
     if model.vocab_multiple < 1:
         problems.append(f"model.vocab_multiple={model.vocab_multiple}: must be >= 1 (1 = no padding)")
-    return problems
+    return problems + check_checkpoint(cfg) + check_max_seq_len(cfg)
 
 
 def _check_speed_features(cfg: DictConfig, accelerator: str) -> list[str]:
@@ -117,8 +113,22 @@ def _check_zero_and_offload(ds: dict[str, Any]) -> list[str]:
             f"offload.optimizer={opt_dev} needs ZeRO stage 1, 2 or 3 (got stage 0): use zero=stage1 or higher"
         )
     for kind, dev in (("optimizer", opt_dev), ("param", param_dev)):
-        if dev == "nvme" and not get_path(ds, f"zero_optimization.offload_{kind}.nvme_path", None):
+        if dev != "nvme":
+            continue
+        nvme_path = get_path(ds, f"zero_optimization.offload_{kind}.nvme_path", None)
+        if not nvme_path:
             problems.append(f"offload.{kind}=nvme needs a directory: set offload.nvme_path=/path/on/local/nvme")
+            continue
+        # DeepSpeed's swapper makes its files under it: a file there fails deep in engine construction
+        in_the_way = not_a_directory(Path(str(nvme_path)).expanduser())
+        if in_the_way is not None:
+            where = "" if in_the_way == Path(str(nvme_path)).expanduser() else f": {in_the_way}"
+            problem = (
+                f"offload.nvme_path={nvme_path}{where} is a file, not a directory; point offload.nvme_path at a "
+                "directory on a local NVMe drive"
+            )
+            if problem not in problems:  # optimizer and parameters share the path
+                problems.append(problem)
     return problems
 
 

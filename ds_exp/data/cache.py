@@ -9,6 +9,7 @@ once) takes the lock on `<key>.lock`; the first builds, the others wait and then
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -71,6 +72,43 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
+_FULL_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT}
+
+
+def disk_full(err: BaseException) -> int | None:
+    """ENOSPC or EDQUOT when `err` (or what it wraps) says the disk filled up: datasets and Arrow re-raise
+    the OSError as their own types, sometimes with only its text left."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _FULL:
+            return current.errno
+        for text, code in _FULL_TEXT.items():
+            if text in str(current):
+                return code
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def disk_full_message(err: BaseException, cache_dir: Path) -> str | None:
+    """One line for a cache build that failed because the disk filled up; None for any other failure."""
+    code = disk_full(err)
+    if code is None:
+        return None
+    from ds_exp.memory import human_bytes
+
+    existing = cache_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    return (
+        f"data.cache_dir={cache_dir}: {_FULL[code]} ({human_bytes(free)} free) while writing the tokenized cache; "
+        "free some space or point data.cache_dir at a larger disk"
+    )
 
 
 def read_meta(directory: Path) -> dict[str, Any] | None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from ds_exp.data.conversations import LAYOUTS
-from ds_exp.data.formats import FILE_FORMATS, resolve_format
+from ds_exp.data.formats import FILE_FORMATS, expand, resolve_format
 from ds_exp.data.splits import parse_data_split
+from ds_exp.paths import not_a_directory
 
 TEMPLATES = ("raw", "dschat", "chat_template", "auto")
 
@@ -90,8 +91,14 @@ def check_data_config(cfg: Any) -> list[str]:
     max_eval = _get(data, "max_eval_examples")
     if max_eval is not None and (not isinstance(max_eval, int) or max_eval < 1):
         problems.append(f"data.max_eval_examples={max_eval}: must be >= 1, or null for all")
-    if not _get(data, "cache_dir"):
+    cache_dir = _get(data, "cache_dir")
+    if not cache_dir:
         problems.append("data.cache_dir is empty; set a directory for the tokenized cache")
+    elif (in_the_way := not_a_directory(expand(str(cache_dir)))) is not None:
+        where = "" if in_the_way == expand(str(cache_dir)) else f": {in_the_way}"
+        problems.append(
+            f"data.cache_dir={cache_dir}{where} is a file, not a directory; point data.cache_dir at a directory"
+        )
     sources = list(_get(data, "sources") or [])
     sft_only = list(_get(data, "sft_only_sources") or [])
     for i, src in enumerate(sources):

@@ -15,6 +15,11 @@ EXTENSIONS = {
     ".csv": "csv",
     ".parquet": "parquet",
     ".pq": "parquet",
+    # gzip-compressed text, read transparently (Parquet compresses inside the file)
+    ".json.gz": "json",
+    ".jsonl.gz": "jsonl",
+    ".ndjson.gz": "jsonl",
+    ".csv.gz": "csv",
 }
 # Files that mark a `datasets.save_to_disk` directory (a Dataset or a DatasetDict).
 ARROW_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
@@ -37,8 +42,16 @@ def dschat_files(directory: Path) -> tuple[Path, Path | None] | None:
     return None
 
 
+def extension(path: str | Path) -> str:
+    """The file's extension, lower case, with `.gz` kept together with the one before it (`.jsonl.gz`)."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if len(suffixes) >= 2 and suffixes[-1] == ".gz":
+        return "".join(suffixes[-2:])
+    return suffixes[-1] if suffixes else ""
+
+
 def looks_like_hub_id(path: str) -> bool:
-    if path.startswith(("/", ".", "~", "$")) or Path(path).suffix.lower() in EXTENSIONS:
+    if path.startswith(("/", ".", "~", "$")) or extension(path) in EXTENSIONS:
         return False
     return bool(_HUB_ID.match(path))
 
@@ -76,11 +89,11 @@ def resolve_format(path: str, fmt: str) -> str:
     if fmt in ("arrow", "dschat"):
         raise ValueError(f"{local}: format={fmt} needs a directory, this is a file")
     if fmt == "auto":
-        detected = EXTENSIONS.get(local.suffix.lower())
+        detected = EXTENSIONS.get(extension(local))
         if detected is None:
             raise ValueError(
-                f"{local}: unknown file extension {local.suffix or '(none)'!r}; set format to one of "
-                f"{', '.join(FILE_FORMATS)}"
+                f"{local}: unknown file extension {extension(local) or '(none)'!r}; set format to one of "
+                f"{', '.join(FILE_FORMATS)} (json, jsonl and csv may be gzipped: .jsonl.gz)"
             )
         return detected
     return fmt

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds_exp.data.cache import cached_build, hash_key, path_fingerprint
+from ds_exp.data.cache import cached_build, disk_full_message, hash_key, path_fingerprint
 from ds_exp.data.checks import _get, check_data_config
 from ds_exp.data.formats import expand, resolve_format
 from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
@@ -29,6 +29,7 @@ CACHE_VERSION = 2  # 2: rows are conversations (layouts), per-source templates (
 _CODE_FILES = (
     "synthetic.py",
     "sources.py",
+    "textfiles.py",
     "conversations.py",
     "templates.py",
     "splits.py",
@@ -297,7 +298,15 @@ def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
         return datasets.load_from_disk(str(directory / "train")), datasets.load_from_disk(str(directory / "eval"))
 
     cache_dir = expand(str(data.cache_dir))
-    (train, evals), meta, hit, path = cached_build(cache_dir, key, build, load, material)
+    try:
+        (train, evals), meta, hit, path = cached_build(cache_dir, key, build, load, material)
+    except DataError:
+        raise
+    except Exception as err:  # the partial build directory is removed by cached_build
+        message = disk_full_message(err, cache_dir)
+        if message is None:
+            raise
+        raise DataError(message) from err
     stats = dict(meta["stats"])
     stats.update(
         num_train=len(train),

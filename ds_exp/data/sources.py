@@ -16,6 +16,16 @@ from typing import Any
 from ds_exp.data.checks import _get
 from ds_exp.data.conversations import ALPACA_COLUMNS, CHAT_COLUMNS, PAIR, Fields, Parsed, Rows, parse_rows
 from ds_exp.data.formats import dschat_files, expand, resolve_format
+from ds_exp.data.textfiles import (
+    StrictJSON,
+    check_not_binary,
+    is_gzip_name,
+    note_bom,
+    read_text,
+    repeated_columns,
+    repeated_key_error,
+    starts_with_bom,
+)
 from ds_exp.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -51,49 +61,70 @@ class RawSource:
 
 def _json_records(path: Path, key: str) -> tuple[list[dict[str, Any]], Where]:
     """A JSON array of objects, an object of columns (or of one list of records), or JSON lines."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{key}: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    text = read_text(path, key, "JSON")
     if not text.strip():
         return [], lambda i: str(path)
+    parser = StrictJSON()
     try:
-        whole = json.loads(text)
+        whole = parser.loads(text)
     except json.JSONDecodeError as err:
         # "Extra data" = a first document parsed and more follow: JSON lines. Otherwise the file is one
         # broken document and the decoder's position is the answer.
         if err.msg != "Extra data":
             raise DataError(f"{key}: {path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
-        return _json_lines(text, path, key)
+        return _json_lines(text, path, key, parser)
     if isinstance(whole, list):
         bad = next((i for i, row in enumerate(whole) if not isinstance(row, dict)), None)
         if bad is not None:
             raise DataError(f"{key}: {path}: item {bad} of the JSON array is not an object")
-        return whole, lambda i: f"{path}: item {i}"
+        return _no_repeated_keys(parser, whole, _items_of(path), key, str(path)), _items_of(path)
     if not isinstance(whole, dict):
         raise DataError(f"{key}: {path}: expected JSON objects, got a {type(whole).__name__}")
+    line = text[: len(text) - len(text.lstrip())].count("\n") + 1
     values = list(whole.values())
     single = len(values) == 1 and next(iter(whole)) in CHAT_COLUMNS  # one conversation, not {"data": [...]}
     if values and not single and all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
         if len(values) == 1 and all(isinstance(r, dict) for r in values[0]):
-            return values[0], lambda i: f"{path}: item {i}"  # {"data": [{...}, ...]}
+            records = _no_repeated_keys(parser, values[0], _items_of(path), key, f"{path}:{line}")
+            return records, _items_of(path)  # {"data": [{...}, ...]}
+        if parser.repeated:  # a column named twice, or a repeated key inside a cell
+            raise repeated_key_error(key, f"{path}:{line}", parser.repeated[0][0])
         rows = [dict(zip(whole, row, strict=True)) for row in zip(*values, strict=True)]  # {"prompt": [...]}
         return rows, lambda i: f"{path}: row {i}"
-    line = text[: len(text) - len(text.lstrip())].count("\n") + 1
+    if parser.repeated:
+        raise repeated_key_error(key, f"{path}:{line}", parser.repeated[0][0])
     return [whole], lambda i: f"{path}:{line}"  # a single record (or a JSON lines file of one line)
 
 
-def _json_lines(text: str, path: Path, key: str) -> tuple[list[dict[str, Any]], Where]:
+def _items_of(path: Path) -> Where:
+    return lambda i: f"{path}: item {i}"
+
+
+def _no_repeated_keys(parser: StrictJSON, items: list[Any], where: Where, key: str, outside: str) -> list[Any]:
+    """`items`, after making sure none holds an object with a repeated key (searched only when there is one)."""
+    for i, item in enumerate(items if parser.repeated else ()):
+        repeated = parser.repeated_in(item)
+        if repeated is not None:
+            raise repeated_key_error(key, where(i), repeated)
+    if parser.repeated:  # in the object around the items: {"data": [...], "data": [...]}
+        raise repeated_key_error(key, outside, parser.repeated[0][0])
+    return items
+
+
+def _json_lines(text: str, path: Path, key: str, parser: StrictJSON) -> tuple[list[dict[str, Any]], Where]:
     records, linenos = [], []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # split on newlines only: str.splitlines() also breaks at U+2028, U+0085, ... which JSON strings may hold
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parser.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"{key}: {path}:{lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
         if not isinstance(row, dict):
             raise DataError(f"{key}: {path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+        if parser.repeated:
+            raise repeated_key_error(key, f"{path}:{lineno}", parser.repeated[0][0])
         records.append(row)
         linenos.append(lineno)
     return records, lambda i: f"{path}:{linenos[i]}"
@@ -124,15 +155,25 @@ def _read_file(path: Path, fmt: str, key: str, fields: list[str]) -> _Table:
         if fmt == "csv":
             import pyarrow.csv as pacsv
 
+            check_not_binary(path, key, "CSV")
+            if starts_with_bom(path):  # Arrow skips it; said once as for JSON
+                note_bom(path)
             # answers that look like numbers stay text; missing columns in column_types are ignored
             opts = pacsv.ConvertOptions(column_types={f: pa.string() for f in fields})
-            table = pacsv.read_csv(path, convert_options=opts)
+            with pa.input_stream(str(path), compression="gzip" if is_gzip_name(path) else None) as stream:
+                table = pacsv.read_csv(stream, convert_options=opts)
         else:
             import pyarrow.parquet as pq
 
             table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as err:
+    except (pa.ArrowInvalid, OSError, EOFError) as err:
         raise DataError(f"{key}: {path}: cannot read as {fmt}: {str(err).splitlines()[0]}") from None
+    repeated = repeated_columns(table.column_names)
+    if repeated:
+        what = f"columns {', '.join(repeated)} appear" if len(repeated) > 1 else f"column {repeated[0]} appears"
+        raise DataError(
+            f"{key}: {path}: the {what} more than once in the header; rename the columns so each name is unique"
+        )
     return _Table(table.column_names, lambda f: table.column(f).to_pylist(), table.num_rows, _rows_of(str(path)))
 
 

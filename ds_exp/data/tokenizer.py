@@ -33,6 +33,12 @@ def load_tokenizer(cfg: Any) -> Any:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     except (OSError, ValueError, KeyError) as err:
         key = "model.tokenizer" if model is not None and _get(model, "tokenizer") else "model.name_or_path"
+        if key == "model.name_or_path" and source == _get(model, "name_or_path"):
+            from ds_exp.model import checkpoint_error
+
+            mapped = checkpoint_error(cfg, err)  # config.json names the cause better (custom code, model_type)
+            if mapped is not None:
+                raise mapped from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(
             f"{key}={source}: cannot load a tokenizer ({first}); use a local directory with tokenizer files "

@@ -1,0 +1,224 @@
+"""Cheap checks of the model's own files, read with json (never transformers, so validation stays light):
+a config.json that parses, weights that are there and complete, and data.max_seq_len within the positions
+the model has (learned position tables fail with an IndexError deep in the forward pass past their end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+# Keys that only rotary position embeddings have (transformers 4 and 5 spellings).
+ROPE_KEYS = (
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rotary_dim",
+    "rotary_emb_base",
+    "partial_rotary_factor",
+    "rotary_pct",
+)
+# model_type families, for configs that do not spell their position encoding out
+ROPE_TYPES = frozenset(
+    (
+        *("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text"),
+        *("phi", "phi3", "phimoe", "gptj", "gpt_neox", "codegen", "stablelm", "starcoder2", "olmo", "olmo2", "olmoe"),
+        *("cohere", "cohere2", "granite", "granitemoe", "deepseek_v2", "deepseek_v3", "glm", "glm4", "smollm3"),
+        *("persimmon", "falcon", "nemotron", "helium", "ernie4_5", "internlm2", "baichuan", "exaone"),
+    )
+)
+# Learned (or fixed-size sinusoidal) tables of absolute positions: a position past the end is an IndexError.
+LEARNED_TYPES = frozenset(
+    (
+        *("opt", "gpt2", "gpt_neo", "gpt_bigcode", "openai-gpt", "biogpt", "ctrl", "imagegpt", "bert", "roberta"),
+        *("xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert"),
+        *("rembert", "roc_bert", "bert-generation", "roberta-prelayernorm", "bart", "mbart", "plbart", "marian"),
+        *("blenderbot", "blenderbot-small", "pegasus", "trocr", "xmod", "big_bird", "bigbird_pegasus", "git", "mvp"),
+        *("prophetnet", "xlm", "roformer", "reformer"),
+    )
+)
+# ALiBi, relative or no positions (state-space hybrids), or a sinusoidal table that grows: nothing to run past
+UNLIMITED_TYPES = frozenset(("bloom", "mpt", "xlnet", "xglm", "jamba", "zamba", "nemotron_h"))
+PADDING_OFFSET = {t: 2 for t in ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "xmod")}
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else path-shaped is meant as a local directory."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.path.exists(name)
+
+
+def local_checkpoint(cfg: DictConfig) -> Path | None:
+    """model.name_or_path as a directory on this machine; None for a hub id, a missing path or a built model."""
+    value = cfg.model.name_or_path
+    if value is None or not looks_like_local_path(value):
+        return None
+    path = Path(value).expanduser()
+    return path if path.is_dir() else None
+
+
+def read_config_json(directory: Path, shown: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(config.json as a dict, None) or (None, the problem in one line naming model.name_or_path and the fix)."""
+    key = f"model.name_or_path={shown}"
+    try:
+        value = json.loads((directory / "config.json").read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return None, None  # reported by the caller, with the directory's other checks
+    except UnicodeDecodeError as err:
+        return None, f"{key}: config.json is not UTF-8 text ({err.reason} at byte {err.start}); fix or replace the file"
+    except json.JSONDecodeError as err:
+        where = f"line {err.lineno} column {err.colno}: {err.msg}"
+        return None, f"{key}: config.json is not valid JSON ({where}); fix or replace the file"
+    if not isinstance(value, dict):
+        kind = type(value).__name__
+        return None, f"{key}: config.json holds a JSON {kind}, not an object; fix or replace the file"
+    return value, None
+
+
+def _cut_short(path: Path) -> str | None:
+    """Why a weights file cannot be complete, from its size and (safetensors) header; None when it looks whole."""
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if head.startswith(b"version "):
+            return "is a Git LFS pointer, not the weights; run `git lfs pull` in the checkpoint directory"
+        if path.suffix != ".safetensors":
+            return "is empty" if size == 0 else None
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if header_len < 2 or 8 + header_len > size:
+            return f"is cut short or not a safetensors file ({size} bytes, no complete header)"
+        try:
+            header = json.loads(fh.read(header_len))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "is not a safetensors file (its header is not readable)"
+    if 8 + header_len + end > size:
+        return f"is cut short ({size} of the {8 + header_len + end} bytes its header lists)"
+    return None
+
+
+def weights_problem(directory: Path, shown: str) -> str | None:
+    """One line when the checkpoint's weights are missing or incomplete (what from_pretrained would fail on)."""
+    key = f"model.name_or_path={shown}"
+    present = [name for name in WEIGHT_FILES if (directory / name).is_file()]
+    if not present:
+        if (directory / "adapter_config.json").is_file():
+            return (
+                f"{key} holds a PEFT adapter (adapter_config.json), not a whole model; point model.name_or_path at "
+                "the base model (or merge the adapter into it first)"
+            )
+        return (
+            f"{key}: no weights file ({', '.join(WEIGHT_FILES)}) in {directory}; copy the checkpoint's weights "
+            "there (or use model.arch to train a model built from a config)"
+        )
+    files = [directory / present[0]]
+    if present[0].endswith(".index.json"):
+        try:
+            weight_map = json.loads((directory / present[0]).read_text(encoding="utf-8"))["weight_map"]
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError) as err:
+            return f"{key}: {present[0]} is not a readable index ({err}); download or copy it again"
+    for path in files:
+        if not path.is_file():
+            return f"{key}: {path.name} is missing ({present[0]} lists it); download or copy it again"
+        why = _cut_short(path)
+        if why is not None:
+            return f"{key}: {path.name} {why}" + ("" if "git lfs" in why else "; download or copy it again")
+    return None
+
+
+def check_checkpoint(cfg: DictConfig) -> list[str]:
+    """A local model.name_or_path: config.json parses, and (unless it is a dry run) the weights are complete."""
+    directory = local_checkpoint(cfg)
+    if directory is None or not (directory / "config.json").is_file():
+        return []
+    _, problem = read_config_json(directory, cfg.model.name_or_path)
+    if problem is not None:
+        return [problem]
+    if cfg.get("dry_run"):  # a dry run reads the config only: planning a model whose weights are elsewhere is fine
+        return []
+    problem = weights_problem(directory, cfg.model.name_or_path)
+    return [problem] if problem else []
+
+
+# ----------------------------------------------------------------------------------------------- positions
+
+
+def model_settings(cfg: DictConfig) -> dict[str, Any] | None:
+    """The model's config as a dict: its config.json, or model.arch; None when neither is readable here."""
+    if cfg.model.name_or_path is None:
+        arch = cfg.model.arch
+        return OmegaConf.to_container(arch, resolve=True) if isinstance(arch, DictConfig) else arch  # type: ignore[return-value]
+    directory = local_checkpoint(cfg)
+    return read_config_json(directory, cfg.model.name_or_path)[0] if directory is not None else None
+
+
+def position_limit(settings: dict[str, Any]) -> tuple[str, int, str] | None:
+    """(config key, positions the model has, "learned" | "rope" | "unknown"); None when nothing limits them."""
+    text = settings.get("text_config")
+    chosen = text if isinstance(text, dict) and any(k in text for k in POSITION_KEYS) else settings
+    model_type = str(chosen.get("model_type") or settings.get("model_type") or "")
+    attn = chosen.get("attn_config") if isinstance(chosen.get("attn_config"), dict) else {}
+    if model_type in UNLIMITED_TYPES or chosen.get("alibi") is True or attn.get("alibi") is True:
+        return None
+    key = next((k for k in POSITION_KEYS if isinstance(chosen.get(k), int) and chosen[k] > 0), None)
+    if key is None:
+        return None
+    limit = int(chosen[key]) - PADDING_OFFSET.get(model_type, 0)
+    if model_type in LEARNED_TYPES:
+        return key, limit, "learned"
+    if model_type in ROPE_TYPES or any(chosen.get(k) is not None for k in ROPE_KEYS):
+        return key, limit, "rope"
+    return key, limit, "unknown"
+
+
+def _beyond(cfg: DictConfig) -> tuple[int, str, int, str, str] | None:
+    """(max_seq_len, key, limit, kind, model_type) when data.max_seq_len is beyond the model's positions."""
+    settings = model_settings(cfg)
+    max_seq_len = cfg.data.get("max_seq_len") if "data" in cfg else None
+    if not settings or not isinstance(max_seq_len, int):
+        return None
+    found = position_limit(settings)
+    if found is None or max_seq_len <= found[1]:
+        return None
+    return max_seq_len, found[0], found[1], found[2], str(settings.get("model_type") or "?")
+
+
+def check_max_seq_len(cfg: DictConfig) -> list[str]:
+    """An error for a model with a learned position table shorter than data.max_seq_len."""
+    beyond = _beyond(cfg)
+    if beyond is None or beyond[3] != "learned":
+        return []
+    n, key, limit, _, model_type = beyond
+    return [
+        f"data.max_seq_len={n} is beyond the model's {limit} positions ({model_type}, {key}={limit}; it learned a "
+        f"table of absolute positions, longer inputs fail in the forward pass): set data.max_seq_len={limit} or lower"
+    ]
+
+
+def max_seq_len_notes(cfg: DictConfig) -> list[str]:
+    """Warnings (not errors) for rotary or unknown position encodings run past the trained context."""
+    beyond = _beyond(cfg)
+    if beyond is None or beyond[3] == "learned":
+        return []
+    n, key, limit, kind, model_type = beyond
+    if kind == "rope":
+        return [
+            f"data.max_seq_len={n} is beyond the model's trained context ({key}={limit}): rotary position "
+            f"embeddings run past it, but quality usually drops there; set data.max_seq_len={limit} unless the "
+            "context is meant to be extended (rope_scaling)"
+        ]
+    return [
+        f"data.max_seq_len={n} is beyond the model's {key}={limit} ({model_type}: how it encodes positions is not "
+        f"known to ds_exp); if it learned absolute positions, longer inputs fail: set data.max_seq_len={limit}"
+    ]
