@@ -85,12 +85,14 @@ def run_job(cfg: DictConfig) -> Any:
     return train(cfg, run_dir)
 
 
-def report_user_error(err: DsExpError) -> None:
-    lines = str(err).splitlines() or [type(err).__name__]
+def report_user_error(err: DsExpError, traceback_hint: bool = True) -> None:
+    from ds_exp.secrets import redact_text
+
+    lines = redact_text(str(err)).splitlines() or [type(err).__name__]
     print(f"ds_exp: error: {lines[0]}", file=sys.stderr)
     for line in lines[1:]:
         print(f"  {line}", file=sys.stderr)
-    if os.environ.get("HYDRA_FULL_ERROR") != "1":
+    if traceback_hint and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print("  (set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
 
 
@@ -102,6 +104,10 @@ def in_multirun() -> bool:
 
 
 def hydra_task(cfg: DictConfig) -> Any:
+    from ds_exp.secrets import redact_text, register_secrets
+
+    # a submitit job gets the command line's secrets as DS_EXP_SECRET_* (never its argv): blank them from here on
+    register_secrets(environ=os.environ)
     try:
         return run_job(cfg)
     except DsExpError as err:
@@ -110,7 +116,8 @@ def hydra_task(cfg: DictConfig) -> Any:
         report_user_error(err)
         if in_multirun():
             # the other jobs of the sweep go on; the job's summary.json and the sweep report name the failure
-            return {"status": "failed", "error": str(err)}
+            # (submitit pickles this return value into the sweep directory)
+            return {"status": "failed", "error": redact_text(str(err))}
         sys.exit(err.exit_code)
 
 
@@ -120,8 +127,16 @@ def main() -> None:
     from ds_exp.config.resolvers import register_resolvers
     from ds_exp.config.schema import register_configs
     from ds_exp.paths import conf_dir
+    from ds_exp.secrets import hide_secret_overrides, register_secrets
 
     sys.argv = strip_local_rank(sys.argv)
+    register_secrets(environ=os.environ)
+    try:
+        # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/secrets.py)
+        sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
+    except DsExpError as err:
+        report_user_error(err, traceback_hint=False)
+        sys.exit(err.exit_code)
     sys.argv += per_rank_overrides(sys.argv[1:])
     register_resolvers()
     register_configs()

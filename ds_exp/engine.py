@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_exp.config.schema import plain
+from ds_exp.secrets import redact
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,9 @@ def build_engine(
         lr_scheduler=scheduler,
         config=ds_config,
     )
+    # DeepSpeed saves engine.config into every checkpoint file (ds_config=...); its monitors (comet's api_key)
+    # were built from it already
+    engine.config = redact(engine.config)
     metric_scheduler = None
     if "scheduler" not in ds_config and metric_schedule:
         metric_scheduler = build_scheduler(cfg, optimizer or engine.optimizer, total_steps, warmup_steps)
