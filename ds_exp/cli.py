@@ -108,6 +108,10 @@ def in_multirun() -> bool:
 
 
 def hydra_task(cfg: DictConfig) -> Any:
+    from ds_exp.secrets import redact_text, register_secrets
+
+    # a submitit job gets the command line's secrets as DS_EXP_SECRET_* (never its argv): blank them from here on
+    register_secrets(environ=os.environ)
     try:
         return run_job(cfg)
     except DsExpError as err:
@@ -116,7 +120,8 @@ def hydra_task(cfg: DictConfig) -> Any:
         report_user_error(err)
         if in_multirun():
             # the other jobs of the sweep go on; the job's summary.json and the sweep report name the failure
-            return {"status": "failed", "error": str(err)}
+            # (submitit pickles this return value into the sweep directory)
+            return {"status": "failed", "error": redact_text(str(err))}
         sys.exit(err.exit_code)
 
 
@@ -127,10 +132,18 @@ def main() -> None:
     from ds_exp.config.schema import register_configs
     from ds_exp.paths import conf_dir
     from ds_exp.run_logging import hold_library_logs
+    from ds_exp.secrets import hide_secret_overrides, register_secrets
 
     hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
     sys.argv = strip_local_rank(sys.argv)
     check_launch_env()
+    register_secrets(environ=os.environ)
+    try:
+        # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/secrets.py)
+        sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
+    except DsExpError as err:
+        report_user_error(err, traceback_hint=False)
+        sys.exit(err.exit_code)
     sys.argv += per_rank_overrides(sys.argv[1:])
     register_resolvers()
     register_configs()

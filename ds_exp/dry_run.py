@@ -19,7 +19,7 @@ from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.distributed import detect_launch
 from ds_exp.memory import estimate_model_states, human_bytes
 from ds_exp.plan import total_steps, warmup_steps
-from ds_exp.tracking import redact
+from ds_exp.secrets import redact
 
 
 def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:

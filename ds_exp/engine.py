@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from ds_exp.config.schema import plain
 from ds_exp.errors import ConfigError
+from ds_exp.secrets import redact
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,9 @@ def build_engine(
         )
     except ValidationError as err:  # another block than zero_optimization (checked before the model was built)
         raise ConfigError(deepspeed_config_problems(err, err.title, cfg.deepspeed.config_file)) from None
+    # DeepSpeed saves engine.config into every checkpoint file (ds_config=...); its monitors (comet's api_key)
+    # were built from it already
+    engine.config = redact(engine.config)
     metric_scheduler = None
     if "scheduler" not in ds_config and metric_schedule:
         metric_scheduler = build_scheduler(cfg, optimizer or engine.optimizer, total_steps, warmup_steps)

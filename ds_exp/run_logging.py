@@ -61,14 +61,14 @@ def hold_library_logs() -> None:
 
 
 class _RankFilter(logging.Filter):
-    """Stamps the rank, and blanks registered secrets (ds_exp.tracking.register_secrets) in the message."""
+    """Stamps the rank, and blanks registered secrets (ds_exp.secrets.register_secrets) in the message."""
 
     def __init__(self, rank: int) -> None:
         super().__init__()
         self.rank = rank
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from ds_exp.tracking import redact_text
+        from ds_exp.secrets import redact_text
 
         record.rank = self.rank
         message = record.getMessage()

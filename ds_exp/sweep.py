@@ -36,6 +36,7 @@ class ValidateSweep(Callback):
 
         from ds_exp.config.validate import validate
         from ds_exp.errors import DsExpError
+        from ds_exp.secrets import redact_text
 
         jobs = sweep_jobs(config)
         if not jobs:
@@ -55,7 +56,7 @@ class ValidateSweep(Callback):
                 file=sys.stderr,
             )
             for line in problems:
-                print(f"  {line}", file=sys.stderr)
+                print(f"  {redact_text(line)}", file=sys.stderr)  # a composition error may quote a value
             sys.exit(2)
         print(f"ds_exp: all {len(jobs)} jobs of the sweep are valid")
 

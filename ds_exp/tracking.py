@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -13,56 +12,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.schema import plain
 
+# Secret redaction lives in ds_exp.secrets; these names stay importable from here.
+from ds_exp.secrets import REDACTED as REDACTED
+from ds_exp.secrets import is_secret_key as is_secret_key
+from ds_exp.secrets import redact as redact
+from ds_exp.secrets import redact_text as redact_text
+from ds_exp.secrets import register_secrets as register_secrets
+
 log = logging.getLogger(__name__)
-
-# Keys that hold credentials ("api_key", "hf_token", "password", ...), not ones that merely mention tokens
-# ("tokenizer", "end_of_conversation_token").
-_SECRET_KEY = re.compile(
-    r"api[_-]?key|access[_-]?key|^token$|(auth|access|hf|hub|api|bearer|secret|session|refresh)[_-]?token$"
-    r"|secret|passw(or)?d|credential",
-    re.IGNORECASE,
-)
-REDACTED = "<redacted>"
-_MIN_SECRET_LEN = 6  # shorter values would redact ordinary words
-_secrets: set[str] = set()
-
-
-def is_secret_key(key: object) -> bool:
-    return bool(_SECRET_KEY.search(str(key)))
-
-
-def redact(tree: Any) -> Any:
-    """Blank every value whose key looks like a secret: configs are saved and sent to wandb."""
-    if isinstance(tree, dict):
-        return {k: (REDACTED if is_secret_key(k) and v is not None else redact(v)) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [redact(v) for v in tree]
-    return tree
-
-
-def register_secrets(tree: Any = None, environ: dict[str, str] | None = None) -> None:
-    """Remember the secret values of a config tree and of the environment (WANDB_API_KEY, HF_TOKEN, ...), so
-    that `redact_text` can blank them wherever they would be printed (DeepSpeed logs its whole config)."""
-
-    def walk(node: Any, secret: bool) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, secret or is_secret_key(key))
-        elif isinstance(node, list):
-            for value in node:
-                walk(value, secret)
-        elif secret and isinstance(node, str) and len(node) >= _MIN_SECRET_LEN:
-            _secrets.add(node)
-
-    walk(tree, False)
-    walk({k: v for k, v in (environ or {}).items() if is_secret_key(k)}, True)
-
-
-def redact_text(text: str) -> str:
-    for value in _secrets:
-        if value in text:
-            text = text.replace(value, REDACTED)
-    return text
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -122,6 +79,9 @@ class WandbRun:
             id=run_id,  # set when resuming: the same wandb run continues
             resume="allow",
             config=redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
+            # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
+            # ~/.netrc); an offline run writes it nowhere (tests/test_security.py)
+            settings=wandb.Settings(api_key=wandb_cfg.api_key) if wandb_cfg.get("api_key") else None,
         )
         self.run_id = self.run.id
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ds_exp import checkpoint
 from ds_exp.accelerator import detect_accelerator, resolved_precision
@@ -33,8 +33,9 @@ from ds_exp.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.resume import check_resume, settings_of
 from ds_exp.run_dir import set_aside_attempt
 from ds_exp.run_logging import FILE_LOGGER, STEP_LOGGER, close_run_logging, setup_run_logging
+from ds_exp.secrets import redact, redact_text, register_secrets
 from ds_exp.signals import StopRequested, StopSignals
-from ds_exp.tracking import MetricsLog, WandbRun, redact, register_secrets, write_json_atomic
+from ds_exp.tracking import MetricsLog, WandbRun, write_json_atomic
 
 log = logging.getLogger("ds_exp.train")
 step_log = logging.getLogger(STEP_LOGGER)
@@ -174,7 +175,9 @@ class Trainer:
         shared = [str(self.run_dir)]
         dist.broadcast_object_list(shared, src=0)  # every rank works in rank 0's run directory
         self.run_dir = Path(shared[0])
-        register_secrets(environ=dict(os.environ))
+        # values of credential keys, however they got into the config (a YAML file, ${oc.env:...}), and of
+        # credential-named environment variables: blanked in every log line from here on
+        register_secrets(OmegaConf.to_container(cfg, resolve=True), environ=dict(os.environ))
         self.log_file = setup_run_logging(self.run_dir, self.rank)
         self.precision = resolved_precision(cfg.precision.dtype, self.accelerator)
         log.info(
@@ -813,7 +816,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if trainer.rank != 0 and trainer.run_dir != run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)  # the placeholder Hydra made for this rank
     if trainer.is_main:
-        print(f"ds_exp: {error}", file=sys.stderr)
+        print(f"ds_exp: {redact_text(error)}", file=sys.stderr)
     trainer.stop.leave(trainer.rank)
 
 
@@ -842,7 +845,7 @@ def write_summary(trainer: Trainer, status: str, error: str | None, results: dic
     train_seconds = getattr(trainer, "train_seconds", 0.0)
     summary = {
         "status": status,
-        "error": error,
+        "error": redact_text(error) if error else error,  # an exception's text may quote a value
         "run_dir": str(trainer.run_dir),
         "wall_time_s": time.time() - started,
         "world_size": trainer.world,

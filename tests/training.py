@@ -94,12 +94,14 @@ def launch(
     return Run(proc, run_dir)
 
 
-def multirun(cwd: Path, sweep_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def multirun(
+    cwd: Path, sweep_dir: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
     """`python -m ds_exp -m OVERRIDES` with its sweep directory at `sweep_dir`."""
     return subprocess.run(
         [sys.executable, "-m", "ds_exp", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
         cwd=cwd,
-        env=user_env(),
+        env={**user_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

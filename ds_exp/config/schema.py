@@ -279,6 +279,7 @@ class WandbConfig:
     name: str | None = None
     tags: list[str] = field(default_factory=list)
     dir: str | None = None  # null = the run directory
+    api_key: str | None = None  # null = WANDB_API_KEY or `wandb login`; never written (ds_exp/secrets.py)
 
 
 @dataclass

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ds_exp.secrets import redact_text
+
 log = logging.getLogger(__name__)
 
 META = "meta.json"
@@ -156,7 +158,8 @@ def cached_build(
                 "stats": stats,
                 "settings": material,
             }
-            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+            text = json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n"
+            (tmp / META).write_text(redact_text(text))  # a registered secret in a path or hub id stays out
             os.rename(tmp, final)  # atomic on one file system; final does not exist (we hold the lock)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
