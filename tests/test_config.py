@@ -203,7 +203,8 @@ def test_explicit_values_that_agree_are_accepted(compose_cfg, tmp_path):
 
 def test_train_batch_size_that_cannot_hold_is_a_mismatch(compose_cfg):
     cfg = compose_cfg("train.global_batch_size=64", "train.micro_batch_size=4")
-    with pytest.raises(ConfigError, match=r"train_batch_size=64 but ds_exp uses 16"):
+    # names the setting and the world size it holds at (issue 14), not a DeepSpeed file that was never given
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=64 holds only at world size 16 .* 4 rank"):
         resolve_ds_config(cfg, RunFacts(world_size=4, hidden_size=64, total_steps=10, precision="fp32", run_dir="/x"))
 
 

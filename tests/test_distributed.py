@@ -4,6 +4,7 @@ the launcher set is never overwritten."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 from omegaconf import OmegaConf
@@ -37,7 +38,12 @@ def dist(**kw):
 
 def test_single_process(clean_env):
     info = detect_launch(dist())
-    assert (info.launcher, info.rank, info.world_size, info.master_port) == ("single", 0, 1, 29500)
+    assert (info.launcher, info.rank, info.world_size) == ("single", 0, 1)
+    # alone, any free port: two single-process runs on one machine must not both take 29500 (issue 14)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", info.master_port))
+    clean_env(MASTER_PORT="1234")
+    assert detect_launch(dist()).master_port == 1234  # what the user set is kept
     assert not launched_with_several_ranks()
 
 
