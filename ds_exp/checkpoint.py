@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_exp.atomic import write_json_atomic, write_text_atomic
 from ds_exp.errors import ResumeError, RunFailed
-from ds_exp.tracking import write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class TrainState:
     # metric line covers the same steps as an uninterrupted run's (summed over ranks)
     window_loss_sum: float = 0.0
     window_label_tokens: float = 0.0
+    initial_eval: dict[str, float] | None = None  # the run's first evaluation, for its summary after a resume
     # the run that wrote the checkpoint (kept across resumes): rotation only ever deletes this run's checkpoints
     run_id: str | None = None
     # what the checkpoint depends on (ds_exp.resume.settings_of): a resume with other values is refused
@@ -160,6 +161,65 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, kee
     return path
 
 
+class Checkpointer:
+    """This run's checkpoints: where, how many to keep, and what each records besides DeepSpeed's state."""
+
+    def __init__(
+        self,
+        engine: Any,
+        directory: Path,
+        *,
+        rank: int,
+        keep_last: int,
+        run_id: str,
+        settings: dict[str, Any],
+        wandb_run_id: str | None,
+        needed_bytes: int,
+    ) -> None:
+        self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
+        self.run_id, self.settings, self.wandb_run_id, self.needed_bytes = run_id, settings, wandb_run_id, needed_bytes
+
+    def save(self, progress: Any, window: tuple[float, float], initial_eval: dict[str, float] | None) -> Path:
+        """Collective. `progress`: step, epoch, step_in_epoch; `window`: the open metric window's sums over ranks.
+        A save that fails for lack of room or rights is one message, and leaves no incomplete checkpoint."""
+        from ds_exp.storage import save_failure_message
+
+        state = TrainState(
+            progress.step,
+            progress.epoch,
+            progress.step_in_epoch,
+            self.wandb_run_id,
+            *window,
+            run_id=self.run_id,
+            settings=self.settings,
+            initial_eval=initial_eval,
+        )
+        try:
+            return save(self.engine, self.directory, state, rank=self.rank, keep_last=self.keep_last)
+        except (OSError, RuntimeError) as exc:
+            tag_dir = self.directory / tag_for(progress.step)
+            _release_files(exc)
+            if self.rank == 0 and not (tag_dir / COMPLETE_MARKER).is_file():
+                shutil.rmtree(tag_dir, ignore_errors=True)  # never complete: give its space back
+            message = save_failure_message(exc, tag_dir, self.needed_bytes)
+            if message is None:
+                raise
+            raise RunFailed(message) from exc
+
+
+def _release_files(exc: BaseException) -> None:
+    """Close the files a failed save left open: the frames of its traceback hold torch.save's writer, and a
+    deleted file that is still open keeps its space on the disk."""
+    import gc
+    import traceback
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        traceback.clear_frames(seen.__traceback__)
+        seen = seen.__cause__ or seen.__context__
+    gc.collect()
+
+
 def inject_fault(point: str, rank: int) -> None:
     """SIGKILL this process at `point` when DS_EXP_FAULT names it (and this rank, if it names one)."""
     wanted = os.environ.get(_FAULT_ENV)
@@ -177,18 +237,13 @@ def load_weights_only(engine: Any) -> None:
     """DeepSpeed reads checkpoint files with torch.load(weights_only=False), which runs whatever a pickle says.
     A resume reads files an earlier process wrote, so ds_exp has it read them with weights_only=True instead,
     allowing only the few DeepSpeed types its checkpoints hold."""
-    import torch
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    allowed = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    from ds_exp import compat
 
-    def safe_load(path: str, map_location: Any = None) -> Any:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-    engine.checkpoint_engine.load = safe_load
+    compat.read_checkpoints_weights_only(engine, [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address])
 
 
 def damaged_message(tag_dir: Path, err: BaseException) -> str:

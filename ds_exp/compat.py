@@ -66,3 +66,63 @@ def zero3_full_state_dict(engine: Any) -> dict[str, Any] | None:
     save_16bit_model uses, but returning the dict instead of writing a file). It keeps each tensor's dtype. If it
     changes, the export at ZeRO-3 fails with an AttributeError naming it."""
     return engine._zero3_consolidated_16bit_state_dict()
+
+
+def read_checkpoints_weights_only(engine: Any, allowed: list[Any]) -> None:
+    """Make DeepSpeed read checkpoint files with torch.load(weights_only=True), allowing only `allowed` types.
+
+    DeepSpeed 0.19.8: `engine.checkpoint_engine.load(path, map_location)` is how every checkpoint file is read (with
+    weights_only=False: a pickle runs whatever it says); ds_exp replaces that attribute on the engine. If the name
+    changes, this assignment is silently unused and a resume would read with DeepSpeed's own unsafe load: the
+    tampered-checkpoint test (tests/test_security.py) catches that."""
+    import torch
+
+    def safe_load(path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine.load = safe_load
+
+
+def reinit_module(model: Any, module: Any) -> None:
+    """Run the model's own weight initialization on one module again (seeded by the caller).
+
+    transformers 5.23: `PreTrainedModel._init_weights(module)` initializes one module; since 5.0 it skips tensors
+    flagged `_is_hf_initialized`, so the flag is cleared first. If either changes, the tiny model's weights stop
+    depending on the seed alone and the equal-losses-across-ZeRO-stages test fails."""
+    for param in module.parameters(recurse=False):
+        param._is_hf_initialized = False
+    model._init_weights(module)
+
+
+def submitit_requeue_signal() -> int:
+    """The signal SLURM sends before a time limit or a preemption, as submitit's job expects it.
+
+    submitit 1.5.4: `JobEnvironment._usr_sig()` (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise). If it
+    moves, the requeue test (tests/test_slurm.py) fails."""
+    import submitit
+
+    return int(submitit.JobEnvironment._usr_sig())
+
+
+def basic_sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Each job's overrides as Hydra's basic sweeper expands the command line's (its cartesian product).
+
+    hydra-core 1.3.2-1.3.8: `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments` (a static
+    method; no public API lists a sweep's jobs before launching them). If it moves, sweeps are no longer validated
+    before launch (tests/test_cli.py catches it)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """The hosts of a SLURM node list ("node[1-3],gpu7").
+
+    submitit 1.5.4: `submitit.slurm.slurm._parse_node_list`. If it moves, a plain srun launch without MASTER_ADDR
+    fails to find its first host (tests/test_slurm.py's sbatch test)."""
+    from submitit.slurm.slurm import _parse_node_list
+
+    return list(_parse_node_list(nodelist))

@@ -171,9 +171,9 @@ def _first_slurm_host() -> str:
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
         return "127.0.0.1"
-    from submitit.slurm.slurm import _parse_node_list
+    from ds_exp import compat
 
-    hosts = _parse_node_list(nodelist)
+    hosts = compat.slurm_hostnames(nodelist)
     return hosts[0] if hosts else socket.gethostname()
 
 
@@ -341,6 +341,25 @@ def wait_for_rendezvous(start: Callable[[], Any], launch: LaunchInfo, timeout_mi
             next_notice *= 3
     if "error" in outcome:
         raise outcome["error"]
+
+
+def all_reduce_sum(values: list[float], device: Any) -> list[float]:
+    """Collective: `values` summed over ranks (float64), back on the host."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def broadcast(value: Any) -> Any:
+    """Collective: rank 0's `value` on every rank (a picklable object)."""
+    import torch.distributed as dist
+
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 # What the backends say when the other end of a collective is gone (its process died or was killed).

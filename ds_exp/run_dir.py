@@ -22,7 +22,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
-from ds_exp.errors import ConfigError, DsExpError, report_user_error
+from ds_exp.config.schema import Config, to_config
+from ds_exp.console import report_user_error
+from ds_exp.errors import ConfigError, DsExpError
 
 # Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
 # append to: they are moved aside into attempts/<time>/ first.
@@ -55,21 +57,22 @@ def check_run_start(config: DictConfig) -> None:
 
     run_dir = Path(str(config.hydra.run.dir))
     check_writable(run_dir, "hydra.run.dir")
-    found = holds_a_run(run_dir, str(config.train.checkpoint_dir))
+    cfg = to_config(config)
+    found = holds_a_run(run_dir, cfg.train.checkpoint_dir)
     if found is None:
         return
-    if config.get("resume") is None:
+    if cfg.resume is None:
         raise ConfigError(
             f"hydra.run.dir={run_dir} already holds a run ({found}); nothing was changed. Continue it with "
             "resume=auto, or start a new run in another directory (leave hydra.run.dir unset for a fresh one)"
         )
-    check_resume_target(config, run_dir)
+    check_resume_target(cfg, run_dir)
     if (run_dir / ".hydra").is_dir() and config.hydra.output_subdir == ".hydra":
         with read_write(config.hydra), open_dict(config.hydra):  # the first attempt's config stays as it was
             config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
 
 
-def check_resume_target(config: DictConfig, run_dir: Path) -> None:
+def check_resume_target(cfg: Config, run_dir: Path) -> None:
     """The checkpoint `resume` names exists, is complete and was written with this run's settings."""
     from ds_exp.accelerator import decide_precision, detect_accelerator, supports_bf16
     from ds_exp.checkpoint import find_resume_checkpoint
@@ -77,13 +80,13 @@ def check_resume_target(config: DictConfig, run_dir: Path) -> None:
     from ds_exp.distributed import detect_launch
     from ds_exp.resume import check_resume, settings_of
 
-    tag_dir = find_resume_checkpoint(config.resume, run_dir, str(config.train.checkpoint_dir))
+    tag_dir = find_resume_checkpoint(cfg.resume, run_dir, cfg.train.checkpoint_dir)
     if tag_dir is None:
         return
     accelerator = detect_accelerator()
-    precision = decide_precision(config.precision.dtype, accelerator, supports_bf16(accelerator))
-    world = detect_launch(config.dist).world_size
-    check_resume(config, tag_dir, settings_of(config, world, merged_ds_config(config), precision))
+    precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))
+    world = detect_launch(cfg.dist).world_size
+    check_resume(cfg, tag_dir, settings_of(cfg, world, merged_ds_config(cfg), precision))
 
 
 def check_sweep_start(config: DictConfig) -> None:
@@ -113,6 +116,44 @@ def set_aside_attempt(run_dir: Path) -> Path | None:
     for path in present:
         shutil.move(str(path), target / path.name)
     return target
+
+
+# --------------------------------------------------------------------------- the placeholder of ranks > 0
+_placeholder: str | None = None
+
+
+def rank_placeholder_overrides(args: list[str]) -> list[str]:
+    """Hydra overrides that keep ranks > 0 of a torchrun / deepspeed / mpirun / srun launch out of outputs/.
+
+    Every rank runs Hydra; only rank 0's run directory is real. The others get a placeholder directory in /tmp
+    (removed by remove_rank_placeholder, and at exit) and learn rank 0's directory once torch.distributed is up.
+    """
+    import atexit
+    import tempfile
+
+    from ds_exp.distributed import launch_rank_from_env, launched_with_several_ranks
+
+    global _placeholder
+    if not launched_with_several_ranks():
+        return []
+    if "-m" in args or "--multirun" in args:
+        raise SystemExit(
+            "ds_exp: error: -m/--multirun under torchrun, mpirun, srun or the deepspeed launcher would run the whole "
+            "sweep on every rank; use a submitit launcher with several tasks per node instead "
+            "(hydra/launcher=slurm hydra.launcher.tasks_per_node=N)"
+        )
+    if launch_rank_from_env() == 0:
+        return []
+    _placeholder = tempfile.mkdtemp(prefix=f"ds_exp_rank{launch_rank_from_env()}_")
+    atexit.register(remove_rank_placeholder)  # however the process ends, short of a SIGKILL
+    return [f"hydra.run.dir={_placeholder}", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def remove_rank_placeholder() -> None:
+    global _placeholder
+    if _placeholder is not None:
+        shutil.rmtree(_placeholder, ignore_errors=True)
+        _placeholder = None
 
 
 class CheckRunDir(Callback):

@@ -29,7 +29,7 @@ from tests.training import FAST, launch
 def test_optimizer_choice(compose_cfg, overrides, accelerator, expected):
     cfg = compose_cfg(*overrides)
     ds = resolve_ds_config(cfg, RunFacts(world_size=1, hidden_size=64, total_steps=10, precision="fp32", run_dir="/r"))
-    assert optimizer_impl(cfg, ds, accelerator) == expected
+    assert optimizer_impl(cfg.optimizer, ds, accelerator) == expected
 
 
 def test_optimizer_that_cannot_work_with_offload_is_refused(tmp_path):
