@@ -64,9 +64,9 @@ def setup(cfg: Config, session: Session) -> Workload:
     if session.is_main:
         for note in max_seq_len_notes(cfg):
             log.warning(note)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
     model_config = build_model_config(cfg, tokenizer)
-    data = prepare_sft_data(cfg, tokenizer)
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     file_log.info("data statistics: %s", data.stats)  # the console has the pipeline's sentence
     steps = total_steps(len(data.train), cfg.train, world)
     warmup = warmup_steps(cfg.scheduler, steps)
@@ -279,7 +279,7 @@ def export(cfg: Config, session: Session, work: Workload) -> None:
         base_dtype=built.base_dtype,
         base_rows=built.base_rows,
         vocab_size=built.vocab_size,
-        tokenizer_source=tokenizer_source(cfg),
+        tokenizer_source=tokenizer_source(cfg.model),
         lora=built.lora,
         precision=session.precision,
         dtype=str(plain(cfg.train.export_dtype)),
