@@ -2,13 +2,13 @@
 
     python -m ds_exp -m experiment=autotune [model=... data=... hydra/launcher=slurm ...]
 
-`Autotune` (`hydra/sweeper=autotune`, hydra_plugins/ds_exp_autotune, chosen by the experiment) expands the grid of hydra.sweeper.params
-and the command line's sweeps the way Hydra's basic sweeper does, then sorts the candidates before anything is
-launched: a combination the config validation refuses (e.g. offload at ZeRO-0) is "not applicable", one whose
-estimated memory per rank (model states from ds_exp/memory.py, as the dry run computes them, plus activations)
-exceeds the memory budget is "ruled out"; the rest are launched as short probes through the configured launcher
-(one SLURM job each with hydra/launcher=slurm). The verdicts go to <sweep dir>/autotune.json; the sweep report
-(ds_exp/report.py) ranks the probes and prints the command line of the recommended one.
+`Autotune` (`hydra/sweeper=autotune`, named in hydra_plugins/ds_exp_autotune, chosen by the experiment) expands
+the grid of hydra.sweeper.params and the command line's sweeps the way Hydra's basic sweeper does, then sorts the
+candidates before anything is launched: a combination the config validation refuses (e.g. offload at ZeRO-0) is
+"not applicable", one whose estimated memory per rank (model states from ds_exp/memory.py, as the dry run computes
+them, plus activations) exceeds the memory budget is "ruled out"; the rest are launched as short probes through the
+configured launcher (one SLURM job each with hydra/launcher=slurm). The verdicts go to <sweep dir>/autotune.json;
+the sweep report (ds_exp/report.py) ranks the probes and prints the command line of the recommended one.
 
 A custom sweeper, not Hydra's basic one plus a callback: a callback cannot drop single jobs from a cartesian
 product, and launching a job only for it to decline would still queue it on SLURM.
