@@ -83,7 +83,8 @@ class Autotune(Sweeper):
 
         grid = [f"{key}={value}" for key, value in self.params.items()] + list(arguments)
         parsed = OverridesParser.create().parse_overrides(grid)
-        swept = list(dict.fromkeys(o.get_key_element() for o in parsed if o.is_sweep_override()))
+        last = {o.get_key_element(): o.is_sweep_override() for o in parsed}  # the command line wins, as in Hydra
+        swept = [key for key, is_sweep in last.items() if is_sweep]
         if not swept:
             fail(
                 [
