@@ -84,7 +84,7 @@ def table(rows: list[Row], tol: Tolerance) -> str:
         for r in rows
     ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in [header, *body]]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths[:-1]))
     lines.append(f"tolerance (relative): loss {tol.loss:.0e}, grad_norm {tol.grad_norm:.0e}")
     return "\n".join(lines)

@@ -213,20 +213,52 @@ def comparability_problems(a: Side, b: Side) -> list[str]:
                 f"{key} differs (A {va}, B {vb}): parity compares two ways of training the same model; give both "
                 "sides the same model"
             )
+    for key, va, vb in _differences(da["scheduler"], db["scheduler"], "scheduler"):
+        if key != "scheduler.owner":  # who steps the schedule may differ, not its shape
+            problems.append(
+                f"{key} differs (A {va}, B {vb}): the learning rate schedule must be the same on both sides; give "
+                "both sides the same scheduler settings"
+            )
     for key, va, vb in _differences(da["data"], db["data"], "data"):
         if key == "data.packing":
-            problems.append(
-                f"data.packing differs (A {va}, B {vb}): a packed row holds several examples, so the two sides' "
-                "steps train on different examples and no step of one has a counterpart in the other; parity cannot "
-                "compare them. Compare full runs instead: python -m ds_exp -m data.packing=false,true (eval "
-                "perplexity in the sweep report)"
-            )
-        elif not key.startswith(_DATA_KEYS_FREE):
+            continue  # comparable when packing joins no two examples: packing_problems, once the data are built
+        if not key.startswith(_DATA_KEYS_FREE):
             problems.append(
                 f"{key} differs (A {va}, B {vb}): every step must train on the same tokens; give both sides the same "
                 "data settings"
             )
     return problems
+
+
+def packing_problems(a: Side, b: Side) -> list[str]:
+    """Packing on one side only: comparable when it joined no two examples (the rows, and so every step's samples,
+    are the same; what differs is how attention keeps examples apart). Tells by building both sides' train sets
+    into the data cache, which the runs then reuse."""
+    assert a.cfg is not None and b.cfg is not None
+    if a.cfg.data.packing == b.cfg.data.packing:
+        return []
+    import datasets
+
+    from ds_exp.data import load_tokenizer, prepare_sft_data
+
+    datasets.disable_progress_bars()  # the data pipeline's own notes (truncated, dropped) still print
+    rows = {}
+    for side in (a, b):
+        assert side.cfg is not None
+        tokenizer = load_tokenizer(side.cfg.model, side.cfg.data)
+        rows[side.name] = prepare_sft_data(side.cfg.data, tokenizer, seed=side.cfg.train.seed).train
+    packed, plain = (a, b) if a.cfg.data.packing else (b, a)
+    if len(rows[packed.name]) == len(rows[plain.name]):
+        return []
+    shortest = min(len(ids) for ids in rows[plain.name]["input_ids"])
+    return [
+        f"data.packing differs (side {packed.name} packs): packing joined {len(rows[plain.name])} train examples "
+        f"into {len(rows[packed.name])} rows, so the two sides' steps train on different examples and no step of "
+        "one has a counterpart in the other. Parity can compare packing on and off only where it joins no two "
+        f"examples: data.max_seq_len={2 * shortest - 1} or less on both sides (the shortest example has {shortest} "
+        "tokens). To compare packing's effect on quality, compare full runs: python -m ds_exp -m "
+        "data.packing=false,true (eval perplexity in the sweep report)"
+    ]
 
 
 def _batch_fix(a: Side, b: Side) -> str:
