@@ -68,7 +68,9 @@ def test_a_different_learning_rate_fails_with_the_table(tmp_path, cache_dir):
     rows = result(tmp_path)["rows"]
     assert rows[0]["ok"] and rows[0]["loss_diff"] < 1e-6
     assert not rows[1]["ok"] and not rows[2]["ok"]
-    assert "FAIL: 2 of 3 steps out of tolerance; first at step 2: the loss differs" in proc.stdout
+    assert "FAIL: 2 of 3 steps out of tolerance; first at step 2: " in proc.stdout
+    table = [line.split() for line in lines if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert [row[-1] for row in table] == ["ok", "DIFFERS", "DIFFERS"], proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -108,3 +110,21 @@ def test_comparisons_that_cannot_agree_are_refused_before_anything_runs(tmp_path
     assert flag.returncode == 2, explain(flag)
     assert "side A: train.max_steps=9: parity sets it from --steps N" in flag.stderr
     assert "side B: -m: not a Hydra override" in flag.stderr
+
+
+def test_a_side_without_grad_norm_is_compared_on_losses_and_a_missing_step_fails(tmp_path):
+    from ds_exp.parity.compare import Tolerance, compare, notes, verdict
+    from ds_exp.parity.runs import SideRun
+
+    def side(*lines: tuple[float, float | None]) -> SideRun:
+        records = [{"type": "train", "step": i, "loss": loss, "grad_norm": g} for i, (loss, g) in enumerate(lines, 1)]
+        return SideRun(tmp_path, tmp_path / "log", 0, 1.0, records=records)
+
+    tol = Tolerance(loss=1e-3, grad_norm=1e-2)
+    a, b = side((6.0, None), (5.0, None)), side((6.0, 7.0), (5.0, 9.0))
+    rows = compare(a, b, 2, tol)
+    assert all(r.ok for r in rows) and verdict(rows, tol).startswith("PASS")
+    assert notes(rows) and "side A logged no grad_norm" in notes(rows)[0]
+    rows = compare(a, side((6.0, 7.0)), 2, tol)
+    assert [r.ok for r in rows] == [True, False]
+    assert verdict(rows, tol).endswith("first at step 2: side B logged no loss for it")

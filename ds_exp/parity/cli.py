@@ -125,6 +125,8 @@ def run(args: argparse.Namespace, a: Side, b: Side, out: Path) -> int:
     verdict = compare.verdict(rows, tol)
     print(f"A: {a.shown}\nB: {b.shown}")
     print(compare.table(rows, tol))
+    for note in compare.notes(rows):
+        print(f"note: {note}")
     print(verdict)
     record = {
         "A": {"overrides": a.overrides, "ranks": a.ranks, "run_dir": str(out / "A")},
