@@ -105,9 +105,12 @@ def run(args: argparse.Namespace, a: Side, b: Side, out: Path) -> int:
     for note in dropout_notes(a, b):
         print(f"note: {note}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
+    common = [o for o in a.overrides if o in b.overrides]
+    if common:
+        print(f"both sides: {' '.join(common)}")
     results = {}
     for side in (a, b):
-        print(f"side {side.name}: {side.shown}: {args.steps} steps -> {out / side.name}", flush=True)
+        print(f"side {side.name}: {side.shown(common)}: {args.steps} steps -> {out / side.name}", flush=True)
         run_dir = out / side.name
         result = run_side(side, forced_overrides(args.steps, run_dir), run_dir, out / f"{side.name}.log")
         if not result.ok:
@@ -123,7 +126,6 @@ def run(args: argparse.Namespace, a: Side, b: Side, out: Path) -> int:
     )
     rows = compare.compare(ra, rb, args.steps, tol)
     verdict = compare.verdict(rows, tol)
-    print(f"A: {a.shown}\nB: {b.shown}")
     print(compare.table(rows, tol))
     for note in compare.notes(rows):
         print(f"note: {note}")

@@ -8,7 +8,7 @@ something when both start from the same weights and draw the same samples at eve
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,10 +68,9 @@ class Side:
     env: dict[str, str] = field(default_factory=dict)  # DS_EXP_SECRET_* values for the side's processes
     cfg: Config | None = None
 
-    @property
-    def shown(self) -> str:
-        """The side in words: its overrides and ranks."""
-        overrides = " ".join(self.overrides) or "(defaults)"
+    def shown(self, common: Sequence[str] = ()) -> str:
+        """The side in words: its overrides (less those both sides share) and ranks."""
+        overrides = " ".join(o for o in self.overrides if o not in common) or "(no other overrides)"
         return f"{overrides} ({self.ranks} rank{'s' if self.ranks > 1 else ''})"
 
     @property
