@@ -93,7 +93,7 @@ def test_comparisons_that_cannot_agree_are_refused_before_anything_runs(tmp_path
         tmp_path,
         cache_dir,
         a=["model.arch.num_hidden_layers=1", "scheduler=linear"],
-        b=["train.micro_batch_size=2", "train.seed=7"],
+        b=["train.micro_batch_size=2", "train.seed=7", "lora.dim=8"],
     )
     assert proc.returncode == 2, explain(proc)
     err = proc.stderr
@@ -103,6 +103,7 @@ def test_comparisons_that_cannot_agree_are_refused_before_anything_runs(tmp_path
     assert "model.arch.num_hidden_layers differs (A 1, B 2)" in err
     assert "train.seed differs (A 1234, B 7)" in err
     assert "scheduler.name differs (A linear, B cosine)" in err
+    assert "lora.dim differs (A 0, B 8)" in err
     assert "Traceback" not in err
     assert not (tmp_path / "cmp").exists()
 

@@ -151,4 +151,8 @@ def main(argv: list[str]) -> int:
     except DsExpError as err:
         report_user_error(err, traceback_hint=False)
         return err.exit_code
-    return run(args, a, b, out)
+    try:
+        return run(args, a, b, out)
+    except KeyboardInterrupt:  # the side's processes got the same Ctrl-C and stop on their own
+        print(f"parity: interrupted; what ran so far is in {out}", file=sys.stderr)
+        return 130

@@ -212,6 +212,12 @@ def comparability_problems(a: Side, b: Side) -> list[str]:
                 f"{key} differs (A {va}, B {vb}): parity compares two ways of training the same model; give both "
                 "sides the same model"
             )
+    for key, va, vb in _differences(da["lora"], db["lora"], "lora"):
+        if key != "lora.dropout":  # which weights train, and how adapters scale them
+            problems.append(
+                f"{key} differs (A {va}, B {vb}): the two sides would train different weights; give both sides the "
+                "same LoRA settings"
+            )
     for key, va, vb in _differences(da["scheduler"], db["scheduler"], "scheduler"):
         if key != "scheduler.owner":  # who steps the schedule may differ, not its shape
             problems.append(
