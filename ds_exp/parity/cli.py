@@ -19,7 +19,8 @@ EPILOG = """examples:
   python -m ds_exp.parity --ranks 2,1 train.micro_batch_size=2 -- train.micro_batch_size=2 \\
       train.gradient_accumulation_steps=2
 Both sides start from the same weights (train.seed) and train on the same samples at every step; parity refuses
-comparisons where they could not (another model, global batch, schedule, seed or data)."""
+comparisons where they could not (another model, global batch, schedule, seed or data).
+exit status: 0 every step within tolerance, 1 a step is not (or a side failed), 2 refused."""
 
 
 def parser() -> argparse.ArgumentParser:
