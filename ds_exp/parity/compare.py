@@ -17,8 +17,10 @@ class Tolerance:
 
 
 # fp32: the sides differ only in the order of floating-point sums (ZeRO's partitioned reductions, how the batch is
-# split), a few 1e-6 relative per step that Adam's first steps amplify. 16-bit: each side rounds its own way.
-DEFAULT_TOLERANCE = {"fp32": Tolerance(loss=1e-3, grad_norm=1e-2), "16-bit": Tolerance(loss=2e-2, grad_norm=1e-1)}
+# split): measured on CPU with the tiny model, <= 2e-7 relative over 5 steps. 16-bit: each side rounds its own way:
+# bf16 2 ranks vs 1 rank accumulating <= 2e-4, fp32 vs bf16 <= 5e-4 (loss) and 2e-3 (grad_norm). The defaults leave
+# headroom for longer checks and GPU kernels; a 2x learning rate exceeds them within 2-3 steps.
+DEFAULT_TOLERANCE = {"fp32": Tolerance(loss=1e-3, grad_norm=1e-2), "16-bit": Tolerance(loss=1e-2, grad_norm=5e-2)}
 
 
 def default_tolerance(precisions: list[str | None]) -> tuple[Tolerance, str]:
