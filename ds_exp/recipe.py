@@ -96,6 +96,9 @@ def setup(cfg: Config, session: Session) -> Workload:
         cfg, built.model, ds_config, total_steps=steps, warmup_steps=warmup, accelerator=session.accelerator
     )
     state.optimizer = engine.optimizer
+    # every rank's own record of what it trains with (a study checks each rank got the trial's value)
+    lrs = ", ".join(repr(float(group["lr"])) for group in engine.engine.optimizer.param_groups)
+    file_log.info("learning rate of step 1 per parameter group: %s", lrs)
     if cfg.train.compile:
         engine.engine.compile()  # torch.compile of the wrapped module, DeepSpeed's hooks kept working
     return Workload(

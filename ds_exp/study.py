@@ -1,0 +1,428 @@
+"""Hyperparameter search with optuna: the `hydra/sweeper=optuna` sweeper (conf/hydra/sweeper/optuna.yaml).
+
+    python -m ds_exp -m hydra/sweeper=optuna 'optimizer.lr=tag(log,interval(1e-5,1e-3))' hydra.sweeper.n_trials=20
+
+A thin Hydra sweeper over optuna's ask / tell (hydra-optuna-sweeper 1.3.0 pins optuna < 3, whose SQLite storage
+fails under SQLAlchemy 2). Each trial is one job of the launcher in use (the basic one: one process; `local` /
+`slurm`: one submitit job whose tasks are the ranks of one run), composed and validated here once, so every rank
+trains with the trial's values. What a trial scores is read from its summary.json (`objective`):
+* completed with the objective a finite number -> COMPLETE with that value;
+* diverged (train.max_bad_steps non-finite losses in a row, or a non-finite objective) -> PRUNED: the values
+  are bad, and the sampler learns that;
+* anything else (invalid config, a failed or killed run) -> FAIL, with the error recorded; the study goes on.
+The study lives in the sweep directory (outputs/optuna/<study_name>/optuna.db, SQLite), so the same command run
+again continues it up to `n_trials` finished trials; each trial's run directory is named by its trial number.
+`study.json` beside it records every trial for the sweep report (ds_exp/study_report.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from ds_exp.errors import ConfigError, DsExpError
+
+log = logging.getLogger(__name__)
+
+STUDY_FILE = "study.json"
+DB_FILE = "optuna.db"
+LOCK_FILE = ".study.lock"
+# Numbers a run's summary.json reports that a study may optimise (ds_exp/summary.py, ds_exp/evaluate.py).
+EVAL_METRICS = ("eval_loss", "perplexity")
+RUN_METRICS = ("train_loss", "tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "wall_time_s")
+OBJECTIVES = tuple(f"final_eval.{m}" for m in EVAL_METRICS) + RUN_METRICS
+# The settings that make a study what it is: a continued study must keep them.
+ABANDONED = "the sweep that ran it ended before it did"
+IDENTITY = ("study_name", "storage", "objective", "direction", "search_space", "fixed")
+
+
+def is_study_sweep(config: DictConfig) -> bool:
+    return str(config.hydra.sweeper.get("_target_", "")).endswith(".OptunaSweeper")
+
+
+class StudySweeper(Sweeper):
+    """The optuna sweeper; Hydra finds it as hydra_plugins.ds_exp_optuna.optuna_sweeper.OptunaSweeper."""
+
+    def __init__(
+        self,
+        objective: str = "final_eval.eval_loss",
+        direction: str = "minimize",
+        study_name: str | None = None,
+        storage: str | None = None,
+        n_trials: int = 20,
+        n_jobs: int = 1,
+        sampler: Any = None,
+        params: Any = None,
+        sweep_dir: str | None = None,  # read by conf/config.yaml's hydra.sweep.dir, not here
+    ) -> None:
+        super().__init__()
+        self.objective, self.direction, self.study_name = objective, direction, study_name
+        self.storage, self.n_trials, self.n_jobs = storage, n_trials, n_jobs
+        self.sampler_cfg = sampler
+        self.params = OmegaConf.to_container(params, resolve=True) if OmegaConf.is_config(params) else params or {}
+        self.hydra_context: HydraContext | None = None
+        self.config: DictConfig | None = None
+        self.launcher: Any = None
+        self._lock: Any = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    def sweep(self, arguments: list[str]) -> Any:
+        from ds_exp.console import report_user_error
+
+        try:
+            return self.run_study(arguments)
+        except DsExpError as err:
+            report_user_error(err, traceback_hint=False)
+            raise SystemExit(err.exit_code) from None
+
+    # ------------------------------------------------------------------------------------------ the study
+    def run_study(self, arguments: list[str]) -> list[Any]:
+        import optuna
+
+        from ds_exp.search_space import parse_search_space
+
+        assert self.config is not None and self.hydra_context is not None
+        self.check_settings()
+        loader = self.hydra_context.config_loader
+        space = parse_search_space([f"{k}={v}" for k, v in self.params.items()] + list(arguments), loader)
+        if not space.distributions:
+            raise ConfigError(
+                "hydra/sweeper=optuna needs a search space: e.g. 'optimizer.lr=tag(log,interval(1e-5,1e-3))' "
+                "'zero=stage2,stage3' on the command line, or hydra.sweeper.params"
+            )
+        self.check_composes(space)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        storage = self.storage or f"sqlite:///{sweep_dir.resolve() / DB_FILE}"
+        identity = {
+            "study_name": self.study_name,
+            "storage": shown_storage(storage),
+            "objective": self.objective,
+            "direction": self.direction,
+            "search_space": space.as_json(),
+            "fixed": space.fixed,
+        }
+        check_study_dir(sweep_dir, identity)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        self.lock(sweep_dir)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # the sweeper says what happens, once
+        study = optuna.create_study(
+            storage=storage, study_name=self.study_name, direction=self.direction, load_if_exists=True
+        )
+        if study.direction.name.lower() != self.direction:
+            raise ConfigError(
+                f"hydra.sweeper.direction={self.direction}: study {self.study_name} in {shown_storage(storage)} "
+                f"was created to {study.direction.name.lower()}; keep its direction or name a new study"
+            )
+        fail_abandoned_trials(study, sweep_dir)
+        study.sampler = self.make_sampler(len(study.trials))
+        self.save_sweep_config(sweep_dir)
+        write_study(sweep_dir, study, identity, self.n_trials)
+        done = finished(study)
+        print(
+            f"ds_exp: optuna study {self.study_name} in {sweep_dir}: {done} of {self.n_trials} trials finished"
+            f"{'' if done < self.n_trials else ', nothing to run (raise hydra.sweeper.n_trials to continue it)'}; "
+            f"objective {self.objective} ({self.direction})"
+        )
+        returns = []
+        while (done := finished(study)) < self.n_trials:
+            trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, self.n_trials - done))]
+            missing = self.run_trials(study, trials, space.overrides, sweep_dir)
+            write_study(sweep_dir, study, identity, self.n_trials)
+            if missing:
+                raise ConfigError(missing)
+            returns.append(trials)
+        return returns
+
+    def check_settings(self) -> None:
+        problems = []
+        if self.objective not in OBJECTIVES:
+            problems.append(
+                f"hydra.sweeper.objective={self.objective}: no run's summary.json reports it; choose one of "
+                f"{', '.join(OBJECTIVES)}"
+            )
+        if self.direction not in ("minimize", "maximize"):
+            problems.append(f"hydra.sweeper.direction={self.direction}: must be minimize or maximize")
+        for key in ("n_trials", "n_jobs"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                problems.append(f"hydra.sweeper.{key}={getattr(self, key)}: must be a whole number >= 1")
+        if not self.study_name:
+            problems.append("hydra.sweeper.study_name is empty: name the study (it names its directory too)")
+        if problems:
+            raise ConfigError(problems)
+
+    def check_composes(self, space: Any) -> None:
+        """The corners of the space are composed first: an unknown key or option (or a float for an integer) would
+        fail every trial, so it stops the study before anything runs."""
+        from ds_exp.search_space import probe_overrides
+
+        problems = []
+        for overrides in probe_overrides(space):
+            try:
+                self.compose(overrides)
+            except Exception as err:  # Hydra's / OmegaConf's composition errors
+                problem = (
+                    f"hydra/sweeper=optuna: a trial with [{' '.join(overrides)}] cannot be composed: "
+                    + (str(err).splitlines()[0])
+                )
+                if problem not in problems:
+                    problems.append(problem)
+        if problems:
+            raise ConfigError(problems)
+
+    def compose(self, overrides: list[str], number: int | None = None) -> DictConfig:
+        assert self.hydra_context is not None and self.config is not None
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        if number is not None:
+            with read_write(cfg.hydra), open_dict(cfg.hydra):
+                cfg.hydra.job.num = number
+        return cfg
+
+    def make_sampler(self, trials_so_far: int) -> Any:
+        """The configured sampler; a seeded one is seeded with seed + the trials so far, so that a continued study
+        does not draw the first invocation's values again."""
+        from hydra.utils import instantiate
+
+        if not self.sampler_cfg:
+            return None
+        sampler_cfg = self.sampler_cfg
+        if OmegaConf.is_config(sampler_cfg):
+            sampler_cfg = OmegaConf.to_container(sampler_cfg, resolve=True)
+        sampler_cfg = dict(sampler_cfg)
+        if sampler_cfg.get("seed") is not None:
+            sampler_cfg["seed"] = int(sampler_cfg["seed"]) + trials_so_far
+        try:
+            return instantiate(sampler_cfg)
+        except Exception as err:
+            raise ConfigError(f"hydra.sweeper.sampler: {str(err).splitlines()[0]}") from None
+
+    def save_sweep_config(self, sweep_dir: Path) -> None:
+        """multirun.yaml as Hydra's basic sweeper writes it; a continued study keeps the first one."""
+        target = sweep_dir / "multirun.yaml"
+        if target.exists():
+            target = sweep_dir / f"multirun-{time.strftime('%Y-%m-%d_%H-%M-%S')}.yaml"
+        OmegaConf.save(self.config, target)
+
+    def lock(self, sweep_dir: Path) -> None:
+        """One sweeper per study directory at a time (a second one would take the first one's trials for dead)."""
+        import fcntl
+
+        handle = (sweep_dir / LOCK_FILE).open("a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise ConfigError(
+                f"hydra.sweep.dir={sweep_dir}: another sweep is running this study right now; wait for it to end"
+            ) from None
+        self._lock = handle  # held until the process ends
+
+    # ----------------------------------------------------------------------------------------- the trials
+    def run_trials(self, study: Any, trials: list[Any], overrides_of: Any, sweep_dir: Path) -> list[str]:
+        """Compose and validate each trial once, launch the valid ones, tell the study how each ended. Returns the
+        problems that stop the study (an objective the runs do not report)."""
+        from optuna.trial import TrialState
+
+        from ds_exp.config.schema import to_config
+        from ds_exp.config.validate import validate
+        from ds_exp.run_dir import holds_a_run
+        from ds_exp.secrets import redact_text
+
+        launch: list[tuple[Any, list[str], Path]] = []
+        for trial in trials:
+            overrides = overrides_of(trial.params)
+            trial.set_user_attr("overrides", overrides)
+            trial.set_user_attr("sweep_dir", str(sweep_dir))
+            error = None
+            try:
+                cfg = self.compose(overrides, trial.number)
+                job_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+                trial.set_user_attr("job_dir", str(job_dir))
+                validate(to_config(cfg))
+                found = holds_a_run(job_dir, "checkpoints")
+                if found:
+                    error = f"{job_dir} already holds a run ({found}); it was left as it is"
+            except DsExpError as err:
+                error = f"invalid trial, not launched: {err}"
+            except Exception as err:  # composition errors from Hydra / OmegaConf
+                error = f"could not be composed, not launched: {str(err).splitlines()[0]}"
+            if error is not None:
+                self.tell(study, trial, TrialState.FAIL, None, redact_text(error))
+            else:
+                launch.append((trial, overrides, job_dir))
+        launch_error = self.launch(launch)
+        missing = []
+        for trial, _, job_dir in launch:
+            state, value, error, summary = outcome(job_dir, self.objective, launch_error)
+            if summary is not None:
+                trial.set_user_attr("world_size", summary.get("world_size"))
+            if state == "MISSING":
+                reported = ", ".join(numbers_in(summary or {})) or "none"
+                missing.append(
+                    f"hydra.sweeper.objective={self.objective}: trial {trial.number}'s run completed but its "
+                    f"summary.json ({job_dir}) has no value for it, so no run will; numbers it reports: {reported}"
+                )
+                state, error = "FAIL", missing[-1]
+            self.tell(study, trial, getattr(TrialState, state), value, error)
+        return missing
+
+    def launch(self, batch: list[tuple[Any, list[str], Path]]) -> str | None:
+        """Launch the batch (its job numbers are its trial numbers); the launcher's own error, if it raised."""
+        groups: list[list[tuple[Any, list[str], Path]]] = []
+        for item in batch:  # trial numbers in a batch are consecutive unless another process asked in between
+            if groups and groups[-1][-1][0].number + 1 == item[0].number:
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        error = None
+        for group in groups:
+            try:
+                self.launcher.launch([overrides for _, overrides, _ in group], initial_job_idx=group[0][0].number)
+            except Exception as err:  # e.g. submitit: a job whose process died; its summary.json tells the rest
+                error = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+                log.warning("the launcher reported: %s", error)
+        return error
+
+    def tell(self, study: Any, trial: Any, state: Any, value: float | None, error: str | None) -> None:
+        if error is not None:
+            trial.set_user_attr("error", error[:2000])
+        study.tell(trial, value if state.name == "COMPLETE" else None, state=state)
+        shown = f"{self.objective}={value:.6g}" if value is not None else (error or "").splitlines()[0][:300]
+        print(f"ds_exp: trial {trial.number} {state.name.lower()}: {shown}")
+
+
+def outcome(job_dir: Path, objective: str, launch_error: str | None) -> tuple[str, Any, str | None, Any]:
+    """(state, value, error, summary) of a launched trial, from its run's summary.json."""
+    summary_file = job_dir / "summary.json"
+    if not summary_file.is_file():
+        why = f"; the launcher reported {launch_error}" if launch_error else ""
+        return "FAIL", None, f"{summary_file} missing: the run never reached training or was killed{why}", None
+    summary = json.loads(summary_file.read_text())
+    status, error = summary.get("status"), summary.get("error")
+    if status == "failed" and str(error).startswith("Diverged:"):
+        return "PRUNED", None, error, summary
+    if status != "completed":
+        return "FAIL", None, f"status {status}: {error}", summary
+    value = metric(summary, objective)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "MISSING", None, None, summary
+    if not math.isfinite(value):
+        return "PRUNED", None, f"{objective} is {value}: the run diverged", summary
+    return "COMPLETE", float(value), None, summary
+
+
+def metric(summary: dict[str, Any], path: str) -> Any:
+    value: Any = summary
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def numbers_in(summary: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted names of the numbers a summary.json holds (for the message when the objective is not one)."""
+    names = []
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            names += numbers_in(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            names.append(f"{prefix}{key}")
+    return names
+
+
+def finished(study: Any) -> int:
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
+
+
+def fail_abandoned_trials(study: Any, sweep_dir: Path) -> None:
+    """Trials of this directory still RUNNING belong to a sweep that ended before they did (Ctrl-C, a lost
+    login node): they are recorded as failed; their run directories stay as they are."""
+    from optuna.trial import TrialState
+
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if trial.user_attrs.get("sweep_dir") == str(sweep_dir):
+            study.tell(trial.number, state=TrialState.FAIL)  # study.json says why (a FAIL without an error)
+
+
+def check_study_dir(sweep_dir: Path, identity: dict[str, Any]) -> None:
+    """A study continues only in its own directory, with the settings it was started with."""
+    record = sweep_dir / STUDY_FILE
+    if not record.is_file():
+        jobs = sorted(p.parent.parent.name for p in sweep_dir.glob("*/.hydra/config.yaml"))
+        if jobs:
+            raise ConfigError(
+                f"hydra.sweep.dir={sweep_dir} already holds the jobs of a sweep that is no optuna study "
+                f"({', '.join(jobs[:5])}); nothing was changed. Leave hydra.sweep.dir unset (outputs/optuna/"
+                "<study_name>) or give a new one"
+            )
+        return
+    earlier = json.loads(record.read_text())
+    changed = [key for key in IDENTITY if earlier.get(key) != identity[key]]
+    if changed:
+        lines = [f"{key}: was {earlier.get(key)}, now {identity[key]}" for key in changed]
+        raise ConfigError(
+            [
+                f"hydra.sweep.dir={sweep_dir} holds optuna study {earlier.get('study_name')} started with other "
+                "settings; nothing was changed. Continue it with its first command (n_trials and the launcher may "
+                "change), or start another study: hydra.sweeper.study_name=NEW",
+                *lines,
+            ]
+        )
+
+
+def shown_storage(storage: str) -> str:
+    """A storage URL without its password (it reaches study.json, the report and messages)."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", storage)
+
+
+def command_line(overrides: list[str], world_size: int | None) -> str:
+    """The command that trains a trial's config again as a single run."""
+    launcher = ["python", "-m", "ds_exp"]
+    if world_size and world_size > 1:
+        launcher = ["torchrun", f"--nproc_per_node={world_size}", "-m", "ds_exp"]
+    return " ".join(launcher + [shlex.quote(item) for item in overrides])
+
+
+def write_study(sweep_dir: Path, study: Any, identity: dict[str, Any], n_trials: int) -> None:
+    """study.json: the study's settings and every trial, for the sweep report (ds_exp/study_report.py)."""
+    from optuna.trial import TrialState
+
+    from ds_exp.atomic import write_json_atomic
+
+    trials = []
+    for trial in study.get_trials(deepcopy=False):
+        attrs = trial.user_attrs
+        trials.append(
+            {
+                "number": trial.number,
+                "state": trial.state.name,
+                "value": trial.value,
+                "params": trial.params,
+                "overrides": attrs.get("overrides"),
+                "job_dir": attrs.get("job_dir"),
+                "world_size": attrs.get("world_size"),
+                "error": attrs.get("error") or (ABANDONED if trial.state == TrialState.FAIL else None),
+            }
+        )
+    best = None
+    if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        best = next(t for t in trials if t["number"] == study.best_trial.number)
+        best = {**best, "command": command_line(best["overrides"] or [], best["world_size"])}
+    write_json_atomic(sweep_dir / STUDY_FILE, {**identity, "n_trials": n_trials, "trials": trials, "best": best})
