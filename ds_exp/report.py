@@ -128,10 +128,14 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
         writer.writeheader()
         writer.writerows(rows)
     table = markdown(rows)
-    (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n")
+    from ds_exp.study_record import study_section
+
+    study = study_section(sweep_dir)  # an optuna study's trials and its best one (hydra/sweeper=optuna)
+    study = f"\n{study}" if study else ""
+    (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{study}")
     if rows:
         plot(rows, sweep_dir / "report.png")
-    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}")
+    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}{study}")
     return rows
 
 

@@ -109,7 +109,7 @@ def check_sweep_start(config: DictConfig) -> None:
 
     sweep_dir = Path(str(config.hydra.sweep.dir))
     check_writable(sweep_dir, "hydra.sweep.dir")
-    from ds_exp.study import is_study_sweep
+    from ds_exp.study_record import is_study_sweep
 
     if is_study_sweep(config):
         return  # an optuna study continues in its own directory: ds_exp/study.py checks it is that study's

@@ -12,42 +12,36 @@ trains with the trial's values. What a trial scores is read from its summary.jso
 * anything else (invalid config, a failed or killed run) -> FAIL, with the error recorded; the study goes on.
 The study lives in the sweep directory (outputs/optuna/<study_name>/optuna.db, SQLite), so the same command run
 again continues it up to `n_trials` finished trials; each trial's run directory is named by its trial number.
-`study.json` beside it records every trial for the sweep report (ds_exp/study_report.py).
+`study.json` beside it records every trial for the sweep report (ds_exp/study_record.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import re
-import shlex
 import time
 from pathlib import Path
 from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.errors import ConfigError, DsExpError
+from ds_exp.study_record import (
+    OBJECTIVES,
+    check_study_dir,
+    fail_abandoned_trials,
+    finished,
+    numbers_in,
+    outcome,
+    shown_storage,
+    write_study,
+)
 
 log = logging.getLogger(__name__)
 
-STUDY_FILE = "study.json"
 DB_FILE = "optuna.db"
 LOCK_FILE = ".study.lock"
-# Numbers a run's summary.json reports that a study may optimise (ds_exp/summary.py, ds_exp/evaluate.py).
-EVAL_METRICS = ("eval_loss", "perplexity")
-RUN_METRICS = ("train_loss", "tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "wall_time_s")
-OBJECTIVES = tuple(f"final_eval.{m}" for m in EVAL_METRICS) + RUN_METRICS
-# The settings that make a study what it is: a continued study must keep them.
-ABANDONED = "the sweep that ran it ended before it did"
-IDENTITY = ("study_name", "storage", "objective", "direction", "search_space", "fixed")
-
-
-def is_study_sweep(config: DictConfig) -> bool:
-    return str(config.hydra.sweeper.get("_target_", "")).endswith(".OptunaSweeper")
 
 
 class StudySweeper(Sweeper):
@@ -186,13 +180,9 @@ class StudySweeper(Sweeper):
         if problems:
             raise ConfigError(problems)
 
-    def compose(self, overrides: list[str], number: int | None = None) -> DictConfig:
+    def compose(self, overrides: list[str]) -> DictConfig:
         assert self.hydra_context is not None and self.config is not None
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-        if number is not None:
-            with read_write(cfg.hydra), open_dict(cfg.hydra):
-                cfg.hydra.job.num = number
-        return cfg
+        return self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
 
     def make_sampler(self, trials_so_far: int) -> Any:
         """The configured sampler; a seeded one is seeded with seed + the trials so far, so that a continued study
@@ -239,29 +229,26 @@ class StudySweeper(Sweeper):
         problems that stop the study (an objective the runs do not report)."""
         from optuna.trial import TrialState
 
-        from ds_exp.config.schema import to_config
-        from ds_exp.config.validate import validate
         from ds_exp.run_dir import holds_a_run
         from ds_exp.secrets import redact_text
+        from ds_exp.sweep import check_job
 
+        assert self.hydra_context is not None and self.config is not None
         launch: list[tuple[Any, list[str], Path]] = []
         for trial in trials:
             overrides = overrides_of(trial.params)
             trial.set_user_attr("overrides", overrides)
             trial.set_user_attr("sweep_dir", str(sweep_dir))
-            error = None
-            try:
-                cfg = self.compose(overrides, trial.number)
+            # composed and validated once, here, as the basic sweeper's jobs are (ds_exp/sweep.py): the ranks
+            # compose the same overrides (floats written exactly) and train with the trial's values
+            cfg, problems = check_job(self.hydra_context.config_loader, self.config, overrides, trial.number)
+            error = f"invalid trial, not launched: {'; '.join(problems)}" if problems else None
+            if cfg is not None:
                 job_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
                 trial.set_user_attr("job_dir", str(job_dir))
-                validate(to_config(cfg))
                 found = holds_a_run(job_dir, "checkpoints")
                 if found:
                     error = f"{job_dir} already holds a run ({found}); it was left as it is"
-            except DsExpError as err:
-                error = f"invalid trial, not launched: {err}"
-            except Exception as err:  # composition errors from Hydra / OmegaConf
-                error = f"could not be composed, not launched: {str(err).splitlines()[0]}"
             if error is not None:
                 self.tell(study, trial, TrialState.FAIL, None, redact_text(error))
             else:
@@ -305,124 +292,3 @@ class StudySweeper(Sweeper):
         study.tell(trial, value if state.name == "COMPLETE" else None, state=state)
         shown = f"{self.objective}={value:.6g}" if value is not None else (error or "").splitlines()[0][:300]
         print(f"ds_exp: trial {trial.number} {state.name.lower()}: {shown}")
-
-
-def outcome(job_dir: Path, objective: str, launch_error: str | None) -> tuple[str, Any, str | None, Any]:
-    """(state, value, error, summary) of a launched trial, from its run's summary.json."""
-    summary_file = job_dir / "summary.json"
-    if not summary_file.is_file():
-        why = f"; the launcher reported {launch_error}" if launch_error else ""
-        return "FAIL", None, f"{summary_file} missing: the run never reached training or was killed{why}", None
-    summary = json.loads(summary_file.read_text())
-    status, error = summary.get("status"), summary.get("error")
-    if status == "failed" and str(error).startswith("Diverged:"):
-        return "PRUNED", None, error, summary
-    if status != "completed":
-        return "FAIL", None, f"status {status}: {error}", summary
-    value = metric(summary, objective)
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return "MISSING", None, None, summary
-    if not math.isfinite(value):
-        return "PRUNED", None, f"{objective} is {value}: the run diverged", summary
-    return "COMPLETE", float(value), None, summary
-
-
-def metric(summary: dict[str, Any], path: str) -> Any:
-    value: Any = summary
-    for part in path.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value
-
-
-def numbers_in(summary: dict[str, Any], prefix: str = "") -> list[str]:
-    """The dotted names of the numbers a summary.json holds (for the message when the objective is not one)."""
-    names = []
-    for key, value in summary.items():
-        if isinstance(value, dict):
-            names += numbers_in(value, f"{prefix}{key}.")
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            names.append(f"{prefix}{key}")
-    return names
-
-
-def finished(study: Any) -> int:
-    from optuna.trial import TrialState
-
-    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
-
-
-def fail_abandoned_trials(study: Any, sweep_dir: Path) -> None:
-    """Trials of this directory still RUNNING belong to a sweep that ended before they did (Ctrl-C, a lost
-    login node): they are recorded as failed; their run directories stay as they are."""
-    from optuna.trial import TrialState
-
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if trial.user_attrs.get("sweep_dir") == str(sweep_dir):
-            study.tell(trial.number, state=TrialState.FAIL)  # study.json says why (a FAIL without an error)
-
-
-def check_study_dir(sweep_dir: Path, identity: dict[str, Any]) -> None:
-    """A study continues only in its own directory, with the settings it was started with."""
-    record = sweep_dir / STUDY_FILE
-    if not record.is_file():
-        jobs = sorted(p.parent.parent.name for p in sweep_dir.glob("*/.hydra/config.yaml"))
-        if jobs:
-            raise ConfigError(
-                f"hydra.sweep.dir={sweep_dir} already holds the jobs of a sweep that is no optuna study "
-                f"({', '.join(jobs[:5])}); nothing was changed. Leave hydra.sweep.dir unset (outputs/optuna/"
-                "<study_name>) or give a new one"
-            )
-        return
-    earlier = json.loads(record.read_text())
-    changed = [key for key in IDENTITY if earlier.get(key) != identity[key]]
-    if changed:
-        lines = [f"{key}: was {earlier.get(key)}, now {identity[key]}" for key in changed]
-        raise ConfigError(
-            [
-                f"hydra.sweep.dir={sweep_dir} holds optuna study {earlier.get('study_name')} started with other "
-                "settings; nothing was changed. Continue it with its first command (n_trials and the launcher may "
-                "change), or start another study: hydra.sweeper.study_name=NEW",
-                *lines,
-            ]
-        )
-
-
-def shown_storage(storage: str) -> str:
-    """A storage URL without its password (it reaches study.json, the report and messages)."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", storage)
-
-
-def command_line(overrides: list[str], world_size: int | None) -> str:
-    """The command that trains a trial's config again as a single run."""
-    launcher = ["python", "-m", "ds_exp"]
-    if world_size and world_size > 1:
-        launcher = ["torchrun", f"--nproc_per_node={world_size}", "-m", "ds_exp"]
-    return " ".join(launcher + [shlex.quote(item) for item in overrides])
-
-
-def write_study(sweep_dir: Path, study: Any, identity: dict[str, Any], n_trials: int) -> None:
-    """study.json: the study's settings and every trial, for the sweep report (ds_exp/study_report.py)."""
-    from optuna.trial import TrialState
-
-    from ds_exp.atomic import write_json_atomic
-
-    trials = []
-    for trial in study.get_trials(deepcopy=False):
-        attrs = trial.user_attrs
-        trials.append(
-            {
-                "number": trial.number,
-                "state": trial.state.name,
-                "value": trial.value,
-                "params": trial.params,
-                "overrides": attrs.get("overrides"),
-                "job_dir": attrs.get("job_dir"),
-                "world_size": attrs.get("world_size"),
-                "error": attrs.get("error") or (ABANDONED if trial.state == TrialState.FAIL else None),
-            }
-        )
-    best = None
-    if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        best = next(t for t in trials if t["number"] == study.best_trial.number)
-        best = {**best, "command": command_line(best["overrides"] or [], best["world_size"])}
-    write_json_atomic(sweep_dir / STUDY_FILE, {**identity, "n_trials": n_trials, "trials": trials, "best": best})
