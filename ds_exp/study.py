@@ -68,6 +68,7 @@ class StudySweeper(Sweeper):
         self.config: DictConfig | None = None
         self.launcher: Any = None
         self._lock: Any = None
+        self.exhausted = False  # set when the sampler stops the study (its whole space tried)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -135,13 +136,15 @@ class StudySweeper(Sweeper):
             f"objective {self.objective} ({self.direction})"
         )
         returns = []
-        while (done := finished(study)) < self.n_trials:
+        while (done := finished(study)) < self.n_trials and not self.exhausted:
             trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, self.n_trials - done))]
             missing = self.run_trials(study, trials, space.overrides, sweep_dir)
             write_study(sweep_dir, study, identity, self.n_trials)
             if missing:
                 raise ConfigError(missing)
             returns.append(trials)
+        if self.exhausted:
+            print(f"ds_exp: the sampler has tried its whole search space: the study stops at {finished(study)} trials")
         return returns
 
     def check_settings(self) -> None:
@@ -289,6 +292,11 @@ class StudySweeper(Sweeper):
     def tell(self, study: Any, trial: Any, state: Any, value: float | None, error: str | None) -> None:
         if error is not None:
             trial.set_user_attr("error", error[:2000])
-        study.tell(trial, value if state.name == "COMPLETE" else None, state=state)
+        try:
+            study.tell(trial, value if state.name == "COMPLETE" else None, state=state)
+        except RuntimeError as err:  # a grid / brute-force sampler that has covered its space calls study.stop()
+            if "Study.stop" not in str(err):
+                raise
+            self.exhausted = True  # the trial was stored all the same (optuna stores it in a `finally`)
         shown = f"{self.objective}={value:.6g}" if value is not None else (error or "").splitlines()[0][:300]
         print(f"ds_exp: trial {trial.number} {state.name.lower()}: {shown}")
