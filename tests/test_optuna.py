@@ -1,5 +1,6 @@
 """hydra/sweeper=optuna (ds_exp/study.py): real studies of real runs, each trial a full run (2 ranks through
-submitit's local executor or the one-node SLURM cluster, or one process under the basic launcher)."""
+submitit's local executor or the one-node SLURM cluster, or one process under the basic launcher); the search
+space and the study record on their own (fast)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import pytest
 
 from tests.test_slurm import slurm  # noqa: F401  (the fixture: a running one-node cluster)
 from tests.training import FAST, multirun
-
-pytestmark = pytest.mark.slow
 
 SEARCH = ["hydra/sweeper=optuna", "optimizer.lr=tag(log,interval(1e-5,1e-3))", "hydra.sweeper.sampler.seed=0"]
 # constant schedule: the learning rate of step 1 is the trial's too
@@ -48,6 +47,7 @@ def assert_ranks_trained_with_the_trials_lr(sweep_dir: Path, trial, world_size: 
         assert values and all(v == trial.params["optimizer.lr"] for v in values), (rank, values, trial.params)
 
 
+@pytest.mark.slow
 def test_two_rank_trials_train_with_the_trials_lr_and_a_rerun_continues_the_study(tmp_path, cache_dir):
     sweep_dir = tmp_path / "study"
     args = [*SEARCH, *TINY, "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", f"data.cache_dir={cache_dir}"]
@@ -88,6 +88,7 @@ def test_two_rank_trials_train_with_the_trials_lr_and_a_rerun_continues_the_stud
     assert len(study_trials(sweep_dir)) == 3
 
 
+@pytest.mark.slow
 def test_a_failed_trial_is_recorded_and_the_study_goes_on(tmp_path, cache_dir):
     """One of the two LoRA scopes matches no layer: that run fails, the study records it and completes the other."""
     sweep_dir = tmp_path / "study"
@@ -118,6 +119,7 @@ def test_a_failed_trial_is_recorded_and_the_study_goes_on(tmp_path, cache_dir):
     assert "python -m ds_exp " in report and "lora.module_name=layers." in report.split("Best trial:")[1]
 
 
+@pytest.mark.slow
 def test_an_objective_no_run_reports_stops_the_study_with_the_numbers_it_could_use(tmp_path, cache_dir):
     sweep_dir = tmp_path / "study"
     # mfu needs the device's peak FLOPS, unknown for a CPU: the run completes, its summary.json has mfu: null
@@ -154,6 +156,7 @@ def test_a_study_that_cannot_run_is_refused_before_any_trial(tmp_path, overrides
     assert not (sweep_dir / "optuna.db").exists()
 
 
+@pytest.mark.slow
 def test_study_on_slurm_with_two_ranks_per_trial(slurm, tmp_path, cache_dir):  # noqa: F811
     sweep_dir = tmp_path / "study"
     proc = multirun(
@@ -175,3 +178,82 @@ def test_study_on_slurm_with_two_ranks_per_trial(slurm, tmp_path, cache_dir):  #
         assert_ranks_trained_with_the_trials_lr(sweep_dir, trial, world_size=2)
         rank1 = (sweep_dir / str(trial.number) / "logs" / "rank1.log").read_text()
         assert "launch submitit: rank 1 of 2" in rank1
+
+
+# ---------------------------------------------------------------------------------- fast: space and record
+
+
+def test_the_command_line_grammar_becomes_optuna_distributions():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from ds_exp.search_space import parse_search_space
+
+    space = parse_search_space(
+        [
+            "optimizer.lr=tag(log,interval(1e-5,1e-3))",
+            "train.micro_batch_size=range(1,5)",
+            "lora.dim=tag(int,interval(4,16))",
+            "zero=stage2,stage3",
+            "train.max_steps=8",
+        ]
+    )
+    assert space.distributions == {
+        "optimizer.lr": FloatDistribution(1e-5, 1e-3, log=True),
+        "train.micro_batch_size": IntDistribution(1, 4),  # range() stops before its end, as Hydra's does
+        "lora.dim": IntDistribution(4, 16),
+        "zero": CategoricalDistribution(["stage2", "stage3"]),
+    }
+    assert space.fixed == ["train.max_steps=8"]
+    lr = 0.00012520653814999459
+    overrides = space.overrides({"optimizer.lr": lr, "train.micro_batch_size": 3, "lora.dim": 8, "zero": "stage3"})
+    assert overrides == [
+        "train.max_steps=8",
+        f"optimizer.lr={lr!r}",
+        "train.micro_batch_size=3",
+        "lora.dim=8",
+        "zero=stage3",
+    ]
+    assert float(overrides[1].split("=")[1]) == lr  # every rank parses back the very same float
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("a=tag(log,interval(0,1))", "a log interval needs low > 0"),
+        ("a=interval(2,1)", "is empty"),
+        ("a=tag(foo,interval(1,2))", "unknown tag ['foo']"),
+        ("a=range(5,1)", "range() is empty"),
+        ("a=tag(log,choice(1,2))", "tags (log, int) shape an interval() or an integer range() only"),
+    ],
+)
+def test_a_search_expression_that_cannot_be_searched_is_named(override, message):
+    from ds_exp.errors import ConfigError
+    from ds_exp.search_space import parse_search_space
+
+    with pytest.raises(ConfigError) as err:
+        parse_search_space([override])
+    assert f"bad search space: {override}: " in str(err.value) and message in str(err.value)
+
+
+def test_a_study_continues_only_with_the_settings_it_started_with(tmp_path):
+    from ds_exp.errors import ConfigError
+    from ds_exp.study_record import STUDY_FILE, check_study_dir
+
+    identity = {"study_name": "s", "storage": "sqlite:///x", "objective": "final_eval.eval_loss"}
+    identity |= {"direction": "minimize", "search_space": {"optimizer.lr": "{}"}, "fixed": ["train.max_steps=8"]}
+    check_study_dir(tmp_path, identity)  # a new directory: nothing to compare
+    (tmp_path / STUDY_FILE).write_text(json.dumps({**identity, "n_trials": 3, "trials": []}))
+    check_study_dir(tmp_path, identity)  # the same settings continue it
+    with pytest.raises(ConfigError) as err:
+        check_study_dir(tmp_path, {**identity, "fixed": ["train.max_steps=9"]})
+    assert "fixed: was ['train.max_steps=8'], now ['train.max_steps=9']" in str(err.value)
+    assert "hydra.sweeper.study_name=NEW" in str(err.value)
+
+
+def test_the_best_trials_command_trains_it_again_with_as_many_ranks():
+    from ds_exp.study_record import command_line
+
+    assert command_line(["optimizer.lr=0.0001", "data.name=a b"], 2) == (
+        "torchrun --nproc_per_node=2 -m ds_exp optimizer.lr=0.0001 'data.name=a b'"
+    )
+    assert command_line(["zero=stage2"], 1) == "python -m ds_exp zero=stage2"
