@@ -120,6 +120,32 @@ def test_a_failed_trial_is_recorded_and_the_study_goes_on(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
+def test_a_diverged_trial_is_pruned(tmp_path, cache_dir):
+    """A learning rate that overflows fp32: the run stops on its non-finite losses, the study records the trial as
+    pruned (the values were bad, not the set-up) and goes on."""
+    sweep_dir = tmp_path / "study"
+    proc = multirun(
+        tmp_path,
+        sweep_dir,
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+        "hydra.sweeper.n_trials=2",
+        "optimizer.lr=1e-4,1e8",
+        *FAST,
+        "scheduler=constant",
+        "train.gradient_clipping=0",
+        "train.max_bad_steps=0",
+        f"data.cache_dir={cache_dir}",
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    states = {t.params["optimizer.lr"]: t for t in study_trials(sweep_dir)}
+    assert {lr: t.state.name for lr, t in states.items()} == {1e-4: "COMPLETE", 1e8: "PRUNED"}
+    assert "non-finite loss" in states[1e8].user_attrs["error"] and states[1e8].value is None
+    assert "| PRUNED |" in (sweep_dir / "report.md").read_text()
+
+
+@pytest.mark.slow
 def test_an_objective_no_run_reports_stops_the_study_with_the_numbers_it_could_use(tmp_path, cache_dir):
     sweep_dir = tmp_path / "study"
     # mfu needs the device's peak FLOPS, unknown for a CPU: the run completes, its summary.json has mfu: null
