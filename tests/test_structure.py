@@ -10,7 +10,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "ds_exp"
 MAX_LINES = 400
 # uses (not mentions) of other libraries' private names that ds_exp relies on
-PRIVATE = re.compile(r"hydra\._internal|\._zero3_consolidated\w*\(|import _parse_node_list|\._usr_sig\(|\._init_weights\(")
+PRIVATE = re.compile(
+    r"hydra\._internal|\._zero3_consolidated\w*\(|import _parse_node_list|\._usr_sig\(|\._init_weights\("
+)
 
 
 def module_name(path: Path) -> str:
