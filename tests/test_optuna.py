@@ -104,7 +104,7 @@ def test_a_failed_trial_is_recorded_and_the_study_goes_on(tmp_path, cache_dir):
         f"data.cache_dir={cache_dir}",
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     trials = study_trials(sweep_dir)
     states = {t.params["lora.module_name"]: t for t in trials}
     assert {name: t.state.name for name, t in states.items()} == {"nomatch.": "FAIL", "layers.": "COMPLETE"}
@@ -138,7 +138,7 @@ def test_a_diverged_trial_is_pruned(tmp_path, cache_dir):
         f"data.cache_dir={cache_dir}",
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     states = {t.params["optimizer.lr"]: t for t in study_trials(sweep_dir)}
     assert {lr: t.state.name for lr, t in states.items()} == {1e-4: "COMPLETE", 1e8: "PRUNED"}
     assert "non-finite loss" in states[1e8].user_attrs["error"] and states[1e8].value is None
@@ -197,7 +197,7 @@ def test_study_on_slurm_with_two_ranks_per_trial(slurm, tmp_path, cache_dir):  #
         f"data.cache_dir={cache_dir}",
         timeout=1500,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     trials = study_trials(sweep_dir)
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
     for trial in trials:
