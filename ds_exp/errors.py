@@ -33,3 +33,8 @@ class RunFailed(DsExpError):
     """Training stopped for a reason the user must act on (non-finite losses, a dead rank, ...)."""
 
     exit_code = 1
+
+
+class Diverged(RunFailed):
+    """The losses stopped being finite (train.max_bad_steps in a row): the settings, not the set-up, are at fault.
+    An optuna study records such a trial as pruned (ds_exp/study.py)."""

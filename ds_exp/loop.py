@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_exp.config.schema import EvalConfig, TrainConfig, plain
-from ds_exp.errors import RunFailed
+from ds_exp.errors import Diverged
 from ds_exp.evaluate import Generations, evaluate
 from ds_exp.memory import peak_memory_bytes
 from ds_exp.metrics import Metrics
@@ -128,7 +128,7 @@ class Loop:
         log.warning("step %d: non-finite loss (%d steps in a row)", step, self.bad_steps)
         max_bad = self.train_cfg.max_bad_steps
         if self.bad_steps > max_bad:
-            raise RunFailed(
+            raise Diverged(
                 f"{self.bad_steps} optimizer steps in a row ended with a non-finite loss (last: step {step}); lower "
                 f"optimizer.lr or use precision=bf16/fp32 (train.max_bad_steps={max_bad})"
             )

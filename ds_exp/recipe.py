@@ -97,6 +97,10 @@ def setup(cfg: Config, session: Session) -> Workload:
         cfg, built.model, ds_config, total_steps=steps, warmup_steps=warmup, accelerator=session.accelerator
     )
     state.optimizer = engine.optimizer
+    # every rank's own record of what it trains with (a study checks each rank got the trial's value)
+    groups = engine.engine.optimizer.param_groups
+    peak = [float(g.get("initial_lr", g["lr"])) for g in groups]  # the schedule's base: optimizer.lr
+    file_log.info("learning rate per parameter group: peak %s, step 1 %s", peak, [float(g["lr"]) for g in groups])
     if cfg.train.compile:
         engine.engine.compile()  # torch.compile of the wrapped module, DeepSpeed's hooks kept working
     return Workload(

@@ -132,11 +132,15 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
         writer.writeheader()
         writer.writerows(rows)
     table = markdown(rows)
+    from ds_exp.study_record import study_section
+
     tuned = autotune_section(sweep_dir, rows)
-    (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{tuned}")
+    study = study_section(sweep_dir)  # an optuna study's trials and its best one (hydra/sweeper=optuna)
+    extra = tuned + (f"\n{study}" if study else "")
+    (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{extra}")
     if rows:
         plot(rows, sweep_dir / "report.png")
-    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}{tuned}")
+    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}{extra}")
     return rows
 
 

@@ -118,6 +118,10 @@ def check_sweep_start(config: DictConfig) -> None:
 
     sweep_dir = Path(str(config.hydra.sweep.dir))
     check_writable(sweep_dir, "hydra.sweep.dir")
+    from ds_exp.study_record import is_study_sweep
+
+    if is_study_sweep(config):
+        return  # an optuna study continues in its own directory: ds_exp/study.py checks it is that study's
     if config.get("resume") is None and sweep_dir.is_dir():
         jobs = sorted(p.parent.parent.name for p in sweep_dir.glob("*/.hydra/config.yaml"))
         if jobs:

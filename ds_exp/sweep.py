@@ -28,13 +28,34 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     return compat.basic_sweep_jobs(overrides)
 
 
+def check_job(
+    loader: Any, config: DictConfig, overrides: list[str], num: int | None = None
+) -> tuple[DictConfig | None, list[str]]:
+    """One job composed and validated once: (its config, []) or (None, the problems, each naming the job).
+    The basic sweeper's jobs come here before any is launched, an optuna study's trials as they are asked for."""
+    from omegaconf import open_dict, read_write
+
+    from ds_exp.config.schema import to_config
+    from ds_exp.config.validate import validate
+    from ds_exp.errors import DsExpError
+
+    try:
+        cfg = loader.load_sweep_config(config, list(overrides))
+        if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it
+            with read_write(cfg.hydra), open_dict(cfg.hydra):
+                cfg.hydra.job.num = num
+        validate(to_config(cfg))
+    except DsExpError as err:
+        return None, [f"job [{' '.join(overrides)}]: {line}" for line in str(err).splitlines()]
+    except Exception as err:  # composition errors (unknown option, wrong type) from Hydra / OmegaConf
+        return None, [f"job [{' '.join(overrides)}]: {err}".splitlines()[0]]
+    return cfg, []
+
+
 class ValidateSweep(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
 
-        from ds_exp.config.schema import to_config
-        from ds_exp.config.validate import validate
-        from ds_exp.errors import DsExpError
         from ds_exp.secrets import redact_text
 
         jobs = sweep_jobs(config)
@@ -43,12 +64,7 @@ class ValidateSweep(Callback):
         loader = GlobalHydra.instance().config_loader()
         problems = []
         for overrides in jobs:
-            try:
-                validate(to_config(loader.load_sweep_config(config, list(overrides))))
-            except DsExpError as err:
-                problems += [f"job [{' '.join(overrides)}]: {line}" for line in str(err).splitlines()]
-            except Exception as err:  # composition errors (unknown option, wrong type) from Hydra / OmegaConf
-                problems.append(f"job [{' '.join(overrides)}]: {err}".splitlines()[0])
+            problems += check_job(loader, config, overrides)[1]
         if problems:
             print(
                 f"ds_exp: error: the sweep was not started: {len(problems)} problem(s) in its {len(jobs)} jobs",
@@ -69,10 +85,16 @@ class SweepReport(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_report(sweep_dir)
         from ds_exp.autotune import PLAN_FILE
+        from ds_exp.study_record import completed_trials, is_study_sweep
 
         if (sweep_dir / PLAN_FILE).is_file():  # probes that fail are results of the autotune sweep, not errors
             if not any(row["status"] == "completed" for row in rows):
                 print("ds_exp: error: autotune: no probe completed; nothing to recommend", file=sys.stderr)
+                sys.exit(1)
+            return
+        if is_study_sweep(config):  # a failed trial is part of a search; a study with no completed trial is not
+            if not completed_trials(sweep_dir):
+                print("ds_exp: error: no trial of the optuna study completed", file=sys.stderr)
                 sys.exit(1)
             return
         failed = [row for row in rows if row["status"] != "completed"]

@@ -1,0 +1,285 @@
+"""hydra/sweeper=optuna (ds_exp/study.py): real studies of real runs, each trial a full run (2 ranks through
+submitit's local executor or the one-node SLURM cluster, or one process under the basic launcher); the search
+space and the study record on their own (fast)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.test_slurm import slurm  # noqa: F401  (the fixture: a running one-node cluster)
+from tests.training import FAST, multirun
+
+SEARCH = ["hydra/sweeper=optuna", "optimizer.lr=tag(log,interval(1e-5,1e-3))", "hydra.sweeper.sampler.seed=0"]
+# constant schedule: the learning rate of step 1 is the trial's too
+TINY = [*FAST, "train.max_steps=2", "scheduler=constant"]
+LR_LINE = re.compile(r"learning rate per parameter group: peak \[([^\]]*)\], step 1 \[([^\]]*)\]")
+
+
+def study_trials(sweep_dir: Path) -> list:
+    import optuna
+
+    study = optuna.load_study(study_name="default", storage=f"sqlite:///{sweep_dir / 'optuna.db'}")
+    return study.get_trials(deepcopy=False)
+
+
+def rank_lrs(job_dir: Path) -> dict[str, list[float]]:
+    """Each rank's own record of its optimizer's learning rates (peak and step 1, every parameter group)."""
+    lrs = {}
+    for log_file in sorted((job_dir / "logs").glob("rank*.log")):
+        match = LR_LINE.search(log_file.read_text())
+        assert match, f"{log_file} has no learning-rate line"
+        lrs[log_file.stem] = [float(x) for part in match.groups() for x in part.split(",")]
+    return lrs
+
+
+def assert_ranks_trained_with_the_trials_lr(sweep_dir: Path, trial, world_size: int) -> None:
+    job_dir = sweep_dir / str(trial.number)
+    summary = json.loads((job_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == world_size
+    assert trial.value == summary["final_eval"]["eval_loss"]
+    lrs = rank_lrs(job_dir)
+    assert sorted(lrs) == [f"rank{r}" for r in range(world_size)]
+    for rank, values in lrs.items():
+        assert values and all(v == trial.params["optimizer.lr"] for v in values), (rank, values, trial.params)
+
+
+@pytest.mark.slow
+def test_two_rank_trials_train_with_the_trials_lr_and_a_rerun_continues_the_study(tmp_path, cache_dir):
+    sweep_dir = tmp_path / "study"
+    args = [*SEARCH, *TINY, "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", f"data.cache_dir={cache_dir}"]
+    first = multirun(tmp_path, sweep_dir, *args, "hydra.sweeper.n_trials=2", timeout=1500)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "0 of 2 trials finished" in first.stdout
+    trials = study_trials(sweep_dir)
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert trials[0].params != trials[1].params
+    for trial in trials:
+        assert_ranks_trained_with_the_trials_lr(sweep_dir, trial, world_size=2)
+    before = {n: (sweep_dir / str(n) / "summary.json").read_bytes() for n in (0, 1)}
+
+    # the same command with a larger n_trials: one more trial, the first two kept as they are
+    second = multirun(tmp_path, sweep_dir, *args, "hydra.sweeper.n_trials=3", timeout=1500)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "2 of 3 trials finished" in second.stdout
+    trials = study_trials(sweep_dir)
+    assert [(t.number, t.state.name) for t in trials] == [(0, "COMPLETE"), (1, "COMPLETE"), (2, "COMPLETE")]
+    assert trials[2].params not in (trials[0].params, trials[1].params)  # the sampler did not start over
+    assert_ranks_trained_with_the_trials_lr(sweep_dir, trials[2], world_size=2)
+    assert {n: (sweep_dir / str(n) / "summary.json").read_bytes() for n in (0, 1)} == before
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.name.isdigit()) == ["0", "1", "2"]
+
+    # the report names the best trial and the command that trains it again
+    best = min(trials, key=lambda t: t.value)
+    report = (sweep_dir / "report.md").read_text()
+    assert f"Best trial: {best.number}, final_eval.eval_loss={best.value:.6g}" in report
+    assert "torchrun --nproc_per_node=2 -m ds_exp " in report
+    assert f"optimizer.lr={best.params['optimizer.lr']!r}" in report.split("Best trial:")[1]
+    record = json.loads((sweep_dir / "study.json").read_text())
+    assert record["best"]["number"] == best.number and len(record["trials"]) == 3
+
+    # and once more: the study is complete, nothing runs
+    third = multirun(tmp_path, sweep_dir, *args, "hydra.sweeper.n_trials=3", timeout=600)
+    assert third.returncode == 0, third.stderr[-4000:]
+    assert "3 of 3 trials finished, nothing to run" in third.stdout
+    assert len(study_trials(sweep_dir)) == 3
+
+
+@pytest.mark.slow
+def test_a_failed_trial_is_recorded_and_the_study_goes_on(tmp_path, cache_dir):
+    """One of the two LoRA scopes matches no layer: that run fails, the study records it and completes the other."""
+    sweep_dir = tmp_path / "study"
+    proc = multirun(
+        tmp_path,
+        sweep_dir,
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",  # each choice once
+        "hydra.sweeper.n_trials=2",
+        "lora.module_name=nomatch.,layers.",
+        "lora.dim=4",
+        *TINY,
+        f"data.cache_dir={cache_dir}",
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    trials = study_trials(sweep_dir)
+    states = {t.params["lora.module_name"]: t for t in trials}
+    assert {name: t.state.name for name, t in states.items()} == {"nomatch.": "FAIL", "layers.": "COMPLETE"}
+    failed, completed = states["nomatch."], states["layers."]
+    assert "matches no Linear layer" in failed.user_attrs["error"]
+    assert f"trial {failed.number} fail:" in proc.stdout
+    report = (sweep_dir / "report.md").read_text()
+    assert re.search(
+        rf"\| {failed.number} \| FAIL \|  \| lora.module_name=nomatch. \| .*matches no Linear layer", report
+    )
+    assert f"Best trial: {completed.number}," in report
+    assert "python -m ds_exp " in report and "lora.module_name=layers." in report.split("Best trial:")[1]
+
+
+@pytest.mark.slow
+def test_a_diverged_trial_is_pruned(tmp_path, cache_dir):
+    """A learning rate that overflows fp32: the run stops on its non-finite losses, the study records the trial as
+    pruned (the values were bad, not the set-up) and goes on."""
+    sweep_dir = tmp_path / "study"
+    proc = multirun(
+        tmp_path,
+        sweep_dir,
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+        "hydra.sweeper.n_trials=2",
+        "optimizer.lr=1e-4,1e8",
+        *FAST,
+        "scheduler=constant",
+        "train.gradient_clipping=0",
+        "train.max_bad_steps=0",
+        f"data.cache_dir={cache_dir}",
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    states = {t.params["optimizer.lr"]: t for t in study_trials(sweep_dir)}
+    assert {lr: t.state.name for lr, t in states.items()} == {1e-4: "COMPLETE", 1e8: "PRUNED"}
+    assert "non-finite loss" in states[1e8].user_attrs["error"] and states[1e8].value is None
+    assert "| PRUNED |" in (sweep_dir / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_an_objective_no_run_reports_stops_the_study_with_the_numbers_it_could_use(tmp_path, cache_dir):
+    sweep_dir = tmp_path / "study"
+    # mfu needs the device's peak FLOPS, unknown for a CPU: the run completes, its summary.json has mfu: null
+    proc = multirun(
+        tmp_path,
+        sweep_dir,
+        *SEARCH,
+        "hydra.sweeper.objective=mfu",
+        "hydra.sweeper.n_trials=3",
+        *TINY,
+        f"data.cache_dir={cache_dir}",
+        timeout=900,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "hydra.sweeper.objective=mfu: trial 0's run completed but its summary.json" in proc.stderr
+    assert "final_eval.eval_loss" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(study_trials(sweep_dir)) == 1  # stopped after the first trial, not after three
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["hydra.sweeper.objective=accuracy", "optimizer.lr=interval(1e-5,1e-3)"], "no run's summary.json reports it"),
+        (["optimizer.lr=1e-4"], "hydra/sweeper=optuna needs a search space"),
+        (["optimizer.lr=interval(1e-3,1e-5)"], "interval(0.001, 1e-05) is empty"),
+        (["optimizer.nosuch=interval(1,2)"], "cannot be composed"),
+    ],
+)
+def test_a_study_that_cannot_run_is_refused_before_any_trial(tmp_path, overrides, message):
+    sweep_dir = tmp_path / "study"
+    proc = multirun(tmp_path, sweep_dir, "hydra/sweeper=optuna", *overrides, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (sweep_dir / "optuna.db").exists()
+
+
+@pytest.mark.slow
+def test_study_on_slurm_with_two_ranks_per_trial(slurm, tmp_path, cache_dir):  # noqa: F811
+    sweep_dir = tmp_path / "study"
+    proc = multirun(
+        tmp_path,
+        sweep_dir,
+        *SEARCH,
+        "hydra.sweeper.n_trials=2",
+        "hydra/launcher=slurm",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.timeout_min=15",
+        *TINY,
+        f"data.cache_dir={cache_dir}",
+        timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    trials = study_trials(sweep_dir)
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    for trial in trials:
+        assert_ranks_trained_with_the_trials_lr(sweep_dir, trial, world_size=2)
+        rank1 = (sweep_dir / str(trial.number) / "logs" / "rank1.log").read_text()
+        assert "launch submitit: rank 1 of 2" in rank1
+
+
+# ---------------------------------------------------------------------------------- fast: space and record
+
+
+def test_the_command_line_grammar_becomes_optuna_distributions():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from ds_exp.search_space import parse_search_space
+
+    space = parse_search_space(
+        [
+            "optimizer.lr=tag(log,interval(1e-5,1e-3))",
+            "train.micro_batch_size=range(1,5)",
+            "lora.dim=tag(int,interval(4,16))",
+            "zero=stage2,stage3",
+            "train.max_steps=8",
+        ]
+    )
+    assert space.distributions == {
+        "optimizer.lr": FloatDistribution(1e-5, 1e-3, log=True),
+        "train.micro_batch_size": IntDistribution(1, 4),  # range() stops before its end, as Hydra's does
+        "lora.dim": IntDistribution(4, 16),
+        "zero": CategoricalDistribution(["stage2", "stage3"]),
+    }
+    assert space.fixed == ["train.max_steps=8"]
+    lr = 0.00012520653814999459
+    overrides = space.overrides({"optimizer.lr": lr, "train.micro_batch_size": 3, "lora.dim": 8, "zero": "stage3"})
+    assert overrides == [
+        "train.max_steps=8",
+        f"optimizer.lr={lr!r}",
+        "train.micro_batch_size=3",
+        "lora.dim=8",
+        "zero=stage3",
+    ]
+    assert float(overrides[1].split("=")[1]) == lr  # every rank parses back the very same float
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("a=tag(log,interval(0,1))", "a log interval needs low > 0"),
+        ("a=interval(2,1)", "is empty"),
+        ("a=tag(foo,interval(1,2))", "unknown tag ['foo']"),
+        ("a=range(5,1)", "range() is empty"),
+        ("a=tag(log,choice(1,2))", "tags (log, int) shape an interval() or an integer range() only"),
+    ],
+)
+def test_a_search_expression_that_cannot_be_searched_is_named(override, message):
+    from ds_exp.errors import ConfigError
+    from ds_exp.search_space import parse_search_space
+
+    with pytest.raises(ConfigError) as err:
+        parse_search_space([override])
+    assert f"bad search space: {override}: " in str(err.value) and message in str(err.value)
+
+
+def test_a_study_continues_only_with_the_settings_it_started_with(tmp_path):
+    from ds_exp.errors import ConfigError
+    from ds_exp.study_record import STUDY_FILE, check_study_dir
+
+    identity = {"study_name": "s", "storage": "sqlite:///x", "objective": "final_eval.eval_loss"}
+    identity |= {"direction": "minimize", "search_space": {"optimizer.lr": "{}"}, "fixed": ["train.max_steps=8"]}
+    check_study_dir(tmp_path, identity)  # a new directory: nothing to compare
+    (tmp_path / STUDY_FILE).write_text(json.dumps({**identity, "n_trials": 3, "trials": []}))
+    check_study_dir(tmp_path, identity)  # the same settings continue it
+    with pytest.raises(ConfigError) as err:
+        check_study_dir(tmp_path, {**identity, "fixed": ["train.max_steps=9"]})
+    assert "fixed: was ['train.max_steps=8'], now ['train.max_steps=9']" in str(err.value)
+    assert "hydra.sweeper.study_name=NEW" in str(err.value)
+
+
+def test_the_best_trials_command_trains_it_again_with_as_many_ranks():
+    from ds_exp.study_record import command_line
+
+    assert command_line(["optimizer.lr=0.0001", "data.name=a b"], 2) == (
+        "torchrun --nproc_per_node=2 -m ds_exp optimizer.lr=0.0001 'data.name=a b'"
+    )
+    assert command_line(["zero=stage2"], 1) == "python -m ds_exp zero=stage2"
