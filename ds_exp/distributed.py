@@ -12,7 +12,10 @@ import contextlib
 import io
 import logging
 import os
+import re
+import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,10 +174,59 @@ def _first_slurm_host() -> str:
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
         return "127.0.0.1"
-    from submitit.slurm.slurm import _parse_node_list
-
-    hosts = _parse_node_list(nodelist)
+    hosts = slurm_hostnames(nodelist)
     return hosts[0] if hosts else socket.gethostname()
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """The host names of a SLURM node list (`node[1-3,5],other`), as `scontrol show hostnames` expands them; where
+    scontrol is missing or cannot run, as `parse_slurm_nodelist` does."""
+    scontrol = shutil.which("scontrol")
+    conf = os.environ.get("SLURM_CONF")
+    if scontrol and not (conf and not os.path.exists(conf)):  # a missing SLURM_CONF: scontrol retries for 60 s
+        try:
+            out = subprocess.run(
+                [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10, check=False
+            )
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return parse_slurm_nodelist(nodelist)
+
+
+def parse_slurm_nodelist(nodelist: str) -> list[str]:
+    """SLURM's host list syntax: comma-separated names, each with bracketed ranges expanded in order, zero padding
+    kept (`gpu[08-10],cpu1,rack[1-2]-n[1,3]`). Raises ValueError on unbalanced or malformed brackets."""
+    groups, depth, start = [], 0, 0
+    for pos, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
+        if char == "," and depth == 0:
+            groups.append(nodelist[start:pos])
+            start = pos + 1
+    if depth:
+        raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
+    groups.append(nodelist[start:])
+    hosts: list[str] = []
+    for group in filter(None, (g.strip() for g in groups)):
+        names = [""]
+        for part in re.split(r"(\[[^\]]*\])", group):
+            values = _bracket_values(part[1:-1], nodelist) if part.startswith("[") else [part]
+            names = [name + value for name in names for value in values]
+        hosts.extend(names)
+    return hosts
+
+
+def _bracket_values(ranges: str, nodelist: str) -> list[str]:
+    values = []
+    for item in ranges.split(","):
+        low, _, high = item.strip().partition("-")
+        if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
+            raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
+        values += [f"{number:0{len(low)}d}" for number in range(int(low), int(high or low) + 1)]
+    return values
 
 
 def export_launch_env(info: LaunchInfo) -> None:

@@ -181,10 +181,11 @@ class Trainer:
         self.log_file = setup_run_logging(self.run_dir, self.rank)
         self.precision = resolved_precision(cfg.precision.dtype, self.accelerator)
         log.info(
-            "launch %s: rank %d of %d, %s backend on %s, %s, %d CPU threads",
+            "launch %s: rank %d of %d on host %s, %s backend on %s, %s, %d CPU threads",
             self.launch.launcher,
             self.rank,
             self.world,
+            os.uname().nodename,
             self.backend,
             self.accelerator,
             self.precision,

@@ -4,13 +4,22 @@ the launcher set is never overwritten."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 
 import pytest
 from omegaconf import OmegaConf
 
+from ds_exp import distributed
 from ds_exp.config.schema import DistConfig
-from ds_exp.distributed import choose_backend, detect_launch, export_launch_env, launched_with_several_ranks
+from ds_exp.distributed import (
+    choose_backend,
+    detect_launch,
+    export_launch_env,
+    launched_with_several_ranks,
+    parse_slurm_nodelist,
+    slurm_hostnames,
+)
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -82,6 +91,38 @@ def test_plain_srun(clean_env):
     assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("slurm", 1, 1, 2)
     assert info.master_addr == "gpu3"
     assert info.master_port == 20000 + 4711  # derived from the job id: concurrent jobs do not collide
+
+
+NODELISTS = {
+    "gpu3": ["gpu3"],
+    "node[1-3,5],other": ["node1", "node2", "node3", "node5", "other"],
+    "a[08-11]": ["a08", "a09", "a10", "a11"],
+    "rack[01-02]-gpu[1,3]": ["rack01-gpu1", "rack01-gpu3", "rack02-gpu1", "rack02-gpu3"],
+    "x[1-2]y,z[9-10]": ["x1y", "x2y", "z9", "z10"],
+}
+
+
+@pytest.mark.parametrize("nodelist", NODELISTS)
+def test_slurm_nodelist_parser(nodelist):
+    assert parse_slurm_nodelist(nodelist) == NODELISTS[nodelist]
+
+
+@pytest.mark.parametrize("nodelist", ["a[1-2", "a]1[", "a[2-1]", "a[x]", "a[[1]]"])
+def test_malformed_slurm_nodelist_is_refused(nodelist):
+    with pytest.raises(ValueError, match="unrecognised SLURM node list"):
+        parse_slurm_nodelist(nodelist)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="no scontrol here (apt-get install slurm-client)")
+@pytest.mark.parametrize("nodelist", NODELISTS)
+def test_parser_agrees_with_scontrol(nodelist):
+    assert slurm_hostnames(nodelist) == NODELISTS[nodelist]
+
+
+def test_plain_srun_without_scontrol(clean_env, monkeypatch):
+    monkeypatch.setattr(distributed.shutil, "which", lambda name: None)
+    clean_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n[07-08]")
+    assert detect_launch(dist()).master_addr == "n07"
 
 
 def test_forced_launcher_and_what_the_launcher_set_is_kept(clean_env):
