@@ -34,8 +34,8 @@ def main() -> None:
     model = built.model
     groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
     device = accelerator()
-    optimizer = build_optimizer(cfg, groups, work.ds_config, device)
-    scheduler = partial(build_scheduler, cfg, total_steps=work.steps, warmup_steps=work.warmup)
+    optimizer = build_optimizer(cfg.optimizer, groups, work.ds_config, device)
+    scheduler = partial(build_scheduler, cfg.scheduler, total_steps=work.steps, warmup_steps=work.warmup)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=groups, optimizer=optimizer, lr_scheduler=scheduler, config=work.ds_config
     )

@@ -118,13 +118,13 @@ def compose(*overrides: str) -> Any:
     from hydra import initialize_config_dir
 
     from ds_exp.config.resolvers import register_resolvers
-    from ds_exp.config.schema import register_configs
+    from ds_exp.config.schema import register_configs, to_config
     from ds_exp.paths import conf_dir
 
     register_resolvers()
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        return to_config(hydra_compose(config_name="config", overrides=list(overrides)))
 
 
 def rss_kib() -> int:

@@ -155,7 +155,7 @@ def main() -> None:
     from ds_exp.engine import build_engine
     from ds_exp.model import build_model, build_model_config, hidden_size_of
     from ds_exp.plan import total_steps, warmup_steps
-    from ds_exp.train import model_inputs, token_loss_sum
+    from ds_exp.step import model_inputs, token_loss_sum
 
     out_dir, *overrides = sys.argv[1:]
     cfg = compose(*overrides)
@@ -163,10 +163,10 @@ def main() -> None:
     init_distributed(cfg.dist, detect_launch(cfg.dist), accelerator)
     rank, world = dist.get_rank(), dist.get_world_size()
     precision = resolved_precision(cfg.precision.dtype, accelerator)
-    tokenizer = load_tokenizer(cfg)
-    data = prepare_sft_data(cfg, tokenizer)
-    steps = total_steps(len(data.train), cfg, world)
-    warmup = warmup_steps(cfg, steps)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
+    steps = total_steps(len(data.train), cfg.train, world)
+    warmup = warmup_steps(cfg.scheduler, steps)
     hidden = hidden_size_of(build_model_config(cfg, tokenizer))
     ds_config = resolve_ds_config(cfg, RunFacts(world, hidden, steps, warmup, precision, out_dir))
     built = build_model(cfg, tokenizer, ds_config)

@@ -4,7 +4,7 @@ rank lands on, memory layout) and the machine's slow spells hit both alike.
 
     python -m bench step_overhead        # 2 CPU ranks under torchrun, ZeRO 0-3, one launch per stage
 
-* ds_exp step: `Trainer.optimizer_step` exactly as `Trainer.run` calls it (its one all-reduce of label tokens
+* ds_exp step: `Loop.optimizer_step` (ds_exp/loop.py) exactly as the loop calls it (its one all-reduce of label tokens
   and votes, the loss over the global batch's label tokens, bookkeeping, progress bar, and a metric line
   every WINDOW ds_exp steps with its all-reduce, grad norm and JSON line).
 * bare step: forward with the model's own loss, `engine.backward`, `engine.step`, nothing else.
@@ -31,16 +31,20 @@ NPROC, STAGES, PAIRS, WARMUP, WINDOW, MICRO_BATCH = 2, (0, 1, 2, 3), 150, 20, 5,
 
 
 def worker(stage: int, pairs: int, out: Path, cache: Path) -> None:
-    """One rank: build ds_exp's Trainer, then alternate its loop step with the bare step."""
+    """One rank: ds_exp's recipe up to its loop (ds_exp.recipe.setup), then its loop step alternated with the bare
+    step."""
     import torch
     from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
 
     from bench.workload import compose
-    from ds_exp.checkpoint import TrainState
+    from ds_exp.checkpoint import Checkpointer
     from ds_exp.data import ResumableDistributedSampler
-    from ds_exp.tracking import MetricsLog, WandbRun
-    from ds_exp.train import Progress, Trainer, model_inputs
+    from ds_exp.evaluate import Generations
+    from ds_exp.loop import Loop, Progress
+    from ds_exp.metrics import Metrics
+    from ds_exp.recipe import setup
+    from ds_exp.session import Session
+    from ds_exp.step import model_inputs
 
     steps = 2 * pairs
     cfg = compose(
@@ -56,39 +60,46 @@ def worker(stage: int, pairs: int, out: Path, cache: Path) -> None:
         ]
     )
     run_dir = Path(tempfile.mkdtemp(prefix="ds_exp_overhead_"))
-    trainer = Trainer(cfg, run_dir)
-    trainer.setup()
-    trainer.prepare()
-    # what Trainer.run sets up before its loop (no resume, wandb off)
-    trainer.checkpoint_dir = run_dir / "checkpoints"
-    trainer.wandb = WandbRun(cfg, run_dir, enabled=False, run_id=None)
-    trainer.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=trainer.is_main)
-    trainer.results = {}
-    trainer.start_loop(TrainState())
-    progress = trainer.progress = Progress(0, 0, 0)
-    bar = tqdm(total=trainer.total_steps, disable=not trainer.is_main, mininterval=1.0, desc="train")
-    sampler = ResumableDistributedSampler(
-        len(trainer.data.train), rank=trainer.rank, world_size=trainer.world, seed=0, shuffle=True, drop_last=True
-    )
-    loader = iter(DataLoader(trainer.data.train, batch_size=MICRO_BATCH, sampler=sampler, collate_fn=trainer.collator))
-    engine = trainer.engine
-    times: dict[str, list[float]] = {"ds_exp": [], "bare": []}
-    for i in range(steps):
-        started = time.perf_counter()
-        batch = next(loader)
-        if i % 2 == 0:
-            trainer.optimizer_step([batch], progress, bar, started)
-            times["ds_exp"].append(time.perf_counter() - started)
-        else:
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
-            loss = engine(**model_inputs(batch), labels=batch["labels"], use_cache=False).loss
-            engine.backward(loss)
-            engine.step()
-            times["bare"].append(time.perf_counter() - started)
-    bar.close()
-    trainer.metrics.close()
-    if trainer.rank == 0:
-        out.write_text(json.dumps({"stage": stage, "threads": torch.get_num_threads(), **times}) + "\n")
+    with Session(cfg, run_dir) as session:
+        session.start()
+        work = setup(cfg, session)
+        metrics_log, wandb = session.open_sinks(None)
+        metrics = Metrics(metrics_log, wandb, device=work.engine.device, world_size=session.world, peak_flops=None)
+        metrics.show_progress(work.total_steps, 0, session.is_main)
+        checkpoints = Checkpointer(
+            work.engine,
+            run_dir / "checkpoints",
+            rank=session.rank,
+            keep_last=1,
+            needed_bytes=0,
+            identity={"run_id": "bench"},
+        )
+        generations = Generations(
+            [], tokenizer=work.tokenizer, template="dschat", max_new_tokens=1, stop_ids=[], path=run_dir / "g.jsonl"
+        )
+        loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, Progress(0, 0, 0))
+        sampler = ResumableDistributedSampler(
+            len(work.data.train), rank=session.rank, world_size=session.world, seed=0, shuffle=True, drop_last=True
+        )
+        loader = iter(DataLoader(work.data.train, batch_size=MICRO_BATCH, sampler=sampler, collate_fn=work.collator))
+        engine = work.engine
+        times: dict[str, list[float]] = {"ds_exp": [], "bare": []}
+        for i in range(steps):
+            started = time.perf_counter()
+            batch = next(loader)
+            if i % 2 == 0:
+                loop.optimizer_step([batch], started)
+                times["ds_exp"].append(time.perf_counter() - started)
+            else:
+                batch = {k: v.to(engine.device) for k, v in batch.items()}
+                loss = engine(**model_inputs(batch), labels=batch["labels"], use_cache=False).loss
+                engine.backward(loss)
+                engine.step()
+                times["bare"].append(time.perf_counter() - started)
+        metrics.write()
+        metrics.close_progress()
+        if session.rank == 0:
+            out.write_text(json.dumps({"stage": stage, "threads": torch.get_num_threads(), **times}) + "\n")
 
 
 def measure(stage: int, pairs: int, work: Path, cache: Path) -> dict[str, Any]:

@@ -22,14 +22,14 @@ def compose(overrides: Sequence[str]) -> Any:
     from hydra import initialize_config_dir
 
     from ds_exp.config.resolvers import register_resolvers
-    from ds_exp.config.schema import register_configs
+    from ds_exp.config.schema import register_configs, to_config
     from ds_exp.paths import conf_dir
 
     register_resolvers()
     register_configs()
     kept = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=kept)
+        return to_config(hydra_compose(config_name="config", overrides=kept))
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -71,13 +71,13 @@ class Workload:
     def steps_per_epoch(self) -> int:
         from ds_exp.plan import steps_per_epoch
 
-        return steps_per_epoch(len(self.data.train), self.cfg, self.world)
+        return steps_per_epoch(len(self.data.train), self.cfg.train, self.world)
 
     @property
     def warmup(self) -> int:
         from ds_exp.plan import warmup_steps
 
-        return warmup_steps(self.cfg, self.steps)
+        return warmup_steps(self.cfg.scheduler, self.steps)
 
     def build_model(self) -> Any:
         """ds_exp.model.build_model: same init (seeded by module name), ZeRO-3 built inside zero.Init."""
@@ -162,8 +162,8 @@ def load_workload(args: argparse.Namespace, rank: int, world: int) -> Workload:
     from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
 
     cfg = compose(args.overrides)
-    tokenizer = load_tokenizer(cfg)
-    data = prepare_sft_data(cfg, tokenizer)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     collator = make_collator(tokenizer, isolate_packed=bool(cfg.data.packing))
     ds_config = json.loads(args.ds_config.read_text())
     return Workload(cfg, tokenizer, data, collator, ds_config, rank, world, args.steps)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_exp.atomic import write_json_atomic, write_text_atomic
 from ds_exp.errors import ResumeError, RunFailed
-from ds_exp.tracking import write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class TrainState:
     # metric line covers the same steps as an uninterrupted run's (summed over ranks)
     window_loss_sum: float = 0.0
     window_label_tokens: float = 0.0
+    initial_eval: dict[str, float] | None = None  # the run's first evaluation, for its summary after a resume
+    # what the run's course depends on (ds_exp.trajectory): a resume says what changed, or refuses
+    trajectory: dict[str, Any] | None = None
     # the run that wrote the checkpoint (kept across resumes): rotation only ever deletes this run's checkpoints
     run_id: str | None = None
     # what the checkpoint depends on (ds_exp.resume.settings_of): a resume with other values is refused
@@ -160,6 +163,64 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, kee
     return path
 
 
+class Checkpointer:
+    """This run's checkpoints: where, how many to keep, and what each records besides DeepSpeed's state."""
+
+    def __init__(
+        self,
+        engine: Any,
+        directory: Path,
+        *,
+        rank: int,
+        keep_last: int,
+        needed_bytes: int,
+        identity: dict[str, Any],
+    ) -> None:
+        """`identity`: what every checkpoint of this run records besides where it stands (TrainState's run_id,
+        wandb_run_id, settings and trajectory)."""
+        self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
+        self.needed_bytes, self.identity = needed_bytes, identity
+
+    def save(self, progress: Any, window: tuple[float, float], initial_eval: dict[str, float] | None) -> Path:
+        """Collective. `progress`: step, epoch, step_in_epoch; `window`: the open metric window's sums over ranks.
+        A save that fails for lack of room or rights is one message, and leaves no incomplete checkpoint."""
+        from ds_exp.storage import save_failure_message
+
+        state = TrainState(
+            step=progress.step,
+            epoch=progress.epoch,
+            step_in_epoch=progress.step_in_epoch,
+            window_loss_sum=window[0],
+            window_label_tokens=window[1],
+            initial_eval=initial_eval,
+            **self.identity,
+        )
+        try:
+            return save(self.engine, self.directory, state, rank=self.rank, keep_last=self.keep_last)
+        except (OSError, RuntimeError) as exc:
+            tag_dir = self.directory / tag_for(progress.step)
+            _release_files(exc)
+            if self.rank == 0 and not (tag_dir / COMPLETE_MARKER).is_file():
+                shutil.rmtree(tag_dir, ignore_errors=True)  # never complete: give its space back
+            message = save_failure_message(exc, tag_dir, self.needed_bytes)
+            if message is None:
+                raise
+            raise RunFailed(message) from exc
+
+
+def _release_files(exc: BaseException) -> None:
+    """Close the files a failed save left open: the frames of its traceback hold torch.save's writer, and a
+    deleted file that is still open keeps its space on the disk."""
+    import gc
+    import traceback
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        traceback.clear_frames(seen.__traceback__)
+        seen = seen.__cause__ or seen.__context__
+    gc.collect()
+
+
 def inject_fault(point: str, rank: int) -> None:
     """SIGKILL this process at `point` when DS_EXP_FAULT names it (and this rank, if it names one)."""
     wanted = os.environ.get(_FAULT_ENV)
@@ -177,18 +238,13 @@ def load_weights_only(engine: Any) -> None:
     """DeepSpeed reads checkpoint files with torch.load(weights_only=False), which runs whatever a pickle says.
     A resume reads files an earlier process wrote, so ds_exp has it read them with weights_only=True instead,
     allowing only the few DeepSpeed types its checkpoints hold."""
-    import torch
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    allowed = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    from ds_exp import compat
 
-    def safe_load(path: str, map_location: Any = None) -> Any:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-    engine.checkpoint_engine.load = safe_load
+    compat.read_checkpoints_weights_only(engine, [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address])
 
 
 def damaged_message(tag_dir: Path, err: BaseException) -> str:
@@ -214,7 +270,11 @@ def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
 
     load_weights_only(engine)
     try:
-        load_path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        # the LR schedule is not loaded but fast-forwarded to the step (ds_exp.trajectory): a schedule is a function of
+        # the step, and a resume that changes the run's length or learning rate must take effect
+        load_path, client_state = engine.load_checkpoint(
+            str(tag_dir.parent), tag=tag_dir.name, load_lr_scheduler_states=False
+        )
     except pickle.UnpicklingError as err:
         raise ResumeError(
             f"resume: {tag_dir} holds objects a checkpoint written by ds_exp never holds, so it was not loaded "
@@ -228,5 +288,8 @@ def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
     if rng_file.is_file():
         set_rng_states(torch.load(rng_file, weights_only=True))
     saved = (client_state or {}).get("ds_exp") or json.loads((tag_dir / COMPLETE_MARKER).read_text())
+    if engine.lr_scheduler is not None:
+        for _ in range(int(saved["step"])):
+            engine.lr_scheduler.step()
     log.info("resumed from %s at step %s", tag_dir, saved["step"])
     return TrainState(**saved)

@@ -15,7 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_exp.errors import DsExpError, report_user_error
+from ds_exp.console import report_user_error
+from ds_exp.errors import DsExpError
 
 log = logging.getLogger("ds_exp")
 
@@ -40,33 +41,6 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     return kept
 
 
-def per_rank_overrides(args: list[str]) -> list[str]:
-    """Hydra overrides that keep ranks > 0 of a torchrun / deepspeed / mpirun / srun launch out of outputs/.
-
-    Every rank runs Hydra; only rank 0's run directory is real. The others get a placeholder directory in
-    /tmp (removed at the end) and learn rank 0's directory once torch.distributed is up.
-    """
-    from ds_exp.distributed import launch_rank_from_env, launched_with_several_ranks
-
-    if not launched_with_several_ranks():
-        return []
-    if "-m" in args or "--multirun" in args:
-        raise SystemExit(
-            "ds_exp: error: -m/--multirun under torchrun, mpirun, srun or the deepspeed launcher would run the whole "
-            "sweep on every rank; use a submitit launcher with several tasks per node instead "
-            "(hydra/launcher=slurm hydra.launcher.tasks_per_node=N)"
-        )
-    if launch_rank_from_env() == 0:
-        return []
-    import atexit
-    import shutil
-    import tempfile
-
-    placeholder = tempfile.mkdtemp(prefix=f"ds_exp_rank{launch_rank_from_env()}_")
-    atexit.register(shutil.rmtree, placeholder, True)  # however the process ends, short of a SIGKILL
-    return [f"hydra.run.dir={placeholder}", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
-
-
 def check_launch_env() -> None:
     """Inconsistent launcher variables are refused at once: the process would wait for ranks that never come."""
     from ds_exp.distributed import launch_env_problems
@@ -85,19 +59,21 @@ def run_dir_of_job() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def run_job(cfg: DictConfig) -> Any:
-    """Validate, then either plan (dry_run=true) or train. Heavy imports happen only past validation."""
+def run_job(composed: DictConfig) -> Any:
+    """Typed once, validated, then planned (dry_run=true) or trained. Heavy imports happen only past validation."""
+    from ds_exp.config.schema import to_config
     from ds_exp.config.validate import validate
 
+    cfg = to_config(composed)
     validate(cfg)
     run_dir = run_dir_of_job()
     if cfg.dry_run:
         from ds_exp.dry_run import dry_run
 
         return dry_run(cfg, run_dir)
-    from ds_exp.train import train
+    from ds_exp.recipe import recipe_main
 
-    return train(cfg, run_dir)
+    return recipe_main(cfg, run_dir)
 
 
 def in_multirun() -> bool:
@@ -131,6 +107,7 @@ def main() -> None:
     from ds_exp.config.resolvers import register_resolvers
     from ds_exp.config.schema import register_configs
     from ds_exp.paths import conf_dir
+    from ds_exp.run_dir import rank_placeholder_overrides
     from ds_exp.run_logging import hold_library_logs
     from ds_exp.secrets import hide_secret_overrides, register_secrets
 
@@ -144,7 +121,7 @@ def main() -> None:
     except DsExpError as err:
         report_user_error(err, traceback_hint=False)
         sys.exit(err.exit_code)
-    sys.argv += per_rank_overrides(sys.argv[1:])
+    sys.argv += rank_placeholder_overrides(sys.argv[1:])
     register_resolvers()
     register_configs()
     hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(hydra_task)()

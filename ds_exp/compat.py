@@ -66,3 +66,114 @@ def zero3_full_state_dict(engine: Any) -> dict[str, Any] | None:
     save_16bit_model uses, but returning the dict instead of writing a file). It keeps each tensor's dtype. If it
     changes, the export at ZeRO-3 fails with an AttributeError naming it."""
     return engine._zero3_consolidated_16bit_state_dict()
+
+
+def read_checkpoints_weights_only(engine: Any, allowed: list[Any]) -> None:
+    """Make DeepSpeed read checkpoint files with torch.load(weights_only=True), allowing only `allowed` types.
+
+    DeepSpeed 0.19.8: `engine.checkpoint_engine.load(path, map_location)` is how every checkpoint file is read (with
+    weights_only=False: a pickle runs whatever it says); ds_exp replaces that attribute on the engine. If the name
+    changes, this assignment is silently unused and a resume would read with DeepSpeed's own unsafe load: the
+    tampered-checkpoint test (tests/test_security.py) catches that."""
+    import torch
+
+    def safe_load(path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine.load = safe_load
+
+
+def reinit_module(model: Any, module: Any) -> None:
+    """Run the model's own weight initialization on one module again (seeded by the caller).
+
+    transformers 5.23: `PreTrainedModel._init_weights(module)` initializes one module; since 5.0 it skips tensors
+    flagged `_is_hf_initialized`, so the flag is cleared first. If either changes, the tiny model's weights stop
+    depending on the seed alone and the equal-losses-across-ZeRO-stages test fails."""
+    for param in module.parameters(recurse=False):
+        param._is_hf_initialized = False
+    model._init_weights(module)
+
+
+def submitit_requeue_signal() -> int:
+    """The signal SLURM sends before a time limit or a preemption, as submitit's job expects it.
+
+    submitit 1.5.4: `JobEnvironment._usr_sig()` (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise). If it
+    moves, the requeue test (tests/test_slurm.py) fails."""
+    import submitit
+
+    return int(submitit.JobEnvironment._usr_sig())
+
+
+def basic_sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Each job's overrides as Hydra's basic sweeper expands the command line's (its cartesian product).
+
+    hydra-core 1.3.2-1.3.8: `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments` (a static
+    method; no public API lists a sweep's jobs before launching them). If it moves, sweeps are no longer validated
+    before launch (tests/test_cli.py catches it)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """The hosts of a SLURM node list (`node[1-3,5],gpu7`), in SLURM's order: the first is where rank 0 runs.
+
+    No library has a public function for this (submitit's `_parse_node_list` is private), so SLURM's own
+    `scontrol show hostnames` expands it; where scontrol is missing or cannot answer, `parse_slurm_nodelist` does.
+    If either goes wrong, a SLURM launch without MASTER_ADDR rendezvouses at the wrong host
+    (tests/test_slurm_multinode.py, tests/test_distributed.py)."""
+    import os
+    import shutil
+    import subprocess
+
+    scontrol = shutil.which("scontrol")
+    conf = os.environ.get("SLURM_CONF")
+    if scontrol and not (conf and not os.path.exists(conf)):  # a missing SLURM_CONF: scontrol retries for 60 s
+        try:
+            out = subprocess.run(
+                [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10, check=False
+            )
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return parse_slurm_nodelist(nodelist)
+
+
+def parse_slurm_nodelist(nodelist: str) -> list[str]:
+    """SLURM's host list syntax: comma-separated names, each with bracketed ranges expanded in order, zero padding
+    kept (`gpu[08-10],cpu1,rack[1-2]-n[1,3]`). Raises ValueError on unbalanced or malformed brackets."""
+    import re
+
+    groups, depth, start = [], 0, 0
+    for pos, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
+        if char == "," and depth == 0:
+            groups.append(nodelist[start:pos])
+            start = pos + 1
+    if depth:
+        raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
+    groups.append(nodelist[start:])
+    hosts: list[str] = []
+    for group in filter(None, (g.strip() for g in groups)):
+        names = [""]
+        for part in re.split(r"(\[[^\]]*\])", group):
+            values = _bracket_values(part[1:-1], nodelist) if part.startswith("[") else [part]
+            names = [name + value for name in names for value in values]
+        hosts.extend(names)
+    return hosts
+
+
+def _bracket_values(ranges: str, nodelist: str) -> list[str]:
+    values = []
+    for item in ranges.split(","):
+        low, _, high = item.strip().partition("-")
+        if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
+            raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
+        values += [f"{number:0{len(low)}d}" for number in range(int(low), int(high or low) + 1)]
+    return values

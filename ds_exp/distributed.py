@@ -12,10 +12,7 @@ import contextlib
 import io
 import logging
 import os
-import re
-import shutil
 import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,9 +100,11 @@ def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
         # .export() it leaves CUDA_VISIBLE_DEVICES alone, so every task still sees all GPUs of its node.
         import submitit
 
+        # The rendezvous comes from SLURM's own variables, as for a plain srun: the step's first node (SLURM's
+        # order puts rank 0 there) and a port derived from the job id, so every rank computes the same pair.
         job_env = submitit.JobEnvironment()
-        master = job_env.hostnames[0] if job_env.hostnames else "127.0.0.1"
-        job_port = _int_env("MASTER_PORT", default=_job_port(job_env.job_id, default_port))
+        master = _first_slurm_host()
+        job_port = _int_env("MASTER_PORT", default=_job_port(env.get("SLURM_JOB_ID"), default_port))
         return LaunchInfo(
             "submitit",
             job_env.global_rank,
@@ -174,59 +173,10 @@ def _first_slurm_host() -> str:
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
         return "127.0.0.1"
-    hosts = slurm_hostnames(nodelist)
+    from ds_exp import compat
+
+    hosts = compat.slurm_hostnames(nodelist)
     return hosts[0] if hosts else socket.gethostname()
-
-
-def slurm_hostnames(nodelist: str) -> list[str]:
-    """The host names of a SLURM node list (`node[1-3,5],other`), as `scontrol show hostnames` expands them; where
-    scontrol is missing or cannot run, as `parse_slurm_nodelist` does."""
-    scontrol = shutil.which("scontrol")
-    conf = os.environ.get("SLURM_CONF")
-    if scontrol and not (conf and not os.path.exists(conf)):  # a missing SLURM_CONF: scontrol retries for 60 s
-        try:
-            out = subprocess.run(
-                [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10, check=False
-            )
-            if out.returncode == 0 and out.stdout.split():
-                return out.stdout.split()
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return parse_slurm_nodelist(nodelist)
-
-
-def parse_slurm_nodelist(nodelist: str) -> list[str]:
-    """SLURM's host list syntax: comma-separated names, each with bracketed ranges expanded in order, zero padding
-    kept (`gpu[08-10],cpu1,rack[1-2]-n[1,3]`). Raises ValueError on unbalanced or malformed brackets."""
-    groups, depth, start = [], 0, 0
-    for pos, char in enumerate(nodelist):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if depth not in (0, 1):
-            raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
-        if char == "," and depth == 0:
-            groups.append(nodelist[start:pos])
-            start = pos + 1
-    if depth:
-        raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
-    groups.append(nodelist[start:])
-    hosts: list[str] = []
-    for group in filter(None, (g.strip() for g in groups)):
-        names = [""]
-        for part in re.split(r"(\[[^\]]*\])", group):
-            values = _bracket_values(part[1:-1], nodelist) if part.startswith("[") else [part]
-            names = [name + value for name in names for value in values]
-        hosts.extend(names)
-    return hosts
-
-
-def _bracket_values(ranges: str, nodelist: str) -> list[str]:
-    values = []
-    for item in ranges.split(","):
-        low, _, high = item.strip().partition("-")
-        if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
-            raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
-        values += [f"{number:0{len(low)}d}" for number in range(int(low), int(high or low) + 1)]
-    return values
 
 
 def export_launch_env(info: LaunchInfo) -> None:
@@ -393,6 +343,25 @@ def wait_for_rendezvous(start: Callable[[], Any], launch: LaunchInfo, timeout_mi
             next_notice *= 3
     if "error" in outcome:
         raise outcome["error"]
+
+
+def all_reduce_sum(values: list[float], device: Any) -> list[float]:
+    """Collective: `values` summed over ranks (float64), back on the host."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def broadcast(value: Any) -> Any:
+    """Collective: rank 0's `value` on every rank (a picklable object)."""
+    import torch.distributed as dist
+
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 # What the backends say when the other end of a collective is gone (its process died or was killed).

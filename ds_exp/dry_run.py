@@ -7,22 +7,21 @@ estimates per-rank model-state memory, writes the exact DeepSpeed config the eng
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from ds_exp.accelerator import detect_accelerator, resolved_precision
+from ds_exp.atomic import write_json_atomic
 from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
 from ds_exp.config.model_checks import max_seq_len_notes
+from ds_exp.config.schema import Config
 from ds_exp.distributed import detect_launch
 from ds_exp.memory import estimate_model_states, human_bytes
 from ds_exp.plan import total_steps, warmup_steps
 from ds_exp.secrets import redact
 
 
-def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     from ds_exp.data import count_train_examples, load_tokenizer
     from ds_exp.model import (
         base_vocab_size,
@@ -35,20 +34,20 @@ def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     launch = detect_launch(cfg.dist)
     accelerator = detect_accelerator()
     precision = resolved_precision(cfg.precision.dtype, accelerator)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
     model_config = build_model_config(cfg, tokenizer)
     hidden = hidden_size_of(model_config)
     base_vocab = base_vocab_size(cfg, tokenizer, model_config.vocab_size)  # what the export keeps
     padded = padded_vocab_size(len(tokenizer), model_config.vocab_size, cfg.model.vocab_multiple)
     model_config.vocab_size = padded
     counts = count_parameters(cfg, model_config)
-    num_train = count_train_examples(cfg)
-    steps = total_steps(num_train, cfg, launch.world_size)
+    num_train = count_train_examples(cfg.data)
+    steps = total_steps(num_train, cfg.train, launch.world_size)
     facts = RunFacts(
         world_size=launch.world_size,
         hidden_size=hidden,
         total_steps=steps,
-        warmup_steps=warmup_steps(cfg, steps),
+        warmup_steps=warmup_steps(cfg.scheduler, steps),
         precision=precision,
         run_dir=str(run_dir),
     )
@@ -87,12 +86,12 @@ def make_plan(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def dry_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def dry_run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     plan = make_plan(cfg, run_dir)
     if detect_launch(cfg.dist).is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "ds_config.json").write_text(json.dumps(redact(plan["ds_config"]), indent=2) + "\n")
-        (run_dir / "plan.json").write_text(json.dumps({k: v for k, v in plan.items() if k != "ds_config"}, indent=2))
+        write_json_atomic(run_dir / "ds_config.json", redact(plan["ds_config"]))
+        write_json_atomic(run_dir / "plan.json", {k: v for k, v in plan.items() if k != "ds_config"})
         print(format_plan(plan, run_dir))
         for note in plan["notes"]:
             print(f"  note       {note}")

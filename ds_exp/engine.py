@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from omegaconf import DictConfig
-
-from ds_exp.config.schema import plain
+from ds_exp.config.schema import Config, OptimizerConfig, SchedulerConfig, plain
 from ds_exp.errors import ConfigError
 from ds_exp.secrets import redact
 
@@ -34,11 +32,11 @@ def parameter_groups(model: Any, weight_decay: float, no_decay: list[str]) -> li
     return [g for g in groups if g["params"]]
 
 
-def optimizer_impl(cfg: DictConfig, ds_config: dict[str, Any], accelerator: str) -> str:
+def optimizer_impl(opt: OptimizerConfig, ds_config: dict[str, Any], accelerator: str) -> str:
     """optimizer.impl with auto decided: DeepSpeed's CPU Adam under optimizer offload (the optimizer step runs on
     the host), torch's fused AdamW on CUDA (as fast as DeepSpeed's FusedAdam, and nothing to compile), torch
     AdamW otherwise."""
-    impl = str(plain(cfg.optimizer.impl))
+    impl = str(plain(opt.impl))
     if impl != "auto":
         return impl
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
@@ -47,14 +45,15 @@ def optimizer_impl(cfg: DictConfig, ds_config: dict[str, Any], accelerator: str)
     return "torch_fused" if accelerator == "cuda" else "torch"
 
 
-def build_optimizer(cfg: DictConfig, groups: list[dict[str, Any]], ds_config: dict[str, Any], accelerator: str) -> Any:
+def build_optimizer(
+    opt: OptimizerConfig, groups: list[dict[str, Any]], ds_config: dict[str, Any], accelerator: str
+) -> Any:
     import torch
 
     from ds_exp import ops
 
-    opt = cfg.optimizer
     kwargs = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
-    impl = optimizer_impl(cfg, ds_config, accelerator)
+    impl = optimizer_impl(opt, ds_config, accelerator)
     announce = _is_rank0()
     if impl == "deepspeed_cpu":
         ops.ensure_built(ops.CPU_ADAM, announce=announce)
@@ -76,15 +75,15 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: int, warmup_steps: int) -> Any:
+def build_scheduler(sched: SchedulerConfig, optimizer: Any, total_steps: int, warmup_steps: int) -> Any:
     from transformers import get_scheduler
 
     return get_scheduler(
-        plain(cfg.scheduler.name),
+        plain(sched.name),
         optimizer,
         num_warmup_steps=warmup_steps,
         num_training_steps=total_steps,
-        scheduler_specific_kwargs=dict(cfg.scheduler.kwargs) or None,
+        scheduler_specific_kwargs=dict(sched.kwargs) or None,
     )
 
 
@@ -120,9 +119,10 @@ class Engine:
 
 
 def build_engine(
-    cfg: DictConfig, model: Any, ds_config: dict[str, Any], *, total_steps: int, warmup_steps: int, accelerator: str
+    cfg: Config, model: Any, ds_config: dict[str, Any], *, total_steps: int, warmup_steps: int, accelerator: str
 ) -> Engine:
     import deepspeed
+    from pydantic import ValidationError
 
     from ds_exp import ops
 
@@ -133,16 +133,14 @@ def build_engine(
         if op is not None:  # DeepSpeed compiles it inside initialize: build it first, with a notice
             ops.ensure_built(op, announce=_is_rank0())
     else:
-        optimizer = build_optimizer(cfg, groups, ds_config, accelerator)
+        optimizer = build_optimizer(cfg.optimizer, groups, ds_config, accelerator)
     name = describe_optimizer(optimizer, ds_config)
     log.info("optimizer: %s", name)
     metric_schedule = plain(cfg.scheduler.name) in METRIC_SCHEDULES
     scheduler = None
     if "scheduler" not in ds_config and not metric_schedule:
         # a callable: DeepSpeed calls it with the optimizer, including one it built from the DeepSpeed config
-        scheduler = partial(build_scheduler, cfg, total_steps=total_steps, warmup_steps=warmup_steps)
-    from pydantic import ValidationError
-
+        scheduler = partial(build_scheduler, cfg.scheduler, total_steps=total_steps, warmup_steps=warmup_steps)
     try:
         engine, _, _, _ = deepspeed.initialize(
             model=model,
@@ -158,7 +156,7 @@ def build_engine(
     engine.config = redact(engine.config)
     metric_scheduler = None
     if "scheduler" not in ds_config and metric_schedule:
-        metric_scheduler = build_scheduler(cfg, optimizer or engine.optimizer, total_steps, warmup_steps)
+        metric_scheduler = build_scheduler(cfg.scheduler, optimizer or engine.optimizer, total_steps, warmup_steps)
     return Engine(engine=engine, metric_scheduler=metric_scheduler, optimizer=name)
 
 

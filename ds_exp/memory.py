@@ -1,4 +1,7 @@
-"""Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
+"""Byte accounting, in one place: per-rank memory of model states, what a checkpoint and an export take on disk,
+and the peak measured.
+
+Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
 paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 12 of fp32 master weights
 and Adam moments per parameter. In fp32 training: 4 + 4 + 8 (Adam moments) at stage 0, where the torch
 optimizer updates the model's own weights, and + 4 more at stages 1-3, where DeepSpeed keeps an fp32 master
@@ -62,3 +65,25 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def checkpoint_bytes(parameters: int, trainable: int, precision: str) -> int:
+    """About what one DeepSpeed checkpoint takes: the weights in the training dtype, plus the fp32 master
+    weights and the two Adam moments of every trainable parameter (12 bytes each)."""
+    weight = 4 if precision == "fp32" else 2
+    return parameters * weight + trainable * 12
+
+
+def export_bytes(parameters: int, precision: str) -> int:
+    return parameters * (4 if precision == "fp32" else 2)
+
+
+def peak_memory_bytes(accelerator: str) -> int:
+    """This process's peak so far: CUDA's allocator on GPUs, the resident set (RSS) elsewhere."""
+    if accelerator == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

@@ -7,8 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
-
+from ds_exp.config.schema import Config, ModelConfig
 from ds_exp.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -23,14 +22,13 @@ def padded_vocab_size(tokenizer_len: int, current: int, multiple: int) -> int:
     return int(multiple * math.ceil(max(tokenizer_len, current) / multiple))
 
 
-def build_model_config(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     """The transformers config of the model to train, vocabulary already sized for the tokenizer."""
     from transformers import AutoConfig
 
     model_cfg = cfg.model
     if model_cfg.name_or_path is None:
-        arch: dict[str, Any] = OmegaConf.to_container(model_cfg.arch, resolve=True)  # type: ignore[assignment]
-        arch = dict(arch)
+        arch = dict(model_cfg.arch or {})
         model_type = arch.pop("model_type", None)
         if model_type is None:
             raise ConfigError(
@@ -42,7 +40,7 @@ def build_model_config(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> P
         try:
             config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
         except (OSError, ValueError, KeyError) as err:
-            mapped = checkpoint_error(cfg, err)
+            mapped = checkpoint_error(cfg.model, err)
             if mapped is None:
                 raise
             raise mapped from err
@@ -56,22 +54,22 @@ def build_model_config(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> P
     return config
 
 
-def checkpoint_error(cfg: DictConfig, err: BaseException, *, weights: bool = False) -> ConfigError | None:
+def checkpoint_error(model: ModelConfig, err: BaseException, *, weights: bool = False) -> ConfigError | None:
     """transformers' error loading the checkpoint in model.name_or_path (its weights too with `weights`) as one
     message naming the file and the fix; None when its files explain nothing (the error is then raised as is)."""
     from ds_exp.config.model_checks import local_checkpoint, read_config_json, weights_problem
 
-    directory = local_checkpoint(cfg)
+    directory = local_checkpoint(model)
     if directory is None:
         return None
-    shown = f"model.name_or_path={cfg.model.name_or_path}"
-    settings, problem = read_config_json(directory, cfg.model.name_or_path)
+    shown = f"model.name_or_path={model.name_or_path}"
+    settings, problem = read_config_json(directory, model.name_or_path)
     if problem is not None:
         return ConfigError(problem)
     text = str(err)
     if settings is not None and ("does not recognize this architecture" in text or "custom code" in text):
         model_type = settings.get("model_type")
-        if "auto_map" in settings and not cfg.model.trust_remote_code:
+        if "auto_map" in settings and not model.trust_remote_code:
             return ConfigError(
                 f"{shown}: the checkpoint ships its own model code (auto_map in config.json) for model_type="
                 f"{model_type}, which transformers does not have built in; model.trust_remote_code=true runs that "
@@ -84,7 +82,7 @@ def checkpoint_error(cfg: DictConfig, err: BaseException, *, weights: bool = Fal
             "not know; upgrade transformers (pip install -U transformers), or set model.trust_remote_code=true if "
             "the checkpoint ships its own model code"
         )
-    problem = weights_problem(directory, cfg.model.name_or_path) if weights else None
+    problem = weights_problem(directory, model.name_or_path) if weights else None
     return ConfigError(problem) if problem is not None else None
 
 
@@ -96,7 +94,7 @@ def disable_dropout_in_config(config: PretrainedConfig) -> None:
 
 
 def hidden_size_of(config: Any) -> int | None:
-    """hidden_size, else the largest of hidden_sizes, else the same of a nested text_config (REFERENCE.md §2)."""
+    """hidden_size, else the largest of hidden_sizes, else the same of a nested text_config."""
     for candidate in (config, getattr(config, "text_config", None)):
         if candidate is None:
             continue
@@ -130,7 +128,7 @@ def lora_target_names(model: torch.nn.Module, module_name: str) -> list[str]:
     return targets
 
 
-def count_parameters(cfg: DictConfig, config: PretrainedConfig) -> ParameterCounts:
+def count_parameters(cfg: Config, config: PretrainedConfig) -> ParameterCounts:
     """Exact counts from a model built on the meta device: no memory, no weights read."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -160,6 +158,8 @@ def init_weights_by_name(model: Any, seed: int, *, zero3: bool) -> None:
 
     import torch
 
+    from ds_exp import compat
+
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         if not params:
@@ -172,9 +172,7 @@ def init_weights_by_name(model: Any, seed: int, *, zero3: bool) -> None:
             gather = contextlib.nullcontext()
         with gather, torch.no_grad():
             torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-            for param in params:
-                param._is_hf_initialized = False  # transformers 5 skips tensors it has marked initialized
-            model._init_weights(module)
+            compat.reinit_module(model, module)
 
 
 @dataclass(frozen=True)
@@ -236,7 +234,7 @@ class BuiltModel:
     vocab_size: int  # the base vocabulary the export keeps: the tokenizer's, or the checkpoint's if larger
 
 
-def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
+def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
     """The model to train. At ZeRO-3, transformers builds it inside deepspeed.zero.Init (each rank holds only
     its shard) because an HfDeepSpeedConfig for the final DeepSpeed config is alive during construction."""
     import torch
@@ -263,7 +261,7 @@ def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: 
                 **extra,
             )
         except Exception as err:  # safetensors and torch raise their own types for a damaged file
-            mapped = checkpoint_error(cfg, err, weights=True)
+            mapped = checkpoint_error(cfg.model, err, weights=True)
             if mapped is None:
                 raise
             raise mapped from err
@@ -304,7 +302,7 @@ def build_model(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, ds_config: 
     )
 
 
-def base_vocab_size(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, checkpoint_rows: int) -> int:
+def base_vocab_size(cfg: Config, tokenizer: PreTrainedTokenizerBase, checkpoint_rows: int) -> int:
     """The vocabulary an export keeps (model.vocab_multiple's padding rows trimmed): the tokenizer's size, or the
     base's own if larger (the checkpoint's embedding rows; model.arch.vocab_size for a model built from a config,
     whose config is padded already)."""
@@ -312,7 +310,7 @@ def base_vocab_size(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase, checkpo
     return max(len(tokenizer), own)
 
 
-def checkpoint_dtype(cfg: DictConfig) -> str:
+def checkpoint_dtype(cfg: Config) -> str:
     """The dtype a checkpoint's weights are stored in, from its config.json (float32 when unsaid or built)."""
     if cfg.model.name_or_path is None:
         return "float32"

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import math
 
-from omegaconf import DictConfig
-
+from ds_exp.config.schema import SchedulerConfig, TrainConfig
 from ds_exp.errors import ConfigError
 
 
-def global_batch_size(cfg: DictConfig, world_size: int) -> int:
-    return cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * world_size
+def global_batch_size(train: TrainConfig, world_size: int) -> int:
+    return train.micro_batch_size * train.gradient_accumulation_steps * world_size
 
 
-def global_batch_mismatch(cfg: DictConfig, world: int) -> str:
+def global_batch_mismatch(train: TrainConfig, world: int) -> str:
     """train.global_batch_size names a world size other than this launch's."""
-    train = cfg.train
     per_rank = train.micro_batch_size * train.gradient_accumulation_steps
     fits = train.global_batch_size / per_rank
     where = f"holds only at world size {fits:g}" if fits == int(fits) else "holds at no world size"
@@ -31,29 +29,29 @@ def global_batch_mismatch(cfg: DictConfig, world: int) -> str:
     )
 
 
-def steps_per_epoch(num_train: int, cfg: DictConfig, world_size: int) -> int:
-    return num_train // global_batch_size(cfg, world_size)
+def steps_per_epoch(num_train: int, train: TrainConfig, world_size: int) -> int:
+    return num_train // global_batch_size(train, world_size)
 
 
-def total_steps(num_train: int, cfg: DictConfig, world_size: int) -> int:
-    per_epoch = steps_per_epoch(num_train, cfg, world_size)
+def total_steps(num_train: int, train: TrainConfig, world_size: int) -> int:
+    per_epoch = steps_per_epoch(num_train, train, world_size)
     if per_epoch == 0:
         raise ConfigError(
             f"the training set has {num_train} examples, fewer than one global batch of "
-            f"{global_batch_size(cfg, world_size)} (train.micro_batch_size x train.gradient_accumulation_steps x "
+            f"{global_batch_size(train, world_size)} (train.micro_batch_size x train.gradient_accumulation_steps x "
             f"world size {world_size}): lower train.micro_batch_size or add data"
         )
-    if cfg.train.max_steps > 0:
-        return int(cfg.train.max_steps)
-    return per_epoch * cfg.train.epochs
+    if train.max_steps > 0:
+        return int(train.max_steps)
+    return per_epoch * train.epochs
 
 
-def warmup_steps(cfg: DictConfig, total: int) -> int:
-    if cfg.scheduler.warmup_steps > 0:
-        if cfg.scheduler.warmup_steps > total:
+def warmup_steps(scheduler: SchedulerConfig, total: int) -> int:
+    if scheduler.warmup_steps > 0:
+        if scheduler.warmup_steps > total:
             raise ConfigError(
-                f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} is longer than the whole run ({total} optimizer "
+                f"scheduler.warmup_steps={scheduler.warmup_steps} is longer than the whole run ({total} optimizer "
                 "steps): the learning rate would never reach optimizer.lr; lower it, or use scheduler.warmup_ratio"
             )
-        return int(cfg.scheduler.warmup_steps)
-    return math.ceil(total * cfg.scheduler.warmup_ratio)
+        return int(scheduler.warmup_steps)
+    return math.ceil(total * scheduler.warmup_ratio)

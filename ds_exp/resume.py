@@ -12,9 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from ds_exp.config.schema import plain
+from ds_exp.config.schema import Config, plain, plain_tree
 from ds_exp.errors import ResumeError
 
 # setting -> why a checkpoint cannot be loaded with another value
@@ -29,9 +27,9 @@ _WHY = {
 }
 
 
-def settings_of(cfg: DictConfig, world_size: int, ds_config: dict[str, Any], precision: str | None) -> dict[str, Any]:
+def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precision: str | None) -> dict[str, Any]:
     """The settings a checkpoint depends on (see the module docstring), as plain JSON values."""
-    model = cfg.model.name_or_path or OmegaConf.to_container(cfg.model.arch, resolve=True)
+    model = cfg.model.name_or_path or plain_tree(cfg.model.arch)
     lora = None
     if cfg.lora.dim > 0:
         lora = {
@@ -77,7 +75,7 @@ def _show(value: Any) -> str:
     return json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)
 
 
-def check_resume(cfg: DictConfig, tag_dir: Path, current: dict[str, Any]) -> None:
+def check_resume(cfg: Config, tag_dir: Path, current: dict[str, Any]) -> None:
     """Refuse to continue from `tag_dir` when a setting it depends on changed."""
     from ds_exp.checkpoint import read_marker
 

@@ -22,7 +22,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
-from ds_exp.errors import ConfigError, DsExpError, report_user_error
+from ds_exp.config.schema import Config, to_config
+from ds_exp.console import report_user_error
+from ds_exp.errors import ConfigError, DsExpError, Refused
 
 # Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
 # append to: they are moved aside into attempts/<time>/ first.
@@ -55,21 +57,23 @@ def check_run_start(config: DictConfig) -> None:
 
     run_dir = Path(str(config.hydra.run.dir))
     check_writable(run_dir, "hydra.run.dir")
-    found = holds_a_run(run_dir, str(config.train.checkpoint_dir))
+    cfg = to_config(config)
+    found = holds_a_run(run_dir, cfg.train.checkpoint_dir)
+    lock_run_dir(run_dir)  # first: a live run in this directory is the reason to name
     if found is None:
         return
-    if config.get("resume") is None:
+    if cfg.resume is None:
         raise ConfigError(
             f"hydra.run.dir={run_dir} already holds a run ({found}); nothing was changed. Continue it with "
             "resume=auto, or start a new run in another directory (leave hydra.run.dir unset for a fresh one)"
         )
-    check_resume_target(config, run_dir)
+    check_resume_target(cfg, run_dir)
     if (run_dir / ".hydra").is_dir() and config.hydra.output_subdir == ".hydra":
         with read_write(config.hydra), open_dict(config.hydra):  # the first attempt's config stays as it was
             config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
 
 
-def check_resume_target(config: DictConfig, run_dir: Path) -> None:
+def check_resume_target(cfg: Config, run_dir: Path) -> None:
     """The checkpoint `resume` names exists, is complete and was written with this run's settings."""
     from ds_exp.accelerator import decide_precision, detect_accelerator, supports_bf16
     from ds_exp.checkpoint import find_resume_checkpoint
@@ -77,13 +81,26 @@ def check_resume_target(config: DictConfig, run_dir: Path) -> None:
     from ds_exp.distributed import detect_launch
     from ds_exp.resume import check_resume, settings_of
 
-    tag_dir = find_resume_checkpoint(config.resume, run_dir, str(config.train.checkpoint_dir))
+    tag_dir = find_resume_checkpoint(cfg.resume, run_dir, cfg.train.checkpoint_dir)
     if tag_dir is None:
         return
     accelerator = detect_accelerator()
-    precision = decide_precision(config.precision.dtype, accelerator, supports_bf16(accelerator))
-    world = detect_launch(config.dist).world_size
-    check_resume(config, tag_dir, settings_of(config, world, merged_ds_config(config), precision))
+    precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))
+    world = detect_launch(cfg.dist).world_size
+    check_resume(cfg, tag_dir, settings_of(cfg, world, merged_ds_config(cfg), precision))
+    check_global_batch(cfg, tag_dir, world)
+
+
+def check_global_batch(cfg: Config, tag_dir: Path, world: int) -> None:
+    """The one trajectory refusal that needs nothing heavy to decide (ds_exp.trajectory has the rest)."""
+    from ds_exp.checkpoint import read_marker
+    from ds_exp.trajectory import check
+
+    saved = read_marker(tag_dir).get("trajectory")
+    if saved:
+        train = cfg.train
+        batch = train.micro_batch_size * train.gradient_accumulation_steps * world
+        check(cfg, {"global_batch": saved.get("global_batch")}, {"global_batch": batch, "data": None}, 0, tag_dir)
 
 
 def check_sweep_start(config: DictConfig) -> None:
@@ -113,6 +130,85 @@ def set_aside_attempt(run_dir: Path) -> Path | None:
     for path in present:
         shutil.move(str(path), target / path.name)
     return target
+
+
+# ------------------------------------------------------------------------------------ one live run per directory
+LOCK = ".ds_exp.lock"
+_locks: dict[Path, Any] = {}  # run directory -> the open file whose lock this process holds
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold <run dir>/.ds_exp.lock (an exclusive flock) until release_run_dir or the process's end. A second process
+    that finds it held stops at once, naming the holder; a lock left by a killed process is released by the
+    kernel with it, so a stale lock never blocks anyone."""
+    import fcntl
+    import os
+    import socket
+
+    run_dir = run_dir.absolute()
+    if run_dir in _locks:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = (run_dir / LOCK).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise Refused(
+            f"hydra.run.dir={run_dir} is in use by a live ds_exp run ({holder}); nothing was changed. Wait for it "
+            "to end (or stop it), then resume=auto; or use another directory"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _locks[run_dir] = handle
+
+
+def release_run_dir(run_dir: Path) -> None:
+    handle = _locks.pop(run_dir.absolute(), None)
+    if handle is not None:
+        handle.close()  # closing the file releases the lock
+
+
+# --------------------------------------------------------------------------- the placeholder of ranks > 0
+_placeholder: str | None = None
+
+
+def rank_placeholder_overrides(args: list[str]) -> list[str]:
+    """Hydra overrides that keep ranks > 0 of a torchrun / deepspeed / mpirun / srun launch out of outputs/.
+
+    Every rank runs Hydra; only rank 0's run directory is real. The others get a placeholder directory in /tmp
+    (removed by remove_rank_placeholder, and at exit) and learn rank 0's directory once torch.distributed is up.
+    """
+    import atexit
+    import tempfile
+
+    from ds_exp.distributed import launch_rank_from_env, launched_with_several_ranks
+
+    global _placeholder
+    if not launched_with_several_ranks():
+        return []
+    if "-m" in args or "--multirun" in args:
+        raise SystemExit(
+            "ds_exp: error: -m/--multirun under torchrun, mpirun, srun or the deepspeed launcher would run the whole "
+            "sweep on every rank; use a submitit launcher with several tasks per node instead "
+            "(hydra/launcher=slurm hydra.launcher.tasks_per_node=N)"
+        )
+    if launch_rank_from_env() == 0:
+        return []
+    _placeholder = tempfile.mkdtemp(prefix=f"ds_exp_rank{launch_rank_from_env()}_")
+    atexit.register(remove_rank_placeholder)  # however the process ends, short of a SIGKILL
+    return [f"hydra.run.dir={_placeholder}", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def remove_rank_placeholder() -> None:
+    global _placeholder
+    if _placeholder is not None:
+        shutil.rmtree(_placeholder, ignore_errors=True)
+        _placeholder = None
 
 
 class CheckRunDir(Callback):

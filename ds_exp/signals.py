@@ -64,9 +64,9 @@ class StopSignals:
 
     def watched(self) -> list[int]:
         if self.under_submitit:
-            import submitit
+            from ds_exp import compat
 
-            return [submitit.JobEnvironment._usr_sig()]  # SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise
+            return [compat.submitit_requeue_signal()]  # SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise
         return [signal.SIGTERM, signal.SIGINT]
 
     def install(self) -> None:

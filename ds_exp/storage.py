@@ -35,17 +35,6 @@ def check_writable(path: Path, key: str) -> None:
         raise ConfigError(f"{key}={path}: {existing} {why}; point {key} at a writable directory")
 
 
-def checkpoint_bytes(parameters: int, trainable: int, precision: str) -> int:
-    """About what one DeepSpeed checkpoint takes: the weights in the training dtype, plus the fp32 master
-    weights and the two Adam moments of every trainable parameter (12 bytes each)."""
-    weight = 4 if precision == "fp32" else 2
-    return parameters * weight + trainable * 12
-
-
-def export_bytes(parameters: int, precision: str) -> int:
-    return parameters * (4 if precision == "fp32" else 2)
-
-
 def check_free_space(needs: dict[Path, int], keys: dict[Path, str]) -> None:
     """Each file system must have room for what is bound for it (paths on one file system add up)."""
     per_device: dict[int, tuple[Path, int]] = {}

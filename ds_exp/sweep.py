@@ -18,22 +18,21 @@ from omegaconf import DictConfig, OmegaConf
 
 def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     """Each job's overrides, as Hydra's basic sweeper will expand them; None for other sweepers."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from ds_exp import compat
 
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         return None
     params = config.hydra.sweeper.get("params")
     params = OmegaConf.to_container(params, resolve=True) if params else {}
     overrides = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    return compat.basic_sweep_jobs(overrides)
 
 
 class ValidateSweep(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
 
+        from ds_exp.config.schema import to_config
         from ds_exp.config.validate import validate
         from ds_exp.errors import DsExpError
         from ds_exp.secrets import redact_text
@@ -45,7 +44,7 @@ class ValidateSweep(Callback):
         problems = []
         for overrides in jobs:
             try:
-                validate(loader.load_sweep_config(config, list(overrides)))
+                validate(to_config(loader.load_sweep_config(config, list(overrides))))
             except DsExpError as err:
                 problems += [f"job [{' '.join(overrides)}]: {line}" for line in str(err).splitlines()]
             except Exception as err:  # composition errors (unknown option, wrong type) from Hydra / OmegaConf

@@ -1,36 +1,16 @@
-"""What a run leaves behind for people: metrics.jsonl, summary.json and the wandb run (rank 0 only)."""
+"""Where metric lines go: metrics.jsonl and the wandb run (rank 0 only; a no-op on the other ranks)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from ds_exp.config.schema import plain
-
-# Secret redaction lives in ds_exp.secrets; these names stay importable from here.
-from ds_exp.secrets import REDACTED as REDACTED
-from ds_exp.secrets import is_secret_key as is_secret_key
-from ds_exp.secrets import redact as redact
-from ds_exp.secrets import redact_text as redact_text
-from ds_exp.secrets import register_secrets as register_secrets
+from ds_exp.config.schema import Config, as_dict, plain
+from ds_exp.secrets import redact
 
 log = logging.getLogger(__name__)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temporary name and rename, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
 class MetricsLog:
@@ -45,7 +25,7 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(json.dumps(record, default=float) + "\n")
 
-    def close(self) -> None:
+    def close(self, status: str | None = None) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -54,7 +34,7 @@ class MetricsLog:
 class WandbRun:
     """A wandb run on rank 0 when logger.wandb.mode is not disabled; a no-op everywhere else."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, *, enabled: bool, run_id: str | None) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None) -> None:
         self.run = None
         self.run_id = run_id
         wandb_cfg = cfg.logger.wandb
@@ -78,10 +58,10 @@ class WandbRun:
             mode=mode,
             id=run_id,  # set when resuming: the same wandb run continues
             resume="allow",
-            config=redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
+            config=redact(as_dict(cfg)),
             # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
             # ~/.netrc); an offline run writes it nowhere (tests/test_security.py)
-            settings=wandb.Settings(api_key=wandb_cfg.api_key) if wandb_cfg.get("api_key") else None,
+            settings=wandb.Settings(api_key=wandb_cfg.api_key) if wandb_cfg.api_key else None,
         )
         self.run_id = self.run.id
 
@@ -97,12 +77,11 @@ class WandbRun:
             columns = list(rows[0])
             self.run.log({key: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
 
-    def summary(self, values: dict[str, Any]) -> None:
-        if self.run is not None:
-            for key, value in values.items():
-                self.run.summary[key] = value
+    def close(self, status: str) -> None:
+        """Record how the run ended and finish the wandb run (a failed exit code unless it can be resumed)."""
+        from ds_exp.summary import RESUMABLE_ENDS
 
-    def finish(self, exit_code: int = 0) -> None:
         if self.run is not None:
-            self.run.finish(exit_code=exit_code)
+            self.run.summary["status"] = status
+            self.run.finish(exit_code=0 if status in RESUMABLE_ENDS else 1)
             self.run = None

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
 from ds_exp.config.resolvers import register_resolvers
-from ds_exp.config.schema import register_configs
+from ds_exp.config.schema import Config, register_configs, to_config
 from ds_exp.paths import conf_dir
 from tests.real_model import ModelUnavailable, smollm2_checkpoint
 
@@ -23,10 +22,12 @@ register_configs()
 
 
 @pytest.fixture
-def compose_cfg() -> Callable[..., DictConfig]:
-    def _compose(*overrides: str) -> DictConfig:
+def compose_cfg() -> Callable[..., Config]:
+    """The typed config `python -m ds_exp OVERRIDES` trains with (composed by Hydra, then ds_exp's to_config)."""
+
+    def _compose(*overrides: str) -> Config:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
+            return to_config(compose(config_name="config", overrides=list(overrides)))
 
     return _compose
 

@@ -132,13 +132,13 @@ def test_validation_of_a_valid_config_imports_no_heavy_library(compose_cfg):
 import sys
 from hydra import compose, initialize_config_dir
 from ds_exp.config.resolvers import register_resolvers
-from ds_exp.config.schema import register_configs
+from ds_exp.config.schema import register_configs, to_config
 from ds_exp.config.validate import validate
 from ds_exp.paths import conf_dir
 register_resolvers(); register_configs()
 with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
     cfg = compose("config", overrides=["zero=stage3", "offload=cpu_all", "lora.dim=64", "precision=bf16"])
-validate(cfg)
+validate(to_config(cfg))
 print("HEAVY:", sorted(m for m in ("torch", "deepspeed", "transformers", "datasets") if m in sys.modules))
 """
     result = subprocess.run(

@@ -13,21 +13,23 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.training import FAST, REPO, multirun, report_rows, user_env
+from tests.training import FAST, REPO, assert_close, logged_steps, multirun, report_rows, user_env
 
 pytestmark = pytest.mark.slow
 
 CLUSTER_SCRIPT = REPO / "launchers" / "slurm_cluster.sh"
 PRIVATE_DIR = "/tmp/ds_exp_slurm_2node"
 PRIVATE = {"SLURM_DEV_DIR": PRIVATE_DIR, "SLURM_CONF": f"{PRIVATE_DIR}/slurm.conf", "SLURM_DEV_PORT": "6827"}
-LAUNCH_LINE = re.compile(r"launch (\w+): rank (\d+) of (\d+) on host (\S+),")
+LAUNCH_LINE = re.compile(r"launch (\w+): rank (\d+) of (\d+) on (\S+),")
 
 
 def _nodes_up(env: dict[str, str]) -> list[str]:
@@ -192,4 +194,113 @@ def test_sweep_jobs_span_two_nodes_and_match_one_node_runs(cluster_env, tmp_path
         assert packed[0][2] == packed[1][2], packed
         a, b = losses(two_nodes / job), losses(one_node / job)
         assert len(a) == len(b) == 4
-        assert a == pytest.approx(b, rel=1e-5, abs=0)
+        assert_close(a, b, rel=1e-5)
+
+
+# Checkpoints every 10 steps, a metric line every 5: killed after step 25, a resume starts from step20.
+RESUMABLE = [
+    *FAST,
+    "train.max_steps=40",
+    "train.log_every=5",
+    "train.save_every=10",
+    "train.keep_last=2",
+    "data.synthetic.num_train=512",
+]
+
+
+def sbatch_multinode(cwd: Path, env: dict[str, str], *overrides: str, wait: bool) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            *(["--wait"] if wait else []),
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--cpus-per-task=1",
+            "--time=15",
+            f"--chdir={cwd}",
+            str(REPO / "launchers" / "sbatch_multinode.sh"),
+            *overrides,
+            f"data.cache_dir={cwd / 'cache'}",
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def job_state(env: dict[str, str], job_id: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True, timeout=30)
+    match = re.search(r"JobState=(\w+)", out.stdout)
+    return match.group(1) if match else "GONE"
+
+
+def job_processes(job_id: str, rank: int) -> list[int]:
+    """The processes of rank `rank` of SLURM job `job_id` (its Python process), wherever they run."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ and f"SLURM_PROCID={rank}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def in_node(pid: int, node: str) -> bool:
+    """Whether process `pid` runs in the network namespace of `node` (slurm_cluster.sh's dsx-<node>)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/dsx-{node}").st_ino
+    except OSError:
+        return False
+
+
+def test_lost_node_fails_fast_naming_its_rank_and_resume_continues(cluster_env, tmp_path):
+    if not Path("/run/netns/dsx-node2").exists():
+        pytest.skip("the two nodes are not network namespaces of this machine: cannot kill one node's processes")
+    submitted = sbatch_multinode(tmp_path, cluster_env, *RESUMABLE, wait=False)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    run_dir = tmp_path / "outputs" / "sbatch" / job_id
+    output_file = tmp_path / f"ds_exp-{job_id}.out"
+    deadline = time.monotonic() + 600
+    while logged_steps(run_dir) < 25:  # checkpoints at steps 10 and 20 are complete by then
+        state = job_state(cluster_env, job_id)
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"{state}: {output_file.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "no progress within 600 s"
+        time.sleep(0.2)
+    victims = job_processes(job_id, rank=1)
+    assert victims and all(in_node(pid, "node2") for pid in victims), victims  # rank 1 is node2's task
+    for pid in victims:  # node2 loses the job's processes, as when a machine goes down under a job
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while job_state(cluster_env, job_id) in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        assert time.monotonic() - killed < 120, "the job still runs 120 s after node2 lost its rank"
+        time.sleep(0.2)
+    took = time.monotonic() - killed
+    assert took < 60, f"the job took {took:.0f} s to end after node2 lost its rank"
+    assert job_state(cluster_env, job_id) in ("FAILED", "GONE")
+    assert not job_processes(job_id, rank=0), "rank 0 outlived the job"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed", summary
+    assert "lost contact with rank 1 (node2)" in summary["error"], summary["error"]
+    assert f"hydra.run.dir={run_dir} resume=auto" in summary["error"], summary["error"]
+    before = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+    # what the message says to do, as a new job on the same two nodes
+    resumed = sbatch_multinode(tmp_path, cluster_env, *RESUMABLE, f"hydra.run.dir={run_dir}", "resume=auto", wait=True)
+    resumed_id = resumed.stdout.strip().split(";")[0]
+    resumed_output = tmp_path / f"ds_exp-{resumed_id}.out"
+    tail = resumed_output.read_text()[-3000:] if resumed_output.exists() else ""
+    assert resumed.returncode == 0, resumed.stderr + tail
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["world_size"]) == ("completed", 2), summary
+    assert summary["resumed_from"].endswith("step20"), summary
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    after = [r for r in rows if r["type"] == "train" and r["step"] == 25]
+    # step 25 trained twice, from the same checkpoint on the same layout: the same loss
+    assert len(after) >= 1 and after[-1]["loss"] == pytest.approx(before[25], rel=1e-6)
+    assert logged_steps(run_dir) == 40

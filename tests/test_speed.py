@@ -29,7 +29,7 @@ from tests.training import FAST, launch
 def test_optimizer_choice(compose_cfg, overrides, accelerator, expected):
     cfg = compose_cfg(*overrides)
     ds = resolve_ds_config(cfg, RunFacts(world_size=1, hidden_size=64, total_steps=10, precision="fp32", run_dir="/r"))
-    assert optimizer_impl(cfg, ds, accelerator) == expected
+    assert optimizer_impl(cfg.optimizer, ds, accelerator) == expected
 
 
 def test_optimizer_that_cannot_work_with_offload_is_refused(tmp_path):
@@ -74,7 +74,7 @@ def test_flops_count_the_weights_that_multiply(compose_cfg):
 
     for tied in (True, False):
         cfg = compose_cfg(f"model.arch.tie_word_embeddings={tied}")
-        config = build_model_config(cfg, load_tokenizer(cfg))
+        config = build_model_config(cfg, load_tokenizer(cfg.model, cfg.data))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         total = sum(p.numel() for p in model.parameters())

@@ -20,10 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from ds_exp.config.resolvers import AUTO
-from ds_exp.config.schema import plain
+from ds_exp.config.schema import Config, plain
 from ds_exp.errors import ConfigError
 from ds_exp.plan import global_batch_mismatch
 
@@ -111,7 +109,7 @@ def load_config_file(path: str) -> dict[str, Any]:
     return loaded
 
 
-def replaced_by_config_file(cfg: DictConfig, facts: RunFacts) -> list[str]:
+def replaced_by_config_file(cfg: Config, facts: RunFacts) -> list[str]:
     """One line for each of ds_exp's own settings that a user's DeepSpeed file replaces: an "optimizer" block
     (DeepSpeed builds that optimizer) and a "scheduler" block (its schedule, not scheduler.name's)."""
     if not cfg.deepspeed.config_file:
@@ -134,13 +132,12 @@ def replaced_by_config_file(cfg: DictConfig, facts: RunFacts) -> list[str]:
     return notes
 
 
-def groups_ds_config(cfg: DictConfig) -> dict[str, Any]:
-    """The DeepSpeed config as composed from the groups, interpolations resolved, nulls dropped."""
-    raw = OmegaConf.to_container(cfg.deepspeed.config, resolve=True, enum_to_str=True)
-    return strip_none(raw)
+def groups_ds_config(cfg: Config) -> dict[str, Any]:
+    """The DeepSpeed config as composed from the groups (resolved by to_config), nulls dropped."""
+    return strip_none(copy.deepcopy(cfg.deepspeed.config))
 
 
-def merged_ds_config(cfg: DictConfig) -> dict[str, Any]:
+def merged_ds_config(cfg: Config) -> dict[str, Any]:
     """Groups, then the user's file over them (steps 1-2 of the module docstring); nothing filled yet."""
     base = groups_ds_config(cfg)
     if cfg.deepspeed.config_file:
@@ -148,7 +145,7 @@ def merged_ds_config(cfg: DictConfig) -> dict[str, Any]:
     return base
 
 
-def _effective_warmup(cfg: DictConfig, total_steps: int | None) -> int | None:
+def _effective_warmup(cfg: Config, total_steps: int | None) -> int | None:
     sched = cfg.scheduler
     if sched.warmup_steps > 0:
         return int(sched.warmup_steps)
@@ -157,8 +154,9 @@ def _effective_warmup(cfg: DictConfig, total_steps: int | None) -> int | None:
     return 0
 
 
-def expected_values(cfg: DictConfig, facts: RunFacts) -> list[Expectation]:
-    """Keys that mirror a ds_exp setting (REFERENCE.md §2): "auto" is filled with them, anything else must agree."""
+def expected_values(cfg: Config, facts: RunFacts) -> list[Expectation]:
+    """Keys that mirror a ds_exp setting (Hugging Face's "auto" table): "auto" is filled with them, anything else
+    must agree."""
     train, opt, sched = cfg.train, cfg.optimizer, cfg.scheduler
     out = [
         Expectation("train_micro_batch_size_per_gpu", train.micro_batch_size, "train.micro_batch_size"),
@@ -203,7 +201,8 @@ def expected_values(cfg: DictConfig, facts: RunFacts) -> list[Expectation]:
 
 
 def hidden_size_values(hidden_size: int) -> dict[str, int]:
-    """Fill-only keys (REFERENCE.md §2): explicit values are the user's tuning, never a mismatch."""
+    """Fill-only keys (Hugging Face's rules from the hidden size): explicit values are the user's tuning, never a
+    mismatch."""
     return {
         "zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
         "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
@@ -227,7 +226,7 @@ def find_auto(tree: Any, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")] if tree == AUTO else []
 
 
-def resolve_ds_config(cfg: DictConfig, facts: RunFacts, *, partial: bool = False) -> dict[str, Any]:
+def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) -> dict[str, Any]:
     """Merge, check and fill. Unless `partial` (validation, before the run knows its facts), the result has
     no "auto" left, or a ConfigError names the keys."""
     ds = merged_ds_config(cfg)
@@ -243,7 +242,7 @@ def resolve_ds_config(cfg: DictConfig, facts: RunFacts, *, partial: bool = False
     if cfg.train.global_batch_size != AUTO and facts.world_size is not None and not file_sets_batch:
         per_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
         if cfg.train.global_batch_size != per_rank * facts.world_size:  # ds_exp's own setting, not a file's
-            raise ConfigError(global_batch_mismatch(cfg, facts.world_size))
+            raise ConfigError(global_batch_mismatch(cfg.train, facts.world_size))
 
     mismatches = []
     for exp in expected_values(cfg, facts):

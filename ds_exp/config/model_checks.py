@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from ds_exp.config.schema import Config, ModelConfig
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -58,9 +58,9 @@ def looks_like_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.path.exists(name)
 
 
-def local_checkpoint(cfg: DictConfig) -> Path | None:
+def local_checkpoint(model: ModelConfig) -> Path | None:
     """model.name_or_path as a directory on this machine; None for a hub id, a missing path or a built model."""
-    value = cfg.model.name_or_path
+    value = model.name_or_path
     if value is None or not looks_like_local_path(value):
         return None
     path = Path(value).expanduser()
@@ -137,15 +137,15 @@ def weights_problem(directory: Path, shown: str) -> str | None:
     return None
 
 
-def check_checkpoint(cfg: DictConfig) -> list[str]:
+def check_checkpoint(cfg: Config) -> list[str]:
     """A local model.name_or_path: config.json parses, and (unless it is a dry run) the weights are complete."""
-    directory = local_checkpoint(cfg)
+    directory = local_checkpoint(cfg.model)
     if directory is None or not (directory / "config.json").is_file():
         return []
     _, problem = read_config_json(directory, cfg.model.name_or_path)
     if problem is not None:
         return [problem]
-    if cfg.get("dry_run"):  # a dry run reads the config only: planning a model whose weights are elsewhere is fine
+    if cfg.dry_run:  # a dry run reads the config only: planning a model whose weights are elsewhere is fine
         return []
     problem = weights_problem(directory, cfg.model.name_or_path)
     return [problem] if problem else []
@@ -154,12 +154,11 @@ def check_checkpoint(cfg: DictConfig) -> list[str]:
 # ----------------------------------------------------------------------------------------------- positions
 
 
-def model_settings(cfg: DictConfig) -> dict[str, Any] | None:
+def model_settings(cfg: Config) -> dict[str, Any] | None:
     """The model's config as a dict: its config.json, or model.arch; None when neither is readable here."""
     if cfg.model.name_or_path is None:
-        arch = cfg.model.arch
-        return OmegaConf.to_container(arch, resolve=True) if isinstance(arch, DictConfig) else arch  # type: ignore[return-value]
-    directory = local_checkpoint(cfg)
+        return dict(cfg.model.arch) if cfg.model.arch is not None else None
+    directory = local_checkpoint(cfg.model)
     return read_config_json(directory, cfg.model.name_or_path)[0] if directory is not None else None
 
 
@@ -182,10 +181,10 @@ def position_limit(settings: dict[str, Any]) -> tuple[str, int, str] | None:
     return key, limit, "unknown"
 
 
-def _beyond(cfg: DictConfig) -> tuple[int, str, int, str, str] | None:
+def _beyond(cfg: Config) -> tuple[int, str, int, str, str] | None:
     """(max_seq_len, key, limit, kind, model_type) when data.max_seq_len is beyond the model's positions."""
     settings = model_settings(cfg)
-    max_seq_len = cfg.data.get("max_seq_len") if "data" in cfg else None
+    max_seq_len = cfg.data.max_seq_len
     if not settings or not isinstance(max_seq_len, int):
         return None
     found = position_limit(settings)
@@ -194,7 +193,7 @@ def _beyond(cfg: DictConfig) -> tuple[int, str, int, str, str] | None:
     return max_seq_len, found[0], found[1], found[2], str(settings.get("model_type") or "?")
 
 
-def check_max_seq_len(cfg: DictConfig) -> list[str]:
+def check_max_seq_len(cfg: Config) -> list[str]:
     """An error for a model with a learned position table shorter than data.max_seq_len."""
     beyond = _beyond(cfg)
     if beyond is None or beyond[3] != "learned":
@@ -206,7 +205,7 @@ def check_max_seq_len(cfg: DictConfig) -> list[str]:
     ]
 
 
-def max_seq_len_notes(cfg: DictConfig) -> list[str]:
+def max_seq_len_notes(cfg: Config) -> list[str]:
     """Warnings (not errors) for rotary or unknown position encodings run past the trained context."""
     beyond = _beyond(cfg)
     if beyond is None or beyond[3] == "learned":

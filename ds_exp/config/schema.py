@@ -19,6 +19,15 @@ def plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
+def plain_tree(value: Any) -> Any:
+    """`plain` all the way down dicts and lists."""
+    if isinstance(value, dict):
+        return {k: plain_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_tree(v) for v in value]
+    return plain(value)
+
+
 class Launcher(str, Enum):
     auto = "auto"
     single = "single"
@@ -313,6 +322,37 @@ class Config:
     experiment_name: str = "default"
     dry_run: bool = False
     resume: str | None = None  # null | auto | path to a checkpoint directory
+
+
+def to_config(cfg: Any) -> Config:
+    """The composed config as typed objects, once, at the entry point: interpolations resolved, every group a
+    dataclass of this module, the DeepSpeed config node a plain dict. Hydra's own node is left out."""
+    from omegaconf import OmegaConf, open_dict
+
+    if "hydra" in cfg:
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:  # mandatory values (???) left unset: one line each, naming the key
+        from ds_exp.data.checks import missing_source_paths
+        from ds_exp.errors import ConfigError
+
+        # data source paths say it their way (what to put there); any other key gets the plain sentence
+        problems: list[str] = []
+        for key in missing:
+            problems += missing_source_paths([key]) or [f"{key} is not set: give it a value ({key}=...)"]
+        raise ConfigError(problems)
+    typed: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    typed.deepspeed.config = plain_tree(typed.deepspeed.config)
+    return typed
+
+
+def as_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain JSON values (for wandb, secret scanning)."""
+    import dataclasses
+
+    return plain_tree(dataclasses.asdict(cfg))
 
 
 def register_configs() -> None:

@@ -9,20 +9,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from ds_exp.accelerator import decide_precision, detect_accelerator, supports_bf16, supports_fp16
 from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
 from ds_exp.config.model_checks import check_checkpoint, check_max_seq_len, looks_like_local_path
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
-from ds_exp.config.schema import plain
+from ds_exp.config.schema import Config, plain
 from ds_exp.distributed import detect_launch
 from ds_exp.errors import ConfigError
 from ds_exp.paths import not_a_directory
 from ds_exp.plan import global_batch_mismatch
 
 
-def _check_model(cfg: DictConfig) -> list[str]:
+def _check_model(cfg: Config) -> list[str]:
     problems = []
     model = cfg.model
     if model.name_or_path is None and model.arch is None:
@@ -31,7 +29,7 @@ def _check_model(cfg: DictConfig) -> list[str]:
             "hub id> or pick a preset (model=tiny)"
         )
     for key in ("name_or_path", "tokenizer"):
-        value = model[key]
+        value = getattr(model, key)
         if value is None or not looks_like_local_path(value):
             continue
         path = Path(value).expanduser()
@@ -46,7 +44,7 @@ def _check_model(cfg: DictConfig) -> list[str]:
     return problems + check_checkpoint(cfg) + check_max_seq_len(cfg)
 
 
-def _check_speed_features(cfg: DictConfig, accelerator: str) -> list[str]:
+def _check_speed_features(cfg: Config, accelerator: str) -> list[str]:
     """Features that need a package or a GPU: told here, not as an ImportError after the model is loaded."""
     import importlib.util
 
@@ -77,7 +75,7 @@ def _check_speed_features(cfg: DictConfig, accelerator: str) -> list[str]:
     return problems
 
 
-def _check_optimizer_impl(cfg: DictConfig, ds: dict[str, Any], accelerator: str) -> list[str]:
+def _check_optimizer_impl(cfg: Config, ds: dict[str, Any], accelerator: str) -> list[str]:
     impl = plain(cfg.optimizer.impl)
     offload = get_path(ds, "zero_optimization.offload_optimizer.device", "none")
     if plain(cfg.optimizer.owner) == "deepspeed" or impl == "auto":
@@ -132,7 +130,7 @@ def _check_zero_and_offload(ds: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_numbers(cfg: DictConfig) -> list[str]:
+def _check_numbers(cfg: Config) -> list[str]:
     problems = []
     train, opt, sched, lora = cfg.train, cfg.optimizer, cfg.scheduler, cfg.lora
     if lora.dim < 0:
@@ -168,8 +166,8 @@ def _check_numbers(cfg: DictConfig) -> list[str]:
             f"{', '.join(DEEPSPEED_SCHEDULERS)} with scheduler.owner=deepspeed"
         )
     for key in ("micro_batch_size", "gradient_accumulation_steps", "epochs", "log_every"):
-        if train[key] < 1:
-            problems.append(f"train.{key}={train[key]}: must be >= 1")
+        if getattr(train, key) < 1:
+            problems.append(f"train.{key}={getattr(train, key)}: must be >= 1")
     if train.eval_micro_batch_size is not None and train.eval_micro_batch_size < 1:
         problems.append(f"train.eval_micro_batch_size={train.eval_micro_batch_size}: must be >= 1 or null")
     if train.max_steps == 0 or train.max_steps < -1:
@@ -177,8 +175,8 @@ def _check_numbers(cfg: DictConfig) -> list[str]:
             f"train.max_steps={train.max_steps}: give a positive number of steps, or -1 to use train.epochs"
         )
     for key in ("eval_every", "save_every", "keep_last", "max_bad_steps"):
-        if train[key] < 0:
-            problems.append(f"train.{key}={train[key]}: must be >= 0")
+        if getattr(train, key) < 0:
+            problems.append(f"train.{key}={getattr(train, key)}: must be >= 0")
     if train.gradient_clipping < 0:
         problems.append(f"train.gradient_clipping={train.gradient_clipping}: must be >= 0 (0 = no clipping)")
     global_batch = train.global_batch_size
@@ -194,13 +192,13 @@ def _check_numbers(cfg: DictConfig) -> list[str]:
         elif per_rank >= 1:
             world = detect_launch(cfg.dist).world_size
             if global_batch != per_rank * world:
-                problems.append(global_batch_mismatch(cfg, world))
+                problems.append(global_batch_mismatch(cfg.train, world))
     if cfg.dist.timeout_minutes < 1:
         problems.append(f"dist.timeout_minutes={cfg.dist.timeout_minutes}: must be >= 1")
     return problems
 
 
-def _check_precision(cfg: DictConfig, accelerator: str) -> list[str]:
+def _check_precision(cfg: Config, accelerator: str) -> list[str]:
     dtype = plain(cfg.precision.dtype)
     if dtype == "fp16" and not supports_fp16(accelerator):
         return [
@@ -212,14 +210,14 @@ def _check_precision(cfg: DictConfig, accelerator: str) -> list[str]:
     return []
 
 
-def _check_output_paths(cfg: DictConfig) -> list[str]:
+def _check_output_paths(cfg: Config) -> list[str]:
     """Checkpoints and the export stay inside the run directory: rotation deletes in checkpoint_dir, and a run must
     not write over another run's files."""
     if cfg.train.allow_outside_run_dir:
         return []
     problems = []
     for key in ("checkpoint_dir", "export_dir"):
-        value = str(cfg.train[key])
+        value = str(getattr(cfg.train, key))
         path = Path(value).expanduser()
         if not value or path.is_absolute() or ".." in path.parts:
             problems.append(
@@ -229,7 +227,7 @@ def _check_output_paths(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def _check_eval(cfg: DictConfig) -> list[str]:
+def _check_eval(cfg: Config) -> list[str]:
     problems = []
     if cfg.eval.max_new_tokens < 1:
         problems.append(f"eval.max_new_tokens={cfg.eval.max_new_tokens}: must be >= 1")
@@ -240,7 +238,7 @@ def _check_eval(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def _check_resume(cfg: DictConfig) -> list[str]:
+def _check_resume(cfg: Config) -> list[str]:
     if cfg.resume in (None, "auto"):
         return []
     if not Path(cfg.resume).expanduser().exists():
@@ -248,14 +246,14 @@ def _check_resume(cfg: DictConfig) -> list[str]:
     return []
 
 
-def validate(cfg: DictConfig, accelerator: str | None = None) -> dict[str, Any]:
+def validate(cfg: Config, accelerator: str | None = None) -> dict[str, Any]:
     """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept)."""
     accelerator = accelerator or detect_accelerator()
     problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg)
     problems += _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + _check_output_paths(cfg)
     from ds_exp.data import check_data_config
 
-    problems += check_data_config(cfg)
+    problems += check_data_config(cfg.data)
     ds: dict[str, Any] = {}
     try:
         precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))

@@ -87,6 +87,11 @@ def source_template(configured: Any, resolved: str, raw: Any) -> str:
 # ----------------------------------------------------------------------------------------------- render
 
 
+def first_template(stats: dict[str, Any]) -> str:
+    """The template generations use: the run's, or the first source's when blended sources differ ("a+b")."""
+    return str(stats["template"]).split("+")[0]
+
+
 def render_prompt(prompt: str, template: str, tokenizer: Any) -> tuple[str, bool]:
     """A user's prompt as the run's template asks the model (for generation): (text to complete, whether the
     tokenizer adds its special tokens, as it does when training on that template)."""

@@ -1,0 +1,138 @@
+"""The recipe's pieces one at a time, in this process: the step (its loss scaling and votes), the metric window
+(its sums, the line it writes, what a checkpoint carries) and the run state behind summary.json."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_exp.flops import FlopsModel
+from ds_exp.metrics import Metrics
+from ds_exp.step import IGNORE_INDEX, StepResult, StepVotes, TrainStep, token_loss_sum
+from ds_exp.summary import RunState, write_summary
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A real gloo process group of one rank (the step and the metrics make real collectives)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class FakeEngine:
+    """Logits from a fixed linear map, and a record of what the step asked of the engine."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, vocab: int = 16, applied: bool = True) -> None:
+        torch.manual_seed(0)
+        self.table = torch.randn(32, vocab, requires_grad=True)
+        self.backward_losses: list[float] = []
+        self.steps = 0
+        self.applied = applied
+
+    def __call__(self, input_ids, attention_mask=None, use_cache=False, **_):
+        return SimpleNamespace(logits=self.table[input_ids])
+
+    def backward(self, loss):
+        self.backward_losses.append(float(loss.detach()))
+        loss.backward()
+
+    def step(self):
+        self.steps += 1
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+
+def batch(ids: list[list[int]], prompt: int) -> dict:
+    input_ids = torch.tensor(ids)
+    labels = input_ids.clone()
+    labels[:, :prompt] = IGNORE_INDEX
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+
+
+def test_the_step_divides_by_the_global_batchs_label_tokens(one_rank):
+    engine = FakeEngine()
+    step = TrainStep(engine, world_size=1, flops=FlopsModel(10, 10, 1, 2))
+    micro = [batch([[1, 2, 3, 4]], prompt=2), batch([[5, 6, 7, 8], [9, 10, 11, 12]], prompt=1)]
+    result = step(micro, stop_requested=True, previous_loss=torch.tensor(float("nan")))
+    sums = [token_loss_sum(engine.table[b["input_ids"]], b["labels"]) for b in micro]
+    labels = sum(int(count) for _, count in sums)
+    assert labels == result.label_tokens == 2 + 3 + 3  # next-token labels: each position after the prompt
+    assert result.votes == StepVotes(global_label_tokens=8.0, stop=1.0, non_finite=1.0)
+    # each micro batch's backward: its summed loss x (world x micro batches) / the global label tokens, which
+    # DeepSpeed's mean over the 2 micro batches turns into sum / 8
+    for (summed, _), seen in zip(sums, engine.backward_losses, strict=True):
+        assert seen == pytest.approx(float(summed) * 2 / 8)
+    assert float(result.loss_sum) == pytest.approx(sum(float(s) for s, _ in sums))
+    assert (result.input_tokens, result.samples, engine.steps, result.applied) == (12.0, 3, 2, True)
+    assert result.flops == pytest.approx((4 * 10 + 2 * 10) * 12 + 12 * 1 * 2 * (16 + 16 + 16))
+
+
+def test_a_step_without_label_tokens_stops_the_run(one_rank):
+    step = TrainStep(FakeEngine(), world_size=1, flops=FlopsModel(1, 1, 1, 1))
+    with pytest.raises(Exception, match="holds no label tokens"):
+        step([batch([[1, 2, 3]], prompt=3)], stop_requested=False, previous_loss=None)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.lines: list[dict] = []
+        self.run_id = None
+
+    def write(self, record: dict) -> None:
+        self.lines.append(json.loads(json.dumps(record)))
+
+    def log(self, values: dict, step: int) -> None:
+        self.lines.append({"step": step, **values})
+
+
+def result(loss: float, labels: int, tokens: float, applied: bool = True) -> StepResult:
+    votes = StepVotes(labels, 0, 0)
+    return StepResult(votes, torch.tensor(loss), labels, tokens, 2, 1e9, applied)
+
+
+def test_a_metric_window_writes_exact_sums_and_carries_the_open_one(one_rank):
+    jsonl, wandb = Sink(), Sink()
+    metrics = Metrics(jsonl, wandb, device=torch.device("cpu"), world_size=1, peak_flops=1e10, carried=(3.0, 2.0))
+    metrics.add(result(6.0, 4, 10), seconds=0.5)
+    metrics.add(result(1.0, 4, 30, applied=False), seconds=0.5)
+    metrics.close({"step": 2, "epoch": 0.5, "lr": 1e-3, "grad_norm": None, "peak_memory_bytes": 1, "loss_scale": None})
+    assert jsonl.lines == []  # written once the sums over ranks are in: at the next step, or before anything else
+    metrics.write()
+    (line,) = jsonl.lines
+    assert line["loss"] == pytest.approx((3 + 6 + 1) / (2 + 4 + 4))  # a resumed window's sums count once
+    assert line["skipped_steps"] == 1 and line["step"] == 2
+    assert line["tokens_per_s"] == pytest.approx(40 / line["step_time_s"] / 2, rel=0.05)
+    assert line["mfu"] == pytest.approx(line["tflops_per_device"] * 1e12 / 1e10)
+    assert wandb.lines[0]["train/loss"] == line["loss"]
+    metrics.add(result(2.0, 5, 10), seconds=0.1)
+    assert metrics.carry() == (pytest.approx(2.0), 5.0)  # the open window, for a checkpoint
+    totals = metrics.totals
+    assert (totals.tokens, totals.seconds, totals.skipped_steps, totals.last_loss) == (40, 1.1, 1, line["loss"])
+
+
+def test_the_summary_comes_from_the_run_state(tmp_path):
+    from ds_exp.secrets import register_secrets
+
+    register_secrets({"api_key": "sk-abcdefgh"})
+    state = RunState(tmp_path, "single", world_size=2, peak_flops=1e12)
+    state.train_seconds, state.train_tokens, state.train_flops = 10.0, 5000.0, 4e12
+    state.status, state.error, state.steps = "failed", "RunFailed: the key sk-abcdefgh was refused", 7
+    summary = write_summary(state, peaks=[100, None])
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(summary, default=str))
+    assert summary["tokens_per_s"] == 500.0 and summary["tokens_per_s_per_device"] == 250.0
+    assert summary["mfu"] == pytest.approx(4e12 / 10 / (1e12 * 2))
+    assert summary["steps"] == 7 and summary["peak_memory_bytes_per_rank"] == [100, None]
+    assert "sk-abcdefgh" not in (tmp_path / "summary.json").read_text()
+    before = RunState(Path("/nowhere"), "single", world_size=1).as_summary([0])
+    assert before["steps"] is None and before["tokens_per_s"] is None and before["mfu"] is None
+    assert math.isfinite(before["wall_time_s"])
