@@ -92,11 +92,13 @@ class Session:
         self.precision = resolved_precision(self.cfg.precision.dtype, self.accelerator)
         self.state.backend, self.state.accelerator, self.state.precision = backend, self.accelerator, self.precision
         log.info(
-            "launch %s: rank %d of %d on %s, %s backend on %s, %s, %d CPU threads",
+            "launch %s: rank %d of %d on %s, rendezvous %s:%d, %s backend on %s, %s, %d CPU threads",
             self.launch.launcher,
             self.rank,
             self.world,
             os.uname().nodename,
+            os.environ.get("MASTER_ADDR", self.launch.master_addr),  # what init_distributed used
+            int(os.environ.get("MASTER_PORT", self.launch.master_port)),
             backend,
             self.accelerator,
             self.precision,

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 CLUSTER_SCRIPT = REPO / "launchers" / "slurm_cluster.sh"
 PRIVATE_DIR = "/tmp/ds_exp_slurm_2node"
 PRIVATE = {"SLURM_DEV_DIR": PRIVATE_DIR, "SLURM_CONF": f"{PRIVATE_DIR}/slurm.conf", "SLURM_DEV_PORT": "6827"}
-LAUNCH_LINE = re.compile(r"launch (\w+): rank (\d+) of (\d+) on (\S+),")
+LAUNCH_LINE = re.compile(r"launch (\w+): rank (\d+) of (\d+) on (\S+), rendezvous (\S+):(\d+),")
 
 
 def _nodes_up(env: dict[str, str]) -> list[str]:
@@ -70,14 +70,24 @@ def cluster_env() -> Iterator[dict[str, str]]:
         subprocess.run([str(CLUSTER_SCRIPT), "stop"], env=env, capture_output=True, timeout=120)
 
 
+def job_output(path: Path) -> str:
+    """A job's output file: srun interleaves its tasks' output in chunks, which can split a character in two."""
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def launch_lines(run_dir: Path) -> dict[int, tuple[str, int, str]]:
-    """rank -> (launcher, world size, host) from each rank's log."""
-    found = {}
+    """rank -> (launcher, world size, host) from each rank's log, after checking that every rank met the others
+    at rank 0's host, on a port derived from the SLURM job id (20000 + id % 20000)."""
+    found, rendezvous = {}, set()
     for log in sorted((run_dir / "logs").glob("rank*.log")):
         match = LAUNCH_LINE.search(log.read_text())
         assert match, f"no launch line in {log}"
-        launcher, rank, world, host = match.groups()
+        launcher, rank, world, host, address, port = match.groups()
         found[int(rank)] = (launcher, int(world), host)
+        rendezvous.add((address, int(port)))
+    assert len(rendezvous) == 1, rendezvous
+    ((address, port),) = rendezvous
+    assert address == found[0][2] and 20000 <= port < 40000, (address, port, found)
     return found
 
 
@@ -149,7 +159,7 @@ def test_sbatch_script_runs_one_job_over_two_nodes(cluster_env, tmp_path):
     )
     job_id = proc.stdout.split()[-1] if proc.stdout.split() else "?"
     output_file = tmp_path / f"ds_exp-{job_id}.out"
-    output = output_file.read_text() if output_file.exists() else ""
+    output = job_output(output_file)
     assert proc.returncode == 0, proc.stderr + output[-3000:]
     run_dir = tmp_path / "outputs" / "sbatch" / job_id
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -197,12 +207,13 @@ def test_sweep_jobs_span_two_nodes_and_match_one_node_runs(cluster_env, tmp_path
         assert_close(a, b, rel=1e-5)
 
 
-# Checkpoints every 10 steps, a metric line every 5: killed after step 25, a resume starts from step20.
+# Checkpoints every 20 steps, a metric line every 5: killed after step 45, a resume starts from step40. The run is
+# long enough (160 steps, about 10 s here) that the kill lands well before its end.
 RESUMABLE = [
     *FAST,
-    "train.max_steps=40",
+    "train.max_steps=160",
     "train.log_every=5",
-    "train.save_every=10",
+    "train.save_every=20",
     "train.keep_last=2",
     "data.synthetic.num_train=512",
 ]
@@ -267,9 +278,9 @@ def test_lost_node_fails_fast_naming_its_rank_and_resume_continues(cluster_env, 
     run_dir = tmp_path / "outputs" / "sbatch" / job_id
     output_file = tmp_path / f"ds_exp-{job_id}.out"
     deadline = time.monotonic() + 600
-    while logged_steps(run_dir) < 25:  # checkpoints at steps 10 and 20 are complete by then
+    while logged_steps(run_dir) < 45:  # checkpoints at steps 20 and 40 are complete by then
         state = job_state(cluster_env, job_id)
-        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"{state}: {output_file.read_text()[-3000:]}"
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"{state}: {job_output(output_file)[-3000:]}"
         assert time.monotonic() < deadline, "no progress within 600 s"
         time.sleep(0.2)
     victims = job_processes(job_id, rank=1)
@@ -281,7 +292,10 @@ def test_lost_node_fails_fast_naming_its_rank_and_resume_continues(cluster_env, 
         assert time.monotonic() - killed < 120, "the job still runs 120 s after node2 lost its rank"
         time.sleep(0.2)
     took = time.monotonic() - killed
+    print(f"the job ended {took:.1f} s after node2 lost its rank")
     assert took < 60, f"the job took {took:.0f} s to end after node2 lost its rank"
+    assert logged_steps(run_dir) < 160, "the run ended before the kill"
+    assert "node2: task 1: Killed" in job_output(output_file)  # srun's own word for it
     assert job_state(cluster_env, job_id) in ("FAILED", "GONE")
     assert not job_processes(job_id, rank=0), "rank 0 outlived the job"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -294,13 +308,13 @@ def test_lost_node_fails_fast_naming_its_rank_and_resume_continues(cluster_env, 
     resumed = sbatch_multinode(tmp_path, cluster_env, *RESUMABLE, f"hydra.run.dir={run_dir}", "resume=auto", wait=True)
     resumed_id = resumed.stdout.strip().split(";")[0]
     resumed_output = tmp_path / f"ds_exp-{resumed_id}.out"
-    tail = resumed_output.read_text()[-3000:] if resumed_output.exists() else ""
+    tail = job_output(resumed_output)[-3000:]
     assert resumed.returncode == 0, resumed.stderr + tail
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["status"], summary["world_size"]) == ("completed", 2), summary
-    assert summary["resumed_from"].endswith("step20"), summary
+    assert summary["resumed_from"].endswith("step40"), summary
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    after = [r for r in rows if r["type"] == "train" and r["step"] == 25]
-    # step 25 trained twice, from the same checkpoint on the same layout: the same loss
-    assert len(after) >= 1 and after[-1]["loss"] == pytest.approx(before[25], rel=1e-6)
-    assert logged_steps(run_dir) == 40
+    after = [r for r in rows if r["type"] == "train" and r["step"] == 45]
+    # step 45 trained twice, from the same checkpoint on the same layout: the same loss
+    assert len(after) >= 1 and after[-1]["loss"] == pytest.approx(before[45], rel=1e-6)
+    assert logged_steps(run_dir) == 160
