@@ -100,9 +100,11 @@ def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
         # .export() it leaves CUDA_VISIBLE_DEVICES alone, so every task still sees all GPUs of its node.
         import submitit
 
+        # The rendezvous comes from SLURM's own variables, as for a plain srun: the step's first node (SLURM's
+        # order puts rank 0 there) and a port derived from the job id, so every rank computes the same pair.
         job_env = submitit.JobEnvironment()
-        master = job_env.hostnames[0] if job_env.hostnames else "127.0.0.1"
-        job_port = _int_env("MASTER_PORT", default=_job_port(job_env.job_id, default_port))
+        master = _first_slurm_host()
+        job_port = _int_env("MASTER_PORT", default=_job_port(env.get("SLURM_JOB_ID"), default_port))
         return LaunchInfo(
             "submitit",
             job_env.global_rank,

@@ -25,6 +25,7 @@ from ds_exp.config.schema import Config, as_dict
 from ds_exp.distributed import broadcast, detect_launch, init_distributed, is_lost_peer, mark_lost_peer
 from ds_exp.errors import DsExpError, Refused, RunFailed
 from ds_exp.memory import is_out_of_memory
+from ds_exp.peers import gather_hosts, lost_ranks
 from ds_exp.run_dir import claim_run_dir, lock_run_dir, release_run_dir, remove_rank_placeholder
 from ds_exp.run_logging import FILE_LOGGER, close_run_logging, setup_run_logging
 from ds_exp.secrets import redact_text, register_secrets
@@ -58,6 +59,7 @@ class Session:
         self.signals = StopSignals(self.launch.launcher)
         self.state = RunState(run_dir, self.launch.launcher, self.world)
         self.sinks: list[Any] = []  # closed when the session ends
+        self.hosts: list[tuple[str, list[str]]] = []  # (host, addresses) of each rank, once the group is up
 
     @property
     def is_main(self) -> bool:
@@ -79,6 +81,8 @@ class Session:
         backend = init_distributed(self.cfg.dist, self.launch, self.accelerator)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = Path(broadcast(str(self.run_dir)))
+        if self.world > 1:  # where each rank runs: a rank lost later is named with its host
+            self.hosts = gather_hosts()
         self.state.run_dir = self.run_dir
         if self.is_main:
             lock_run_dir(self.run_dir)  # held already when Hydra's callback took it (a single run)
@@ -90,11 +94,13 @@ class Session:
         self.precision = resolved_precision(self.cfg.precision.dtype, self.accelerator)
         self.state.backend, self.state.accelerator, self.state.precision = backend, self.accelerator, self.precision
         log.info(
-            "launch %s: rank %d of %d on %s, %s backend on %s, %s, %d CPU threads",
+            "launch %s: rank %d of %d on %s, rendezvous %s:%d, %s backend on %s, %s, %d CPU threads",
             self.launch.launcher,
             self.rank,
             self.world,
             os.uname().nodename,
+            os.environ.get("MASTER_ADDR", self.launch.master_addr),  # what init_distributed used
+            int(os.environ.get("MASTER_PORT", self.launch.master_port)),
             backend,
             self.accelerator,
             self.precision,
@@ -167,8 +173,9 @@ class Session:
             mark_lost_peer()
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
+            lost = lost_ranks(str(exc), self.hosts, self.rank, self.world)
             error = (
-                f"lost contact with another rank at {where} ({first}): it died or was killed, see the other ranks' "
+                f"lost contact with {lost} at {where} ({first}): it died or was killed, see the other ranks' "
                 f"logs in {self.run_dir / 'logs'}; continue from the last complete checkpoint with the same "
                 f"overrides plus hydra.run.dir={self.run_dir} resume=auto"
             )

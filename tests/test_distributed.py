@@ -4,13 +4,17 @@ the launcher set is never overwritten."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 
 import pytest
 from omegaconf import OmegaConf
 
+from ds_exp.compat import parse_slurm_nodelist
 from ds_exp.config.schema import DistConfig
 from ds_exp.distributed import choose_backend, detect_launch, export_launch_env, launched_with_several_ranks
+from ds_exp.peers import lost_ranks
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -84,6 +88,62 @@ def test_plain_srun(clean_env):
     assert info.master_port == 20000 + 4711  # derived from the job id: concurrent jobs do not collide
 
 
+NODELISTS = {
+    "gpu3": ["gpu3"],
+    "node[1-3,5],other": ["node1", "node2", "node3", "node5", "other"],
+    "a[08-11]": ["a08", "a09", "a10", "a11"],
+    "rack[01-02]-gpu[1,3]": ["rack01-gpu1", "rack01-gpu3", "rack02-gpu1", "rack02-gpu3"],
+    "z[9-10],x1": ["z9", "z10", "x1"],
+}
+
+
+@pytest.mark.parametrize("nodelist", NODELISTS)
+def test_slurm_nodelist_parser(nodelist):
+    assert parse_slurm_nodelist(nodelist) == NODELISTS[nodelist]
+
+
+@pytest.mark.parametrize("nodelist", ["a[1-2", "a]1[", "a[2-1]", "a[x]", "a[[1]]"])
+def test_malformed_slurm_nodelist_is_refused(nodelist):
+    with pytest.raises(ValueError, match="unrecognised SLURM node list"):
+        parse_slurm_nodelist(nodelist)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="no scontrol here (apt-get install slurm-client)")
+@pytest.mark.parametrize("nodelist", NODELISTS)
+def test_parser_agrees_with_scontrol(nodelist):
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == parse_slurm_nodelist(nodelist)
+
+
+def test_plain_srun_without_scontrol(clean_env, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # compat.slurm_hostnames falls back to the parser
+    clean_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n[07-08]")
+    assert detect_launch(dist()).master_addr == "n07"
+
+
+def test_submitit_rendezvous_comes_from_slurm(clean_env):
+    """A submitit task of a two-node job: address = the step's first node, port = derived from SLURM_JOB_ID
+    (an array task's own id), the same on every rank."""
+    clean_env(
+        SUBMITIT_EXECUTOR="slurm",
+        SLURM_JOB_ID="9",
+        SLURM_ARRAY_JOB_ID="8",
+        SLURM_ARRAY_TASK_ID="0",
+        SLURM_PROCID="1",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="1",
+        SLURM_NTASKS="2",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_STEP_ID="0",
+        SLURM_JOB_NODELIST="node[1-2]",
+        SLURM_STEP_NODELIST="node[1-2]",
+    )
+    info = detect_launch(dist())
+    assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("submitit", 1, 0, 2)
+    assert (info.master_addr, info.master_port, info.local_world_size) == ("node1", 20000 + 9, 1)
+
+
 def test_forced_launcher_and_what_the_launcher_set_is_kept(clean_env):
     clean_env(RANK="1")
     clean_env(WORLD_SIZE="2")
@@ -99,3 +159,19 @@ def test_backend_choice():
     assert choose_backend("auto", "cpu") == "gloo"  # oneCCL's bindings are not installed here
     assert choose_backend("auto", "npu") == "hccl"
     assert choose_backend("mpi", "cpu") == "mpi"
+
+
+HOSTS = [("node1", ["10.0.0.11"]), ("node1", ["10.0.0.11"]), ("node2", ["10.0.0.12"]), ("node2", ["10.0.0.12"])]
+
+
+@pytest.mark.parametrize(
+    ("error", "own_rank", "world", "named"),
+    [
+        ("Connection closed by peer [10.0.0.12]:41234", 0, 4, "ranks 2, 3 (node2)"),  # gloo names the peer address
+        ("Connection closed by peer [10.0.0.12]:41234", 2, 4, "rank 3 (node2)"),
+        ("Connection reset by peer", 0, 4, "another rank"),  # no address, several candidates: not guessed
+        ("Connection reset by peer", 1, 2, "rank 0 (node1)"),  # of two ranks, the other one
+    ],
+)
+def test_lost_rank_is_named(error, own_rank, world, named):
+    assert lost_ranks(error, HOSTS[:world], own_rank, world) == named

@@ -112,7 +112,7 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_ends_like_an_uninterrupted_ru
     assert not pids_with(tag, rank=0), "rank 0 outlived the launch"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed", summary
-    assert "lost contact with another rank" in summary["error"], summary["error"]
+    assert "lost contact with rank 1 (" in summary["error"], summary["error"]  # the other rank, named
     assert "resume=auto" in summary["error"]
     assert not (run_dir / "hf_model").exists()  # nothing that looks like a finished run
 
