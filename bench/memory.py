@@ -82,7 +82,9 @@ def deepspeed_estimates(overrides: tuple[str, ...]) -> dict[str, Any]:
     from ds_exp.model import build_model_config
 
     cfg = compose(*overrides)
-    model = AutoModelForCausalLM.from_config(build_model_config(cfg, load_tokenizer(cfg)), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        build_model_config(cfg, load_tokenizer(cfg.model, cfg.data)), dtype=torch.float32
+    )
     printed = {}
     for stage, estimator in (
         (2, estimate_zero2_model_states_mem_needs_all_live),

@@ -71,10 +71,8 @@ def worker(stage: int, pairs: int, out: Path, cache: Path) -> None:
             run_dir / "checkpoints",
             rank=session.rank,
             keep_last=1,
-            run_id="bench",
-            settings={},
-            wandb_run_id=None,
             needed_bytes=0,
+            identity={"run_id": "bench"},
         )
         generations = Generations(
             [], tokenizer=work.tokenizer, template="dschat", max_new_tokens=1, stop_ids=[], path=run_dir / "g.jsonl"

@@ -38,10 +38,10 @@ def ds_exp_step(num_train: int, overrides: list[str]) -> tuple[float, int, dict[
     from ds_exp.data import load_tokenizer, prepare_sft_data
 
     cfg = compose(f"data.synthetic.num_train={num_train}", *overrides)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
     before = rss_kib()
     started = time.perf_counter()
-    data = prepare_sft_data(cfg, tokenizer)
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     elapsed = time.perf_counter() - started
     train, evals = token_counts(data.train), token_counts(data.eval)
     info = {
@@ -63,7 +63,7 @@ def bare_step(num_train: int, num_proc: int) -> tuple[float, int, dict[str, Any]
     cfg = compose(f"data.synthetic.num_train={num_train}")
     from ds_exp.data import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
     max_len, eos = int(cfg.data.max_seq_len), tokenizer.eos_token
     syn = cfg.data.synthetic
 

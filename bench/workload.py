@@ -162,8 +162,8 @@ def load_workload(args: argparse.Namespace, rank: int, world: int) -> Workload:
     from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
 
     cfg = compose(args.overrides)
-    tokenizer = load_tokenizer(cfg)
-    data = prepare_sft_data(cfg, tokenizer)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     collator = make_collator(tokenizer, isolate_packed=bool(cfg.data.packing))
     ds_config = json.loads(args.ds_config.read_text())
     return Workload(cfg, tokenizer, data, collator, ds_config, rank, world, args.steps)

@@ -46,6 +46,8 @@ class TrainState:
     window_loss_sum: float = 0.0
     window_label_tokens: float = 0.0
     initial_eval: dict[str, float] | None = None  # the run's first evaluation, for its summary after a resume
+    # what the run's course depends on (ds_exp.trajectory): a resume says what changed, or refuses
+    trajectory: dict[str, Any] | None = None
     # the run that wrote the checkpoint (kept across resumes): rotation only ever deletes this run's checkpoints
     run_id: str | None = None
     # what the checkpoint depends on (ds_exp.resume.settings_of): a resume with other values is refused
@@ -171,13 +173,13 @@ class Checkpointer:
         *,
         rank: int,
         keep_last: int,
-        run_id: str,
-        settings: dict[str, Any],
-        wandb_run_id: str | None,
         needed_bytes: int,
+        identity: dict[str, Any],
     ) -> None:
+        """`identity`: what every checkpoint of this run records besides where it stands (TrainState's run_id,
+        wandb_run_id, settings and trajectory)."""
         self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
-        self.run_id, self.settings, self.wandb_run_id, self.needed_bytes = run_id, settings, wandb_run_id, needed_bytes
+        self.needed_bytes, self.identity = needed_bytes, identity
 
     def save(self, progress: Any, window: tuple[float, float], initial_eval: dict[str, float] | None) -> Path:
         """Collective. `progress`: step, epoch, step_in_epoch; `window`: the open metric window's sums over ranks.
@@ -185,14 +187,13 @@ class Checkpointer:
         from ds_exp.storage import save_failure_message
 
         state = TrainState(
-            progress.step,
-            progress.epoch,
-            progress.step_in_epoch,
-            self.wandb_run_id,
-            *window,
-            run_id=self.run_id,
-            settings=self.settings,
+            step=progress.step,
+            epoch=progress.epoch,
+            step_in_epoch=progress.step_in_epoch,
+            window_loss_sum=window[0],
+            window_label_tokens=window[1],
             initial_eval=initial_eval,
+            **self.identity,
         )
         try:
             return save(self.engine, self.directory, state, rank=self.rank, keep_last=self.keep_last)
@@ -269,7 +270,11 @@ def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
 
     load_weights_only(engine)
     try:
-        load_path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        # the LR schedule is not loaded but fast-forwarded to the step (ds_exp.trajectory): a schedule is a function of
+        # the step, and a resume that changes the run's length or learning rate must take effect
+        load_path, client_state = engine.load_checkpoint(
+            str(tag_dir.parent), tag=tag_dir.name, load_lr_scheduler_states=False
+        )
     except pickle.UnpicklingError as err:
         raise ResumeError(
             f"resume: {tag_dir} holds objects a checkpoint written by ds_exp never holds, so it was not loaded "
@@ -283,5 +288,8 @@ def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
     if rng_file.is_file():
         set_rng_states(torch.load(rng_file, weights_only=True))
     saved = (client_state or {}).get("ds_exp") or json.loads((tag_dir / COMPLETE_MARKER).read_text())
+    if engine.lr_scheduler is not None:
+        for _ in range(int(saved["step"])):
+            engine.lr_scheduler.step()
     log.info("resumed from %s at step %s", tag_dir, saved["step"])
     return TrainState(**saved)

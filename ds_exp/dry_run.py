@@ -34,14 +34,14 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     launch = detect_launch(cfg.dist)
     accelerator = detect_accelerator()
     precision = resolved_precision(cfg.precision.dtype, accelerator)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
     model_config = build_model_config(cfg, tokenizer)
     hidden = hidden_size_of(model_config)
     base_vocab = base_vocab_size(cfg, tokenizer, model_config.vocab_size)  # what the export keeps
     padded = padded_vocab_size(len(tokenizer), model_config.vocab_size, cfg.model.vocab_multiple)
     model_config.vocab_size = padded
     counts = count_parameters(cfg, model_config)
-    num_train = count_train_examples(cfg)
+    num_train = count_train_examples(cfg.data)
     steps = total_steps(num_train, cfg.train, launch.world_size)
     facts = RunFacts(
         world_size=launch.world_size,

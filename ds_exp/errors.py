@@ -21,8 +21,12 @@ class DataError(DsExpError):
     """A missing file, a malformed row or a dataset that cannot feed training."""
 
 
-class ResumeError(DsExpError):
-    """`resume=` points at something that holds no usable checkpoint."""
+class Refused(DsExpError):
+    """Refused before anything was written: the run directory stays exactly as it was (no summary is written)."""
+
+
+class ResumeError(Refused):
+    """`resume=` points at something that holds no usable checkpoint, or one this run cannot continue."""
 
 
 class RunFailed(DsExpError):

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, ModelConfig
 from ds_exp.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Pretr
         try:
             config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
         except (OSError, ValueError, KeyError) as err:
-            mapped = checkpoint_error(cfg, err)
+            mapped = checkpoint_error(cfg.model, err)
             if mapped is None:
                 raise
             raise mapped from err
@@ -54,22 +54,22 @@ def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Pretr
     return config
 
 
-def checkpoint_error(cfg: Config, err: BaseException, *, weights: bool = False) -> ConfigError | None:
+def checkpoint_error(model: ModelConfig, err: BaseException, *, weights: bool = False) -> ConfigError | None:
     """transformers' error loading the checkpoint in model.name_or_path (its weights too with `weights`) as one
     message naming the file and the fix; None when its files explain nothing (the error is then raised as is)."""
     from ds_exp.config.model_checks import local_checkpoint, read_config_json, weights_problem
 
-    directory = local_checkpoint(cfg)
+    directory = local_checkpoint(model)
     if directory is None:
         return None
-    shown = f"model.name_or_path={cfg.model.name_or_path}"
-    settings, problem = read_config_json(directory, cfg.model.name_or_path)
+    shown = f"model.name_or_path={model.name_or_path}"
+    settings, problem = read_config_json(directory, model.name_or_path)
     if problem is not None:
         return ConfigError(problem)
     text = str(err)
     if settings is not None and ("does not recognize this architecture" in text or "custom code" in text):
         model_type = settings.get("model_type")
-        if "auto_map" in settings and not cfg.model.trust_remote_code:
+        if "auto_map" in settings and not model.trust_remote_code:
             return ConfigError(
                 f"{shown}: the checkpoint ships its own model code (auto_map in config.json) for model_type="
                 f"{model_type}, which transformers does not have built in; model.trust_remote_code=true runs that "
@@ -82,7 +82,7 @@ def checkpoint_error(cfg: Config, err: BaseException, *, weights: bool = False) 
             "not know; upgrade transformers (pip install -U transformers), or set model.trust_remote_code=true if "
             "the checkpoint ships its own model code"
         )
-    problem = weights_problem(directory, cfg.model.name_or_path) if weights else None
+    problem = weights_problem(directory, model.name_or_path) if weights else None
     return ConfigError(problem) if problem is not None else None
 
 
@@ -261,7 +261,7 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
                 **extra,
             )
         except Exception as err:  # safetensors and torch raise their own types for a damaged file
-            mapped = checkpoint_error(cfg, err, weights=True)
+            mapped = checkpoint_error(cfg.model, err, weights=True)
             if mapped is None:
                 raise
             raise mapped from err

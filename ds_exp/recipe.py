@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ds_exp import checkpoint
+from ds_exp import checkpoint, trajectory
 from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
 from ds_exp.config.schema import Config, plain
 from ds_exp.distributed import all_reduce_sum, broadcast
@@ -33,6 +33,7 @@ from ds_exp.run_logging import FILE_LOGGER
 from ds_exp.secrets import redact, register_secrets
 from ds_exp.session import NothingToDo, Session
 from ds_exp.signals import StopRequested
+from ds_exp.trajectory import trajectory_of
 from ds_exp.workload import Workload
 
 log = logging.getLogger("ds_exp.train")
@@ -64,9 +65,9 @@ def setup(cfg: Config, session: Session) -> Workload:
     if session.is_main:
         for note in max_seq_len_notes(cfg):
             log.warning(note)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
     model_config = build_model_config(cfg, tokenizer)
-    data = prepare_sft_data(cfg, tokenizer)
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     file_log.info("data statistics: %s", data.stats)  # the console has the pipeline's sentence
     steps = total_steps(len(data.train), cfg.train, world)
     warmup = warmup_steps(cfg.scheduler, steps)
@@ -107,6 +108,9 @@ def setup(cfg: Config, session: Session) -> Workload:
         warmup_steps=warmup,
         ds_config=ds_config,
         settings=settings_of(cfg, world, ds_config, session.precision),
+        trajectory=trajectory_of(
+            cfg, total_steps=steps, warmup_steps=warmup, world_size=world, data_key=Path(data.stats["cache_path"]).name
+        ),
         built=built,
         engine=engine.engine,
         metric_scheduler=engine.metric_scheduler,
@@ -171,6 +175,9 @@ def resume(cfg: Config, session: Session, work: Workload) -> checkpoint.TrainSta
         return checkpoint.TrainState(run_id=broadcast(_new_run_id()))
     check_resume(cfg, tag_dir, work.settings)  # also where Hydra's callback did not run (submitit)
     state = checkpoint.load(work.engine, tag_dir, rank=session.rank)
+    for change in trajectory.check(cfg, state.trajectory, work.trajectory, state.step, tag_dir):
+        if session.is_main:
+            log.warning("resume: %s", change)
     session.state.resumed_from, session.state.initial_eval = str(tag_dir), state.initial_eval
     if state.step >= work.total_steps:
         raise NothingToDo(f"{run_dir} is complete at step {state.step} of {work.total_steps}")
@@ -218,10 +225,13 @@ def train(cfg: Config, session: Session, work: Workload, start: checkpoint.Train
         session.run_dir / cfg.train.checkpoint_dir,
         rank=session.rank,
         keep_last=cfg.train.keep_last,
-        run_id=str(start.run_id),
-        settings=work.settings,
-        wandb_run_id=wandb.run_id,
         needed_bytes=work.checkpoint_bytes,
+        identity={
+            "run_id": start.run_id,
+            "wandb_run_id": wandb.run_id,
+            "settings": work.settings,
+            "trajectory": work.trajectory,
+        },
     )
     loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress)
     try:
@@ -279,7 +289,7 @@ def export(cfg: Config, session: Session, work: Workload) -> None:
         base_dtype=built.base_dtype,
         base_rows=built.base_rows,
         vocab_size=built.vocab_size,
-        tokenizer_source=tokenizer_source(cfg),
+        tokenizer_source=tokenizer_source(cfg.model),
         lora=built.lora,
         precision=session.precision,
         dtype=str(plain(cfg.train.export_dtype)),

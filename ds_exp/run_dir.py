@@ -24,7 +24,7 @@ from omegaconf import DictConfig, open_dict, read_write
 
 from ds_exp.config.schema import Config, to_config
 from ds_exp.console import report_user_error
-from ds_exp.errors import ConfigError, DsExpError
+from ds_exp.errors import ConfigError, DsExpError, Refused
 
 # Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
 # append to: they are moved aside into attempts/<time>/ first.
@@ -59,6 +59,7 @@ def check_run_start(config: DictConfig) -> None:
     check_writable(run_dir, "hydra.run.dir")
     cfg = to_config(config)
     found = holds_a_run(run_dir, cfg.train.checkpoint_dir)
+    lock_run_dir(run_dir)  # first: a live run in this directory is the reason to name
     if found is None:
         return
     if cfg.resume is None:
@@ -87,6 +88,19 @@ def check_resume_target(cfg: Config, run_dir: Path) -> None:
     precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))
     world = detect_launch(cfg.dist).world_size
     check_resume(cfg, tag_dir, settings_of(cfg, world, merged_ds_config(cfg), precision))
+    check_global_batch(cfg, tag_dir, world)
+
+
+def check_global_batch(cfg: Config, tag_dir: Path, world: int) -> None:
+    """The one trajectory refusal that needs nothing heavy to decide (ds_exp.trajectory has the rest)."""
+    from ds_exp.checkpoint import read_marker
+    from ds_exp.trajectory import check
+
+    saved = read_marker(tag_dir).get("trajectory")
+    if saved:
+        train = cfg.train
+        batch = train.micro_batch_size * train.gradient_accumulation_steps * world
+        check(cfg, {"global_batch": saved.get("global_batch")}, {"global_batch": batch, "data": None}, 0, tag_dir)
 
 
 def check_sweep_start(config: DictConfig) -> None:
@@ -116,6 +130,47 @@ def set_aside_attempt(run_dir: Path) -> Path | None:
     for path in present:
         shutil.move(str(path), target / path.name)
     return target
+
+
+# ------------------------------------------------------------------------------------ one live run per directory
+LOCK = ".ds_exp.lock"
+_locks: dict[Path, Any] = {}  # run directory -> the open file whose lock this process holds
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold <run dir>/.ds_exp.lock (an exclusive flock) until release_run_dir or the process's end. A second process
+    that finds it held stops at once, naming the holder; a lock left by a killed process is released by the
+    kernel with it, so a stale lock never blocks anyone."""
+    import fcntl
+    import os
+    import socket
+
+    run_dir = run_dir.absolute()
+    if run_dir in _locks:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = (run_dir / LOCK).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise Refused(
+            f"hydra.run.dir={run_dir} is in use by a live ds_exp run ({holder}); nothing was changed. Wait for it "
+            "to end (or stop it), then resume=auto; or use another directory"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _locks[run_dir] = handle
+
+
+def release_run_dir(run_dir: Path) -> None:
+    handle = _locks.pop(run_dir.absolute(), None)
+    if handle is not None:
+        handle.close()  # closing the file releases the lock
 
 
 # --------------------------------------------------------------------------- the placeholder of ranks > 0

@@ -23,8 +23,8 @@ from typing import Any
 from ds_exp.accelerator import detect_accelerator, resolved_precision
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.distributed import broadcast, detect_launch, init_distributed, is_lost_peer, mark_lost_peer
-from ds_exp.errors import DsExpError, ResumeError, RunFailed
-from ds_exp.run_dir import remove_rank_placeholder
+from ds_exp.errors import DsExpError, Refused, RunFailed
+from ds_exp.run_dir import lock_run_dir, release_run_dir, remove_rank_placeholder
 from ds_exp.run_logging import FILE_LOGGER, close_run_logging, setup_run_logging
 from ds_exp.secrets import redact_text, register_secrets
 from ds_exp.signals import StopSignals
@@ -79,6 +79,8 @@ class Session:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = Path(broadcast(str(self.run_dir)))
         self.state.run_dir = self.run_dir
+        if self.is_main:
+            lock_run_dir(self.run_dir)  # held already when Hydra's callback took it (a single run)
         # values of credential keys, however they got into the config (a YAML file, ${oc.env:...}), and of
         # credential-named environment variables: blanked in every log line from here on
         register_secrets(as_dict(self.cfg), environ=dict(os.environ))
@@ -132,7 +134,7 @@ class Session:
             return Outcome("unchanged")
         if isinstance(exc, KeyboardInterrupt):
             return Outcome("interrupted", "interrupted by the user", exc)
-        if isinstance(exc, ResumeError):  # refused before anything was loaded or trained: files stay as they were
+        if isinstance(exc, Refused):  # refused before anything was loaded or trained: files stay as they were
             return Outcome("unchanged", f"{type(exc).__name__}: {exc}", exc)
         stopped = self.signals.behind(exc)  # a library may turn the stop into an error of its own
         if stopped is not None:
@@ -181,6 +183,8 @@ class Session:
             dist.barrier()
         if self.rank != 0:
             remove_rank_placeholder()
+        else:
+            release_run_dir(self.run_dir)
 
     def write_summary(self) -> None:
         import torch.distributed as dist

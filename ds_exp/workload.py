@@ -18,6 +18,7 @@ class Workload:
     warmup_steps: int
     ds_config: dict[str, Any]  # exactly what deepspeed.initialize received ("auto" filled)
     settings: dict[str, Any]  # what a checkpoint of this run depends on (ds_exp.resume.settings_of)
+    trajectory: dict[str, Any]  # what the run's course depends on (ds_exp.trajectory.trajectory_of)
     built: Any  # ds_exp.model.BuiltModel: the model, its config, LoRA, and what the export needs of the base
     engine: Any  # the DeepSpeed engine
     metric_scheduler: Any | None  # a schedule stepped with a metric (plateau, greedy), outside the engine

@@ -501,7 +501,7 @@ def test_checkpoint_errors_at_load_are_one_message(compose_cfg, tmp_path):
     def load(directory: Path, *extra: str) -> str:
         cfg = compose_cfg("model=local", f"model.name_or_path={directory}", f"model.tokenizer={embedded}", *extra)
         validate(cfg, accelerator="cpu")
-        tokenizer = load_tokenizer(cfg)
+        tokenizer = load_tokenizer(cfg.model, cfg.data)
         with pytest.raises(ConfigError) as info:
             build_model(cfg, tokenizer, {"zero_optimization": {"stage": 0}})
         return str(info.value)
@@ -527,12 +527,13 @@ def test_checkpoint_errors_at_load_are_one_message(compose_cfg, tmp_path):
     weights = good / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4000])
     with pytest.raises(ConfigError, match=r"model.safetensors is cut short \(4000 of the \d+ bytes"):
-        build_model(cfg, load_tokenizer(cfg), {"zero_optimization": {"stage": 0}})
+        build_model(cfg, load_tokenizer(cfg.model, cfg.data), {"zero_optimization": {"stage": 0}})
     # a config.json broken after validation is named as such by the tokenizer and config loaders too
     shutil.copytree(good, tmp_path / "later")
     (tmp_path / "later" / "config.json").write_text("{")
     cfg = compose_cfg("model=local", f"model.name_or_path={tmp_path / 'later'}")
     with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
-        load_tokenizer(cfg)
+        load_tokenizer(cfg.model, cfg.data)
+    base = compose_cfg()
     with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
-        build_model_config(cfg, load_tokenizer(compose_cfg()))
+        build_model_config(cfg, load_tokenizer(base.model, base.data))

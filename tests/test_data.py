@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, DataConfig, DataSource, ModelConfig, plain_tree, to_config
 from ds_exp.data import (
     check_data_config,
     count_train_examples,
@@ -22,29 +23,37 @@ from ds_exp.data import (
     make_collator,
     prepare_sft_data,
 )
-from ds_exp.errors import DataError
+from ds_exp.errors import ConfigError, DataError
 
 REPO = Path(__file__).resolve().parents[1]
+SEED = 1234  # train.seed of make_cfg
 
 
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def make_cfg(tmp_path: Path, **data):
-    """A composed-like cfg from the schema; data keys given as keyword arguments."""
+def make_cfg(tmp_path: Path, **data) -> Config:
+    """A typed config as the entry point makes it (schema, merged, converted); data keys as keyword arguments."""
     cfg = OmegaConf.structured(Config)
+    cfg.model.name = cfg.logger.name = "test"
     cfg.data.name = "test"
     cfg.data.cache_dir = str(tmp_path / "cache")
     cfg.data.max_seq_len = 64
     cfg.data.synthetic.num_train = 200
     cfg.data.synthetic.num_eval = 20
-    cfg.train.seed = 1234
-    return OmegaConf.merge(cfg, {"data": data})  # merge turns source dicts into typed DataSource nodes
+    cfg.train.seed = SEED
+    merged = OmegaConf.merge(cfg, {"data": data})  # merge turns source dicts into typed DataSource nodes
+    return OmegaConf.to_object(merged)
+
+
+def data_settings(cfg: Config) -> dict:
+    """cfg.data as plain values, to give make_cfg again."""
+    return plain_tree(dataclasses.asdict(cfg.data))
 
 
 def fresh(cfg, tmp_path: Path):
     """The same settings with an empty cache directory."""
-    data = OmegaConf.to_container(cfg.data)
+    data = data_settings(cfg)
     data.pop("cache_dir")
     return make_cfg(tmp_path, **data)
 
@@ -68,8 +77,7 @@ def write_csv(path: Path, items: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def tok():
-    cfg = OmegaConf.structured(Config)
-    return load_tokenizer(cfg)
+    return load_tokenizer(ModelConfig(), DataConfig())
 
 
 def decode_answer(tok, ex) -> str:
@@ -101,9 +109,9 @@ def test_embedded_tokenizer_rebuilds_identically():
 
 def test_synthetic_default(tmp_path, tok):
     cfg = make_cfg(tmp_path)
-    assert check_data_config(cfg) == []
-    data = prepare_sft_data(cfg, tok)
-    assert data.stats["num_train"] == len(data.train) == 200 == count_train_examples(cfg)
+    assert check_data_config(cfg.data) == []
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
+    assert data.stats["num_train"] == len(data.train) == 200 == count_train_examples(cfg.data)
     assert data.stats["num_eval"] == len(data.eval) == 20
     assert data.stats["cache_hit"] is False and data.stats["num_truncated"] == 0
     assert data.train.column_names == ["input_ids", "labels"]
@@ -114,10 +122,10 @@ def test_synthetic_default(tmp_path, tok):
     answer = text.split(" Assistant:", 1)[1]
     assert decode_answer(tok, ex) == answer
     # the same seed gives the same data, another seed another split/order
-    again = prepare_sft_data(make_cfg(tmp_path / "b"), tok)
+    again = prepare_sft_data(make_cfg(tmp_path / "b").data, tok, seed=SEED)
     assert again.train["input_ids"] == data.train["input_ids"]
     cfg.train.seed = 7
-    assert prepare_sft_data(cfg, tok).train["input_ids"] != data.train["input_ids"]
+    assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).train["input_ids"] != data.train["input_ids"]
 
 
 def test_synthetic_task_is_deterministic():
@@ -187,9 +195,9 @@ KINDS = [
 def test_source_kinds(kind, tmp_path, tok):
     src, n_train, n_eval = _source(kind, tmp_path)
     cfg = make_cfg(tmp_path, sources=[src], eval_fraction=0.1)
-    assert check_data_config(cfg) == []
-    assert count_train_examples(cfg) == n_train
-    data = prepare_sft_data(cfg, tok)
+    assert check_data_config(cfg.data) == []
+    assert count_train_examples(cfg.data) == n_train
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert (len(data.train), len(data.eval)) == (n_train, n_eval)
     trained = {decode_answer(tok, ex) for ex in data.train}
     held_out = {decode_answer(tok, ex) for ex in data.eval}
@@ -203,7 +211,7 @@ def test_field_mapping(tmp_path, tok):
     path = write_jsonl(tmp_path / "x.jsonl", items)
     cfg = make_cfg(tmp_path, sources=[{"path": str(path), "prompt_field": "question", "chosen_field": "response"}])
     cfg.data.eval_fraction = 0.0
-    data = prepare_sft_data(cfg, tok)
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert len(data.train) == 10 and len(data.eval) == 0
     assert tok.decode(data.train[0]["input_ids"]).startswith(" Human: q ")
 
@@ -211,7 +219,7 @@ def test_field_mapping(tmp_path, tok):
 def test_rows_without_answer_are_filtered(tmp_path, tok):
     items = [*rows(10), {"prompt": "p", "chosen": ""}, {"prompt": None, "chosen": "x"}, {"chosen": "y"}]
     cfg = make_cfg(tmp_path, sources=[{"path": str(write_jsonl(tmp_path / "x.jsonl", items))}], eval_fraction=0)
-    data = prepare_sft_data(cfg, tok)
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert len(data.train) == 10 and data.stats["num_filtered_rows"] == 3
 
 
@@ -230,18 +238,18 @@ def test_blend_splits_and_sft_only(tmp_path, tok):
         eval_fraction=0.1,
     )
     # a: 20% of 50 = 10, 1 carved for eval; b: 20% of 40 = 8, eval 20% of 10 = 2; c: whole 20, 2 carved
-    assert count_train_examples(cfg) == 9 + 8 + 18
-    data = prepare_sft_data(cfg, tok)
+    assert count_train_examples(cfg.data) == 9 + 8 + 18
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert (len(data.train), len(data.eval)) == (35, 1 + 2 + 2)
     assert [s["train"] for s in data.stats["per_source"]] == [9, 8, 18]
     prompts = [tok.decode(ex["input_ids"]).split()[1] for ex in data.train]
     assert prompts.count("a") == 9 and prompts.count("q") == 8 and prompts.count("c") == 18
     assert prompts != sorted(prompts)  # blended sources are shuffled together
     # reproducible for a seed (fresh cache), different for another
-    same = prepare_sft_data(fresh(cfg, tmp_path / "2"), tok)
+    same = prepare_sft_data(fresh(cfg, tmp_path / "2").data, tok, seed=SEED)
     assert same.stats["cache_hit"] is False and same.train["input_ids"] == data.train["input_ids"]
     cfg.train.seed = 99
-    other = prepare_sft_data(cfg, tok)
+    other = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert other.train["input_ids"] != data.train["input_ids"] and len(other.train) == 35
 
 
@@ -259,12 +267,12 @@ def test_split_arithmetic():
 
 def test_synthetic_split_arithmetic_and_parallel_tokenization(tmp_path, tok):
     cfg = make_cfg(tmp_path, data_split="2,4,4", synthetic={"num_train": 10000})
-    assert count_train_examples(cfg) == 2000
-    serial = prepare_sft_data(cfg, tok)
+    assert count_train_examples(cfg.data) == 2000
+    serial = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert len(serial.train) == 2000
     cfg.data.num_proc = 2  # does not change the result, so it is not part of the cache key
-    assert prepare_sft_data(cfg, tok).stats["cache_hit"] is True
-    parallel = prepare_sft_data(fresh(cfg, tmp_path / "np"), tok)
+    assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["cache_hit"] is True
+    parallel = prepare_sft_data(fresh(cfg, tmp_path / "np").data, tok, seed=SEED)
     assert parallel.stats["cache_hit"] is False  # a fresh cache_dir: built with 2 processes
     assert parallel.train["input_ids"] == serial.train["input_ids"]
     assert parallel.train["labels"] == serial.train["labels"]
@@ -272,7 +280,7 @@ def test_synthetic_split_arithmetic_and_parallel_tokenization(tmp_path, tok):
 
 def test_max_eval_examples(tmp_path, tok):
     cfg = make_cfg(tmp_path, max_eval_examples=5)
-    assert len(prepare_sft_data(cfg, tok).eval) == 5
+    assert len(prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).eval) == 5
 
 
 # ----------------------------------------------------------------------------------------------- cache
@@ -281,7 +289,7 @@ def test_max_eval_examples(tmp_path, tok):
 def test_cache_reuse_and_invalidation(tmp_path, tok, monkeypatch):
     path = write_jsonl(tmp_path / "x.jsonl", rows(30))
     cfg = make_cfg(tmp_path, sources=[{"path": str(path)}])
-    first = prepare_sft_data(cfg, tok)
+    first = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert first.stats["cache_hit"] is False
     assert (Path(first.stats["cache_path"]) / "train" / "dataset_info.json").is_file()
     assert not list(Path(cfg.data.cache_dir).glob("**/*.pkl"))
@@ -293,29 +301,29 @@ def test_cache_reuse_and_invalidation(tmp_path, tok, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(encode.Encoder, "__call__", boom)
-        second = prepare_sft_data(cfg, tok)
+        second = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
         assert second.stats["cache_hit"] is True and second.stats["cache_path"] == first.stats["cache_path"]
         assert second.train["input_ids"] == first.train["input_ids"]
         os.utime(path)  # touched, same content: still a hit (content fingerprint)
-        assert prepare_sft_data(cfg, tok).stats["cache_hit"] is True
+        assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["cache_hit"] is True
 
     cfg.data.max_seq_len = 32  # a setting changes -> rebuilt elsewhere
-    changed = prepare_sft_data(cfg, tok)
+    changed = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert changed.stats["cache_hit"] is False and changed.stats["cache_path"] != first.stats["cache_path"]
     cfg.data.max_seq_len = 64
     write_jsonl(path, rows(31))  # the file changes -> rebuilt
-    grown = prepare_sft_data(cfg, tok)
+    grown = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert grown.stats["cache_hit"] is False and grown.stats["num_train"] + grown.stats["num_eval"] == 31
     cfg.data.train_on_prompt = True
-    assert prepare_sft_data(cfg, tok).stats["cache_hit"] is False
+    assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["cache_hit"] is False
 
 
 def test_broken_cache_entry_is_rebuilt(tmp_path, tok):
     cfg = make_cfg(tmp_path)
-    first = prepare_sft_data(cfg, tok)
+    first = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     for f in (Path(first.stats["cache_path"]) / "train").glob("*.arrow"):
         f.unlink()
-    again = prepare_sft_data(cfg, tok)
+    again = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert again.stats["cache_hit"] is False and again.train["input_ids"] == first.train["input_ids"]
 
 
@@ -332,12 +340,12 @@ CHILD = textwrap.dedent(
         return real(*args, **kwargs)
     enc.encode = slow
     from ds_exp.data import load_tokenizer, prepare_sft_data
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(sys.argv[1]))
-    tok = load_tokenizer(cfg)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(sys.argv[1])))
+    tok = load_tokenizer(cfg.model, cfg.data)
     pathlib.Path(sys.argv[2] + "." + sys.argv[3]).touch()
     while not pathlib.Path(sys.argv[2]).exists():
         time.sleep(0.01)
-    data = prepare_sft_data(cfg, tok)
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     first = data.train["input_ids"][:3]
     print(json.dumps({"hit": data.stats["cache_hit"], "train": first, "n": len(data.train)}))
     """
@@ -377,8 +385,8 @@ def test_concurrent_builds_share_one_cache(tmp_path):
 
 
 def test_prompt_masking_and_train_on_prompt(tmp_path, tok):
-    masked = prepare_sft_data(make_cfg(tmp_path), tok)
-    full = prepare_sft_data(make_cfg(tmp_path, train_on_prompt=True), tok)
+    masked = prepare_sft_data(make_cfg(tmp_path).data, tok, seed=SEED)
+    full = prepare_sft_data(make_cfg(tmp_path, train_on_prompt=True).data, tok, seed=SEED)
     for a, b in zip(masked.train.select(range(20)), full.train.select(range(20)), strict=True):
         assert a["input_ids"] == b["input_ids"] and b["labels"] == b["input_ids"]
         n_masked = a["labels"].count(-100)
@@ -389,7 +397,7 @@ def test_prompt_masking_and_train_on_prompt(tmp_path, tok):
 
 
 def test_collator_pads_to_longest_and_masks_pads(tmp_path, tok):
-    data = prepare_sft_data(make_cfg(tmp_path), tok)
+    data = prepare_sft_data(make_cfg(tmp_path).data, tok, seed=SEED)
     feats = [data.train[i] for i in range(8)]
     lengths = [len(f["input_ids"]) for f in feats]
     batch = make_collator(tok)(feats)
@@ -420,13 +428,13 @@ def test_truncation_is_counted(tmp_path, tok):
     items = [{"prompt": "p", "chosen": " ".join(["apple"] * n)} for n in (2, 30, 40, 50)]
     cfg = make_cfg(tmp_path, sources=[{"path": str(write_jsonl(tmp_path / "x.jsonl", items))}], eval_fraction=0)
     cfg.data.max_seq_len = 24
-    data = prepare_sft_data(cfg, tok)
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert data.stats["num_truncated"] == 3 and max(len(x) for x in data.train["input_ids"]) == 24
 
 
 def test_packing(tmp_path, tok):
-    plain = prepare_sft_data(make_cfg(tmp_path), tok)
-    packed = prepare_sft_data(make_cfg(tmp_path, packing=True), tok)
+    plain = prepare_sft_data(make_cfg(tmp_path).data, tok, seed=SEED)
+    packed = prepare_sft_data(make_cfg(tmp_path, packing=True).data, tok, seed=SEED)
     assert len(packed.train) < len(plain.train) and len(packed.eval) == len(plain.eval)
     assert max(len(x) for x in packed.train["input_ids"]) <= 64
     flat = [t for x in packed.train["input_ids"] for t in x]
@@ -449,15 +457,15 @@ def test_chat_template(tmp_path, tok):
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    data = prepare_sft_data(make_cfg(tmp_path, template="auto"), chat)
+    data = prepare_sft_data(make_cfg(tmp_path, template="auto").data, chat, seed=SEED)
     assert data.stats["template"] == "chat_template"
     ex = data.train[0]
     assert tok.decode(ex["input_ids"]).startswith("<|user|>")
     assert decode_answer(chat, ex).endswith("<|endoftext|>") and "<|assistant|>" not in decode_answer(chat, ex)
     # the plain tokenizer has no template: auto falls back to DeepSpeed-Chat's format, chat_template fails
-    assert prepare_sft_data(make_cfg(tmp_path, template="auto"), tok).stats["template"] == "dschat"
+    assert prepare_sft_data(make_cfg(tmp_path, template="auto").data, tok, seed=SEED).stats["template"] == "dschat"
     with pytest.raises(DataError, match="no chat template"):
-        prepare_sft_data(make_cfg(tmp_path, template="chat_template"), tok)
+        prepare_sft_data(make_cfg(tmp_path, template="chat_template").data, tok, seed=SEED)
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -465,26 +473,26 @@ def test_chat_template(tmp_path, tok):
 
 def _error(cfg, tok) -> str:
     with pytest.raises(DataError) as info:
-        prepare_sft_data(cfg, tok)
+        prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     return str(info.value)
 
 
 def test_missing_file(tmp_path, tok):
     cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "nope.jsonl")}])
-    [line] = check_data_config(cfg)
+    [line] = check_data_config(cfg.data)
     assert line.startswith(f"data.sources[0].path={tmp_path / 'nope.jsonl'}:") and "file not found" in line
     assert "file not found" in _error(cfg, tok)
     cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "a.jsonl"), "eval_path": str(tmp_path / "b")}])
     write_jsonl(tmp_path / "a.jsonl", rows(3))
-    assert any(p.startswith("data.sources[0].eval_path=") for p in check_data_config(cfg))
+    assert any(p.startswith("data.sources[0].eval_path=") for p in check_data_config(cfg.data))
 
 
 def test_unknown_format(tmp_path, tok):
     (tmp_path / "x.txt").write_text("hello\n")
     cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "x.txt")}])
-    assert "unknown file extension '.txt'" in check_data_config(cfg)[0]
+    assert "unknown file extension '.txt'" in check_data_config(cfg.data)[0]
     cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "x.txt"), "format": "xml"}])
-    assert check_data_config(cfg)[0].startswith("data.sources[0].format=xml: unknown format 'xml'")
+    assert check_data_config(cfg.data)[0].startswith("data.sources[0].format=xml: unknown format 'xml'")
     assert "unknown format" in _error(cfg, tok)
 
 
@@ -519,16 +527,16 @@ def test_split_leaving_phase1_empty(tmp_path, tok):
     cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], data_split="1,100,100")
     assert "leaves phase 1 (SFT) empty" in _error(cfg, tok)
     with pytest.raises(DataError, match="leaves phase 1"):
-        count_train_examples(cfg)
+        count_train_examples(cfg.data)
     cfg.data.data_split = "0,5,5"
-    assert check_data_config(cfg)[0].startswith("data.data_split=0,5,5: phase 1")
+    assert check_data_config(cfg.data)[0].startswith("data.data_split=0,5,5: phase 1")
 
 
 def test_bad_settings_are_reported_by_key(tmp_path):
     cfg = make_cfg(tmp_path, sources=[{"path": "", "prompt_field": ""}], data_split="1,2", eval_fraction=1.5)
     cfg.data.max_seq_len = 0
     cfg.data.num_proc = 0
-    problems = check_data_config(cfg)
+    problems = check_data_config(cfg.data)
     for key in (
         "data.max_seq_len=0",
         "data.data_split=1,2",
@@ -550,14 +558,14 @@ def test_bad_tokenizer_path(tmp_path):
     cfg = make_cfg(tmp_path)
     cfg.model.tokenizer = str(tmp_path / "no_tokenizer_here")
     with pytest.raises(DataError, match=r"^model.tokenizer="):
-        load_tokenizer(cfg)
+        load_tokenizer(cfg.model, cfg.data)
 
 
 def test_end_of_conversation_token_is_added_when_missing(tmp_path):
     cfg = make_cfg(tmp_path, end_of_conversation_token="<|eot|>")
-    tok = load_tokenizer(cfg)
+    tok = load_tokenizer(cfg.model, cfg.data)
     assert len(tok("<|eot|>", add_special_tokens=False)["input_ids"]) == 1
-    data = prepare_sft_data(cfg, tok)
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert tok.decode(data.train[0]["input_ids"]).endswith("<|eot|>")
 
 
@@ -632,8 +640,8 @@ def dschat_local_cfg(tmp_path: Path, path: Path, **overrides):
 def test_dschat_rows_are_trained_on_as_given(tmp_path, tok):
     cfg = dschat_local_cfg(tmp_path, dschat_dir(tmp_path))
     assert cfg.data.template.value == "raw" and cfg.data.data_split == "2,4,4"
-    assert count_train_examples(cfg) == 10
-    data = prepare_sft_data(cfg, tok)
+    assert count_train_examples(cfg.data) == 10
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert (len(data.train), len(data.eval)) == (10, 2) and data.stats["template"] == "raw"
     rows = {r["chosen"]: r for r in dschat_rows(50) + dschat_rows(10, " (eval)")}
     for ex in [*data.train, *data.eval]:
@@ -644,7 +652,9 @@ def test_dschat_rows_are_trained_on_as_given(tmp_path, tok):
         assert text == row["prompt"] + row["chosen"] + "<|endoftext|>"
         assert text.count("Human:") == 1 and "  " not in text
         assert label_runs(tok, ex) == [row["chosen"] + "<|endoftext|>"]
-    full = prepare_sft_data(dschat_local_cfg(tmp_path, tmp_path / "dschat_data", train_on_prompt=True), tok)
+    full = prepare_sft_data(
+        dschat_local_cfg(tmp_path, tmp_path / "dschat_data", train_on_prompt=True).data, tok, seed=SEED
+    )
     assert all(ex["labels"] == ex["input_ids"] for ex in full.train)
     # the rejected column is carried with the rows (reward-model phases), as before
     from ds_exp.data.sources import load_source
@@ -678,18 +688,16 @@ def test_marked_rows_are_refused_by_wrapping_templates(template, tmp_path, tok, 
     assert msg.startswith("data.sources[0]: all 60 rows already carry DeepSpeed-Chat's markers")
     assert f"{directory / 'train.json'}: item 0" in msg and "data.template=raw" in msg
     with pytest.raises(DataError, match=r"data\.template=raw"):
-        count_train_examples(cfg)  # the dry run says so too
+        count_train_examples(cfg.data)  # the dry run says so too
 
 
 def test_auto_picks_raw_for_marked_rows(tmp_path, chatml, caplog):
     plain = write_jsonl(tmp_path / "plain.jsonl", rows(20))
     directory = dschat_dir(tmp_path)
     cfg = dschat_local_cfg(tmp_path, directory, template="auto", data_split="10,0,0")
-    cfg = make_cfg(
-        tmp_path, **{**OmegaConf.to_container(cfg.data), "sources": [{"path": str(directory)}, {"path": str(plain)}]}
-    )
+    cfg = make_cfg(tmp_path, **{**data_settings(cfg), "sources": [{"path": str(directory)}, {"path": str(plain)}]})
     with caplog.at_level("INFO", logger="ds_exp"):
-        data = prepare_sft_data(cfg, chatml)
+        data = prepare_sft_data(cfg.data, chatml, seed=cfg.train.seed)
     assert "data.template=auto uses raw for this source" in caplog.text
     assert data.stats["template"] == "raw+chat_template"
     assert [s["template"] for s in data.stats["per_source"]] == ["raw", "chat_template"]
@@ -740,8 +748,8 @@ def test_multi_turn_chat_rows(layout, chat, tmp_path, tok, chatml):
     items = [CHAT_ROWS[layout](i, system=i % 2 == 0) for i in range(12)]
     path = write_jsonl(tmp_path / "chat.jsonl", items)
     cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], template="auto", eval_fraction=0, max_seq_len=128)
-    assert count_train_examples(cfg) == 12
-    data = prepare_sft_data(cfg, tokenizer)
+    assert count_train_examples(cfg.data) == 12
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     assert data.stats["per_source"][0]["layout"] == layout
     assert data.stats["template"] == ("chat_template" if chat else "dschat")
     for ex in data.train:
@@ -761,8 +769,8 @@ def test_alpaca_rows(chat, tmp_path, tok, chatml):
     items.append({"instruction": "Nothing to learn.", "input": "", "output": " "})  # blank answer: dropped
     (tmp_path / "alpaca.json").write_text(json.dumps(items))
     cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "alpaca.json")}], template="auto", eval_fraction=0)
-    assert count_train_examples(cfg) == 8
-    data = prepare_sft_data(cfg, tokenizer)
+    assert count_train_examples(cfg.data) == 8
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     assert data.stats["per_source"][0]["layout"] == "alpaca" and data.stats["num_filtered_rows"] == 1
     seen = set()
     for ex in data.train:
@@ -786,7 +794,7 @@ def test_alpaca_rows(chat, tmp_path, tok, chatml):
 def test_raw_template_on_chat_rows(tmp_path, tok):
     path = write_jsonl(tmp_path / "chat.jsonl", [CHAT_ROWS["messages"](i, system=True) for i in range(4)])
     cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], template="raw", eval_fraction=0)
-    for ex in prepare_sft_data(cfg, tok).train:
+    for ex in prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).train:
         text = tok.decode(ex["input_ids"])
         i = text.split("hello ", 1)[1][0]
         assert text == f"Be brief.hi {i}hello {i}and now?bye {i}<|endoftext|>"  # contents as given
@@ -797,10 +805,10 @@ def test_layout_is_detected_and_part_of_the_cache_key(tmp_path, tok):
     items = [{"prompt": f"p {i}", "chosen": f"c {i}", **CHAT_ROWS["messages"](i, system=False)} for i in range(6)]
     path = write_jsonl(tmp_path / "both.jsonl", items)
     cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], eval_fraction=0)
-    chat = prepare_sft_data(cfg, tok)  # a messages column wins over prompt/chosen
+    chat = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)  # a messages column wins over prompt/chosen
     assert "Human: hi" in tok.decode(chat.train[0]["input_ids"])
     cfg.data.sources[0].layout = "prompt_chosen"
-    pairs = prepare_sft_data(cfg, tok)
+    pairs = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert pairs.stats["cache_hit"] is False and tok.decode(pairs.train[0]["input_ids"]).startswith(" Human: p ")
     renamed = make_cfg(tmp_path, sources=[{"path": str(path), "prompt_field": "chosen", "chosen_field": "prompt"}])
     from ds_exp.data.sources import load_source
@@ -812,9 +820,9 @@ def test_chat_rows_with_parallel_tokenization(tmp_path, chatml):
     items = [CHAT_ROWS["sharegpt"](i, system=i % 3 == 0) for i in range(1500)]
     path = write_jsonl(tmp_path / "chat.jsonl", items)
     cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], template="auto", eval_fraction=0, max_seq_len=128)
-    serial = prepare_sft_data(cfg, chatml)
+    serial = prepare_sft_data(cfg.data, chatml, seed=cfg.train.seed)
     cfg.data.num_proc = 2
-    parallel = prepare_sft_data(fresh(cfg, tmp_path / "np"), chatml)
+    parallel = prepare_sft_data(fresh(cfg, tmp_path / "np").data, chatml, seed=SEED)
     assert parallel.train["input_ids"] == serial.train["input_ids"]
     assert parallel.train["labels"] == serial.train["labels"]
 
@@ -860,7 +868,7 @@ def test_bad_chat_rows_name_file_and_row(bad, expect, tmp_path, tok):
     msg = _error(make_cfg(tmp_path, sources=[{"path": str(array)}]), tok)
     assert msg.startswith(f"data.sources[0]: {array}: item 1: ") and expect in msg, msg
     with pytest.raises(DataError, match=":3: "):
-        count_train_examples(make_cfg(tmp_path, sources=[{"path": str(path)}]))
+        count_train_examples(make_cfg(tmp_path, sources=[{"path": str(path)}]).data)
 
 
 def test_bad_alpaca_row_and_layout_settings(tmp_path, tok):
@@ -869,18 +877,18 @@ def test_bad_alpaca_row_and_layout_settings(tmp_path, tok):
         f"data.sources[0]: {path}:2: 'output' is float, not a string"
     )
     cfg = make_cfg(tmp_path, sources=[{"path": str(path), "layout": "xml"}])
-    assert check_data_config(cfg) == [
+    assert check_data_config(cfg.data) == [
         "data.sources[0].layout=xml: unknown row layout; use one of auto, prompt_chosen, messages, sharegpt, alpaca"
     ]
     msg = _error(make_cfg(tmp_path, sources=[{"path": str(path), "layout": "messages"}]), tok)
     assert msg.startswith("data.sources[0].layout=messages:") and "no 'messages' column" in msg
-    assert check_data_config(make_cfg(tmp_path, template="raw")) == []
+    assert check_data_config(make_cfg(tmp_path, template="raw").data) == []
 
 
 def test_single_conversation_json_file(tmp_path, tok):
     (tmp_path / "one.json").write_text(json.dumps(CHAT_ROWS["messages"](7, system=False)))
     cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "one.json")}], eval_fraction=0)
-    data = prepare_sft_data(cfg, tok)
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert len(data.train) == 1 and label_runs(tok, data.train[0]) == [" hello 7", " bye 7<|endoftext|>"]
 
 
@@ -907,7 +915,10 @@ def test_conf_data_options_compose(option, tmp_path):
     except Exception as err:  # the rest of the conf tree is someone else's and may be mid-change
         pytest.skip(f"root config does not compose: {err}")
     assert cfg.data.name == option
-    problems = check_data_config(cfg)
+    try:  # as the entry point: unset (???) source paths are reported while converting
+        problems = check_data_config(to_config(cfg).data)
+    except ConfigError as err:
+        problems = err.problems
     if option == "synthetic":
         assert problems == [] and cfg.data.max_seq_len <= 128
     else:  # paths are mandatory (???) and reported by key
@@ -921,14 +932,14 @@ def _read_error(path: Path, **src) -> str:
     from ds_exp.data.sources import load_source
 
     with pytest.raises(DataError) as info:
-        load_source({"path": str(path), **src}, "data.sources[0]")
+        load_source(DataSource(path=str(path), **src), "data.sources[0]")
     return str(info.value)
 
 
 def _read(path: Path, **src) -> list[list[str]]:
     from ds_exp.data.sources import load_source
 
-    return load_source({"path": str(path), **src}, "data.sources[0]").train.contents
+    return load_source(DataSource(path=str(path), **src), "data.sources[0]").train.contents
 
 
 ONE = '{"prompt": "a", "chosen": "b"}'
@@ -989,7 +1000,7 @@ def test_a_utf8_byte_order_mark_is_dropped_and_noted_once(name, tmp_path, caplog
     textfiles._noted_bom.discard(str(path))
     cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], eval_fraction=0)
     with caplog.at_level("INFO", logger="ds_exp.data.textfiles"):
-        assert count_train_examples(cfg) == 20 == count_train_examples(cfg)
+        assert count_train_examples(cfg.data) == 20 == count_train_examples(cfg.data)
     assert _read(path)[0] == ["q question 0", "answer 0"]  # the first column keeps its name
     notes = [r.getMessage() for r in caplog.records if "byte order mark" in r.getMessage()]
     assert notes == [f"{path} starts with a UTF-8 byte order mark (as Windows tools write it); it is ignored"]
@@ -1010,11 +1021,11 @@ def test_gzip_files_are_read_transparently(name, tmp_path, tok):
     path = tmp_path / name
     path.write_bytes(gzip.compress(b"\xef\xbb\xbf" + plain.read_bytes()))  # a BOM inside is dropped too
     cfg = make_cfg(tmp_path, sources=[{"path": str(path)}], eval_fraction=0)
-    assert check_data_config(cfg) == []
+    assert check_data_config(cfg.data) == []
     assert _read(path) == _read(plain)
     explicit = {"csv": "csv", "json": "json", "jsonl": "jsonl", "ndjson": "jsonl"}[name.split(".")[1].lower()]
     assert _read(path, format=explicit) == _read(plain)
-    data = prepare_sft_data(cfg, tok)
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
     assert len(data.train) == 30
 
 
@@ -1029,7 +1040,7 @@ def test_formats_with_gzip_extensions():
 def test_an_unknown_compound_extension_is_named(tmp_path):
     (tmp_path / "x.tar.gz").write_bytes(b"\x1f\x8b")
     cfg = make_cfg(tmp_path, sources=[{"path": str(tmp_path / "x.tar.gz")}])
-    assert "unknown file extension '.tar.gz'" in check_data_config(cfg)[0]
+    assert "unknown file extension '.tar.gz'" in check_data_config(cfg.data)[0]
 
 
 def _binary(kind: str, path: Path) -> None:
@@ -1091,16 +1102,16 @@ def test_a_cache_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
     cfg = make_cfg(tmp_path)
     cfg.data.cache_dir = str(tmp_path / "file")
-    assert check_data_config(cfg) == [
+    assert check_data_config(cfg.data) == [
         f"data.cache_dir={tmp_path / 'file'} is a file, not a directory; point data.cache_dir at a directory"
     ]
     cfg.data.cache_dir = str(tmp_path / "file" / "cache")
-    assert check_data_config(cfg) == [
+    assert check_data_config(cfg.data) == [
         f"data.cache_dir={tmp_path / 'file' / 'cache'}: {tmp_path / 'file'} is a file, not a directory; point "
         "data.cache_dir at a directory"
     ]
     cfg.data.cache_dir = str(tmp_path / "not_yet" / "cache")  # made when the cache is built
-    assert check_data_config(cfg) == []
+    assert check_data_config(cfg.data) == []
 
 
 def test_a_full_disk_while_writing_the_cache_is_one_message(tmp_path, tok, mount_tmpfs):
@@ -1117,7 +1128,7 @@ def test_a_full_disk_while_writing_the_cache_is_one_message(tmp_path, tok, mount
     )
     assert [p.name for p in (disk / "cache").iterdir() if not p.name.endswith(".lock")] == []  # no partial build
     (disk / "filler").unlink()
-    assert prepare_sft_data(cfg, tok).stats["cache_hit"] is False  # room again: it builds
+    assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["cache_hit"] is False  # room again: it builds
 
 
 def test_a_full_disk_is_recognised_through_wrappers(tmp_path):

@@ -138,8 +138,8 @@ def test_exported_model_reloads_with_the_engines_eval_loss(tmp_path, cache_dir, 
     assert run.ok, run.explain()
     model = AutoModelForCausalLM.from_pretrained(run.run_dir / "hf_model").eval()
     cfg = compose_cfg(*FAST, f"data.cache_dir={cache_dir}")
-    tokenizer = load_tokenizer(cfg)
-    eval_set = prepare_sft_data(cfg, tokenizer).eval
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    eval_set = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed).eval
     collate = make_collator(tokenizer)
     total = tokens = 0.0
     with torch.no_grad():
@@ -166,7 +166,7 @@ def test_merged_lora_export_equals_the_adapter_model(tmp_path, cache_dir, compos
     merged = AutoModelForCausalLM.from_pretrained(run.run_dir / "hf_model").eval()
     # only the adapters trained, so the base under them is the initial model, rebuilt from the same seed
     cfg = compose_cfg()
-    base = build_model(cfg, load_tokenizer(cfg), {"zero_optimization": {"stage": 0}}).model
+    base = build_model(cfg, load_tokenizer(cfg.model, cfg.data), {"zero_optimization": {"stage": 0}}).model
     adapter = PeftModel.from_pretrained(base, run.run_dir / "hf_model_adapter").eval()
     ids = torch.randint(0, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -179,7 +179,7 @@ def test_padding_never_changes_the_loss(compose_cfg):
     from ds_exp.step import IGNORE_INDEX, token_loss_sum
 
     cfg = compose_cfg()
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
     model = build_model(cfg, tokenizer, {"zero_optimization": {"stage": 0}}).model.eval()
     ids = torch.tensor([tokenizer(" Human: copy a b Assistant: a b")["input_ids"]])
     labels = ids.clone()

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, ModelConfig
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -58,9 +58,9 @@ def looks_like_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.path.exists(name)
 
 
-def local_checkpoint(cfg: Config) -> Path | None:
+def local_checkpoint(model: ModelConfig) -> Path | None:
     """model.name_or_path as a directory on this machine; None for a hub id, a missing path or a built model."""
-    value = cfg.model.name_or_path
+    value = model.name_or_path
     if value is None or not looks_like_local_path(value):
         return None
     path = Path(value).expanduser()
@@ -139,7 +139,7 @@ def weights_problem(directory: Path, shown: str) -> str | None:
 
 def check_checkpoint(cfg: Config) -> list[str]:
     """A local model.name_or_path: config.json parses, and (unless it is a dry run) the weights are complete."""
-    directory = local_checkpoint(cfg)
+    directory = local_checkpoint(cfg.model)
     if directory is None or not (directory / "config.json").is_file():
         return []
     _, problem = read_config_json(directory, cfg.model.name_or_path)
@@ -158,7 +158,7 @@ def model_settings(cfg: Config) -> dict[str, Any] | None:
     """The model's config as a dict: its config.json, or model.arch; None when neither is readable here."""
     if cfg.model.name_or_path is None:
         return dict(cfg.model.arch) if cfg.model.arch is not None else None
-    directory = local_checkpoint(cfg)
+    directory = local_checkpoint(cfg.model)
     return read_config_json(directory, cfg.model.name_or_path)[0] if directory is not None else None
 
 

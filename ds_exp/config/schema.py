@@ -335,12 +335,14 @@ def to_config(cfg: Any) -> Config:
             del cfg["hydra"]
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # mandatory values (???) left unset: one line each, naming the key
-        from ds_exp.data.checks import check_data_config
+        from ds_exp.data.checks import missing_source_paths
         from ds_exp.errors import ConfigError
 
-        problems = [p for p in check_data_config(cfg) if "is not set" in p]  # data sources say it their way
-        problems += [f"{key} is not set: give it a value ({key}=...)" for key in missing if not key.startswith("data.")]
-        raise ConfigError(problems or [f"{key} is not set: give it a value ({key}=...)" for key in missing])
+        # data source paths say it their way (what to put there); any other key gets the plain sentence
+        problems: list[str] = []
+        for key in missing:
+            problems += missing_source_paths([key]) or [f"{key} is not set: give it a value ({key}=...)"]
+        raise ConfigError(problems)
     typed: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     typed.deepspeed.config = plain_tree(typed.deepspeed.config)
     return typed

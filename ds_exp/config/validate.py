@@ -253,7 +253,7 @@ def validate(cfg: Config, accelerator: str | None = None) -> dict[str, Any]:
     problems += _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + _check_output_paths(cfg)
     from ds_exp.data import check_data_config
 
-    problems += check_data_config(cfg)
+    problems += check_data_config(cfg.data)
     ds: dict[str, Any] = {}
     try:
         precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))

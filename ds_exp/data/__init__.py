@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ds_exp.data.checks import check_data_config
 
 if TYPE_CHECKING:
+    from ds_exp.config.schema import DataConfig, ModelConfig
     from ds_exp.data.pipeline import SFTData
     from ds_exp.data.sampler import ResumableDistributedSampler
 
@@ -25,25 +26,26 @@ __all__ = [
 ]
 
 
-def load_tokenizer(cfg: Any) -> Any:
-    """cfg.model.tokenizer, else cfg.model.name_or_path, else the embedded tokenizer; always padded."""
+def load_tokenizer(model: ModelConfig, data: DataConfig) -> Any:
+    """model.tokenizer, else model.name_or_path, else the embedded tokenizer; always padded, and holding
+    data.end_of_conversation_token as one token."""
     from ds_exp.data.tokenizer import load_tokenizer as _load
 
-    return _load(cfg)
+    return _load(model, data)
 
 
-def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
+def prepare_sft_data(data: DataConfig, tokenizer: Any, *, seed: int) -> SFTData:
     """Tokenized train/eval datasets (cached; safe from every rank at once). See pipeline.prepare_sft_data."""
     from ds_exp.data.pipeline import prepare_sft_data as _prepare
 
-    return _prepare(cfg, tokenizer)
+    return _prepare(data, tokenizer, seed=seed)
 
 
-def count_train_examples(cfg: Any) -> int:
+def count_train_examples(data: DataConfig) -> int:
     """SFT train examples after splits, without tokenizing. See pipeline.count_train_examples."""
     from ds_exp.data.pipeline import count_train_examples as _count
 
-    return _count(cfg)
+    return _count(data)
 
 
 def make_collator(tokenizer: Any, pad_to_multiple_of: int | None = None, *, isolate_packed: bool = False) -> Any:

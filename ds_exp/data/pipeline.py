@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.schema import DataConfig, DataSource, plain
 from ds_exp.data.cache import cached_build, disk_full_message, hash_key, path_fingerprint
-from ds_exp.data.checks import _get, check_data_config
+from ds_exp.data.checks import check_data_config
 from ds_exp.data.formats import expand, resolve_format
 from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
 from ds_exp.data.splits import eval_carve_count, parse_data_split, phase1_count
@@ -48,16 +49,17 @@ class SFTData:
 # ----------------------------------------------------------------------------------------------- splits
 
 
-def _sources(cfg: Any) -> list[tuple[Any, str, bool]]:
+def _sources(data: DataConfig) -> list[tuple[DataSource | None, str, bool]]:
     """(source config or None for synthetic, config key, sft_only) in blend order."""
-    data = cfg.data
-    listed = [(s, f"data.sources[{i}]", False) for i, s in enumerate(_get(data, "sources") or [])]
-    listed += [(s, f"data.sft_only_sources[{i}]", True) for i, s in enumerate(_get(data, "sft_only_sources") or [])]
+    listed: list[tuple[DataSource | None, str, bool]] = [
+        (s, f"data.sources[{i}]", False) for i, s in enumerate(data.sources)
+    ]
+    listed += [(s, f"data.sft_only_sources[{i}]", True) for i, s in enumerate(data.sft_only_sources)]
     return listed or [(None, "data.synthetic", False)]
 
 
-def _load(src: Any, key: str, cfg: Any) -> RawSource:
-    return synthetic_source(cfg.data.synthetic) if src is None else load_source(src, key)
+def _load(src: DataSource | None, key: str, data: DataConfig) -> RawSource:
+    return synthetic_source(data.synthetic) if src is None else load_source(src, key)
 
 
 def plan_counts(
@@ -82,9 +84,9 @@ def _rng(seed: int, *tags: int) -> Any:
     return np.random.default_rng([seed % 2**32, *tags])
 
 
-def split_and_blend(raws: list[tuple[RawSource, bool]], cfg: Any) -> tuple[Rows, Rows, list[dict[str, Any]]]:
-    data = cfg.data
-    seed = int(cfg.train.seed)
+def split_and_blend(
+    raws: list[tuple[RawSource, bool]], data: DataConfig, seed: int
+) -> tuple[Rows, Rows, list[dict[str, Any]]]:
     split = parse_data_split(data.data_split)
     frac = float(data.eval_fraction)
     train, evals, per_source = Rows(), Rows(), []
@@ -109,28 +111,28 @@ def split_and_blend(raws: list[tuple[RawSource, bool]], cfg: Any) -> tuple[Rows,
         )
     train = train.take(_rng(seed, 1).permutation(len(train)))  # blend: concatenate, then shuffle
     evals = evals.take(_rng(seed, 2).permutation(len(evals)))
-    max_eval = _get(data, "max_eval_examples")
+    max_eval = data.max_eval_examples
     if max_eval is not None and len(evals) > max_eval:
         evals = evals.take(range(max_eval))
     return train, evals, per_source
 
 
-def count_train_examples(cfg: Any) -> int:
+def count_train_examples(data: DataConfig) -> int:
     """SFT train examples after splits, without tokenizing (files are read; synthetic is arithmetic).
 
     Exact unless examples are dropped at tokenization (the prompt alone fills max_seq_len) or packing is on,
-    where it is an upper bound: the number of examples before they are packed.
+    where it is an upper bound: the number of examples before they are packed. The seed only orders rows, so
+    the count does not take it.
     """
-    problems = check_data_config(cfg)
+    problems = check_data_config(data)
     if problems:
         raise DataError("\n".join(problems))
-    data = cfg.data
     split = parse_data_split(data.data_split)
     frac = float(data.eval_fraction)
     # without a tokenizer auto stays undecided; dschat / chat_template still refuse rows with markers
-    configured = str(_get(data, "template", "dschat"))
+    configured = str(plain(data.template))
     total = 0
-    for src, key, sft_only in _sources(cfg):
+    for src, key, sft_only in _sources(data):
         if src is None:
             syn = data.synthetic
             n_train, n_eval = int(syn.num_train), (int(syn.num_eval) or None)
@@ -163,14 +165,22 @@ def tokenizer_fingerprint(tok: Any) -> str:
     return hash_key(parts)
 
 
-def _source_material(src: Any, key: str) -> dict[str, Any]:
+def _source_material(src: DataSource | None, key: str) -> dict[str, Any]:
     if src is None:
         return {"synthetic": True}
-    keys = ("format", "layout", "split", "eval_split", "prompt_field", "chosen_field", "name", "revision")
-    material: dict[str, Any] = {k: _get(src, k) for k in keys}
-    path = str(_get(src, "path"))
+    material: dict[str, Any] = {
+        "format": src.format,
+        "layout": src.layout,
+        "split": src.split,
+        "eval_split": src.eval_split,
+        "prompt_field": src.prompt_field,
+        "chosen_field": src.chosen_field,
+        "name": src.name,
+        "revision": src.revision,
+    }
+    path = src.path
     try:
-        fmt = resolve_format(path, str(_get(src, "format", "auto")))
+        fmt = resolve_format(path, src.format)
     except ValueError as err:
         raise DataError(f"{key}.path={path}: {err}") from None
     if fmt == "hub":  # no content fingerprint: the hub revision (if pinned) stands for it
@@ -178,7 +188,7 @@ def _source_material(src: Any, key: str) -> dict[str, Any]:
         return material
     local = expand(path).resolve()
     material.update(path=str(local), content=path_fingerprint(local))
-    eval_path = _get(src, "eval_path")
+    eval_path = src.eval_path
     if eval_path:
         material.update(eval_path=str(expand(eval_path).resolve()), eval_content=path_fingerprint(expand(eval_path)))
     return material
@@ -189,27 +199,26 @@ def _code_hash() -> str:
     return hash_key([(name, (here / name).read_text()) for name in _CODE_FILES])
 
 
-def cache_material(cfg: Any, tokenizer: Any, template: str, eot: str) -> dict[str, Any]:
+def cache_material(data: DataConfig, seed: int, tokenizer: Any, template: str, eot: str) -> dict[str, Any]:
     """Everything the tokenized result depends on. Per-source templates follow from the configured template,
     its resolution for this tokenizer and the rows (fingerprinted with the sources)."""
-    data = cfg.data
     material: dict[str, Any] = {
         "version": CACHE_VERSION,
         "code": _code_hash(),
-        "sources": [(key, sft_only, _source_material(src, key)) for src, key, sft_only in _sources(cfg)],
+        "sources": [(key, sft_only, _source_material(src, key)) for src, key, sft_only in _sources(data)],
         "data_split": list(parse_data_split(data.data_split)),
         "eval_fraction": float(data.eval_fraction),
-        "max_eval_examples": _get(data, "max_eval_examples"),
-        "seed": int(cfg.train.seed),
+        "max_eval_examples": data.max_eval_examples,
+        "seed": int(seed),
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "max_seq_len": int(data.max_seq_len),
         "template": template,
-        "template_setting": str(_get(data, "template", "dschat")),  # auto and explicit differ on marked rows
+        "template_setting": str(plain(data.template)),  # auto and explicit differ on marked rows
         "end_of_conversation": eot,
         "train_on_prompt": bool(data.train_on_prompt),
         "packing": bool(data.packing),
     }
-    if not (_get(data, "sources") or _get(data, "sft_only_sources")):
+    if not (data.sources or data.sft_only_sources):
         syn = data.synthetic
         material["synthetic"] = {"num_train": syn.num_train, "num_eval": syn.num_eval, "seed": syn.seed}
     return material
@@ -218,10 +227,10 @@ def cache_material(cfg: Any, tokenizer: Any, template: str, eot: str) -> dict[st
 # ----------------------------------------------------------------------------------------------- build
 
 
-def _row_error(cfg: Any, problem: str, roles: list[str], contents: list[str]) -> DataError:
+def _row_error(data: DataConfig, problem: str, roles: list[str], contents: list[str]) -> DataError:
     """A row the template cannot render, named by source and file:line (the rows are read again to find it)."""
     fix = "use data.template=dschat or a tokenizer whose chat template accepts it"
-    for src, key, _ in _sources(cfg):
+    for src, key, _ in _sources(data):
         if src is None:
             return DataError(f"data.synthetic: {problem}; {fix}")
         where = find_row(src, key, roles, contents)
@@ -237,8 +246,9 @@ def _empty() -> Any:
     return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
 
 
-def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
-    """Tokenized train/eval sets, from the cache when the same settings were built before.
+def prepare_sft_data(data: DataConfig, tokenizer: Any, *, seed: int) -> SFTData:
+    """Tokenized train/eval sets, from the cache when the same settings were built before; `seed` (train.seed)
+    picks the phase split, the eval carve-out and the blend order.
 
     Safe to call from every rank (and every job of a sweep) at once: one process builds, the rest wait on
     the lock and load the result. Raises DataError (one line per problem) on bad input.
@@ -248,24 +258,23 @@ def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
     from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack
     from ds_exp.data.templates import resolve_template, special_strings
 
-    problems = check_data_config(cfg)
+    problems = check_data_config(data)
     if problems:
         raise DataError("\n".join(problems))
-    data = cfg.data
-    configured = _get(data, "template", "dschat")
+    configured = str(plain(data.template))
     template = resolve_template(configured, tokenizer)
-    eot = end_of_conversation(_get(data, "end_of_conversation_token"), tokenizer)
-    material = cache_material(cfg, tokenizer, template, eot)
+    eot = end_of_conversation(data.end_of_conversation_token, tokenizer)
+    material = cache_material(data, seed, tokenizer, template, eot)
     key = f"sft-{hash_key(material)}"
     max_seq_len = int(data.max_seq_len)
 
     def build(tmp: Path) -> dict[str, Any]:
-        raws = [(_load(src, key_, cfg), sft_only) for src, key_, sft_only in _sources(cfg)]
+        raws = [(_load(src, key_, data), sft_only) for src, key_, sft_only in _sources(data)]
         for raw, _ in raws:
             raw.set_template(source_template(configured, template, raw))
-        train_rows, eval_rows, per_source = split_and_blend(raws, cfg)
+        train_rows, eval_rows, per_source = split_and_blend(raws, data, seed)
         encoder = Encoder(tokenizer, eot, max_seq_len, bool(data.train_on_prompt), special_strings(tokenizer))
-        num_proc = _get(data, "num_proc")
+        num_proc = data.num_proc
         try:
             train, train_counts = encode(train_rows, encoder, num_proc=num_proc, desc="train")
             if len(eval_rows):
@@ -273,7 +282,7 @@ def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
             else:
                 evals, eval_counts = _empty(), {"truncated": 0, "dropped": 0}
         except RowError as err:
-            raise _row_error(cfg, *err.args) from None
+            raise _row_error(data, *err.args) from None
         if len(train) == 0:
             raise DataError(
                 f"data.max_seq_len={max_seq_len}: every train prompt fills it, so no answer token is left to "
@@ -297,7 +306,7 @@ def prepare_sft_data(cfg: Any, tokenizer: Any) -> SFTData:
     def load(directory: Path) -> tuple[Any, Any]:
         return datasets.load_from_disk(str(directory / "train")), datasets.load_from_disk(str(directory / "eval"))
 
-    cache_dir = expand(str(data.cache_dir))
+    cache_dir = expand(data.cache_dir)
     try:
         (train, evals), meta, hit, path = cached_build(cache_dir, key, build, load, material)
     except DataError:

@@ -11,9 +11,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ds_exp.data.checks import _get
 from ds_exp.data.conversations import ALPACA_COLUMNS, CHAT_COLUMNS, PAIR, Fields, Parsed, Rows, parse_rows
 from ds_exp.data.formats import dschat_files, expand, resolve_format
 from ds_exp.data.textfiles import (
@@ -27,6 +26,9 @@ from ds_exp.data.textfiles import (
     starts_with_bom,
 )
 from ds_exp.errors import DataError
+
+if TYPE_CHECKING:
+    from ds_exp.config.schema import DataSource, SyntheticDataConfig
 
 log = logging.getLogger(__name__)
 
@@ -185,13 +187,13 @@ def _read_dataset(ds: Any, label: str) -> _Table:
     return _Table(list(ds.column_names), lambda f: ds[f], len(ds), _rows_of(label))
 
 
-def _pick_splits(dd: Any, src: Any, key: str, label: str) -> tuple[_Table, _Table | None]:
+def _pick_splits(dd: Any, src: DataSource, key: str, label: str) -> tuple[_Table, _Table | None]:
     """(train, eval or None) tables out of a DatasetDict, following split / eval_split."""
     names = list(dd.keys())
-    split = _get(src, "split", "train")
+    split = src.split
     if split not in dd:
         raise DataError(f"{key}.split={split}: {label} has no such split; it has {', '.join(names)}")
-    eval_split = _get(src, "eval_split", "auto")
+    eval_split = src.eval_split
     if eval_split == "auto":
         eval_split = next((n for n in EVAL_SPLIT_NAMES if n in dd and n != split), None)
     elif eval_split is not None and eval_split not in dd:
@@ -200,17 +202,17 @@ def _pick_splits(dd: Any, src: Any, key: str, label: str) -> tuple[_Table, _Tabl
     return train, _read_dataset(dd[eval_split], f"{label} [{eval_split}]") if eval_split is not None else None
 
 
-def _load_tables(src: Any, key: str, fields: list[str]) -> tuple[_Table, _Table | None, str]:
+def _load_tables(src: DataSource, key: str, fields: list[str]) -> tuple[_Table, _Table | None, str]:
     """(train table, eval table or None, label for messages) of one source."""
-    path = str(_get(src, "path"))
+    path = src.path
     try:
-        fmt = resolve_format(path, str(_get(src, "format", "auto")))
+        fmt = resolve_format(path, src.format)
     except ValueError as err:
         raise DataError(f"{key}.path={path}: {err}") from None
     local = expand(path)
     if fmt in ("json", "jsonl", "csv", "parquet"):
         train = _read_file(local, fmt, key, fields)
-        eval_path = _get(src, "eval_path")
+        eval_path = src.eval_path
         if not eval_path:
             return train, None, str(local)
         eval_local = expand(eval_path)
@@ -220,7 +222,7 @@ def _load_tables(src: Any, key: str, fields: list[str]) -> tuple[_Table, _Table 
     if fmt == "dschat":
         train_file, eval_file = dschat_files(local)  # type: ignore[misc]  # resolve_format checked it
         train = _read_file(train_file, "json", key, fields)
-        if eval_file is None or _get(src, "eval_split", "auto") is None:
+        if eval_file is None or src.eval_split is None:
             return train, None, str(local)
         return train, _read_file(eval_file, "json", key, fields), str(local)
     if fmt == "arrow":
@@ -237,7 +239,7 @@ def _load_tables(src: Any, key: str, fields: list[str]) -> tuple[_Table, _Table 
     import datasets
 
     try:
-        loaded = datasets.load_dataset(path, _get(src, "name"), revision=_get(src, "revision"))
+        loaded = datasets.load_dataset(path, src.name, revision=src.revision)
     except Exception as err:  # the hub raises many types (connection, missing repo, auth)
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"{key}.path={path}: cannot load from the hub ({first}); offline? use a local copy") from None
@@ -251,12 +253,9 @@ def _parse(table: _Table, fields: Fields, key: str, label: str, locate: bool = F
     return parse_rows(table.columns, table.get, table.where, fields, key, label, locate=locate)
 
 
-def source_fields(src: Any) -> Fields:
+def source_fields(src: DataSource) -> Fields:
     return Fields(
-        layout=str(_get(src, "layout", "auto") or "auto"),
-        prompt=_get(src, "prompt_field", "prompt"),
-        chosen=_get(src, "chosen_field", "chosen"),
-        rejected=_get(src, "rejected_field"),
+        layout=src.layout or "auto", prompt=src.prompt_field, chosen=src.chosen_field, rejected=src.rejected_field
     )
 
 
@@ -265,7 +264,7 @@ def _text_columns(fields: Fields) -> list[str]:
     return [f for f in (fields.prompt, fields.chosen, fields.rejected, *ALPACA_COLUMNS) if f]
 
 
-def load_source(src: Any, key: str) -> RawSource:
+def load_source(src: DataSource, key: str) -> RawSource:
     fields = source_fields(src)
     train_table, eval_table, label = _load_tables(src, key, _text_columns(fields))
     train, layout = _parse(train_table, fields, key, label)
@@ -285,7 +284,7 @@ def load_source(src: Any, key: str) -> RawSource:
     return raw
 
 
-def find_row(src: Any, key: str, roles: list[str], contents: list[str]) -> str | None:
+def find_row(src: DataSource, key: str, roles: list[str], contents: list[str]) -> str | None:
     """Where a row with these turns is in a source (read again: only for an error message), or None."""
     fields = source_fields(src)
     train_table, eval_table, label = _load_tables(src, key, _text_columns(fields))
@@ -299,12 +298,10 @@ def find_row(src: Any, key: str, roles: list[str], contents: list[str]) -> str |
     return None
 
 
-def synthetic_source(synthetic: Any) -> RawSource:
+def synthetic_source(synthetic: SyntheticDataConfig) -> RawSource:
     from ds_exp.data.synthetic import generate
 
-    train, eval_rows = generate(
-        int(_get(synthetic, "num_train")), int(_get(synthetic, "num_eval")), int(_get(synthetic, "seed", 0))
-    )
+    train, eval_rows = generate(int(synthetic.num_train), int(synthetic.num_eval), int(synthetic.seed))
 
     def rows(items: list[dict[str, str]]) -> Rows:
         return Rows(

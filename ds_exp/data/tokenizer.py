@@ -5,38 +5,32 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ds_exp.data.checks import _get
+from ds_exp.config.schema import DataConfig, ModelConfig, plain
 from ds_exp.errors import DataError
 
 log = logging.getLogger(__name__)
 
 
-def tokenizer_source(cfg: Any) -> str:
-    """cfg.model.tokenizer, else cfg.model.name_or_path, else the tokenizer shipped in ds_exp/assets."""
+def tokenizer_source(model: ModelConfig) -> str:
+    """model.tokenizer, else model.name_or_path, else the tokenizer shipped in ds_exp/assets."""
     from ds_exp.paths import embedded_tokenizer_dir
 
-    model = _get(cfg, "model")
-    for key in ("tokenizer", "name_or_path"):
-        value = _get(model, key) if model is not None else None
-        if value:
-            return str(value)
-    return str(embedded_tokenizer_dir())
+    return str(model.tokenizer or model.name_or_path or embedded_tokenizer_dir())
 
 
-def load_tokenizer(cfg: Any) -> Any:
+def load_tokenizer(model: ModelConfig, data: DataConfig) -> Any:
+    """The tokenizer of `model`; `data` says which end-of-conversation token it must hold as one token."""
     from transformers import AutoTokenizer
 
-    source = tokenizer_source(cfg)
-    model = _get(cfg, "model")
-    trust = bool(_get(model, "trust_remote_code", False)) if model is not None else False
+    source = tokenizer_source(model)
     try:
-        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=bool(model.trust_remote_code))
     except (OSError, ValueError, KeyError) as err:
-        key = "model.tokenizer" if model is not None and _get(model, "tokenizer") else "model.name_or_path"
-        if key == "model.name_or_path" and source == _get(model, "name_or_path"):
+        key = "model.tokenizer" if model.tokenizer else "model.name_or_path"
+        if key == "model.name_or_path" and source == model.name_or_path:
             from ds_exp.model import checkpoint_error
 
-            mapped = checkpoint_error(cfg, err)  # config.json names the cause better (custom code, model_type)
+            mapped = checkpoint_error(model, err)  # config.json names the cause better (custom code, model_type)
             if mapped is not None:
                 raise mapped from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -52,15 +46,13 @@ def load_tokenizer(cfg: Any) -> Any:
         else:
             tok.add_special_tokens({"pad_token": "<|pad|>"})
             log.warning("tokenizer %s has no pad or eos token; added <|pad|> (vocab now %d)", source, len(tok))
-    _ensure_end_of_conversation(cfg, tok, source)
+    _ensure_end_of_conversation(data, tok, source)
     return tok
 
 
-def _ensure_end_of_conversation(cfg: Any, tok: Any, source: str) -> None:
+def _ensure_end_of_conversation(data: DataConfig, tok: Any, source: str) -> None:
     """DeepSpeed-Chat's add_eot_token: a configured end-of-conversation token must be one token."""
-    data = _get(cfg, "data")
-    eot = _get(data, "end_of_conversation_token") if data is not None else None
-    template = _get(data, "template", "dschat") if data is not None else "dschat"
+    eot, template = data.end_of_conversation_token, plain(data.template)
     if eot is None or template == "chat_template" or (template == "auto" and tok.chat_template):
         return
     if len(tok(eot, add_special_tokens=False)["input_ids"]) == 1:

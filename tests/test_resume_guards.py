@@ -1,0 +1,150 @@
+"""Resumes that cannot surprise: a changed run length or learning rate is named with what it does and takes
+effect; a changed global batch or data is refused and changes nothing; one live run per directory; the first
+perplexity survives a resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ds_exp.trajectory import lr_at
+from tests.training import FAST, free_port, launch, logged_steps, user_env
+
+pytestmark = pytest.mark.slow
+SAVED = [*FAST, "train.save_final_checkpoint=true", "train.eval_at_start=true"]
+
+
+def checksums(root: Path) -> dict[str, str]:
+    files = (p for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".ds_exp.lock")
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+@pytest.fixture
+def finished(tmp_path, cache_dir):
+    run = launch(tmp_path / "run", *SAVED, cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    return run
+
+
+def console(run) -> str:
+    return run.proc.stdout + run.proc.stderr
+
+
+def test_training_longer_names_the_new_schedule_and_keeps_the_first_perplexity(finished, cache_dir):
+    longer = launch(finished.run_dir, *SAVED, "train.max_steps=12", "resume=auto", cache_dir=cache_dir)
+    assert longer.ok, longer.explain()
+    said = console(longer)
+    assert "the run's length (train.max_steps / train.epochs): 8 steps -> 12 steps" in said
+    new = {"total_steps": 12, "warmup_steps": 0, "lr": 1e-3, "scheduler": "cosine", "scheduler_kwargs": {}}
+    new["scheduler_owner"] = "ds_exp"
+    old = {**new, "total_steps": 8}
+    expected = f"the learning rate for step 9 is {lr_at(new, 8):.1e} instead of {lr_at(old, 8):.1e}"
+    assert f"the cosine schedule is recomputed over 12 steps instead of 8; {expected}" in said
+    lines = {r["step"]: r for r in longer.records("train")}
+    for step in (9, 12):  # the schedule in force is the new one (a metric line's lr is the next step's)
+        assert lines[step]["lr"] == pytest.approx(lr_at(new, step), abs=1e-12)
+    summary = longer.summary
+    first = finished.summary["initial_eval"]
+    assert summary["initial_eval"] == first and first is not None
+    assert f"eval perplexity {first['perplexity']:.3f} ->" in longer.proc.stdout  # not "n/a -> ..."
+
+
+def test_a_new_learning_rate_takes_effect_and_is_named(finished, cache_dir):
+    again = launch(
+        finished.run_dir, *SAVED, "train.max_steps=10", "optimizer.lr=5e-4", "resume=auto", cache_dir=cache_dir
+    )
+    assert again.ok, again.explain()
+    assert "optimizer.lr: 0.001 -> 0.0005" in console(again)
+    new = {"total_steps": 10, "warmup_steps": 0, "lr": 5e-4, "scheduler": "cosine", "scheduler_kwargs": {}}
+    new["scheduler_owner"] = "ds_exp"
+    assert again.records("train")[0]["lr"] == pytest.approx(lr_at(new, 9), abs=1e-12)
+
+
+def test_a_changed_global_batch_is_refused_and_changes_nothing(finished, cache_dir):
+    before = checksums(finished.run_dir)
+    again = launch(finished.run_dir, *SAVED, "train.max_steps=12", "resume=auto", "train.micro_batch_size=2")
+    assert again.proc.returncode == 2, again.explain()
+    err = again.proc.stderr
+    assert "cannot be continued with these settings" in err and "the global batch is 2 samples, it was 4" in err
+    assert "Traceback" not in err
+    assert checksums(finished.run_dir) == before  # refused before Hydra wrote anything
+
+
+def test_changed_data_are_refused_and_the_runs_files_stay(finished, cache_dir):
+    before = checksums(finished.run_dir)
+    again = launch(finished.run_dir, *SAVED, "train.max_steps=12", "resume=auto", "data.synthetic.num_train=320")
+    assert again.proc.returncode == 2, again.explain()
+    assert "the training data differ from the checkpoint's" in again.proc.stderr
+    # found once the data are tokenized: the attempt added its config (.hydra/resume-*) and log lines, nothing else
+    after = checksums(finished.run_dir)
+    kept = {k: v for k, v in after.items() if not k.startswith((".hydra/resume-", "logs/", "ds_exp.log"))}
+    assert kept == {k: v for k, v in before.items() if not k.startswith(("logs/", "ds_exp.log"))}
+
+
+def _start(run_dir: Path, cache_dir: Path, *overrides: str) -> subprocess.Popen:
+    args = [*FAST, "train.max_steps=400", "train.log_every=5", *overrides]
+    args += [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}", "data.synthetic.num_train=2048"]
+    env = {**user_env(), "MASTER_PORT": str(free_port())}
+    return subprocess.Popen(
+        [sys.executable, "-m", "ds_exp", *args],
+        cwd=run_dir.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_second_process_cannot_write_into_a_live_runs_directory(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    first = _start(run_dir, cache_dir)
+    try:
+        deadline = time.monotonic() + 180
+        while logged_steps(run_dir) < 10:
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        second = launch(run_dir, *FAST, "train.max_steps=400", "resume=auto", cache_dir=cache_dir, timeout=120)
+        assert second.proc.returncode == 2, second.explain()
+        err = second.proc.stderr
+        assert "is in use by a live ds_exp run" in err and f"pid {first.pid}" in err and "Traceback" not in err
+        _, stderr = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, stderr[-3000:]
+    steps = [
+        r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"
+    ]
+    assert steps == sorted(set(steps))  # no step written twice
+
+
+def test_a_lock_left_by_a_killed_run_blocks_nobody(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    first = _start(run_dir, cache_dir, "train.save_every=10")
+    try:
+        deadline = time.monotonic() + 180
+        while logged_steps(run_dir) < 15:
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    assert (run_dir / ".ds_exp.lock").is_file()  # left behind, and harmless
+    resumed = launch(
+        run_dir,
+        *FAST,
+        "train.max_steps=20",
+        "resume=auto",
+        "train.save_every=10",
+        "data.synthetic.num_train=2048",
+        cache_dir=cache_dir,
+    )
+    assert resumed.ok, resumed.explain()
+    assert resumed.summary["resumed_from"].endswith("step10")
