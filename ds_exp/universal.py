@@ -1,79 +1,45 @@
 """Resume anywhere (issue 16 §2): continue a checkpoint after the world size, ZeRO stage or offload changed.
 
-Such a checkpoint is converted once into DeepSpeed's universal format, cached in <tag_dir>/universal/ (so rotating
-the checkpoint removes it too), and loaded with the DeepSpeed config key checkpoint.load_universal. Stage 0 has no
-ZeRO files: its model + torch optimizer state are converted by ds_exp, and a stage-0 engine is loaded by ds_exp.
-A stage-0 -> stage-0 world-size change needs nothing (rank 0 saved the whole optimizer). Found with DeepSpeed
-0.19.8 on CPU, fixed here: ds_to_universal wants --inject_missing_state (ds_exp's modules carry no
-universal_checkpoint_info); its stage <=2 and stage 3 outputs are not loadable by the other stages (model-states file
-name, optimizer_state.pt layout, flat state tensors without step.pt); CPU Adam's int step breaks torch AdamW; the
-ZeRO-3 loader gives every fp32 partition one shared step tensor (AdamW then counts it once per sub-group, and the
-losses drift by ~1e-4) and copies param group 0's hyperparameters (weight decay) to every group; its zero/ files
-are read with torch.load(weights_only=False), hence safe_torch_load(). Frozen parameters (LoRA's base) are not
-restored from the conversion: they keep the values the model was built with, which is what they were saved with.
+Such a checkpoint is converted once into DeepSpeed's universal format and cached beside it as <tag>.universal/
+(the original is only read), then loaded with the DeepSpeed config key checkpoint.load_universal. Rank 0 converts,
+in a subprocess, into a temporary directory that is renamed only once complete (its marker written last), while
+the other ranks wait in a broadcast: a failed or killed conversion leaves nothing that a later resume trusts.
 
-Integration into the runner (ds_exp/train.py):
-1. Before the model is built (Trainer.prepare, after resolve_ds_config and settings_of): find the checkpoint
-   (checkpoint.find_resume_checkpoint, today in run()), refuse what cannot be converted (refused_changes replaces
-   resume.changes in check_resume; world_size, zero_stage and offload move out of resume._WHY), and set
-   self.universal = needs_universal(saved_settings, self.settings); if so, ds_config = ds_config_for_load(ds_config)
-   (what deepspeed.initialize reads) before build_model/build_engine, and ds_config.json records it.
-2. After build_model, before build_engine: if self.universal: convert(tag_dir, rank=rank, param_names=
-   param_names(model, groups)) with groups = engine.parameter_groups(...) as build_engine makes them (collective).
-3. In run(): state = TrainState(**load(engine, tag_dir)["ds_exp"]) instead of checkpoint.load, then
-   restore_rng(...) instead of its rng_rank file; map errors as checkpoint.load does. The metric window (sums over
-   ranks) and Progress(step, epoch, step_in_epoch) carry over as they are; the sampler start
-   step_in_epoch x micro x accum x world counts samples over all ranks, so it holds at an equal global batch.
-   A changed global batch would skip or repeat samples and change total_steps and the LR schedule: record the
-   global batch in settings_of and refuse it (or announce it, issue 16 §3). The node count needs nothing: files are
-   named by global rank. New checkpoints record the new settings, so the next resume is a plain one.
+Stage 0 has no ZeRO files: its model and torch optimizer states are converted by ds_exp/universal_build.py, and a
+stage-0 engine is loaded by ds_exp (DeepSpeed 0.19.8's stage-0 engine skips universal checkpoints' weights). At
+stage 0 on both sides a world-size change needs no conversion: rank 0 saved the whole optimizer state.
+
+The data order needs nothing: the loop starts the sampler at step_in_epoch x global batch samples, counted over
+all ranks, and the global batch may not change (ds_exp.trajectory). The node count needs nothing either: the
+files are named by global rank. The RNG states are this rank's when the world size is unchanged, else seeded from
+(seed, step, rank). Frozen parameters (LoRA's base) are not in the optimizer, hence not in the conversion: they keep
+the values the model was built with, which are what they were saved with (nothing trains them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ds_exp.errors import ResumeError
 
-UNIVERSAL = "universal"  # <tag_dir>/universal: the converted copy
-MARKER = "ds_exp_universal.json"  # inside it, written before the rename that makes it visible
-CONVERTIBLE = ("world_size", "zero_stage", "offload")
+log = logging.getLogger(__name__)
+
+SUFFIX = ".universal"  # <checkpoint dir>/<tag>.universal: the converted copy of <tag>
+MARKER = "ds_exp_universal.json"  # inside it, written last, before the rename that makes it visible
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stage <=2, stage 3
 
 
-def _differs(saved: dict[str, Any], current: dict[str, Any], key: str) -> bool:
-    if saved.get(key) is None or current.get(key) is None:
-        return False
-    return json.dumps(saved[key], sort_keys=True) != json.dumps(current[key], sort_keys=True)
-
-
-def needs_universal(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether `saved` (a checkpoint's settings) must be converted to be loaded with `current` settings."""
-    if _differs(saved, current, "zero_stage") or _differs(saved, current, "offload"):
-        return True
-    both_stage0 = saved.get("zero_stage") == 0 and current.get("zero_stage") == 0
-    return _differs(saved, current, "world_size") and not both_stage0
-
-
-def refused_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """resume.changes less what a conversion handles: model, vocabulary, LoRA and precision stay refused."""
-    from ds_exp.resume import changes
-
-    return [line for line in changes(saved, current) if not line.startswith(tuple(f"{k}:" for k in CONVERTIBLE))]
-
-
 def universal_dir(tag_dir: Path) -> Path:
-    return tag_dir / UNIVERSAL
+    return tag_dir.parent / f"{tag_dir.name}{SUFFIX}"
 
 
 def is_converted(tag_dir: Path) -> bool:
@@ -81,8 +47,8 @@ def is_converted(tag_dir: Path) -> bool:
 
 
 def ds_config_for_load(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSpeed config to build the engine with (read by deepspeed.initialize). A stage-0 engine cannot load
-    universal checkpoints (DeepSpeed 0.19.8 skips the weights, then fails): load() does it without the key."""
+    """The DeepSpeed config to build the engine with (deepspeed.initialize reads the key). A stage-0 engine cannot
+    load universal checkpoints (DeepSpeed 0.19.8 skips the weights, then fails): load() does it without the key."""
     if not ds_config.get("zero_optimization", {}).get("stage"):
         return ds_config
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
@@ -94,101 +60,98 @@ def param_names(model: Any, groups: list[dict[str, Any]]) -> list[list[str]]:
     return [[names[id(p)] for p in group["params"]] for group in groups]
 
 
-@contextlib.contextmanager
-def safe_torch_load() -> Iterator[None]:
-    """DeepSpeed's converter and universal loaders call torch.load(weights_only=False) themselves; for as long as
-    this lasts every torch.load reads with weights_only=True, allowing the few DeepSpeed types checkpoints hold."""
-    import torch
+def allowed_types() -> list[Any]:
+    """The only non-tensor types torch.load may build from checkpoint files (weights_only=True)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    allowed, original = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address], torch.load
-
-    def load(*args: Any, **kwargs: Any) -> Any:
-        with torch.serialization.safe_globals(allowed):
-            return original(*args, **{**kwargs, "weights_only": True})
-
-    torch.load = load
-    try:
-        yield
-    finally:
-        torch.load = original
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
-def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = None, workers: int = 4) -> Path:
-    """Collective and idempotent: rank 0 converts (unless done before), every rank learns how it went."""
-    import torch.distributed as dist
+def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = None) -> bool:
+    """Collective and idempotent: rank 0 converts unless a complete conversion is there, every rank learns how
+    it went. True when an earlier conversion was reused."""
+    from ds_exp.distributed import broadcast
 
-    error = None
+    outcome: tuple[bool, str | None] = (False, None)
     if rank == 0:
+        reused = is_converted(tag_dir)
         try:
-            convert_here(tag_dir, param_names, workers)
+            if not reused:
+                log.info("resume: converting %s to DeepSpeed's universal format (once) ...", tag_dir)
+                convert_here(tag_dir, param_names)
+            log.info("resume: %s %s", "reusing the conversion" if reused else "converted into", universal_dir(tag_dir))
+            outcome = (reused, None)
         except (ResumeError, OSError) as err:
-            error = str(err)
-    if dist.is_initialized():  # the others wait here (dist.timeout_minutes at most: convert ahead for huge ones)
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+            outcome = (False, str(err))
+    reused, error = broadcast(outcome)  # the others wait here (dist.timeout_minutes at most)
     if error:
         raise ResumeError(error)
-    return universal_dir(tag_dir)
+    return reused
 
 
-def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: int = 4, spawn: bool = True) -> Path:
-    """Build into <tag_dir>/.universal.tmp (in a subprocess: memory, DeepSpeed's prints and worker pool stay
-    there), then rename: a half-done conversion is never mistaken for a complete one."""
-    target, work = universal_dir(tag_dir), tag_dir / f".{UNIVERSAL}.tmp"
+def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: int = 2) -> Path:
+    """Build into a temporary sibling (in a subprocess: its memory, DeepSpeed's prints and worker pool stay there),
+    then rename: a half-done conversion is never mistaken for a complete one."""
+    target = universal_dir(tag_dir)
     if is_converted(tag_dir):
         return target
+    work = tag_dir.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     try:
         work.mkdir()
     except OSError as err:
-        raise ResumeError(f"resume: cannot convert {tag_dir} in place ({err}); copy it somewhere writable") from None
-    args = [str(tag_dir), "--out", str(work / UNIVERSAL), "--workers", str(workers)]
-    if names is not None:
-        (work / "param_names.json").write_text(json.dumps(names))
-        args += ["--param-names", str(work / "param_names.json")]
-    if spawn:
+        raise ResumeError(
+            f"resume: {tag_dir} must be converted to DeepSpeed's universal format beside it, but {tag_dir.parent} is "
+            f"not writable ({err.strerror}); copy the checkpoint directory somewhere writable and resume from there"
+        ) from None
+    try:
+        args = [str(tag_dir), "--out", str(work / "out"), "--workers", str(workers)]
+        if names is not None:
+            (work / "param_names.json").write_text(json.dumps(names))
+            args += ["--param-names", str(work / "param_names.json")]
         path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-        cmd = [sys.executable, "-m", "ds_exp.universal_build", *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # not a rank of this job
+            env.pop(name, None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ds_exp.universal_build", *args], capture_output=True, text=True, env=env
+        )
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
             raise ResumeError(f"resume: converting {tag_dir} to DeepSpeed's universal format failed:\n{tail}")
-    else:
-        from ds_exp.universal_build import main
-
-        main(args)
-    shutil.rmtree(target, ignore_errors=True)  # a leftover without its marker
-    os.replace(work / UNIVERSAL, target)
-    shutil.rmtree(work, ignore_errors=True)
+        if is_converted(tag_dir):  # another process converted it meanwhile: theirs is as good
+            return target
+        shutil.rmtree(target, ignore_errors=True)  # a leftover without its marker is never trusted
+        os.replace(work / "out", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return target
 
 
 def load(engine: Any, tag_dir: Path) -> dict[str, Any]:
-    """Collective: restore module, optimizer, LR scheduler and engine counters from the converted copy; returns
-    the client state (ds_exp's TrainState under "ds_exp"). The engine was built with ds_config_for_load."""
+    """Collective: module, optimizer and engine counters from the converted copy of `tag_dir`; returns the client
+    state (ds_exp's TrainState under "ds_exp"). The engine was built with ds_config_for_load. The LR schedule is
+    fast-forwarded by the caller, as for any resume."""
     import torch
 
+    from ds_exp import compat
+    from ds_exp.checkpoint import load_weights_only
+
     udir = universal_dir(tag_dir)
-    with safe_torch_load():
+    load_weights_only(engine)
+    with compat.torch_load_weights_only(allowed_types()):
         if not engine.zero_optimization_stage():
             return _load_stage0(engine, udir)
         if not engine.load_universal_checkpoint():
             raise ResumeError("resume: the engine was built without checkpoint.load_universal (ds_config_for_load)")
-        path, client = engine.load_checkpoint(str(tag_dir), tag=UNIVERSAL)
+        path, client = engine.load_checkpoint(str(udir.parent), tag=udir.name, load_lr_scheduler_states=False)
         if path is None:
             raise ResumeError(f"resume: DeepSpeed found no checkpoint in {udir}")
-        base = engine.optimizer.optimizer
-        for state in base.state.values():  # ZeRO-3 gave every partition the same step tensor
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-        saved = torch.load(udir / "zero" / "optimizer_state.pt")["param_groups"]
-        for group, values in zip(base.param_groups, saved, strict=True):  # ZeRO-3 copied group 0's to all
-            group.update({k: v for k, v in values.items() if k != "params"})
+        if engine.zero_optimization_partition_weights():
+            saved = torch.load(udir / "zero" / "optimizer_state.pt")["param_groups"]
+            compat.fix_zero3_universal_load(engine, saved)
     return client or {}
 
 
@@ -197,7 +160,9 @@ def _load_stage0(engine: Any, udir: Path) -> dict[str, Any]:
 
     optimizer = engine.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "fp32_groups"):
-        raise ResumeError("resume: converting into ZeRO stage 0 works in fp32 only; use zero=stage1 or higher")
+        raise ResumeError(
+            "resume: converting a checkpoint into ZeRO stage 0 works in fp32 only; resume with zero=stage1 or higher"
+        )
     names = {id(p): n for n, p in engine.module.named_parameters()}
     zero = udir / "zero"
     saved = torch.load(zero / "optimizer_state.pt")["param_groups"]
@@ -210,16 +175,14 @@ def _load_stage0(engine: Any, udir: Path) -> dict[str, Any]:
                 p.copy_(tensors.pop("fp32"))
                 optimizer.state[p] = {"step": files["step"].float().clone(), **tensors}
     states = torch.load(udir / MODEL_STATES[0])
-    if engine.lr_scheduler is not None and states.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
     engine.global_steps, engine.skipped_steps = states["global_steps"], states["skipped_steps"]
     engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
     return {k: v for k, v in states.items() if k not in ("module", "optimizer")}
 
 
-def restore_rng(tag_dir: Path, *, rank: int, world_size: int, saved_world_size: int, seed: int, step: int) -> bool:
+def restore_rng(tag_dir: Path, *, rank: int, world_size: int, saved_world_size: int | None, seed: int, step: int):
     """This rank's saved RNG states when the world size is unchanged (exact); otherwise a reproducible seed from
-    (seed, step, rank), since ranks then see other samples anyway (dropout masks differ). True when exact."""
+    (seed, step, rank), since ranks then see other samples anyway (dropout masks differ)."""
     import random
 
     import numpy as np
@@ -230,13 +193,51 @@ def restore_rng(tag_dir: Path, *, rank: int, world_size: int, saved_world_size: 
     saved = tag_dir / f"rng_rank{rank}.pt"
     if world_size == saved_world_size and saved.is_file():
         set_rng_states(torch.load(saved, weights_only=True))
-        return True
+        return
     fresh = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little") >> 1
     random.seed(fresh)
     np.random.seed(fresh % 2**32)
     torch.manual_seed(fresh)
-    return False
 
 
-if __name__ == "__main__":  # python -m ds_exp.universal TAG_DIR: convert ahead of a resume (a stage-0 one: no)
-    print(convert_here(Path(sys.argv[1]), spawn=False))
+def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: int, model: Any, groups: list) -> dict:
+    """Collective: convert `tag_dir` (once) and load it into `engine`, set the RNG states and fast-forward the LR
+    schedule; returns the checkpoint's TrainState as a dict. `groups`: the optimizer's parameter groups as
+    ds_exp.engine.parameter_groups makes them (they name a stage-0 checkpoint's optimizer indices)."""
+    import pickle
+
+    from ds_exp import compat
+    from ds_exp.checkpoint import read_marker
+
+    if rank == 0:
+        warning = compat.check_universal_version()
+        if warning:
+            log.warning(warning)
+    convert(tag_dir, rank=rank, param_names=param_names(model, groups))
+    try:
+        client = load(engine, tag_dir)
+    except pickle.UnpicklingError as err:
+        raise ResumeError(
+            f"resume: {universal_dir(tag_dir)} holds objects a conversion by ds_exp never holds, so it was not loaded "
+            f"({str(err).splitlines()[0]}); delete it to convert {tag_dir} again"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a file truncated or deleted since
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise ResumeError(
+            f"resume: {universal_dir(tag_dir)} cannot be loaded ({first}); delete it to convert {tag_dir} again"
+        ) from None
+    marker = read_marker(tag_dir)
+    saved = client.get("ds_exp") or marker
+    restore_rng(
+        tag_dir,
+        rank=rank,
+        world_size=world_size,
+        saved_world_size=(marker.get("settings") or {}).get("world_size"),
+        seed=seed,
+        step=int(saved["step"]),
+    )
+    if engine.lr_scheduler is not None:  # as checkpoint.load: a schedule is a function of the step
+        for _ in range(int(saved["step"])):
+            engine.lr_scheduler.step()
+    log.info("resumed from %s (universal copy) at step %s", tag_dir, saved["step"])
+    return saved

@@ -9,7 +9,7 @@ result loadable by every stage. What DeepSpeed 0.19.8 leaves to do (found on CPU
   ["step"]; a stage 1/2 engine looks for mp_rank_00_model_states.pt, wants ds_version in optimizer_state.pt,
   {"param": tensor} files (stage 3 writes bare flat tensors) and a step.pt per parameter (stage 3 writes none).
 - DeepSpeed's CPU Adam (offload) keeps the step as an int, which torch's AdamW refuses: stored as a tensor.
-Every torch.load here reads with weights_only=True (ds_exp.universal.safe_torch_load), the converter's included.
+Every torch.load here reads with weights_only=True (ds_exp.compat.torch_load_weights_only), the converter's included.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ds_exp import compat
 from ds_exp.errors import ResumeError
-from ds_exp.universal import MARKER, MODEL_STATES, STATES, safe_torch_load
+from ds_exp.universal import MARKER, MODEL_STATES, STATES, allowed_types
 
 
 def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int) -> None:
@@ -30,23 +31,11 @@ def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int)
     import deepspeed
     import torch
 
-    with safe_torch_load():
+    with compat.torch_load_weights_only(allowed_types()):
         if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1-3 (and DeepSpeed's bf16 optimizer)
-            from deepspeed.checkpoint import ds_to_universal
-
-            # its worker processes inherit safe_torch_load only when forked
+            # its worker processes inherit the weights-only load only when forked
             workers = workers if multiprocessing.get_start_method() == "fork" else 1
-            ds_to_universal.main(
-                argparse.Namespace(
-                    input_folder=str(tag_dir),
-                    output_folder=str(out),
-                    keep_temp_folder=False,
-                    strict=True,
-                    inject_missing_state=True,
-                    num_extract_workers=workers,
-                    num_merge_workers=max(1, workers // 2),
-                )
-            )
+            compat.ds_to_universal(tag_dir, out, workers)
             for name in MODEL_STATES:  # DeepSpeed copied them: the same bytes, linked instead of a second copy
                 if (out / name).is_file() and (tag_dir / name).is_file():
                     (out / name).unlink()
