@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -237,7 +238,9 @@ def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: 
         step=int(saved["step"]),
     )
     if engine.lr_scheduler is not None:  # as checkpoint.load: a schedule is a function of the step
-        for _ in range(int(saved["step"])):
-            engine.lr_scheduler.step()
+        with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()": on purpose here
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(int(saved["step"])):
+                engine.lr_scheduler.step()
     log.info("resumed from %s (universal copy) at step %s", tag_dir, saved["step"])
     return saved
