@@ -12,8 +12,10 @@ stage 0 on both sides a world-size change needs no conversion: rank 0 saved the 
 The data order needs nothing: the loop starts the sampler at step_in_epoch x global batch samples, counted over
 all ranks, and the global batch may not change (ds_exp.trajectory). The node count needs nothing either: the
 files are named by global rank. The RNG states are this rank's when the world size is unchanged, else seeded from
-(seed, step, rank). Frozen parameters (LoRA's base) are not in the optimizer, hence not in the conversion: they keep
-the values the model was built with, which are what they were saved with (nothing trains them).
+(seed, step, rank). Frozen parameters (LoRA's base) are in no optimizer state: ds_to_universal writes their values
+alone (zero/<name>/fp32.pt) and a stage-0 conversion leaves them out; a ZeRO 1-2 engine loads them with the module
+from the model states, a ZeRO-3 engine restores only the optimizer's parameters and keeps the frozen ones as the
+model was built, which is what they were saved with (nothing trains them).
 """
 
 from __future__ import annotations
@@ -244,3 +246,7 @@ def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: 
                 engine.lr_scheduler.step()
     log.info("resumed from %s (universal copy) at step %s", tag_dir, saved["step"])
     return saved
+
+
+if __name__ == "__main__":  # python -m ds_exp.universal TAG_DIR: convert ahead of a resume (a huge checkpoint)
+    print(convert_here(Path(sys.argv[1]).resolve()))

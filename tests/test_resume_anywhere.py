@@ -19,7 +19,8 @@ from tests.training import FAST, Run, assert_close, launch
 
 pytestmark = pytest.mark.slow
 SAVING = [*FAST, "train.save_every=4"]  # global batch 4 x ranks x accumulation; checkpoints at steps 4 and 8
-REL = 1e-3
+REL = 1e-3  # the issue's bound; with torch's AdamW on both sides the arithmetic allows (and gets) far less
+EXACT = 1e-5  # observed ~1e-7; without compat.fix_zero3_universal_load the ZeRO-3 resume drifts to ~7e-4
 
 
 def checksums(root: Path) -> dict[str, str]:
@@ -43,35 +44,37 @@ def resumed(reference: Run, run_dir: Path, *overrides: str, cache_dir: Path, npr
     return run
 
 
-@pytest.fixture(scope="module")
-def zero2_two_ranks(tmp_path_factory, cache_dir) -> Run:
+def zero2_reference(root: Path, cache_dir: Path, *overrides: str) -> Run:
     """Uninterrupted: 2 ranks, ZeRO-2, micro batch 4: global batch 8."""
-    run = launch(
-        tmp_path_factory.mktemp("ref") / "zero2_2ranks",
-        *SAVING,
-        "zero=stage2",
-        launcher="torchrun",
-        nproc=2,
-        cache_dir=cache_dir,
-    )
+    run = launch(root, *SAVING, "zero=stage2", *overrides, launcher="torchrun", nproc=2, cache_dir=cache_dir)
     assert run.ok, run.explain()
     return run
 
 
 @pytest.fixture(scope="module")
-def to_zero3_one_rank(zero2_two_ranks, tmp_path_factory, cache_dir) -> tuple[Run, dict[str, str]]:
+def zero2_two_ranks(tmp_path_factory, cache_dir) -> Run:
+    return zero2_reference(tmp_path_factory.mktemp("ref") / "zero2_2ranks", cache_dir)
+
+
+@pytest.fixture(scope="module")
+def lora_zero2_two_ranks(tmp_path_factory, cache_dir) -> Run:
+    """With LoRA: only the adapters are in the optimizer, so in the ZeRO files ds_to_universal converts."""
+    return zero2_reference(tmp_path_factory.mktemp("ref") / "lora_zero2_2ranks", cache_dir, "lora.dim=8")
+
+
+def to_zero3_one_rank(reference: Run, root: Path, cache_dir: Path, *overrides: str) -> tuple[Run, dict[str, str]]:
     """2 ranks ZeRO-2 -> 1 rank ZeRO-3 with 2 accumulation steps (global batch 8), and the checkpoint's files
     before the resume converted it."""
-    tag_dir = zero2_two_ranks.run_dir / "checkpoints" / "step4"
-    before = checksums(tag_dir)
+    before = checksums(reference.run_dir / "checkpoints" / "step4")
     run = resumed(
-        zero2_two_ranks,
-        tmp_path_factory.mktemp("resumed") / "zero3_1rank",
-        "zero=stage3",
-        "train.gradient_accumulation_steps=2",
-        cache_dir=cache_dir,
+        reference, root, "zero=stage3", "train.gradient_accumulation_steps=2", *overrides, cache_dir=cache_dir
     )
     return run, before
+
+
+@pytest.fixture(scope="module")
+def zero3_one_rank(zero2_two_ranks, tmp_path_factory, cache_dir) -> tuple[Run, dict[str, str]]:
+    return to_zero3_one_rank(zero2_two_ranks, tmp_path_factory.mktemp("resumed") / "zero3_1rank", cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -88,17 +91,17 @@ def lora_one_rank(tmp_path_factory, cache_dir) -> Run:
     return run
 
 
-def continued(reference: Run, run: Run) -> None:
+def continued(reference: Run, run: Run, rel: float = EXACT) -> None:
     """The resumed run trained steps 5-8, with the uninterrupted run's losses and learning rates."""
     ref = {r["step"]: r for r in reference.records("train")}
     got = run.records("train")
     assert [r["step"] for r in got] == [5, 6, 7, 8]
-    assert_close([r["loss"] for r in got], [ref[r["step"]]["loss"] for r in got], rel=REL)
+    assert_close([r["loss"] for r in got], [ref[r["step"]]["loss"] for r in got], rel=rel)
     assert [r["lr"] for r in got] == pytest.approx([ref[r["step"]]["lr"] for r in got], rel=1e-9, abs=1e-12)
 
 
-def test_two_ranks_zero2_continue_on_one_rank_zero3(zero2_two_ranks, to_zero3_one_rank):
-    run, before = to_zero3_one_rank
+def test_two_ranks_zero2_continue_on_one_rank_zero3(zero2_two_ranks, zero3_one_rank):
+    run, before = zero3_one_rank
     continued(zero2_two_ranks, run)
     said = run.proc.stdout + run.proc.stderr
     assert "resume: world_size: 2 in the checkpoint, 1 now" in said
@@ -112,12 +115,27 @@ def test_two_ranks_zero2_continue_on_one_rank_zero3(zero2_two_ranks, to_zero3_on
     assert summary["world_size"] == 1 and summary["zero_stage"] == 3
 
 
-def test_an_offload_change_reuses_the_cached_conversion(zero2_two_ranks, to_zero3_one_rank, tmp_path, cache_dir):
+def test_two_ranks_zero2_with_lora_continue_on_one_rank_zero3(lora_zero2_two_ranks, tmp_path, cache_dir):
+    """Only the adapters are in the optimizer: ds_to_universal converts their Adam states and writes the frozen
+    base weights' values alone; the ZeRO-3 engine restores the adapters and keeps the base as built (as saved)."""
+    run, before = to_zero3_one_rank(lora_zero2_two_ranks, tmp_path / "lora_zero3", cache_dir, "lora.dim=8")
+    continued(lora_zero2_two_ranks, run)
+    tag_dir = lora_zero2_two_ranks.run_dir / "checkpoints" / "step4"
+    assert checksums(tag_dir) == before
+    zero = universal_dir(tag_dir) / "zero"
+    converted = {p.name for p in zero.iterdir() if p.is_dir()}
+    trainable = {name for name in converted if (zero / name / "exp_avg.pt").is_file()}
+    assert trainable and all("lora_" in name for name in trainable), trainable
+    frozen = converted - trainable  # DeepSpeed writes their values alone (fp32.pt), from the model states
+    assert frozen and not any("lora_" in name for name in frozen), frozen
+
+
+def test_an_offload_change_reuses_the_cached_conversion(zero2_two_ranks, zero3_one_rank, tmp_path, cache_dir):
     tag_dir = zero2_two_ranks.run_dir / "checkpoints" / "step4"
     cached = universal_dir(tag_dir) / MARKER
     written = cached.stat().st_mtime_ns
     run = resumed(zero2_two_ranks, tmp_path / "offload", "zero=stage2", "offload=cpu", nproc=2, cache_dir=cache_dir)
-    continued(zero2_two_ranks, run)  # DeepSpeed's CPU Adam instead of torch's AdamW: equal up to rounding
+    continued(zero2_two_ranks, run, rel=REL)  # DeepSpeed's CPU Adam instead of torch's AdamW: other rounding
     said = run.proc.stdout + run.proc.stderr
     assert "resume: offload: " in said and '"optimizer": "cpu"' in said
     assert "reusing the conversion" in said and "(once) ..." not in said
@@ -131,7 +149,7 @@ def test_one_rank_with_lora_continues_on_two_ranks_zero2(lora_one_rank, tmp_path
     continued(lora_one_rank, run)
     zero = universal_dir(lora_one_rank.run_dir / "checkpoints" / "step4") / "zero"
     converted = {p.name for p in zero.iterdir() if p.is_dir()}
-    assert converted and all("lora" in name for name in converted), converted  # the trainable ones only
+    assert converted and all("lora_" in name for name in converted), converted  # the trainable ones only
 
 
 def test_stage0_world_size_change_needs_no_conversion(lora_one_rank, tmp_path, cache_dir):
