@@ -16,6 +16,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -290,7 +291,11 @@ def load(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
         set_rng_states(torch.load(rng_file, weights_only=True))
     saved = (client_state or {}).get("ds_exp") or json.loads((tag_dir / COMPLETE_MARKER).read_text())
     if engine.lr_scheduler is not None:
-        for _ in range(int(saved["step"])):
-            engine.lr_scheduler.step()
+        # the schedule is recomputed under the run's settings (a resume may change them on purpose, trajectory.py):
+        # step it as often as the engine did, i.e. not on the steps the fp16 loss scaler skipped (restored above)
+        with warnings.catch_warnings():  # it warns that no optimizer step came first: on purpose here
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            for _ in range(int(saved["step"]) - int(getattr(engine, "skipped_steps", 0) or 0)):
+                engine.lr_scheduler.step()
     log.info("resumed from %s at step %s", tag_dir, saved["step"])
     return TrainState(**saved)

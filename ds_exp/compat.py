@@ -209,3 +209,22 @@ def fix_zero3_universal_load(engine: Any, param_groups: list[dict[str, Any]]) ->
             state["step"] = state["step"].clone()
     for group, values in zip(base.param_groups, param_groups, strict=True):
         group.update({k: v for k, v in values.items() if k != "params"})
+
+
+def keep_fp32_grad_norm(engine: Any) -> None:
+    """Make `engine.get_global_grad_norm()` answer at ZeRO stage 0 in fp32 too (metric lines' grad_norm).
+
+    DeepSpeed 0.19.8: without ZeRO, fp16 or bf16, `DeepSpeedEngine._take_model_step` clips with
+    `engine.clip_fp32_gradients()`, which computes the pre-clip global norm with `runtime.utils.clip_grad_norm_`
+    and drops it; `get_global_grad_norm()` returns `engine._global_grad_norm`, which only ZeRO / 16-bit optimizers
+    fill. The replacement below runs the same call and keeps its result there, so nothing is computed twice. If
+    either name changes, grad_norm is null again at stage 0 (tests/test_parity.py's stage-0 case catches it)."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_keep_norm() -> None:
+        norm = clip_grad_norm_(
+            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu
+        )
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip_and_keep_norm

@@ -124,7 +124,7 @@ def build_engine(
     import deepspeed
     from pydantic import ValidationError
 
-    from ds_exp import ops
+    from ds_exp import compat, ops
 
     groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
     if "optimizer" in ds_config:
@@ -154,6 +154,7 @@ def build_engine(
     # DeepSpeed saves engine.config into every checkpoint file (ds_config=...); its monitors (comet's api_key)
     # were built from it already
     engine.config = redact(engine.config)
+    compat.keep_fp32_grad_norm(engine)  # grad_norm in the metric lines at ZeRO stage 0 in fp32 as well
     metric_scheduler = None
     if "scheduler" not in ds_config and metric_schedule:
         metric_scheduler = build_scheduler(cfg.scheduler, optimizer or engine.optimizer, total_steps, warmup_steps)

@@ -24,7 +24,7 @@ from ds_exp.accelerator import detect_accelerator, resolved_precision
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.distributed import broadcast, detect_launch, init_distributed, is_lost_peer, mark_lost_peer
 from ds_exp.errors import DsExpError, Refused, RunFailed
-from ds_exp.run_dir import lock_run_dir, release_run_dir, remove_rank_placeholder
+from ds_exp.run_dir import claim_run_dir, lock_run_dir, release_run_dir, remove_rank_placeholder
 from ds_exp.run_logging import FILE_LOGGER, close_run_logging, setup_run_logging
 from ds_exp.secrets import redact_text, register_secrets
 from ds_exp.signals import StopSignals
@@ -81,6 +81,7 @@ class Session:
         self.state.run_dir = self.run_dir
         if self.is_main:
             lock_run_dir(self.run_dir)  # held already when Hydra's callback took it (a single run)
+            claim_run_dir(self.run_dir)
         # values of credential keys, however they got into the config (a YAML file, ${oc.env:...}), and of
         # credential-named environment variables: blanked in every log line from here on
         register_secrets(as_dict(self.cfg), environ=dict(os.environ))

@@ -7,6 +7,7 @@ before any code of ours runs. Semantic checks (combinations, ranges, paths) live
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -324,6 +325,22 @@ class Config:
     resume: str | None = None  # null | auto | path to a checkpoint directory
 
 
+_SOURCE_PATH = re.compile(r"(data\.(?:sources|sft_only_sources)\[\d+\])\.path")
+
+
+def path_not_set(key: str) -> str:
+    """A data source's unset path, said with the override that sets it."""
+    hint = key.replace("[", ".").replace("]", "")  # Hydra override syntax: data.sources.0.path
+    return f"{key}.path is not set; set it to a data file, a directory or a hub id (e.g. {hint}.path=/data/x.jsonl)"
+
+
+def missing_source_paths(missing_keys: list[str]) -> list[str]:
+    """The source paths among a composed config's mandatory values left unset (`???`), phrased as
+    `check_source` says them. Typed objects cannot hold an unset value, so this runs before conversion."""
+    matches = (_SOURCE_PATH.fullmatch(key) for key in missing_keys)
+    return [path_not_set(m.group(1)) for m in matches if m is not None]
+
+
 def to_config(cfg: Any) -> Config:
     """The composed config as typed objects, once, at the entry point: interpolations resolved, every group a
     dataclass of this module, the DeepSpeed config node a plain dict. Hydra's own node is left out."""
@@ -335,7 +352,6 @@ def to_config(cfg: Any) -> Config:
             del cfg["hydra"]
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # mandatory values (???) left unset: one line each, naming the key
-        from ds_exp.data.checks import missing_source_paths
         from ds_exp.errors import ConfigError
 
         # data source paths say it their way (what to put there); any other key gets the plain sentence

@@ -6,37 +6,22 @@ minutes later on a compute node.
 
 from __future__ import annotations
 
-import re
-
 from omegaconf import MISSING
 
-from ds_exp.config.schema import DataConfig, DataSource, plain
+from ds_exp.config.schema import DataConfig, DataSource, path_not_set, plain
 from ds_exp.data.conversations import LAYOUTS
 from ds_exp.data.formats import FILE_FORMATS, expand, resolve_format
 from ds_exp.data.splits import parse_data_split
 from ds_exp.paths import not_a_directory
 
 TEMPLATES = ("raw", "dschat", "chat_template", "auto")
-_SOURCE_PATH = re.compile(r"(data\.(?:sources|sft_only_sources)\[\d+\])\.path")
-
-
-def _path_not_set(key: str) -> str:
-    hint = key.replace("[", ".").replace("]", "")  # Hydra override syntax: data.sources.0.path
-    return f"{key}.path is not set; set it to a data file, a directory or a hub id (e.g. {hint}.path=/data/x.jsonl)"
-
-
-def missing_source_paths(missing_keys: list[str]) -> list[str]:
-    """The source paths among a composed config's mandatory values left unset (`???`), phrased as
-    `check_source` says them. Typed objects cannot hold an unset value, so this runs before conversion."""
-    matches = (_SOURCE_PATH.fullmatch(key) for key in missing_keys)
-    return [_path_not_set(m.group(1)) for m in matches if m is not None]
 
 
 def check_source(src: DataSource, key: str) -> list[str]:
     problems: list[str] = []
     path = src.path
     if not path or path == MISSING:
-        return [_path_not_set(key)]
+        return [path_not_set(key)]
     fmt = src.format or "auto"
     try:
         resolved = resolve_format(path, fmt)
