@@ -97,6 +97,7 @@ def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = N
 def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: int = 2) -> Path:
     """Build into a temporary sibling (in a subprocess: its memory, DeepSpeed's prints and worker pool stay there),
     then rename: a half-done conversion is never mistaken for a complete one."""
+    tag_dir = tag_dir.resolve()
     target = universal_dir(tag_dir)
     if is_converted(tag_dir):
         return target
@@ -249,4 +250,4 @@ def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: 
 
 
 if __name__ == "__main__":  # python -m ds_exp.universal TAG_DIR: convert ahead of a resume (a huge checkpoint)
-    print(convert_here(Path(sys.argv[1]).resolve()))
+    print(convert_here(Path(sys.argv[1])))
