@@ -7,7 +7,8 @@ and Adam moments per parameter. In fp32 training: 4 + 4 + 8 (Adam moments) at st
 optimizer updates the model's own weights, and + 4 more at stages 1-3, where DeepSpeed keeps an fp32 master
 partition even in fp32 (measured in bench/memory.py). Stage 1 partitions the optimizer states, stage 2 also
 the gradients, stage 3 also the parameters; offload moves optimizer states (and ZeRO-3 parameters) to host
-memory. Activations, communication buckets and buffers are not included.
+memory. Activations are estimated apart (`estimate_activations`, roughly); communication buckets and buffers
+are not included.
 """
 
 from __future__ import annotations
@@ -59,6 +60,30 @@ def estimate_model_states(
     return MemoryEstimate(params, grads, optimizer, device, host)
 
 
+def estimate_activations(
+    *,
+    micro_batch: int,
+    seq_len: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    vocab: int,
+    precision: str,
+    checkpointing: bool,
+) -> int:
+    """Rough per-rank activation bytes of one micro batch (an approximation, not measured): per decoder layer the
+    tensors a pre-norm block keeps for backward (norm inputs, q/k/v, attention and o_proj outputs: ~10 x hidden;
+    the MLP's gate, up, activation and product: ~4 x intermediate; attention scores not kept, as with SDPA /
+    FlashAttention), and the logits (training dtype, the fp32 copy the loss takes, its gradient). With activation
+    checkpointing a layer keeps only its input, and one layer's full activations exist during its recompute."""
+    weight_bytes = 4 if precision == "fp32" else 2
+    tokens = micro_batch * seq_len
+    full_layer = tokens * (10 * hidden + 4 * intermediate) * weight_bytes
+    kept = tokens * hidden * weight_bytes * layers + full_layer if checkpointing else full_layer * layers
+    logits = tokens * vocab * (weight_bytes + 8)
+    return kept + logits
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -87,3 +112,18 @@ def peak_memory_bytes(accelerator: str) -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def is_out_of_memory(exc: BaseException | None) -> bool:
+    """An allocation that failed, anywhere in the exception's chain: torch.OutOfMemoryError (CUDA), the CPU
+    allocator's "can't allocate memory" (a RuntimeError), Python's MemoryError."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).lower()
+        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+            return True
+        if "out of memory" in text or "can't allocate memory" in text or "cannot allocate memory" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

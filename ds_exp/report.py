@@ -3,7 +3,9 @@
     python -m ds_exp.report <sweep dir>
 
 Runs by itself at the end of every multirun (the `SweepReport` callback in conf/config.yaml). A job that
-failed shows its error; a job that left no summary.json (killed, never started) says so.
+failed shows its error; a job that left no summary.json (killed, never started) says so. An autotune sweep
+(experiment=autotune, ds_exp/autotune.py) adds its ranking: every candidate with its verdict, the probes ranked by
+tokens/s, the recommended one and the command line that trains with it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ COLUMNS = [
     "perplexity",
     "wall_time_s",
     "restarts",
+    "error_kind",
     "error",
 ]
 
@@ -66,6 +69,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         perplexity=final.get("perplexity"),
         wall_time_s=summary.get("wall_time_s"),
         restarts=summary.get("restarts"),
+        error_kind=summary.get("error_kind"),
         error=summary.get("error"),
     )
     return row
@@ -128,11 +132,120 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
         writer.writeheader()
         writer.writerows(rows)
     table = markdown(rows)
-    (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n")
+    tuned = autotune_section(sweep_dir, rows)
+    (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{tuned}")
     if rows:
         plot(rows, sweep_dir / "report.png")
-    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}")
+    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}{tuned}")
     return rows
+
+
+# ------------------------------------------------------------------------------------------------ autotune
+AUTOTUNE_COLUMNS = ["rank", "candidate", "result", "tokens_per_s", "mfu", "estimate_mib", "peak_memory_mib", "job"]
+WARMUP_STEPS = 1  # a probe's first step (allocations, first collectives) is not its speed
+
+
+def probe_speed(job_dir: Path) -> tuple[float | None, float | None]:
+    """Median tokens/s and MFU of a probe's metric lines after its warm-up step (None where none was written)."""
+    import statistics
+
+    path = job_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    steps = [r for r in lines if r.get("type") == "train" and r.get("step", 0) > WARMUP_STEPS]
+    speeds = [r["tokens_per_s"] for r in steps if r.get("tokens_per_s") is not None]
+    mfus = [r["mfu"] for r in steps if r.get("mfu") is not None]
+    return (statistics.median(speeds) if speeds else None, statistics.median(mfus) if mfus else None)
+
+
+def autotune_rows(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every candidate of an autotune sweep: the probes that completed ranked by tokens/s, then the rest."""
+    from ds_exp.autotune import PLAN_FILE
+
+    plan = json.loads((sweep_dir / PLAN_FILE).read_text())
+    by_job = {row["job"]: row for row in rows}
+    swept = plan["swept"]
+    out = []
+    for candidate in plan["candidates"]:
+        values = dict(o.split("=", 1) for o in candidate["overrides"] if "=" in o)
+        estimate = candidate.get("estimate_bytes")
+        row: dict[str, Any] = {
+            "candidate": " ".join(f"{k}={values[k]}" for k in swept if k in values),
+            "overrides": candidate["overrides"],
+            "job": candidate["job"],
+            "estimate_mib": estimate / 2**20 if estimate is not None else None,
+            "rank": None,
+            "tokens_per_s": None,
+            "mfu": None,
+            "peak_memory_mib": None,
+        }
+        if candidate["verdict"] != "probe":
+            row["result"] = f"{candidate['verdict'].replace('_', ' ')}: {candidate['reason']}"
+        else:
+            job = by_job.get(candidate["job"]) or {"status": "no summary", "error": None, "error_kind": None}
+            status = job["status"]
+            if status == "completed":
+                row["tokens_per_s"], row["mfu"] = probe_speed(sweep_dir / candidate["job"])
+                row["result"] = "fits"
+            elif job.get("error_kind") == "out_of_memory":
+                row["result"] = "out of memory"
+            else:
+                row["result"] = f"{status}: {(job.get('error') or '').splitlines()[0] if job.get('error') else ''}"
+            row["peak_memory_mib"] = job.get("peak_memory_mib")
+        out.append(row)
+    ranked = sorted((r for r in out if r["tokens_per_s"] is not None), key=lambda r: -r["tokens_per_s"])
+    for number, row in enumerate(ranked, 1):
+        row["rank"] = f"{number} (recommended)" if number == 1 else str(number)
+    rest = [r for r in out if r["tokens_per_s"] is None]
+    return ranked + rest
+
+
+def train_command(plan: dict[str, Any], overrides: list[str]) -> str:
+    """The command line that trains with a probe's configuration: its overrides minus the probe's own keys;
+    through the same submitit launcher (a one-job sweep) when the probes ran there."""
+    import shlex
+
+    probe_keys = set(plan["probe_keys"])
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in probe_keys]
+    launcher = plan.get("launcher_overrides") or []
+    head = ["python", "-m", "ds_exp", *(["-m", *launcher] if launcher else [])]
+    return " ".join(shlex.quote(part) for part in [*head, *kept])
+
+
+def autotune_section(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    """The ranking of an autotune sweep (written to autotune.csv and report.md), or "" for other sweeps."""
+    from ds_exp.autotune import PLAN_FILE
+    from ds_exp.memory import human_bytes
+
+    if not (sweep_dir / PLAN_FILE).is_file():
+        return ""
+    plan = json.loads((sweep_dir / PLAN_FILE).read_text())
+    ranked = autotune_rows(sweep_dir, rows)
+    with (sweep_dir / "autotune.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=AUTOTUNE_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(ranked)
+    columns = [c for c in AUTOTUNE_COLUMNS if c != "mfu" or any(r["mfu"] is not None for r in ranked)]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in ranked]
+    head = (
+        f"\n## Autotune\n\nWorld size {plan['world_size']} ({plan['accelerator']}), memory budget "
+        f"{human_bytes(plan['memory_budget_bytes'])} per rank ({plan['memory_budget_source']}); tokens/s is the median "
+        f"of each probe's steps after the first; estimate = model states + activations (ds_exp/memory.py).\n\n"
+    )
+    if plan["accelerator"] == "cpu" and not plan.get("launcher_overrides"):
+        head += (
+            "peak_memory_mib is the process's resident peak: with Hydra's basic launcher the probes run one after "
+            "another in one process, so it never goes down from one probe to the next.\n\n"
+        )
+    best = ranked[0] if ranked and ranked[0]["tokens_per_s"] is not None else None
+    if best is None:
+        tail = "\nNo probe completed: nothing to recommend (see each probe's error above and its logs/).\n"
+    else:
+        tail = (
+            f"\nRecommended: {best['candidate']} ({_cell(best['tokens_per_s'])} tokens/s). Train with it:\n\n"
+            f"    {train_command(plan, best['overrides'])}\n"
+        )
+    return head + "\n".join(lines) + "\n" + tail
 
 
 def main(argv: list[str] | None = None) -> int:

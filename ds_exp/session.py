@@ -24,6 +24,7 @@ from ds_exp.accelerator import detect_accelerator, resolved_precision
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.distributed import broadcast, detect_launch, init_distributed, is_lost_peer, mark_lost_peer
 from ds_exp.errors import DsExpError, Refused, RunFailed
+from ds_exp.memory import is_out_of_memory
 from ds_exp.run_dir import claim_run_dir, lock_run_dir, release_run_dir, remove_rank_placeholder
 from ds_exp.run_logging import FILE_LOGGER, close_run_logging, setup_run_logging
 from ds_exp.secrets import redact_text, register_secrets
@@ -147,6 +148,17 @@ class Session:
             if stopped.step is not None:
                 self.state.steps = stopped.step
             return Outcome(stopped.status, f"{stopped}; {where}")
+        if is_out_of_memory(exc):  # a message that says what to change; an autotune sweep records it and goes on
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
+            error = (
+                f"out of memory at {where} ({first}): lower train.micro_batch_size, set "
+                "model.gradient_checkpointing=true, or use a higher zero stage or offload "
+                "(python -m ds_exp -m experiment=autotune finds what fits)"
+            )
+            self.state.error_kind = "out_of_memory"
+            file_log.error("run failed", exc_info=exc)
+            return Outcome("failed", error, RunFailed(error))
         if isinstance(exc, DsExpError):  # a message for the user (printed by the CLI); the traceback in the log
             file_log.error("run failed", exc_info=exc)
             return Outcome("failed", f"{type(exc).__name__}: {exc}", exc)

@@ -25,6 +25,7 @@ class RunState:
     started: float = field(default_factory=time.time)
     status: str = "failed"
     error: str | None = None
+    error_kind: str | None = None  # "out_of_memory" when an allocation failed
     backend: str | None = None
     accelerator: str | None = None
     precision: str | None = None
@@ -62,6 +63,7 @@ class RunState:
         return {
             "status": self.status,
             "error": redact_text(self.error) if self.error else self.error,  # an exception's text may quote a value
+            "error_kind": self.error_kind,
             "run_dir": str(self.run_dir),
             "wall_time_s": time.time() - self.started,
             "world_size": self.world_size,

@@ -66,7 +66,15 @@ class SweepReport(Callback):
 
         if config.get("dry_run"):
             return  # planned, not run: nothing to report
-        rows = write_report(Path(config.hydra.sweep.dir))
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = write_report(sweep_dir)
+        from ds_exp.autotune import PLAN_FILE
+
+        if (sweep_dir / PLAN_FILE).is_file():  # probes that fail are results of the autotune sweep, not errors
+            if not any(row["status"] == "completed" for row in rows):
+                print("ds_exp: error: autotune: no probe completed; nothing to recommend", file=sys.stderr)
+                sys.exit(1)
+            return
         failed = [row for row in rows if row["status"] != "completed"]
         if failed:
             print(f"ds_exp: error: {len(failed)} of {len(rows)} sweep jobs did not complete", file=sys.stderr)
