@@ -159,6 +159,7 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, kee
         own = [c for c in complete_checkpoints(checkpoint_dir) if read_marker(c).get("run_id") == state.run_id]
         for old in own[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old.parent / f"{old.name}.universal", ignore_errors=True)  # its conversion (ds_exp.universal)
     dist.barrier()
     log.info("saved checkpoint %s", path)
     return path

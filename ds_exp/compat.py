@@ -6,6 +6,8 @@ is upgraded, this file is the list to re-check; nothing outside it reaches into 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +179,87 @@ def _bracket_values(ranges: str, nodelist: str) -> list[str]:
             raise ValueError(f"unrecognised SLURM node list {nodelist!r}")
         values += [f"{number:0{len(low)}d}" for number in range(int(low), int(high or low) + 1)]
     return values
+
+
+UNIVERSAL_CHECKED = "0.19.8"  # the DeepSpeed version ds_exp's universal-checkpoint handling was checked against
+
+
+def check_universal_version() -> str | None:
+    """A warning when the installed DeepSpeed is not the one the universal-checkpoint handling below (and the file
+    layout fixes in ds_exp/universal_build.py) was checked against; None when it is."""
+    import deepspeed
+
+    if deepspeed.__version__.split("+")[0] == UNIVERSAL_CHECKED:
+        return None
+    return (
+        f"resume: converting checkpoints to DeepSpeed's universal format was checked with DeepSpeed "
+        f"{UNIVERSAL_CHECKED}, this is {deepspeed.__version__}: compare the resumed losses with the run's before "
+        "trusting them"
+    )
+
+
+@contextlib.contextmanager
+def torch_load_weights_only(allowed: list[Any]) -> Iterator[None]:
+    """While it lasts, every torch.load reads with weights_only=True, allowing only `allowed` types.
+
+    DeepSpeed 0.19.8: `deepspeed.checkpoint.ds_to_universal` and the universal loader
+    (`deepspeed.checkpoint.universal_checkpoint.load_hp_checkpoint_state`, the ZeRO optimizers'
+    `_load_universal_checkpoint`) call torch.load(weights_only=False) themselves, not through the engine's
+    checkpoint_engine (read_checkpoints_weights_only). If they start to, this is merely redundant; if they pass
+    other arguments, weights_only=True still wins."""
+    import torch
+
+    original = torch.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        with torch.serialization.safe_globals(allowed):
+            return original(*args, **{**kwargs, "weights_only": True})
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+def ds_to_universal(input_folder: Path, output_folder: Path, workers: int) -> None:
+    """DeepSpeed's converter, called in this process (its command line is `python -m ...ds_to_universal`).
+
+    DeepSpeed 0.19.8: `deepspeed.checkpoint.ds_to_universal.main(args)` reads these attributes of an argparse
+    namespace. `inject_missing_state` is needed for models without Megatron's universal_checkpoint_info (all of
+    ds_exp's). If an attribute is renamed, the conversion fails with an AttributeError naming it."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal as converter
+
+    converter.main(
+        argparse.Namespace(
+            input_folder=str(input_folder),
+            output_folder=str(output_folder),
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
+            num_extract_workers=workers,
+            num_merge_workers=max(1, workers // 2),
+        )
+    )
+
+
+def fix_zero3_universal_load(engine: Any, param_groups: list[dict[str, Any]]) -> None:
+    """Undo two things DeepSpeed's ZeRO-3 universal loader gets wrong for a torch optimizer.
+
+    DeepSpeed 0.19.8, `DeepSpeedZeroOptimizer_Stage3._load_universal_checkpoint`: every fp32 partition's optimizer
+    state gets one shared `step` tensor (torch's AdamW then advances it once per sub-group, and the losses drift by
+    ~1e-4), and param group 0's hyperparameters (weight decay) are copied to every group. `engine.optimizer.optimizer`
+    is the wrapped torch optimizer. If this stops applying, tests/test_resume_anywhere.py's ZeRO-3 comparison fails."""
+    import torch
+
+    base = engine.optimizer.optimizer
+    for state in base.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    for group, values in zip(base.param_groups, param_groups, strict=True):
+        group.update({k: v for k, v in values.items() if k != "params"})
 
 
 def keep_fp32_grad_norm(engine: Any) -> None:

@@ -73,6 +73,12 @@ def setup(cfg: Config, session: Session) -> Workload:
     warmup = warmup_steps(cfg.scheduler, steps)
     facts = RunFacts(world, hidden_size_of(model_config), steps, warmup, session.precision, str(session.run_dir))
     ds_config = resolve_ds_config(cfg, facts)
+    settings = settings_of(cfg, world, ds_config, session.precision)
+    resume_from, universal = resume_plan(cfg, session, settings)
+    if universal:  # deepspeed.initialize reads checkpoint.load_universal
+        from ds_exp.universal import ds_config_for_load
+
+        ds_config = ds_config_for_load(ds_config)
     if session.is_main:
         for note in replaced_by_config_file(cfg, facts):
             log.warning(note)
@@ -111,7 +117,9 @@ def setup(cfg: Config, session: Session) -> Workload:
         steps_per_epoch=steps_per_epoch(len(data.train), cfg.train, world),
         warmup_steps=warmup,
         ds_config=ds_config,
-        settings=settings_of(cfg, world, ds_config, session.precision),
+        settings=settings,
+        resume_from=resume_from,
+        universal=universal,
         trajectory=trajectory_of(
             cfg, total_steps=steps, warmup_steps=warmup, world_size=world, data_key=Path(data.stats["cache_path"]).name
         ),
@@ -165,20 +173,39 @@ def check_disk_space(cfg: Config, session: Session, checkpoint_size: int, parame
         raise RunFailed(verdict)
 
 
+def resume_plan(cfg: Config, session: Session, settings: dict[str, Any]) -> tuple[Path | None, bool]:
+    """The checkpoint to continue from (None: a fresh start), and whether its layout (world size, ZeRO stage,
+    offload) changed so that it is loaded through DeepSpeed's universal format. Decided before the engine exists,
+    since deepspeed.initialize reads that choice; other changed settings are refused here."""
+    from ds_exp.resume import layout_changes, needs_universal
+
+    wanted = cfg.resume if cfg.resume is not None or session.launch.launcher != "submitit" else "auto"
+    tag_dir = checkpoint.find_resume_checkpoint(wanted, session.run_dir, cfg.train.checkpoint_dir)
+    if tag_dir is None:
+        return None, False
+    check_resume(cfg, tag_dir, settings)  # also where Hydra's callback did not run (submitit)
+    saved = checkpoint.read_marker(tag_dir).get("settings") or {}
+    if session.is_main:
+        for line in layout_changes(saved, settings):
+            log.warning("resume: %s", line)
+    return tag_dir, needs_universal(saved, settings)
+
+
 def resume(cfg: Config, session: Session, work: Workload) -> checkpoint.TrainState:
     """The state to start from: a checkpoint's (resume=auto / <path>), or step 0. A submitit job that SLURM
     requeued runs again in the same directory, so it continues whenever there is something to continue."""
-    run_dir = session.run_dir
-    wanted = cfg.resume if cfg.resume is not None or session.launch.launcher != "submitit" else "auto"
-    tag_dir = checkpoint.find_resume_checkpoint(wanted, run_dir, cfg.train.checkpoint_dir)
+    run_dir, tag_dir = session.run_dir, work.resume_from
     if tag_dir is None:
+        wanted = cfg.resume if cfg.resume is not None or session.launch.launcher != "submitit" else "auto"
         if wanted is not None and session.is_main:
             moved = set_aside_attempt(run_dir)  # an attempt that left no checkpoint: start over beside it
             if moved is not None:
                 log.warning("no complete checkpoint to resume from: starting over; the earlier attempt is in %s", moved)
         return checkpoint.TrainState(run_id=broadcast(_new_run_id()))
-    check_resume(cfg, tag_dir, work.settings)  # also where Hydra's callback did not run (submitit)
-    state = checkpoint.load(work.engine, tag_dir, rank=session.rank)
+    if work.universal:
+        state = checkpoint.TrainState(**_load_universal(cfg, session, work, tag_dir))
+    else:
+        state = checkpoint.load(work.engine, tag_dir, rank=session.rank)
     for change in trajectory.check(cfg, state.trajectory, work.trajectory, state.step, tag_dir):
         if session.is_main:
             log.warning("resume: %s", change)
@@ -188,6 +215,22 @@ def resume(cfg: Config, session: Session, work: Workload) -> checkpoint.TrainSta
     if state.run_id is None:  # written before checkpoints knew their run
         state = checkpoint.TrainState(**{**state.as_dict(), "run_id": broadcast(_new_run_id())})
     return state
+
+
+def _load_universal(cfg: Config, session: Session, work: Workload, tag_dir: Path) -> dict[str, Any]:
+    from ds_exp.engine import parameter_groups
+    from ds_exp.universal import load_state
+
+    model = work.built.model
+    return load_state(
+        work.engine,
+        tag_dir,
+        rank=session.rank,
+        world_size=session.world,
+        seed=cfg.train.seed,
+        model=model,
+        groups=parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay)),
+    )
 
 
 def _new_run_id() -> str:

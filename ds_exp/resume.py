@@ -2,8 +2,10 @@
 
 Each checkpoint's marker (ds_exp_complete.json) records the settings that fix the shapes and the partitioning of
 what it holds: the model, LoRA, the vocabulary padding, the ZeRO stage, offload, precision and the world size.
-A resume with any of them changed is refused before anything is written (Hydra's callback calls
-`check_resume` before the run directory is touched), naming each change. Light: no torch, no deepspeed.
+A changed world size, ZeRO stage or offload (the layout) is followed by converting the checkpoint once into
+DeepSpeed's universal format (ds_exp/universal.py); a resume with any other of them changed is refused before
+anything is written (Hydra's callback calls `check_resume` before the run directory is touched), naming each
+change. Light: no torch, no deepspeed.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ _WHY = {
     "model": "the weights belong to another model",
     "vocab_multiple": "the embedding has another number of rows",
     "lora": "the adapters have other shapes or targets",
-    "zero_stage": "DeepSpeed partitions optimizer states (and gradients, parameters) differently per stage",
-    "offload": "optimizer states live in another place and format",
     "precision": "DeepSpeed keeps other master copies and optimizer states",
-    "world_size": "each rank's checkpoint files hold its own partition",
 }
+# the layout: a change is followed by a conversion to DeepSpeed's universal checkpoint format
+LAYOUT = ("world_size", "zero_stage", "offload")
 
 
 def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precision: str | None) -> dict[str, Any]:
@@ -63,6 +64,23 @@ def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if _norm(saved[key]) != _norm(current[key]):
             lines.append(f"{key}: {_show(saved[key])} in the checkpoint, {_show(current[key])} now ({why})")
     return lines
+
+
+def layout_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per layout setting (world size, ZeRO stage, offload) that differs; unrecorded ones are not compared."""
+    return [
+        f"{key}: {_show(saved[key])} in the checkpoint, {_show(current[key])} now"
+        for key in LAYOUT
+        if saved.get(key) is not None and current.get(key) is not None and _norm(saved[key]) != _norm(current[key])
+    ]
+
+
+def needs_universal(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether the checkpoint must be converted to DeepSpeed's universal format to be loaded with `current`. At
+    ZeRO stage 0 on both sides rank 0 saved the whole optimizer state, which any world size loads as it is."""
+    found = layout_changes(saved, current)
+    both_stage0 = saved.get("zero_stage") == 0 and current.get("zero_stage") == 0
+    return bool(found) and not (both_stage0 and all(line.startswith("world_size:") for line in found))
 
 
 def _norm(value: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ds_exp.flops import FlopsModel
@@ -26,6 +27,8 @@ class Workload:
     flops: FlopsModel
     peak_flops: float | None  # per device, for MFU (None where unknown)
     checkpoint_bytes: int  # about what one checkpoint takes on disk
+    resume_from: Path | None = None  # the checkpoint this run continues (ds_exp.recipe.resume_plan)
+    universal: bool = False  # loaded through DeepSpeed's universal format: its layout changed (ds_exp/universal.py)
 
     @property
     def zero_stage(self) -> int:
