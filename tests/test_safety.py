@@ -23,12 +23,12 @@ SAVED = [*FAST, "train.save_final_checkpoint=true", "train.export=true"]
 
 
 def checksums(root: Path) -> dict[str, str]:
-    """Every file under `root` with its sha256: what "changes nothing" is checked against (but the run-directory
-    lock, which every attempt takes and leaves behind as a stale lock: ds_exp.run_dir.lock_run_dir)."""
+    """Every file under `root` with its sha256: what "changes nothing" is checked against (the run directory's
+    lock included: a refused start leaves it as it was)."""
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != ".ds_exp.lock"
+        if p.is_file()
     }
 
 
