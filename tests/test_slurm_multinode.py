@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training import FAST, REPO, assert_close, logged_steps, multirun, report_rows, user_env
+from tests.training import FAST, REPO, assert_close, launch, logged_steps, multirun, report_rows, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -318,3 +318,31 @@ def test_lost_node_fails_fast_naming_its_rank_and_resume_continues(cluster_env, 
     # step 45 trained twice, from the same checkpoint on the same layout: the same loss
     assert len(after) >= 1 and after[-1]["loss"] == pytest.approx(before[45], rel=1e-6)
     assert logged_steps(run_dir) == 160
+
+
+def test_a_one_node_checkpoint_continues_on_two_nodes(cluster_env, tmp_path):
+    """Resume anywhere across nodes: 1 rank (global batch 8 by accumulation) -> 2 ranks on two nodes (8 by 2 ranks),
+    converted to DeepSpeed's universal format once; the losses go on as the uninterrupted 1-rank run's."""
+    common = [*FAST, "zero=stage2", "train.micro_batch_size=4", "train.save_every=4"]
+    one_node = tmp_path / "one_node"
+    alone = launch(one_node, *common, "train.gradient_accumulation_steps=2", cache_dir=tmp_path / "cache")
+    assert alone.ok, alone.explain()
+    two_nodes = tmp_path / "two_nodes"
+    resumed = sbatch_multinode(
+        tmp_path, cluster_env, *common, f"resume={one_node}/checkpoints/step4", f"hydra.run.dir={two_nodes}", wait=True
+    )
+    job_id = resumed.stdout.strip().split(";")[0]
+    assert resumed.returncode == 0, resumed.stderr + job_output(tmp_path / f"ds_exp-{job_id}.out")[-3000:]
+    ranks = launch_lines(two_nodes)
+    assert sorted(ranks) == [0, 1] and ranks[0][2] != ranks[1][2], ranks  # the resumed run spans both nodes
+    summary = json.loads((two_nodes / "summary.json").read_text())
+    assert (summary["status"], summary["world_size"]) == ("completed", 2), summary
+    assert (one_node / "checkpoints" / "step4.universal").is_dir()  # converted once, beside the checkpoint
+    uninterrupted = {r["step"]: r["loss"] for r in alone.records("train")}
+    continued = {
+        r["step"]: r["loss"]
+        for r in map(json.loads, (two_nodes / "metrics.jsonl").read_text().splitlines())
+        if r["type"] == "train"
+    }
+    assert sorted(continued) == [5, 6, 7, 8]
+    assert_close([continued[s] for s in (5, 6, 7, 8)], [uninterrupted[s] for s in (5, 6, 7, 8)], rel=1e-5)
