@@ -104,7 +104,9 @@ def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
         # order puts rank 0 there) and a port derived from the job id, so every rank computes the same pair.
         job_env = submitit.JobEnvironment()
         master = _first_slurm_host()
-        job_port = _int_env("MASTER_PORT", default=_job_port(env.get("SLURM_JOB_ID"), default_port))
+        # submitit's local executor sets no SLURM variables: its own job id keeps concurrent jobs apart there
+        job_id = env.get("SLURM_JOB_ID") or job_env.job_id
+        job_port = _int_env("MASTER_PORT", default=_job_port(job_id, default_port))
         return LaunchInfo(
             "submitit",
             job_env.global_rank,
