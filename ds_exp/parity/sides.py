@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,14 +119,13 @@ def override_problems(side: Side) -> list[str]:
 
 
 @contextmanager
-def launched_as(ranks: int) -> Iterator[None]:
-    """The launcher variables of rank 0 of `ranks` processes, while a side is validated (train.global_batch_size
-    is checked against the world size the run will have)."""
-    saved = {name: os.environ.get(name) for name in _LAUNCH_VARS}
-    for name in _LAUNCH_VARS:
+def environ(set_to: dict[str, str], *, remove: Sequence[str] = ()) -> Iterator[None]:
+    """os.environ with `remove` unset and `set_to` set while it lasts; every touched variable restored after."""
+    touched = {*remove, *set_to}
+    saved = {name: os.environ.get(name) for name in touched}
+    for name in remove:
         os.environ.pop(name, None)
-    if ranks > 1:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
+    os.environ.update(set_to)
     try:
         yield
     finally:
@@ -135,6 +134,13 @@ def launched_as(ranks: int) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def launched_as(ranks: int) -> AbstractContextManager[None]:
+    """The launcher variables of rank 0 of `ranks` processes, while a side is validated (train.global_batch_size
+    is checked against the world size the run will have)."""
+    as_rank0 = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks)) if ranks > 1 else {}
+    return environ(as_rank0, remove=_LAUNCH_VARS)
 
 
 def compose_side(side: Side, forced: list[str]) -> list[str]:
@@ -150,22 +156,19 @@ def compose_side(side: Side, forced: list[str]) -> list[str]:
 
     register_resolvers()
     register_configs()
-    saved = {name: os.environ.get(name) for name in side.env}
-    os.environ.update(side.env)  # the secrets' interpolations resolve as they will in the run
     try:
-        with launched_as(side.ranks), initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        # the secrets' interpolations resolve as they will in the run
+        with (
+            environ(side.env),
+            launched_as(side.ranks),
+            initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"),
+        ):
             side.cfg = to_config(compose(config_name="config", overrides=[*side.overrides, *forced]))
             validate(side.cfg)
     except DsExpError as err:
         return [f"side {side.name}: {line}" for line in str(err).splitlines()]
     except (HydraException, OmegaConfBaseException) as err:  # unknown key or option, wrong type
         return [f"side {side.name}: {_composition_message(err)}"]
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     return []
 
 
