@@ -29,3 +29,8 @@ def not_a_directory(path: Path) -> Path | None:
         if candidate.exists():
             return None if candidate.is_dir() else candidate
     return None
+
+
+def sweep_job_names(sweep_dir: Path) -> list[str]:
+    """The jobs a sweep directory already holds (each job directory has its .hydra/config.yaml)."""
+    return sorted(p.parent.parent.name for p in sweep_dir.glob("*/.hydra/config.yaml"))

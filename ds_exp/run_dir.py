@@ -25,6 +25,7 @@ from omegaconf import DictConfig, open_dict, read_write
 from ds_exp.config.schema import Config, to_config
 from ds_exp.console import report_user_error
 from ds_exp.errors import ConfigError, DsExpError, Refused
+from ds_exp.paths import sweep_job_names
 
 # Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
 # append to: they are moved aside into attempts/<time>/ first.
@@ -123,7 +124,7 @@ def check_sweep_start(config: DictConfig) -> None:
     if is_study_sweep(config):
         return  # an optuna study continues in its own directory: ds_exp/study.py checks it is that study's
     if config.get("resume") is None and sweep_dir.is_dir():
-        jobs = sorted(p.parent.parent.name for p in sweep_dir.glob("*/.hydra/config.yaml"))
+        jobs = sweep_job_names(sweep_dir)
         if jobs:
             raise ConfigError(
                 f"hydra.sweep.dir={sweep_dir} already holds the jobs of a sweep ({', '.join(jobs[:5])}"

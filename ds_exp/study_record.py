@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.errors import ConfigError
+from ds_exp.paths import sweep_job_names
 
 STUDY_FILE = "study.json"
 # Numbers a run's summary.json reports that a study may optimise (ds_exp/summary.py, ds_exp/evaluate.py).
@@ -85,7 +86,7 @@ def check_study_dir(sweep_dir: Path, identity: dict[str, Any]) -> None:
     """A study continues only in its own directory, with the settings it was started with."""
     record = sweep_dir / STUDY_FILE
     if not record.is_file():
-        jobs = sorted(p.parent.parent.name for p in sweep_dir.glob("*/.hydra/config.yaml"))
+        jobs = sweep_job_names(sweep_dir)
         if jobs:
             raise ConfigError(
                 f"hydra.sweep.dir={sweep_dir} already holds the jobs of a sweep that is no optuna study "
