@@ -101,6 +101,18 @@ def hydra_task(cfg: DictConfig) -> Any:
         sys.exit(err.exit_code)
 
 
+def find_own_sweepers() -> None:
+    """Let Hydra find ds_exp's sweepers (hydra_plugins/ds_exp_*) from any working directory. An editable install
+    maps ds_exp's packages through an import hook that Hydra's plugin scan (pkgutil over the hydra_plugins
+    namespace) does not see, so `hydra/sweeper=optuna` worked only from the repository; a regular install puts
+    them beside the other plugins and needs nothing."""
+    import hydra_plugins
+
+    ours = Path(__file__).resolve().parent.parent / "hydra_plugins"
+    if ours.is_dir() and str(ours) not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(str(ours))
+
+
 def main() -> None:
     import hydra
 
@@ -112,6 +124,7 @@ def main() -> None:
     from ds_exp.secrets import hide_secret_overrides, register_secrets
 
     hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
+    find_own_sweepers()
     sys.argv = strip_local_rank(sys.argv)
     check_launch_env()
     register_secrets(environ=os.environ)
