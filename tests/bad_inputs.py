@@ -21,7 +21,7 @@ DSCHAT_ROW = {"prompt": " Human: What is 2+2? Assistant:", "chosen": " 4", "reje
 @dataclass(frozen=True)
 class Case:
     id: str
-    kind: str  # config value | combination | path | DeepSpeed JSON | data row | launch
+    kind: str  # config value | combination | path | DeepSpeed JSON | data row | launch | sweep
     args: tuple[str, ...]  # after `python -m ds_exp`; {tmp} is the case's scratch directory
     expect: tuple[str, ...]  # fragments the message must hold (what is wrong, and the fix)
     files: dict[str, str | bytes] = field(default_factory=dict)  # name -> content, written into {tmp} first
@@ -470,6 +470,32 @@ CASES: list[Case] = [
             + b'{"w":{"dtype":"F32","shape":[100],"data_offsets":[0,400]}}'
             + bytes(16),
         },
+    ),
+    # --- sweeps that decide (autotune, optuna): refused before any job is launched. The parity check's refusals
+    # (python -m ds_exp.parity) are tested in tests/test_parity.py.
+    Case(
+        "autotune budget nothing fits",
+        "sweep",
+        ("-m", "experiment=autotune", "hydra.sweeper.memory_budget=1MiB"),
+        ("experiment=autotune: nothing fits the memory budget of 1.00 MiB per",),
+    ),
+    Case(
+        "autotune budget not a size",
+        "sweep",
+        ("-m", "experiment=autotune", "hydra.sweeper.memory_budget=lots"),
+        ("hydra.sweeper.memory_budget=lots: expected auto or a positive size",),
+    ),
+    Case(
+        "optuna without a search space",
+        "sweep",
+        ("-m", "hydra/sweeper=optuna", "optimizer.lr=1e-4"),
+        ("hydra/sweeper=optuna needs a search space",),
+    ),
+    Case(
+        "optuna empty interval",
+        "sweep",
+        ("-m", "hydra/sweeper=optuna", "optimizer.lr=interval(1e-3,1e-5)"),
+        ("interval(0.001, 1e-05) is empty",),
     ),
 ]
 

@@ -10,7 +10,7 @@ import pytest
 from tests.bad_inputs import CASES, Case, message_of, run_case
 from tests.training import REPO
 
-KINDS = {"config value", "combination", "path", "DeepSpeed JSON", "data row", "launch"}
+KINDS = {"config value", "combination", "path", "DeepSpeed JSON", "data row", "launch", "sweep"}
 
 
 def test_the_catalogue_is_broad_and_documented():
