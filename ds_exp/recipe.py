@@ -28,7 +28,7 @@ from ds_exp.loop import Loop, Progress
 from ds_exp.metrics import Metrics
 from ds_exp.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.resume import check_resume, settings_of
-from ds_exp.run_dir import set_aside_attempt
+from ds_exp.run_dir import completed_at, set_aside_attempt
 from ds_exp.run_logging import FILE_LOGGER
 from ds_exp.secrets import redact, register_secrets
 from ds_exp.session import NothingToDo, Session
@@ -211,7 +211,17 @@ def resume(cfg: Config, session: Session, work: Workload) -> checkpoint.TrainSta
             log.warning("resume: %s", change)
     session.state.resumed_from, session.state.initial_eval = str(tag_dir), state.initial_eval
     if state.step >= work.total_steps:
-        raise NothingToDo(f"{run_dir} is complete at step {state.step} of {work.total_steps}")
+        # a checkpoint at the last step is not a finished run: one killed just after saving it, or resumed with
+        # a train.max_steps lowered to it, still owes its final evaluation, export and summary
+        if broadcast(completed_at(run_dir) if session.is_main else None) == state.step:
+            raise NothingToDo(f"{run_dir} is complete at step {state.step} of {work.total_steps}")
+        if session.is_main:
+            log.warning(
+                "resume: the checkpoint at step %d is at or past the last step (%d) but the run never finished: "
+                "finishing it without training (final evaluation, export, summary)",
+                state.step,
+                work.total_steps,
+            )
     if state.run_id is None:  # written before checkpoints knew their run
         state = checkpoint.TrainState(**{**state.as_dict(), "run_id": broadcast(_new_run_id())})
     return state

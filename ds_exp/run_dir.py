@@ -52,6 +52,15 @@ def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
     return None
 
 
+def completed_at(run_dir: Path) -> int | None:
+    """The step at which summary.json says the run completed (None: it never did, or it says otherwise)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary.get("steps") if isinstance(summary, dict) and summary.get("status") == "completed" else None
+
+
 def check_run_start(config: DictConfig) -> None:
     """Before a single run: the checks of the module docstring. May move .hydra's output for a resume."""
     from ds_exp.storage import check_writable

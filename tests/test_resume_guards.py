@@ -138,14 +138,50 @@ def test_a_lock_left_by_a_killed_run_blocks_nobody(tmp_path, cache_dir):
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
     assert (run_dir / ".ds_exp.lock").is_file()  # left behind, and harmless
+    # the kill lands somewhere after step 15 (steps take milliseconds): resume from the newest complete checkpoint
+    complete = [int(p.parent.name[len("step") :]) for p in run_dir.glob("checkpoints/step*/ds_exp_complete.json")]
+    assert complete, "no complete checkpoint before the kill"
+    newest = max(complete)
     resumed = launch(
         run_dir,
         *FAST,
-        "train.max_steps=20",
+        f"train.max_steps={newest + 10}",
         "resume=auto",
         "train.save_every=10",
         "data.synthetic.num_train=2048",
         cache_dir=cache_dir,
     )
     assert resumed.ok, resumed.explain()
-    assert resumed.summary["resumed_from"].endswith("step10")
+    assert resumed.summary["resumed_from"].endswith(f"step{newest}")
+
+
+def test_a_run_killed_after_its_last_checkpoint_is_finished_by_resume_without_training(tmp_path, cache_dir):
+    """A checkpoint at the last step is not a finished run: resume owes it the final evaluation and summary (it
+    used to say 'nothing to do' and leave no summary.json), and rewrites nothing of that checkpoint."""
+    run_dir = tmp_path / "run"
+    first = _start(run_dir, cache_dir, "train.save_every=10")
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "checkpoints" / "step20" / "ds_exp_complete.json").is_file():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.05)
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    complete = [int(p.parent.name[len("step") :]) for p in run_dir.glob("checkpoints/step*/ds_exp_complete.json")]
+    last = max(complete)
+    before = {p: p.read_bytes() for p in (run_dir / "checkpoints" / f"step{last}").iterdir()}
+    again = [*FAST, f"train.max_steps={last}", "resume=auto", "train.save_every=10", "data.synthetic.num_train=2048"]
+
+    finished = launch(run_dir, *again, cache_dir=cache_dir)
+    assert finished.ok, finished.explain()
+    assert "finishing it without training" in finished.proc.stderr + finished.proc.stdout
+    summary = finished.summary
+    assert summary["status"] == "completed" and summary["steps"] == last, summary
+    assert summary["resumed_from"].endswith(f"step{last}") and summary["final_eval"]["eval_loss"] > 0
+    assert max(r["step"] for r in finished.records("train")) <= last  # nothing trained past it
+    assert {p: p.read_bytes() for p in before} == before
+
+    repeated = launch(run_dir, *again, cache_dir=cache_dir)  # now it is finished: nothing to do
+    assert repeated.ok and "nothing to do" in repeated.proc.stdout, repeated.explain()
+    assert repeated.summary == summary
