@@ -36,13 +36,13 @@ def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
     """What shows that `run_dir` holds a run (for messages), or None."""
     if not run_dir.is_dir():
         return None
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        try:
-            data = json.loads(summary.read_text())
-            return f"summary.json: status {data.get('status')} at step {data.get('steps')}"
-        except ValueError:
-            return "summary.json"
+    if (run_dir / "summary.json").is_file():
+        summary = read_summary(run_dir)
+        return (
+            f"summary.json: status {summary.get('status')} at step {summary.get('steps')}"
+            if summary is not None
+            else "summary.json"
+        )
     for name in ("metrics.jsonl", ".hydra/config.yaml", "ds_config.json"):
         if (run_dir / name).is_file():
             return name
@@ -52,13 +52,19 @@ def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
     return None
 
 
-def completed_at(run_dir: Path) -> int | None:
-    """The step at which summary.json says the run completed (None: it never did, or it says otherwise)."""
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary.json, or None when it is missing or unreadable."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    return summary.get("steps") if isinstance(summary, dict) and summary.get("status") == "completed" else None
+    return summary if isinstance(summary, dict) else None
+
+
+def completed_at(run_dir: Path) -> int | None:
+    """The step at which summary.json says the run completed (None: it never did, or it says otherwise)."""
+    summary = read_summary(run_dir)
+    return summary.get("steps") if summary is not None and summary.get("status") == "completed" else None
 
 
 def check_run_start(config: DictConfig) -> None:
