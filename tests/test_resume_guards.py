@@ -11,10 +11,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from ds_exp.checkpoint import COMPLETE_MARKER, complete_checkpoints
 from ds_exp.trajectory import lr_at
 from tests.training import FAST, free_port, launch, logged_steps, user_env
 
@@ -104,6 +106,23 @@ def _start(run_dir: Path, cache_dir: Path, *overrides: str) -> subprocess.Popen:
     )
 
 
+def _killed_once_ready(run_dir: Path, cache_dir: Path, ready: Callable[[], bool], *, poll_s: float) -> int:
+    """Start a run saving every 10 steps, SIGKILL it once `ready()`, and return the step of its newest complete
+    checkpoint (the run may have gone on a few steps past `ready` before the kill)."""
+    first = _start(run_dir, cache_dir, "train.save_every=10")
+    try:
+        deadline = time.monotonic() + 180
+        while not ready():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(poll_s)
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    complete = complete_checkpoints(run_dir / "checkpoints")
+    assert complete, "no complete checkpoint before the kill"
+    return int(complete[-1].name[len("step") :])
+
+
 def test_a_second_process_cannot_write_into_a_live_runs_directory(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     first = _start(run_dir, cache_dir)
@@ -128,20 +147,9 @@ def test_a_second_process_cannot_write_into_a_live_runs_directory(tmp_path, cach
 
 def test_a_lock_left_by_a_killed_run_blocks_nobody(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    first = _start(run_dir, cache_dir, "train.save_every=10")
-    try:
-        deadline = time.monotonic() + 180
-        while logged_steps(run_dir) < 15:
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
-            time.sleep(0.1)
-    finally:
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait()
-    assert (run_dir / ".ds_exp.lock").is_file()  # left behind, and harmless
     # the kill lands somewhere after step 15 (steps take milliseconds): resume from the newest complete checkpoint
-    complete = [int(p.parent.name[len("step") :]) for p in run_dir.glob("checkpoints/step*/ds_exp_complete.json")]
-    assert complete, "no complete checkpoint before the kill"
-    newest = max(complete)
+    newest = _killed_once_ready(run_dir, cache_dir, lambda: logged_steps(run_dir) >= 15, poll_s=0.1)
+    assert (run_dir / ".ds_exp.lock").is_file()  # left behind, and harmless
     resumed = launch(
         run_dir,
         *FAST,
@@ -159,17 +167,8 @@ def test_a_run_killed_after_its_last_checkpoint_is_finished_by_resume_without_tr
     """A checkpoint at the last step is not a finished run: resume owes it the final evaluation and summary (it
     used to say 'nothing to do' and leave no summary.json), and rewrites nothing of that checkpoint."""
     run_dir = tmp_path / "run"
-    first = _start(run_dir, cache_dir, "train.save_every=10")
-    try:
-        deadline = time.monotonic() + 180
-        while not (run_dir / "checkpoints" / "step20" / "ds_exp_complete.json").is_file():
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
-            time.sleep(0.05)
-    finally:
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait()
-    complete = [int(p.parent.name[len("step") :]) for p in run_dir.glob("checkpoints/step*/ds_exp_complete.json")]
-    last = max(complete)
+    step20_done = run_dir / "checkpoints" / "step20" / COMPLETE_MARKER
+    last = _killed_once_ready(run_dir, cache_dir, step20_done.is_file, poll_s=0.05)
     before = {p: p.read_bytes() for p in (run_dir / "checkpoints" / f"step{last}").iterdir()}
     lines_before = len((run_dir / "metrics.jsonl").read_text().splitlines())
     again = [*FAST, f"train.max_steps={last}", "resume=auto", "train.save_every=10", "data.synthetic.num_train=2048"]
