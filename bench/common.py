@@ -117,9 +117,9 @@ def compose(*overrides: str) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from ds_exp.config.paths import conf_dir
     from ds_exp.config.resolvers import register_resolvers
     from ds_exp.config.schema import register_configs, to_config
-    from ds_exp.paths import conf_dir
 
     register_resolvers()
     register_configs()

@@ -172,7 +172,7 @@ def describe(result: dict[str, Any]) -> str:
 
 def summarize(results: dict[str, dict[str, Any]], gpus: int, device: str, setup: Setup) -> dict[str, Any]:
     """MFU for the bare loop and the Trainer from ds_exp's FLOPs per token; ratios; the goal, met or not."""
-    from ds_exp.flops import peak_flops
+    from ds_exp.train.flops import peak_flops
 
     peak = peak_flops(device, "bf16")
     per_token = results.get("ds_exp", {}).get("flops_per_token")

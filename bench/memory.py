@@ -78,8 +78,8 @@ def deepspeed_estimates(overrides: tuple[str, ...]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from bench.common import compose
-    from ds_exp.data import load_tokenizer
-    from ds_exp.model import build_model_config
+    from ds_exp.model.architecture import build_model_config
+    from ds_exp.model.tokenizer import load_tokenizer
 
     cfg = compose(*overrides)
     model = AutoModelForCausalLM.from_config(

@@ -148,14 +148,19 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from ds_exp.accelerator import detect_accelerator, resolved_precision
     from ds_exp.config.ds_config import RunFacts, resolve_ds_config
-    from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
-    from ds_exp.distributed import detect_launch, init_distributed
-    from ds_exp.engine import build_engine
-    from ds_exp.model import build_model, build_model_config, hidden_size_of
-    from ds_exp.plan import total_steps, warmup_steps
-    from ds_exp.step import model_inputs, token_loss_sum
+    from ds_exp.config.plan import total_steps, warmup_steps
+    from ds_exp.config.precision import detect_accelerator
+    from ds_exp.data.pipeline import prepare_sft_data
+    from ds_exp.launch.environment import detect_launch
+    from ds_exp.model.architecture import build_model_config, hidden_size_of
+    from ds_exp.model.build import build_model
+    from ds_exp.model.engine import build_engine
+    from ds_exp.model.tokenizer import load_tokenizer
+    from ds_exp.runtime.device import resolved_precision
+    from ds_exp.runtime.process_group import init_distributed
+    from ds_exp.train.collate import make_collator
+    from ds_exp.train.step import model_inputs, token_loss_sum
 
     out_dir, *overrides = sys.argv[1:]
     cfg = compose(*overrides)

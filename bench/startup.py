@@ -33,12 +33,12 @@ atexit.register(_dump)
 # `python -m ds_exp -m <sweep>` up to the end of its ValidateSweep callback (every job composed and validated,
 # as before any job is launched), then exit: the launch itself is not part of the measure.
 _VALIDATE_SWEEP_ONLY = """
-import ds_exp.sweep
-_validate = ds_exp.sweep.ValidateSweep.on_multirun_start
+import ds_exp.sweeps.jobs
+_validate = ds_exp.sweeps.callbacks.ValidateSweep.on_multirun_start
 def _validate_then_exit(self, config, **kwargs):
     _validate(self, config, **kwargs)
     sys.exit(0)
-ds_exp.sweep.ValidateSweep.on_multirun_start = _validate_then_exit
+ds_exp.sweeps.callbacks.ValidateSweep.on_multirun_start = _validate_then_exit
 """
 
 SWEEP_16 = ["-m", "zero=stage0,stage1,stage2,stage3", "precision=fp32,bf16", "lora.dim=0,64"]  # 4 x 2 x 2 jobs

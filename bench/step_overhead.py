@@ -31,20 +31,20 @@ NPROC, STAGES, PAIRS, WARMUP, WINDOW, MICRO_BATCH = 2, (0, 1, 2, 3), 150, 20, 5,
 
 
 def worker(stage: int, pairs: int, out: Path, cache: Path) -> None:
-    """One rank: ds_exp's recipe up to its loop (ds_exp.recipe.setup), then its loop step alternated with the bare
+    """One rank: ds_exp's recipe up to its loop (ds_exp.train.recipe.setup), then its loop step alternated with the bare
     step."""
     import torch
     from torch.utils.data import DataLoader
 
     from bench.workload import compose
-    from ds_exp.checkpoint import Checkpointer
-    from ds_exp.data import ResumableDistributedSampler
-    from ds_exp.evaluate import Generations
-    from ds_exp.loop import Loop, Progress
-    from ds_exp.metrics import Metrics
-    from ds_exp.recipe import setup
-    from ds_exp.session import Session
-    from ds_exp.step import model_inputs
+    from ds_exp.checkpoint.checkpointer import Checkpointer
+    from ds_exp.train.evaluate import Generations
+    from ds_exp.train.loop import Loop, Progress
+    from ds_exp.train.metrics import Metrics
+    from ds_exp.train.recipe import setup
+    from ds_exp.train.sampler import ResumableDistributedSampler
+    from ds_exp.train.session import Session
+    from ds_exp.train.step import model_inputs
 
     steps = 2 * pairs
     cfg = compose(

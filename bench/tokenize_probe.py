@@ -35,7 +35,8 @@ def token_counts(ds: Any) -> dict[str, int]:
 
 
 def ds_exp_step(num_train: int, overrides: list[str]) -> tuple[float, int, dict[str, Any]]:
-    from ds_exp.data import load_tokenizer, prepare_sft_data
+    from ds_exp.data.pipeline import prepare_sft_data
+    from ds_exp.model.tokenizer import load_tokenizer
 
     cfg = compose(f"data.synthetic.num_train={num_train}", *overrides)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
@@ -61,7 +62,7 @@ def bare_step(num_train: int, num_proc: int) -> tuple[float, int, dict[str, Any]
     from ds_exp.data.synthetic import generate
 
     cfg = compose(f"data.synthetic.num_train={num_train}")
-    from ds_exp.data import load_tokenizer
+    from ds_exp.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     max_len, eos = int(cfg.data.max_seq_len), tokenizer.eos_token

@@ -21,9 +21,9 @@ def compose(overrides: Sequence[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from ds_exp.config.paths import conf_dir
     from ds_exp.config.resolvers import register_resolvers
     from ds_exp.config.schema import register_configs, to_config
-    from ds_exp.paths import conf_dir
 
     register_resolvers()
     register_configs()
@@ -69,24 +69,24 @@ class Workload:
 
     @property
     def steps_per_epoch(self) -> int:
-        from ds_exp.plan import steps_per_epoch
+        from ds_exp.config.plan import steps_per_epoch
 
         return steps_per_epoch(len(self.data.train), self.cfg.train, self.world)
 
     @property
     def warmup(self) -> int:
-        from ds_exp.plan import warmup_steps
+        from ds_exp.config.plan import warmup_steps
 
         return warmup_steps(self.cfg.scheduler, self.steps)
 
     def build_model(self) -> Any:
         """ds_exp.model.build_model: same init (seeded by module name), ZeRO-3 built inside zero.Init."""
-        from ds_exp.model import build_model
+        from ds_exp.model.build import build_model
 
         return build_model(self.cfg, self.tokenizer, self.ds_config)
 
     def sampler(self, rank: int) -> Any:
-        from ds_exp.data import ResumableDistributedSampler
+        from ds_exp.train.sampler import ResumableDistributedSampler
 
         return ResumableDistributedSampler(
             len(self.data.train), rank=rank, world_size=self.world, seed=self.cfg.train.seed, shuffle=True
@@ -159,7 +159,9 @@ def init_distributed() -> tuple[int, int]:
 
 
 def load_workload(args: argparse.Namespace, rank: int, world: int) -> Workload:
-    from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
+    from ds_exp.data.pipeline import prepare_sft_data
+    from ds_exp.model.tokenizer import load_tokenizer
+    from ds_exp.train.collate import make_collator
 
     cfg = compose(args.overrides)
     tokenizer = load_tokenizer(cfg.model, cfg.data)

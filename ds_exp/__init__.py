@@ -1,5 +1,12 @@
 """ds_exp: Hydra-configured DeepSpeed supervised fine-tuning of Hugging Face causal language models.
 
+The packages are the layers; each imports only from the layers below it (tests/test_structure.py checks it):
+
+    errors, compat                      what goes wrong; every touch of a library's private internals
+    config -> data -> resume -> launch -> sweeps          light: no torch, no deepspeed
+    runtime -> model -> checkpoint -> artifacts -> train -> tools          heavy
+
+Entry points: `python -m ds_exp` (launch/cli.py), `python -m ds_exp.parity`, `ds_exp.report`, `ds_exp.universal`.
 Nothing heavy is imported here: `--help`, `--cfg job` and config validation never import torch or deepspeed.
 """
 

@@ -1,4 +1,4 @@
-from ds_exp.cli import main
+from ds_exp.launch.cli import main
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,12 @@ is upgraded, this file is the list to re-check; nothing outside it reaches into 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
+import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,10 +132,6 @@ def slurm_hostnames(nodelist: str) -> list[str]:
     `scontrol show hostnames` expands it; where scontrol is missing or cannot answer, `parse_slurm_nodelist` does.
     If either goes wrong, a SLURM launch without MASTER_ADDR rendezvouses at the wrong host
     (tests/test_slurm_multinode.py, tests/test_distributed.py)."""
-    import os
-    import shutil
-    import subprocess
-
     scontrol = shutil.which("scontrol")
     conf = os.environ.get("SLURM_CONF")
     if scontrol and not (conf and not os.path.exists(conf)):  # a missing SLURM_CONF: scontrol retries for 60 s
@@ -148,8 +149,6 @@ def slurm_hostnames(nodelist: str) -> list[str]:
 def parse_slurm_nodelist(nodelist: str) -> list[str]:
     """SLURM's host list syntax: comma-separated names, each with bracketed ranges expanded in order, zero padding
     kept (`gpu[08-10],cpu1,rack[1-2]-n[1,3]`). Raises ValueError on unbalanced or malformed brackets."""
-    import re
-
     groups, depth, start = [], 0, 0
     for pos, char in enumerate(nodelist):
         depth += {"[": 1, "]": -1}.get(char, 0)
@@ -228,8 +227,6 @@ def ds_to_universal(input_folder: Path, output_folder: Path, workers: int) -> No
     DeepSpeed 0.19.8: `deepspeed.checkpoint.ds_to_universal.main(args)` reads these attributes of an argparse
     namespace. `inject_missing_state` is needed for models without Megatron's universal_checkpoint_info (all of
     ds_exp's). If an attribute is renamed, the conversion fails with an AttributeError naming it."""
-    import argparse
-
     from deepspeed.checkpoint import ds_to_universal as converter
 
     converter.main(

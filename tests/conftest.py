@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, register_configs, to_config
-from ds_exp.paths import conf_dir
 from tests.real_model import ModelUnavailable, smollm2_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

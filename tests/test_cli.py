@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_exp.cli import strip_local_rank
+from ds_exp.launch.cli import strip_local_rank
 from tests.conftest import REPO, run_cli
 
 
@@ -103,7 +103,7 @@ def test_full_traceback_on_request(tmp_path):
 LIGHT_CHECK = """
 import sys
 sys.argv = ["ds_exp", *{args!r}]
-from ds_exp.cli import main
+from ds_exp.launch.cli import main
 try:
     main()
 except SystemExit:
@@ -133,8 +133,8 @@ import sys
 from hydra import compose, initialize_config_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs, to_config
-from ds_exp.config.validate import validate
-from ds_exp.paths import conf_dir
+from ds_exp.launch.validation import validate
+from ds_exp.config.paths import conf_dir
 register_resolvers(); register_configs()
 with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
     cfg = compose("config", overrides=["zero=stage3", "offload=cpu_all", "lora.dim=64", "precision=bf16"])
@@ -290,13 +290,13 @@ def test_wheel_ships_conf_and_assets(tmp_path):
         "ds_exp/conf/zero/stage3.yaml",
         "ds_exp/conf/experiment/dschat_step1.yaml",
         "ds_exp/assets/tokenizer/tokenizer.json",
-        "ds_exp/cli.py",
+        "ds_exp/launch/cli.py",
     ):
         assert expected in names
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(site)
-    code = "from ds_exp.paths import conf_dir; print(conf_dir())"
+    code = "from ds_exp.config.paths import conf_dir; print(conf_dir())"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site)}, capture_output=True, text=True
     )

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from ds_exp.config.ds_config import RunFacts, find_auto, resolve_ds_config
-from ds_exp.config.validate import validate
+from ds_exp.config.paths import conf_dir
 from ds_exp.errors import ConfigError
-from ds_exp.paths import conf_dir
+from ds_exp.launch.validation import validate
 
 GROUPS = ["zero", "precision", "offload", "lora", "model", "data", "optimizer", "scheduler", "train", "dist", "logger"]
 
@@ -324,7 +324,7 @@ def test_dschat_step1_options(compose_cfg):
 def test_disable_dropout_zeroes_every_dropout_probability():
     from transformers import GPT2Config, OPTConfig
 
-    from ds_exp.model import disable_dropout_in_config
+    from ds_exp.model.architecture import disable_dropout_in_config
 
     for config in (OPTConfig(dropout=0.1, attention_dropout=0.1), GPT2Config()):
         disable_dropout_in_config(config)
@@ -335,7 +335,7 @@ def test_disable_dropout_zeroes_every_dropout_probability():
 def test_hidden_size_rules():
     from types import SimpleNamespace
 
-    from ds_exp.model import hidden_size_of
+    from ds_exp.model.architecture import hidden_size_of
 
     assert hidden_size_of(SimpleNamespace(hidden_size=768)) == 768
     assert hidden_size_of(SimpleNamespace(hidden_sizes=[64, 128, 320])) == 320
@@ -493,8 +493,9 @@ def test_checkpoint_errors_at_load_are_one_message(compose_cfg, tmp_path):
     validation, are mapped where transformers loads them (ds_exp.model.checkpoint_error)."""
     import shutil
 
-    from ds_exp.data import load_tokenizer
-    from ds_exp.model import build_model, build_model_config
+    from ds_exp.model.architecture import build_model_config
+    from ds_exp.model.build import build_model
+    from ds_exp.model.tokenizer import load_tokenizer
 
     embedded = str(conf_dir().parent / "ds_exp" / "assets" / "tokenizer")
 

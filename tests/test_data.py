@@ -16,14 +16,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from ds_exp.config.schema import Config, DataConfig, DataSource, ModelConfig, plain_tree, to_config
-from ds_exp.data import (
-    check_data_config,
-    count_train_examples,
-    load_tokenizer,
-    make_collator,
-    prepare_sft_data,
-)
+from ds_exp.data.checks import check_data_config
+from ds_exp.data.pipeline import count_train_examples, prepare_sft_data
 from ds_exp.errors import ConfigError, DataError
+from ds_exp.model.tokenizer import load_tokenizer
+from ds_exp.train.collate import make_collator
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 1234  # train.seed of make_cfg
@@ -665,8 +662,8 @@ def test_dschat_rows_are_trained_on_as_given(tmp_path, tok):
 
 
 def test_dschat_step1_trains_on_the_text_as_given(tmp_path):
+    from ds_exp.config.paths import conf_dir
     from ds_exp.config.schema import register_configs
-    from ds_exp.paths import conf_dir
 
     hydra = pytest.importorskip("hydra")
     register_configs()
@@ -904,8 +901,8 @@ def test_package_import_is_light():
 
 @pytest.mark.parametrize("option", ["synthetic", "local", "dschat_local", "blend"])
 def test_conf_data_options_compose(option, tmp_path):
+    from ds_exp.config.paths import conf_dir
     from ds_exp.config.schema import register_configs
-    from ds_exp.paths import conf_dir
 
     hydra = pytest.importorskip("hydra")
     register_configs()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_exp.data import ResumableDistributedSampler
+from ds_exp.train.sampler import ResumableDistributedSampler
 
 
 def shards(n, world, **kw):

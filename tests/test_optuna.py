@@ -247,7 +247,7 @@ def test_study_on_slurm_with_two_ranks_per_trial(slurm, tmp_path, cache_dir):  #
 def test_the_command_line_grammar_becomes_optuna_distributions():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    from ds_exp.search_space import parse_search_space
+    from ds_exp.sweeps.search_space import parse_search_space
 
     space = parse_search_space(
         [
@@ -289,7 +289,7 @@ def test_the_command_line_grammar_becomes_optuna_distributions():
 )
 def test_a_search_expression_that_cannot_be_searched_is_named(override, message):
     from ds_exp.errors import ConfigError
-    from ds_exp.search_space import parse_search_space
+    from ds_exp.sweeps.search_space import parse_search_space
 
     with pytest.raises(ConfigError) as err:
         parse_search_space([override])
@@ -298,7 +298,7 @@ def test_a_search_expression_that_cannot_be_searched_is_named(override, message)
 
 def test_a_study_continues_only_with_the_settings_it_started_with(tmp_path):
     from ds_exp.errors import ConfigError
-    from ds_exp.study_record import STUDY_FILE, check_study_dir
+    from ds_exp.sweeps.study_files import STUDY_FILE, check_study_dir
 
     identity = {"study_name": "s", "storage": "sqlite:///x", "objective": "final_eval.eval_loss"}
     identity |= {"direction": "minimize", "search_space": {"optimizer.lr": "{}"}, "fixed": ["train.max_steps=8"]}
@@ -312,7 +312,7 @@ def test_a_study_continues_only_with_the_settings_it_started_with(tmp_path):
 
 
 def test_the_best_trials_command_trains_it_again_with_as_many_ranks():
-    from ds_exp.study_record import command_line
+    from ds_exp.sweeps.study_files import command_line
 
     assert command_line(["optimizer.lr=0.0001", "data.name=a b"], 2) == (
         "torchrun --nproc_per_node=2 -m ds_exp optimizer.lr=0.0001 'data.name=a b'"

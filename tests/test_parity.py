@@ -114,8 +114,8 @@ def test_comparisons_that_cannot_agree_are_refused_before_anything_runs(tmp_path
 
 
 def test_a_side_without_grad_norm_is_compared_on_losses_and_a_missing_step_fails(tmp_path):
-    from ds_exp.parity.compare import Tolerance, compare, notes, verdict
-    from ds_exp.parity.runs import SideRun
+    from ds_exp.tools.parity.compare import Tolerance, compare, notes, verdict
+    from ds_exp.tools.parity.runs import SideRun
 
     def side(*lines: tuple[float, float | None]) -> SideRun:
         records = [{"type": "train", "step": i, "loss": loss, "grad_norm": g} for i, (loss, g) in enumerate(lines, 1)]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ds_exp.export import TOKENIZER_FILES
+from ds_exp.artifacts.export import TOKENIZER_FILES
 from tests.training import launch
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ds_exp.checkpoint.universal import MARKER, convert_here, universal_dir
 from ds_exp.errors import ResumeError
-from ds_exp.universal import MARKER, convert_here, universal_dir
 from tests.training import FAST, Run, assert_close, launch
 
 pytestmark = pytest.mark.slow

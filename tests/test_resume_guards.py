@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_exp.checkpoint import COMPLETE_MARKER, complete_checkpoints
-from ds_exp.trajectory import lr_at
+from ds_exp.model.engine import lr_at
+from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints
 from tests.training import FAST, free_port, launch, logged_steps, user_env
 
 pytestmark = pytest.mark.slow

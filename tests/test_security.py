@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from ds_exp.config.paths import conf_dir
+from ds_exp.config.secrets import hide_secret_overrides
 from ds_exp.errors import ConfigError
-from ds_exp.paths import conf_dir
-from ds_exp.secrets import hide_secret_overrides
 from tests.conftest import REPO, run_cli
 from tests.test_slurm import _cluster_up
 from tests.training import FAST, launch, multirun, report_rows
@@ -199,7 +199,7 @@ def test_a_hidden_secret_resolves_to_its_value_in_the_composed_config(monkeypatc
 CFG_JOB = """
 import sys
 sys.argv = ["ds_exp", "--cfg", "job", "+logger.api_key={secret}"]
-from ds_exp.cli import main
+from ds_exp.launch.cli import main
 try:
     main()
 except SystemExit:

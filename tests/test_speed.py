@@ -9,9 +9,9 @@ import stat
 import pytest
 
 from ds_exp.config.ds_config import RunFacts, resolve_ds_config
-from ds_exp.engine import optimizer_impl
-from ds_exp.flops import FlopsModel, flops_model, peak_flops, sum_squared_lengths
-from ds_exp.ops import deepspeed_arch_list
+from ds_exp.model.engine import optimizer_impl
+from ds_exp.runtime.ops import deepspeed_arch_list
+from ds_exp.train.flops import FlopsModel, flops_model, peak_flops, sum_squared_lengths
 from tests.training import FAST, launch
 
 
@@ -69,8 +69,8 @@ def test_flops_count_the_weights_that_multiply(compose_cfg):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ds_exp.data import load_tokenizer
-    from ds_exp.model import build_model_config
+    from ds_exp.model.architecture import build_model_config
+    from ds_exp.model.tokenizer import load_tokenizer
 
     for tied in (True, False):
         cfg = compose_cfg(f"model.arch.tie_word_embeddings={tied}")

@@ -1,14 +1,39 @@
-"""The package's shape holds as it grows: no import cycle (lazy imports included), no module over 400 lines, and
-the known touches of libraries' private internals only in ds_exp/compat.py."""
+"""The package's shape holds as it grows: the folders are the layers and imports go one way (down), light packages
+never load torch or deepspeed, heavy modules import at the top, no import cycle, no module over 400 lines, and
+libraries' private internals only in ds_exp/compat.py."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ds_exp"
 MAX_LINES = 400
+MAX_TOP_MODULES = 8
+# The layers, lowest first: a module imports only from its own package or a lower layer (ds_exp/__init__.py).
+LAYERS = [
+    "errors", "compat",
+    "config", "data", "resume", "launch", "sweeps",
+    "runtime", "model", "checkpoint", "artifacts", "train", "tools",
+]  # fmt: skip
+LIGHT = ("config", "data", "resume", "launch", "sweeps")  # never torch, never deepspeed
+# The one import that goes up: the command line hands a validated config to the training stack.
+UPWARD = {("ds_exp.launch.cli", "ds_exp.train.recipe"), ("ds_exp.launch.cli", "ds_exp.tools.dry_run")}
+# Imported inside the function that needs them, and why; every other import sits at the top of its module.
+IMPORTED_WHERE_USED = {
+    "flash_attn": "optional: only where installed",
+    "oneccl_bindings_for_pytorch": "optional: Intel's oneCCL bindings, only where installed",
+    "liger_kernel": "optional: only where installed",
+    "submitit": "only inside a submitit job (every other launch skips its import time)",
+    "matplotlib": "only for the sweep report's plot (its import prints and costs seconds)",
+    "wandb": "only with logger=wandb (its import costs seconds)",
+    "psutil": "only for autotune's host-memory budget",
+    "ds_exp.train.recipe": "the CLI's one upward import (see UPWARD)",
+    "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
+}
 # uses (not mentions) of other libraries' private names that ds_exp relies on
 PRIVATE = re.compile(
     r"hydra\._internal|\._zero3_consolidated\w*\(|import _parse_node_list|\._usr_sig\(|\._init_weights\("
@@ -20,21 +45,50 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imported(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [f"{node.module}.{a.name}" for a in node.names]
+        return names if node.module == "ds_exp" else [node.module, *names]  # `from ds_exp import compat`
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return []
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
     """The ds_exp modules `path` imports, wherever the import statement is (lazy ones count: they still cycle)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        for name in names:
-            while name and name not in modules:
+        for name in imported(node):
+            while name and name not in known:
                 name = name.rpartition(".")[0]
             if name:
                 found.add(name)
     return found
+
+
+def layer_of(module: str) -> int | None:
+    """The layer index of a module of a layer package; None for the entry points at the top (ds_exp.report ...)."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    wrong = []
+    for source, targets in graph.items():
+        own = layer_of(source)
+        if own is None:
+            continue  # entry points may import anything
+        for target in targets:
+            theirs = layer_of(target)
+            if theirs is None or target == "ds_exp":
+                wrong.append((source, target))  # a layer never imports an entry point
+            elif theirs > own and (source, target) not in UPWARD:
+                wrong.append((source, target))
+    return sorted(wrong)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -69,22 +123,83 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_package_has_no_import_cycle():
-    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {}
-    for name, path in files.items():
+def import_graph() -> dict[str, set[str]]:
+    files = modules()
+    return {
         # a package's own __init__ importing its submodules is not a cycle with them
-        graph[name] = {m for m in imports_of(path, set(files)) if m != name and not m.startswith(name + ".")}
-    assert cycles(graph) == []
+        name: {m for m in imports_of(path, set(files)) if m != name and not m.startswith(name + ".")}
+        for name, path in files.items()
+    }
+
+
+def test_the_package_has_no_import_cycle():
+    assert cycles(import_graph()) == []
 
 
 def test_the_cycle_finder_finds_one():  # the test above must be able to fail
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
 
 
+def test_imports_go_down_the_layers():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_direction_check_finds_an_upward_import():  # the test above must be able to fail
+    graph = {"ds_exp.config.schema": {"ds_exp.train.loop"}, "ds_exp.train.loop": {"ds_exp.config.schema"}}
+    assert upward_imports(graph) == [("ds_exp.config.schema", "ds_exp.train.loop")]
+
+
+def test_the_folders_are_the_layers():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()} - {"assets"}
+    assert packages == set(LAYERS) - {"errors", "compat"}
+    for name in packages:
+        doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text())) or ""
+        assert "May import" in doc, f"ds_exp/{name}/__init__.py must say what it owns and what it may import"
+
+
+def test_light_packages_never_load_torch_or_deepspeed():
+    light = sorted(m for m in modules() if layer_of(m) is not None and m.split(".")[1] in LIGHT)
+    code = (
+        "import importlib, sys\n"
+        f"for name in {light!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_imports_sit_at_the_top_of_their_module():
+    """Heavy modules import what they use at the top; light ones are light by what their package holds, not by
+    hiding imports in functions. The exceptions are named with their reason, and compat.py (library internals,
+    each touched where it is needed so that light callers stay light)."""
+    hidden = []
+    for name, path in modules().items():
+        if name == "ds_exp.compat":
+            continue
+        tree = ast.parse(path.read_text())
+        guarded = {
+            id(child)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for child in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or node in tree.body or id(node) in guarded:
+                continue
+            what = imported(node)[0]
+            if not any(what == ok or what.startswith(ok + ".") for ok in IMPORTED_WHERE_USED):
+                hidden.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert hidden == []
+
+
 def test_no_module_is_over_400_lines():
     long = {
-        str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400
+        str(p.relative_to(PACKAGE)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
 

@@ -129,8 +129,10 @@ def test_resume_from_a_directory_without_checkpoints_is_an_error(tmp_path, cache
 def test_exported_model_reloads_with_the_engines_eval_loss(tmp_path, cache_dir, compose_cfg):
     from transformers import AutoModelForCausalLM
 
-    from ds_exp.data import load_tokenizer, make_collator, prepare_sft_data
-    from ds_exp.step import token_loss_sum
+    from ds_exp.data.pipeline import prepare_sft_data
+    from ds_exp.model.tokenizer import load_tokenizer
+    from ds_exp.train.collate import make_collator
+    from ds_exp.train.step import token_loss_sum
 
     run = launch(
         tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", "train.export_adapter=true", cache_dir=cache_dir
@@ -156,8 +158,8 @@ def test_merged_lora_export_equals_the_adapter_model(tmp_path, cache_dir, compos
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ds_exp.data import load_tokenizer
-    from ds_exp.model import build_model
+    from ds_exp.model.build import build_model
+    from ds_exp.model.tokenizer import load_tokenizer
 
     run = launch(
         tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", "train.export_adapter=true", cache_dir=cache_dir
@@ -174,9 +176,9 @@ def test_merged_lora_export_equals_the_adapter_model(tmp_path, cache_dir, compos
 
 
 def test_padding_never_changes_the_loss(compose_cfg):
-    from ds_exp.data import load_tokenizer
-    from ds_exp.model import build_model
-    from ds_exp.step import IGNORE_INDEX, token_loss_sum
+    from ds_exp.model.build import build_model
+    from ds_exp.model.tokenizer import load_tokenizer
+    from ds_exp.train.step import IGNORE_INDEX, token_loss_sum
 
     cfg = compose_cfg()
     tokenizer = load_tokenizer(cfg.model, cfg.data)

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_exp.flops import FlopsModel
-from ds_exp.metrics import Metrics
-from ds_exp.step import IGNORE_INDEX, StepResult, StepVotes, TrainStep, token_loss_sum
-from ds_exp.summary import RunState, write_summary
+from ds_exp.artifacts.summary import RunState, write_summary
+from ds_exp.train.flops import FlopsModel
+from ds_exp.train.metrics import Metrics
+from ds_exp.train.step import IGNORE_INDEX, StepResult, StepVotes, TrainStep, token_loss_sum
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_a_metric_window_writes_exact_sums_and_carries_the_open_one(one_rank):
 
 
 def test_the_summary_comes_from_the_run_state(tmp_path):
-    from ds_exp.secrets import register_secrets
+    from ds_exp.config.secrets import register_secrets
 
     register_secrets({"api_key": "sk-abcdefgh"})
     state = RunState(tmp_path, "single", world_size=2, peak_flops=1e12)

@@ -15,6 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ds_exp.config.paths import embedded_tokenizer_dir
+from ds_exp.data.synthetic import corpus
+
 VOCAB_SIZE = 512  # 256 byte symbols + 2 special tokens + merges; a multiple of 8 as the model's embedding
 EOS = "<|endoftext|>"  # DeepSpeed-Chat's end-of-conversation token, the eos
 PAD = "<|pad|>"  # a separate pad token: padding is masked by position anyway, but a distinct id reads clearer
@@ -40,9 +45,6 @@ def build(out_dir: Path) -> None:
     # One rayon thread: BPE merge ties are then broken the same way on every machine.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from ds_exp.data.synthetic import corpus
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -77,8 +79,6 @@ def build(out_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ds_exp.paths import embedded_tokenizer_dir
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=embedded_tokenizer_dir(), help="output directory")
     parser.add_argument("--check", action="store_true", help="rebuild in a temp dir and compare with --out")

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.plan import global_batch_mismatch
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
 from ds_exp.errors import ConfigError
-from ds_exp.plan import global_batch_mismatch
 
 _MISSING = object()
 

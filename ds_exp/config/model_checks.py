@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from ds_exp.config.schema import Config, ModelConfig
+from ds_exp.errors import ConfigError
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -221,3 +223,32 @@ def max_seq_len_notes(cfg: Config) -> list[str]:
         f"data.max_seq_len={n} is beyond the model's {key}={limit} ({model_type}: how it encodes positions is not "
         f"known to ds_exp); if it learned absolute positions, longer inputs fail: set data.max_seq_len={limit}"
     ]
+
+
+def checkpoint_error(model: ModelConfig, err: BaseException, *, weights: bool = False) -> ConfigError | None:
+    """transformers' error loading the checkpoint in model.name_or_path (its weights too with `weights`) as one
+    message naming the file and the fix; None when its files explain nothing (the error is then raised as is)."""
+    directory = local_checkpoint(model)
+    if directory is None:
+        return None
+    shown = f"model.name_or_path={model.name_or_path}"
+    settings, problem = read_config_json(directory, model.name_or_path)
+    if problem is not None:
+        return ConfigError(problem)
+    text = str(err)
+    if settings is not None and ("does not recognize this architecture" in text or "custom code" in text):
+        model_type = settings.get("model_type")
+        if "auto_map" in settings and not model.trust_remote_code:
+            return ConfigError(
+                f"{shown}: the checkpoint ships its own model code (auto_map in config.json) for model_type="
+                f"{model_type}, which transformers does not have built in; model.trust_remote_code=true runs that "
+                "code (only do so for a source you trust), or use a checkpoint of an architecture transformers knows"
+            )
+
+        return ConfigError(
+            f"{shown}: config.json has model_type={model_type}, which transformers {version('transformers')} does "
+            "not know; upgrade transformers (pip install -U transformers), or set model.trust_remote_code=true if "
+            "the checkpoint ships its own model code"
+        )
+    problem = weights_problem(directory, model.name_or_path) if weights else None
+    return ConfigError(problem) if problem is not None else None

@@ -7,12 +7,16 @@ before any code of ours runs. Semantic checks (combinations, ranges, paths) live
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from omegaconf import MISSING
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf, open_dict
+
+from ds_exp.errors import ConfigError
 
 
 def plain(value: Any) -> Any:
@@ -344,16 +348,12 @@ def missing_source_paths(missing_keys: list[str]) -> list[str]:
 def to_config(cfg: Any) -> Config:
     """The composed config as typed objects, once, at the entry point: interpolations resolved, every group a
     dataclass of this module, the DeepSpeed config node a plain dict. Hydra's own node is left out."""
-    from omegaconf import OmegaConf, open_dict
-
     if "hydra" in cfg:
         cfg = cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # mandatory values (???) left unset: one line each, naming the key
-        from ds_exp.errors import ConfigError
-
         # data source paths say it their way (what to put there); any other key gets the plain sentence
         problems: list[str] = []
         for key in missing:
@@ -366,13 +366,9 @@ def to_config(cfg: Any) -> Config:
 
 def as_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain JSON values (for wandb, secret scanning)."""
-    import dataclasses
-
     return plain_tree(dataclasses.asdict(cfg))
 
 
 def register_configs() -> None:
     """Make the schema the base of conf/config.yaml (its defaults list starts with `ds_exp_schema`)."""
-    from hydra.core.config_store import ConfigStore
-
     ConfigStore.instance().store(name="ds_exp_schema", node=Config)

@@ -6,18 +6,18 @@ and the fix, all reported together in one ConfigError.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
-from ds_exp.accelerator import decide_precision, detect_accelerator, supports_bf16, supports_fp16
 from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
 from ds_exp.config.model_checks import check_checkpoint, check_max_seq_len, looks_like_local_path
+from ds_exp.config.paths import not_a_directory
+from ds_exp.config.plan import global_batch_mismatch
+from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.schema import Config, plain
-from ds_exp.distributed import detect_launch
 from ds_exp.errors import ConfigError
-from ds_exp.paths import not_a_directory
-from ds_exp.plan import global_batch_mismatch
 
 
 def _check_model(cfg: Config) -> list[str]:
@@ -46,8 +46,6 @@ def _check_model(cfg: Config) -> list[str]:
 
 def _check_speed_features(cfg: Config, accelerator: str) -> list[str]:
     """Features that need a package or a GPU: told here, not as an ImportError after the model is loaded."""
-    import importlib.util
-
     problems = []
     attention = cfg.model.attn_implementation
     if attention in ("flash_attention_2", "flash_attention_3"):
@@ -130,7 +128,7 @@ def _check_zero_and_offload(ds: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_numbers(cfg: Config) -> list[str]:
+def _check_numbers(cfg: Config, world: int) -> list[str]:
     problems = []
     train, opt, sched, lora = cfg.train, cfg.optimizer, cfg.scheduler, cfg.lora
     if lora.dim < 0:
@@ -189,10 +187,8 @@ def _check_numbers(cfg: Config) -> list[str]:
                 f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size x "
                 f"train.gradient_accumulation_steps = {per_rank}: the batch arithmetic cannot hold; use auto"
             )
-        elif per_rank >= 1:
-            world = detect_launch(cfg.dist).world_size
-            if global_batch != per_rank * world:
-                problems.append(global_batch_mismatch(cfg.train, world))
+        elif per_rank >= 1 and global_batch != per_rank * world:
+            problems.append(global_batch_mismatch(cfg.train, world))
     if cfg.dist.timeout_minutes < 1:
         problems.append(f"dist.timeout_minutes={cfg.dist.timeout_minutes}: must be >= 1")
     return problems
@@ -246,14 +242,11 @@ def _check_resume(cfg: Config) -> list[str]:
     return []
 
 
-def validate(cfg: Config, accelerator: str | None = None) -> dict[str, Any]:
-    """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept)."""
-    accelerator = accelerator or detect_accelerator()
-    problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg)
+def config_problems(cfg: Config, *, accelerator: str, world_size: int) -> tuple[list[str], dict[str, Any]]:
+    """Every problem of the config's values and combinations (one line each), and the merged DeepSpeed config
+    (run-time "auto" kept; {} when it cannot be built). `world_size`: the launch's (for the global batch)."""
+    problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg, world_size)
     problems += _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + _check_output_paths(cfg)
-    from ds_exp.data import check_data_config
-
-    problems += check_data_config(cfg.data)
     ds: dict[str, Any] = {}
     try:
         precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))
@@ -262,6 +255,4 @@ def validate(cfg: Config, accelerator: str | None = None) -> dict[str, Any]:
         problems += err.problems
     if ds:
         problems += _check_zero_and_offload(ds) + _check_optimizer_impl(cfg, ds, accelerator)
-    if problems:
-        raise ConfigError(problems)
-    return ds
+    return problems, ds

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ds_exp.secrets import redact_text
+from ds_exp.config.memory_plan import human_bytes
+from ds_exp.config.secrets import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,6 @@ def disk_full_message(err: BaseException, cache_dir: Path) -> str | None:
     code = disk_full(err)
     if code is None:
         return None
-    from ds_exp.memory import human_bytes
 
     existing = cache_dir.absolute()
     while not existing.exists() and existing != existing.parent:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from omegaconf import MISSING
 
+from ds_exp.config.paths import not_a_directory
 from ds_exp.config.schema import DataConfig, DataSource, path_not_set, plain
 from ds_exp.data.conversations import LAYOUTS
 from ds_exp.data.formats import FILE_FORMATS, expand, resolve_format
 from ds_exp.data.splits import parse_data_split
-from ds_exp.paths import not_a_directory
 
 TEMPLATES = ("raw", "dschat", "chat_template", "auto")
 

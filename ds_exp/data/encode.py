@@ -13,6 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+
 from ds_exp.data.sources import Rows
 from ds_exp.data.templates import Span, render_chat, render_dschat, render_raw
 
@@ -131,10 +135,6 @@ def pick_num_proc(num_proc: int | None, num_rows: int) -> int:
 
 def encode(rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str) -> tuple[Any, dict[str, int]]:
     """A datasets.Dataset with input_ids/labels (int32 lists) and counts: truncated, dropped."""
-    import datasets
-    import numpy as np
-    import pyarrow.compute as pc
-
     features = datasets.Features(
         {
             "input_ids": datasets.List(datasets.Value("int32")),
@@ -173,8 +173,6 @@ def pack(ds: Any, max_seq_len: int) -> Any:
     position_ids restart at 0 for every example, so a trainer that passes them without an attention mask
     gets per-example causal attention from transformers (it builds block-diagonal masks from them).
     """
-    import datasets
-
     packed: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
     cur_ids: list[int] = []
     cur_labels: list[int] = []

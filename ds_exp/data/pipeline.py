@@ -14,13 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import datasets
+import numpy as np
+
 from ds_exp.config.schema import DataConfig, DataSource, plain
 from ds_exp.data.cache import cached_build, disk_full_message, hash_key, path_fingerprint
 from ds_exp.data.checks import check_data_config
+from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack
 from ds_exp.data.formats import expand, resolve_format
 from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
 from ds_exp.data.splits import eval_carve_count, parse_data_split, phase1_count
-from ds_exp.data.templates import RowError, source_template
+from ds_exp.data.templates import RowError, resolve_template, source_template, special_strings
 from ds_exp.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -79,8 +83,6 @@ def plan_counts(
 
 
 def _rng(seed: int, *tags: int) -> Any:
-    import numpy as np
-
     return np.random.default_rng([seed % 2**32, *tags])
 
 
@@ -240,8 +242,6 @@ def _row_error(data: DataConfig, problem: str, roles: list[str], contents: list[
 
 
 def _empty() -> Any:
-    import datasets
-
     features = datasets.Features({k: datasets.List(datasets.Value("int32")) for k in ("input_ids", "labels")})
     return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
 
@@ -253,11 +253,6 @@ def prepare_sft_data(data: DataConfig, tokenizer: Any, *, seed: int) -> SFTData:
     Safe to call from every rank (and every job of a sweep) at once: one process builds, the rest wait on
     the lock and load the result. Raises DataError (one line per problem) on bad input.
     """
-    import datasets
-
-    from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack
-    from ds_exp.data.templates import resolve_template, special_strings
-
     problems = check_data_config(data)
     if problems:
         raise DataError("\n".join(problems))

@@ -13,8 +13,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import datasets
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
 from ds_exp.data.conversations import ALPACA_COLUMNS, CHAT_COLUMNS, PAIR, Fields, Parsed, Rows, parse_rows
 from ds_exp.data.formats import dschat_files, expand, resolve_format
+from ds_exp.data.synthetic import generate
 from ds_exp.data.textfiles import (
     StrictJSON,
     check_not_binary,
@@ -151,12 +157,9 @@ def _read_file(path: Path, fmt: str, key: str, fields: list[str]) -> _Table:
     if fmt in ("json", "jsonl"):
         records, where = _json_records(path, key)
         return _Table(_columns_of_records(records), lambda f: [r.get(f) for r in records], len(records), where)
-    import pyarrow as pa
 
     try:
         if fmt == "csv":
-            import pyarrow.csv as pacsv
-
             check_not_binary(path, key, "CSV")
             if starts_with_bom(path):  # Arrow skips it; said once as for JSON
                 note_bom(path)
@@ -165,8 +168,6 @@ def _read_file(path: Path, fmt: str, key: str, fields: list[str]) -> _Table:
             with pa.input_stream(str(path), compression="gzip" if is_gzip_name(path) else None) as stream:
                 table = pacsv.read_csv(stream, convert_options=opts)
         else:
-            import pyarrow.parquet as pq
-
             table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError, EOFError) as err:
         raise DataError(f"{key}: {path}: cannot read as {fmt}: {str(err).splitlines()[0]}") from None
@@ -226,8 +227,6 @@ def _load_tables(src: DataSource, key: str, fields: list[str]) -> tuple[_Table, 
             return train, None, str(local)
         return train, _read_file(eval_file, "json", key, fields), str(local)
     if fmt == "arrow":
-        import datasets
-
         try:
             loaded = datasets.load_from_disk(str(local))
         except (FileNotFoundError, ValueError, OSError) as err:
@@ -236,7 +235,6 @@ def _load_tables(src: DataSource, key: str, fields: list[str]) -> tuple[_Table, 
             return (*_pick_splits(loaded, src, key, str(local)), str(local))
         return _read_dataset(loaded, str(local)), None, str(local)
     # hub: only works online; errors are passed on in one line
-    import datasets
 
     try:
         loaded = datasets.load_dataset(path, src.name, revision=src.revision)
@@ -299,8 +297,6 @@ def find_row(src: DataSource, key: str, roles: list[str], contents: list[str]) -
 
 
 def synthetic_source(synthetic: SyntheticDataConfig) -> RawSource:
-    from ds_exp.data.synthetic import generate
-
     train, eval_rows = generate(int(synthetic.num_train), int(synthetic.num_eval), int(synthetic.seed))
 
     def rows(items: list[dict[str, str]]) -> Rows:

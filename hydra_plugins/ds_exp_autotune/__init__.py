@@ -3,7 +3,7 @@ there (`hydra/sweeper=autotune`, conf/hydra/sweeper/autotune.yaml). The code is 
 
 from __future__ import annotations
 
-from ds_exp.autotune import Autotune
+from ds_exp.tools.autotune import Autotune
 
 
 class AutotuneSweeper(Autotune):

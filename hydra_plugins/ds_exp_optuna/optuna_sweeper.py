@@ -3,7 +3,7 @@
 The sweeper itself is ds_exp/study.py; this module stays light (Hydra imports it on every start).
 """
 
-from ds_exp.study import StudySweeper
+from ds_exp.sweeps.optuna_study import StudySweeper
 
 
 class OptunaSweeper(StudySweeper):

@@ -1,0 +1,5 @@
+"""What a run leaves for people and tools: the Hugging Face export (export), summary.json (summary), and the metric
+sinks metrics.jsonl and wandb (tracking).
+
+Layer 9, heavy. May import: the light layers, ds_exp.runtime, ds_exp.model.
+"""

@@ -1,0 +1,231 @@
+"""Export the trained model in Hugging Face format (safetensors + config + tokenizer), with the base model's identity.
+
+The full weights are gathered on rank 0 (ZeRO-3: layer by layer, by DeepSpeed) into a CPU copy of the model, LoRA
+is merged into the base weights in fp32, and the result is saved into a temporary directory renamed into place only
+when complete. What the export keeps of the base model:
+* its vocabulary: the rows model.vocab_multiple added for speed are trimmed, so model and tokenizer agree;
+* its precision: weights training never changed (the frozen base of a LoRA run) are re-read from the base
+  checkpoint, exact, instead of the copies the engine rounded to bf16/fp16; the export is stored in the base
+  checkpoint's dtype, or in the training precision where training changed every base weight (a full fine-tune in
+  bf16 has nothing more precise to give). `ds_exp_export.json` beside the weights says which and why;
+* its tokenizer files, copied as they are when training did not change the tokenizer; its generation config.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from ds_exp import compat
+from ds_exp.errors import RunFailed
+from ds_exp.model.lora import wrap_lora
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# What a tokenizer is made of on disk (any that the source has are copied).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+METADATA = "ds_exp_export.json"
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """What the export needs to know about the base model and the run, besides the trained weights."""
+
+    model_config: Any  # the trained model's transformers config (vocabulary padded)
+    base_path: str | None  # the checkpoint the base weights were loaded from; None = built from a config
+    base_dtype: str  # float32 | bfloat16 | float16: the dtype of the base checkpoint's weights
+    base_rows: int  # embedding rows of the base checkpoint (of the config when built from one)
+    vocab_size: int  # the base vocabulary: the tokenizer's size, or the checkpoint's if larger
+    tokenizer_source: str  # the directory the tokenizer was loaded from
+    lora: Any | None  # ds_exp.model.LoraSpec
+    precision: str  # the training precision: fp32 | bf16 | fp16
+    dtype: str  # train.export_dtype: auto | fp32 | bf16 | fp16
+    trust_remote_code: bool = False
+
+
+def gather_full_state_dict(engine: Any, zero_stage: int) -> dict[str, Any] | None:
+    """Collective. The whole state dict on rank 0 (None on the other ranks)."""
+    if zero_stage == 3:
+        state = compat.zero3_full_state_dict(engine)  # gathers per layer onto rank 0; keeps the dtype
+    else:
+        state = engine.module.state_dict() if dist.get_rank() == 0 else None
+    if dist.get_rank() != 0:
+        return None
+    return {k: v.detach().to("cpu").clone() for k, v in state.items()}
+
+
+def export_dtype(spec: ExportSpec, base_trained: bool) -> tuple[str, str]:
+    """(torch dtype name, why) of the exported weights."""
+    if spec.dtype != "auto":
+        return DTYPES[spec.dtype], f"train.export_dtype={spec.dtype}"
+    trained_in = DTYPES[spec.precision]
+    if spec.base_path is None:
+        return trained_in, f"built from a config: its weights exist only as the engine's {spec.precision} copy"
+    if base_trained and spec.precision != "fp32":
+        return trained_in, f"every base weight was trained in {spec.precision}: no more precise copy exists"
+    if base_trained:
+        return spec.base_dtype, (
+            f"the base checkpoint's dtype; the weights were trained in fp32 and rounded to {spec.base_dtype} once, "
+            "here (train.export_dtype=fp32 keeps them whole)"
+        )
+    return spec.base_dtype, "the base checkpoint's dtype; weights training left unchanged are copied from it exactly"
+
+
+def export_hf(engine: Any, *, zero_stage: int, spec: ExportSpec, tokenizer: Any, export_dir: Path, save_adapter: bool):
+    """Collective; rank 0 writes `export_dir` (and `export_dir`_adapter with `save_adapter`)."""
+    state = gather_full_state_dict(engine, zero_stage)
+    trained = {name for name, param in engine.module.named_parameters() if param.requires_grad}
+    if dist.get_rank() == 0:
+        assert state is not None
+        _write_export(state, trained, spec, tokenizer, export_dir, save_adapter)
+    dist.barrier()
+    return export_dir if dist.get_rank() == 0 else None
+
+
+def _write_export(
+    state: dict[str, Any], trained: set[str], spec: ExportSpec, tokenizer: Any, export_dir: Path, save_adapter: bool
+) -> None:
+    unset_hf_deepspeed_config()  # the CPU copy below must be a plain, unpartitioned model
+    model = _base_model(spec)
+    if spec.lora is not None:
+        model = wrap_lora(model, spec.lora)
+    # weights training never changed keep the base checkpoint's exact values; the rest come from the engine
+    from_base = [n for n, _ in model.named_parameters() if "lora_" not in n] if spec.base_path else []
+    keep_base = set(from_base) - trained
+    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in keep_base}, strict=False)
+    missing = [k for k in missing if k not in keep_base and not _is_tied_copy(model, k)]
+    if missing or unexpected:
+        raise RuntimeError(f"export: state dict does not fit the model: missing {missing}, unexpected {unexpected}")
+    _copy_added_rows(model, state, spec)
+    dtype_name, why = export_dtype(spec, base_trained=bool(set(from_base) & trained))
+    tmp = export_dir.with_name(f".{export_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if spec.lora is not None:
+        if save_adapter:
+            adapter_tmp = export_dir.with_name(f".{export_dir.name}_adapter.tmp")
+            shutil.rmtree(adapter_tmp, ignore_errors=True)
+            model.save_pretrained(str(adapter_tmp), safe_serialization=True)
+            _replace(adapter_tmp, export_dir.with_name(f"{export_dir.name}_adapter"))
+        model = model.merge_and_unload()  # in fp32: the base weights plus the adapters' delta, rounded once below
+    if model.get_input_embeddings().num_embeddings != spec.vocab_size:
+        model.resize_token_embeddings(spec.vocab_size)  # drop the padding rows: model and tokenizer agree
+    model.to(getattr(torch, dtype_name))
+    model.config.dtype = dtype_name
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer_note = _save_tokenizer(spec, tokenizer, tmp)
+    _copy_generation_config(spec, tmp)
+    metadata = {
+        "dtype": dtype_name,
+        "why": why,
+        "trained_in": spec.precision,
+        "base_model": spec.base_path,
+        "vocab_size": spec.vocab_size,
+        "lora": None if spec.lora is None else {"merged": True, "rank": spec.lora.dim, "alpha": spec.lora.alpha},
+        "weights_copied_from_base": len(keep_base),
+        "tokenizer": tokenizer_note,
+    }
+    (tmp / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+    _replace(tmp, export_dir)
+    log.info("exported Hugging Face model to %s (%s: %s)", export_dir, dtype_name, why)
+
+
+def _base_model(spec: ExportSpec) -> Any:
+    """A CPU fp32 copy of the model with the trained (padded) vocabulary: the base checkpoint's weights when there
+    is one, else a fresh build from the config (every weight then comes from the engine)."""
+    if spec.base_path is None:
+        return AutoModelForCausalLM.from_config(spec.model_config, dtype=torch.float32)
+    config = copy.deepcopy(spec.model_config)
+    _text_config(config).vocab_size = spec.base_rows  # the checkpoint's shape; padded again below
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.base_path, config=config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
+    )
+    padded = _text_config(spec.model_config).vocab_size
+    if model.get_input_embeddings().num_embeddings != padded:
+        model.resize_token_embeddings(padded)
+    return model
+
+
+def _copy_added_rows(model: Any, state: dict[str, Any], spec: ExportSpec) -> None:
+    """Embedding rows of tokens the run added are not in the base checkpoint: take them from the engine (they
+    were never trained with a frozen embedding, but they are what the run used)."""
+    if spec.base_path is None or spec.vocab_size <= spec.base_rows:
+        return
+    names = {id(param): name for name, param in model.named_parameters()}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is None or id(module.weight) not in names:
+            continue
+        trained_value = state.get(names[id(module.weight)])
+        if trained_value is not None:
+            with torch.no_grad():
+                module.weight[spec.base_rows : spec.vocab_size] = trained_value[spec.base_rows : spec.vocab_size]
+
+
+def _text_config(config: Any) -> Any:
+    return getattr(config, "text_config", None) or config
+
+
+def _save_tokenizer(spec: ExportSpec, tokenizer: Any, directory: Path) -> str:
+    """Copy the base tokenizer's files byte for byte when the run used it unchanged (the export and its base then
+    share one tokenizer); save it anew when the run added tokens (a pad or end-of-conversation token)."""
+    source = Path(spec.tokenizer_source)
+    files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if files:
+        original = AutoTokenizer.from_pretrained(str(source), trust_remote_code=spec.trust_remote_code)
+        if len(original) == len(tokenizer):
+            for file in files:
+                shutil.copy2(file, directory / file.name)
+            return f"copied from {source}"
+    tokenizer.save_pretrained(str(directory))
+    return "saved by ds_exp: the run added tokens to the base tokenizer"
+
+
+def _copy_generation_config(spec: ExportSpec, directory: Path) -> None:
+    if spec.base_path is not None and (Path(spec.base_path) / "generation_config.json").is_file():
+        shutil.copy2(Path(spec.base_path) / "generation_config.json", directory / "generation_config.json")
+
+
+def _is_tied_copy(model: Any, key: str) -> bool:
+    """lm_head.weight is absent from the state dict of a model whose embeddings are tied."""
+    return key.endswith("lm_head.weight") and bool(getattr(model.config, "tie_word_embeddings", False))
+
+
+def check_target(export_dir: Path) -> None:
+    """The export replaces `export_dir` only when it is an earlier export (it holds ds_exp_export.json, or the
+    adapter's files): whatever else is there is not ds_exp's to delete."""
+    for path in (export_dir, export_dir.with_name(f"{export_dir.name}_adapter")):
+        mine = (path / METADATA).is_file() or (path / "adapter_config.json").is_file()
+        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not mine)):
+            raise RunFailed(
+                f"train.export_dir: {path} exists and is not an export of a ds_exp run, so it is not replaced; "
+                "move it away or point train.export_dir elsewhere"
+            )
+
+
+def _replace(src: Path, dst: Path) -> None:
+    check_target(dst)
+    if dst.exists():
+        shutil.rmtree(dst)
+    src.rename(dst)

@@ -1,0 +1,130 @@
+"""summary.json: what a run was and how it ended, from an explicit state that the run fills in as it gets there."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+
+from ds_exp.config.secrets import redact_text
+from ds_exp.launch.files import write_json_atomic
+
+# how a run ends with every rank alive and its state saved: finished, or stopped by a signal and resumable
+RESUMABLE_ENDS = ("completed", "stopped", "requeued")
+
+
+@dataclass
+class RunState:
+    """Everything summary.json says. Fields are filled by the run as it knows them; None = not reached."""
+
+    run_dir: Path
+    launcher: str
+    world_size: int
+    started: float = field(default_factory=time.time)
+    status: str = "failed"
+    error: str | None = None
+    error_kind: str | None = None  # "out_of_memory" when an allocation failed
+    backend: str | None = None
+    accelerator: str | None = None
+    precision: str | None = None
+    device: str | None = None  # the GPU's name
+    peak_flops: float | None = None  # per device, for MFU
+    zero_stage: int | None = None
+    optimizer: str | None = None
+    model: str | None = None
+    lora_dim: int = 0
+    parameters: int | None = None
+    trainable_parameters: int | None = None
+    total_steps: int | None = None
+    steps: int | None = None  # optimizer steps done (None: training never started)
+    train_loss: float | None = None
+    initial_eval: dict[str, float] | None = None
+    final_eval: dict[str, float] | None = None
+    train_seconds: float = 0.0
+    train_tokens: float = 0.0
+    train_samples: float = 0.0
+    train_flops: float = 0.0
+    skipped_steps: int = 0
+    checkpoint: str | None = None
+    export_dir: str | None = None
+    resumed_from: str | None = None
+    log_file: str | None = None
+
+    def per_second(self, amount: float) -> float | None:
+        return amount / self.train_seconds if self.train_seconds else None
+
+    def as_summary(self, peaks: list[Any]) -> dict[str, Any]:
+        mfu = None
+        if self.peak_flops and self.train_seconds:
+            mfu = self.train_flops / self.train_seconds / (self.peak_flops * self.world_size)
+        tokens_per_s = self.per_second(self.train_tokens)
+        return {
+            "status": self.status,
+            "error": redact_text(self.error) if self.error else self.error,  # an exception's text may quote a value
+            "error_kind": self.error_kind,
+            "run_dir": str(self.run_dir),
+            "wall_time_s": time.time() - self.started,
+            "world_size": self.world_size,
+            "launcher": self.launcher,
+            "backend": self.backend,
+            "accelerator": self.accelerator,
+            "precision": self.precision,
+            "zero_stage": self.zero_stage,
+            "optimizer": self.optimizer,
+            "choices": hydra_choices(),
+            "model": self.model,
+            "lora_dim": self.lora_dim,
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "total_steps": self.total_steps,
+            "steps": self.steps,
+            "train_loss": self.train_loss,
+            "initial_eval": self.initial_eval,
+            "final_eval": self.final_eval,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world_size if tokens_per_s is not None else None,
+            "samples_per_s": self.per_second(self.train_samples),
+            "mfu": mfu,
+            "device": self.device,
+            "peak_tflops_per_device": (self.peak_flops or 0) / 1e12 or None,
+            "skipped_steps": self.skipped_steps,
+            "peak_memory_bytes_per_rank": peaks,
+            "checkpoint": self.checkpoint,
+            "export_dir": self.export_dir,
+            "resumed_from": self.resumed_from,
+            "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0),  # SLURM requeues of this job so far
+            "log_file": self.log_file,
+        }
+
+
+def write_summary(state: RunState, peaks: list[Any]) -> dict[str, Any]:
+    """Rank 0 writes <run dir>/summary.json (atomically); returns what it wrote."""
+    summary = state.as_summary(peaks)
+    state.run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(state.run_dir / "summary.json", summary)
+    return summary
+
+
+def final_line(summary: dict[str, Any]) -> str:
+    """What the console says at the end of a completed run."""
+    before, after = (_perplexity(summary[k]) for k in ("initial_eval", "final_eval"))
+    return (
+        f"ds_exp: {summary['status']} {summary['steps']} steps in {summary['wall_time_s']:.1f}s; "
+        f"eval perplexity {before} -> {after}; run directory {summary['run_dir']}"
+    )
+
+
+def _perplexity(result: dict[str, float] | None) -> str:
+    return f"{result['perplexity']:.3f}" if result else "n/a"
+
+
+def hydra_choices() -> dict[str, Any]:
+    """The config groups' options this run picked (Hydra's runtime choices), {} outside Hydra (tests)."""
+    try:
+        return dict(HydraConfig.get().runtime.choices)
+    except Exception:  # not under Hydra
+        return {}

@@ -1,0 +1,209 @@
+"""DeepSpeed checkpoints with a completeness marker, rotation and resume.
+
+`engine.save_checkpoint` writes <dir>/<tag>/. A checkpoint counts as complete only once every rank has
+finished writing and rank 0 has written <tag>/ds_exp_complete.json; only then does rank 0 point <dir>/latest
+at it (DeepSpeed's own `latest`, written before anything is known to be complete, is switched off). Resume
+never picks a directory without the marker, so a crash in the middle of a save leaves the previous checkpoint
+in charge, and `latest` still names it (for tools that read DeepSpeed's layout, such as zero_to_fp32.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import signal
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from ds_exp import compat
+from ds_exp.errors import ResumeError, RunFailed
+from ds_exp.launch.files import write_json_atomic, write_text_atomic
+from ds_exp.launch.storage import save_failure_message
+from ds_exp.resume.store import (
+    COMPLETE_MARKER,
+    LATEST,
+    TrainState,
+    complete_checkpoints,
+    damaged_message,
+    read_marker,
+    tag_for,
+)
+
+log = logging.getLogger(__name__)
+
+
+# Fault injection for the reliability tests: DS_EXP_FAULT=save:<tag>[@<rank>] kills this process (SIGKILL, as
+# the OOM killer or a node failure would) once DeepSpeed has written checkpoint <tag>, before it is complete.
+_FAULT_ENV = "DS_EXP_FAULT"
+
+
+def rng_states() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [np.random.get_state()[0], np.random.get_state()[1].tolist(), *np.random.get_state()[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_states(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuples(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, keep_last: int) -> Path:
+    """Collective: every rank must call it. Returns the tag directory."""
+    tag = tag_for(state.step)
+    path = checkpoint_dir / tag
+    if (path / COMPLETE_MARKER).is_file():  # a complete checkpoint is never rewritten in place
+        if read_marker(path).get("run_id") == state.run_id:  # this run's, run again after it finished
+            log.info("checkpoint %s is complete already; not saved again", path)
+            return path
+        raise RunFailed(
+            f"{path} is a complete checkpoint of another run, so it is not overwritten; point train.checkpoint_dir "
+            "at a directory of this run's own"
+        )
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"ds_exp": state.as_dict()}, save_latest=False)
+    # per-rank RNG states, loadable with torch.load(weights_only=True)
+    torch.save(rng_states(), path / f"rng_rank{rank}.pt")
+    inject_fault(f"save:{tag}", rank)
+    dist.barrier()
+    if rank == 0:
+        write_json_atomic(path / COMPLETE_MARKER, state.as_dict())
+        write_text_atomic(checkpoint_dir / LATEST, tag)
+        # only checkpoints this run wrote: a checkpoint directory shared with another run keeps that run's
+        own = [c for c in complete_checkpoints(checkpoint_dir) if read_marker(c).get("run_id") == state.run_id]
+        for old in own[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old.parent / f"{old.name}.universal", ignore_errors=True)  # its conversion (ds_exp.universal)
+    dist.barrier()
+    log.info("saved checkpoint %s", path)
+    return path
+
+
+class Checkpointer:
+    """This run's checkpoints: where, how many to keep, and what each records besides DeepSpeed's state."""
+
+    def __init__(
+        self,
+        engine: Any,
+        directory: Path,
+        *,
+        rank: int,
+        keep_last: int,
+        needed_bytes: int,
+        identity: dict[str, Any],
+    ) -> None:
+        """`identity`: what every checkpoint of this run records besides where it stands (TrainState's run_id,
+        wandb_run_id, settings and trajectory)."""
+        self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
+        self.needed_bytes, self.identity = needed_bytes, identity
+
+    def save(self, progress: Any, window: tuple[float, float], initial_eval: dict[str, float] | None) -> Path:
+        """Collective. `progress`: step, epoch, step_in_epoch; `window`: the open metric window's sums over ranks.
+        A save that fails for lack of room or rights is one message, and leaves no incomplete checkpoint."""
+        state = TrainState(
+            step=progress.step,
+            epoch=progress.epoch,
+            step_in_epoch=progress.step_in_epoch,
+            window_loss_sum=window[0],
+            window_label_tokens=window[1],
+            initial_eval=initial_eval,
+            **self.identity,
+        )
+        try:
+            return save(self.engine, self.directory, state, rank=self.rank, keep_last=self.keep_last)
+        except (OSError, RuntimeError) as exc:
+            tag_dir = self.directory / tag_for(progress.step)
+            _release_files(exc)
+            if self.rank == 0 and not (tag_dir / COMPLETE_MARKER).is_file():
+                shutil.rmtree(tag_dir, ignore_errors=True)  # never complete: give its space back
+            message = save_failure_message(exc, tag_dir, self.needed_bytes)
+            if message is None:
+                raise
+            raise RunFailed(message) from exc
+
+
+def _release_files(exc: BaseException) -> None:
+    """Close the files a failed save left open: the frames of its traceback hold torch.save's writer, and a
+    deleted file that is still open keeps its space on the disk."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        traceback.clear_frames(seen.__traceback__)
+        seen = seen.__cause__ or seen.__context__
+    gc.collect()
+
+
+def inject_fault(point: str, rank: int) -> None:
+    """SIGKILL this process at `point` when DS_EXP_FAULT names it (and this rank, if it names one)."""
+    wanted = os.environ.get(_FAULT_ENV)
+    if not wanted:
+        return
+    name, _, only_rank = wanted.partition("@")
+    if name == point and (not only_rank or int(only_rank) == rank):
+        log.error("fault injection (%s=%s): killing rank %d", _FAULT_ENV, wanted, rank)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def load_weights_only(engine: Any) -> None:
+    """DeepSpeed reads checkpoint files with torch.load(weights_only=False), which runs whatever a pickle says.
+    A resume reads files an earlier process wrote, so ds_exp has it read them with weights_only=True instead,
+    allowing only the few DeepSpeed types its checkpoints hold."""
+    compat.read_checkpoints_weights_only(engine, [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address])
+
+
+def load_checkpoint(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
+    """Collective: restores module, optimizer, LR scheduler and this rank's RNG states."""
+    load_weights_only(engine)
+    try:
+        # the LR schedule is not loaded but fast-forwarded to the step (ds_exp.resume.trajectory): a schedule is a
+        # function of the step, and a resume that changes the run's length or learning rate must take effect
+        load_path, client_state = engine.load_checkpoint(
+            str(tag_dir.parent), tag=tag_dir.name, load_lr_scheduler_states=False
+        )
+    except pickle.UnpicklingError as err:
+        raise ResumeError(
+            f"resume: {tag_dir} holds objects a checkpoint written by ds_exp never holds, so it was not loaded "
+            f"(torch.load with weights_only=True: {str(err).splitlines()[0]}); resume only from checkpoints you trust"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a truncated or missing file
+        raise ResumeError(damaged_message(tag_dir, err)) from None
+    if load_path is None:
+        raise ResumeError(f"resume: DeepSpeed found no checkpoint in {tag_dir}; it may be from another run layout")
+    rng_file = tag_dir / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_states(torch.load(rng_file, weights_only=True))
+    saved = (client_state or {}).get("ds_exp") or json.loads((tag_dir / COMPLETE_MARKER).read_text())
+    if engine.lr_scheduler is not None:
+        # the schedule is recomputed under the run's settings (a resume may change them on purpose, trajectory.py):
+        # step it as often as the engine did, i.e. not on the steps the fp16 loss scaler skipped (restored above)
+        with warnings.catch_warnings():  # it warns that no optimizer step came first: on purpose here
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            for _ in range(int(saved["step"]) - int(getattr(engine, "skipped_steps", 0) or 0)):
+                engine.lr_scheduler.step()
+    log.info("resumed from %s at step %s", tag_dir, saved["step"])
+    return TrainState(**saved)

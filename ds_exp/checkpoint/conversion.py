@@ -1,0 +1,111 @@
+"""The conversion process behind ds_exp.universal: `python -m ds_exp.checkpoint.conversion TAG_DIR --out DIR`.
+
+Runs DeepSpeed's ds_to_universal (ZeRO 1-3 checkpoints) or converts a stage-0 checkpoint itself, then makes the
+result loadable by every stage. What DeepSpeed 0.19.8 leaves to do (found on CPU, fp32, tiny Llama):
+- ds_to_universal asserts on a missing universal_checkpoint_info (models without Megatron metadata, such as
+  ds_exp's): --inject_missing_state. It rejects stage 0 (no *_optim_states.pt files).
+- Its stage <=2 and stage 3 outputs only load into the same family of stages: a stage-3 engine looks for
+  zero_pp_rank_0_mp_rank_00_model_states.pt and reads optimizer_state.pt["optimizer_state_dict"]["state"][0]
+  ["step"]; a stage 1/2 engine looks for mp_rank_00_model_states.pt, wants ds_version in optimizer_state.pt,
+  {"param": tensor} files (stage 3 writes bare flat tensors) and a step.pt per parameter (stage 3 writes none).
+- DeepSpeed's CPU Adam (offload) keeps the step as an int, which torch's AdamW refuses: stored as a tensor.
+Every torch.load here reads with weights_only=True (ds_exp.compat.torch_load_weights_only), the converter's included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+
+from ds_exp import compat
+from ds_exp.checkpoint.universal import MARKER, MODEL_STATES, STATES, allowed_types
+from ds_exp.errors import ResumeError
+
+
+def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int) -> None:
+    """Write the universal copy of `tag_dir` into `out` (a fresh directory), its marker last."""
+    with compat.torch_load_weights_only(allowed_types()):
+        if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1-3 (and DeepSpeed's bf16 optimizer)
+            # its worker processes inherit the weights-only load only when forked
+            workers = workers if multiprocessing.get_start_method() == "fork" else 1
+            compat.ds_to_universal(tag_dir, out, workers)
+            for name in MODEL_STATES:  # DeepSpeed copied them: the same bytes, linked instead of a second copy
+                if (out / name).is_file() and (tag_dir / name).is_file():
+                    (out / name).unlink()
+                    os.link(tag_dir / name, out / name)
+        else:
+            from_stage0(tag_dir, out, names)
+        zero = out / "zero"
+        optimizer = torch.load(zero / "optimizer_state.pt")
+        steps = sorted(zero.glob("*/step.pt"))
+        step = torch.load(steps[0]) if steps else optimizer["optimizer_state_dict"]["state"][0]["step"]
+        step = step if torch.is_tensor(step) else torch.tensor(float(step))
+        shapes: dict[str, Any] = {}
+        if (out / MODEL_STATES[1]).is_file():  # stage 3 wrote flat tensors: their shapes
+            for group in torch.load(out / MODEL_STATES[1]).get("param_shapes") or []:
+                shapes.update(group)
+        for param in (p for p in zero.iterdir() if (p / "exp_avg.pt").is_file()):  # trainable ones
+            for key in STATES:
+                value = torch.load(param / f"{key}.pt")
+                if torch.is_tensor(value):
+                    value = value.view(shapes.get(param.name, value.shape))
+                    torch.save({"param": value, "cat_dim": 0}, param / f"{key}.pt")
+            torch.save(step.clone(), param / "step.pt")
+        # both layouts in one file: stage 1/2 read the top level, stage 3 "optimizer_state_dict"
+        slim = {k: v for k, v in optimizer.items() if k not in ("optimizer_state_dict", "fp32_flat_groups")}
+        slim.setdefault("ds_version", deepspeed.__version__)
+        slim["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": optimizer["param_groups"]}
+        torch.save(slim, zero / "optimizer_state.pt")
+        first = next(out / name for name in MODEL_STATES if (out / name).is_file())
+        for name in MODEL_STATES:  # the name each stage's loader looks for
+            if not (out / name).is_file():
+                os.link(first, out / name)
+    (out / MARKER).write_text(json.dumps({"source": str(tag_dir), "deepspeed": deepspeed.__version__}) + "\n")
+
+
+def from_stage0(tag_dir: Path, out: Path, names: list[list[str]] | None) -> None:
+    """Rank 0's model states hold the whole torch optimizer state (under bf16/fp16 inside DeepSpeed's unfused
+    optimizer, with its fp32 master copies); `names` says which parameter each of its indices is."""
+    source = tag_dir / MODEL_STATES[0]
+    states = torch.load(source)
+    optimizer = states.get("optimizer") or {}
+    torch_state = optimizer.get("optimizer_state_dict", optimizer)
+    masters = optimizer.get("fp32_groups")
+    if names is None:
+        raise ResumeError(f"resume: {tag_dir} is a stage-0 checkpoint: its conversion needs the parameter names")
+    if "param_groups" not in torch_state or not isinstance(masters, (list, type(None))):
+        raise ResumeError(f"resume: {tag_dir} holds no stage-0 optimizer state that ds_exp can convert")
+    for g, (group, group_names) in enumerate(zip(torch_state["param_groups"], names, strict=True)):
+        for j, (index, name) in enumerate(zip(group["params"], group_names, strict=True)):
+            state = torch_state["state"][index]
+            master = (masters[g][j] if masters else states["module"][name]).float()
+            if master.shape != state["exp_avg"].shape:
+                raise ResumeError(f"resume: {tag_dir}: optimizer state {index} does not fit parameter {name}")
+            (out / "zero" / name).mkdir(parents=True)
+            for key, value in zip(STATES, (master, state["exp_avg"], state["exp_avg_sq"]), strict=True):
+                torch.save({"param": value, "cat_dim": 0}, out / "zero" / name / f"{key}.pt")
+            torch.save(state["step"], out / "zero" / name / "step.pt")
+    torch.save({"param_groups": torch_state["param_groups"]}, out / "zero" / "optimizer_state.pt")
+    os.link(source, out / MODEL_STATES[0])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ds_exp.checkpoint.conversion")
+    parser.add_argument("tag_dir", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--param-names", type=Path, help="JSON: parameter names per optimizer group (stage 0)")
+    args = parser.parse_args(argv)
+    names = json.loads(args.param_names.read_text()) if args.param_names else None
+    build(args.tag_dir, args.out, names, args.workers)
+
+
+if __name__ == "__main__":
+    main()

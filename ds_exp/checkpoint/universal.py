@@ -1,0 +1,241 @@
+"""Resume anywhere (issue 16 §2): continue a checkpoint after the world size, ZeRO stage or offload changed.
+
+Such a checkpoint is converted once into DeepSpeed's universal format and cached beside it as <tag>.universal/
+(the original is only read), then loaded with the DeepSpeed config key checkpoint.load_universal. Rank 0 converts,
+in a subprocess, into a temporary directory that is renamed only once complete (its marker written last), while
+the other ranks wait in a broadcast: a failed or killed conversion leaves nothing that a later resume trusts.
+
+Stage 0 has no ZeRO files: its model and torch optimizer states are converted by ds_exp/universal_build.py, and a
+stage-0 engine is loaded by ds_exp (DeepSpeed 0.19.8's stage-0 engine skips universal checkpoints' weights). At
+stage 0 on both sides a world-size change needs no conversion: rank 0 saved the whole optimizer state.
+
+The data order needs nothing: the loop starts the sampler at step_in_epoch x global batch samples, counted over
+all ranks, and the global batch may not change (ds_exp.resume.trajectory). The node count needs nothing either: the
+files are named by global rank. The RNG states are this rank's when the world size is unchanged, else seeded from
+(seed, step, rank). Frozen parameters (LoRA's base) are in no optimizer state: ds_to_universal writes their values
+alone (zero/<name>/fp32.pt) and a stage-0 conversion leaves them out; a ZeRO 1-2 engine loads them with the module
+from the model states, a ZeRO-3 engine restores only the optimizer's parameters and keeps the frozen ones as the
+model was built, which is what they were saved with (nothing trains them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from ds_exp import compat
+from ds_exp.checkpoint.checkpointer import load_weights_only, set_rng_states
+from ds_exp.errors import ResumeError
+from ds_exp.resume.store import read_marker
+from ds_exp.runtime.process_group import broadcast
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".universal"  # <checkpoint dir>/<tag>.universal: the converted copy of <tag>
+MARKER = "ds_exp_universal.json"  # inside it, written last, before the rename that makes it visible
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stage <=2, stage 3
+
+
+def universal_dir(tag_dir: Path) -> Path:
+    return tag_dir.parent / f"{tag_dir.name}{SUFFIX}"
+
+
+def is_converted(tag_dir: Path) -> bool:
+    return (universal_dir(tag_dir) / MARKER).is_file()
+
+
+def ds_config_for_load(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed config to build the engine with (deepspeed.initialize reads the key). A stage-0 engine cannot
+    load universal checkpoints (DeepSpeed 0.19.8 skips the weights, then fails): load() does it without the key."""
+    if not ds_config.get("zero_optimization", {}).get("stage"):
+        return ds_config
+    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+
+
+def param_names(model: Any, groups: list[dict[str, Any]]) -> list[list[str]]:
+    """Parameter names per optimizer group, in optimizer order: what a stage-0 checkpoint's indices stand for."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in groups]
+
+
+def allowed_types() -> list[Any]:
+    """The only non-tensor types torch.load may build from checkpoint files (weights_only=True)."""
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = None) -> bool:
+    """Collective and idempotent: rank 0 converts unless a complete conversion is there, every rank learns how
+    it went. True when an earlier conversion was reused."""
+    outcome: tuple[bool, str | None] = (False, None)
+    if rank == 0:
+        reused = is_converted(tag_dir)
+        try:
+            if not reused:
+                log.info("resume: converting %s to DeepSpeed's universal format (once) ...", tag_dir)
+                convert_here(tag_dir, param_names)
+            log.info("resume: %s %s", "reusing the conversion" if reused else "converted into", universal_dir(tag_dir))
+            outcome = (reused, None)
+        except (ResumeError, OSError) as err:
+            outcome = (False, str(err))
+    reused, error = broadcast(outcome)  # the others wait here (dist.timeout_minutes at most)
+    if error:
+        raise ResumeError(error)
+    return reused
+
+
+def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: int = 2) -> Path:
+    """Build into a temporary sibling (in a subprocess: its memory, DeepSpeed's prints and worker pool stay there),
+    then rename: a half-done conversion is never mistaken for a complete one."""
+    tag_dir = tag_dir.resolve()
+    target = universal_dir(tag_dir)
+    if is_converted(tag_dir):
+        return target
+    work = tag_dir.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        work.mkdir()
+    except OSError as err:
+        raise ResumeError(
+            f"resume: {tag_dir} must be converted to DeepSpeed's universal format beside it, but {tag_dir.parent} is "
+            f"not writable ({err.strerror}); copy the checkpoint directory somewhere writable and resume from there"
+        ) from None
+    try:
+        args = [str(tag_dir), "--out", str(work / "out"), "--workers", str(workers)]
+        if names is not None:
+            (work / "param_names.json").write_text(json.dumps(names))
+            args += ["--param-names", str(work / "param_names.json")]
+        path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # not a rank of this job
+            env.pop(name, None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ds_exp.checkpoint.conversion", *args], capture_output=True, text=True, env=env
+        )
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+            raise ResumeError(f"resume: converting {tag_dir} to DeepSpeed's universal format failed:\n{tail}")
+        if is_converted(tag_dir):  # another process converted it meanwhile: theirs is as good
+            return target
+        shutil.rmtree(target, ignore_errors=True)  # a leftover without its marker is never trusted
+        os.replace(work / "out", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def load(engine: Any, tag_dir: Path) -> dict[str, Any]:
+    """Collective: module, optimizer and engine counters from the converted copy of `tag_dir`; returns the client
+    state (ds_exp's TrainState under "ds_exp"). The engine was built with ds_config_for_load. The LR schedule is
+    fast-forwarded by the caller, as for any resume."""
+    udir = universal_dir(tag_dir)
+    load_weights_only(engine)
+    with compat.torch_load_weights_only(allowed_types()):
+        if not engine.zero_optimization_stage():
+            return _load_stage0(engine, udir)
+        if not engine.load_universal_checkpoint():
+            raise ResumeError("resume: the engine was built without checkpoint.load_universal (ds_config_for_load)")
+        path, client = engine.load_checkpoint(str(udir.parent), tag=udir.name, load_lr_scheduler_states=False)
+        if path is None:
+            raise ResumeError(f"resume: DeepSpeed found no checkpoint in {udir}")
+        if engine.zero_optimization_partition_weights():
+            saved = torch.load(udir / "zero" / "optimizer_state.pt")["param_groups"]
+            compat.fix_zero3_universal_load(engine, saved)
+    return client or {}
+
+
+def _load_stage0(engine: Any, udir: Path) -> dict[str, Any]:
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "fp32_groups"):
+        raise ResumeError(
+            "resume: converting a checkpoint into ZeRO stage 0 works in fp32 only; resume with zero=stage1 or higher"
+        )
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    zero = udir / "zero"
+    saved = torch.load(zero / "optimizer_state.pt")["param_groups"]
+    with torch.no_grad():
+        for group, values in zip(optimizer.param_groups, saved, strict=True):
+            group.update({k: v for k, v in values.items() if k != "params"})
+            for p in group["params"]:
+                files = {key: torch.load(zero / names[id(p)] / f"{key}.pt") for key in (*STATES, "step")}
+                tensors = {key: files[key]["param"].view_as(p).to(p) for key in STATES}
+                p.copy_(tensors.pop("fp32"))
+                optimizer.state[p] = {"step": files["step"].float().clone(), **tensors}
+    states = torch.load(udir / MODEL_STATES[0])
+    engine.global_steps, engine.skipped_steps = states["global_steps"], states["skipped_steps"]
+    engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+    return {k: v for k, v in states.items() if k not in ("module", "optimizer")}
+
+
+def restore_rng(tag_dir: Path, *, rank: int, world_size: int, saved_world_size: int | None, seed: int, step: int):
+    """This rank's saved RNG states when the world size is unchanged (exact); otherwise a reproducible seed from
+    (seed, step, rank), since ranks then see other samples anyway (dropout masks differ)."""
+    saved = tag_dir / f"rng_rank{rank}.pt"
+    if world_size == saved_world_size and saved.is_file():
+        set_rng_states(torch.load(saved, weights_only=True))
+        return
+    fresh = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little") >> 1
+    random.seed(fresh)
+    np.random.seed(fresh % 2**32)
+    torch.manual_seed(fresh)
+
+
+def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: int, model: Any, groups: list) -> dict:
+    """Collective: convert `tag_dir` (once) and load it into `engine`, set the RNG states and fast-forward the LR
+    schedule; returns the checkpoint's TrainState as a dict. `groups`: the optimizer's parameter groups as
+    ds_exp.model.engine.parameter_groups makes them (they name a stage-0 checkpoint's optimizer indices)."""
+    if rank == 0:
+        warning = compat.check_universal_version()
+        if warning:
+            log.warning(warning)
+    convert(tag_dir, rank=rank, param_names=param_names(model, groups))
+    try:
+        client = load(engine, tag_dir)
+    except pickle.UnpicklingError as err:
+        raise ResumeError(
+            f"resume: {universal_dir(tag_dir)} holds objects a conversion by ds_exp never holds, so it was not loaded "
+            f"({str(err).splitlines()[0]}); delete it to convert {tag_dir} again"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a file truncated or deleted since
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise ResumeError(
+            f"resume: {universal_dir(tag_dir)} cannot be loaded ({first}); delete it to convert {tag_dir} again"
+        ) from None
+    marker = read_marker(tag_dir)
+    saved = client.get("ds_exp") or marker
+    restore_rng(
+        tag_dir,
+        rank=rank,
+        world_size=world_size,
+        saved_world_size=(marker.get("settings") or {}).get("world_size"),
+        seed=seed,
+        step=int(saved["step"]),
+    )
+    if engine.lr_scheduler is not None:  # as checkpoint.load: a schedule is a function of the step
+        with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()": on purpose here
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(int(saved["step"])):
+                engine.lr_scheduler.step()
+    log.info("resumed from %s (universal copy) at step %s", tag_dir, saved["step"])
+    return saved
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m ds_exp.universal TAG_DIR: convert ahead of a resume (a huge checkpoint)."""
+    print(convert_here(Path((argv if argv is not None else sys.argv[1:])[0])))

@@ -1,0 +1,209 @@
+"""Secrets given on the command line or in the environment never reach a file a run writes.
+
+* `hide_secret_overrides` runs before Hydra parses the command line. An override whose key looks like a
+  credential, `+logger.wandb.api_key=VALUE`, becomes `+logger.wandb.api_key=${oc.env:DS_EXP_SECRET_LOGGER_
+  WANDB_API_KEY}` and VALUE moves into that environment variable. Hydra then saves the interpolation, never
+  the value (.hydra/*.yaml, multirun.yaml, submitit's pickles); sys.argv, which wandb records as the run's
+  arguments, no longer holds it; and the environment carries it to every process of the run (torchrun and
+  deepspeed children, submitit's local jobs, SLURM jobs, which get the submitting environment).
+* `redact` blanks the values of credential keys in configs that are saved or sent (ds_config.json, the
+  wandb config, DeepSpeed's checkpoints); `redact_text` blanks every registered value (the command line's and
+  those of credential-named environment variables) in text: every log record of the process, error messages.
+
+Import-light (no torch): the CLI calls it before `--help` and `--cfg job`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
+from ds_exp.errors import ConfigError
+
+# Keys that hold credentials ("api_key", "hf_token", "password", ...), not ones that merely mention tokens
+# ("tokenizer", "end_of_conversation_token").
+_SECRET_KEY = re.compile(
+    r"api[_-]?key|access[_-]?key|^token$|(auth|access|hf|hub|api|bearer|secret|session|refresh)[_-]?token$"
+    r"|secret|passw(or)?d|credential",
+    re.IGNORECASE,
+)
+REDACTED = "<redacted>"
+ENV_PREFIX = "DS_EXP_SECRET_"
+_MIN_SECRET_LEN = 6  # shorter values would redact ordinary words
+_secrets: set[str] = set()
+
+
+def is_secret_key(key: object) -> bool:
+    return bool(_SECRET_KEY.search(str(key)))
+
+
+def redact(tree: Any) -> Any:
+    """Blank every value whose key looks like a secret: configs are saved and sent to wandb."""
+    if isinstance(tree, dict):
+        return {k: (REDACTED if is_secret_key(k) and v is not None else redact(v)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [redact(v) for v in tree]
+    return tree
+
+
+def register_secrets(tree: Any = None, environ: Mapping[str, str] | None = None) -> None:
+    """Remember the secret values of a config tree and of the environment (WANDB_API_KEY, HF_TOKEN,
+    DS_EXP_SECRET_*, ...), so that `redact_text` blanks them wherever they would be printed or logged."""
+
+    def walk(node: Any, secret: bool) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, secret or is_secret_key(key))
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, secret)
+        elif secret and isinstance(node, str) and len(node) >= _MIN_SECRET_LEN:
+            _secrets.add(node)
+
+    walk(tree, False)
+    walk({k: v for k, v in (environ or {}).items() if is_secret_key(k)}, True)
+    if _secrets:
+        _redact_log_records()
+
+
+def redact_text(text: str) -> str:
+    for value in _secrets:
+        if value in text:
+            text = text.replace(value, REDACTED)
+    return text
+
+
+_factory_installed = False
+
+
+def _redact_log_records() -> None:
+    """Blank registered secrets in every log record as it is made, whatever logger and handler it goes to
+    (Hydra's job log, the console that submitit and wandb capture, per-rank files), tracebacks included."""
+    global _factory_installed
+    if _factory_installed:
+        return
+    _factory_installed = True
+    make = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string: the handler reports it as it would have
+            return record
+        if (redacted := redact_text(message)) != message:
+            record.msg, record.args = redacted, None
+        if record.exc_info and record.exc_info[1] is not None:
+            text = logging.Formatter().formatException(record.exc_info)
+            if (redacted := redact_text(text)) != text:
+                record.exc_text = redacted  # formatters use it instead of formatting exc_info again
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def secret_env_name(key: str) -> str:
+    return ENV_PREFIX + re.sub(r"\W+", "_", key).strip("_").upper()
+
+
+def _secret_inside(value: Any) -> bool:
+    """A dict (or list of them) holding a credential key with a value: `+deepspeed.config.comet={api_key:...}`."""
+    if isinstance(value, dict):
+        return any((is_secret_key(k) and v is not None) or _secret_inside(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_secret_inside(v) for v in value)
+    options = getattr(value, "list", None)  # a choice sweep's
+    return isinstance(options, list) and _secret_inside(options)
+
+
+@functools.cache
+def _parser() -> Any:
+    return OverridesParser.create()
+
+
+def _parse(override: str) -> Any:
+    """Hydra's own reading of one override (key, +/++/~, value with quotes undone), None where it fails."""
+    try:
+        return _parser().parse_overrides([override])[0]
+    except HydraException:
+        return None
+
+
+def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]) -> list[str]:
+    """The command line with every secret value moved into `environ` (see the module's docstring).
+
+    Refused, with a message that does not show the value: a sweep over a secret (`key=a,b`), a secret inside
+    a dict value, `~key=VALUE`, and secret-looking `hydra.*` keys other than `hydra.job.env_set.NAME` (Hydra
+    writes its own settings out resolved: sbatch files, the sweeper's job overrides).
+    """
+    out: list[str] = []
+    problems: list[str] = []
+    names: dict[str, str] = {}  # variable -> key: two keys that spell the same name get distinct variables
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:  # flags, their values, `~key`
+            out.append(arg)
+            continue
+        key_text, _, raw = arg.partition("=")
+        override = _parse(arg)
+        literal = False
+        if override is None:
+            # Hydra's grammar rejects the value (a base64 key ending in "="); for a secret key the text after
+            # the first "=" is taken as it is, anything else is left for Hydra to report
+            override, literal = _parse(f"{key_text}=x"), True
+            if override is None:
+                last = re.split(r"\W+", key_text.strip("+~"))[-1]
+                if is_secret_key(last):
+                    problems.append(f"{key_text}=...: not a valid override (the value is not shown)")
+                else:
+                    out.append(arg)
+                continue
+        key = override.key_or_group if override.package is None else f"{override.key_or_group}@{override.package}"
+        value = override.value()
+        if not is_secret_key(re.split(r"[./@]", key)[-1]):
+            if not literal and _secret_inside(value):
+                problems.append(f"{key_text}=...: holds a secret inside its value; give it as its own override")
+            else:
+                out.append(arg)
+            continue
+        if literal:
+            value = raw
+        elif isinstance(value, (bool, int, float)):
+            value = raw  # as typed: a password 1e10 stays "1e10"
+        problem = _refusal(override, key, key_text, value)
+        if problem:
+            problems.append(problem)
+        elif value is None or value == "" or "${" in value:  # nothing to hide, or already an interpolation
+            out.append(arg)
+        else:
+            name = secret_env_name(key)
+            while names.setdefault(name, key) != key:
+                name += "_"
+            environ[name] = value
+            register_secrets(environ={name: value})
+            out.append(f"{key_text}=${{oc.env:{name}}}")
+    if problems:
+        raise ConfigError(
+            [*problems, "secrets go in the environment (WANDB_API_KEY, HF_TOKEN, ...) or as key=VALUE on their own"]
+        )
+    return out
+
+
+def _refusal(override: Any, key: str, key_text: str, value: Any) -> str | None:
+    if override.is_sweep_override():
+        return f"{key_text}=...: a sweep over a secret is not supported; run one sweep per value"
+    if override.is_delete() and value is not None:
+        return f"{key_text}=...: delete a secret without its value: {key_text}"
+    if isinstance(value, (dict, list)):
+        return f"{key_text}=...: a secret must be a single value, not a dict or list"
+    if key.startswith(("hydra.", "hydra/")) and not key.startswith("hydra.job.env_set."):
+        return f"{key_text}=...: Hydra writes its settings into files; put the secret in the environment instead"
+    return None

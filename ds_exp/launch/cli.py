@@ -1,0 +1,129 @@
+"""The one entry point: `python -m ds_exp ...` and the `ds-exp` console script.
+
+Everything imported at module level here is light (Hydra, OmegaConf, our config package): `--help`,
+`--cfg job` and validation never import torch or deepspeed. The training stack is imported inside `run_job`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+import hydra_plugins
+from ds_exp.config.paths import conf_dir
+from ds_exp.config.resolvers import register_resolvers
+from ds_exp.config.schema import register_configs, to_config
+from ds_exp.config.secrets import hide_secret_overrides, redact_text, register_secrets
+from ds_exp.errors import ConfigError, DsExpError
+from ds_exp.launch.console import report_user_error
+from ds_exp.launch.environment import launch_env_problems
+from ds_exp.launch.run_dir import rank_placeholder_overrides
+from ds_exp.launch.run_logging import hold_library_logs
+from ds_exp.launch.validation import validate
+
+log = logging.getLogger("ds_exp")
+
+_LOCAL_RANK_FLAG = re.compile(r"^--local[_-]rank(=(\d+))?$")
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Drop the `--local_rank=N` / `--local-rank N` the deepspeed launcher appends (Hydra rejects it).
+
+    The value is kept in LOCAL_RANK when the launcher did not export it already.
+    """
+    kept: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        match = _LOCAL_RANK_FLAG.match(arg)
+        if not match:
+            kept.append(arg)
+            continue
+        value = match.group(2) if match.group(1) else next(args, None)
+        if value is not None and value.isdigit():
+            os.environ.setdefault("LOCAL_RANK", value)
+    return kept
+
+
+def check_launch_env() -> None:
+    """Inconsistent launcher variables are refused at once: the process would wait for ranks that never come."""
+    problems = launch_env_problems()
+    if problems:
+        err = ConfigError(problems)
+        report_user_error(err)
+        raise SystemExit(err.exit_code)
+
+
+def run_dir_of_job() -> Path:
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def run_job(composed: DictConfig) -> Any:
+    """Typed once, validated, then planned (dry_run=true) or trained. Heavy imports happen only past validation."""
+    cfg = to_config(composed)
+    validate(cfg)
+    run_dir = run_dir_of_job()
+    if cfg.dry_run:
+        from ds_exp.tools.dry_run import dry_run
+
+        return dry_run(cfg, run_dir)
+    from ds_exp.train.recipe import recipe_main
+
+    return recipe_main(cfg, run_dir)
+
+
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def hydra_task(cfg: DictConfig) -> Any:
+
+    # a submitit job gets the command line's secrets as DS_EXP_SECRET_* (never its argv): blank them from here on
+    register_secrets(environ=os.environ)
+    try:
+        return run_job(cfg)
+    except DsExpError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        report_user_error(err)
+        if in_multirun():
+            # the other jobs of the sweep go on; the job's summary.json and the sweep report name the failure
+            # (submitit pickles this return value into the sweep directory)
+            return {"status": "failed", "error": redact_text(str(err))}
+        sys.exit(err.exit_code)
+
+
+def find_own_sweepers() -> None:
+    """Let Hydra find ds_exp's sweepers (hydra_plugins/ds_exp_*) from any working directory. An editable install
+    maps ds_exp's packages through an import hook that Hydra's plugin scan (pkgutil over the hydra_plugins
+    namespace) does not see, so `hydra/sweeper=optuna` worked only from the repository; a regular install puts
+    them beside the other plugins and needs nothing."""
+    ours = Path(__file__).resolve().parent.parent / "hydra_plugins"
+    if ours.is_dir() and str(ours) not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(str(ours))
+
+
+def main() -> None:
+    hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
+    find_own_sweepers()
+    sys.argv = strip_local_rank(sys.argv)
+    check_launch_env()
+    register_secrets(environ=os.environ)
+    try:
+        # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/secrets.py)
+        sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
+    except DsExpError as err:
+        report_user_error(err, traceback_hint=False)
+        sys.exit(err.exit_code)
+    sys.argv += rank_placeholder_overrides(sys.argv[1:])
+    register_resolvers()
+    register_configs()
+    hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(hydra_task)()

@@ -1,0 +1,145 @@
+"""The run directory: checked before Hydra writes into it, so that no run overwrites another's files.
+
+`CheckRunDir` (a Hydra callback, conf/config.yaml) runs before Hydra creates the run or sweep directory and
+saves `.hydra/` into it:
+* the directory must be writable (storage.check_writable);
+* a directory that already holds a run is refused unless `resume` is given (a fresh run would overwrite its
+  `.hydra/`, summary, export and checkpoints and append to its metrics);
+* `resume` must name a usable checkpoint written with the same settings (ds_exp.resume): a refused resume
+  changes nothing;
+* a resumed run keeps the first attempt's `.hydra/` and saves its own config under `.hydra/resume-<time>/`.
+Light: no torch, no deepspeed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, open_dict, read_write
+
+from ds_exp.config.schema import Config, to_config
+from ds_exp.errors import ConfigError
+from ds_exp.launch.environment import detect_launch, launch_rank_from_env, launched_with_several_ranks
+from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
+from ds_exp.launch.storage import check_writable
+from ds_exp.resume.preflight import check_resume_target
+
+# Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
+# append to: they are moved aside into attempts/<time>/ first.
+ATTEMPT_FILES = ("metrics.jsonl", "generations.jsonl", "summary.json")
+
+
+def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
+    """What shows that `run_dir` holds a run (for messages), or None."""
+    if not run_dir.is_dir():
+        return None
+    if (run_dir / "summary.json").is_file():
+        summary = read_summary(run_dir)
+        return (
+            f"summary.json: status {summary.get('status')} at step {summary.get('steps')}"
+            if summary is not None
+            else "summary.json"
+        )
+    for name in ("metrics.jsonl", ".hydra/config.yaml", "ds_config.json"):
+        if (run_dir / name).is_file():
+            return name
+    checkpoints = run_dir / checkpoint_subdir
+    if checkpoints.is_dir() and any(checkpoints.glob("step*")):
+        return f"{checkpoint_subdir}/"
+    return None
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary.json, or None when it is missing or unreadable."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def completed_at(run_dir: Path) -> int | None:
+    """The step at which summary.json says the run completed (None: it never did, or it says otherwise)."""
+    summary = read_summary(run_dir)
+    return summary.get("steps") if summary is not None and summary.get("status") == "completed" else None
+
+
+def check_run_start(config: DictConfig) -> None:
+    """Before a single run: the checks of the module docstring. May move .hydra's output for a resume."""
+    run_dir = Path(str(config.hydra.run.dir))
+    check_writable(run_dir, "hydra.run.dir")
+    cfg = to_config(config)
+    found = holds_a_run(run_dir, cfg.train.checkpoint_dir)
+    lock_run_dir(run_dir)  # first: a live run in this directory is the reason to name
+    try:
+        _check_existing_run(config, cfg, run_dir, found)
+    except BaseException:
+        release_run_dir(run_dir, refused=True)
+        raise
+    claim_run_dir(run_dir)
+
+
+def _check_existing_run(config: DictConfig, cfg: Config, run_dir: Path, found: str | None) -> None:
+    if found is None:
+        return
+    if cfg.resume is None:
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} already holds a run ({found}); nothing was changed. Continue it with "
+            "resume=auto, or start a new run in another directory (leave hydra.run.dir unset for a fresh one)"
+        )
+    check_resume_target(cfg, run_dir, detect_launch(cfg.dist).world_size)
+    if (run_dir / ".hydra").is_dir() and config.hydra.output_subdir == ".hydra":
+        with read_write(config.hydra), open_dict(config.hydra):  # the first attempt's config stays as it was
+            config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+
+
+def set_aside_attempt(run_dir: Path) -> Path | None:
+    """Move the per-attempt files of an attempt that left no checkpoint into attempts/<time>/ (a restart from
+    scratch then neither appends to its metrics nor replaces its summary). Returns where they went."""
+    present = [run_dir / name for name in ATTEMPT_FILES if (run_dir / name).is_file()]
+    if not present:
+        return None
+    target = run_dir / "attempts" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    target.mkdir(parents=True, exist_ok=True)
+    for path in present:
+        shutil.move(str(path), target / path.name)
+    return target
+
+
+# --------------------------------------------------------------------------- the placeholder of ranks > 0
+_placeholder: str | None = None
+
+
+def rank_placeholder_overrides(args: list[str]) -> list[str]:
+    """Hydra overrides that keep ranks > 0 of a torchrun / deepspeed / mpirun / srun launch out of outputs/.
+
+    Every rank runs Hydra; only rank 0's run directory is real. The others get a placeholder directory in /tmp
+    (removed by remove_rank_placeholder, and at exit) and learn rank 0's directory once torch.distributed is up.
+    """
+    global _placeholder
+    if not launched_with_several_ranks():
+        return []
+    if "-m" in args or "--multirun" in args:
+        raise SystemExit(
+            "ds_exp: error: -m/--multirun under torchrun, mpirun, srun or the deepspeed launcher would run the whole "
+            "sweep on every rank; use a submitit launcher with several tasks per node instead "
+            "(hydra/launcher=slurm hydra.launcher.tasks_per_node=N)"
+        )
+    if launch_rank_from_env() == 0:
+        return []
+    _placeholder = tempfile.mkdtemp(prefix=f"ds_exp_rank{launch_rank_from_env()}_")
+    atexit.register(remove_rank_placeholder)  # however the process ends, short of a SIGKILL
+    return [f"hydra.run.dir={_placeholder}", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def remove_rank_placeholder() -> None:
+    global _placeholder
+    if _placeholder is not None:
+        shutil.rmtree(_placeholder, ignore_errors=True)
+        _placeholder = None

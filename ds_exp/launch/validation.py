@@ -1,0 +1,23 @@
+"""Everything checked before heavy work, in one call: the config's values and combinations (ds_exp.config.validate)
+and the data config (ds_exp.data.checks), for the world size and accelerator of this launch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_exp.config.precision import detect_accelerator
+from ds_exp.config.schema import Config
+from ds_exp.config.validate import config_problems
+from ds_exp.data.checks import check_data_config
+from ds_exp.errors import ConfigError
+from ds_exp.launch.environment import detect_launch
+
+
+def validate(cfg: Config, accelerator: str | None = None) -> dict[str, Any]:
+    """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept)."""
+    world = detect_launch(cfg.dist).world_size
+    problems, ds = config_problems(cfg, accelerator=accelerator or detect_accelerator(), world_size=world)
+    problems += check_data_config(cfg.data)
+    if problems:
+        raise ConfigError(problems)
+    return ds

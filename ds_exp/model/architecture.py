@@ -1,0 +1,109 @@
+"""The model's architecture without weights: its transformers config, vocabulary padding, parameter counts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
+
+from ds_exp.config.model_checks import checkpoint_error
+from ds_exp.config.schema import Config
+from ds_exp.errors import ConfigError
+from ds_exp.model.lora import lora_target_names
+
+
+def padded_vocab_size(tokenizer_len: int, current: int, multiple: int) -> int:
+    """Never shrink the embedding; round up to `multiple` (DeepSpeed-Chat pads to 8)."""
+    return int(multiple * math.ceil(max(tokenizer_len, current) / multiple))
+
+
+def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The transformers config of the model to train, vocabulary already sized for the tokenizer."""
+    model_cfg = cfg.model
+    if model_cfg.name_or_path is None:
+        arch = dict(model_cfg.arch or {})
+        model_type = arch.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError(
+                "model.arch.model_type is missing: name the architecture, e.g. model.arch.model_type=llama"
+            )
+        vocab = padded_vocab_size(len(tokenizer), int(arch.pop("vocab_size", 0)), model_cfg.vocab_multiple)
+        config = AutoConfig.for_model(model_type, vocab_size=vocab, **arch)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
+        except (OSError, ValueError, KeyError) as err:
+            mapped = checkpoint_error(cfg.model, err)
+            if mapped is None:
+                raise
+            raise mapped from err
+    config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None:
+        config.eos_token_id = tokenizer.eos_token_id
+    if tokenizer.bos_token_id is not None:
+        config.bos_token_id = tokenizer.bos_token_id
+    if model_cfg.disable_dropout:
+        disable_dropout_in_config(config)
+    return config
+
+
+def disable_dropout_in_config(config: PretrainedConfig) -> None:
+    """Every float dropout probability of the config to 0 (DeepSpeed-Chat's --disable_dropout)."""
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, key, 0.0)
+
+
+def hidden_size_of(config: Any) -> int | None:
+    """hidden_size, else the largest of hidden_sizes, else the same of a nested text_config."""
+    for candidate in (config, getattr(config, "text_config", None)):
+        if candidate is None:
+            continue
+        if getattr(candidate, "hidden_size", None):
+            return int(candidate.hidden_size)
+        if getattr(candidate, "hidden_sizes", None):
+            return int(max(candidate.hidden_sizes))
+    return None
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    total: int  # of the base model
+    trainable: int  # what the optimizer updates (adapters only with lora.only_optimize)
+    lora_targets: tuple[str, ...]
+
+
+def count_parameters(cfg: Config, config: PretrainedConfig) -> ParameterCounts:
+    """Exact counts from a model built on the meta device: no memory, no weights read."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    total = sum(p.numel() for p in model.parameters())
+    if cfg.lora.dim <= 0:
+        return ParameterCounts(total, total, ())
+    modules = dict(model.named_modules())
+    targets = lora_target_names(model, cfg.lora.module_name)
+    adapters = sum(cfg.lora.dim * (modules[n].in_features + modules[n].out_features) for n in targets)
+    trainable = adapters if cfg.lora.only_optimize else total + adapters
+    return ParameterCounts(total + adapters, trainable, tuple(targets))
+
+
+def base_vocab_size(cfg: Config, tokenizer: PreTrainedTokenizerBase, checkpoint_rows: int) -> int:
+    """The vocabulary an export keeps (model.vocab_multiple's padding rows trimmed): the tokenizer's size, or the
+    base's own if larger (the checkpoint's embedding rows; model.arch.vocab_size for a model built from a config,
+    whose config is padded already)."""
+    own = checkpoint_rows if cfg.model.name_or_path else int((cfg.model.arch or {}).get("vocab_size") or 0)
+    return max(len(tokenizer), own)
+
+
+def checkpoint_dtype(cfg: Config) -> str:
+    """The dtype a checkpoint's weights are stored in, from its config.json (float32 when unsaid or built)."""
+    if cfg.model.name_or_path is None:
+        return "float32"
+
+    config = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+    return name if name in ("float32", "bfloat16", "float16") else "float32"

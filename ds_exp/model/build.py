@@ -1,0 +1,131 @@
+"""Model config, parameter accounting and model construction (tiny from `arch`, or a checkpoint)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers.integrations import HfDeepSpeedConfig
+
+from ds_exp import compat
+from ds_exp.config.model_checks import checkpoint_error
+from ds_exp.config.schema import Config
+from ds_exp.model.architecture import base_vocab_size, build_model_config, checkpoint_dtype, padded_vocab_size
+from ds_exp.model.lora import LoraSpec, lora_target_names, wrap_lora
+
+log = logging.getLogger(__name__)
+
+
+def init_weights_by_name(model: Any, seed: int, *, zero3: bool) -> None:
+    """Random init that depends only on the seed and each module's name, never on the ZeRO stage.
+
+    Under deepspeed.zero.Init the order in which random numbers are drawn differs from a plain build, so the
+    same seed would give different weights at stage 3. Re-running the model's own `_init_weights` module by
+    module, each from a generator seeded by (seed, module name), makes every stage start from the same model.
+    At stage 3 each module's parameters are gathered for the moment (one module at a time).
+    """
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        if zero3:
+            gather: Any = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+        else:
+            gather = contextlib.nullcontext()
+        with gather, torch.no_grad():
+            torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            compat.reinit_module(model, module)
+
+
+def attn_implementation(requested: str | None, ds_config: dict[str, Any]) -> str | None:
+    """model.attn_implementation with auto decided: flash_attention_2 where flash-attn imports, a GPU is there and
+    the weights are 16-bit (its kernels need them), else transformers' default. Packed batches then run as
+    variable-length sequences (transformers reads the example boundaries from position_ids)."""
+    if requested != "auto":
+        return requested
+
+    half = any(ds_config.get(key, {}).get("enabled") is True for key in ("bf16", "fp16"))
+    if half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    log.info("model.attn_implementation=auto: flash-attn is not usable here (needs the package, a GPU and bf16/fp16)")
+    return None
+
+
+@dataclass
+class BuiltModel:
+    model: Any
+    config: Any  # the transformers config (vocabulary already padded)
+    lora: LoraSpec | None
+    hf_ds_config: Any  # keeps transformers' ZeRO-3 mode alive while the engine is built
+    base_rows: int  # embedding rows before padding (the checkpoint's, for a model loaded from one)
+    base_dtype: str  # the dtype the checkpoint's weights are stored in (float32 when built from a config)
+    vocab_size: int  # the base vocabulary the export keeps: the tokenizer's, or the checkpoint's if larger
+
+
+def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
+    """The model to train. At ZeRO-3, transformers builds it inside deepspeed.zero.Init (each rank holds only
+    its shard) because an HfDeepSpeedConfig for the final DeepSpeed config is alive during construction."""
+    config = build_model_config(cfg, tokenizer)
+    if cfg.model.gradient_checkpointing:
+        config.use_cache = False
+    zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
+    attention = attn_implementation(cfg.model.attn_implementation, ds_config)
+    extra = {"attn_implementation": attention} if attention else {}
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model.name_or_path is None:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model.name_or_path,
+                config=config,
+                dtype=torch.float32,
+                trust_remote_code=cfg.model.trust_remote_code,
+                **extra,
+            )
+        except Exception as err:  # safetensors and torch raise their own types for a damaged file
+            mapped = checkpoint_error(cfg.model, err, weights=True)
+            if mapped is None:
+                raise
+            raise mapped from err
+    if cfg.model.name_or_path is None:
+        init_weights_by_name(model, cfg.train.seed, zero3=zero3)
+    if cfg.model.liger_kernel:
+        compat.apply_liger_kernels(model)
+    base_rows = model.get_input_embeddings().num_embeddings
+    vocab = padded_vocab_size(len(tokenizer), model.get_input_embeddings().num_embeddings, cfg.model.vocab_multiple)
+    if vocab != model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(vocab)  # gathers the embedding under ZeRO-3
+        config = model.config
+    lora = None
+    if cfg.lora.dim > 0:
+        lora = LoraSpec(
+            dim=int(cfg.lora.dim),
+            alpha=float(cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.dim),
+            dropout=float(cfg.lora.dropout),
+            targets=tuple(lora_target_names(model, cfg.lora.module_name)),
+            only_optimize=bool(cfg.lora.only_optimize),
+        )
+        torch.manual_seed(cfg.train.seed + 1)  # adapters start the same whatever the ZeRO stage consumed above
+        model = wrap_lora(model, lora)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # frozen embeddings (LoRA only) would leave checkpointed blocks without inputs that require grad
+        model.enable_input_require_grads()
+    return BuiltModel(
+        model=model,
+        config=config,
+        lora=lora,
+        hf_ds_config=hf_ds_config,
+        base_rows=base_rows,
+        base_dtype=checkpoint_dtype(cfg),
+        vocab_size=base_vocab_size(cfg, tokenizer, base_rows),
+    )

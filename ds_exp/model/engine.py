@@ -1,0 +1,177 @@
+"""Optimizer, LR scheduler and the DeepSpeed engine.
+
+Who builds the optimizer and the scheduler follows the DeepSpeed config: an "optimizer" / "scheduler" block
+there (optimizer.owner=deepspeed, or a user's config file) means DeepSpeed builds it; otherwise ds_exp does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from pydantic import ValidationError
+from transformers import get_scheduler
+
+from ds_exp import compat
+from ds_exp.config.schema import Config, OptimizerConfig, SchedulerConfig, plain
+from ds_exp.config.secrets import redact
+from ds_exp.errors import ConfigError
+from ds_exp.runtime import ops
+
+log = logging.getLogger(__name__)
+
+# Schedules stepped with a metric rather than once per optimizer step: kept outside the engine.
+METRIC_SCHEDULES = {"reduce_lr_on_plateau", "greedy"}
+
+
+def parameter_groups(model: Any, weight_decay: float, no_decay: list[str]) -> list[dict[str, Any]]:
+    """Two groups as DeepSpeed-Chat: no weight decay for biases and norm weights."""
+    decay, plain = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (plain if any(key in name for key in no_decay) else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def optimizer_impl(opt: OptimizerConfig, ds_config: dict[str, Any], accelerator: str) -> str:
+    """optimizer.impl with auto decided: DeepSpeed's CPU Adam under optimizer offload (the optimizer step runs on
+    the host), torch's fused AdamW on CUDA (as fast as DeepSpeed's FusedAdam, and nothing to compile), torch
+    AdamW otherwise."""
+    impl = str(plain(opt.impl))
+    if impl != "auto":
+        return impl
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if offload in ("cpu", "nvme"):
+        return "deepspeed_cpu"
+    return "torch_fused" if accelerator == "cuda" else "torch"
+
+
+def build_optimizer(
+    opt: OptimizerConfig, groups: list[dict[str, Any]], ds_config: dict[str, Any], accelerator: str
+) -> Any:
+    kwargs = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
+    impl = optimizer_impl(opt, ds_config, accelerator)
+    announce = _is_rank0()
+    if impl == "deepspeed_cpu":
+        ops.ensure_built(ops.CPU_ADAM, announce=announce)
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if impl == "deepspeed_fused":
+        ops.ensure_built(ops.FUSED_ADAM, announce=announce)
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    # fused=None lets torch pick its default (foreach on CUDA, single-tensor on CPU)
+    return torch.optim.AdamW(groups, fused=True if impl == "torch_fused" else None, **kwargs)
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def build_scheduler(sched: SchedulerConfig, optimizer: Any, total_steps: int, warmup_steps: int) -> Any:
+    return get_scheduler(
+        plain(sched.name),
+        optimizer,
+        num_warmup_steps=warmup_steps,
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs=dict(sched.kwargs) or None,
+    )
+
+
+def check_deepspeed_config(ds_config: dict[str, Any], config_file: str | None) -> None:
+    """Let DeepSpeed's own schema read the zero_optimization block now (it rejects unknown keys), so a misspelt key
+    in a user's JSON is one message before the model is built, not a pydantic traceback after it."""
+    try:
+        DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
+    except ValidationError as err:
+        raise ConfigError(deepspeed_config_problems(err, "zero_optimization", config_file)) from None
+
+
+def deepspeed_config_problems(err: Any, block: str, config_file: str | None) -> list[str]:
+    source = f"deepspeed.config_file={config_file}" if config_file else "the DeepSpeed config built from the groups"
+    lines = [f"DeepSpeed rejects the {block} block of {source}:"]
+    for problem in err.errors():
+        key = ".".join(str(part) for part in (block, *problem["loc"]))
+        if problem["type"] == "extra_forbidden":
+            lines.append(f"- {key}: DeepSpeed has no such key (misspelt?); remove or fix it")
+        else:
+            lines.append(f"- {key}={problem.get('input')!r}: {problem['msg']}")
+    return lines
+
+
+@dataclass
+class Engine:
+    engine: Any  # deepspeed.DeepSpeedEngine
+    metric_scheduler: Any | None  # stepped by the loop with a metric (plateau, greedy)
+    optimizer: str  # what updates the weights (describe_optimizer)
+
+
+def build_engine(
+    cfg: Config, model: Any, ds_config: dict[str, Any], *, total_steps: int, warmup_steps: int, accelerator: str
+) -> Engine:
+    groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
+    if "optimizer" in ds_config:
+        optimizer = None
+        op = ops.deepspeed_optimizer_op(ds_config)
+        if op is not None:  # DeepSpeed compiles it inside initialize: build it first, with a notice
+            ops.ensure_built(op, announce=_is_rank0())
+    else:
+        optimizer = build_optimizer(cfg.optimizer, groups, ds_config, accelerator)
+    name = describe_optimizer(optimizer, ds_config)
+    log.info("optimizer: %s", name)
+    metric_schedule = plain(cfg.scheduler.name) in METRIC_SCHEDULES
+    scheduler = None
+    if "scheduler" not in ds_config and not metric_schedule:
+        # a callable: DeepSpeed calls it with the optimizer, including one it built from the DeepSpeed config
+        scheduler = partial(build_scheduler, cfg.scheduler, total_steps=total_steps, warmup_steps=warmup_steps)
+    try:
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=groups,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ds_config,
+        )
+    except ValidationError as err:  # another block than zero_optimization (checked before the model was built)
+        raise ConfigError(deepspeed_config_problems(err, err.title, cfg.deepspeed.config_file)) from None
+    # DeepSpeed saves engine.config into every checkpoint file (ds_config=...); its monitors (comet's api_key)
+    # were built from it already
+    engine.config = redact(engine.config)
+    compat.keep_fp32_grad_norm(engine)  # grad_norm in the metric lines at ZeRO stage 0 in fp32 as well
+    metric_scheduler = None
+    if "scheduler" not in ds_config and metric_schedule:
+        metric_scheduler = build_scheduler(cfg.scheduler, optimizer or engine.optimizer, total_steps, warmup_steps)
+    return Engine(engine=engine, metric_scheduler=metric_scheduler, optimizer=name)
+
+
+def describe_optimizer(optimizer: Any, ds_config: dict[str, Any]) -> str:
+    """What updates the weights, for the log and summary.json: e.g. "AdamW (fused)", "DeepSpeedCPUAdam"."""
+    if optimizer is None:
+        return f"{ds_config['optimizer'].get('type')} (built by DeepSpeed from the config's optimizer block)"
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    return type(optimizer).__name__ + (" (fused)" if fused else "")
+
+
+def lr_at(trajectory: dict, step: int) -> float | None:
+    """The learning rate the optimizer step after `step` uses under `trajectory` (None when ds_exp cannot compute
+    it here: a schedule DeepSpeed owns, or one driven by a metric)."""
+    if trajectory.get("scheduler_owner") != "ds_exp" or trajectory["scheduler"] in ("reduce_lr_on_plateau", "greedy"):
+        return None
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=trajectory["lr"])
+    schedule = get_scheduler(
+        trajectory["scheduler"],
+        optimizer,
+        num_warmup_steps=trajectory["warmup_steps"],
+        num_training_steps=trajectory["total_steps"],
+        scheduler_specific_kwargs=trajectory["scheduler_kwargs"] or None,
+    )
+    return float(trajectory["lr"] * schedule.lr_lambdas[0](step))

@@ -1,0 +1,111 @@
+"""What a checkpoint was written with, and whether this run can continue from it.
+
+Each checkpoint's marker (ds_exp_complete.json) records the settings that fix the shapes and the partitioning of
+what it holds: the model, LoRA, the vocabulary padding, the ZeRO stage, offload, precision and the world size.
+A changed world size, ZeRO stage or offload (the layout) is followed by converting the checkpoint once into
+DeepSpeed's universal format (ds_exp/universal.py); a resume with any other of them changed is refused before
+anything is written (Hydra's callback calls `check_resume` before the run directory is touched), naming each
+change. Light: no torch, no deepspeed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ds_exp.config.schema import Config, plain, plain_tree
+from ds_exp.errors import ResumeError
+from ds_exp.resume.store import read_marker
+
+# setting -> why a checkpoint cannot be loaded with another value
+_WHY = {
+    "model": "the weights belong to another model",
+    "vocab_multiple": "the embedding has another number of rows",
+    "lora": "the adapters have other shapes or targets",
+    "precision": "DeepSpeed keeps other master copies and optimizer states",
+}
+# the layout: a change is followed by a conversion to DeepSpeed's universal checkpoint format
+LAYOUT = ("world_size", "zero_stage", "offload")
+
+
+def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precision: str | None) -> dict[str, Any]:
+    """The settings a checkpoint depends on (see the module docstring), as plain JSON values."""
+    model = cfg.model.name_or_path or plain_tree(cfg.model.arch)
+    lora = None
+    if cfg.lora.dim > 0:
+        lora = {
+            "dim": int(cfg.lora.dim),
+            "alpha": float(cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.dim),
+            "module_name": str(cfg.lora.module_name),
+            "only_optimize": bool(cfg.lora.only_optimize),
+        }
+    zero = ds_config.get("zero_optimization", {})
+    return {
+        "model": model,
+        "vocab_multiple": int(cfg.model.vocab_multiple),
+        "lora": lora,
+        "zero_stage": zero.get("stage"),
+        "offload": {
+            "optimizer": zero.get("offload_optimizer", {}).get("device", "none"),
+            "param": zero.get("offload_param", {}).get("device", "none"),
+        },
+        "precision": precision,
+        "world_size": world_size,
+    }
+
+
+def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per setting that differs (settings the checkpoint did not record, or that are unknown now, are
+    not compared)."""
+    lines = []
+    for key, why in _WHY.items():
+        if key not in saved or (key != "lora" and (saved[key] is None or current.get(key) is None)):
+            continue
+        if _norm(saved[key]) != _norm(current[key]):
+            lines.append(f"{key}: {_show(saved[key])} in the checkpoint, {_show(current[key])} now ({why})")
+    return lines
+
+
+def layout_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per layout setting (world size, ZeRO stage, offload) that differs; unrecorded ones are not compared."""
+    return [
+        f"{key}: {_show(saved[key])} in the checkpoint, {_show(current[key])} now"
+        for key in LAYOUT
+        if saved.get(key) is not None and current.get(key) is not None and _norm(saved[key]) != _norm(current[key])
+    ]
+
+
+def needs_universal(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether the checkpoint must be converted to DeepSpeed's universal format to be loaded with `current`. At
+    ZeRO stage 0 on both sides rank 0 saved the whole optimizer state, which any world size loads as it is."""
+    found = layout_changes(saved, current)
+    both_stage0 = saved.get("zero_stage") == 0 and current.get("zero_stage") == 0
+    return bool(found) and not (both_stage0 and all(line.startswith("world_size:") for line in found))
+
+
+def _norm(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "none"
+    return json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)
+
+
+def check_resume(cfg: Config, tag_dir: Path, current: dict[str, Any]) -> None:
+    """Refuse to continue from `tag_dir` when a setting it depends on changed."""
+    saved = read_marker(tag_dir).get("settings") or {}
+    found = changes(saved, current)
+    if found:
+        raise ResumeError(
+            "\n".join(
+                [
+                    f"resume={plain(cfg.resume)}: {tag_dir} was written with other settings, so it cannot be loaded:",
+                    *(f"- {line}" for line in found),
+                    "fix: resume with the settings it was written with, or start a new run in a new directory "
+                    "(hydra.run.dir=...) without resume",
+                ]
+            )
+        )

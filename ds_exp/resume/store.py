@@ -1,0 +1,103 @@
+"""A run directory's checkpoints on disk: tags, completeness markers, `latest`, and which one a
+resume continues from. Light: no torch, no deepspeed."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_exp.errors import ResumeError
+
+COMPLETE_MARKER = "ds_exp_complete.json"
+LATEST = "latest"  # DeepSpeed's name for the file that holds the newest tag
+
+
+_TAG = re.compile(r"^step(\d+)$")
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Where training stands: enough to continue exactly as if it had never stopped."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # current epoch
+    step_in_epoch: int = 0  # optimizer steps done within `epoch`
+    wandb_run_id: str | None = None
+    # the loss sums of the metric window still open when a stop signal came, so that the resumed run's next
+    # metric line covers the same steps as an uninterrupted run's (summed over ranks)
+    window_loss_sum: float = 0.0
+    window_label_tokens: float = 0.0
+    initial_eval: dict[str, float] | None = None  # the run's first evaluation, for its summary after a resume
+    # what the run's course depends on (ds_exp.resume.trajectory): a resume says what changed, or refuses
+    trajectory: dict[str, Any] | None = None
+    # the run that wrote the checkpoint (kept across resumes): rotation only ever deletes this run's checkpoints
+    run_id: str | None = None
+    # what the checkpoint depends on (ds_exp.resume.settings_of): a resume with other values is refused
+    settings: dict[str, Any] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def tag_for(step: int) -> str:
+    return f"step{step}"
+
+
+def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Complete checkpoint directories, oldest first."""
+    if not checkpoint_dir.is_dir():
+        return []
+    found = []
+    for child in checkpoint_dir.iterdir():
+        match = _TAG.match(child.name)
+        if match and (child / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def read_marker(tag_dir: Path) -> dict[str, Any]:
+    """The completeness marker of a checkpoint (its TrainState); {} when unreadable."""
+    try:
+        return json.loads((tag_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def find_resume_checkpoint(resume: str | None, run_dir: Path, checkpoint_subdir: str) -> Path | None:
+    """The checkpoint tag directory to resume from; None to start fresh (resume=null, or auto with none yet)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(run_dir / checkpoint_subdir)
+        return found[-1] if found else None
+    path = Path(resume).expanduser()
+    if (path / COMPLETE_MARKER).is_file():
+        return path
+    for candidate in (path, path / checkpoint_subdir):
+        found = complete_checkpoints(candidate)
+        if found:
+            return found[-1]
+    raise ResumeError(
+        f"resume={resume}: no complete checkpoint in {path} (looked for step<N>/{COMPLETE_MARKER} there and "
+        f"under {checkpoint_subdir}/); give a run directory, its checkpoints directory or one step<N> directory"
+    )
+
+
+def damaged_message(tag_dir: Path, err: BaseException) -> str:
+    """A checkpoint marked complete that cannot be read (a file truncated or deleted since): name the fallback."""
+    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    earlier = [c for c in complete_checkpoints(tag_dir.parent) if _step_of(c) < _step_of(tag_dir)]
+    fallback = (
+        f"the previous complete checkpoint is {earlier[-1]}: continue from it with resume={earlier[-1]}"
+        if earlier
+        else "there is no earlier complete checkpoint: start over without resume"
+    )
+    return f"resume: {tag_dir} cannot be read, a file of it is damaged or missing ({first}); {fallback}"
+
+
+def _step_of(tag_dir: Path) -> int:
+    match = _TAG.match(tag_dir.name)
+    return int(match.group(1)) if match else -1

@@ -1,0 +1,102 @@
+"""What a resume with changed settings does to the run's course, said before it happens.
+
+Each checkpoint records the run's trajectory: the steps its schedule spans, the warmup, the learning rate, the
+schedule, the global batch and the data it draws from. A resume compares them with the run's own:
+* the length (train.max_steps / epochs), the learning rate, the schedule and its warmup may change on purpose
+  (training longer is the common case): the run goes on, the schedule is recomputed at the resumed step (ds_exp
+  fast-forwards it instead of loading it, so the new settings take effect), and one line per change says what it
+  does, e.g. "the cosine schedule is recomputed over 8 steps instead of 4; the learning rate for step 5 is 5.0e-04
+  instead of 0.0e+00";
+* the global batch or the data cannot change: the position in the epoch (counted in samples of this data in this
+  order) would point elsewhere. The resume is refused, with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ds_exp.config.schema import Config, plain
+from ds_exp.errors import ResumeError
+
+
+def trajectory_of(cfg: Config, *, total_steps: int, warmup_steps: int, world_size: int, data_key: str) -> dict:
+    """What the course of this run depends on (JSON values; recorded in each checkpoint)."""
+    train, sched = cfg.train, cfg.scheduler
+    return {
+        "total_steps": total_steps,
+        "warmup_steps": warmup_steps,
+        "lr": float(cfg.optimizer.lr),
+        "scheduler": str(plain(sched.name)),
+        "scheduler_kwargs": dict(sched.kwargs),
+        "scheduler_owner": str(plain(sched.owner)),
+        "global_batch": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
+        "data": data_key,
+    }
+
+
+LrAt = Callable[[dict, int], "float | None"]  # a trajectory's learning rate after a step (ds_exp.model.engine.lr_at)
+
+
+def changes(saved: dict, current: dict, step: int, lr_at: LrAt | None = None) -> tuple[list[str], list[str]]:
+    """(what the resume changes, what it cannot change) between a checkpoint's trajectory and the run's; with
+    `lr_at`, the change's effect on the next step's learning rate is said too."""
+    refused = []
+    if saved.get("global_batch") not in (None, current["global_batch"]):
+        refused.append(
+            f"the global batch is {current['global_batch']} samples, it was {saved['global_batch']}: the position in "
+            "the epoch would point at other samples; keep train.micro_batch_size x train.gradient_accumulation_steps "
+            f"x world size = {saved['global_batch']}"
+        )
+    if saved.get("data") not in (None, current["data"]) and current["data"] is not None:
+        refused.append(
+            "the training data differ from the checkpoint's (data.*, train.seed or the tokenizer changed, or a data "
+            "file's content): the position in the epoch would point into other data; resume with the data it was "
+            "written with, or fine-tune its export in a new run (model.name_or_path=<run dir>/hf_model)"
+        )
+    said = []
+    what = {
+        "total_steps": ("the run's length (train.max_steps / train.epochs)", "steps"),
+        "warmup_steps": ("the warmup (scheduler.warmup_steps / warmup_ratio)", "steps"),
+        "lr": ("optimizer.lr", ""),
+        "scheduler": ("scheduler.name", ""),
+        "scheduler_kwargs": ("scheduler.kwargs", ""),
+    }
+    for key, (name, unit) in what.items():
+        if key in saved and saved[key] != current[key]:
+            said.append(
+                f"{name}: {saved[key]}{' ' + unit if unit else ''} -> {current[key]}{' ' + unit if unit else ''}"
+            )
+    if said:
+        before = lr_at(saved, step) if lr_at is not None and _complete(saved) else None
+        after = lr_at(current, step) if lr_at is not None else None
+        effect = f"the {current['scheduler']} schedule is recomputed over {current['total_steps']} steps"
+        if saved.get("total_steps") != current["total_steps"]:
+            effect += f" instead of {saved.get('total_steps')}"
+        if before is not None and after is not None:
+            effect += f"; the learning rate for step {step + 1} is {after:.1e} instead of {before:.1e}"
+        said.append(effect)
+    return said, refused
+
+
+def _complete(trajectory: dict) -> bool:
+    return all(k in trajectory for k in ("lr", "scheduler", "warmup_steps", "total_steps", "scheduler_kwargs"))
+
+
+def check(
+    cfg: Config, saved: dict | None, current: dict, step: int, tag_dir: Any, lr_at: LrAt | None = None
+) -> list[str]:
+    """Raise ResumeError for what cannot change; return the lines that say what the resume changes."""
+    if not saved:
+        return []  # written before checkpoints recorded their trajectory
+    said, refused = changes(saved, current, step, lr_at)
+    if refused:
+        raise ResumeError(
+            "\n".join(
+                [
+                    f"resume={plain(cfg.resume)}: {tag_dir} cannot be continued with these settings:",
+                    *(f"- {line}" for line in refused),
+                ]
+            )
+        )
+    return said

@@ -1,0 +1,166 @@
+"""DeepSpeed ops compiled on first use (JIT): CPU Adam, FusedAdam and the shared-memory collectives of CPU ranks.
+
+DeepSpeed builds them deep inside `deepspeed.initialize` / `init_distributed`, where a failed build surfaces as a
+compiler traceback and a slow one as a silent minute. `ensure_built` builds an op before DeepSpeed asks for it
+(DeepSpeed then reuses the loaded module): it says on the console when a compilation is coming, and a failure
+becomes one message naming the op, what needs it, the cause and the fix (the compiler's output goes to the log).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from deepspeed.accelerator import get_accelerator
+
+from ds_exp import compat
+from ds_exp.errors import RunFailed
+from ds_exp.launch.run_logging import FILE_LOGGER
+
+log = logging.getLogger(__name__)
+file_log = logging.getLogger(FILE_LOGGER)
+
+_ARCH = re.compile(r"^(\d+)\.(\d+)[a-z]*(\+PTX)?$")
+
+
+@dataclass(frozen=True)
+class Op:
+    builder: str  # DeepSpeed's op builder class
+    title: str  # for people
+    needed_for: str  # the setting that needs it
+    instead: str  # how to do without it
+
+
+CPU_ADAM = Op(
+    "CPUAdamBuilder",
+    "DeepSpeed's CPU Adam",
+    "optimizer offload (offload.optimizer=cpu/nvme) or optimizer.impl=deepspeed_cpu",
+    "use offload=none with optimizer.impl=auto",
+)
+FUSED_ADAM = Op(
+    "FusedAdamBuilder",
+    "DeepSpeed's FusedAdam",
+    "optimizer.impl=deepspeed_fused or an Adam block in the DeepSpeed config",
+    "use optimizer.impl=auto (torch's fused AdamW on CUDA: nothing to compile)",
+)
+SHM_COMM = Op(
+    "ShareMemCommBuilder",
+    "DeepSpeed's shared-memory collectives for CPU ranks",
+    "DeepSpeed's CPU accelerator",
+    "training goes on without them (plain gloo collectives: slower with several ranks)",
+)
+
+
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19's op builder can read it. It parses every entry as `major.minor`
+    integers, so the arch-specific "9.0a" (a common setting on Hopper) fails with `invalid literal for int()`;
+    the generic 9.0 code runs on the same GPU. None when nothing needs changing."""
+    if not value:
+        return None
+    entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]
+    fixed = [_ARCH.sub(r"\1.\2\3", e) for e in entries]
+    return ";".join(fixed) if fixed != entries else None
+
+
+@contextlib.contextmanager
+def _arch_list_for_deepspeed() -> Iterator[None]:
+    original = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    fixed = deepspeed_arch_list(original)
+    if fixed is None:
+        yield
+        return
+    log.info("TORCH_CUDA_ARCH_LIST=%s: DeepSpeed's op builder cannot parse suffixes, building for %s", original, fixed)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
+    try:
+        yield
+    finally:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = original  # type: ignore[assignment]  # fixed is None unless set
+
+
+def ensure_built(op: Op, *, announce: bool) -> None:
+    """Load (compiling if needed) `op` now. `announce`: print a notice before a compilation (rank 0)."""
+    builder = get_accelerator().create_op_builder(op.builder)
+    if builder is None or compat.op_loaded(builder):
+        return
+    if not builder.is_compatible(verbose=False):
+        if op is SHM_COMM:
+            return  # DeepSpeed does without it (plain gloo collectives)
+        raise RunFailed(
+            f"{op.title} ({builder.name}) cannot be built here, and {op.needed_for} needs it: "
+            f"{_first_line(str(getattr(builder, 'error_log', None) or 'not compatible'))}; {op.instead}"
+        )
+    if announce and not compat.op_prebuilt(builder):
+        print(
+            f"ds_exp: compiling {op.title} ({builder.name}) for {op.needed_for}; the first time with this torch and "
+            "DeepSpeed takes about a minute ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    with _arch_list_for_deepspeed():
+        try:
+            builder.load(verbose=False)
+        except Exception as exc:  # a compiler error, a missing toolchain: all end the same way
+            file_log.error("building %s failed", builder.name, exc_info=True)
+            if op is not SHM_COMM:
+                raise RunFailed(build_failure_message(op, builder.name, exc)) from None
+            compat.skip_op(builder)  # an optimization only: DeepSpeed falls back to torch.distributed's own
+            if announce:
+                cause, fix = failure_cause(exc)
+                print(
+                    f"ds_exp: warning: could not compile {op.title} ({builder.name}): {cause}; {op.instead}. "
+                    f"Fix: {fix}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
+def deepspeed_optimizer_op(ds_config: dict) -> Op | None:
+    """The op DeepSpeed compiles for an "optimizer" block of its config (Adam/AdamW): CPU Adam under optimizer
+    offload, else FusedAdam, unless the block asks for torch's own ("torch_adam": true)."""
+    block = ds_config.get("optimizer") or {}
+    if str(block.get("type", "")).lower() not in ("adam", "adamw") or block.get("params", {}).get("torch_adam"):
+        return None
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return CPU_ADAM if offload in ("cpu", "nvme") else FUSED_ADAM
+
+
+def build_failure_message(op: Op, name: str, exc: BaseException) -> str:
+    cause, fix = failure_cause(exc)
+    return f"could not compile {op.title} ({name}), needed for {op.needed_for}: {cause}. Fix: {fix}; or {op.instead}"
+
+
+def failure_cause(exc: BaseException) -> tuple[str, str]:
+    """(what went wrong, how to fix it) from the exception of a failed build."""
+    text = str(exc)
+    if "--version" in text and "returned non-zero exit status" in text:
+        compiler = os.environ.get("CXX", "c++")
+        return f"the C++ compiler ({compiler}) does not run", "install g++ (apt-get install g++) or fix CXX"
+    if "ninja" in text.lower():
+        return "ninja is not installed", "pip install ninja"
+    if "nvcc" in text or "CUDA_HOME" in text:
+        return (
+            "the CUDA compiler (nvcc) was not found",
+            "install the CUDA toolkit of torch's CUDA version or set CUDA_HOME",
+        )
+    if "Error building extension" in text or "error:" in text:
+        return (
+            f"the compiler failed ({_compiler_error(text)})",
+            "check the C++ compiler (g++) and, on GPUs, TORCH_CUDA_ARCH_LIST and nvcc",
+        )
+    return (_first_line(text) or type(exc).__name__).rstrip("."), "see the log file for the details"
+
+
+def _compiler_error(text: str) -> str:
+    for line in text.splitlines():
+        if "error" in line.lower() and "Error building extension" not in line:
+            return line.strip()[:200]
+    return "see the log file"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0][:300] if text.strip() else ""

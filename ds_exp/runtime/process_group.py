@@ -1,0 +1,161 @@
+"""How the process was launched, and distributed initialisation.
+
+`detect_launch` reads only the environment (cheap, no torch): it is used by the dry run and by training.
+`export_launch_env` fills RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT where the launcher did
+not, never overwriting what it set; `init_distributed` then hands over to deepspeed.init_distributed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import io
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from omegaconf import DictConfig
+
+from ds_exp.config.schema import plain
+from ds_exp.errors import ConfigError
+from ds_exp.launch.environment import LaunchInfo, choose_backend, cpu_threads_per_rank, export_launch_env
+from ds_exp.launch.run_logging import LIBRARY_LOGGER
+from ds_exp.runtime import ops
+
+
+def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str) -> str:
+    """Export the launch variables and start torch.distributed through DeepSpeed; returns the backend."""
+    export_launch_env(launch)
+    threads = cpu_threads_per_rank(launch)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    backend = choose_backend(plain(dist_cfg.backend), accelerator)
+    check_backend(backend, accelerator)
+    if not dist.is_initialized():
+        atexit.register(_destroy_process_group)
+        if accelerator == "cpu":
+            # DeepSpeed compiles this inside init_distributed: build it first, with a notice and a clear failure
+            ops.ensure_built(ops.SHM_COMM, announce=launch.rank == 0)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # DeepSpeed prints per rank ("... built successfully"): to the log
+        wait_for_rendezvous(
+            lambda: deepspeed.init_distributed(
+                dist_backend=backend,
+                auto_mpi_discovery=False,  # the variables are exported above, from whichever launcher it was
+                distributed_port=launch.master_port,
+                timeout=datetime.timedelta(minutes=int(dist_cfg.timeout_minutes)),
+                verbose=False,
+            ),
+            launch,
+            int(dist_cfg.timeout_minutes),
+        )
+    for line in printed.getvalue().splitlines():
+        logging.getLogger(LIBRARY_LOGGER).info(line)
+    if accelerator == "cuda":
+        get_accelerator().set_device(launch.local_rank)
+    return backend
+
+
+def check_backend(backend: str, accelerator: str) -> None:
+    """dist.backend must exist in this torch and fit the device: told now, not as a C++ error at rendezvous."""
+    available = {
+        "nccl": dist.is_nccl_available() and accelerator == "cuda",
+        "mpi": dist.is_mpi_available(),
+        "gloo": dist.is_gloo_available(),
+    }
+    why = {
+        "nccl": "needs NVIDIA GPUs and a CUDA build of torch",
+        "mpi": "needs a torch built with MPI (pip's builds are not)",
+        "gloo": "is not in this torch build",
+    }
+    if backend in available and not available[backend]:
+        raise ConfigError(f"dist.backend={backend} {why[backend]}; use dist.backend=auto (gloo on CPUs, nccl on GPUs)")
+    if backend == "ccl":
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "dist.backend=ccl needs Intel's oneCCL bindings (pip install oneccl_bind_pt); or dist.backend=auto"
+            ) from None
+
+
+def wait_for_rendezvous(start: Callable[[], Any], launch: LaunchInfo, timeout_minutes: int) -> None:
+    """Run `start` (the rendezvous) in a helper thread while the main thread waits in Python: a blocked rendezvous
+    would otherwise hold off Ctrl-C and SIGTERM until it times out (dist.timeout_minutes). Says what it waits for."""
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            start()
+        except BaseException as exc:  # handed to the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="ds_exp-rendezvous", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    next_notice = 10.0
+    while thread.is_alive():
+        thread.join(timeout=0.5)  # signal handlers run in the main thread between these waits
+        waited = time.monotonic() - started
+        if thread.is_alive() and launch.world_size > 1 and waited >= next_notice:
+            print(
+                f"ds_exp: rank {launch.rank} has waited {waited:.0f} s for the {launch.world_size} ranks to meet at "
+                f"{launch.master_addr}:{launch.master_port} (gives up after dist.timeout_minutes={timeout_minutes}; "
+                "Ctrl-C stops it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            next_notice *= 3
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+def all_reduce_sum(values: list[float], device: Any) -> list[float]:
+    """Collective: `values` summed over ranks (float64), back on the host."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def broadcast(value: Any) -> Any:
+    """Collective: rank 0's `value` on every rank (a picklable object)."""
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+# What the backends say when the other end of a collective is gone (its process died or was killed).
+_PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket closed",
+    "communicator was aborted",
+    "remote process exited",
+)
+_lost_peer = False
+
+
+def is_lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` says that another rank went away in the middle of a collective."""
+    text = str(exc).lower()
+    return isinstance(exc, getattr(dist, "DistNetworkError", ())) or any(s in text for s in _PEER_GONE)
+
+
+def mark_lost_peer() -> None:
+    """A rank is gone: tearing the process group down at exit could wait on it, so skip that."""
+    global _lost_peer
+    _lost_peer = True
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized() and not _lost_peer:
+        dist.destroy_process_group()

@@ -1,0 +1,123 @@
+"""Signals that ask a run to stop: every rank saves a checkpoint after the same step, then the run leaves.
+
+* Under submitit (SLURM), the preemption / time-limit signal (SIGUSR2; the launcher preset's
+  `signal_delay_s` says how long before the limit SLURM sends it). Once the checkpoint is complete, rank 0
+  hands over to submitit's own handler, which re-submits the job with the same arguments (so the same job
+  directory) and runs `scontrol requeue`; the requeued job resumes from the checkpoint (`resume=auto`).
+* Under any other launcher, SIGTERM and SIGINT: save, then exit with 128 + the signal's number. A second
+  SIGINT interrupts at once (KeyboardInterrupt), for a user who cannot wait for the step to end.
+
+During training, handlers only set a flag. The training loop votes on it in an all-reduce it makes anyway at
+every step, so all ranks stop after the same step even though the signal reaches them at different moments.
+Before the first step (tokenization, model build, the first evaluation: minutes, with nothing to save) a signal
+stops the run at once (SLURM's grace period before SIGKILL is short).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from types import FrameType
+from typing import Any, NoReturn
+
+from ds_exp import compat
+
+log = logging.getLogger(__name__)
+
+_REQUEUE_WAIT_S = 300  # how long ranks > 0 wait for the requeue to end them before leaving by themselves
+
+
+class StopRequested(Exception):
+    """Raised by the loop once every rank has agreed to stop and the checkpoint (if any) is complete."""
+
+    def __init__(self, reason: str, step: int | None, checkpoint: str | None, status: str) -> None:
+        self.reason, self.step, self.checkpoint, self.status = reason, step, checkpoint, status
+        if step is None:
+            super().__init__(f"stopped by {reason} before the first training step; no checkpoint was written")
+            return
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no step was trained)"
+        super().__init__(f"stopped by {reason} after step {step}; {where}")
+
+
+class StopSignals:
+    """Installs the stop handlers for one run and knows how to leave once the run has stopped."""
+
+    def __init__(self, launcher: str) -> None:
+        self.under_submitit = launcher == "submitit"
+        self.signum: int | None = None
+        self.immediate = True  # before the training loop: stop at once (set False when the loop starts)
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def reason(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    @property
+    def stopped_status(self) -> str:
+        """The run's status once stopped: requeued under submitit, stopped (resumable by hand) elsewhere."""
+        return "requeued" if self.under_submitit else "stopped"
+
+    def watched(self) -> list[int]:
+        if self.under_submitit:
+            return [compat.submitit_requeue_signal()]  # SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise
+        return [signal.SIGTERM, signal.SIGINT]
+
+    def install(self) -> None:
+        self.pid = os.getpid()
+        for signum in self.watched():
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        """Put the handlers found at install() back; they stay known to leave()."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:
+            # a forked worker (tokenization pool, data loader) inherited this handler: it dies as by default, so
+            # that its pool's terminate() can reap it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: stop now, without the checkpoint
+        self.signum = signum
+        if self.immediate:
+            log.warning("caught %s before training started: stopping now", self.reason)
+            raise StopRequested(self.reason, None, None, self.stopped_status)
+        log.warning("caught %s: saving a checkpoint after the current step, then stopping", self.reason)
+
+    def behind(self, exc: BaseException) -> StopRequested | None:
+        """The stop behind `exc`: a library that catches the exception a signal raised during setup may raise its
+        own instead (datasets' worker pool raises a TimeoutError from its cleanup)."""
+        seen: BaseException | None = exc
+        while seen is not None:
+            if isinstance(seen, StopRequested):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+        if self.requested and self.immediate:
+            return StopRequested(self.reason, None, None, self.stopped_status)
+        return None
+
+    def leave(self, rank: int) -> NoReturn:
+        """Exit after a stop. Under submitit rank 0 requeues the job; the other ranks wait for SLURM to end them
+        (submitit warns that an early exit of a task may bring down rank 0 before it has requeued)."""
+        assert self.signum is not None
+        if not self.under_submitit:
+            sys.exit(128 + self.signum)
+        if rank == 0:
+            handler = self._previous.get(self.signum)
+            if callable(handler):
+                handler(self.signum, None)  # submitit: dump the re-submission, scontrol requeue, sys.exit(-1)
+            sys.exit(-1)
+        deadline = time.monotonic() + _REQUEUE_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(1)
+        sys.exit(-1)

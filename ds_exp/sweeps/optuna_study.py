@@ -1,0 +1,329 @@
+"""Hyperparameter search with optuna: the `hydra/sweeper=optuna` sweeper (conf/hydra/sweeper/optuna.yaml).
+
+    python -m ds_exp -m hydra/sweeper=optuna 'optimizer.lr=tag(log,interval(1e-5,1e-3))' hydra.sweeper.n_trials=20
+
+A thin Hydra sweeper over optuna's ask / tell (hydra-optuna-sweeper 1.3.0 pins optuna < 3, whose SQLite storage
+fails under SQLAlchemy 2). Each trial is one job of the launcher in use (the basic one: one process; `local` /
+`slurm`: one submitit job whose tasks are the ranks of one run), composed and validated here once, so every rank
+trains with the trial's values. What a trial scores is read from its summary.json (`objective`):
+* completed with the objective a finite number -> COMPLETE with that value;
+* diverged (train.max_bad_steps non-finite losses in a row, or a non-finite objective) -> PRUNED: the values
+  are bad, and the sampler learns that;
+* anything else (invalid config, a failed or killed run) -> FAIL, with the error recorded; the study goes on.
+The study lives in the sweep directory (outputs/optuna/<study_name>/optuna.db, SQLite), so the same command run
+again continues it up to `n_trials` finished trials; each trial's run directory is named by its trial number.
+`study.json` beside it records every trial for the sweep report (ds_exp/study_record.py).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from optuna.trial import TrialState
+
+from ds_exp.config.secrets import redact_text
+from ds_exp.errors import ConfigError, DsExpError
+from ds_exp.launch.console import report_user_error
+from ds_exp.launch.files import write_json_atomic
+from ds_exp.launch.run_dir import holds_a_run
+from ds_exp.sweeps.jobs import check_job
+from ds_exp.sweeps.search_space import parse_search_space, probe_overrides
+from ds_exp.sweeps.study_files import (
+    ABANDONED,
+    OBJECTIVES,
+    STUDY_FILE,
+    check_study_dir,
+    command_line,
+    numbers_in,
+    outcome,
+    shown_storage,
+)
+
+log = logging.getLogger(__name__)
+
+DB_FILE = "optuna.db"
+LOCK_FILE = ".study.lock"
+
+
+class StudySweeper(Sweeper):
+    """The optuna sweeper; Hydra finds it as hydra_plugins.ds_exp_optuna.optuna_sweeper.OptunaSweeper."""
+
+    def __init__(
+        self,
+        objective: str = "final_eval.eval_loss",
+        direction: str = "minimize",
+        study_name: str | None = None,
+        storage: str | None = None,
+        n_trials: int = 20,
+        n_jobs: int = 1,
+        sampler: Any = None,
+        params: Any = None,
+        sweep_dir: str | None = None,  # read by conf/config.yaml's hydra.sweep.dir, not here
+    ) -> None:
+        super().__init__()
+        self.objective, self.direction, self.study_name = objective, direction, study_name
+        self.storage, self.n_trials, self.n_jobs = storage, n_trials, n_jobs
+        self.sampler_cfg = sampler
+        self.params = OmegaConf.to_container(params, resolve=True) if OmegaConf.is_config(params) else params or {}
+        self.hydra_context: HydraContext | None = None
+        self.config: DictConfig | None = None
+        self.launcher: Any = None
+        self._lock: Any = None
+        self.exhausted = False  # set when the sampler stops the study (its whole space tried)
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    def sweep(self, arguments: list[str]) -> Any:
+        try:
+            return self.run_study(arguments)
+        except DsExpError as err:
+            report_user_error(err, traceback_hint=False)
+            raise SystemExit(err.exit_code) from None
+
+    # ------------------------------------------------------------------------------------------ the study
+    def run_study(self, arguments: list[str]) -> list[Any]:
+        assert self.config is not None and self.hydra_context is not None
+        self.check_settings()
+        loader = self.hydra_context.config_loader
+        space = parse_search_space([f"{k}={v}" for k, v in self.params.items()] + list(arguments), loader)
+        if not space.distributions:
+            raise ConfigError(
+                "hydra/sweeper=optuna needs a search space: e.g. 'optimizer.lr=tag(log,interval(1e-5,1e-3))' "
+                "'zero=stage2,stage3' on the command line, or hydra.sweeper.params"
+            )
+        self.check_composes(space)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        storage = self.storage or f"sqlite:///{sweep_dir.resolve() / DB_FILE}"
+        identity = {
+            "study_name": self.study_name,
+            "storage": shown_storage(storage),
+            "objective": self.objective,
+            "direction": self.direction,
+            "search_space": space.as_json(),
+            "fixed": space.fixed,
+        }
+        check_study_dir(sweep_dir, identity)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        self.lock(sweep_dir)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # the sweeper says what happens, once
+        study = optuna.create_study(
+            storage=storage, study_name=self.study_name, direction=self.direction, load_if_exists=True
+        )
+        if study.direction.name.lower() != self.direction:
+            raise ConfigError(
+                f"hydra.sweeper.direction={self.direction}: study {self.study_name} in {shown_storage(storage)} "
+                f"was created to {study.direction.name.lower()}; keep its direction or name a new study"
+            )
+        fail_abandoned_trials(study, sweep_dir)
+        study.sampler = self.make_sampler(len(study.trials))
+        self.save_sweep_config(sweep_dir)
+        write_study(sweep_dir, study, identity, self.n_trials)
+        done = finished(study)
+        print(
+            f"ds_exp: optuna study {self.study_name} in {sweep_dir}: {done} of {self.n_trials} trials finished"
+            f"{'' if done < self.n_trials else ', nothing to run (raise hydra.sweeper.n_trials to continue it)'}; "
+            f"objective {self.objective} ({self.direction})"
+        )
+        returns = []
+        while (done := finished(study)) < self.n_trials and not self.exhausted:
+            trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, self.n_trials - done))]
+            missing = self.run_trials(study, trials, space.overrides, sweep_dir)
+            write_study(sweep_dir, study, identity, self.n_trials)
+            if missing:
+                raise ConfigError(missing)
+            returns.append(trials)
+        if self.exhausted:
+            print(f"ds_exp: the sampler has tried its whole search space: the study stops at {finished(study)} trials")
+        return returns
+
+    def check_settings(self) -> None:
+        problems = []
+        if self.objective not in OBJECTIVES:
+            problems.append(
+                f"hydra.sweeper.objective={self.objective}: no run's summary.json reports it; choose one of "
+                f"{', '.join(OBJECTIVES)}"
+            )
+        if self.direction not in ("minimize", "maximize"):
+            problems.append(f"hydra.sweeper.direction={self.direction}: must be minimize or maximize")
+        for key in ("n_trials", "n_jobs"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                problems.append(f"hydra.sweeper.{key}={getattr(self, key)}: must be a whole number >= 1")
+        if not self.study_name:
+            problems.append("hydra.sweeper.study_name is empty: name the study (it names its directory too)")
+        if problems:
+            raise ConfigError(problems)
+
+    def check_composes(self, space: Any) -> None:
+        """The corners of the space are composed first: an unknown key or option (or a float for an integer) would
+        fail every trial, so it stops the study before anything runs."""
+        problems = []
+        for overrides in probe_overrides(space):
+            try:
+                self.compose(overrides)
+            except Exception as err:  # Hydra's / OmegaConf's composition errors
+                problem = (
+                    f"hydra/sweeper=optuna: a trial with [{' '.join(overrides)}] cannot be composed: "
+                    + (str(err).splitlines()[0])
+                )
+                if problem not in problems:
+                    problems.append(problem)
+        if problems:
+            raise ConfigError(problems)
+
+    def compose(self, overrides: list[str]) -> DictConfig:
+        assert self.hydra_context is not None and self.config is not None
+        return self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+
+    def make_sampler(self, trials_so_far: int) -> Any:
+        """The configured sampler; a seeded one is seeded with seed + the trials so far, so that a continued study
+        does not draw the first invocation's values again."""
+        if not self.sampler_cfg:
+            return None
+        sampler_cfg = self.sampler_cfg
+        if OmegaConf.is_config(sampler_cfg):
+            sampler_cfg = OmegaConf.to_container(sampler_cfg, resolve=True)
+        sampler_cfg = dict(sampler_cfg)
+        if sampler_cfg.get("seed") is not None:
+            sampler_cfg["seed"] = int(sampler_cfg["seed"]) + trials_so_far
+        try:
+            return instantiate(sampler_cfg)
+        except Exception as err:
+            raise ConfigError(f"hydra.sweeper.sampler: {str(err).splitlines()[0]}") from None
+
+    def save_sweep_config(self, sweep_dir: Path) -> None:
+        """multirun.yaml as Hydra's basic sweeper writes it; a continued study keeps the first one."""
+        target = sweep_dir / "multirun.yaml"
+        if target.exists():
+            target = sweep_dir / f"multirun-{time.strftime('%Y-%m-%d_%H-%M-%S')}.yaml"
+        OmegaConf.save(self.config, target)
+
+    def lock(self, sweep_dir: Path) -> None:
+        """One sweeper per study directory at a time (a second one would take the first one's trials for dead)."""
+        handle = (sweep_dir / LOCK_FILE).open("a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise ConfigError(
+                f"hydra.sweep.dir={sweep_dir}: another sweep is running this study right now; wait for it to end"
+            ) from None
+        self._lock = handle  # held until the process ends
+
+    # ----------------------------------------------------------------------------------------- the trials
+    def run_trials(self, study: Any, trials: list[Any], overrides_of: Any, sweep_dir: Path) -> list[str]:
+        """Compose and validate each trial once, launch the valid ones, tell the study how each ended. Returns the
+        problems that stop the study (an objective the runs do not report)."""
+        assert self.hydra_context is not None and self.config is not None
+        launch: list[tuple[Any, list[str], Path]] = []
+        for trial in trials:
+            overrides = overrides_of(trial.params)
+            trial.set_user_attr("overrides", overrides)
+            trial.set_user_attr("sweep_dir", str(sweep_dir))
+            # composed and validated once, here, as the basic sweeper's jobs are (ds_exp/sweep.py): the ranks
+            # compose the same overrides (floats written exactly) and train with the trial's values
+            cfg, problems = check_job(self.hydra_context.config_loader, self.config, overrides, trial.number)
+            error = f"invalid trial, not launched: {'; '.join(problems)}" if problems else None
+            if cfg is not None:
+                job_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+                trial.set_user_attr("job_dir", str(job_dir))
+                found = holds_a_run(job_dir, "checkpoints")
+                if found:
+                    error = f"{job_dir} already holds a run ({found}); it was left as it is"
+            if error is not None:
+                self.tell(study, trial, TrialState.FAIL, None, redact_text(error))
+            else:
+                launch.append((trial, overrides, job_dir))
+        launch_error = self.launch(launch)
+        missing = []
+        for trial, _, job_dir in launch:
+            state, value, error, summary = outcome(job_dir, self.objective, launch_error)
+            if summary is not None:
+                trial.set_user_attr("world_size", summary.get("world_size"))
+            if state == "MISSING":
+                reported = ", ".join(numbers_in(summary or {})) or "none"
+                missing.append(
+                    f"hydra.sweeper.objective={self.objective}: trial {trial.number}'s run completed but its "
+                    f"summary.json ({job_dir}) has no value for it, so no run will; numbers it reports: {reported}"
+                )
+                state, error = "FAIL", missing[-1]
+            self.tell(study, trial, getattr(TrialState, state), value, error)
+        return missing
+
+    def launch(self, batch: list[tuple[Any, list[str], Path]]) -> str | None:
+        """Launch the batch (its job numbers are its trial numbers); the launcher's own error, if it raised."""
+        groups: list[list[tuple[Any, list[str], Path]]] = []
+        for item in batch:  # trial numbers in a batch are consecutive unless another process asked in between
+            if groups and groups[-1][-1][0].number + 1 == item[0].number:
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        error = None
+        for group in groups:
+            try:
+                self.launcher.launch([overrides for _, overrides, _ in group], initial_job_idx=group[0][0].number)
+            except Exception as err:  # e.g. submitit: a job whose process died; its summary.json tells the rest
+                error = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+                log.warning("the launcher reported: %s", error)
+        return error
+
+    def tell(self, study: Any, trial: Any, state: Any, value: float | None, error: str | None) -> None:
+        if error is not None:
+            trial.set_user_attr("error", error[:2000])
+        try:
+            study.tell(trial, value if state.name == "COMPLETE" else None, state=state)
+        except RuntimeError as err:  # a grid / brute-force sampler that has covered its space calls study.stop()
+            if "Study.stop" not in str(err):
+                raise
+            self.exhausted = True  # the trial was stored all the same (optuna stores it in a `finally`)
+        shown = f"{self.objective}={value:.6g}" if value is not None else (error or "").splitlines()[0][:300]
+        print(f"ds_exp: trial {trial.number} {state.name.lower()}: {shown}")
+
+
+def finished(study: Any) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
+
+
+def fail_abandoned_trials(study: Any, sweep_dir: Path) -> None:
+    """Trials of this directory still RUNNING belong to a sweep that ended before they did (Ctrl-C, a lost
+    login node): they are recorded as failed; their run directories stay as they are."""
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if trial.user_attrs.get("sweep_dir") == str(sweep_dir):
+            study.tell(trial.number, state=TrialState.FAIL)  # study.json says why (a FAIL without an error)
+
+
+def write_study(sweep_dir: Path, study: Any, identity: dict[str, Any], n_trials: int) -> None:
+    """study.json: the study's settings and every trial, for the sweep report (study_section)."""
+    trials = []
+    for trial in study.get_trials(deepcopy=False):
+        attrs = trial.user_attrs
+        trials.append(
+            {
+                "number": trial.number,
+                "state": trial.state.name,
+                "value": trial.value,
+                "params": trial.params,
+                "overrides": attrs.get("overrides"),
+                "job_dir": attrs.get("job_dir"),
+                "world_size": attrs.get("world_size"),
+                "error": attrs.get("error") or (ABANDONED if trial.state == TrialState.FAIL else None),
+            }
+        )
+    best = None
+    if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        best = next(t for t in trials if t["number"] == study.best_trial.number)
+        best = {**best, "command": command_line(best["overrides"] or [], best["world_size"])}
+    write_json_atomic(sweep_dir / STUDY_FILE, {**identity, "n_trials": n_trials, "trials": trials, "best": best})

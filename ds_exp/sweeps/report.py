@@ -1,0 +1,264 @@
+"""Sweep report: one row per job of a multirun, printed and written as CSV, Markdown and a PNG plot.
+
+    python -m ds_exp.report <sweep dir>
+
+Runs by itself at the end of every multirun (the `SweepReport` callback in conf/config.yaml). A job that
+failed shows its error; a job that left no summary.json (killed, never started) says so. An autotune sweep
+(experiment=autotune, ds_exp/autotune.py) adds its ranking: every candidate with its verdict, the probes ranked by
+tokens/s, the recommended one and the command line that trains with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ds_exp.config.memory_plan import human_bytes
+from ds_exp.sweeps.study_files import study_section
+
+PLAN_FILE = "autotune.json"  # an autotune sweep's plan (ds_exp/tools/autotune.py): candidates, estimates, verdicts
+
+COLUMNS = [
+    "job",
+    "overrides",
+    "status",
+    "world_size",
+    "zero_stage",
+    "tokens_per_s",
+    "samples_per_s",
+    "peak_memory_mib",
+    "peak_memory_mib_per_rank",
+    "train_loss",
+    "perplexity",
+    "wall_time_s",
+    "restarts",
+    "error_kind",
+    "error",
+]
+
+
+def _job_key(path: Path) -> tuple[int, str]:
+    return (int(path.name), "") if path.name.isdigit() else (sys.maxsize, path.name)
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")), key=_job_key)
+
+
+def job_row(job_dir: Path) -> dict[str, Any]:
+    overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    row: dict[str, Any] = dict.fromkeys(COLUMNS)
+    row.update(job=job_dir.name, overrides=" ".join(overrides))
+    summary_file = job_dir / "summary.json"
+    if not summary_file.is_file():
+        row.update(status="no summary", error=f"{summary_file} missing: the job never reached training or was killed")
+        return row
+    summary = json.loads(summary_file.read_text())
+    peaks = [p for p in summary.get("peak_memory_bytes_per_rank") or [] if p is not None]
+    final = summary.get("final_eval") or {}
+    row.update(
+        status=summary.get("status"),
+        world_size=summary.get("world_size"),
+        zero_stage=summary.get("zero_stage"),
+        tokens_per_s=summary.get("tokens_per_s"),
+        samples_per_s=summary.get("samples_per_s"),
+        peak_memory_mib=max(peaks) / 2**20 if peaks else None,
+        peak_memory_mib_per_rank=" ".join(f"{p / 2**20:.0f}" for p in peaks) or None,
+        train_loss=summary.get("train_loss"),
+        perplexity=final.get("perplexity"),
+        wall_time_s=summary.get("wall_time_s"),
+        restarts=summary.get("restarts"),
+        error_kind=summary.get("error_kind"),
+        error=summary.get("error"),
+    )
+    return row
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def varying_overrides(rows: list[dict[str, Any]]) -> list[str]:
+    """Per job, only the overrides that differ between jobs (what the sweep varies), for short labels."""
+    parsed = [dict(item.split("=", 1) for item in (row["overrides"] or "").split() if "=" in item) for row in rows]
+    keys = sorted({k for p in parsed for k in p if len({q.get(k) for q in parsed}) > 1})
+    return [
+        " ".join(f"{k}={p[k]}" for k in keys if k in p) or f"job {row['job']}"
+        for p, row in zip(parsed, rows, strict=True)
+    ]
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Throughput and peak memory per job, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = varying_overrides(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4.5))
+    for ax, key, title in (
+        (axes[0], "tokens_per_s", "tokens/s (all ranks)"),
+        (axes[1], "peak_memory_mib", "peak memory per rank (MiB)"),
+    ):
+        values = [row[key] or 0.0 for row in rows]
+        bars = ax.bar(
+            range(len(rows)), values, color=["tab:blue" if r["status"] == "completed" else "tab:red" for r in rows]
+        )
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+    fig.suptitle("ds_exp sweep (red: failed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
+    rows = [job_row(d) for d in job_dirs(sweep_dir)]
+    with (sweep_dir / "report.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    table = markdown(rows)
+
+    tuned = autotune_section(sweep_dir, rows)
+    study = study_section(sweep_dir)  # an optuna study's trials and its best one (hydra/sweeper=optuna)
+    extra = tuned + (f"\n{study}" if study else "")
+    (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{extra}")
+    if rows:
+        plot(rows, sweep_dir / "report.png")
+    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}{extra}")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ autotune
+AUTOTUNE_COLUMNS = ["rank", "candidate", "result", "tokens_per_s", "mfu", "estimate_mib", "peak_memory_mib", "job"]
+WARMUP_STEPS = 1  # a probe's first step (allocations, first collectives) is not its speed
+
+
+def probe_speed(job_dir: Path) -> tuple[float | None, float | None]:
+    """Median tokens/s and MFU of a probe's metric lines after its warm-up step (None where none was written)."""
+    path = job_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    steps = [r for r in lines if r.get("type") == "train" and r.get("step", 0) > WARMUP_STEPS]
+    speeds = [r["tokens_per_s"] for r in steps if r.get("tokens_per_s") is not None]
+    mfus = [r["mfu"] for r in steps if r.get("mfu") is not None]
+    return (statistics.median(speeds) if speeds else None, statistics.median(mfus) if mfus else None)
+
+
+def autotune_rows(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every candidate of an autotune sweep: the probes that completed ranked by tokens/s, then the rest."""
+    plan = json.loads((sweep_dir / PLAN_FILE).read_text())
+    by_job = {row["job"]: row for row in rows}
+    swept = plan["swept"]
+    out = []
+    for candidate in plan["candidates"]:
+        values = dict(o.split("=", 1) for o in candidate["overrides"] if "=" in o)
+        estimate = candidate.get("estimate_bytes")
+        row: dict[str, Any] = {
+            "candidate": " ".join(f"{k}={values[k]}" for k in swept if k in values),
+            "overrides": candidate["overrides"],
+            "job": candidate["job"],
+            "estimate_mib": estimate / 2**20 if estimate is not None else None,
+            "rank": None,
+            "tokens_per_s": None,
+            "mfu": None,
+            "peak_memory_mib": None,
+        }
+        if candidate["verdict"] != "probe":
+            row["result"] = f"{candidate['verdict'].replace('_', ' ')}: {candidate['reason']}"
+        else:
+            job = by_job.get(candidate["job"]) or {"status": "no summary", "error": None, "error_kind": None}
+            status = job["status"]
+            if status == "completed":
+                row["tokens_per_s"], row["mfu"] = probe_speed(sweep_dir / candidate["job"])
+                row["result"] = "fits"
+            elif job.get("error_kind") == "out_of_memory":
+                row["result"] = "out of memory"
+            else:
+                row["result"] = f"{status}: {(job.get('error') or '').splitlines()[0] if job.get('error') else ''}"
+            row["peak_memory_mib"] = job.get("peak_memory_mib")
+        out.append(row)
+    ranked = sorted((r for r in out if r["tokens_per_s"] is not None), key=lambda r: -r["tokens_per_s"])
+    for number, row in enumerate(ranked, 1):
+        row["rank"] = f"{number} (recommended)" if number == 1 else str(number)
+    rest = [r for r in out if r["tokens_per_s"] is None]
+    return ranked + rest
+
+
+def train_command(plan: dict[str, Any], overrides: list[str]) -> str:
+    """The command line that trains with a probe's configuration: its overrides minus the probe's own keys;
+    through the same submitit launcher (a one-job sweep) when the probes ran there."""
+    probe_keys = set(plan["probe_keys"])
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in probe_keys]
+    launcher = plan.get("launcher_overrides") or []
+    head = ["python", "-m", "ds_exp", *(["-m", *launcher] if launcher else [])]
+    return " ".join(shlex.quote(part) for part in [*head, *kept])
+
+
+def autotune_section(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    """The ranking of an autotune sweep (written to autotune.csv and report.md), or "" for other sweeps."""
+    if not (sweep_dir / PLAN_FILE).is_file():
+        return ""
+    plan = json.loads((sweep_dir / PLAN_FILE).read_text())
+    ranked = autotune_rows(sweep_dir, rows)
+    with (sweep_dir / "autotune.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=AUTOTUNE_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(ranked)
+    columns = [c for c in AUTOTUNE_COLUMNS if c != "mfu" or any(r["mfu"] is not None for r in ranked)]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in ranked]
+    head = (
+        f"\n## Autotune\n\nWorld size {plan['world_size']} ({plan['accelerator']}), memory budget "
+        f"{human_bytes(plan['memory_budget_bytes'])} per rank ({plan['memory_budget_source']}); tokens/s is the median "
+        f"of each probe's steps after the first; estimate = model states + activations (ds_exp/memory.py).\n\n"
+    )
+    if plan["accelerator"] == "cpu" and not plan.get("launcher_overrides"):
+        head += (
+            "peak_memory_mib is the process's resident peak: with Hydra's basic launcher the probes run one after "
+            "another in one process, so it never goes down from one probe to the next.\n\n"
+        )
+    best = ranked[0] if ranked and ranked[0]["tokens_per_s"] is not None else None
+    if best is None:
+        tail = "\nNo probe completed: nothing to recommend (see each probe's error above and its logs/).\n"
+    else:
+        tail = (
+            f"\nRecommended: {best['candidate']} ({_cell(best['tokens_per_s'])} tokens/s). Train with it:\n\n"
+            f"    {train_command(plan, best['overrides'])}\n"
+        )
+    return head + "\n".join(lines) + "\n" + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_exp.report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="a multirun directory (outputs/multirun/<name>/<time>)")
+    args = parser.parse_args(argv)
+    if not job_dirs(args.sweep_dir):
+        print(f"ds_exp: error: {args.sweep_dir} holds no sweep jobs (no */.hydra/overrides.yaml)", file=sys.stderr)
+        return 2
+    rows = write_report(args.sweep_dir)
+    return 0 if all(row["status"] == "completed" for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""An optuna study's record: how each trial ended (from its run's summary.json), study.json beside optuna.db, and
+the study's part of the sweep report (ds_exp/report.py). The sweeper itself is ds_exp/study.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from ds_exp.config.paths import sweep_job_names
+from ds_exp.errors import ConfigError
+
+STUDY_FILE = "study.json"
+# Numbers a run's summary.json reports that a study may optimise (ds_exp/summary.py, ds_exp/evaluate.py).
+EVAL_METRICS = ("eval_loss", "perplexity")
+RUN_METRICS = ("train_loss", "tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "wall_time_s")
+OBJECTIVES = tuple(f"final_eval.{m}" for m in EVAL_METRICS) + RUN_METRICS
+ABANDONED = "the sweep that ran it ended before it did"
+# The settings that make a study what it is: a continued study must keep them.
+IDENTITY = ("study_name", "storage", "objective", "direction", "search_space", "fixed")
+
+
+def is_study_sweep(config: Any) -> bool:
+    """hydra/sweeper=optuna (conf/hydra/sweeper/optuna.yaml)."""
+    return str(config.hydra.sweeper.get("_target_", "")).endswith(".OptunaSweeper")
+
+
+def outcome(job_dir: Path, objective: str, launch_error: str | None) -> tuple[str, Any, str | None, Any]:
+    """(state, value, error, summary) of a launched trial, from its run's summary.json."""
+    summary_file = job_dir / "summary.json"
+    if not summary_file.is_file():
+        why = f"; the launcher reported {launch_error}" if launch_error else ""
+        return "FAIL", None, f"{summary_file} missing: the run never reached training or was killed{why}", None
+    summary = json.loads(summary_file.read_text())
+    status, error = summary.get("status"), summary.get("error")
+    if status == "failed" and str(error).startswith("Diverged:"):
+        return "PRUNED", None, error, summary
+    if status != "completed":
+        return "FAIL", None, f"status {status}: {error}", summary
+    value = metric(summary, objective)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "MISSING", None, None, summary
+    if not math.isfinite(value):
+        return "PRUNED", None, f"{objective} is {value}: the run diverged", summary
+    return "COMPLETE", float(value), None, summary
+
+
+def metric(summary: dict[str, Any], path: str) -> Any:
+    value: Any = summary
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def numbers_in(summary: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted names of the numbers a summary.json holds (for the message when the objective is not one)."""
+    names = []
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            names += numbers_in(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            names.append(f"{prefix}{key}")
+    return names
+
+
+def check_study_dir(sweep_dir: Path, identity: dict[str, Any]) -> None:
+    """A study continues only in its own directory, with the settings it was started with."""
+    record = sweep_dir / STUDY_FILE
+    if not record.is_file():
+        jobs = sweep_job_names(sweep_dir)
+        if jobs:
+            raise ConfigError(
+                f"hydra.sweep.dir={sweep_dir} already holds the jobs of a sweep that is no optuna study "
+                f"({', '.join(jobs[:5])}); nothing was changed. Leave hydra.sweep.dir unset (outputs/optuna/"
+                "<study_name>) or give a new one"
+            )
+        return
+    earlier = json.loads(record.read_text())
+    changed = [key for key in IDENTITY if earlier.get(key) != identity[key]]
+    if changed:
+        lines = [f"{key}: was {earlier.get(key)}, now {identity[key]}" for key in changed]
+        raise ConfigError(
+            [
+                f"hydra.sweep.dir={sweep_dir} holds optuna study {earlier.get('study_name')} started with other "
+                "settings; nothing was changed. Continue it with its first command (n_trials and the launcher may "
+                "change), or start another study: hydra.sweeper.study_name=NEW",
+                *lines,
+            ]
+        )
+
+
+def shown_storage(storage: str) -> str:
+    """A storage URL without its password (it reaches study.json, the report and messages)."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", storage)
+
+
+def command_line(overrides: list[str], world_size: int | None) -> str:
+    """The command that trains a trial's config again as a single run."""
+    launcher = ["python", "-m", "ds_exp"]
+    if world_size and world_size > 1:
+        launcher = ["torchrun", f"--nproc_per_node={world_size}", "-m", "ds_exp"]
+    return " ".join(launcher + [shlex.quote(item) for item in overrides])
+
+
+def study_section(sweep_dir: Path) -> str | None:
+    """The sweep report's part for an optuna study (None for other sweeps): every trial, and the best one with the
+    command that trains its config again."""
+    record = sweep_dir / STUDY_FILE
+    if not record.is_file():
+        return None
+    study = json.loads(record.read_text())
+    trials = study["trials"]
+    counts = {state: sum(t["state"] == state for t in trials) for state in ("COMPLETE", "PRUNED", "FAIL", "RUNNING")}
+    lines = [
+        f"## Optuna study {study['study_name']}",
+        "",
+        f"Objective {study['objective']} ({study['direction']}); {len(trials)} trials of n_trials={study['n_trials']}: "
+        + ", ".join(f"{n} {state.lower()}" for state, n in counts.items() if n)
+        + f"; storage {study['storage']}",
+        "",
+        "| trial | state | value | params | error |",
+        "|---|---|---|---|---|",
+    ]
+    for t in trials:
+        params = " ".join(f"{k}={_short(v)}" for k, v in (t["params"] or {}).items())
+        error = (t["error"] or "").replace("|", "\\|").replace("\n", " ")[:200]
+        value = "" if t["value"] is None else f"{t['value']:.6g}"
+        lines.append(f"| {t['number']} | {t['state']} | {value} | {params} | {error} |")
+    best = study.get("best")
+    lines.append("")
+    if best is None:
+        lines.append("Best trial: none yet (no trial completed).")
+    else:
+        params = " ".join(f"{k}={v!r}" for k, v in best["params"].items())
+        lines += [
+            f"Best trial: {best['number']}, {study['objective']}={best['value']:.6g} with {params} "
+            f"(run directory {best['job_dir']}). Train it again with:",
+            "",
+            f"    {best['command']}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def completed_trials(sweep_dir: Path) -> int:
+    return sum(t["state"] == "COMPLETE" for t in json.loads((sweep_dir / STUDY_FILE).read_text())["trials"])

@@ -1,0 +1,5 @@
+"""Tools around runs, each an entry point: the dry run's plan without weights (dry_run), the autotune sweeper
+(autotune: which configuration fits and which is fastest), and the parity check of two configurations (parity).
+
+Layer 11, heavy. May import every layer below it.
+"""

@@ -1,0 +1,286 @@
+"""`experiment=autotune`: which configuration fits this model and world size, and which is fastest.
+
+    python -m ds_exp -m experiment=autotune [model=... data=... hydra/launcher=slurm ...]
+
+`Autotune` (`hydra/sweeper=autotune`, named in hydra_plugins/ds_exp_autotune, chosen by the experiment) expands
+the grid of hydra.sweeper.params and the command line's sweeps the way Hydra's basic sweeper does, then sorts the
+candidates before anything is launched: a combination the config validation refuses (e.g. offload at ZeRO-0) is
+"not applicable", one whose estimated memory per rank (model states from ds_exp/memory.py, as the dry run computes
+them, plus activations) exceeds the memory budget is "ruled out"; the rest are launched as short probes through the
+configured launcher (one SLURM job each with hydra/launcher=slurm). The verdicts go to <sweep dir>/autotune.json;
+the sweep report (ds_exp/report.py) ranks the probes and prints the command line of the recommended one.
+
+A custom sweeper, not Hydra's basic one plus a callback: a callback cannot drop single jobs from a cartesian
+product, and launching a job only for it to decline would still queue it on SLURM.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import DictConfig, OmegaConf
+
+from ds_exp import compat
+from ds_exp.config.memory_plan import estimate_activations, estimate_model_states, human_bytes
+from ds_exp.config.precision import detect_accelerator
+from ds_exp.config.schema import as_dict, plain, to_config
+from ds_exp.config.secrets import redact_text
+from ds_exp.errors import DsExpError
+from ds_exp.launch.files import write_json_atomic
+from ds_exp.launch.validation import validate
+from ds_exp.model.architecture import build_model_config, count_parameters, hidden_size_of, padded_vocab_size
+from ds_exp.model.tokenizer import load_tokenizer
+from ds_exp.runtime.device import resolved_precision
+from ds_exp.sweeps.report import PLAN_FILE
+
+_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+
+
+def parse_budget(value: Any) -> int | None:
+    """hydra.sweeper.memory_budget: None for auto, else bytes ("80GiB", "512MiB", "1.5GB")."""
+    text = str(value).strip().lower()
+    if text in ("auto", "none", "null"):
+        return None
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt]i?b)", text)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"hydra.sweeper.memory_budget={value}: expected auto or a positive size with its unit, e.g. 80GiB or 512MiB"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def fail(lines: Sequence[str]) -> NoReturn:
+    """The sweep stops before anything is written or launched: one message, exit status 2."""
+    print(f"ds_exp: error: {redact_text(lines[0])}", file=sys.stderr)
+    for line in lines[1:]:
+        print(f"  {redact_text(line)}", file=sys.stderr)
+    sys.exit(2)
+
+
+class Autotune(Sweeper):
+    def __init__(
+        self,
+        memory_budget: Any = "auto",
+        probe_keys: Sequence[str] | None = None,
+        params: dict[str, str] | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.memory_budget = memory_budget
+        self.probe_keys = list(probe_keys or [])
+        self.params = dict(params or {})
+        self.max_batch_size = max_batch_size
+        self._facts: dict[str, dict[str, int]] = {}
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    # ------------------------------------------------------------------------------------------- the grid
+    def sweep(self, arguments: list[str]) -> Any:
+        grid = [f"{key}={value}" for key, value in self.params.items()] + list(arguments)
+        parsed = OverridesParser.create().parse_overrides(grid)
+        last = {o.get_key_element(): o.is_sweep_override() for o in parsed}  # the command line wins, as in Hydra
+        swept = [key for key, is_sweep in last.items() if is_sweep]
+        if not swept:
+            fail(
+                [
+                    "experiment=autotune: the grid is empty: hydra.sweeper.params and the command line sweep nothing",
+                    "give each dimension its values, e.g. zero=stage1,stage2,stage3 train.micro_batch_size=4,8,16 "
+                    "(conf/experiment/autotune.yaml has the default grid)",
+                ]
+            )
+        try:
+            budget = parse_budget(self.memory_budget)
+        except ValueError as err:
+            fail([str(err)])
+        world, accelerator = self.world_size(), self.accelerator()
+        if budget is None:
+            budget, source = self.default_budget(accelerator)
+        else:
+            source = f"hydra.sweeper.memory_budget={self.memory_budget}"
+        candidates = [self.judge(list(job), world, accelerator, budget) for job in compat.basic_sweep_jobs(grid)]
+        probes = [c for c in candidates if c["verdict"] == "probe"]
+        if not probes:
+            fail(self.nothing_to_probe(candidates, budget, source))
+        for number, candidate in enumerate(probes):
+            candidate["job"] = str(number)
+
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        plan = {
+            "world_size": world,
+            "accelerator": accelerator,
+            "memory_budget_bytes": budget,
+            "memory_budget_source": source,
+            "swept": swept,
+            "probe_keys": self.probe_keys,
+            "launcher_overrides": self.launcher_overrides(),
+            "candidates": candidates,
+        }
+
+        write_json_atomic(sweep_dir / PLAN_FILE, plan)
+
+        counts = {v: sum(c["verdict"] == v for c in candidates) for v in ("probe", "ruled_out", "not_applicable")}
+        print(
+            f"ds_exp autotune: {len(candidates)} candidates at world size {world}, memory budget "
+            f"{human_bytes(budget)} per rank ({source}): {counts['probe']} probed, {counts['ruled_out']} ruled out by "
+            f"the memory estimate, {counts['not_applicable']} not applicable"
+        )
+        jobs = [c["overrides"] for c in probes]
+        size = self.max_batch_size or len(jobs)
+        returns = []
+        for start in range(0, len(jobs), size):
+            # a failed probe (out of memory, a crash) is recorded in its summary.json, never fatal to the sweep
+            returns.append(self.launcher.launch(jobs[start : start + size], initial_job_idx=start))
+        return returns
+
+    def judge(self, overrides: list[str], world: int, accelerator: str, budget: int) -> dict[str, Any]:
+        """One candidate: not applicable (refused by validation), ruled out (estimate over budget) or a probe."""
+        candidate: dict[str, Any] = {"overrides": overrides, "job": None, "reason": None, "estimate_bytes": None}
+        try:
+            composed = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            cfg = to_config(composed)
+            validate(cfg)
+        except DsExpError as err:
+            return {**candidate, "verdict": "not_applicable", "reason": str(err).splitlines()[0]}
+        except Exception as err:  # an unknown option or a wrong type: the user's typo, not a candidate to skip
+            fail([f"experiment=autotune: job [{' '.join(overrides)}]: {str(err).splitlines()[0]}"])
+        estimate = self.estimate(cfg, world, accelerator)
+        candidate.update(estimate)
+        if estimate["estimate_bytes"] > budget:
+            candidate.update(
+                verdict="ruled_out",
+                reason=f"estimated {human_bytes(estimate['estimate_bytes'])} per rank > budget {human_bytes(budget)}",
+            )
+            return candidate
+        return {**candidate, "verdict": "probe"}
+
+    # ------------------------------------------------------------------------------------ memory and budget
+    def estimate(self, cfg: Any, world: int, accelerator: str) -> dict[str, int]:
+        """Per-rank bytes: model states (ds_exp/memory.py, as the dry run) plus one micro batch's activations.
+        On a CPU offloaded states live in the same memory, so they count too."""
+        facts = self.model_facts(cfg)
+        precision = resolved_precision(cfg.precision.dtype, accelerator)
+        states = estimate_model_states(
+            facts["total"],
+            facts["trainable"],
+            stage=int(cfg.zero.stage),
+            world_size=world,
+            precision=precision,
+            offload_optimizer=str(plain(cfg.offload.optimizer)),
+            offload_param=str(plain(cfg.offload.param)),
+        )
+        activations = estimate_activations(
+            micro_batch=int(cfg.train.micro_batch_size),
+            seq_len=int(cfg.data.max_seq_len),
+            hidden=facts["hidden"],
+            intermediate=facts["intermediate"],
+            layers=facts["layers"],
+            vocab=facts["vocab"],
+            precision=precision,
+            checkpointing=bool(cfg.model.gradient_checkpointing),
+        )
+        states_bytes = states.device_bytes + (states.host_bytes if accelerator == "cpu" else 0)
+        return {
+            "estimate_bytes": states_bytes + activations,
+            "model_states_bytes": states_bytes,
+            "activation_bytes": activations,
+        }
+
+    def model_facts(self, cfg: Any) -> dict[str, int]:
+        """Parameter counts and shapes, from the model's config on the meta device (no weights), once per model."""
+        key = json.dumps([as_dict(cfg.model), as_dict(cfg.lora), cfg.data.end_of_conversation_token], default=str)
+        if key not in self._facts:
+            tokenizer = load_tokenizer(cfg.model, cfg.data)
+            config = build_model_config(cfg, tokenizer)
+            config.vocab_size = padded_vocab_size(len(tokenizer), config.vocab_size, cfg.model.vocab_multiple)
+            counts = count_parameters(cfg, config)
+            hidden = int(hidden_size_of(config) or 0)
+            intermediate = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+            self._facts[key] = {
+                "total": counts.total,
+                "trainable": counts.trainable,
+                "hidden": hidden,
+                "intermediate": int(intermediate or 4 * hidden),
+                "layers": int(getattr(config, "num_hidden_layers", 0) or 0),
+                "vocab": int(config.vocab_size),
+            }
+        return self._facts[key]
+
+    def launcher_config(self) -> DictConfig:
+        return self.config.hydra.launcher
+
+    def is_submitit(self) -> bool:
+        return "submitit" in str(self.launcher_config().get("_target_", ""))
+
+    def world_size(self) -> int:
+        """The ranks of each probe: a submitit job's tasks; one process with Hydra's basic launcher."""
+        launcher = self.launcher_config()
+        if not self.is_submitit():
+            return 1
+        return int(launcher.get("nodes") or 1) * int(launcher.get("tasks_per_node") or 1)
+
+    def accelerator(self) -> str:
+        gpus = self.launcher_config().get("gpus_per_node") if self.is_submitit() else None
+        return "cuda" if gpus else detect_accelerator()
+
+    def default_budget(self, accelerator: str) -> tuple[int, str]:
+        """What each rank has: the GPU's memory on CUDA; on a CPU the job's memory (hydra.launcher.mem_gb) or
+        the memory available now, shared by the ranks of a node."""
+        launcher = self.launcher_config()
+        per_node = int(launcher.get("tasks_per_node") or 1) if self.is_submitit() else 1
+        if accelerator == "cuda":
+            if not torch.cuda.is_available():
+                fail(
+                    [
+                        "hydra.sweeper.memory_budget=auto cannot see the probes' GPUs from this machine",
+                        "set it to what one GPU has, e.g. hydra.sweeper.memory_budget=80GiB",
+                    ]
+                )
+            props = torch.cuda.get_device_properties(0)
+            return int(props.total_memory), f"the memory of one {props.name}"
+        mem_gb = launcher.get("mem_gb") if self.is_submitit() else None
+        if mem_gb:
+            return int(float(mem_gb) * 2**30 / per_node), f"hydra.launcher.mem_gb={mem_gb} / {per_node} rank(s)"
+        import psutil
+
+        available = psutil.virtual_memory().available
+        return int(available / per_node), f"available RAM / {per_node} rank(s) per node"
+
+    def launcher_overrides(self) -> list[str]:
+        """The command line's launcher choices, kept in the recommended command when jobs go through submitit."""
+        if not self.is_submitit():
+            return []
+        given = list(self.config.hydra.overrides.hydra)
+        return [o for o in given if o.startswith(("hydra/launcher=", "hydra.launcher."))]
+
+    @staticmethod
+    def nothing_to_probe(candidates: list[dict[str, Any]], budget: int, source: str) -> list[str]:
+        ruled_out = [c for c in candidates if c["verdict"] == "ruled_out"]
+        if not ruled_out:
+            reasons = sorted({c["reason"] for c in candidates})
+            return [
+                f"experiment=autotune: none of the {len(candidates)} candidates is a valid configuration",
+                *reasons[:5],
+            ]
+        smallest = min(ruled_out, key=lambda c: c["estimate_bytes"])
+        return [
+            f"experiment=autotune: nothing fits the memory budget of {human_bytes(budget)} per rank ({source})",
+            f"the smallest candidate, [{' '.join(smallest['overrides'])}], needs an estimated "
+            f"{human_bytes(smallest['estimate_bytes'])} per rank",
+            "raise hydra.sweeper.memory_budget, or add candidates that need less: a smaller train.micro_batch_size, "
+            "model.gradient_checkpointing=true, zero=stage3, offload=cpu_all, lora.dim=64",
+        ]

@@ -1,0 +1,123 @@
+"""`dry_run=true`: everything up to building the engine, without weights.
+
+Reads the model's config (not its weights) for the hidden size and the parameter counts, fills "auto",
+estimates per-rank model-state memory, writes the exact DeepSpeed config the engine would receive to
+<run dir>/ds_config.json and a plan to <run dir>/plan.json, prints a short plan, exits 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
+from ds_exp.config.memory_plan import estimate_model_states, human_bytes
+from ds_exp.config.model_checks import max_seq_len_notes
+from ds_exp.config.plan import total_steps, warmup_steps
+from ds_exp.config.precision import detect_accelerator
+from ds_exp.config.schema import Config
+from ds_exp.config.secrets import redact
+from ds_exp.data.pipeline import count_train_examples
+from ds_exp.launch.environment import detect_launch
+from ds_exp.launch.files import write_json_atomic
+from ds_exp.model.architecture import (
+    base_vocab_size,
+    build_model_config,
+    count_parameters,
+    hidden_size_of,
+    padded_vocab_size,
+)
+from ds_exp.model.tokenizer import load_tokenizer
+from ds_exp.runtime.device import resolved_precision
+
+
+def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    launch = detect_launch(cfg.dist)
+    accelerator = detect_accelerator()
+    precision = resolved_precision(cfg.precision.dtype, accelerator)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    model_config = build_model_config(cfg, tokenizer)
+    hidden = hidden_size_of(model_config)
+    base_vocab = base_vocab_size(cfg, tokenizer, model_config.vocab_size)  # what the export keeps
+    padded = padded_vocab_size(len(tokenizer), model_config.vocab_size, cfg.model.vocab_multiple)
+    model_config.vocab_size = padded
+    counts = count_parameters(cfg, model_config)
+    num_train = count_train_examples(cfg.data)
+    steps = total_steps(num_train, cfg.train, launch.world_size)
+    facts = RunFacts(
+        world_size=launch.world_size,
+        hidden_size=hidden,
+        total_steps=steps,
+        warmup_steps=warmup_steps(cfg.scheduler, steps),
+        precision=precision,
+        run_dir=str(run_dir),
+    )
+    ds_config = resolve_ds_config(cfg, facts)
+    notes = [*replaced_by_config_file(cfg, facts), *max_seq_len_notes(cfg)]
+    stage = int(get_path(ds_config, "zero_optimization.stage"))
+    memory = estimate_model_states(
+        counts.total,
+        counts.trainable,
+        stage=stage,
+        world_size=launch.world_size,
+        precision=precision,
+        offload_optimizer=str(get_path(ds_config, "zero_optimization.offload_optimizer.device", "none")),
+        offload_param=str(get_path(ds_config, "zero_optimization.offload_param.device", "none")),
+    )
+    return {
+        "launcher": launch.launcher,
+        "world_size": launch.world_size,
+        "accelerator": accelerator,
+        "precision": precision,
+        "model": cfg.model.name_or_path or f"{cfg.model.name} (built from model.arch)",
+        "model_type": model_config.model_type,
+        "hidden_size": hidden,
+        "vocab_size": base_vocab,
+        "padded_vocab_size": padded,
+        "parameters": counts.total,
+        "trainable_parameters": counts.trainable,
+        "lora_targets": len(counts.lora_targets),
+        "train_examples": num_train,
+        "global_batch_size": ds_config["train_batch_size"],
+        "total_steps": steps,
+        "zero_stage": stage,
+        "memory_per_rank": memory.as_dict(),
+        "ds_config": ds_config,
+        "notes": notes,
+    }
+
+
+def dry_run(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    plan = make_plan(cfg, run_dir)
+    if detect_launch(cfg.dist).is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir / "ds_config.json", redact(plan["ds_config"]))
+        write_json_atomic(run_dir / "plan.json", {k: v for k, v in plan.items() if k != "ds_config"})
+        print(format_plan(plan, run_dir))
+        for note in plan["notes"]:
+            print(f"  note       {note}")
+    return plan
+
+
+def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
+    mem = plan["memory_per_rank"]
+    lines = [
+        f"ds_exp dry run -> {run_dir / 'ds_config.json'}",
+        f"  launch     {plan['launcher']}, world size {plan['world_size']}, {plan['accelerator']}, {plan['precision']}",
+        f"  model      {plan['model']} ({plan['model_type']}, hidden {plan['hidden_size']}, "
+        f"vocab {plan['vocab_size']}"
+        + (
+            f", padded to {plan['padded_vocab_size']} for training"
+            if plan["padded_vocab_size"] != plan["vocab_size"]
+            else ""
+        )
+        + ")",
+        f"  params     {plan['parameters']:,} total, {plan['trainable_parameters']:,} trainable"
+        + (f" ({plan['lora_targets']} LoRA layers)" if plan["lora_targets"] else ""),
+        f"  data       {plan['train_examples']:,} train examples, global batch {plan['global_batch_size']}, "
+        f"{plan['total_steps']:,} optimizer steps",
+        f"  ZeRO {plan['zero_stage']}     per rank: params {human_bytes(mem['params_bytes'])}, grads "
+        f"{human_bytes(mem['grads_bytes'])}, optimizer {human_bytes(mem['optimizer_bytes'])} -> "
+        f"device {human_bytes(mem['device_bytes'])}, host {human_bytes(mem['host_bytes'])} (model states only)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""Evaluation: exact perplexity over the whole eval set, and greedy generations of eval.prompts.
+
+Perplexity is exp(summed eval token loss / eval label tokens), reduced over ranks: not an average of per-batch
+averages, so it does not depend on the batch size or the number of ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_exp.runtime.process_group import all_reduce_sum
+from ds_exp.train.generate import generate, write_generations
+from ds_exp.train.step import IGNORE_INDEX, model_inputs, token_loss_sum
+
+log = logging.getLogger(__name__)
+
+
+def evaluate(engine: Any, eval_set: Any, collator: Any, *, micro_batch: int, rank: int, world: int) -> dict[str, float]:
+    """Collective. Ranks with fewer examples run masked batches, so that ZeRO-3's collective forwards stay in step."""
+    mine = list(range(rank, len(eval_set), world))
+    batches = math.ceil(math.ceil(len(eval_set) / world) / micro_batch)
+    loss_sum = tokens = 0.0
+    engine.eval()
+    with torch.no_grad():
+        for i in range(batches):
+            chunk = mine[i * micro_batch : (i + 1) * micro_batch]
+            batch = collator([eval_set[j] for j in (chunk or [0])])
+            if not chunk:
+                batch["labels"].fill_(IGNORE_INDEX)
+            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            out = engine(**model_inputs(batch), use_cache=False)
+            summed, count = token_loss_sum(out.logits, batch["labels"])
+            loss_sum += float(summed)
+            tokens += float(count)
+    engine.train()
+    loss_sum, tokens = all_reduce_sum([loss_sum, tokens], engine.device)
+    eval_loss = loss_sum / max(tokens, 1.0)
+    return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 700.0)), "eval_tokens": tokens}
+
+
+class Generations:
+    """eval.prompts completed greedily with the run's template (collective at ZeRO-3; ds_exp/generate.py), written
+    by rank 0 to generations.jsonl, the log and wandb."""
+
+    def __init__(
+        self, prompts: list[str], *, tokenizer: Any, template: str, max_new_tokens: int, stop_ids: list[int], path: Path
+    ) -> None:
+        self.prompts, self.tokenizer, self.template = prompts, tokenizer, template
+        self.max_new_tokens, self.stop_ids, self.path = max_new_tokens, stop_ids, path
+        self.last_step = -1  # the step of the last generations
+
+    def __call__(self, engine: Any, step: int, wandb: Any) -> None:
+        self.last_step = step
+        if not self.prompts:
+            return
+        completions = generate(
+            engine,
+            self.tokenizer,
+            self.prompts,
+            template=self.template,
+            max_new_tokens=self.max_new_tokens,
+            stop_ids=self.stop_ids,
+        )
+        if completions is None:
+            return
+        rows = write_generations(self.path, step, self.prompts, completions)
+        wandb.table("eval/generations", rows, step=step)
+        for row in rows:
+            log.info("step %d: %r -> %r", step, row["prompt"], row["completion"])

@@ -1,0 +1,96 @@
+"""Look at what the model says: greedy completions of `eval.prompts` (DeepSpeed-Chat's prompt_eval.py, in the run).
+
+Prompts are rendered with the template the run trains with, so the model is asked the way it is taught. Under
+ZeRO-3 every forward is a collective: all ranks generate the same prompts together (transformers' synced_gpus
+keeps them in step until the longest is done); at stages 0-2 rank 0 generates alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_exp.data.templates import render_prompt
+from ds_exp.errors import ConfigError
+
+
+def load_prompts(eval_cfg: Any) -> list[str]:
+    """eval.prompts, then the lines of eval.prompts_file (a text file, one prompt per line, or JSON lines with a
+    "prompt" field)."""
+    prompts = [str(p) for p in (eval_cfg.prompts or [])]
+    if eval_cfg.prompts_file:
+        path = Path(eval_cfg.prompts_file).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"eval.prompts_file={eval_cfg.prompts_file}: file not found; give a text file with one prompt per line"
+            )
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    prompts.append(str(json.loads(line)["prompt"]))
+                except (ValueError, KeyError):
+                    raise ConfigError(
+                        f'eval.prompts_file={path}:{number}: a JSON line needs a "prompt" field, or write the prompt '
+                        "as plain text"
+                    ) from None
+            else:
+                prompts.append(line.strip())
+    return prompts
+
+
+def stop_token_ids(tokenizer: Any, end_of_conversation: str | None) -> list[int]:
+    """Where a completion ends: the eos, and the end-of-conversation token the run trains with when it is one
+    token of its own."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if end_of_conversation:
+        eot = tokenizer(end_of_conversation, add_special_tokens=False)["input_ids"]
+        if len(eot) == 1 and eot[0] not in ids:
+            ids.append(eot[0])
+    return ids
+
+
+def generate(
+    engine: Any, tokenizer: Any, prompts: list[str], *, template: str, max_new_tokens: int, stop_ids: list[int]
+) -> list[str] | None:
+    """Collective at ZeRO-3 (every rank calls it), rank 0 only otherwise. Greedy completions on rank 0, else None."""
+    zero3 = engine.zero_optimization_stage() == 3
+    rank = dist.get_rank()
+    if rank != 0 and not zero3:
+        return None
+    model = engine.module
+    completions = []
+    engine.eval()
+    with torch.no_grad():
+        for prompt in prompts:
+            text, add_special = render_prompt(prompt, template, tokenizer)
+            ids = tokenizer(text, add_special_tokens=add_special, return_tensors="pt")["input_ids"].to(engine.device)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=stop_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                use_cache=True,
+                synced_gpus=zero3 and dist.get_world_size() > 1,
+            )
+            completions.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    engine.train()
+    return completions if rank == 0 else None
+
+
+def write_generations(path: Path, step: int, prompts: list[str], completions: list[str]) -> list[dict[str, Any]]:
+    records = [{"step": step, "prompt": p, "completion": c} for p, c in zip(prompts, completions, strict=True)]
+    with path.open("a", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return records

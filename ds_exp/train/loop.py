@@ -1,0 +1,190 @@
+"""The training loop: optimizer steps over the epochs, and what follows a step as train.* asks for it (metric
+lines, evaluations, checkpoints, the stop vote). It receives every object it uses; ds_exp/recipe.py builds them.
+
+Every optimizer step consumes one global batch; the data order is a function of (seed, epoch) and the position in
+the epoch counted over all ranks, so a resumed run draws exactly the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from ds_exp.config.schema import EvalConfig, TrainConfig, plain
+from ds_exp.errors import Diverged
+from ds_exp.runtime.memory import peak_memory_bytes
+from ds_exp.runtime.process_group import all_reduce_sum
+from ds_exp.runtime.signals import StopRequested
+from ds_exp.train.evaluate import Generations, evaluate
+from ds_exp.train.metrics import Metrics
+from ds_exp.train.sampler import ResumableDistributedSampler
+from ds_exp.train.session import Session
+from ds_exp.train.step import StepResult, TrainStep
+
+log = logging.getLogger("ds_exp.train")
+
+
+@dataclass
+class Progress:
+    step: int  # optimizer steps done
+    epoch: int
+    step_in_epoch: int
+    last_eval_step: int = -1
+    last_save_step: int = -1
+
+
+class Loop:
+    def __init__(
+        self,
+        train_cfg: TrainConfig,
+        eval_cfg: EvalConfig,
+        session: Session,
+        work: Any,  # ds_exp.train.recipe.Workload
+        metrics: Metrics,
+        checkpoints: Any,  # ds_exp.checkpoint.Checkpointer
+        generations: Generations,
+        progress: Progress,
+    ) -> None:
+        self.train_cfg, self.eval_cfg = train_cfg, eval_cfg
+        self.session, self.work, self.metrics = session, work, metrics
+        self.checkpoints, self.generations, self.progress = checkpoints, generations, progress
+        self.engine = work.engine
+        self.step = TrainStep(work.engine, world_size=session.world, flops=work.flops)
+        self.schedule = str(plain(work.schedule_name))
+        self.bad_steps = 0
+        self.last_loss: Any = None
+
+    def run(self) -> None:
+        """From progress.step to the last step; then nothing is pending (the last metric line is written)."""
+        train_cfg, work, progress, session = self.train_cfg, self.work, self.progress, self.session
+        micro, accum = train_cfg.micro_batch_size, train_cfg.gradient_accumulation_steps
+        sampler = ResumableDistributedSampler(
+            len(work.data.train), rank=session.rank, world_size=session.world, seed=train_cfg.seed, drop_last=True
+        )
+        while progress.step < work.total_steps:
+            sampler.set_epoch(progress.epoch)
+            sampler.set_start(progress.step_in_epoch * micro * accum * session.world)  # counted over all ranks
+            loader = iter(
+                DataLoader(work.data.train, batch_size=micro, sampler=sampler, collate_fn=work.collator, drop_last=True)
+            )
+            while progress.step_in_epoch < work.steps_per_epoch and progress.step < work.total_steps:
+                started = time.perf_counter()  # fetching the batches is part of the step's time
+                self.optimizer_step([next(loader) for _ in range(accum)], started)
+            if progress.step_in_epoch >= work.steps_per_epoch:
+                progress.epoch += 1
+                progress.step_in_epoch = 0
+                if not train_cfg.eval_every and progress.step < work.total_steps:
+                    self.evaluate()  # after each epoch
+        self.metrics.write()
+
+    def optimizer_step(self, batches: list[dict[str, Any]], started: float) -> None:
+        """One step, then what follows it: the non-finite check, metric line, evaluation, checkpoint, stop."""
+        train_cfg, progress, session = self.train_cfg, self.progress, self.session
+        result = self.step(batches, stop_requested=session.signals.requested, previous_loss=self.last_loss)
+        self.metrics.write()  # the previous step's line: its all-reduce finished during this step
+        self.last_loss = result.loss_sum
+        progress.step += 1
+        progress.step_in_epoch += 1
+        session.state.steps = progress.step
+        self.metrics.add(result, time.perf_counter() - started)
+        # the votes were cast when this step began: they speak of the step before it
+        self.bad_steps = self.bad_steps + 1 if result.votes.non_finite else 0
+        if self.bad_steps:
+            self.report_non_finite(progress.step - 1)
+        if self.work.metric_scheduler is not None and self.schedule == "greedy":
+            self.work.metric_scheduler.step(self.global_loss(result))
+        if progress.step % train_cfg.log_every == 0 or progress.step == self.work.total_steps:
+            self.metrics.close(self.line_fields())
+        if train_cfg.eval_every and progress.step % train_cfg.eval_every == 0:
+            self.evaluate()
+        if train_cfg.save_every and progress.step % train_cfg.save_every == 0:
+            self.save()
+        if result.votes.stop:
+            if progress.last_save_step != progress.step:
+                self.save()
+            self.metrics.write()
+            signals = session.signals
+            reason = signals.reason or "a signal on another rank"
+            raise StopRequested(reason, progress.step, session.state.checkpoint, signals.stopped_status)
+
+    def line_fields(self) -> dict[str, Any]:
+        """What a metric line says besides its sums over ranks."""
+        progress, engine = self.progress, self.engine
+        grad_norm = engine.get_global_grad_norm()
+        return {
+            "step": progress.step,
+            "epoch": progress.epoch + progress.step_in_epoch / max(self.work.steps_per_epoch, 1),
+            "lr": current_lr(engine),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "peak_memory_bytes": peak_memory_bytes(self.session.accelerator),
+            "loss_scale": loss_scale(engine) if self.session.precision == "fp16" else None,
+        }
+
+    def report_non_finite(self, step: int) -> None:
+        log.warning("step %d: non-finite loss (%d steps in a row)", step, self.bad_steps)
+        max_bad = self.train_cfg.max_bad_steps
+        if self.bad_steps > max_bad:
+            raise Diverged(
+                f"{self.bad_steps} optimizer steps in a row ended with a non-finite loss (last: step {step}); lower "
+                f"optimizer.lr or use precision=bf16/fp32 (train.max_bad_steps={max_bad})"
+            )
+
+    def global_loss(self, result: StepResult) -> float:
+        """The step's loss over all ranks: an extra collective, made only for schedules that need it (greedy)."""
+        loss_sum, labels = all_reduce_sum([float(result.loss_sum), float(result.label_tokens)], self.engine.device)
+        return loss_sum / max(labels, 1.0)
+
+    def evaluate(self) -> dict[str, float]:
+        """Collective: perplexity over the eval set, written after the pending metric line; generations too when
+        eval.every_eval asks for them."""
+        progress, work = self.progress, self.work
+        self.metrics.write()  # keeps metrics.jsonl in step order
+        progress.last_eval_step = progress.step
+        if len(work.data.eval) == 0:
+            return {}  # no eval split (data.eval_fraction=0 and no source has one): nothing to measure
+        result = evaluate(
+            self.engine,
+            work.data.eval,
+            work.collator,
+            micro_batch=self.train_cfg.eval_micro_batch_size or self.train_cfg.micro_batch_size,
+            rank=self.session.rank,
+            world=self.session.world,
+        )
+        if work.metric_scheduler is not None and self.schedule == "reduce_lr_on_plateau":
+            work.metric_scheduler.step(result["eval_loss"])
+        record = {"type": "eval", "step": progress.step, "epoch": progress.epoch, **result}
+        self.metrics.record(record, {"eval/loss": result["eval_loss"], "eval/perplexity": result["perplexity"]})
+        log.info("eval at step %d: loss %.5f perplexity %.3f", progress.step, result["eval_loss"], result["perplexity"])
+        self.session.state.final_eval = result  # the last so far
+        if self.eval_cfg.every_eval and progress.step not in (0, work.total_steps):
+            self.generate()
+        return result
+
+    def generate(self) -> None:
+        self.metrics.write()
+        self.generations(self.engine, self.progress.step, self.metrics.wandb)
+
+    def save(self) -> None:
+        """Collective checkpoint, with the open metric window's sums over ranks (see Metrics.carry)."""
+        path = self.checkpoints.save(self.progress, self.metrics.carry(), self.session.state.initial_eval)
+        self.progress.last_save_step = self.progress.step
+        self.session.state.checkpoint = str(path)
+
+
+def current_lr(engine: Any) -> float:
+    lrs = engine.get_lr()
+    return float(lrs[0]) if lrs else float(engine.optimizer.param_groups[0]["lr"])
+
+
+def loss_scale(engine: Any) -> float | None:
+    """The fp16 loss scaler's current scale: DeepSpeed's fp16 optimizers call it cur_scale, its ZeRO optimizers
+    loss_scale."""
+    for name in ("cur_scale", "loss_scale"):
+        value = getattr(engine.optimizer, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None

@@ -1,0 +1,190 @@
+"""The run's metric lines, as one object: `add` each step's sums, `close` a window every train.log_every steps,
+`write` its line once the sums over ranks arrive; to metrics.jsonl, wandb, the progress bar and the step log.
+
+A window's sums (loss, label and input tokens, samples, model FLOPs) are this rank's until the window closes; then
+one all-reduce sums them over ranks. It is started when the window closes and awaited at the next step (or before
+anything else is logged or saved), so no rank waits for the slower one to write a line, and the next window starts
+at once: the cost of a line is counted in the step time of the steps after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ds_exp.launch.run_logging import STEP_LOGGER
+from ds_exp.runtime.process_group import all_reduce_sum
+from ds_exp.train.step import StepResult
+
+log = logging.getLogger(__name__)
+step_log = logging.getLogger(STEP_LOGGER)
+
+
+@dataclass
+class Window:
+    """This rank's sums since the last metric line."""
+
+    loss_sum: Any = 0.0  # a tensor once a step has run: read (a device sync on GPUs) only when the line is written
+    label_tokens: float = 0.0
+    input_tokens: float = 0.0
+    samples: float = 0.0
+    flops: float = 0.0
+    steps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class PendingLine:
+    """A closed window whose sums over ranks are still being all-reduced."""
+
+    work: Any  # the async all-reduce
+    sums: Any  # its tensor: loss sum, label tokens, input tokens, samples, model FLOPs
+    record: dict[str, Any]  # the line, less what the sums give
+    elapsed: float
+
+
+@dataclass
+class Totals:
+    """Over the whole run (this process's part of it), for summary.json."""
+
+    seconds: float = 0.0  # wall time of the optimizer steps
+    tokens: float = 0.0  # over all ranks, from the written lines
+    samples: float = 0.0
+    flops: float = 0.0
+    skipped_steps: int = 0
+    last_loss: float | None = None
+
+
+class _NoBar:
+    """The progress bar until `Metrics.show_progress` draws one (evaluations before training draw none)."""
+
+    def update(self, n: int) -> None: ...
+
+    def set_postfix(self, values: dict[str, str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Metrics:
+    """See the module docstring. `metrics_log`, `wandb`: ds_exp.artifacts.tracking's sinks."""
+
+    def __init__(
+        self,
+        metrics_log: Any,
+        wandb: Any,
+        *,
+        device: Any,
+        world_size: int,
+        peak_flops: float | None,
+        carried: tuple[float, float] = (0.0, 0.0),
+    ) -> None:
+        self.metrics_log, self.wandb = metrics_log, wandb
+        self.bar: Any = _NoBar()
+        self.device, self.world_size, self.peak_flops = device, world_size, peak_flops
+        self.window = Window(*carried)  # a resumed window's sums (over all ranks: rank 0 alone carries them)
+        self.pending: PendingLine | None = None
+        self.totals = Totals()
+        self.skips_said = 0  # skipped steps the log has warned about
+
+    def show_progress(self, total: int, initial: int, enabled: bool) -> None:
+        """The progress bar of the training steps (rank 0), from here on."""
+        self.bar = tqdm(
+            total=total, initial=initial, desc="train", disable=not enabled, dynamic_ncols=True, mininterval=1.0
+        )
+
+    def close_progress(self) -> None:
+        self.bar.close()
+
+    def add(self, result: StepResult, seconds: float) -> None:
+        window = self.window
+        window.loss_sum = window.loss_sum + result.loss_sum
+        window.label_tokens += result.label_tokens
+        window.input_tokens += result.input_tokens
+        window.samples += result.samples
+        window.flops += result.flops
+        window.steps += 1
+        self.totals.seconds += seconds
+        self.totals.skipped_steps += not result.applied
+        self.bar.update(1)
+
+    def close(self, fields: dict[str, Any]) -> None:
+        """Close the window that ends here (`fields`: the line's step, epoch, lr, ...) and open the next."""
+        self.write()
+        window, now = self.window, time.perf_counter()
+        self.window = Window(started=now)
+        sums = torch.tensor(
+            [float(window.loss_sum), window.label_tokens, window.input_tokens, window.samples, window.flops],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        record = {
+            "type": "train",
+            **fields,
+            "step_time_s": (now - window.started) / max(window.steps, 1),  # wall time per optimizer step
+            "skipped_steps": self.totals.skipped_steps,
+        }
+        work = dist.all_reduce(sums, async_op=True)
+        self.pending = PendingLine(work, sums, record, max(now - window.started, 1e-9))
+
+    def write(self) -> None:
+        """Write the pending line, once its sums over ranks are there (a no-op when there is none)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        pending.work.wait()
+        loss_sum, labels, inputs, samples, flops = pending.sums.tolist()
+        totals = self.totals
+        totals.tokens += inputs
+        totals.samples += samples
+        totals.flops += flops
+        loss = loss_sum / max(labels, 1.0)
+        record = {
+            **pending.record,
+            "loss": loss,
+            "tokens_per_s": inputs / pending.elapsed,
+            "tokens_per_s_per_device": inputs / pending.elapsed / self.world_size,
+            "samples_per_s": samples / pending.elapsed,
+            "tflops_per_device": flops / pending.elapsed / self.world_size / 1e12,
+            "mfu": self.mfu(flops, pending.elapsed),
+        }
+        step = record["step"]
+        if record["skipped_steps"] > self.skips_said:
+            log.warning(
+                "step %d: the fp16 loss scaler skipped %d steps so far (gradient overflow; the scale is lowered)",
+                step,
+                record["skipped_steps"],
+            )
+            self.skips_said = record["skipped_steps"]
+        totals.last_loss = loss
+        self.metrics_log.write(record)
+        self.wandb.log({f"train/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=step)
+        postfix = {"loss": f"{loss:.4f}", "lr": f"{record['lr']:.2e}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+        if record["mfu"] is not None:
+            postfix["mfu"] = f"{record['mfu']:.1%}"
+        self.bar.set_postfix(postfix)
+        step_log.info("step %d loss %.5f lr %.3e tokens/s %.0f", step, loss, record["lr"], record["tokens_per_s"])
+
+    def record(self, record: dict[str, Any], wandb_values: dict[str, Any]) -> None:
+        """Another kind of line (an evaluation): after the pending train line, so metrics.jsonl stays in order."""
+        self.write()
+        self.metrics_log.write(record)
+        self.wandb.log(wandb_values, step=record["step"])
+
+    def carry(self) -> tuple[float, float]:
+        """Collective: the open window's loss sum and label tokens over all ranks, for a checkpoint, so that a
+        resumed run's next line covers the same steps as an uninterrupted run's."""
+        self.write()
+        loss_sum, labels = all_reduce_sum([float(self.window.loss_sum), self.window.label_tokens], self.device)
+        return loss_sum, labels
+
+    def mfu(self, flops: float, seconds: float) -> float | None:
+        """Model FLOPs utilization over all ranks; None where the device's peak is unknown (CPUs)."""
+        if not self.peak_flops or seconds <= 0:
+            return None
+        return flops / seconds / (self.peak_flops * self.world_size)

@@ -1,0 +1,219 @@
+"""A run as one process sees it, and the one place its failures are handled.
+
+`Session` is a context manager (like lightning-hydra-template's task_wrapper):
+* entering installs the stop signals; `start()` joins the process group, learns rank 0's run directory,
+  starts the rank's log file and says how the run was launched;
+* the run fills `session.state` (ds_exp.artifacts.summary.RunState) as it gets there, and opens its sinks through
+  `open_sinks` (metrics.jsonl, wandb);
+* leaving, however the run ended, maps the outcome to a status and one message, writes summary.json (rank 0),
+  closes the sinks and the log file, and leaves the process group as the next job of a multirun needs it.
+  A stop on a signal then exits with the signal's code (or hands over to submitit's requeue).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from ds_exp.artifacts.summary import RESUMABLE_ENDS, RunState, final_line, write_summary
+from ds_exp.artifacts.tracking import MetricsLog, WandbRun
+from ds_exp.config.precision import detect_accelerator
+from ds_exp.config.schema import Config, as_dict
+from ds_exp.config.secrets import redact_text, register_secrets
+from ds_exp.errors import DsExpError, Refused, RunFailed
+from ds_exp.launch.environment import detect_launch
+from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
+from ds_exp.launch.run_dir import remove_rank_placeholder
+from ds_exp.launch.run_logging import FILE_LOGGER
+from ds_exp.runtime.device import resolved_precision
+from ds_exp.runtime.memory import is_out_of_memory, peak_memory_bytes
+from ds_exp.runtime.peers import gather_hosts, lost_ranks
+from ds_exp.runtime.process_group import broadcast, init_distributed, is_lost_peer, mark_lost_peer
+from ds_exp.runtime.rank_logging import close_run_logging, setup_run_logging
+from ds_exp.runtime.signals import StopSignals
+
+log = logging.getLogger("ds_exp.train")
+file_log = logging.getLogger(FILE_LOGGER)
+
+
+class NothingToDo(Exception):
+    """A resume of a run that is complete already: nothing is trained, saved, exported or rewritten."""
+
+
+@dataclass
+class Outcome:
+    status: str
+    error: str | None = None
+    raise_: BaseException | None = None  # what the CLI sees next (a user error, a traceback)
+
+
+class Session:
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.cfg = cfg
+        # known from the environment alone, so a failure during start-up is still reported by the right rank
+        self.launch = detect_launch(cfg.dist)
+        self.rank, self.world = self.launch.rank, self.launch.world_size
+        self.run_dir = run_dir
+        self.accelerator = detect_accelerator()
+        self.precision = ""  # decided in start()
+        self.signals = StopSignals(self.launch.launcher)
+        self.state = RunState(run_dir, self.launch.launcher, self.world)
+        self.sinks: list[Any] = []  # closed when the session ends
+        self.hosts: list[tuple[str, list[str]]] = []  # (host, addresses) of each rank, once the group is up
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def __enter__(self) -> Session:
+        self.signals.install()
+        return self
+
+    def start(self) -> None:
+        """Join the process group; every rank works in rank 0's run directory and logs to its own file."""
+        if self.accelerator != "cpu":
+            self.accelerator = get_accelerator().device_name()
+        backend = init_distributed(self.cfg.dist, self.launch, self.accelerator)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.run_dir = Path(broadcast(str(self.run_dir)))
+        if self.world > 1:  # where each rank runs: a rank lost later is named with its host
+            self.hosts = gather_hosts()
+        self.state.run_dir = self.run_dir
+        if self.is_main:
+            lock_run_dir(self.run_dir)  # held already when Hydra's callback took it (a single run)
+            claim_run_dir(self.run_dir)
+        # values of credential keys, however they got into the config (a YAML file, ${oc.env:...}), and of
+        # credential-named environment variables: blanked in every log line from here on
+        register_secrets(as_dict(self.cfg), environ=dict(os.environ))
+        self.state.log_file = str(setup_run_logging(self.run_dir, self.rank))
+        self.precision = resolved_precision(self.cfg.precision.dtype, self.accelerator)
+        self.state.backend, self.state.accelerator, self.state.precision = backend, self.accelerator, self.precision
+        log.info(
+            "launch %s: rank %d of %d on %s, rendezvous %s:%d, %s backend on %s, %s, %d CPU threads",
+            self.launch.launcher,
+            self.rank,
+            self.world,
+            os.uname().nodename,
+            os.environ.get("MASTER_ADDR", self.launch.master_addr),  # what init_distributed used
+            int(os.environ.get("MASTER_PORT", self.launch.master_port)),
+            backend,
+            self.accelerator,
+            self.precision,
+            torch.get_num_threads(),
+        )
+
+    def open_sinks(self, wandb_run_id: str | None) -> tuple[Any, Any]:
+        """metrics.jsonl and the wandb run (rank 0 writes both; a resumed run continues the same wandb run)."""
+        wandb = WandbRun(self.cfg, self.run_dir, enabled=self.is_main, run_id=wandb_run_id)
+        self.sinks.append(wandb)
+        metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
+        self.sinks.append(metrics_log)
+        return metrics_log, wandb
+
+    # ------------------------------------------------------------------------------------------- the end
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        outcome = self.outcome(exc)
+        self.signals.restore()
+        self.finish(outcome)
+        if outcome.raise_ is not None:
+            if outcome.raise_ is exc:
+                return False  # propagate as it is
+            raise outcome.raise_ from exc
+        if outcome.status in ("stopped", "requeued"):
+            if self.is_main:
+                print(f"ds_exp: {redact_text(outcome.error or '')}", file=sys.stderr)
+            self.signals.leave(self.rank)
+        return True
+
+    def outcome(self, exc: BaseException | None) -> Outcome:
+        """How the run ended, in one place: the status summary.json records, its message, and what to raise."""
+        if exc is None:
+            return Outcome("completed")
+        if isinstance(exc, NothingToDo):
+            if self.is_main:
+                print(f"ds_exp: {exc}: nothing to do; its checkpoints, export and summary are unchanged")
+            return Outcome("unchanged")
+        if isinstance(exc, KeyboardInterrupt):
+            return Outcome("interrupted", "interrupted by the user", exc)
+        if isinstance(exc, Refused):  # refused before anything was loaded or trained: files stay as they were
+            return Outcome("unchanged", f"{type(exc).__name__}: {exc}", exc)
+        stopped = self.signals.behind(exc)  # a library may turn the stop into an error of its own
+        if stopped is not None:
+            where = (
+                "submitit requeues the job, which resumes from it"
+                if stopped.status == "requeued"
+                else f"continue with the same overrides plus hydra.run.dir={self.run_dir} resume=auto"
+            )
+            if stopped.step is not None:
+                self.state.steps = stopped.step
+            return Outcome(stopped.status, f"{stopped}; {where}")
+        if is_out_of_memory(exc):  # a message that says what to change; an autotune sweep records it and goes on
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
+            error = (
+                f"out of memory at {where} ({first}): lower train.micro_batch_size, set "
+                "model.gradient_checkpointing=true, or use a higher zero stage or offload "
+                "(python -m ds_exp -m experiment=autotune finds what fits)"
+            )
+            self.state.error_kind = "out_of_memory"
+            file_log.error("run failed", exc_info=exc)
+            return Outcome("failed", error, RunFailed(error))
+        if isinstance(exc, DsExpError):  # a message for the user (printed by the CLI); the traceback in the log
+            file_log.error("run failed", exc_info=exc)
+            return Outcome("failed", f"{type(exc).__name__}: {exc}", exc)
+        if self.world > 1 and is_lost_peer(exc):
+            # a rank died or was killed: the others learn it from their next collective and leave at once
+            mark_lost_peer()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
+            lost = lost_ranks(str(exc), self.hosts, self.rank, self.world)
+            error = (
+                f"lost contact with {lost} at {where} ({first}): it died or was killed, see the other ranks' "
+                f"logs in {self.run_dir / 'logs'}; continue from the last complete checkpoint with the same "
+                f"overrides plus hydra.run.dir={self.run_dir} resume=auto"
+            )
+            file_log.error("run failed", exc_info=exc)  # the collective's own error, for the log file
+            return Outcome("failed", error, RunFailed(error))
+        log.error("run failed", exc_info=exc)
+        return Outcome("failed", f"{type(exc).__name__}: {exc}", exc)
+
+    def finish(self, outcome: Outcome) -> None:
+        """summary.json, the sinks, the log file, the process group: whatever happened, and never hiding it."""
+        self.state.status, self.state.error = outcome.status, outcome.error
+        try:
+            if outcome.status != "unchanged":
+                self.write_summary()
+        except OSError as err:  # e.g. a full disk: the run's own error matters more than its summary
+            log.error("could not write %s: %s", self.run_dir / "summary.json", err)
+        for sink in self.sinks:
+            sink.close(outcome.status)
+        close_run_logging()
+        if outcome.status in ("completed", "unchanged") and dist.is_initialized():
+            # The process group stays up: the next job of a multirun in this process reuses it (DeepSpeed caches
+            # its groups, so a destroyed one cannot be replaced); it is torn down at exit.
+            dist.barrier()
+        if self.rank != 0:
+            remove_rank_placeholder()
+        else:
+            release_run_dir(self.run_dir)
+
+    def write_summary(self) -> None:
+        peak = peak_memory_bytes(self.accelerator)
+        peaks: list[Any] = [peak]
+        if self.state.status in RESUMABLE_ENDS and dist.is_initialized():  # every rank is still here
+            peaks = [None] * self.world
+            dist.all_gather_object(peaks, peak)
+        if not self.is_main:
+            return
+        summary = write_summary(self.state, peaks)
+        if self.state.status == "completed":
+            print(final_line(summary))

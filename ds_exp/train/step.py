@@ -1,0 +1,120 @@
+"""One optimizer step: the forward passes, the exact loss, the backward passes, and the votes every rank casts.
+
+The loss of a step is the sum of token losses over the whole global batch divided by its number of label tokens:
+it does not depend on how the batch is split over ranks and micro batches, and padding never counts. DeepSpeed
+averages gradients over ranks and micro batches; the step undoes that average and divides by the global count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ds_exp.errors import RunFailed
+from ds_exp.train.flops import FlopsModel, sum_squared_lengths
+
+IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_index)
+
+
+def token_loss_sum(logits: Any, labels: Any) -> tuple[Any, Any]:
+    """Summed next-token cross-entropy over label tokens (fp32), and how many there were."""
+
+    # Shift the labels, not the logits: slicing the logits would copy them (batch x length x vocabulary) and
+    # scatter their gradient back; the padded last position is ignored like any other masked token.
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss, (shift_labels != IGNORE_INDEX).sum()
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """input_ids with attention_mask, or with position_ids for packed batches (each example attends to itself)."""
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def input_tokens(batch: dict[str, Any]) -> float:
+    """Counted on the host batch (before it moves to the device), so counting never syncs with the device."""
+    mask = batch.get("attention_mask")
+    return float(mask.sum()) if mask is not None else float(batch["input_ids"].numel())
+
+
+def label_tokens(batch: dict[str, Any]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class StepVotes:
+    """What every rank learns at the start of a step from the one all-reduce the step makes anyway."""
+
+    global_label_tokens: float  # this step's, over all ranks and micro batches
+    stop: float  # ranks that had caught a stop signal when the step began
+    non_finite: float  # ranks whose previous step ended with a non-finite loss
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """This rank's part of one optimizer step."""
+
+    votes: StepVotes
+    loss_sum: Any  # summed token losses (a tensor: read only when needed, reading syncs with the device)
+    label_tokens: int
+    input_tokens: float
+    samples: int
+    flops: float  # model FLOPs of this rank's batches (ds_exp.train.flops)
+    applied: bool  # False when the fp16 loss scaler skipped the update (gradient overflow)
+
+
+class TrainStep:
+    """Runs optimizer steps on a DeepSpeed engine (see the module docstring)."""
+
+    def __init__(self, engine: Any, *, world_size: int, flops: FlopsModel) -> None:
+        self.engine = engine
+        self.world_size = world_size
+        self.flops = flops
+
+    def __call__(self, batches: list[dict[str, Any]], *, stop_requested: bool, previous_loss: Any) -> StepResult:
+        """One step over `batches` (this rank's micro batches). The step's only collective of its own sums the
+        label tokens of the global batch (the loss is divided by them), this rank's stop vote and whether its
+        previous step's loss was non-finite. It is started before the first forward and awaited before the first
+        backward, so its latency hides behind the forward, and every rank gets the same votes after the same
+        step."""
+        engine, device = self.engine, self.engine.device
+        scale = self.world_size * len(batches)  # undoes DeepSpeed's mean over ranks and micro batches
+        # reading the previous step's loss here costs nothing: that step has finished on every device by now
+        previous_non_finite = previous_loss is not None and not bool(torch.isfinite(previous_loss))
+        labels = [label_tokens(b) for b in batches]
+        reduced = torch.tensor(
+            [float(sum(labels)), float(stop_requested), float(previous_non_finite)], dtype=torch.float64, device=device
+        )
+        pending = dist.all_reduce(reduced, async_op=True)
+        votes: StepVotes | None = None
+        loss_sum: Any = 0.0
+        tokens = samples = flops = 0.0
+        for batch in batches:
+            batch_tokens = input_tokens(batch)
+            tokens += batch_tokens
+            samples += batch["input_ids"].size(0)
+            flops += self.flops.per_batch(batch_tokens, sum_squared_lengths(batch))
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            out = engine(**model_inputs(batch), use_cache=False)
+            summed, _ = token_loss_sum(out.logits, batch["labels"])
+            if votes is None:
+                pending.wait()
+                votes = StepVotes(*reduced.tolist())
+                if votes.global_label_tokens == 0:
+                    raise RunFailed(
+                        "a training batch holds no label tokens: check data.max_seq_len and data.train_on_prompt"
+                    )
+            engine.backward(summed * (scale / votes.global_label_tokens))
+            engine.step()
+            loss_sum = loss_sum + summed.detach()
+        assert votes is not None
+        return StepResult(votes, loss_sum, sum(labels), tokens, int(samples), flops, engine.was_step_applied())

@@ -1,0 +1,35 @@
+"""What a run trains: built once by ds_exp.train.recipe.setup, complete before the training loop sees it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_exp.train.flops import FlopsModel
+
+
+@dataclass(frozen=True)
+class Workload:
+    tokenizer: Any
+    data: Any  # ds_exp.data.SFTData: tokenized train / eval sets and their statistics
+    collator: Any
+    total_steps: int
+    steps_per_epoch: int
+    warmup_steps: int
+    ds_config: dict[str, Any]  # exactly what deepspeed.initialize received ("auto" filled)
+    settings: dict[str, Any]  # what a checkpoint of this run depends on (ds_exp.resume.settings_of)
+    trajectory: dict[str, Any]  # what the run's course depends on (ds_exp.resume.trajectory.trajectory_of)
+    built: Any  # ds_exp.model.BuiltModel: the model, its config, LoRA, and what the export needs of the base
+    engine: Any  # the DeepSpeed engine
+    metric_scheduler: Any | None  # a schedule stepped with a metric (plateau, greedy), outside the engine
+    schedule_name: str
+    flops: FlopsModel
+    peak_flops: float | None  # per device, for MFU (None where unknown)
+    checkpoint_bytes: int  # about what one checkpoint takes on disk
+    resume_from: Path | None = None  # the checkpoint this run continues (ds_exp.train.recipe.resume_plan)
+    universal: bool = False  # loaded through DeepSpeed's universal format: its layout changed (ds_exp/universal.py)
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config["zero_optimization"]["stage"])
