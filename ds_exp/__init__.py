@@ -2,7 +2,7 @@
 
 The packages are the layers; each imports only from the layers below it (tests/test_structure.py checks it):
 
-    errors, compat                      what goes wrong; every touch of a library's private internals
+    core                                errors, files written whole, every touch of a library's internals
     config -> data -> resume -> launch -> sweeps          light: no torch, no deepspeed
     runtime -> model -> checkpoint -> artifacts -> train -> tools          heavy
 

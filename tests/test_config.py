@@ -10,7 +10,7 @@ import pytest
 
 from ds_exp.config.ds_config import RunFacts, find_auto, resolve_ds_config
 from ds_exp.config.paths import conf_dir
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 from ds_exp.launch.validation import validate
 
 GROUPS = ["zero", "precision", "offload", "lora", "model", "data", "optimizer", "scheduler", "train", "dist", "logger"]

@@ -16,9 +16,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from ds_exp.config.schema import Config, DataConfig, DataSource, ModelConfig, plain_tree, to_config
+from ds_exp.core.errors import ConfigError, DataError
 from ds_exp.data.checks import check_data_config
 from ds_exp.data.pipeline import count_train_examples, prepare_sft_data
-from ds_exp.errors import ConfigError, DataError
 from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.train.collate import make_collator
 

@@ -154,14 +154,52 @@ def test_a_run_that_keeps_producing_nan_stops_with_the_step_named(tmp_path, cach
         "train.max_bad_steps=3",
         cache_dir=cache_dir,
     )
-    assert run.proc.returncode == 1, run.explain()
+    assert run.proc.returncode == 3, run.explain()
     assert "Traceback" not in run.proc.stderr
     summary = run.summary
-    assert summary["status"] == "failed"
+    assert summary["status"] == "diverged"
     assert "4 optimizer steps in a row ended with a non-finite loss" in summary["error"]
     assert "train.max_bad_steps=3" in summary["error"]
     log_text = (run.run_dir / "logs" / "rank0.log").read_text()
     assert "non-finite loss (1 steps in a row)" in log_text
+
+
+def strict_json(text: str):
+    def refuse(name: str):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_run_whose_weights_stop_being_finite_saves_and_exports_nothing_of_them(tmp_path, cache_dir):
+    """ZeRO stage 0 in fp32: a learning rate of 1e30 makes the weights NaN after step 2, well within
+    train.max_bad_steps. The save at step 2 is refused; step 1's checkpoint stays the newest, nothing is exported,
+    the run ends `diverged` with exit status 3, and every JSON file it wrote is strict JSON."""
+    run = launch(
+        tmp_path / "run",
+        *FAST,
+        "optimizer.lr=1e30",
+        "train.max_steps=6",
+        "train.save_every=1",
+        "train.keep_last=0",
+        "train.export=true",
+        "train.save_final_checkpoint=true",
+        cache_dir=cache_dir,
+    )
+    assert run.proc.returncode == 3, run.explain()
+    assert "Traceback" not in run.proc.stderr
+    checkpoints = run.run_dir / "checkpoints"
+    summary = strict_json((run.run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["steps"] == 2 and summary["export_dir"] is None, summary
+    assert "NaN or inf in the weights at step 2: the run diverged and did not save checkpoint step2" in summary["error"]
+    assert f"the newest checkpoint with finite weights is {checkpoints / 'step1'}" in summary["error"]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == ["step1"]
+    assert (checkpoints / "latest").read_text().strip() == "step1"
+    assert not [p for p in run.run_dir.iterdir() if "hf_model" in p.name]  # no export, no half-made one
+    lines = [strict_json(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2] and lines[1]["non_finite"] == ["grad_norm"], lines
+    for path in run.run_dir.rglob("*.json"):
+        strict_json(path.read_text())
 
 
 @pytest.mark.gpu

@@ -123,8 +123,10 @@ def test_a_failed_trial_is_recorded_and_the_study_goes_on(tmp_path, cache_dir):
 
 @pytest.mark.slow
 def test_a_diverged_trial_is_pruned(tmp_path, cache_dir):
-    """A learning rate that overflows fp32: the run stops on its non-finite losses, the study records the trial as
-    pruned (the values were bad, not the set-up) and goes on."""
+    """A learning rate that overflows fp32: the run stops on its non-finite losses (status `diverged`), the study
+    records the trial as pruned (the values were bad, not the set-up) and goes on. A credential given with the
+    study's fixed overrides reaches none of its files (optuna.db, study.json, the report) nor its console."""
+    pat = "study-deploy-pat-0c9d41"
     sweep_dir = tmp_path / "study"
     proc = multirun(
         tmp_path,
@@ -137,6 +139,7 @@ def test_a_diverged_trial_is_pruned(tmp_path, cache_dir):
         "scheduler=constant",
         "train.gradient_clipping=0",
         "train.max_bad_steps=0",
+        f"+logger.deploy_pat={pat}",
         f"data.cache_dir={cache_dir}",
         timeout=900,
     )
@@ -144,7 +147,12 @@ def test_a_diverged_trial_is_pruned(tmp_path, cache_dir):
     states = {t.params["optimizer.lr"]: t for t in study_trials(sweep_dir)}
     assert {lr: t.state.name for lr, t in states.items()} == {1e-4: "COMPLETE", 1e8: "PRUNED"}
     assert "non-finite loss" in states[1e8].user_attrs["error"] and states[1e8].value is None
+    pruned_job = Path(states[1e8].user_attrs["job_dir"])
+    assert json.loads((pruned_job / "summary.json").read_text())["status"] == "diverged"
     assert "| PRUNED |" in (sweep_dir / "report.md").read_text()
+    leaks = [p for p in sweep_dir.rglob("*") if p.is_file() and pat.encode() in p.read_bytes()]
+    assert leaks == [] and pat not in proc.stdout + proc.stderr, leaks
+    assert "+logger.deploy_pat=${oc.env:DS_EXP_SECRET_LOGGER_DEPLOY_PAT}" in (sweep_dir / "report.md").read_text()
 
 
 @pytest.mark.slow
@@ -288,7 +296,7 @@ def test_the_command_line_grammar_becomes_optuna_distributions():
     ],
 )
 def test_a_search_expression_that_cannot_be_searched_is_named(override, message):
-    from ds_exp.errors import ConfigError
+    from ds_exp.core.errors import ConfigError
     from ds_exp.sweeps.search_space import parse_search_space
 
     with pytest.raises(ConfigError) as err:
@@ -297,7 +305,7 @@ def test_a_search_expression_that_cannot_be_searched_is_named(override, message)
 
 
 def test_a_study_continues_only_with_the_settings_it_started_with(tmp_path):
-    from ds_exp.errors import ConfigError
+    from ds_exp.core.errors import ConfigError
     from ds_exp.sweeps.study_files import STUDY_FILE, check_study_dir
 
     identity = {"study_name": "s", "storage": "sqlite:///x", "objective": "final_eval.eval_loss"}

@@ -43,7 +43,7 @@ def test_zero2_and_zero3_agree(tmp_path, cache_dir):
 
 
 def test_two_ranks_agree_with_one_rank_accumulating(tmp_path, cache_dir):
-    """ZeRO stage 0 in fp32 (the default): grad_norm comes from ds_exp.compat.keep_fp32_grad_norm."""
+    """ZeRO stage 0 in fp32 (the default): grad_norm comes from ds_exp.core.compat.keep_fp32_grad_norm."""
     proc = parity(
         tmp_path,
         cache_dir,
@@ -129,3 +129,21 @@ def test_a_side_without_grad_norm_is_compared_on_losses_and_a_missing_step_fails
     rows = compare(a, side((6.0, 7.0)), 2, tol)
     assert [r.ok for r in rows] == [True, False]
     assert verdict(rows, tol).endswith("first at step 2: side B logged no loss for it")
+
+
+def test_values_that_are_not_finite_fail_even_on_both_sides(tmp_path, cache_dir):
+    """Issue 21's case: `nan` against 6.238325 once passed as `0.0e+00 ok`. Side A (ZeRO-0, fp32) turns NaN, side
+    B (ZeRO-1) skips every update after the first for its non-finite gradients: both end diverged, and each of
+    those steps fails the comparison."""
+    proc = parity(tmp_path, cache_dir, a=["zero=stage0", "optimizer.lr=1e30"], b=["zero=stage1", "optimizer.lr=1e30"])
+    assert proc.returncode == 1, explain(proc)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    record = result(tmp_path)
+    assert [r["ok"] for r in record["rows"]] == [True, False, False], proc.stdout
+    assert record["rows"][2]["loss_a"] is None and "rows.2.loss_a" in record["non_finite"]  # strict JSON
+    assert record["rows"][2]["loss_b"] is not None and not record["passed"] and record["diverged"] == ["A", "B"]
+    assert "first at step 2: the grad_norm is not finite (NaN or inf) on both sides: both diverged" in proc.stdout
+    assert [line.split()[-2:] for line in proc.stdout.splitlines() if line.split()[:1] == ["3"]] == [["NOT", "FINITE"]]
+    assert "side A diverged after" in proc.stderr and "side B diverged after" in proc.stderr
+    for name in "AB":
+        assert json.loads((tmp_path / "cmp" / name / "summary.json").read_text())["status"] == "diverged"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ds_exp.checkpoint.universal import MARKER, convert_here, universal_dir
-from ds_exp.errors import ResumeError
+from ds_exp.core.errors import ResumeError
 from tests.training import FAST, Run, assert_close, launch
 
 pytestmark = pytest.mark.slow

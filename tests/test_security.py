@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.secrets import hide_secret_overrides
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 from tests.conftest import REPO, run_cli
 from tests.test_slurm import _cluster_up
 from tests.training import FAST, launch, multirun, report_rows
@@ -35,15 +35,38 @@ CLI_WANDB_KEY = "cli-wandb-key-5e8a21c4"
 CLI_EXTRA_KEY = "cli-extra-key-a1b2c3d4"
 CLI_COMET_KEY = "cli-comet-key-0b93d7f6"
 CLI_ENV_SET_KEY = "cli-envset-key-77f0e1"
+# names of other credential families (issue 21: these reached .hydra/, wandb and optuna's files in clear)
+CLI_PAT = "cli-gh-pat-3c51f0a2"
+CLI_AUTH = "cli-proxy-auth-9e04b7"
 CLI_SECRETS = [
     f"logger.wandb.api_key={CLI_WANDB_KEY}",
     f"+logger.api_key={CLI_EXTRA_KEY}",
     f"+deepspeed.config.comet.api_key={CLI_COMET_KEY}",
     "+deepspeed.config.comet.enabled=false",
     f"+hydra.job.env_set.MY_SERVICE_API_KEY={CLI_ENV_SET_KEY}",
+    f"+logger.gh_pat={CLI_PAT}",
+    f"+logger.proxyAuth={CLI_AUTH}",
 ]
 ENV_SECRETS = {"WANDB_API_KEY": WANDB_KEY, "HF_TOKEN": HF_TOKEN, "WANDB_MODE": "offline"}
-ALL_SECRETS = [CLI_WANDB_KEY, CLI_EXTRA_KEY, CLI_COMET_KEY, CLI_ENV_SET_KEY, WANDB_KEY, HF_TOKEN]
+ALL_SECRETS = [CLI_WANDB_KEY, CLI_EXTRA_KEY, CLI_COMET_KEY, CLI_ENV_SET_KEY, CLI_PAT, CLI_AUTH, WANDB_KEY, HF_TOKEN]
+# from a config file (--config-dir DIR experiment=leaky) and from the environment through ${oc.env:...}
+FILE_WANDB_KEY = "file-wandb-key-6d2e90"
+FILE_SIGNATURE = "file-upload-sig-15c8aa"
+ENV_DEPLOY_PAT = "env-deploy-pat-40b7e3"
+LEAKY_EXPERIMENT = f"""# @package _global_
+logger: {{wandb: {{api_key: {FILE_WANDB_KEY}}}}}
+hydra: {{job: {{env_set: {{ACME_UPLOAD_SIGNATURE: {FILE_SIGNATURE}}}}}}}
+"""
+# the command line's secrets less logger.wandb.api_key, which the experiment file sets
+BESIDE_THE_FILE = [s for s in CLI_SECRETS if not s.startswith("logger.wandb.api_key=")]
+
+
+def leaky_config_dir(tmp_path: Path) -> Path:
+    """A --config-dir whose experiment=leaky writes credentials in clear."""
+    config_dir = tmp_path / "my_conf"
+    (config_dir / "experiment").mkdir(parents=True)
+    (config_dir / "experiment" / "leaky.yaml").write_text(LEAKY_EXPERIMENT)
+    return config_dir
 
 
 def files_holding(root: Path, needles: list[str]) -> dict[str, list[str]]:
@@ -139,11 +162,19 @@ HIDDEN = [
         "+hydra.job.env_set.WANDB_API_KEY=${oc.env:DS_EXP_SECRET_HYDRA_JOB_ENV_SET_WANDB_API_KEY}",
         "k-123456",
     ),
+    # issue 21: these were written in clear (the old list knew api_key, token, password, credential)
+    ("+logger.private_key=pk-0001", "+logger.private_key=${oc.env:DS_EXP_SECRET_LOGGER_PRIVATE_KEY}", "pk-0001"),
+    ("+logger.wandb_key=wk-0002", "+logger.wandb_key=${oc.env:DS_EXP_SECRET_LOGGER_WANDB_KEY}", "wk-0002"),
+    ("+logger.auth=au-0003", "+logger.auth=${oc.env:DS_EXP_SECRET_LOGGER_AUTH}", "au-0003"),
+    ("+logger.pat=pa-0004", "+logger.pat=${oc.env:DS_EXP_SECRET_LOGGER_PAT}", "pa-0004"),
 ]
 UNCHANGED = [
     "zero=stage2",
     "hydra/launcher=local",
     "data.end_of_conversation_token=<eot>",  # mentions a token, holds none
+    "eval.max_new_tokens=16",
+    "+scheduler.patience=3",
+    "+hub.private=true",  # a flag: credential-named, but no secret
     "~logger.api_key",
     "logger.wandb.api_key=null",
     "logger.wandb.api_key=${oc.env:MY_WANDB_KEY}",  # already an interpolation
@@ -158,6 +189,99 @@ REFUSED = [
     ("+model.credentials=[k-one-secret]", "a secret must be a single value"),
     ("hydra.launcher.additional_parameters.password=k-one-secret", "Hydra writes its settings into files"),
 ]
+
+
+# ---------------------------------------------------------------- which names are credentials
+
+# Names none of which is spelt out in ds_exp/secret_names.py: its word families and rules must find them.
+CREDENTIAL_NAMES = [
+    "openai_key", "SLACK_BOT_TOKEN", "mlflowTrackingPassword", "gh_pat", "proxyAuth", "deploy_private",
+    "smtp_pass", "sentry_dsn", "ws_cookie", "x_api_signature", "db_pwd", "stripesecret", "myApiKey",
+    "zzz_credentials", "twilio_auth_token", "AZURE_STORAGE_ACCOUNT_KEY", "session_id", "rabbit_passwd",
+    "oauthClientSecret", "S3_SECRET_ACCESS_KEY", "hf_hub_token2", "key", "token", "bearer",
+]  # fmt: skip
+INNOCENT_NAMES = [
+    "patience", "path", "pattern", "author", "tokenizer", "max_new_tokens", "pad_token_id",
+    "end_of_conversation_token", "num_key_value_heads", "exclude_keys", "keyboard_layout", "monkey_patch",
+    "passage_field", "compass_heading", "tokens_per_s", "author_email", "patch_size", "password_file",
+    "auth_type", "session_name", "secret_name", "api_key_env", "SSH_AUTH_SOCK", "PWD", "OLDPWD",
+    "DESKTOP_SESSION", "XDG_SESSION_TYPE", "first_pass", "sort_key", "bos_token", "token_count", "pathway",
+    "authority", "TOKENIZERS_PARALLELISM", "keepalive", "passthrough", "spatial", "privacy_policy_url",
+]  # fmt: skip
+
+
+def test_credential_names_are_found_by_their_family_not_by_a_list():
+    from ds_exp.config.secret_names import is_secret_name
+
+    assert [name for name in CREDENTIAL_NAMES if not is_secret_name(name)] == []
+    assert [name for name in INNOCENT_NAMES if is_secret_name(name)] == []
+
+
+def test_no_setting_of_ds_exp_or_hydra_is_taken_for_a_credential():
+    """Every key of every config file in conf/ and of the composed config (Hydra's own included): only
+    logger.wandb.api_key is a credential, so no setting is hidden or refused as one."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from ds_exp.config.secret_names import is_secret_name
+
+    keys: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            keys.update(map(str, node))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    for path in conf_dir().rglob("*.yaml"):
+        walk(yaml.safe_load(path.read_text()))
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        walk(OmegaConf.to_container(compose(config_name="config", return_hydra_config=True), resolve=False))
+    assert len(keys) > 200 and {key for key in keys if is_secret_name(key)} == {"api_key"}
+
+
+@pytest.fixture
+def restored_environ():
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_a_config_files_credentials_become_interpolations_before_hydra_saves_anything(tmp_path, restored_environ):
+    """An experiment file (as --config-dir DIR experiment=NAME finds it) with literal credentials: the composed
+    config, which Hydra writes to .hydra/*.yaml and `--cfg job` prints, holds interpolations; the run resolves
+    the values; a flag named like a credential stays a flag."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "leaky.yaml").write_text(
+        "# @package _global_\n"
+        "logger: {wandb: {api_key: file-wandb-key-31ab}}\n"
+        "deepspeed: {config: {comet: {enabled: false, api_key: file-comet-key-82cd, experiment_key: exp-1234567},\n"
+        "  acme.io: {upload: {bearer: [file-bearer-0a1b2c]}}}}\n"  # a key with a dot; a list under a credential
+        "hydra: {job: {env_set: {ACME_UPLOAD_SIGNATURE: file-envset-sig-77ef}}}\n"
+    )
+    overrides = [f"hydra.searchpath=[file://{tmp_path}]", "experiment=leaky", "+hub.private=true"]
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    saved = OmegaConf.to_yaml(cfg)
+    assert "file-" not in saved, saved
+    assert "api_key: ${oc.env:DS_EXP_SECRET_FILE_LOGGER_WANDB_API_KEY}" in saved
+    assert cfg.logger.wandb.api_key == "file-wandb-key-31ab"
+    assert cfg.deepspeed.config.comet.api_key == "file-comet-key-82cd"
+    assert cfg.deepspeed.config["acme.io"].upload.bearer == ["file-bearer-0a1b2c"]
+    assert cfg.deepspeed.config.comet.experiment_key == "exp-1234567" and "exp-1234567" in saved  # no credential
+    assert cfg.hydra.job.env_set.ACME_UPLOAD_SIGNATURE == "file-envset-sig-77ef"
+    assert os.environ["DS_EXP_SECRET_FILE_DEEPSPEED_CONFIG_COMET_API_KEY"] == "file-comet-key-82cd"
+    assert cfg.hub.private is True and cfg.deepspeed.config.comet.enabled is False
 
 
 @pytest.mark.parametrize(("override", "rewritten", "value"), HIDDEN, ids=[h[0] for h in HIDDEN])
@@ -230,26 +354,35 @@ def test_a_refused_secret_override_stops_before_hydra(tmp_path):
 
 
 @pytest.mark.slow
-def test_command_line_and_environment_secrets_reach_no_file(tmp_path):
+def test_command_line_config_file_and_environment_secrets_reach_no_file(tmp_path):
     cache = tmp_path / "cache"
+    secrets = [*ALL_SECRETS, FILE_WANDB_KEY, FILE_SIGNATURE, ENV_DEPLOY_PAT]
     run = launch(
         tmp_path / "run",
+        "--config-dir",
+        str(leaky_config_dir(tmp_path)),
+        "experiment=leaky",
         *FAST,
         "train.export=true",
         "train.save_final_checkpoint=true",
         "logger=wandb",
         "logger.wandb.mode=offline",
-        *CLI_SECRETS,
+        *BESIDE_THE_FILE,
+        "+logger.notes=${oc.env:ACME_DEPLOY_PAT}",  # an environment secret under an innocent key
         cache_dir=cache,
-        env=ENV_SECRETS,
+        env={**ENV_SECRETS, "ACME_DEPLOY_PAT": ENV_DEPLOY_PAT},
     )
     # completed: every ${oc.env:...} resolved (without a default, a missing variable fails the run)
     assert run.ok, run.explain()
     assert list((run.run_dir / "checkpoints").rglob("*model_states.pt")), "no DeepSpeed checkpoint was written"
     run_file = next((run.run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert files_holding(run.run_dir, ALL_SECRETS) == {}
-    assert files_holding(cache, ALL_SECRETS) == {}
-    assert not [s for s in ALL_SECRETS if s in run.proc.stdout + run.proc.stderr]
+    assert files_holding(run.run_dir, secrets) == {}
+    assert files_holding(cache, secrets) == {}
+    assert not [s for s in secrets if s in run.proc.stdout + run.proc.stderr]
+    hydra_config = (run.run_dir / ".hydra" / "hydra.yaml").read_text()
+    assert "ACME_UPLOAD_SIGNATURE: ${oc.env:DS_EXP_SECRET_FILE_HYDRA_JOB_ENV_SET_ACME_UPLOAD_SIGNATURE}" in hydra_config
+    job_config = (run.run_dir / ".hydra" / "config.yaml").read_text()
+    assert "api_key: ${oc.env:DS_EXP_SECRET_FILE_LOGGER_WANDB_API_KEY}" in job_config
     # Hydra saved, and wandb recorded as the program's arguments, the interpolation
     overrides = (run.run_dir / ".hydra" / "overrides.yaml").read_text()
     assert "+logger.api_key=${oc.env:DS_EXP_SECRET_LOGGER_API_KEY}" in overrides
@@ -262,19 +395,23 @@ def test_command_line_and_environment_secrets_reach_no_file(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "slurm"])
 def test_a_sweep_writes_no_secret_into_its_directory(tmp_path, launcher):
-    """submitit's pickles hold the interpolations; its local executor and sbatch hand the job the environment."""
+    """submitit's pickles hold the interpolations; its local executor and sbatch hand the job the environment.
+    The job composes its own config (and saves its .hydra/): a config file's credentials are hidden there too."""
     if launcher == "slurm" and not _cluster_up():
         pytest.skip("no SLURM cluster running (launchers/slurm_cluster.sh start)")
     sweep, cache = tmp_path / "sweep", tmp_path / "cache"
     proc = multirun(
         tmp_path,
         sweep,
+        "--config-dir",
+        str(leaky_config_dir(tmp_path)),
+        "experiment=leaky",
         f"hydra/launcher={launcher}",
         *FAST,
         "train.save_final_checkpoint=true",
         "logger=wandb",
         "logger.wandb.mode=offline",
-        *CLI_SECRETS,
+        *BESIDE_THE_FILE,
         f"data.cache_dir={cache}",
         env=ENV_SECRETS,
     )
@@ -283,7 +420,9 @@ def test_a_sweep_writes_no_secret_into_its_directory(tmp_path, launcher):
     assert list(sweep.glob(".submitit/*/*.pkl")), "submitit left no pickles"
     assert list(sweep.glob("0/wandb/offline-run-*/run-*.wandb")), "no wandb offline run was written"
     assert list(sweep.glob("0/checkpoints/*/*model_states.pt")), "no DeepSpeed checkpoint was written"
-    assert files_holding(sweep, ALL_SECRETS) == {}
-    assert files_holding(cache, ALL_SECRETS) == {}
-    assert not [s for s in ALL_SECRETS if s in proc.stdout + proc.stderr]
+    secrets = [*ALL_SECRETS, FILE_WANDB_KEY, FILE_SIGNATURE]
+    assert files_holding(sweep, secrets) == {}
+    assert files_holding(cache, secrets) == {}
+    assert not [s for s in secrets if s in proc.stdout + proc.stderr]
     assert "api_key='<redacted>'" in (sweep / "0" / "logs" / "rank0.log").read_text()
+    assert "DS_EXP_SECRET_FILE_LOGGER_WANDB_API_KEY" in (sweep / "0" / ".hydra" / "config.yaml").read_text()

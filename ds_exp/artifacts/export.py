@@ -14,7 +14,6 @@ when complete. What the export keeps of the base model:
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -26,9 +25,11 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from ds_exp import compat
-from ds_exp.errors import RunFailed
+from ds_exp.core import compat
+from ds_exp.core.errors import Diverged, RunFailed
+from ds_exp.core.files import json_text
 from ds_exp.model.lora import wrap_lora
+from ds_exp.runtime.process_group import broadcast
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,12 @@ def gather_full_state_dict(engine: Any, zero_stage: int) -> dict[str, Any] | Non
     return {k: v.detach().to("cpu").clone() for k, v in state.items()}
 
 
+def non_finite_tensors(state: dict[str, Any]) -> list[str]:
+    """The names of the floating-point tensors of `state` that hold a NaN or an infinity."""
+
+    return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def export_dtype(spec: ExportSpec, base_trained: bool) -> tuple[str, str]:
     """(torch dtype name, why) of the exported weights."""
     if spec.dtype != "auto":
@@ -95,8 +102,17 @@ def export_dtype(spec: ExportSpec, base_trained: bool) -> tuple[str, str]:
 
 
 def export_hf(engine: Any, *, zero_stage: int, spec: ExportSpec, tokenizer: Any, export_dir: Path, save_adapter: bool):
-    """Collective; rank 0 writes `export_dir` (and `export_dir`_adapter with `save_adapter`)."""
+    """Collective; rank 0 writes `export_dir` (and `export_dir`_adapter with `save_adapter`). Weights that are not
+    finite are never exported (Diverged on every rank; nothing is written)."""
+
     state = gather_full_state_dict(engine, zero_stage)
+    bad = broadcast(non_finite_tensors(state) if state is not None else None)
+    if bad:
+        raise Diverged(
+            f"export: the weights are not finite (NaN or inf) in {', '.join(bad[:3])}"
+            f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}: the run diverged and nothing was "
+            f"exported to {export_dir}"
+        )
     trained = {name for name, param in engine.module.named_parameters() if param.requires_grad}
     if dist.get_rank() == 0:
         assert state is not None
@@ -147,7 +163,7 @@ def _write_export(
         "weights_copied_from_base": len(keep_base),
         "tokenizer": tokenizer_note,
     }
-    (tmp / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+    (tmp / METADATA).write_text(json_text(metadata, indent=2) + "\n")
     _replace(tmp, export_dir)
     log.info("exported Hugging Face model to %s (%s: %s)", export_dir, dtype_name, why)
 

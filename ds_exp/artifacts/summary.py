@@ -11,10 +11,12 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 
 from ds_exp.config.secrets import redact_text
-from ds_exp.launch.files import write_json_atomic
+from ds_exp.core.files import write_json_atomic
 
 # how a run ends with every rank alive and its state saved: finished, or stopped by a signal and resumable
 RESUMABLE_ENDS = ("completed", "stopped", "requeued")
+# how a run ends with every rank alive and in step: those, or diverged (decided by all ranks together)
+EVERY_RANK_ENDS = (*RESUMABLE_ENDS, "diverged")
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from ds_exp.artifacts.summary import RESUMABLE_ENDS
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact
+from ds_exp.core.files import append_json_line
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record, default=float) + "\n")
+            append_json_line(self._file, record)
 
     def close(self, status: str | None = None) -> None:
         if self._file is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import json
 import os
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ds_exp.config.paths import embedded_tokenizer_dir
+from ds_exp.core.files import json_text
 from ds_exp.data.synthetic import corpus
 
 VOCAB_SIZE = 512  # 256 byte symbols + 2 special tokens + merges; a multiple of 8 as the model's embedding
@@ -73,9 +73,9 @@ def build(out_dir: Path) -> None:
         "add_bos_token": False,
         "add_eos_token": False,
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(json_text(config, indent=2, sort_keys=True) + "\n")
     special = {"eos_token": EOS, "pad_token": PAD}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
+    (out_dir / "special_tokens_map.json").write_text(json_text(special, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

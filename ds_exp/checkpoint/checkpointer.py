@@ -29,9 +29,9 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from ds_exp import compat
-from ds_exp.errors import ResumeError, RunFailed
-from ds_exp.launch.files import write_json_atomic, write_text_atomic
+from ds_exp.core import compat
+from ds_exp.core.errors import ResumeError, RunFailed
+from ds_exp.core.files import write_json_atomic, write_text_atomic
 from ds_exp.launch.storage import save_failure_message
 from ds_exp.resume.store import (
     COMPLETE_MARKER,

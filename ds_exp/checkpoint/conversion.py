@@ -9,7 +9,8 @@ result loadable by every stage. What DeepSpeed 0.19.8 leaves to do (found on CPU
   ["step"]; a stage 1/2 engine looks for mp_rank_00_model_states.pt, wants ds_version in optimizer_state.pt,
   {"param": tensor} files (stage 3 writes bare flat tensors) and a step.pt per parameter (stage 3 writes none).
 - DeepSpeed's CPU Adam (offload) keeps the step as an int, which torch's AdamW refuses: stored as a tensor.
-Every torch.load here reads with weights_only=True (ds_exp.compat.torch_load_weights_only), the converter's included.
+Every torch.load here reads with weights_only=True (ds_exp.core.compat.torch_load_weights_only), the converter's
+included.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from typing import Any
 import deepspeed
 import torch
 
-from ds_exp import compat
 from ds_exp.checkpoint.universal import MARKER, MODEL_STATES, STATES, allowed_types
-from ds_exp.errors import ResumeError
+from ds_exp.core import compat
+from ds_exp.core.errors import ResumeError
+from ds_exp.core.files import json_text
 
 
 def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int) -> None:
@@ -67,7 +69,7 @@ def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int)
         for name in MODEL_STATES:  # the name each stage's loader looks for
             if not (out / name).is_file():
                 os.link(first, out / name)
-    (out / MARKER).write_text(json.dumps({"source": str(tag_dir), "deepspeed": deepspeed.__version__}) + "\n")
+    (out / MARKER).write_text(json_text({"source": str(tag_dir), "deepspeed": deepspeed.__version__}) + "\n")
 
 
 def from_stage0(tag_dir: Path, out: Path, names: list[list[str]] | None) -> None:

@@ -21,7 +21,6 @@ model was built, which is what they were saved with (nothing trains them).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import pickle
@@ -39,9 +38,10 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from ds_exp import compat
 from ds_exp.checkpoint.checkpointer import load_weights_only, set_rng_states
-from ds_exp.errors import ResumeError
+from ds_exp.core import compat
+from ds_exp.core.errors import ResumeError
+from ds_exp.core.files import json_text
 from ds_exp.resume.store import read_marker
 from ds_exp.runtime.process_group import broadcast
 
@@ -119,7 +119,7 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
     try:
         args = [str(tag_dir), "--out", str(work / "out"), "--workers", str(workers)]
         if names is not None:
-            (work / "param_names.json").write_text(json.dumps(names))
+            (work / "param_names.json").write_text(json_text(names))
             args += ["--param-names", str(work / "param_names.json")]
         path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}

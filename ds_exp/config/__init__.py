@@ -4,5 +4,5 @@ the checks of values and combinations (validate, model_checks), the run's arithm
 memory_plan: bytes per rank, on disk), the precision an accelerator gets (precision), credential-like values
 (secrets) and where ds_exp's own files are (paths).
 
-Layer 1, light: no torch, no deepspeed. May import: ds_exp.errors, ds_exp.compat.
+Layer 1, light: no torch, no deepspeed. May import: ds_exp.core.
 """

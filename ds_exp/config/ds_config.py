@@ -23,7 +23,7 @@ from typing import Any
 from ds_exp.config.plan import global_batch_mismatch
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 
 _MISSING = object()
 

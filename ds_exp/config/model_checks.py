@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.schema import Config, ModelConfig
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 
 WEIGHT_FILES = (
     "model.safetensors",

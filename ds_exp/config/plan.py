@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from ds_exp.config.schema import SchedulerConfig, TrainConfig
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 
 
 def global_batch_size(train: TrainConfig, world_size: int) -> int:

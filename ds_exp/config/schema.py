@@ -16,7 +16,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf, open_dict
 
-from ds_exp.errors import ConfigError
+from ds_exp.config.secrets import hide_secrets_when_composing
+from ds_exp.core.errors import ConfigError
 
 
 def plain(value: Any) -> Any:
@@ -371,4 +372,6 @@ def as_dict(cfg: Config) -> dict[str, Any]:
 
 def register_configs() -> None:
     """Make the schema the base of conf/config.yaml (its defaults list starts with `ds_exp_schema`)."""
+
     ConfigStore.instance().store(name="ds_exp_schema", node=Config)
+    hide_secrets_when_composing()  # literal credentials in config files never reach what Hydra saves

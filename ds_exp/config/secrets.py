@@ -1,4 +1,6 @@
-"""Secrets given on the command line or in the environment never reach a file a run writes.
+"""Secrets given on the command line, in a config file or in the environment never reach a file a run writes.
+
+Which names hold credentials: ds_exp/secret_names.py (word families, not a list of names).
 
 * `hide_secret_overrides` runs before Hydra parses the command line. An override whose key looks like a
   credential, `+logger.wandb.api_key=VALUE`, becomes `+logger.wandb.api_key=${oc.env:DS_EXP_SECRET_LOGGER_
@@ -6,9 +8,12 @@
   the value (.hydra/*.yaml, multirun.yaml, submitit's pickles); sys.argv, which wandb records as the run's
   arguments, no longer holds it; and the environment carries it to every process of the run (torchrun and
   deepspeed children, submitit's local jobs, SLURM jobs, which get the submitting environment).
+* `hide_config_file_secrets` does the same, as Hydra composes, for literal credentials that config files
+  (conf/, a --config-dir experiment, a preset) put into the config: `${oc.env:DS_EXP_SECRET_FILE_<KEY>}`.
 * `redact` blanks the values of credential keys in configs that are saved or sent (ds_config.json, the
-  wandb config, DeepSpeed's checkpoints); `redact_text` blanks every registered value (the command line's and
-  those of credential-named environment variables) in text: every log record of the process, error messages.
+  wandb config, DeepSpeed's checkpoints), and registered values wherever they stand; `redact_text` blanks every
+  registered value (the command line's, the config files', the config's credentials and those of
+  credential-named environment variables) in text: every log record of the process, error messages.
 
 Import-light (no torch): the CLI calls it before `--help` and `--cfg job`.
 """
@@ -17,22 +22,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from omegaconf import OmegaConf, flag_override
 
-from ds_exp.errors import ConfigError
+from ds_exp.config.secret_names import is_secret_name
+from ds_exp.core.compat import on_compose
+from ds_exp.core.errors import ConfigError
 
-# Keys that hold credentials ("api_key", "hf_token", "password", ...), not ones that merely mention tokens
-# ("tokenizer", "end_of_conversation_token").
-_SECRET_KEY = re.compile(
-    r"api[_-]?key|access[_-]?key|^token$|(auth|access|hf|hub|api|bearer|secret|session|refresh)[_-]?token$"
-    r"|secret|passw(or)?d|credential",
-    re.IGNORECASE,
-)
 REDACTED = "<redacted>"
 ENV_PREFIX = "DS_EXP_SECRET_"
 _MIN_SECRET_LEN = 6  # shorter values would redact ordinary words
@@ -40,15 +42,24 @@ _secrets: set[str] = set()
 
 
 def is_secret_key(key: object) -> bool:
-    return bool(_SECRET_KEY.search(str(key)))
+    """A credential's name, by the well-known families (ds_exp/secret_names.py)."""
+    return is_secret_name(key)
+
+
+def holds_secret(value: Any) -> bool:
+    """What a credential key may hold: not None, and never a flag (`private: true` is a setting, not a secret)."""
+    return value is not None and not isinstance(value, bool)
 
 
 def redact(tree: Any) -> Any:
-    """Blank every value whose key looks like a secret: configs are saved and sent to wandb."""
+    """Blank every value whose key looks like a secret, and every registered secret value wherever it stands (a
+    `${oc.env:WANDB_API_KEY}` under an innocent key): configs are saved and sent to wandb."""
     if isinstance(tree, dict):
-        return {k: (REDACTED if is_secret_key(k) and v is not None else redact(v)) for k, v in tree.items()}
+        return {k: (REDACTED if is_secret_key(k) and holds_secret(v) else redact(v)) for k, v in tree.items()}
     if isinstance(tree, list):
         return [redact(v) for v in tree]
+    if isinstance(tree, str):
+        return redact_text(tree)
     return tree
 
 
@@ -111,14 +122,17 @@ def _redact_log_records() -> None:
 # ------------------------------------------------------------------ the command line
 
 
-def secret_env_name(key: str) -> str:
-    return ENV_PREFIX + re.sub(r"\W+", "_", key).strip("_").upper()
+def secret_env_name(key: str, prefix: str = ENV_PREFIX) -> str:
+    return prefix + re.sub(r"\W+", "_", key).strip("_").upper()
+
+
+_from_command_line: dict[str, str] = {}  # the variables hide_secret_overrides set in this process
 
 
 def _secret_inside(value: Any) -> bool:
     """A dict (or list of them) holding a credential key with a value: `+deepspeed.config.comet={api_key:...}`."""
     if isinstance(value, dict):
-        return any((is_secret_key(k) and v is not None) or _secret_inside(v) for k, v in value.items())
+        return any((is_secret_key(k) and holds_secret(v)) or _secret_inside(v) for k, v in value.items())
     if isinstance(value, list):
         return any(_secret_inside(v) for v in value)
     options = getattr(value, "list", None)  # a choice sweep's
@@ -168,7 +182,8 @@ def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]
                 continue
         key = override.key_or_group if override.package is None else f"{override.key_or_group}@{override.package}"
         value = override.value()
-        if not is_secret_key(re.split(r"[./@]", key)[-1]):
+        flag = not literal and isinstance(value, bool)  # `+hub.private=true` is a setting, not a secret
+        if flag or not is_secret_key(re.split(r"[./@]", key)[-1]):
             if not literal and _secret_inside(value):
                 problems.append(f"{key_text}=...: holds a secret inside its value; give it as its own override")
             else:
@@ -187,7 +202,7 @@ def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]
             name = secret_env_name(key)
             while names.setdefault(name, key) != key:
                 name += "_"
-            environ[name] = value
+            environ[name] = _from_command_line[name] = value
             register_secrets(environ={name: value})
             out.append(f"{key_text}=${{oc.env:{name}}}")
     if problems:
@@ -207,3 +222,58 @@ def _refusal(override: Any, key: str, key_text: str, value: Any) -> str | None:
     if key.startswith(("hydra.", "hydra/")) and not key.startswith("hydra.job.env_set."):
         return f"{key_text}=...: Hydra writes its settings into files; put the secret in the environment instead"
     return None
+
+
+# ------------------------------------------------------------------ config files
+
+FILE_ENV_PREFIX = ENV_PREFIX + "FILE_"
+
+
+def _not_a_value(text: str) -> bool:
+    """Empty, an interpolation, or `???` (a mandatory value not given yet)."""
+    return text in ("", "???") or "${" in text
+
+
+def hide_config_file_secrets(cfg: Any, environ: MutableMapping[str, str]) -> None:
+    """Literal credential values that config files put into a composition (conf/, a --config-dir experiment, a
+    preset) become `${oc.env:DS_EXP_SECRET_FILE_<KEY>}` and their values move into `environ`, as the command
+    line's do. Called on every composition before the command line's overrides apply (ds_exp.core.compat.
+    on_compose), so Hydra saves the interpolation (.hydra/*.yaml before the task runs, multirun.yaml, submitit's
+    pickles, `--cfg job`) and the run resolves the value: every process composes for itself, or inherits the
+    environment of the one that did (submitit, SLURM)."""
+
+    found: list[tuple[list[Any], Any]] = []
+
+    def walk(node: Any, path: list[Any], secret: bool) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, [*path, key], secret or is_secret_key(key))
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, [*path, index], secret)
+        elif secret and holds_secret(node) and not (isinstance(node, str) and _not_a_value(node)):
+            found.append((path, node))
+
+    walk(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False), [], False)
+    for path, value in found:
+        name = secret_env_name(".".join(map(str, path)), FILE_ENV_PREFIX)
+        while name in _from_command_line:
+            name += "_"
+        environ[name] = str(value)
+        register_secrets(environ={name: str(value)})
+        parent = cfg
+        for part in path[:-1]:  # by key, not by a dotted path: a key may hold a dot
+            parent = parent[part]
+        with flag_override(parent, ["readonly", "struct"], False):
+            parent[path[-1]] = f"${{oc.env:{name}}}"
+
+
+def _hide_in_environ(cfg: Any) -> None:
+
+    hide_config_file_secrets(cfg, os.environ)
+
+
+def hide_secrets_when_composing() -> None:
+    """Every composition of this process hides its config files' secrets (see hide_config_file_secrets)."""
+
+    on_compose(_hide_in_environ)

@@ -17,7 +17,7 @@ from ds_exp.config.plan import global_batch_mismatch
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.schema import Config, plain
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 
 
 def _check_model(cfg: Config) -> list[str]:

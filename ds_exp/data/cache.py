@@ -24,6 +24,7 @@ from typing import Any
 
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.secrets import redact_text
+from ds_exp.core.files import json_text
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def cached_build(
                 "stats": stats,
                 "settings": material,
             }
-            text = json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n"
+            text = json_text(meta, indent=2, sort_keys=True) + "\n"
             (tmp / META).write_text(redact_text(text))  # a registered secret in a path or hub id stays out
             os.rename(tmp, final)  # atomic on one file system; final does not exist (we hold the lock)
         except BaseException:

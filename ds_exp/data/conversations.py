@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds_exp.errors import DataError
+from ds_exp.core.errors import DataError
 
 LAYOUTS = ("auto", "prompt_chosen", "messages", "sharegpt", "alpaca")
 MESSAGES_COLUMN = "messages"  # Hugging Face chat: [{"role", "content"}, ...]

@@ -18,6 +18,7 @@ import datasets
 import numpy as np
 
 from ds_exp.config.schema import DataConfig, DataSource, plain
+from ds_exp.core.errors import DataError
 from ds_exp.data.cache import cached_build, disk_full_message, hash_key, path_fingerprint
 from ds_exp.data.checks import check_data_config
 from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack
@@ -25,7 +26,6 @@ from ds_exp.data.formats import expand, resolve_format
 from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
 from ds_exp.data.splits import eval_carve_count, parse_data_split, phase1_count
 from ds_exp.data.templates import RowError, resolve_template, source_template, special_strings
-from ds_exp.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from ds_exp.core.errors import DataError
 from ds_exp.data.conversations import ALPACA_COLUMNS, CHAT_COLUMNS, PAIR, Fields, Parsed, Rows, parse_rows
 from ds_exp.data.formats import dschat_files, expand, resolve_format
 from ds_exp.data.synthetic import generate
@@ -31,7 +32,6 @@ from ds_exp.data.textfiles import (
     repeated_key_error,
     starts_with_bom,
 )
-from ds_exp.errors import DataError
 
 if TYPE_CHECKING:
     from ds_exp.config.schema import DataSource, SyntheticDataConfig

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ds_exp.errors import DataError
+from ds_exp.core.errors import DataError
 
 log = logging.getLogger(__name__)
 

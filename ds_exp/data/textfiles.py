@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ds_exp.errors import DataError
+from ds_exp.core.errors import DataError
 
 log = logging.getLogger(__name__)
 

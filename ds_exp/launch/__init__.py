@@ -3,7 +3,7 @@ launched (environment), everything checked before heavy work (validation), the r
 lock (run_dir, lock, callbacks: the single run's Hydra callback), per-rank log files and the quiet console
 (run_logging, console), files written whole (files) and disk checks (storage).
 
-Layer 4, light: no torch, no deepspeed. May import: ds_exp.errors, ds_exp.compat, ds_exp.config, ds_exp.data,
+Layer 4, light: no torch, no deepspeed. May import: ds_exp.core, ds_exp.config, ds_exp.data,
 ds_exp.resume. The one exception is cli.run_job, which imports the training stack (ds_exp.train.recipe,
 ds_exp.tools.dry_run) once validation has passed.
 """

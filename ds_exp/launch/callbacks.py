@@ -7,7 +7,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from ds_exp.errors import DsExpError
+from ds_exp.core.errors import DsExpError
 from ds_exp.launch.console import report_user_error
 from ds_exp.launch.run_dir import check_run_start
 

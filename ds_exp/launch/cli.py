@@ -22,8 +22,8 @@ import hydra_plugins
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs, to_config
-from ds_exp.config.secrets import hide_secret_overrides, redact_text, register_secrets
-from ds_exp.errors import ConfigError, DsExpError
+from ds_exp.config.secrets import hide_secret_overrides, hide_secrets_when_composing, redact_text, register_secrets
+from ds_exp.core.errors import ConfigError, DsExpError
 from ds_exp.launch.console import report_user_error
 from ds_exp.launch.environment import launch_env_problems
 from ds_exp.launch.run_dir import rank_placeholder_overrides
@@ -31,6 +31,10 @@ from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.validation import validate
 
 log = logging.getLogger("ds_exp")
+
+# Every composition of a process that runs ds_exp's task hides its config files' credentials, a submitit job's
+# too: the job imports this module to unpickle hydra_task, then composes its own config and saves .hydra/
+hide_secrets_when_composing()
 
 _LOCAL_RANK_FLAG = re.compile(r"^--local[_-]rank(=(\d+))?$")
 
@@ -97,7 +101,7 @@ def hydra_task(cfg: DictConfig) -> Any:
         if in_multirun():
             # the other jobs of the sweep go on; the job's summary.json and the sweep report name the failure
             # (submitit pickles this return value into the sweep directory)
-            return {"status": "failed", "error": redact_text(str(err))}
+            return {"status": getattr(err, "status", "failed"), "error": redact_text(str(err))}
         sys.exit(err.exit_code)
 
 

@@ -6,7 +6,7 @@ import os
 import sys
 
 from ds_exp.config.secrets import redact_text
-from ds_exp.errors import DsExpError
+from ds_exp.core.errors import DsExpError
 
 
 def report_user_error(err: DsExpError, traceback_hint: bool = True) -> None:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from ds_exp import compat
 from ds_exp.config.schema import plain
+from ds_exp.core import compat
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ds_exp.errors import Refused
+from ds_exp.core.errors import Refused
 
 # ------------------------------------------------------------------------------------ one live run per directory
 LOCK = ".ds_exp.lock"

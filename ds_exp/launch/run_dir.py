@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, open_dict, read_write
 
 from ds_exp.config.schema import Config, to_config
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 from ds_exp.launch.environment import detect_launch, launch_rank_from_env, launched_with_several_ranks
 from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
 from ds_exp.launch.storage import check_writable

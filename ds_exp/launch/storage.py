@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from ds_exp.config.memory_plan import human_bytes
-from ds_exp.errors import ConfigError, RunFailed
+from ds_exp.core.errors import ConfigError, RunFailed
 
 
 def _existing_ancestor(path: Path) -> Path:

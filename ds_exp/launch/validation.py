@@ -8,8 +8,8 @@ from typing import Any
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
 from ds_exp.config.validate import config_problems
+from ds_exp.core.errors import ConfigError
 from ds_exp.data.checks import check_data_config
-from ds_exp.errors import ConfigError
 from ds_exp.launch.environment import detect_launch
 
 

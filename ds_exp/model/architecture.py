@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 from ds_exp.model.lora import lora_target_names
 
 

@@ -14,9 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
-from ds_exp import compat
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
+from ds_exp.core import compat
 from ds_exp.model.architecture import base_vocab_size, build_model_config, checkpoint_dtype, padded_vocab_size
 from ds_exp.model.lora import LoraSpec, lora_target_names, wrap_lora
 

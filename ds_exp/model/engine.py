@@ -19,10 +19,10 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
 from transformers import get_scheduler
 
-from ds_exp import compat
 from ds_exp.config.schema import Config, OptimizerConfig, SchedulerConfig, plain
 from ds_exp.config.secrets import redact
-from ds_exp.errors import ConfigError
+from ds_exp.core import compat
+from ds_exp.core.errors import ConfigError
 from ds_exp.runtime import ops
 
 log = logging.getLogger(__name__)

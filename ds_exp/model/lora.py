@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, get_peft_model
 
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 
 
 def lora_target_names(model: torch.nn.Module, module_name: str) -> list[str]:

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.paths import embedded_tokenizer_dir
 from ds_exp.config.schema import DataConfig, ModelConfig, plain
-from ds_exp.errors import DataError
+from ds_exp.core.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -2,6 +2,6 @@
 one a resume continues from), what a checkpoint depends on and what a resume may change (settings, trajectory),
 and the checks made before Hydra writes into a run directory (preflight).
 
-Layer 3, light: no torch, no deepspeed. May import: ds_exp.errors, ds_exp.compat, ds_exp.config, ds_exp.data.
+Layer 3, light: no torch, no deepspeed. May import: ds_exp.core, ds_exp.config, ds_exp.data.
 Loading and saving checkpoints with an engine is ds_exp.checkpoint's.
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.schema import Config, plain, plain_tree
-from ds_exp.errors import ResumeError
+from ds_exp.core.errors import ResumeError
 from ds_exp.resume.store import read_marker
 
 # setting -> why a checkpoint cannot be loaded with another value

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_exp.errors import ResumeError
+from ds_exp.core.errors import ResumeError
+from ds_exp.core.files import restore_non_finite
 
 COMPLETE_MARKER = "ds_exp_complete.json"
 LATEST = "latest"  # DeepSpeed's name for the file that holds the newest tag
@@ -61,7 +62,7 @@ def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
 def read_marker(tag_dir: Path) -> dict[str, Any]:
     """The completeness marker of a checkpoint (its TrainState); {} when unreadable."""
     try:
-        return json.loads((tag_dir / COMPLETE_MARKER).read_text())
+        return restore_non_finite(json.loads((tag_dir / COMPLETE_MARKER).read_text()))
     except (OSError, ValueError):
         return {}
 

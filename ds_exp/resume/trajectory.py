@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ds_exp.config.schema import Config, plain
-from ds_exp.errors import ResumeError
+from ds_exp.core.errors import ResumeError
 
 
 def trajectory_of(cfg: Config, *, total_steps: int, warmup_steps: int, world_size: int, data_key: str) -> dict:

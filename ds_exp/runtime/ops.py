@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from deepspeed.accelerator import get_accelerator
 
-from ds_exp import compat
-from ds_exp.errors import RunFailed
+from ds_exp.core import compat
+from ds_exp.core.errors import RunFailed
 from ds_exp.launch.run_logging import FILE_LOGGER
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 from omegaconf import DictConfig
 
 from ds_exp.config.schema import plain
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 from ds_exp.launch.environment import LaunchInfo, choose_backend, cpu_threads_per_rank, export_launch_env
 from ds_exp.launch.run_logging import LIBRARY_LOGGER
 from ds_exp.runtime import ops

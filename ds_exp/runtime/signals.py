@@ -23,7 +23,7 @@ import time
 from types import FrameType
 from typing import Any, NoReturn
 
-from ds_exp import compat
+from ds_exp.core import compat
 
 log = logging.getLogger(__name__)
 

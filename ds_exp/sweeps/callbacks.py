@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.config.secrets import redact_text
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 from ds_exp.launch.callbacks import exit_on_error
 from ds_exp.launch.storage import check_writable
 from ds_exp.sweeps.jobs import check_job, sweep_jobs

@@ -7,9 +7,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from ds_exp import compat
 from ds_exp.config.schema import to_config
-from ds_exp.errors import DsExpError
+from ds_exp.core import compat
+from ds_exp.core.errors import DsExpError
 from ds_exp.launch.validation import validate
 
 

@@ -32,9 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
 from ds_exp.config.secrets import redact_text
-from ds_exp.errors import ConfigError, DsExpError
+from ds_exp.core.errors import ConfigError, DsExpError
+from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.console import report_user_error
-from ds_exp.launch.files import write_json_atomic
 from ds_exp.launch.run_dir import holds_a_run
 from ds_exp.sweeps.jobs import check_job
 from ds_exp.sweeps.search_space import parse_search_space, probe_overrides

@@ -21,7 +21,7 @@ from hydra.core.override_parser.types import IntervalSweep, RangeSweep, Transfor
 from hydra.errors import HydraException
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution, distribution_to_json
 
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 
 TAGS = {"log", "int"}  # what tag(...) may say around an interval / range
 

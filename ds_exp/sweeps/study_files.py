@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.paths import sweep_job_names
-from ds_exp.errors import ConfigError
+from ds_exp.core.errors import ConfigError
 
 STUDY_FILE = "study.json"
 # Numbers a run's summary.json reports that a study may optimise (ds_exp/summary.py, ds_exp/evaluate.py).
@@ -36,7 +36,7 @@ def outcome(job_dir: Path, objective: str, launch_error: str | None) -> tuple[st
         return "FAIL", None, f"{summary_file} missing: the run never reached training or was killed{why}", None
     summary = json.loads(summary_file.read_text())
     status, error = summary.get("status"), summary.get("error")
-    if status == "failed" and str(error).startswith("Diverged:"):
+    if status == "diverged" or (status == "failed" and str(error).startswith("Diverged:")):  # or an older run's
         return "PRUNED", None, error, summary
     if status != "completed":
         return "FAIL", None, f"status {status}: {error}", summary

@@ -29,13 +29,13 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
-from ds_exp import compat
 from ds_exp.config.memory_plan import estimate_activations, estimate_model_states, human_bytes
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import as_dict, plain, to_config
 from ds_exp.config.secrets import redact_text
-from ds_exp.errors import DsExpError
-from ds_exp.launch.files import write_json_atomic
+from ds_exp.core import compat
+from ds_exp.core.errors import DsExpError
+from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.validation import validate
 from ds_exp.model.architecture import build_model_config, count_parameters, hidden_size_of, padded_vocab_size
 from ds_exp.model.tokenizer import load_tokenizer

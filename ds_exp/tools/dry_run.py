@@ -17,9 +17,9 @@ from ds_exp.config.plan import total_steps, warmup_steps
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
 from ds_exp.config.secrets import redact
+from ds_exp.core.files import write_json_atomic
 from ds_exp.data.pipeline import count_train_examples
 from ds_exp.launch.environment import detect_launch
-from ds_exp.launch.files import write_json_atomic
 from ds_exp.model.architecture import (
     base_vocab_size,
     build_model_config,

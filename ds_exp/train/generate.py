@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_exp.core.errors import ConfigError
+from ds_exp.core.files import append_json_line
 from ds_exp.data.templates import render_prompt
-from ds_exp.errors import ConfigError
 
 
 def load_prompts(eval_cfg: Any) -> list[str]:
@@ -92,5 +93,5 @@ def write_generations(path: Path, step: int, prompts: list[str], completions: li
     records = [{"step": step, "prompt": p, "completion": c} for p, c in zip(prompts, completions, strict=True)]
     with path.open("a", encoding="utf-8") as fh:
         for record in records:
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+            append_json_line(fh, record, ensure_ascii=False)
     return records

@@ -15,7 +15,8 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from ds_exp.config.schema import EvalConfig, TrainConfig, plain
-from ds_exp.errors import Diverged
+from ds_exp.core.errors import Diverged
+from ds_exp.model.divergence import check_weights_finite, diverged_message, non_finite_end
 from ds_exp.runtime.memory import peak_memory_bytes
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.runtime.signals import StopRequested
@@ -57,6 +58,8 @@ class Loop:
         self.schedule = str(plain(work.schedule_name))
         self.bad_steps = 0
         self.last_loss: Any = None
+        self.last_applied = True  # whether the last step's update was applied (ZeRO skips non-finite gradients)
+        self.finite_at = -1  # the step whose end state was last found finite (check_end)
 
     def run(self) -> None:
         """From progress.step to the last step; then nothing is pending (the last metric line is written)."""
@@ -86,7 +89,7 @@ class Loop:
         train_cfg, progress, session = self.train_cfg, self.progress, self.session
         result = self.step(batches, stop_requested=session.signals.requested, previous_loss=self.last_loss)
         self.metrics.write()  # the previous step's line: its all-reduce finished during this step
-        self.last_loss = result.loss_sum
+        self.last_loss, self.last_applied = result.loss_sum, result.applied
         progress.step += 1
         progress.step_in_epoch += 1
         session.state.steps = progress.step
@@ -168,8 +171,28 @@ class Loop:
         self.metrics.write()
         self.generations(self.engine, self.progress.step, self.metrics.wandb)
 
+    def last_good_checkpoint(self) -> str | None:
+        return self.session.state.checkpoint or self.session.state.resumed_from
+
+    def check_end(self) -> None:
+        """Collective, after the last step and its evaluation: a run that ends with a non-finite loss, evaluation or
+        weights is diverged (whatever train.max_bad_steps let it through on the way), before anything of it is
+        kept (the final generations, checkpoint and export)."""
+        overflowed = not self.last_applied and self.session.precision != "fp16"  # fp16: the loss scaler's skip
+        found = non_finite_end(
+            self.engine, self.last_loss, self.session.state.final_eval, last_step_overflowed=overflowed
+        )
+        if found:
+            consequence = "saved no final checkpoint and exported nothing"
+            raise Diverged(diverged_message(found, self.progress.step, consequence, self.last_good_checkpoint()))
+        self.finite_at = self.progress.step
+
     def save(self) -> None:
-        """Collective checkpoint, with the open metric window's sums over ranks (see Metrics.carry)."""
+        """Collective checkpoint, with the open metric window's sums over ranks (see Metrics.carry). Weights that
+        are not finite are never saved: resume=auto would continue them."""
+        step = self.progress.step
+        if self.finite_at != step:
+            check_weights_finite(self.engine, step, f"did not save checkpoint step{step}", self.last_good_checkpoint())
         path = self.checkpoints.save(self.progress, self.metrics.carry(), self.session.state.initial_eval)
         self.progress.last_save_step = self.progress.step
         self.session.state.checkpoint = str(path)

@@ -28,10 +28,10 @@ from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.secrets import redact, register_secrets
+from ds_exp.core.errors import RunFailed
+from ds_exp.core.files import write_json_atomic
 from ds_exp.data.pipeline import prepare_sft_data
 from ds_exp.data.templates import first_template
-from ds_exp.errors import RunFailed
-from ds_exp.launch.files import write_json_atomic
 from ds_exp.launch.run_dir import completed_at, set_aside_attempt
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.launch.storage import check_free_space
@@ -301,6 +301,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         metrics.close_progress()
         if progress.last_eval_step != progress.step:
             loop.evaluate()
+        loop.check_end()  # a run that ends non-finite is diverged: nothing below is written
         if generations.last_step != progress.step:
             loop.generate()  # and after
         if cfg.train.save_final_checkpoint and progress.last_save_step != progress.step:

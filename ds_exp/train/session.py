@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from ds_exp.artifacts.summary import RESUMABLE_ENDS, RunState, final_line, write_summary
+from ds_exp.artifacts.summary import EVERY_RANK_ENDS, RunState, final_line, write_summary
 from ds_exp.artifacts.tracking import MetricsLog, WandbRun
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
-from ds_exp.errors import DsExpError, Refused, RunFailed
+from ds_exp.core.errors import Diverged, DsExpError, Refused, RunFailed
 from ds_exp.launch.environment import detect_launch
 from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
 from ds_exp.launch.run_dir import remove_rank_placeholder
@@ -167,6 +167,9 @@ class Session:
             self.state.error_kind = "out_of_memory"
             file_log.error("run failed", exc_info=exc)
             return Outcome("failed", error, RunFailed(error))
+        if isinstance(exc, Diverged):  # every rank decided it together: a failure of its own (exit status 3)
+            file_log.error("run diverged", exc_info=exc)
+            return Outcome(exc.status, f"{type(exc).__name__}: {exc}", exc)
         if isinstance(exc, DsExpError):  # a message for the user (printed by the CLI); the traceback in the log
             file_log.error("run failed", exc_info=exc)
             return Outcome("failed", f"{type(exc).__name__}: {exc}", exc)
@@ -197,7 +200,7 @@ class Session:
         for sink in self.sinks:
             sink.close(outcome.status)
         close_run_logging()
-        if outcome.status in ("completed", "unchanged") and dist.is_initialized():
+        if outcome.status in ("completed", "unchanged", Diverged.status) and dist.is_initialized():
             # The process group stays up: the next job of a multirun in this process reuses it (DeepSpeed caches
             # its groups, so a destroyed one cannot be replaced); it is torn down at exit.
             dist.barrier()
@@ -209,7 +212,7 @@ class Session:
     def write_summary(self) -> None:
         peak = peak_memory_bytes(self.accelerator)
         peaks: list[Any] = [peak]
-        if self.state.status in RESUMABLE_ENDS and dist.is_initialized():  # every rank is still here
+        if self.state.status in EVERY_RANK_ENDS and dist.is_initialized():  # every rank is still here
             peaks = [None] * self.world
             dist.all_gather_object(peaks, peak)
         if not self.is_main:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ds_exp.errors import RunFailed
+from ds_exp.core.errors import RunFailed
 from ds_exp.train.flops import FlopsModel, sum_squared_lengths
 
 IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_index)

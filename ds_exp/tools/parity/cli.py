@@ -4,12 +4,12 @@ is not (the table says which), or a side failed; 2: the comparison is refused (o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from ds_exp.errors import ConfigError, DsExpError
+from ds_exp.core.errors import ConfigError, DsExpError
+from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.console import report_user_error
 from ds_exp.tools.parity import compare
 from ds_exp.tools.parity.runs import run_side
@@ -112,7 +112,9 @@ def run(args: argparse.Namespace, a: Side, b: Side, out: Path) -> int:
         print(f"side {side.name}: {side.shown(common)}: {args.steps} steps -> {out / side.name}", flush=True)
         run_dir = out / side.name
         result = run_side(side, forced_overrides(args.steps, run_dir), run_dir, out / f"{side.name}.log")
-        if not result.ok:
+        if result.diverged:  # its steps up to the divergence are compared: the table shows where
+            print(f"side {side.name} diverged after {result.seconds:.0f}s: {result.error()}", file=sys.stderr)
+        elif not result.ok:
             print(f"side {side.name} failed after {result.seconds:.0f}s (log: {result.log}):", file=sys.stderr)
             print("  " + result.error().replace("\n", "\n  "), file=sys.stderr)
             return 1
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace, a: Side, b: Side, out: Path) -> int:
         grad_norm=tol.grad_norm if args.grad_rtol is None else args.grad_rtol,
     )
     rows = compare.compare(ra, rb, args.steps, tol)
-    verdict = compare.verdict(rows, tol)
+    diverged = [name for name, result in results.items() if result.diverged]
+    verdict = compare.verdict(rows, tol, diverged)
     print(compare.table(rows, tol))
     for note in compare.notes(rows):
         print(f"note: {note}")
@@ -134,11 +137,12 @@ def run(args: argparse.Namespace, a: Side, b: Side, out: Path) -> int:
         "B": {"overrides": b.overrides, "ranks": b.ranks, "run_dir": str(out / "B")},
         "steps": args.steps,
         "tolerance": {"loss": tol.loss, "grad_norm": tol.grad_norm, "default_for": kind},
-        "passed": all(r.ok for r in rows),
+        "passed": all(r.ok for r in rows) and not diverged,
+        "diverged": diverged,
         "verdict": verdict,
         "rows": compare.as_json(rows),
     }
-    (out / "parity.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_json_atomic(out / "parity.json", record)
     return 0 if record["passed"] else 1
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ds_exp.tools.parity.runs import SideRun
@@ -40,28 +42,44 @@ class Row:
     loss_diff: float | None  # relative
     grad_norm_diff: float | None
     ok: bool
+    non_finite: list[str] = field(default_factory=list)  # "loss A", "grad_norm B": NaN or inf on that side
+
+
+def finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
 
 
 def relative(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None:
+    """|a - b| relative to the larger; None when either is missing or not finite (NaN agrees with nothing)."""
+    if not (finite(a) and finite(b)):
         return None
+    assert a is not None and b is not None
     scale = max(abs(a), abs(b))
     return abs(a - b) / scale if scale > 0 else 0.0
 
 
+def logged(record: dict[str, Any], key: str) -> float | None:
+    """A metric line's value: NaN where the line says it was not finite (ds_exp.core.files writes it as null)."""
+    value = record.get(key)
+    return math.nan if value is None and key in (record.get("non_finite") or []) else value
+
+
 def compare(a: SideRun, b: SideRun, steps: int, tol: Tolerance) -> list[Row]:
-    """One row per step; a step either side did not log fails."""
+    """One row per step; a step either side did not log fails, and so does a value that is not finite on either
+    side (or on both: two diverged runs do not agree)."""
     rows = []
     train_a, train_b = a.train, b.train
     for step in range(1, steps + 1):
         ra, rb = train_a.get(step, {}), train_b.get(step, {})
-        loss_a, loss_b = ra.get("loss"), rb.get("loss")
-        grad_a, grad_b = ra.get("grad_norm"), rb.get("grad_norm")
+        loss_a, loss_b = logged(ra, "loss"), logged(rb, "loss")
+        grad_a, grad_b = logged(ra, "grad_norm"), logged(rb, "grad_norm")
+        values = {"loss A": loss_a, "loss B": loss_b, "grad_norm A": grad_a, "grad_norm B": grad_b}
+        non_finite = [name for name, value in values.items() if value is not None and not math.isfinite(value)]
         loss_diff, grad_diff = relative(loss_a, loss_b), relative(grad_a, grad_b)
-        ok = loss_diff is not None and loss_diff <= tol.loss
+        ok = not non_finite and loss_diff is not None and loss_diff <= tol.loss
         if grad_diff is not None:  # None where a side computes none (ZeRO stage 0 without clipping)
             ok = ok and grad_diff <= tol.grad_norm
-        rows.append(Row(step, loss_a, loss_b, grad_a, grad_b, loss_diff, grad_diff, ok))
+        rows.append(Row(step, loss_a, loss_b, grad_a, grad_b, loss_diff, grad_diff, ok, non_finite))
     return rows
 
 
@@ -81,7 +99,7 @@ def table(rows: list[Row], tol: Tolerance) -> str:
             _num(r.grad_norm_a, ".6f"),
             _num(r.grad_norm_b, ".6f"),
             _num(r.grad_norm_diff, ".1e"),
-            "ok" if r.ok else "DIFFERS",
+            "ok" if r.ok else ("NOT FINITE" if r.non_finite else "DIFFERS"),
         )
         for r in rows
     ]
@@ -92,9 +110,15 @@ def table(rows: list[Row], tol: Tolerance) -> str:
     return "\n".join(lines)
 
 
-def verdict(rows: list[Row], tol: Tolerance) -> str:
-    """One sentence: within tolerance, or the first step that is not and why."""
+def verdict(rows: list[Row], tol: Tolerance, diverged: Sequence[str] = ()) -> str:
+    """One sentence: within tolerance, or the first step that is not and why. `diverged`: the sides whose run
+    ended diverged (ds_exp.model.divergence), which fails the comparison whatever the rows say."""
     bad = [r for r in rows if not r.ok]
+    if not bad and diverged:
+        return (
+            f"FAIL: {len(rows)} steps within tolerance, but side {' and side '.join(diverged)} diverged after them "
+            "(a non-finite final evaluation or weights)"
+        )
     if not bad:
         worst_loss = max((r.loss_diff or 0.0) for r in rows)
         worst_grad = max((r.grad_norm_diff or 0.0) for r in rows)
@@ -103,7 +127,9 @@ def verdict(rows: list[Row], tol: Tolerance) -> str:
             f"grad_norm {worst_grad:.1e})"
         )
     first = bad[0]
-    if first.loss_a is None or first.loss_b is None:
+    if first.non_finite:
+        why = [_non_finite_words(first.non_finite)]
+    elif first.loss_a is None or first.loss_b is None:
         why = [f"side {'A' if first.loss_a is None else 'B'} logged no loss for it"]
     else:
         why = []
@@ -112,6 +138,19 @@ def verdict(rows: list[Row], tol: Tolerance) -> str:
         if first.grad_norm_diff is not None and first.grad_norm_diff > tol.grad_norm:
             why.append(f"grad_norm differs by {first.grad_norm_diff:.1e} relative (tolerance {tol.grad_norm:.0e})")
     return f"FAIL: {len(bad)} of {len(rows)} steps out of tolerance; first at step {first.step}: {'; '.join(why)}"
+
+
+def _non_finite_words(names: list[str]) -> str:
+    """["loss A", "loss B"] -> "the loss is not finite (NaN or inf) on both sides: both diverged, which is no
+    agreement"."""
+    parts = []
+    for metric in ("loss", "grad_norm"):
+        sides = [name.split()[1] for name in names if name.split()[0] == metric]
+        if len(sides) == 2:
+            parts.append(f"the {metric} is not finite (NaN or inf) on both sides: both diverged, which is no agreement")
+        elif sides:
+            parts.append(f"side {sides[0]}'s {metric} is not finite (NaN or inf)")
+    return "; ".join(parts)
 
 
 def notes(rows: list[Row]) -> list[str]:

@@ -43,6 +43,11 @@ class SideRun:
     def ok(self) -> bool:
         return self.returncode == 0 and self.summary.get("status") == "completed"
 
+    @property
+    def diverged(self) -> bool:
+        """It ran to its end and diverged (ds_exp.model.divergence): its steps are still compared, and fail."""
+        return self.summary.get("status") == "diverged"
+
     def error(self) -> str:
         """Why the side failed: summary.json's error, else the end of its console output."""
         if self.summary.get("error"):

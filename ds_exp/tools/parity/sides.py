@@ -25,8 +25,8 @@ from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, as_dict, register_configs, to_config
 from ds_exp.config.secrets import hide_secret_overrides
+from ds_exp.core.errors import ConfigError, DsExpError
 from ds_exp.data.pipeline import prepare_sft_data
-from ds_exp.errors import ConfigError, DsExpError
 from ds_exp.launch.validation import validate
 from ds_exp.model.tokenizer import load_tokenizer
 

@@ -75,6 +75,19 @@ def zero3_full_state_dict(engine: Any) -> dict[str, Any] | None:
     return engine._zero3_consolidated_16bit_state_dict()
 
 
+def local_weight_shards(engine: Any) -> Iterator[Any]:
+    """This rank's own copy of each weight: at ZeRO-3 its partition, else the parameter itself.
+
+    DeepSpeed 0.19.8: a ZeRO-3 parameter is an empty placeholder outside a gather; `param.ds_tensor` holds the
+    rank's partition. If the attribute is renamed, this raises on an empty parameter without it (every ZeRO-3 run
+    checks its end state, ds_exp/divergence.py) instead of passing weights it cannot see."""
+    for param in engine.module.parameters():
+        shard = getattr(param, "ds_tensor", None)
+        if shard is None and param.numel() == 0 and hasattr(param, "ds_id"):
+            raise RuntimeError("compat.local_weight_shards: a ZeRO-3 parameter without `ds_tensor` (DeepSpeed changed)")
+        yield param.detach() if shard is None else shard
+
+
 def read_checkpoints_weights_only(engine: Any, allowed: list[Any]) -> None:
     """Make DeepSpeed read checkpoint files with torch.load(weights_only=True), allowing only `allowed` types.
 
@@ -123,6 +136,41 @@ def basic_sweep_jobs(overrides: list[str]) -> list[list[str]]:
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+_COMPOSE_HOOKS: list[Any] = []
+
+
+def on_compose(hook: Any) -> None:
+    """Call `hook(cfg)` on every config Hydra composes in this process, once its config files are merged and
+    before the command line's overrides apply (so before Hydra saves .hydra/*.yaml, before `--cfg job`, before a
+    sweeper or submitit pickles a job's config). Installing the same hook twice is a no-op.
+
+    hydra-core 1.3.2-1.3.8: `hydra._internal.config_loader_impl.ConfigLoaderImpl._compose_config_from_defaults_list`
+    (the one method every composition goes through: the run's, each sweep job's, the compose API's). No public
+    hook sees the config before Hydra writes it: callbacks' on_job_start runs after .hydra/ is saved. If the
+    method moves, this raises at start-up rather than letting config files' secrets reach .hydra/
+    (tests/test_security.py)."""
+    import functools
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    if hook in _COMPOSE_HOOKS:
+        return
+    _COMPOSE_HOOKS.append(hook)
+    original = ConfigLoaderImpl._compose_config_from_defaults_list
+    if getattr(original, "_ds_exp_hooks", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def compose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cfg = original(self, *args, **kwargs)
+        for each in _COMPOSE_HOOKS:
+            each(cfg)
+        return cfg
+
+    compose._ds_exp_hooks = _COMPOSE_HOOKS  # type: ignore[attr-defined]
+    ConfigLoaderImpl._compose_config_from_defaults_list = compose  # type: ignore[method-assign]
 
 
 def slurm_hostnames(nodelist: str) -> list[str]:

@@ -1,0 +1,86 @@
+"""Files written whole or not at all: a reader (a resume, the sweep report, a person) never sees half a file.
+
+Every JSON file ds_exp writes goes through `json_text`: strict JSON (json.dumps(allow_nan=False)), so no file holds
+the bare `NaN` / `Infinity` that JSON parsers other than Python's reject. A non-finite number is written as null
+and named in the object's `non_finite` list (`{"loss": null, "non_finite": ["loss"]}`): the fact is kept, the
+file stays JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+NON_FINITE = "non_finite"
+
+
+def finite_tree(payload: Any, path: str = "") -> tuple[Any, list[str]]:
+    """`payload` as plain JSON values with every non-finite number replaced by None, and the dotted paths of those
+    numbers (`final_eval.perplexity`, `rows.2.loss_a`). Numbers of other libraries (numpy, 0-d tensors) become
+    Python numbers; anything else JSON cannot hold becomes its str() (paths, enums)."""
+    if isinstance(payload, dict):
+        out, bad = {}, []
+        for key, value in payload.items():
+            out[str(key)], inner = finite_tree(value, f"{path}{key}.")
+            bad += inner
+        return out, bad
+    if isinstance(payload, (list, tuple)):
+        items, bad = [], []
+        for index, value in enumerate(payload):
+            item, inner = finite_tree(value, f"{path}{index}.")
+            items.append(item)
+            bad += inner
+        return items, bad
+    if payload is None or isinstance(payload, (str, bool, int)):
+        return payload, []
+    if isinstance(payload, float):
+        return (payload, []) if math.isfinite(payload) else (None, [path.rstrip(".")])
+    item = getattr(payload, "item", None)  # numpy scalars, one-element tensors
+    if callable(item) and getattr(payload, "ndim", 0) == 0:
+        return finite_tree(item(), path)
+    return str(payload), []
+
+
+def json_text(payload: Any, *, indent: int | None = None, ensure_ascii: bool = True, sort_keys: bool = False) -> str:
+    """Strict JSON for `payload` (see the module docstring); a dict at the top records its non-finite numbers."""
+    clean, bad = finite_tree(payload)
+    if bad and isinstance(clean, dict):
+        earlier = clean.get(NON_FINITE) if isinstance(clean.get(NON_FINITE), list) else []
+        clean[NON_FINITE] = [*earlier, *(b for b in bad if b not in earlier)]
+    return json.dumps(clean, indent=indent, allow_nan=False, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def restore_non_finite(record: dict[str, Any]) -> dict[str, Any]:
+    """A record read back as written: the numbers its `non_finite` list names are NaN again (which of NaN or inf
+    they were is not kept), the list itself gone."""
+    names = record.get(NON_FINITE) if isinstance(record, dict) else None
+    if not isinstance(names, list):
+        return record
+    out = {k: v for k, v in record.items() if k != NON_FINITE}
+    for name in names:
+        *parents, last = str(name).split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(last) is None:
+            node[last] = math.nan
+    return out
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write to a temporary name beside `path`, then rename it into place (atomic on one file system)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    write_text_atomic(path, json_text(payload, indent=2) + "\n")
+
+
+def append_json_line(handle: Any, record: dict[str, Any], *, ensure_ascii: bool = True) -> None:
+    """One record of a JSON-lines file (metrics.jsonl, generations.jsonl)."""
+    handle.write(json_text(record, ensure_ascii=ensure_ascii) + "\n")

@@ -1,0 +1,81 @@
+"""A diverged run is a failed run: whether what a run would keep (a checkpoint, the export, its final numbers) is
+finite, decided the same way on every rank.
+
+train.max_bad_steps lets a run go on through steps whose loss was not finite (the fp16 loss scaler skips their
+updates); what the run ends with decides its status. Weights that are no longer finite never become finite again
+(every forward of them is NaN), so a checkpoint of them is never saved and they are never exported: the run stops
+as `diverged` (summary.json, exit status 3) and its newest checkpoint stays the last one with finite weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ds_exp.core import compat
+from ds_exp.core.errors import Diverged
+from ds_exp.runtime.process_group import all_reduce_sum
+
+
+def local_weights_finite(engine: Any) -> bool:
+    """Whether this rank's part of the weights is finite (ZeRO-3: its partition; else the whole module). One
+    device sync, at the end."""
+
+    bad: Any = None
+    for shard in compat.local_weight_shards(engine):
+        if shard.numel():
+            flag = ~torch.isfinite(shard).all()
+            bad = flag if bad is None else bad | flag
+    return bad is None or not bool(bad)
+
+
+def is_finite_number(value: Any) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def non_finite_end(
+    engine: Any, last_loss: Any, final_eval: dict[str, Any] | None, *, last_step_overflowed: bool = False
+) -> list[str]:
+    """Collective: what of the run's end state is not finite (the same list on every rank): the last step's loss
+    (this rank's sum; None when the process trained no step), its gradients (`last_step_overflowed`: the ZeRO
+    optimizer skipped its update for a non-finite gradient, outside fp16 where the loss scaler does that on
+    purpose), the final evaluation (already reduced over ranks), the weights."""
+
+    loss_bad = last_loss is not None and not bool(torch.isfinite(torch.as_tensor(last_loss)).all())
+    flags = [float(loss_bad), float(last_step_overflowed), float(not local_weights_finite(engine))]
+    loss_votes, grad_votes, weight_votes = all_reduce_sum(flags, engine.device)
+    found = []
+    if loss_votes:
+        found.append("the last step's loss")
+    if grad_votes:
+        found.append("the last step's gradients (its update was skipped)")
+    if final_eval and not all(is_finite_number(v) for v in final_eval.values()):
+        found.append("the final evaluation")
+    if weight_votes:
+        found.append("the weights")
+    return found
+
+
+def check_weights_finite(engine: Any, step: int, consequence: str, last_good: str | None) -> None:
+    """Collective: Diverged on every rank when any rank's weights are not finite, before they are written (a
+    checkpoint); `consequence` says what was not written."""
+
+    (votes,) = all_reduce_sum([float(not local_weights_finite(engine))], engine.device)
+    if votes:
+        raise Diverged(diverged_message(["the weights"], step, consequence, last_good))
+
+
+def diverged_message(found: list[str], step: int, consequence: str, last_good: str | None) -> str:
+    """`found`: what is not finite; `consequence`: what the run therefore did not write."""
+    where = (
+        f"the newest checkpoint with finite weights is {last_good}"
+        if last_good
+        else "this run saved no checkpoint with finite weights"
+    )
+    what = ", ".join(found[:-1]) + (" and " if len(found) > 1 else "") + found[-1]
+    return (
+        f"NaN or inf in {what} at step {step}: the run diverged and {consequence}; {where}. Lower optimizer.lr, set "
+        "train.gradient_clipping, or use precision=bf16/fp32"
+    )
