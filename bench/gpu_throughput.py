@@ -8,7 +8,7 @@ defaults against the ones before them, and each speed feature on and off.
 Model: TinyLlama's shape (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads) with a 32000-token
 vocabulary (the embedded tokenizer padded with model.vocab_multiple=32000: the output layer costs what a real
 vocabulary costs), random init. Data: the synthetic task packed into rows of 2048 tokens; micro batch 8 x
-accumulation 4 = 65536 tokens per optimizer step and GPU. MFU = model FLOPs (ds_exp/flops.py: 6 N per token plus
+accumulation 4 = 65536 tokens per optimizer step and GPU. MFU = model FLOPs (ds_exp/train/flops.py: 6 N per token plus
 attention over each packed example) / time / the GPU's dense bf16 peak. ds_exp reports it in its metric lines;
 the bare loop and the Trainer train the same tokens, so theirs is ds_exp's FLOPs per token x their tokens/s.
 

@@ -4,7 +4,8 @@ rank lands on, memory layout) and the machine's slow spells hit both alike.
 
     python -m bench step_overhead        # 2 CPU ranks under torchrun, ZeRO 0-3, one launch per stage
 
-* ds_exp step: `Loop.optimizer_step` (ds_exp/loop.py) exactly as the loop calls it (its one all-reduce of label tokens
+* ds_exp step: `Loop.optimizer_step` (ds_exp/train/loop.py) exactly as the loop calls it (its one all-reduce of label
+tokens
   and votes, the loss over the global batch's label tokens, bookkeeping, progress bar, and a metric line
   every WINDOW ds_exp steps with its all-reduce, grad norm and JSON line).
 * bare step: forward with the model's own loss, `engine.backward`, `engine.step`, nothing else.

@@ -328,6 +328,31 @@ CASES: list[Case] = [
         ("model.attn_implementation=flash_attention_2",),
         ("model.attn_implementation=flash_attention_2 needs a CUDA GPU", "model.attn_implementation=auto"),
     ),
+    # --- sequence parallelism (dist.sequence_parallel_size, issue 24): refused before anything heavy
+    Case(
+        "sequence parallel size not dividing the world size",
+        "combination",
+        ("dist.sequence_parallel_size=2",),
+        ("dist.sequence_parallel_size=2 does not divide the world size 1", "torchrun --nproc_per_node 2"),
+    ),
+    Case(
+        "sequence parallel size not dividing the attention heads",
+        "combination",
+        ("dist.sequence_parallel_size=3",),
+        ("does not divide the model's 4 attention heads (model.arch)", "divides 4 (2, 4)"),
+    ),
+    Case(
+        "eager attention under sequence parallelism",
+        "combination",
+        ("dist.sequence_parallel_size=2", "model.attn_implementation=eager"),
+        ("model.attn_implementation=eager cannot run under dist.sequence_parallel_size=2", "attn_implementation=sdpa"),
+    ),
+    Case(
+        "packed documents with flex attention under sequence parallelism",
+        "combination",
+        ("dist.sequence_parallel_size=2", "data.packing=true", "model.attn_implementation=flex_attention"),
+        ("packed documents would attend to each other", "model.attn_implementation=sdpa or flash_attention_2"),
+    ),
     Case(
         "warmup longer than the run",
         "combination",

@@ -75,7 +75,7 @@ def test_peak_memory_and_mfu_come_from_the_gpu(tmp_path, cache_dir):
     total = torch.cuda.get_device_properties(0).total_memory
     for line in run.records("train"):
         assert 0 < line["peak_memory_bytes"] < total  # torch.cuda.max_memory_allocated, not the host's RSS
-        if run.summary["peak_tflops_per_device"]:  # a GPU in ds_exp/flops.py's table
+        if run.summary["peak_tflops_per_device"]:  # a GPU in ds_exp/train/flops.py's table
             assert 0 < line["mfu"] < 1
     assert run.summary["device"] == torch.cuda.get_device_name()
 

@@ -1,4 +1,5 @@
-"""hydra/sweeper=optuna (ds_exp/study.py): real studies of real runs, each trial a full run (2 ranks through
+"""hydra/sweeper=optuna (ds_exp/sweeps/optuna_study.py): real studies of real runs, each trial a full run (2 ranks
+through
 submitit's local executor or the one-node SLURM cluster, or one process under the basic launcher); the search
 space and the study record on their own (fast)."""
 

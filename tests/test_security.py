@@ -2,7 +2,7 @@
 unpickles arbitrary objects (torch.load with weights_only=True on checkpoint files from an earlier process).
 
 Secrets given on the command line move into DS_EXP_SECRET_* environment variables before Hydra parses it
-(ds_exp/secrets.py): the tests read back every byte of the run or sweep directory (Hydra's saved configs,
+(ds_exp/config/secrets.py): the tests read back every byte of the run or sweep directory (Hydra's saved configs,
 wandb's run file, DeepSpeed's checkpoints, submitit's pickles, the sweep report) and of the data cache.
 """
 

@@ -80,7 +80,6 @@ def gather_full_state_dict(engine: Any, zero_stage: int) -> dict[str, Any] | Non
 
 def non_finite_tensors(state: dict[str, Any]) -> list[str]:
     """The names of the floating-point tensors of `state` that hold a NaN or an infinity."""
-
     return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
@@ -104,7 +103,6 @@ def export_dtype(spec: ExportSpec, base_trained: bool) -> tuple[str, str]:
 def export_hf(engine: Any, *, zero_stage: int, spec: ExportSpec, tokenizer: Any, export_dir: Path, save_adapter: bool):
     """Collective; rank 0 writes `export_dir` (and `export_dir`_adapter with `save_adapter`). Weights that are not
     finite are never exported (Diverged on every rank; nothing is written)."""
-
     state = gather_full_state_dict(engine, zero_stage)
     bad = broadcast(non_finite_tensors(state) if state is not None else None)
     if bad:

@@ -26,6 +26,8 @@ class RunState:
     run_dir: Path
     launcher: str
     world_size: int
+    data_parallel_size: int | None = None  # world size / sequence_parallel_size: the ranks drawing different samples
+    sequence_parallel_size: int = 1  # dist.sequence_parallel_size: ranks training each sample together
     started: float = field(default_factory=time.time)
     status: str = "failed"
     error: str | None = None
@@ -71,6 +73,8 @@ class RunState:
             "run_dir": str(self.run_dir),
             "wall_time_s": time.time() - self.started,
             "world_size": self.world_size,
+            "data_parallel_size": self.data_parallel_size or self.world_size // max(self.sequence_parallel_size, 1),
+            "sequence_parallel_size": self.sequence_parallel_size,
             "launcher": self.launcher,
             "backend": self.backend,
             "accelerator": self.accelerator,

@@ -5,7 +5,7 @@ Such a checkpoint is converted once into DeepSpeed's universal format and cached
 in a subprocess, into a temporary directory that is renamed only once complete (its marker written last), while
 the other ranks wait in a broadcast: a failed or killed conversion leaves nothing that a later resume trusts.
 
-Stage 0 has no ZeRO files: its model and torch optimizer states are converted by ds_exp/universal_build.py, and a
+Stage 0 has no ZeRO files: its model and torch optimizer states are converted by ds_exp/checkpoint/conversion.py, and a
 stage-0 engine is loaded by ds_exp (DeepSpeed 0.19.8's stage-0 engine skips universal checkpoints' weights). At
 stage 0 on both sides a world-size change needs no conversion: rank 0 saved the whole optimizer state.
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.plan import global_batch_mismatch
+from ds_exp.config.plan import data_parallel_size, global_batch_mismatch
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
 from ds_exp.core.errors import ConfigError
@@ -38,6 +38,11 @@ class RunFacts:
     warmup_steps: int | None = None
     precision: str | None = None  # fp32 | fp16 | bf16, after "auto" was decided
     run_dir: str | None = None
+    sequence_parallel_size: int = 1  # dist.sequence_parallel_size: the batch counts world_size / it ranks
+
+    @property
+    def data_parallel_size(self) -> int | None:
+        return None if self.world_size is None else data_parallel_size(self.world_size, self.sequence_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -169,12 +174,16 @@ def expected_values(cfg: Config, facts: RunFacts) -> list[Expectation]:
         Expectation("optimizer.params.eps", float(opt.eps), "optimizer.eps"),
         Expectation("optimizer.params.weight_decay", float(opt.weight_decay), "optimizer.weight_decay"),
     ]
+    sp = int(cfg.dist.sequence_parallel_size)
+    # DeepSpeed reads it where it has no mpu (transformers' ZeRO-3 HfDeepSpeedConfig): its batch check divides by it
+    out.append(Expectation("sequence_parallel_size", sp, "dist.sequence_parallel_size"))
     if facts.world_size is not None:
+        ranks = f"world size {facts.world_size}" if sp == 1 else f"data-parallel size {facts.data_parallel_size}"
         out.append(
             Expectation(
                 "train_batch_size",
-                train.micro_batch_size * train.gradient_accumulation_steps * facts.world_size,
-                f"train.micro_batch_size x train.gradient_accumulation_steps x world size {facts.world_size}",
+                train.micro_batch_size * train.gradient_accumulation_steps * facts.data_parallel_size,
+                f"train.micro_batch_size x train.gradient_accumulation_steps x {ranks}",
             )
         )
     if facts.precision is not None:
@@ -241,8 +250,9 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
     file_sets_batch = cfg.deepspeed.config_file and "train_batch_size" in load_config_file(cfg.deepspeed.config_file)
     if cfg.train.global_batch_size != AUTO and facts.world_size is not None and not file_sets_batch:
         per_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
-        if cfg.train.global_batch_size != per_rank * facts.world_size:  # ds_exp's own setting, not a file's
-            raise ConfigError(global_batch_mismatch(cfg.train, facts.world_size))
+        if cfg.train.global_batch_size != per_rank * facts.data_parallel_size:  # ds_exp's own, not a file's
+            sp = facts.sequence_parallel_size
+            raise ConfigError(global_batch_mismatch(cfg.train, facts.world_size, sp))
 
     mismatches = []
     for exp in expected_values(cfg, facts):

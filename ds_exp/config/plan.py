@@ -1,8 +1,9 @@
 """Step arithmetic shared by the dry run and the trainer.
 
-Every optimizer step consumes exactly one global batch (micro x accumulation x world size samples); an
+Every optimizer step consumes exactly one global batch (micro x accumulation x data-parallel size samples); an
 incomplete global batch at the end of an epoch is dropped, so the step count and the samples of each step do
-not depend on how the global batch is split over ranks and micro batches.
+not depend on how the global batch is split over ranks and micro batches. The data-parallel size is the world size
+divided by dist.sequence_parallel_size: the ranks of a sequence-parallel group train the same samples together.
 """
 
 from __future__ import annotations
@@ -13,14 +14,30 @@ from ds_exp.config.schema import SchedulerConfig, TrainConfig
 from ds_exp.core.errors import ConfigError
 
 
+def data_parallel_size(world_size: int, sequence_parallel_size: int = 1) -> int:
+    """The ranks that draw different samples: the N ranks of a sequence-parallel group train the same ones."""
+    return max(world_size // max(sequence_parallel_size, 1), 1)
+
+
 def global_batch_size(train: TrainConfig, world_size: int) -> int:
+    """`world_size`: the data-parallel size (data_parallel_size), which is the world size without sequence
+    parallelism."""
     return train.micro_batch_size * train.gradient_accumulation_steps * world_size
 
 
-def global_batch_mismatch(train: TrainConfig, world: int) -> str:
+def global_batch_mismatch(train: TrainConfig, world: int, sequence_parallel_size: int = 1) -> str:
     """train.global_batch_size names a world size other than this launch's."""
     per_rank = train.micro_batch_size * train.gradient_accumulation_steps
     fits = train.global_batch_size / per_rank
+    if sequence_parallel_size > 1:
+        n = sequence_parallel_size
+        where = f"holds only at {fits:g} data-parallel ranks" if fits == int(fits) else "holds at no world size"
+        return (
+            f"train.global_batch_size={train.global_batch_size} {where} (micro {train.micro_batch_size} x "
+            f"accumulation {train.gradient_accumulation_steps} x data-parallel ranks), and this launch has {world} "
+            f"rank(s) = {data_parallel_size(world, n)} data-parallel x dist.sequence_parallel_size={n}: use "
+            "train.global_batch_size=auto, or change train.micro_batch_size / gradient_accumulation_steps"
+        )
     where = f"holds only at world size {fits:g}" if fits == int(fits) else "holds at no world size"
     return (
         f"train.global_batch_size={train.global_batch_size} {where} (micro {train.micro_batch_size} x accumulation "
@@ -34,6 +51,7 @@ def steps_per_epoch(num_train: int, train: TrainConfig, world_size: int) -> int:
 
 
 def total_steps(num_train: int, train: TrainConfig, world_size: int) -> int:
+    """`world_size`: the data-parallel size (see global_batch_size)."""
     per_epoch = steps_per_epoch(num_train, train, world_size)
     if per_epoch == 0:
         raise ConfigError(

@@ -65,10 +65,17 @@ def deepspeed_scheduler(owner: Any, name: Any) -> DictConfig | None:
     return OmegaConf.create(block) if block is not None and plain(owner) == "deepspeed" else None
 
 
+def sequence_parallel_key(size: Any) -> int | None:
+    """DeepSpeed's top-level `sequence_parallel_size`, present only when sequence parallelism is on (null keys are
+    left out): its batch check divides the world size by it."""
+    return int(size) if isinstance(size, int) and size > 1 else None
+
+
 def register_resolvers() -> None:
     for name, fn in {
         "ds_exp.deepspeed_optimizer": deepspeed_optimizer,
         "ds_exp.deepspeed_scheduler": deepspeed_scheduler,
+        "ds_exp.sequence_parallel_key": sequence_parallel_key,
     }.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

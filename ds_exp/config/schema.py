@@ -262,11 +262,11 @@ class TrainConfig:
     export: bool = True
     export_dir: str = "hf_model"  # relative to the run directory
     export_adapter: bool = False  # also save the PEFT adapter alone
-    export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/export.py)
+    export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/artifacts/export.py)
     allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
     max_bad_steps: int = 10  # consecutive non-finite losses before giving up
     compile: bool = False  # torch.compile the model through DeepSpeed's engine (engine.compile())
-    peak_tflops: float | None = None  # per device, for MFU; null = the GPU's dense peak from ds_exp/flops.py
+    peak_tflops: float | None = None  # per device, for MFU; null = the GPU's dense peak from ds_exp/train/flops.py
 
 
 @dataclass
@@ -283,6 +283,9 @@ class DistConfig:
     backend: Backend = Backend.auto
     timeout_minutes: int = 30
     master_port: int = 29500
+    # Ulysses sequence parallelism (DeepSpeed's ALST): N ranks train each sample together, sharded along the
+    # sequence; world size = data-parallel x N, global batch = micro x accumulation x data-parallel
+    sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -294,7 +297,7 @@ class WandbConfig:
     name: str | None = None
     tags: list[str] = field(default_factory=list)
     dir: str | None = None  # null = the run directory
-    api_key: str | None = None  # null = WANDB_API_KEY or `wandb login`; never written (ds_exp/secrets.py)
+    api_key: str | None = None  # null = WANDB_API_KEY or `wandb login`; never written (ds_exp/config/secrets.py)
 
 
 @dataclass
@@ -372,6 +375,5 @@ def as_dict(cfg: Config) -> dict[str, Any]:
 
 def register_configs() -> None:
     """Make the schema the base of conf/config.yaml (its defaults list starts with `ds_exp_schema`)."""
-
     ConfigStore.instance().store(name="ds_exp_schema", node=Config)
     hide_secrets_when_composing()  # literal credentials in config files never reach what Hydra saves

@@ -241,7 +241,6 @@ def hide_config_file_secrets(cfg: Any, environ: MutableMapping[str, str]) -> Non
     on_compose), so Hydra saves the interpolation (.hydra/*.yaml before the task runs, multirun.yaml, submitit's
     pickles, `--cfg job`) and the run resolves the value: every process composes for itself, or inherits the
     environment of the one that did (submitit, SLURM)."""
-
     found: list[tuple[list[Any], Any]] = []
 
     def walk(node: Any, path: list[Any], secret: bool) -> None:
@@ -269,11 +268,9 @@ def hide_config_file_secrets(cfg: Any, environ: MutableMapping[str, str]) -> Non
 
 
 def _hide_in_environ(cfg: Any) -> None:
-
     hide_config_file_secrets(cfg, os.environ)
 
 
 def hide_secrets_when_composing() -> None:
     """Every composition of this process hides its config files' secrets (see hide_config_file_secrets)."""
-
     on_compose(_hide_in_environ)

@@ -13,10 +13,11 @@ from typing import Any
 from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
 from ds_exp.config.model_checks import check_checkpoint, check_max_seq_len, looks_like_local_path
 from ds_exp.config.paths import not_a_directory
-from ds_exp.config.plan import global_batch_mismatch
+from ds_exp.config.plan import data_parallel_size, global_batch_mismatch
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.schema import Config, plain
+from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
 from ds_exp.core.errors import ConfigError
 
 
@@ -187,8 +188,10 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
                 f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size x "
                 f"train.gradient_accumulation_steps = {per_rank}: the batch arithmetic cannot hold; use auto"
             )
-        elif per_rank >= 1 and global_batch != per_rank * world:
-            problems.append(global_batch_mismatch(cfg.train, world))
+        elif per_rank >= 1:
+            sp = int(cfg.dist.sequence_parallel_size)
+            if sp >= 1 and world % sp == 0 and global_batch != per_rank * data_parallel_size(world, sp):
+                problems.append(global_batch_mismatch(cfg.train, world, sp))
     if cfg.dist.timeout_minutes < 1:
         problems.append(f"dist.timeout_minutes={cfg.dist.timeout_minutes}: must be >= 1")
     return problems
@@ -247,6 +250,7 @@ def config_problems(cfg: Config, *, accelerator: str, world_size: int) -> tuple[
     (run-time "auto" kept; {} when it cannot be built). `world_size`: the launch's (for the global batch)."""
     problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg, world_size)
     problems += _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + _check_output_paths(cfg)
+    problems += check_sequence_parallel(cfg, world_size)
     ds: dict[str, Any] = {}
     try:
         precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))
@@ -254,5 +258,5 @@ def config_problems(cfg: Config, *, accelerator: str, world_size: int) -> tuple[
     except ConfigError as err:
         problems += err.problems
     if ds:
-        problems += _check_zero_and_offload(ds) + _check_optimizer_impl(cfg, ds, accelerator)
+        problems += _check_zero_and_offload(ds) + _check_optimizer_impl(cfg, ds, accelerator) + zero_problems(cfg, ds)
     return problems, ds

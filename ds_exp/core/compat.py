@@ -233,7 +233,7 @@ UNIVERSAL_CHECKED = "0.19.8"  # the DeepSpeed version ds_exp's universal-checkpo
 
 def check_universal_version() -> str | None:
     """A warning when the installed DeepSpeed is not the one the universal-checkpoint handling below (and the file
-    layout fixes in ds_exp/universal_build.py) was checked against; None when it is."""
+    layout fixes in ds_exp/checkpoint/conversion.py) was checked against; None when it is."""
     import deepspeed
 
     if deepspeed.__version__.split("+")[0] == UNIVERSAL_CHECKED:
@@ -324,3 +324,37 @@ def keep_fp32_grad_norm(engine: Any) -> None:
         engine._global_grad_norm = norm
 
     engine.clip_fp32_gradients = clip_and_keep_norm
+
+
+def release_sequence_parallel_groups() -> None:
+    """Forget DeepSpeed's sequence-parallel groups, so that `register_with_transformers` can make them again in the
+    same process (it asserts they were never made: a multirun runs several jobs in one process).
+
+    DeepSpeed 0.19.8: `parallel_state_sp._release_sequence_parallel_groups()` clears its two module globals (DeepSpeed
+    calls it itself only when the world group is destroyed), and `deepspeed.utils.groups.mpu` holds the mpu the last
+    engine was given. If they change, a second sequence-parallel job in one process fails at registration with
+    DeepSpeed's "sequence parallel group is already initialized"."""
+    import sys
+
+    state = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    if state is not None:
+        state._release_sequence_parallel_groups()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and getattr(groups, "mpu", None) is state:
+        groups.mpu = None
+
+
+def sequence_parallel_gradient_factor(engine: Any, sequence_parallel_size: int) -> int:
+    """What the loss must be multiplied by, beyond undoing DeepSpeed's mean over data-parallel ranks, for the
+    gradients to be exact under Ulysses sequence parallelism.
+
+    DeepSpeed 0.19.8 divides a gradient summed over all dp x N ranks by dp (world / N) at ZeRO 0-2 and on ZeRO-3's
+    all-reduce path (`stage3.__avg_scatter_contiguous_grads`), but ZeRO-3's reduce-scatter path (`__avg_scatter_grads`
+    -> `runtime.comm.coalesced_collectives.reduce_scatter_coalesced`, taken for every bucket when `reduce_scatter` is
+    on, its default) divides by the world size: gradients N times too small (measured: safe_get_full_grad halves at
+    N=2; Adam hides it, gradient clipping does not). ds_exp refuses zero.reduce_scatter=false under sequence
+    parallelism at ZeRO-3 (the two paths would mix per bucket), so the factor is N there. If DeepSpeed fixes it, the
+    sequence-parallel parity test at ZeRO-3 (grad_norm compared with one rank's) fails."""
+    if sequence_parallel_size <= 1 or engine.zero_optimization_stage() != 3:
+        return 1
+    return sequence_parallel_size if getattr(engine.optimizer, "reduce_scatter", True) else 1

@@ -38,7 +38,8 @@ class RunFailed(DsExpError):
 class Diverged(RunFailed):
     """The losses stopped being finite (train.max_bad_steps in a row), or the run ended with a non-finite loss,
     evaluation or weights (ds_exp/divergence.py): the settings, not the set-up, are at fault. Its own status in
-    summary.json and its own exit status; an optuna study records such a trial as pruned (ds_exp/study.py)."""
+    summary.json and its own exit status; an optuna study records such a trial as pruned
+    (ds_exp/sweeps/optuna_study.py)."""
 
     exit_code = 3
     status = "diverged"

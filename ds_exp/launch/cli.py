@@ -122,7 +122,7 @@ def main() -> None:
     check_launch_env()
     register_secrets(environ=os.environ)
     try:
-        # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/secrets.py)
+        # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
         sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
     except DsExpError as err:
         report_user_error(err, traceback_hint=False)

@@ -17,6 +17,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
 from ds_exp.core import compat
+from ds_exp.model import sequence_parallel
 from ds_exp.model.architecture import base_vocab_size, build_model_config, checkpoint_dtype, padded_vocab_size
 from ds_exp.model.lora import LoraSpec, lora_target_names, wrap_lora
 
@@ -67,6 +68,7 @@ class BuiltModel:
     base_rows: int  # embedding rows before padding (the checkpoint's, for a model loaded from one)
     base_dtype: str  # the dtype the checkpoint's weights are stored in (float32 when built from a config)
     vocab_size: int  # the base vocabulary the export keeps: the tokenizer's, or the checkpoint's if larger
+    mpu: Any = None  # DeepSpeed's sequence-parallel groups for deepspeed.initialize (dist.sequence_parallel_size > 1)
 
 
 def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
@@ -78,6 +80,10 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
     zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
     hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
     attention = attn_implementation(cfg.model.attn_implementation, ds_config)
+    sp_size, mpu = int(cfg.dist.sequence_parallel_size), None
+    if sp_size > 1:
+        attention = attention or "sdpa"  # the wrapper needs the name of the attention it wraps
+        mpu = sequence_parallel.register(config, attention, sp_size, cfg.train.micro_batch_size)
     extra = {"attn_implementation": attention} if attention else {}
     torch.manual_seed(cfg.train.seed)
     if cfg.model.name_or_path is None:
@@ -120,6 +126,8 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # frozen embeddings (LoRA only) would leave checkpointed blocks without inputs that require grad
         model.enable_input_require_grads()
+    if mpu is not None:
+        sequence_parallel.check_model_attention(model, attention)
     return BuiltModel(
         model=model,
         config=config,
@@ -128,4 +136,5 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         base_rows=base_rows,
         base_dtype=checkpoint_dtype(cfg),
         vocab_size=base_vocab_size(cfg, tokenizer, base_rows),
+        mpu=mpu,
     )

@@ -22,7 +22,6 @@ from ds_exp.runtime.process_group import all_reduce_sum
 def local_weights_finite(engine: Any) -> bool:
     """Whether this rank's part of the weights is finite (ZeRO-3: its partition; else the whole module). One
     device sync, at the end."""
-
     bad: Any = None
     for shard in compat.local_weight_shards(engine):
         if shard.numel():
@@ -42,7 +41,6 @@ def non_finite_end(
     (this rank's sum; None when the process trained no step), its gradients (`last_step_overflowed`: the ZeRO
     optimizer skipped its update for a non-finite gradient, outside fp16 where the loss scaler does that on
     purpose), the final evaluation (already reduced over ranks), the weights."""
-
     loss_bad = last_loss is not None and not bool(torch.isfinite(torch.as_tensor(last_loss)).all())
     flags = [float(loss_bad), float(last_step_overflowed), float(not local_weights_finite(engine))]
     loss_votes, grad_votes, weight_votes = all_reduce_sum(flags, engine.device)
@@ -61,7 +59,6 @@ def non_finite_end(
 def check_weights_finite(engine: Any, step: int, consequence: str, last_good: str | None) -> None:
     """Collective: Diverged on every rank when any rank's weights are not finite, before they are written (a
     checkpoint); `consequence` says what was not written."""
-
     (votes,) = all_reduce_sum([float(not local_weights_finite(engine))], engine.device)
     if votes:
         raise Diverged(diverged_message(["the weights"], step, consequence, last_good))

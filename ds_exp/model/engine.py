@@ -116,8 +116,16 @@ class Engine:
 
 
 def build_engine(
-    cfg: Config, model: Any, ds_config: dict[str, Any], *, total_steps: int, warmup_steps: int, accelerator: str
+    cfg: Config,
+    model: Any,
+    ds_config: dict[str, Any],
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    accelerator: str,
+    mpu: Any = None,
 ) -> Engine:
+    """`mpu`: DeepSpeed's sequence-parallel groups (ds_exp/model/sequence_parallel.py), or None."""
     groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
     if "optimizer" in ds_config:
         optimizer = None
@@ -140,6 +148,7 @@ def build_engine(
             optimizer=optimizer,
             lr_scheduler=scheduler,
             config=ds_config,
+            mpu=mpu,
         )
     except ValidationError as err:  # another block than zero_optimization (checked before the model was built)
         raise ConfigError(deepspeed_config_problems(err, err.title, cfg.deepspeed.config_file)) from None

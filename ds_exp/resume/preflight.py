@@ -29,5 +29,6 @@ def check_global_batch(cfg: Config, tag_dir: Path, world: int) -> None:
     saved = read_marker(tag_dir).get("trajectory")
     if saved:
         train = cfg.train
-        batch = train.micro_batch_size * train.gradient_accumulation_steps * world
+        ranks = max(world // max(int(cfg.dist.sequence_parallel_size), 1), 1)  # data-parallel: ranks drawing samples
+        batch = train.micro_batch_size * train.gradient_accumulation_steps * ranks
         check(cfg, {"global_batch": saved.get("global_batch")}, {"global_batch": batch, "data": None}, 0, tag_dir)

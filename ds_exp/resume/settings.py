@@ -2,8 +2,12 @@
 
 Each checkpoint's marker (ds_exp_complete.json) records the settings that fix the shapes and the partitioning of
 what it holds: the model, LoRA, the vocabulary padding, the ZeRO stage, offload, precision and the world size.
+dist.sequence_parallel_size is recorded but is no layout: under Ulysses, ZeRO partitions over all data-parallel x
+sequence-parallel ranks, so a checkpoint's files depend on the world size alone and load under any N (the global
+batch, micro x accumulation x world / N, must stay: ds_exp/resume/trajectory.py). What cannot be done is a layout change
+(the universal path) with sequence parallelism on either side: refused (see universal_problem).
 A changed world size, ZeRO stage or offload (the layout) is followed by converting the checkpoint once into
-DeepSpeed's universal format (ds_exp/universal.py); a resume with any other of them changed is refused before
+DeepSpeed's universal format (ds_exp/checkpoint/universal.py); a resume with any other of them changed is refused before
 anything is written (Hydra's callback calls `check_resume` before the run directory is touched), naming each
 change. Light: no torch, no deepspeed.
 """
@@ -52,6 +56,7 @@ def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precisi
         },
         "precision": precision,
         "world_size": world_size,
+        "sequence_parallel_size": int(cfg.dist.sequence_parallel_size),
     }
 
 
@@ -76,6 +81,36 @@ def layout_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     ]
 
 
+def sequence_parallel_change(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """A line when dist.sequence_parallel_size changed (a checkpoint without it was written with 1)."""
+    before, now = saved.get("sequence_parallel_size", 1), current.get("sequence_parallel_size", 1)
+    if before == now:
+        return None
+    return (
+        f"dist.sequence_parallel_size: {before} in the checkpoint, {now} now (loaded as it is: ZeRO partitions over "
+        "every rank whatever the sequence-parallel size)"
+    )
+
+
+def universal_problem(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """Why a checkpoint whose layout changed cannot go through the universal format, when sequence parallelism is on
+    at either end: DeepSpeed 0.19.8 takes the sequence-parallel groups for tensor parallelism there (its mpu aliases
+    the model-parallel size to N): a checkpoint written under N > 1 records tensor-parallel degree N with one
+    model file, which ds_to_universal rejects, and the universal loader asks the sequence-parallel mpu for
+    tensor-parallel groups it does not have."""
+    before, now = saved.get("sequence_parallel_size", 1), current.get("sequence_parallel_size", 1)
+    if (before == 1 and now == 1) or not needs_universal(saved, current):
+        return None
+    layout = "; ".join(layout_changes(saved, current))
+    return (
+        f"the checkpoint's layout changed ({layout}) and dist.sequence_parallel_size is {before} in the "
+        f"checkpoint, {now} now: DeepSpeed 0.19.8 cannot convert or load a universal checkpoint under sequence "
+        "parallelism (it takes the sequence-parallel groups for tensor parallelism). Resume on "
+        f"{saved.get('world_size')} rank(s) with its ZeRO stage and offload (any dist.sequence_parallel_size that "
+        "divides the world size, with the same global batch), or continue from the run's export in a new run"
+    )
+
+
 def needs_universal(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     """Whether the checkpoint must be converted to DeepSpeed's universal format to be loaded with `current`. At
     ZeRO stage 0 on both sides rank 0 saved the whole optimizer state, which any world size loads as it is."""
@@ -98,6 +133,9 @@ def check_resume(cfg: Config, tag_dir: Path, current: dict[str, Any]) -> None:
     """Refuse to continue from `tag_dir` when a setting it depends on changed."""
     saved = read_marker(tag_dir).get("settings") or {}
     found = changes(saved, current)
+    problem = universal_problem(saved, current)
+    if problem is not None:
+        found.append(problem)
     if found:
         raise ResumeError(
             "\n".join(

@@ -21,7 +21,8 @@ from ds_exp.core.errors import ResumeError
 
 
 def trajectory_of(cfg: Config, *, total_steps: int, warmup_steps: int, world_size: int, data_key: str) -> dict:
-    """What the course of this run depends on (JSON values; recorded in each checkpoint)."""
+    """What the course of this run depends on (JSON values; recorded in each checkpoint). `world_size`: the ranks
+    that draw different samples (the data-parallel size, ds_exp.config.plan.data_parallel_size)."""
     train, sched = cfg.train, cfg.scheduler
     return {
         "total_steps": total_steps,
@@ -46,7 +47,7 @@ def changes(saved: dict, current: dict, step: int, lr_at: LrAt | None = None) ->
         refused.append(
             f"the global batch is {current['global_batch']} samples, it was {saved['global_batch']}: the position in "
             "the epoch would point at other samples; keep train.micro_batch_size x train.gradient_accumulation_steps "
-            f"x world size = {saved['global_batch']}"
+            f"x world size (/ dist.sequence_parallel_size) = {saved['global_batch']}"
         )
     if saved.get("data") not in (None, current["data"]) and current["data"] is not None:
         refused.append(

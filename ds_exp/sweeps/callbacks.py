@@ -26,7 +26,8 @@ def check_sweep_start(config: DictConfig) -> None:
     check_writable(sweep_dir, "hydra.sweep.dir")
 
     if is_study_sweep(config):
-        return  # an optuna study continues in its own directory: ds_exp/study.py checks it is that study's
+        # an optuna study continues in its own directory: ds_exp/sweeps/optuna_study.py checks it is that study's
+        return
     if config.get("resume") is None and sweep_dir.is_dir():
         jobs = sweep_job_names(sweep_dir)
         if jobs:

@@ -12,7 +12,7 @@ trains with the trial's values. What a trial scores is read from its summary.jso
 * anything else (invalid config, a failed or killed run) -> FAIL, with the error recorded; the study goes on.
 The study lives in the sweep directory (outputs/optuna/<study_name>/optuna.db, SQLite), so the same command run
 again continues it up to `n_trials` finished trials; each trial's run directory is named by its trial number.
-`study.json` beside it records every trial for the sweep report (ds_exp/study_record.py).
+`study.json` beside it records every trial for the sweep report (ds_exp/sweeps/study_files.py).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class StudySweeper(Sweeper):
             overrides = overrides_of(trial.params)
             trial.set_user_attr("overrides", overrides)
             trial.set_user_attr("sweep_dir", str(sweep_dir))
-            # composed and validated once, here, as the basic sweeper's jobs are (ds_exp/sweep.py): the ranks
+            # composed and validated once, here, as the basic sweeper's jobs are (ds_exp/sweeps/jobs.py): the ranks
             # compose the same overrides (floats written exactly) and train with the trial's values
             cfg, problems = check_job(self.hydra_context.config_loader, self.config, overrides, trial.number)
             error = f"invalid trial, not launched: {'; '.join(problems)}" if problems else None

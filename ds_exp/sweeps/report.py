@@ -4,7 +4,7 @@
 
 Runs by itself at the end of every multirun (the `SweepReport` callback in conf/config.yaml). A job that
 failed shows its error; a job that left no summary.json (killed, never started) says so. An autotune sweep
-(experiment=autotune, ds_exp/autotune.py) adds its ranking: every candidate with its verdict, the probes ranked by
+(experiment=autotune, ds_exp/tools/autotune.py) adds its ranking: every candidate with its verdict, the probes ranked by
 tokens/s, the recommended one and the command line that trains with it.
 """
 
@@ -31,6 +31,8 @@ COLUMNS = [
     "overrides",
     "status",
     "world_size",
+    "dp",
+    "sp",
     "zero_stage",
     "tokens_per_s",
     "samples_per_s",
@@ -67,6 +69,8 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     row.update(
         status=summary.get("status"),
         world_size=summary.get("world_size"),
+        dp=summary.get("data_parallel_size", summary.get("world_size")),  # summaries from before sequence parallelism
+        sp=summary.get("sequence_parallel_size", 1 if summary.get("world_size") is not None else None),
         zero_stage=summary.get("zero_stage"),
         tokens_per_s=summary.get("tokens_per_s"),
         samples_per_s=summary.get("samples_per_s"),
@@ -231,7 +235,8 @@ def autotune_section(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
     head = (
         f"\n## Autotune\n\nWorld size {plan['world_size']} ({plan['accelerator']}), memory budget "
         f"{human_bytes(plan['memory_budget_bytes'])} per rank ({plan['memory_budget_source']}); tokens/s is the median "
-        f"of each probe's steps after the first; estimate = model states + activations (ds_exp/memory.py).\n\n"
+        f"of each probe's steps after the first; estimate = model states + activations "
+        "(ds_exp/config/memory_plan.py).\n\n"
     )
     if plan["accelerator"] == "cpu" and not plan.get("launcher_overrides"):
         head += (

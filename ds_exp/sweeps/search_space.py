@@ -1,4 +1,4 @@
-"""An optuna study's search space from Hydra's override grammar (hydra/sweeper=optuna, ds_exp/study.py).
+"""An optuna study's search space from Hydra's override grammar (hydra/sweeper=optuna, ds_exp/sweeps/optuna_study.py).
 
     optimizer.lr=interval(1e-5,1e-3)            -> FloatDistribution(1e-5, 1e-3)
     optimizer.lr=tag(log,interval(1e-5,1e-3))   -> FloatDistribution(1e-5, 1e-3, log=True)

@@ -1,5 +1,5 @@
 """An optuna study's record: how each trial ended (from its run's summary.json), study.json beside optuna.db, and
-the study's part of the sweep report (ds_exp/report.py). The sweeper itself is ds_exp/study.py."""
+the study's part of the sweep report (ds_exp/sweeps/report.py). The sweeper itself is ds_exp/sweeps/optuna_study.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from ds_exp.config.paths import sweep_job_names
 from ds_exp.core.errors import ConfigError
 
 STUDY_FILE = "study.json"
-# Numbers a run's summary.json reports that a study may optimise (ds_exp/summary.py, ds_exp/evaluate.py).
+# Numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py,
+# ds_exp/train/evaluate.py).
 EVAL_METRICS = ("eval_loss", "perplexity")
 RUN_METRICS = ("train_loss", "tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "wall_time_s")
 OBJECTIVES = tuple(f"final_eval.{m}" for m in EVAL_METRICS) + RUN_METRICS

@@ -5,10 +5,11 @@
 `Autotune` (`hydra/sweeper=autotune`, named in hydra_plugins/ds_exp_autotune, chosen by the experiment) expands
 the grid of hydra.sweeper.params and the command line's sweeps the way Hydra's basic sweeper does, then sorts the
 candidates before anything is launched: a combination the config validation refuses (e.g. offload at ZeRO-0) is
-"not applicable", one whose estimated memory per rank (model states from ds_exp/memory.py, as the dry run computes
+"not applicable", one whose estimated memory per rank (model states from ds_exp/config/memory_plan.py, as the dry run
+computes
 them, plus activations) exceeds the memory budget is "ruled out"; the rest are launched as short probes through the
 configured launcher (one SLURM job each with hydra/launcher=slurm). The verdicts go to <sweep dir>/autotune.json;
-the sweep report (ds_exp/report.py) ranks the probes and prints the command line of the recommended one.
+the sweep report (ds_exp/sweeps/report.py) ranks the probes and prints the command line of the recommended one.
 
 A custom sweeper, not Hydra's basic one plus a callback: a callback cannot drop single jobs from a cartesian
 product, and launching a job only for it to decline would still queue it on SLURM.
@@ -170,7 +171,8 @@ class Autotune(Sweeper):
 
     # ------------------------------------------------------------------------------------ memory and budget
     def estimate(self, cfg: Any, world: int, accelerator: str) -> dict[str, int]:
-        """Per-rank bytes: model states (ds_exp/memory.py, as the dry run) plus one micro batch's activations.
+        """Per-rank bytes: model states (ds_exp/config/memory_plan.py, as the dry run) plus one micro batch's
+        activations.
         On a CPU offloaded states live in the same memory, so they count too."""
         facts = self.model_facts(cfg)
         precision = resolved_precision(cfg.precision.dtype, accelerator)

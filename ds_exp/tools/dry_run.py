@@ -13,7 +13,7 @@ from typing import Any
 from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
 from ds_exp.config.memory_plan import estimate_model_states, human_bytes
 from ds_exp.config.model_checks import max_seq_len_notes
-from ds_exp.config.plan import total_steps, warmup_steps
+from ds_exp.config.plan import data_parallel_size, total_steps, warmup_steps
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
 from ds_exp.config.secrets import redact
@@ -43,7 +43,9 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     model_config.vocab_size = padded
     counts = count_parameters(cfg, model_config)
     num_train = count_train_examples(cfg.data)
-    steps = total_steps(num_train, cfg.train, launch.world_size)
+    sp = int(cfg.dist.sequence_parallel_size)
+    dp = data_parallel_size(launch.world_size, sp)  # the ranks drawing different samples
+    steps = total_steps(num_train, cfg.train, dp)
     facts = RunFacts(
         world_size=launch.world_size,
         hidden_size=hidden,
@@ -51,6 +53,7 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         warmup_steps=warmup_steps(cfg.scheduler, steps),
         precision=precision,
         run_dir=str(run_dir),
+        sequence_parallel_size=sp,
     )
     ds_config = resolve_ds_config(cfg, facts)
     notes = [*replaced_by_config_file(cfg, facts), *max_seq_len_notes(cfg)]
@@ -67,6 +70,8 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     return {
         "launcher": launch.launcher,
         "world_size": launch.world_size,
+        "data_parallel_size": dp,
+        "sequence_parallel_size": sp,
         "accelerator": accelerator,
         "precision": precision,
         "model": cfg.model.name_or_path or f"{cfg.model.name} (built from model.arch)",
@@ -103,7 +108,8 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
     mem = plan["memory_per_rank"]
     lines = [
         f"ds_exp dry run -> {run_dir / 'ds_config.json'}",
-        f"  launch     {plan['launcher']}, world size {plan['world_size']}, {plan['accelerator']}, {plan['precision']}",
+        f"  launch     {plan['launcher']}, world size {plan['world_size']}{_parallel_words(plan)}, "
+        f"{plan['accelerator']}, {plan['precision']}",
         f"  model      {plan['model']} ({plan['model_type']}, hidden {plan['hidden_size']}, "
         f"vocab {plan['vocab_size']}"
         + (
@@ -121,3 +127,11 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
         f"device {human_bytes(mem['device_bytes'])}, host {human_bytes(mem['host_bytes'])} (model states only)",
     ]
     return "\n".join(lines)
+
+
+def _parallel_words(plan: dict[str, Any]) -> str:
+    """How the world splits, where sequence parallelism is on."""
+    sp = plan.get("sequence_parallel_size") or 1
+    if sp == 1:
+        return ""
+    return f" = data-parallel {plan['data_parallel_size']} x sequence-parallel {sp}"

@@ -17,14 +17,23 @@ class SFTCollator:
     tokenizer whose pad is its eos still trains on the real eos at the end of every answer.
     Packed examples carry position_ids; with isolate_packed=True the batch gets them instead of an
     attention_mask, and transformers then keeps each packed example's attention to itself.
+    With position_ids=True every batch carries position_ids (0, 1, 2, ... for an unpacked row, pads counting on):
+    sequence parallelism takes causality from them (ds_exp/model/sequence_parallel.py).
     """
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, isolate_packed: bool = False):
+    def __init__(
+        self,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None = None,
+        isolate_packed: bool = False,
+        position_ids: bool = False,
+    ):
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.isolate_packed = isolate_packed
+        self.position_ids = position_ids
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         lengths = [len(f["input_ids"]) for f in features]
@@ -37,27 +46,33 @@ class SFTCollator:
         attention_mask = torch.zeros((batch, width), dtype=torch.long)
         packed = all("position_ids" in f for f in features) and batch > 0
         # pads continue counting, so they form no new segment and stay behind the causal mask
-        position_ids = torch.arange(width, dtype=torch.long).repeat(batch, 1) if packed else None
+        wanted = packed or self.position_ids
+        position_ids = torch.arange(width, dtype=torch.long).repeat(batch, 1) if wanted else None
         for i, (f, n) in enumerate(zip(features, lengths, strict=True)):
             input_ids[i, :n] = torch.as_tensor(f["input_ids"], dtype=torch.long)
             labels[i, :n] = torch.as_tensor(f.get("labels", f["input_ids"]), dtype=torch.long)
             attention_mask[i, :n] = 1
-            if position_ids is not None:
+            if position_ids is not None and "position_ids" in f:
                 pos = torch.as_tensor(f["position_ids"], dtype=torch.long)
                 position_ids[i, :n] = pos
                 if n:
                     position_ids[i, n:] = torch.arange(1, width - n + 1) + pos[-1]
         out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-        if position_ids is not None and self.isolate_packed:
+        if packed and self.isolate_packed:
             del out["attention_mask"]
+        if position_ids is not None and ((packed and self.isolate_packed) or self.position_ids):
             out["position_ids"] = position_ids
         return out
 
 
 def make_collator(
-    tokenizer: Any, pad_to_multiple_of: int | None = None, *, isolate_packed: bool = False
+    tokenizer: Any,
+    pad_to_multiple_of: int | None = None,
+    *,
+    isolate_packed: bool = False,
+    position_ids: bool = False,
 ) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0  # any id: pads are masked
-    return SFTCollator(int(pad), pad_to_multiple_of, isolate_packed)
+    return SFTCollator(int(pad), pad_to_multiple_of, isolate_packed, position_ids)

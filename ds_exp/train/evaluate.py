@@ -1,7 +1,8 @@
 """Evaluation: exact perplexity over the whole eval set, and greedy generations of eval.prompts.
 
 Perplexity is exp(summed eval token loss / eval label tokens), reduced over ranks: not an average of per-batch
-averages, so it does not depend on the batch size or the number of ranks.
+averages, so it does not depend on the batch size or the number of ranks. Under sequence parallelism each rank sums
+the token losses of its slice of the rows (ds_exp/model/sequence_parallel.py): the same sums.
 """
 
 from __future__ import annotations
@@ -13,15 +14,31 @@ from typing import Any
 
 import torch
 
+from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.train.generate import generate, write_generations
-from ds_exp.train.step import IGNORE_INDEX, model_inputs, token_loss_sum
+from ds_exp.train.step import IGNORE_INDEX, loss_labels, model_inputs, token_loss_sum
 
 log = logging.getLogger(__name__)
 
 
-def evaluate(engine: Any, eval_set: Any, collator: Any, *, micro_batch: int, rank: int, world: int) -> dict[str, float]:
-    """Collective. Ranks with fewer examples run masked batches, so that ZeRO-3's collective forwards stay in step."""
+def evaluate(
+    engine: Any,
+    eval_set: Any,
+    collator: Any,
+    *,
+    micro_batch: int,
+    rank: int,
+    world: int,
+    sp: SequenceParallel | None = None,
+) -> dict[str, float]:
+    """Collective. Ranks with fewer examples run masked batches, so that ZeRO-3's collective forwards stay in step.
+    Under sequence parallelism the rows are split by data-parallel rank and every batch has exactly `micro_batch`
+    rows (DeepSpeed's Ulysses attention is built for one batch size): the last is filled with rows that count
+    nothing."""
+    sp = sp or SequenceParallel()
+    if sp.enabled:
+        rank, world = sp.dp_rank, sp.dp_size
     mine = list(range(rank, len(eval_set), world))
     batches = math.ceil(math.ceil(len(eval_set) / world) / micro_batch)
     loss_sum = tokens = 0.0
@@ -29,14 +46,18 @@ def evaluate(engine: Any, eval_set: Any, collator: Any, *, micro_batch: int, ran
     with torch.no_grad():
         for i in range(batches):
             chunk = mine[i * micro_batch : (i + 1) * micro_batch]
-            batch = collator([eval_set[j] for j in (chunk or [0])])
-            if not chunk:
-                batch["labels"].fill_(IGNORE_INDEX)
+            rows = chunk or [0]
+            if sp.enabled:
+                rows = rows + [rows[0]] * (micro_batch - len(rows))
+            batch = collator([eval_set[j] for j in rows])
+            batch["labels"][len(chunk) :] = IGNORE_INDEX  # filler rows
+            if sp.enabled:
+                batch = sp.shard(batch)
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             out = engine(**model_inputs(batch), use_cache=False)
-            summed, count = token_loss_sum(out.logits, batch["labels"])
+            summed, count = token_loss_sum(out.logits, **loss_labels(batch))
             loss_sum += float(summed)
-            tokens += float(count)
+            tokens += float(count)  # a slice's: summed over the group, the rows' own
     engine.train()
     loss_sum, tokens = all_reduce_sum([loss_sum, tokens], engine.device)
     eval_loss = loss_sum / max(tokens, 1.0)
@@ -44,7 +65,7 @@ def evaluate(engine: Any, eval_set: Any, collator: Any, *, micro_batch: int, ran
 
 
 class Generations:
-    """eval.prompts completed greedily with the run's template (collective at ZeRO-3; ds_exp/generate.py), written
+    """eval.prompts completed greedily with the run's template (collective at ZeRO-3; ds_exp/train/generate.py), written
     by rank 0 to generations.jsonl, the log and wandb."""
 
     def __init__(

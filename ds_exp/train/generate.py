@@ -2,7 +2,8 @@
 
 Prompts are rendered with the template the run trains with, so the model is asked the way it is taught. Under
 ZeRO-3 every forward is a collective: all ranks generate the same prompts together (transformers' synced_gpus
-keeps them in step until the longest is done); at stages 0-2 rank 0 generates alone.
+keeps them in step until the longest is done); at stages 0-2 rank 0 generates alone. Under sequence parallelism
+generation runs unsharded (each rank holds the whole prompt: a decode step has one token to split).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import append_json_line
 from ds_exp.data.templates import render_prompt
+from ds_exp.model.sequence_parallel import paused
 
 
 def load_prompts(eval_cfg: Any) -> list[str]:
@@ -67,7 +69,7 @@ def generate(
     model = engine.module
     completions = []
     engine.eval()
-    with torch.no_grad():
+    with torch.no_grad(), paused():
         for prompt in prompts:
             text, add_special = render_prompt(prompt, template, tokenizer)
             ids = tokenizer(text, add_special_tokens=add_special, return_tensors="pt")["input_ids"].to(engine.device)

@@ -1,5 +1,5 @@
 """The training loop: optimizer steps over the epochs, and what follows a step as train.* asks for it (metric
-lines, evaluations, checkpoints, the stop vote). It receives every object it uses; ds_exp/recipe.py builds them.
+lines, evaluations, checkpoints, the stop vote). It receives every object it uses; ds_exp/train/recipe.py builds them.
 
 Every optimizer step consumes one global batch; the data order is a function of (seed, epoch) and the position in
 the epoch counted over all ranks, so a resumed run draws exactly the batches an uninterrupted run would.
@@ -54,7 +54,7 @@ class Loop:
         self.session, self.work, self.metrics = session, work, metrics
         self.checkpoints, self.generations, self.progress = checkpoints, generations, progress
         self.engine = work.engine
-        self.step = TrainStep(work.engine, world_size=session.world, flops=work.flops)
+        self.step = TrainStep(work.engine, world_size=session.world, flops=work.flops, sp=work.sp)
         self.schedule = str(plain(work.schedule_name))
         self.bad_steps = 0
         self.last_loss: Any = None
@@ -63,14 +63,15 @@ class Loop:
 
     def run(self) -> None:
         """From progress.step to the last step; then nothing is pending (the last metric line is written)."""
-        train_cfg, work, progress, session = self.train_cfg, self.work, self.progress, self.session
-        micro, accum = train_cfg.micro_batch_size, train_cfg.gradient_accumulation_steps
+        train_cfg, work, progress = self.train_cfg, self.work, self.progress
+        micro, accum, sp = train_cfg.micro_batch_size, train_cfg.gradient_accumulation_steps, work.sp
+        # sharded by data-parallel rank: the ranks of a sequence-parallel group draw the same rows (and split them)
         sampler = ResumableDistributedSampler(
-            len(work.data.train), rank=session.rank, world_size=session.world, seed=train_cfg.seed, drop_last=True
+            len(work.data.train), rank=sp.dp_rank, world_size=sp.dp_size, seed=train_cfg.seed, drop_last=True
         )
         while progress.step < work.total_steps:
             sampler.set_epoch(progress.epoch)
-            sampler.set_start(progress.step_in_epoch * micro * accum * session.world)  # counted over all ranks
+            sampler.set_start(progress.step_in_epoch * micro * accum * sp.dp_size)  # counted over all ranks
             loader = iter(
                 DataLoader(work.data.train, batch_size=micro, sampler=sampler, collate_fn=work.collator, drop_last=True)
             )
@@ -156,6 +157,7 @@ class Loop:
             micro_batch=self.train_cfg.eval_micro_batch_size or self.train_cfg.micro_batch_size,
             rank=self.session.rank,
             world=self.session.world,
+            sp=work.sp,
         )
         if work.metric_scheduler is not None and self.schedule == "reduce_lr_on_plateau":
             work.metric_scheduler.step(result["eval_loss"])

@@ -1,6 +1,6 @@
 """The supervised fine-tuning recipe (DeepSpeed-Chat step 1's main.py, readable and exact), top to bottom:
 
-    with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/session.py
+    with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/train/session.py
         session.start()
         work = setup(cfg, session)             # tokenizer, data, DeepSpeed config, model, engine
         start = resume(cfg, session, work)     # the checkpoint to continue from, or a fresh start
@@ -8,7 +8,8 @@
         export(cfg, session, work)             # a Hugging Face model with the base model's identity
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
-label tokens (ds_exp/step.py); perplexity is exp(summed eval token loss / eval label tokens) (ds_exp/evaluate.py).
+label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
+(ds_exp/train/evaluate.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.secrets import redact, register_secrets
-from ds_exp.core.errors import RunFailed
+from ds_exp.config.sp_checks import check_sequence_parallel
+from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.core.files import write_json_atomic
 from ds_exp.data.pipeline import prepare_sft_data
 from ds_exp.data.templates import first_template
@@ -38,9 +40,10 @@ from ds_exp.launch.storage import check_free_space
 from ds_exp.model.architecture import build_model_config, hidden_size_of
 from ds_exp.model.build import build_model
 from ds_exp.model.engine import build_engine, check_deepspeed_config, lr_at, parameter_groups
+from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, unregister
 from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
 from ds_exp.resume import trajectory
-from ds_exp.resume.settings import check_resume, layout_changes, needs_universal, settings_of
+from ds_exp.resume.settings import check_resume, layout_changes, needs_universal, sequence_parallel_change, settings_of
 from ds_exp.resume.store import TrainState, find_resume_checkpoint, read_marker
 from ds_exp.resume.trajectory import trajectory_of
 from ds_exp.runtime.process_group import all_reduce_sum, broadcast
@@ -61,11 +64,14 @@ file_log = logging.getLogger(FILE_LOGGER)
 def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train under whatever launcher started this process; write metrics, summary, checkpoints and export."""
     with Session(cfg, run_dir) as session:
-        session.start()
-        work = setup(cfg, session)
-        start = resume(cfg, session, work)
-        train(cfg, session, work, start)
-        export(cfg, session, work)
+        try:
+            session.start()
+            work = setup(cfg, session)
+            start = resume(cfg, session, work)
+            train(cfg, session, work, start)
+            export(cfg, session, work)
+        finally:
+            unregister()  # transformers' attention table as it was, for a later job of this process
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
 
@@ -73,16 +79,26 @@ def setup(cfg: Config, session: Session) -> Workload:
     """Everything the loop uses, built in the order that fails cheapest first: the model's config before the data
     (a checkpoint transformers cannot read fails before tokenizing), the data before the weights."""
     state, world = session.state, session.world
+    sp_problems = check_sequence_parallel(cfg, world)  # again with the world the group has (submitit: known here)
+    if sp_problems:
+        raise ConfigError(sp_problems)
+    sp = SequenceParallel.of(session.rank, world, cfg.dist.sequence_parallel_size)
+    dp = sp.dp_size  # the ranks that draw different samples: every step's global batch is micro x accumulation x dp
+    state.data_parallel_size, state.sequence_parallel_size = dp, sp.size
     if session.is_main:
         for note in max_seq_len_notes(cfg):
             log.warning(note)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     model_config = build_model_config(cfg, tokenizer)
+    if sp.enabled:
+        check_heads(model_config, sp.size)  # a hub model's heads, before its data and weights
     data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     file_log.info("data statistics: %s", data.stats)  # the console has the pipeline's sentence
-    steps = total_steps(len(data.train), cfg.train, world)
+    steps = total_steps(len(data.train), cfg.train, dp)
     warmup = warmup_steps(cfg.scheduler, steps)
-    facts = RunFacts(world, hidden_size_of(model_config), steps, warmup, session.precision, str(session.run_dir))
+    facts = RunFacts(
+        world, hidden_size_of(model_config), steps, warmup, session.precision, str(session.run_dir), sp.size
+    )
     ds_config = resolve_ds_config(cfg, facts)
     settings = settings_of(cfg, world, ds_config, session.precision)
     resume_from, universal = resume_plan(cfg, session, settings)
@@ -107,7 +123,13 @@ def setup(cfg: Config, session: Session) -> Workload:
     needed = checkpoint_bytes(parameters, trainable, session.precision)
     check_disk_space(cfg, session, needed, parameters)
     engine = build_engine(
-        cfg, built.model, ds_config, total_steps=steps, warmup_steps=warmup, accelerator=session.accelerator
+        cfg,
+        built.model,
+        ds_config,
+        total_steps=steps,
+        warmup_steps=warmup,
+        accelerator=session.accelerator,
+        mpu=built.mpu,
     )
     state.optimizer = engine.optimizer
     # every rank's own record of what it trains with (a study checks each rank got the trial's value)
@@ -119,16 +141,22 @@ def setup(cfg: Config, session: Session) -> Workload:
     return Workload(
         tokenizer=tokenizer,
         data=data,
-        collator=make_collator(tokenizer, isolate_packed=bool(cfg.data.packing)),
+        # under sequence parallelism every row splits into N equal slices, and position_ids carry the causality
+        collator=make_collator(
+            tokenizer,
+            pad_to_multiple_of=sp.size if sp.enabled else None,
+            isolate_packed=bool(cfg.data.packing),
+            position_ids=sp.enabled,
+        ),
         total_steps=steps,
-        steps_per_epoch=steps_per_epoch(len(data.train), cfg.train, world),
+        steps_per_epoch=steps_per_epoch(len(data.train), cfg.train, dp),
         warmup_steps=warmup,
         ds_config=ds_config,
         settings=settings,
         resume_from=resume_from,
         universal=universal,
         trajectory=trajectory_of(
-            cfg, total_steps=steps, warmup_steps=warmup, world_size=world, data_key=Path(data.stats["cache_path"]).name
+            cfg, total_steps=steps, warmup_steps=warmup, world_size=dp, data_key=Path(data.stats["cache_path"]).name
         ),
         built=built,
         engine=engine.engine,
@@ -137,6 +165,7 @@ def setup(cfg: Config, session: Session) -> Workload:
         flops=flops_model(built.model, built.config),
         peak_flops=state.peak_flops,
         checkpoint_bytes=needed,
+        sp=sp,
     )
 
 
@@ -189,6 +218,9 @@ def resume_plan(cfg: Config, session: Session, settings: dict[str, Any]) -> tupl
     if session.is_main:
         for line in layout_changes(saved, settings):
             log.warning("resume: %s", line)
+        sp_line = sequence_parallel_change(saved, settings)
+        if sp_line is not None:
+            log.warning("resume: %s", sp_line)
     return tag_dir, needs_universal(saved, settings)
 
 
@@ -324,7 +356,8 @@ def _stop_ids(cfg: Config, tokenizer: Any) -> list[int]:
 
 
 def export(cfg: Config, session: Session, work: Workload) -> None:
-    """Collective: a Hugging Face model in train.export_dir (ds_exp/export.py says what it keeps of the base)."""
+    """Collective: a Hugging Face model in train.export_dir (ds_exp/artifacts/export.py says what it keeps of the
+    base)."""
     if not cfg.train.export:
         return
 

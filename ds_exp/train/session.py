@@ -66,7 +66,9 @@ class Session:
         self.accelerator = detect_accelerator()
         self.precision = ""  # decided in start()
         self.signals = StopSignals(self.launch.launcher)
-        self.state = RunState(run_dir, self.launch.launcher, self.world)
+        self.state = RunState(
+            run_dir, self.launch.launcher, self.world, sequence_parallel_size=int(cfg.dist.sequence_parallel_size)
+        )
         self.sinks: list[Any] = []  # closed when the session ends
         self.hosts: list[tuple[str, list[str]]] = []  # (host, addresses) of each rank, once the group is up
 

@@ -2,7 +2,10 @@
 
 The loss of a step is the sum of token losses over the whole global batch divided by its number of label tokens:
 it does not depend on how the batch is split over ranks and micro batches, and padding never counts. DeepSpeed
-averages gradients over ranks and micro batches; the step undoes that average and divides by the global count.
+averages gradients over data-parallel ranks and micro batches; the step undoes that average and divides by the global
+count. Under sequence parallelism (ds_exp/model/sequence_parallel.py) each rank sums the token losses of its slice of
+the
+rows and DeepSpeed sums the gradients of a group's slices: the same loss, the same gradients.
 """
 
 from __future__ import annotations
@@ -14,18 +17,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds_exp.core import compat
 from ds_exp.core.errors import RunFailed
+from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.train.flops import FlopsModel, sum_squared_lengths
 
 IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_index)
 
 
-def token_loss_sum(logits: Any, labels: Any) -> tuple[Any, Any]:
-    """Summed next-token cross-entropy over label tokens (fp32), and how many there were."""
+def token_loss_sum(logits: Any, labels: Any = None, *, shift_labels: Any = None) -> tuple[Any, Any]:
+    """Summed next-token cross-entropy over label tokens (fp32), and how many there were. `labels` are aligned with
+    the inputs (shifted here); `shift_labels` are shifted already: a sequence-parallel slice's, whose last position
+    predicts the next slice's first token (see loss_labels)."""
 
     # Shift the labels, not the logits: slicing the logits would copy them (batch x length x vocabulary) and
     # scatter their gradient back; the padded last position is ignored like any other masked token.
-    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     loss = F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
         shift_labels.reshape(-1),
@@ -37,7 +45,14 @@ def token_loss_sum(logits: Any, labels: Any) -> tuple[Any, Any]:
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """input_ids with attention_mask, or with position_ids for packed batches (each example attends to itself)."""
-    return {k: v for k, v in batch.items() if k != "labels"}
+    return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+
+
+def loss_labels(batch: dict[str, Any]) -> dict[str, Any]:
+    """token_loss_sum's labels for a batch: a sequence-parallel slice carries them shifted already."""
+    if "shift_labels" in batch:
+        return {"shift_labels": batch["shift_labels"]}
+    return {"labels": batch["labels"]}
 
 
 def input_tokens(batch: dict[str, Any]) -> float:
@@ -75,10 +90,14 @@ class StepResult:
 class TrainStep:
     """Runs optimizer steps on a DeepSpeed engine (see the module docstring)."""
 
-    def __init__(self, engine: Any, *, world_size: int, flops: FlopsModel) -> None:
+    def __init__(self, engine: Any, *, world_size: int, flops: FlopsModel, sp: SequenceParallel | None = None) -> None:
         self.engine = engine
         self.world_size = world_size
         self.flops = flops
+        self.sp = sp or SequenceParallel()
+        # undoes DeepSpeed's mean over data-parallel ranks (it sums over a sequence-parallel group), and where it
+        # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat.py) that too
+        self.rank_scale = world_size // self.sp.size * compat.sequence_parallel_gradient_factor(engine, self.sp.size)
 
     def __call__(self, batches: list[dict[str, Any]], *, stop_requested: bool, previous_loss: Any) -> StepResult:
         """One step over `batches` (this rank's micro batches). The step's only collective of its own sums the
@@ -86,11 +105,12 @@ class TrainStep:
         previous step's loss was non-finite. It is started before the first forward and awaited before the first
         backward, so its latency hides behind the forward, and every rank gets the same votes after the same
         step."""
-        engine, device = self.engine, self.engine.device
-        scale = self.world_size * len(batches)  # undoes DeepSpeed's mean over ranks and micro batches
+        engine, device, sp = self.engine, self.engine.device, self.sp
+        scale = self.rank_scale * len(batches)  # undoes DeepSpeed's mean over ranks and micro batches
         # reading the previous step's loss here costs nothing: that step has finished on every device by now
         previous_non_finite = previous_loss is not None and not bool(torch.isfinite(previous_loss))
-        labels = [label_tokens(b) for b in batches]
+        # a sequence-parallel group's rows are counted once, by one of its ranks, from the whole rows
+        labels = [label_tokens(b) if sp.counts_rows else 0 for b in batches]
         reduced = torch.tensor(
             [float(sum(labels)), float(stop_requested), float(previous_non_finite)], dtype=torch.float64, device=device
         )
@@ -99,13 +119,16 @@ class TrainStep:
         loss_sum: Any = 0.0
         tokens = samples = flops = 0.0
         for batch in batches:
-            batch_tokens = input_tokens(batch)
-            tokens += batch_tokens
-            samples += batch["input_ids"].size(0)
-            flops += self.flops.per_batch(batch_tokens, sum_squared_lengths(batch))
+            if sp.counts_rows:
+                batch_tokens = input_tokens(batch)
+                tokens += batch_tokens
+                samples += batch["input_ids"].size(0)
+                flops += self.flops.per_batch(batch_tokens, sum_squared_lengths(batch))
+            if sp.enabled:
+                batch = sp.shard(batch)
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             out = engine(**model_inputs(batch), use_cache=False)
-            summed, _ = token_loss_sum(out.logits, batch["labels"])
+            summed, _ = token_loss_sum(out.logits, **loss_labels(batch))
             if votes is None:
                 pending.wait()
                 votes = StepVotes(*reduced.tolist())

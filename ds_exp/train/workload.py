@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.train.flops import FlopsModel
 
 
@@ -28,7 +29,9 @@ class Workload:
     peak_flops: float | None  # per device, for MFU (None where unknown)
     checkpoint_bytes: int  # about what one checkpoint takes on disk
     resume_from: Path | None = None  # the checkpoint this run continues (ds_exp.train.recipe.resume_plan)
-    universal: bool = False  # loaded through DeepSpeed's universal format: its layout changed (ds_exp/universal.py)
+    # loaded through DeepSpeed's universal format: its layout changed (ds_exp/checkpoint/universal.py)
+    universal: bool = False
+    sp: SequenceParallel = SequenceParallel(1)  # noqa: RUF009 (frozen) this rank's sequence-parallel group place
 
     @property
     def zero_stage(self) -> int:

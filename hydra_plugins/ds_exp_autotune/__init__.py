@@ -1,10 +1,21 @@
 """Hydra instantiates sweepers only from the `hydra_plugins` namespace: this names ds_exp's autotuning sweeper
-there (`hydra/sweeper=autotune`, conf/hydra/sweeper/autotune.yaml). The code is in ds_exp/autotune.py."""
+there (`hydra/sweeper=autotune`, conf/hydra/sweeper/autotune.yaml). The code is in ds_exp/tools/autotune.py.
+
+Hydra imports every plugin module on every start (`--help` included), and the autotuner counts parameters with
+the model stack (torch): it is imported when Hydra instantiates the sweeper, never before.
+"""
 
 from __future__ import annotations
 
-from ds_exp.tools.autotune import Autotune
+from typing import Any
+
+from hydra.plugins.sweeper import Sweeper
 
 
-class AutotuneSweeper(Autotune):
-    """ds_exp/autotune.py's sweeper, under the name Hydra accepts."""
+class AutotuneSweeper(Sweeper):
+    """ds_exp.tools.autotune.Autotune, under the name Hydra accepts."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        from ds_exp.tools.autotune import Autotune
+
+        return Autotune(*args, **kwargs)

@@ -1,10 +1,20 @@
 """ds_exp's optuna sweeper, where Hydra looks for plugins (it instantiates only classes under hydra_plugins.*).
 
-The sweeper itself is ds_exp/study.py; this module stays light (Hydra imports it on every start).
+The sweeper itself is ds_exp/sweeps/optuna_study.py. Hydra imports this module on every start (`--help`
+included), so optuna (seconds of import) is loaded when Hydra instantiates the sweeper, never before.
 """
 
-from ds_exp.sweeps.optuna_study import StudySweeper
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.plugins.sweeper import Sweeper
 
 
-class OptunaSweeper(StudySweeper):
-    """`hydra/sweeper=optuna` (conf/hydra/sweeper/optuna.yaml)."""
+class OptunaSweeper(Sweeper):
+    """`hydra/sweeper=optuna` (conf/hydra/sweeper/optuna.yaml): ds_exp.sweeps.optuna_study.StudySweeper."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        from ds_exp.sweeps.optuna_study import StudySweeper
+
+        return StudySweeper(*args, **kwargs)

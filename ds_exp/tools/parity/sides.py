@@ -87,15 +87,28 @@ class Side:
         return f"{overrides} ({self.ranks} rank{'s' if self.ranks > 1 else ''})"
 
     @property
+    def sequence_parallel(self) -> int:
+        assert self.cfg is not None
+        return max(int(self.cfg.dist.sequence_parallel_size), 1)
+
+    @property
+    def data_parallel(self) -> int:
+        """The side's ranks that draw different samples (a sequence-parallel group trains the same ones)."""
+        return max(self.ranks // self.sequence_parallel, 1)
+
+    @property
     def global_batch(self) -> int:
         assert self.cfg is not None
-        return self.cfg.train.micro_batch_size * self.cfg.train.gradient_accumulation_steps * self.ranks
+        return self.cfg.train.micro_batch_size * self.cfg.train.gradient_accumulation_steps * self.data_parallel
 
     @property
     def batch_words(self) -> str:
         assert self.cfg is not None
         train = self.cfg.train
         ranks = f"{self.ranks} rank{'s' if self.ranks > 1 else ''}"
+        if self.sequence_parallel > 1:
+            n = self.sequence_parallel
+            ranks = f"{self.data_parallel} data-parallel ({ranks} / dist.sequence_parallel_size={n})"
         return (
             f"micro {train.micro_batch_size} x accumulation {train.gradient_accumulation_steps} x {ranks} = "
             f"{self.global_batch}"
@@ -271,7 +284,7 @@ def _batch_fix(a: Side, b: Side) -> str:
     """The accumulation that makes one side's global batch the other's, when there is one."""
     for fix, target in ((b, a), (a, b)):
         assert fix.cfg is not None
-        per_step = fix.cfg.train.micro_batch_size * fix.ranks
+        per_step = fix.cfg.train.micro_batch_size * fix.data_parallel
         if target.global_batch % per_step == 0:
             return f"add train.gradient_accumulation_steps={target.global_batch // per_step} to side {fix.name}"
     return "make train.micro_batch_size x train.gradient_accumulation_steps x ranks equal on both sides"
