@@ -522,6 +522,96 @@ CASES: list[Case] = [
         ("-m", "hydra/sweeper=optuna", "optimizer.lr=interval(1e-3,1e-5)"),
         ("interval(0.001, 1e-05) is empty",),
     ),
+    # --- issue 21: tracebacks and silent acceptances turned into one message each
+    Case("hidden size 0", "config value", ("model.arch.hidden_size=0",), ("model.arch.hidden_size=0", "> 0")),
+    Case(
+        "heads not dividing the hidden size",
+        "config value",
+        ("model.arch.num_attention_heads=3",),
+        ("model.arch.hidden_size=128 is not a multiple of model.arch.num_attention_heads=3", "a divisor of 128"),
+    ),
+    Case(
+        "timeout beyond a year",
+        "config value",
+        ("dist.timeout_minutes=2000000000000000",),
+        ("dist.timeout_minutes=2000000000000000", "at most 525600"),
+    ),
+    Case(
+        "learning rate beyond float32",
+        "config value",
+        ("optimizer.lr=3e38",),
+        ("optimizer.lr=3e+38", "beyond the largest float32 number"),
+    ),
+    Case(
+        "MASTER_PORT not a port",
+        "launch",
+        ("train.max_steps=2",),
+        ("MASTER_PORT=99999 is not a TCP port", "1 to 65535"),
+        env={"MASTER_PORT": "99999"},
+    ),
+    Case(
+        "run directory name too long",
+        "path",
+        ("hydra.run.dir={tmp}/" + "x" * 300,),
+        ("hydra.run.dir=", "has 300 bytes", "NAME_MAX", "choose a shorter hydra.run.dir"),
+    ),
+    Case(
+        "checkpoints inside the export",
+        "path",
+        ("train.checkpoint_dir=hf_model/ckpts",),
+        ("train.checkpoint_dir=hf_model/ckpts is inside train.export_dir=hf_model", "train.checkpoint_dir=checkpoints"),
+    ),
+    Case(
+        "offload at stage 0 in a DeepSpeed JSON",
+        "DeepSpeed JSON",
+        ("deepspeed.config_file={tmp}/ds.json",),
+        (
+            '"zero_optimization.offload_optimizer.device": "cpu" in deepspeed.config_file=',
+            'set "zero_optimization.stage" to 1, 2 or 3 there, or remove "offload_optimizer" from it',
+        ),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})},
+    ),
+    Case(
+        "generation past learned positions",
+        "combination",
+        (
+            "model.arch.model_type=opt",
+            "model.arch.max_position_embeddings=40",
+            "data.max_seq_len=32",
+            "data.synthetic.num_train=64",
+            "data.synthetic.num_eval=8",
+            'eval.prompts=["Tell me a story about a cat who plays the piano"]',
+            "eval.max_new_tokens=30",
+        ),
+        ("eval.prompts[0] is 26 tokens", "beyond the model's 40 positions", "set eval.max_new_tokens=14 or lower"),
+    ),
+    Case(
+        "empty eval.json",
+        "data row",
+        ("data=dschat_local", "data.sources.0.path={tmp}/dschat", "train.max_steps=2"),
+        ("dschat/eval.json holds no eval rows", "delete it", "data.sources.0.eval_split=null"),
+        files={"dschat/train.json": json.dumps([DSCHAT_ROW] * 40), "dschat/eval.json": ""},
+    ),
+    Case(
+        "file mixing chat layouts",
+        "data row",
+        local_data(),
+        ("mixes row layouts: messages at lines 1-2, 4 (3 rows); sharegpt at line 3", "data.sources.0.layout=messages"),
+        files={
+            "sft.jsonl": jsonl(
+                GOOD_CHAT,
+                GOOD_CHAT,
+                {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+                GOOD_CHAT,
+            )
+        },
+    ),
+    Case(
+        "optuna storage without its driver",
+        "sweep",
+        ("-m", "hydra/sweeper=optuna", "optimizer.lr=interval(1e-5,1e-3)", "hydra.sweeper.storage=mysql://u:pw@db/x"),
+        ("hydra.sweeper.storage=mysql://u:***@db/x", "is not installed", "pip install mysqlclient"),
+    ),
 ]
 
 

@@ -4,6 +4,7 @@ weights and writes a DeepSpeed config with no "auto" left."""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -345,3 +346,47 @@ def test_max_seq_len_beyond_a_rotary_context_is_warned_once_at_run_start(tmp_pat
     plan = run_cli("dry_run=true", "data.max_seq_len=1024", f"hydra.run.dir={tmp_path / 'plan'}", cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert f"  note       {expected}" in plan.stdout
+
+
+def test_the_sweep_report_names_damaged_job_files_and_reports_the_rest(tmp_path, capsys):
+    from ds_exp.sweeps import report
+
+    good = {"status": "completed", "world_size": 1, "tokens_per_s": 1000.0, "final_eval": {"perplexity": 3.5}}
+    jobs = {
+        "0": ("- train.max_steps=2\n", json.dumps(good)),
+        "1": ("- train.max_steps=3\n", '{"status": "compl'),  # cut short
+        "2": ("- [a\n", json.dumps(good)),  # not YAML
+        "3": ("- train.max_steps=5\n", "[1, 2]"),  # JSON, not a summary
+        "4": ("- train.max_steps=6\n", json.dumps({**good, "tokens_per_s": "fast"})),
+    }
+    for name, (overrides, summary) in jobs.items():
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(overrides)
+        (tmp_path / name / "summary.json").write_text(summary)
+    (tmp_path / "autotune.json").write_text("{")  # an autotune sweep's plan, damaged: its ranking is left out
+    assert report.main([str(tmp_path)]) == 1  # not every job completed
+    err = capsys.readouterr().err
+    rows = {row["job"]: row for row in csv.DictReader((tmp_path / "report.csv").open())}
+    assert rows["0"]["status"] == "completed" and rows["0"]["perplexity"] == "3.5"
+    assert rows["1"]["status"] == "damaged" and "summary.json is damaged: not valid JSON (line 1" in rows["1"]["error"]
+    assert rows["2"]["status"] == "completed" and "overrides.yaml is damaged: not valid YAML" in rows["2"]["error"]
+    assert "summary.json is damaged: a JSON list, not the object a run writes" in rows["3"]["error"]
+    assert "summary.json is damaged: tokens_per_s is not numbers" in rows["4"]["error"]
+    for job in "1234":
+        assert f"ds_exp: warning: job {job}: {tmp_path / job}" in err
+    assert "the autotune ranking is left out: a record of it in" in err
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "report.png").is_file()
+
+
+def test_parity_out_naming_a_file_is_one_message(tmp_path, capsys):
+    from ds_exp.tools.parity.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    for out, expected in (
+        (afile, f"ds_exp: error: --out {afile}: is a file; parity writes its two runs into a directory"),
+        (afile / "sub", f"ds_exp: error: --out {afile / 'sub'}: {afile} is a file, not a directory; point --out at"),
+    ):
+        assert main(["--steps", "2", "--out", str(out), "zero=stage0", "--", "zero=stage1"]) == 2
+        assert capsys.readouterr().err.startswith(expected)
+    assert afile.read_text() == "mine\n"

@@ -3,7 +3,10 @@ DeepSpeed-Chat's DeepSpeed config is reproduced, user JSON files resolve."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -538,3 +541,130 @@ def test_checkpoint_errors_at_load_are_one_message(compose_cfg, tmp_path):
     base = compose_cfg()
     with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
         build_model_config(cfg, load_tokenizer(base.model, base.data))
+
+
+# What a model built from model.arch must hold (ds_exp/config/model_checks.py check_arch), and numbers every run
+# needs finite and in range: (changes to the default config, the start of the one line that refuses them). The
+# config is composed once and changed in place (Hydra's compose takes most of a second).
+ARCH_AND_NUMBERS = [
+    ({"model.arch.hidden_size": 0}, "model.arch.hidden_size=0: must be a whole number > 0"),
+    ({"model.arch.num_hidden_layers": -1}, "model.arch.num_hidden_layers=-1: must be a whole number > 0"),
+    ({"model.arch.intermediate_size": 1.5}, "model.arch.intermediate_size=1.5: must be a whole number > 0"),
+    ({"model.arch.hidden_size": "abc"}, "model.arch.hidden_size=abc: must be a whole number > 0"),
+    ({"model.arch.num_key_value_heads": 1, "model.arch.num_attention_heads": 3}, "model.arch.hidden_size=128 is not"),
+    ({"model.arch.num_key_value_heads": 3}, "model.arch.num_key_value_heads=3 does not divide model.arch.num_attent"),
+    ({"model.arch.hidden_size": 12}, "model.arch: the attention head dimension hidden_size / num_attention_heads = 3"),
+    ({"model.arch.rms_norm_eps": 0.0}, "model.arch.rms_norm_eps=0.0: must be > 0"),
+    ({"model.arch.attention_dropout": 1.5}, "model.arch.attention_dropout=1.5: a probability, must be in [0, 1]"),
+    ({"model.arch.model_type": None}, "model.arch.model_type is missing"),
+    ({"dist.timeout_minutes": 2 * 10**15}, "dist.timeout_minutes=2000000000000000: must be >= 1 and at most 525600"),
+    ({"dist.master_port": 99999}, "dist.master_port=99999: a TCP port is from 1 to 65535"),
+    ({"optimizer.lr": 3e38}, "optimizer.lr=3e+38: AdamW's first step lr / (1 - beta1) = 3e+39 is beyond the largest"),
+    ({"optimizer.lr": 1e37, "optimizer.weight_decay": 100.0}, "optimizer.lr=1e+37: the weight decay factor lr x "),
+    ({"optimizer.lr": math.nan}, "optimizer.lr=nan: must be a finite number"),
+    (  # generation past a learned position table (OPT): each prompt is measured once the tokenizer is loaded
+        {"model.arch.model_type": "opt", "eval.prompts": ["Hi"], "eval.max_new_tokens": 512},
+        "eval.max_new_tokens=512 leaves no room for a prompt within the model's 512 positions (opt, max_position_emb",
+    ),
+    ({"train.peak_tflops": math.inf}, "train.peak_tflops=inf: must be a finite number"),
+    ({"lora.dim": 4, "lora.alpha": math.inf}, "lora.alpha=inf: must be a finite number"),
+]
+
+
+def _changed(cfg, changes: dict):
+    cfg = copy.deepcopy(cfg)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = functools.reduce(getattr, parents, cfg)
+        if isinstance(node, dict):
+            node[leaf] = value
+        else:
+            setattr(node, leaf, value)
+    return cfg
+
+
+def test_model_arch_and_numbers_are_checked_as_a_class(compose_cfg):
+    base = compose_cfg()
+    for changes, start in ARCH_AND_NUMBERS:
+        problems = _problems(_changed(base, changes))
+        assert len(problems) == 1 and problems[0].startswith(start), (changes, problems)
+    # what stays allowed: a huge but representable rate (it diverges, and the run says so), an explicit head_dim
+    allowed = (
+        {"optimizer.lr": 1e30},
+        {"model.arch.head_dim": 64, "model.arch.num_attention_heads": 3, "model.arch.num_key_value_heads": 1},
+        {"dist.timeout_minutes": 525600},
+        {"model.arch.model_type": "opt", "eval.max_new_tokens": 512},  # no prompt: nothing is generated
+        {"eval.prompts": ["Hi"], "eval.max_new_tokens": 512},  # rotary (llama): it runs past its context
+    )
+    for changes in allowed:
+        validate(_changed(base, changes), accelerator="cpu")
+
+
+def test_checkpoints_and_export_never_overlap_nor_are_the_run_directory(compose_cfg, tmp_path):
+    base = compose_cfg()
+    refused = [
+        ({"train.checkpoint_dir": "hf_model/ckpts"}, None, "train.checkpoint_dir=hf_model/ckpts is inside train.expo"),
+        ({"train.export_dir": "checkpoints/hf"}, None, "train.export_dir=checkpoints/hf is inside train.checkpoint_d"),
+        ({"train.export_dir": "checkpoints/."}, None, "train.checkpoint_dir=checkpoints and train.export_dir are the"),
+        ({"train.checkpoint_dir": "."}, None, "train.checkpoint_dir=. is the run directory itself"),
+        (
+            {"train.export_dir": "x" * 300},
+            None,
+            "train.export_dir: the name xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...",
+        ),
+        # outside the run directory (allowed): placed by the run directory once it is known
+        (
+            {"train.allow_outside_run_dir": True, "train.export_dir": str(tmp_path / "run")},
+            tmp_path / "run",
+            f"train.export_dir={tmp_path / 'run'} is the run directory itself",
+        ),
+        (
+            {"train.allow_outside_run_dir": True, "train.checkpoint_dir": str(tmp_path)},
+            tmp_path / "run",
+            f"train.checkpoint_dir={tmp_path} holds the run directory {tmp_path / 'run'}",
+        ),
+        (
+            {"train.allow_outside_run_dir": True, "train.checkpoint_dir": str(tmp_path / "run" / "hf_model" / "c")},
+            tmp_path / "run",
+            f"train.checkpoint_dir={tmp_path / 'run' / 'hf_model' / 'c'} is inside train.export_dir",
+        ),
+    ]
+    for changes, run_dir, start in refused:
+        with pytest.raises(ConfigError) as info:
+            validate(_changed(base, changes), accelerator="cpu", run_dir=run_dir)
+        assert len(info.value.problems) == 1 and info.value.problems[0].startswith(start), (changes, info.value)
+    allowed = {"train.allow_outside_run_dir": True, "train.checkpoint_dir": str(tmp_path / "ckpts")}
+    validate(_changed(base, allowed), accelerator="cpu", run_dir=tmp_path / "run")
+    validate(_changed(base, {"train.checkpoint_dir": "out/ckpts", "train.export_dir": "out/hf"}), accelerator="cpu")
+
+
+def test_zero_and_offload_from_a_users_deepspeed_file_are_named_with_the_file_and_key(compose_cfg, tmp_path):
+    base = compose_cfg()  # zero=stage0, offload=none
+
+    def problems(ds: dict, **changes) -> list[str]:
+        file = tmp_path / f"ds{len(list(tmp_path.iterdir()))}.json"
+        file.write_text(json.dumps(ds))
+        return _problems(_changed(base, {"deepspeed.config_file": str(file), **changes}))
+
+    def key(path: str, value) -> str:
+        return f'"zero_optimization.{path}": {json.dumps(value)} in deepspeed.config_file={tmp_path}'
+
+    both = problems({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
+    assert both[0].startswith(key("offload_optimizer.device", "cpu"))
+    assert both[0].endswith(
+        'needs ZeRO stage 1, 2 or 3 (got stage 0 from "zero_optimization.stage" in the same file): set '
+        '"zero_optimization.stage" to 1, 2 or 3 there, or remove "offload_optimizer" from it'
+    )
+    param = problems({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert param[0].startswith(key("offload_param.device", "cpu")) and "needs ZeRO stage 3 (got stage 2" in param[0]
+    offload_only = problems({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})[0]
+    assert (
+        '(got stage 0 from zero=stage0): use zero=stage1 or higher, or remove "offload_optimizer" from' in offload_only
+    )
+    assert problems({"zero_optimization": {"stage": 7}})[0].startswith(key("stage", 7))
+    nvme = problems({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})[0]
+    assert nvme.startswith(key("offload_param.device", "nvme")) and 'add "nvme_path"' in nvme
+    impl = problems(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, **{"optimizer.impl": "torch"}
+    )
+    assert len(impl) == 1 and impl[0].startswith(f"optimizer.impl=torch with {key('offload_optimizer.device', 'cpu')}")

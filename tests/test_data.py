@@ -125,6 +125,17 @@ def test_synthetic_default(tmp_path, tok):
     assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).train["input_ids"] != data.train["input_ids"]
 
 
+def test_synthetic_num_eval_0_means_no_eval_set(tmp_path, tok):
+    """0 eval rows asked: every train row stays in train (no eval_fraction carved out), and the run is told that
+    evaluation is off."""
+    from ds_exp.data.checks import no_eval_note
+
+    cfg = make_cfg(tmp_path, synthetic={"num_train": 200, "num_eval": 0})
+    data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
+    assert len(data.train) == 200 == count_train_examples(cfg.data) and len(data.eval) == 0
+    assert no_eval_note(cfg.data).startswith("no eval set (data.synthetic.num_eval=0): evaluation is off")
+
+
 def test_synthetic_task_is_deterministic():
     from ds_exp.data.synthetic import generate
 
@@ -1144,3 +1155,49 @@ def test_a_full_disk_is_recognised_through_wrappers(tmp_path):
     assert disk_full(ValueError("pyarrow: IOError: No space left on device")) == errno.ENOSPC
     assert disk_full(OSError(errno.EACCES, "Permission denied")) is None
     assert disk_full_message(ValueError("bad row"), tmp_path) is None
+
+
+def _chat(n: int, start: int = 0) -> list[dict]:
+    return [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(start, start + n)
+    ]
+
+
+def _sharegpt(n: int) -> list[dict]:
+    return [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]} for i in range(n)]
+
+
+def test_a_file_mixing_row_layouts_says_which_rows_are_which_and_how_to_choose(tmp_path):
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [*_chat(5), *_sharegpt(3), *_chat(2, 5)])
+    assert _read_error(mixed) == (
+        f"data.sources[0]: {mixed} mixes row layouts: messages at lines 1-5, 9-10 (7 rows); sharegpt at lines 6-8 (3 "
+        "rows). One source reads one layout: set data.sources.0.layout=messages (or sharegpt) to train on those rows "
+        "only, skipping the others, or split the file into one source per layout"
+    )
+    assert len(_read(mixed, layout="messages")) == 7 and len(_read(mixed, layout="sharegpt")) == 3  # chosen: skipped
+    pairs = [*rows(2), {"instruction": "do x", "output": "done"}]
+    as_json = tmp_path / "mixed.json"
+    as_json.write_text(json.dumps(pairs))
+    assert "mixes row layouts: prompt_chosen at items 0-1 (2 rows); alpaca at item 2 (1 row)" in _read_error(as_json)
+    # one layout per row, however many columns: a row with both prompt and messages is a messages row (ultrachat)
+    both = write_jsonl(tmp_path / "both.jsonl", [{**row, "prompt": "q"} for row in _chat(3)])
+    assert len(_read(both)) == 3
+
+
+def test_an_empty_eval_split_is_refused_with_its_fixes(tmp_path):
+    dschat = tmp_path / "dschat"
+    dschat.mkdir()
+    (dschat / "train.json").write_text(json.dumps(rows(4)))
+    for empty in ("", "[]"):
+        (dschat / "eval.json").write_text(empty)
+        assert _read_error(dschat) == (
+            f"data.sources[0]: {dschat / 'eval.json'} holds no eval rows; add eval rows to it, delete it, or set "
+            "data.sources.0.eval_split=null to hold out data.eval_fraction of the train rows for eval instead"
+        )
+    assert len(_read(dschat, eval_split=None)) == 4
+    train, evals = write_jsonl(tmp_path / "t.jsonl", rows(4)), tmp_path / "e.jsonl"
+    evals.write_text("")
+    assert "e.jsonl holds no eval rows; add eval rows to it, or remove data.sources.0.eval_path" in _read_error(
+        train, eval_path=str(evals)
+    )

@@ -15,6 +15,7 @@ from ds_exp.config.schema import DistConfig
 from ds_exp.core.compat import parse_slurm_nodelist
 from ds_exp.launch.environment import choose_backend, detect_launch, export_launch_env, launched_with_several_ranks
 from ds_exp.runtime.peers import lost_ranks
+from tests.training import free_port
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -175,3 +176,60 @@ HOSTS = [("node1", ["10.0.0.11"]), ("node1", ["10.0.0.11"]), ("node2", ["10.0.0.
 )
 def test_lost_rank_is_named(error, own_rank, world, named):
     assert lost_ranks(error, HOSTS[:world], own_rank, world) == named
+
+
+# --- the rendezvous failing: real TCPStores (what torch's env:// rendezvous builds), with a timeout of 0.3 s
+def _store(port: int, *, master: bool, world: int = 2):
+    import datetime
+
+    import torch.distributed as torch_dist
+
+    return lambda: torch_dist.TCPStore(
+        "127.0.0.1", port, world_size=world, is_master=master, timeout=datetime.timedelta(milliseconds=300)
+    )
+
+
+def _launch(rank: int, world: int, port: int):
+    from ds_exp.launch.environment import LaunchInfo
+
+    return LaunchInfo("env", rank, rank, world, "127.0.0.1", port)
+
+
+def test_ranks_that_never_join_are_named_with_the_rendezvous_and_the_timeout():
+    from ds_exp.core.errors import RunFailed
+    from ds_exp.launch.rendezvous import rendezvous_failure, wait_for_rendezvous
+
+    port = free_port()
+    with pytest.raises(RunFailed) as info:  # rank 0 alone: torch's DistStoreError "1/2 clients joined"
+        wait_for_rendezvous(_store(port, master=True), _launch(0, 2, port), 7)
+    assert str(info.value) == (
+        f"only 1 of the 2 ranks reached the rendezvous at 127.0.0.1:{port} within dist.timeout_minutes=7: rank 1 "
+        "never joined. Start every rank (the launcher's process count must be WORLD_SIZE=2), check that each can "
+        f"reach 127.0.0.1:{port} (MASTER_ADDR, MASTER_PORT, a firewall), or raise dist.timeout_minutes if they "
+        "start late"
+    )
+    some = rendezvous_failure(  # torch's words when some others came: it counts them, it does not name them
+        RuntimeError("Timed out after 61 seconds waiting for clients. 2/4 clients joined."), _launch(0, 4, port), 7
+    )
+    assert some is not None and "only 2 of the 4 ranks reached" in some and "2 of ranks 1 to 3 never joined" in some
+    with pytest.raises(RunFailed) as info:  # another rank, and no rank 0 to find
+        wait_for_rendezvous(_store(port, master=False), _launch(1, 2, port), 7)
+    assert str(info.value).startswith(
+        f"rank 1 could not reach rank 0 at 127.0.0.1:{port} within dist.timeout_minutes=7: rank 0 never opened"
+    )
+
+
+def test_a_port_in_use_is_one_message_naming_master_port():
+    from ds_exp.core.errors import RunFailed
+    from ds_exp.launch.rendezvous import wait_for_rendezvous
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RunFailed) as info:
+            wait_for_rendezvous(_store(port, master=True, world=1), _launch(0, 1, port), 30)
+    assert str(info.value).startswith(
+        f"MASTER_PORT={port}: rank 0 cannot open the rendezvous on port {port} (address already in use"
+    )
+    assert "torchrun --master_port PORT, or MASTER_PORT=PORT" in str(info.value)

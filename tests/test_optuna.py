@@ -327,3 +327,22 @@ def test_the_best_trials_command_trains_it_again_with_as_many_ranks():
         "torchrun --nproc_per_node=2 -m ds_exp optimizer.lr=0.0001 'data.name=a b'"
     )
     assert command_line(["zero=stage2"], 1) == "python -m ds_exp zero=stage2"
+
+
+def test_a_storage_that_cannot_be_opened_here_is_one_message_naming_it():
+    from ds_exp.core.errors import ConfigError
+    from ds_exp.sweeps.optuna_study import check_storage
+
+    cases = {
+        "mysql://me:hunter2@db.example/optuna": "hydra.sweeper.storage=mysql://me:***@db.example/optuna: the mysql "
+        "driver mysqldb is not installed (no module 'MySQLdb'); pip install mysqlclient, name an installed driver",
+        "postgresql+pg8000://me@db/optuna": "the postgresql driver pg8000 is not installed (no module 'pg8000'); pip",
+        "redis://localhost": "hydra.sweeper.storage=redis://localhost: SQLAlchemy knows no database 'redis'",
+        "optuna.db": "hydra.sweeper.storage=optuna.db: not a database URL; give one",
+    }
+    for storage, expected in cases.items():
+        with pytest.raises(ConfigError) as info:
+            check_storage(storage)
+        assert expected in str(info.value) and "hunter2" not in str(info.value), str(info.value)
+        assert "leave hydra.sweeper.storage unset for a SQLite file in the sweep directory" in str(info.value)
+    check_storage("sqlite:////tmp/study.db")  # the driver is Python's own

@@ -76,3 +76,65 @@ def test_signal_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(
     assert resumed.summary["final_eval"]["eval_loss"] == pytest.approx(
         uninterrupted.summary["final_eval"]["eval_loss"], rel=1e-6
     )
+
+
+def test_a_closed_terminal_stops_the_run_with_a_checkpoint_as_sigterm_does(tmp_path, cache_dir):
+    """The run's terminal hangs up (a pty whose other end is closed, as when an ssh session drops): the kernel
+    sends SIGHUP, and writing to the terminal fails from then on. The run saves, records why, and exits."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import termios
+    import threading
+
+    run_dir = tmp_path / "run"
+    master, terminal = pty.openpty()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ds_exp",
+            *FAST,
+            "train.max_steps=400",
+            f"hydra.run.dir={run_dir}",
+            f"data.cache_dir={cache_dir}",
+        ],
+        cwd=tmp_path,
+        env={**user_env(), "MASTER_PORT": str(free_port())},
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        start_new_session=True,  # its own session, whose controlling terminal is the pty
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )
+    os.close(terminal)
+    reading = True
+
+    def drain() -> None:  # what a terminal does: reads the output, so the run never blocks on it
+        while reading:
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    os.read(master, 65536)
+                except OSError:
+                    return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while logged_steps(run_dir) < 3:
+        assert proc.poll() is None, "the run ended before step 3"
+        assert time.monotonic() < deadline, "no progress within 300 s"
+        time.sleep(0.05)
+    reading = False
+    reader.join()
+    os.close(master)  # the terminal is gone
+    code = proc.wait(timeout=120)
+    assert code == 128 + signal.SIGHUP
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped_at = summary["steps"]
+    assert summary["status"] == "stopped" and 3 <= stopped_at < 400
+    assert summary["error"].startswith(f"stopped by SIGHUP after step {stopped_at}; checkpoint")
+    assert f"hydra.run.dir={run_dir} resume=auto" in summary["error"]
+    assert (run_dir / "checkpoints" / f"step{stopped_at}" / "ds_exp_complete.json").is_file()
+    assert "Traceback" not in (run_dir / "ds_exp.log").read_text()

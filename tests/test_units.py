@@ -136,3 +136,88 @@ def test_the_summary_comes_from_the_run_state(tmp_path):
     before = RunState(Path("/nowhere"), "single", world_size=1).as_summary([0])
     assert before["steps"] is None and before["tokens_per_s"] is None and before["mfu"] is None
     assert math.isfinite(before["wall_time_s"])
+
+
+@pytest.mark.slow  # imports transformers' model code
+def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, compose_cfg):
+    """The export's writer on a disk too small for the weights (about 2 MB): one message with the room needed, no
+    .hf_model.tmp left, and an earlier export in its place untouched."""
+    from ds_exp.data.tokenizer import load_tokenizer, tokenizer_source
+    from transformers import AutoModelForCausalLM
+
+    from ds_exp.artifacts.export import ExportSpec, _write_export
+    from ds_exp.core.errors import RunFailed
+    from ds_exp.model.architecture import build_model_config
+
+    cfg = compose_cfg()
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    config = build_model_config(cfg, tokenizer)
+    model = AutoModelForCausalLM.from_config(config)
+    spec = ExportSpec(
+        config, None, "float32", config.vocab_size, len(tokenizer), tokenizer_source(cfg.model), None, "fp32", "auto"
+    )
+    disk = mount_tmpfs("1m")
+    earlier = disk / "hf_model"
+    earlier.mkdir()
+    (earlier / "ds_exp_export.json").write_text("{}")  # an earlier export: replaced only by a complete one
+    with pytest.raises(RunFailed) as info:
+        _write_export(model.state_dict(), set(), spec, tokenizer, earlier, save_adapter=False)
+    message = str(info.value)
+    assert message.startswith(f"could not write the export {earlier} (")
+    assert "the weights alone need about 1.88 MiB" in message and "resume=auto" in message
+    assert sorted(p.name for p in disk.iterdir()) == ["hf_model"]  # no .hf_model.tmp
+    assert [p.name for p in earlier.iterdir()] == ["ds_exp_export.json"]
+
+
+def test_a_marker_that_is_not_a_json_object_means_an_incomplete_checkpoint(tmp_path):
+    from ds_exp.checkpoint.checkpointer import is_complete
+    from ds_exp.core.errors import ResumeError
+    from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints, find_resume_checkpoint
+
+    checkpoints = tmp_path / "checkpoints"
+    markers = {"step2": '{"step": 2}', "step4": "", "step6": "[1]", "step8": '{"step": 8', "step10": "{}"}
+    for tag, text in markers.items():
+        (checkpoints / tag).mkdir(parents=True)
+        (checkpoints / tag / COMPLETE_MARKER).write_text(text)
+    assert complete_checkpoints(checkpoints) == [checkpoints / "step2"]
+    assert [tag for tag in markers if is_complete(checkpoints / tag)] == ["step2"]
+    assert find_resume_checkpoint("auto", tmp_path, "checkpoints") == checkpoints / "step2"
+    with pytest.raises(ResumeError) as info:  # named directly: said so, with the one to use instead
+        find_resume_checkpoint(str(checkpoints / "step4"), tmp_path, "checkpoints")
+    assert str(info.value) == (
+        f"resume={checkpoints / 'step4'}: its {COMPLETE_MARKER} is empty or not the JSON object ds_exp writes, so the "
+        "checkpoint is incomplete (its save never finished, or the file was damaged since); "
+        f"resume={checkpoints / 'step2'} is the newest complete one before it"
+    )
+
+
+def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, mount_tmpfs, compose_cfg):
+    """A 4 MiB disk: a checkpoint of 8 MiB does not fit, the export of 2 MiB does. A run from step 0, or a resume
+    with steps left, needs both; a resume from a checkpoint at the last step needs only the export; a run complete
+    already needs nothing; with no checkpoint ahead (train.save_every past the end) only the export counts."""
+    from ds_exp.core.errors import RunFailed
+    from ds_exp.train.recipe import check_disk_space, saves_a_checkpoint
+
+    disk = mount_tmpfs("4m")
+    session = SimpleNamespace(is_main=True, run_dir=disk / "run", precision="fp32")
+    cfg = compose_cfg("train.save_every=3", "precision=fp32")
+    mib = 2**20
+
+    def check(start: int, total: int = 8) -> None:
+        check_disk_space(cfg, session, 8 * mib, mib // 2, start_step=start, total_steps=total)  # export: 2 MiB
+
+    for start in (0, 5):
+        with pytest.raises(RunFailed) as info:
+            check(start)
+        assert "one checkpoint and the export need about 10.00 MiB" in str(info.value)
+    check(8)  # the final checkpoint is there: only the export is left to write
+    cfg.train.save_final_checkpoint = False
+    check(7)  # no multiple of save_every=3 left up to step 8, and no final checkpoint
+    assert saves_a_checkpoint(cfg.train, 5, 8) and not saves_a_checkpoint(cfg.train, 6, 8)
+    session.run_dir.mkdir()
+    (session.run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps": 8}))
+    (disk / "filler").write_bytes(b"\0" * (3 * mib))
+    check(8)  # complete already: nothing is written at all
+    with pytest.raises(RunFailed) as info:
+        check(7)
+    assert "KiB free, the export needs about 2.00 MiB" in str(info.value)

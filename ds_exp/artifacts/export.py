@@ -28,6 +28,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from ds_exp.core import compat
 from ds_exp.core.errors import Diverged, RunFailed
 from ds_exp.core.files import json_text
+from ds_exp.launch.storage import export_failure_message
 from ds_exp.model.lora import wrap_lora
 from ds_exp.runtime.process_group import broadcast
 
@@ -112,10 +113,16 @@ def export_hf(engine: Any, *, zero_stage: int, spec: ExportSpec, tokenizer: Any,
             f"exported to {export_dir}"
         )
     trained = {name for name, param in engine.module.named_parameters() if param.requires_grad}
+    failure = None
     if dist.get_rank() == 0:
         assert state is not None
-        _write_export(state, trained, spec, tokenizer, export_dir, save_adapter)
-    dist.barrier()
+        try:
+            _write_export(state, trained, spec, tokenizer, export_dir, save_adapter)
+        except RunFailed as err:  # a full disk: every rank fails with rank 0's message, none waits for it
+            failure = str(err)
+    failure = broadcast(failure)
+    if failure is not None:
+        raise RunFailed(failure)
     return export_dir if dist.get_rank() == 0 else None
 
 
@@ -136,10 +143,46 @@ def _write_export(
     _copy_added_rows(model, state, spec)
     dtype_name, why = export_dtype(spec, base_trained=bool(set(from_base) & trained))
     tmp = export_dir.with_name(f".{export_dir.name}.tmp")
+    adapter_tmp = export_dir.with_name(f".{export_dir.name}_adapter.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    needed = state_bytes(model, dtype_name)
+    try:
+        _save(model, spec, tokenizer, tmp, adapter_tmp, export_dir, save_adapter, dtype_name, why, keep_base)
+    except Exception as err:
+        # nothing half-written stays: the temporary directories go, an earlier export stays as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(adapter_tmp, ignore_errors=True)
+
+        message = export_failure_message(err, export_dir, needed)
+        if message is None:
+            raise
+
+        raise RunFailed(message) from err
+    log.info("exported Hugging Face model to %s (%s: %s)", export_dir, dtype_name, why)
+
+
+def state_bytes(model: Any, dtype_name: str) -> int:
+    """About what the exported weights take on disk in `dtype_name` (a tied tensor once; LoRA's adapters, merged
+    into their layers, not at all)."""
+    size = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+    return sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name) * size
+
+
+def _save(
+    model: Any,
+    spec: ExportSpec,
+    tokenizer: Any,
+    tmp: Path,
+    adapter_tmp: Path,
+    export_dir: Path,
+    save_adapter: bool,
+    dtype_name: str,
+    why: str,
+    keep_base: set[str],
+) -> None:
+    """Write the export into `tmp`, then move it into place."""
     if spec.lora is not None:
         if save_adapter:
-            adapter_tmp = export_dir.with_name(f".{export_dir.name}_adapter.tmp")
             shutil.rmtree(adapter_tmp, ignore_errors=True)
             model.save_pretrained(str(adapter_tmp), safe_serialization=True)
             _replace(adapter_tmp, export_dir.with_name(f"{export_dir.name}_adapter"))
@@ -163,7 +206,6 @@ def _write_export(
     }
     (tmp / METADATA).write_text(json_text(metadata, indent=2) + "\n")
     _replace(tmp, export_dir)
-    log.info("exported Hugging Face model to %s (%s: %s)", export_dir, dtype_name, why)
 
 
 def _base_model(spec: ExportSpec) -> Any:

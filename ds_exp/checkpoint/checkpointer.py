@@ -39,6 +39,7 @@ from ds_exp.resume.store import (
     TrainState,
     complete_checkpoints,
     damaged_message,
+    is_complete,
     read_marker,
     tag_for,
 )
@@ -79,7 +80,7 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, kee
     """Collective: every rank must call it. Returns the tag directory."""
     tag = tag_for(state.step)
     path = checkpoint_dir / tag
-    if (path / COMPLETE_MARKER).is_file():  # a complete checkpoint is never rewritten in place
+    if is_complete(path):  # a complete checkpoint is never rewritten in place
         if read_marker(path).get("run_id") == state.run_id:  # this run's, run again after it finished
             log.info("checkpoint %s is complete already; not saved again", path)
             return path
@@ -140,7 +141,7 @@ class Checkpointer:
         except (OSError, RuntimeError) as exc:
             tag_dir = self.directory / tag_for(progress.step)
             _release_files(exc)
-            if self.rank == 0 and not (tag_dir / COMPLETE_MARKER).is_file():
+            if self.rank == 0 and not is_complete(tag_dir):
                 shutil.rmtree(tag_dir, ignore_errors=True)  # never complete: give its space back
             message = save_failure_message(exc, tag_dir, self.needed_bytes)
             if message is None:

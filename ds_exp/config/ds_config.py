@@ -225,7 +225,8 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b or (isinstance(a, bool) and isinstance(b, bool) and a == b)
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+        both_nan = math.isnan(a) and math.isnan(b)  # a nan setting is refused on its own, not as a mismatch
+        return both_nan or math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
     return a == b
 
 

@@ -6,7 +6,9 @@ the model has (learned position tables fail with an IndexError deep in the forwa
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -207,6 +209,23 @@ def check_max_seq_len(cfg: Config) -> list[str]:
     ]
 
 
+def check_max_new_tokens(cfg: Config) -> list[str]:
+    """eval.max_new_tokens alone at or past a learned position table leaves no room for any prompt (each prompt
+    is measured once the tokenizer is loaded: ds_exp.train.generate.check_generation_room)."""
+    settings = model_settings(cfg)
+    if not (cfg.eval.prompts or cfg.eval.prompts_file) or not settings:
+        return []
+    found = position_limit(settings)
+    if found is None or found[2] != "learned" or cfg.eval.max_new_tokens < found[1]:
+        return []
+    key, limit, _ = found
+    return [
+        f"eval.max_new_tokens={cfg.eval.max_new_tokens} leaves no room for a prompt within the model's {limit} "
+        f"positions ({settings.get('model_type')}, {key}={limit}: a learned table of absolute positions, generating "
+        f"past it fails): set eval.max_new_tokens below {limit}, e.g. {min(64, limit // 2)}"
+    ]
+
+
 def max_seq_len_notes(cfg: Config) -> list[str]:
     """Warnings (not errors) for rotary or unknown position encodings run past the trained context."""
     beyond = _beyond(cfg)
@@ -223,6 +242,102 @@ def max_seq_len_notes(cfg: Config) -> list[str]:
         f"data.max_seq_len={n} is beyond the model's {key}={limit} ({model_type}: how it encodes positions is not "
         f"known to ds_exp); if it learned absolute positions, longer inputs fail: set data.max_seq_len={limit}"
     ]
+
+
+# ----------------------------------------------------------------------------------------------- model.arch
+
+# Sizes and counts of an architecture, in the spellings of transformers' model families: whole numbers > 0.
+SIZE_KEYS = frozenset(
+    (
+        *("hidden_size", "n_embd", "d_model", "embed_dim", "intermediate_size", "ffn_dim", "n_inner", "d_ff"),
+        *("num_hidden_layers", "n_layer", "num_layers", "num_attention_heads", "n_head", "num_heads"),
+        *("num_key_value_heads", "head_dim", "max_position_embeddings", "n_positions", "n_ctx", "word_embed_proj_dim"),
+    )
+)
+_SIZE_PATTERN = re.compile(r"^(num_\w+_(layers|heads)|\w+_(hidden|intermediate|head)_(size|dim))$")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads")
+_PARTIAL_ROTARY = ("partial_rotary_factor", "rotary_pct", "rotary_dim")
+
+
+def _is_size_key(key: str) -> bool:
+    return key in SIZE_KEYS or _SIZE_PATTERN.match(key) is not None
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
+
+
+def check_arch(cfg: Config) -> list[str]:
+    """model.arch (a model built from a config) holds an architecture transformers can build and run: every size
+    a whole number > 0, the hidden size split evenly over the heads, key/value heads that divide the heads, an even
+    rotary head dimension, finite epsilons and dropouts in [0, 1]. Told here, not as a ZeroDivisionError or a
+    shape mismatch in the first forward pass (transformers validates only some of these, per model family)."""
+    arch = cfg.model.arch
+    if cfg.model.name_or_path is not None or arch is None:
+        return []
+    problems = []
+    if not arch.get("model_type"):
+        problems.append("model.arch.model_type is missing: name the architecture, e.g. model.arch.model_type=llama")
+    for key, value in arch.items():
+        shown = f"model.arch.{key}={value}"
+        if key == "vocab_size":
+            if value is not None and (not _is_whole(value) or value < 0):
+                problems.append(f"{shown}: must be a whole number >= 0 (0 = the tokenizer's size)")
+        elif _is_size_key(key):
+            if value is not None and (not _is_whole(value) or value < 1):
+                problems.append(f"{shown}: must be a whole number > 0 (or null for the architecture's default)")
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{shown}: must be a finite number")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key.endswith(("_eps", "epsilon")) and value <= 0:
+                problems.append(f"{shown}: must be > 0 (e.g. 1e-6)")
+            elif ("dropout" in key or key.endswith("pdrop")) and not 0 <= value <= 1:
+                problems.append(f"{shown}: a probability, must be in [0, 1]")
+            elif key == "rope_theta" and value <= 0:
+                problems.append(f"{shown}: must be > 0 (e.g. 10000)")
+    if problems:
+        return problems
+    return _check_heads(arch)
+
+
+def _check_heads(arch: dict[str, Any]) -> list[str]:
+    hidden_key = next((k for k in _HIDDEN_KEYS if arch.get(k) is not None), None)
+    heads_key = next((k for k in _HEAD_KEYS if arch.get(k) is not None), None)
+    if hidden_key is None or heads_key is None:
+        return []
+    hidden, heads = arch[hidden_key], arch[heads_key]
+    problems = []
+    if arch.get("head_dim") is None and hidden % heads:
+        problems.append(
+            f"model.arch.{hidden_key}={hidden} is not a multiple of model.arch.{heads_key}={heads}: each attention "
+            f"head gets {hidden_key} / {heads_key} dimensions; give {heads_key} a divisor of {hidden} "
+            f"({_divisors(hidden)})"
+        )
+    kv_heads = arch.get("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        problems.append(
+            f"model.arch.num_key_value_heads={kv_heads} does not divide model.arch.{heads_key}={heads}: each key/value "
+            f"head serves an equal group of query heads; use one of {_divisors(heads)}"
+        )
+    head_dim = arch.get("head_dim") or (hidden // heads if hidden % heads == 0 else None)
+    rotary = str(arch.get("model_type")) in ROPE_TYPES and not any(arch.get(k) is not None for k in _PARTIAL_ROTARY)
+    if rotary and head_dim is not None and head_dim % 2:
+        where, fix = (
+            ("model.arch.head_dim", f"head_dim={head_dim + 1}")
+            if arch.get("head_dim")
+            else (f"{hidden_key} / {heads_key}", f"{hidden_key}={2 * hidden}")
+        )
+        problems.append(
+            f"model.arch: the attention head dimension {where} = {head_dim} is odd, and rotary position embeddings "
+            f"({arch.get('model_type')}) turn pairs of dimensions: make it even (e.g. model.arch.{fix})"
+        )
+    return problems
 
 
 def checkpoint_error(model: ModelConfig, err: BaseException, *, weights: bool = False) -> ConfigError | None:

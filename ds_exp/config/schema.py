@@ -149,7 +149,7 @@ class DataSource:
 @dataclass
 class SyntheticDataConfig:
     num_train: int = 4000  # train rows of the embedded task (before data_split)
-    num_eval: int = 200  # eval rows, drawn from a separate stream and never seen in train
+    num_eval: int = 200  # eval rows, drawn from a separate stream and never seen in train; 0 = no eval set
     seed: int = 0  # fixes the task's content; train.seed only shuffles and splits it
 
 

@@ -6,12 +6,22 @@ and the fix, all reported together in one ConfigError.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
+import math
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.ds_config import RunFacts, get_path, resolve_ds_config
-from ds_exp.config.model_checks import check_checkpoint, check_max_seq_len, looks_like_local_path
+from ds_exp.config.ds_config import RunFacts, get_path, load_config_file, resolve_ds_config
+from ds_exp.config.model_checks import (
+    check_arch,
+    check_checkpoint,
+    check_max_new_tokens,
+    check_max_seq_len,
+    looks_like_local_path,
+)
+from ds_exp.config.output_paths import check_output_paths
 from ds_exp.config.paths import not_a_directory
 from ds_exp.config.plan import data_parallel_size, global_batch_mismatch
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
@@ -19,6 +29,9 @@ from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
 from ds_exp.core.errors import ConfigError
+
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_TIMEOUT_MINUTES = 525_600  # a year: torch's deadline (now + timeout, in nanoseconds) overflows near 1.5e8
 
 
 def _check_model(cfg: Config) -> list[str]:
@@ -42,7 +55,7 @@ def _check_model(cfg: Config) -> list[str]:
             )
     if model.vocab_multiple < 1:
         problems.append(f"model.vocab_multiple={model.vocab_multiple}: must be >= 1 (1 = no padding)")
-    return problems + check_checkpoint(cfg) + check_max_seq_len(cfg)
+    return problems + check_arch(cfg) + check_checkpoint(cfg) + check_max_seq_len(cfg) + check_max_new_tokens(cfg)
 
 
 def _check_speed_features(cfg: Config, accelerator: str) -> list[str]:
@@ -74,14 +87,36 @@ def _check_speed_features(cfg: Config, accelerator: str) -> list[str]:
     return problems
 
 
+def _file_setting(cfg: Config, path: str) -> str | None:
+    """The user's DeepSpeed file when it sets `path` (the file wins over the groups there), else None: messages
+    then name the file and its key, not the group override that did not set the value."""
+    file = cfg.deepspeed.config_file
+    if not file:
+        return None
+    try:
+        loaded = load_config_file(file)
+    except ConfigError:
+        return None  # reported on its own
+    return file if get_path(loaded, path, _UNSET) is not _UNSET else None
+
+
+_UNSET = object()
+
+
+def _setting(cfg: Config, path: str, value: Any, group_key: str) -> str:
+    """How a message names where a DeepSpeed value came from: the file and its key, or the ds_exp setting."""
+    return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={value}"
+
+
 def _check_optimizer_impl(cfg: Config, ds: dict[str, Any], accelerator: str) -> list[str]:
     impl = plain(cfg.optimizer.impl)
     offload = get_path(ds, "zero_optimization.offload_optimizer.device", "none")
     if plain(cfg.optimizer.owner) == "deepspeed" or impl == "auto":
         return []
     if offload in ("cpu", "nvme") and impl != "deepspeed_cpu":
+        where = _setting(cfg, "zero_optimization.offload_optimizer.device", offload, "offload.optimizer")
         return [
-            f"optimizer.impl={impl} with offload.optimizer={offload}: the offloaded optimizer step runs on the host "
+            f"optimizer.impl={impl} with {where}: the offloaded optimizer step runs on the host "
             "with DeepSpeed's CPU Adam; use optimizer.impl=auto (or deepspeed_cpu)"
         ]
     if impl == "deepspeed_cpu" and offload not in ("cpu", "nvme") and accelerator != "cpu":
@@ -92,41 +127,77 @@ def _check_optimizer_impl(cfg: Config, ds: dict[str, Any], accelerator: str) -> 
     return []
 
 
-def _check_zero_and_offload(ds: dict[str, Any]) -> list[str]:
-    problems = []
+def _check_zero_and_offload(cfg: Config, ds: dict[str, Any]) -> list[str]:
+    """ZeRO stage and offload fit together; a value from the user's DeepSpeed file is named with its file and key."""
     stage = get_path(ds, "zero_optimization.stage", None)
+    stage_file = _file_setting(cfg, "zero_optimization.stage")
     if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        problems.append(f"zero.stage={stage}: ZeRO stage must be 0, 1, 2 or 3 (zero=stage0 ... zero=stage3)")
-        return problems
-    param_dev = get_path(ds, "zero_optimization.offload_param.device", "none")
-    opt_dev = get_path(ds, "zero_optimization.offload_optimizer.device", "none")
-    if param_dev in ("cpu", "nvme") and stage != 3:
-        problems.append(
-            f"offload.param={param_dev} needs ZeRO stage 3 (got stage {stage}): use zero=stage3, "
-            "or offload=cpu to offload only the optimizer"
-        )
-    if opt_dev in ("cpu", "nvme") and stage == 0:
-        problems.append(
-            f"offload.optimizer={opt_dev} needs ZeRO stage 1, 2 or 3 (got stage 0): use zero=stage1 or higher"
-        )
-    for kind, dev in (("optimizer", opt_dev), ("param", param_dev)):
-        if dev != "nvme":
+        if stage_file is not None:
+            return [
+                f"{_in_file('zero_optimization.stage', stage, stage_file)}: ZeRO stage must be 0, 1, 2 or 3; fix it "
+                "in the file (or remove it there and choose with zero=stage0 ... zero=stage3)"
+            ]
+        return [f"zero.stage={stage}: ZeRO stage must be 0, 1, 2 or 3 (zero=stage0 ... zero=stage3)"]
+    problems = []
+    devices = {
+        kind: get_path(ds, f"zero_optimization.offload_{kind}.device", "none") for kind in ("param", "optimizer")
+    }
+    for kind, dev in devices.items():
+        needs_stage3 = kind == "param"
+        if dev not in ("cpu", "nvme") or stage in ((3,) if needs_stage3 else (1, 2, 3)):
+            continue
+        offload_file = _file_setting(cfg, f"zero_optimization.offload_{kind}.device")
+        what = _in_file(f"zero_optimization.offload_{kind}.device", dev, offload_file) or f"offload.{kind}={dev}"
+        same = stage_file is not None and stage_file == offload_file
+        got = f"got stage {stage}"
+        if same:
+            got += ' from "zero_optimization.stage" in the same file'
+        elif offload_file or stage_file:
+            got += f" from {_in_file('zero_optimization.stage', stage, stage_file) or f'zero=stage{stage}'}"
+        if stage_file:
+            where = "there" if same else f"in {stage_file}"
+            fix = f'set "zero_optimization.stage" to {"3" if needs_stage3 else "1, 2 or 3"} {where}'
+        else:
+            fix = "use zero=stage3" if needs_stage3 else "use zero=stage1 or higher"
+        if offload_file:
+            fix += f', or remove "offload_{kind}" from {"it" if same else offload_file}'
+        elif needs_stage3:
+            fix += ", or offload=cpu to offload only the optimizer"
+        problems.append(f"{what} needs ZeRO {'stage 3' if needs_stage3 else 'stage 1, 2 or 3'} ({got}): {fix}")
+    for kind in ("optimizer", "param"):
+        if devices[kind] != "nvme":
             continue
         nvme_path = get_path(ds, f"zero_optimization.offload_{kind}.nvme_path", None)
+        device_file = _file_setting(cfg, f"zero_optimization.offload_{kind}.device")
         if not nvme_path:
-            problems.append(f"offload.{kind}=nvme needs a directory: set offload.nvme_path=/path/on/local/nvme")
+            problems.append(
+                f"{_in_file(f'zero_optimization.offload_{kind}.device', 'nvme', device_file)} needs a directory: "
+                f'add "nvme_path": "/path/on/local/nvme" beside it (or set offload.nvme_path)'
+                if device_file
+                else f"offload.{kind}=nvme needs a directory: set offload.nvme_path=/path/on/local/nvme"
+            )
             continue
         # DeepSpeed's swapper makes its files under it: a file there fails deep in engine construction
         in_the_way = not_a_directory(Path(str(nvme_path)).expanduser())
-        if in_the_way is not None:
-            where = "" if in_the_way == Path(str(nvme_path)).expanduser() else f": {in_the_way}"
-            problem = (
-                f"offload.nvme_path={nvme_path}{where} is a file, not a directory; point offload.nvme_path at a "
-                "directory on a local NVMe drive"
-            )
-            if problem not in problems:  # optimizer and parameters share the path
-                problems.append(problem)
+        if in_the_way is None:
+            continue
+        where = "" if in_the_way == Path(str(nvme_path)).expanduser() else f": {in_the_way}"
+        path_file = _file_setting(cfg, f"zero_optimization.offload_{kind}.nvme_path")
+        problem = (
+            f"{_in_file(f'zero_optimization.offload_{kind}.nvme_path', nvme_path, path_file)}{where} is a file, not "
+            "a directory; point it at a directory on a local NVMe drive"
+            if path_file
+            else f"offload.nvme_path={nvme_path}{where} is a file, not a directory; point offload.nvme_path at a "
+            "directory on a local NVMe drive"
+        )
+        if problem not in problems:  # optimizer and parameters share the path
+            problems.append(problem)
     return problems
+
+
+def _in_file(path: str, value: Any, file: str | None) -> str:
+    """A DeepSpeed key as it stands in the user's file ("" when the file does not set it)."""
+    return f'"{path}": {json.dumps(value)} in deepspeed.config_file={file}' if file else ""
 
 
 def _check_numbers(cfg: Config, world: int) -> list[str]:
@@ -192,8 +263,61 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
             sp = int(cfg.dist.sequence_parallel_size)
             if sp >= 1 and world % sp == 0 and global_batch != per_rank * data_parallel_size(world, sp):
                 problems.append(global_batch_mismatch(cfg.train, world, sp))
-    if cfg.dist.timeout_minutes < 1:
-        problems.append(f"dist.timeout_minutes={cfg.dist.timeout_minutes}: must be >= 1")
+    if not 1 <= cfg.dist.timeout_minutes <= MAX_TIMEOUT_MINUTES:
+        problems.append(
+            f"dist.timeout_minutes={cfg.dist.timeout_minutes}: must be >= 1 and at most {MAX_TIMEOUT_MINUTES} (a "
+            "year; torch counts the timeout in nanoseconds and longer ones overflow); the default is 30"
+        )
+    if not 1 <= cfg.dist.master_port <= 65535:
+        problems.append(f"dist.master_port={cfg.dist.master_port}: a TCP port is from 1 to 65535 (e.g. 29500)")
+    problems += _check_learning_rate(cfg)
+    # a value refused above for its range is not said twice
+    return problems + [line for key, line in _non_finite(cfg) if not any(p.startswith(f"{key}=") for p in problems)]
+
+
+def _check_learning_rate(cfg: Config) -> list[str]:
+    """AdamW's first update divides the learning rate by (1 - beta1) (bias correction): beyond float32's range the
+    optimizer cannot even compute it (a RuntimeError in the first step). Smaller but absurd rates diverge, which
+    the run reports itself."""
+    opt = cfg.optimizer
+    if not (math.isfinite(opt.lr) and opt.lr > 0 and len(opt.betas) == 2 and 0 <= opt.betas[0] < 1):
+        return []
+    first_step = opt.lr / (1 - opt.betas[0])
+    decay = opt.lr * opt.weight_decay if math.isfinite(opt.weight_decay) else 0.0
+    if first_step <= FLOAT32_MAX and decay <= FLOAT32_MAX:
+        return []
+    what = (
+        f"AdamW's first step lr / (1 - beta1) = {first_step:.3g}"
+        if first_step > FLOAT32_MAX
+        else f"the weight decay factor lr x optimizer.weight_decay = {decay:.3g}"
+    )
+    return [
+        f"optimizer.lr={opt.lr:g}: {what} is beyond the largest float32 number ({FLOAT32_MAX:.4g}), so no update can "
+        "be computed; give a learning rate in the usual range (1e-5 to 1e-3 for fine-tuning; DeepSpeed-Chat uses 1e-3)"
+    ]
+
+
+def _non_finite(cfg: Config) -> list[tuple[str, str]]:
+    """Every number of the config is finite: nan and inf parse as floats, and nothing in a run means either.
+    (model.arch is checked with the architecture; the DeepSpeed config is DeepSpeed's to read.)"""
+    problems: list[tuple[str, str]] = []
+
+    def walk(value: Any, key: str) -> None:
+        if key in ("model.arch", "deepspeed"):
+            return
+        if dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+        elif isinstance(value, (list, tuple)):
+            if any(isinstance(v, float) and not math.isfinite(v) for v in value):
+                problems.append((key, f"{key}={list(value)}: every number must be finite"))
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append((key, f"{key}={value}: must be a finite number"))
+
+    walk(cfg, "")
     return problems
 
 
@@ -207,23 +331,6 @@ def _check_precision(cfg: Config, accelerator: str) -> list[str]:
     if dtype == "bf16" and supports_bf16(accelerator) is False:
         return [f"precision=bf16: the {accelerator} accelerator cannot train in bf16; use precision=fp32"]
     return []
-
-
-def _check_output_paths(cfg: Config) -> list[str]:
-    """Checkpoints and the export stay inside the run directory: rotation deletes in checkpoint_dir, and a run must
-    not write over another run's files."""
-    if cfg.train.allow_outside_run_dir:
-        return []
-    problems = []
-    for key in ("checkpoint_dir", "export_dir"):
-        value = str(getattr(cfg.train, key))
-        path = Path(value).expanduser()
-        if not value or path.is_absolute() or ".." in path.parts:
-            problems.append(
-                f"train.{key}={value}: must be a directory inside the run directory (relative, no '..'), so that "
-                f"no run writes into or deletes from another's; set train.allow_outside_run_dir=true to allow it"
-            )
-    return problems
 
 
 def _check_eval(cfg: Config) -> list[str]:
@@ -245,11 +352,16 @@ def _check_resume(cfg: Config) -> list[str]:
     return []
 
 
-def config_problems(cfg: Config, *, accelerator: str, world_size: int) -> tuple[list[str], dict[str, Any]]:
+def config_problems(
+    cfg: Config, *, accelerator: str, world_size: int, run_dir: Path | None = None
+) -> tuple[list[str], dict[str, Any]]:
     """Every problem of the config's values and combinations (one line each), and the merged DeepSpeed config
-    (run-time "auto" kept; {} when it cannot be built). `world_size`: the launch's (for the global batch)."""
+    (run-time "auto" kept; {} when it cannot be built). `world_size`: the launch's (for the global batch);
+    `run_dir`, when known, places the output directories that are given as absolute paths."""
     problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg, world_size)
-    problems += _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + _check_output_paths(cfg)
+    problems += (
+        _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + check_output_paths(cfg, run_dir)
+    )
     problems += check_sequence_parallel(cfg, world_size)
     ds: dict[str, Any] = {}
     try:
@@ -258,5 +370,7 @@ def config_problems(cfg: Config, *, accelerator: str, world_size: int) -> tuple[
     except ConfigError as err:
         problems += err.problems
     if ds:
-        problems += _check_zero_and_offload(ds) + _check_optimizer_impl(cfg, ds, accelerator) + zero_problems(cfg, ds)
+        problems += (
+            _check_zero_and_offload(cfg, ds) + _check_optimizer_impl(cfg, ds, accelerator) + zero_problems(cfg, ds)
+        )
     return problems, ds

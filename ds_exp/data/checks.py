@@ -90,3 +90,13 @@ def check_data_config(data: DataConfig) -> list[str]:
         if not isinstance(num_eval, int) or num_eval < 0:
             problems.append(f"data.synthetic.num_eval={num_eval}: must be >= 0")
     return problems
+
+
+def no_eval_note(data: DataConfig) -> str:
+    """Said once when the eval set is empty: evaluation is off for the whole run, and why."""
+    why = (
+        "data.synthetic.num_eval=0"
+        if not data.sources and not data.sft_only_sources
+        else f"no source has an eval split and data.eval_fraction={data.eval_fraction}"
+    )
+    return f"no eval set ({why}): evaluation is off, so metrics.jsonl and summary.json have no eval_loss or perplexity"

@@ -81,6 +81,7 @@ class Parsed:
     marked: int = 0  # rows whose user turn already carries DeepSpeed-Chat's markers
     first_marked: str | None = None  # where the first of them is, for messages
     where: list[str] | None = None  # where each kept row is (only when asked: finding a row for an error)
+    other_layout: int = 0  # rows of another layout, skipped because the source's layout was chosen
 
 
 def is_marked(roles: Sequence[str], contents: Sequence[str]) -> bool:
@@ -179,6 +180,9 @@ class Fields:
     prompt: str = "prompt"
     chosen: str = "chosen"
     rejected: str | None = "rejected"
+    # the user chose the layout (not auto): rows of another layout in the same file are skipped (and counted)
+    # instead of refused as a mix
+    chosen_by_user: bool = False
 
 
 def parse_rows(
@@ -196,6 +200,8 @@ def parse_rows(
     if layout == "auto":
         layout = detect_layout(columns, prompt_field, chosen_field)
     out = Parsed(Rows(), where=[] if locate else None)
+    skip = _rows_of_other_layouts(columns, get, where, fields, layout, key, label)
+    out.other_layout = len(skip)
     if layout == "prompt_chosen":
         names = {"prompt": prompt_field, "chosen": chosen_field}
         for role, column in names.items():
@@ -213,6 +219,8 @@ def parse_rows(
         else:
             rejecteds = [None] * len(prompts)
         for i, (p, c, r) in enumerate(zip(prompts, chosens, rejecteds, strict=True)):
+            if i in skip:
+                continue
             if p is None or c is None or not c.strip():
                 out.dropped += 1
                 continue
@@ -225,6 +233,8 @@ def parse_rows(
                 f"{key}.layout={layout}: {label} has no {column!r} column; its columns are: {', '.join(columns)}"
             )
         for i, value in enumerate(get(column)):
+            if i in skip:
+                continue
             roles, contents = chat_turns(value, key, where(i), column)
             if not any(c.strip() for r, c in zip(roles, contents, strict=True) if r == "assistant"):
                 out.dropped += 1  # every answer blank: like a blank chosen
@@ -240,12 +250,105 @@ def parse_rows(
     instructions = get("instruction")
     given = get("input") if "input" in columns else [None] * len(instructions)
     for i, row in enumerate(zip(instructions, given, get("output"), strict=True)):
+        if i in skip:
+            continue
         turns = alpaca_turns(*row, key, where(i))
         if turns is None:
             out.dropped += 1
             continue
         _keep(out, *turns, None, where, i)
     return out, layout
+
+
+# ----------------------------------------------------------------------------------------------- mixed files
+
+_WHERE = re.compile(r"^(?P<file>.*?)(?::(?P<line>\d+)|: (?P<kind>item|row) (?P<num>\d+))$")
+
+
+def _families(fields: Fields) -> dict[str, tuple[str, ...]]:
+    """The columns that make each layout, in detect_layout's order of precedence."""
+    pair = (fields.prompt, fields.chosen)
+    renamed = pair != ("prompt", "chosen")
+    families = {"messages": (MESSAGES_COLUMN,), "sharegpt": (SHAREGPT_COLUMN,), "alpaca": ("instruction", "output")}
+    return {"prompt_chosen": pair, **families} if renamed else {**families, "prompt_chosen": pair}
+
+
+def row_layouts(
+    columns: Sequence[str], get: Callable[[str], list[Any]], fields: Fields
+) -> list[tuple[str, ...]] | None:
+    """The layouts each row fills (in detect_layout's order of precedence; () when none); None when the table's
+    columns belong to one layout only (the common case: nothing to tell apart, and no column is read twice)."""
+    families = {name: [c for c in cols if c in columns] for name, cols in _families(fields).items()}
+    families = {name: cols for name, cols in families.items() if cols}
+    if len(families) < 2:
+        return None
+    values = {c: get(c) for cols in families.values() for c in cols}
+    n = len(next(iter(values.values())))
+
+    def filled(column: str, i: int) -> bool:
+        value = values[column][i]
+        return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+    return [tuple(name for name, cols in families.items() if any(filled(c, i) for c in cols)) for i in range(n)]
+
+
+def _rows_of_other_layouts(
+    columns: Sequence[str],
+    get: Callable[[str], list[Any]],
+    where: Callable[[int], str],
+    fields: Fields,
+    layout: str,
+    key: str,
+    label: str,
+) -> set[int]:
+    """Rows written in another layout than the one read (a row that fills it is read, whatever else it holds):
+    skipped when the user chose the layout, else one message that says the file mixes layouts, which rows are
+    which, and how to choose."""
+    layouts = row_layouts(columns, get, fields)
+    if layouts is None:
+        return set()
+    others = {i for i, fills in enumerate(layouts) if fills and layout not in fills}
+    if not others or fields.chosen_by_user:
+        return others
+    groups: dict[str, list[int]] = {}
+    for i, fills in enumerate(layouts):
+        if fills:
+            groups.setdefault(layout if layout in fills else fills[0], []).append(i)
+    ordered = sorted(groups.items(), key=lambda item: -len(item[1]))
+    said = "; ".join(
+        f"{name} at {_spans(where, rows)} ({len(rows)} row{'s' if len(rows) > 1 else ''})" for name, rows in ordered
+    )
+    if len(groups) == 1:  # an eval split in another layout than its source's train split
+        said += f"; the source's train rows are {layout}"
+    hint = key.replace("[", ".").replace("]", "")
+    most = ordered[0][0]
+    alternatives = ", ".join(name for name in groups if name != most) or layout
+    raise DataError(
+        f"{key}: {label} mixes row layouts: {said}. One source reads one layout: set {hint}.layout={most} (or "
+        f"{alternatives}) to train on those rows only, skipping the others, or split the file into one source per "
+        "layout"
+    )
+
+
+def _spans(where: Callable[[int], str], rows: list[int], most: int = 4) -> str:
+    """Rows as ranges of the numbers their files use: "lines 1-5, 11-15", "items 0-3", or their places."""
+    matches = [_WHERE.match(where(i)) for i in rows]
+    if not all(matches):
+        return ", ".join(where(i) for i in rows[:3]) + (", ..." if len(rows) > 3 else "")
+    first = matches[0]
+    assert first is not None
+    kind = ("line" if first["line"] else first["kind"]) + ("s" if len(rows) > 1 else "")
+    numbers = [int(m["line"] or m["num"]) for m in matches if m is not None]
+    ranges: list[str] = []
+    start = prev = numbers[0]
+    for n in [*numbers[1:], None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        ranges.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return f"{kind} {', '.join(ranges[:most])}{', ...' if len(ranges) > most else ''}"
 
 
 def _keep(

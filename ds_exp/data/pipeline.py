@@ -137,7 +137,7 @@ def count_train_examples(data: DataConfig) -> int:
     for src, key, sft_only in _sources(data):
         if src is None:
             syn = data.synthetic
-            n_train, n_eval = int(syn.num_train), (int(syn.num_eval) or None)
+            n_train, n_eval = int(syn.num_train), int(syn.num_eval)
         else:
             raw = load_source(src, key)
             if configured != "auto":

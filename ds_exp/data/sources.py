@@ -200,7 +200,27 @@ def _pick_splits(dd: Any, src: DataSource, key: str, label: str) -> tuple[_Table
     elif eval_split is not None and eval_split not in dd:
         raise DataError(f"{key}.eval_split={eval_split}: {label} has no such split; it has {', '.join(names)}")
     train = _read_dataset(dd[split], f"{label} [{split}]")
-    return train, _read_dataset(dd[eval_split], f"{label} [{eval_split}]") if eval_split is not None else None
+    if eval_split is None:
+        return train, None
+    fix = f"set {_hint(key)}.eval_split to a split with rows, or {_hint(key)}.eval_split=null to {_CARVE}"
+    return train, _with_rows(
+        _read_dataset(dd[eval_split], f"{label} [{eval_split}]"), key, f"{label} [{eval_split}]", fix
+    )
+
+
+_CARVE = "hold out data.eval_fraction of the train rows for eval instead"
+
+
+def _hint(key: str) -> str:
+    """A config key as a Hydra override spells it: data.sources[0] -> data.sources.0."""
+    return key.replace("[", ".").replace("]", "")
+
+
+def _with_rows(table: _Table, key: str, what: str, fix: str) -> _Table:
+    """An eval split that holds no rows is refused with its fixes (not as a missing column of an empty file)."""
+    if table.n == 0:
+        raise DataError(f"{key}: {what} holds no eval rows; {fix}")
+    return table
 
 
 def _load_tables(src: DataSource, key: str, fields: list[str]) -> tuple[_Table, _Table | None, str]:
@@ -219,13 +239,15 @@ def _load_tables(src: DataSource, key: str, fields: list[str]) -> tuple[_Table, 
         eval_local = expand(eval_path)
         if not eval_local.is_file():
             raise DataError(f"{key}.eval_path={eval_path}: file not found; fix the path or remove eval_path")
-        return train, _read_file(eval_local, fmt, key, fields), str(local)
+        fix = f"add eval rows to it, or remove {_hint(key)}.eval_path to {_CARVE}"
+        return train, _with_rows(_read_file(eval_local, fmt, key, fields), key, str(eval_local), fix), str(local)
     if fmt == "dschat":
         train_file, eval_file = dschat_files(local)  # type: ignore[misc]  # resolve_format checked it
         train = _read_file(train_file, "json", key, fields)
         if eval_file is None or src.eval_split is None:
             return train, None, str(local)
-        return train, _read_file(eval_file, "json", key, fields), str(local)
+        fix = f"add eval rows to it, delete it, or set {_hint(key)}.eval_split=null to {_CARVE}"
+        return train, _with_rows(_read_file(eval_file, "json", key, fields), key, str(eval_file), fix), str(local)
     if fmt == "arrow":
         try:
             loaded = datasets.load_from_disk(str(local))
@@ -253,7 +275,11 @@ def _parse(table: _Table, fields: Fields, key: str, label: str, locate: bool = F
 
 def source_fields(src: DataSource) -> Fields:
     return Fields(
-        layout=src.layout or "auto", prompt=src.prompt_field, chosen=src.chosen_field, rejected=src.rejected_field
+        layout=src.layout or "auto",
+        prompt=src.prompt_field,
+        chosen=src.chosen_field,
+        rejected=src.rejected_field,
+        chosen_by_user=(src.layout or "auto") != "auto",
     )
 
 
@@ -270,6 +296,7 @@ def load_source(src: DataSource, key: str) -> RawSource:
         why = f"all {train_table.n} rows lack a prompt or an answer" if train_table.n else "it holds no rows"
         raise DataError(f"{key}: {label}: dataset is empty after filtering ({why})")
     raw = RawSource(key, train.rows, None, train.dropped, layout, train.marked, train.first_marked)
+    skipped = train.other_layout
     if eval_table is not None:
         # the eval split is read with the train split's layout: one source, one row format
         evals, _ = _parse(eval_table, replace(fields, layout=layout), key, f"{label} (eval)")
@@ -277,8 +304,11 @@ def load_source(src: DataSource, key: str) -> RawSource:
         raw.num_filtered += evals.dropped
         raw.num_marked += evals.marked
         raw.first_marked = raw.first_marked or evals.first_marked
+        skipped += evals.other_layout
     if raw.num_filtered:
         log.warning("%s: %d rows without a prompt or with a blank answer were dropped", key, raw.num_filtered)
+    if skipped:
+        log.warning("%s: %d rows in another layout than %s=%s were skipped", key, skipped, key + ".layout", layout)
     return raw
 
 
@@ -307,4 +337,5 @@ def synthetic_source(synthetic: SyntheticDataConfig) -> RawSource:
             [""] * len(items),
         )
 
-    return RawSource("data.synthetic", rows(train), rows(eval_rows) if eval_rows else None)
+    # num_eval=0 means no eval set (an empty split), not "carve eval_fraction out of train" as for a file
+    return RawSource("data.synthetic", rows(train), rows(eval_rows))

@@ -73,8 +73,8 @@ def run_dir_of_job() -> Path:
 def run_job(composed: DictConfig) -> Any:
     """Typed once, validated, then planned (dry_run=true) or trained. Heavy imports happen only past validation."""
     cfg = to_config(composed)
-    validate(cfg)
     run_dir = run_dir_of_job()
+    validate(cfg, run_dir=run_dir)
     if cfg.dry_run:
         from ds_exp.tools.dry_run import dry_run
 

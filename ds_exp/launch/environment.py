@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from ds_exp.config.schema import plain
 from ds_exp.core import compat
+from ds_exp.launch.rendezvous import free_port
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
     if launcher == "single":
         # alone, nobody needs to find this process: any free port (two single-GPU runs on one machine would
         # otherwise both take 29500)
-        port = _int_env("MASTER_PORT") or _free_port()
+        port = _int_env("MASTER_PORT") or free_port()
         return LaunchInfo("single", 0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port)
     if launcher == "env":
         return LaunchInfo(
@@ -119,12 +120,6 @@ def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
     raise ValueError(f"unknown dist.launcher {launcher}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 
@@ -151,6 +146,13 @@ def launch_env_problems() -> list[str]:
     if local is not None and local_world is not None and not 0 <= local < local_world:
         problems.append(
             f"LOCAL_RANK={local} with LOCAL_WORLD_SIZE={local_world}: local ranks go from 0 to {local_world - 1}"
+        )
+    port = _int_env("MASTER_PORT")
+    # 0 lets the system pick a port: fine alone, but then no other rank can know it
+    if port is not None and not (1 if (world or 1) > 1 else 0) <= port <= 65535:
+        problems.append(
+            f"MASTER_PORT={port} is not a TCP port the ranks can meet on (1 to 65535); set MASTER_PORT to a free "
+            "port, e.g. 29500, or unset it"
         )
     return problems
 

@@ -24,8 +24,43 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
+# The longest path a run writes below its directory, with room to spare: a checkpoint's optimizer states, a
+# universal conversion's per-parameter files (long parameter names), .hydra/resume-<time>/overrides.yaml.
+RUN_FILES_MARGIN = 200
+
+
+def check_path_length(path: Path, key: str, margin: int = RUN_FILES_MARGIN) -> None:
+    """Every component of `path` within the file system's NAME_MAX, and the path plus the files a run writes inside
+    it within PATH_MAX: said now, not as ENAMETOOLONG from Hydra's mkdir or in the middle of a checkpoint."""
+    path = path.absolute()
+    existing = Path(path.anchor)
+    for part in path.parts[1:]:  # the deepest ancestor that exists (Path.exists raises on a name too long)
+        try:
+            if not (existing / part).exists():
+                break
+        except OSError:
+            break
+        existing = existing / part
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    shown = str(path) if len(str(path)) <= 120 else f"{str(path)[:60]}...{str(path)[-40:]}"
+    long = next((part for part in path.parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None:
+        raise ConfigError(
+            f"{key}={shown}: the name {long[:40]}... has {len(os.fsencode(long))} bytes and this file system allows "
+            f"{name_max} per name (NAME_MAX); choose a shorter {key}"
+        )
+    length = len(os.fsencode(str(path)))
+    if length + margin > path_max:
+        raise ConfigError(
+            f"{key}={shown}: the path has {length} bytes, and the files a run writes inside it need up to about "
+            f"{margin} more; this file system allows {path_max} (PATH_MAX): choose a shorter {key}"
+        )
+
+
 def check_writable(path: Path, key: str) -> None:
     """`path` is, or can be created as, a directory this process can write to."""
+    check_path_length(path, key)
     existing = _existing_ancestor(path)
     if not existing.is_dir():
         raise ConfigError(f"{key}={path}: {existing} is a file, not a directory; point {key} at a directory")
@@ -37,24 +72,51 @@ def check_writable(path: Path, key: str) -> None:
 
 def check_free_space(needs: dict[Path, int], keys: dict[Path, str]) -> None:
     """Each file system must have room for what is bound for it (paths on one file system add up)."""
-    per_device: dict[int, tuple[Path, int]] = {}
+    names = {"train.checkpoint_dir": "one checkpoint", "train.export_dir": "the export"}
+    per_device: dict[int, tuple[Path, int, list[str]]] = {}
     for path, size in needs.items():
         existing = _existing_ancestor(path)
         device = existing.stat().st_dev
-        first, total = per_device.get(device, (path, 0))
-        per_device[device] = (first, total + size)
-    for path, needed in per_device.values():
+        first, total, what = per_device.get(device, (path, 0, []))
+        per_device[device] = (first, total + size, [*what, names.get(keys[path], keys[path])])
+    for path, needed, what in per_device.values():
         free = _free_bytes(_existing_ancestor(path))
         if free < needed:
             raise RunFailed(
-                f"not enough disk space for {keys[path]}={path}: {human_bytes(free)} free, one checkpoint and the "
-                f"export need about {human_bytes(needed)}; free some space or point {keys[path]} at a larger disk"
+                f"not enough disk space for {keys[path]}={path}: {human_bytes(free)} free, {' and '.join(what)} "
+                f"{'need' if len(what) > 1 else 'needs'} about {human_bytes(needed)}; free some space or point "
+                f"{keys[path]} at a larger disk"
             )
 
 
 def _free_bytes(path: Path) -> int:
     stat = os.statvfs(path)
     return stat.f_bavail * stat.f_frsize
+
+
+def export_failure_message(exc: BaseException, export_dir: Path, needed: int) -> str | None:
+    """A person's message for an export that failed for lack of room or rights; None for other failures.
+    safetensors reports a full disk as its own error ("StorageFull"), so, as for checkpoints, a failure with less
+    room left than the weights need counts as a full disk whatever its type."""
+    reason = _no_room(exc, export_dir, needed)
+    if reason is None:
+        return None
+    return (
+        f"could not write the export {export_dir} ({reason}; the weights alone need about {human_bytes(needed)}); "
+        "nothing half-written was left and the checkpoints are as they were. Free some space (or point "
+        "train.export_dir at a larger disk), then run again with the same overrides plus resume=auto (from a "
+        "checkpoint at the final step it only evaluates and exports)"
+    )
+
+
+def _no_room(exc: BaseException, path: Path, needed: int) -> str | None:
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        return os.strerror(exc.errno)
+    free = _free_bytes(_existing_ancestor(path))
+    if free < needed or "No space left" in text or "StorageFull" in text:
+        return f"the disk is full: {human_bytes(free)} free"
+    return None
 
 
 def save_failure_message(exc: BaseException, tag_dir: Path, needed: int) -> str | None:

@@ -3,6 +3,7 @@ and the data config (ds_exp.data.checks), for the world size and accelerator of 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ds_exp.config.precision import detect_accelerator
@@ -13,10 +14,12 @@ from ds_exp.data.checks import check_data_config
 from ds_exp.launch.environment import detect_launch
 
 
-def validate(cfg: Config, accelerator: str | None = None) -> dict[str, Any]:
-    """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept)."""
+def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
+    """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept).
+    `run_dir`, when known, places the output directories that are given as absolute paths."""
     world = detect_launch(cfg.dist).world_size
-    problems, ds = config_problems(cfg, accelerator=accelerator or detect_accelerator(), world_size=world)
+    accelerator = accelerator or detect_accelerator()
+    problems, ds = config_problems(cfg, accelerator=accelerator, world_size=world, run_dir=run_dir)
     problems += check_data_config(cfg.data)
     if problems:
         raise ConfigError(problems)

@@ -30,8 +30,15 @@ def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Pretr
             raise ConfigError(
                 "model.arch.model_type is missing: name the architecture, e.g. model.arch.model_type=llama"
             )
-        vocab = padded_vocab_size(len(tokenizer), int(arch.pop("vocab_size", 0)), model_cfg.vocab_multiple)
-        config = AutoConfig.for_model(model_type, vocab_size=vocab, **arch)
+        vocab = padded_vocab_size(len(tokenizer), int(arch.pop("vocab_size", 0) or 0), model_cfg.vocab_multiple)
+        try:
+            config = AutoConfig.for_model(model_type, vocab_size=vocab, **arch)
+        except Exception as err:  # transformers' own checks of a family (strict dataclass validators, ValueError)
+            first = " ".join(str(err).split()) or type(err).__name__
+            raise ConfigError(
+                f"model.arch: transformers cannot build a {model_type} from these values ({first}); fix the "
+                "model.arch values it names"
+            ) from err
     else:
         try:
             config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)

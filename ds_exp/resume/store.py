@@ -54,17 +54,25 @@ def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
     found = []
     for child in checkpoint_dir.iterdir():
         match = _TAG.match(child.name)
-        if match and (child / COMPLETE_MARKER).is_file():
+        if match and is_complete(child):
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
 
 
+def is_complete(tag_dir: Path) -> bool:
+    """A checkpoint is complete only when its marker is the JSON object ds_exp writes last: an empty, cut-short or
+    edited marker (a file system that lost its last write) says nothing, so the checkpoint counts as incomplete
+    everywhere (resume, rotation, `latest`, a conversion), as if the marker were missing."""
+    return bool(read_marker(tag_dir))
+
+
 def read_marker(tag_dir: Path) -> dict[str, Any]:
-    """The completeness marker of a checkpoint (its TrainState); {} when unreadable."""
+    """The completeness marker of a checkpoint (its TrainState); {} when missing, unreadable or not an object."""
     try:
-        return restore_non_finite(json.loads((tag_dir / COMPLETE_MARKER).read_text()))
+        marker = json.loads((tag_dir / COMPLETE_MARKER).read_text())
     except (OSError, ValueError):
         return {}
+    return restore_non_finite(marker) if isinstance(marker, dict) and "step" in marker else {}
 
 
 def find_resume_checkpoint(resume: str | None, run_dir: Path, checkpoint_subdir: str) -> Path | None:
@@ -75,8 +83,15 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, checkpoint_subdir:
         found = complete_checkpoints(run_dir / checkpoint_subdir)
         return found[-1] if found else None
     path = Path(resume).expanduser()
-    if (path / COMPLETE_MARKER).is_file():
+    if is_complete(path):
         return path
+    if (path / COMPLETE_MARKER).is_file():  # a tag named directly whose marker is damaged
+        earlier = [c for c in complete_checkpoints(path.parent) if _step_of(c) < _step_of(path)]
+        fallback = f"resume={earlier[-1]} is the newest complete one before it" if earlier else "start over"
+        raise ResumeError(
+            f"resume={resume}: its {COMPLETE_MARKER} is empty or not the JSON object ds_exp writes, so the checkpoint "
+            f"is incomplete (its save never finished, or the file was damaged since); {fallback}"
+        )
     for candidate in (path, path / checkpoint_subdir):
         found = complete_checkpoints(candidate)
         if found:

@@ -12,10 +12,6 @@ import contextlib
 import datetime
 import io
 import logging
-import sys
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import deepspeed
@@ -27,6 +23,7 @@ from omegaconf import DictConfig
 from ds_exp.config.schema import plain
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch.environment import LaunchInfo, choose_backend, cpu_threads_per_rank, export_launch_env
+from ds_exp.launch.rendezvous import wait_for_rendezvous
 from ds_exp.launch.run_logging import LIBRARY_LOGGER
 from ds_exp.runtime import ops
 
@@ -85,37 +82,6 @@ def check_backend(backend: str, accelerator: str) -> None:
             raise ConfigError(
                 "dist.backend=ccl needs Intel's oneCCL bindings (pip install oneccl_bind_pt); or dist.backend=auto"
             ) from None
-
-
-def wait_for_rendezvous(start: Callable[[], Any], launch: LaunchInfo, timeout_minutes: int) -> None:
-    """Run `start` (the rendezvous) in a helper thread while the main thread waits in Python: a blocked rendezvous
-    would otherwise hold off Ctrl-C and SIGTERM until it times out (dist.timeout_minutes). Says what it waits for."""
-    outcome: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            start()
-        except BaseException as exc:  # handed to the main thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="ds_exp-rendezvous", daemon=True)
-    started = time.monotonic()
-    thread.start()
-    next_notice = 10.0
-    while thread.is_alive():
-        thread.join(timeout=0.5)  # signal handlers run in the main thread between these waits
-        waited = time.monotonic() - started
-        if thread.is_alive() and launch.world_size > 1 and waited >= next_notice:
-            print(
-                f"ds_exp: rank {launch.rank} has waited {waited:.0f} s for the {launch.world_size} ranks to meet at "
-                f"{launch.master_addr}:{launch.master_port} (gives up after dist.timeout_minutes={timeout_minutes}; "
-                "Ctrl-C stops it)",
-                file=sys.stderr,
-                flush=True,
-            )
-            next_notice *= 3
-    if "error" in outcome:
-        raise outcome["error"]
 
 
 def all_reduce_sum(values: list[float], device: Any) -> list[float]:

@@ -4,8 +4,11 @@
   `signal_delay_s` says how long before the limit SLURM sends it). Once the checkpoint is complete, rank 0
   hands over to submitit's own handler, which re-submits the job with the same arguments (so the same job
   directory) and runs `scontrol requeue`; the requeued job resumes from the checkpoint (`resume=auto`).
-* Under any other launcher, SIGTERM and SIGINT: save, then exit with 128 + the signal's number. A second
-  SIGINT interrupts at once (KeyboardInterrupt), for a user who cannot wait for the step to end.
+* Under any other launcher, SIGTERM, SIGINT and SIGHUP (the terminal was closed: an ssh session that dropped):
+  save, then exit with 128 + the signal's number. A second SIGINT interrupts at once (KeyboardInterrupt), for a
+  user who cannot wait for the step to end. After SIGHUP the console is gone (writing to a hung-up terminal fails
+  with EIO, which would end the run before its checkpoint): output meant for it goes to /dev/null, and the log
+  file and summary.json say what happened.
 
 During training, handlers only set a flag. The training loop votes on it in an all-reduce it makes anyway at
 every step, so all ranks stop after the same step even though the signal reaches them at different moments.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 from types import FrameType
@@ -67,7 +71,7 @@ class StopSignals:
     def watched(self) -> list[int]:
         if self.under_submitit:
             return [compat.submitit_requeue_signal()]  # SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise
-        return [signal.SIGTERM, signal.SIGINT]
+        return [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
 
     def install(self) -> None:
         self.pid = os.getpid()
@@ -86,8 +90,12 @@ class StopSignals:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if signum == signal.SIGHUP:
+            leave_hung_up_terminal()
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # asked twice: stop now, without the checkpoint
+        if self.signum is not None and signum == signal.SIGHUP:
+            return  # the stop asked first stands (its message names it)
         self.signum = signum
         if self.immediate:
             log.warning("caught %s before training started: stopping now", self.reason)
@@ -121,3 +129,19 @@ class StopSignals:
         while time.monotonic() < deadline:
             time.sleep(1)
         sys.exit(-1)
+
+
+def leave_hung_up_terminal() -> None:
+    """Point stdout and stderr away from a terminal that hung up (its writes fail with EIO from now on)."""
+    for fd in (1, 2):
+        try:
+            # a hung-up terminal no longer answers isatty() (its ioctls fail too): any character device but
+            # /dev/null counts. A pipe or a file still works (SIGHUP sent by a person or a script): kept
+            mode = os.fstat(fd)
+            if not stat.S_ISCHR(mode.st_mode) or os.path.samestat(mode, os.stat(os.devnull)):
+                continue
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except OSError:
+            pass

@@ -30,6 +30,8 @@ from hydra.types import HydraContext, TaskFunction
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError, DsExpError
@@ -53,6 +55,39 @@ log = logging.getLogger(__name__)
 
 DB_FILE = "optuna.db"
 LOCK_FILE = ".study.lock"
+
+
+# Drivers whose package is not named as the module SQLAlchemy imports
+_DRIVER_PACKAGES = {"MySQLdb": "mysqlclient", "psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]"}
+
+
+def check_storage(storage: str) -> None:
+    """hydra.sweeper.storage is a database URL SQLAlchemy can open with a driver installed here (optuna imports it
+    only when it opens the study, after the sweep directory is made, and says "install appropriate one")."""
+    shown = f"hydra.sweeper.storage={shown_storage(storage)}"
+    unset = "or leave hydra.sweeper.storage unset for a SQLite file in the sweep directory"
+    try:
+        dialect = make_url(storage).get_dialect()
+    except NoSuchModuleError:  # (an ArgumentError too)
+        scheme = storage.split(":", 1)[0]
+        raise ConfigError(
+            f"{shown}: SQLAlchemy knows no database {scheme!r} (optuna keeps studies in SQL databases): give a "
+            f"sqlite, mysql or postgresql URL, {unset}"
+        ) from None
+    except ArgumentError:
+        raise ConfigError(
+            f"{shown}: not a database URL; give one (e.g. sqlite:////path/study.db or "
+            f"mysql+pymysql://user:PASSWORD@host/db), {unset}"
+        ) from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as err:
+        module = getattr(err, "name", None) or str(err)
+        package = _DRIVER_PACKAGES.get(module.split(".")[0], module.split(".")[0])
+        raise ConfigError(
+            f"{shown}: the {dialect.name} driver {dialect.driver} is not installed (no module {module!r}); "
+            f"pip install {package}, name an installed driver in the URL ({dialect.name}+<driver>://...), {unset}"
+        ) from None
 
 
 class StudySweeper(Sweeper):
@@ -108,6 +143,7 @@ class StudySweeper(Sweeper):
         self.check_composes(space)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         storage = self.storage or f"sqlite:///{sweep_dir.resolve() / DB_FILE}"
+        check_storage(storage)  # before the sweep directory is made: a missing driver is a message, not a traceback
         identity = {
             "study_name": self.study_name,
             "storage": shown_storage(storage),
@@ -120,9 +156,19 @@ class StudySweeper(Sweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         self.lock(sweep_dir)
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the sweeper says what happens, once
-        study = optuna.create_study(
-            storage=storage, study_name=self.study_name, direction=self.direction, load_if_exists=True
-        )
+        try:
+            study = optuna.create_study(
+                storage=storage, study_name=self.study_name, direction=self.direction, load_if_exists=True
+            )
+        except Exception as err:  # the database: unreachable, refused, ... (SQLAlchemy's errors)
+            if not type(err).__module__.startswith("sqlalchemy"):
+                raise
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(
+                f"hydra.sweeper.storage={shown_storage(storage)}: the study's database cannot be opened ({first}); "
+                "check the URL and that the database server runs, or leave hydra.sweeper.storage unset for a "
+                "SQLite file in the sweep directory"
+            ) from None
         if study.direction.name.lower() != self.direction:
             raise ConfigError(
                 f"hydra.sweeper.direction={self.direction}: study {self.study_name} in {shown_storage(storage)} "

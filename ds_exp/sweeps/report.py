@@ -55,15 +55,81 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")), key=_job_key)
 
 
+class Damaged(Exception):
+    """A file of a job that cannot be read as what ds_exp wrote there (cut short, edited, another program's)."""
+
+
+def _read(path: Path, parse: Any, kind: str) -> Any:
+    try:
+        return parse(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise Damaged(f"{path} is damaged: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise Damaged(f"{path} is damaged: not valid JSON (line {err.lineno} column {err.colno}: {err.msg})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1} column {mark.column + 1})" if mark is not None else ""
+        raise Damaged(f"{path} is damaged: not valid {kind}{where}") from None
+    except OSError as err:
+        raise Damaged(f"{path} cannot be read ({err.strerror or err})") from None
+
+
+NUMBERS = ("world_size", "zero_stage", "tokens_per_s", "samples_per_s", "train_loss", "wall_time_s", "restarts")
+
+
+def read_overrides(job_dir: Path) -> list[str]:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    overrides = _read(path, yaml.safe_load, "YAML") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise Damaged(f"{path} is damaged: Hydra writes a list of overrides there, it holds {type(overrides).__name__}")
+    return overrides
+
+
+def read_job_summary(path: Path) -> dict[str, Any]:
+    summary = _read(path, json.loads, "JSON")
+    if not isinstance(summary, dict):
+        raise Damaged(f"{path} is damaged: a JSON {type(summary).__name__}, not the object a run writes")
+    wrong = [k for k in NUMBERS if summary.get(k) is not None and not _is_number(summary[k])]
+    peaks = summary.get("peak_memory_bytes_per_rank") or []
+    if not isinstance(peaks, list) or not all(p is None or _is_number(p) for p in peaks):
+        wrong.append("peak_memory_bytes_per_rank")
+    final = summary.get("final_eval") or {}
+    if not isinstance(final, dict) or (final.get("perplexity") is not None and not _is_number(final["perplexity"])):
+        wrong.append("final_eval")
+    if wrong:
+        raise Damaged(f"{path} is damaged: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not numbers")
+    return summary
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def job_row(job_dir: Path) -> dict[str, Any]:
-    overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    """The job's row; a damaged overrides.yaml or summary.json is named in the row (status "damaged"), and the
+    rest of the report still comes out."""
     row: dict[str, Any] = dict.fromkeys(COLUMNS)
-    row.update(job=job_dir.name, overrides=" ".join(overrides))
+    row.update(job=job_dir.name)
+    damaged = []
+    try:
+        row.update(overrides=" ".join(read_overrides(job_dir)))
+    except Damaged as err:
+        damaged.append(str(err))
     summary_file = job_dir / "summary.json"
     if not summary_file.is_file():
         row.update(status="no summary", error=f"{summary_file} missing: the job never reached training or was killed")
-        return row
-    summary = json.loads(summary_file.read_text())
+    else:
+        try:
+            _fill_from_summary(row, read_job_summary(summary_file))
+        except Damaged as err:
+            damaged.append(str(err))
+    if damaged:  # a damaged overrides.yaml alone keeps the summary's status: the results are there
+        summary_damaged = any(str(summary_file) in d for d in damaged)
+        row.update(status="damaged" if summary_damaged else row["status"], error="; ".join(damaged))
+    return row
+
+
+def _fill_from_summary(row: dict[str, Any], summary: dict[str, Any]) -> None:
     peaks = [p for p in summary.get("peak_memory_bytes_per_rank") or [] if p is not None]
     final = summary.get("final_eval") or {}
     row.update(
@@ -83,7 +149,6 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         error_kind=summary.get("error_kind"),
         error=summary.get("error"),
     )
-    return row
 
 
 def _cell(value: Any) -> str:
@@ -138,20 +203,35 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = [job_row(d) for d in job_dirs(sweep_dir)]
+    for row in rows:
+        if row["status"] == "damaged" or " is damaged: " in (row["error"] or ""):
+            print(f"ds_exp: warning: job {row['job']}: {row['error']}; the report says so in its row", file=sys.stderr)
     with (sweep_dir / "report.csv").open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     table = markdown(rows)
 
-    tuned = autotune_section(sweep_dir, rows)
-    study = study_section(sweep_dir)  # an optuna study's trials and its best one (hydra/sweeper=optuna)
+    tuned = _section(autotune_section, sweep_dir, rows)
+    study = _section(study_section, sweep_dir)  # an optuna study's trials and its best one (hydra/sweeper=optuna)
     extra = tuned + (f"\n{study}" if study else "")
     (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{extra}")
     if rows:
         plot(rows, sweep_dir / "report.png")
     print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}{extra}")
     return rows
+
+
+def _section(make: Any, sweep_dir: Path, *args: Any) -> str:
+    """A section of the report from its own record (autotune's plan, the study's record); a damaged record leaves
+    the section out with a line that names it, and the job table still comes out."""
+    try:
+        return make(sweep_dir, *args) or ""
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as err:
+        what = "the autotune ranking" if make is autotune_section else "the optuna study"
+        line = f"{what} is left out: a record of it in {sweep_dir} is damaged ({type(err).__name__}: {err})"
+        print(f"ds_exp: warning: {line}", file=sys.stderr)
+        return f"\n{line[0].upper()}{line[1:]}.\n"
 
 
 # ------------------------------------------------------------------------------------------------ autotune
@@ -162,11 +242,20 @@ WARMUP_STEPS = 1  # a probe's first step (allocations, first collectives) is not
 def probe_speed(job_dir: Path) -> tuple[float | None, float | None]:
     """Median tokens/s and MFU of a probe's metric lines after its warm-up step (None where none was written)."""
     path = job_dir / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    steps = [r for r in lines if r.get("type") == "train" and r.get("step", 0) > WARMUP_STEPS]
-    speeds = [r["tokens_per_s"] for r in steps if r.get("tokens_per_s") is not None]
-    mfus = [r["mfu"] for r in steps if r.get("mfu") is not None]
+    lines = [_json_line(line) for line in path.read_text(errors="replace").splitlines()] if path.is_file() else []
+    steps = [r for r in lines if r.get("type") == "train" and _is_number(r.get("step")) and r["step"] > WARMUP_STEPS]
+    speeds = [r["tokens_per_s"] for r in steps if _is_number(r.get("tokens_per_s"))]
+    mfus = [r["mfu"] for r in steps if _is_number(r.get("mfu"))]
     return (statistics.median(speeds) if speeds else None, statistics.median(mfus) if mfus else None)
+
+
+def _json_line(line: str) -> dict[str, Any]:
+    """A metric line; {} for one cut short (a probe killed while writing it)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def autotune_rows(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

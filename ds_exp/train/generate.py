@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_exp.config.model_checks import position_limit
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import append_json_line
 from ds_exp.data.templates import render_prompt
@@ -24,7 +25,12 @@ from ds_exp.model.sequence_parallel import paused
 def load_prompts(eval_cfg: Any) -> list[str]:
     """eval.prompts, then the lines of eval.prompts_file (a text file, one prompt per line, or JSON lines with a
     "prompt" field)."""
-    prompts = [str(p) for p in (eval_cfg.prompts or [])]
+    return [prompt for _, prompt in labelled_prompts(eval_cfg)]
+
+
+def labelled_prompts(eval_cfg: Any) -> list[tuple[str, str]]:
+    """(where it comes from, for messages: eval.prompts[i] or eval.prompts_file=<path>:<line>; the prompt)."""
+    prompts = [(f"eval.prompts[{i}]", str(p)) for i, p in enumerate(eval_cfg.prompts or [])]
     if eval_cfg.prompts_file:
         path = Path(eval_cfg.prompts_file).expanduser()
         if not path.is_file():
@@ -34,17 +40,47 @@ def load_prompts(eval_cfg: Any) -> list[str]:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
+            where = f"eval.prompts_file={path}:{number}"
             if line.lstrip().startswith("{"):
                 try:
-                    prompts.append(str(json.loads(line)["prompt"]))
+                    prompts.append((where, str(json.loads(line)["prompt"])))
                 except (ValueError, KeyError):
                     raise ConfigError(
                         f'eval.prompts_file={path}:{number}: a JSON line needs a "prompt" field, or write the prompt '
                         "as plain text"
                     ) from None
             else:
-                prompts.append(line.strip())
+                prompts.append((where, line.strip()))
     return prompts
+
+
+def check_generation_room(eval_cfg: Any, model_config: Any, tokenizer: Any, template: str) -> None:
+    """Every prompt, rendered as the run asks it, plus eval.max_new_tokens fits the positions of a model that learned
+    a table of absolute positions (OPT, GPT-2, ...): past its end generation fails with an IndexError, after
+    training. Checked before training; rotary models run past their context and are not limited here."""
+    found = position_limit(model_config.to_dict())
+    if found is None or found[2] != "learned":
+        return
+    key, limit, _ = found
+    wanted = int(eval_cfg.max_new_tokens)
+    for where, prompt in labelled_prompts(eval_cfg):
+        text, add_special = render_prompt(prompt, template, tokenizer)
+        length = len(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+        if length + wanted <= limit:
+            continue
+        model = (
+            f"the model's {limit} positions ({model_config.model_type}, {key}={limit}: a learned table of "
+            "absolute positions, generating past it fails)"
+        )
+        fix = (
+            f"set eval.max_new_tokens={limit - length} or lower, or shorten the prompt"
+            if length < limit
+            else "shorten the prompt: it fills them alone"
+        )
+        raise ConfigError(
+            f"{where} is {length} tokens with the {template} template; with eval.max_new_tokens={wanted} that is "
+            f"{length + wanted} tokens, beyond {model}: {fix}"
+        )
 
 
 def stop_token_ids(tokenizer: Any, end_of_conversation: str | None) -> list[int]:

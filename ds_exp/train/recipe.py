@@ -32,6 +32,7 @@ from ds_exp.config.secrets import redact, register_secrets
 from ds_exp.config.sp_checks import check_sequence_parallel
 from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.core.files import write_json_atomic
+from ds_exp.data.checks import no_eval_note
 from ds_exp.data.pipeline import prepare_sft_data
 from ds_exp.data.templates import first_template
 from ds_exp.launch.run_dir import completed_at, set_aside_attempt
@@ -51,7 +52,7 @@ from ds_exp.runtime.signals import StopRequested
 from ds_exp.train.collate import make_collator
 from ds_exp.train.evaluate import Generations
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
-from ds_exp.train.generate import load_prompts, stop_token_ids
+from ds_exp.train.generate import check_generation_room, load_prompts, stop_token_ids
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.session import NothingToDo, Session
@@ -78,6 +79,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
 def setup(cfg: Config, session: Session) -> Workload:
     """Everything the loop uses, built in the order that fails cheapest first: the model's config before the data
     (a checkpoint transformers cannot read fails before tokenizing), the data before the weights."""
+
     state, world = session.state, session.world
     sp_problems = check_sequence_parallel(cfg, world)  # again with the world the group has (submitit: known here)
     if sp_problems:
@@ -94,6 +96,9 @@ def setup(cfg: Config, session: Session) -> Workload:
         check_heads(model_config, sp.size)  # a hub model's heads, before its data and weights
     data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     file_log.info("data statistics: %s", data.stats)  # the console has the pipeline's sentence
+    if session.is_main and len(data.eval) == 0:
+        log.warning(no_eval_note(cfg.data))
+    check_generation_room(cfg.eval, model_config, tokenizer, first_template(data.stats))  # before the weights
     steps = total_steps(len(data.train), cfg.train, dp)
     warmup = warmup_steps(cfg.scheduler, steps)
     facts = RunFacts(
@@ -121,7 +126,8 @@ def setup(cfg: Config, session: Session) -> Workload:
     state.device = device_name(session.accelerator)
     state.peak_flops = peak_flops(state.device, session.precision, cfg.train.peak_tflops)
     needed = checkpoint_bytes(parameters, trainable, session.precision)
-    check_disk_space(cfg, session, needed, parameters)
+    start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
+    check_disk_space(cfg, session, needed, parameters, start_step=start_step, total_steps=steps)
     engine = build_engine(
         cfg,
         built.model,
@@ -181,14 +187,27 @@ def log_model(cfg: Config, built: Any, parameters: int, trainable: int) -> None:
     )
 
 
-def check_disk_space(cfg: Config, session: Session, checkpoint_size: int, parameters: int) -> None:
-    """Collective: rank 0 checks that a checkpoint and the export fit on their disks (and that the export would
-    replace nothing that is not an export); every rank obeys."""
+def saves_a_checkpoint(train_cfg: Any, start_step: int, total_steps: int) -> bool:
+    """Whether a run from `start_step` to `total_steps` writes a checkpoint (a stop signal aside): the final one,
+    or one at a multiple of train.save_every still ahead."""
+    if start_step >= total_steps:
+        return False
+    every = train_cfg.save_every
+    return bool(train_cfg.save_final_checkpoint) or (bool(every) and total_steps // every * every > start_step)
+
+
+def check_disk_space(
+    cfg: Config, session: Session, checkpoint_size: int, parameters: int, *, start_step: int = 0, total_steps: int = 0
+) -> None:
+    """Collective: rank 0 checks that what the run will write (a checkpoint, the export) fits on its disk (and that
+    the export would replace nothing that is not an export); every rank obeys. A resume counts only what is still
+    to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
     train_cfg, verdict = cfg.train, None
-    if session.is_main:
+    finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step
+    if session.is_main and not finished:
         needs: dict[Path, int] = {}
         keys: dict[Path, str] = {}
-        if train_cfg.save_every or train_cfg.save_final_checkpoint:
+        if saves_a_checkpoint(train_cfg, start_step, total_steps):
             path = session.run_dir / train_cfg.checkpoint_dir
             needs[path], keys[path] = checkpoint_size, "train.checkpoint_dir"
         if train_cfg.export:

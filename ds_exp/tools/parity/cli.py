@@ -11,6 +11,7 @@ from pathlib import Path
 from ds_exp.core.errors import ConfigError, DsExpError
 from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.console import report_user_error
+from ds_exp.launch.storage import check_writable
 from ds_exp.tools.parity import compare
 from ds_exp.tools.parity.runs import run_side
 from ds_exp.tools.parity.sides import (
@@ -95,6 +96,12 @@ def prepare(args: argparse.Namespace, a: Side, b: Side, out: Path) -> None:
 
 def out_dir(args: argparse.Namespace) -> Path:
     out = args.out or Path("outputs/parity") / time.strftime("%Y-%m-%d_%H-%M-%S")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: is a file; parity writes its two runs into a directory: give a new one")
+    try:
+        check_writable(out, "--out")  # an ancestor that is a file, a read-only disk, a name too long
+    except ConfigError as err:
+        raise ConfigError(str(err).replace("--out=", "--out ", 1)) from None
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out}: already holds files; parity writes only into a new or empty directory")
     return out

@@ -1,0 +1,98 @@
+"""Where the ranks meet (torch's env:// rendezvous, through DeepSpeed): waiting for it without holding off the stop
+signals, and what went wrong as one message (a port already taken, ranks that never came, no rank 0 to find)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ds_exp.core.errors import RunFailed
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_rendezvous(start: Callable[[], Any], launch: Any, timeout_minutes: int) -> None:
+    """Run `start` (the rendezvous) in a helper thread while the main thread waits in Python: a blocked rendezvous
+    would otherwise hold off Ctrl-C and SIGTERM until it times out (dist.timeout_minutes). Says what it waits for."""
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            start()
+        except BaseException as exc:  # handed to the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="ds_exp-rendezvous", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    next_notice = 10.0
+    while thread.is_alive():
+        thread.join(timeout=0.5)  # signal handlers run in the main thread between these waits
+        waited = time.monotonic() - started
+        if thread.is_alive() and launch.world_size > 1 and waited >= next_notice:
+            print(
+                f"ds_exp: rank {launch.rank} has waited {waited:.0f} s for the {launch.world_size} ranks to meet at "
+                f"{launch.master_addr}:{launch.master_port} (gives up after dist.timeout_minutes={timeout_minutes}; "
+                "Ctrl-C stops it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            next_notice *= 3
+    if "error" in outcome:
+        message = rendezvous_failure(outcome["error"], launch, timeout_minutes)
+        if message is not None:
+            raise RunFailed(message) from outcome["error"]
+        raise outcome["error"]
+
+
+_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
+
+
+def rendezvous_failure(exc: BaseException, launch: Any, timeout_minutes: int) -> str | None:
+    """What went wrong when the ranks tried to meet, as one message naming the variables to fix; None when `exc`
+    is something else. torch says it as a C++ error text: a port already taken, rank 0 timing out while waiting for
+    the others (it knows how many came, not which), or another rank timing out while looking for rank 0."""
+    text = " ".join(str(exc).split())
+    where = f"{launch.master_addr}:{launch.master_port}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        fixes = {
+            "single": "unset MASTER_PORT (one process then picks a free port itself) or set it to a free one",
+            "env": "start the launcher on a free port (torchrun --master_port PORT, or MASTER_PORT=PORT)",
+            "mpi": "give every rank a free port (mpirun -x MASTER_PORT=PORT)",
+        }
+        fix = fixes.get(launch.launcher, "set MASTER_PORT to a free port in the job's environment")
+        return (
+            f"MASTER_PORT={launch.master_port}: rank 0 cannot open the rendezvous on port {launch.master_port} "
+            f"(address already in use: another run or program listens there); {fix}, e.g. {free_port()}"
+        )
+    joined = _JOINED.search(text)
+    if joined is not None and "timed out" in text.lower():
+        came, world = int(joined.group(1)), int(joined.group(2))
+        others = "rank 1" if world == 2 else f"ranks 1 to {world - 1}"
+        missing = (
+            f"{others} never joined"
+            if came <= 1
+            else f"{world - came} of {others} never joined (the ranks that did name themselves in their logs)"
+        )
+        return (
+            f"only {came} of the {world} ranks reached the rendezvous at {where} within dist.timeout_minutes="
+            f"{timeout_minutes}: {missing}. Start every rank (the launcher's process count must be WORLD_SIZE="
+            f"{world}), check that each can reach {where} (MASTER_ADDR, MASTER_PORT, a firewall), or raise "
+            "dist.timeout_minutes if they start late"
+        )
+    if launch.rank != 0 and "timed out" in text.lower() and "connect" in text.lower():
+        return (
+            f"rank {launch.rank} could not reach rank 0 at {where} within dist.timeout_minutes={timeout_minutes}: "
+            f"rank 0 never opened the rendezvous there. Check that rank 0 was started and that MASTER_ADDR="
+            f"{launch.master_addr} and MASTER_PORT={launch.master_port} name its host and a port it can open"
+        )
+    return None
