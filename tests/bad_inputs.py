@@ -26,6 +26,7 @@ class Case:
     expect: tuple[str, ...]  # fragments the message must hold (what is wrong, and the fix)
     files: dict[str, str | bytes] = field(default_factory=dict)  # name -> content, written into {tmp} first
     env: dict[str, str] = field(default_factory=dict)
+    links: dict[str, str] = field(default_factory=dict)  # name -> target ({tmp} allowed): symbolic links made first
 
 
 def jsonl(*rows: object) -> str:
@@ -612,6 +613,68 @@ CASES: list[Case] = [
         ("-m", "hydra/sweeper=optuna", "optimizer.lr=interval(1e-5,1e-3)", "hydra.sweeper.storage=mysql://u:pw@db/x"),
         ("hydra.sweeper.storage=mysql://u:***@db/x", "is not installed", "pip install mysqlclient"),
     ),
+    # --- issue 21: the run directory's lock, and keys a DeepSpeed file wins over
+    Case(
+        "lock file a dangling link",
+        "path",
+        ("train.max_steps=2",),
+        ("run/.ds_exp.lock is a symbolic link", "which does not exist", "remove the link"),
+        links={"run/.ds_exp.lock": "{tmp}/gone"},
+    ),
+    Case(
+        "lock file a directory",
+        "path",
+        ("train.max_steps=2",),
+        ("run/.ds_exp.lock is a directory, not ds_exp's lock file", "Move it out of the run directory"),
+        files={"run/.ds_exp.lock/stray": ""},
+    ),
+    Case(
+        "override a DeepSpeed JSON wins over",
+        "DeepSpeed JSON",
+        ("zero=stage1", "deepspeed.config_file={tmp}/ds.json", "train.max_steps=2"),
+        ("zero=stage1 would not be used", "ds.json sets zero_optimization.stage=3", "remove zero_optimization.stage"),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})},
+    ),
+    Case(
+        "optimizer setting a DeepSpeed optimizer block leaves out",
+        "DeepSpeed JSON",
+        ("optimizer.lr=1e-4", "deepspeed.config_file={tmp}/ds.json", "train.max_steps=2"),
+        ("optimizer.lr=1e-4 would not be used", "params have no lr", '"lr": "auto"'),
+        files={"ds.json": json.dumps({"optimizer": {"type": "AdamW", "params": {"weight_decay": "auto"}}})},
+    ),
+    Case(
+        "sweep over a key a DeepSpeed JSON sets",
+        "sweep",
+        ("-m", "zero=stage1,stage3", "deepspeed.config_file={tmp}/ds.json", "train.max_steps=2"),
+        ("the sweep was not started", "zero=stage1 would not be used", "zero_optimization.stage=3"),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})},
+    ),
+    Case(
+        "autotune over a key a DeepSpeed JSON sets",
+        "sweep",
+        ("-m", "experiment=autotune", "zero=stage0,stage1", "deepspeed.config_file={tmp}/ds.json"),
+        ("zero=stage0 would not be used", "zero=stage1 would not be used", "zero_optimization.stage=3"),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})},
+    ),
+    Case(
+        "optuna search over a key a DeepSpeed JSON sets",
+        "sweep",
+        ("-m", "hydra/sweeper=optuna", "zero=stage1,stage3", "deepspeed.config_file={tmp}/ds.json"),
+        ("hydra/sweeper=optuna: zero=stage1 would not be used", "zero_optimization.stage=3"),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})},
+    ),
+    Case(
+        "autotune probes too short to time",
+        "sweep",
+        ("-m", "experiment=autotune", "train.max_steps=1"),
+        ("train.max_steps=1 with train.log_every=1", "give train.max_steps > 1"),
+    ),
+    Case(
+        "autotune max_batch_size -1",
+        "sweep",
+        ("-m", "experiment=autotune", "hydra.sweeper.max_batch_size=-1"),
+        ("hydra.sweeper.max_batch_size=-1", "a whole number >= 1, or null"),
+    ),
 ]
 
 
@@ -636,6 +699,9 @@ def run_case(case: Case, tmp: Path) -> Outcome:
             path.write_bytes(content)
         else:
             path.write_text(content)
+    for name, target in case.links.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).symlink_to(target.replace("{tmp}", str(tmp)))
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
     if not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
         args.append(f"hydra.run.dir={tmp}/run")

@@ -173,6 +173,18 @@ def on_compose(hook: Any) -> None:
     ConfigLoaderImpl._compose_config_from_defaults_list = compose  # type: ignore[method-assign]
 
 
+def optuna_trial_of(study: Any, frozen: Any) -> Any:
+    """A live `optuna.trial.Trial` for a RUNNING trial an earlier process asked for (the study's get_trials gives
+    FrozenTrials, whose set_user_attr does not reach the storage and which study.tell does not accept), so that the
+    trial can be continued and told like one asked for now.
+
+    optuna 5.0.0: `Trial(study, trial_id)` is public, but a FrozenTrial's id is only its private `_trial_id`. If it
+    goes, a study re-run cannot continue its stopped trials (tests/test_optuna.py catches it)."""
+    from optuna.trial import Trial
+
+    return Trial(study, frozen._trial_id)
+
+
 def slurm_hostnames(nodelist: str) -> list[str]:
     """The hosts of a SLURM node list (`node[1-3,5],gpu7`), in SLURM's order: the first is where rank 0 runs.
 

@@ -21,14 +21,14 @@ from omegaconf import DictConfig
 import hydra_plugins
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import register_resolvers
-from ds_exp.config.schema import register_configs, to_config
+from ds_exp.config.schema import register_configs
 from ds_exp.config.secrets import hide_secret_overrides, hide_secrets_when_composing, redact_text, register_secrets
 from ds_exp.core.errors import ConfigError, DsExpError
 from ds_exp.launch.console import report_user_error
 from ds_exp.launch.environment import launch_env_problems
 from ds_exp.launch.run_dir import rank_placeholder_overrides
 from ds_exp.launch.run_logging import hold_library_logs
-from ds_exp.launch.validation import validate
+from ds_exp.launch.validation import validate_job
 
 log = logging.getLogger("ds_exp")
 
@@ -72,9 +72,10 @@ def run_dir_of_job() -> Path:
 
 def run_job(composed: DictConfig) -> Any:
     """Typed once, validated, then planned (dry_run=true) or trained. Heavy imports happen only past validation."""
-    cfg = to_config(composed)
+    # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     run_dir = run_dir_of_job()
-    validate(cfg, run_dir=run_dir)
+    cfg = validate_job(composed, overrides, run_dir=run_dir)
     if cfg.dry_run:
         from ds_exp.tools.dry_run import dry_run
 

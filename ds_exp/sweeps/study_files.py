@@ -10,8 +10,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.ds_config import override_key
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.core.errors import ConfigError
+from ds_exp.sweeps.report import SESSION_KEYS
 
 STUDY_FILE = "study.json"
 # Numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py,
@@ -99,7 +101,8 @@ def shown_storage(storage: str) -> str:
 
 
 def command_line(overrides: list[str], world_size: int | None) -> str:
-    """The command that trains a trial's config again as a single run."""
+    """The command that trains a trial's config again as a single run (without the study session's own keys)."""
+    overrides = [o for o in overrides if override_key(o) not in SESSION_KEYS]
     launcher = ["python", "-m", "ds_exp"]
     if world_size and world_size > 1:
         launcher = ["torchrun", f"--nproc_per_node={world_size}", "-m", "ds_exp"]

@@ -79,7 +79,6 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
 def setup(cfg: Config, session: Session) -> Workload:
     """Everything the loop uses, built in the order that fails cheapest first: the model's config before the data
     (a checkpoint transformers cannot read fails before tokenizing), the data before the weights."""
-
     state, world = session.state, session.world
     sp_problems = check_sequence_parallel(cfg, world)  # again with the world the group has (submitit: known here)
     if sp_problems:
