@@ -4,12 +4,18 @@ all and writes docs/bad_inputs.md with the messages ds_exp actually prints."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
+import logging
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tests.training import REPO, user_env
 
@@ -690,8 +696,8 @@ class Outcome:
         return self.stdout + self.stderr
 
 
-def run_case(case: Case, tmp: Path) -> Outcome:
-    """`python -m ds_exp ARGS` in `tmp` (outputs land there) after writing the case's files."""
+def prepare(case: Case, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    """Write the case's files and links into `tmp`; return its command line and its environment variables."""
     for name, content in case.files.items():
         path = tmp / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -706,11 +712,99 @@ def run_case(case: Case, tmp: Path) -> Outcome:
     if not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
         args.append(f"hydra.run.dir={tmp}/run")
     args.append(f"data.cache_dir={tmp}/cache")
-    env = {**user_env(), **case.env, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    return args, {**case.env, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+
+
+def run_case(case: Case, tmp: Path) -> Outcome:
+    """`python -m ds_exp ARGS` in `tmp` (outputs land there) after writing the case's files: the real path, a
+    process of its own."""
+    args, env = prepare(case, tmp)
     proc = subprocess.run(
-        [sys.executable, "-m", "ds_exp", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "ds_exp", *args],
+        cwd=tmp,
+        env={**user_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return Outcome(proc.returncode, proc.stdout, proc.stderr, tmp)
+
+
+class ReachedHeavyWork(AssertionError):
+    """A case run in this process got past every check to the training stack or the dry run."""
+
+
+def run_case_in_process(case: Case, tmp: Path) -> Outcome:
+    """The same command through the CLI's own main() in this process, for cases refused before any heavy work: the
+    same message and exit status without a process start (~2 s each). The training stack and the dry run are
+    replaced by a tripwire, so a case that gets past the checks fails loudly instead of training here."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ds_exp.launch import cli, lock
+
+    args, env = prepare(case, tmp)
+    saved_env, saved_argv, saved_cwd = dict(os.environ), list(sys.argv), os.getcwd()
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    out, err = io.StringIO(), io.StringIO()
+    code: int
+    try:
+        for name in LAUNCH_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        os.chdir(tmp)
+        sys.argv = ["ds_exp", *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _tripwire(cli):
+            try:
+                cli.main()
+                code = 0
+            except SystemExit as exited:
+                if isinstance(exited.code, str):  # sys.exit("message"): the interpreter would print it
+                    print(exited.code, file=sys.stderr)
+                code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        GlobalHydra.instance().clear()
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        logging.captureWarnings(False)
+        for held in list(lock._locks):
+            lock.release_run_dir(held)
+        for held in list(lock._sweep_locks):
+            lock.release_sweep_dir(held)
+    return Outcome(code, out.getvalue(), err.getvalue(), tmp)
+
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def _tripwire(cli: Any) -> Iterator[None]:
+    """cli.run_job's heavy branches (the recipe, the dry run) raise ReachedHeavyWork while the case runs."""
+    original = cli.run_job
+
+    def checked(composed: Any) -> Any:
+        from ds_exp.tools import dry_run
+        from ds_exp.train import recipe
+
+        def tripped(*args: Any, **kwargs: Any) -> Any:
+            raise ReachedHeavyWork("the case passed every check and reached the training stack")
+
+        saved = recipe.recipe_main, dry_run.dry_run
+        recipe.recipe_main, dry_run.dry_run = tripped, tripped
+        try:
+            return original(composed)
+        finally:
+            recipe.recipe_main, dry_run.dry_run = saved
+
+    cli.run_job = checked
+    try:
+        yield
+    finally:
+        cli.run_job = original
 
 
 def message_of(outcome: Outcome) -> str:

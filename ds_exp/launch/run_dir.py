@@ -84,7 +84,7 @@ def check_run_start(config: DictConfig) -> None:
     check_writable(run_dir, "hydra.run.dir")
     cfg = to_config(config)
     found = holds_a_run(run_dir, cfg.train.checkpoint_dir)
-    _check_not_inside_a_live_dir(run_dir, "hydra.run.dir")
+    check_not_inside_a_live_dir(run_dir, "hydra.run.dir")
     lock_run_dir(run_dir)  # first: a live run in this directory is the reason to name
     try:
         _check_existing_run(config, cfg, run_dir, found)
@@ -94,7 +94,7 @@ def check_run_start(config: DictConfig) -> None:
     claim_run_dir(run_dir)
 
 
-def _check_not_inside_a_live_dir(directory: Path, key: str) -> None:
+def check_not_inside_a_live_dir(directory: Path, key: str) -> None:
     live = live_ancestor(directory)
     if live is not None:
         parent, holder = live
@@ -123,7 +123,7 @@ def check_job_dir(cfg: Config, job_dir: Path, sweep_dir: Path, *, runs_here: boo
     """A sweep job's directory, checked like a single run's before the job is launched (Hydra writes the job's
     .hydra/ before any callback or the task could look): not the sweep directory itself, not in use by a live run,
     its lock file usable, and holding no run unless the job resumes it. The sweep's lock (lock_sweep_dir) keeps
-    every other ds_exp sweep, and single runs (_check_not_inside_a_live_dir), out until the sweep ends.
+    every other ds_exp sweep, and single runs (check_not_inside_a_live_dir), out until the sweep ends.
     `runs_here`: the job runs in this process (Hydra's basic launcher), so the checkpoint a resume would load is
     checked here too, as a single run's is; a submitit job checks it where it runs (its world size, its devices)."""
     if job_dir.absolute() == sweep_dir.absolute():

@@ -22,7 +22,8 @@ from ds_exp.config.paths import sweep_job_names
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch.console import exit_on_error
-from ds_exp.launch.run_dir import _check_not_inside_a_live_dir, claim_sweep_dir, lock_sweep_dir, release_sweep_dir
+from ds_exp.launch.lock import claim_sweep_dir, lock_sweep_dir, release_sweep_dir
+from ds_exp.launch.run_dir import check_not_inside_a_live_dir
 from ds_exp.launch.storage import check_writable
 from ds_exp.sweeps.jobs import check_job, own_job_dirs, sweep_jobs
 from ds_exp.sweeps.report import PLAN_FILE, autotune_verdict, write_report
@@ -34,7 +35,7 @@ def check_sweep_start(config: DictConfig) -> None:
     live run's or sweep's directory, and not an earlier sweep's directory (unless its jobs are resumed)."""
     sweep_dir = Path(str(config.hydra.sweep.dir))
     check_writable(sweep_dir, "hydra.sweep.dir")
-    _check_not_inside_a_live_dir(sweep_dir, "hydra.sweep.dir")
+    check_not_inside_a_live_dir(sweep_dir, "hydra.sweep.dir")
     lock_sweep_dir(sweep_dir)  # before looking: a sweep started a moment later finds it held, not free
     try:
         # an optuna study continues in its own directory: ds_exp/sweeps/optuna_study.py checks it is that study's

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError
 from ds_exp.launch.run_dir import check_job_dir
-from ds_exp.launch.validation import OmegaConf, validate_job
+from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.study_files import STUDY_FILE, is_study_sweep
 
 

@@ -39,7 +39,8 @@ from ds_exp.core.compat import optuna_trial_of
 from ds_exp.core.errors import ConfigError, DsExpError
 from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.console import report_user_error
-from ds_exp.launch.run_dir import live_holder, read_summary
+from ds_exp.launch.lock import live_holder
+from ds_exp.launch.run_dir import read_summary
 from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.jobs import check_job, job_dir_of
 from ds_exp.sweeps.search_space import parse_search_space, probe_overrides

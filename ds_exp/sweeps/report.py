@@ -23,7 +23,7 @@ import yaml
 
 from ds_exp.config.ds_config import override_key
 from ds_exp.config.memory_plan import human_bytes
-from ds_exp.sweeps.study_files import study_section
+from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 PLAN_FILE = "autotune.json"  # an autotune sweep's plan (ds_exp/tools/autotune.py): candidates, estimates, verdicts
 
@@ -242,9 +242,6 @@ def _section(make: Any, sweep_dir: Path, *args: Any) -> str:
 AUTOTUNE_COLUMNS = ["rank", "candidate", "result", "tokens_per_s", "mfu", "estimate_mib", "peak_memory_mib", "job"]
 WARMUP_STEPS = 1  # a probe's first step (allocations, first collectives) is not its speed
 NOT_TIMED = f"no metric line after its {WARMUP_STEPS} warm-up step(s); give the probes more steps than train.log_every"
-# Keys of the probe session itself, never part of the configuration it recommends (resume=auto continues the
-# probes' own directories; a new run of the recommendation starts fresh).
-SESSION_KEYS = ("resume", "dry_run", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 
 
 def probe_speed(job_dir: Path) -> tuple[float | None, float | None]:

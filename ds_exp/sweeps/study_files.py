@@ -13,8 +13,10 @@ from typing import Any
 from ds_exp.config.ds_config import override_key
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.core.errors import ConfigError
-from ds_exp.sweeps.report import SESSION_KEYS
 
+# Keys of the probe session itself, never part of the configuration it recommends (resume=auto continues the
+# probes' own directories; a new run of the recommendation starts fresh).
+SESSION_KEYS = ("resume", "dry_run", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 STUDY_FILE = "study.json"
 # Numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py,
 # ds_exp/train/evaluate.py).
