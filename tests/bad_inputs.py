@@ -123,6 +123,13 @@ CASES: list[Case] = [
         files={"old_run/metrics.jsonl": ""},
     ),
     Case(
+        "resume from an incomplete checkpoint",
+        "path",
+        ("resume={tmp}/old_run/checkpoints/step4",),
+        ("step4 is not a complete checkpoint (it has no ds_exp_complete.json", "resume=<run dir>"),
+        files={"old_run/checkpoints/step4/mp_rank_00_model_states.pt": b"cut short by a kill"},
+    ),
+    Case(
         "run directory under a file",
         "path",
         ("hydra.run.dir={tmp}/a_file/run",),

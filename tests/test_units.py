@@ -170,9 +170,8 @@ def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, 
 
 
 def test_a_marker_that_is_not_a_json_object_means_an_incomplete_checkpoint(tmp_path):
-    from ds_exp.checkpoint.checkpointer import is_complete
     from ds_exp.core.errors import ResumeError
-    from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints, find_resume_checkpoint
+    from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints, find_resume_checkpoint, is_complete
 
     checkpoints = tmp_path / "checkpoints"
     markers = {"step2": '{"step": 2}', "step4": "", "step6": "[1]", "step8": '{"step": 8', "step10": "{}"}

@@ -22,7 +22,7 @@ from typing import Any
 
 from ds_exp.artifacts.export import ExportSpec, check_target, export_hf
 from ds_exp.checkpoint.checkpointer import Checkpointer, load_checkpoint
-from ds_exp.checkpoint.universal import ds_config_for_load, load_state
+from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, load_state, param_names
 from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
 from ds_exp.config.memory_plan import checkpoint_bytes, export_bytes
 from ds_exp.config.model_checks import max_seq_len_notes
@@ -44,6 +44,7 @@ from ds_exp.model.engine import build_engine, check_deepspeed_config, lr_at, par
 from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, unregister
 from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
 from ds_exp.resume import trajectory
+from ds_exp.resume.branches import is_same_run, set_aside_branch
 from ds_exp.resume.settings import check_resume, layout_changes, needs_universal, sequence_parallel_change, settings_of
 from ds_exp.resume.store import TrainState, find_resume_checkpoint, read_marker
 from ds_exp.resume.trajectory import trajectory_of
@@ -106,6 +107,8 @@ def setup(cfg: Config, session: Session) -> Workload:
     ds_config = resolve_ds_config(cfg, facts)
     settings = settings_of(cfg, world, ds_config, session.precision)
     resume_from, universal = resume_plan(cfg, session, settings)
+    # what a stop before this attempt's first checkpoint names to continue (Session.continue_with)
+    session.resume_source = resume_from.absolute() if resume_from else None
     if universal:  # deepspeed.initialize reads checkpoint.load_universal
         ds_config = ds_config_for_load(ds_config)
     if session.is_main:
@@ -252,7 +255,8 @@ def resume(cfg: Config, session: Session, work: Workload) -> TrainState:
             moved = set_aside_attempt(run_dir)  # an attempt that left no checkpoint: start over beside it
             if moved is not None:
                 log.warning("no complete checkpoint to resume from: starting over; the earlier attempt is in %s", moved)
-        return TrainState(run_id=broadcast(_new_run_id()))
+        run_id, branch = broadcast((_new_run_id(), _new_run_id()))
+        return TrainState(run_id=run_id, branch=branch, run_dir=str(run_dir.resolve()))
     if work.universal:
         state = TrainState(**_load_universal(cfg, session, work, tag_dir))
     else:
@@ -273,9 +277,39 @@ def resume(cfg: Config, session: Session, work: Workload) -> TrainState:
                 state.step,
                 work.total_steps,
             )
-    if state.run_id is None:  # written before checkpoints knew their run
-        state = TrainState(**{**state.as_dict(), "run_id": broadcast(_new_run_id())})
-    return state
+    return continue_trajectory(cfg, session, state, tag_dir)
+
+
+def continue_trajectory(cfg: Config, session: Session, state: TrainState, tag_dir: Path) -> TrainState:
+    """Collective, once the resume is loaded and accepted: the checkpoint directory's checkpoints that are not on the
+    resumed trajectory are set aside as a branch (ds_exp.resume.branches.set_aside_branch), and the state gets this
+    attempt's identity: a new branch, and a new run_id when the checkpoint is another run directory's (its files are
+    never this run's to rotate)."""
+    run_dir, checkpoint_dir = session.run_dir, session.run_dir / cfg.train.checkpoint_dir
+    decided = None
+    if session.is_main:
+        moved, names = set_aside_branch(checkpoint_dir, tag_dir, run_dir)
+        if moved is not None:
+            here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
+            why = (
+                f"{tag_dir.name} is older than this directory's newest checkpoint, so the later ones are an abandoned "
+                "branch of the run"
+                if here
+                else f"{tag_dir} is another directory's checkpoint, so this directory's own form another trajectory"
+            )
+            log.warning(
+                "resume: %s: %s moved (nothing deleted) into %s; to go back to it: resume=%s hydra.run.dir=%s "
+                "(this trajectory's checkpoints are then set aside in turn)",
+                why,
+                ", ".join(names),
+                moved,
+                moved / names[-1],
+                run_dir,
+            )
+        same_run = state.run_id is not None and is_same_run(tag_dir, run_dir, checkpoint_dir)
+        decided = (state.run_id if same_run else _new_run_id(), _new_run_id())
+    run_id, branch = broadcast(decided)
+    return TrainState(**{**state.as_dict(), "run_id": run_id, "branch": branch, "run_dir": str(run_dir.resolve())})
 
 
 def _load_universal(cfg: Config, session: Session, work: Workload, tag_dir: Path) -> dict[str, Any]:
@@ -329,10 +363,13 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         needed_bytes=work.checkpoint_bytes,
         identity={
             "run_id": start.run_id,
+            "branch": start.branch,
+            "run_dir": start.run_dir,
             "wandb_run_id": wandb.run_id,
             "settings": work.settings,
             "trajectory": work.trajectory,
         },
+        extra=_stage0_names(cfg, work),
     )
     loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress)
     try:
@@ -363,6 +400,17 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         state.train_seconds, state.train_tokens = totals.seconds, totals.tokens
         state.train_samples, state.train_flops = totals.samples, totals.flops
         state.skipped_steps, state.train_loss = totals.skipped_steps, totals.last_loss
+
+
+def _stage0_names(cfg: Config, work: Workload) -> dict[str, Any] | None:
+    """A ZeRO-0 checkpoint's optimizer state is indexed by number: the parameter names of each index, recorded so that
+    `python -m ds_exp.universal` can convert it without building the model (ZeRO 1-3 record their own)."""
+    if work.zero_stage != 0:
+        return None
+
+    model = work.built.model
+    groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
+    return {PARAM_NAMES_KEY: param_names(model, groups)}
 
 
 def _prompts(cfg: Config) -> list[str]:
