@@ -58,6 +58,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from ds_exp.checkpoint.checkpointer import load_weights_only, set_rng_states
 from ds_exp.config.memory_plan import human_bytes
+from ds_exp.config.paths import PACKAGE_DIR
 from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError
 from ds_exp.core.files import json_text
@@ -249,7 +250,7 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
         if names is not None:
             (work / "param_names.json").write_text(json_text(names))
             args += ["--param-names", str(work / "param_names.json")]
-        path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        path = [str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # not a rank of this job
             env.pop(name, None)

@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import hydra_plugins
-from ds_exp.config.paths import conf_dir
+from ds_exp.config.paths import PACKAGE_DIR, conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
 from ds_exp.config.secrets import hide_secret_overrides, hide_secrets_when_composing, redact_text, register_secrets
@@ -111,7 +111,7 @@ def find_own_sweepers() -> None:
     maps ds_exp's packages through an import hook that Hydra's plugin scan (pkgutil over the hydra_plugins
     namespace) does not see, so `hydra/sweeper=optuna` worked only from the repository; a regular install puts
     them beside the other plugins and needs nothing."""
-    ours = Path(__file__).resolve().parent.parent / "hydra_plugins"
+    ours = PACKAGE_DIR.parent / "hydra_plugins"
     if ours.is_dir() and str(ours) not in list(hydra_plugins.__path__):
         hydra_plugins.__path__.append(str(ours))
 
