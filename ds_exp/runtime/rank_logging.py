@@ -31,14 +31,6 @@ from ds_exp.launch.run_logging import FILE_LOGGER, HELD, LIBRARY_LOGGER, LOGGERS
 _FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
 
 
-# Warnings from inside libraries that a user can do nothing about: the log file only, never the console.
-_CHATTER = (
-    "torch.distributed.all_gather_into_tensor` is deprecated",
-    "torch.distributed.reduce_scatter_tensor` is deprecated",
-    "is_gradient_checkpointing` is deprecated",
-)
-
-
 class _RankFilter(logging.Filter):
     """Stamps the rank, and blanks registered secrets (ds_exp.config.secrets.register_secrets) in the message."""
 
@@ -56,7 +48,7 @@ class _RankFilter(logging.Filter):
 
 
 class _Once(logging.Filter):
-    """The console sees each warning once; library-internal deprecations never (they stay in the file)."""
+    """The console sees each warning once (Python's warnings and libraries' never reach it: the file has them)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,8 +58,6 @@ class _Once(logging.Filter):
         if record.levelno < logging.WARNING:
             return True
         message = record.getMessage()
-        if any(chatter in message for chatter in _CHATTER):
-            return False
         key = message.strip().splitlines()[0] if message.strip() else message
         if key in self.seen:
             return False
