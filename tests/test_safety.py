@@ -1,6 +1,6 @@
 """Nothing lost, no hang, a readable console: run directories that other runs cannot overwrite, resumes that
 change nothing when refused, rotation that only deletes its own checkpoints, signals obeyed before training
-starts, a single process on any free port, and a console where rank 0 speaks once."""
+starts, and a single process on any free port (the console: tests/test_console.py)."""
 
 from __future__ import annotations
 
@@ -226,26 +226,6 @@ def test_sigterm_during_tokenization_stops_within_seconds(tmp_path):
     assert summary["status"] == "stopped" and "before the first training step" in summary["error"]
     cache = tmp_path / "cache"
     assert not list(cache.glob(".*tmp*")), "a half-built cache entry was left behind"
-
-
-def test_two_ranks_of_zero3_print_a_short_console(tmp_path, cache_dir):
-    run = launch(
-        tmp_path / "run", *FAST, "zero=stage3", "train.log_every=2", launcher="torchrun", nproc=2, cache_dir=cache_dir
-    )
-    assert run.ok, run.explain()
-    console = run.proc.stdout + run.proc.stderr
-    ours = [
-        line for line in console.splitlines() if line.strip() and "OMP_NUM_THREADS" not in line and "****" not in line
-    ]
-    assert len(ours) <= 16, "\n".join(ours)
-    for noise in ("FutureWarning", "Setting accelerator", "built successfully", "gcc ", "rank 1 of 2", "{'num_"):
-        assert noise not in console, noise
-    assert "data: 256 train / 32 eval examples" in console
-    assert "trainable (100.00%)" in console
-    # what the console left out is in the rank log files
-    rank1 = (run.run_dir / "logs" / "rank1.log").read_text()
-    assert "Setting accelerator to CPU" in rank1 and "rank 1 of 2" in rank1
-    assert rank1.count("is deprecated") <= 2  # each library warning once, not once per step
 
 
 def test_keep_last_zero_says_what_it_means(tmp_path, cache_dir):

@@ -67,7 +67,9 @@ def test_the_step_divides_by_the_global_batchs_label_tokens(one_rank):
     sums = [token_loss_sum(engine.table[b["input_ids"]], b["labels"]) for b in micro]
     labels = sum(int(count) for _, count in sums)
     assert labels == result.label_tokens == 2 + 3 + 3  # next-token labels: each position after the prompt
-    assert result.votes == StepVotes(global_label_tokens=8.0, stop=1.0, non_finite=1.0)
+    votes = result.votes
+    assert (votes.global_label_tokens, votes.stop, votes.non_finite) == (8.0, 1.0, 1.0)
+    assert math.isnan(votes.previous_loss_sum)
     # each micro batch's backward: its summed loss x (world x micro batches) / the global label tokens, which
     # DeepSpeed's mean over the 2 micro batches turns into sum / 8
     for (summed, _), seen in zip(sums, engine.backward_losses, strict=True):
@@ -75,6 +77,9 @@ def test_the_step_divides_by_the_global_batchs_label_tokens(one_rank):
     assert float(result.loss_sum) == pytest.approx(sum(float(s) for s, _ in sums))
     assert (result.input_tokens, result.samples, engine.steps, result.applied) == (12.0, 3, 2, True)
     assert result.flops == pytest.approx((4 * 10 + 2 * 10) * 12 + 12 * 1 * 2 * (16 + 16 + 16))
+    # the next step's one all-reduce brings this step's loss sum over ranks: its loss for the progress bar
+    after = step(micro, stop_requested=False, previous_loss=result.loss_sum)
+    assert after.votes.previous_loss_sum == pytest.approx(float(result.loss_sum)) and after.votes.non_finite == 0
 
 
 def test_a_step_without_label_tokens_stops_the_run(one_rank):

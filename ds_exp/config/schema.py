@@ -254,6 +254,7 @@ class TrainConfig:
     seed: int = 1234
     log_every: int = 10  # optimizer steps between metric lines (and DeepSpeed's steps_per_print)
     eval_every: int = 0  # 0 = only before training, after each epoch and at the end
+    max_evals: int = 5  # with eval_every=0: evaluations after the start at most (ds_exp/config/plan.py)
     eval_at_start: bool = True
     save_every: int = 0  # 0 = only at the end
     keep_last: int = 2  # checkpoints kept

@@ -235,7 +235,7 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
             f"scheduler.name={plain(sched.name)} has no DeepSpeed equivalent: use scheduler.owner=ds_exp, or one of "
             f"{', '.join(DEEPSPEED_SCHEDULERS)} with scheduler.owner=deepspeed"
         )
-    for key in ("micro_batch_size", "gradient_accumulation_steps", "epochs", "log_every"):
+    for key in ("micro_batch_size", "gradient_accumulation_steps", "epochs", "log_every", "max_evals"):
         if getattr(train, key) < 1:
             problems.append(f"train.{key}={getattr(train, key)}: must be >= 1")
     if train.eval_micro_batch_size is not None and train.eval_micro_batch_size < 1:

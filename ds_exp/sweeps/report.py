@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import shlex
 import statistics
 import sys
@@ -178,6 +179,11 @@ def varying_overrides(rows: list[dict[str, Any]]) -> list[str]:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Throughput and peak memory per job, side by side."""
+    # matplotlib's INFO lines ("generated new fontManager" on its first use) would reach the sweep's console
+    # through Hydra's root handler: its warnings and errors still do
+    mpl_log = logging.getLogger("matplotlib")
+    if mpl_log.getEffectiveLevel() < logging.WARNING:
+        mpl_log.setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")

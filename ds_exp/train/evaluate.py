@@ -79,6 +79,9 @@ class Generations:
         self.last_step = step
         if not self.prompts:
             return
+        # at ZeRO-3 every new token is a collective forward of every rank: tens of seconds, said beforehand
+        if engine.global_rank == 0 or engine.zero_optimization_stage() == 3:
+            log.info("generating %d prompts (up to %d new tokens each) ...", len(self.prompts), self.max_new_tokens)
         completions = generate(
             engine,
             self.tokenizer,
