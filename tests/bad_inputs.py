@@ -60,6 +60,15 @@ CASES: list[Case] = [
     Case("negative clipping", "config value", ("train.gradient_clipping=-1",), ("train.gradient_clipping", ">= 0")),
     Case("timeout 0", "config value", ("dist.timeout_minutes=0",), ("dist.timeout_minutes=0", ">= 1")),
     Case("max_bad_steps negative", "config value", ("train.max_bad_steps=-1",), ("train.max_bad_steps=-1", ">= 0")),
+    Case("export_every negative", "config value", ("train.export_every=-1",), ("train.export_every=-1", ">= 0")),
+    Case("negative temperature", "config value", ("eval.temperature=-1",), ("eval.temperature=-1.0", "0 = greedy")),
+    Case("top_p 1.5", "config value", ("eval.temperature=0.7", "eval.top_p=1.5"), ("eval.top_p=1.5", "(0, 1]")),
+    Case(
+        "top_k while greedy",
+        "combination",
+        ("eval.top_k=5",),
+        ("eval.top_k=5 has no effect with eval.temperature=0", "eval.temperature > 0"),
+    ),
     Case(
         "unknown row layout",
         "config value",

@@ -147,12 +147,12 @@ def test_the_summary_comes_from_the_run_state(tmp_path):
 def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, compose_cfg):
     """The export's writer on a disk too small for the weights (about 2 MB): one message with the room needed, no
     .hf_model.tmp left, and an earlier export in its place untouched."""
-    from ds_exp.data.tokenizer import load_tokenizer, tokenizer_source
     from transformers import AutoModelForCausalLM
 
-    from ds_exp.artifacts.export import ExportSpec, _write_export
+    from ds_exp.artifacts.export import ExportSpec, write_export
     from ds_exp.core.errors import RunFailed
     from ds_exp.model.architecture import build_model_config
+    from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
 
     cfg = compose_cfg()
     tokenizer = load_tokenizer(cfg.model, cfg.data)
@@ -166,7 +166,7 @@ def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, 
     earlier.mkdir()
     (earlier / "ds_exp_export.json").write_text("{}")  # an earlier export: replaced only by a complete one
     with pytest.raises(RunFailed) as info:
-        _write_export(model.state_dict(), set(), spec, tokenizer, earlier, save_adapter=False)
+        write_export(model.state_dict(), set(), spec, tokenizer, earlier)
     message = str(info.value)
     assert message.startswith(f"could not write the export {earlier} (")
     assert "the weights alone need about 1.88 MiB" in message and "resume=auto" in message

@@ -50,10 +50,12 @@ class Loop:
         checkpoints: Any,  # ds_exp.checkpoint.Checkpointer
         generations: Generations,
         progress: Progress,
+        exports: Any = None,  # ds_exp.train.exports.RunExports: train.export_every's exports
     ) -> None:
         self.train_cfg, self.eval_cfg = train_cfg, eval_cfg
         self.session, self.work, self.metrics = session, work, metrics
         self.checkpoints, self.generations, self.progress = checkpoints, generations, progress
+        self.exports = exports
         self.engine = work.engine
         self.step = TrainStep(work.engine, world_size=session.world, flops=work.flops, sp=work.sp)
         self.schedule = str(plain(work.schedule_name))
@@ -113,6 +115,8 @@ class Loop:
             self.evaluate()
         if train_cfg.save_every and progress.step % train_cfg.save_every == 0:
             self.save()
+        if train_cfg.export_every and progress.step % train_cfg.export_every == 0:
+            self.export()
         if result.votes.stop:
             if progress.last_save_step != progress.step:
                 self.save()
@@ -194,6 +198,13 @@ class Loop:
             consequence = "saved no final checkpoint and exported nothing"
             raise Diverged(diverged_message(found, self.progress.step, consequence, self.last_good_checkpoint()))
         self.finite_at = self.progress.step
+
+    def export(self) -> None:
+        """Collective: a step export (the last step has the final export). Weights that are not finite are never
+        exported: export_hf finds them and the run fails as diverged."""
+        if self.exports is not None and self.progress.step < self.work.total_steps:
+            self.metrics.write()  # the step's line first: the export takes a while
+            self.exports.at_step(self.progress.step)
 
     def save(self) -> None:
         """Collective checkpoint, with the open metric window's sums over ranks (see Metrics.carry). Weights that

@@ -5,7 +5,7 @@
         work = setup(cfg, session)             # tokenizer, data, DeepSpeed config, model, engine
         start = resume(cfg, session, work)     # the checkpoint to continue from, or a fresh start
         train(cfg, session, work, start)       # the loop, evaluations, generations, checkpoints
-        export(cfg, session, work)             # a Hugging Face model with the base model's identity
+        RunExports(...).final()                # a Hugging Face model with the base model's identity
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
 label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ds_exp.artifacts.export import ExportSpec, check_target, export_hf
+from ds_exp.artifacts.export import check_target
 from ds_exp.checkpoint.checkpointer import Checkpointer, load_checkpoint
 from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, load_state, param_names
 from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
@@ -42,7 +42,7 @@ from ds_exp.model.architecture import build_model_config, hidden_size_of
 from ds_exp.model.build import build_model
 from ds_exp.model.engine import build_engine, check_deepspeed_config, lr_at, parameter_groups
 from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, unregister
-from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
+from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.resume import trajectory
 from ds_exp.resume.branches import is_same_run, set_aside_branch
 from ds_exp.resume.settings import check_resume, layout_changes, needs_universal, sequence_parallel_change, settings_of
@@ -52,8 +52,9 @@ from ds_exp.runtime.process_group import all_reduce_sum, broadcast
 from ds_exp.runtime.signals import StopRequested
 from ds_exp.train.collate import make_collator
 from ds_exp.train.evaluate import Generations
+from ds_exp.train.exports import RunExports, check_step_export_targets, planned_step_exports, step_export_needs
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
-from ds_exp.train.generate import check_generation_room, load_prompts, stop_token_ids
+from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.session import NothingToDo, Session
@@ -71,7 +72,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             work = setup(cfg, session)
             start = resume(cfg, session, work)
             train(cfg, session, work, start)
-            export(cfg, session, work)
+            RunExports(cfg, session, work, start.run_id).final()
         finally:
             unregister()  # transformers' attention table as it was, for a later job of this process
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
@@ -215,8 +216,13 @@ def check_disk_space(
         if train_cfg.export:
             path = session.run_dir / train_cfg.export_dir
             needs[path], keys[path] = export_bytes(parameters, session.precision), "train.export_dir"
+        planned = planned_step_exports(cfg, session.run_dir, start_step, total_steps)
+        if planned:
+            needs[planned[0]] = step_export_needs(cfg, planned, parameters, session.precision)
+            keys[planned[0]] = "train.export_every"
         try:
             check_free_space(needs, keys)
+            check_step_export_targets(planned)
             if train_cfg.export:
                 check_target(session.run_dir / train_cfg.export_dir)  # fail now, not after the training
         except RunFailed as err:
@@ -354,6 +360,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         max_new_tokens=int(cfg.eval.max_new_tokens),
         stop_ids=_stop_ids(cfg, work.tokenizer),
         path=session.run_dir / "generations.jsonl",
+        sampling=Sampling.of(cfg.eval),
     )
     checkpoints = Checkpointer(
         work.engine,
@@ -371,7 +378,8 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         },
         extra=_stage0_names(cfg, work),
     )
-    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress)
+    exports = RunExports(cfg, session, work, start.run_id)
+    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, exports)
     try:
         if cfg.train.eval_at_start and progress.step == 0:
             session.state.initial_eval = loop.evaluate()
@@ -419,34 +427,3 @@ def _prompts(cfg: Config) -> list[str]:
 
 def _stop_ids(cfg: Config, tokenizer: Any) -> list[int]:
     return stop_token_ids(tokenizer, cfg.data.end_of_conversation_token)
-
-
-def export(cfg: Config, session: Session, work: Workload) -> None:
-    """Collective: a Hugging Face model in train.export_dir (ds_exp/artifacts/export.py says what it keeps of the
-    base)."""
-    if not cfg.train.export:
-        return
-
-    built = work.built
-    spec = ExportSpec(
-        model_config=built.config,
-        base_path=cfg.model.name_or_path,
-        base_dtype=built.base_dtype,
-        base_rows=built.base_rows,
-        vocab_size=built.vocab_size,
-        tokenizer_source=tokenizer_source(cfg.model),
-        lora=built.lora,
-        precision=session.precision,
-        dtype=str(plain(cfg.train.export_dtype)),
-        trust_remote_code=bool(cfg.model.trust_remote_code),
-    )
-    export_dir = session.run_dir / cfg.train.export_dir
-    export_hf(
-        work.engine,
-        zero_stage=work.zero_stage,
-        spec=spec,
-        tokenizer=work.tokenizer,
-        export_dir=export_dir,
-        save_adapter=cfg.train.export_adapter,
-    )
-    session.state.export_dir = str(export_dir)
