@@ -29,7 +29,7 @@ from ds_exp.core import compat
 from ds_exp.core.errors import Diverged, RunFailed
 from ds_exp.core.files import json_text
 from ds_exp.launch.storage import export_failure_message
-from ds_exp.model.lora import wrap_lora
+from ds_exp.model.lora import merge_lora, wrap_lora
 from ds_exp.runtime.process_group import broadcast
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,8 @@ def _write_export(
     model = _base_model(spec)
     if spec.lora is not None:
         model = wrap_lora(model, spec.lora)
+    if spec.lora is not None and spec.lora.quantize:  # the engine's base is 4/8-bit: only what was trained is taken
+        state = {name: value for name, value in state.items() if name in trained}
     # weights training never changed keep the base checkpoint's exact values; the rest come from the engine
     from_base = [n for n, _ in model.named_parameters() if "lora_" not in n] if spec.base_path else []
     keep_base = set(from_base) - trained
@@ -165,7 +167,8 @@ def state_bytes(model: Any, dtype_name: str) -> int:
     """About what the exported weights take on disk in `dtype_name` (a tied tensor once; LoRA's adapters, merged
     into their layers, not at all)."""
     size = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
-    return sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name) * size
+    merged_away = ("lora_", ".original_module.")  # adapters, and the originals of modules trained whole
+    return sum(p.numel() for name, p in model.named_parameters() if not any(m in name for m in merged_away)) * size
 
 
 def _save(
@@ -186,7 +189,7 @@ def _save(
             shutil.rmtree(adapter_tmp, ignore_errors=True)
             model.save_pretrained(str(adapter_tmp), safe_serialization=True)
             _replace(adapter_tmp, export_dir.with_name(f"{export_dir.name}_adapter"))
-        model = model.merge_and_unload()  # in fp32: the base weights plus the adapters' delta, rounded once below
+        model = merge_lora(model)  # in fp32: the base weights plus the adapters' delta, rounded once below
     if model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)  # drop the padding rows: model and tokenizer agree
     model.to(getattr(torch, dtype_name))
@@ -200,7 +203,7 @@ def _save(
         "trained_in": spec.precision,
         "base_model": spec.base_path,
         "vocab_size": spec.vocab_size,
-        "lora": None if spec.lora is None else {"merged": True, "rank": spec.lora.dim, "alpha": spec.lora.alpha},
+        "lora": None if spec.lora is None else {"merged": True, **spec.lora.describe()},
         "weights_copied_from_base": len(keep_base),
         "tokenizer": tokenizer_note,
     }
