@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,13 @@ class TensorBoardRun:
         from tensorboardX import SummaryWriter
 
         self.dir = Path(settings.dir).expanduser() if settings.dir else run_dir / "tensorboard"
-        self.writer = SummaryWriter(logdir=str(self.dir), purge_step=start_step + 1 if start_step else None)
+        # tensorboardX names a file by the second and the host and opens it with "wb": two attempts within one
+        # second would overwrite; the suffix keeps them apart and in order (TensorBoard reads files sorted by name)
+        self.writer = SummaryWriter(
+            logdir=str(self.dir),
+            purge_step=start_step + 1 if start_step else None,
+            filename_suffix=f".step{start_step:09d}.{os.getpid()}",
+        )
         if not start_step:
             config = json.dumps(redact(as_dict(cfg)), indent=2, default=str)
             self.writer.add_text("config", f"```\n{config}\n```", 0)
