@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ds_exp.config.logger_checks import logger_problems
+from ds_exp.core.errors import RunFailed
 from tests.test_security import files_holding
 from tests.training import FAST, launch
 
@@ -133,6 +134,10 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(compose_cfg, 
 
     assert MlflowRun(cfg, tmp_path / "rank1", enabled=False, run_id=None).client is None
     assert not (tmp_path / "rank1").exists()
+
+    bogus = compose_cfg("logger=mlflow", "logger.mlflow.tracking_uri=bogus://x")
+    with pytest.raises(RunFailed, match=r"logger.mlflow: MLflow refused the tracking store bogus://x \(.*unsupported"):
+        MlflowRun(bogus, tmp_path, enabled=True, run_id=None)
 
 
 @pytest.mark.slow
