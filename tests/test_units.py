@@ -200,7 +200,7 @@ def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, moun
     with steps left, needs both; a resume from a checkpoint at the last step needs only the export; a run complete
     already needs nothing; with no checkpoint ahead (train.save_every past the end) only the export counts."""
     from ds_exp.core.errors import RunFailed
-    from ds_exp.train.recipe import check_disk_space, saves_a_checkpoint
+    from ds_exp.train.disk_space import check_disk_space, saves_a_checkpoint
 
     disk = mount_tmpfs("4m")
     session = SimpleNamespace(is_main=True, run_dir=disk / "run", precision="fp32")
