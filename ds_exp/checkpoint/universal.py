@@ -45,17 +45,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
-from ds_exp.checkpoint.checkpointer import load_weights_only, set_rng_states
+from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES, fast_forward_schedule, load_rng_states, load_weights_only
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.paths import PACKAGE_DIR
 from ds_exp.core import compat
@@ -193,11 +189,6 @@ def param_names(model: Any, groups: list[dict[str, Any]]) -> list[list[str]]:
     return [[names[id(p)] for p in group["params"]] for group in groups]
 
 
-def allowed_types() -> list[Any]:
-    """The only non-tensor types torch.load may build from checkpoint files (weights_only=True)."""
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-
-
 def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = None) -> bool:
     """Collective and idempotent: rank 0 converts unless a complete conversion is there, every rank learns how
     it went. True when an earlier conversion was reused."""
@@ -284,7 +275,7 @@ def load(engine: Any, tag_dir: Path) -> dict[str, Any]:
     fast-forwarded by the caller, as for any resume."""
     udir = universal_dir(tag_dir)
     load_weights_only(engine)
-    with compat.torch_load_weights_only(allowed_types()):
+    with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
         if not engine.zero_optimization_stage():
             return _load_stage0(engine, udir)
         if not engine.load_universal_checkpoint():
@@ -324,9 +315,7 @@ def _load_stage0(engine: Any, udir: Path) -> dict[str, Any]:
 def restore_rng(tag_dir: Path, *, rank: int, world_size: int, saved_world_size: int | None, seed: int, step: int):
     """This rank's saved RNG states when the world size is unchanged (exact); otherwise a reproducible seed from
     (seed, step, rank), since ranks then see other samples anyway (dropout masks differ)."""
-    saved = tag_dir / f"rng_rank{rank}.pt"
-    if world_size == saved_world_size and saved.is_file():
-        set_rng_states(torch.load(saved, weights_only=True))
+    if world_size == saved_world_size and load_rng_states(tag_dir, rank):
         return
     fresh = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little") >> 1
     random.seed(fresh)
@@ -365,10 +354,7 @@ def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: 
         seed=seed,
         step=int(saved["step"]),
     )
-    if engine.lr_scheduler is not None:  # as checkpoint.load: a schedule is a function of the step
-        with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()": on purpose here
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(int(saved["step"])):
-                engine.lr_scheduler.step()
+    if engine.lr_scheduler is not None:  # engine.skipped_steps: restored by load() with the engine's counters
+        fast_forward_schedule(engine.lr_scheduler, int(saved["step"]), getattr(engine, "skipped_steps", 0) or 0)
     log.info("resumed from %s (universal copy) at step %s", tag_dir, saved["step"])
     return saved
