@@ -216,3 +216,17 @@ def test_private_internals_are_touched_only_in_compat():
     )
     assert touching == []
     assert PRIVATE.search((PACKAGE / "core" / "compat.py").read_text())
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists packages by name: a new one left out works from the checkout (editable install) and is
+    missing from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(PACKAGE.parent).parts)
+        for root in (PACKAGE, PACKAGE.parent / "hydra_plugins")
+        for init in root.rglob("__init__.py")
+    }
+    assert found - listed == set()

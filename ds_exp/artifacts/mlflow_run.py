@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ds_exp.artifacts.summary import RESUMABLE_ENDS
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact, redact_text, register_secrets
 from ds_exp.core.errors import RunFailed
+from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 from ds_exp.launch.run_logging import FILE_LOGGER
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class MlflowRun:
                 log.warning("mlflow: could not log to %s (%s); metrics.jsonl has everything", self.uri, err)
                 self.failed_once = True
 
-    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
+    def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
         """summary.json as an artifact, the status as a tag, and the run ended as FINISHED, KILLED (a stop that can be
         resumed) or FAILED."""
         if self.client is None:
@@ -210,7 +210,13 @@ class MlflowRun:
         if summary is not None:
             self._guarded(lambda: self.client.log_dict(self.run_id, redact(summary), "summary.json"))
         client, self.client = self.client, None
-        end = "FINISHED" if status in ("completed", "unchanged") else "KILLED" if status in RESUMABLE_ENDS else "FAILED"
+        end = (
+            "FINISHED"
+            if status in (RunStatus.COMPLETED, RunStatus.UNCHANGED)
+            else "KILLED"
+            if status in RESUMABLE_ENDS
+            else "FAILED"
+        )
         try:
             client.set_tag(self.run_id, "ds_exp.status", status)
             client.set_terminated(self.run_id, status=end)

@@ -12,11 +12,10 @@ from hydra.core.hydra_config import HydraConfig
 
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.files import write_json_atomic
+from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 
-# how a run ends with every rank alive and its state saved: finished, or stopped by a signal and resumable
-RESUMABLE_ENDS = ("completed", "stopped", "requeued")
 # how a run ends with every rank alive and in step: those, or diverged (decided by all ranks together)
-EVERY_RANK_ENDS = (*RESUMABLE_ENDS, "diverged")
+EVERY_RANK_ENDS = (*RESUMABLE_ENDS, RunStatus.DIVERGED)
 
 
 @dataclass
@@ -29,7 +28,7 @@ class RunState:
     data_parallel_size: int | None = None  # world size / sequence_parallel_size: the ranks drawing different samples
     sequence_parallel_size: int = 1  # dist.sequence_parallel_size: ranks training each sample together
     started: float = field(default_factory=time.time)
-    status: str = "failed"
+    status: RunStatus = RunStatus.FAILED
     error: str | None = None
     error_kind: str | None = None  # "out_of_memory" when an allocation failed
     backend: str | None = None

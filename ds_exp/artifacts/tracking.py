@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.artifacts.mlflow_run import MlflowRun
-from ds_exp.artifacts.summary import RESUMABLE_ENDS
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact
 from ds_exp.core.files import append_json_line
+from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class MetricsLog:
         if self._file is not None:
             append_json_line(self._file, record)
 
-    def close(self, status: str | None = None, summary: dict[str, Any] | None = None) -> None:
+    def close(self, status: RunStatus | None = None, summary: dict[str, Any] | None = None) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -86,7 +86,7 @@ class WandbRun:
             columns = list(rows[0])
             self.run.log({key: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
 
-    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
+    def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
         """Record how the run ended and finish the wandb run (a failed exit code unless it can be resumed)."""
         if self.run is not None:
             self.run.summary["status"] = status
@@ -139,7 +139,7 @@ class TensorBoardRun:
         lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
         self.writer.add_text(key, "\n".join(lines), step)
 
-    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
+    def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
         if self.writer is None:
             return
         if summary is not None:
@@ -165,7 +165,7 @@ class Trackers:
             self.wandb = WandbRun(cfg, run_dir, enabled=enabled, run_id=getattr(start, "wandb_run_id", None))
             self.all.append(self.wandb)
         except BaseException:
-            self.close("failed")
+            self.close(RunStatus.FAILED)
             raise
 
     @property
@@ -185,7 +185,7 @@ class Trackers:
         for tracker in self.all:
             tracker.table(key, rows, step)
 
-    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
+    def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
         """Each tracker ends however the others fare: one failing to close never hides the run's own outcome."""
         for tracker in self.all:
             try:

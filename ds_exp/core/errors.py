@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ds_exp.core.status import RunStatus
+
 
 class DsExpError(Exception):
     """Base of every error ds_exp reports to the user as a message instead of a traceback."""
@@ -42,4 +44,4 @@ class Diverged(RunFailed):
     (ds_exp/sweeps/optuna_study.py)."""
 
     exit_code = 3
-    status = "diverged"
+    status = RunStatus.DIVERGED

@@ -24,6 +24,7 @@ from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
 from ds_exp.config.secrets import hide_secret_overrides, hide_secrets_when_composing, redact_text, register_secrets
 from ds_exp.core.errors import ConfigError, DsExpError
+from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import report_user_error
 from ds_exp.launch.environment import launch_env_problems
 from ds_exp.launch.run_dir import rank_placeholder_overrides
@@ -102,7 +103,7 @@ def hydra_task(cfg: DictConfig) -> Any:
         if in_multirun():
             # the other jobs of the sweep go on; the job's summary.json and the sweep report name the failure
             # (submitit pickles this return value into the sweep directory)
-            return {"status": getattr(err, "status", "failed"), "error": redact_text(str(err))}
+            return {"status": getattr(err, "status", RunStatus.FAILED), "error": redact_text(str(err))}
         sys.exit(err.exit_code)
 
 

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, open_dict, read_write
 
 from ds_exp.config.schema import Config, to_config
 from ds_exp.core.errors import ConfigError, Refused
+from ds_exp.core.status import RunStatus
 from ds_exp.launch.environment import detect_launch, launch_rank_from_env, launched_with_several_ranks
 from ds_exp.launch.lock import (
     LOCK,
@@ -75,7 +76,7 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
 def completed_at(run_dir: Path) -> int | None:
     """The step at which summary.json says the run completed (None: it never did, or it says otherwise)."""
     summary = read_summary(run_dir)
-    return summary.get("steps") if summary is not None and summary.get("status") == "completed" else None
+    return summary.get("steps") if summary is not None and summary.get("status") == RunStatus.COMPLETED else None
 
 
 def check_run_start(config: DictConfig) -> None:

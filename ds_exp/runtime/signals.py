@@ -28,6 +28,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from ds_exp.core import compat
+from ds_exp.core.status import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ _REQUEUE_WAIT_S = 300  # how long ranks > 0 wait for the requeue to end them bef
 class StopRequested(Exception):
     """Raised by the loop once every rank has agreed to stop and the checkpoint (if any) is complete."""
 
-    def __init__(self, reason: str, step: int | None, checkpoint: str | None, status: str) -> None:
+    def __init__(self, reason: str, step: int | None, checkpoint: str | None, status: RunStatus) -> None:
         self.reason, self.step, self.checkpoint, self.status = reason, step, checkpoint, status
         if step is None:
             super().__init__(f"stopped by {reason} before the first training step; no checkpoint was written")
@@ -66,7 +67,7 @@ class StopSignals:
     @property
     def stopped_status(self) -> str:
         """The run's status once stopped: requeued under submitit, stopped (resumable by hand) elsewhere."""
-        return "requeued" if self.under_submitit else "stopped"
+        return RunStatus.REQUEUED if self.under_submitit else RunStatus.STOPPED
 
     def watched(self) -> list[int]:
         if self.under_submitit:

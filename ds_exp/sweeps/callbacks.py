@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError
+from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import exit_on_error
 from ds_exp.launch.lock import claim_sweep_dir, lock_sweep_dir, release_sweep_dir
 from ds_exp.launch.run_dir import check_not_inside_a_live_dir
@@ -101,7 +102,7 @@ class SweepReport(Callback):
                 print("ds_exp: error: no trial of the optuna study completed", file=sys.stderr)
                 sys.exit(1)
             return
-        failed = [row for row in rows if row["status"] != "completed"]
+        failed = [row for row in rows if row["status"] != RunStatus.COMPLETED]
         if failed:
             print(f"ds_exp: error: {len(failed)} of {len(rows)} sweep jobs did not complete", file=sys.stderr)
             sys.exit(1)

@@ -24,6 +24,7 @@ import yaml
 
 from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
+from ds_exp.core.status import RunStatus
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 PLAN_FILE = "autotune.json"  # an autotune sweep's plan (ds_exp/tools/autotune.py): candidates, estimates, verdicts
@@ -197,7 +198,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ):
         values = [row[key] or 0.0 for row in rows]
         bars = ax.bar(
-            range(len(rows)), values, color=["tab:blue" if r["status"] == "completed" else "tab:red" for r in rows]
+            range(len(rows)),
+            values,
+            color=["tab:blue" if r["status"] == RunStatus.COMPLETED else "tab:red" for r in rows],
         )
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
@@ -297,7 +300,7 @@ def autotune_rows(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str,
         else:
             job = by_job.get(candidate["job"]) or {"status": "no summary", "error": None, "error_kind": None}
             status = job["status"]
-            if status == "completed":
+            if status == RunStatus.COMPLETED:
                 row["tokens_per_s"], row["mfu"] = probe_speed(sweep_dir / candidate["job"])
                 row["result"] = "fits" if row["tokens_per_s"] is not None else "completed, not timed: " + NOT_TIMED
             elif job.get("error_kind") == "out_of_memory":
@@ -381,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ds_exp: error: {args.sweep_dir} holds no sweep jobs (no */.hydra/overrides.yaml)", file=sys.stderr)
         return 2
     rows = write_report(args.sweep_dir)
-    return 0 if all(row["status"] == "completed" for row in rows) else 1
+    return 0 if all(row["status"] == RunStatus.COMPLETED for row in rows) else 1
 
 
 if __name__ == "__main__":

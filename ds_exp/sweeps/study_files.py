@@ -13,6 +13,7 @@ from typing import Any
 from ds_exp.config.file_overrides import override_key
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.core.errors import ConfigError
+from ds_exp.core.status import RunStatus
 
 # Keys of the probe session itself, never part of the configuration it recommends (resume=auto continues the
 # probes' own directories; a new run of the recommendation starts fresh).
@@ -41,9 +42,11 @@ def outcome(job_dir: Path, objective: str, launch_error: str | None) -> tuple[st
         return "FAIL", None, f"{summary_file} missing: the run never reached training or was killed{why}", None
     summary = json.loads(summary_file.read_text())
     status, error = summary.get("status"), summary.get("error")
-    if status == "diverged" or (status == "failed" and str(error).startswith("Diverged:")):  # or an older run's
+    if status == RunStatus.DIVERGED or (
+        status == RunStatus.FAILED and str(error).startswith("Diverged:")
+    ):  # or an older run's
         return "PRUNED", None, error, summary
-    if status != "completed":
+    if status != RunStatus.COMPLETED:
         return "FAIL", None, f"status {status}: {error}", summary
     value = metric(summary, objective)
     if not isinstance(value, int | float) or isinstance(value, bool):

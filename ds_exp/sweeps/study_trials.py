@@ -9,6 +9,7 @@ from typing import Any
 from optuna.trial import TrialState
 
 from ds_exp.core.files import write_json_atomic
+from ds_exp.core.status import CONTINUABLE, RunStatus
 from ds_exp.launch.lock import live_holder
 from ds_exp.launch.run_dir import read_summary
 from ds_exp.sweeps.study_files import ABANDONED, STUDY_FILE, command_line
@@ -40,7 +41,6 @@ def write_study(sweep_dir: Path, study: Any, identity: dict[str, Any], n_trials:
 
 # How a trial's run ended that a sweep stopping before it did (Ctrl-C, a lost login node) leaves continuable: it
 # saved a checkpoint (or had not reached one) and said how to go on.
-CONTINUABLE = ("stopped", "interrupted", "requeued")
 
 
 def finished(study: Any) -> int:
@@ -64,7 +64,7 @@ def abandoned_trials(study: Any, sweep_dir: Path) -> list[tuple[Any, str]]:
             found.append((trial, "live"))
         elif status in CONTINUABLE and trial.user_attrs.get("overrides") is not None:
             found.append((trial, "continue"))
-        elif status in ("completed", "failed"):
+        elif status in (RunStatus.COMPLETED, RunStatus.FAILED):
             found.append((trial, "tell"))
         else:
             found.append((trial, "fail"))

@@ -30,6 +30,7 @@ from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
 from ds_exp.core.errors import Diverged, DsExpError, Refused, RunFailed
+from ds_exp.core.status import RunStatus
 from ds_exp.launch.environment import detect_launch
 from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
 from ds_exp.launch.run_dir import remove_rank_placeholder
@@ -51,7 +52,7 @@ class NothingToDo(Exception):
 
 @dataclass
 class Outcome:
-    status: str
+    status: RunStatus
     error: str | None = None
     raise_: BaseException | None = None  # what the CLI sees next (a user error, a traceback)
 
@@ -132,7 +133,7 @@ class Session:
             if outcome.raise_ is exc:
                 return False  # propagate as it is
             raise outcome.raise_ from exc
-        if outcome.status in ("stopped", "requeued"):
+        if outcome.status in (RunStatus.STOPPED, RunStatus.REQUEUED):
             if self.is_main:
                 print(f"ds_exp: {redact_text(outcome.error or '')}", file=sys.stderr)
             self.signals.leave(self.rank)
@@ -141,20 +142,20 @@ class Session:
     def outcome(self, exc: BaseException | None) -> Outcome:
         """How the run ended, in one place: the status summary.json records, its message, and what to raise."""
         if exc is None:
-            return Outcome("completed")
+            return Outcome(RunStatus.COMPLETED)
         if isinstance(exc, NothingToDo):
             if self.is_main:
                 print(f"ds_exp: {exc}: nothing to do; its checkpoints, export and summary are unchanged")
-            return Outcome("unchanged")
+            return Outcome(RunStatus.UNCHANGED)
         if isinstance(exc, KeyboardInterrupt):
-            return Outcome("interrupted", "interrupted by the user", exc)
+            return Outcome(RunStatus.INTERRUPTED, "interrupted by the user", exc)
         if isinstance(exc, Refused):  # refused before anything was loaded or trained: files stay as they were
-            return Outcome("unchanged", f"{type(exc).__name__}: {exc}", exc)
+            return Outcome(RunStatus.UNCHANGED, f"{type(exc).__name__}: {exc}", exc)
         stopped = self.signals.behind(exc)  # a library may turn the stop into an error of its own
         if stopped is not None:
             where = (
                 "submitit requeues the job, which resumes from it"
-                if stopped.status == "requeued"
+                if stopped.status == RunStatus.REQUEUED
                 else f"continue with the same overrides plus hydra.run.dir={self.run_dir} {self.continue_with()}"
             )
             if stopped.step is not None:
@@ -170,13 +171,13 @@ class Session:
             )
             self.state.error_kind = "out_of_memory"
             file_log.error("run failed", exc_info=exc)
-            return Outcome("failed", error, RunFailed(error))
+            return Outcome(RunStatus.FAILED, error, RunFailed(error))
         if isinstance(exc, Diverged):  # every rank decided it together: a failure of its own (exit status 3)
             file_log.error("run diverged", exc_info=exc)
             return Outcome(exc.status, f"{type(exc).__name__}: {exc}", exc)
         if isinstance(exc, DsExpError):  # a message for the user (printed by the CLI); the traceback in the log
             file_log.error("run failed", exc_info=exc)
-            return Outcome("failed", f"{type(exc).__name__}: {exc}", exc)
+            return Outcome(RunStatus.FAILED, f"{type(exc).__name__}: {exc}", exc)
         if self.world > 1 and is_lost_peer(exc):
             # a rank died or was killed: the others learn it from their next collective and leave at once
             mark_lost_peer()
@@ -189,9 +190,9 @@ class Session:
                 f"overrides plus hydra.run.dir={self.run_dir} {self.continue_with()}"
             )
             file_log.error("run failed", exc_info=exc)  # the collective's own error, for the log file
-            return Outcome("failed", error, RunFailed(error))
+            return Outcome(RunStatus.FAILED, error, RunFailed(error))
         log.error("run failed", exc_info=exc)
-        return Outcome("failed", f"{type(exc).__name__}: {exc}", exc)
+        return Outcome(RunStatus.FAILED, f"{type(exc).__name__}: {exc}", exc)
 
     def continue_with(self) -> str:
         """The resume override that continues what was interrupted: the checkpoint this attempt resumed from until it
@@ -206,14 +207,14 @@ class Session:
         self.state.status, self.state.error = outcome.status, outcome.error
         summary = None
         try:
-            if outcome.status != "unchanged":
+            if outcome.status != RunStatus.UNCHANGED:
                 summary = self.write_summary()
         except OSError as err:  # e.g. a full disk: the run's own error matters more than its summary
             log.error("could not write %s: %s", self.run_dir / "summary.json", err)
         for sink in self.sinks:
             sink.close(outcome.status, summary)  # the trackers keep the summary too
         close_run_logging()
-        if outcome.status in ("completed", "unchanged", Diverged.status) and dist.is_initialized():
+        if outcome.status in (RunStatus.COMPLETED, RunStatus.UNCHANGED, Diverged.status) and dist.is_initialized():
             # The process group stays up: the next job of a multirun in this process reuses it (DeepSpeed caches
             # its groups, so a destroyed one cannot be replaced); it is torn down at exit.
             dist.barrier()
@@ -232,6 +233,6 @@ class Session:
         if not self.is_main:
             return None
         summary = write_summary(self.state, peaks)
-        if self.state.status == "completed":
+        if self.state.status == RunStatus.COMPLETED:
             print(final_line(summary))
         return summary

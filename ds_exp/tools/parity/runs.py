@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_exp.core.status import RunStatus
 from ds_exp.tools.parity.sides import Side
 
 # launcher variables of a process that itself runs under a launcher: the sides start their own
@@ -41,12 +42,12 @@ class SideRun:
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and self.summary.get("status") == "completed"
+        return self.returncode == 0 and self.summary.get("status") == RunStatus.COMPLETED
 
     @property
     def diverged(self) -> bool:
         """It ran to its end and diverged (ds_exp.model.divergence): its steps are still compared, and fail."""
-        return self.summary.get("status") == "diverged"
+        return self.summary.get("status") == RunStatus.DIVERGED
 
     def error(self) -> str:
         """Why the side failed: summary.json's error, else the end of its console output."""
