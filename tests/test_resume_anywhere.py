@@ -240,7 +240,8 @@ def temporaries(tag_dir: Path) -> list[str]:
 
 def test_a_conversion_whose_parent_is_killed_leaves_no_process_and_no_temporary(zero2_two_ranks, tmp_path):
     tag_dir = copied_checkpoint(zero2_two_ranks, tmp_path)
-    code = f"from pathlib import Path; from ds_exp.checkpoint.universal import convert_here; convert_here(Path({str(tag_dir)!r}))"
+    code = "from pathlib import Path; from ds_exp.checkpoint.universal import convert_here; "
+    code += f"convert_here(Path({str(tag_dir)!r}))"
     parent = subprocess.Popen([sys.executable, "-c", code], env=user_env())
     try:
         wait_until(
