@@ -173,6 +173,40 @@ def on_compose(hook: Any) -> None:
     ConfigLoaderImpl._compose_config_from_defaults_list = compose  # type: ignore[method-assign]
 
 
+_OVERRIDE_HOOKS: list[Any] = []
+
+
+def before_overrides(hook: Any) -> None:
+    """Call `hook(overrides, cfg)` before Hydra applies the command line's value overrides (Hydra's parsed
+    Override objects) to a composed config; the hook raises to refuse them with its own message. Installing the
+    same hook twice is a no-op.
+
+    hydra-core 1.3.2-1.3.8: `hydra._internal.config_loader_impl.ConfigLoaderImpl._apply_overrides_to_config` (a
+    static method, called by every composition: the run's, each sweep job's, the compose API's). No public hook
+    sees the overrides before they are applied, and Hydra's own error for an item past the end of a list is
+    OmegaConf's ("dict is not a subclass of DataSource"). If the method moves, that message comes back
+    (tests/bad_inputs.py "list item a data option lacks")."""
+    import functools
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    if hook in _OVERRIDE_HOOKS:
+        return
+    _OVERRIDE_HOOKS.append(hook)
+    original = ConfigLoaderImpl._apply_overrides_to_config
+    if getattr(original, "_ds_exp_hooks", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def apply(overrides: Any, cfg: Any) -> None:
+        for each in _OVERRIDE_HOOKS:
+            each(overrides, cfg)
+        original(overrides, cfg)
+
+    apply._ds_exp_hooks = _OVERRIDE_HOOKS  # type: ignore[attr-defined]
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign,assignment]
+
+
 def slurm_hostnames(nodelist: str) -> list[str]:
     """The hosts of a SLURM node list (`node[1-3,5],gpu7`), in SLURM's order: the first is where rank 0 runs.
 
