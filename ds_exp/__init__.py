@@ -6,7 +6,8 @@ The packages are the layers; each imports only from the layers below it (tests/t
     config -> data -> resume -> launch -> sweeps          light: no torch, no deepspeed
     runtime -> model -> checkpoint -> artifacts -> train -> tools          heavy
 
-Entry points: `python -m ds_exp` (launch/cli.py), `python -m ds_exp.parity`, `ds_exp.report`, `ds_exp.universal`.
+Entry points: `python -m ds_exp` (launch/cli.py), `python -m ds_exp.parity`, `ds_exp.report`, `ds_exp.universal`,
+`ds_exp.export` and `ds_exp.chat` (tools/use/).
 Nothing heavy is imported here: `--help`, `--cfg job` and config validation never import torch or deepspeed.
 """
 

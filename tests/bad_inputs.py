@@ -4,12 +4,18 @@ all and writes docs/bad_inputs.md with the messages ds_exp actually prints."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
+import logging
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tests.training import REPO, user_env
 
@@ -26,6 +32,7 @@ class Case:
     expect: tuple[str, ...]  # fragments the message must hold (what is wrong, and the fix)
     files: dict[str, str | bytes] = field(default_factory=dict)  # name -> content, written into {tmp} first
     env: dict[str, str] = field(default_factory=dict)
+    links: dict[str, str] = field(default_factory=dict)  # name -> target ({tmp} allowed): symbolic links made first
 
 
 def jsonl(*rows: object) -> str:
@@ -53,6 +60,15 @@ CASES: list[Case] = [
     Case("negative clipping", "config value", ("train.gradient_clipping=-1",), ("train.gradient_clipping", ">= 0")),
     Case("timeout 0", "config value", ("dist.timeout_minutes=0",), ("dist.timeout_minutes=0", ">= 1")),
     Case("max_bad_steps negative", "config value", ("train.max_bad_steps=-1",), ("train.max_bad_steps=-1", ">= 0")),
+    Case("export_every negative", "config value", ("train.export_every=-1",), ("train.export_every=-1", ">= 0")),
+    Case("negative temperature", "config value", ("eval.temperature=-1",), ("eval.temperature=-1.0", "0 = greedy")),
+    Case("top_p 1.5", "config value", ("eval.temperature=0.7", "eval.top_p=1.5"), ("eval.top_p=1.5", "(0, 1]")),
+    Case(
+        "top_k while greedy",
+        "combination",
+        ("eval.top_k=5",),
+        ("eval.top_k=5 has no effect with eval.temperature=0", "eval.temperature > 0"),
+    ),
     Case(
         "unknown row layout",
         "config value",
@@ -114,6 +130,13 @@ CASES: list[Case] = [
         ("resume={tmp}/old_run",),
         ("no complete checkpoint", "step<N>"),
         files={"old_run/metrics.jsonl": ""},
+    ),
+    Case(
+        "resume from an incomplete checkpoint",
+        "path",
+        ("resume={tmp}/old_run/checkpoints/step4",),
+        ("step4 is not a complete checkpoint (it has no ds_exp_complete.json", "resume=<run dir>"),
+        files={"old_run/checkpoints/step4/mp_rank_00_model_states.pt": b"cut short by a kill"},
     ),
     Case(
         "run directory under a file",
@@ -612,6 +635,68 @@ CASES: list[Case] = [
         ("-m", "hydra/sweeper=optuna", "optimizer.lr=interval(1e-5,1e-3)", "hydra.sweeper.storage=mysql://u:pw@db/x"),
         ("hydra.sweeper.storage=mysql://u:***@db/x", "is not installed", "pip install mysqlclient"),
     ),
+    # --- issue 21: the run directory's lock, and keys a DeepSpeed file wins over
+    Case(
+        "lock file a dangling link",
+        "path",
+        ("train.max_steps=2",),
+        ("run/.ds_exp.lock is a symbolic link", "which does not exist", "remove the link"),
+        links={"run/.ds_exp.lock": "{tmp}/gone"},
+    ),
+    Case(
+        "lock file a directory",
+        "path",
+        ("train.max_steps=2",),
+        ("run/.ds_exp.lock is a directory, not ds_exp's lock file", "Move it out of the run directory"),
+        files={"run/.ds_exp.lock/stray": ""},
+    ),
+    Case(
+        "override a DeepSpeed JSON wins over",
+        "DeepSpeed JSON",
+        ("zero=stage1", "deepspeed.config_file={tmp}/ds.json", "train.max_steps=2"),
+        ("zero=stage1 would not be used", "ds.json sets zero_optimization.stage=3", "remove zero_optimization.stage"),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})},
+    ),
+    Case(
+        "optimizer setting a DeepSpeed optimizer block leaves out",
+        "DeepSpeed JSON",
+        ("optimizer.lr=1e-4", "deepspeed.config_file={tmp}/ds.json", "train.max_steps=2"),
+        ("optimizer.lr=1e-4 would not be used", "params have no lr", '"lr": "auto"'),
+        files={"ds.json": json.dumps({"optimizer": {"type": "AdamW", "params": {"weight_decay": "auto"}}})},
+    ),
+    Case(
+        "sweep over a key a DeepSpeed JSON sets",
+        "sweep",
+        ("-m", "zero=stage1,stage3", "deepspeed.config_file={tmp}/ds.json", "train.max_steps=2"),
+        ("the sweep was not started", "zero=stage1 would not be used", "zero_optimization.stage=3"),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})},
+    ),
+    Case(
+        "autotune over a key a DeepSpeed JSON sets",
+        "sweep",
+        ("-m", "experiment=autotune", "zero=stage0,stage1", "deepspeed.config_file={tmp}/ds.json"),
+        ("zero=stage0 would not be used", "zero=stage1 would not be used", "zero_optimization.stage=3"),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})},
+    ),
+    Case(
+        "optuna search over a key a DeepSpeed JSON sets",
+        "sweep",
+        ("-m", "hydra/sweeper=optuna", "zero=stage1,stage3", "deepspeed.config_file={tmp}/ds.json"),
+        ("hydra/sweeper=optuna: zero=stage1 would not be used", "zero_optimization.stage=3"),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 3}})},
+    ),
+    Case(
+        "autotune probes too short to time",
+        "sweep",
+        ("-m", "experiment=autotune", "train.max_steps=1"),
+        ("train.max_steps=1 with train.log_every=1", "give train.max_steps > 1"),
+    ),
+    Case(
+        "autotune max_batch_size -1",
+        "sweep",
+        ("-m", "experiment=autotune", "hydra.sweeper.max_batch_size=-1"),
+        ("hydra.sweeper.max_batch_size=-1", "a whole number >= 1, or null"),
+    ),
     Case(
         "SLURM launcher without SLURM",
         "launch",
@@ -653,8 +738,8 @@ class Outcome:
         return self.stdout + self.stderr
 
 
-def run_case(case: Case, tmp: Path) -> Outcome:
-    """`python -m ds_exp ARGS` in `tmp` (outputs land there) after writing the case's files."""
+def prepare(case: Case, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    """Write the case's files and links into `tmp`; return its command line and its environment variables."""
     for name, content in case.files.items():
         path = tmp / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -662,15 +747,106 @@ def run_case(case: Case, tmp: Path) -> Outcome:
             path.write_bytes(content)
         else:
             path.write_text(content)
+    for name, target in case.links.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).symlink_to(target.replace("{tmp}", str(tmp)))
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
     if not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
         args.append(f"hydra.run.dir={tmp}/run")
     args.append(f"data.cache_dir={tmp}/cache")
-    env = {**user_env(), **case.env, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    return args, {**case.env, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+
+
+def run_case(case: Case, tmp: Path) -> Outcome:
+    """`python -m ds_exp ARGS` in `tmp` (outputs land there) after writing the case's files: the real path, a
+    process of its own."""
+    args, env = prepare(case, tmp)
     proc = subprocess.run(
-        [sys.executable, "-m", "ds_exp", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "ds_exp", *args],
+        cwd=tmp,
+        env={**user_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return Outcome(proc.returncode, proc.stdout, proc.stderr, tmp)
+
+
+class ReachedHeavyWork(AssertionError):
+    """A case run in this process got past every check to the training stack or the dry run."""
+
+
+def run_case_in_process(case: Case, tmp: Path) -> Outcome:
+    """The same command through the CLI's own main() in this process, for cases refused before any heavy work: the
+    same message and exit status without a process start (~2 s each). The training stack and the dry run are
+    replaced by a tripwire, so a case that gets past the checks fails loudly instead of training here."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ds_exp.launch import cli, lock
+
+    args, env = prepare(case, tmp)
+    saved_env, saved_argv, saved_cwd = dict(os.environ), list(sys.argv), os.getcwd()
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    out, err = io.StringIO(), io.StringIO()
+    code: int
+    try:
+        for name in LAUNCH_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        os.chdir(tmp)
+        sys.argv = ["ds_exp", *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _tripwire(cli):
+            try:
+                cli.main()
+                code = 0
+            except SystemExit as exited:
+                if isinstance(exited.code, str):  # sys.exit("message"): the interpreter would print it
+                    print(exited.code, file=sys.stderr)
+                code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        GlobalHydra.instance().clear()
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        logging.captureWarnings(False)
+        for held in list(lock._locks):
+            lock.release_run_dir(held)
+        for held in list(lock._sweep_locks):
+            lock.release_sweep_dir(held)
+    return Outcome(code, out.getvalue(), err.getvalue(), tmp)
+
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def _tripwire(cli: Any) -> Iterator[None]:
+    """cli.run_job's heavy branches (the recipe, the dry run) raise ReachedHeavyWork while the case runs."""
+    original = cli.run_job
+
+    def checked(composed: Any) -> Any:
+        from ds_exp.tools import dry_run
+        from ds_exp.train import recipe
+
+        def tripped(*args: Any, **kwargs: Any) -> Any:
+            raise ReachedHeavyWork("the case passed every check and reached the training stack")
+
+        saved = recipe.recipe_main, dry_run.dry_run
+        recipe.recipe_main, dry_run.dry_run = tripped, tripped
+        try:
+            return original(composed)
+        finally:
+            recipe.recipe_main, dry_run.dry_run = saved
+
+    cli.run_job = checked
+    try:
+        yield
+    finally:
+        cli.run_job = original
 
 
 def message_of(outcome: Outcome) -> str:

@@ -22,8 +22,6 @@ from tests.conftest import run_cli
 from tests.test_slurm import slurm  # noqa: F401  (the fixture)
 from tests.training import user_env
 
-pytestmark = pytest.mark.slow
-
 DATA_LIMIT = 1_500_000_000  # bytes of data segment per process: micro batch 2 fits, 1024 does not
 GRID = [
     "experiment=autotune",
@@ -73,6 +71,7 @@ def check_dry_run_of(command: list[str], tmp_path, expected: dict[str, int]) -> 
     assert ds_config["train_micro_batch_size_per_gpu"] == expected["micro"]
 
 
+@pytest.mark.slow
 def test_autotune_locally_skips_what_cannot_fit_records_a_real_oom_and_recommends(tmp_path):
     sweep = tmp_path / "sweep"
     proc = autotune(
@@ -106,6 +105,7 @@ def test_autotune_locally_skips_what_cannot_fit_records_a_real_oom_and_recommend
     check_dry_run_of(recommended_command(proc.stdout), tmp_path, {"zero_stage": 0, "micro": 2})
 
 
+@pytest.mark.slow
 def test_autotune_on_slurm_runs_each_probe_as_a_two_rank_job(slurm, tmp_path):  # noqa: F811
     """No memory limit here: under `ulimit -d` a rank can fail inside submitit's own result pickling, and then the
     sweep waits for that job forever (seen with a 1.4 GiB limit); the recorded OOM is proven locally above."""
@@ -140,6 +140,7 @@ def test_autotune_on_slurm_runs_each_probe_as_a_two_rank_job(slurm, tmp_path):  
     check_dry_run_of(command, tmp_path, {"zero_stage": int(best["candidate"][len("zero=stage")]), "micro": 2})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -147,6 +148,9 @@ def test_autotune_on_slurm_runs_each_probe_as_a_two_rank_job(slurm, tmp_path):  
         ("hydra.sweeper.memory_budget=1MiB", "experiment=autotune: nothing fits the memory budget of 1.00 MiB per"),
         ("hydra.sweeper.memory_budget=lots", "hydra.sweeper.memory_budget=lots: expected auto or a positive size"),
         ("lora.dim=-1", "experiment=autotune: none of the 32 candidates is a valid configuration"),
+        # settings that cannot measure: every probe 'fit' and then none was timed, rc 0; nothing ran, unnamed
+        ("train.max_steps=1", "experiment=autotune: the probes would not measure what the grid says"),
+        ("hydra.sweeper.max_batch_size=-1", "hydra.sweeper.max_batch_size=-1: the probes handed to the launcher"),
     ],
 )
 def test_bad_autotune_settings_get_one_message_and_launch_nothing(tmp_path, override, message):
@@ -156,3 +160,81 @@ def test_bad_autotune_settings_get_one_message_and_launch_nothing(tmp_path, over
     assert proc.stderr.startswith(f"ds_exp: error: {message}"), proc.stderr
     assert "Traceback" not in proc.stderr
     assert not sweep.exists()
+
+
+def test_zero_stage_the_deepspeed_file_sets_is_named_in_the_refusal(tmp_path):
+    """A DeepSpeed file that sets the swept stage: both probes ran ZeRO-3 and the report recommended zero=stage1.
+    Now each value the file would beat is named, with the file, and nothing is launched."""
+    (tmp_path / "z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    proc = run_cli(
+        "-m",
+        "experiment=autotune",
+        "zero=stage1,stage3",
+        f"deepspeed.config_file={tmp_path / 'z3.json'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"zero=stage1 would not be used: deepspeed.config_file={tmp_path / 'z3.json'} sets " in proc.stderr
+    assert "zero_optimization.stage=3" in proc.stderr and "zero=stage3 would not" not in proc.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+# ------------------------------------------------------------------ the report's verdict, in this process (fast)
+
+
+def fake_autotune_sweep(sweep_dir, metric_steps: list[int], overrides: list[str]) -> None:
+    """An autotune sweep directory with one completed probe whose metric lines close at `metric_steps`."""
+    from ds_exp.tools.autotune import PLAN_FILE
+
+    job = sweep_dir / "0"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (job / "summary.json").write_text(json.dumps({"status": "completed", "world_size": 1}))
+    lines = [{"type": "train", "step": s, "tokens_per_s": 100.0 * s} for s in metric_steps]
+    (job / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    plan = {
+        "world_size": 1,
+        "accelerator": "cpu",
+        "memory_budget_bytes": 2**30,
+        "memory_budget_source": "test",
+        "swept": ["zero"],
+        "probe_keys": ["experiment", "train.max_steps"],
+        "launcher_overrides": [],
+        "candidates": [{"overrides": overrides, "job": "0", "verdict": "probe", "reason": None, "estimate_bytes": 1}],
+    }
+    (sweep_dir / PLAN_FILE).write_text(json.dumps(plan))
+
+
+def test_probes_that_were_never_timed_recommend_nothing_and_exit_non_zero(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from ds_exp.sweeps.callbacks import SweepReport
+
+    fake_autotune_sweep(tmp_path, [1], ["zero=stage1", "experiment=autotune", "train.max_steps=1"])
+    config = OmegaConf.create({"dry_run": False, "hydra": {"sweep": {"dir": str(tmp_path)}, "sweeper": {}}})
+    with pytest.raises(SystemExit) as exited:
+        SweepReport.report(config)
+    assert exited.value.code == 1
+    captured = capsys.readouterr()
+    assert "ds_exp: error: autotune: no probe was timed (no metric line after its 1 warm-up step" in captured.err
+    assert "completed, not timed" in (tmp_path / "autotune.csv").read_text()
+
+
+def test_a_probes_speed_leaves_out_every_line_that_holds_its_warm_up(tmp_path):
+    from ds_exp.sweeps.report import probe_speed
+
+    job = tmp_path / "sweep"
+    fake_autotune_sweep(job, [2, 4, 6], ["zero=stage1"])  # train.log_every=2: the step-2 line holds step 1
+    assert probe_speed(job / "0") == (500.0, None)  # the median of 400 and 600, not of 200, 400 and 600
+
+
+def test_the_recommended_command_carries_no_probe_or_session_override(tmp_path, capsys):
+    """The probe session's resume=auto (a continued autotune sweep) is no part of the configuration it found."""
+    from ds_exp.sweeps.report import write_report
+
+    overrides = ["zero=stage1", "experiment=autotune", "train.max_steps=6", "resume=auto", "optimizer.lr=1e-4"]
+    fake_autotune_sweep(tmp_path, [1, 2, 3], overrides)
+    write_report(tmp_path)
+    command = recommended_command(capsys.readouterr().out)
+    assert command == ["python", "-m", "ds_exp", "zero=stage1", "optimizer.lr=1e-4"], command

@@ -668,3 +668,51 @@ def test_zero_and_offload_from_a_users_deepspeed_file_are_named_with_the_file_an
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, **{"optimizer.impl": "torch"}
     )
     assert len(impl) == 1 and impl[0].startswith(f"optimizer.impl=torch with {key('offload_optimizer.device', 'cpu')}")
+
+
+def test_an_override_the_users_deepspeed_file_wins_over_is_named_and_tuning_is_not(tmp_path):
+    """Issue 21: the file wins for DeepSpeed's own keys; an explicit override it silently beats is named (with the
+    file), but the file tuning a knob of a chosen group (a bucket size under zero=stage1) is its normal use."""
+    from hydra import compose, initialize_config_dir
+
+    from ds_exp.config.ds_config import overrides_replaced_by_file
+    from ds_exp.config.paths import conf_dir
+    from ds_exp.config.schema import to_config
+
+    def beaten(file: dict, *overrides: str) -> list[str]:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(file))
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            composed = compose(config_name="config", overrides=[*overrides, f"deepspeed.config_file={path}"])
+        return [
+            line.split(" would not be used")[0]
+            for line in overrides_replaced_by_file(composed, to_config(composed), list(overrides))
+        ]
+
+    zero3 = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8}, "steps_per_print": 100}
+    assert beaten(zero3, "zero=stage1", "zero.reduce_bucket_size=1000", "train.log_every=1") == [
+        "zero=stage1",
+        "zero.reduce_bucket_size=1000",
+    ]
+    assert beaten(zero3, "zero=stage3", "offload=none") == []  # what the file says too; not what it sets
+    assert (
+        beaten(
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"pin_memory": False}}},
+            "zero=stage2",
+            "offload=cpu",
+        )
+        == []
+    )
+    assert beaten({"zero_optimization": {"offload_optimizer": {"device": "none"}}}, "zero=stage1", "offload=cpu") == [
+        "offload=cpu"
+    ]
+    assert beaten({"zero_optimization": {"stage": 1}}, "deepspeed.config.zero_optimization.stage=2") == [
+        "deepspeed.config.zero_optimization.stage=2"
+    ]
+    blocks = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "scheduler": {"type": "WarmupLR", "params": {}}}
+    assert beaten(blocks, "optimizer.lr=1e-4", "optimizer.eps=1e-7", "optimizer.impl=torch", "scheduler=linear") == [
+        "optimizer.eps=1e-7",
+        "optimizer.impl=torch",
+        "scheduler=linear",
+    ]
+    assert beaten({}, "zero=stage1") == []

@@ -176,6 +176,76 @@ def test_an_objective_no_run_reports_stops_the_study_with_the_numbers_it_could_u
     assert len(study_trials(sweep_dir)) == 1  # stopped after the first trial, not after three
 
 
+@pytest.mark.slow
+def test_a_trial_stopped_by_ctrl_c_is_continued_by_the_rerun_not_failed(tmp_path, cache_dir):
+    """Ctrl-C during a trial: the run saves a checkpoint and the sweep ends with the trial still RUNNING in the
+    study. The same command again used to record it FAIL (counted toward n_trials); now it continues it: the same
+    trial number and values, from its checkpoint."""
+    import signal
+    import time
+
+    from tests.training import logged_steps
+
+    sweep_dir = tmp_path / "study"
+    args = [
+        sys.executable,
+        "-m",
+        "ds_exp",
+        "-m",
+        *SEARCH,
+        "hydra.sweeper.n_trials=1",
+        *FAST,
+        "train.max_steps=60",
+        "data.synthetic.num_train=1024",
+        f"data.cache_dir={cache_dir}",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    first = subprocess.Popen(
+        args, cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while logged_steps(sweep_dir / "0") < 2:
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.05)
+        first.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground process
+        _, err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 128 + signal.SIGINT, err[-3000:]
+    stopped = json.loads((sweep_dir / "0" / "summary.json").read_text())
+    assert stopped["status"] == "stopped" and stopped["steps"] < 60, stopped
+    (trial,) = study_trials(sweep_dir)
+    assert trial.state.name == "RUNNING"
+
+    again = subprocess.run(args, cwd=tmp_path, env=user_env(), capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "trial 0 was stopped before it finished: continuing it from its checkpoint" in again.stdout
+    (continued,) = study_trials(sweep_dir)  # the same trial, not a failed one and a new one
+    assert (continued.number, continued.state.name, continued.params) == (0, "COMPLETE", trial.params)
+    summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 60
+    assert summary["resumed_from"].endswith(f"checkpoints/step{stopped['steps']}"), summary["resumed_from"]
+    assert continued.value == summary["final_eval"]["eval_loss"]
+    assert "resume=auto" not in json.loads((sweep_dir / "study.json").read_text())["best"]["command"]
+
+
+def test_a_searched_key_the_deepspeed_file_sets_stops_the_study_before_any_trial(tmp_path):
+    (tmp_path / "z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    sweep_dir = tmp_path / "study"
+    proc = multirun(
+        tmp_path,
+        sweep_dir,
+        "hydra/sweeper=optuna",
+        "zero=stage1,stage3",
+        f"deepspeed.config_file={tmp_path / 'z3.json'}",
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"zero=stage1 would not be used: deepspeed.config_file={tmp_path / 'z3.json'} sets" in proc.stderr
+    assert "Traceback" not in proc.stderr and not sweep_dir.exists()
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

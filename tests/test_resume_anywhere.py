@@ -8,14 +8,28 @@ in directories of their own and train steps 5-8."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from ds_exp.checkpoint.universal import MARKER, convert_here, universal_dir
+from ds_exp.checkpoint.universal import (
+    MARKER,
+    MODEL_STATES,
+    PARAM_NAMES_KEY,
+    conversion_status,
+    convert_here,
+    is_converted,
+    main,
+    universal_dir,
+)
 from ds_exp.core.errors import ResumeError
-from tests.training import FAST, Run, assert_close, launch
+from tests.training import FAST, Run, assert_close, free_port, launch, user_env
 
 pytestmark = pytest.mark.slow
 SAVING = [*FAST, "train.save_every=4"]  # global batch 4 x ranks x accumulation; checkpoints at steps 4 and 8
@@ -171,3 +185,155 @@ def test_a_failed_conversion_leaves_nothing_that_is_trusted(zero2_two_ranks, tmp
         convert_here(tag_dir)
     assert sorted(p.name for p in tag_dir.parent.iterdir()) == ["step4"]  # no copy, no temporary directory
     assert checksums(tag_dir) == before
+
+
+@pytest.fixture(scope="module")
+def bf16_zero3_one_rank(tmp_path_factory, cache_dir) -> Run:
+    """Uninterrupted: 1 rank, bf16, ZeRO-3 (global batch 4)."""
+    run = launch(
+        tmp_path_factory.mktemp("ref") / "bf16_zero3", *SAVING, "precision=bf16", "zero=stage3", cache_dir=cache_dir
+    )
+    assert run.ok, run.explain()
+    return run
+
+
+def test_bf16_zero3_continues_at_zero1(bf16_zero3_one_rank, tmp_path, cache_dir):
+    """ZeRO-3 -> ZeRO-1 in bf16: DeepSpeed's stage-3 files converted, loaded by a stage-1 engine with bf16 weights."""
+    run = resumed(bf16_zero3_one_rank, tmp_path / "zero1", "precision=bf16", "zero=stage1", cache_dir=cache_dir)
+    continued(bf16_zero3_one_rank, run)
+    said = run.proc.stdout + run.proc.stderr
+    assert "resume: zero_stage: 3 in the checkpoint, 1 now" in said and "universal format (once)" in said
+    assert run.summary["precision"] == "bf16" and run.summary["zero_stage"] == 1
+
+
+def processes_running(*fragments: str) -> list[int]:
+    """Live processes whose command line holds every fragment."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = next(line for line in (entry / "status").read_text().splitlines() if line.startswith("State:"))
+        except (OSError, StopIteration, UnicodeDecodeError):
+            continue
+        if all(f in cmdline for f in fragments) and "zombie" not in state:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.05)
+
+
+def copied_checkpoint(reference: Run, root: Path, tag: str = "step4") -> Path:
+    """A copy of a reference's checkpoint (mtimes kept, as cp -a), in a checkpoints directory of its own."""
+    tag_dir = root / "checkpoints" / tag
+    shutil.copytree(reference.run_dir / "checkpoints" / tag, tag_dir)
+    return tag_dir
+
+
+def temporaries(tag_dir: Path) -> list[str]:
+    return [p.name for p in tag_dir.parent.glob(f".{tag_dir.name}.universal.tmp-*")]
+
+
+def test_a_conversion_whose_parent_is_killed_leaves_no_process_and_no_temporary(zero2_two_ranks, tmp_path):
+    tag_dir = copied_checkpoint(zero2_two_ranks, tmp_path)
+    code = f"from pathlib import Path; from ds_exp.universal import convert_here; convert_here(Path({str(tag_dir)!r}))"
+    parent = subprocess.Popen([sys.executable, "-c", code], env=user_env())
+    try:
+        wait_until(
+            lambda: processes_running("ds_exp.checkpoint.conversion", str(tag_dir)), 120, "the conversion started"
+        )
+        assert temporaries(tag_dir)
+    finally:
+        parent.kill()
+        parent.wait()
+    wait_until(lambda: not processes_running("ds_exp.checkpoint.conversion", str(tag_dir)), 20, "the converter died")
+    wait_until(lambda: not temporaries(tag_dir), 20, "its temporary directory is gone")
+    assert sorted(p.name for p in tag_dir.parent.iterdir()) == ["step4"]
+
+
+def test_a_stop_during_a_resumes_conversion_names_the_checkpoint_to_continue_from(zero2_two_ranks, tmp_path, cache_dir):
+    """The run directory holds no checkpoint: `resume=auto` would start over from step 0."""
+    tag_dir = copied_checkpoint(zero2_two_ranks, tmp_path / "source")
+    run_dir = tmp_path / "resumed"
+    args = [*SAVING, f"resume={tag_dir}", "zero=stage3", "train.gradient_accumulation_steps=2"]
+    args += [f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ds_exp", *args],
+        cwd=tmp_path,
+        env={**user_env(), "MASTER_PORT": str(free_port())},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(
+            lambda: processes_running("ds_exp.checkpoint.conversion", str(tag_dir)), 180, "the conversion started"
+        )
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert f"hydra.run.dir={run_dir} resume={tag_dir}" in err and "resume=auto" not in err, err[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped"
+    assert not processes_running("ds_exp.checkpoint.conversion", str(tag_dir))
+    assert sorted(p.name for p in tag_dir.parent.iterdir()) == ["step4"]  # no conversion, no temporary
+
+
+def test_a_stale_conversion_is_made_again(zero2_two_ranks, zero3_one_rank, tmp_path, caplog):
+    """A conversion is reused only for the exact checkpoint it came from: the same files (a copy that keeps mtimes)
+    reuse it; a checkpoint rewritten since gets a new one, with one line saying why."""
+    source = zero2_two_ranks.run_dir / "checkpoints"
+    tag_dir = copied_checkpoint(zero2_two_ranks, tmp_path)
+    shutil.copytree(universal_dir(source / "step4"), universal_dir(tag_dir))
+    assert is_converted(tag_dir)  # the cached conversion of these files: reused
+    for file in (source / "step8").iterdir():  # another state of the run at the same path
+        shutil.copy(file, tag_dir / file.name)
+    assert not is_converted(tag_dir)  # (it was: the conversion's marker alone made it count)
+    usable, why = conversion_status(tag_dir)
+    assert not usable and "changed since it was converted (ds_exp_complete.json, mp_rank_00_model_states.pt" in why
+    old = torch_file(universal_dir(tag_dir))
+    assert main([str(tag_dir)]) == 0
+    assert is_converted(tag_dir) and torch_file(universal_dir(tag_dir)) != old
+    assert sorted(p.name for p in tag_dir.parent.iterdir()) == ["step4", "step4.universal"]
+
+
+def torch_file(udir: Path) -> bytes:
+    """The bytes of one converted optimizer state (the first trainable parameter's fp32 master weights)."""
+    first = sorted(p for p in (udir / "zero").iterdir() if (p / "exp_avg.pt").is_file())[0]
+    return (first / "fp32.pt").read_bytes()
+
+
+def test_the_command_line_converts_a_zero0_checkpoint_or_says_why_not(lora_one_rank, tmp_path, capsys):
+    import torch
+
+    tag_dir = copied_checkpoint(lora_one_rank, tmp_path / "new")
+    assert main([str(tag_dir)]) == 0
+    converted = {p.name for p in (universal_dir(tag_dir) / "zero").iterdir() if p.is_dir()}
+    assert converted and all("lora_" in name for name in converted), converted
+    capsys.readouterr()
+
+    older = copied_checkpoint(lora_one_rank, tmp_path / "older")  # as ds_exp wrote them before it recorded the names
+    states = older / MODEL_STATES[0]
+    saved = torch.load(states, weights_only=False)
+    del saved[PARAM_NAMES_KEY]
+    torch.save(saved, states)
+    assert main([str(older)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "is a ZeRO-0 checkpoint written before ds_exp recorded its parameter names" in err[-1], err
+    assert err[-1].startswith("ds_exp.universal: error: ") and "Traceback" not in "\n".join(err)
+    assert sorted(p.name for p in older.parent.iterdir()) == ["step4"]
+
+
+def test_the_command_line_says_when_the_disk_is_too_small(zero2_two_ranks, mount_tmpfs, capsys):
+    size = sum(p.stat().st_size for p in (zero2_two_ranks.run_dir / "checkpoints" / "step4").iterdir())
+    disk = mount_tmpfs(f"{size + 2 * 2**20}")  # the checkpoint and 2 MiB: too small for its conversion
+    tag_dir = copied_checkpoint(zero2_two_ranks, disk)
+    assert main([str(tag_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"no room to convert {tag_dir} beside it: the conversion needs about " in err and " free; " in err, err
+    assert sorted(p.name for p in tag_dir.parent.iterdir()) == ["step4"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,3 +187,68 @@ def test_a_run_killed_after_its_last_checkpoint_is_finished_by_resume_without_tr
     repeated = launch(run_dir, *again, cache_dir=cache_dir)  # now it is finished: nothing to do
     assert repeated.ok and "nothing to do" in repeated.proc.stdout, repeated.explain()
     assert repeated.summary == summary
+
+
+def _module_weights(tag_dir: Path) -> dict:
+    import torch
+
+    return torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    import torch
+
+    return all(torch.equal(a[name].float(), b[name].float()) for name in b if name in a)
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside_and_continues_only_its_own(tmp_path, cache_dir):
+    """Issue 21 §1: resuming from step 6 of a run that went on to step 8, with another learning rate, keep_last 1
+    and a save every step: the first trajectory's step 8 is moved into checkpoints/branches/ (named in one warning),
+    never deleted, never kept as the newest, never taken for the new step 8; a kill before the new branch's first save
+    leaves `latest` and resume=auto on step 6; the final checkpoint, the export and the summary hold the same
+    weights. A resume in another run directory from this one's checkpoint sets that directory's own checkpoints
+    aside and changes nothing here."""
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, *FAST, "train.save_every=2", "train.keep_last=2", cache_dir=cache_dir)
+    assert first.ok, first.explain()
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step6", "step8"]
+    first_step8 = checksums(ckpts / "step8")
+    copy = tmp_path / "copy"  # a user's copy of the run directory, to branch off from (cp -a)
+    shutil.copytree(run_dir, copy, symlinks=True)
+
+    again = [*FAST, "optimizer.lr=5e-3", "train.save_every=1", "train.keep_last=1"]
+    again += ["train.save_final_checkpoint=true", "train.export=true"]
+    fault = {"DS_EXP_FAULT": "save:step7"}  # killed at the new branch's first save
+    killed = launch(run_dir, *again, f"resume={ckpts / 'step6'}", cache_dir=cache_dir, env=fault)
+    assert killed.proc.returncode == -signal.SIGKILL, killed.explain()
+    (branch,) = (ckpts / "branches").iterdir()
+    assert checksums(branch / "step8") == first_step8  # moved whole, not deleted
+    said = console(killed)
+    assert f"step8 moved (nothing deleted) into {branch}; to go back to it: resume={branch / 'step8'}" in said
+    assert (ckpts / "latest").read_text() == "step6"  # never the moved step8, never the incomplete step7
+    assert complete_checkpoints(ckpts)[-1] == ckpts / "step6"  # what resume=auto continues
+
+    done = launch(run_dir, *again, "resume=auto", cache_dir=cache_dir)
+    assert done.ok, done.explain()
+    summary = done.summary
+    assert summary["resumed_from"] == str(ckpts / "step6") and summary["steps"] == 8, summary
+    assert summary["checkpoint"] == str(ckpts / "step8") and "not saved again" not in console(done)
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step8"] and (ckpts / "latest").read_text() == "step8"
+    exported = {}
+    for file in (run_dir / "hf_model").glob("*.safetensors"):
+        exported.update(load_file(file))
+    final = _module_weights(ckpts / "step8")
+    assert exported and _same_weights(final, exported)  # the final checkpoint holds the exported weights
+    assert not _same_weights(_module_weights(branch / "step8"), exported)  # (the first trajectory's did not)
+    assert checksums(branch / "step8") == first_step8
+
+    before = checksums(run_dir)
+    elsewhere = launch(copy, *again, "train.max_steps=10", f"resume={ckpts / 'step8'}", cache_dir=cache_dir)
+    assert elsewhere.ok, elsewhere.explain()
+    assert checksums(run_dir) == before  # nothing rotated, moved or rewritten in the other directory
+    (set_aside,) = (copy / "checkpoints" / "branches").iterdir()
+    assert sorted(p.name for p in set_aside.glob("step*")) == ["step6", "step8"]  # the copy's own, kept
+    assert sorted(p.name for p in (copy / "checkpoints").glob("step*")) == ["step10"]

@@ -1,10 +1,11 @@
 """Nothing lost, no hang, a readable console: run directories that other runs cannot overwrite, resumes that
 change nothing when refused, rotation that only deletes its own checkpoints, signals obeyed before training
-starts, a single process on any free port, and a console where rank 0 speaks once."""
+starts, and a single process on any free port (the console: tests/test_console.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
 import json
 import os
@@ -227,26 +228,6 @@ def test_sigterm_during_tokenization_stops_within_seconds(tmp_path):
     assert not list(cache.glob(".*tmp*")), "a half-built cache entry was left behind"
 
 
-def test_two_ranks_of_zero3_print_a_short_console(tmp_path, cache_dir):
-    run = launch(
-        tmp_path / "run", *FAST, "zero=stage3", "train.log_every=2", launcher="torchrun", nproc=2, cache_dir=cache_dir
-    )
-    assert run.ok, run.explain()
-    console = run.proc.stdout + run.proc.stderr
-    ours = [
-        line for line in console.splitlines() if line.strip() and "OMP_NUM_THREADS" not in line and "****" not in line
-    ]
-    assert len(ours) <= 16, "\n".join(ours)
-    for noise in ("FutureWarning", "Setting accelerator", "built successfully", "gcc ", "rank 1 of 2", "{'num_"):
-        assert noise not in console, noise
-    assert "data: 256 train / 32 eval examples" in console
-    assert "trainable (100.00%)" in console
-    # what the console left out is in the rank log files
-    rank1 = (run.run_dir / "logs" / "rank1.log").read_text()
-    assert "Setting accelerator to CPU" in rank1 and "rank 1 of 2" in rank1
-    assert rank1.count("is deprecated") <= 2  # each library warning once, not once per step
-
-
 def test_keep_last_zero_says_what_it_means(tmp_path, cache_dir):
     run = launch(tmp_path / "run", *FAST, "train.keep_last=0", "train.max_steps=2", cache_dir=cache_dir)
     assert run.ok, run.explain()
@@ -268,3 +249,216 @@ def test_the_placeholder_of_a_refused_rank_is_removed(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert not list(tmpdir.iterdir())
     assert os.path.isdir(REPO)
+
+
+# ------------------------------------------------------------------ issue 21 §3: sweeps and the run-directory lock
+
+
+@contextlib.contextmanager
+def held_lock(directory: Path, holder: str = "host elsewhere, pid 4242, since now"):
+    """<directory>/.ds_exp.lock held by this test process, as a live ds_exp run or sweep holds it."""
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / ".ds_exp.lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.write(holder + "\n")
+        handle.flush()
+        yield
+
+
+def _dry_sweep(tmp_path: Path, sweep: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_exp",
+            "-m",
+            "zero=stage0,stage1",
+            "dry_run=true",
+            *overrides,
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_second_sweep_into_a_live_sweeps_directory_is_refused_and_changes_nothing(tmp_path):
+    """Two sweeps started together into one directory both passed the 'already holds a sweep' check: the sweep's
+    lock is taken before that check now. The first sweep is stood in for by this process holding the lock."""
+    sweep = tmp_path / "sweep"
+    with held_lock(sweep):
+        before = checksums(sweep)
+        second = _dry_sweep(tmp_path, sweep)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert "is in use by a live ds_exp sweep (host elsewhere, pid 4242" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert checksums(sweep) == before and sorted(p.name for p in sweep.iterdir()) == [".ds_exp.lock"]
+
+
+def test_a_sweep_job_never_writes_into_a_directory_that_holds_another_run(tmp_path):
+    sweep = tmp_path / "sweep"
+    other = sweep / "1"  # a run that is no job of a sweep (no .hydra/): a single run put there, or a copied one
+    other.mkdir(parents=True)
+    (other / "metrics.jsonl").write_text('{"type": "train", "step": 1, "loss": 5.0}\n')
+    before = checksums(sweep)
+    proc = _dry_sweep(tmp_path, sweep)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"{other.relative_to(tmp_path)} already holds a run (metrics.jsonl); nothing was launched" in proc.stderr
+    assert checksums(sweep) == before and sorted(p.name for p in sweep.iterdir()) == ["1"]  # no job 0 either
+
+
+def test_a_run_inside_a_live_sweeps_directory_is_refused(tmp_path):
+    """A single run into a job's directory of a live sweep would be overwritten by that job (or train into it)."""
+    sweep = tmp_path / "sweep"
+    with held_lock(sweep):
+        proc = run_dry(tmp_path, f"hydra.run.dir={sweep / '3'}")
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"is inside {sweep}, the directory of a live ds_exp sweep or run (host elsewhere" in proc.stderr
+        assert sorted(p.name for p in sweep.iterdir()) == [".ds_exp.lock"]  # not even the job's directory
+
+
+def run_dry(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ds_exp", "dry_run=true", *overrides],
+        cwd=tmp_path,
+        env={**user_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_finished_run_whose_lock_is_a_directory_is_refused_and_changes_nothing(finished, tmp_path, cache_dir):
+    """An error inside the pre-run checks other than ds_exp's own used to become a Hydra warning: the run went on
+    and replaced the finished run's .hydra/ and summary.json."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished.run_dir, run_dir)
+    (run_dir / ".ds_exp.lock").unlink()
+    (run_dir / ".ds_exp.lock").mkdir()
+    before = checksums(run_dir)
+    again = launch(run_dir, *SAVED, "resume=auto", "train.max_steps=12", cache_dir=cache_dir, cwd=tmp_path)
+    assert again.proc.returncode == 2, again.explain()
+    assert f"{run_dir / '.ds_exp.lock'} is a directory, not ds_exp's lock file" in again.proc.stderr
+    assert "Traceback" not in again.proc.stderr
+    assert checksums(run_dir) == before
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "link to a file", "directory", "fifo", "no flock"])
+def test_every_way_the_lock_can_fail_is_one_message_never_a_hang(tmp_path, monkeypatch, kind):
+    import errno
+    import fcntl
+
+    from ds_exp.core.errors import Refused
+    from ds_exp.launch import run_dir as rd
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / ".ds_exp.lock"
+    expected = {
+        "dangling link": f"{lock} is a symbolic link (to {tmp_path / 'gone'}, which does not exist)",
+        "link to a file": f"{lock} is a symbolic link (to {tmp_path / 'file'})",
+        "directory": f"{lock} is a directory, not ds_exp's lock file",
+        "fifo": f"{lock} is not a regular file",
+        "no flock": f"the file system of {lock} does not support file locks",
+    }[kind]
+    if kind == "dangling link":  # made `ds_exp hydra.run.dir=R` spin at 100% CPU forever
+        lock.symlink_to(tmp_path / "gone")
+    elif kind == "link to a file":
+        (tmp_path / "file").write_text("")
+        lock.symlink_to(tmp_path / "file")
+    elif kind == "directory":
+        lock.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+
+        def no_flock(handle, operation):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+        monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.raises(Refused) as err:
+        rd.lock_run_dir(run)
+    assert str(err.value).startswith(f"hydra.run.dir={run}: {expected}"), err.value
+    assert "nothing was changed" in str(err.value)
+    assert run.absolute() not in rd._locks
+    if kind == "no flock":
+        assert not lock.exists()  # the lock file it made is not left behind
+
+
+@pytest.mark.parametrize("hook", ["on_run_start", "on_multirun_start", "validate", "report"])
+def test_every_callback_check_fails_closed_whatever_it_raises(monkeypatch, capsys, hook):
+    """Hydra 1.3 catches what a callback raises and only warns: an unexpected error in a check must still stop."""
+    from omegaconf import OmegaConf
+
+    from ds_exp.launch import callbacks as run_callbacks
+    from ds_exp.sweeps import callbacks as sweep_callbacks
+
+    def broken(*args, **kwargs):
+        raise KeyError("something nobody expected")
+
+    config = OmegaConf.create({"dry_run": False, "hydra": {"sweep": {"dir": "x"}, "sweeper": {}}})
+    callback: object
+    if hook == "on_run_start":
+        monkeypatch.setattr(run_callbacks, "check_run_start", broken)
+        callback, method = run_callbacks.CheckRunDir(), hook
+    elif hook == "on_multirun_start":
+        monkeypatch.setattr(sweep_callbacks, "check_sweep_start", broken)
+        callback, method = sweep_callbacks.ValidateSweep(), hook
+    elif hook == "validate":
+        monkeypatch.setattr(sweep_callbacks, "check_sweep_start", lambda config: None)
+        monkeypatch.setattr(sweep_callbacks, "sweep_jobs", broken)
+        callback, method = sweep_callbacks.ValidateSweep(), "on_multirun_start"
+    else:
+        monkeypatch.setattr(sweep_callbacks, "own_job_dirs", broken)
+        callback, method = sweep_callbacks.SweepReport(), "on_multirun_end"
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        getattr(callback, method)(config=config)
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ds_exp: error: ") and "(KeyError: 'something nobody expected')" in err, err
+    assert "Traceback" not in err
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(SystemExit):
+        getattr(callback, method)(config=config)
+    assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_sweep_report_lists_only_the_sweeps_own_jobs(tmp_path, cache_dir):
+    """A sweep continued (resume=auto) in a directory that holds more jobs than it runs reports its own."""
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1", "2"):  # an earlier sweep's jobs that never trained (no checkpoint: job 0 starts over)
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- train.seed={job}\n")
+        (sweep / job / ".hydra" / "config.yaml").write_text("{}\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_exp",
+            "-m",
+            *FAST,
+            "train.max_steps=2",
+            "train.seed=0",
+            "resume=auto",
+            f"data.cache_dir={cache_dir}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with (sweep / "report.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "completed")]

@@ -33,6 +33,8 @@ IMPORTED_WHERE_USED = {
     "psutil": "only for autotune's host-memory budget",
     "ds_exp.train.recipe": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
+    "ds_exp.tools.use.export": "python -m ds_exp.export: --help and every refusal answer before torch is imported",
+    "ds_exp.tools.use.chat": "python -m ds_exp.chat: --help and every refusal answer before torch is imported",
 }
 # uses (not mentions) of other libraries' private names that ds_exp relies on
 PRIVATE = re.compile(

@@ -67,7 +67,9 @@ def test_the_step_divides_by_the_global_batchs_label_tokens(one_rank):
     sums = [token_loss_sum(engine.table[b["input_ids"]], b["labels"]) for b in micro]
     labels = sum(int(count) for _, count in sums)
     assert labels == result.label_tokens == 2 + 3 + 3  # next-token labels: each position after the prompt
-    assert result.votes == StepVotes(global_label_tokens=8.0, stop=1.0, non_finite=1.0)
+    votes = result.votes
+    assert (votes.global_label_tokens, votes.stop, votes.non_finite) == (8.0, 1.0, 1.0)
+    assert math.isnan(votes.previous_loss_sum)
     # each micro batch's backward: its summed loss x (world x micro batches) / the global label tokens, which
     # DeepSpeed's mean over the 2 micro batches turns into sum / 8
     for (summed, _), seen in zip(sums, engine.backward_losses, strict=True):
@@ -75,6 +77,9 @@ def test_the_step_divides_by_the_global_batchs_label_tokens(one_rank):
     assert float(result.loss_sum) == pytest.approx(sum(float(s) for s, _ in sums))
     assert (result.input_tokens, result.samples, engine.steps, result.applied) == (12.0, 3, 2, True)
     assert result.flops == pytest.approx((4 * 10 + 2 * 10) * 12 + 12 * 1 * 2 * (16 + 16 + 16))
+    # the next step's one all-reduce brings this step's loss sum over ranks: its loss for the progress bar
+    after = step(micro, stop_requested=False, previous_loss=result.loss_sum)
+    assert after.votes.previous_loss_sum == pytest.approx(float(result.loss_sum)) and after.votes.non_finite == 0
 
 
 def test_a_step_without_label_tokens_stops_the_run(one_rank):
@@ -142,12 +147,12 @@ def test_the_summary_comes_from_the_run_state(tmp_path):
 def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, compose_cfg):
     """The export's writer on a disk too small for the weights (about 2 MB): one message with the room needed, no
     .hf_model.tmp left, and an earlier export in its place untouched."""
-    from ds_exp.data.tokenizer import load_tokenizer, tokenizer_source
     from transformers import AutoModelForCausalLM
 
-    from ds_exp.artifacts.export import ExportSpec, _write_export
+    from ds_exp.artifacts.export import ExportSpec, write_export
     from ds_exp.core.errors import RunFailed
     from ds_exp.model.architecture import build_model_config
+    from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
 
     cfg = compose_cfg()
     tokenizer = load_tokenizer(cfg.model, cfg.data)
@@ -161,7 +166,7 @@ def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, 
     earlier.mkdir()
     (earlier / "ds_exp_export.json").write_text("{}")  # an earlier export: replaced only by a complete one
     with pytest.raises(RunFailed) as info:
-        _write_export(model.state_dict(), set(), spec, tokenizer, earlier, save_adapter=False)
+        write_export(model.state_dict(), set(), spec, tokenizer, earlier)
     message = str(info.value)
     assert message.startswith(f"could not write the export {earlier} (")
     assert "the weights alone need about 1.88 MiB" in message and "resume=auto" in message
@@ -170,9 +175,8 @@ def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, 
 
 
 def test_a_marker_that_is_not_a_json_object_means_an_incomplete_checkpoint(tmp_path):
-    from ds_exp.checkpoint.checkpointer import is_complete
     from ds_exp.core.errors import ResumeError
-    from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints, find_resume_checkpoint
+    from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints, find_resume_checkpoint, is_complete
 
     checkpoints = tmp_path / "checkpoints"
     markers = {"step2": '{"step": 2}', "step4": "", "step6": "[1]", "step8": '{"step": 8', "step10": "{}"}

@@ -9,6 +9,10 @@ when complete. What the export keeps of the base model:
   checkpoint's dtype, or in the training precision where training changed every base weight (a full fine-tune in
   bf16 has nothing more precise to give). `ds_exp_export.json` beside the weights says which and why;
 * its tokenizer files, copied as they are when training did not change the tokenizer; its generation config.
+The metadata also says how the run asked the model (its template and stop tokens, for `python -m ds_exp.chat`) and
+where the weights come from (origin: the run and step, or the checkpoint `python -m ds_exp.export` read).
+With LoRA the adapter alone can be saved beside the merged model (train.export_adapter) or instead of it
+(`python -m ds_exp.export --adapter`).
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from ds_exp.config.schema import Config, plain
 from ds_exp.core import compat
 from ds_exp.core.errors import Diverged, RunFailed
 from ds_exp.core.files import json_text
+from ds_exp.launch.exports import METADATA, adapter_dir, check_target
 from ds_exp.launch.storage import export_failure_message
 from ds_exp.model.lora import wrap_lora
+from ds_exp.model.tokenizer import tokenizer_source
 from ds_exp.runtime.process_group import broadcast
 
 log = logging.getLogger(__name__)
@@ -49,7 +56,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-METADATA = "ds_exp_export.json"
+__all__ = ["METADATA", "ExportSpec", "check_target", "export_hf", "export_spec", "write_export"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,27 @@ class ExportSpec:
     precision: str  # the training precision: fp32 | bf16 | fp16
     dtype: str  # train.export_dtype: auto | fp32 | bf16 | fp16
     trust_remote_code: bool = False
+    template: str | None = None  # how the run asked the model: raw | dschat | chat_template
+    stop_token_ids: tuple[int, ...] = ()  # where the run's generations stop
+    origin: dict[str, Any] | None = None  # where the weights come from (a run and its step, or a checkpoint)
+
+
+def export_spec(cfg: Config, built: Any, precision: str, **more: Any) -> ExportSpec:
+    """The spec of a run's export: its model (a ds_exp.model.BuiltModel) as the run's config built it. `more`: the
+    template, stop_token_ids and origin."""
+    return ExportSpec(
+        model_config=built.config,
+        base_path=cfg.model.name_or_path,
+        base_dtype=built.base_dtype,
+        base_rows=built.base_rows,
+        vocab_size=built.vocab_size,
+        tokenizer_source=tokenizer_source(cfg.model),
+        lora=built.lora,
+        precision=precision,
+        dtype=str(plain(cfg.train.export_dtype)),
+        trust_remote_code=bool(cfg.model.trust_remote_code),
+        **more,
+    )
 
 
 def gather_full_state_dict(engine: Any, zero_stage: int) -> dict[str, Any] | None:
@@ -117,7 +145,7 @@ def export_hf(engine: Any, *, zero_stage: int, spec: ExportSpec, tokenizer: Any,
     if dist.get_rank() == 0:
         assert state is not None
         try:
-            _write_export(state, trained, spec, tokenizer, export_dir, save_adapter)
+            write_export(state, trained, spec, tokenizer, export_dir, save_adapter=save_adapter)
         except RunFailed as err:  # a full disk: every rank fails with rank 0's message, none waits for it
             failure = str(err)
     failure = broadcast(failure)
@@ -126,9 +154,18 @@ def export_hf(engine: Any, *, zero_stage: int, spec: ExportSpec, tokenizer: Any,
     return export_dir if dist.get_rank() == 0 else None
 
 
-def _write_export(
-    state: dict[str, Any], trained: set[str], spec: ExportSpec, tokenizer: Any, export_dir: Path, save_adapter: bool
+def write_export(
+    state: dict[str, Any],
+    trained: set[str],
+    spec: ExportSpec,
+    tokenizer: Any,
+    export_dir: Path,
+    *,
+    save_adapter: bool = False,
+    adapter_only: bool = False,
 ) -> None:
+    """One process: `state` (the trained model's full state dict; `trained`: the names training changed) written
+    to `export_dir` in Hugging Face format, or with `adapter_only` the LoRA adapter alone in PEFT's."""
     unset_hf_deepspeed_config()  # the CPU copy below must be a plain, unpartitioned model
     model = _base_model(spec)
     if spec.lora is not None:
@@ -146,8 +183,24 @@ def _write_export(
     adapter_tmp = export_dir.with_name(f".{export_dir.name}_adapter.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     needed = state_bytes(model, dtype_name)
+    metadata = {
+        "dtype": dtype_name,
+        "why": why,
+        "trained_in": spec.precision,
+        "base_model": spec.base_path,
+        "vocab_size": spec.vocab_size,
+        "lora": None if spec.lora is None else {"merged": True, "rank": spec.lora.dim, "alpha": spec.lora.alpha},
+        "weights_copied_from_base": len(keep_base),
+        "generation": {"template": spec.template, "stop_token_ids": list(spec.stop_token_ids)},
+        "origin": spec.origin,
+    }
     try:
-        _save(model, spec, tokenizer, tmp, adapter_tmp, export_dir, save_adapter, dtype_name, why, keep_base)
+        if spec.lora is not None and (save_adapter or adapter_only):
+            target = export_dir if adapter_only else adapter_dir(export_dir)
+            _save_adapter(model, spec, tokenizer, adapter_tmp, target, metadata)
+        if not adapter_only:
+            merged = model.merge_and_unload() if spec.lora is not None else model
+            _save(merged, spec, tokenizer, tmp, export_dir, dtype_name, metadata)
     except Exception as err:
         # nothing half-written stays: the temporary directories go, an earlier export stays as it was
         shutil.rmtree(tmp, ignore_errors=True)
@@ -158,7 +211,8 @@ def _write_export(
             raise
 
         raise RunFailed(message) from err
-    log.info("exported Hugging Face model to %s (%s: %s)", export_dir, dtype_name, why)
+    what = "the LoRA adapter" if adapter_only else "Hugging Face model"
+    log.info("exported %s to %s (%s: %s)", what, export_dir, "float32" if adapter_only else dtype_name, why)
 
 
 def state_bytes(model: Any, dtype_name: str) -> int:
@@ -168,25 +222,23 @@ def state_bytes(model: Any, dtype_name: str) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name) * size
 
 
-def _save(
-    model: Any,
-    spec: ExportSpec,
-    tokenizer: Any,
-    tmp: Path,
-    adapter_tmp: Path,
-    export_dir: Path,
-    save_adapter: bool,
-    dtype_name: str,
-    why: str,
-    keep_base: set[str],
+def _save_adapter(
+    model: Any, spec: ExportSpec, tokenizer: Any, tmp: Path, target: Path, metadata: dict[str, Any]
 ) -> None:
-    """Write the export into `tmp`, then move it into place."""
-    if spec.lora is not None:
-        if save_adapter:
-            shutil.rmtree(adapter_tmp, ignore_errors=True)
-            model.save_pretrained(str(adapter_tmp), safe_serialization=True)
-            _replace(adapter_tmp, export_dir.with_name(f"{export_dir.name}_adapter"))
-        model = model.merge_and_unload()  # in fp32: the base weights plus the adapters' delta, rounded once below
+    """The PEFT adapter alone (in fp32, as trained), with the tokenizer and the metadata, moved into `target`."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    _save_tokenizer(spec, tokenizer, tmp)
+    lora = {**metadata["lora"], "merged": False}
+    (tmp / METADATA).write_text(json_text({**metadata, "dtype": "float32", "lora": lora}, indent=2) + "\n")
+    _replace(tmp, target)
+
+
+def _save(
+    model: Any, spec: ExportSpec, tokenizer: Any, tmp: Path, export_dir: Path, dtype_name: str, metadata: dict
+) -> None:
+    """Write the export into `tmp`, then move it into place. A LoRA model comes merged (in fp32: the base weights
+    plus the adapters' delta, rounded once below)."""
     if model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)  # drop the padding rows: model and tokenizer agree
     model.to(getattr(torch, dtype_name))
@@ -194,17 +246,7 @@ def _save(
     model.save_pretrained(str(tmp), safe_serialization=True)
     tokenizer_note = _save_tokenizer(spec, tokenizer, tmp)
     _copy_generation_config(spec, tmp)
-    metadata = {
-        "dtype": dtype_name,
-        "why": why,
-        "trained_in": spec.precision,
-        "base_model": spec.base_path,
-        "vocab_size": spec.vocab_size,
-        "lora": None if spec.lora is None else {"merged": True, "rank": spec.lora.dim, "alpha": spec.lora.alpha},
-        "weights_copied_from_base": len(keep_base),
-        "tokenizer": tokenizer_note,
-    }
-    (tmp / METADATA).write_text(json_text(metadata, indent=2) + "\n")
+    (tmp / METADATA).write_text(json_text({**metadata, "tokenizer": tokenizer_note}, indent=2) + "\n")
     _replace(tmp, export_dir)
 
 
@@ -268,20 +310,8 @@ def _is_tied_copy(model: Any, key: str) -> bool:
     return key.endswith("lm_head.weight") and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
-def check_target(export_dir: Path) -> None:
-    """The export replaces `export_dir` only when it is an earlier export (it holds ds_exp_export.json, or the
-    adapter's files): whatever else is there is not ds_exp's to delete."""
-    for path in (export_dir, export_dir.with_name(f"{export_dir.name}_adapter")):
-        mine = (path / METADATA).is_file() or (path / "adapter_config.json").is_file()
-        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not mine)):
-            raise RunFailed(
-                f"train.export_dir: {path} exists and is not an export of a ds_exp run, so it is not replaced; "
-                "move it away or point train.export_dir elsewhere"
-            )
-
-
 def _replace(src: Path, dst: Path) -> None:
-    check_target(dst)
+    check_target(dst, adapter=False)
     if dst.exists():
         shutil.rmtree(dst)
     src.rename(dst)

@@ -5,6 +5,12 @@ finished writing and rank 0 has written <tag>/ds_exp_complete.json; only then do
 at it (DeepSpeed's own `latest`, written before anything is known to be complete, is switched off). Resume
 never picks a directory without the marker, so a crash in the middle of a save leaves the previous checkpoint
 in charge, and `latest` still names it (for tools that read DeepSpeed's layout, such as zero_to_fp32.py).
+
+A checkpoint directory holds one trajectory: each checkpoint continues the one before it. A resume from a checkpoint
+older than the directory's newest (or from another directory's) abandons the later ones: `set_aside_branch` moves
+them, never deletes them, into <dir>/branches/<time>-resumed-at-step<N>/ before the run writes anything, so that
+rotation, `latest` and `resume=auto` only ever see the trajectory that ran last, and a later save at the same step
+is a save, not "complete already". Rotation deletes only this run's checkpoints older than the one just written.
 """
 
 from __future__ import annotations
@@ -33,16 +39,16 @@ from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError, RunFailed
 from ds_exp.core.files import write_json_atomic, write_text_atomic
 from ds_exp.launch.storage import save_failure_message
+from ds_exp.resume.branches import rotated, save_verdict
 from ds_exp.resume.store import (
     COMPLETE_MARKER,
     LATEST,
     TrainState,
-    complete_checkpoints,
     damaged_message,
     is_complete,
-    read_marker,
     tag_for,
 )
+from ds_exp.runtime.process_group import broadcast
 
 log = logging.getLogger(__name__)
 
@@ -76,29 +82,35 @@ def _as_tuples(value: Any) -> Any:
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def save(engine: Any, checkpoint_dir: Path, state: TrainState, *, rank: int, keep_last: int) -> Path:
-    """Collective: every rank must call it. Returns the tag directory."""
+def save(
+    engine: Any,
+    checkpoint_dir: Path,
+    state: TrainState,
+    *,
+    rank: int,
+    keep_last: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Collective: every rank must call it. Returns the tag directory. `extra`: more client state (top-level keys
+    of DeepSpeed's model states file)."""
     tag = tag_for(state.step)
     path = checkpoint_dir / tag
-    if is_complete(path):  # a complete checkpoint is never rewritten in place
-        if read_marker(path).get("run_id") == state.run_id:  # this run's, run again after it finished
-            log.info("checkpoint %s is complete already; not saved again", path)
-            return path
-        raise RunFailed(
-            f"{path} is a complete checkpoint of another run, so it is not overwritten; point train.checkpoint_dir "
-            "at a directory of this run's own"
-        )
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"ds_exp": state.as_dict()}, save_latest=False)
+    verdict = save_verdict(checkpoint_dir, path, state) if rank == 0 else None
+    verdict = broadcast(verdict)
+    if verdict == "same":
+        return path
+    if verdict is not None:
+        raise RunFailed(verdict)
+    client_state = {"ds_exp": state.as_dict(), **(extra or {})}
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
     # per-rank RNG states, loadable with torch.load(weights_only=True)
     torch.save(rng_states(), path / f"rng_rank{rank}.pt")
     inject_fault(f"save:{tag}", rank)
     dist.barrier()
     if rank == 0:
         write_json_atomic(path / COMPLETE_MARKER, state.as_dict())
-        write_text_atomic(checkpoint_dir / LATEST, tag)
-        # only checkpoints this run wrote: a checkpoint directory shared with another run keeps that run's
-        own = [c for c in complete_checkpoints(checkpoint_dir) if read_marker(c).get("run_id") == state.run_id]
-        for old in own[:-keep_last] if keep_last > 0 else []:
+        write_text_atomic(checkpoint_dir / LATEST, tag)  # only now: `latest` names complete checkpoints only
+        for old in rotated(checkpoint_dir, state, keep_last):
             shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(old.parent / f"{old.name}.universal", ignore_errors=True)  # its conversion (ds_exp.universal)
     dist.barrier()
@@ -118,11 +130,12 @@ class Checkpointer:
         keep_last: int,
         needed_bytes: int,
         identity: dict[str, Any],
+        extra: dict[str, Any] | None = None,
     ) -> None:
         """`identity`: what every checkpoint of this run records besides where it stands (TrainState's run_id,
-        wandb_run_id, settings and trajectory)."""
+        branch, run_dir, wandb_run_id, settings and trajectory). `extra`: more client state (save())."""
         self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
-        self.needed_bytes, self.identity = needed_bytes, identity
+        self.needed_bytes, self.identity, self.extra = needed_bytes, identity, extra
 
     def save(self, progress: Any, window: tuple[float, float], initial_eval: dict[str, float] | None) -> Path:
         """Collective. `progress`: step, epoch, step_in_epoch; `window`: the open metric window's sums over ranks.
@@ -137,7 +150,7 @@ class Checkpointer:
             **self.identity,
         )
         try:
-            return save(self.engine, self.directory, state, rank=self.rank, keep_last=self.keep_last)
+            return save(self.engine, self.directory, state, rank=self.rank, keep_last=self.keep_last, extra=self.extra)
         except (OSError, RuntimeError) as exc:
             tag_dir = self.directory / tag_for(progress.step)
             _release_files(exc)

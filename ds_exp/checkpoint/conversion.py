@@ -11,28 +11,76 @@ result loadable by every stage. What DeepSpeed 0.19.8 leaves to do (found on CPU
 - DeepSpeed's CPU Adam (offload) keeps the step as an int, which torch's AdamW refuses: stored as a tensor.
 Every torch.load here reads with weights_only=True (ds_exp.core.compat.torch_load_weights_only), the converter's
 included.
+
+Started by ds_exp.universal.convert_here with --parent-pid and --scratch: on Linux it dies with that parent
+(PR_SET_PDEATHSIG: a SIGTERM, on which it kills its worker processes and removes the scratch directory), and every
+process it forks dies with it (SIGKILL). A refusal is one line on stderr and exit code 3 (universal.EXIT_REFUSED).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import os
+import shutil
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 
-from ds_exp.checkpoint.universal import MARKER, MODEL_STATES, STATES, allowed_types
+from ds_exp.checkpoint.universal import (
+    EXIT_REFUSED,
+    MARKER,
+    MODEL_STATES,
+    PARAM_NAMES_KEY,
+    STATES,
+    allowed_types,
+    fingerprint,
+)
 from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError
 from ds_exp.core.files import json_text
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int, scratch: Path | None) -> None:
+    """Linux only: when the process that started this one dies, however (SIGKILL included), this one gets SIGTERM,
+    kills its workers, removes `scratch` and exits; the processes it forks get SIGKILL when it dies."""
+    if not sys.platform.startswith("linux"):
+        return
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    owner = os.getpid()
+
+    def on_parent_death(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:  # a forked worker inherited this handler: it dies as by default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for worker in multiprocessing.active_children():
+            worker.kill()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_parent_death)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.register_at_fork(after_in_child=lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL))
+    if os.getppid() != parent_pid:  # it died before the prctl
+        on_parent_death(signal.SIGTERM, None)
+
 
 def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int) -> None:
-    """Write the universal copy of `tag_dir` into `out` (a fresh directory), its marker last."""
+    """Write the universal copy of `tag_dir` into `out` (a fresh directory), its marker last, with the fingerprint of
+    the source as it was before anything was read (a source that changes meanwhile leaves the conversion stale)."""
+    source = fingerprint(tag_dir)
     with compat.torch_load_weights_only(allowed_types()):
         if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1-3 (and DeepSpeed's bf16 optimizer)
             # its worker processes inherit the weights-only load only when forked
@@ -69,7 +117,13 @@ def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int)
         for name in MODEL_STATES:  # the name each stage's loader looks for
             if not (out / name).is_file():
                 os.link(first, out / name)
-    (out / MARKER).write_text(json_text({"source": str(tag_dir), "deepspeed": deepspeed.__version__}) + "\n")
+    marker = {
+        "source": str(tag_dir),
+        "deepspeed": deepspeed.__version__,
+        "source_fingerprint": source["digest"],
+        "source_files": source["files"],
+    }
+    (out / MARKER).write_text(json_text(marker) + "\n")
 
 
 def from_stage0(tag_dir: Path, out: Path, names: list[list[str]] | None) -> None:
@@ -80,8 +134,13 @@ def from_stage0(tag_dir: Path, out: Path, names: list[list[str]] | None) -> None
     optimizer = states.get("optimizer") or {}
     torch_state = optimizer.get("optimizer_state_dict", optimizer)
     masters = optimizer.get("fp32_groups")
+    names = names if names is not None else states.get(PARAM_NAMES_KEY)
     if names is None:
-        raise ResumeError(f"resume: {tag_dir} is a stage-0 checkpoint: its conversion needs the parameter names")
+        raise ResumeError(
+            f"{tag_dir} is a ZeRO-0 checkpoint written before ds_exp recorded its parameter names, so it cannot be "
+            "converted ahead; a resume with the new layout converts it by itself (resume=<it> with the new zero= "
+            "or world size)"
+        )
     if "param_groups" not in torch_state or not isinstance(masters, (list, type(None))):
         raise ResumeError(f"resume: {tag_dir} holds no stage-0 optimizer state that ds_exp can convert")
     for g, (group, group_names) in enumerate(zip(torch_state["param_groups"], names, strict=True)):
@@ -104,9 +163,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--param-names", type=Path, help="JSON: parameter names per optimizer group (stage 0)")
+    parser.add_argument("--parent-pid", type=int, help="die with this process (Linux)")
+    parser.add_argument("--scratch", type=Path, help="the directory to remove when dying with the parent")
     args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid, args.scratch)
     names = json.loads(args.param_names.read_text()) if args.param_names else None
-    build(args.tag_dir, args.out, names, args.workers)
+    try:
+        build(args.tag_dir, args.out, names, args.workers)
+    except ResumeError as err:
+        print(str(err).splitlines()[0], file=sys.stderr)
+        sys.exit(EXIT_REFUSED)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,19 @@
 Such a checkpoint is converted once into DeepSpeed's universal format and cached beside it as <tag>.universal/
 (the original is only read), then loaded with the DeepSpeed config key checkpoint.load_universal. Rank 0 converts,
 in a subprocess, into a temporary directory that is renamed only once complete (its marker written last), while
-the other ranks wait in a broadcast: a failed or killed conversion leaves nothing that a later resume trusts.
+the other ranks wait in a broadcast: a failed or killed conversion leaves nothing that a later resume trusts. The
+subprocess dies with its parent (PR_SET_PDEATHSIG) and then removes its temporary directory; one left by a process
+killed outright is removed by the next conversion in that directory.
+
+A conversion is valid only for the exact checkpoint it came from: its marker records a fingerprint of the source
+(`fingerprint`: the names, sizes and mtimes in ns of its files, and the bytes of its completeness marker, which
+name the run, branch and step). Reading stat() only costs nothing even for a huge checkpoint, and a checkpoint
+rewritten in place (a resume from an older step of the same run, a copy over it) changes at least the marker's
+bytes or an mtime; a copy that keeps mtimes (cp -a, rsync -a) keeps the conversion valid, one that does not costs a
+reconversion, never a wrong resume. A stale conversion is converted again, with one line saying why. Only complete
+checkpoints (a readable ds_exp_complete.json) are converted.
+
+`python -m ds_exp.universal <run>/checkpoints/step<N>` converts ahead of a resume (`--help`).
 
 Stage 0 has no ZeRO files: its model and torch optimizer states are converted by ds_exp/checkpoint/conversion.py, and a
 stage-0 engine is loaded by ds_exp (DeepSpeed 0.19.8's stage-0 engine skips universal checkpoints' weights). At
@@ -20,12 +32,18 @@ model was built, which is what they were saved with (nothing trains them).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import errno
 import hashlib
+import json
 import logging
 import os
 import pickle
 import random
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import warnings
@@ -39,10 +57,12 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ds_exp.checkpoint.checkpointer import load_weights_only, set_rng_states
+from ds_exp.config.memory_plan import human_bytes
+from ds_exp.config.paths import PACKAGE_DIR
 from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError
 from ds_exp.core.files import json_text
-from ds_exp.resume.store import read_marker
+from ds_exp.resume.store import COMPLETE_MARKER, not_complete, read_marker, step_dirs
 from ds_exp.runtime.process_group import broadcast
 
 log = logging.getLogger(__name__)
@@ -51,14 +71,113 @@ SUFFIX = ".universal"  # <checkpoint dir>/<tag>.universal: the converted copy of
 MARKER = "ds_exp_universal.json"  # inside it, written last, before the rename that makes it visible
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # stage <=2, stage 3
+# a ZeRO-0 checkpoint's client state: the parameter names of its optimizer's indices, per group (ds_exp.train.recipe)
+PARAM_NAMES_KEY = "ds_exp_param_names"
+# .<tag>.universal.tmp-<host>-<pid>: the converting process (the checkpoint may be on a file system several hosts share)
+_TMP = re.compile(r"^\.(?P<target>.+\.universal)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
+EXIT_REFUSED = 3  # universal_build's exit code for a one-line refusal (its last stderr line)
 
 
 def universal_dir(tag_dir: Path) -> Path:
     return tag_dir.parent / f"{tag_dir.name}{SUFFIX}"
 
 
+def fingerprint(tag_dir: Path) -> dict[str, Any]:
+    """What identifies this exact checkpoint, cheaply: (size, mtime in ns) of each file by relative name, and a
+    digest over them and the completeness marker's bytes (see the module docstring)."""
+    files = {
+        str(p.relative_to(tag_dir)): [p.stat().st_size, p.stat().st_mtime_ns]
+        for p in sorted(tag_dir.rglob("*"))
+        if p.is_file()
+    }
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode())
+    with contextlib.suppress(OSError):  # no marker: require_complete refuses such a checkpoint anyway
+        digest.update((tag_dir / COMPLETE_MARKER).read_bytes())
+    return {"files": files, "digest": digest.hexdigest()}
+
+
+def conversion_status(tag_dir: Path) -> tuple[bool, str | None]:
+    """(whether tag_dir's conversion can be used, why not): (False, None) when there is none."""
+    udir = universal_dir(tag_dir)
+    if not udir.exists():
+        return False, None
+    try:
+        marker = json.loads((udir / MARKER).read_text())
+    except (OSError, ValueError):
+        return False, f"{udir} is incomplete (no readable {MARKER})"
+    recorded = marker.get("source_fingerprint") if isinstance(marker, dict) else None
+    if not recorded:
+        return False, f"{udir} records no fingerprint of its source (an older ds_exp made it), so it is not trusted"
+    now = fingerprint(tag_dir)
+    if now["digest"] == recorded:
+        return True, None
+    before = marker.get("source_files") or {}
+    changed = sorted(name for name in set(before) | set(now["files"]) if before.get(name) != now["files"].get(name))
+    what = ", ".join(changed[:4]) + (" ..." if len(changed) > 4 else "") if changed else "its marker"
+    return False, f"{udir} is stale: {tag_dir} changed since it was converted ({what})"
+
+
 def is_converted(tag_dir: Path) -> bool:
-    return (universal_dir(tag_dir) / MARKER).is_file()
+    """A complete conversion of exactly this checkpoint is there."""
+    return conversion_status(tag_dir)[0]
+
+
+def require_complete(tag_dir: Path) -> None:
+    """Refuse an incomplete checkpoint: no marker, or an empty or unreadable one (a save interrupted or running)."""
+    why = not_complete(tag_dir)
+    if why is not None:
+        raise ResumeError(f"{why}; it is not converted")
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Remove .<tag>.universal.tmp-<host>-<pid> directories whose converting process on this host is gone (killed
+    outright); another host's are left alone (their process cannot be seen from here)."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = _TMP.match(entry.name)
+        if match and match.group("host") == _host() and not _alive(int(match.group("pid"))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _host() -> str:
+    return socket.gethostname()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def space_needed(tag_dir: Path) -> int:
+    """About the most the conversion of `tag_dir` occupies beside it while it works: for ZeRO 1-3 every optimizer
+    state once in the output and once in DeepSpeed's temporary fragments, plus its copy of the model states (replaced
+    by hard links at the end); at stage 0 the states of the model states file once. 10% on top for what else
+    DeepSpeed writes (tiny model, ZeRO-2: the peak was 14.3 MB for 5.9 MB of optimizer and 2.0 MB of model states)."""
+    sizes = {p.name: p.stat().st_size for p in tag_dir.iterdir() if p.is_file()}
+    optim = sum(size for name, size in sizes.items() if name.endswith("_optim_states.pt"))
+    model = sum(size for name, size in sizes.items() if name.endswith("_model_states.pt"))
+    return int(1.1 * (2 * optim + model if optim else model))
+
+
+def _free_bytes(path: Path) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def _no_space(tag_dir: Path, needed: int, free: int) -> ResumeError:
+    return ResumeError(
+        f"no room to convert {tag_dir} beside it: the conversion needs about {human_bytes(needed)} on the disk of "
+        f"{tag_dir.parent}, {human_bytes(free)} free; free some space there, or copy the checkpoint directory "
+        "to a larger disk and convert it there"
+    )
 
 
 def ds_config_for_load(ds_config: dict[str, Any]) -> dict[str, Any]:
@@ -85,9 +204,11 @@ def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = N
     it went. True when an earlier conversion was reused."""
     outcome: tuple[bool, str | None] = (False, None)
     if rank == 0:
-        reused = is_converted(tag_dir)
+        reused, stale = conversion_status(tag_dir)
         try:
             if not reused:
+                if stale:
+                    log.warning("resume: %s; converting it again", stale)
                 log.info("resume: converting %s to DeepSpeed's universal format (once) ...", tag_dir)
                 convert_here(tag_dir, param_names)
             log.info("resume: %s %s", "reusing the conversion" if reused else "converted into", universal_dir(tag_dir))
@@ -102,12 +223,16 @@ def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = N
 
 def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: int = 2) -> Path:
     """Build into a temporary sibling (in a subprocess: its memory, DeepSpeed's prints and worker pool stay there),
-    then rename: a half-done conversion is never mistaken for a complete one."""
+    then rename: a half-done conversion is never mistaken for a complete one. A stale conversion (another state of
+    the checkpoint) is replaced; an incomplete checkpoint is refused."""
     tag_dir = tag_dir.resolve()
     target = universal_dir(tag_dir)
+    require_complete(tag_dir)
     if is_converted(tag_dir):
         return target
-    work = tag_dir.parent / f".{target.name}.tmp-{os.getpid()}"
+    remove_stale_temporaries(tag_dir.parent)
+    needed = space_needed(tag_dir)
+    work = tag_dir.parent / f".{target.name}.tmp-{_host()}-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     try:
         work.mkdir()
@@ -117,27 +242,41 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
             f"not writable ({err.strerror}); copy the checkpoint directory somewhere writable and resume from there"
         ) from None
     try:
+        free = _free_bytes(work)
+        if free < needed:
+            raise _no_space(tag_dir, needed, free)
         args = [str(tag_dir), "--out", str(work / "out"), "--workers", str(workers)]
+        args += ["--scratch", str(work), "--parent-pid", str(os.getpid())]  # it dies with this process, and cleans up
         if names is not None:
             (work / "param_names.json").write_text(json_text(names))
             args += ["--param-names", str(work / "param_names.json")]
-        path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        path = [str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # not a rank of this job
             env.pop(name, None)
+        # run() kills it on any exception here (a stop signal, Ctrl-C) before the cleanup below
         proc = subprocess.run(
             [sys.executable, "-m", "ds_exp.checkpoint.conversion", *args], capture_output=True, text=True, env=env
         )
         if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+            output = (proc.stdout + proc.stderr).strip()
+            if proc.returncode == EXIT_REFUSED:
+                raise ResumeError(output.splitlines()[-1])
+            if "No space left on device" in output or os.strerror(errno.ENOSPC) in output:
+                raise _no_space(tag_dir, needed, _free_bytes(work) + _size_of(work))
+            tail = "\n".join(output.splitlines()[-8:])
             raise ResumeError(f"resume: converting {tag_dir} to DeepSpeed's universal format failed:\n{tail}")
         if is_converted(tag_dir):  # another process converted it meanwhile: theirs is as good
             return target
-        shutil.rmtree(target, ignore_errors=True)  # a leftover without its marker is never trusted
+        shutil.rmtree(target, ignore_errors=True)  # a stale one, or a leftover without its marker: never trusted
         os.replace(work / "out", target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _size_of(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def load(engine: Any, tag_dir: Path) -> dict[str, Any]:
@@ -236,6 +375,72 @@ def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: 
     return saved
 
 
-def main(argv: list[str] | None = None) -> None:
-    """python -m ds_exp.universal TAG_DIR: convert ahead of a resume (a huge checkpoint)."""
-    print(convert_here(Path((argv if argv is not None else sys.argv[1:])[0])))
+def cli_target(path: Path) -> Path:
+    """The checkpoint the command line names, or a message saying what to name instead."""
+    if not path.exists():
+        raise ResumeError(f"{path} does not exist; give one checkpoint directory, e.g. <run>/checkpoints/step<N>")
+    if not path.is_dir():
+        raise ResumeError(f"{path} is a file; give one checkpoint directory, e.g. <run>/checkpoints/step<N>")
+    if re.fullmatch(r"step\d+", path.name) or (path / COMPLETE_MARKER).exists() or any(path.glob("*model_states.pt")):
+        return path  # a checkpoint, complete or not (convert_here refuses an incomplete one)
+    for holder in (path, path / "checkpoints"):
+        tags = [t.name for t in step_dirs(holder)]
+        if tags:
+            return _name_one(path, holder, tags)
+    raise ResumeError(f"{path} holds no checkpoint; give one checkpoint directory, e.g. <run>/checkpoints/step<N>")
+
+
+def _name_one(path: Path, holder: Path, tags: list[str]) -> Path:
+    shown = ", ".join(tags[:8]) + (" ..." if len(tags) > 8 else "")
+    raise ResumeError(
+        f"{path} is {'a checkpoints directory' if holder == path else 'a run directory'}, not one checkpoint: it "
+        f"holds {shown}; convert one of them, e.g. python -m ds_exp.universal {holder / tags[-1]}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ds_exp.universal TAG_DIR`: convert a checkpoint ahead of a resume that changes its layout."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ds_exp.universal",
+        description="Convert one complete ds_exp checkpoint into DeepSpeed's universal format, cached beside it as "
+        "<tag>.universal/, ahead of a resume with another world size, ZeRO stage or offload (a resume converts by "
+        "itself otherwise, while the other ranks wait). A conversion that is there and matches the checkpoint is "
+        "reused; a stale one is replaced.",
+    )
+    parser.add_argument("checkpoint", type=Path, help="one checkpoint directory: <run dir>/checkpoints/step<N>")
+    parser.add_argument("--workers", type=int, default=2, help="DeepSpeed's extraction processes (default 2)")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: give 1 or more")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ds_exp.universal: %(message)s"))
+    log.addHandler(handler)
+    level, log.propagate = log.level, False
+    log.setLevel(logging.INFO)
+    try:
+        tag_dir = cli_target(args.checkpoint).resolve()
+        require_complete(tag_dir)
+        reused, stale = conversion_status(tag_dir)
+        if reused:
+            log.info("%s is converted already (its fingerprint matches)", tag_dir)
+        else:
+            if stale:
+                log.warning("%s; converting it again", stale)
+            log.info("converting %s to DeepSpeed's universal format ...", tag_dir)
+        print(convert_here(tag_dir, workers=args.workers))
+    except ResumeError as err:
+        message = str(err).removeprefix("resume: ")
+        print(f"ds_exp.universal: error: {message}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("ds_exp.universal: interrupted; nothing was converted or left behind", file=sys.stderr)
+        return 130
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = True
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -110,3 +110,17 @@ def decay_problem(scheduler: SchedulerConfig, total: int, warmup: int) -> str | 
             f"{total - warmup}"
         )
     return None
+
+
+def eval_interval(train: TrainConfig, per_epoch: int, total: int) -> int:
+    """Optimizer steps between evaluations during training, 0 = at the end of each epoch (the run's last step is
+    always evaluated). train.eval_every when set. With eval_every=0, each epoch's end while that keeps the run
+    within train.max_evals evaluations (the one before training aside, the last one's included); a run of more,
+    shorter epochs (a small data set, or train.max_steps past an epoch) evaluates every ceil(total / max_evals)
+    steps instead, so that a 15-step run on a tiny data set does not spend its time evaluating."""
+    if train.eval_every:
+        return int(train.eval_every)
+    epoch_ends = (total - 1) // max(per_epoch, 1)  # ends of epochs before the last step
+    if epoch_ends + 1 <= train.max_evals:
+        return 0
+    return math.ceil(total / train.max_evals)

@@ -254,6 +254,7 @@ class TrainConfig:
     seed: int = 1234
     log_every: int = 10  # optimizer steps between metric lines (and DeepSpeed's steps_per_print)
     eval_every: int = 0  # 0 = only before training, after each epoch and at the end
+    max_evals: int = 5  # with eval_every=0: evaluations after the start at most (ds_exp/config/plan.py)
     eval_at_start: bool = True
     save_every: int = 0  # 0 = only at the end
     keep_last: int = 2  # checkpoints kept
@@ -262,6 +263,8 @@ class TrainConfig:
     export: bool = True
     export_dir: str = "hf_model"  # relative to the run directory
     export_adapter: bool = False  # also save the PEFT adapter alone
+    export_every: int = 0  # optimizer steps between exports <export_dir>-step<N>; 0 = only the final export
+    export_keep_last: int = 2  # step exports kept (this run's newest); 0 = all
     export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/artifacts/export.py)
     allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
     max_bad_steps: int = 10  # consecutive non-finite losses before giving up
@@ -271,10 +274,14 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    prompts: list[str] = field(default_factory=list)  # completed greedily at the first and the last evaluation
+    prompts: list[str] = field(default_factory=list)  # completed at the first and the last evaluation
     prompts_file: str | None = None  # more prompts: one per line, or JSON lines with a "prompt" field
     max_new_tokens: int = 64
     every_eval: bool = False  # also at every evaluation in between
+    temperature: float = 0.0  # 0 = greedy; > 0 samples
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability; 1 = off
+    top_k: int = 0  # sample among the k likeliest tokens; 0 = off
+    seed: int = 1234  # seeds each generation's sampling (training's random state is left as it was)
 
 
 @dataclass

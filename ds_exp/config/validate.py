@@ -26,6 +26,7 @@ from ds_exp.config.paths import not_a_directory
 from ds_exp.config.plan import data_parallel_size, decay_problem, global_batch_mismatch
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
+from ds_exp.config.sampling import sampling_problems
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
 from ds_exp.core.errors import ConfigError
@@ -235,7 +236,7 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
             f"scheduler.name={plain(sched.name)} has no DeepSpeed equivalent: use scheduler.owner=ds_exp, or one of "
             f"{', '.join(DEEPSPEED_SCHEDULERS)} with scheduler.owner=deepspeed"
         )
-    for key in ("micro_batch_size", "gradient_accumulation_steps", "epochs", "log_every"):
+    for key in ("micro_batch_size", "gradient_accumulation_steps", "epochs", "log_every", "max_evals"):
         if getattr(train, key) < 1:
             problems.append(f"train.{key}={getattr(train, key)}: must be >= 1")
     if train.eval_micro_batch_size is not None and train.eval_micro_batch_size < 1:
@@ -247,7 +248,7 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
     elif train.max_steps > 0 and sched.warmup_steps <= train.max_steps:  # else the run start says it, data known
         warmup = int(sched.warmup_steps) or math.ceil(train.max_steps * sched.warmup_ratio)
         problems += filter(None, [decay_problem(sched, train.max_steps, warmup)])
-    for key in ("eval_every", "save_every", "keep_last", "max_bad_steps"):
+    for key in ("eval_every", "save_every", "keep_last", "max_bad_steps", "export_every", "export_keep_last"):
         if getattr(train, key) < 0:
             problems.append(f"train.{key}={getattr(train, key)}: must be >= 0")
     if train.gradient_clipping < 0:
@@ -337,7 +338,8 @@ def _check_precision(cfg: Config, accelerator: str) -> list[str]:
 
 
 def _check_eval(cfg: Config) -> list[str]:
-    problems = []
+    sampling = sampling_problems(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.top_k, key=lambda name: f"eval.{name}")
+    problems = [line for line in sampling if "must be a finite number" not in line]  # said by _non_finite
     if cfg.eval.max_new_tokens < 1:
         problems.append(f"eval.max_new_tokens={cfg.eval.max_new_tokens}: must be >= 1")
     if cfg.eval.prompts_file and not Path(cfg.eval.prompts_file).expanduser().is_file():

@@ -177,27 +177,18 @@ _OVERRIDE_HOOKS: list[Any] = []
 
 
 def before_overrides(hook: Any) -> None:
-    """Call `hook(overrides, cfg)` before Hydra applies the command line's value overrides (Hydra's parsed
-    Override objects) to a composed config; the hook raises to refuse them with its own message. Installing the
-    same hook twice is a no-op.
-
-    hydra-core 1.3.2-1.3.8: `hydra._internal.config_loader_impl.ConfigLoaderImpl._apply_overrides_to_config` (a
-    static method, called by every composition: the run's, each sweep job's, the compose API's). No public hook
-    sees the overrides before they are applied, and Hydra's own error for an item past the end of a list is
-    OmegaConf's ("dict is not a subclass of DataSource"). If the method moves, that message comes back
-    (tests/bad_inputs.py "list item a data option lacks")."""
-    import functools
-
+    """Call `hook(overrides, cfg)` (Hydra's parsed Overrides) before Hydra applies the command line's values to a
+    composed config; the hook raises to refuse them. hydra-core 1.3.2-1.3.8: the static
+    `ConfigLoaderImpl._apply_overrides_to_config`, called by every composition (run, sweep job, compose API). If it
+    moves, OmegaConf's "dict is not a subclass of DataSource" comes back (tests/bad_inputs.py catches it)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-    if hook in _OVERRIDE_HOOKS:
-        return
-    _OVERRIDE_HOOKS.append(hook)
+    if hook not in _OVERRIDE_HOOKS:
+        _OVERRIDE_HOOKS.append(hook)
     original = ConfigLoaderImpl._apply_overrides_to_config
     if getattr(original, "_ds_exp_hooks", None) is not None:
         return
 
-    @functools.wraps(original)
     def apply(overrides: Any, cfg: Any) -> None:
         for each in _OVERRIDE_HOOKS:
             each(overrides, cfg)
@@ -205,6 +196,18 @@ def before_overrides(hook: Any) -> None:
 
     apply._ds_exp_hooks = _OVERRIDE_HOOKS  # type: ignore[attr-defined]
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign,assignment]
+
+
+def optuna_trial_of(study: Any, frozen: Any) -> Any:
+    """A live `optuna.trial.Trial` for a RUNNING trial an earlier process asked for (the study's get_trials gives
+    FrozenTrials, whose set_user_attr does not reach the storage and which study.tell does not accept), so that the
+    trial can be continued and told like one asked for now.
+
+    optuna 5.0.0: `Trial(study, trial_id)` is public, but a FrozenTrial's id is only its private `_trial_id`. If it
+    goes, a study re-run cannot continue its stopped trials (tests/test_optuna.py catches it)."""
+    from optuna.trial import Trial
+
+    return Trial(study, frozen._trial_id)
 
 
 def slurm_hostnames(nodelist: str) -> list[str]:

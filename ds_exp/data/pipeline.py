@@ -150,6 +150,17 @@ def count_train_examples(data: DataConfig) -> int:
 # ----------------------------------------------------------------------------------------------- cache key
 
 
+def save_quietly(ds: Any, path: Path, **options: Any) -> None:
+    """save_to_disk without datasets' "Saving the dataset" bar: the tokenizing bars said what is happening."""
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(path), **options)
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
 def tokenizer_fingerprint(tok: Any) -> str:
     parts: dict[str, Any] = {"class": type(tok).__name__}
     backend = getattr(tok, "backend_tokenizer", None)
@@ -294,8 +305,8 @@ def prepare_sft_data(data: DataConfig, tokenizer: Any, *, seed: int) -> SFTData:
         }
         if data.packing:
             train = pack(train, max_seq_len)
-        train.save_to_disk(str(tmp / "train"))
-        evals.save_to_disk(str(tmp / "eval"), num_shards=1)  # an empty set needs its one (empty) shard
+        save_quietly(train, tmp / "train")
+        save_quietly(evals, tmp / "eval", num_shards=1)  # an empty set needs its one (empty) shard
         return stats
 
     def load(directory: Path) -> tuple[Any, Any]:

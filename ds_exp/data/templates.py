@@ -103,6 +103,20 @@ def render_prompt(prompt: str, template: str, tokenizer: Any) -> tuple[str, bool
     return prompt, True  # raw: the text as given (DeepSpeed-Chat's rows hold their own markers)
 
 
+def render_conversation(turns: Sequence[tuple[str, str]], template: str, tokenizer: Any) -> tuple[str, bool]:
+    """A conversation so far, (role, content) turns ending with the user's, as the template asks the model for the
+    next answer (`python -m ds_exp.chat`); one user turn renders exactly as render_prompt."""
+    if len(turns) == 1:
+        return render_prompt(turns[0][1], template, tokenizer)
+    if template == "chat_template":
+        messages = [{"role": role, "content": content} for role, content in turns]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+    if template == "dschat":  # as render_dschat writes a conversation, the next answer's head last
+        heads = {"user": " Human: ", "assistant": " Assistant: ", "system": ""}
+        return "".join(heads[role] + content for role, content in turns) + " Assistant:", True
+    return "".join(content for _, content in turns), True
+
+
 def _is_pair(roles: Sequence[str]) -> bool:
     return len(roles) == 2 and roles[0] == "user" and roles[1] == "assistant"
 

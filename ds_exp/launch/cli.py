@@ -20,9 +20,9 @@ from omegaconf import DictConfig
 
 import hydra_plugins
 from ds_exp.config.override_checks import check_list_items_when_composing
-from ds_exp.config.paths import conf_dir
+from ds_exp.config.paths import PACKAGE_DIR, conf_dir
 from ds_exp.config.resolvers import register_resolvers
-from ds_exp.config.schema import register_configs, to_config
+from ds_exp.config.schema import register_configs
 from ds_exp.config.secrets import hide_secret_overrides, hide_secrets_when_composing, redact_text, register_secrets
 from ds_exp.core.errors import ConfigError, DsExpError
 from ds_exp.launch.console import report_user_error
@@ -34,7 +34,7 @@ from ds_exp.launch.help import wants_help
 from ds_exp.launch.hub import check_hub
 from ds_exp.launch.run_dir import rank_placeholder_overrides
 from ds_exp.launch.run_logging import hold_library_logs
-from ds_exp.launch.validation import validate
+from ds_exp.launch.validation import validate_job
 
 log = logging.getLogger("ds_exp")
 
@@ -79,9 +79,10 @@ def run_dir_of_job() -> Path:
 
 def run_job(composed: DictConfig) -> Any:
     """Typed once, validated, then planned (dry_run=true) or trained. Heavy imports happen only past validation."""
-    cfg = to_config(composed)
+    # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     run_dir = run_dir_of_job()
-    validate(cfg, run_dir=run_dir)
+    cfg = validate_job(composed, overrides, run_dir=run_dir)
     check_hub(cfg)  # a hub id with no hub to reach: one message now, not transformers' retries
     if launch_rank_from_env() == 0 and (note := unnamed_experiment_note(cfg.experiment_name)):
         log.warning(note)
@@ -131,7 +132,7 @@ def find_own_sweepers() -> None:
     maps ds_exp's packages through an import hook that Hydra's plugin scan (pkgutil over the hydra_plugins
     namespace) does not see, so `hydra/sweeper=optuna` worked only from the repository; a regular install puts
     them beside the other plugins and needs nothing."""
-    ours = Path(__file__).resolve().parent.parent / "hydra_plugins"
+    ours = PACKAGE_DIR.parent / "hydra_plugins"
     if ours.is_dir() and str(ours) not in list(hydra_plugins.__path__):
         hydra_plugins.__path__.append(str(ours))
 

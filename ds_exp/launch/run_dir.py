@@ -24,9 +24,17 @@ from typing import Any
 from omegaconf import DictConfig, open_dict, read_write
 
 from ds_exp.config.schema import Config, to_config
-from ds_exp.core.errors import ConfigError
+from ds_exp.core.errors import ConfigError, Refused
 from ds_exp.launch.environment import detect_launch, launch_rank_from_env, launched_with_several_ranks
-from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
+from ds_exp.launch.lock import (
+    LOCK,
+    _not_a_lock_file,
+    claim_run_dir,
+    live_ancestor,
+    live_holder,
+    lock_run_dir,
+    release_run_dir,
+)
 from ds_exp.launch.storage import check_writable
 from ds_exp.resume.preflight import check_resume_target
 
@@ -76,6 +84,7 @@ def check_run_start(config: DictConfig) -> None:
     check_writable(run_dir, "hydra.run.dir")
     cfg = to_config(config)
     found = holds_a_run(run_dir, cfg.train.checkpoint_dir)
+    check_not_inside_a_live_dir(run_dir, "hydra.run.dir")
     lock_run_dir(run_dir)  # first: a live run in this directory is the reason to name
     try:
         _check_existing_run(config, cfg, run_dir, found)
@@ -83,6 +92,17 @@ def check_run_start(config: DictConfig) -> None:
         release_run_dir(run_dir, refused=True)
         raise
     claim_run_dir(run_dir)
+
+
+def check_not_inside_a_live_dir(directory: Path, key: str) -> None:
+    live = live_ancestor(directory)
+    if live is not None:
+        parent, holder = live
+        raise Refused(
+            f"{key}={directory} is inside {parent}, the directory of a live ds_exp sweep or run ({holder}); nothing "
+            "was changed. A job of that sweep may be about to write there: use a directory outside it, or wait for "
+            "it to end"
+        )
 
 
 def _check_existing_run(config: DictConfig, cfg: Config, run_dir: Path, found: str | None) -> None:
@@ -97,6 +117,37 @@ def _check_existing_run(config: DictConfig, cfg: Config, run_dir: Path, found: s
     if (run_dir / ".hydra").is_dir() and config.hydra.output_subdir == ".hydra":
         with read_write(config.hydra), open_dict(config.hydra):  # the first attempt's config stays as it was
             config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+
+
+def check_job_dir(cfg: Config, job_dir: Path, sweep_dir: Path, *, runs_here: bool = False) -> None:
+    """A sweep job's directory, checked like a single run's before the job is launched (Hydra writes the job's
+    .hydra/ before any callback or the task could look): not the sweep directory itself, not in use by a live run,
+    its lock file usable, and holding no run unless the job resumes it. The sweep's lock (lock_sweep_dir) keeps
+    every other ds_exp sweep, and single runs (check_not_inside_a_live_dir), out until the sweep ends.
+    `runs_here`: the job runs in this process (Hydra's basic launcher), so the checkpoint a resume would load is
+    checked here too, as a single run's is; a submitit job checks it where it runs (its world size, its devices)."""
+    if job_dir.absolute() == sweep_dir.absolute():
+        raise ConfigError(
+            f"hydra.sweep.subdir puts the job in the sweep directory itself ({job_dir}); give each job its own "
+            "subdirectory (the default hydra.sweep.subdir=${hydra.job.num})"
+        )
+    problem = _not_a_lock_file(job_dir / LOCK, job_dir, "")
+    if problem is not None:
+        raise problem
+    holder = live_holder(job_dir)
+    if holder is not None:
+        raise Refused(
+            f"{job_dir} is in use by a live ds_exp run ({holder}); nothing was launched. Wait for it to end, or use "
+            "another hydra.sweep.dir"
+        )
+    found = holds_a_run(job_dir, cfg.train.checkpoint_dir)
+    if found is not None and cfg.resume is None:
+        raise ConfigError(
+            f"{job_dir} already holds a run ({found}); nothing was launched. Continue it with resume=auto, or use "
+            "another hydra.sweep.dir (leave it unset for a fresh one)"
+        )
+    if found is not None and runs_here:
+        check_resume_target(cfg, job_dir)
 
 
 def set_aside_attempt(run_dir: Path) -> Path | None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
+from ds_exp.config.ds_config import check_overrides_obeyed
 from ds_exp.config.precision import detect_accelerator
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, to_config
 from ds_exp.config.validate import config_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.data.checks import check_data_config
@@ -24,3 +27,12 @@ def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None =
     if problems:
         raise ConfigError(problems)
     return ds
+
+
+def validate_job(composed: DictConfig, overrides: list[str], run_dir: Path | None = None) -> Config:
+    """A composed run (or sweep job) typed and validated; its own overrides must be ones the run obeys (a DeepSpeed
+    file that silently wins over one is an IgnoredOverride). Raises DsExpError; returns the typed config."""
+    cfg = to_config(composed)
+    validate(cfg, run_dir=run_dir)
+    check_overrides_obeyed(composed, cfg, list(overrides))
+    return cfg

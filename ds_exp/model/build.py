@@ -89,6 +89,8 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
     if cfg.model.name_or_path is None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
     else:
+        # a large checkpoint takes a while (transformers' own bar is off: ds_exp/runtime/rank_logging.py)
+        log.info("loading the weights of %s ...", cfg.model.name_or_path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.model.name_or_path,

@@ -25,6 +25,7 @@ from ds_exp.config.secrets import redact
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
 from ds_exp.runtime import ops
+from ds_exp.runtime.rank_logging import library_stdout
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ def build_engine(
         if op is not None:  # DeepSpeed compiles it inside initialize: build it first, with a notice
             ops.ensure_built(op, announce=_is_rank0())
     else:
-        optimizer = build_optimizer(cfg.optimizer, groups, ds_config, accelerator)
+        with library_stdout():  # DeepSpeed's CPU Adam prints its settings from C++ on every rank
+            optimizer = build_optimizer(cfg.optimizer, groups, ds_config, accelerator)
     name = describe_optimizer(optimizer, ds_config)
     log.info("optimizer: %s", name)
     metric_schedule = plain(cfg.scheduler.name) in METRIC_SCHEDULES
@@ -143,14 +145,15 @@ def build_engine(
         # a callable: DeepSpeed calls it with the optimizer, including one it built from the DeepSpeed config
         scheduler = partial(build_scheduler, cfg.scheduler, total_steps=total_steps, warmup_steps=warmup_steps)
     try:
-        engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            model_parameters=groups,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=ds_config,
-            mpu=mpu,
-        )
+        with library_stdout():  # what DeepSpeed prints while it builds the engine (its optimizer's notices)
+            engine, _, _, _ = deepspeed.initialize(
+                model=model,
+                model_parameters=groups,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                config=ds_config,
+                mpu=mpu,
+            )
     except ValidationError as err:  # another block than zero_optimization (checked before the model was built)
         raise ConfigError(deepspeed_config_problems(err, err.title, cfg.deepspeed.config_file)) from None
     # DeepSpeed saves engine.config into every checkpoint file (ds_config=...); its monitors (comet's api_key)

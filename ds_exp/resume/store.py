@@ -34,8 +34,13 @@ class TrainState:
     initial_eval: dict[str, float] | None = None  # the run's first evaluation, for its summary after a resume
     # what the run's course depends on (ds_exp.resume.trajectory): a resume says what changed, or refuses
     trajectory: dict[str, Any] | None = None
-    # the run that wrote the checkpoint (kept across resumes): rotation only ever deletes this run's checkpoints
+    # the run that wrote the checkpoint (kept across resumes in its own run directory, a new one when a run continues
+    # another directory's checkpoint): rotation only ever deletes this run's checkpoints
     run_id: str | None = None
+    # the stretch of the trajectory: a new id each time a process starts training (fresh or resumed), so a
+    # checkpoint at the same step holds the same weights only when its branch is this one
+    branch: str | None = None
+    run_dir: str | None = None  # the run directory that wrote it (a checkpoint directory may be shared)
     # what the checkpoint depends on (ds_exp.resume.settings_of): a resume with other values is refused
     settings: dict[str, Any] | None = None
 
@@ -85,12 +90,10 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, checkpoint_subdir:
     path = Path(resume).expanduser()
     if is_complete(path):
         return path
-    if (path / COMPLETE_MARKER).is_file():  # a tag named directly whose marker is damaged
-        earlier = [c for c in complete_checkpoints(path.parent) if _step_of(c) < _step_of(path)]
-        fallback = f"resume={earlier[-1]} is the newest complete one before it" if earlier else "start over"
+    if _TAG.match(path.name) and path.is_dir():  # one checkpoint, named as such: never a half-written one
         raise ResumeError(
-            f"resume={resume}: its {COMPLETE_MARKER} is empty or not the JSON object ds_exp writes, so the checkpoint "
-            f"is incomplete (its save never finished, or the file was damaged since); {fallback}"
+            f"resume={resume}: {not_complete(path)}, so it is not resumed from; give a complete one, or its run "
+            "directory (resume=<run dir> continues from the newest complete checkpoint there)"
         )
     for candidate in (path, path / checkpoint_subdir):
         found = complete_checkpoints(candidate)
@@ -117,3 +120,24 @@ def damaged_message(tag_dir: Path, err: BaseException) -> str:
 def _step_of(tag_dir: Path) -> int:
     match = _TAG.match(tag_dir.name)
     return int(match.group(1)) if match else -1
+
+
+BRANCHES = "branches"  # <checkpoint dir>/branches/<time>-resumed-at-step<N>/: checkpoints of abandoned branches
+
+
+def not_complete(tag_dir: Path) -> str | None:
+    """Why `tag_dir` is not a complete checkpoint, with the newest complete one beside it; None when it is one."""
+    if is_complete(tag_dir):
+        return None
+    marker = tag_dir / COMPLETE_MARKER
+    why = f"its {COMPLETE_MARKER} is empty or unreadable" if marker.exists() else f"it has no {COMPLETE_MARKER}"
+    others = [c for c in complete_checkpoints(tag_dir.parent) if c != tag_dir and is_complete(c)]
+    fallback = f"; the newest complete checkpoint beside it is {others[-1]}" if others else ""
+    return f"{tag_dir} is not a complete checkpoint ({why}: its save was interrupted, or is still running){fallback}"
+
+
+def step_dirs(checkpoint_dir: Path) -> list[Path]:
+    """Every step<N> directory, complete or not, oldest first."""
+    if not checkpoint_dir.is_dir():
+        return []
+    return sorted((c for c in checkpoint_dir.iterdir() if _TAG.match(c.name) and c.is_dir()), key=_step_of)

@@ -8,10 +8,7 @@ not, never overwriting what it set; `init_distributed` then hands over to deepsp
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
-import io
-import logging
 from typing import Any
 
 import deepspeed
@@ -24,8 +21,8 @@ from ds_exp.config.schema import plain
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch.environment import LaunchInfo, choose_backend, cpu_threads_per_rank, export_launch_env
 from ds_exp.launch.rendezvous import wait_for_rendezvous
-from ds_exp.launch.run_logging import LIBRARY_LOGGER
 from ds_exp.runtime import ops
+from ds_exp.runtime.rank_logging import library_stdout
 
 
 def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str) -> str:
@@ -41,8 +38,7 @@ def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str)
         if accelerator == "cpu":
             # DeepSpeed compiles this inside init_distributed: build it first, with a notice and a clear failure
             ops.ensure_built(ops.SHM_COMM, announce=launch.rank == 0)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):  # DeepSpeed prints per rank ("... built successfully"): to the log
+    with library_stdout():  # DeepSpeed prints per rank ("... built successfully"): to the log
         wait_for_rendezvous(
             lambda: deepspeed.init_distributed(
                 dist_backend=backend,
@@ -54,8 +50,6 @@ def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str)
             launch,
             int(dist_cfg.timeout_minutes),
         )
-    for line in printed.getvalue().splitlines():
-        logging.getLogger(LIBRARY_LOGGER).info(line)
     if accelerator == "cuda":
         get_accelerator().set_device(launch.local_rank)
     return backend

@@ -1,27 +1,34 @@
 """Per-rank log files and a console people can read: rank 0 speaks, other ranks only on error, library chatter
-goes to the log files, and each warning reaches the console at most once."""
+goes to the log files, and each warning reaches the console at most once.
+
+What reaches rank 0's console: ds_exp's own log lines (each warning once) and the progress bars ds_exp draws.
+Everything libraries say goes to logs/rank<N>.log: their loggers (DeepSpeed, transformers, datasets, torch, ...),
+Python warnings, and what they print on stdout around the calls known to print (`library_stdout`). Library errors
+still reach the console. A console line written while a progress bar is drawn clears the bar first and redraws it
+after (`_BarSafeStream`), so the two never share a line.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import io
 import logging
+import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import datasets
 import transformers
+from tqdm import tqdm
 
 from ds_exp.config.secrets import redact_text
 from ds_exp.launch.run_logging import FILE_LOGGER, HELD, LIBRARY_LOGGER, LOGGERS, STEP_LOGGER
 
 _FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
-
-
-# Warnings from inside libraries that a user can do nothing about: the log file only, never the console.
-_CHATTER = (
-    "torch.distributed.all_gather_into_tensor` is deprecated",
-    "torch.distributed.reduce_scatter_tensor` is deprecated",
-    "is_gradient_checkpointing` is deprecated",
-)
 
 
 class _RankFilter(logging.Filter):
@@ -41,7 +48,7 @@ class _RankFilter(logging.Filter):
 
 
 class _Once(logging.Filter):
-    """The console sees each warning once; library-internal deprecations never (they stay in the file)."""
+    """The console sees each warning once (Python's warnings and libraries' never reach it: the file has them)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,8 +58,6 @@ class _Once(logging.Filter):
         if record.levelno < logging.WARNING:
             return True
         message = record.getMessage()
-        if any(chatter in message for chatter in _CHATTER):
-            return False
         key = message.strip().splitlines()[0] if message.strip() else message
         if key in self.seen:
             return False
@@ -77,9 +82,41 @@ class _FirstOnly(logging.Filter):
 
 _WARNINGS_ONCE = _FirstOnly()
 
+# Loggers that do not propagate to the root logger: the log file is attached to each of them.
+_OWN_FILE = (STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "py.warnings", "DeepSpeed", "transformers")
+
+
+class _OursOnly(logging.Filter):
+    """A console handler on the root logger passes ds_exp's (and Hydra's) records, and errors from anyone: what
+    libraries log through the root (torch, datasets, matplotlib, ...) is for the log file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ours = record.name.split(".")[0] in ("ds_exp", "hydra", "__main__")
+        return ours or record.levelno >= logging.ERROR
+
+
+class _BarSafeStream:
+    """A console stream that clears ds_exp's progress bars before a line and redraws them after it (tqdm.write's
+    way), so that a log line never continues the bar's line on a terminal."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        with tqdm.external_write_mode(file=self.stream):
+            self.stream.write(text)
+            self.stream.flush()
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
 
 def setup_run_logging(run_dir: Path, rank: int) -> Path:
-    """Every rank logs to <run dir>/logs/rank<N>.log; rank 0 keeps INFO on the console, the others only errors."""
+    """Every rank logs to <run dir>/logs/rank<N>.log; rank 0 keeps ds_exp's INFO on the console, the others only
+    errors. Libraries' records reach the file through the root logger (those that propagate) or their own."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"rank{rank}.log"
@@ -88,37 +125,38 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
     handler.addFilter(_RankFilter(rank))
     handler.setLevel(logging.INFO)
     for name in LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+    for name in _OWN_FILE:
         logger = logging.getLogger(name)
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-    for name in (STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "py.warnings"):
-        logging.getLogger(name).propagate = False  # the console gets these only through the handlers below
+        logger.propagate = False  # the console gets these only through the handlers below
+    root = logging.getLogger()
+    root.addHandler(handler)  # ds_exp's records, and those of every library that propagates (torch, datasets, ...)
     for record in HELD.records:  # what libraries said before the file existed
         handler.handle(record)
     HELD.records.clear()
     HELD.active = False
     once = _Once()
-    console_level = logging.INFO if rank == 0 else logging.ERROR
-    warnings_console = logging.StreamHandler(sys.stderr)
-    warnings_console.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
-    warnings_console.addFilter(once)
-    warnings_console.setFormatter(logging.Formatter("%(message)s"))
-    logging.getLogger("py.warnings").addHandler(warnings_console)
     if _WARNINGS_ONCE not in logging.getLogger("py.warnings").filters:
         logging.getLogger("py.warnings").addFilter(_WARNINGS_ONCE)
-    # DeepSpeed and transformers print on every rank through their own handlers: warnings once on rank 0
-    for name in ("DeepSpeed", "transformers"):
+    # DeepSpeed, transformers and datasets print on every rank through their own handlers: errors only
+    for name in ("DeepSpeed", "transformers", "datasets"):
         for h in logging.getLogger(name).handlers:
             if h is not handler:
-                _console(h, logging.WARNING if rank == 0 else logging.ERROR, once)
-    root = logging.getLogger()
+                _console(h, logging.ERROR, once)
+    console_level = logging.INFO if rank == 0 else logging.ERROR
     for h in root.handlers:
         if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
             _console(h, console_level, once)
+            if not any(isinstance(f, _OursOnly) for f in h.filters):
+                h.addFilter(_OursOnly())
+            if not isinstance(h.stream, _BarSafeStream):
+                h.setStream(_BarSafeStream(h.stream))
+    # libraries' own progress bars (loading weights, writing shards) never: ds_exp says what it is doing instead
+    transformers.utils.logging.disable_progress_bar()
     if rank != 0:
-        _quiet_library_progress()
-        if not root.handlers:
-            logging.getLogger("ds_exp").propagate = False
+        datasets.disable_progress_bars()  # tokenizing: rank 0's bar is the console's
+        transformers.utils.logging.set_verbosity_error()
     return path
 
 
@@ -128,21 +166,42 @@ def _console(handler: logging.Handler, level: int, once: _Once) -> None:
     handler.addFilter(once)
 
 
-def _quiet_library_progress() -> None:
-    """Ranks > 0 draw no progress bars (tokenizing, loading weights): rank 0's are the console's."""
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
 def close_run_logging() -> None:
-    for name in LOGGERS:
-        logger = logging.getLogger(name)
+    for logger in [logging.getLogger(name) for name in (*LOGGERS, *_OWN_FILE)] + [logging.getLogger()]:
         for h in list(logger.handlers):
             if isinstance(h, logging.FileHandler) and "/logs/rank" in h.baseFilename:
                 logger.removeHandler(h)
                 h.close()
-    warnings_logger = logging.getLogger("py.warnings")
-    for h in list(warnings_logger.handlers):
-        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-            warnings_logger.removeHandler(h)
+
+
+@contextlib.contextmanager
+def library_stdout() -> Iterator[None]:
+    """What libraries print on stdout inside the block goes to the log file (LIBRARY_LOGGER), Python's print and
+    C's printf alike (DeepSpeed's CPU Adam announces itself from C++ on every rank)."""
+    console = sys.stdout  # a library's handler may hold it: what it writes inside the block is captured too
+    console.flush()
+    _flush_c_stdio()
+    printed = io.StringIO()
+    with tempfile.TemporaryFile() as sink, contextlib.ExitStack() as restore:
+        with contextlib.suppress(OSError):  # no file descriptor 1 (a daemon): Python's prints are still caught
+            saved = os.dup(1)
+            restore.callback(os.close, saved)
+            os.dup2(sink.fileno(), 1)
+            restore.callback(os.dup2, saved, 1)
+        try:
+            with contextlib.redirect_stdout(printed):
+                yield
+        finally:
+            console.flush()
+            _flush_c_stdio()
+            restore.close()  # fd 1 back to the console
+            sink.seek(0)
+            library = logging.getLogger(LIBRARY_LOGGER)
+            for line in (printed.getvalue() + sink.read().decode(errors="replace")).splitlines():
+                if line.strip():
+                    library.info(line)
+
+
+def _flush_c_stdio() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)

@@ -1,4 +1,12 @@
-"""Split from ds_exp.sweeps.jobs."""
+"""Hydra callbacks of a sweep (registered in conf/config.yaml under hydra.callbacks).
+
+* `ValidateSweep`: before anything is launched or queued, locks and checks the sweep directory (one live sweep
+  per directory), then composes and validates every job of the sweep, so one bad combination fails the sweep at
+  once with the job's overrides named.
+* `SweepReport`: after the last job, writes the sweep report (ds_exp/sweeps/report.py) of the sweep's own jobs and
+  exits non-zero when a job failed (an autotune sweep: when no probe was timed).
+Whatever either raises stops the sweep (launch.console.exit_on_error): Hydra would only warn and go on.
+"""
 
 from __future__ import annotations
 
@@ -14,29 +22,36 @@ from omegaconf import DictConfig
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError
-from ds_exp.launch.callbacks import exit_on_error
+from ds_exp.launch.console import exit_on_error
+from ds_exp.launch.lock import claim_sweep_dir, lock_sweep_dir, release_sweep_dir
+from ds_exp.launch.run_dir import check_not_inside_a_live_dir
 from ds_exp.launch.storage import check_writable
-from ds_exp.sweeps.jobs import check_job, sweep_jobs
-from ds_exp.sweeps.report import PLAN_FILE, write_report
+from ds_exp.sweeps.jobs import check_job, own_job_dirs, sweep_jobs
+from ds_exp.sweeps.report import PLAN_FILE, autotune_verdict, write_report
 from ds_exp.sweeps.study_files import completed_trials, is_study_sweep
 
 
 def check_sweep_start(config: DictConfig) -> None:
-    """Before a sweep: writable, and not an earlier sweep's directory (unless its jobs are resumed)."""
+    """Before a sweep: writable, locked for this sweep's life (one live sweep per directory), not inside another
+    live run's or sweep's directory, and not an earlier sweep's directory (unless its jobs are resumed)."""
     sweep_dir = Path(str(config.hydra.sweep.dir))
     check_writable(sweep_dir, "hydra.sweep.dir")
-
-    if is_study_sweep(config):
+    check_not_inside_a_live_dir(sweep_dir, "hydra.sweep.dir")
+    lock_sweep_dir(sweep_dir)  # before looking: a sweep started a moment later finds it held, not free
+    try:
         # an optuna study continues in its own directory: ds_exp/sweeps/optuna_study.py checks it is that study's
-        return
-    if config.get("resume") is None and sweep_dir.is_dir():
-        jobs = sweep_job_names(sweep_dir)
-        if jobs:
-            raise ConfigError(
-                f"hydra.sweep.dir={sweep_dir} already holds the jobs of a sweep ({', '.join(jobs[:5])}"
-                f"{' ...' if len(jobs) > 5 else ''}); nothing was changed. Continue them with resume=auto, or "
-                "leave hydra.sweep.dir unset for a fresh directory"
-            )
+        if not is_study_sweep(config) and config.get("resume") is None and sweep_dir.is_dir():
+            jobs = sweep_job_names(sweep_dir)
+            if jobs:
+                raise ConfigError(
+                    f"hydra.sweep.dir={sweep_dir} already holds the jobs of a sweep ({', '.join(jobs[:5])}"
+                    f"{' ...' if len(jobs) > 5 else ''}); nothing was changed. Continue them with resume=auto, or "
+                    "leave hydra.sweep.dir unset for a fresh directory"
+                )
+    except BaseException:
+        release_sweep_dir(sweep_dir)
+        raise
+    claim_sweep_dir(sweep_dir)
 
 
 SLURM_COMMANDS = ("sbatch", "srun")  # submitit submits with sbatch, and its SLURM executor needs srun on this PATH
@@ -59,16 +74,19 @@ def check_slurm_commands(config: DictConfig) -> None:
 
 class ValidateSweep(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        exit_on_error(lambda: check_slurm_commands(config))
-        exit_on_error(lambda: check_sweep_start(config))
+        exit_on_error(lambda: check_slurm_commands(config), "checking SLURM's commands")
+        exit_on_error(lambda: check_sweep_start(config), "checking the sweep directory")
+        exit_on_error(lambda: self.validate(config), "validating the sweep's jobs")
 
+    @staticmethod
+    def validate(config: DictConfig) -> None:
         jobs = sweep_jobs(config)
         if not jobs:
             return
         loader = GlobalHydra.instance().config_loader()
         problems = []
-        for overrides in jobs:
-            problems += check_job(loader, config, overrides)[1]
+        for num, overrides in enumerate(jobs):  # numbered as Hydra's basic sweeper numbers them
+            problems += check_job(loader, config, overrides, num)[1]
         if problems:
             print(
                 f"ds_exp: error: the sweep was not started: {len(problems)} problem(s) in its {len(jobs)} jobs",
@@ -82,14 +100,20 @@ class ValidateSweep(Callback):
 
 class SweepReport(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        exit_on_error(
+            lambda: self.report(config), "writing the sweep report", after="the jobs' own files are as they left them"
+        )
+
+    @staticmethod
+    def report(config: DictConfig) -> None:
         if config.get("dry_run"):
             return  # planned, not run: nothing to report
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = write_report(sweep_dir)
-
+        rows = write_report(sweep_dir, own_job_dirs(config, sweep_dir))
         if (sweep_dir / PLAN_FILE).is_file():  # probes that fail are results of the autotune sweep, not errors
-            if not any(row["status"] == "completed" for row in rows):
-                print("ds_exp: error: autotune: no probe completed; nothing to recommend", file=sys.stderr)
+            problem = autotune_verdict(sweep_dir, rows)
+            if problem is not None:
+                print(f"ds_exp: error: autotune: {problem}", file=sys.stderr)
                 sys.exit(1)
             return
         if is_study_sweep(config):  # a failed trial is part of a search; a study with no completed trial is not

@@ -3,14 +3,17 @@ once before anything is launched (every sweeper comes here: -m, autotune's candi
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from ds_exp.config.schema import to_config
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError
-from ds_exp.launch.validation import validate
+from ds_exp.launch.run_dir import check_job_dir
+from ds_exp.launch.validation import validate_job
+from ds_exp.sweeps.study_files import STUDY_FILE, is_study_sweep
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
@@ -23,19 +26,45 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     return compat.basic_sweep_jobs(overrides)
 
 
+def job_dir_of(composed: DictConfig) -> Path:
+    """Where the launcher will run the job (Hydra's run_job: hydra.sweep.dir joined with hydra.sweep.subdir)."""
+    return Path(str(composed.hydra.sweep.dir)) / str(composed.hydra.sweep.subdir)
+
+
+# The job directories this process's sweep launches (check_job records each job it passes with its number), so
+# that the sweep's report lists its own jobs, not whatever else the directory holds.
+launched_job_dirs: list[Path] = []
+
+
 def check_job(
     loader: Any, config: DictConfig, overrides: list[str], num: int | None = None
 ) -> tuple[DictConfig | None, list[str]]:
     """One job composed and validated once: (its config, []) or (None, the problems, each naming the job).
-    The basic sweeper's jobs come here before any is launched, an optuna study's trials as they are asked for."""
+    Every sweeper's jobs come here before any is launched (the basic sweeper's all at once, autotune's probes, an
+    optuna study's trials as they are asked for). With its number the job's directory is known, and is checked
+    like a single run's (run_dir.check_job_dir) before Hydra writes the job's .hydra/ into it."""
     try:
         cfg = loader.load_sweep_config(config, list(overrides))
         if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it
             with read_write(cfg.hydra), open_dict(cfg.hydra):
                 cfg.hydra.job.num = num
-        validate(to_config(cfg))
+        typed = validate_job(cfg, overrides)
+        if num is not None:
+            job_dir = job_dir_of(cfg)
+            runs_here = str(cfg.hydra.launcher.get("_target_", "")).endswith("BasicLauncher")
+            check_job_dir(typed, job_dir, Path(str(cfg.hydra.sweep.dir)), runs_here=runs_here)
+            launched_job_dirs.append(job_dir.absolute())
     except DsExpError as err:
         return None, [f"job [{' '.join(overrides)}]: {line}" for line in str(err).splitlines()]
     except Exception as err:  # composition errors (unknown option, wrong type) from Hydra / OmegaConf
         return None, [f"job [{' '.join(overrides)}]: {err}".splitlines()[0]]
     return cfg, []
+
+
+def own_job_dirs(config: DictConfig, sweep_dir: Path) -> list[Path] | None:
+    """The job directories of this sweep: an optuna study's trials (the study owns its directory, across the runs
+    that continue it), else what this process launched; None (every job found) when neither is known."""
+    if is_study_sweep(config) and (sweep_dir / STUDY_FILE).is_file():
+        trials = json.loads((sweep_dir / STUDY_FILE).read_text())["trials"]
+        return [Path(t["job_dir"]).absolute() for t in trials if t.get("job_dir") and Path(t["job_dir"]).is_dir()]
+    return list(dict.fromkeys(launched_job_dirs)) or None

@@ -11,13 +11,13 @@ trains with the trial's values. What a trial scores is read from its summary.jso
   are bad, and the sampler learns that;
 * anything else (invalid config, a failed or killed run) -> FAIL, with the error recorded; the study goes on.
 The study lives in the sweep directory (outputs/optuna/<study_name>/optuna.db, SQLite), so the same command run
-again continues it up to `n_trials` finished trials; each trial's run directory is named by its trial number.
+again continues it up to `n_trials` finished trials; each trial's run directory is named by its trial number. A
+trial the earlier run left stopped (Ctrl-C: it saved a checkpoint) is continued first, with its number and values.
 `study.json` beside it records every trial for the sweep report (ds_exp/sweeps/study_files.py).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import time
 from pathlib import Path
@@ -33,12 +33,16 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from ds_exp.config.ds_config import IgnoredOverride
 from ds_exp.config.secrets import redact_text
+from ds_exp.core.compat import optuna_trial_of
 from ds_exp.core.errors import ConfigError, DsExpError
 from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.console import report_user_error
-from ds_exp.launch.run_dir import holds_a_run
-from ds_exp.sweeps.jobs import check_job
+from ds_exp.launch.lock import live_holder
+from ds_exp.launch.run_dir import read_summary
+from ds_exp.launch.validation import validate_job
+from ds_exp.sweeps.jobs import check_job, job_dir_of
 from ds_exp.sweeps.search_space import parse_search_space, probe_overrides
 from ds_exp.sweeps.study_files import (
     ABANDONED,
@@ -54,7 +58,6 @@ from ds_exp.sweeps.study_files import (
 log = logging.getLogger(__name__)
 
 DB_FILE = "optuna.db"
-LOCK_FILE = ".study.lock"
 
 
 # Drivers whose package is not named as the module SQLAlchemy imports
@@ -113,7 +116,6 @@ class StudySweeper(Sweeper):
         self.hydra_context: HydraContext | None = None
         self.config: DictConfig | None = None
         self.launcher: Any = None
-        self._lock: Any = None
         self.exhausted = False  # set when the sampler stops the study (its whole space tried)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -153,8 +155,7 @@ class StudySweeper(Sweeper):
             "fixed": space.fixed,
         }
         check_study_dir(sweep_dir, identity)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        self.lock(sweep_dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)  # one sweep at a time in it: ds_exp.launch.run_dir.lock_sweep_dir
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the sweeper says what happens, once
         try:
             study = optuna.create_study(
@@ -174,17 +175,19 @@ class StudySweeper(Sweeper):
                 f"hydra.sweeper.direction={self.direction}: study {self.study_name} in {shown_storage(storage)} "
                 f"was created to {study.direction.name.lower()}; keep its direction or name a new study"
             )
-        fail_abandoned_trials(study, sweep_dir)
         study.sampler = self.make_sampler(len(study.trials))
         self.save_sweep_config(sweep_dir)
+        returns = []
+        continued = self.settle_abandoned(study, sweep_dir)
         write_study(sweep_dir, study, identity, self.n_trials)
+        if continued:
+            returns.append(continued)
         done = finished(study)
         print(
             f"ds_exp: optuna study {self.study_name} in {sweep_dir}: {done} of {self.n_trials} trials finished"
             f"{'' if done < self.n_trials else ', nothing to run (raise hydra.sweeper.n_trials to continue it)'}; "
             f"objective {self.objective} ({self.direction})"
         )
-        returns = []
         while (done := finished(study)) < self.n_trials and not self.exhausted:
             trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, self.n_trials - done))]
             missing = self.run_trials(study, trials, space.overrides, sweep_dir)
@@ -215,20 +218,23 @@ class StudySweeper(Sweeper):
 
     def check_composes(self, space: Any) -> None:
         """The corners of the space are composed first: an unknown key or option (or a float for an integer) would
-        fail every trial, so it stops the study before anything runs."""
+        fail every trial, and a searched key the runs would not obey (a DeepSpeed file that sets it) would search
+        nothing, so either stops the study before anything runs. (Other invalid corners are trials that fail.)"""
         problems = []
         for overrides in probe_overrides(space):
             try:
-                self.compose(overrides)
+                validate_job(self.compose(overrides), overrides)
+            except IgnoredOverride as err:
+                problems += [f"hydra/sweeper=optuna: {line}" for line in err.problems]
+            except DsExpError:
+                pass  # that corner's trial fails with its message; the rest of the space may be fine
             except Exception as err:  # Hydra's / OmegaConf's composition errors
-                problem = (
+                problems.append(
                     f"hydra/sweeper=optuna: a trial with [{' '.join(overrides)}] cannot be composed: "
                     + (str(err).splitlines()[0])
                 )
-                if problem not in problems:
-                    problems.append(problem)
         if problems:
-            raise ConfigError(problems)
+            raise ConfigError(list(dict.fromkeys(problems)))
 
     def compose(self, overrides: list[str]) -> DictConfig:
         assert self.hydra_context is not None and self.config is not None
@@ -257,38 +263,53 @@ class StudySweeper(Sweeper):
             target = sweep_dir / f"multirun-{time.strftime('%Y-%m-%d_%H-%M-%S')}.yaml"
         OmegaConf.save(self.config, target)
 
-    def lock(self, sweep_dir: Path) -> None:
-        """One sweeper per study directory at a time (a second one would take the first one's trials for dead)."""
-        handle = (sweep_dir / LOCK_FILE).open("a")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.close()
-            raise ConfigError(
-                f"hydra.sweep.dir={sweep_dir}: another sweep is running this study right now; wait for it to end"
-            ) from None
-        self._lock = handle  # held until the process ends
+    def settle_abandoned(self, study: Any, sweep_dir: Path) -> list[Any]:
+        """Trials an earlier run of this study left RUNNING (study_record.abandoned_trials): a stopped or interrupted
+        one goes on (the same trial number and values, resume=auto in its directory: from its checkpoint), one that
+        completed is recorded as it ended, the rest as failed. Returns the trials continued."""
+        continued = []
+        for frozen, what in abandoned_trials(study, sweep_dir):
+            trial = optuna_trial_of(study, frozen)
+            if what == "live":  # the sweep ended, its job did not (a SLURM job): a later run of the study tells it
+                print(f"ds_exp: trial {trial.number} is still running elsewhere ({frozen.user_attrs['job_dir']})")
+            elif what == "fail":
+                self.tell(study, trial, TrialState.FAIL, None, ABANDONED)
+            elif what == "tell":
+                state, value, error, _ = outcome(Path(frozen.user_attrs["job_dir"]), self.objective, None)
+                self.tell(study, trial, getattr(TrialState, "FAIL" if state == "MISSING" else state), value, error)
+            else:
+                print(f"ds_exp: trial {trial.number} was stopped before it finished: continuing it from its checkpoint")
+                continued.append(trial)
+        for start in range(0, len(continued), self.n_jobs):
+            missing = self.run_trials(study, continued[start : start + self.n_jobs], None, sweep_dir, resume=True)
+            if missing:
+                raise ConfigError(missing)
+        return continued
 
     # ----------------------------------------------------------------------------------------- the trials
-    def run_trials(self, study: Any, trials: list[Any], overrides_of: Any, sweep_dir: Path) -> list[str]:
+    def run_trials(
+        self, study: Any, trials: list[Any], overrides_of: Any, sweep_dir: Path, *, resume: bool = False
+    ) -> list[str]:
         """Compose and validate each trial once, launch the valid ones, tell the study how each ended. Returns the
-        problems that stop the study (an objective the runs do not report)."""
+        problems that stop the study (an objective the runs do not report). `resume`: the trials are ones an
+        earlier run left unfinished; each continues in its own directory with its recorded overrides."""
         assert self.hydra_context is not None and self.config is not None
         launch: list[tuple[Any, list[str], Path]] = []
         for trial in trials:
-            overrides = overrides_of(trial.params)
-            trial.set_user_attr("overrides", overrides)
-            trial.set_user_attr("sweep_dir", str(sweep_dir))
+            if resume:
+                overrides = [*trial.user_attrs["overrides"], "resume=auto"]
+            else:
+                overrides = overrides_of(trial.params)
+                trial.set_user_attr("overrides", overrides)
+                trial.set_user_attr("sweep_dir", str(sweep_dir))
             # composed and validated once, here, as the basic sweeper's jobs are (ds_exp/sweeps/jobs.py): the ranks
-            # compose the same overrides (floats written exactly) and train with the trial's values
+            # compose the same overrides (floats written exactly) and train with the trial's values; its
+            # directory is checked there too (one that holds another run is left as it is)
             cfg, problems = check_job(self.hydra_context.config_loader, self.config, overrides, trial.number)
             error = f"invalid trial, not launched: {'; '.join(problems)}" if problems else None
             if cfg is not None:
-                job_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+                job_dir = job_dir_of(cfg)
                 trial.set_user_attr("job_dir", str(job_dir))
-                found = holds_a_run(job_dir, "checkpoints")
-                if found:
-                    error = f"{job_dir} already holds a run ({found}); it was left as it is"
             if error is not None:
                 self.tell(study, trial, TrialState.FAIL, None, redact_text(error))
             else:
@@ -339,10 +360,6 @@ class StudySweeper(Sweeper):
         print(f"ds_exp: trial {trial.number} {state.name.lower()}: {shown}")
 
 
-def finished(study: Any) -> int:
-    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
-
-
 def fail_abandoned_trials(study: Any, sweep_dir: Path) -> None:
     """Trials of this directory still RUNNING belong to a sweep that ended before they did (Ctrl-C, a lost
     login node): they are recorded as failed; their run directories stay as they are."""
@@ -373,3 +390,36 @@ def write_study(sweep_dir: Path, study: Any, identity: dict[str, Any], n_trials:
         best = next(t for t in trials if t["number"] == study.best_trial.number)
         best = {**best, "command": command_line(best["overrides"] or [], best["world_size"])}
     write_json_atomic(sweep_dir / STUDY_FILE, {**identity, "n_trials": n_trials, "trials": trials, "best": best})
+
+
+# How a trial's run ended that a sweep stopping before it did (Ctrl-C, a lost login node) leaves continuable: it
+# saved a checkpoint (or had not reached one) and said how to go on.
+CONTINUABLE = ("stopped", "interrupted", "requeued")
+
+
+def finished(study: Any) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
+
+
+def abandoned_trials(study: Any, sweep_dir: Path) -> list[tuple[Any, str]]:
+    """Trials of this directory still RUNNING: they belong to a sweep that ended before they did. Each with what
+    the re-run does with it: "continue" (its run was stopped or interrupted: the same trial goes on from its
+    checkpoint, resume=auto in its own directory), "tell" (its run completed after all, e.g. continued by hand:
+    recorded as it ended), "live" (its run still holds its directory's lock, e.g. a SLURM job that outlived the
+    sweep: left RUNNING) or "fail" (killed: recorded as failed, its directory left as it is)."""
+    found = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if trial.user_attrs.get("sweep_dir") != str(sweep_dir):
+            continue
+        job_dir = trial.user_attrs.get("job_dir")
+        summary = read_summary(Path(job_dir)) if job_dir else None
+        status = (summary or {}).get("status")
+        if job_dir and live_holder(Path(job_dir)) is not None:
+            found.append((trial, "live"))
+        elif status in CONTINUABLE and trial.user_attrs.get("overrides") is not None:
+            found.append((trial, "continue"))
+        elif status in ("completed", "failed"):
+            found.append((trial, "tell"))
+        else:
+            found.append((trial, "fail"))
+    return found

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import shlex
 import statistics
 import sys
@@ -21,8 +22,9 @@ from typing import Any
 
 import yaml
 
+from ds_exp.config.ds_config import override_key
 from ds_exp.config.memory_plan import human_bytes
-from ds_exp.sweeps.study_files import study_section
+from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 PLAN_FILE = "autotune.json"  # an autotune sweep's plan (ds_exp/tools/autotune.py): candidates, estimates, verdicts
 
@@ -177,6 +179,11 @@ def varying_overrides(rows: list[dict[str, Any]]) -> list[str]:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Throughput and peak memory per job, side by side."""
+    # matplotlib's INFO lines ("generated new fontManager" on its first use) would reach the sweep's console
+    # through Hydra's root handler: its warnings and errors still do
+    mpl_log = logging.getLogger("matplotlib")
+    if mpl_log.getEffectiveLevel() < logging.WARNING:
+        mpl_log.setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,8 +208,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
-    rows = [job_row(d) for d in job_dirs(sweep_dir)]
+def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[str, Any]]:
+    """The report of the sweep's jobs: `own` (the job directories the sweep launched, ds_exp.sweeps.jobs.own_job_dirs),
+    or every job the directory holds when that is not known (python -m ds_exp.report)."""
+    found = job_dirs(sweep_dir) if own is None else sorted(own, key=_job_key)
+    rows = [job_row(d) for d in found]
     for row in rows:
         if row["status"] == "damaged" or " is damaged: " in (row["error"] or ""):
             print(f"ds_exp: warning: job {row['job']}: {row['error']}; the report says so in its row", file=sys.stderr)
@@ -237,13 +247,18 @@ def _section(make: Any, sweep_dir: Path, *args: Any) -> str:
 # ------------------------------------------------------------------------------------------------ autotune
 AUTOTUNE_COLUMNS = ["rank", "candidate", "result", "tokens_per_s", "mfu", "estimate_mib", "peak_memory_mib", "job"]
 WARMUP_STEPS = 1  # a probe's first step (allocations, first collectives) is not its speed
+NOT_TIMED = f"no metric line after its {WARMUP_STEPS} warm-up step(s); give the probes more steps than train.log_every"
 
 
 def probe_speed(job_dir: Path) -> tuple[float | None, float | None]:
-    """Median tokens/s and MFU of a probe's metric lines after its warm-up step (None where none was written)."""
+    """Median tokens/s and MFU of a probe's metric lines whose window (the steps since the line before) starts
+    after its warm-up step (None where none was written)."""
     path = job_dir / "metrics.jsonl"
     lines = [_json_line(line) for line in path.read_text(errors="replace").splitlines()] if path.is_file() else []
-    steps = [r for r in lines if r.get("type") == "train" and _is_number(r.get("step")) and r["step"] > WARMUP_STEPS]
+    train = [r for r in lines if r.get("type") == "train" and _is_number(r.get("step"))]
+    steps = [
+        r for before, r in zip([{"step": 0}, *train], train, strict=False) if before.get("step", 0) >= WARMUP_STEPS
+    ]
     speeds = [r["tokens_per_s"] for r in steps if _is_number(r.get("tokens_per_s"))]
     mfus = [r["mfu"] for r in steps if _is_number(r.get("mfu"))]
     return (statistics.median(speeds) if speeds else None, statistics.median(mfus) if mfus else None)
@@ -284,7 +299,7 @@ def autotune_rows(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str,
             status = job["status"]
             if status == "completed":
                 row["tokens_per_s"], row["mfu"] = probe_speed(sweep_dir / candidate["job"])
-                row["result"] = "fits"
+                row["result"] = "fits" if row["tokens_per_s"] is not None else "completed, not timed: " + NOT_TIMED
             elif job.get("error_kind") == "out_of_memory":
                 row["result"] = "out of memory"
             else:
@@ -299,10 +314,10 @@ def autotune_rows(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str,
 
 
 def train_command(plan: dict[str, Any], overrides: list[str]) -> str:
-    """The command line that trains with a probe's configuration: its overrides minus the probe's own keys;
-    through the same submitit launcher (a one-job sweep) when the probes ran there."""
-    probe_keys = set(plan["probe_keys"])
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in probe_keys]
+    """The command line that trains with a probe's configuration: its overrides minus the probe's own keys and the
+    probe session's (SESSION_KEYS); through the same submitit launcher (a one-job sweep) when the probes ran there."""
+    left_out = set(plan["probe_keys"]) | set(SESSION_KEYS)
+    kept = [o for o in overrides if override_key(o) not in left_out]
     launcher = plan.get("launcher_overrides") or []
     head = ["python", "-m", "ds_exp", *(["-m", *launcher] if launcher else [])]
     return " ".join(shlex.quote(part) for part in [*head, *kept])
@@ -334,13 +349,28 @@ def autotune_section(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
         )
     best = ranked[0] if ranked and ranked[0]["tokens_per_s"] is not None else None
     if best is None:
-        tail = "\nNo probe completed: nothing to recommend (see each probe's error above and its logs/).\n"
+        tail = f"\n{_no_recommendation(ranked)}: nothing to recommend (see each probe's result above and its logs/).\n"
     else:
         tail = (
             f"\nRecommended: {best['candidate']} ({_cell(best['tokens_per_s'])} tokens/s). Train with it:\n\n"
             f"    {train_command(plan, best['overrides'])}\n"
         )
     return head + "\n".join(lines) + "\n" + tail
+
+
+def _no_recommendation(ranked: list[dict[str, Any]]) -> str:
+    if any(str(r.get("result", "")).startswith("completed, not timed") for r in ranked):
+        return f"No probe was timed ({NOT_TIMED})"
+    return "No probe completed"
+
+
+def autotune_verdict(sweep_dir: Path, rows: list[dict[str, Any]]) -> str | None:
+    """Why an autotune sweep recommends nothing (its exit is then non-zero), or None when it recommends a probe."""
+    ranked = autotune_rows(sweep_dir, rows)
+    if any(r["tokens_per_s"] is not None for r in ranked):
+        return None
+    why = _no_recommendation(ranked)
+    return f"{why[0].lower()}{why[1:]}; nothing to recommend"
 
 
 def main(argv: list[str] | None = None) -> int:

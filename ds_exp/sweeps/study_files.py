@@ -10,9 +10,13 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.ds_config import override_key
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.core.errors import ConfigError
 
+# Keys of the probe session itself, never part of the configuration it recommends (resume=auto continues the
+# probes' own directories; a new run of the recommendation starts fresh).
+SESSION_KEYS = ("resume", "dry_run", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 STUDY_FILE = "study.json"
 # Numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py,
 # ds_exp/train/evaluate.py).
@@ -99,7 +103,8 @@ def shown_storage(storage: str) -> str:
 
 
 def command_line(overrides: list[str], world_size: int | None) -> str:
-    """The command that trains a trial's config again as a single run."""
+    """The command that trains a trial's config again as a single run (without the study session's own keys)."""
+    overrides = [o for o in overrides if override_key(o) not in SESSION_KEYS]
     launcher = ["python", "-m", "ds_exp"]
     if world_size and world_size > 1:
         launcher = ["torchrun", f"--nproc_per_node={world_size}", "-m", "ds_exp"]

@@ -1,5 +1,6 @@
 """Tools around runs, each an entry point: the dry run's plan without weights (dry_run), the autotune sweeper
-(autotune: which configuration fits and which is fastest), and the parity check of two configurations (parity).
+(autotune: which configuration fits and which is fastest), the parity check of two configurations (parity), and
+using what a run trained (use: export any checkpoint, chat with an export).
 
 Layer 11, heavy. May import every layer below it.
 """

@@ -30,18 +30,20 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
+from ds_exp.config.ds_config import IgnoredOverride
 from ds_exp.config.memory_plan import estimate_activations, estimate_model_states, human_bytes
 from ds_exp.config.precision import detect_accelerator
-from ds_exp.config.schema import as_dict, plain, to_config
+from ds_exp.config.schema import as_dict, plain
 from ds_exp.config.secrets import redact_text
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError
 from ds_exp.core.files import write_json_atomic
-from ds_exp.launch.validation import validate
+from ds_exp.launch.validation import validate_job
 from ds_exp.model.architecture import build_model_config, count_parameters, hidden_size_of, padded_vocab_size
 from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.runtime.device import resolved_precision
-from ds_exp.sweeps.report import PLAN_FILE
+from ds_exp.sweeps.jobs import check_job
+from ds_exp.sweeps.report import PLAN_FILE, WARMUP_STEPS
 
 _UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 
@@ -81,6 +83,7 @@ class Autotune(Sweeper):
         self.params = dict(params or {})
         self.max_batch_size = max_batch_size
         self._facts: dict[str, dict[str, int]] = {}
+        self._refusals: list[str] = []  # settings that make the whole sweep pointless (judge collects them)
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         self.hydra_context, self.config = hydra_context, config
@@ -102,6 +105,7 @@ class Autotune(Sweeper):
                     "(conf/experiment/autotune.yaml has the default grid)",
                 ]
             )
+        self.check_settings()
         try:
             budget = parse_budget(self.memory_budget)
         except ValueError as err:
@@ -112,11 +116,19 @@ class Autotune(Sweeper):
         else:
             source = f"hydra.sweeper.memory_budget={self.memory_budget}"
         candidates = [self.judge(list(job), world, accelerator, budget) for job in compat.basic_sweep_jobs(grid)]
+        if self._refusals:  # settings no probe would obey or could measure: the sweep would decide on nothing
+            fail(["experiment=autotune: the probes would not measure what the grid says", *self._refusals])
         probes = [c for c in candidates if c["verdict"] == "probe"]
         if not probes:
             fail(self.nothing_to_probe(candidates, budget, source))
+
+        problems = []
         for number, candidate in enumerate(probes):
             candidate["job"] = str(number)
+            # its directory checked like a single run's (and recorded for the report) before anything is launched
+            problems += check_job(self.hydra_context.config_loader, self.config, candidate["overrides"], number)[1]
+        if problems:
+            fail(["experiment=autotune: the sweep was not started", *problems])
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +153,7 @@ class Autotune(Sweeper):
             f"the memory estimate, {counts['not_applicable']} not applicable"
         )
         jobs = [c["overrides"] for c in probes]
-        size = self.max_batch_size or len(jobs)
+        size = self.max_batch_size or len(jobs)  # check_settings: null or >= 1
         returns = []
         for start in range(0, len(jobs), size):
             # a failed probe (out of memory, a crash) is recorded in its summary.json, never fatal to the sweep
@@ -153,12 +165,19 @@ class Autotune(Sweeper):
         candidate: dict[str, Any] = {"overrides": overrides, "job": None, "reason": None, "estimate_bytes": None}
         try:
             composed = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            cfg = to_config(composed)
-            validate(cfg)
+            cfg = validate_job(composed, overrides)  # the one validation of every sweeper's jobs
+        except IgnoredOverride as err:  # e.g. zero=stage1 under a DeepSpeed file that sets stage 3: not a result
+            self._refusals += [line for line in err.problems if line not in self._refusals]  # once, not per job
+            return {**candidate, "verdict": "not_applicable", "reason": str(err).splitlines()[0]}
         except DsExpError as err:
             return {**candidate, "verdict": "not_applicable", "reason": str(err).splitlines()[0]}
         except Exception as err:  # an unknown option or a wrong type: the user's typo, not a candidate to skip
             fail([f"experiment=autotune: job [{' '.join(overrides)}]: {str(err).splitlines()[0]}"])
+        unmeasurable = self.cannot_measure(cfg)
+        if unmeasurable and unmeasurable not in self._refusals:
+            self._refusals.append(unmeasurable)
+        if self._refusals:  # the sweep is refused: no need to estimate (which loads the model's config)
+            return {**candidate, "verdict": "not_applicable", "reason": self._refusals[0]}
         estimate = self.estimate(cfg, world, accelerator)
         candidate.update(estimate)
         if estimate["estimate_bytes"] > budget:
@@ -168,6 +187,33 @@ class Autotune(Sweeper):
             )
             return candidate
         return {**candidate, "verdict": "probe"}
+
+    def check_settings(self) -> None:
+        """The sweeper's own settings, before anything is composed: each one that cannot work is named."""
+        problems = []
+        size = self.max_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            problems.append(
+                f"hydra.sweeper.max_batch_size={size}: the probes handed to the launcher at once; give a whole number "
+                ">= 1, or null for all of them"
+            )
+        if problems:
+            fail(problems)
+
+    @staticmethod
+    def cannot_measure(cfg: Any) -> str | None:
+        """Why a probe with these settings would time nothing (None: it can be timed). Its speed is the median of
+        the metric lines after its warm-up step (report.probe_speed): a line closes every train.log_every steps,
+        and the first one holds the warm-up, so a probe needs more steps than that. (train.max_steps=-1: the
+        epoch's steps, known only once the data is read; the report says so if they are too few.)"""
+        steps, every = int(cfg.train.max_steps), int(cfg.train.log_every)
+        if steps == -1 or steps > max(every, WARMUP_STEPS):
+            return None
+        return (
+            f"train.max_steps={steps} with train.log_every={every}: a probe's speed is timed on the metric lines after "
+            f"its first {WARMUP_STEPS} warm-up step(s), and these probes would write none; give train.max_steps > "
+            f"{max(every, WARMUP_STEPS)} (experiment=autotune uses 6 with train.log_every=1)"
+        )
 
     # ------------------------------------------------------------------------------------ memory and budget
     def estimate(self, cfg: Any, world: int, accelerator: str) -> dict[str, int]:

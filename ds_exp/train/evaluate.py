@@ -1,4 +1,4 @@
-"""Evaluation: exact perplexity over the whole eval set, and greedy generations of eval.prompts.
+"""Evaluation: exact perplexity over the whole eval set, and generations of eval.prompts (greedy by default).
 
 Perplexity is exp(summed eval token loss / eval label tokens), reduced over ranks: not an average of per-batch
 averages, so it does not depend on the batch size or the number of ranks. Under sequence parallelism each rank sums
@@ -16,7 +16,7 @@ import torch
 
 from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.runtime.process_group import all_reduce_sum
-from ds_exp.train.generate import generate, write_generations
+from ds_exp.train.generate import GREEDY, Sampling, generate, write_generations
 from ds_exp.train.step import IGNORE_INDEX, loss_labels, model_inputs, token_loss_sum
 
 log = logging.getLogger(__name__)
@@ -65,20 +65,31 @@ def evaluate(
 
 
 class Generations:
-    """eval.prompts completed greedily with the run's template (collective at ZeRO-3; ds_exp/train/generate.py), written
-    by rank 0 to generations.jsonl, the log and wandb."""
+    """eval.prompts completed with the run's template, greedily or as eval.temperature asks (collective at ZeRO-3;
+    ds_exp/train/generate.py), written by rank 0 to generations.jsonl, the log and wandb."""
 
     def __init__(
-        self, prompts: list[str], *, tokenizer: Any, template: str, max_new_tokens: int, stop_ids: list[int], path: Path
+        self,
+        prompts: list[str],
+        *,
+        tokenizer: Any,
+        template: str,
+        max_new_tokens: int,
+        stop_ids: list[int],
+        path: Path,
+        sampling: Sampling = GREEDY,
     ) -> None:
         self.prompts, self.tokenizer, self.template = prompts, tokenizer, template
-        self.max_new_tokens, self.stop_ids, self.path = max_new_tokens, stop_ids, path
+        self.max_new_tokens, self.stop_ids, self.path, self.sampling = max_new_tokens, stop_ids, path, sampling
         self.last_step = -1  # the step of the last generations
 
     def __call__(self, engine: Any, step: int, wandb: Any) -> None:
         self.last_step = step
         if not self.prompts:
             return
+        # at ZeRO-3 every new token is a collective forward of every rank: tens of seconds, said beforehand
+        if engine.global_rank == 0 or engine.zero_optimization_stage() == 3:
+            log.info("generating %d prompts (up to %d new tokens each) ...", len(self.prompts), self.max_new_tokens)
         completions = generate(
             engine,
             self.tokenizer,
@@ -86,6 +97,7 @@ class Generations:
             template=self.template,
             max_new_tokens=self.max_new_tokens,
             stop_ids=self.stop_ids,
+            sampling=self.sampling,
         )
         if completions is None:
             return

@@ -1,4 +1,6 @@
-"""Look at what the model says: greedy completions of `eval.prompts` (DeepSpeed-Chat's prompt_eval.py, in the run).
+"""Look at what the model says: completions of `eval.prompts` (DeepSpeed-Chat's prompt_eval.py, in the run), greedy
+unless eval.temperature > 0 (then sampled with eval.top_p / eval.top_k, seeded by eval.seed in a forked random
+state, so that generating never changes what training draws next: a resumed run stays exact).
 
 Prompts are rendered with the template the run trains with, so the model is asked the way it is taught. Under
 ZeRO-3 every forward is a collective: all ranks generate the same prompts together (transformers' synced_gpus
@@ -8,7 +10,10 @@ generation runs unsharded (each rank holds the whole prompt: a decode step has o
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,49 @@ from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import append_json_line
 from ds_exp.data.templates import render_prompt
 from ds_exp.model.sequence_parallel import paused
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn: greedy when temperature is 0 (the default), else sampled. The same options as
+    `python -m ds_exp.chat`, checked by ds_exp.config.sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # seeds each call's sampling (None: the process's random state)
+
+    @classmethod
+    def of(cls, eval_cfg: Any) -> Sampling:
+        return cls(float(eval_cfg.temperature), float(eval_cfg.top_p), int(eval_cfg.top_k), int(eval_cfg.seed))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """For transformers' generate: every option explicit, so a model's generation_config.json (SmolLM2's
+        top_p, transformers' default top_k=50) never samples what was asked greedily, nor narrows a sample."""
+        if self.greedy:
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+GREEDY = Sampling()
+
+
+@contextlib.contextmanager
+def seeded(sampling: Sampling, device: Any) -> Iterator[None]:
+    """Sampling seeded by `sampling.seed` in a forked random state: what follows draws as if nothing happened."""
+    if sampling.greedy or sampling.seed is None:
+        yield
+        return
+    device = torch.device(device)
+    on_gpu = device.type not in ("cpu", "meta")
+    devices = [device.index or 0] if on_gpu else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if on_gpu else "cuda"):
+        torch.manual_seed(sampling.seed)
+        yield
 
 
 def load_prompts(eval_cfg: Any) -> list[str]:
@@ -95,9 +143,17 @@ def stop_token_ids(tokenizer: Any, end_of_conversation: str | None) -> list[int]
 
 
 def generate(
-    engine: Any, tokenizer: Any, prompts: list[str], *, template: str, max_new_tokens: int, stop_ids: list[int]
+    engine: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    template: str,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    sampling: Sampling = GREEDY,
 ) -> list[str] | None:
-    """Collective at ZeRO-3 (every rank calls it), rank 0 only otherwise. Greedy completions on rank 0, else None."""
+    """Collective at ZeRO-3 (every rank calls it), rank 0 only otherwise. The completions on rank 0, else None.
+    Every rank seeds the same: under ZeRO-3 they sample alike."""
     zero3 = engine.zero_optimization_stage() == 3
     rank = dist.get_rank()
     if rank != 0 and not zero3:
@@ -105,7 +161,7 @@ def generate(
     model = engine.module
     completions = []
     engine.eval()
-    with torch.no_grad(), paused():
+    with torch.no_grad(), paused(), seeded(sampling, engine.device):
         for prompt in prompts:
             text, add_special = render_prompt(prompt, template, tokenizer)
             ids = tokenizer(text, add_special_tokens=add_special, return_tensors="pt")["input_ids"].to(engine.device)
@@ -113,10 +169,7 @@ def generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
+                **sampling.generate_kwargs(),
                 eos_token_id=stop_ids,
                 pad_token_id=tokenizer.pad_token_id,
                 use_cache=True,

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from ds_exp.config.plan import eval_interval
 from ds_exp.config.schema import EvalConfig, TrainConfig, plain
 from ds_exp.core.errors import Diverged
 from ds_exp.model.divergence import check_weights_finite, diverged_message, non_finite_end
@@ -49,15 +50,19 @@ class Loop:
         checkpoints: Any,  # ds_exp.checkpoint.Checkpointer
         generations: Generations,
         progress: Progress,
+        exports: Any = None,  # ds_exp.train.exports.RunExports: train.export_every's exports
     ) -> None:
         self.train_cfg, self.eval_cfg = train_cfg, eval_cfg
         self.session, self.work, self.metrics = session, work, metrics
         self.checkpoints, self.generations, self.progress = checkpoints, generations, progress
+        self.exports = exports
         self.engine = work.engine
         self.step = TrainStep(work.engine, world_size=session.world, flops=work.flops, sp=work.sp)
         self.schedule = str(plain(work.schedule_name))
+        self.eval_every = eval_interval(train_cfg, work.steps_per_epoch, work.total_steps)  # 0: after each epoch
         self.bad_steps = 0
         self.last_loss: Any = None
+        self.last_labels = 0.0  # the last step's label tokens over the global batch
         self.last_applied = True  # whether the last step's update was applied (ZeRO skips non-finite gradients)
         self.finite_at = -1  # the step whose end state was last found finite (check_end)
 
@@ -81,7 +86,7 @@ class Loop:
             if progress.step_in_epoch >= work.steps_per_epoch:
                 progress.epoch += 1
                 progress.step_in_epoch = 0
-                if not train_cfg.eval_every and progress.step < work.total_steps:
+                if not self.eval_every and progress.step < work.total_steps:
                     self.evaluate()  # after each epoch
         self.metrics.write()
 
@@ -89,6 +94,9 @@ class Loop:
         """One step, then what follows it: the non-finite check, metric line, evaluation, checkpoint, stop."""
         train_cfg, progress, session = self.train_cfg, self.progress, self.session
         result = self.step(batches, stop_requested=session.signals.requested, previous_loss=self.last_loss)
+        if self.last_labels:  # the previous step's loss, summed over ranks by this step's all-reduce: for the bar
+            self.metrics.show_step_loss(progress.step, result.votes.previous_loss_sum / self.last_labels)
+        self.last_labels = result.votes.global_label_tokens
         self.metrics.write()  # the previous step's line: its all-reduce finished during this step
         self.last_loss, self.last_applied = result.loss_sum, result.applied
         progress.step += 1
@@ -103,10 +111,12 @@ class Loop:
             self.work.metric_scheduler.step(self.global_loss(result))
         if progress.step % train_cfg.log_every == 0 or progress.step == self.work.total_steps:
             self.metrics.close(self.line_fields())
-        if train_cfg.eval_every and progress.step % train_cfg.eval_every == 0:
+        if self.eval_every and progress.step % self.eval_every == 0:
             self.evaluate()
         if train_cfg.save_every and progress.step % train_cfg.save_every == 0:
             self.save()
+        if train_cfg.export_every and progress.step % train_cfg.export_every == 0:
+            self.export()
         if result.votes.stop:
             if progress.last_save_step != progress.step:
                 self.save()
@@ -188,6 +198,13 @@ class Loop:
             consequence = "saved no final checkpoint and exported nothing"
             raise Diverged(diverged_message(found, self.progress.step, consequence, self.last_good_checkpoint()))
         self.finite_at = self.progress.step
+
+    def export(self) -> None:
+        """Collective: a step export (the last step has the final export). Weights that are not finite are never
+        exported: export_hf finds them and the run fails as diverged."""
+        if self.exports is not None and self.progress.step < self.work.total_steps:
+            self.metrics.write()  # the step's line first: the export takes a while
+            self.exports.at_step(self.progress.step)
 
     def save(self) -> None:
         """Collective checkpoint, with the open metric window's sums over ranks (see Metrics.carry). Weights that

@@ -66,7 +66,7 @@ class _NoBar:
 
     def update(self, n: int) -> None: ...
 
-    def set_postfix(self, values: dict[str, str]) -> None: ...
+    def set_postfix(self, values: dict[str, str], refresh: bool = True) -> None: ...
 
     def close(self) -> None: ...
 
@@ -91,6 +91,8 @@ class Metrics:
         self.pending: PendingLine | None = None
         self.totals = Totals()
         self.skips_said = 0  # skipped steps the log has warned about
+        self.shown: dict[str, str] = {}  # what the bar shows besides its count: loss, lr, tok_s, mfu
+        self.loss_step = 0  # the step whose loss the bar shows
 
     def show_progress(self, total: int, initial: int, enabled: bool) -> None:
         """The progress bar of the training steps (rank 0), from here on."""
@@ -100,6 +102,17 @@ class Metrics:
 
     def close_progress(self) -> None:
         self.bar.close()
+
+    def show_step_loss(self, step: int, loss: float) -> None:
+        """The loss of optimizer step `step` (over the global batch) on the bar: drawn at once the first time, so
+        that the bar has a loss from its first step, then with the bar's next refresh (no extra console output)."""
+        first = not self.loss_step
+        self.loss_step = step
+        self.show(refresh=first, loss=f"{loss:.4f}")
+
+    def show(self, refresh: bool = True, **values: str) -> None:
+        self.shown.update(values)
+        self.bar.set_postfix({k: self.shown[k] for k in ("loss", "lr", "tok_s", "mfu") if k in self.shown}, refresh)
 
     def add(self, result: StepResult, seconds: float) -> None:
         window = self.window
@@ -164,10 +177,12 @@ class Metrics:
         totals.last_loss = loss
         self.metrics_log.write(record)
         self.wandb.log({f"train/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=step)
-        postfix = {"loss": f"{loss:.4f}", "lr": f"{record['lr']:.2e}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+        shown = {"lr": f"{record['lr']:.2e}", "tok_s": f"{record['tokens_per_s']:.0f}"}
         if record["mfu"] is not None:
-            postfix["mfu"] = f"{record['mfu']:.1%}"
-        self.bar.set_postfix(postfix)
+            shown["mfu"] = f"{record['mfu']:.1%}"
+        if step > self.loss_step:  # the run's last line: no later step brings that step's own loss
+            shown["loss"] = f"{loss:.4f}"
+        self.show(**shown)
         step_log.info("step %d loss %.5f lr %.3e tokens/s %.0f", step, loss, record["lr"], record["tokens_per_s"])
 
     def record(self, record: dict[str, Any], wandb_values: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@
         work = setup(cfg, session)             # tokenizer, data, DeepSpeed config, model, engine
         start = resume(cfg, session, work)     # the checkpoint to continue from, or a fresh start
         train(cfg, session, work, start)       # the loop, evaluations, generations, checkpoints
-        export(cfg, session, work)             # a Hugging Face model with the base model's identity
+        RunExports(...).final()                # a Hugging Face model with the base model's identity
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
 label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
@@ -20,9 +20,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ds_exp.artifacts.export import ExportSpec, check_target, export_hf
+from ds_exp.artifacts.export import check_target
 from ds_exp.checkpoint.checkpointer import Checkpointer, load_checkpoint
-from ds_exp.checkpoint.universal import ds_config_for_load, load_state
+from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, load_state, param_names
 from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
 from ds_exp.config.memory_plan import checkpoint_bytes, export_bytes
 from ds_exp.config.model_checks import max_seq_len_notes
@@ -42,8 +42,9 @@ from ds_exp.model.architecture import build_model_config, hidden_size_of
 from ds_exp.model.build import build_model
 from ds_exp.model.engine import build_engine, check_deepspeed_config, lr_at, parameter_groups
 from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, unregister
-from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
+from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.resume import trajectory
+from ds_exp.resume.branches import is_same_run, set_aside_branch
 from ds_exp.resume.settings import check_resume, layout_changes, needs_universal, sequence_parallel_change, settings_of
 from ds_exp.resume.store import TrainState, find_resume_checkpoint, read_marker
 from ds_exp.resume.trajectory import trajectory_of
@@ -51,8 +52,9 @@ from ds_exp.runtime.process_group import all_reduce_sum, broadcast
 from ds_exp.runtime.signals import StopRequested
 from ds_exp.train.collate import make_collator
 from ds_exp.train.evaluate import Generations
+from ds_exp.train.exports import RunExports, check_step_export_targets, planned_step_exports, step_export_needs
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
-from ds_exp.train.generate import check_generation_room, load_prompts, stop_token_ids
+from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.session import NothingToDo, Session
@@ -70,7 +72,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             work = setup(cfg, session)
             start = resume(cfg, session, work)
             train(cfg, session, work, start)
-            export(cfg, session, work)
+            RunExports(cfg, session, work, start.run_id).final()
         finally:
             unregister()  # transformers' attention table as it was, for a later job of this process
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
@@ -79,7 +81,6 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
 def setup(cfg: Config, session: Session) -> Workload:
     """Everything the loop uses, built in the order that fails cheapest first: the model's config before the data
     (a checkpoint transformers cannot read fails before tokenizing), the data before the weights."""
-
     state, world = session.state, session.world
     sp_problems = check_sequence_parallel(cfg, world)  # again with the world the group has (submitit: known here)
     if sp_problems:
@@ -107,6 +108,8 @@ def setup(cfg: Config, session: Session) -> Workload:
     ds_config = resolve_ds_config(cfg, facts)
     settings = settings_of(cfg, world, ds_config, session.precision)
     resume_from, universal = resume_plan(cfg, session, settings)
+    # what a stop before this attempt's first checkpoint names to continue (Session.continue_with)
+    session.resume_source = resume_from.absolute() if resume_from else None
     if universal:  # deepspeed.initialize reads checkpoint.load_universal
         ds_config = ds_config_for_load(ds_config)
     if session.is_main:
@@ -213,8 +216,13 @@ def check_disk_space(
         if train_cfg.export:
             path = session.run_dir / train_cfg.export_dir
             needs[path], keys[path] = export_bytes(parameters, session.precision), "train.export_dir"
+        planned = planned_step_exports(cfg, session.run_dir, start_step, total_steps)
+        if planned:
+            needs[planned[0]] = step_export_needs(cfg, planned, parameters, session.precision)
+            keys[planned[0]] = "train.export_every"
         try:
             check_free_space(needs, keys)
+            check_step_export_targets(planned)
             if train_cfg.export:
                 check_target(session.run_dir / train_cfg.export_dir)  # fail now, not after the training
         except RunFailed as err:
@@ -253,7 +261,8 @@ def resume(cfg: Config, session: Session, work: Workload) -> TrainState:
             moved = set_aside_attempt(run_dir)  # an attempt that left no checkpoint: start over beside it
             if moved is not None:
                 log.warning("no complete checkpoint to resume from: starting over; the earlier attempt is in %s", moved)
-        return TrainState(run_id=broadcast(_new_run_id()))
+        run_id, branch = broadcast((_new_run_id(), _new_run_id()))
+        return TrainState(run_id=run_id, branch=branch, run_dir=str(run_dir.resolve()))
     if work.universal:
         state = TrainState(**_load_universal(cfg, session, work, tag_dir))
     else:
@@ -274,9 +283,39 @@ def resume(cfg: Config, session: Session, work: Workload) -> TrainState:
                 state.step,
                 work.total_steps,
             )
-    if state.run_id is None:  # written before checkpoints knew their run
-        state = TrainState(**{**state.as_dict(), "run_id": broadcast(_new_run_id())})
-    return state
+    return continue_trajectory(cfg, session, state, tag_dir)
+
+
+def continue_trajectory(cfg: Config, session: Session, state: TrainState, tag_dir: Path) -> TrainState:
+    """Collective, once the resume is loaded and accepted: the checkpoint directory's checkpoints that are not on the
+    resumed trajectory are set aside as a branch (ds_exp.resume.branches.set_aside_branch), and the state gets this
+    attempt's identity: a new branch, and a new run_id when the checkpoint is another run directory's (its files are
+    never this run's to rotate)."""
+    run_dir, checkpoint_dir = session.run_dir, session.run_dir / cfg.train.checkpoint_dir
+    decided = None
+    if session.is_main:
+        moved, names = set_aside_branch(checkpoint_dir, tag_dir, run_dir)
+        if moved is not None:
+            here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
+            why = (
+                f"{tag_dir.name} is older than this directory's newest checkpoint, so the later ones are an abandoned "
+                "branch of the run"
+                if here
+                else f"{tag_dir} is another directory's checkpoint, so this directory's own form another trajectory"
+            )
+            log.warning(
+                "resume: %s: %s moved (nothing deleted) into %s; to go back to it: resume=%s hydra.run.dir=%s "
+                "(this trajectory's checkpoints are then set aside in turn)",
+                why,
+                ", ".join(names),
+                moved,
+                moved / names[-1],
+                run_dir,
+            )
+        same_run = state.run_id is not None and is_same_run(tag_dir, run_dir, checkpoint_dir)
+        decided = (state.run_id if same_run else _new_run_id(), _new_run_id())
+    run_id, branch = broadcast(decided)
+    return TrainState(**{**state.as_dict(), "run_id": run_id, "branch": branch, "run_dir": str(run_dir.resolve())})
 
 
 def _load_universal(cfg: Config, session: Session, work: Workload, tag_dir: Path) -> dict[str, Any]:
@@ -321,6 +360,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         max_new_tokens=int(cfg.eval.max_new_tokens),
         stop_ids=_stop_ids(cfg, work.tokenizer),
         path=session.run_dir / "generations.jsonl",
+        sampling=Sampling.of(cfg.eval),
     )
     checkpoints = Checkpointer(
         work.engine,
@@ -330,12 +370,16 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         needed_bytes=work.checkpoint_bytes,
         identity={
             "run_id": start.run_id,
+            "branch": start.branch,
+            "run_dir": start.run_dir,
             "wandb_run_id": wandb.run_id,
             "settings": work.settings,
             "trajectory": work.trajectory,
         },
+        extra=_stage0_names(cfg, work),
     )
-    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress)
+    exports = RunExports(cfg, session, work, start.run_id)
+    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, exports)
     try:
         if cfg.train.eval_at_start and progress.step == 0:
             session.state.initial_eval = loop.evaluate()
@@ -366,40 +410,20 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         state.skipped_steps, state.train_loss = totals.skipped_steps, totals.last_loss
 
 
+def _stage0_names(cfg: Config, work: Workload) -> dict[str, Any] | None:
+    """A ZeRO-0 checkpoint's optimizer state is indexed by number: the parameter names of each index, recorded so that
+    `python -m ds_exp.universal` can convert it without building the model (ZeRO 1-3 record their own)."""
+    if work.zero_stage != 0:
+        return None
+
+    model = work.built.model
+    groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
+    return {PARAM_NAMES_KEY: param_names(model, groups)}
+
+
 def _prompts(cfg: Config) -> list[str]:
     return load_prompts(cfg.eval)
 
 
 def _stop_ids(cfg: Config, tokenizer: Any) -> list[int]:
     return stop_token_ids(tokenizer, cfg.data.end_of_conversation_token)
-
-
-def export(cfg: Config, session: Session, work: Workload) -> None:
-    """Collective: a Hugging Face model in train.export_dir (ds_exp/artifacts/export.py says what it keeps of the
-    base)."""
-    if not cfg.train.export:
-        return
-
-    built = work.built
-    spec = ExportSpec(
-        model_config=built.config,
-        base_path=cfg.model.name_or_path,
-        base_dtype=built.base_dtype,
-        base_rows=built.base_rows,
-        vocab_size=built.vocab_size,
-        tokenizer_source=tokenizer_source(cfg.model),
-        lora=built.lora,
-        precision=session.precision,
-        dtype=str(plain(cfg.train.export_dtype)),
-        trust_remote_code=bool(cfg.model.trust_remote_code),
-    )
-    export_dir = session.run_dir / cfg.train.export_dir
-    export_hf(
-        work.engine,
-        zero_stage=work.zero_stage,
-        spec=spec,
-        tokenizer=work.tokenizer,
-        export_dir=export_dir,
-        save_adapter=cfg.train.export_adapter,
-    )
-    session.state.export_dir = str(export_dir)

@@ -71,6 +71,7 @@ class Session:
         )
         self.sinks: list[Any] = []  # closed when the session ends
         self.hosts: list[tuple[str, list[str]]] = []  # (host, addresses) of each rank, once the group is up
+        self.resume_source: Path | None = None  # the checkpoint this attempt continues (set once it is decided)
 
     @property
     def is_main(self) -> bool:
@@ -153,7 +154,7 @@ class Session:
             where = (
                 "submitit requeues the job, which resumes from it"
                 if stopped.status == "requeued"
-                else f"continue with the same overrides plus hydra.run.dir={self.run_dir} resume=auto"
+                else f"continue with the same overrides plus hydra.run.dir={self.run_dir} {self.continue_with()}"
             )
             if stopped.step is not None:
                 self.state.steps = stopped.step
@@ -184,12 +185,20 @@ class Session:
             error = (
                 f"lost contact with {lost} at {where} ({first}): it died or was killed, see the other ranks' "
                 f"logs in {self.run_dir / 'logs'}; continue from the last complete checkpoint with the same "
-                f"overrides plus hydra.run.dir={self.run_dir} resume=auto"
+                f"overrides plus hydra.run.dir={self.run_dir} {self.continue_with()}"
             )
             file_log.error("run failed", exc_info=exc)  # the collective's own error, for the log file
             return Outcome("failed", error, RunFailed(error))
         log.error("run failed", exc_info=exc)
         return Outcome("failed", f"{type(exc).__name__}: {exc}", exc)
+
+    def continue_with(self) -> str:
+        """The resume override that continues what was interrupted: the checkpoint this attempt resumed from until it
+        wrote one of its own (it may lie in another directory, or be older than this directory's newest, or be
+        converted when the stop came), then the newest complete checkpoint of this directory."""
+        if self.state.checkpoint is None and self.resume_source is not None:
+            return f"resume={self.resume_source}"
+        return "resume=auto"
 
     def finish(self, outcome: Outcome) -> None:
         """summary.json, the sinks, the log file, the process group: whatever happened, and never hiding it."""

@@ -10,6 +10,7 @@ rows and DeepSpeed sums the gradients of a group's slices: the same loss, the sa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,7 @@ class StepVotes:
     global_label_tokens: float  # this step's, over all ranks and micro batches
     stop: float  # ranks that had caught a stop signal when the step began
     non_finite: float  # ranks whose previous step ended with a non-finite loss
+    previous_loss_sum: float = 0.0  # the previous step's summed token losses over all ranks (its loss, for the bar)
 
 
 @dataclass(frozen=True)
@@ -101,18 +103,21 @@ class TrainStep:
 
     def __call__(self, batches: list[dict[str, Any]], *, stop_requested: bool, previous_loss: Any) -> StepResult:
         """One step over `batches` (this rank's micro batches). The step's only collective of its own sums the
-        label tokens of the global batch (the loss is divided by them), this rank's stop vote and whether its
-        previous step's loss was non-finite. It is started before the first forward and awaited before the first
+        label tokens of the global batch (the loss is divided by them), this rank's stop vote, whether its
+        previous step's loss was non-finite, and that loss's sum (with the previous step's label tokens: its loss
+        over the global batch, at no cost). It is started before the first forward and awaited before the first
         backward, so its latency hides behind the forward, and every rank gets the same votes after the same
         step."""
         engine, device, sp = self.engine, self.engine.device, self.sp
         scale = self.rank_scale * len(batches)  # undoes DeepSpeed's mean over ranks and micro batches
         # reading the previous step's loss here costs nothing: that step has finished on every device by now
-        previous_non_finite = previous_loss is not None and not bool(torch.isfinite(previous_loss))
+        previous = float(previous_loss) if previous_loss is not None else 0.0
         # a sequence-parallel group's rows are counted once, by one of its ranks, from the whole rows
         labels = [label_tokens(b) if sp.counts_rows else 0 for b in batches]
         reduced = torch.tensor(
-            [float(sum(labels)), float(stop_requested), float(previous_non_finite)], dtype=torch.float64, device=device
+            [float(sum(labels)), float(stop_requested), float(not math.isfinite(previous)), previous],
+            dtype=torch.float64,
+            device=device,
         )
         pending = dist.all_reduce(reduced, async_op=True)
         votes: StepVotes | None = None

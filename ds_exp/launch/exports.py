@@ -1,0 +1,211 @@
+"""Exported models on disk, told without torch: which directories are ds_exp's exports (the only ones an export may
+replace), where the exports made during training go and which of them rotation removes, and what
+`python -m ds_exp.export` / `python -m ds_exp.chat` are pointed at (a checkpoint, found in a run directory, its
+checkpoints directory or named by its step<N> tag; a run's composed config; a model directory).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from ds_exp.config.resolvers import register_resolvers
+from ds_exp.config.schema import Config, to_config
+from ds_exp.config.secrets import ENV_PREFIX
+from ds_exp.core.errors import ConfigError, RunFailed
+from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints, is_complete, read_marker
+
+METADATA = "ds_exp_export.json"  # written into every export, last before the rename that makes it visible
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: an adapter directory
+RUN_CONFIG = Path(".hydra") / "config.yaml"
+WRITTEN_BY_RUN = "run"  # origin.written_by of the exports a run makes (rotation removes only those of its own run)
+
+
+def adapter_dir(export_dir: Path) -> Path:
+    """Where the LoRA adapter alone goes beside a merged export (train.export_adapter)."""
+    return export_dir.with_name(f"{export_dir.name}_adapter")
+
+
+def step_export_dir(export_dir: Path, step: int) -> Path:
+    """The export of step N made during training (train.export_every), beside the final one."""
+    return export_dir.with_name(f"{export_dir.name}-step{step}")
+
+
+def is_export(path: Path) -> bool:
+    return (path / METADATA).is_file() or (path / ADAPTER_CONFIG).is_file()
+
+
+def check_target(
+    export_dir: Path,
+    *,
+    key: str = "train.export_dir",
+    fix: str = "move it away or point train.export_dir elsewhere",
+    adapter: bool = True,
+) -> None:
+    """An export replaces `export_dir` (and with `adapter` its _adapter sibling) only when it is an earlier export:
+    whatever else is there is not ds_exp's to delete."""
+    for path in (export_dir, adapter_dir(export_dir)) if adapter else (export_dir,):
+        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not is_export(path))):
+            raise RunFailed(f"{key}: {path} exists and is not an export of a ds_exp run, so it is not replaced; {fix}")
+
+
+def read_metadata(export_dir: Path) -> dict[str, Any]:
+    """An export's ds_exp_export.json; {} when missing or unreadable (a model from elsewhere)."""
+    try:
+        found = json.loads((export_dir / METADATA).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def step_exports(export_dir: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of the step exports beside `export_dir`, oldest first."""
+    pattern = re.compile(rf"^{re.escape(export_dir.name)}-step(\d+)$")
+    if not export_dir.parent.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in export_dir.parent.iterdir() if (m := pattern.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def rotated_step_exports(export_dir: Path, run_id: str | None, keep_last: int) -> list[Path]:
+    """The step exports rotation removes: this run's (their metadata names it) beyond the newest `keep_last`
+    (0 keeps all), each with its adapter sibling. Exports of other runs, and `python -m ds_exp.export`'s, stay."""
+    if keep_last <= 0 or run_id is None:
+        return []
+    mine = []
+    for _, path in step_exports(export_dir):
+        origin = read_metadata(path).get("origin") or {}
+        if origin.get("written_by") == WRITTEN_BY_RUN and origin.get("run_id") == run_id:
+            mine.append(path)
+    doomed = mine[:-keep_last]
+    return doomed + [adapter_dir(p) for p in doomed if is_export(adapter_dir(p))]
+
+
+# ------------------------------------------------------------------------------ what the commands are pointed at
+
+
+def find_checkpoint(given: str) -> Path:
+    """A complete checkpoint: `given` itself (a step<N> tag), or the newest complete one in `given` (a checkpoints
+    directory) or under its run's checkpoint directory (a run directory). One message when there is none."""
+    path = Path(given).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{given}: no such directory; give a run directory, its checkpoints directory or a step<N>")
+    if (path / COMPLETE_MARKER).exists() or any(path.glob("*model_states.pt")):  # a tag
+        if is_complete(path):
+            return path
+        earlier = complete_checkpoints(path.parent)
+        fallback = f"the newest complete one is {earlier[-1]}" if earlier else "there is no complete one beside it"
+        raise ConfigError(
+            f"{given} is an incomplete checkpoint: its {COMPLETE_MARKER} is missing or damaged (its save never "
+            f"finished, or a file was lost since), so nothing is exported from it; {fallback}"
+        )
+    candidates = [path]
+    if (path / RUN_CONFIG).is_file():
+        candidates.append(path / str(_raw_config(path).get("train", {}).get("checkpoint_dir", "checkpoints")))
+    candidates.append(path / "checkpoints")
+    for candidate in candidates:
+        found = complete_checkpoints(candidate)
+        if found:
+            return found[-1]
+    raise ConfigError(
+        f"{given}: no complete checkpoint there (looked for step<N>/{COMPLETE_MARKER} in it and in its run's "
+        "checkpoint directory); give a run directory, its checkpoints directory or a step<N> that finished saving"
+    )
+
+
+def run_dir_of(tag_dir: Path) -> Path:
+    """The run directory whose train.checkpoint_dir holds `tag_dir` (its composed config rebuilds the model)."""
+    for parent in tag_dir.resolve().parents:
+        if (parent / RUN_CONFIG).is_file():
+            checkpoints = (parent / str(_raw_config(parent).get("train", {}).get("checkpoint_dir", ""))).resolve()
+            if checkpoints == tag_dir.resolve().parent:
+                return parent
+    raise ConfigError(
+        f"{tag_dir}: no run directory above it ({RUN_CONFIG} of the run whose train.checkpoint_dir holds it): the "
+        "run's config is needed to rebuild its model; export from inside the run directory the checkpoint came from"
+    )
+
+
+def checkpoint_step(tag_dir: Path) -> int:
+    return int(read_marker(tag_dir)["step"])
+
+
+def _config_files(run_dir: Path) -> tuple[Path, Path]:
+    """(config.yaml, hydra.yaml) of the run's latest attempt: a resume saves its own under .hydra/resume-<time>/."""
+    latest = sorted((run_dir / ".hydra").glob("resume-*/config.yaml"))
+    folder = latest[-1].parent if latest else run_dir / ".hydra"
+    return folder / "config.yaml", folder / "hydra.yaml"
+
+
+def _raw_config(run_dir: Path) -> dict[str, Any]:
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(_config_files(run_dir)[0]), resolve=False)
+    except Exception:  # a damaged file: run_config says it in words
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def run_config(run_dir: Path) -> Config:
+    """The run's composed config, typed. Relative paths are taken from where the run was launched; secrets hidden
+    as ${oc.env:DS_EXP_SECRET_...} are dropped (nothing here needs them, and their variables are gone)."""
+    config_file, hydra_file = _config_files(run_dir)
+    try:
+        raw = _without_secrets(OmegaConf.to_container(OmegaConf.load(config_file), resolve=False))
+        register_resolvers()
+        cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(raw)))
+    except ConfigError:
+        raise
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{config_file}: the run's config cannot be read ({first})") from None
+    launched_in = _launch_dir(hydra_file)
+    if launched_in is not None:
+        for section, key in (("model", "name_or_path"), ("model", "tokenizer"), ("data", "cache_dir")):
+            value = getattr(getattr(cfg, section), key)
+            if value and not Path(value).expanduser().is_absolute() and (launched_in / value).exists():
+                setattr(getattr(cfg, section), key, str(launched_in / value))
+    return cfg
+
+
+def _launch_dir(hydra_file: Path) -> Path | None:
+    try:
+        cwd = OmegaConf.load(hydra_file).hydra.runtime.cwd
+    except Exception:  # no hydra.yaml (hydra.output_subdir=null): relative paths are taken from here
+        return None
+    return Path(str(cwd)) if cwd else None
+
+
+def _without_secrets(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_secrets(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_secrets(v) for v in value]
+    return None if isinstance(value, str) and ENV_PREFIX in value else value
+
+
+def model_dir_of(given: str) -> Path:
+    """What `python -m ds_exp.chat` talks to: a Hugging Face model directory, or a run directory's final export."""
+    path = Path(given).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if (path / ADAPTER_CONFIG).is_file():
+        raise ConfigError(
+            f"{given} is a LoRA adapter, not a whole model: chat with a merged export (python -m ds_exp.export "
+            "CHECKPOINT, without --adapter) or the run's hf_model"
+        )
+    if (path / RUN_CONFIG).is_file():
+        export_dir = path / str(_raw_config(path).get("train", {}).get("export_dir", "hf_model"))
+        if (export_dir / "config.json").is_file():
+            return export_dir
+        raise ConfigError(
+            f"{given} is a run directory without an export ({export_dir} holds no model yet): make one with "
+            f"python -m ds_exp.export {given}"
+        )
+    raise ConfigError(
+        f"{given}: not a Hugging Face model directory (no config.json) nor a run directory (no {RUN_CONFIG}); give "
+        "an export such as <run dir>/hf_model, or a run directory"
+    )

@@ -1,0 +1,144 @@
+"""One trajectory per run directory: a save at a step that holds another branch's checkpoint, which of this run's
+checkpoints rotation may delete, and the branch a resume from an older checkpoint abandons, set aside (never
+deleted) with `latest` repaired. File operations only (rank 0): no torch, no deepspeed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ds_exp.core.files import write_text_atomic
+from ds_exp.resume.store import (
+    BRANCHES,
+    COMPLETE_MARKER,
+    LATEST,
+    TrainState,
+    _step_of,
+    complete_checkpoints,
+    is_complete,
+    read_marker,
+    step_dirs,
+)
+
+log = logging.getLogger(__name__)
+
+
+def save_verdict(checkpoint_dir: Path, path: Path, state: TrainState) -> str | None:
+    """Rank 0, before a save at `path`: "same" when a complete checkpoint there holds exactly these weights (this
+    branch reached this step already); a refusal when it is another run's; None to save. A complete checkpoint of
+    another branch of this run is set aside first (set_aside_branch moved it at the resume already, unless the
+    directory was left so by an older ds_exp)."""
+    if not (path / COMPLETE_MARKER).is_file():
+        return None
+    marker = read_marker(path)
+    if state.branch is not None and marker.get("branch") == state.branch:
+        log.info("checkpoint %s is complete already; not saved again", path)
+        return "same"
+    run_dir = Path(state.run_dir) if state.run_dir else None
+    if run_dir is not None and belongs_to(path, run_dir, marker):
+        later = [c for c in step_dirs(checkpoint_dir) if _step_of(c) >= _step_of(path)]
+        branch = move_branch(checkpoint_dir, later, _step_of(path) - 1)
+        log.warning(
+            "%s held a checkpoint of another branch of this run: moved (not deleted) into %s; continue it with "
+            "resume=%s",
+            path,
+            branch,
+            branch / path.name,
+        )
+        return None
+    return (
+        f"{path} is a complete checkpoint of another run, so it is not overwritten; point train.checkpoint_dir "
+        "at a directory of this run's own"
+    )
+
+
+def rotated(checkpoint_dir: Path, state: TrainState, keep_last: int) -> list[Path]:
+    """The checkpoints rotation deletes after a save at state.step: this run's complete ones older than it, all but
+    the newest keep_last - 1 (so keep_last counts the one just written, which is never among them). Another run's
+    checkpoints (a shared directory) and anything newer are never touched."""
+    if keep_last <= 0:
+        return []
+    older = [
+        c
+        for c in complete_checkpoints(checkpoint_dir)
+        if _step_of(c) < state.step and read_marker(c).get("run_id") == state.run_id
+    ]
+    return older[: max(len(older) - (keep_last - 1), 0)]
+
+
+def belongs_to(tag_dir: Path, run_dir: Path, marker: dict[str, Any] | None = None) -> bool:
+    """Whether `run_dir` wrote `tag_dir`: everything inside a run directory is its own (its lock keeps others out);
+    a checkpoint directory outside it (train.allow_outside_run_dir) may be shared, so there the marker says."""
+    run_dir = run_dir.resolve()
+    if tag_dir.resolve().is_relative_to(run_dir):
+        return True
+    marker = read_marker(tag_dir) if marker is None else marker
+    return marker.get("run_dir") == str(run_dir)
+
+
+def is_same_run(tag_dir: Path, run_dir: Path, checkpoint_dir: Path) -> bool:
+    """Whether a resume from `tag_dir` continues the run of `run_dir` (else it starts a run of its own, with a new
+    run_id, from another directory's weights): it was written by this run directory, into this checkpoint
+    directory (checkpoints of older ds_exp versions do not record their run directory: where they lie says it)."""
+    written_by = read_marker(tag_dir).get("run_dir")
+    here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
+    return here and (written_by is None or written_by == str(run_dir.resolve()))
+
+
+def set_aside_branch(checkpoint_dir: Path, resumed_from: Path, run_dir: Path) -> tuple[Path | None, list[str]]:
+    """Rank 0, once a resume is decided and loaded, before anything is written: this run directory's checkpoints
+    that are not on the resumed trajectory (a step past the one resumed from, or all of them when it came from
+    another directory) form an abandoned branch, moved with their conversions into branches/<time>-resumed-at-step
+    <N>/. Incomplete ones past the step go with them when there is a branch. `latest` is pointed at the newest
+    complete checkpoint left (removed if none). Returns (where they went, their names)."""
+    step = _step_of(resumed_from)
+    here = resumed_from.parent.resolve() == checkpoint_dir.resolve()
+    off_trajectory = [c for c in step_dirs(checkpoint_dir) if not (here and _step_of(c) <= step)]
+    complete = [c for c in off_trajectory if is_complete(c) and belongs_to(c, run_dir)]
+    moved: Path | None = None
+    if complete:
+        inside = checkpoint_dir.resolve().is_relative_to(run_dir.resolve())
+        incomplete = [c for c in off_trajectory if not is_complete(c) and inside and _step_of(c) > step]
+        moved = move_branch(checkpoint_dir, sorted([*complete, *incomplete], key=_step_of), step)
+    _repair_latest(checkpoint_dir)
+    return moved, [c.name for c in complete]
+
+
+def move_branch(checkpoint_dir: Path, tag_dirs: list[Path], step: int) -> Path:
+    """Move `tag_dirs` and their conversions into a new branches/<time>-resumed-at-step<step>/ (renames on one file
+    system: nothing is copied or deleted). Returns that directory."""
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    target = checkpoint_dir / BRANCHES / f"{stamp}-resumed-at-step{step}"
+    n = 1
+    while target.exists():
+        n += 1
+        target = checkpoint_dir / BRANCHES / f"{stamp}-resumed-at-step{step}-{n}"
+    target.mkdir(parents=True)
+    for tag_dir in tag_dirs:
+        os.replace(tag_dir, target / tag_dir.name)
+        conversion = tag_dir.parent / f"{tag_dir.name}.universal"
+        if conversion.is_dir():
+            os.replace(conversion, target / conversion.name)
+    _repair_latest(checkpoint_dir)
+    return target
+
+
+def _repair_latest(checkpoint_dir: Path) -> None:
+    """`latest` names an existing complete checkpoint, or is absent."""
+    pointer = checkpoint_dir / LATEST
+    if not pointer.is_file():
+        return
+    try:
+        named = pointer.read_text().strip()
+    except OSError:
+        named = ""
+    if named and is_complete(checkpoint_dir / named):
+        return
+    found = complete_checkpoints(checkpoint_dir)
+    if found:
+        write_text_atomic(pointer, found[-1].name)
+    else:
+        pointer.unlink(missing_ok=True)

@@ -1,0 +1,162 @@
+"""The command lines of `python -m ds_exp.export` and `python -m ds_exp.chat`. Everything they can refuse is refused
+here, in one message each and before torch is imported; the work itself (export.py, chat.py) is imported after."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ds_exp.config.sampling import sampling_problems
+from ds_exp.core.errors import ConfigError, DsExpError, RunFailed
+from ds_exp.launch.console import report_user_error
+from ds_exp.launch.exports import (
+    WRITTEN_BY_RUN,
+    adapter_dir,
+    check_target,
+    checkpoint_step,
+    find_checkpoint,
+    model_dir_of,
+    read_metadata,
+    run_config,
+    run_dir_of,
+    step_export_dir,
+)
+from ds_exp.launch.run_logging import hold_library_logs
+from ds_exp.launch.storage import check_writable
+from ds_exp.resume.store import read_marker
+
+EXPORT_EPILOG = """examples:
+  python -m ds_exp.export outputs/2026-01-01/12-00-00             newest complete checkpoint -> <run>/hf_model-step<N>
+  python -m ds_exp.export outputs/.../checkpoints/step40 /data/m40 that checkpoint -> /data/m40
+  python -m ds_exp.export outputs/... --adapter                   LoRA alone -> <run>/hf_model-step<N>_adapter
+The export is what the run's own export at that step holds: the base model's identity (vocabulary, dtype,
+tokenizer, generation config), LoRA merged into it, and ds_exp_export.json saying where it comes from.
+DIR is replaced only when it is an earlier export of ds_exp (never the run's own export of another step)."""
+
+CHAT_EPILOG = """examples:
+  python -m ds_exp.chat outputs/2026-01-01/12-00-00/hf_model     a conversation (on a terminal)
+  python -m ds_exp.chat outputs/2026-01-01/12-00-00              the run's hf_model
+  printf 'What is 2+2?\\nName a colour.\\n' | python -m ds_exp.chat DIR --temperature 0.7 --seed 1
+With standard input not a terminal, every line is one prompt on its own and its answer is printed (one per
+prompt; --jsonl prints {"prompt", "completion"} lines). Prompts are rendered with the template the run trained
+with (recorded in the export), else the tokenizer's chat template, else DeepSpeed-Chat's " Human: ... Assistant:"."""
+
+
+def export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ds_exp.export",
+        description="Export a checkpoint (any ZeRO stage, with or without LoRA) to Hugging Face format.",
+        epilog=EXPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "checkpoint",
+        help="a run directory (its newest complete checkpoint), its checkpoints directory, or one step<N> checkpoint",
+    )
+    p.add_argument("dir", nargs="?", help="where the export goes (default <run dir>/<train.export_dir>-step<N>)")
+    p.add_argument("--adapter", action="store_true", help="with LoRA: the PEFT adapter alone, not the merged model")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="the weights' dtype (default: the run's train.export_dtype; auto = the base checkpoint's)",
+    )
+    return p
+
+
+def chat_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ds_exp.chat",
+        description="Talk to an exported model: a conversation on a terminal, one answer per line of standard input.",
+        epilog=CHAT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dir", help="a Hugging Face model directory (an export), or a run directory (its hf_model)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, e.g. 0.7")
+    p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus probability; 1 = off (default)")
+    p.add_argument("--top-k", type=int, default=0, help="with sampling: the k likeliest tokens; 0 = off (default)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per answer (default 256)")
+    p.add_argument("--seed", type=int, help="seeds the sampling once, at the start (default: unseeded)")
+    p.add_argument(
+        "--template",
+        choices=["auto", "chat_template", "dschat", "raw"],
+        default="auto",
+        help="how prompts are rendered (default auto: the run's, see below)",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when there is one)")
+    p.add_argument("--jsonl", action="store_true", help="standard input mode: print JSON lines {prompt, completion}")
+    return p
+
+
+def _run(main: Callable[[list[str]], int], argv: list[str] | None) -> int:
+    hold_library_logs()  # what DeepSpeed and transformers say on import stays off the console
+    try:
+        return main(sys.argv[1:] if argv is None else argv)
+    except DsExpError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        report_user_error(err, traceback_hint=not isinstance(err, ConfigError))
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    return _run(_export, argv)
+
+
+def chat_main(argv: list[str] | None = None) -> int:
+    return _run(_chat, argv)
+
+
+def _export(argv: list[str]) -> int:
+    args = export_parser().parse_args(argv)
+    tag_dir = find_checkpoint(args.checkpoint)
+    run_dir = run_dir_of(tag_dir)
+    cfg = run_config(run_dir)
+    step = checkpoint_step(tag_dir)
+    settings = read_marker(tag_dir).get("settings") or {}
+    lora = settings.get("lora") if "lora" in settings else (cfg.lora.dim > 0 or None)
+    if args.adapter and not lora:
+        raise ConfigError(
+            f"--adapter: {tag_dir} holds no LoRA adapters (the run trained with lora.dim=0): export the whole model "
+            "without --adapter"
+        )
+    default = step_export_dir(run_dir / cfg.train.export_dir, step)
+    target = Path(args.dir).expanduser() if args.dir else adapter_dir(default) if args.adapter else default
+    check_writable(target.parent, "DIR")
+    try:
+        check_target(target, key="DIR", fix="move it away or give another DIR", adapter=False)
+    except RunFailed as err:  # refused before anything is done: a usage error
+        raise ConfigError(str(err)) from None
+    origin = read_metadata(target).get("origin") or {}
+    if origin.get("written_by") == WRITTEN_BY_RUN and origin.get("step") != step:
+        raise ConfigError(
+            f"DIR: {target} is the run's own export of step {origin.get('step')}, so it is not replaced by step "
+            f"{step}; give another DIR"
+        )
+    stage, world = settings.get("zero_stage", "?"), settings.get("world_size", "?")
+    what = "the LoRA adapter of " if args.adapter else ""
+    ranks = f"{world} rank{'' if world == 1 else 's'}"
+    print(f"ds_exp: exporting {what}{tag_dir} (step {step}, ZeRO-{stage}, {ranks}) to {target}", file=sys.stderr)
+    from ds_exp.tools.use.export import export_checkpoint
+
+    metadata = export_checkpoint(tag_dir, run_dir, cfg, target, adapter=args.adapter, dtype=args.dtype)
+    print(f"ds_exp: exported step {step} to {target} ({metadata.get('dtype')}: {metadata.get('why')})")
+    return 0
+
+
+def _chat(argv: list[str]) -> int:
+    args = chat_parser().parse_args(argv)
+    names = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k"}
+    problems = sampling_problems(args.temperature, args.top_p, args.top_k, key=names.__getitem__)
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
+    if problems:
+        raise ConfigError(problems)
+    model_dir = model_dir_of(args.dir)
+    from ds_exp.tools.use.chat import chat
+
+    return chat(model_dir, args)

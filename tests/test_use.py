@@ -1,0 +1,356 @@
+"""Use what you trained: `python -m ds_exp.export` of checkpoints taken mid-run (ZeRO-0, ZeRO-3 on 2 ranks in bf16,
+ZeRO-2 with LoRA merged and as an adapter) holds exactly what the run's own export of that step holds; exports
+during training and their rotation; `python -m ds_exp.chat` answers as the run's generations did; generation
+samples when asked, seeded, without touching training's random state."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from tests.training import FAST, launch, user_env
+
+PROMPT = "repeat the words: apple cat dog"
+
+
+def export(*args: str) -> int:
+    from ds_exp.tools.use.cli import export_main
+
+    return export_main([str(a) for a in args])
+
+
+def same_export(ours: Path, runs: Path, weights: str = "model.safetensors") -> None:
+    """Every tensor equal, bit for bit, and the same config and tokenizer."""
+    a, b = load_file(ours / weights), load_file(runs / weights)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    if (runs / "config.json").is_file():
+        assert json.loads((ours / "config.json").read_text()) == json.loads((runs / "config.json").read_text())
+    assert (ours / "tokenizer.json").read_bytes() == (runs / "tokenizer.json").read_bytes()
+
+
+def chat_args(**given: object) -> argparse.Namespace:
+    from ds_exp.tools.use.cli import chat_parser
+
+    return argparse.Namespace(**{**vars(chat_parser().parse_args(["x"])), **given})
+
+
+def ask(model_dir: Path, prompts: list[str], **given: object) -> list[str]:
+    """python -m ds_exp.chat MODEL_DIR < prompts, in this process."""
+    from ds_exp.launch.exports import model_dir_of
+    from ds_exp.tools.use.chat import chat
+
+    out, stdin = io.StringIO(), io.StringIO("\n".join(prompts) + "\n")
+    assert chat(model_dir_of(str(model_dir)), chat_args(jsonl=True, **given), stdin=stdin, stdout=out) == 0
+    return [json.loads(line)["completion"] for line in out.getvalue().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------------ fast, in-process
+
+
+@pytest.mark.slow  # imports transformers' model code
+def test_sampling_is_seeded_and_leaves_trainings_random_state_alone(compose_cfg, tmp_path):
+    from ds_exp.model.build import build_model
+    from ds_exp.model.tokenizer import load_tokenizer
+    from ds_exp.train.generate import Sampling, generate
+
+    cfg = compose_cfg()
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    model = build_model(cfg, tokenizer, {"zero_optimization": {"stage": 0}}).model
+
+    class Engine:  # what generate() uses of DeepSpeed's engine at stage 0, on rank 0
+        module, device = model, torch.device("cpu")
+
+        def zero_optimization_stage(self) -> int:
+            return 0
+
+        def eval(self) -> None:
+            model.eval()
+
+        def train(self) -> None:
+            model.train()
+
+    def complete(sampling: Sampling) -> list[str] | None:
+        kwargs = {"template": "dschat", "max_new_tokens": 8, "stop_ids": [], "sampling": sampling}
+        return generate(Engine(), tokenizer, [PROMPT], **kwargs)
+
+    with _one_rank(tmp_path):
+        torch.manual_seed(0)
+        before = torch.get_rng_state()
+        hot = Sampling(temperature=1.5, top_p=0.95, top_k=40, seed=7)
+        first, again = complete(hot), complete(hot)
+        assert torch.equal(torch.get_rng_state(), before)  # what training draws next is what it would have drawn
+        assert first == again and first != complete(Sampling(temperature=1.5, top_p=0.95, top_k=40, seed=8))
+        greedy = complete(Sampling())
+        assert greedy != first and greedy == complete(Sampling(seed=99))  # greedy ignores the seed
+
+
+@contextlib.contextmanager
+def _one_rank(tmp_path: Path) -> Iterator[None]:
+    """A real gloo process group of one rank, as a run of one rank has."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_exports_are_checked_before_training_and_rotation_removes_only_this_runs(compose_cfg, tmp_path):
+    from ds_exp.core.errors import RunFailed
+    from ds_exp.launch.exports import rotated_step_exports
+    from ds_exp.train.exports import planned_step_exports
+    from ds_exp.train.recipe import check_disk_space
+
+    cfg = compose_cfg("train.export_every=2", "train.export_keep_last=1")
+    run_dir = tmp_path / "run"
+    assert [p.name for p in planned_step_exports(cfg, run_dir, 0, 8)] == [
+        "hf_model-step2",
+        "hf_model-step4",
+        "hf_model-step6",
+    ]
+    assert [p.name for p in planned_step_exports(cfg, run_dir, 5, 8)] == ["hf_model-step6"]
+    (run_dir / "hf_model-step4").mkdir(parents=True)
+    (run_dir / "hf_model-step4" / "notes.txt").write_text("not ds_exp's")
+    session = SimpleNamespace(is_main=True, run_dir=run_dir, precision="fp32")
+    with _one_rank(tmp_path):
+        with pytest.raises(RunFailed) as info:
+            check_disk_space(cfg, session, 1, 1, start_step=0, total_steps=8)
+        assert f"train.export_every: {run_dir / 'hf_model-step4'} exists and is not an export" in str(info.value)
+        check_disk_space(cfg, session, 1, 1, start_step=4, total_steps=8)  # step 4 is behind a resume from it
+
+    def made(at: int, **origin: object) -> Path:
+        path = tmp_path / "exports" / f"hf_model-step{at}"
+        path.mkdir(parents=True)
+        (path / "ds_exp_export.json").write_text(json.dumps({"origin": origin}))
+        return path
+
+    mine = [made(s, written_by="run", run_id="A", step=s) for s in (2, 4, 6)]
+    made(3, written_by="run", run_id="B", step=3)  # another run's, in the same place
+    made(5, written_by="python -m ds_exp.export", step=5)  # the user's
+    (tmp_path / "exports" / "hf_model-step2_adapter").mkdir()
+    (tmp_path / "exports" / "hf_model-step2_adapter" / "adapter_config.json").write_text("{}")
+    doomed = rotated_step_exports(tmp_path / "exports" / "hf_model", "A", keep_last=1)
+    assert doomed == [mine[0], mine[1], tmp_path / "exports" / "hf_model-step2_adapter"]
+    assert rotated_step_exports(tmp_path / "exports" / "hf_model", "A", keep_last=0) == []
+
+
+def test_a_conversation_renders_every_turn_as_the_template_trains_it():
+    from transformers import AutoTokenizer
+
+    from ds_exp.config.paths import embedded_tokenizer_dir
+    from ds_exp.data.templates import render_conversation, render_dschat, render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
+    turns = [("user", "hi"), ("assistant", "hello"), ("user", "copy a b")]
+    text, special = render_conversation(turns, "dschat", tokenizer)
+    trained, _ = render_dschat(["user", "assistant", "user", "assistant"], ["hi", "hello", "copy a b", "a b"], "<e>")
+    assert special and trained.startswith(text) and trained[len(text) :] == " a b<e>"
+    assert render_conversation(turns[:1], "dschat", tokenizer) == render_prompt("hi", "dschat", tokenizer)
+    assert render_conversation(turns, "raw", tokenizer) == ("hihellocopy a b", True)
+
+
+# ------------------------------------------------------------------------------------ real runs, mid-run checkpoints
+
+
+@pytest.fixture(scope="module")
+def zero0(tmp_path_factory, cache_dir):
+    """ZeRO-0, fp32: checkpoints at 2 and 4, an export every step (the newest 2 kept), generations at 0, 2 and 4
+    (a learning rate that leaves the tiny model babbling: an answer of no tokens would prove nothing)."""
+    run = launch(
+        tmp_path_factory.mktemp("zero0") / "run",
+        *FAST,
+        "optimizer.lr=1e-4",
+        "train.max_steps=4",
+        "train.save_every=2",
+        "train.save_final_checkpoint=true",
+        "train.export=true",
+        "train.export_every=1",
+        "train.export_keep_last=2",
+        "train.eval_every=2",
+        "eval.every_eval=true",
+        f"eval.prompts=[{PROMPT!r}]",
+        "eval.max_new_tokens=12",
+        cache_dir=cache_dir,
+    )
+    assert run.ok, run.explain()
+    return run
+
+
+@pytest.mark.slow
+def test_exports_during_training_are_rotated_and_say_where_they_come_from(zero0):
+    run_dir = zero0.run_dir
+    kept = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("hf_model"))
+    assert kept == ["hf_model", "hf_model-step2", "hf_model-step3"]  # step 1 rotated away; step 4 is hf_model
+    origin = json.loads((run_dir / "hf_model-step3" / "ds_exp_export.json").read_text())["origin"]
+    assert origin["step"] == 3 and origin["written_by"] == "run" and origin["run_id"]
+    meta = json.loads((run_dir / "hf_model" / "ds_exp_export.json").read_text())
+    assert meta["origin"]["step"] == 4 and meta["generation"]["template"] == "dschat"
+
+
+@pytest.mark.slow
+def test_export_of_a_zero0_checkpoint_is_the_runs_own_export_of_that_step(zero0, tmp_path):
+    run_dir = zero0.run_dir
+    # the command as a user types it: the run directory, its newest checkpoint (the last step) next to it
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_exp.export", str(run_dir)], env=user_env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"exported step 4 to {run_dir / 'hf_model-step4'}" in proc.stdout
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line: what is exported, where; no library output
+    same_export(run_dir / "hf_model-step4", run_dir / "hf_model")
+    # a checkpoint taken mid-run, into a directory of the user's
+    assert export(run_dir / "checkpoints" / "step2", tmp_path / "m2") == 0
+    same_export(tmp_path / "m2", run_dir / "hf_model-step2")
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m2").state_dict()
+    for name, tensor in load_file(tmp_path / "m2" / "model.safetensors").items():
+        assert torch.equal(reloaded[name], tensor), name
+
+
+@pytest.mark.slow
+def test_chat_answers_as_the_run_generated(zero0):
+    run_dir = zero0.run_dir
+    generations = {r["step"]: r["completion"] for r in map(json.loads, (run_dir / "generations.jsonl").open())}
+    assert sorted(generations) == [0, 2, 4] and generations[2] and generations[4], generations  # to compare
+    # standard input that is not a terminal: one answer per line, greedy by default
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_exp.chat", str(run_dir / "hf_model-step2"), "--max-new-tokens", "12"],
+        input=f"{PROMPT}\nsort the digits: 3 1 2\n",
+        env=user_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    answers = proc.stdout.split("\n")
+    assert answers[0] == generations[2] and len(answers) == 3 and answers[2] == "", proc.stdout
+    assert ask(run_dir, [PROMPT], max_new_tokens=12) == [generations[4]]  # a run directory: its hf_model
+    # sampling with a seed: the same answers every time
+    hot = {"temperature": 1.2, "top_k": 50, "seed": 3, "max_new_tokens": 12}
+    assert ask(run_dir, [PROMPT, PROMPT], **hot) == ask(run_dir, [PROMPT, PROMPT], **hot)
+
+
+@pytest.mark.slow
+def test_chat_on_a_terminal_is_a_conversation(zero0, monkeypatch, capsys):
+    from ds_exp.tools.use import chat as chat_module
+
+    said: list[list[tuple[str, str]]] = []
+    answer = chat_module.Chat.answer
+
+    def recording(self, turns, streamer=None):
+        said.append(list(turns))
+        return answer(self, turns)
+
+    lines = iter([PROMPT, "and again", "/reset", "hi"])
+
+    def typed(prompt: str = "") -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(chat_module.Chat, "answer", recording)
+    monkeypatch.setattr("builtins.input", typed)
+    assert chat_module.chat(zero0.run_dir / "hf_model", chat_args(max_new_tokens=4), stdin=Terminal()) == 0
+    assert [len(turns) for turns in said] == [1, 3, 1]  # the second turn sees the first answer; /reset forgets
+    assert said[1][:2] == [("user", PROMPT), ("assistant", said[1][1][1])] and said[2] == [("user", "hi")]
+
+
+@pytest.mark.slow
+def test_export_of_a_zero3_checkpoint_on_two_ranks_in_bf16(tmp_path_factory, cache_dir, tmp_path):
+    run = launch(
+        tmp_path_factory.mktemp("zero3") / "run",
+        *FAST,
+        "zero=stage3",
+        "precision=bf16",
+        "train.max_steps=2",
+        "train.save_every=1",
+        "train.export_every=1",
+        f"eval.prompts=[{PROMPT!r}]",
+        "eval.max_new_tokens=4",
+        "eval.temperature=0.8",  # sampling on two ranks that generate together (ZeRO-3)
+        launcher="torchrun",
+        nproc=2,
+        cache_dir=cache_dir,
+    )
+    assert run.ok, run.explain()
+    assert len((run.run_dir / "generations.jsonl").read_text().splitlines()) == 2
+    assert export(run.run_dir / "checkpoints" / "step1", tmp_path / "m1") == 0
+    same_export(tmp_path / "m1", run.run_dir / "hf_model-step1")
+    assert json.loads((tmp_path / "m1" / "ds_exp_export.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(tmp_path_factory, cache_dir, tmp_path, compose_cfg):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ds_exp.model.build import build_model
+    from ds_exp.model.tokenizer import load_tokenizer
+
+    run = launch(
+        tmp_path_factory.mktemp("lora") / "run",
+        *FAST,
+        "zero=stage2",
+        "lora.dim=8",
+        "train.max_steps=2",
+        "train.save_every=1",
+        "train.export_every=1",
+        "train.export_adapter=true",
+        cache_dir=cache_dir,
+    )
+    assert run.ok, run.explain()
+    step1 = run.run_dir / "checkpoints" / "step1"
+    assert export(step1, tmp_path / "merged") == 0
+    same_export(tmp_path / "merged", run.run_dir / "hf_model-step1")
+    assert export(step1, tmp_path / "adapter", "--adapter") == 0
+    same_export(tmp_path / "adapter", run.run_dir / "hf_model-step1_adapter", "adapter_model.safetensors")
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    assert export(step1, "--adapter") == 0  # by default beside the run's: the run's own of that step is replaced
+    origin = json.loads((run.run_dir / "hf_model-step1_adapter" / "ds_exp_export.json").read_text())["origin"]
+    assert origin["written_by"] == "python -m ds_exp.export" and origin["step"] == 1
+    # reloaded as users do: the merged model, and the adapter on its base (the seeded tiny model, rebuilt)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    cfg = compose_cfg()
+    base = build_model(cfg, load_tokenizer(cfg.model, cfg.data), {"zero_optimization": {"stage": 0}}).model
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # the SmolLM2 fixture (cached after its first build)
+def test_chat_renders_a_real_chat_template_turn_by_turn(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from ds_exp.data.templates import render_conversation, render_prompt
+    from ds_exp.tools.use.chat import choose_template
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert choose_template("auto", None, tokenizer) == "chat_template"  # an export from elsewhere
+    assert choose_template("auto", "dschat", tokenizer) == "dschat"  # what the run trained with wins
+    turns = [("user", "What is 2+2?"), ("assistant", "4"), ("user", "And 3+3?")]
+    messages = [{"role": role, "content": content} for role, content in turns]
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_conversation(turns, "chat_template", tokenizer) == (expected, False)
+    assert expected.count("<|im_start|>assistant") == 2 and expected.endswith("<|im_start|>assistant\n")
+    assert render_conversation(turns[:1], "chat_template", tokenizer) == render_prompt(
+        turns[0][1], "chat_template", tokenizer
+    )
