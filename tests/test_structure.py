@@ -30,6 +30,8 @@ IMPORTED_WHERE_USED = {
     "submitit": "only inside a submitit job (every other launch skips its import time)",
     "matplotlib": "only for the sweep report's plot (its import prints and costs seconds)",
     "wandb": "only with logger=wandb (its import costs seconds)",
+    "mlflow": "only with logger.mlflow.enabled (its import costs seconds)",
+    "tensorboardX": "only with logger.tensorboard.enabled",
     "psutil": "only for autotune's host-memory budget",
     "ds_exp.train.recipe": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",

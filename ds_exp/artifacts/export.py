@@ -35,7 +35,7 @@ from ds_exp.core.errors import Diverged, RunFailed
 from ds_exp.core.files import json_text
 from ds_exp.launch.exports import METADATA, adapter_dir, check_target
 from ds_exp.launch.storage import export_failure_message
-from ds_exp.model.lora import wrap_lora
+from ds_exp.model.lora import merge_lora, wrap_lora
 from ds_exp.model.tokenizer import tokenizer_source
 from ds_exp.runtime.process_group import broadcast
 
@@ -170,6 +170,8 @@ def write_export(
     model = _base_model(spec)
     if spec.lora is not None:
         model = wrap_lora(model, spec.lora)
+    if spec.lora is not None and spec.lora.quantize:  # the engine's base is 4/8-bit: only what was trained is taken
+        state = {name: value for name, value in state.items() if name in trained}
     # weights training never changed keep the base checkpoint's exact values; the rest come from the engine
     from_base = [n for n, _ in model.named_parameters() if "lora_" not in n] if spec.base_path else []
     keep_base = set(from_base) - trained
@@ -189,7 +191,7 @@ def write_export(
         "trained_in": spec.precision,
         "base_model": spec.base_path,
         "vocab_size": spec.vocab_size,
-        "lora": None if spec.lora is None else {"merged": True, "rank": spec.lora.dim, "alpha": spec.lora.alpha},
+        "lora": None if spec.lora is None else {"merged": True, **spec.lora.describe()},
         "weights_copied_from_base": len(keep_base),
         "generation": {"template": spec.template, "stop_token_ids": list(spec.stop_token_ids)},
         "origin": spec.origin,
@@ -199,7 +201,7 @@ def write_export(
             target = export_dir if adapter_only else adapter_dir(export_dir)
             _save_adapter(model, spec, tokenizer, adapter_tmp, target, metadata)
         if not adapter_only:
-            merged = model.merge_and_unload() if spec.lora is not None else model
+            merged = merge_lora(model) if spec.lora is not None else model
             _save(merged, spec, tokenizer, tmp, export_dir, dtype_name, metadata)
     except Exception as err:
         # nothing half-written stays: the temporary directories go, an earlier export stays as it was
@@ -219,7 +221,8 @@ def state_bytes(model: Any, dtype_name: str) -> int:
     """About what the exported weights take on disk in `dtype_name` (a tied tensor once; LoRA's adapters, merged
     into their layers, not at all)."""
     size = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
-    return sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name) * size
+    merged_away = ("lora_", ".original_module.")  # adapters, and the originals of modules trained whole
+    return sum(p.numel() for name, p in model.named_parameters() if not any(m in name for m in merged_away)) * size
 
 
 def _save_adapter(

@@ -1,11 +1,19 @@
-"""Where metric lines go: metrics.jsonl and the wandb run (rank 0 only; a no-op on the other ranks)."""
+"""Where metric lines go: metrics.jsonl and the trackers (rank 0 only; a no-op on the other ranks).
+
+The trackers are wandb (logger.wandb.mode), TensorBoard (logger.tensorboard.enabled) and MLflow
+(logger.mlflow.enabled; ds_exp/artifacts/mlflow_run.py), any number at once: `logger=[wandb,tensorboard,mlflow]`.
+`Trackers` is what the loop sees: one `log`, `table` and `close` for all of them.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
+from ds_exp.artifacts.mlflow_run import MlflowRun
 from ds_exp.artifacts.summary import RESUMABLE_ENDS
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact
@@ -26,7 +34,7 @@ class MetricsLog:
         if self._file is not None:
             append_json_line(self._file, record)
 
-    def close(self, status: str | None = None) -> None:
+    def close(self, status: str | None = None, summary: dict[str, Any] | None = None) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -78,9 +86,109 @@ class WandbRun:
             columns = list(rows[0])
             self.run.log({key: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
 
-    def close(self, status: str) -> None:
+    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
         """Record how the run ended and finish the wandb run (a failed exit code unless it can be resumed)."""
         if self.run is not None:
             self.run.summary["status"] = status
             self.run.finish(exit_code=0 if status in RESUMABLE_ENDS else 1)
             self.run = None
+
+
+class TensorBoardRun:
+    """TensorBoard event files (tensorboardX) in logger.tensorboard.dir, else <run dir>/tensorboard, on rank 0.
+
+    A resume from the checkpoint at step S opens the writer with purge_step S + 1: TensorBoard then hides what an
+    attempt killed after that checkpoint wrote past it, so each step is shown once, as the resumed run logged it.
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start_step: int = 0) -> None:
+        self.writer: Any = None
+        self.last_step = start_step
+        settings = cfg.logger.tensorboard
+        if not enabled or not settings.enabled:
+            return
+        from tensorboardX import SummaryWriter
+
+        self.dir = Path(settings.dir).expanduser() if settings.dir else run_dir / "tensorboard"
+        # tensorboardX names a file by the second and the host and opens it with "wb": two attempts within one
+        # second would overwrite; the suffix keeps them apart and in order (TensorBoard reads files sorted by name)
+        self.writer = SummaryWriter(
+            logdir=str(self.dir),
+            purge_step=start_step + 1 if start_step else None,
+            filename_suffix=f".step{start_step:09d}.{os.getpid()}",
+        )
+        if not start_step:
+            config = json.dumps(redact(as_dict(cfg)), indent=2, default=str)
+            self.writer.add_text("config", f"```\n{config}\n```", 0)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.writer is None:
+            return
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, step)
+        self.last_step = max(self.last_step, step)
+
+    def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Rows (the generations of one evaluation) as a Markdown table in TensorBoard's text tab."""
+        if self.writer is None or not rows:
+            return
+        columns = list(rows[0])
+        cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
+        self.writer.add_text(key, "\n".join(lines), step)
+
+    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
+        if self.writer is None:
+            return
+        if summary is not None:
+            text = json.dumps(redact(summary), indent=2, default=str)
+            self.writer.add_text("summary", f"```\n{text}\n```", self.last_step)
+        self.writer.close()
+        self.writer = None
+
+
+class Trackers:
+    """Every tracker of the run behind one interface: what the metric lines, evaluations and checkpoints use."""
+
+    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start: Any) -> None:
+        step = int(getattr(start, "step", 0) or 0)
+        self.all: list[Any] = []
+        try:  # the one most likely to refuse (a tracking store) first; any refusal closes those already open
+            self.mlflow = MlflowRun(
+                cfg, run_dir, enabled=enabled, run_id=getattr(start, "mlflow_run_id", None), start_step=step
+            )
+            self.all.append(self.mlflow)
+            self.tensorboard = TensorBoardRun(cfg, run_dir, enabled=enabled, start_step=step)
+            self.all.append(self.tensorboard)
+            self.wandb = WandbRun(cfg, run_dir, enabled=enabled, run_id=getattr(start, "wandb_run_id", None))
+            self.all.append(self.wandb)
+        except BaseException:
+            self.close("failed")
+            raise
+
+    @property
+    def run_id(self) -> str | None:
+        """The wandb run's id (what checkpoints have always recorded as wandb_run_id)."""
+        return self.wandb.run_id
+
+    def ids(self) -> dict[str, str | None]:
+        """What a checkpoint's marker keeps so that a resume continues the same tracker runs."""
+        return {"wandb_run_id": self.wandb.run_id, "mlflow_run_id": self.mlflow.run_id}
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for tracker in self.all:
+            tracker.log(metrics, step)
+
+    def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        for tracker in self.all:
+            tracker.table(key, rows, step)
+
+    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
+        """Each tracker ends however the others fare: one failing to close never hides the run's own outcome."""
+        for tracker in self.all:
+            try:
+                tracker.close(status, summary)
+            except Exception as err:
+                log.error("could not close %s: %s", type(tracker).__name__, err)

@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf, open_dict
 
 from ds_exp.config.secrets import hide_secrets_when_composing
+from ds_exp.config.tracker_schema import MlflowConfig, TensorBoardConfig
 from ds_exp.core.errors import ConfigError
 
 
@@ -215,7 +216,13 @@ class LoraConfig:
     dim: int = 0  # LoRA rank; 0 = LoRA off
     alpha: float | None = None  # scaling = alpha / dim; null = dim (scaling 1, as DeepSpeed-Chat's lora_scaling=1)
     dropout: float = 0.0
-    module_name: str = "layers."  # Linear layers whose name contains this get adapters
+    # the adapted Linear layers: inside the scope module_name, those target_modules names (ds_exp/model/lora.py)
+    module_name: str | None = None
+    target_modules: Any = None
+    modules_to_save: list[str] = field(default_factory=list)  # trained whole beside the adapters (PEFT's)
+    use_dora: bool = False  # PEFT's DoRA: a learned magnitude per output row
+    use_rslora: bool = False  # PEFT's rsLoRA: scaling alpha / sqrt(dim) instead of alpha / dim
+    quantize: str | None = None  # QLoRA: null | 4bit | 8bit base weights through bitsandbytes (CUDA only)
     only_optimize: bool = True  # freeze everything but the adapters
 
 
@@ -309,8 +316,10 @@ class WandbConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = MISSING
+    name: str = MISSING  # trackers, any number at once: wandb unless its mode is disabled, the others while enabled
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     deepspeed_monitors: bool = False  # also let DeepSpeed write its csv monitor into the run directory
 
 

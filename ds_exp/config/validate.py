@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.ds_config import RunFacts, get_path, load_config_file, resolve_ds_config
+from ds_exp.config.logger_checks import logger_problems
+from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
     check_arch,
     check_checkpoint,
@@ -211,10 +213,6 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
             problems.append(f"lora.alpha={lora.alpha}: must be > 0, or null for alpha = dim")
         if not 0 <= lora.dropout < 1:
             problems.append(f"lora.dropout={lora.dropout}: must be in [0, 1)")
-        if not lora.module_name:
-            problems.append(
-                "lora.module_name is empty: name the layers that get adapters, e.g. lora.module_name=layers."
-            )
     if opt.lr <= 0:
         problems.append(f"optimizer.lr={opt.lr}: the learning rate must be > 0 (DeepSpeed-Chat uses 1e-3 for SFT)")
     if len(opt.betas) != 2 or not all(0 <= b < 1 for b in opt.betas):
@@ -367,7 +365,7 @@ def config_problems(
     problems += (
         _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + check_output_paths(cfg, run_dir)
     )
-    problems += check_sequence_parallel(cfg, world_size)
+    problems += check_sequence_parallel(cfg, world_size) + lora_problems(cfg, accelerator) + logger_problems(cfg)
     ds: dict[str, Any] = {}
     try:
         precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))

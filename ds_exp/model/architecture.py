@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
 from ds_exp.core.errors import ConfigError
-from ds_exp.model.lora import lora_target_names
+from ds_exp.model.lora import count_with_lora, lora_spec
 
 
 def padded_vocab_size(tokenizer_len: int, current: int, multiple: int) -> int:
@@ -90,11 +90,18 @@ def count_parameters(cfg: Config, config: PretrainedConfig) -> ParameterCounts:
     total = sum(p.numel() for p in model.parameters())
     if cfg.lora.dim <= 0:
         return ParameterCounts(total, total, ())
-    modules = dict(model.named_modules())
-    targets = lora_target_names(model, cfg.lora.module_name)
-    adapters = sum(cfg.lora.dim * (modules[n].in_features + modules[n].out_features) for n in targets)
-    trainable = adapters if cfg.lora.only_optimize else total + adapters
-    return ParameterCounts(total + adapters, trainable, tuple(targets))
+    spec = lora_spec(cfg.lora, model)  # a ConfigError names what lora.* matches nothing of
+    total, trainable = count_with_lora(model, spec)
+    return ParameterCounts(total, trainable, spec.targets)
+
+
+def check_lora(cfg: Config, config: PretrainedConfig) -> None:
+    """lora.* against the model's layers, on the meta device, before the data and the weights are loaded: one
+    message naming the model's Linear layers when a target or a module to save matches nothing."""
+    if cfg.lora.dim > 0:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+        lora_spec(cfg.lora, model)
 
 
 def base_vocab_size(cfg: Config, tokenizer: PreTrainedTokenizerBase, checkpoint_rows: int) -> int:

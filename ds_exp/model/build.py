@@ -19,7 +19,7 @@ from ds_exp.config.schema import Config
 from ds_exp.core import compat
 from ds_exp.model import sequence_parallel
 from ds_exp.model.architecture import base_vocab_size, build_model_config, checkpoint_dtype, padded_vocab_size
-from ds_exp.model.lora import LoraSpec, lora_target_names, wrap_lora
+from ds_exp.model.lora import LoraSpec, lora_spec, prepare_quantized, quantized_loading, tied_elsewhere, wrap_lora
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,13 @@ def attn_implementation(requested: str | None, ds_config: dict[str, Any]) -> str
     return None
 
 
+def _compute_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    """The dtype the engine trains in: a quantized base computes in it."""
+    if ds_config.get("bf16", {}).get("enabled") is True:
+        return torch.bfloat16
+    return torch.float16 if ds_config.get("fp16", {}).get("enabled") is True else torch.float32
+
+
 @dataclass
 class BuiltModel:
     model: Any
@@ -91,12 +98,15 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
     else:
         # a large checkpoint takes a while (transformers' own bar is off: ds_exp/runtime/rank_logging.py)
         log.info("loading the weights of %s ...", cfg.model.name_or_path)
+        loading: dict[str, Any] = {"dtype": torch.float32}
+        if cfg.lora.dim > 0 and cfg.lora.quantize:  # QLoRA (validation refuses it without CUDA and bitsandbytes)
+            loading = quantized_loading(cfg.lora.quantize, _compute_dtype(ds_config))
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.model.name_or_path,
                 config=config,
-                dtype=torch.float32,
                 trust_remote_code=cfg.model.trust_remote_code,
+                **loading,
                 **extra,
             )
         except Exception as err:  # safetensors and torch raise their own types for a damaged file
@@ -115,13 +125,11 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         config = model.config
     lora = None
     if cfg.lora.dim > 0:
-        lora = LoraSpec(
-            dim=int(cfg.lora.dim),
-            alpha=float(cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.dim),
-            dropout=float(cfg.lora.dropout),
-            targets=tuple(lora_target_names(model, cfg.lora.module_name)),
-            only_optimize=bool(cfg.lora.only_optimize),
-        )
+        lora = lora_spec(cfg.lora, model)
+        for saved, other in tied_elsewhere(model, lora.modules_to_save):
+            log.info("lora.modules_to_save: %s shares its weights with %s; it is trained as its own copy", saved, other)
+        if lora.quantize:
+            model = prepare_quantized(model)
         torch.manual_seed(cfg.train.seed + 1)  # adapters start the same whatever the ZeRO stage consumed above
         model = wrap_lora(model, lora)
     if cfg.model.gradient_checkpointing:

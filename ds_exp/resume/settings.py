@@ -1,7 +1,8 @@
 """What a checkpoint was written with, and whether this run can continue from it.
 
 Each checkpoint's marker (ds_exp_complete.json) records the settings that fix the shapes and the partitioning of
-what it holds: the model, LoRA, the vocabulary padding, the ZeRO stage, offload, precision and the world size.
+what it holds: the model, LoRA (rank, alpha, targets, modules to save, DoRA, rsLoRA, quantization), the vocabulary
+padding, the ZeRO stage, offload, precision and the world size.
 dist.sequence_parallel_size is recorded but is no layout: under Ulysses, ZeRO partitions over all data-parallel x
 sequence-parallel ranks, so a checkpoint's files depend on the world size alone and load under any N (the global
 batch, micro x accumulation x world / N, must stay: ds_exp/resume/trajectory.py). What cannot be done is a layout change
@@ -18,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.lora_checks import scope_of
 from ds_exp.config.schema import Config, plain, plain_tree
 from ds_exp.core.errors import ResumeError
 from ds_exp.resume.store import read_marker
@@ -36,14 +38,7 @@ LAYOUT = ("world_size", "zero_stage", "offload")
 def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precision: str | None) -> dict[str, Any]:
     """The settings a checkpoint depends on (see the module docstring), as plain JSON values."""
     model = cfg.model.name_or_path or plain_tree(cfg.model.arch)
-    lora = None
-    if cfg.lora.dim > 0:
-        lora = {
-            "dim": int(cfg.lora.dim),
-            "alpha": float(cfg.lora.alpha if cfg.lora.alpha is not None else cfg.lora.dim),
-            "module_name": str(cfg.lora.module_name),
-            "only_optimize": bool(cfg.lora.only_optimize),
-        }
+    lora = lora_settings(cfg) if cfg.lora.dim > 0 else None
     zero = ds_config.get("zero_optimization", {})
     return {
         "model": model,
@@ -58,6 +53,26 @@ def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precisi
         "world_size": world_size,
         "sequence_parallel_size": int(cfg.dist.sequence_parallel_size),
     }
+
+
+def lora_settings(cfg: Config) -> dict[str, Any]:
+    """What LoRA's checkpoint depends on. The settings added after the first four are recorded only when they are
+    not at their defaults, so a checkpoint written before they existed compares equal under the defaults."""
+    lora = cfg.lora
+    found: dict[str, Any] = {
+        "dim": int(lora.dim),
+        "alpha": float(lora.alpha if lora.alpha is not None else lora.dim),
+        "module_name": scope_of(lora),  # the scope in effect (`layers.` unless target_modules names the layers)
+        "only_optimize": bool(lora.only_optimize),
+    }
+    extra = {
+        "target_modules": plain_tree(lora.target_modules),
+        "modules_to_save": list(lora.modules_to_save),
+        "use_dora": bool(lora.use_dora),
+        "use_rslora": bool(lora.use_rslora),  # no other shapes, but another scaling: another trajectory
+        "quantize": lora.quantize,
+    }
+    return {**found, **{key: value for key, value in extra.items() if value not in (None, [], False)}}
 
 
 def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

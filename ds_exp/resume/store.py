@@ -27,6 +27,7 @@ class TrainState:
     epoch: int = 0  # current epoch
     step_in_epoch: int = 0  # optimizer steps done within `epoch`
     wandb_run_id: str | None = None
+    mlflow_run_id: str | None = None
     # the loss sums of the metric window still open when a stop signal came, so that the resumed run's next
     # metric line covers the same steps as an uninterrupted run's (summed over ranks)
     window_loss_sum: float = 0.0

@@ -38,7 +38,7 @@ from ds_exp.data.templates import first_template
 from ds_exp.launch.run_dir import completed_at, set_aside_attempt
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.launch.storage import check_free_space
-from ds_exp.model.architecture import build_model_config, hidden_size_of
+from ds_exp.model.architecture import build_model_config, check_lora, hidden_size_of
 from ds_exp.model.build import build_model
 from ds_exp.model.engine import build_engine, check_deepspeed_config, lr_at, parameter_groups
 from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, unregister
@@ -95,6 +95,7 @@ def setup(cfg: Config, session: Session) -> Workload:
     model_config = build_model_config(cfg, tokenizer)
     if sp.enabled:
         check_heads(model_config, sp.size)  # a hub model's heads, before its data and weights
+    check_lora(cfg, model_config)  # lora.* against the model's layers, before its data and weights
     data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     file_log.info("data statistics: %s", data.stats)  # the console has the pipeline's sentence
     if session.is_main and len(data.eval) == 0:
@@ -338,7 +339,7 @@ def _new_run_id() -> str:
 def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> None:
     """Evaluate and generate before the first step, run the loop, evaluate and generate after the last, and
     save the final checkpoint."""
-    metrics_log, wandb = session.open_sinks(start.wandb_run_id)
+    metrics_log, trackers = session.open_sinks(start)
     progress = Progress(start.step, start.epoch, start.step_in_epoch)
     if start.step > 0:
         progress.last_save_step = start.step  # that checkpoint exists: it is never written again
@@ -347,7 +348,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
     carried = (start.window_loss_sum, start.window_label_tokens) if session.is_main else (0.0, 0.0)
     metrics = Metrics(
         metrics_log,
-        wandb,
+        trackers,
         device=work.engine.device,
         world_size=session.world,
         peak_flops=work.peak_flops,
@@ -372,7 +373,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
             "run_id": start.run_id,
             "branch": start.branch,
             "run_dir": start.run_dir,
-            "wandb_run_id": wandb.run_id,
+            **trackers.ids(),  # wandb_run_id, mlflow_run_id: a resume continues the same tracker runs
             "settings": work.settings,
             "trajectory": work.trajectory,
         },

@@ -4,7 +4,7 @@
 * entering installs the stop signals; `start()` joins the process group, learns rank 0's run directory,
   starts the rank's log file and says how the run was launched;
 * the run fills `session.state` (ds_exp.artifacts.summary.RunState) as it gets there, and opens its sinks through
-  `open_sinks` (metrics.jsonl, wandb);
+  `open_sinks` (metrics.jsonl and the trackers: wandb, TensorBoard, MLflow);
 * leaving, however the run ended, maps the outcome to a status and one message, writes summary.json (rank 0),
   closes the sinks and the log file, and leaves the process group as the next job of a multirun needs it.
   A stop on a signal then exits with the signal's code (or hands over to submitit's requeue).
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from ds_exp.artifacts.summary import EVERY_RANK_ENDS, RunState, final_line, write_summary
-from ds_exp.artifacts.tracking import MetricsLog, WandbRun
+from ds_exp.artifacts.tracking import MetricsLog, Trackers
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
@@ -114,13 +114,14 @@ class Session:
             torch.get_num_threads(),
         )
 
-    def open_sinks(self, wandb_run_id: str | None) -> tuple[Any, Any]:
-        """metrics.jsonl and the wandb run (rank 0 writes both; a resumed run continues the same wandb run)."""
-        wandb = WandbRun(self.cfg, self.run_dir, enabled=self.is_main, run_id=wandb_run_id)
-        self.sinks.append(wandb)
+    def open_sinks(self, start: Any) -> tuple[Any, Any]:
+        """metrics.jsonl and the trackers (rank 0 writes them all). `start`: the TrainState the run continues from,
+        whose tracker run ids (wandb, MLflow) a resumed run continues."""
+        trackers = Trackers(self.cfg, self.run_dir, enabled=self.is_main, start=start)
+        self.sinks.append(trackers)
         metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
         self.sinks.append(metrics_log)
-        return metrics_log, wandb
+        return metrics_log, trackers
 
     # ------------------------------------------------------------------------------------------- the end
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
@@ -203,13 +204,14 @@ class Session:
     def finish(self, outcome: Outcome) -> None:
         """summary.json, the sinks, the log file, the process group: whatever happened, and never hiding it."""
         self.state.status, self.state.error = outcome.status, outcome.error
+        summary = None
         try:
             if outcome.status != "unchanged":
-                self.write_summary()
+                summary = self.write_summary()
         except OSError as err:  # e.g. a full disk: the run's own error matters more than its summary
             log.error("could not write %s: %s", self.run_dir / "summary.json", err)
         for sink in self.sinks:
-            sink.close(outcome.status)
+            sink.close(outcome.status, summary)  # the trackers keep the summary too
         close_run_logging()
         if outcome.status in ("completed", "unchanged", Diverged.status) and dist.is_initialized():
             # The process group stays up: the next job of a multirun in this process reuses it (DeepSpeed caches
@@ -220,14 +222,16 @@ class Session:
         else:
             release_run_dir(self.run_dir)
 
-    def write_summary(self) -> None:
+    def write_summary(self) -> dict[str, Any] | None:
+        """Rank 0 writes summary.json and returns it (None on the other ranks)."""
         peak = peak_memory_bytes(self.accelerator)
         peaks: list[Any] = [peak]
         if self.state.status in EVERY_RANK_ENDS and dist.is_initialized():  # every rank is still here
             peaks = [None] * self.world
             dist.all_gather_object(peaks, peak)
         if not self.is_main:
-            return
+            return None
         summary = write_summary(self.state, peaks)
         if self.state.status == "completed":
             print(final_line(summary))
+        return summary

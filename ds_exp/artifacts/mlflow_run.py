@@ -1,0 +1,220 @@
+"""An MLflow run on rank 0 (logger.mlflow.enabled), through MlflowClient: no global active run, so the jobs of a
+multirun in one process never share one.
+
+* Where: logger.mlflow.tracking_uri, else a store of the run's own, sqlite:///<run dir>/mlflow.db, with artifacts in
+  <run dir>/mlartifacts (MLflow 3 refuses its old ./mlruns file store unless MLFLOW_ALLOW_FILE_STORE=true).
+  `mlflow ui --backend-store-uri sqlite:///<run dir>/mlflow.db` shows it.
+* What: experiment = logger.mlflow.experiment or experiment_name; run name = logger.mlflow.run_name or the run
+  directory's name; params = the whole config, flattened, credentials blanked (ds_exp.config.secrets.redact);
+  metrics at every metric line, by optimizer step; generations and summary.json as artifacts; the end as the run's
+  status (FINISHED, KILLED for a stop that can be resumed, FAILED).
+* A resume continues the same MLflow run (its id is kept in each checkpoint's marker, like wandb's): steps after
+  the checkpoint are logged once; params the resume changed are told in a tag, as MLflow's params never change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from ds_exp.artifacts.summary import RESUMABLE_ENDS
+from ds_exp.config.schema import Config, as_dict, plain
+from ds_exp.config.secrets import redact, redact_text, register_secrets
+from ds_exp.core.errors import RunFailed
+from ds_exp.launch.run_logging import FILE_LOGGER
+
+log = logging.getLogger(__name__)
+
+MAX_PARAM_VALUE = 6000  # MLflow's limits (mlflow.utils.validation)
+MAX_TAG_VALUE = 8000
+MAX_KEY = 250
+BATCH = 100  # params or tags per log_batch
+_KEY_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow allows in a param, metric or tag name
+
+
+def default_tracking_uri(run_dir: Path) -> str:
+    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+    """A config as MLflow params: dotted keys, lists as JSON, every value a string within MLflow's limits."""
+    if isinstance(tree, dict) and tree:
+        out: dict[str, str] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    value = json.dumps(tree, default=str) if isinstance(tree, (dict, list)) or tree is None else str(tree)
+    return {_KEY_CHARS.sub("_", prefix)[:MAX_KEY]: value[:MAX_PARAM_VALUE]}
+
+
+class _ToRunLog(logging.Handler):
+    """MLflow's and alembic's chatter (database migrations, ...) goes to the rank's log file, not the console."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(FILE_LOGGER).handle(record)
+
+
+def _quiet_library_loggers() -> None:
+    for name in ("mlflow", "alembic"):
+        library = logging.getLogger(name)
+        library.handlers = [_ToRunLog()]
+        library.propagate = False
+
+
+class MlflowRun:
+    """See the module docstring; a no-op unless enabled (rank 0 with logger.mlflow.enabled)."""
+
+    def __init__(
+        self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0
+    ) -> None:
+        self.client: Any = None
+        self.run_id = run_id
+        self.failed_once = False
+        settings = cfg.logger.mlflow
+        if not enabled or not settings.enabled:
+            return
+        self.uri = settings.tracking_uri or default_tracking_uri(run_dir)
+        password = urlsplit(self.uri).password
+        if password:  # a server's basic auth in the URI: never in a log line or a param
+            register_secrets({"password": password})
+        import mlflow
+        from mlflow.exceptions import MlflowException
+
+        _quiet_library_loggers()
+        try:
+            self.client = mlflow.MlflowClient(tracking_uri=self.uri)
+            experiment = self._experiment(settings.experiment or cfg.experiment_name, run_dir, settings.tracking_uri)
+            self.run_id = self._continue(run_id, start_step) if run_id else None
+            if self.run_id is None:
+                self.run_id = self._create(cfg, run_dir, experiment)
+            else:
+                self._log_changed_params(cfg, start_step)
+        except MlflowException as err:
+            first = redact_text(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
+            raise RunFailed(
+                f"logger.mlflow: MLflow refused the tracking store {redact_text(self.uri)} ({first}); fix "
+                "logger.mlflow.tracking_uri (null = <run dir>/mlflow.db), or logger.mlflow.enabled=false"
+            ) from err
+        log.info("mlflow: run %s in %s", self.run_id, redact_text(self.uri))
+
+    def _experiment(self, name: str, run_dir: Path, given_uri: str | None) -> str:
+        """The experiment's id, created when missing (a store of the run's own keeps its artifacts beside it)."""
+        from mlflow.exceptions import MlflowException
+
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return str(found.experiment_id)
+        location = None if given_uri else (run_dir / "mlartifacts").resolve().as_uri()
+        try:
+            return str(self.client.create_experiment(name, artifact_location=location))
+        except MlflowException:  # another run of a shared store created it meanwhile
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return str(found.experiment_id)
+
+    def _create(self, cfg: Config, run_dir: Path, experiment: str) -> str:
+        from mlflow.entities import Param
+
+        settings = cfg.logger.mlflow
+        tags = {
+            "zero_stage": str(cfg.zero.stage),
+            "precision": str(plain(cfg.precision.dtype)),
+            "model": cfg.model.name_or_path or cfg.model.name,
+            "ds_exp.run_dir": str(run_dir),
+            **{str(k): str(v) for k, v in settings.tags.items()},
+        }
+        run = self.client.create_run(experiment, run_name=settings.run_name or run_dir.name, tags=tags)
+        run_id = str(run.info.run_id)
+        params = [Param(k, v) for k, v in flatten(redact(as_dict(cfg))).items()]
+        for start in range(0, len(params), BATCH):
+            self.client.log_batch(run_id, params=params[start : start + BATCH])
+        return run_id
+
+    def _continue(self, run_id: str, start_step: int) -> str | None:
+        """The checkpoint's run, RUNNING again; None (a new run, said in the log) when this store does not have it."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            log.warning(
+                "mlflow: the checkpoint's run %s is not in %s: logging to a new run", run_id, redact_text(self.uri)
+            )
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        history = self.client.get_metric_history(run_id, "train/loss")
+        beyond = sorted({m.step for m in history if m.step > start_step})
+        if beyond:
+            # a hard kill after the last checkpoint: MLflow has no way to delete metric values, so say so
+            note = (
+                f"metric values at steps {beyond[0]}..{beyond[-1]} come from an attempt killed after its checkpoint "
+                f"at step {start_step}; the resumed run logged those steps again"
+            )
+            self.client.set_tag(run_id, f"ds_exp.resumed_at_step_{start_step}", note)
+            log.warning("mlflow: run %s: %s", run_id, note)
+        return run_id
+
+    def _log_changed_params(self, cfg: Config, start_step: int) -> None:
+        """Params are immutable in MLflow: new keys are logged, changed values are told in one tag."""
+        from mlflow.entities import Param
+
+        assert self.run_id is not None
+        before = self.client.get_run(self.run_id).data.params
+        now = flatten(redact(as_dict(cfg)))
+        new = [Param(k, v) for k, v in now.items() if k not in before]
+        for start in range(0, len(new), BATCH):
+            self.client.log_batch(self.run_id, params=new[start : start + BATCH])
+        changed = [f"{k}: {before[k]} -> {v}" for k, v in now.items() if k in before and before[k] != v]
+        if changed:
+            text = "; ".join(changed)[:MAX_TAG_VALUE]
+            self.client.set_tag(self.run_id, f"ds_exp.changed_at_step_{start_step}", text)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        values = [
+            Metric(_KEY_CHARS.sub("_", key)[:MAX_KEY], float(value), now, int(step))
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        ]
+        if values:
+            self._guarded(lambda: self.client.log_batch(self.run_id, metrics=values))
+
+    def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Rows (the generations of one evaluation) as a JSON artifact <key>/step<N>.json."""
+        if self.client is not None and rows:
+            path = f"{key}/step{int(step):06d}.json"
+            self._guarded(lambda: self.client.log_dict(self.run_id, {"step": step, "rows": rows}, path))
+
+    def _guarded(self, call: Any) -> None:
+        """A tracker that fails mid-run (a server gone) costs its records, never the training: warned once."""
+        try:
+            call()
+        except Exception as err:
+            if not self.failed_once:
+                log.warning("mlflow: could not log to %s (%s); metrics.jsonl has everything", self.uri, err)
+                self.failed_once = True
+
+    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
+        """summary.json as an artifact, the status as a tag, and the run ended as FINISHED, KILLED (a stop that can be
+        resumed) or FAILED."""
+        if self.client is None:
+            return
+        if summary is not None:
+            self._guarded(lambda: self.client.log_dict(self.run_id, redact(summary), "summary.json"))
+        client, self.client = self.client, None
+        end = "FINISHED" if status in ("completed", "unchanged") else "KILLED" if status in RESUMABLE_ENDS else "FAILED"
+        try:
+            client.set_tag(self.run_id, "ds_exp.status", status)
+            client.set_terminated(self.run_id, status=end)
+        except Exception as err:
+            log.warning("mlflow: could not end run %s (%s)", self.run_id, err)

@@ -1,0 +1,185 @@
+"""Trackers beside wandb (issue 22 §5): TensorBoard and MLflow, several at once, each read back with its own reader
+(TensorBoard's EventAccumulator, MLflow's MlflowClient on the run's store): rank 0 only, no secret, and a resumed
+run continues the same MLflow run and the same TensorBoard curves with each step once."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ds_exp.config.logger_checks import logger_problems
+from ds_exp.core.errors import RunFailed
+from tests.test_security import files_holding
+from tests.training import FAST, launch
+
+SECRET = "mlflow-secret-token-7c41d2"
+
+
+def scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of a scalar as TensorBoard shows it (purged steps hidden)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def mlflow_runs(uri: str) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    from mlflow import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(tracking_uri=uri).get_metric_history(run_id, key))
+
+
+def test_the_logger_options_combine(compose_cfg):
+    cfg = compose_cfg("logger=[wandb,tensorboard,mlflow]")
+    assert cfg.logger.tensorboard.enabled and cfg.logger.mlflow.enabled and cfg.logger.wandb.mode.value != "disabled"
+    cfg = compose_cfg("logger=wandb")  # as before: wandb alone
+    assert not cfg.logger.tensorboard.enabled and not cfg.logger.mlflow.enabled
+    assert compose_cfg("logger=mlflow").logger.mlflow.tracking_uri is None  # <run dir>/mlflow.db
+    assert not any(t.enabled for t in (compose_cfg().logger.tensorboard, compose_cfg().logger.mlflow))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "fragment"),
+    [
+        (["logger=mlflow", "logger.mlflow.tracking_uri=./mlruns"], {}, "is MLflow's file store, which MLflow 3"),
+        (["logger=mlflow", "logger.mlflow.tracking_uri=file:///tmp/x"], {}, "MLFLOW_ALLOW_FILE_STORE=true"),
+        (["logger=mlflow", "logger.mlflow.tracking_uri=''"], {}, "logger.mlflow.tracking_uri is empty"),
+        (["logger=mlflow", "logger.mlflow.experiment=' '"], {}, "logger.mlflow.experiment is empty"),
+        (["logger=tensorboard", "logger.tensorboard.dir=''"], {}, "logger.tensorboard.dir is empty"),
+        (["logger=mlflow", "logger.mlflow.tracking_uri=./mlruns"], {"MLFLOW_ALLOW_FILE_STORE": "true"}, None),
+    ],
+    ids=["file store path", "file store uri", "empty uri", "empty experiment", "empty tensorboard dir", "opted in"],
+)
+def test_tracker_settings_are_checked_before_anything_loads(compose_cfg, monkeypatch, overrides, env, fragment):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    problems = logger_problems(compose_cfg(*overrides))
+    assert (any(fragment in p for p in problems), len(problems)) == (True, 1) if fragment else problems == []
+
+
+def test_a_resumed_tensorboard_run_shows_each_step_once(compose_cfg, tmp_path):
+    """An attempt killed after its checkpoint at step 3 wrote steps 4-5; the resumed writer (purge_step 4) logs 4-6:
+    TensorBoard shows 1-6 once, the resumed values past the checkpoint. Rank > 0 writes nothing."""
+    from ds_exp.artifacts.tracking import TensorBoardRun
+
+    cfg = compose_cfg("logger=tensorboard")
+    killed = TensorBoardRun(cfg, tmp_path, enabled=True)
+    for step in range(1, 6):
+        killed.log({"train/loss": float(step), "train/note": "text is not a scalar"}, step)
+    killed.writer.close()  # what the killed attempt left on disk (tensorboardX's flush() does not drain its queue)
+    resumed = TensorBoardRun(cfg, tmp_path, enabled=True, start_step=3)
+    for step in range(4, 7):
+        resumed.log({"train/loss": 10.0 * step}, step)
+    resumed.table("eval/generations", [{"prompt": "a|b", "completion": "c"}], 6)
+    resumed.close("completed", {"status": "completed", "steps": 6})
+    shown = scalars(tmp_path / "tensorboard", "train/loss")
+    assert shown == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+    other_rank = TensorBoardRun(cfg, tmp_path / "rank1", enabled=False)
+    other_rank.log({"train/loss": 1.0}, 1)
+    other_rank.close("completed")
+    assert not (tmp_path / "rank1").exists()
+
+
+@pytest.mark.slow  # MLflow's import and its SQLite store's first migration take seconds
+def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(compose_cfg, tmp_path, monkeypatch):
+    from ds_exp.artifacts.mlflow_run import MlflowRun, default_tracking_uri
+    from ds_exp.config.secrets import register_secrets
+
+    monkeypatch.setenv("MY_SERVICE_TOKEN", SECRET)
+    register_secrets(environ={"MY_SERVICE_TOKEN": SECRET})
+    cfg = compose_cfg("logger=mlflow", "experiment_name=trackers", "logger.wandb.api_key=${oc.env:MY_SERVICE_TOKEN}")
+    first = MlflowRun(cfg, tmp_path, enabled=True, run_id=None)
+    for step in (1, 2, 3):
+        first.log({"train/loss": 1.0 / step, "train/mfu": None}, step)
+    first.table("eval/generations", [{"prompt": "p", "completion": "c"}], 3)
+    first.close("stopped", {"status": "stopped", "steps": 3})
+    uri = default_tracking_uri(tmp_path)
+    (run,) = mlflow_runs(uri)
+    assert (run.info.status, run.info.run_name) == ("KILLED", tmp_path.name)
+    assert run.data.params["experiment_name"] == "trackers" and run.data.params["logger.wandb.api_key"] == "<redacted>"
+
+    resumed_cfg = compose_cfg("logger=mlflow", "experiment_name=trackers", "train.max_steps=6")
+    resumed = MlflowRun(resumed_cfg, tmp_path, enabled=True, run_id=first.run_id, start_step=3)
+    assert resumed.run_id == first.run_id
+    for step in (4, 5, 6):
+        resumed.log({"train/loss": 1.0 / step}, step)
+    resumed.close("completed", {"status": "completed", "steps": 6})
+    (run,) = mlflow_runs(uri)
+    assert run.info.status == "FINISHED" and run.data.tags["ds_exp.status"] == "completed"
+    assert [s for s, _ in history(uri, run.info.run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert "train.max_steps: -1 -> 6" in run.data.tags["ds_exp.changed_at_step_3"]  # params never change in MLflow
+    artifacts = tmp_path / "mlartifacts" / run.info.run_id / "artifacts"
+    assert json.loads((artifacts / "summary.json").read_text())["steps"] == 6
+    assert (artifacts / "eval" / "generations" / "step000003.json").is_file()
+    assert files_holding(tmp_path, [SECRET]) == {}
+
+    # a hard kill after the checkpoint at step 5 (steps 6 logged twice): said in a tag, as MLflow cannot delete
+    again = MlflowRun(resumed_cfg, tmp_path, enabled=True, run_id=first.run_id, start_step=5)
+    again.log({"train/loss": 0.5}, 6)
+    again.close("completed")
+    (run,) = mlflow_runs(uri)
+    assert "steps 6..6 come from an attempt killed" in run.data.tags["ds_exp.resumed_at_step_5"]
+
+    assert MlflowRun(cfg, tmp_path / "rank1", enabled=False, run_id=None).client is None
+    assert not (tmp_path / "rank1").exists()
+
+    bogus = compose_cfg("logger=mlflow", "logger.mlflow.tracking_uri=bogus://x")
+    with pytest.raises(RunFailed, match=r"logger.mlflow: MLflow refused the tracking store bogus://x \(.*unsupported"):
+        MlflowRun(bogus, tmp_path, enabled=True, run_id=None)
+
+
+@pytest.mark.slow
+def test_wandb_tensorboard_and_mlflow_at_once_on_two_ranks_and_a_resume(tmp_path, cache_dir):
+    """One 2-rank run to step 4 with every tracker, resumed (same directory, resume=auto) to step 8: each tracker
+    holds what metrics.jsonl holds, each step once, in one MLflow run; rank 1 writes nothing of its own; no secret
+    in any of it."""
+    run_dir = tmp_path / "run"
+    common = [
+        *FAST,
+        "scheduler=constant",
+        "train.save_final_checkpoint=true",
+        "logger=[wandb,tensorboard,mlflow]",
+        "logger.wandb.mode=offline",
+        f"logger.wandb.api_key={SECRET}",
+    ]
+    env = {"WANDB_MODE": "offline", "HF_TOKEN": SECRET + "-hf"}
+    first = launch(run_dir, *common, "train.max_steps=4", launcher="torchrun", nproc=2, cache_dir=cache_dir, env=env)
+    assert first.ok, first.explain()
+    resumed = launch(
+        run_dir, *common, "train.max_steps=8", "resume=auto", launcher="torchrun", nproc=2, cache_dir=cache_dir, env=env
+    )
+    assert resumed.ok, resumed.explain()
+    lines = resumed.records("train")
+    assert [r["step"] for r in lines] == list(range(1, 9))
+    expected = [(r["step"], r["loss"]) for r in lines]
+
+    tensorboard = scalars(run_dir / "tensorboard", "train/loss")
+    assert [s for s, _ in tensorboard] == [s for s, _ in expected]
+    assert all(math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(tensorboard, expected, strict=True))
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one writer per attempt, rank 0
+
+    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    (run,) = mlflow_runs(uri)  # one run, continued
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    logged = history(uri, run.info.run_id, "train/loss")
+    assert [s for s, _ in logged] == [s for s, _ in expected]
+    assert all(math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(logged, expected, strict=True))
+    final = resumed.records("eval")[-1]
+    assert math.isclose(dict(history(uri, run.info.run_id, "eval/perplexity"))[8], final["perplexity"], rel_tol=1e-6)
+    marker = json.loads((run_dir / "checkpoints" / "step8" / "ds_exp_complete.json").read_text())
+    assert marker["mlflow_run_id"] == run.info.run_id and marker["wandb_run_id"]
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert files_holding(run_dir, [SECRET]) == {}
+    assert SECRET not in first.proc.stdout + first.proc.stderr + resumed.proc.stdout + resumed.proc.stderr
