@@ -32,7 +32,7 @@ from ds_exp.launch.experiment_file import wants_experiment_file
 from ds_exp.launch.help import main as print_help
 from ds_exp.launch.help import wants_help
 from ds_exp.launch.hub import check_hub
-from ds_exp.launch.run_dir import rank_placeholder_overrides
+from ds_exp.launch.run_dir import rank_placeholder_overrides, remove_refused_attempt
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.validation import validate_job
 
@@ -82,8 +82,14 @@ def run_job(composed: DictConfig) -> Any:
     # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     run_dir = run_dir_of_job()
-    cfg = validate_job(composed, overrides, run_dir=run_dir)
-    check_hub(cfg)  # a hub id with no hub to reach: one message now, not transformers' retries
+    try:
+        cfg = validate_job(composed, overrides, run_dir=run_dir)
+        check_hub(cfg)  # a hub id with no hub to reach: one message now, not transformers' retries
+    except DsExpError:
+        if HydraConfig.initialized() and not in_multirun():
+            hydra_cfg = HydraConfig.get()
+            remove_refused_attempt(run_dir, hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log")
+        raise
     if launch_rank_from_env() == 0 and (note := unnamed_experiment_note(cfg.experiment_name)):
         log.warning(note)
     if cfg.dry_run:
