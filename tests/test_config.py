@@ -675,7 +675,7 @@ def test_an_override_the_users_deepspeed_file_wins_over_is_named_and_tuning_is_n
     file), but the file tuning a knob of a chosen group (a bucket size under zero=stage1) is its normal use."""
     from hydra import compose, initialize_config_dir
 
-    from ds_exp.config.ds_config import overrides_replaced_by_file
+    from ds_exp.config.file_overrides import overrides_replaced_by_file
     from ds_exp.config.paths import conf_dir
     from ds_exp.config.schema import to_config
 

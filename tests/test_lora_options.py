@@ -151,11 +151,19 @@ def test_checkpoints_depend_on_every_lora_option(compose_cfg):
         (["lora.dim=8", "lora.quantize=4bit", "zero=stage3"], "cuda", True, "not with ZeRO-3"),
     ],
     ids=[
-        "option without lora", "bad regex", "empty list", "qlora on cpu", "qlora 2bit", "no bitsandbytes",
-        "qlora tiny", "qlora zero3",
+        "option without lora",
+        "bad regex",
+        "empty list",
+        "qlora on cpu",
+        "qlora 2bit",
+        "no bitsandbytes",
+        "qlora tiny",
+        "qlora zero3",
     ],
 )
-def test_lora_settings_are_refused_before_anything_loads(compose_cfg, monkeypatch, overrides, accelerator, has_bnb, fragment):  # noqa: E501
+def test_lora_settings_are_refused_before_anything_loads(
+    compose_cfg, monkeypatch, overrides, accelerator, has_bnb, fragment
+):
     import importlib.util
 
     real = importlib.util.find_spec

@@ -200,7 +200,7 @@ def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, moun
     with steps left, needs both; a resume from a checkpoint at the last step needs only the export; a run complete
     already needs nothing; with no checkpoint ahead (train.save_every past the end) only the export counts."""
     from ds_exp.core.errors import RunFailed
-    from ds_exp.train.recipe import check_disk_space, saves_a_checkpoint
+    from ds_exp.train.disk_space import check_disk_space, saves_a_checkpoint
 
     disk = mount_tmpfs("4m")
     session = SimpleNamespace(is_main=True, run_dir=disk / "run", precision="fp32")
@@ -225,3 +225,34 @@ def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, moun
     with pytest.raises(RunFailed) as info:
         check(7)
     assert "KiB free, the export needs about 2.00 MiB" in str(info.value)
+
+
+def _schedule() -> torch.optim.lr_scheduler.LambdaLR:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+@pytest.mark.parametrize("path", ["checkpoint", "universal"])
+def test_both_resume_paths_fast_forward_the_schedule_past_fp16s_skipped_steps(path, tmp_path, monkeypatch):
+    """A resume at step 10 of an fp16 run whose loss scaler skipped 3 steps: the schedule stepped 7 times, as in the
+    run. The universal path used to step it 10 times (its schedule ahead of the run's)."""
+    from ds_exp.checkpoint import checkpointer, universal
+
+    scheduler = _schedule()
+    engine = SimpleNamespace(lr_scheduler=scheduler, skipped_steps=3)
+    saved = {"step": 10}
+    if path == "checkpoint":
+        engine.load_checkpoint = lambda *a, **k: (str(tmp_path), {"ds_exp": saved})
+        monkeypatch.setattr(checkpointer, "load_weights_only", lambda engine: None)
+        monkeypatch.setattr(checkpointer, "TrainState", lambda **state: state)
+        checkpointer.load_checkpoint(engine, tmp_path / "step10", rank=0)
+    else:
+        monkeypatch.setattr(universal, "convert", lambda *a, **k: True)
+        monkeypatch.setattr(universal, "param_names", lambda *a: [])
+        monkeypatch.setattr(universal, "load", lambda engine, tag_dir: {"ds_exp": saved})
+        monkeypatch.setattr(universal, "read_marker", lambda tag_dir: {})
+        monkeypatch.setattr(universal, "restore_rng", lambda *a, **k: None)
+        monkeypatch.setattr(universal.compat, "check_universal_version", lambda: None)
+        universal.load_state(engine, tmp_path / "step10", rank=0, world_size=1, seed=0, model=None, groups=[])
+    assert scheduler.last_epoch == 7
+    assert scheduler.get_last_lr() == [1.0 / 8]

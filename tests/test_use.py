@@ -111,8 +111,8 @@ def _one_rank(tmp_path: Path) -> Iterator[None]:
 def test_step_exports_are_checked_before_training_and_rotation_removes_only_this_runs(compose_cfg, tmp_path):
     from ds_exp.core.errors import RunFailed
     from ds_exp.launch.exports import rotated_step_exports
+    from ds_exp.train.disk_space import check_disk_space
     from ds_exp.train.exports import planned_step_exports
-    from ds_exp.train.recipe import check_disk_space
 
     cfg = compose_cfg("train.export_every=2", "train.export_keep_last=1")
     run_dir = tmp_path / "run"

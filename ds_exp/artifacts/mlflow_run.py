@@ -69,9 +69,7 @@ def _quiet_library_loggers() -> None:
 class MlflowRun:
     """See the module docstring; a no-op unless enabled (rank 0 with logger.mlflow.enabled)."""
 
-    def __init__(
-        self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0
-    ) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0) -> None:
         self.client: Any = None
         self.run_id = run_id
         self.failed_once = False

@@ -183,11 +183,35 @@ def inject_fault(point: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# The only non-tensor types torch.load may build from a checkpoint's files (weights_only=True), converted or not
+CHECKPOINT_TYPES = (ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address)
+
+
 def load_weights_only(engine: Any) -> None:
     """DeepSpeed reads checkpoint files with torch.load(weights_only=False), which runs whatever a pickle says.
     A resume reads files an earlier process wrote, so ds_exp has it read them with weights_only=True instead,
-    allowing only the few DeepSpeed types its checkpoints hold."""
-    compat.read_checkpoints_weights_only(engine, [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address])
+    allowing only CHECKPOINT_TYPES."""
+    compat.read_checkpoints_weights_only(engine, list(CHECKPOINT_TYPES))
+
+
+def load_rng_states(tag_dir: Path, rank: int) -> bool:
+    """This rank's RNG states as saved with `tag_dir`; False when it holds none for this rank."""
+    rng_file = tag_dir / f"rng_rank{rank}.pt"
+    if not rng_file.is_file():
+        return False
+    set_rng_states(torch.load(rng_file, weights_only=True))
+    return True
+
+
+def fast_forward_schedule(scheduler: Any, step: int, skipped_steps: int) -> None:
+    """Step a freshly built LR scheduler to where a run at optimizer step `step` has it. A schedule is a function
+    of the step and is recomputed under the run's settings (a resume may change them on purpose, trajectory.py),
+    not loaded; it advanced on every step but the `skipped_steps` fp16's loss scaler skipped. Both resume paths
+    (a checkpoint loaded as it is, and a universal conversion) call this."""
+    with warnings.catch_warnings():  # torch warns that no optimizer step came first: on purpose here
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+        for _ in range(int(step) - int(skipped_steps)):
+            scheduler.step()
 
 
 def load_checkpoint(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
@@ -208,16 +232,9 @@ def load_checkpoint(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
         raise ResumeError(damaged_message(tag_dir, err)) from None
     if load_path is None:
         raise ResumeError(f"resume: DeepSpeed found no checkpoint in {tag_dir}; it may be from another run layout")
-    rng_file = tag_dir / f"rng_rank{rank}.pt"
-    if rng_file.is_file():
-        set_rng_states(torch.load(rng_file, weights_only=True))
+    load_rng_states(tag_dir, rank)
     saved = (client_state or {}).get("ds_exp") or json.loads((tag_dir / COMPLETE_MARKER).read_text())
-    if engine.lr_scheduler is not None:
-        # the schedule is recomputed under the run's settings (a resume may change them on purpose, trajectory.py):
-        # step it as often as the engine did, i.e. not on the steps the fp16 loss scaler skipped (restored above)
-        with warnings.catch_warnings():  # it warns that no optimizer step came first: on purpose here
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
-            for _ in range(int(saved["step"]) - int(getattr(engine, "skipped_steps", 0) or 0)):
-                engine.lr_scheduler.step()
+    if engine.lr_scheduler is not None:  # engine.skipped_steps: restored with the engine's state above
+        fast_forward_schedule(engine.lr_scheduler, int(saved["step"]), getattr(engine, "skipped_steps", 0) or 0)
     log.info("resumed from %s at step %s", tag_dir, saved["step"])
     return TrainState(**saved)

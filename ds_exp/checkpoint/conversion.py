@@ -33,13 +33,13 @@ from typing import Any
 import deepspeed
 import torch
 
+from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES
 from ds_exp.checkpoint.universal import (
     EXIT_REFUSED,
     MARKER,
     MODEL_STATES,
     PARAM_NAMES_KEY,
     STATES,
-    allowed_types,
     fingerprint,
 )
 from ds_exp.core import compat
@@ -81,7 +81,7 @@ def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int)
     """Write the universal copy of `tag_dir` into `out` (a fresh directory), its marker last, with the fingerprint of
     the source as it was before anything was read (a source that changes meanwhile leaves the conversion stale)."""
     source = fingerprint(tag_dir)
-    with compat.torch_load_weights_only(allowed_types()):
+    with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
         if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1-3 (and DeepSpeed's bf16 optimizer)
             # its worker processes inherit the weights-only load only when forked
             workers = workers if multiprocessing.get_start_method() == "fork" else 1

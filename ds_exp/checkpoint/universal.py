@@ -32,7 +32,6 @@ model was built, which is what they were saved with (nothing trains them).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import hashlib
@@ -46,23 +45,19 @@ import shutil
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
-from ds_exp.checkpoint.checkpointer import load_weights_only, set_rng_states
+from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES, fast_forward_schedule, load_rng_states, load_weights_only
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.paths import PACKAGE_DIR
 from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError
 from ds_exp.core.files import json_text
-from ds_exp.resume.store import COMPLETE_MARKER, not_complete, read_marker, step_dirs
+from ds_exp.resume.store import COMPLETE_MARKER, not_complete, read_marker
 from ds_exp.runtime.process_group import broadcast
 
 log = logging.getLogger(__name__)
@@ -194,11 +189,6 @@ def param_names(model: Any, groups: list[dict[str, Any]]) -> list[list[str]]:
     return [[names[id(p)] for p in group["params"]] for group in groups]
 
 
-def allowed_types() -> list[Any]:
-    """The only non-tensor types torch.load may build from checkpoint files (weights_only=True)."""
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-
-
 def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = None) -> bool:
     """Collective and idempotent: rank 0 converts unless a complete conversion is there, every rank learns how
     it went. True when an earlier conversion was reused."""
@@ -285,7 +275,7 @@ def load(engine: Any, tag_dir: Path) -> dict[str, Any]:
     fast-forwarded by the caller, as for any resume."""
     udir = universal_dir(tag_dir)
     load_weights_only(engine)
-    with compat.torch_load_weights_only(allowed_types()):
+    with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
         if not engine.zero_optimization_stage():
             return _load_stage0(engine, udir)
         if not engine.load_universal_checkpoint():
@@ -325,9 +315,7 @@ def _load_stage0(engine: Any, udir: Path) -> dict[str, Any]:
 def restore_rng(tag_dir: Path, *, rank: int, world_size: int, saved_world_size: int | None, seed: int, step: int):
     """This rank's saved RNG states when the world size is unchanged (exact); otherwise a reproducible seed from
     (seed, step, rank), since ranks then see other samples anyway (dropout masks differ)."""
-    saved = tag_dir / f"rng_rank{rank}.pt"
-    if world_size == saved_world_size and saved.is_file():
-        set_rng_states(torch.load(saved, weights_only=True))
+    if world_size == saved_world_size and load_rng_states(tag_dir, rank):
         return
     fresh = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little") >> 1
     random.seed(fresh)
@@ -366,81 +354,7 @@ def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: 
         seed=seed,
         step=int(saved["step"]),
     )
-    if engine.lr_scheduler is not None:  # as checkpoint.load: a schedule is a function of the step
-        with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()": on purpose here
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(int(saved["step"])):
-                engine.lr_scheduler.step()
+    if engine.lr_scheduler is not None:  # engine.skipped_steps: restored by load() with the engine's counters
+        fast_forward_schedule(engine.lr_scheduler, int(saved["step"]), getattr(engine, "skipped_steps", 0) or 0)
     log.info("resumed from %s (universal copy) at step %s", tag_dir, saved["step"])
     return saved
-
-
-def cli_target(path: Path) -> Path:
-    """The checkpoint the command line names, or a message saying what to name instead."""
-    if not path.exists():
-        raise ResumeError(f"{path} does not exist; give one checkpoint directory, e.g. <run>/checkpoints/step<N>")
-    if not path.is_dir():
-        raise ResumeError(f"{path} is a file; give one checkpoint directory, e.g. <run>/checkpoints/step<N>")
-    if re.fullmatch(r"step\d+", path.name) or (path / COMPLETE_MARKER).exists() or any(path.glob("*model_states.pt")):
-        return path  # a checkpoint, complete or not (convert_here refuses an incomplete one)
-    for holder in (path, path / "checkpoints"):
-        tags = [t.name for t in step_dirs(holder)]
-        if tags:
-            return _name_one(path, holder, tags)
-    raise ResumeError(f"{path} holds no checkpoint; give one checkpoint directory, e.g. <run>/checkpoints/step<N>")
-
-
-def _name_one(path: Path, holder: Path, tags: list[str]) -> Path:
-    shown = ", ".join(tags[:8]) + (" ..." if len(tags) > 8 else "")
-    raise ResumeError(
-        f"{path} is {'a checkpoints directory' if holder == path else 'a run directory'}, not one checkpoint: it "
-        f"holds {shown}; convert one of them, e.g. python -m ds_exp.universal {holder / tags[-1]}"
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ds_exp.universal TAG_DIR`: convert a checkpoint ahead of a resume that changes its layout."""
-    parser = argparse.ArgumentParser(
-        prog="python -m ds_exp.universal",
-        description="Convert one complete ds_exp checkpoint into DeepSpeed's universal format, cached beside it as "
-        "<tag>.universal/, ahead of a resume with another world size, ZeRO stage or offload (a resume converts by "
-        "itself otherwise, while the other ranks wait). A conversion that is there and matches the checkpoint is "
-        "reused; a stale one is replaced.",
-    )
-    parser.add_argument("checkpoint", type=Path, help="one checkpoint directory: <run dir>/checkpoints/step<N>")
-    parser.add_argument("--workers", type=int, default=2, help="DeepSpeed's extraction processes (default 2)")
-    args = parser.parse_args(argv)
-    if args.workers < 1:
-        parser.error(f"--workers {args.workers}: give 1 or more")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("ds_exp.universal: %(message)s"))
-    log.addHandler(handler)
-    level, log.propagate = log.level, False
-    log.setLevel(logging.INFO)
-    try:
-        tag_dir = cli_target(args.checkpoint).resolve()
-        require_complete(tag_dir)
-        reused, stale = conversion_status(tag_dir)
-        if reused:
-            log.info("%s is converted already (its fingerprint matches)", tag_dir)
-        else:
-            if stale:
-                log.warning("%s; converting it again", stale)
-            log.info("converting %s to DeepSpeed's universal format ...", tag_dir)
-        print(convert_here(tag_dir, workers=args.workers))
-    except ResumeError as err:
-        message = str(err).removeprefix("resume: ")
-        print(f"ds_exp.universal: error: {message}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print("ds_exp.universal: interrupted; nothing was converted or left behind", file=sys.stderr)
-        return 130
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-        log.propagate = True
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

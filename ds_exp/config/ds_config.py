@@ -16,21 +16,16 @@ from __future__ import annotations
 import copy
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-from omegaconf import OmegaConf
-
-from ds_exp.config.paths import conf_dir
 from ds_exp.config.plan import data_parallel_size, global_batch_mismatch
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
 from ds_exp.core.errors import ConfigError
 
-_MISSING = object()
+MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -76,7 +71,7 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-def get_path(tree: dict[str, Any], path: str, default: Any = _MISSING) -> Any:
+def get_path(tree: dict[str, Any], path: str, default: Any = MISSING) -> Any:
     node: Any = tree
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -224,9 +219,9 @@ def hidden_size_values(hidden_size: int) -> dict[str, int]:
     }
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b or (isinstance(a, bool) and isinstance(b, bool) and a == b)
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
@@ -263,11 +258,11 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
     mismatches = []
     for exp in expected_values(cfg, facts):
         current = get_path(ds, exp.path)
-        if current is _MISSING:
+        if current is MISSING:
             continue  # e.g. no scheduler block: nothing to fill
         if current == AUTO:
             set_path(ds, exp.path, exp.value)
-        elif not _same(current, exp.value):
+        elif not same_value(current, exp.value):
             mismatches.append(
                 f"- {exp.path}={json.dumps(current)} but ds_exp uses {json.dumps(exp.value)} (from {exp.source})"
             )
@@ -282,7 +277,7 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
         )
 
     stage = get_path(ds, "zero_optimization.stage")
-    if stage is not _MISSING and stage != 3:
+    if stage is not MISSING and stage != 3:
         # stage-3 knobs mean nothing below stage 3; drop the ones still waiting to be filled
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             if get_path(ds, f"zero_optimization.{key}") == AUTO:
@@ -312,163 +307,3 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
             )
             raise ConfigError(f'"auto" could not be filled for {", ".join(left)}: {hint}')
     return ds
-
-
-# --------------------------------------------------------------------- settings the user's DeepSpeed file wins over
-class IgnoredOverride(ConfigError):
-    """An override given explicitly (on the command line, or as a sweep's value) that the run would not obey,
-    because deepspeed.config_file replaces what it sets."""
-
-
-_REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
-# With its own "optimizer" block DeepSpeed builds the optimizer from the file: ds_exp's choice of it is not used,
-# and a hyperparameter the block leaves out is DeepSpeed's default. ("auto" ones and weight_decay, which each
-# parameter group carries, are obeyed.)
-_OPTIMIZER_BLOCK_REPLACES = ("optimizer.impl", "optimizer.name")
-_OPTIMIZER_PARAMS = {"optimizer.lr": "lr", "optimizer.betas": "betas", "optimizer.eps": "eps"}
-# With its own "scheduler" block the schedule is the file's; only its warmup may come from ds_exp ("auto").
-_SCHEDULER_BLOCK_REPLACES = ("scheduler", "scheduler.name", "scheduler.kwargs")
-_SCHEDULER_WARMUP = ("scheduler.warmup_steps", "scheduler.warmup_ratio")
-# DeepSpeed keys fed by a ds_exp setting that means more than them: train.log_every sets ds_exp's metric lines too
-_COSMETIC = {"steps_per_print"}
-
-
-def override_key(override: str) -> str:
-    """The config key of a Hydra override (`+a.b=1`, `~a.b`, `group=option`, `group@pkg=option` -> a.b / group)."""
-    key = override.split("=", 1)[0].lstrip("+~").strip()
-    return key.split("@", 1)[0]
-
-
-def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(tree, dict) and tree:
-        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{prefix}{k}.")]
-    return [(prefix.rstrip("."), tree)]
-
-
-def _sources(unresolved: Any, path: str) -> set[str]:
-    """The ds_exp keys the groups' value at `path` of deepspeed.config comes from (conf/config.yaml interpolates
-    them: `stage: ${zero.stage}`), plus the key that sets it directly (deepspeed.config.<path>)."""
-    keys = {f"deepspeed.config.{path}"}
-    node = unresolved
-    for part in path.split("."):
-        if isinstance(node, str):
-            break
-        if not isinstance(node, dict) or part not in node:
-            return keys
-        node = node[part]
-    for value in [leaf for _, leaf in _leaves(node)]:
-        if isinstance(value, str):
-            keys |= set(_REFERENCE.findall(value))
-    return keys
-
-
-def _feeds(key: str, sources: set[str]) -> bool:
-    """Whether an override of `key` sets one of `sources`. A group's option (`zero=stage1`) sets many keys, and a
-    user's file tuning one of them (a bucket size) is the file's normal use; the option is beaten only where the
-    file changes what tells the group's options apart (zero: stage; offload: the devices)."""
-    group_keys = _distinguishing_keys(key)
-    if group_keys is not None:
-        return any(source in group_keys for source in sources)
-    return any(source == key or source.startswith(key + ".") for source in sources)
-
-
-_GROUP_KEYS: dict[str, set[str] | None] = {}
-
-
-def _distinguishing_keys(group: str) -> set[str] | None:
-    """For a config group of conf/ (None for any other key): its keys that every option sets, to values that are
-    not all the same."""
-    if group not in _GROUP_KEYS:
-        folder = conf_dir() / group
-        options = sorted(folder.glob("*.yaml")) if "." not in group and folder.is_dir() else []
-        if not options:
-            _GROUP_KEYS[group] = None
-        else:
-            trees = [yaml.safe_load(option.read_text()) or {} for option in options]
-            leaves = [dict(_leaves({k: v for k, v in tree.items() if k != "defaults"})) for tree in trees]
-            common = set.intersection(*(set(leaf) for leaf in leaves))
-            _GROUP_KEYS[group] = {
-                f"{group}.{key}" for key in common if len({json.dumps(leaf[key]) for leaf in leaves}) > 1
-            }
-    return _GROUP_KEYS[group]
-
-
-def overrides_replaced_by_file(composed: Any, cfg: Config, overrides: list[str]) -> list[str]:
-    """One line for each explicit override that deepspeed.config_file silently wins over, so that the run would not
-    do what it says: a DeepSpeed-only key the file sets to another value (the file wins for those, by design), or
-    ds_exp's optimizer / schedule choices where the file brings its own block. Keys ds_exp mirrors (batch sizes,
-    lr, precision...) are not here: a file that disagrees on them is an error of resolve_ds_config already.
-    `composed` is the composed config before typing (the interpolations say which ds_exp key feeds which
-    DeepSpeed key); `overrides` are the run's own (the command line's, or a sweep job's)."""
-    if not cfg.deepspeed.config_file or not overrides:
-        return []
-    file = load_config_file(cfg.deepspeed.config_file)
-    where = f"deepspeed.config_file={cfg.deepspeed.config_file}"
-    unresolved = OmegaConf.to_container(composed.deepspeed.config, resolve=False)
-    groups = groups_ds_config(cfg)
-    facts = RunFacts(world_size=1, total_steps=1, warmup_steps=0, precision="fp32")
-    mirrored = {e.path for e in expected_values(cfg, facts)}  # agree with ds_exp or are an error already
-    replaced: list[tuple[str, Any, set[str]]] = []  # (DeepSpeed key, the file's value, the ds_exp keys it beats)
-    for block, value in file.items():
-        if block in ("optimizer", "scheduler"):
-            continue  # blocks of their own: below
-        for path, file_value in _leaves({block: value}):
-            if file_value == AUTO or path in mirrored or path in _COSMETIC:
-                continue
-            ours = get_path(groups, path)  # a subtree where the file puts a value: the file replaces all of it
-            if ours is _MISSING or file_value == {}:  # nothing of ds_exp's there; an empty block merges nothing
-                continue
-            if not _same(ours, file_value):
-                replaced.append((path, file_value, _sources(unresolved, path)))
-    problems = []
-    for override in overrides:
-        key = override_key(override)
-        if not key or key.startswith(("hydra.", "hydra/")) or key == "deepspeed.config_file":
-            continue
-        beaten = [(path, value) for path, value, sources in replaced if _feeds(key, sources)]
-        if beaten:
-            sets = ", ".join(f"{path}={json.dumps(value)}" for path, value in beaten)
-            problems.append(
-                f"{override} would not be used: {where} sets {sets}, and the file wins over ds_exp's settings for "
-                f"DeepSpeed's own keys; drop {override}, or remove {', '.join(p for p, _ in beaten)} from the file"
-            )
-        why = _replacing_block(file, key, cfg)
-        if why:
-            problems.append(f"{override} would not be used: {where} {why}")
-    return problems
-
-
-def _replacing_block(file: dict[str, Any], key: str, cfg: Config) -> str | None:
-    """Why the file's "optimizer" / "scheduler" block means `key` is not used, with the fix; or None."""
-    for block, replaces, owner, params_of in (
-        ("optimizer", _OPTIMIZER_BLOCK_REPLACES, cfg.optimizer.owner, _OPTIMIZER_PARAMS),
-        (
-            "scheduler",
-            _SCHEDULER_BLOCK_REPLACES,
-            cfg.scheduler.owner,
-            dict.fromkeys(_SCHEDULER_WARMUP, "warmup_num_steps"),
-        ),
-    ):
-        found = file.get(block)
-        if not isinstance(found, dict):
-            continue
-        params = found.get("params") if isinstance(found.get("params"), dict) else {}
-        if key in replaces or (key == f"{block}.owner" and plain(owner) == "ds_exp"):
-            return (
-                f"brings its own {block} block ({found.get('type')}), which replaces ds_exp's; drop {key}, or remove "
-                f"the file's {block} block"
-            )
-        if key in params_of and params_of[key] not in params:
-            name = params_of[key]
-            return (
-                f"brings its own {block} block ({found.get('type')}) whose params have no {name}, so DeepSpeed's "
-                f'default is used; add "{name}": "auto" to them (ds_exp fills it from {key})'
-            )
-    return None
-
-
-def check_overrides_obeyed(composed: Any, cfg: Config, overrides: list[str]) -> None:
-    """IgnoredOverride naming each override the user's DeepSpeed file would silently win over (see above)."""
-    problems = overrides_replaced_by_file(composed, cfg, overrides)
-    if problems:
-        raise IgnoredOverride(problems)

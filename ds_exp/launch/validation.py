@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_exp.config.ds_config import check_overrides_obeyed
+from ds_exp.config.file_overrides import check_overrides_obeyed
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, to_config
 from ds_exp.config.validate import config_problems

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from ds_exp.config.ds_config import override_key
+from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 

@@ -30,7 +30,7 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
-from ds_exp.config.ds_config import IgnoredOverride
+from ds_exp.config.file_overrides import IgnoredOverride
 from ds_exp.config.memory_plan import estimate_activations, estimate_model_states, human_bytes
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import as_dict, plain

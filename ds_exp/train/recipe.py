@@ -20,24 +20,22 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ds_exp.artifacts.export import check_target
 from ds_exp.checkpoint.checkpointer import Checkpointer, load_checkpoint
 from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, load_state, param_names
 from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
-from ds_exp.config.memory_plan import checkpoint_bytes, export_bytes
+from ds_exp.config.memory_plan import checkpoint_bytes
 from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.secrets import redact, register_secrets
 from ds_exp.config.sp_checks import check_sequence_parallel
-from ds_exp.core.errors import ConfigError, RunFailed
+from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import write_json_atomic
 from ds_exp.data.checks import no_eval_note
 from ds_exp.data.pipeline import prepare_sft_data
 from ds_exp.data.templates import first_template
 from ds_exp.launch.run_dir import completed_at, set_aside_attempt
 from ds_exp.launch.run_logging import FILE_LOGGER
-from ds_exp.launch.storage import check_free_space
 from ds_exp.model.architecture import build_model_config, check_lora, hidden_size_of
 from ds_exp.model.build import build_model
 from ds_exp.model.engine import build_engine, check_deepspeed_config, lr_at, parameter_groups
@@ -51,8 +49,9 @@ from ds_exp.resume.trajectory import trajectory_of
 from ds_exp.runtime.process_group import all_reduce_sum, broadcast
 from ds_exp.runtime.signals import StopRequested
 from ds_exp.train.collate import make_collator
+from ds_exp.train.disk_space import check_disk_space
 from ds_exp.train.evaluate import Generations
-from ds_exp.train.exports import RunExports, check_step_export_targets, planned_step_exports, step_export_needs
+from ds_exp.train.exports import RunExports
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
 from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
 from ds_exp.train.loop import Loop, Progress
@@ -189,48 +188,6 @@ def log_model(cfg: Config, built: Any, parameters: int, trainable: int) -> None:
         100.0 * trainable / max(parameters, 1),
         f", LoRA rank {lora.dim} on {len(lora.targets)} layers" if lora else "",
     )
-
-
-def saves_a_checkpoint(train_cfg: Any, start_step: int, total_steps: int) -> bool:
-    """Whether a run from `start_step` to `total_steps` writes a checkpoint (a stop signal aside): the final one,
-    or one at a multiple of train.save_every still ahead."""
-    if start_step >= total_steps:
-        return False
-    every = train_cfg.save_every
-    return bool(train_cfg.save_final_checkpoint) or (bool(every) and total_steps // every * every > start_step)
-
-
-def check_disk_space(
-    cfg: Config, session: Session, checkpoint_size: int, parameters: int, *, start_step: int = 0, total_steps: int = 0
-) -> None:
-    """Collective: rank 0 checks that what the run will write (a checkpoint, the export) fits on its disk (and that
-    the export would replace nothing that is not an export); every rank obeys. A resume counts only what is still
-    to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
-    train_cfg, verdict = cfg.train, None
-    finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step
-    if session.is_main and not finished:
-        needs: dict[Path, int] = {}
-        keys: dict[Path, str] = {}
-        if saves_a_checkpoint(train_cfg, start_step, total_steps):
-            path = session.run_dir / train_cfg.checkpoint_dir
-            needs[path], keys[path] = checkpoint_size, "train.checkpoint_dir"
-        if train_cfg.export:
-            path = session.run_dir / train_cfg.export_dir
-            needs[path], keys[path] = export_bytes(parameters, session.precision), "train.export_dir"
-        planned = planned_step_exports(cfg, session.run_dir, start_step, total_steps)
-        if planned:
-            needs[planned[0]] = step_export_needs(cfg, planned, parameters, session.precision)
-            keys[planned[0]] = "train.export_every"
-        try:
-            check_free_space(needs, keys)
-            check_step_export_targets(planned)
-            if train_cfg.export:
-                check_target(session.run_dir / train_cfg.export_dir)  # fail now, not after the training
-        except RunFailed as err:
-            verdict = str(err)
-    verdict = broadcast(verdict)
-    if verdict is not None:
-        raise RunFailed(verdict)
 
 
 def resume_plan(cfg: Config, session: Session, settings: dict[str, Any]) -> tuple[Path | None, bool]:

@@ -22,7 +22,8 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from transformers.utils import logging as hf_logging
 
 from ds_exp.artifacts.export import DTYPES, export_spec, non_finite_tensors, write_export
-from ds_exp.checkpoint.universal import MODEL_STATES, allowed_types
+from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES
+from ds_exp.checkpoint.universal import MODEL_STATES
 from ds_exp.config.schema import Config
 from ds_exp.core import compat
 from ds_exp.core.errors import Diverged, RunFailed
@@ -104,7 +105,7 @@ def _in_one_process(cfg: Config) -> Config:
 def read_weights(tag_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
     """The full state dict of the module at the checkpoint, in the training precision `dtype`."""
     try:
-        with compat.torch_load_weights_only(allowed_types()):
+        with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
             states = tag_dir / MODEL_STATES[0]
             if states.is_file():  # ZeRO 0-2: the whole module, as the engine held it
                 return dict(torch.load(states, map_location="cpu")["module"])

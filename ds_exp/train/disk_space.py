@@ -1,0 +1,59 @@
+"""Before training: what the run will write (checkpoints, exports) fits on its disk, checked by rank 0 and obeyed by
+every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ds_exp.artifacts.export import check_target
+from ds_exp.config.memory_plan import export_bytes
+from ds_exp.config.schema import Config
+from ds_exp.core.errors import RunFailed
+from ds_exp.launch.run_dir import completed_at
+from ds_exp.launch.storage import check_free_space
+from ds_exp.runtime.process_group import broadcast
+from ds_exp.train.exports import check_step_export_targets, planned_step_exports, step_export_needs
+from ds_exp.train.session import Session
+
+
+def saves_a_checkpoint(train_cfg: Any, start_step: int, total_steps: int) -> bool:
+    """Whether a run from `start_step` to `total_steps` writes a checkpoint (a stop signal aside): the final one,
+    or one at a multiple of train.save_every still ahead."""
+    if start_step >= total_steps:
+        return False
+    every = train_cfg.save_every
+    return bool(train_cfg.save_final_checkpoint) or (bool(every) and total_steps // every * every > start_step)
+
+
+def check_disk_space(
+    cfg: Config, session: Session, checkpoint_size: int, parameters: int, *, start_step: int = 0, total_steps: int = 0
+) -> None:
+    """Collective: rank 0 checks that what the run will write (a checkpoint, the export) fits on its disk (and that
+    the export would replace nothing that is not an export); every rank obeys. A resume counts only what is still
+    to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
+    train_cfg, verdict = cfg.train, None
+    finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step
+    if session.is_main and not finished:
+        needs: dict[Path, int] = {}
+        keys: dict[Path, str] = {}
+        if saves_a_checkpoint(train_cfg, start_step, total_steps):
+            path = session.run_dir / train_cfg.checkpoint_dir
+            needs[path], keys[path] = checkpoint_size, "train.checkpoint_dir"
+        if train_cfg.export:
+            path = session.run_dir / train_cfg.export_dir
+            needs[path], keys[path] = export_bytes(parameters, session.precision), "train.export_dir"
+        planned = planned_step_exports(cfg, session.run_dir, start_step, total_steps)
+        if planned:
+            needs[planned[0]] = step_export_needs(cfg, planned, parameters, session.precision)
+            keys[planned[0]] = "train.export_every"
+        try:
+            check_free_space(needs, keys)
+            check_step_export_targets(planned)
+            if train_cfg.export:
+                check_target(session.run_dir / train_cfg.export_dir)  # fail now, not after the training
+        except RunFailed as err:
+            verdict = str(err)
+    verdict = broadcast(verdict)
+    if verdict is not None:
+        raise RunFailed(verdict)
