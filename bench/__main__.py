@@ -11,6 +11,7 @@ import time
 
 BENCHMARKS = {
     "startup": "launch to first step, and the light commands (--help, --cfg job, dry run, sweep validation)",
+    "help_time": "`python -m ds_exp --help` vs a bare Hydra app's --help, paired whole processes (bar: 2x)",
     "step_time": "steady-state step time: ds_exp vs a bare DeepSpeed loop vs HF Trainer, ZeRO 0-3, 2 ranks",
     "step_overhead": "ds_exp's per-step overhead over a bare step, paired in the same processes, ZeRO 0-3",
     "tokenize_data": "tokenization of 100k examples, cold and cached, vs a bare datasets.map; peak memory",

@@ -727,6 +727,32 @@ CASES: list[Case] = [
         ("-m", "experiment=autotune", "hydra.sweeper.max_batch_size=-1"),
         ("hydra.sweeper.max_batch_size=-1", "a whole number >= 1, or null"),
     ),
+    Case(
+        "SLURM launcher without SLURM",
+        "launch",
+        ("-m", "hydra/launcher=slurm", "train.max_steps=2"),
+        ("hydra/launcher=slurm: sbatch and srun not found", "nothing was submitted", "hydra/launcher=local"),
+        env={"PATH": "/nonexistent"},  # no srun, no sbatch
+    ),
+    Case(
+        "WSD decay longer than the run",
+        "combination",
+        ("scheduler=warmup_stable_decay", "train.max_steps=40", "scheduler.kwargs.num_decay_steps=100"),
+        ("num_decay_steps=100 with 0 warmup steps does not fit in the run's 40", "num_decay_steps=auto"),
+    ),
+    Case(
+        "list item a data option lacks",
+        "config value",
+        ("experiment=dschat_step1", "data.sources.0.path={tmp}/data"),
+        ("data=synthetic has no data.sources[0]", "data=dschat_local data.sources.0.path="),
+    ),
+    Case(
+        "hub id with no hub to reach",
+        "path",
+        ("model.name_or_path=meta-llama/Llama-2-7b-hf",),
+        ("is a Hugging Face hub id, the hub cannot be reached", "hf download meta-llama/Llama-2-7b-hf --local-dir DIR"),
+        env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": "/nonexistent/hf_cache"},  # nothing listens there
+    ),
 ]
 
 

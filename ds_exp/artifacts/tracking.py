@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from ds_exp.artifacts.mlflow_run import MlflowRun
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact
-from ds_exp.core.files import append_json_line
+from ds_exp.core.files import append_json_line, write_text_atomic
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 
 log = logging.getLogger(__name__)
@@ -25,9 +26,11 @@ log = logging.getLogger(__name__)
 class MetricsLog:
     """One JSON object per line in <run dir>/metrics.jsonl (rank 0 writes; other ranks hold a disabled log)."""
 
-    def __init__(self, path: Path, enabled: bool) -> None:
+    def __init__(self, path: Path, enabled: bool, start_step: int = 0) -> None:
         self.path = path
         self.enabled = enabled
+        if enabled and start_step:
+            drop_lines_after(path, start_step)
         self._file = path.open("a", buffering=1) if enabled else None
 
     def write(self, record: dict[str, Any]) -> None:
@@ -40,10 +43,33 @@ class MetricsLog:
             self._file = None
 
 
+def drop_lines_after(path: Path, step: int) -> Path | None:
+    """A run resumed from the checkpoint at `step`: the lines an earlier attempt wrote past it (it was killed after
+    that checkpoint) leave `path`, so that it holds one line per step of the course the run followed. They are
+    kept, not lost: moved to attempts/<time>/<name> beside it (returned)."""
+    if not path.is_file():
+        return None
+    keep, past = [], []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            after = int(json.loads(line).get("step", 0)) > step
+        except (ValueError, TypeError, AttributeError):
+            after = False  # not a metric line of ours (a cut-short last line): kept as it is
+        (past if after else keep).append(line)
+    if not past:
+        return None
+    aside = path.parent / "attempts" / time.strftime("%Y-%m-%d_%H-%M-%S") / f"{path.stem}.after_step{step}.jsonl"
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    aside.write_text("".join(past), encoding="utf-8")
+    write_text_atomic(path, "".join(keep))
+    log.info("resume from step %d: %d line(s) of %s past it moved to %s", step, len(past), path.name, aside)
+    return aside
+
+
 class WandbRun:
     """A wandb run on rank 0 when logger.wandb.mode is not disabled; a no-op everywhere else."""
 
-    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0) -> None:
         self.run = None
         self.run_id = run_id
         wandb_cfg = cfg.logger.wandb
@@ -66,7 +92,9 @@ class WandbRun:
             dir=str(wandb_cfg.dir or run_dir),
             mode=mode,
             id=run_id,  # set when resuming: the same wandb run continues
-            resume="allow",
+            # from the checkpoint's step: wandb's rewind sets aside what a killed attempt logged past it, as
+            # metrics.jsonl does (wandb >= 0.17.1; its "resume" would keep those steps and drop the resumed ones)
+            **({"resume_from": f"{run_id}?_step={start_step}"} if run_id and start_step else {"resume": "allow"}),
             config=redact(as_dict(cfg)),
             # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
             # ~/.netrc); an offline run writes it nowhere (tests/test_security.py)
@@ -162,7 +190,9 @@ class Trackers:
             self.all.append(self.mlflow)
             self.tensorboard = TensorBoardRun(cfg, run_dir, enabled=enabled, start_step=step)
             self.all.append(self.tensorboard)
-            self.wandb = WandbRun(cfg, run_dir, enabled=enabled, run_id=getattr(start, "wandb_run_id", None))
+            self.wandb = WandbRun(
+                cfg, run_dir, enabled=enabled, run_id=getattr(start, "wandb_run_id", None), start_step=step
+            )
             self.all.append(self.wandb)
         except BaseException:
             self.close(RunStatus.FAILED)

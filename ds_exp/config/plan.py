@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from ds_exp.config.schema import SchedulerConfig, TrainConfig
+from ds_exp.config.schema import SchedulerConfig, TrainConfig, plain
 from ds_exp.core.errors import ConfigError
 
 
@@ -65,14 +65,51 @@ def total_steps(num_train: int, train: TrainConfig, world_size: int) -> int:
 
 
 def warmup_steps(scheduler: SchedulerConfig, total: int) -> int:
+    """The warmup of the run's schedule; ConfigError when the schedule's phases do not fit in the run's steps."""
     if scheduler.warmup_steps > 0:
         if scheduler.warmup_steps > total:
             raise ConfigError(
                 f"scheduler.warmup_steps={scheduler.warmup_steps} is longer than the whole run ({total} optimizer "
                 "steps): the learning rate would never reach optimizer.lr; lower it, or use scheduler.warmup_ratio"
             )
-        return int(scheduler.warmup_steps)
-    return math.ceil(total * scheduler.warmup_ratio)
+        warmup = int(scheduler.warmup_steps)
+    else:
+        warmup = math.ceil(total * scheduler.warmup_ratio)
+    problem = decay_problem(scheduler, total, warmup)
+    if problem:
+        raise ConfigError(problem)
+    return warmup
+
+
+WSD_DECAY_FRACTION = 0.2  # WSD's decay: the last 20% of the steps, as cosine-matching in Hagele et al. 2024
+
+
+def scheduler_kwargs(scheduler: SchedulerConfig, total: int, warmup: int) -> dict:
+    """scheduler.kwargs as transformers.get_scheduler gets them: warmup_stable_decay's num_decay_steps `auto` (or
+    absent) becomes the last WSD_DECAY_FRACTION of the run's steps, within what the warmup leaves."""
+    kwargs = dict(scheduler.kwargs)
+    if plain(scheduler.name) == "warmup_stable_decay" and kwargs.get("num_decay_steps", "auto") in ("auto", None):
+        kwargs["num_decay_steps"] = max(min(round(total * WSD_DECAY_FRACTION), total - warmup), 0)
+    return kwargs
+
+
+def decay_problem(scheduler: SchedulerConfig, total: int, warmup: int) -> str | None:
+    """warmup_stable_decay with a num_decay_steps the run has no room for: the rate would never reach its peak."""
+    if plain(scheduler.name) != "warmup_stable_decay":
+        return None
+    decay = scheduler.kwargs.get("num_decay_steps", "auto")
+    if decay in ("auto", None):
+        return None
+    if not isinstance(decay, int) or isinstance(decay, bool) or decay < 0:
+        return f"scheduler.kwargs.num_decay_steps={decay}: give auto (the last 20% of the steps) or a whole number"
+    if warmup + decay > total:
+        return (
+            f"scheduler.kwargs.num_decay_steps={decay} with {warmup} warmup steps does not fit in the run's {total} "
+            "optimizer steps: the decay would start before the learning rate reaches optimizer.lr; use "
+            f"scheduler.kwargs.num_decay_steps=auto (the last {round(total * WSD_DECAY_FRACTION)}) or at most "
+            f"{total - warmup}"
+        )
+    return None
 
 
 def eval_interval(train: TrainConfig, per_epoch: int, total: int) -> int:

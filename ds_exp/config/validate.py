@@ -25,7 +25,7 @@ from ds_exp.config.model_checks import (
 )
 from ds_exp.config.output_paths import check_output_paths
 from ds_exp.config.paths import not_a_directory
-from ds_exp.config.plan import data_parallel_size, global_batch_mismatch
+from ds_exp.config.plan import data_parallel_size, decay_problem, global_batch_mismatch
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.sampling import sampling_problems
@@ -243,6 +243,9 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
         problems.append(
             f"train.max_steps={train.max_steps}: give a positive number of steps, or -1 to use train.epochs"
         )
+    elif train.max_steps > 0 and sched.warmup_steps <= train.max_steps:  # else the run start says it, data known
+        warmup = int(sched.warmup_steps) or math.ceil(train.max_steps * sched.warmup_ratio)
+        problems += filter(None, [decay_problem(sched, train.max_steps, warmup)])
     for key in ("eval_every", "save_every", "keep_last", "max_bad_steps", "export_every", "export_keep_last"):
         if getattr(train, key) < 0:
             problems.append(f"train.{key}={getattr(train, key)}: must be >= 0")

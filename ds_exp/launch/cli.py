@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import hydra_plugins
+from ds_exp.config.override_checks import check_list_items_when_composing
 from ds_exp.config.paths import PACKAGE_DIR, conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
@@ -26,8 +27,13 @@ from ds_exp.config.secrets import hide_secret_overrides, hide_secrets_when_compo
 from ds_exp.core.errors import ConfigError, DsExpError
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import report_user_error
-from ds_exp.launch.environment import launch_env_problems
-from ds_exp.launch.run_dir import rank_placeholder_overrides
+from ds_exp.launch.environment import launch_env_problems, launch_rank_from_env
+from ds_exp.launch.experiment_file import main as write_experiment
+from ds_exp.launch.experiment_file import wants_experiment_file
+from ds_exp.launch.help import main as print_help
+from ds_exp.launch.help import wants_help
+from ds_exp.launch.hub import check_hub
+from ds_exp.launch.run_dir import rank_placeholder_overrides, remove_refused_attempt
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.validation import validate_job
 
@@ -36,6 +42,7 @@ log = logging.getLogger("ds_exp")
 # Every composition of a process that runs ds_exp's task hides its config files' credentials, a submitit job's
 # too: the job imports this module to unpickle hydra_task, then composes its own config and saves .hydra/
 hide_secrets_when_composing()
+check_list_items_when_composing()  # `data.sources.0.path=X` on a data option without sources: one message
 
 _LOCAL_RANK_FLAG = re.compile(r"^--local[_-]rank(=(\d+))?$")
 
@@ -76,7 +83,16 @@ def run_job(composed: DictConfig) -> Any:
     # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     run_dir = run_dir_of_job()
-    cfg = validate_job(composed, overrides, run_dir=run_dir)
+    try:
+        cfg = validate_job(composed, overrides, run_dir=run_dir)
+        check_hub(cfg)  # a hub id with no hub to reach: one message now, not transformers' retries
+    except DsExpError:
+        if HydraConfig.initialized() and not in_multirun():
+            hydra_cfg = HydraConfig.get()
+            remove_refused_attempt(run_dir, hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log")
+        raise
+    if launch_rank_from_env() == 0 and (note := unnamed_experiment_note(cfg.experiment_name)):
+        log.warning(note)
     if cfg.dry_run:
         from ds_exp.tools.dry_run import dry_run
 
@@ -84,6 +100,17 @@ def run_job(composed: DictConfig) -> Any:
     from ds_exp.train.recipe import recipe_main
 
     return recipe_main(cfg, run_dir)
+
+
+def unnamed_experiment_note(experiment_name: str) -> str | None:
+    """An experiment file that does not set experiment_name: its runs are named `default` like any other."""
+    choice = HydraConfig.get().runtime.choices.get("experiment") if HydraConfig.initialized() else None
+    if not choice or experiment_name != "default":
+        return None
+    return (
+        f"experiment={choice} does not set experiment_name, so its outputs, wandb group and optuna study are named "
+        f"`default`; add `experiment_name: {choice}` to its file"
+    )
 
 
 def in_multirun() -> bool:
@@ -121,8 +148,12 @@ def main() -> None:
     hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
     find_own_sweepers()
     sys.argv = strip_local_rank(sys.argv)
-    check_launch_env()
     register_secrets(environ=os.environ)
+    if wants_experiment_file(sys.argv[1:]):  # before Hydra: the command line is saved, not run
+        write_experiment(sys.argv[1:])
+    if wants_help(sys.argv[1:]):  # ds_exp's help from conf/'s comments (Hydra's own: --hydra-help)
+        print_help(sys.argv[1:])
+    check_launch_env()
     try:
         # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
         sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)

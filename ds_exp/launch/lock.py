@@ -38,6 +38,12 @@ def lock_run_dir(run_dir: Path, *, key: str = "hydra.run.dir") -> None:
         raise
 
 
+def made_here(run_dir: Path) -> bool:
+    """Whether this process made the run directory it locked (it did not exist before this run)."""
+    entry = _locks.get(run_dir.absolute())
+    return entry is not None and entry[2] is not None
+
+
 def claim_run_dir(run_dir: Path) -> None:
     """Write who holds the lock into it, once the run goes ahead (a refused start leaves the file as it was)."""
     _write_holder(_locks[run_dir.absolute()][0])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,8 +35,10 @@ from ds_exp.launch.lock import (
     live_ancestor,
     live_holder,
     lock_run_dir,
+    made_here,
     release_run_dir,
 )
+from ds_exp.launch.run_config import continue_run_config, named_run_dir, resume_note
 from ds_exp.launch.storage import check_writable
 from ds_exp.resume.preflight import check_resume_target
 
@@ -80,19 +83,48 @@ def completed_at(run_dir: Path) -> int | None:
 
 
 def check_run_start(config: DictConfig) -> None:
-    """Before a single run: the checks of the module docstring. May move .hydra's output for a resume."""
+    """Before a single run: the checks of the module docstring. May move .hydra's output for a resume, and takes
+    R's own config for a resume in a directory R the command line names (launch.run_config)."""
     run_dir = Path(str(config.hydra.run.dir))
     check_writable(run_dir, "hydra.run.dir")
+    named = named_run_dir(config)
+    if config.get("resume") is not None and named is not None:
+        changed = continue_run_config(config, named, list(config.hydra.overrides.task))
+        if changed is not None and launch_rank_from_env() == 0:
+            print(f"ds_exp: {resume_note(named, changed)}", file=sys.stderr)
     cfg = to_config(config)
-    found = holds_a_run(run_dir, cfg.train.checkpoint_dir)
     check_not_inside_a_live_dir(run_dir, "hydra.run.dir")
-    lock_run_dir(run_dir)  # first: a live run in this directory is the reason to name
+    if named is None:  # Hydra named it by the second: another run may have started in the same one
+        run_dir = _lock_a_fresh_dir(config, run_dir, cfg.train.checkpoint_dir)
+    else:
+        lock_run_dir(run_dir)  # first: a live run in this directory is the reason to name
     try:
-        _check_existing_run(config, cfg, run_dir, found)
+        _check_existing_run(config, cfg, run_dir, holds_a_run(run_dir, cfg.train.checkpoint_dir))
     except BaseException:
         release_run_dir(run_dir, refused=True)
         raise
     claim_run_dir(run_dir)
+
+
+def _lock_a_fresh_dir(config: DictConfig, run_dir: Path, checkpoint_subdir: str) -> Path:
+    """Lock the directory Hydra chose (outputs/<name>/<date_time>), or, when a run started in the same second holds
+    it, the first free `<date_time>_N` beside it; hydra.run.dir then names the one taken."""
+    base = run_dir
+    for n in range(1, 1000):
+        try:
+            lock_run_dir(run_dir)
+        except Refused:
+            if live_holder(run_dir) is None:  # not another run: its own message
+                raise
+        else:
+            if holds_a_run(run_dir, checkpoint_subdir) is None:
+                break
+            release_run_dir(run_dir, refused=True)
+        run_dir = base.with_name(f"{base.name}_{n}")
+    if run_dir != base:
+        with read_write(config.hydra):
+            config.hydra.run.dir = str(run_dir)
+    return run_dir
 
 
 def check_not_inside_a_live_dir(directory: Path, key: str) -> None:
@@ -118,6 +150,20 @@ def _check_existing_run(config: DictConfig, cfg: Config, run_dir: Path, found: s
     if (run_dir / ".hydra").is_dir() and config.hydra.output_subdir == ".hydra":
         with read_write(config.hydra), open_dict(config.hydra):  # the first attempt's config stays as it was
             config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+
+
+def remove_refused_attempt(run_dir: Path, output_subdir: str | None, log_file: str) -> None:
+    """A run refused at validation leaves nothing of its own (Hydra saved its config and opened its log before the
+    task could validate): a resume's .hydra/resume-<time>/; and a directory this run made goes altogether (only
+    what Hydra and the lock put there is in it), so no stub of a run that never started stays under outputs/."""
+    if output_subdir and output_subdir.startswith(".hydra/resume-"):
+        shutil.rmtree(run_dir / output_subdir, ignore_errors=True)
+    if not made_here(run_dir):
+        return
+    if output_subdir:
+        shutil.rmtree(run_dir / output_subdir, ignore_errors=True)
+    (run_dir / log_file).unlink(missing_ok=True)
+    release_run_dir(run_dir, refused=True)  # the lock file, then the directories it made, if empty now
 
 
 def check_job_dir(cfg: Config, job_dir: Path, sweep_dir: Path, *, runs_here: bool = False) -> None:

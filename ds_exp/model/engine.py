@@ -19,6 +19,7 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
 from transformers import get_scheduler
 
+from ds_exp.config.plan import scheduler_kwargs
 from ds_exp.config.schema import Config, OptimizerConfig, SchedulerConfig, plain
 from ds_exp.config.secrets import redact
 from ds_exp.core import compat
@@ -84,7 +85,7 @@ def build_scheduler(sched: SchedulerConfig, optimizer: Any, total_steps: int, wa
         optimizer,
         num_warmup_steps=warmup_steps,
         num_training_steps=total_steps,
-        scheduler_specific_kwargs=dict(sched.kwargs) or None,
+        scheduler_specific_kwargs=scheduler_kwargs(sched, total_steps, warmup_steps) or None,
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ds_exp.config.plan import scheduler_kwargs
 from ds_exp.config.schema import Config, plain
 from ds_exp.core.errors import ResumeError
 
@@ -29,7 +30,7 @@ def trajectory_of(cfg: Config, *, total_steps: int, warmup_steps: int, world_siz
         "warmup_steps": warmup_steps,
         "lr": float(cfg.optimizer.lr),
         "scheduler": str(plain(sched.name)),
-        "scheduler_kwargs": dict(sched.kwargs),
+        "scheduler_kwargs": scheduler_kwargs(sched, total_steps, warmup_steps),  # as the schedule gets them
         "scheduler_owner": str(plain(sched.owner)),
         "global_batch": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
         "data": data_key,

@@ -10,6 +10,7 @@ Whatever either raises stops the sweep (launch.console.exit_on_error): Hydra wou
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,27 @@ def check_sweep_start(config: DictConfig) -> None:
     claim_sweep_dir(sweep_dir)
 
 
+SLURM_COMMANDS = ("sbatch", "srun")  # submitit submits with sbatch, and its SLURM executor needs srun on this PATH
+
+
+def check_slurm_commands(config: DictConfig) -> None:
+    """hydra/launcher=slurm on a machine without SLURM's commands: one message before anything is submitted or
+    written (submitit's own is a traceback ending in `Could not detect "srun"`)."""
+    if not str(config.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher"):
+        return
+    missing = [name for name in SLURM_COMMANDS if shutil.which(name) is None]
+    if missing:
+        raise ConfigError(
+            f"hydra/launcher=slurm: {' and '.join(missing)} not found on this machine's PATH, so no SLURM job can be "
+            "submitted from here; nothing was submitted. Run the sweep from a SLURM login node (or fix PATH), or "
+            "here with hydra/launcher=local (submitit's local executor) or without hydra/launcher (one job after "
+            "another)"
+        )
+
+
 class ValidateSweep(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        exit_on_error(lambda: check_slurm_commands(config), "checking SLURM's commands")
         exit_on_error(lambda: check_sweep_start(config), "checking the sweep directory")
         exit_on_error(lambda: self.validate(config), "validating the sweep's jobs")
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from ds_exp.artifacts.summary import EVERY_RANK_ENDS, RunState, final_line, write_summary
-from ds_exp.artifacts.tracking import MetricsLog, Trackers
+from ds_exp.artifacts.tracking import MetricsLog, Trackers, drop_lines_after
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
@@ -120,7 +120,10 @@ class Session:
         whose tracker run ids (wandb, MLflow) a resumed run continues."""
         trackers = Trackers(self.cfg, self.run_dir, enabled=self.is_main, start=start)
         self.sinks.append(trackers)
-        metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
+        start_step = int(getattr(start, "step", 0) or 0)  # a resume: the lines past it are of a killed attempt
+        metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main, start_step=start_step)
+        if self.is_main and start_step:
+            drop_lines_after(self.run_dir / "generations.jsonl", start_step)
         self.sinks.append(metrics_log)
         return metrics_log, trackers
 

@@ -1,0 +1,59 @@
+"""Command-line overrides that set an item past the end of a list (`data.sources.0.path=X` where the data option
+has no sources, as data=synthetic and experiment=dschat_step1 have): one message with the fix, before Hydra
+applies them and OmegaConf answers "dict is not a subclass of DataSource". Installed on every composition
+(ds_exp.core.compat.before_overrides) by `check_list_items_when_composing`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from ds_exp.core.compat import before_overrides
+
+# the data options whose sources are files, and what each reads
+FILE_DATA_OPTIONS = {
+    "dschat_local": "DeepSpeed-Chat's directory of train.json [+ eval.json]",
+    "local": "JSON, JSONL, CSV, Parquet or a save_to_disk directory",
+    "blend": "several datasets blended",
+}
+
+
+def list_item_problem(key: str, input_line: str, cfg: DictConfig) -> str | None:
+    """The message for an override whose dotted key indexes past the end of a list of `cfg`; None otherwise."""
+    parts = key.split(".")
+    for depth in range(1, len(parts)):
+        if not parts[depth].isdigit():
+            continue
+        parent = ".".join(parts[:depth])
+        node = OmegaConf.select(cfg, parent, throw_on_missing=False)
+        if not isinstance(node, ListConfig) or int(parts[depth]) < len(node):
+            continue
+        size = f"{len(node)} item{'s' if len(node) != 1 else ''}" if len(node) else "no items"
+        if parent == "data.sources" and not len(node):
+            option = OmegaConf.select(cfg, "data.name", default="?")
+            choices = [f"data={name} ({what})" for name, what in FILE_DATA_OPTIONS.items() if name != option]
+            return (
+                f"{input_line}: data={option} has no data.sources[{parts[depth]}] (it reads no files: its sources "
+                f"list is empty); add a data option that reads files: {', '.join(choices[:-1])} or {choices[-1]}; "
+                f"e.g. python -m ds_exp ... data=dschat_local {input_line}"
+            )
+        return (
+            f"{input_line}: {parent} has {size}, so there is no {parent}[{parts[depth]}]; set the items it has, or "
+            f"give the whole list: '{parent}=[...]'"
+        )
+    return None
+
+
+def _check(overrides: list[Any], cfg: DictConfig) -> None:
+    for override in overrides:
+        if override.is_delete() or override.input_line is None:
+            continue
+        problem = list_item_problem(override.key_or_group, override.input_line, cfg)
+        if problem is not None:
+            raise ConfigCompositionException(problem)
+
+
+def check_list_items_when_composing() -> None:
+    before_overrides(_check)

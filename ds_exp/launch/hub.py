@@ -1,0 +1,124 @@
+"""A Hugging Face hub id (model.name_or_path / model.tokenizer = `org/name`) on a machine that cannot reach the
+hub: one message at once, instead of transformers' retries (about 50 s of backoff per file, then an error about
+the tokenizer).
+
+Before anything loads: without HF_HUB_OFFLINE, one TCP connection to the hub (or to the HTTPS proxy) with a short
+timeout says whether it can be reached. When it cannot, an id in the local hub cache is loaded from there
+(HF_HUB_OFFLINE=1 is set for this process, before transformers or huggingface_hub are imported), and an id that is
+not cached is refused with the fix. With HF_HUB_OFFLINE=1 an id that is not cached is refused at once.
+Reads the environment and the cache folder only: huggingface_hub itself is not imported (it fixes its settings
+from the environment when imported, and the training stack imports it after this check).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ds_exp.config.model_checks import looks_like_local_path
+from ds_exp.config.schema import Config
+from ds_exp.core.errors import ConfigError
+from ds_exp.launch.environment import launch_rank_from_env
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 3.0
+_TRUE = ("1", "true", "yes", "on")
+
+
+def hub_ids(cfg: Config) -> list[tuple[str, str]]:
+    """(key, id) of the model settings that name a hub repository."""
+    out = []
+    for key, value in (("model.name_or_path", cfg.model.name_or_path), ("model.tokenizer", cfg.model.tokenizer)):
+        if value and not looks_like_local_path(str(value)) and (key, value) not in out:
+            out.append((key, str(value)))
+    return out
+
+
+def offline() -> bool:
+    return any(os.environ.get(name, "").strip().lower() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_cache() -> Path:
+    """huggingface_hub's cache folder, by its own rules (HF_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    default_home = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface"
+    return Path(os.environ.get("HF_HOME", default_home)).expanduser() / "hub"
+
+
+def cached(repo_id: str) -> bool:
+    """A snapshot of the model repository is in the local cache (what an offline load can use)."""
+    snapshots = hub_cache() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    return snapshots.is_dir() and any(p.is_dir() and any(p.iterdir()) for p in snapshots.iterdir())
+
+
+def hub_address() -> tuple[str, int, str]:
+    """(host, port, what) of the first hop to the hub: the HTTPS proxy if one is set, else HF_ENDPOINT's host."""
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        if os.environ.get(name):
+            url = urlsplit(os.environ[name] if "://" in os.environ[name] else "http://" + os.environ[name])
+            return url.hostname or "", url.port or 3128, f"the proxy {name}={url.hostname}:{url.port or 3128}"
+    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (80 if url.scheme == "http" else 443)
+    return url.hostname or "", port, f"{url.hostname}:{port}"
+
+
+def unreachable(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why (host, port) cannot be reached within `timeout` seconds (a DNS lookup can hang: it runs in a thread);
+    None when a TCP connection opens."""
+    result: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(None)
+        except OSError as err:
+            result.append(err.strerror or type(err).__name__)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result[0] if result else f"no answer in {timeout:g} s"
+
+
+def check_hub(cfg: Config) -> None:
+    """Raise ConfigError for hub ids that cannot be loaded here; load cached ones offline when the hub is away."""
+    ids = hub_ids(cfg)
+    if not ids:
+        return
+    missing = [(key, repo) for key, repo in ids if not cached(repo)]
+    if offline():
+        if missing:
+            why = "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set"
+            raise ConfigError([_refusal(key, repo, why, "unset HF_HUB_OFFLINE") for key, repo in missing])
+        return
+    host, port, what = hub_address()
+    why = unreachable(host, port)
+    if why is None:
+        return
+    if missing:
+        why = f"the hub cannot be reached from here ({what}: {why})"
+        raise ConfigError(
+            [_refusal(key, repo, why, "fix the connection (HF_ENDPOINT, HTTPS_PROXY)") for key, repo in missing]
+        )
+    os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers / huggingface_hub are imported: no retries
+    if launch_rank_from_env() != 0:
+        return
+    log.warning(
+        "the Hugging Face hub cannot be reached (%s: %s): %s load from the local cache (HF_HUB_OFFLINE=1)",
+        what,
+        why,
+        ", ".join(repo for _, repo in ids),
+    )
+
+
+def _refusal(key: str, repo: str, why: str, or_else: str) -> str:
+    return (
+        f"{key}={repo} is a Hugging Face hub id, {why}, and it is not in the local cache ({hub_cache()}); "
+        f"download it where there is network (hf download {repo} --local-dir DIR) and give {key}=DIR, or {or_else}"
+    )
