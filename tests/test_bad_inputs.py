@@ -1,5 +1,9 @@
 """Each case of the bad-input catalogue (tests/bad_inputs.py, docs/bad_inputs.md): one message that names what
-is wrong and how to fix it, a non-zero exit, no traceback, and nothing left that looks like a finished run."""
+is wrong and how to fix it, a non-zero exit, no traceback, and nothing left that looks like a finished run.
+
+Cases refused before any heavy work run through the CLI's own main() in this process (a tripwire stands in for the
+training stack: one that gets past the checks fails); those the run itself refuses (REFUSED_BY_THE_RUN), and a few
+of the others for the real path (REAL_PATH), run `python -m ds_exp` as a process."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 
 import pytest
 
-from tests.bad_inputs import CASES, Case, message_of, run_case
+from tests.bad_inputs import CASES, REAL_PATH, REFUSED_BY_THE_RUN, Case, message_of, run_case, run_case_in_process
 from tests.training import REPO
 
 KINDS = {"config value", "combination", "path", "DeepSpeed JSON", "data row", "launch", "sweep"}
@@ -22,9 +26,29 @@ def test_the_catalogue_is_broad_and_documented():
     assert not missing, f"docs/bad_inputs.md lacks {missing}: regenerate it with python -m tests.bad_inputs"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_bad_input_gets_one_clear_message(case: Case, tmp_path):
-    outcome = run_case(case, tmp_path)
+def _runs(case: Case) -> list[str]:
+    if case.id in REFUSED_BY_THE_RUN:
+        return ["process"]
+    return ["in-process", "process"] if case.id in REAL_PATH else ["in-process"]
+
+
+def _params() -> list:
+    """Refused before heavy work: in-process, in the quick tier; those the run refuses: a process, slow."""
+    params = []
+    for case in CASES:
+        for how in _runs(case):
+            name = f"{case.id}-{how}" if len(_runs(case)) > 1 else case.id
+            marks = [pytest.mark.slow] if case.id in REFUSED_BY_THE_RUN else []
+            params.append(pytest.param(case, how, id=name, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize(("case", "how"), _params())
+def test_bad_input_gets_one_clear_message(case: Case, how: str, tmp_path):
+    outcome = run_case(case, tmp_path) if how == "process" else run_case_in_process(case, tmp_path)
+    assert "ReachedHeavyWork" not in outcome.output, (
+        f"{case.id} reached the training stack: list it in REFUSED_BY_THE_RUN"
+    )
     assert outcome.returncode != 0, outcome.output[-3000:]
     assert "Traceback" not in outcome.output, outcome.output[-3000:]
     message = message_of(outcome)
