@@ -102,7 +102,7 @@ def gather_full_state_dict(engine: Any, zero_stage: int) -> dict[str, Any] | Non
         state = compat.zero3_full_state_dict(engine)  # gathers per layer onto rank 0; keeps the dtype
     else:
         state = engine.module.state_dict() if dist.get_rank() == 0 else None
-    if dist.get_rank() != 0:
+    if dist.get_rank() != 0 or state is None:
         return None
     return {k: v.detach().to("cpu").clone() for k, v in state.items()}
 
@@ -129,7 +129,9 @@ def export_dtype(spec: ExportSpec, base_trained: bool) -> tuple[str, str]:
     return spec.base_dtype, "the base checkpoint's dtype; weights training left unchanged are copied from it exactly"
 
 
-def export_hf(engine: Any, *, zero_stage: int, spec: ExportSpec, tokenizer: Any, export_dir: Path, save_adapter: bool):
+def export_hf(
+    engine: Any, *, zero_stage: int, spec: ExportSpec, tokenizer: Any, export_dir: Path, save_adapter: bool
+) -> Path | None:
     """Collective; rank 0 writes `export_dir` (and `export_dir`_adapter with `save_adapter`). Weights that are not
     finite are never exported (Diverged on every rank; nothing is written)."""
     state = gather_full_state_dict(engine, zero_stage)

@@ -49,7 +49,8 @@ def drop_lines_after(path: Path, step: int) -> Path | None:
     kept, not lost: moved to attempts/<time>/<name> beside it (returned)."""
     if not path.is_file():
         return None
-    keep, past = [], []
+    keep: list[str] = []
+    past: list[str] = []
     for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
         try:
             after = int(json.loads(line).get("step", 0)) > step
@@ -83,6 +84,11 @@ class WandbRun:
             str(plain(cfg.precision.dtype)),
             cfg.model.name,
         ]
+        # from the checkpoint's step: wandb's rewind sets aside what a killed attempt logged past it, as
+        # metrics.jsonl does (wandb >= 0.17.1; its "resume" would keep those steps and drop the resumed ones)
+        resuming: dict[str, Any] = (
+            {"resume_from": f"{run_id}?_step={start_step}"} if run_id and start_step else {"resume": "allow"}
+        )
         self.run = wandb.init(
             project=wandb_cfg.project,
             entity=wandb_cfg.entity,
@@ -92,9 +98,7 @@ class WandbRun:
             dir=str(wandb_cfg.dir or run_dir),
             mode=mode,
             id=run_id,  # set when resuming: the same wandb run continues
-            # from the checkpoint's step: wandb's rewind sets aside what a killed attempt logged past it, as
-            # metrics.jsonl does (wandb >= 0.17.1; its "resume" would keep those steps and drop the resumed ones)
-            **({"resume_from": f"{run_id}?_step={start_step}"} if run_id and start_step else {"resume": "allow"}),
+            **resuming,
             config=redact(as_dict(cfg)),
             # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
             # ~/.netrc); an offline run writes it nowhere (tests/test_security.py)
@@ -112,7 +116,8 @@ class WandbRun:
             import wandb
 
             columns = list(rows[0])
-            self.run.log({key: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
+            header: list[str | int] = [*columns]
+            self.run.log({key: wandb.Table(columns=header, data=[[r[c] for c in columns] for r in rows])}, step=step)
 
     def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
         """Record how the run ended and finish the wandb run (a failed exit code unless it can be resumed)."""

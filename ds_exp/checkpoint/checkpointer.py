@@ -58,10 +58,15 @@ log = logging.getLogger(__name__)
 _FAULT_ENV = "DS_EXP_FAULT"
 
 
+def _numpy_state() -> list[Any]:
+    name, keys, *rest = np.random.get_state(legacy=True)  # the legacy tuple: plain values, no dict
+    return [name, np.asarray(keys).tolist(), *rest]
+
+
 def rng_states() -> dict[str, Any]:
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": [np.random.get_state()[0], np.random.get_state()[1].tolist(), *np.random.get_state()[2:]],
+        "numpy": _numpy_state(),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():

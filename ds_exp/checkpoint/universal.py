@@ -312,7 +312,9 @@ def _load_stage0(engine: Any, udir: Path) -> dict[str, Any]:
     return {k: v for k, v in states.items() if k not in ("module", "optimizer")}
 
 
-def restore_rng(tag_dir: Path, *, rank: int, world_size: int, saved_world_size: int | None, seed: int, step: int):
+def restore_rng(
+    tag_dir: Path, *, rank: int, world_size: int, saved_world_size: int | None, seed: int, step: int
+) -> None:
     """This rank's saved RNG states when the world size is unchanged (exact); otherwise a reproducible seed from
     (seed, step, rank), since ranks then see other samples anyway (dropout masks differ)."""
     if world_size == saved_world_size and load_rng_states(tag_dir, rank):

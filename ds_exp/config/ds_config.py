@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.plan import data_parallel_size, global_batch_mismatch
+from ds_exp.config.plan import data_parallel_size, global_batch_mismatch, global_batch_size
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
 from ds_exp.core.errors import ConfigError
@@ -178,11 +178,12 @@ def expected_values(cfg: Config, facts: RunFacts) -> list[Expectation]:
     # DeepSpeed reads it where it has no mpu (transformers' ZeRO-3 HfDeepSpeedConfig): its batch check divides by it
     out.append(Expectation("sequence_parallel_size", sp, "dist.sequence_parallel_size"))
     if facts.world_size is not None:
-        ranks = f"world size {facts.world_size}" if sp == 1 else f"data-parallel size {facts.data_parallel_size}"
+        data_parallel = data_parallel_size(facts.world_size, facts.sequence_parallel_size)
+        ranks = f"world size {facts.world_size}" if sp == 1 else f"data-parallel size {data_parallel}"
         out.append(
             Expectation(
                 "train_batch_size",
-                train.micro_batch_size * train.gradient_accumulation_steps * facts.data_parallel_size,
+                global_batch_size(train, data_parallel),
                 f"train.micro_batch_size x train.gradient_accumulation_steps x {ranks}",
             )
         )
@@ -250,9 +251,9 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
 
     file_sets_batch = cfg.deepspeed.config_file and "train_batch_size" in load_config_file(cfg.deepspeed.config_file)
     if cfg.train.global_batch_size != AUTO and facts.world_size is not None and not file_sets_batch:
-        per_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
-        if cfg.train.global_batch_size != per_rank * facts.data_parallel_size:  # ds_exp's own, not a file's
-            sp = facts.sequence_parallel_size
+        sp = facts.sequence_parallel_size
+        # ds_exp's own global batch, not a file's
+        if cfg.train.global_batch_size != global_batch_size(cfg.train, data_parallel_size(facts.world_size, sp)):
             raise ConfigError(global_batch_mismatch(cfg.train, facts.world_size, sp))
 
     mismatches = []

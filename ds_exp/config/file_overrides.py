@@ -162,7 +162,8 @@ def _replacing_block(file: dict[str, Any], key: str, cfg: Config) -> str | None:
         found = file.get(block)
         if not isinstance(found, dict):
             continue
-        params = found.get("params") if isinstance(found.get("params"), dict) else {}
+        given = found.get("params")
+        params: dict[str, Any] = given if isinstance(given, dict) else {}
         if key in replaces or (key == f"{block}.owner" and plain(owner) == "ds_exp"):
             return (
                 f"brings its own {block} block ({found.get('type')}), which replaces ds_exp's; drop {key}, or remove "

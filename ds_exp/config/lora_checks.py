@@ -14,7 +14,13 @@ ALL_LINEAR = "all-linear"
 DEFAULT_SCOPE = "layers."
 QUANTIZE = ("4bit", "8bit")
 # set while lora.dim=0 they would do nothing: refused, not ignored
-_NEEDS_LORA = {"target_modules": None, "modules_to_save": [], "use_dora": False, "use_rslora": False, "quantize": None}
+_NEEDS_LORA: dict[str, Any] = {
+    "target_modules": None,
+    "modules_to_save": [],
+    "use_dora": False,
+    "use_rslora": False,
+    "quantize": None,
+}
 
 
 def scope_of(lora: Any) -> str | None:

@@ -146,12 +146,12 @@ def check_checkpoint(cfg: Config) -> list[str]:
     directory = local_checkpoint(cfg.model)
     if directory is None or not (directory / "config.json").is_file():
         return []
-    _, problem = read_config_json(directory, cfg.model.name_or_path)
+    _, problem = read_config_json(directory, str(cfg.model.name_or_path))
     if problem is not None:
         return [problem]
     if cfg.dry_run:  # a dry run reads the config only: planning a model whose weights are elsewhere is fine
         return []
-    problem = weights_problem(directory, cfg.model.name_or_path)
+    problem = weights_problem(directory, str(cfg.model.name_or_path))
     return [problem] if problem else []
 
 
@@ -171,7 +171,8 @@ def position_limit(settings: dict[str, Any]) -> tuple[str, int, str] | None:
     text = settings.get("text_config")
     chosen = text if isinstance(text, dict) and any(k in text for k in POSITION_KEYS) else settings
     model_type = str(chosen.get("model_type") or settings.get("model_type") or "")
-    attn = chosen.get("attn_config") if isinstance(chosen.get("attn_config"), dict) else {}
+    found = chosen.get("attn_config")
+    attn: dict[str, Any] = found if isinstance(found, dict) else {}
     if model_type in UNLIMITED_TYPES or chosen.get("alibi") is True or attn.get("alibi") is True:
         return None
     key = next((k for k in POSITION_KEYS if isinstance(chosen.get(k), int) and chosen[k] > 0), None)
@@ -347,7 +348,7 @@ def checkpoint_error(model: ModelConfig, err: BaseException, *, weights: bool = 
     if directory is None:
         return None
     shown = f"model.name_or_path={model.name_or_path}"
-    settings, problem = read_config_json(directory, model.name_or_path)
+    settings, problem = read_config_json(directory, str(model.name_or_path))
     if problem is not None:
         return ConfigError(problem)
     text = str(err)
@@ -365,5 +366,5 @@ def checkpoint_error(model: ModelConfig, err: BaseException, *, weights: bool = 
             "not know; upgrade transformers (pip install -U transformers), or set model.trust_remote_code=true if "
             "the checkpoint ships its own model code"
         )
-    problem = weights_problem(directory, model.name_or_path) if weights else None
+    problem = weights_problem(directory, str(model.name_or_path)) if weights else None
     return ConfigError(problem) if problem is not None else None

@@ -19,15 +19,21 @@ def data_parallel_size(world_size: int, sequence_parallel_size: int = 1) -> int:
     return max(world_size // max(sequence_parallel_size, 1), 1)
 
 
-def global_batch_size(train: TrainConfig, world_size: int) -> int:
-    """`world_size`: the data-parallel size (data_parallel_size), which is the world size without sequence
-    parallelism."""
-    return train.micro_batch_size * train.gradient_accumulation_steps * world_size
+def samples_per_rank(train: TrainConfig) -> int:
+    """The samples one data-parallel rank contributes to an optimizer step."""
+    return train.micro_batch_size * train.gradient_accumulation_steps
+
+
+def global_batch_size(train: TrainConfig, data_parallel: int) -> int:
+    """The samples of one optimizer step. `data_parallel`: data_parallel_size(), which is the world size without
+    sequence parallelism. The one home of this formula: DeepSpeed's train_batch_size, the trajectory's
+    global_batch, the resume checks and the parity checker all come from it."""
+    return samples_per_rank(train) * data_parallel
 
 
 def global_batch_mismatch(train: TrainConfig, world: int, sequence_parallel_size: int = 1) -> str:
     """train.global_batch_size names a world size other than this launch's."""
-    per_rank = train.micro_batch_size * train.gradient_accumulation_steps
+    per_rank = samples_per_rank(train)
     fits = train.global_batch_size / per_rank
     if sequence_parallel_size > 1:
         n = sequence_parallel_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -72,10 +73,11 @@ def sequence_parallel_key(size: Any) -> int | None:
 
 
 def register_resolvers() -> None:
-    for name, fn in {
+    resolvers: dict[str, Callable[..., Any]] = {
         "ds_exp.deepspeed_optimizer": deepspeed_optimizer,
         "ds_exp.deepspeed_scheduler": deepspeed_scheduler,
         "ds_exp.sequence_parallel_key": sequence_parallel_key,
-    }.items():
+    }
+    for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

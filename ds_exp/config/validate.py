@@ -25,7 +25,7 @@ from ds_exp.config.model_checks import (
 )
 from ds_exp.config.output_paths import check_output_paths
 from ds_exp.config.paths import not_a_directory
-from ds_exp.config.plan import data_parallel_size, decay_problem, global_batch_mismatch
+from ds_exp.config.plan import data_parallel_size, decay_problem, global_batch_mismatch, samples_per_rank
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.sampling import sampling_problems
@@ -252,7 +252,7 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
     if train.gradient_clipping < 0:
         problems.append(f"train.gradient_clipping={train.gradient_clipping}: must be >= 0 (0 = no clipping)")
     global_batch = train.global_batch_size
-    per_rank = train.micro_batch_size * train.gradient_accumulation_steps
+    per_rank = samples_per_rank(train)
     if global_batch != "auto":
         if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
             problems.append(f"train.global_batch_size={global_batch}: give a positive integer or auto")

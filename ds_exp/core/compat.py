@@ -195,7 +195,7 @@ def before_overrides(hook: Any) -> None:
         original(overrides, cfg)
 
     apply._ds_exp_hooks = _OVERRIDE_HOOKS  # type: ignore[attr-defined]
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign,assignment]
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign]
 
 
 def optuna_trial_of(study: Any, frozen: Any) -> Any:
@@ -378,7 +378,7 @@ def release_sequence_parallel_groups() -> None:
         state._release_sequence_parallel_groups()
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is not None and getattr(groups, "mpu", None) is state:
-        groups.mpu = None
+        vars(groups)["mpu"] = None  # a module attribute DeepSpeed sets at run time
 
 
 def sequence_parallel_gradient_factor(engine: Any, sequence_parallel_size: int) -> int:

@@ -48,7 +48,8 @@ def json_text(payload: Any, *, indent: int | None = None, ensure_ascii: bool = T
     """Strict JSON for `payload` (see the module docstring); a dict at the top records its non-finite numbers."""
     clean, bad = finite_tree(payload)
     if bad and isinstance(clean, dict):
-        earlier = clean.get(NON_FINITE) if isinstance(clean.get(NON_FINITE), list) else []
+        found = clean.get(NON_FINITE)
+        earlier: list[Any] = found if isinstance(found, list) else []
         clean[NON_FINITE] = [*earlier, *(b for b in bad if b not in earlier)]
     return json.dumps(clean, indent=indent, allow_nan=False, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 

@@ -135,6 +135,7 @@ def count_train_examples(data: DataConfig) -> int:
     configured = str(plain(data.template))
     total = 0
     for src, key, sft_only in _sources(data):
+        n_eval: int | None
         if src is None:
             syn = data.synthetic
             n_train, n_eval = int(syn.num_train), int(syn.num_eval)

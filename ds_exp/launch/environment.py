@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import overload
 
-from omegaconf import DictConfig
-
-from ds_exp.config.schema import plain
+from ds_exp.config.schema import DistConfig, plain
 from ds_exp.core import compat
 from ds_exp.launch.rendezvous import free_port
 
@@ -29,7 +28,12 @@ class LaunchInfo:
         return self.rank == 0
 
 
+@overload
+def _int_env(*names: str, default: int) -> int: ...
+@overload
+def _int_env(*names: str, default: None = None) -> int | None: ...
 def _int_env(*names: str, default: int | None = None) -> int | None:
+    """The first of `names` set to a whole number in the environment, else `default`."""
     for name in names:
         value = os.environ.get(name)
         if value is not None and value.strip().lstrip("-").isdigit():
@@ -54,7 +58,7 @@ def _auto_launcher() -> str:
     return "single"
 
 
-def detect_launch(dist_cfg: DictConfig | None = None) -> LaunchInfo:
+def detect_launch(dist_cfg: DistConfig | None = None) -> LaunchInfo:
     launcher = plain(dist_cfg.launcher) if dist_cfg is not None else "auto"
     default_port = int(dist_cfg.master_port) if dist_cfg is not None else 29500
     if launcher == "auto":

@@ -305,6 +305,7 @@ def config_differences(expected: DictConfig, got: DictConfig) -> list[str]:
 
 def _comparable(cfg: DictConfig) -> dict[str, Any]:
     tree = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+    assert isinstance(tree, dict)  # a DictConfig's container
     hydra = tree.get("hydra", {})
     for dotted in _VOLATILE_HYDRA:
         *parents, last = dotted.split(".")

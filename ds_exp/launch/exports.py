@@ -146,7 +146,7 @@ def _raw_config(run_dir: Path) -> dict[str, Any]:
         raw = OmegaConf.to_container(OmegaConf.load(_config_files(run_dir)[0]), resolve=False)
     except Exception:  # a damaged file: run_config says it in words
         return {}
-    return raw if isinstance(raw, dict) else {}
+    return {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
 def run_config(run_dir: Path) -> Config:

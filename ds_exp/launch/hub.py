@@ -94,8 +94,8 @@ def check_hub(cfg: Config) -> None:
     missing = [(key, repo) for key, repo in ids if not cached(repo)]
     if offline():
         if missing:
-            why = "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set"
-            raise ConfigError([_refusal(key, repo, why, "unset HF_HUB_OFFLINE") for key, repo in missing])
+            offline_why = "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set"
+            raise ConfigError([_refusal(key, repo, offline_why, "unset HF_HUB_OFFLINE") for key, repo in missing])
         return
     host, port, what = hub_address()
     why = unreachable(host, port)

@@ -58,11 +58,13 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
     path = saved_run_config(run_dir)
     if path is None:
         return None
-    task_keys = [key for key in config if key != "hydra"]
+    task_keys = [str(key) for key in config if key != "hydra"]
     now = OmegaConf.masked_copy(config, task_keys)
     try:
         saved = OmegaConf.load(path)
         merged = OmegaConf.merge(now, saved)  # typed as now: a key the schema lost is named, not taken silently
+        if not isinstance(merged, DictConfig):
+            raise ValueError("not a mapping of settings")
     except Exception as err:  # any failure to read or merge: one message naming the file
         raise ConfigError(
             f"resume: hydra.run.dir={run_dir} holds a config ds_exp cannot continue from ({path}: "
@@ -133,4 +135,3 @@ def named_run_dir(config: DictConfig) -> Path | None:
         if key == "hydra.run.dir":
             return Path(value)
     return None
-

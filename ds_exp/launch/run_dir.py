@@ -194,7 +194,7 @@ def check_job_dir(cfg: Config, job_dir: Path, sweep_dir: Path, *, runs_here: boo
             "another hydra.sweep.dir (leave it unset for a fresh one)"
         )
     if found is not None and runs_here:
-        check_resume_target(cfg, job_dir)
+        check_resume_target(cfg, job_dir, detect_launch(cfg.dist).world_size)
 
 
 def set_aside_attempt(run_dir: Path) -> Path | None:

@@ -137,7 +137,7 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         # frozen embeddings (LoRA only) would leave checkpointed blocks without inputs that require grad
         model.enable_input_require_grads()
     if mpu is not None:
-        sequence_parallel.check_model_attention(model, attention)
+        sequence_parallel.check_model_attention(model, attention or "sdpa")
     return BuiltModel(
         model=model,
         config=config,

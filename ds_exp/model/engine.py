@@ -35,7 +35,8 @@ METRIC_SCHEDULES = {"reduce_lr_on_plateau", "greedy"}
 
 def parameter_groups(model: Any, weight_decay: float, no_decay: list[str]) -> list[dict[str, Any]]:
     """Two groups as DeepSpeed-Chat: no weight decay for biases and norm weights."""
-    decay, plain = [], []
+    decay: list[Any] = []
+    plain: list[Any] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -60,7 +61,7 @@ def optimizer_impl(opt: OptimizerConfig, ds_config: dict[str, Any], accelerator:
 def build_optimizer(
     opt: OptimizerConfig, groups: list[dict[str, Any]], ds_config: dict[str, Any], accelerator: str
 ) -> Any:
-    kwargs = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
+    kwargs: dict[str, Any] = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
     impl = optimizer_impl(opt, ds_config, accelerator)
     announce = _is_rank0()
     if impl == "deepspeed_cpu":

@@ -237,7 +237,7 @@ def count_with_lora(model: torch.nn.Module, spec: LoraSpec) -> tuple[int, int]:
 def in_out_features(module: torch.nn.Module) -> tuple[int, int]:
     if isinstance(module, Conv1D):
         return int(module.weight.shape[0]), int(module.weight.shape[1])
-    return int(module.in_features), int(module.out_features)
+    return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]  # nn.Linear's ints
 
 
 def wrap_lora(model: Any, spec: LoraSpec) -> Any:
@@ -246,7 +246,7 @@ def wrap_lora(model: Any, spec: LoraSpec) -> Any:
     modules = dict(model.named_modules())
     peft_config = LoraConfig(
         r=spec.dim,
-        lora_alpha=spec.alpha,
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]  # PEFT hints int; the scaling takes any number
         lora_dropout=spec.dropout,
         target_modules=list(spec.targets),
         modules_to_save=list(spec.modules_to_save) or None,

@@ -93,7 +93,7 @@ def isolate_documents(core: Callable[..., Any]) -> Callable[..., Any]:
     (DeepSpeed gathers them), and no mask reaches the core function, so plain sdpa would let packed documents attend
     to each other; flash attention reads documents from position_ids only for one row per batch."""
 
-    def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any):
+    def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         positions = kwargs.get("position_ids")
         length = query.size(2)
         if positions is None or length == 1 or positions.size(-1) != length:

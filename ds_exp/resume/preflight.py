@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ds_exp.config.ds_config import merged_ds_config
+from ds_exp.config.plan import data_parallel_size, global_batch_size
 from ds_exp.config.precision import decide_precision, detect_accelerator, supports_bf16
 from ds_exp.config.schema import Config
 from ds_exp.resume.settings import check_resume, settings_of
@@ -29,6 +30,5 @@ def check_global_batch(cfg: Config, tag_dir: Path, world: int) -> None:
     saved = read_marker(tag_dir).get("trajectory")
     if saved:
         train = cfg.train
-        ranks = max(world // max(int(cfg.dist.sequence_parallel_size), 1), 1)  # data-parallel: ranks drawing samples
-        batch = train.micro_batch_size * train.gradient_accumulation_steps * ranks
+        batch = global_batch_size(train, data_parallel_size(world, int(cfg.dist.sequence_parallel_size)))
         check(cfg, {"global_batch": saved.get("global_batch")}, {"global_batch": batch, "data": None}, 0, tag_dir)

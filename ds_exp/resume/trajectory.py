@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ds_exp.config.plan import scheduler_kwargs
+from ds_exp.config.plan import global_batch_size, scheduler_kwargs
 from ds_exp.config.schema import Config, plain
 from ds_exp.core.errors import ResumeError
 
@@ -32,7 +32,7 @@ def trajectory_of(cfg: Config, *, total_steps: int, warmup_steps: int, world_siz
         "scheduler": str(plain(sched.name)),
         "scheduler_kwargs": scheduler_kwargs(sched, total_steps, warmup_steps),  # as the schedule gets them
         "scheduler_owner": str(plain(sched.owner)),
-        "global_batch": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
+        "global_batch": global_batch_size(train, world_size),
         "data": data_key,
     }
 

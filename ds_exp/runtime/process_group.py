@@ -15,9 +15,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from omegaconf import DictConfig
 
-from ds_exp.config.schema import plain
+from ds_exp.config.schema import DistConfig, plain
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch.environment import LaunchInfo, choose_backend, cpu_threads_per_rank, export_launch_env
 from ds_exp.launch.rendezvous import wait_for_rendezvous
@@ -25,7 +24,7 @@ from ds_exp.runtime import ops
 from ds_exp.runtime.rank_logging import library_stdout
 
 
-def init_distributed(dist_cfg: DictConfig, launch: LaunchInfo, accelerator: str) -> str:
+def init_distributed(dist_cfg: DistConfig, launch: LaunchInfo, accelerator: str) -> str:
     """Export the launch variables and start torch.distributed through DeepSpeed; returns the backend."""
     export_launch_env(launch)
     threads = cpu_threads_per_rank(launch)

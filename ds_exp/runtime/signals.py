@@ -65,7 +65,7 @@ class StopSignals:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     @property
-    def stopped_status(self) -> str:
+    def stopped_status(self) -> RunStatus:
         """The run's status once stopped: requeued under submitit, stopped (resumable by hand) elsewhere."""
         return RunStatus.REQUEUED if self.under_submitit else RunStatus.STOPPED
 

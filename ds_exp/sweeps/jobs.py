@@ -20,8 +20,10 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     """Each job's overrides, as Hydra's basic sweeper will expand them; None for other sweepers."""
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         return None
-    params = config.hydra.sweeper.get("params")
-    params = OmegaConf.to_container(params, resolve=True) if params else {}
+    given = config.hydra.sweeper.get("params")
+    raw = OmegaConf.to_container(given, resolve=True) if given else {}
+    assert isinstance(raw, dict)  # hydra.sweeper.params: a mapping (Hydra's schema)
+    params = {str(key): value for key, value in raw.items()}
     overrides = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
     return compat.basic_sweep_jobs(overrides)
 

@@ -108,7 +108,9 @@ class StudySweeper(Sweeper):
         self.objective, self.direction, self.study_name = objective, direction, study_name
         self.storage, self.n_trials, self.n_jobs = storage, n_trials, n_jobs
         self.sampler_cfg = sampler
-        self.params = OmegaConf.to_container(params, resolve=True) if OmegaConf.is_config(params) else params or {}
+        given = OmegaConf.to_container(params, resolve=True) if OmegaConf.is_config(params) else params or {}
+        assert isinstance(given, dict)  # hydra.sweeper.params: a mapping (Hydra's schema)
+        self.params = {str(key): value for key, value in given.items()}
         self.hydra_context: HydraContext | None = None
         self.config: DictConfig | None = None
         self.launcher: Any = None
@@ -155,7 +157,10 @@ class StudySweeper(Sweeper):
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the sweeper says what happens, once
         try:
             study = optuna.create_study(
-                storage=storage, study_name=self.study_name, direction=self.direction, load_if_exists=True
+                storage=storage,
+                study_name=self.study_name,
+                direction="maximize" if self.direction == "maximize" else "minimize",
+                load_if_exists=True,
             )
         except Exception as err:  # the database: unreachable, refused, ... (SQLAlchemy's errors)
             if not type(err).__module__.startswith("sqlalchemy"):

@@ -93,6 +93,7 @@ class Autotune(Sweeper):
 
     # ------------------------------------------------------------------------------------------- the grid
     def sweep(self, arguments: list[str]) -> Any:
+        assert self.config is not None and self.hydra_context is not None and self.launcher is not None  # setup()
         grid = [f"{key}={value}" for key, value in self.params.items()] + list(arguments)
         parsed = OverridesParser.create().parse_overrides(grid)
         last = {o.get_key_element(): o.is_sweep_override() for o in parsed}  # the command line wins, as in Hydra
@@ -163,6 +164,7 @@ class Autotune(Sweeper):
     def judge(self, overrides: list[str], world: int, accelerator: str, budget: int) -> dict[str, Any]:
         """One candidate: not applicable (refused by validation), ruled out (estimate over budget) or a probe."""
         candidate: dict[str, Any] = {"overrides": overrides, "job": None, "reason": None, "estimate_bytes": None}
+        assert self.config is not None and self.hydra_context is not None  # setup()
         try:
             composed = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             cfg = validate_job(composed, overrides)  # the one validation of every sweeper's jobs
@@ -269,6 +271,7 @@ class Autotune(Sweeper):
         return self._facts[key]
 
     def launcher_config(self) -> DictConfig:
+        assert self.config is not None  # setup()
         return self.config.hydra.launcher
 
     def is_submitit(self) -> bool:
@@ -312,6 +315,7 @@ class Autotune(Sweeper):
         """The command line's launcher choices, kept in the recommended command when jobs go through submitit."""
         if not self.is_submitit():
             return []
+        assert self.config is not None  # setup()
         given = list(self.config.hydra.overrides.hydra)
         return [o for o in given if o.startswith(("hydra/launcher=", "hydra.launcher."))]
 

@@ -52,6 +52,7 @@ class RunExports:
 
     def final(self) -> None:
         if self.cfg.train.export:
+            assert self.session.state.steps is not None  # set once training ends
             self._export(self.export_dir, self.session.state.steps)
             self.session.state.export_dir = str(self.export_dir)
 

@@ -177,7 +177,7 @@ class Metrics:
         totals.last_loss = loss
         self.metrics_log.write(record)
         self.wandb.log({f"train/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=step)
-        shown = {"lr": f"{record['lr']:.2e}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+        shown: dict[str, Any] = {"lr": f"{record['lr']:.2e}", "tok_s": f"{record['tokens_per_s']:.0f}"}
         if record["mfu"] is not None:
             shown["mfu"] = f"{record['mfu']:.1%}"
         if step > self.loss_step:  # the run's last line: no later step brings that step's own loss

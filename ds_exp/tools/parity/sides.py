@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ds_exp.config.model_checks import model_settings
 from ds_exp.config.paths import conf_dir
+from ds_exp.config.plan import global_batch_size
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, as_dict, register_configs, to_config
 from ds_exp.config.secrets import hide_secret_overrides
@@ -101,7 +102,7 @@ class Side:
     @property
     def global_batch(self) -> int:
         assert self.cfg is not None
-        return self.cfg.train.micro_batch_size * self.cfg.train.gradient_accumulation_steps * self.data_parallel
+        return global_batch_size(self.cfg.train, self.data_parallel)
 
     @property
     def batch_words(self) -> str:

@@ -30,9 +30,13 @@ DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16":
 class Chat:
     def __init__(self, model_dir: Path, args: argparse.Namespace) -> None:
         hf_logging.disable_progress_bar()
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(
+            args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto").to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+        # transformers 5 types PreTrainedModel.to through a wrapper whose first parameter is the model itself
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
         generation = read_metadata(model_dir).get("generation") or {}
         self.template = choose_template(args.template, generation.get("template"), self.tokenizer)
         self.stop_ids = list(generation.get("stop_token_ids") or []) or self._default_stops()
@@ -61,7 +65,7 @@ class Chat:
                 use_cache=True,
                 streamer=streamer,
             )
-        return self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        return str(self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
 
 def choose_template(asked: str, recorded: str | None, tokenizer: Any) -> str:
