@@ -3,7 +3,7 @@
     python -m bench.gpu_check            # GPU tests, the user's lines, the throughput benchmark (~25 minutes)
     python -m bench.gpu_check --quick    # the same with the quick throughput set (~12 minutes)
 
-1. `pytest -m gpu` (tests/test_gpu.py, and the fp16 fault test): each test's outcome.
+1. `pytest -m gpu` (tests/system/test_gpu.py, and the fp16 fault test): each test's outcome.
 2. The user's line and its neighbours, each a short run on every GPU (torchrun, one rank per GPU), the first
    launch with an empty torch extension cache and Hopper's TORCH_CUDA_ARCH_LIST=9.0a: ZeRO 0-3 in bf16 and in
    fp16, precision=auto (must pick bf16), LoRA, optimizer offload (compiles DeepSpeed's CPU Adam, and says so),

@@ -1,6 +1,6 @@
 """ds_exp: Hydra-configured DeepSpeed supervised fine-tuning of Hugging Face causal language models.
 
-The packages are the layers; each imports only from the layers below it (tests/test_structure.py checks it):
+The packages are the layers; each imports only from the layers below it (tests/unit/test_structure.py checks it):
 
     core                                errors, files written whole, every touch of a library's internals
     config -> data -> resume -> launch -> sweeps          light: no torch, no deepspeed

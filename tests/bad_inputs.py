@@ -1,5 +1,5 @@
 """The bad-input catalogue: every case is a command a user could type (and the files it reads), with what the
-one-message answer must say. tests/test_bad_inputs.py runs each case; `python -m tests.bad_inputs` runs them
+one-message answer must say. tests/unit/test_bad_inputs.py runs each case; `python -m tests.bad_inputs` runs them
 all and writes docs/bad_inputs.md with the messages ds_exp actually prints."""
 
 from __future__ import annotations
@@ -550,7 +550,7 @@ CASES: list[Case] = [
         },
     ),
     # --- sweeps that decide (autotune, optuna): refused before any job is launched. The parity check's refusals
-    # (python -m ds_exp.parity) are tested in tests/test_parity.py.
+    # (python -m ds_exp.parity) are tested in tests/integration/test_parity.py.
     Case(
         "autotune budget nothing fits",
         "sweep",
@@ -941,7 +941,7 @@ def write_docs(path: Path) -> None:
     header = [
         "# Bad inputs and what ds_exp says",
         "",
-        "Every row is a case of `tests/bad_inputs.py`, run by `tests/test_bad_inputs.py`: the command after",
+        "Every row is a case of `tests/bad_inputs.py`, run by `tests/unit/test_bad_inputs.py`: the command after",
         "`python -m ds_exp` (`<tmp>` holds the files the case writes), the exit status and the message printed.",
         "Each exits non-zero, prints no traceback (`HYDRA_FULL_ERROR=1` shows it) and leaves nothing that looks",
         "like a finished run. Regenerate with `python -m tests.bad_inputs`.",

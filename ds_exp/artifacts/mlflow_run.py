@@ -14,7 +14,6 @@ multirun in one process never share one.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -25,6 +24,7 @@ from urllib.parse import urlsplit
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact, redact_text, register_secrets
 from ds_exp.core.errors import RunFailed
+from ds_exp.core.files import json_text
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 from ds_exp.launch.run_logging import FILE_LOGGER
 
@@ -48,7 +48,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
         for key, value in tree.items():
             out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
         return out
-    value = json.dumps(tree, default=str) if isinstance(tree, (dict, list)) or tree is None else str(tree)
+    value = json_text(tree) if isinstance(tree, (dict, list)) or tree is None else str(tree)
     return {_KEY_CHARS.sub("_", prefix)[:MAX_KEY]: value[:MAX_PARAM_VALUE]}
 
 

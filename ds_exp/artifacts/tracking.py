@@ -17,7 +17,7 @@ from typing import Any
 from ds_exp.artifacts.mlflow_run import MlflowRun
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact
-from ds_exp.core.files import append_json_line, write_text_atomic
+from ds_exp.core.files import append_json_line, json_text, write_text_atomic
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class WandbRun:
             **resuming,
             config=redact(as_dict(cfg)),
             # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
-            # ~/.netrc); an offline run writes it nowhere (tests/test_security.py)
+            # ~/.netrc); an offline run writes it nowhere (tests/integration/test_security.py)
             settings=wandb.Settings(api_key=wandb_cfg.api_key) if wandb_cfg.api_key else None,
         )
         self.run_id = self.run.id
@@ -151,7 +151,7 @@ class TensorBoardRun:
             filename_suffix=f".step{start_step:09d}.{os.getpid()}",
         )
         if not start_step:
-            config = json.dumps(redact(as_dict(cfg)), indent=2, default=str)
+            config = json_text(redact(as_dict(cfg)), indent=2)
             self.writer.add_text("config", f"```\n{config}\n```", 0)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -176,7 +176,7 @@ class TensorBoardRun:
         if self.writer is None:
             return
         if summary is not None:
-            text = json.dumps(redact(summary), indent=2, default=str)
+            text = json_text(redact(summary), indent=2)
             self.writer.add_text("summary", f"```\n{text}\n```", self.last_step)
         self.writer.close()
         self.writer = None

@@ -94,7 +94,7 @@ def read_checkpoints_weights_only(engine: Any, allowed: list[Any]) -> None:
     DeepSpeed 0.19.8: `engine.checkpoint_engine.load(path, map_location)` is how every checkpoint file is read (with
     weights_only=False: a pickle runs whatever it says); ds_exp replaces that attribute on the engine. If the name
     changes, this assignment is silently unused and a resume would read with DeepSpeed's own unsafe load: the
-    tampered-checkpoint test (tests/test_security.py) catches that."""
+    tampered-checkpoint test (tests/integration/test_security.py) catches that."""
     import torch
 
     def safe_load(path: str, map_location: Any = None) -> Any:
@@ -119,7 +119,7 @@ def submitit_requeue_signal() -> int:
     """The signal SLURM sends before a time limit or a preemption, as submitit's job expects it.
 
     submitit 1.5.4: `JobEnvironment._usr_sig()` (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise). If it
-    moves, the requeue test (tests/test_slurm.py) fails."""
+    moves, the requeue test (tests/system/test_slurm.py) fails."""
     import submitit
 
     return int(submitit.JobEnvironment._usr_sig())
@@ -130,7 +130,7 @@ def basic_sweep_jobs(overrides: list[str]) -> list[list[str]]:
 
     hydra-core 1.3.2-1.3.8: `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments` (a static
     method; no public API lists a sweep's jobs before launching them). If it moves, sweeps are no longer validated
-    before launch (tests/test_cli.py catches it)."""
+    before launch (tests/system/test_cli.py catches it)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -150,7 +150,7 @@ def on_compose(hook: Any) -> None:
     (the one method every composition goes through: the run's, each sweep job's, the compose API's). No public
     hook sees the config before Hydra writes it: callbacks' on_job_start runs after .hydra/ is saved. If the
     method moves, this raises at start-up rather than letting config files' secrets reach .hydra/
-    (tests/test_security.py)."""
+    (tests/integration/test_security.py)."""
     import functools
 
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
@@ -204,7 +204,7 @@ def optuna_trial_of(study: Any, frozen: Any) -> Any:
     trial can be continued and told like one asked for now.
 
     optuna 5.0.0: `Trial(study, trial_id)` is public, but a FrozenTrial's id is only its private `_trial_id`. If it
-    goes, a study re-run cannot continue its stopped trials (tests/test_optuna.py catches it)."""
+    goes, a study re-run cannot continue its stopped trials (tests/system/test_optuna.py catches it)."""
     from optuna.trial import Trial
 
     return Trial(study, frozen._trial_id)
@@ -216,7 +216,7 @@ def slurm_hostnames(nodelist: str) -> list[str]:
     No library has a public function for this (submitit's `_parse_node_list` is private), so SLURM's own
     `scontrol show hostnames` expands it; where scontrol is missing or cannot answer, `parse_slurm_nodelist` does.
     If either goes wrong, a SLURM launch without MASTER_ADDR rendezvouses at the wrong host
-    (tests/test_slurm_multinode.py, tests/test_distributed.py)."""
+    (tests/system/test_slurm_multinode.py, tests/integration/test_distributed.py)."""
     scontrol = shutil.which("scontrol")
     conf = os.environ.get("SLURM_CONF")
     if scontrol and not (conf and not os.path.exists(conf)):  # a missing SLURM_CONF: scontrol retries for 60 s
@@ -333,7 +333,8 @@ def fix_zero3_universal_load(engine: Any, param_groups: list[dict[str, Any]]) ->
     DeepSpeed 0.19.8, `DeepSpeedZeroOptimizer_Stage3._load_universal_checkpoint`: every fp32 partition's optimizer
     state gets one shared `step` tensor (torch's AdamW then advances it once per sub-group, and the losses drift by
     ~1e-4), and param group 0's hyperparameters (weight decay) are copied to every group. `engine.optimizer.optimizer`
-    is the wrapped torch optimizer. If this stops applying, tests/test_resume_anywhere.py's ZeRO-3 comparison fails."""
+    is the wrapped torch optimizer. If this stops applying, tests/integration/test_resume_anywhere.py's ZeRO-3
+    comparison fails."""
     import torch
 
     base = engine.optimizer.optimizer
@@ -351,7 +352,8 @@ def keep_fp32_grad_norm(engine: Any) -> None:
     `engine.clip_fp32_gradients()`, which computes the pre-clip global norm with `runtime.utils.clip_grad_norm_`
     and drops it; `get_global_grad_norm()` returns `engine._global_grad_norm`, which only ZeRO / 16-bit optimizers
     fill. The replacement below runs the same call and keeps its result there, so nothing is computed twice. If
-    either name changes, grad_norm is null again at stage 0 (tests/test_parity.py's stage-0 case catches it)."""
+    either name changes, grad_norm is null again at stage 0 (tests/integration/test_parity.py's stage-0 case catches
+    it)."""
     from deepspeed.runtime.utils import clip_grad_norm_
 
     def clip_and_keep_norm() -> None:

@@ -5,7 +5,7 @@ Hydra's own app help composes the whole config and then lists each group's optio
 repository per group (deep copies of ds_exp's structured schema): ~1.5 s for text that holds none of the comments.
 This reads the YAML files as text instead: `key: value  # comment` lines, the comment block above a key, a file's
 leading comment (what the option is), list items (`- path: ???  # ...`) and indented comment lines that continue
-the comment above. That is all conf/ uses (tests/test_config.py keeps every knob commented), it takes milliseconds,
+the comment above. That is all conf/ uses (tests/unit/test_config.py keeps every knob commented), it takes milliseconds,
 and it reads the same files at run time, so the help cannot fall out of step with the config (bench/help_time.py).
 """
 

@@ -11,7 +11,6 @@ input is one prompt on its own, answered in order.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -20,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 from transformers.utils import logging as hf_logging
 
+from ds_exp.core.files import json_text
 from ds_exp.data.templates import has_chat_template, render_conversation
 from ds_exp.launch.exports import read_metadata
 from ds_exp.train.generate import Sampling
@@ -88,7 +88,7 @@ def chat(model_dir: Path, args: argparse.Namespace, stdin: TextIO = sys.stdin, s
         if not prompt.strip():
             continue
         completion = bot.answer([("user", prompt)])
-        print(json.dumps({"prompt": prompt, "completion": completion}) if args.jsonl else completion, file=stdout)
+        print(json_text({"prompt": prompt, "completion": completion}) if args.jsonl else completion, file=stdout)
         stdout.flush()
     return 0
 

@@ -12,7 +12,7 @@ import pytest
 
 from ds_exp.config.logger_checks import logger_problems
 from ds_exp.core.errors import RunFailed
-from tests.test_security import files_holding
+from tests.integration.test_security import files_holding
 from tests.training import FAST, launch
 
 SECRET = "mlflow-secret-token-7c41d2"

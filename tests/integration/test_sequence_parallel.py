@@ -154,7 +154,7 @@ def assert_within(a: list[float], b: list[float], rtol: float = RTOL) -> None:
 def test_parity_checker_finds_sp2_on_two_ranks_equal_to_one_rank_packed_with_accumulation(tmp_path, cache_dir):
     """ZeRO-2, packed rows (documents kept apart under sequence parallelism), accumulation 2: the parity checker
     counts data-parallel ranks (2 ranks / N=2 = 1) in the global batch and compares 6 steps at 1e-5."""
-    from tests.test_parity import explain, parity, result
+    from tests.integration.test_parity import explain, parity, result
 
     same = ["zero=stage2", "data.packing=true", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]
     tolerance = ["--loss-rtol", str(RTOL), "--grad-rtol", str(RTOL), "--steps", "6"]

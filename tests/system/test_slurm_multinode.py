@@ -2,7 +2,7 @@
 and UTS namespace, node1 and node2 on a private bridge), so the ranks of one run talk TCP between hosts.
 
 The cluster: the one the environment points at when it has two nodes (.ci/run starts the two-node cluster as the
-machine's cluster, and tests/test_slurm.py uses it too: its 1-node jobs run on either node). Otherwise a private
+machine's cluster, and tests/system/test_slurm.py uses it too: its 1-node jobs run on either node). Otherwise a private
 two-node cluster is started beside whatever runs already (own slurm.conf, state and controller port, so a one-node
 cluster and its jobs are left alone) and stopped again afterwards; the tests hand its SLURM_CONF to every sbatch,
 srun and sweep they start."""

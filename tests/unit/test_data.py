@@ -22,7 +22,7 @@ from ds_exp.data.pipeline import count_train_examples, prepare_sft_data
 from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.train.collate import make_collator
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEED = 1234  # train.seed of make_cfg
 
 

@@ -1,6 +1,6 @@
 """Nothing lost, no hang, a readable console: run directories that other runs cannot overwrite, resumes that
 change nothing when refused, rotation that only deletes its own checkpoints, signals obeyed before training
-starts, and a single process on any free port (the console: tests/test_console.py)."""
+starts, and a single process on any free port (the console: tests/integration/test_console.py)."""
 
 from __future__ import annotations
 

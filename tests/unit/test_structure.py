@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ds_exp"
+PACKAGE = Path(__file__).resolve().parents[2] / "ds_exp"
 MAX_LINES = 400
 MAX_TOP_MODULES = 8
 # The layers, lowest first: a module imports only from its own package or a lower layer (ds_exp/__init__.py).

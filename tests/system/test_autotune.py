@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tests.conftest import run_cli
-from tests.test_slurm import slurm  # noqa: F401  (the fixture)
+from tests.system.test_slurm import slurm  # noqa: F401  (the fixture)
 from tests.training import user_env
 
 DATA_LIMIT = 1_500_000_000  # bytes of data segment per process: micro batch 2 fits, 1024 does not

@@ -21,7 +21,7 @@ from ds_exp.config.paths import conf_dir
 from ds_exp.config.secrets import hide_secret_overrides
 from ds_exp.core.errors import ConfigError
 from tests.conftest import REPO, run_cli
-from tests.test_slurm import _cluster_up
+from tests.system.test_slurm import _cluster_up
 from tests.training import FAST, launch, multirun, report_rows
 from tests.wandb_files import records
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_slurm import slurm  # noqa: F401  (the fixture: a running one-node cluster)
+from tests.system.test_slurm import slurm  # noqa: F401  (the fixture: a running one-node cluster)
 from tests.training import FAST, REPO, multirun, user_env
 
 SEARCH = ["hydra/sweeper=optuna", "optimizer.lr=tag(log,interval(1e-5,1e-3))", "hydra.sweeper.sampler.seed=0"]

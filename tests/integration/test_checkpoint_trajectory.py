@@ -1,6 +1,7 @@
 """A checkpoint directory holds one trajectory, and a conversion belongs to exactly one checkpoint: the mechanisms
 in-process, on real files (a fake engine writes the checkpoint files; ds_exp.checkpoint.save and
-ds_exp.universal run as they are). tests/test_resume_guards.py and tests/test_resume_anywhere.py show them in runs."""
+ds_exp.universal run as they are). tests/integration/test_resume_guards.py and
+tests/integration/test_resume_anywhere.py show them in runs."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The GPU path's pieces that can be proven on a CPU: the optimizer choice, DeepSpeed op builds (notice, clear
-failure, fallback), MFU accounting, ZeRO defaults chosen per world size. tests/test_gpu.py runs the rest on CUDA."""
+failure, fallback), MFU accounting, ZeRO defaults chosen per world size. tests/system/test_gpu.py runs the rest on
+CUDA."""
 
 from __future__ import annotations
 
