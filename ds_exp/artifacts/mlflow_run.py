@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact, redact_text, register_secrets
-from ds_exp.core.errors import RunFailed
+from ds_exp.core.errors import RunFailed, first_line
 from ds_exp.core.files import json_text
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 from ds_exp.launch.run_logging import FILE_LOGGER
@@ -93,7 +93,7 @@ class MlflowRun:
             else:
                 self._log_changed_params(cfg, start_step)
         except MlflowException as err:
-            first = redact_text(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
+            first = redact_text(first_line(err))
             raise RunFailed(
                 f"logger.mlflow: MLflow refused the tracking store {redact_text(self.uri)} ({first}); fix "
                 "logger.mlflow.tracking_uri (null = <run dir>/mlflow.db), or logger.mlflow.enabled=false"

@@ -36,7 +36,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ds_exp.core import compat
-from ds_exp.core.errors import ResumeError, RunFailed
+from ds_exp.core.errors import ResumeError, RunFailed, first_line
 from ds_exp.core.files import write_json_atomic, write_text_atomic
 from ds_exp.launch.storage import save_failure_message
 from ds_exp.resume.branches import rotated, save_verdict
@@ -231,7 +231,7 @@ def load_checkpoint(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
     except pickle.UnpicklingError as err:
         raise ResumeError(
             f"resume: {tag_dir} holds objects a checkpoint written by ds_exp never holds, so it was not loaded "
-            f"(torch.load with weights_only=True: {str(err).splitlines()[0]}); resume only from checkpoints you trust"
+            f"(torch.load with weights_only=True: {first_line(err)}); resume only from checkpoints you trust"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a truncated or missing file
         raise ResumeError(damaged_message(tag_dir, err)) from None

@@ -43,7 +43,7 @@ from ds_exp.checkpoint.universal import (
     fingerprint,
 )
 from ds_exp.core import compat
-from ds_exp.core.errors import ResumeError
+from ds_exp.core.errors import ResumeError, first_line
 from ds_exp.core.files import json_text
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         build(args.tag_dir, args.out, names, args.workers)
     except ResumeError as err:
-        print(str(err).splitlines()[0], file=sys.stderr)
+        print(first_line(err), file=sys.stderr)
         sys.exit(EXIT_REFUSED)
 
 

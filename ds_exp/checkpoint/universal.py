@@ -55,7 +55,7 @@ from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES, fast_forward_schedu
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.paths import PACKAGE_DIR
 from ds_exp.core import compat
-from ds_exp.core.errors import ResumeError
+from ds_exp.core.errors import ResumeError, first_line
 from ds_exp.core.files import json_text
 from ds_exp.resume.store import COMPLETE_MARKER, not_complete, read_marker
 from ds_exp.runtime.process_group import broadcast
@@ -339,10 +339,10 @@ def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: 
     except pickle.UnpicklingError as err:
         raise ResumeError(
             f"resume: {universal_dir(tag_dir)} holds objects a conversion by ds_exp never holds, so it was not loaded "
-            f"({str(err).splitlines()[0]}); delete it to convert {tag_dir} again"
+            f"({first_line(err)}); delete it to convert {tag_dir} again"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a file truncated or deleted since
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise ResumeError(
             f"resume: {universal_dir(tag_dir)} cannot be loaded ({first}); delete it to convert {tag_dir} again"
         ) from None

@@ -45,3 +45,10 @@ class Diverged(RunFailed):
 
     exit_code = 3
     status = RunStatus.DIVERGED
+
+
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """What a one-line message quotes of an exception: its first non-empty line (at most `limit` characters), or
+    its class name when it says nothing (str(err).splitlines()[0] raises IndexError there)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0][:limit] if lines else type(err).__name__

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from ds_exp.core.errors import DataError
+from ds_exp.core.errors import DataError, first_line
 from ds_exp.data.conversations import ALPACA_COLUMNS, CHAT_COLUMNS, PAIR, Fields, Parsed, Rows, parse_rows
 from ds_exp.data.formats import dschat_files, expand, resolve_format
 from ds_exp.data.synthetic import generate
@@ -170,7 +170,7 @@ def _read_file(path: Path, fmt: str, key: str, fields: list[str]) -> _Table:
         else:
             table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError, EOFError) as err:
-        raise DataError(f"{key}: {path}: cannot read as {fmt}: {str(err).splitlines()[0]}") from None
+        raise DataError(f"{key}: {path}: cannot read as {fmt}: {first_line(err)}") from None
     repeated = repeated_columns(table.column_names)
     if repeated:
         what = f"columns {', '.join(repeated)} appear" if len(repeated) > 1 else f"column {repeated[0]} appears"
@@ -261,7 +261,7 @@ def _load_tables(src: DataSource, key: str, fields: list[str]) -> tuple[_Table, 
     try:
         loaded = datasets.load_dataset(path, src.name, revision=src.revision)
     except Exception as err:  # the hub raises many types (connection, missing repo, auth)
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        first = first_line(err)
         raise DataError(f"{key}.path={path}: cannot load from the hub ({first}); offline? use a local copy") from None
     return (*_pick_splits(loaded, src, key, path), path)
 

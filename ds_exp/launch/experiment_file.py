@@ -35,7 +35,7 @@ from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
 from ds_exp.config.secrets import ENV_PREFIX, holds_secret, is_secret_key, redact_text
-from ds_exp.core.errors import ConfigError
+from ds_exp.core.errors import ConfigError, first_line
 from ds_exp.launch.console import report_user_error
 
 FLAG = "--write-experiment"
@@ -154,7 +154,7 @@ def plan_file(path_arg: str, args: list[str]) -> Plan:
         try:
             (override,) = OverridesParser.create().parse_overrides([arg])
         except HydraException as err:
-            problems.append(f"{arg}: not an override Hydra can read ({str(err).splitlines()[0]})")
+            problems.append(f"{arg}: not an override Hydra can read ({first_line(err)})")
             continue
         if override.is_delete():
             problems.append(f"{arg}: an experiment file cannot delete a key; leave it out, or set it to null")

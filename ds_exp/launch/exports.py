@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, to_config
 from ds_exp.config.secrets import ENV_PREFIX
-from ds_exp.core.errors import ConfigError, RunFailed
+from ds_exp.core.errors import ConfigError, RunFailed, first_line
 from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints, is_complete, read_marker
 
 METADATA = "ds_exp_export.json"  # written into every export, last before the rename that makes it visible
@@ -160,7 +160,7 @@ def run_config(run_dir: Path) -> Config:
     except ConfigError:
         raise
     except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise ConfigError(f"{config_file}: the run's config cannot be read ({first})") from None
     launched_in = _launch_dir(hydra_file)
     if launched_in is not None:

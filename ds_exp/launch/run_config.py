@@ -17,7 +17,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ds_exp.config.secrets import ENV_PREFIX
-from ds_exp.core.errors import ConfigError
+from ds_exp.core.errors import ConfigError, first_line
 
 _SECRET_REF = re.compile(r"\$\{oc\.env:(" + ENV_PREFIX + r"\w+)")
 
@@ -68,7 +68,7 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
     except Exception as err:  # any failure to read or merge: one message naming the file
         raise ConfigError(
             f"resume: hydra.run.dir={run_dir} holds a config ds_exp cannot continue from ({path}: "
-            f"{str(err).splitlines()[0]}); fix or remove that file, or start a new run in another directory"
+            f"{first_line(err)}); fix or remove that file, or start a new run in another directory"
         ) from None
     choices = config.hydra.runtime.choices if "hydra" in config else {}
     ignored: list[str] = []

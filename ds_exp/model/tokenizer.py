@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.paths import embedded_tokenizer_dir
 from ds_exp.config.schema import DataConfig, ModelConfig, plain
-from ds_exp.core.errors import DataError
+from ds_exp.core.errors import DataError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def load_tokenizer(model: ModelConfig, data: DataConfig) -> Any:
             mapped = checkpoint_error(model, err)  # config.json names the cause better (custom code, model_type)
             if mapped is not None:
                 raise mapped from None
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise DataError(
             f"{key}={source}: cannot load a tokenizer ({first}); use a local directory with tokenizer files "
             "(nothing is downloaded offline), or null for the embedded one"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_exp.core.errors import ResumeError
+from ds_exp.core.errors import ResumeError, first_line
 from ds_exp.core.files import restore_non_finite
 
 COMPLETE_MARKER = "ds_exp_complete.json"
@@ -108,7 +108,7 @@ def find_resume_checkpoint(resume: str | None, run_dir: Path, checkpoint_subdir:
 
 def damaged_message(tag_dir: Path, err: BaseException) -> str:
     """A checkpoint marked complete that cannot be read (a file truncated or deleted since): name the fallback."""
-    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    first = first_line(err)
     earlier = [c for c in complete_checkpoints(tag_dir.parent) if _step_of(c) < _step_of(tag_dir)]
     fallback = (
         f"the previous complete checkpoint is {earlier[-1]}: continue from it with resume={earlier[-1]}"

@@ -36,7 +36,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from ds_exp.config.file_overrides import IgnoredOverride
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.compat import optuna_trial_of
-from ds_exp.core.errors import ConfigError, DsExpError
+from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.launch.console import report_user_error
 from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.jobs import check_job, job_dir_of
@@ -165,7 +165,7 @@ class StudySweeper(Sweeper):
         except Exception as err:  # the database: unreachable, refused, ... (SQLAlchemy's errors)
             if not type(err).__module__.startswith("sqlalchemy"):
                 raise
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first_line(err)
             raise ConfigError(
                 f"hydra.sweeper.storage={shown_storage(storage)}: the study's database cannot be opened ({first}); "
                 "check the URL and that the database server runs, or leave hydra.sweeper.storage unset for a "
@@ -231,8 +231,7 @@ class StudySweeper(Sweeper):
                 pass  # that corner's trial fails with its message; the rest of the space may be fine
             except Exception as err:  # Hydra's / OmegaConf's composition errors
                 problems.append(
-                    f"hydra/sweeper=optuna: a trial with [{' '.join(overrides)}] cannot be composed: "
-                    + (str(err).splitlines()[0])
+                    f"hydra/sweeper=optuna: a trial with [{' '.join(overrides)}] cannot be composed: " + first_line(err)
                 )
         if problems:
             raise ConfigError(list(dict.fromkeys(problems)))
@@ -255,7 +254,7 @@ class StudySweeper(Sweeper):
         try:
             return instantiate(sampler_cfg)
         except Exception as err:
-            raise ConfigError(f"hydra.sweeper.sampler: {str(err).splitlines()[0]}") from None
+            raise ConfigError(f"hydra.sweeper.sampler: {first_line(err)}") from None
 
     def save_sweep_config(self, sweep_dir: Path) -> None:
         """multirun.yaml as Hydra's basic sweeper writes it; a continued study keeps the first one."""
@@ -357,5 +356,6 @@ class StudySweeper(Sweeper):
             if "Study.stop" not in str(err):
                 raise
             self.exhausted = True  # the trial was stored all the same (optuna stores it in a `finally`)
-        shown = f"{self.objective}={value:.6g}" if value is not None else (error or "").splitlines()[0][:300]
+        reason = next((line[:300] for line in (error or "").splitlines() if line.strip()), "no value")
+        shown = f"{self.objective}={value:.6g}" if value is not None else reason
         print(f"ds_exp: trial {trial.number} {state.name.lower()}: {shown}")

@@ -21,7 +21,7 @@ from hydra.core.override_parser.types import IntervalSweep, RangeSweep, Transfor
 from hydra.errors import HydraException
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution, distribution_to_json
 
-from ds_exp.core.errors import ConfigError
+from ds_exp.core.errors import ConfigError, first_line
 
 TAGS = {"log", "int"}  # what tag(...) may say around an interval / range
 
@@ -57,7 +57,7 @@ def parse_search_space(arguments: list[str], config_loader: Any = None) -> Searc
     try:
         parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(arguments)
     except HydraException as err:
-        raise ConfigError(f"hydra/sweeper=optuna: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"hydra/sweeper=optuna: {first_line(err)}") from None
     space, problems = SearchSpace(), []
     for override in parsed:
         key = override.get_key_element()

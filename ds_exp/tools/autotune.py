@@ -36,7 +36,7 @@ from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import as_dict, plain
 from ds_exp.config.secrets import redact_text
 from ds_exp.core import compat
-from ds_exp.core.errors import DsExpError
+from ds_exp.core.errors import DsExpError, first_line
 from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.validation import validate_job
 from ds_exp.model.architecture import build_model_config, count_parameters, hidden_size_of, padded_vocab_size
@@ -170,11 +170,11 @@ class Autotune(Sweeper):
             cfg = validate_job(composed, overrides)  # the one validation of every sweeper's jobs
         except IgnoredOverride as err:  # e.g. zero=stage1 under a DeepSpeed file that sets stage 3: not a result
             self._refusals += [line for line in err.problems if line not in self._refusals]  # once, not per job
-            return {**candidate, "verdict": "not_applicable", "reason": str(err).splitlines()[0]}
+            return {**candidate, "verdict": "not_applicable", "reason": first_line(err)}
         except DsExpError as err:
-            return {**candidate, "verdict": "not_applicable", "reason": str(err).splitlines()[0]}
+            return {**candidate, "verdict": "not_applicable", "reason": first_line(err)}
         except Exception as err:  # an unknown option or a wrong type: the user's typo, not a candidate to skip
-            fail([f"experiment=autotune: job [{' '.join(overrides)}]: {str(err).splitlines()[0]}"])
+            fail([f"experiment=autotune: job [{' '.join(overrides)}]: {first_line(err)}"])
         unmeasurable = self.cannot_measure(cfg)
         if unmeasurable and unmeasurable not in self._refusals:
             self._refusals.append(unmeasurable)

@@ -29,7 +29,7 @@ from ds_exp.artifacts.tracking import MetricsLog, Trackers, drop_lines_after
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
-from ds_exp.core.errors import Diverged, DsExpError, Refused, RunFailed
+from ds_exp.core.errors import Diverged, DsExpError, Refused, RunFailed, first_line
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.environment import detect_launch
 from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
@@ -165,7 +165,7 @@ class Session:
                 self.state.steps = stopped.step
             return Outcome(stopped.status, f"{stopped}; {where}")
         if is_out_of_memory(exc):  # a message that says what to change; an autotune sweep records it and goes on
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
             error = (
                 f"out of memory at {where} ({first}): lower train.micro_batch_size, set "
@@ -184,7 +184,7 @@ class Session:
         if self.world > 1 and is_lost_peer(exc):
             # a rank died or was killed: the others learn it from their next collective and leave at once
             mark_lost_peer()
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
             lost = lost_ranks(str(exc), self.hosts, self.rank, self.world)
             error = (

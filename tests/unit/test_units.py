@@ -255,3 +255,11 @@ def test_both_resume_paths_fast_forward_the_schedule_past_fp16s_skipped_steps(pa
         universal.load_state(engine, tmp_path / "step10", rank=0, world_size=1, seed=0, model=None, groups=[])
     assert scheduler.last_epoch == 7
     assert scheduler.get_last_lr() == [1.0 / 8]
+
+
+def test_a_one_line_message_quotes_the_first_line_or_the_class():
+    from ds_exp.core.errors import first_line
+
+    assert first_line(ValueError("\n  bad value\nmore")) == "bad value"
+    assert first_line(KeyError()) == "KeyError"  # str(err).splitlines()[0] raised IndexError here
+    assert first_line(OSError("x" * 500)) == "x" * 300

@@ -26,7 +26,7 @@ from ds_exp.config.plan import global_batch_size
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, as_dict, register_configs, to_config
 from ds_exp.config.secrets import hide_secret_overrides
-from ds_exp.core.errors import ConfigError, DsExpError
+from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.data.pipeline import prepare_sft_data
 from ds_exp.launch.validation import validate
 from ds_exp.model.tokenizer import load_tokenizer
@@ -132,7 +132,7 @@ def override_problems(side: Side) -> list[str]:
         try:
             (override,) = parser.parse_overrides([arg])
         except HydraException as err:
-            problems.append(f"side {side.name}: {str(err).splitlines()[0]}")
+            problems.append(f"side {side.name}: {first_line(err)}")
             continue
         key = override.key_or_group
         if override.is_sweep_override():
@@ -191,9 +191,9 @@ def compose_side(side: Side, forced: list[str]) -> list[str]:
 
 def _composition_message(err: BaseException) -> str:
     """Hydra's message, with the cause it wraps ("Error merging override zero.stage=three" says no more)."""
-    lines = [str(err).splitlines()[0]]
+    lines = [first_line(err)]
     if err.__cause__ is not None and str(err.__cause__):
-        lines.append(str(err.__cause__).splitlines()[0])
+        lines.append(first_line(err.__cause__))
     return ": ".join(lines)
 
 

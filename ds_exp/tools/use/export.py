@@ -26,7 +26,7 @@ from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES
 from ds_exp.checkpoint.universal import MODEL_STATES
 from ds_exp.config.schema import Config
 from ds_exp.core import compat
-from ds_exp.core.errors import Diverged, RunFailed
+from ds_exp.core.errors import Diverged, RunFailed, first_line
 from ds_exp.data.cache import read_meta
 from ds_exp.data.templates import first_template, resolve_template
 from ds_exp.launch.exports import read_metadata
@@ -113,7 +113,7 @@ def read_weights(tag_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
             with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
                 state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a file truncated or deleted since
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise RunFailed(
             f"{tag_dir} cannot be read, a file of it is damaged or missing ({first}); export an earlier checkpoint"
         ) from None
