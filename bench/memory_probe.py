@@ -177,7 +177,16 @@ def main() -> None:
     built = build_model(cfg, tokenizer, ds_config)
     model = built.model
     numel = sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in model.parameters())
-    engine = build_engine(cfg, model, ds_config, total_steps=steps, warmup_steps=warmup, accelerator=accelerator).engine
+    engine = build_engine(
+        model,
+        ds_config,
+        optimizer_cfg=cfg.optimizer,
+        scheduler_cfg=cfg.scheduler,
+        config_file=cfg.deepspeed.config_file,
+        total_steps=steps,
+        warmup_steps=warmup,
+        accelerator=accelerator,
+    ).deepspeed_engine
     zero, inner = zero_parts(engine)
 
     snapshots: dict[str, dict[str, int]] = {}

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from transformers import get_scheduler
 
 from ds_exp.config.plan import scheduler_kwargs
-from ds_exp.config.schema import Config, OptimizerConfig, SchedulerConfig, plain
+from ds_exp.config.schema import OptimizerConfig, SchedulerConfig, plain
 from ds_exp.config.secrets import redact
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
@@ -112,24 +112,27 @@ def deepspeed_config_problems(err: Any, block: str, config_file: str | None) -> 
 
 
 @dataclass
-class Engine:
-    engine: Any  # deepspeed.DeepSpeedEngine
+class TrainingEngine:
+    deepspeed_engine: Any  # deepspeed.DeepSpeedEngine
     metric_scheduler: Any | None  # stepped by the loop with a metric (plateau, greedy)
-    optimizer: str  # what updates the weights (describe_optimizer)
+    optimizer_name: str  # what updates the weights (describe_optimizer)
 
 
 def build_engine(
-    cfg: Config,
     model: Any,
     ds_config: dict[str, Any],
     *,
+    optimizer_cfg: OptimizerConfig,
+    scheduler_cfg: SchedulerConfig,
+    config_file: str | None,
     total_steps: int,
     warmup_steps: int,
     accelerator: str,
     mpu: Any = None,
-) -> Engine:
-    """`mpu`: DeepSpeed's sequence-parallel groups (ds_exp/model/sequence_parallel.py), or None."""
-    groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
+) -> TrainingEngine:
+    """`config_file`: deepspeed.config_file (named in its problems); `mpu`: DeepSpeed's sequence-parallel groups
+    (ds_exp/model/sequence_parallel.py), or None."""
+    groups = parameter_groups(model, optimizer_cfg.weight_decay, list(optimizer_cfg.no_decay))
     if "optimizer" in ds_config:
         optimizer = None
         op = ops.deepspeed_optimizer_op(ds_config)
@@ -137,14 +140,14 @@ def build_engine(
             ops.ensure_built(op, announce=_is_rank0())
     else:
         with library_stdout():  # DeepSpeed's CPU Adam prints its settings from C++ on every rank
-            optimizer = build_optimizer(cfg.optimizer, groups, ds_config, accelerator)
+            optimizer = build_optimizer(optimizer_cfg, groups, ds_config, accelerator)
     name = describe_optimizer(optimizer, ds_config)
     log.info("optimizer: %s", name)
-    metric_schedule = plain(cfg.scheduler.name) in METRIC_SCHEDULES
+    metric_schedule = plain(scheduler_cfg.name) in METRIC_SCHEDULES
     scheduler = None
     if "scheduler" not in ds_config and not metric_schedule:
         # a callable: DeepSpeed calls it with the optimizer, including one it built from the DeepSpeed config
-        scheduler = partial(build_scheduler, cfg.scheduler, total_steps=total_steps, warmup_steps=warmup_steps)
+        scheduler = partial(build_scheduler, scheduler_cfg, total_steps=total_steps, warmup_steps=warmup_steps)
     try:
         with library_stdout():  # what DeepSpeed prints while it builds the engine (its optimizer's notices)
             engine, _, _, _ = deepspeed.initialize(
@@ -156,15 +159,15 @@ def build_engine(
                 mpu=mpu,
             )
     except ValidationError as err:  # another block than zero_optimization (checked before the model was built)
-        raise ConfigError(deepspeed_config_problems(err, err.title, cfg.deepspeed.config_file)) from None
+        raise ConfigError(deepspeed_config_problems(err, err.title, config_file)) from None
     # DeepSpeed saves engine.config into every checkpoint file (ds_config=...); its monitors (comet's api_key)
     # were built from it already
     engine.config = redact(engine.config)
     compat.keep_fp32_grad_norm(engine)  # grad_norm in the metric lines at ZeRO stage 0 in fp32 as well
     metric_scheduler = None
     if "scheduler" not in ds_config and metric_schedule:
-        metric_scheduler = build_scheduler(cfg.scheduler, optimizer or engine.optimizer, total_steps, warmup_steps)
-    return Engine(engine=engine, metric_scheduler=metric_scheduler, optimizer=name)
+        metric_scheduler = build_scheduler(scheduler_cfg, optimizer or engine.optimizer, total_steps, warmup_steps)
+    return TrainingEngine(deepspeed_engine=engine, metric_scheduler=metric_scheduler, optimizer_name=name)
 
 
 def describe_optimizer(optimizer: Any, ds_config: dict[str, Any]) -> str:

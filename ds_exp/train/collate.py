@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,7 +70,7 @@ def make_collator(
     *,
     isolate_packed: bool = False,
     position_ids: bool = False,
-) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+) -> SFTCollator:
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0  # any id: pads are masked

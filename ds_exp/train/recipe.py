@@ -132,21 +132,23 @@ def setup(cfg: Config, session: Session) -> Workload:
     start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
     check_disk_space(cfg, session, needed, parameters, start_step=start_step, total_steps=steps)
     engine = build_engine(
-        cfg,
         built.model,
         ds_config,
+        optimizer_cfg=cfg.optimizer,
+        scheduler_cfg=cfg.scheduler,
+        config_file=cfg.deepspeed.config_file,
         total_steps=steps,
         warmup_steps=warmup,
         accelerator=session.accelerator,
         mpu=built.mpu,
     )
-    state.optimizer = engine.optimizer
+    state.optimizer = engine.optimizer_name
     # every rank's own record of what it trains with (a study checks each rank got the trial's value)
-    groups = engine.engine.optimizer.param_groups
+    groups = engine.deepspeed_engine.optimizer.param_groups
     peak = [float(g.get("initial_lr", g["lr"])) for g in groups]  # the schedule's base: optimizer.lr
     file_log.info("learning rate per parameter group: peak %s, step 1 %s", peak, [float(g["lr"]) for g in groups])
     if cfg.train.compile:
-        engine.engine.compile()  # torch.compile of the wrapped module, DeepSpeed's hooks kept working
+        engine.deepspeed_engine.compile()  # torch.compile of the wrapped module, DeepSpeed's hooks kept working
     return Workload(
         tokenizer=tokenizer,
         data=data,
@@ -168,7 +170,7 @@ def setup(cfg: Config, session: Session) -> Workload:
             cfg, total_steps=steps, warmup_steps=warmup, world_size=dp, data_key=Path(data.stats["cache_path"]).name
         ),
         built=built,
-        engine=engine.engine,
+        engine=engine.deepspeed_engine,
         metric_scheduler=engine.metric_scheduler,
         schedule_name=str(plain(cfg.scheduler.name)),
         flops=flops_model(built.model, built.config),

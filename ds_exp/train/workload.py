@@ -6,23 +6,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deepspeed import DeepSpeedEngine
+from transformers import PreTrainedTokenizerBase
+
+from ds_exp.data.pipeline import SFTData
+from ds_exp.model.build import BuiltModel
 from ds_exp.model.sequence_parallel import SequenceParallel
+from ds_exp.train.collate import SFTCollator
 from ds_exp.train.flops import FlopsModel
 
 
 @dataclass(frozen=True)
 class Workload:
-    tokenizer: Any
-    data: Any  # ds_exp.data.SFTData: tokenized train / eval sets and their statistics
-    collator: Any
+    tokenizer: PreTrainedTokenizerBase
+    data: SFTData  # tokenized train / eval sets and their statistics
+    collator: SFTCollator
     total_steps: int
     steps_per_epoch: int
     warmup_steps: int
     ds_config: dict[str, Any]  # exactly what deepspeed.initialize received ("auto" filled)
     settings: dict[str, Any]  # what a checkpoint of this run depends on (ds_exp.resume.settings_of)
     trajectory: dict[str, Any]  # what the run's course depends on (ds_exp.resume.trajectory.trajectory_of)
-    built: Any  # ds_exp.model.BuiltModel: the model, its config, LoRA, and what the export needs of the base
-    engine: Any  # the DeepSpeed engine
+    built: BuiltModel  # the model, its config, LoRA, and what the export needs of the base
+    engine: DeepSpeedEngine
     metric_scheduler: Any | None  # a schedule stepped with a metric (plateau, greedy), outside the engine
     schedule_name: str
     flops: FlopsModel
