@@ -27,12 +27,13 @@ from ds_exp.config.secrets import hide_secret_overrides, hide_secrets_when_compo
 from ds_exp.core.errors import ConfigError, DsExpError
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import report_user_error
-from ds_exp.launch.environment import launch_env_problems, launch_rank_from_env
+from ds_exp.launch.environment import detect_launch, launch_env_problems, launch_rank_from_env
 from ds_exp.launch.experiment_file import main as write_experiment
 from ds_exp.launch.experiment_file import wants_experiment_file
 from ds_exp.launch.help import main as print_help
 from ds_exp.launch.help import wants_help
 from ds_exp.launch.hub import check_hub
+from ds_exp.launch.run_config import finish_job_attempt, take_job_config
 from ds_exp.launch.run_dir import rank_placeholder_overrides, remove_refused_attempt
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.validation import validate_job
@@ -79,10 +80,25 @@ def run_dir_of_job() -> Path:
 
 
 def run_job(composed: DictConfig) -> Any:
+    """A sweep job that resumes runs with the config its sweep continued and kept for it (launch.run_config), and
+    at its end puts back the earlier .hydra/ files Hydra wrote over when it launched the job."""
+    run_dir = run_dir_of_job()
+    if not (in_multirun() and composed.get("resume") is not None):
+        return _run_job(composed, run_dir)
+    first_rank = detect_launch().is_main  # a submitit job's ranks all run this: one of them moves files
+    if not take_job_config(composed, run_dir, first_rank=first_rank):
+        return _run_job(composed, run_dir)
+    try:
+        return _run_job(composed, run_dir)
+    finally:
+        if first_rank:
+            finish_job_attempt(run_dir)
+
+
+def _run_job(composed: DictConfig, run_dir: Path) -> Any:
     """Typed once, validated, then planned (dry_run=true) or trained. Heavy imports happen only past validation."""
     # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    run_dir = run_dir_of_job()
     try:
         cfg = validate_job(composed, overrides, run_dir=run_dir)
         check_hub(cfg)  # a hub id with no hub to reach: one message now, not transformers' retries

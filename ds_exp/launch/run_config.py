@@ -2,7 +2,10 @@
 with R's own composed config (the newest attempt's .hydra/[resume-<time>/]config.yaml), not the defaults; the
 overrides given with it are changes, each named here, and then applied or refused by the resume rules
 (ds_exp.resume.trajectory: length, learning rate, schedule; ds_exp.resume.settings: what the checkpoint's layout
-depends on). A sweep job resuming in its own directory does the same (ds_exp.sweeps.jobs).
+depends on). A sweep job resuming in its own directory does the same: Hydra writes a job's .hydra/*.yaml before any
+callback or the task can look, so the sweep continues each job's config before launch (ds_exp.sweeps.jobs) and
+saves it as the attempt's, keeping the earlier files aside (keep_job_config); the job takes it (take_job_config)
+and at its end puts the earlier files back (finish_job_attempt), leaving the layout a resumed single run leaves.
 Light: no torch, no deepspeed.
 """
 
@@ -10,6 +13,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +23,25 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ds_exp.config.secrets import ENV_PREFIX
 from ds_exp.core.errors import ConfigError, first_line
+from ds_exp.core.files import write_text_atomic
 
 _SECRET_REF = re.compile(r"\$\{oc\.env:(" + ENV_PREFIX + r"\w+)")
+
+# In .hydra/: a resumed sweep job's earlier .hydra/*.yaml, kept from before its launch until the job ends
+KEPT_DIR = "kept-while-resuming"
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
 
 def saved_run_config(run_dir: Path) -> Path | None:
     """The config the run's newest attempt composed: .hydra/resume-<time>/config.yaml (a resume's), else
-    .hydra/config.yaml (the first attempt's); None when the directory holds neither."""
+    .hydra/config.yaml (the first attempt's, or its copy a sweep kept aside); None when the directory holds none."""
     later = sorted((run_dir / ".hydra").glob("resume-*/config.yaml"))
     if later:
         return later[-1]
-    first = run_dir / ".hydra" / "config.yaml"
-    return first if first.is_file() else None
+    for first in (run_dir / ".hydra" / KEPT_DIR / "config.yaml", run_dir / ".hydra" / "config.yaml"):
+        if first.is_file():
+            return first
+    return None
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -114,16 +126,83 @@ def _keep_secrets_reachable(merged: DictConfig, now: DictConfig) -> None:
             OmegaConf.update(merged, key, OmegaConf.select(now, key, default=None), merge=False)
 
 
-def resume_note(run_dir: Path, lines: list[str]) -> str:
-    """What a resume continues with, in one message."""
+def resume_note(run_dir: Path, lines: list[str], what: str | None = None) -> str:
+    """What a resume continues with, in one message (`what`: the run's name, hydra.run.dir=R unless given)."""
     source = saved_run_config(run_dir)
     where = source.relative_to(run_dir) if source is not None else ".hydra/config.yaml"
+    what = what or f"hydra.run.dir={run_dir}"
     if not lines:
-        return f"resume: hydra.run.dir={run_dir} continues with its own config ({where}), unchanged"
+        return f"resume: {what} continues with its own config ({where}), unchanged"
     return "\n".join(
-        [f"resume: hydra.run.dir={run_dir} continues with its own config ({where}), changed by this command line:"]
+        [f"resume: {what} continues with its own config ({where}), changed by this command line:"]
         + [f"  {line}" for line in lines]
     )
+
+
+def keep_job_config(job_dir: Path, continued: DictConfig) -> Path:
+    """Before a sweep launches a job that resumes in `job_dir`: the job's .hydra/*.yaml, which Hydra is about to
+    write over, are copied to .hydra/<KEPT_DIR>/ (unless a launch that never finished kept them already: those are
+    the earlier ones), and `continued` (the job's own config with the sweep's changes) is saved as this attempt's,
+    .hydra/resume-<time>/config.yaml. Returns that directory."""
+    hydra_dir = job_dir / ".hydra"
+    kept = hydra_dir / KEPT_DIR
+    if not kept.is_dir():
+        staging = hydra_dir / f".{KEPT_DIR}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for name in HYDRA_FILES:
+            if (hydra_dir / name).is_file():
+                shutil.copy2(hydra_dir / name, staging / name)
+        staging.rename(kept)  # all of them or none
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    attempt = hydra_dir / f"resume-{stamp}"
+    for n in range(1, 1000):  # a launch in the same second as the last: the next name, still sorted after it
+        if not attempt.exists():
+            break
+        attempt = hydra_dir / f"resume-{stamp}_{n}"
+    attempt.mkdir()
+    task = OmegaConf.masked_copy(continued, [str(key) for key in continued if key != "hydra"])
+    write_text_atomic(attempt / "config.yaml", OmegaConf.to_yaml(task))  # unresolved, as Hydra saves it
+    return attempt
+
+
+def take_job_config(composed: DictConfig, job_dir: Path, *, first_rank: bool) -> bool:
+    """In a sweep job: when its sweep kept a config for it (keep_job_config), that config replaces the one Hydra
+    composed again from the defaults; the first rank also copies this attempt's hydra.yaml and overrides.yaml
+    beside it (exports read the launch directory there). False, and `composed` unchanged, for a fresh job."""
+    path = saved_run_config(job_dir)
+    if not (job_dir / ".hydra" / KEPT_DIR).is_dir() or path is None or not path.parent.name.startswith("resume-"):
+        return False
+    try:
+        merged = OmegaConf.merge(composed, OmegaConf.load(path))
+        if not isinstance(merged, DictConfig):
+            raise ValueError("not a mapping of settings")
+    except Exception as err:  # one message naming the file
+        raise ConfigError(
+            f"resume: {job_dir} holds a config ds_exp cannot continue from ({path}: {first_line(err)}); fix or "
+            "remove that file, or use another hydra.sweep.dir"
+        ) from None
+    with read_write(composed), open_dict(composed):
+        for key in [str(key) for key in composed]:
+            composed[key] = merged[key]
+    if first_rank:
+        for name in HYDRA_FILES[1:]:
+            if (job_dir / ".hydra" / name).is_file() and not (path.parent / name).exists():
+                shutil.copy2(job_dir / ".hydra" / name, path.parent / name)
+    return True
+
+
+def finish_job_attempt(job_dir: Path) -> None:
+    """At the end of a resumed sweep job (its first rank, long after every rank's Hydra wrote .hydra/): the earlier
+    .hydra/*.yaml kept before launch go back in place of those Hydra wrote for this attempt (whose config was not
+    the one the job ran with: that one is in .hydra/resume-<time>/)."""
+    kept = job_dir / ".hydra" / KEPT_DIR
+    if not kept.is_dir():
+        return
+    for name in HYDRA_FILES:
+        if (kept / name).is_file():
+            os.replace(kept / name, job_dir / ".hydra" / name)
+    shutil.rmtree(kept, ignore_errors=True)
 
 
 def named_run_dir(config: DictConfig) -> Path | None:

@@ -27,7 +27,7 @@ from ds_exp.launch.console import exit_on_error
 from ds_exp.launch.lock import claim_sweep_dir, lock_sweep_dir, release_sweep_dir
 from ds_exp.launch.run_dir import check_not_inside_a_live_dir
 from ds_exp.launch.storage import check_writable
-from ds_exp.sweeps.jobs import check_job, own_job_dirs, sweep_jobs
+from ds_exp.sweeps.jobs import check_job, forget_resumed_jobs, keep_resumed_configs, own_job_dirs, sweep_jobs
 from ds_exp.sweeps.report import PLAN_FILE, autotune_verdict, write_report
 from ds_exp.sweeps.study_files import completed_trials, is_study_sweep
 
@@ -86,8 +86,9 @@ class ValidateSweep(Callback):
             return
         loader = GlobalHydra.instance().config_loader()
         problems = []
+        forget_resumed_jobs()
         for num, overrides in enumerate(jobs):  # numbered as Hydra's basic sweeper numbers them
-            problems += check_job(loader, config, overrides, num)[1]
+            problems += check_job(loader, config, overrides, num, continues=True)[1]
         if problems:
             print(
                 f"ds_exp: error: the sweep was not started: {len(problems)} problem(s) in its {len(jobs)} jobs",
@@ -96,6 +97,7 @@ class ValidateSweep(Callback):
             for line in problems:
                 print(f"  {redact_text(line)}", file=sys.stderr)  # a composition error may quote a value
             sys.exit(2)
+        keep_resumed_configs()  # the resumed jobs' own configs, which Hydra's launch would write over
         print(f"ds_exp: all {len(jobs)} jobs of the sweep are valid")
 
 

@@ -1,9 +1,12 @@
 """A sweep's jobs: each one's overrides as Hydra's basic sweeper expands them, and each composed and validated
-once before anything is launched (every sweeper comes here: -m, autotune's candidates, an optuna study's trials)."""
+once before anything is launched (every sweeper comes here: -m, autotune's candidates, an optuna study's trials).
+A job that resumes in its own directory continues from its own config there, as a single run does
+(launch.run_config); the sweep saves that config for the job once every job has passed (keep_resumed_configs)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError
+from ds_exp.launch.run_config import continue_run_config, keep_job_config, resume_note
 from ds_exp.launch.run_dir import check_job_dir
 from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.study_files import STUDY_FILE, is_study_sweep
@@ -36,31 +40,64 @@ def job_dir_of(composed: DictConfig) -> Path:
 # The job directories this process's sweep launches (check_job records each job it passes with its number), so
 # that the sweep's report lists its own jobs, not whatever else the directory holds.
 launched_job_dirs: list[Path] = []
+# The resumed jobs checked so far: job directory -> (its config continued, what the resume says about it); saved for
+# the jobs by keep_resumed_configs once the whole sweep is valid (a refused sweep changes nothing)
+resumed_jobs: dict[Path, tuple[DictConfig, str]] = {}
 
 
 def check_job(
-    loader: Any, config: DictConfig, overrides: list[str], num: int | None = None
+    loader: Any, config: DictConfig, overrides: list[str], num: int | None = None, *, continues: bool = False
 ) -> tuple[DictConfig | None, list[str]]:
     """One job composed and validated once: (its config, []) or (None, the problems, each naming the job).
     Every sweeper's jobs come here before any is launched (the basic sweeper's all at once, autotune's probes, an
     optuna study's trials as they are asked for). With its number the job's directory is known, and is checked
-    like a single run's (run_dir.check_job_dir) before Hydra writes the job's .hydra/ into it."""
+    like a single run's (run_dir.check_job_dir) before Hydra writes the job's .hydra/ into it. `continues` (the
+    basic sweeper's jobs): a job resuming in its directory continues from the config saved there (_continue_job).
+    An optuna study's resumed trials and autotune's probes are composed from their recorded overrides as before."""
     try:
         cfg = loader.load_sweep_config(config, list(overrides))
         if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it
             with read_write(cfg.hydra), open_dict(cfg.hydra):
                 cfg.hydra.job.num = num
+        note = _continue_job(cfg, overrides) if continues and num is not None else None
         typed = validate_job(cfg, overrides)
         if num is not None:
             job_dir = job_dir_of(cfg)
             runs_here = str(cfg.hydra.launcher.get("_target_", "")).endswith("BasicLauncher")
             check_job_dir(typed, job_dir, Path(str(cfg.hydra.sweep.dir)), runs_here=runs_here)
             launched_job_dirs.append(job_dir.absolute())
+            if note is not None:
+                resumed_jobs[job_dir.absolute()] = (cfg, note)
     except DsExpError as err:
         return None, [f"job [{' '.join(overrides)}]: {line}" for line in str(err).splitlines()]
     except Exception as err:  # composition errors (unknown option, wrong type) from Hydra / OmegaConf
         return None, [f"job [{' '.join(overrides)}]: {err}".splitlines()[0]]
     return cfg, []
+
+
+def _continue_job(cfg: DictConfig, overrides: list[str]) -> str | None:
+    """A job resuming in a directory that saved its config continues from that config, the job's overrides
+    applied again as changes (launch.run_config.continue_run_config), before it is validated and checked.
+    Returns what the resume says (None: not a resume, or nothing saved to continue from)."""
+    if cfg.get("resume") is None:
+        return None
+    job_dir = job_dir_of(cfg)
+    changed = continue_run_config(cfg, job_dir, list(overrides))
+    return None if changed is None else resume_note(job_dir, changed, what=f"sweep job {job_dir}")
+
+
+def forget_resumed_jobs() -> None:
+    """A new sweep in this process (in-process tests run many): nothing of an earlier, refused one is kept."""
+    resumed_jobs.clear()
+
+
+def keep_resumed_configs() -> None:
+    """Once every job of the sweep is valid: each resumed job's config is saved for it, and said (Hydra would write
+    the job's .hydra/ from the defaults and the sweep's overrides: launch.run_config.keep_job_config)."""
+    for job_dir, (cfg, note) in resumed_jobs.items():
+        print(f"ds_exp: {note}", file=sys.stderr)
+        keep_job_config(job_dir, cfg)
+    resumed_jobs.clear()
 
 
 def own_job_dirs(config: DictConfig, sweep_dir: Path) -> list[Path] | None:

@@ -1,7 +1,7 @@
 """A run directory remembers its run (issue 22 §2): `hydra.run.dir=R resume=auto` continues with R's own config and
 names each change given with it; metrics.jsonl (and wandb) hold one line per step after a resume from an earlier
 checkpoint; two runs started in the same second get distinct directories; a run refused by validation leaves no
-stub under outputs/."""
+stub under outputs/; a sweep job resumed with its sweep continues with its own config, as a single run does."""
 
 from __future__ import annotations
 
@@ -18,10 +18,17 @@ from omegaconf import OmegaConf
 from ds_exp.artifacts import tracking
 from ds_exp.config.paths import conf_dir
 from ds_exp.launch.lock import release_run_dir
-from ds_exp.launch.run_config import continue_run_config, saved_run_config
+from ds_exp.launch.run_config import (
+    KEPT_DIR,
+    continue_run_config,
+    finish_job_attempt,
+    keep_job_config,
+    saved_run_config,
+    take_job_config,
+)
 from ds_exp.launch.run_dir import check_run_start
 from tests.conftest import run_cli
-from tests.training import FAST
+from tests.training import FAST, multirun
 
 
 def _hydra_config(*overrides: str):
@@ -149,3 +156,65 @@ def test_a_resume_from_the_command_line_continues_its_own_run(tmp_path, cache_di
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train_steps = [line["step"] for line in lines if line["type"] == "train"]
     assert train_steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_sweep_job_launch_that_never_ended_keeps_the_first_attempts_files(tmp_path):
+    """Killed after Hydra wrote the job's .hydra/ and before the job ended: the next launch continues from what the
+    killed one ran with, and the files kept aside stay the first attempt's until a job ends and puts them back."""
+    job = tmp_path / "S" / "0"
+    _save_attempt(job, ".hydra", "train.max_steps=4", "lora.dim=4")
+    (job / ".hydra/overrides.yaml").write_text("- train.max_steps=4\n")
+    keep_job_config(job, _hydra_config("train.max_steps=6", "lora.dim=4"))
+    (job / ".hydra/config.yaml").write_text("written: by Hydra for the killed launch\n")
+    (job / ".hydra/overrides.yaml").write_text("- train.max_steps=6\n")
+    config = _hydra_config("resume=auto", "train.save_every=2")  # in the same second or not: named after the last
+    assert continue_run_config(config, job, ["resume=auto", "train.save_every=2"]) == ["train.save_every: 0 -> 2"]
+    keep_job_config(job, config)
+    composed = _hydra_config("resume=auto")
+    composed = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])  # what the task gets
+    assert take_job_config(composed, job, first_rank=True)
+    assert (composed.train.max_steps, composed.train.save_every, composed.lora.dim) == (6, 2, 4)
+    finish_job_attempt(job)
+    assert OmegaConf.load(job / ".hydra/config.yaml").train.max_steps == 4  # the first attempt's, back in place
+    assert (job / ".hydra/overrides.yaml").read_text() == "- train.max_steps=4\n"
+    assert not (job / ".hydra" / KEPT_DIR).exists()
+    assert [OmegaConf.load(p).train.max_steps for p in sorted(job.glob(".hydra/resume-*/config.yaml"))] == [6, 6]
+    fresh = OmegaConf.masked_copy(composed, ["train"])
+    assert not take_job_config(fresh, tmp_path / "S" / "1", first_rank=True)  # a job the sweep kept nothing for
+
+
+@pytest.mark.slow
+def test_a_resumed_sweep_job_continues_with_its_own_config(tmp_path, cache_dir):
+    """The same sweep command with resume=auto used to compose each job again from the defaults and the sweep's
+    overrides (LoRA, save interval, batch, data all lost: here refused, the checkpoint's layout differs), and Hydra
+    wrote the job's .hydra/config.yaml over the first attempt's before the job could read it."""
+    sweep = tmp_path / "S"
+    first = multirun(
+        tmp_path, sweep, "zero=stage1,stage2", *FAST, "train.max_steps=4", "train.save_every=2", "train.keep_last=0",
+        "lora.dim=4", f"data.cache_dir={cache_dir}",
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = multirun(tmp_path, sweep, "zero=stage1,stage2", "resume=auto", "train.max_steps=6")
+    assert again.returncode == 0, again.stderr[-3000:]
+    for job, stage in (("0", 1), ("1", 2)):
+        job_dir = sweep / job
+        note = f"resume: sweep job {job_dir} continues with its own config (.hydra/config.yaml), changed by this "
+        assert f"{note}command line:\n" in again.stderr, again.stderr[-3000:]
+        said = again.stderr.split(f"{note}command line:\n", 1)[1].splitlines()[:2]
+        assert [line for line in said if line.startswith("  ")] == ["  train.max_steps: 4 -> 6"]  # that one only
+        summary = json.loads((job_dir / "summary.json").read_text())
+        assert (summary["status"], summary["steps"]) == ("completed", 6)
+        assert (job_dir / "checkpoints" / "step6").is_dir()  # its own save_every=2 (the default saves none)
+        # .hydra/ holds the first attempt's files; this attempt's config, the one it ran with, is beside them
+        assert OmegaConf.load(job_dir / ".hydra/config.yaml").train.max_steps == 4
+        assert "train.max_steps=4" in (job_dir / ".hydra/overrides.yaml").read_text()
+        (attempt,) = (job_dir / ".hydra").glob("resume-*")
+        hydra_files = {p.name for p in (job_dir / ".hydra").iterdir()}
+        assert hydra_files == {"config.yaml", "hydra.yaml", "overrides.yaml", attempt.name}  # nothing kept aside left
+        saved = OmegaConf.load(attempt / "config.yaml")
+        assert (saved.train.max_steps, saved.train.save_every, saved.lora.dim, saved.zero.stage) == (6, 2, 4, stage)
+        assert (saved.train.micro_batch_size, saved.data.cache_dir) == (4, str(cache_dir))
+        assert (attempt / "hydra.yaml").is_file() and "train.max_steps=6" in (attempt / "overrides.yaml").read_text()
+        train_steps = [r["step"] for r in map(json.loads, (job_dir / "metrics.jsonl").read_text().splitlines())
+                       if r["type"] == "train"]  # fmt: skip
+        assert train_steps == [1, 2, 3, 4, 5, 6]
