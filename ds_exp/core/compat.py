@@ -1,8 +1,5 @@
-"""Every touch of a library's private internals, in one place.
-
-Each function says which versions it was checked against and what breaks if the internal changes. When a library
-is upgraded, this file is the list to re-check; nothing outside it reaches into private names.
-"""
+"""Every touch of a library's private internals, in one place. Each function says which versions it was checked
+against and what breaks if the internal changes: the list to re-check when a library is upgraded."""
 
 from __future__ import annotations
 
@@ -40,18 +37,21 @@ def skip_op(builder: Any) -> None:
 
 def op_prebuilt(builder: Any) -> bool:
     """Whether loading this op needs no compilation: installed with DeepSpeed (DS_BUILD_OPS=1), or compiled
-    before into torch's extension directory.
-
-    torch 2.4-2.13: `torch.utils.cpp_extension._get_build_directory(name, verbose)` names that directory
-    (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<python>_<cuda tag>/<name>). If it changes, the only
-    effect is a "compiling ..." notice for an op that loads from its cache."""
+    before into torch's extension directory."""
     from deepspeed.git_version_info import installed_ops
-    from torch.utils.cpp_extension import _get_build_directory
 
     if installed_ops.get(builder.name, False):
         return True
-    build_dir = Path(_get_build_directory(builder.name, verbose=False))
-    return (build_dir / f"{builder.name}.so").is_file()
+    return (extension_build_dir(builder.name) / f"{builder.name}.so").is_file()
+
+
+def extension_build_dir(name: str) -> Path:
+    """Where torch compiles the extension `name`. torch 2.4-2.13: `torch.utils.cpp_extension._get_build_directory`
+    (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<python>_<cuda tag>/<name>). If it changes, an op that
+    loads from its cache gets a "compiling ..." notice, and a killed build's lock is not named (ops.py)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
 
 
 def apply_liger_kernels(model: Any) -> None:

@@ -13,8 +13,10 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from deepspeed.accelerator import get_accelerator
 
@@ -101,6 +103,9 @@ def ensure_built(op: Op, *, announce: bool) -> None:
             file=sys.stderr,
             flush=True,
         )
+    stale = stale_build_lock(compat.extension_build_dir(builder.name), now=time.time())
+    if stale is not None:
+        raise RunFailed(f"{op.title} ({builder.name}) cannot be built: {stale}")
     with _arch_list_for_deepspeed():
         try:
             builder.load(verbose=False)
@@ -117,6 +122,29 @@ def ensure_built(op: Op, *, announce: bool) -> None:
                     file=sys.stderr,
                     flush=True,
                 )
+
+
+STALE_BUILD_S = 15 * 60  # a compilation here takes about a minute; one that wrote nothing for this long is dead
+
+
+def stale_build_lock(build_dir: Path, *, now: float) -> str | None:
+    """torch's extension builder takes `<build dir>/lock` while it compiles and waits, silently and forever, while
+    the file exists: a build that was killed (Ctrl-C, a lost node) leaves it behind. A lock nothing in the build
+    directory has moved past for STALE_BUILD_S is such a leftover: said in one line, naming the file to remove
+    (ds_exp does not remove it: another machine sharing the cache may be compiling)."""
+    lock = build_dir / "lock"
+    try:
+        newest = max(entry.stat().st_mtime for entry in build_dir.iterdir())
+    except (FileNotFoundError, ValueError):  # no build directory, or an empty one
+        return None
+    if not lock.exists() or now - newest < STALE_BUILD_S:
+        return None
+    minutes = int((now - newest) // 60)
+    return (
+        f"{lock} is held by a build that ended without finishing (nothing in {build_dir} changed for {minutes} "
+        "minutes), and torch would wait for it forever; if no other process is compiling there, remove that "
+        "lock file (or the whole directory) and run again"
+    )
 
 
 def deepspeed_optimizer_op(ds_config: dict) -> Op | None:

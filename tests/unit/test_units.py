@@ -263,3 +263,24 @@ def test_a_one_line_message_quotes_the_first_line_or_the_class():
     assert first_line(ValueError("\n  bad value\nmore")) == "bad value"
     assert first_line(KeyError()) == "KeyError"  # str(err).splitlines()[0] raised IndexError here
     assert first_line(OSError("x" * 500)) == "x" * 300
+
+
+def test_a_killed_builds_lock_is_named_instead_of_waited_on_forever(tmp_path):
+    """torch waits while <build dir>/lock exists; a build killed mid-compile leaves it (found here: every run with a
+    DeepSpeed-owned optimizer hung at 'model: tiny' behind a lock from hours before)."""
+    import os
+
+    from ds_exp.runtime.ops import STALE_BUILD_S, stale_build_lock
+
+    build = tmp_path / "fused_adam"
+    assert stale_build_lock(build, now=0) is None  # never built
+    build.mkdir()
+    (build / "build.ninja").write_text("")
+    (build / "lock").write_text("")
+    for entry in build.iterdir():
+        os.utime(entry, (1000.0, 1000.0))
+    assert stale_build_lock(build, now=1000.0 + 60) is None  # a build in progress: torch's wait is right
+    message = stale_build_lock(build, now=1000.0 + STALE_BUILD_S + 60)
+    assert message is not None and str(build / "lock") in message and "remove that lock file" in message
+    (build / "lock").unlink()
+    assert stale_build_lock(build, now=1000.0 + STALE_BUILD_S + 60) is None  # built, or never locked
