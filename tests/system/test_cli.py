@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ds_exp.launch.cli import strip_local_rank
+from tests.bad_inputs import Case, run_case_in_process
 from tests.conftest import REPO, run_cli
 
 
@@ -56,7 +57,8 @@ SCHEMA_ERRORS = [
 
 @pytest.mark.parametrize(("overrides", "message"), BAD_VALUES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_bad_values_give_one_clear_message(tmp_path, overrides, message):
-    result = run_cli(*overrides, "dry_run=true", cwd=tmp_path)
+    # through the CLI's main() in this process, as the bad-input catalogue runs what fails before heavy work
+    result = run_case_in_process(Case(message, "config value", (*overrides, "dry_run=true"), (message,)), tmp_path)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert result.stderr.startswith("ds_exp: error:")
@@ -68,7 +70,7 @@ def test_bad_values_give_one_clear_message(tmp_path, overrides, message):
     ("overrides", "message"), SCHEMA_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, list) else ""
 )
 def test_schema_rejects_wrong_types_and_unknown_options(tmp_path, overrides, message):
-    result = run_cli(*overrides, "--cfg", "job", cwd=tmp_path)
+    result = run_case_in_process(Case(message, "config value", ("--cfg", "job", *overrides), (message,)), tmp_path)
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
