@@ -15,6 +15,17 @@ from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, register_configs, to_config
 from tests.real_model import ModelUnavailable, smollm2_checkpoint
 
+TIERS_BEYOND_QUICK = ("integration", "system")  # tests/<tier>/: real engines, whole commands, clusters
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The quick tier (`-m "not slow"`) is tests/unit/ without its slow tests: integration and system tests are
+    slow by where they live, so a new one cannot slip into the quick tier unmarked."""
+    for item in items:
+        if Path(str(item.fspath)).parent.name in TIERS_BEYOND_QUICK:
+            item.add_marker(pytest.mark.slow)
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 register_resolvers()
