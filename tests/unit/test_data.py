@@ -347,7 +347,8 @@ CHILD = textwrap.dedent(
         time.sleep(1.0)
         return real(*args, **kwargs)
     enc.encode = slow
-    from ds_exp.data import load_tokenizer, prepare_sft_data
+    from ds_exp.data.pipeline import prepare_sft_data
+    from ds_exp.model.tokenizer import load_tokenizer
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(sys.argv[1])))
     tok = load_tokenizer(cfg.model, cfg.data)
     pathlib.Path(sys.argv[2] + "." + sys.argv[3]).touch()
@@ -360,6 +361,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # two processes build the same cache (a minute)
 def test_concurrent_builds_share_one_cache(tmp_path):
     cfg = make_cfg(tmp_path)
     OmegaConf.save(cfg, tmp_path / "cfg.yaml")
