@@ -208,7 +208,7 @@ def test_zero3_on_two_ranks_with_every_knob_follows_the_plain_run(tmp_path, cach
 
 
 def test_long_context_settings_are_checked_before_the_run(compose_cfg, tmp_path):
-    from ds_exp.config.validate import validate
+    from ds_exp.launch.validation import validate
     from ds_exp.core.errors import ConfigError
 
     def problems(*overrides: str) -> list[str]:
