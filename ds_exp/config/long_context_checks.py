@@ -35,7 +35,7 @@ def check_rope_scaling(cfg: Config) -> list[str]:
         not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 1
     ):
         return [f"{shown}: rope_type={rope_type} needs factor >= 1 (new context / trained context), e.g. factor:4.0"]
-    settings = model_settings(cfg)
+    settings = model_settings(cfg) or {}
     found = position_limit(settings) if settings else None
     if found is not None and found[2] == "learned":
         return [

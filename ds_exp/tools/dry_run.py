@@ -68,8 +68,8 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         offload_optimizer=str(get_path(ds_config, "zero_optimization.offload_optimizer.device", "none")),
         offload_param=str(get_path(ds_config, "zero_optimization.offload_param.device", "none")),
     )
-    facts = model_facts(cfg)
-    per_rank = run_estimate(cfg, facts, world_size=launch.world_size, precision=precision, accelerator=accelerator)
+    shapes = model_facts(cfg)
+    per_rank = run_estimate(cfg, shapes, world_size=launch.world_size, precision=precision, accelerator=accelerator)
     return {
         "launcher": launch.launcher,
         "world_size": launch.world_size,
