@@ -9,6 +9,9 @@
    fp16, precision=auto (must pick bf16), LoRA, optimizer offload (compiles DeepSpeed's CPU Adam, and says so),
    parameter offload. Each records status, wall time, whether an op was compiled, losses, skipped steps, MFU.
 3. bench/gpu_throughput.py (tokens/s and MFU of a 1.1B Llama: ds_exp vs bare DeepSpeed vs the Trainer).
+4. Long context (bench/long_context.py's gpu_main): a 1.03B Llama's longest sequence that trains one step, and its
+   tokens/s, on flash-attention's varlen path (packed rows): baseline, experiment=long_context, and with Ulysses
+   sequence parallelism over every GPU where there are several. Written, not yet run (no GPU in that session).
 A bare GPU machine needs ds_exp's dependencies first: bench/gpu_setup.sh says how (no network needed there).
 """
 
@@ -131,6 +134,10 @@ def main(quick: bool = False) -> dict[str, Any] | None:
         "gpu_tests_passed": payload["gpu_tests"]["returncode"] == 0,
     }
     payload["throughput"] = gpu_throughput.main(quick=quick)
+    from bench import long_context
+
+    (work / "long_context").mkdir()
+    payload["long_context"] = long_context.gpu_main(work / "long_context", quick=quick)
     path = write_result("gpu_check", payload)
     print(json.dumps(payload["checks"], indent=2))
     print(f"wrote {path}")

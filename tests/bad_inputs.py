@@ -549,6 +549,44 @@ CASES: list[Case] = [
             + bytes(16),
         },
     ),
+    # --- long context (ds_exp/model/tiling.py, model.rope_scaling)
+    Case(
+        "activation offload without checkpointing",
+        "combination",
+        ("model.activation_offload=true",),
+        (
+            "model.activation_offload=true keeps what activation checkpointing saves",
+            "model.gradient_checkpointing=true",
+        ),
+    ),
+    Case(
+        "tiled MLP with no tiles",
+        "config value",
+        ("model.tiled_mlp=true", "model.tiled_mlp_shards=0"),
+        ("model.tiled_mlp_shards=0: must be >= 1, or null to derive it",),
+    ),
+    Case(
+        "tiled loss on a model that soft-caps its logits",
+        "combination",
+        ("model.tiled_loss=true", "+model.arch.final_logit_softcapping=30.0"),
+        ("this model changes its logits after lm_head (final_logit_softcapping=30.0)", "set model.tiled_loss=false"),
+    ),
+    Case(
+        "rope scaling without a type",
+        "config value",
+        ("model.rope_scaling={factor:4.0}",),
+        ("model.rope_scaling={factor:4.0}: name the scaling with rope_type", "e.g. rope_type:yarn"),
+    ),
+    Case(
+        "rope scaling on learned positions",
+        "combination",
+        ("model=local", "model.name_or_path={tmp}/opt", "model.rope_scaling={rope_type:linear,factor:2.0}"),
+        ("learned a table of absolute positions, it has no rotary embeddings to scale", "remove model.rope_scaling"),
+        files={
+            "opt/config.json": json.dumps({"model_type": "opt", "hidden_size": 64, "max_position_embeddings": 128}),
+            "opt/model.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00{}",  # a complete file holding no tensor
+        },
+    ),
     # --- sweeps that decide (autotune, optuna): refused before any job is launched. The parity check's refusals
     # (python -m ds_exp.parity) are tested in tests/integration/test_parity.py.
     Case(

@@ -7,13 +7,18 @@ and Adam moments per parameter. In fp32 training: 4 + 4 + 8 (Adam moments) at st
 optimizer updates the model's own weights, and + 4 more at stages 1-3, where DeepSpeed keeps an fp32 master
 partition even in fp32 (measured in bench/memory.py). Stage 1 partitions the optimizer states, stage 2 also
 the gradients, stage 3 also the parameters; offload moves optimizer states (and ZeRO-3 parameters) to host
-memory. Activations are estimated apart (`estimate_activations`, roughly); communication buckets and buffers
-are not included.
+memory. Activations are estimated apart (`estimate_activations`: sequence length, sequence parallelism and the
+long-context knobs, checked against measured peaks in bench/long_context.py); communication buckets are not
+included.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
+
+from ds_exp.config.schema import plain
+from ds_exp.config.tiling_plan import plan_tiling, tokens_per_rank
 
 
 @dataclass(frozen=True)
@@ -60,28 +65,125 @@ def estimate_model_states(
     return MemoryEstimate(params, grads, optimizer, device, host)
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What the activation estimate needs of a decoder-only transformer."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int  # padded, as trained
+    heads: int = 0  # 0 = unknown: key/value heads counted as attention heads
+    kv_heads: int = 0
+
+
+@dataclass(frozen=True)
+class LongContext:
+    """The knobs that change activation memory beyond batch and length (ds_exp/model/tiling.py)."""
+
+    checkpointing: bool = False
+    sequence_parallel: int = 1  # Ulysses: each rank holds 1/N of every sequence
+    mlp_tiles: int = 0  # 0 = MLPs untiled
+    loss_chunk_tokens: int = 0  # 0 = logits computed whole
+    offload: bool = False  # checkpointed layer inputs in host memory (saves device memory on accelerators only)
+    attention_scores: bool = False  # eager attention: heads x length x length probabilities per layer
+    packed_mask: bool = False  # packed rows without flash-attention: transformers builds a length x length mask
+
+
 def estimate_activations(
     *,
     micro_batch: int,
     seq_len: int,
-    hidden: int,
-    intermediate: int,
-    layers: int,
-    vocab: int,
+    shape: ModelShape,
     precision: str,
-    checkpointing: bool,
+    knobs: LongContext = LongContext(),
+    accelerator: str = "cuda",
 ) -> int:
-    """Rough per-rank activation bytes of one micro batch (an approximation, not measured): per decoder layer the
-    tensors a pre-norm block keeps for backward (norm inputs, q/k/v, attention and o_proj outputs: ~10 x hidden;
-    the MLP's gate, up, activation and product: ~4 x intermediate; attention scores not kept, as with SDPA /
-    FlashAttention), and the logits (training dtype, the fp32 copy the loss takes, its gradient). With activation
-    checkpointing a layer keeps only its input, and one layer's full activations exist during its recompute."""
-    weight_bytes = 4 if precision == "fp32" else 2
-    tokens = micro_batch * seq_len
-    full_layer = tokens * (10 * hidden + 4 * intermediate) * weight_bytes
-    kept = tokens * hidden * weight_bytes * layers + full_layer if checkpointing else full_layer * layers
-    logits = tokens * vocab * (weight_bytes + 8)
-    return kept + logits
+    """Peak per-rank activation bytes of one micro batch's forward and backward (per decoder layer as a Llama-style
+    pre-norm block keeps them for backward), checked against measured peaks in bench/long_context.py.
+
+    Tokens per rank t = micro batch x seq_len / N (sequence parallelism). A layer keeps about 8 x hidden + 3 x
+    key/value width per token for attention (norm input and output, q, k, v before and after rotary, the attention
+    output; SDPA / FlashAttention keep no scores) and 4 x intermediate for the MLP (gate, its activation, up, their
+    product); eager attention also its probabilities (heads x length x length). Checkpointing keeps one hidden per
+    layer (in host memory with offload, on an accelerator) and one layer's full activations while it is
+    recomputed; tiled MLPs keep the MLP's input and hold one tile's intermediates at a time. The logits: whole,
+    t x vocabulary in the training dtype plus the loss's fp32 log-probabilities and their gradient; tiled, the
+    final hidden states and one chunk's. Backward adds a few hidden-sized gradients in flight; sequence
+    parallelism its all-to-all buffers (q, k, v and the output in the heads' layout)."""
+    w = 4 if precision == "fp32" else 2
+    n = max(int(knobs.sequence_parallel), 1)
+    t = micro_batch * -(-seq_len // n)
+    hidden, inter = shape.hidden, shape.intermediate
+    kv = hidden * shape.kv_heads // shape.heads if shape.heads and shape.kv_heads else hidden
+    attention = t * (8 * hidden + 3 * kv) * w
+    if knobs.attention_scores:  # eager: each layer keeps its probabilities, its heads over the whole sequence
+        attention += micro_batch * -(-max(shape.heads, 1) // n) * seq_len * seq_len * w
+    mlp_whole = t * 4 * inter * w
+    mlp_kept = t * hidden * w if knobs.mlp_tiles else mlp_whole  # tiled: the tiles' input, recomputed from it
+    mlp_tile = -(-mlp_whole // knobs.mlp_tiles) if knobs.mlp_tiles else 0
+    layer = attention + mlp_kept
+    if knobs.checkpointing:
+        on_device = 0 if knobs.offload and accelerator != "cpu" else 1
+        kept = shape.layers * t * hidden * w * on_device + layer + mlp_tile
+    else:
+        kept = shape.layers * layer + mlp_tile
+    if knobs.loss_chunk_tokens:
+        chunk = min(t, knobs.loss_chunk_tokens)
+        logits = t * hidden * w + chunk * shape.vocab * (w + 8 + (4 if w == 2 else 0))
+    else:
+        logits = t * shape.vocab * (w + 8 + (4 if w == 2 else 0))  # fp32 copy of 16-bit logits for the loss
+    in_flight = 3 * t * hidden * w
+    exchange = t * (2 * hidden + 2 * kv) * w if n > 1 else 0  # q, k, v and the output in the heads' layout
+    mask = micro_batch * seq_len * seq_len if knobs.packed_mask or knobs.attention_scores else 0
+    return kept + logits + in_flight + exchange + mask
+
+
+def run_estimate(
+    cfg: Any, facts: dict[str, int], *, world_size: int, precision: str, accelerator: str
+) -> dict[str, int]:
+    """Per-rank bytes of a composed config: model states (device, and host where offloaded: on a CPU both count,
+    it is the same memory) and one micro batch's activations. `facts`: ds_exp.model.architecture.model_facts."""
+    states = estimate_model_states(
+        facts["total"],
+        facts["trainable"],
+        stage=int(cfg.zero.stage),
+        world_size=world_size,
+        precision=precision,
+        offload_optimizer=str(plain(cfg.offload.optimizer)),
+        offload_param=str(plain(cfg.offload.param)),
+    )
+    sp = int(getattr(cfg.dist, "sequence_parallel_size", 1) or 1)
+    tiling = plan_tiling(cfg, hidden=facts["hidden"], vocab=facts["vocab"])
+    micro = int(cfg.train.micro_batch_size)
+    tokens = micro * tokens_per_rank(cfg.data.max_seq_len, sp)
+    attention = str(cfg.model.attn_implementation or "sdpa")
+    knobs = LongContext(
+        checkpointing=bool(cfg.model.gradient_checkpointing),
+        sequence_parallel=sp,
+        mlp_tiles=tiling.mlp_shards,
+        loss_chunk_tokens=-(-tokens // tiling.loss_chunks) if tiling.loss_chunks else 0,
+        offload=tiling.offload,
+        attention_scores=attention == "eager",
+        packed_mask=bool(cfg.data.packing) and not attention.startswith("flash"),
+    )
+    shape = ModelShape(
+        facts["hidden"], facts["intermediate"], facts["layers"], facts["vocab"], facts["heads"], facts["kv_heads"]
+    )
+    activations = estimate_activations(
+        micro_batch=micro,
+        seq_len=int(cfg.data.max_seq_len),
+        shape=shape,
+        precision=precision,
+        knobs=knobs,
+        accelerator=accelerator,
+    )
+    states_bytes = states.device_bytes + (states.host_bytes if accelerator == "cpu" else 0)
+    return {
+        "estimate_bytes": states_bytes + activations,
+        "model_states_bytes": states_bytes,
+        "activation_bytes": activations,
+    }
 
 
 def human_bytes(n: float) -> str:

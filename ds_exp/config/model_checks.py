@@ -227,17 +227,44 @@ def check_max_new_tokens(cfg: Config) -> list[str]:
     ]
 
 
+def rope_scaling_override(scaling: dict[str, Any]) -> str:
+    """model.rope_scaling as the command line override that sets it."""
+    return "model.rope_scaling={" + ",".join(f"{k}:{v}" for k, v in scaling.items()) + "}"
+
+
+def scaled_positions(scaling: dict[str, Any] | None, limit: int) -> int | None:
+    """How many positions model.rope_scaling stretches the trained context to (factor x the original context),
+    None when it does not say (no factor: longrope, dynamic without one)."""
+    if not scaling or not isinstance(scaling.get("factor"), (int, float)):
+        return None
+    original = scaling.get("original_max_position_embeddings")
+    base = int(original) if isinstance(original, int) and original > 0 else limit
+    return int(float(scaling["factor"]) * base)
+
+
 def max_seq_len_notes(cfg: Config) -> list[str]:
-    """Warnings (not errors) for rotary or unknown position encodings run past the trained context."""
+    """Warnings (not errors) for rotary or unknown position encodings run past the trained context (or past what
+    model.rope_scaling stretches it to)."""
     beyond = _beyond(cfg)
     if beyond is None or beyond[3] == "learned":
         return []
     n, key, limit, kind, model_type = beyond
+    scaling = dict(cfg.model.rope_scaling or {})
     if kind == "rope":
+        stretched = scaled_positions(scaling, limit)
+        if scaling and (stretched is None or n <= stretched):
+            return []  # the user extends the context on purpose
+        factor = float(math.ceil(n / limit))
+        suggestion = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": limit}
+        if scaling:
+            return [
+                f"data.max_seq_len={n} is beyond the {stretched} positions {rope_scaling_override(scaling)} "
+                f"stretches the trained context ({key}={limit}) to; raise its factor to {factor} or more"
+            ]
         return [
             f"data.max_seq_len={n} is beyond the model's trained context ({key}={limit}): rotary position "
-            f"embeddings run past it, but quality usually drops there; set data.max_seq_len={limit} unless the "
-            "context is meant to be extended (rope_scaling)"
+            f"embeddings run past it, but quality usually drops there; set data.max_seq_len={limit}, or extend the "
+            f"context with {rope_scaling_override(suggestion)}"
         ]
     return [
         f"data.max_seq_len={n} is beyond the model's {key}={limit} ({model_type}: how it encodes positions is not "

@@ -130,6 +130,12 @@ class ModelConfig:
     vocab_multiple: int = 8  # pad the embedding matrix to a multiple of this
     attn_implementation: str | None = None  # null = transformers' default; auto = flash_attention_2 when usable
     liger_kernel: bool = False  # Liger's Triton kernels (CUDA, `pip install liger-kernel`)
+    rope_scaling: Any = None  # transformers' rope_scaling dict (rope_type, factor, ...); Any: a dict merges into null
+    tiled_mlp: bool = False  # long context (ds_exp/model/tiling.py): MLPs over sequence tiles, recomputed in backward
+    tiled_mlp_shards: int | None = None  # tiles per MLP call; null = ceil(tokens per row / hidden size)
+    tiled_loss: bool = False  # logits and loss in chunks of tokens: the full tokens x vocabulary logits never exist
+    tiled_loss_tokens: int | None = None  # tokens per chunk; null = about 256 MiB of fp32 logits per chunk
+    activation_offload: bool = False  # checkpointed layer inputs kept in host memory (needs gradient_checkpointing)
 
 
 @dataclass
@@ -373,8 +379,7 @@ def to_config(cfg: Any) -> Config:
         with open_dict(cfg):
             del cfg["hydra"]
     missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:  # mandatory values (???) left unset: one line each, naming the key
-        # data source paths say it their way (what to put there); any other key gets the plain sentence
+    if missing:  # mandatory values (???) left unset: one line each, naming the key (a source path: what to put there)
         problems: list[str] = []
         for key in missing:
             problems += missing_source_paths([key]) or [f"{key} is not set: give it a value ({key}=...)"]

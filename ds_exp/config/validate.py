@@ -15,6 +15,7 @@ from typing import Any
 
 from ds_exp.config.ds_config import RunFacts, get_path, load_config_file, resolve_ds_config
 from ds_exp.config.logger_checks import logger_problems
+from ds_exp.config.long_context_checks import long_context_problems
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
     check_arch,
@@ -366,6 +367,7 @@ def config_problems(
         _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + check_output_paths(cfg, run_dir)
     )
     problems += check_sequence_parallel(cfg, world_size) + lora_problems(cfg, accelerator) + logger_problems(cfg)
+    problems += long_context_problems(cfg)
     ds: dict[str, Any] = {}
     try:
         precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))

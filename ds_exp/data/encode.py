@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -25,6 +26,10 @@ log = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # labels that never count in the loss (torch cross_entropy's ignore_index)
 # Below this many rows a process pool costs more than it saves: the fast tokenizer already uses threads.
 PARALLEL_MIN_ROWS = 50_000
+# Rows per map batch (read, tokenized or packed, and written together): up to 1000, fewer for long rows so that
+# one batch holds about this many tokens. Token lists are Python objects (tens of bytes a token), so memory is
+# bounded by a batch, not by the data set: at data.max_seq_len=1M a batch is one row.
+TOKENS_PER_BATCH = 2**20
 COLUMNS = ("roles", "contents", "template")  # what the map reads from Rows
 
 
@@ -125,6 +130,10 @@ class Encoder:
         return [(count(start), n if end >= len(text) else count(end)) for start, end in spans]
 
 
+def rows_per_batch(max_seq_len: int) -> int:
+    return max(1, min(1000, TOKENS_PER_BATCH // max(int(max_seq_len), 1)))
+
+
 def pick_num_proc(num_proc: int | None, num_rows: int) -> int:
     if num_proc is not None:
         return max(1, min(num_proc, -(-num_rows // 1000)))  # no more processes than map batches
@@ -133,8 +142,11 @@ def pick_num_proc(num_proc: int | None, num_rows: int) -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def encode(rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str) -> tuple[Any, dict[str, int]]:
-    """A datasets.Dataset with input_ids/labels (int32 lists) and counts: truncated, dropped."""
+def encode(
+    rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str, work_dir: Path | None = None
+) -> tuple[Any, dict[str, int]]:
+    """A datasets.Dataset with input_ids/labels (int32 lists) and counts: truncated, dropped. With `work_dir` the
+    tokens stream to an Arrow file there, batch by batch (`rows_per_batch`), instead of staying in memory."""
     features = datasets.Features(
         {
             "input_ids": datasets.List(datasets.Value("int32")),
@@ -145,10 +157,13 @@ def encode(rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str) -> 
     )
     raw = datasets.Dataset.from_dict({name: getattr(rows, name) for name in COLUMNS})
     procs = pick_num_proc(num_proc, len(raw))
+    rows_at_once = rows_per_batch(encoder.max_seq_len)
     ds = raw.map(
         encoder,
         batched=True,
-        batch_size=1000,
+        batch_size=rows_at_once,
+        writer_batch_size=rows_at_once,
+        cache_file_name=str(work_dir / f"encoded-{desc}.arrow") if work_dir is not None else None,
         num_proc=procs if procs > 1 else None,
         remove_columns=list(COLUMNS),
         features=features,
@@ -167,29 +182,57 @@ def encode(rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str) -> 
     return ds, {"truncated": truncated, "dropped": dropped}
 
 
-def pack(ds: Any, max_seq_len: int) -> Any:
+def pack(ds: Any, max_seq_len: int, *, work_dir: Path | None = None) -> Any:
     """Greedily concatenate consecutive examples up to max_seq_len; labels keep each example's masking.
 
     position_ids restart at 0 for every example, so a trainer that passes them without an attention mask
     gets per-example causal attention from transformers (it builds block-diagonal masks from them).
+    Streams: a batch of rows is read, packed rows are written (to an Arrow file in `work_dir` when given), and
+    only the row being filled is carried to the next batch.
     """
-    packed: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
-    cur_ids: list[int] = []
-    cur_labels: list[int] = []
-    cur_pos: list[int] = []
-    columns = ds.select_columns(["input_ids", "labels"]).to_dict()  # whole columns, not row by row
-    for ids, labels in zip(columns["input_ids"], columns["labels"], strict=True):
-        if cur_ids and len(cur_ids) + len(ids) > max_seq_len:
-            packed["input_ids"].append(cur_ids)
-            packed["labels"].append(cur_labels)
-            packed["position_ids"].append(cur_pos)
-            cur_ids, cur_labels, cur_pos = [], [], []
-        cur_ids += ids
-        cur_labels += labels
-        cur_pos += range(len(ids))
-    if cur_ids:
-        packed["input_ids"].append(cur_ids)
-        packed["labels"].append(cur_labels)
-        packed["position_ids"].append(cur_pos)
-    features = datasets.Features({k: datasets.List(datasets.Value("int32")) for k in packed})
-    return datasets.Dataset.from_dict(packed, features=features)
+    features = datasets.Features({k: datasets.List(datasets.Value("int32")) for k in PACKED_COLUMNS})
+    rows_at_once = rows_per_batch(max_seq_len)
+    return ds.select_columns(["input_ids", "labels"]).map(
+        Packer(max_seq_len, last_index=len(ds) - 1),
+        batched=True,
+        batch_size=rows_at_once,
+        writer_batch_size=rows_at_once,
+        with_indices=True,
+        remove_columns=["input_ids", "labels"],
+        features=features,
+        cache_file_name=str(work_dir / "packed.arrow") if work_dir is not None else None,
+        load_from_cache_file=False,
+        new_fingerprint="ds_exp-pack",  # our own cache keys the result
+        desc="Packing",
+    )
+
+
+PACKED_COLUMNS = ("input_ids", "labels", "position_ids")
+
+
+class Packer:
+    """The batched map function of `pack`: one process, in order (the row being filled spans batches)."""
+
+    def __init__(self, max_seq_len: int, last_index: int) -> None:
+        self.max_seq_len, self.last_index = max_seq_len, last_index
+        self.ids: list[int] = []
+        self.labels: list[int] = []
+        self.positions: list[int] = []
+
+    def __call__(self, batch: dict[str, list[list[int]]], indices: list[int]) -> dict[str, list[list[int]]]:
+        out: dict[str, list[list[int]]] = {name: [] for name in PACKED_COLUMNS}
+        for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True):
+            if self.ids and len(self.ids) + len(ids) > self.max_seq_len:
+                self._emit(out)
+            self.ids += ids
+            self.labels += labels
+            self.positions += range(len(ids))
+        if self.ids and indices and indices[-1] == self.last_index:
+            self._emit(out)
+        return out
+
+    def _emit(self, out: dict[str, list[list[int]]]) -> None:
+        out["input_ids"].append(self.ids)
+        out["labels"].append(self.labels)
+        out["position_ids"].append(self.positions)
+        self.ids, self.labels, self.positions = [], [], []

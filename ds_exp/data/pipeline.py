@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,10 +283,12 @@ def prepare_sft_data(data: DataConfig, tokenizer: Any, *, seed: int) -> SFTData:
         train_rows, eval_rows, per_source = split_and_blend(raws, data, seed)
         encoder = Encoder(tokenizer, eot, max_seq_len, bool(data.train_on_prompt), special_strings(tokenizer))
         num_proc = data.num_proc
+        work = tmp / "work"  # tokens stream through Arrow files here, not memory; removed once saved
+        work.mkdir()
         try:
-            train, train_counts = encode(train_rows, encoder, num_proc=num_proc, desc="train")
+            train, train_counts = encode(train_rows, encoder, num_proc=num_proc, desc="train", work_dir=work)
             if len(eval_rows):
-                evals, eval_counts = encode(eval_rows, encoder, num_proc=num_proc, desc="eval")
+                evals, eval_counts = encode(eval_rows, encoder, num_proc=num_proc, desc="eval", work_dir=work)
             else:
                 evals, eval_counts = _empty(), {"truncated": 0, "dropped": 0}
         except RowError as err:
@@ -305,9 +308,11 @@ def prepare_sft_data(data: DataConfig, tokenizer: Any, *, seed: int) -> SFTData:
             "template": "+".join(dict.fromkeys(raw.template for raw, _ in raws)),
         }
         if data.packing:
-            train = pack(train, max_seq_len)
+            train = pack(train, max_seq_len, work_dir=work)
         save_quietly(train, tmp / "train")
         save_quietly(evals, tmp / "eval", num_shards=1)  # an empty set needs its one (empty) shard
+        del train, evals
+        shutil.rmtree(work)
         return stats
 
     def load(directory: Path) -> tuple[Any, Any]:

@@ -13,6 +13,7 @@ from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
 from ds_exp.core.errors import ConfigError
 from ds_exp.model.lora import count_with_lora, lora_spec
+from ds_exp.model.tokenizer import load_tokenizer
 
 
 def padded_vocab_size(tokenizer_len: int, current: int, multiple: int) -> int:
@@ -54,7 +55,54 @@ def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Pretr
         config.bos_token_id = tokenizer.bos_token_id
     if model_cfg.disable_dropout:
         disable_dropout_in_config(config)
+    if model_cfg.rope_scaling:
+        apply_rope_scaling(config, dict(model_cfg.rope_scaling))
     return config
+
+
+def apply_rope_scaling(config: PretrainedConfig, scaling: dict[str, Any]) -> None:
+    """model.rope_scaling merged into the config's rotary parameters (transformers 5 calls them rope_parameters and
+    keeps rope_theta there), then checked by transformers' own validation."""
+    shown = "model.rope_scaling={" + ",".join(f"{k}:{v}" for k, v in scaling.items()) + "}"
+    current = getattr(config, "rope_parameters", None)
+    if not isinstance(current, dict):
+        raise ConfigError(f"{shown}: the {config.model_type} model has no rotary position embeddings to scale")
+    if config.nested_rope_parameter_keys(current):
+        raise ConfigError(
+            f"{shown}: the {config.model_type} model keeps rotary parameters per layer type "
+            f"({', '.join(config.nested_rope_parameter_keys(current))}); set them in its config.json instead"
+        )
+    if "type" in scaling:  # the key's old name
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    config.rope_parameters = {**current, **scaling}
+    try:
+        config.standardize_rope_params()
+        config.validate_rope()
+    except (KeyError, ValueError, TypeError) as err:
+        raise ConfigError(f"{shown}: {str(err).strip(chr(34))}") from None
+
+
+def model_facts(cfg: Config) -> dict[str, int]:
+    """Parameter counts and the shapes the memory estimate needs, from the model's config on the meta device (no
+    weights read)."""
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    config = build_model_config(cfg, tokenizer)
+    config.vocab_size = padded_vocab_size(len(tokenizer), config.vocab_size, cfg.model.vocab_multiple)
+    counts = count_parameters(cfg, config)
+    hidden = int(hidden_size_of(config) or 0)
+    text = getattr(config, "text_config", None) or config
+    intermediate = getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None)
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    return {
+        "total": counts.total,
+        "trainable": counts.trainable,
+        "hidden": hidden,
+        "intermediate": int(intermediate or 4 * hidden),
+        "layers": int(getattr(text, "num_hidden_layers", 0) or 0),
+        "vocab": int(config.vocab_size),
+        "heads": heads,
+        "kv_heads": int(getattr(text, "num_key_value_heads", 0) or heads),
+    }
 
 
 def disable_dropout_in_config(config: PretrainedConfig) -> None:

@@ -16,10 +16,18 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
+from ds_exp.config.tiling_plan import plan_tiling
 from ds_exp.core import compat
 from ds_exp.model import sequence_parallel
-from ds_exp.model.architecture import base_vocab_size, build_model_config, checkpoint_dtype, padded_vocab_size
+from ds_exp.model.architecture import (
+    base_vocab_size,
+    build_model_config,
+    checkpoint_dtype,
+    hidden_size_of,
+    padded_vocab_size,
+)
 from ds_exp.model.lora import LoraSpec, lora_spec, prepare_quantized, quantized_loading, tied_elsewhere, wrap_lora
+from ds_exp.model.tiling import TiledLoss, apply_tiling
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,7 @@ class BuiltModel:
     base_dtype: str  # the dtype the checkpoint's weights are stored in (float32 when built from a config)
     vocab_size: int  # the base vocabulary the export keeps: the tokenizer's, or the checkpoint's if larger
     mpu: Any = None  # DeepSpeed's sequence-parallel groups for deepspeed.initialize (dist.sequence_parallel_size > 1)
+    loss: TiledLoss | None = None  # model.tiled_loss's (ds_exp.train.step.batch_loss); None: the full logits
 
 
 def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
@@ -138,6 +147,15 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         model.enable_input_require_grads()
     if mpu is not None:
         sequence_parallel.check_model_attention(model, attention or "sdpa")
+    plan = plan_tiling(cfg, hidden=hidden_size_of(config) or 1, vocab=int(config.vocab_size))
+    tiled_loss = apply_tiling(model, plan, str(config.model_type))
+    if plan.mlp_shards or plan.loss_chunks or plan.offload:
+        log.info(
+            "long context: MLP tiles %s, loss chunks %s, activation offload %s",
+            plan.mlp_shards or "off",
+            plan.loss_chunks or "off",
+            "on" if plan.offload else "off",
+        )
     return BuiltModel(
         model=model,
         config=config,
@@ -147,4 +165,5 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         base_dtype=checkpoint_dtype(cfg),
         vocab_size=base_vocab_size(cfg, tokenizer, base_rows),
         mpu=mpu,
+        loss=tiled_loss,
     )

@@ -31,16 +31,15 @@ from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.file_overrides import IgnoredOverride
-from ds_exp.config.memory_plan import estimate_activations, estimate_model_states, human_bytes
+from ds_exp.config.memory_plan import human_bytes, run_estimate
 from ds_exp.config.precision import detect_accelerator
-from ds_exp.config.schema import as_dict, plain
+from ds_exp.config.schema import as_dict
 from ds_exp.config.secrets import redact_text
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError, first_line
 from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.validation import validate_job
-from ds_exp.model.architecture import build_model_config, count_parameters, hidden_size_of, padded_vocab_size
-from ds_exp.model.tokenizer import load_tokenizer
+from ds_exp.model.architecture import model_facts
 from ds_exp.runtime.device import resolved_precision
 from ds_exp.sweeps.jobs import check_job
 from ds_exp.sweeps.report import PLAN_FILE, WARMUP_STEPS
@@ -220,54 +219,16 @@ class Autotune(Sweeper):
     # ------------------------------------------------------------------------------------ memory and budget
     def estimate(self, cfg: Any, world: int, accelerator: str) -> dict[str, int]:
         """Per-rank bytes: model states (ds_exp/config/memory_plan.py, as the dry run) plus one micro batch's
-        activations.
-        On a CPU offloaded states live in the same memory, so they count too."""
-        facts = self.model_facts(cfg)
+        activations at data.max_seq_len, with sequence parallelism and the long-context knobs. On a CPU offloaded
+        states live in the same memory, so they count too."""
         precision = resolved_precision(cfg.precision.dtype, accelerator)
-        states = estimate_model_states(
-            facts["total"],
-            facts["trainable"],
-            stage=int(cfg.zero.stage),
-            world_size=world,
-            precision=precision,
-            offload_optimizer=str(plain(cfg.offload.optimizer)),
-            offload_param=str(plain(cfg.offload.param)),
-        )
-        activations = estimate_activations(
-            micro_batch=int(cfg.train.micro_batch_size),
-            seq_len=int(cfg.data.max_seq_len),
-            hidden=facts["hidden"],
-            intermediate=facts["intermediate"],
-            layers=facts["layers"],
-            vocab=facts["vocab"],
-            precision=precision,
-            checkpointing=bool(cfg.model.gradient_checkpointing),
-        )
-        states_bytes = states.device_bytes + (states.host_bytes if accelerator == "cpu" else 0)
-        return {
-            "estimate_bytes": states_bytes + activations,
-            "model_states_bytes": states_bytes,
-            "activation_bytes": activations,
-        }
+        return run_estimate(cfg, self.model_facts(cfg), world_size=world, precision=precision, accelerator=accelerator)
 
     def model_facts(self, cfg: Any) -> dict[str, int]:
         """Parameter counts and shapes, from the model's config on the meta device (no weights), once per model."""
         key = json.dumps([as_dict(cfg.model), as_dict(cfg.lora), cfg.data.end_of_conversation_token], default=str)
         if key not in self._facts:
-            tokenizer = load_tokenizer(cfg.model, cfg.data)
-            config = build_model_config(cfg, tokenizer)
-            config.vocab_size = padded_vocab_size(len(tokenizer), config.vocab_size, cfg.model.vocab_multiple)
-            counts = count_parameters(cfg, config)
-            hidden = int(hidden_size_of(config) or 0)
-            intermediate = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
-            self._facts[key] = {
-                "total": counts.total,
-                "trainable": counts.trainable,
-                "hidden": hidden,
-                "intermediate": int(intermediate or 4 * hidden),
-                "layers": int(getattr(config, "num_hidden_layers", 0) or 0),
-                "vocab": int(config.vocab_size),
-            }
+            self._facts[key] = model_facts(cfg)
         return self._facts[key]
 
     def launcher_config(self) -> DictConfig:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
-from ds_exp.config.memory_plan import estimate_model_states, human_bytes
+from ds_exp.config.memory_plan import estimate_model_states, human_bytes, run_estimate
 from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import data_parallel_size, total_steps, warmup_steps
 from ds_exp.config.precision import detect_accelerator
@@ -25,6 +25,7 @@ from ds_exp.model.architecture import (
     build_model_config,
     count_parameters,
     hidden_size_of,
+    model_facts,
     padded_vocab_size,
 )
 from ds_exp.model.tokenizer import load_tokenizer
@@ -67,6 +68,8 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         offload_optimizer=str(get_path(ds_config, "zero_optimization.offload_optimizer.device", "none")),
         offload_param=str(get_path(ds_config, "zero_optimization.offload_param.device", "none")),
     )
+    shapes = model_facts(cfg)
+    per_rank = run_estimate(cfg, shapes, world_size=launch.world_size, precision=precision, accelerator=accelerator)
     return {
         "launcher": launch.launcher,
         "world_size": launch.world_size,
@@ -86,7 +89,10 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "global_batch_size": ds_config["train_batch_size"],
         "total_steps": steps,
         "zero_stage": stage,
-        "memory_per_rank": memory.as_dict(),
+        "memory_per_rank": {**memory.as_dict(), "activation_bytes": per_rank["activation_bytes"]},
+        "estimate_per_rank_bytes": per_rank["estimate_bytes"],  # model states + activations (autotune's number)
+        "max_seq_len": int(cfg.data.max_seq_len),
+        "micro_batch_size": int(cfg.train.micro_batch_size),
         "ds_config": ds_config,
         "notes": notes,
     }
@@ -124,7 +130,11 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
         f"{plan['total_steps']:,} optimizer steps",
         f"  ZeRO {plan['zero_stage']}     per rank: params {human_bytes(mem['params_bytes'])}, grads "
         f"{human_bytes(mem['grads_bytes'])}, optimizer {human_bytes(mem['optimizer_bytes'])} -> "
-        f"device {human_bytes(mem['device_bytes'])}, host {human_bytes(mem['host_bytes'])} (model states only)",
+        f"device {human_bytes(mem['device_bytes'])}, host {human_bytes(mem['host_bytes'])} (model states)",
+        f"  activations ~{human_bytes(mem['activation_bytes'])} per rank for a micro batch of "
+        f"{plan['micro_batch_size']} x {plan['max_seq_len']:,} tokens -> ~"
+        f"{human_bytes(plan['estimate_per_rank_bytes'])} per rank in all"
+        + (" (host memory counted: this is a CPU)" if plan["accelerator"] == "cpu" else ""),
     ]
     return "\n".join(lines)
 

@@ -17,7 +17,7 @@ import torch
 from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.train.generate import GREEDY, Sampling, generate, write_generations
-from ds_exp.train.step import IGNORE_INDEX, loss_labels, model_inputs, token_loss_sum
+from ds_exp.train.step import IGNORE_INDEX, BatchLoss, batch_loss
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,12 @@ def evaluate(
     rank: int,
     world: int,
     sp: SequenceParallel | None = None,
+    loss: BatchLoss | None = None,
 ) -> dict[str, float]:
     """Collective. Ranks with fewer examples run masked batches, so that ZeRO-3's collective forwards stay in step.
     Under sequence parallelism the rows are split by data-parallel rank and every batch has exactly `micro_batch`
     rows (DeepSpeed's Ulysses attention is built for one batch size): the last is filled with rows that count
-    nothing."""
+    nothing. `loss` is the step's (ds_exp.train.step.batch_loss)."""
     sp = sp or SequenceParallel()
     if sp.enabled:
         rank, world = sp.dp_rank, sp.dp_size
@@ -54,8 +55,7 @@ def evaluate(
             if sp.enabled:
                 batch = sp.shard(batch)
             batch = {k: v.to(engine.device) for k, v in batch.items()}
-            out = engine(**model_inputs(batch), use_cache=False)
-            summed, count = token_loss_sum(out.logits, **loss_labels(batch))
+            summed, count = batch_loss(loss, engine, batch)
             loss_sum += float(summed)
             tokens += float(count)  # a slice's: summed over the group, the rows' own
     engine.train()

@@ -11,6 +11,7 @@ rows and DeepSpeed sums the gradients of a group's slices: the same loss, the sa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,14 @@ from ds_exp.train.flops import FlopsModel, sum_squared_lengths
 IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_index)
 
 
+def next_token_targets(batch: dict[str, Any]) -> Any:
+    """The label each position is scored on: position t on labels[t + 1], the last position on none. A
+    sequence-parallel slice carries them shifted already (its last position predicts the next slice's first token)."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
+
+
 def token_loss_sum(logits: Any, labels: Any = None, *, shift_labels: Any = None) -> tuple[Any, Any]:
     """Summed next-token cross-entropy over label tokens (fp32), and how many there were. `labels` are aligned with
     the inputs (shifted here); `shift_labels` are shifted already: a sequence-parallel slice's, whose last position
@@ -33,15 +42,30 @@ def token_loss_sum(logits: Any, labels: Any = None, *, shift_labels: Any = None)
 
     # Shift the labels, not the logits: slicing the logits would copy them (batch x length x vocabulary) and
     # scatter their gradient back; the padded last position is ignored like any other masked token.
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    targets = shift_labels if shift_labels is not None else next_token_targets({"labels": labels})
     loss = F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
-        shift_labels.reshape(-1),
+        targets.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
-    return loss, (shift_labels != IGNORE_INDEX).sum()
+    return loss, (targets != IGNORE_INDEX).sum()
+
+
+# (engine, model inputs, next-token targets) -> (summed token loss, label tokens): logits_loss, or the tiled loss
+BatchLoss = Callable[[Any, dict[str, Any], Any], tuple[Any, Any]]
+
+
+def logits_loss(engine: Any, inputs: dict[str, Any], targets: Any) -> tuple[Any, Any]:
+    """The summed token loss and label tokens from the model's full logits (the default; model.tiled_loss computes
+    the same in chunks: ds_exp.model.tiling.TiledLoss)."""
+    out = engine(**inputs, use_cache=False)
+    return token_loss_sum(out.logits, shift_labels=targets)
+
+
+def batch_loss(loss: BatchLoss | None, engine: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
+    """A batch's summed token loss and label tokens through `loss` (None: the full logits')."""
+    return (loss or logits_loss)(engine, model_inputs(batch), next_token_targets(batch))
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
@@ -92,11 +116,20 @@ class StepResult:
 class TrainStep:
     """Runs optimizer steps on a DeepSpeed engine (see the module docstring)."""
 
-    def __init__(self, engine: Any, *, world_size: int, flops: FlopsModel, sp: SequenceParallel | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        world_size: int,
+        flops: FlopsModel,
+        sp: SequenceParallel | None = None,
+        loss: BatchLoss | None = None,
+    ) -> None:
         self.engine = engine
         self.world_size = world_size
         self.flops = flops
         self.sp = sp or SequenceParallel()
+        self.loss = loss  # None: from the full logits (logits_loss); model.tiled_loss: in chunks
         # undoes DeepSpeed's mean over data-parallel ranks (it sums over a sequence-parallel group), and where it
         # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat.py) that too
         self.rank_scale = world_size // self.sp.size * compat.sequence_parallel_gradient_factor(engine, self.sp.size)
@@ -132,8 +165,7 @@ class TrainStep:
             if sp.enabled:
                 batch = sp.shard(batch)
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            out = engine(**model_inputs(batch), use_cache=False)
-            summed, _ = token_loss_sum(out.logits, **loss_labels(batch))
+            summed, _ = batch_loss(self.loss, engine, batch)
             if votes is None:
                 pending.wait()
                 votes = StepVotes(*reduced.tolist())

@@ -423,8 +423,27 @@ def test_max_seq_len_beyond_a_rotary_context_is_a_warning(compose_cfg, tmp_path)
     validate(cfg, accelerator="cpu")
     assert max_seq_len_notes(cfg) == [
         "data.max_seq_len=256 is beyond the model's trained context (max_position_embeddings=128): rotary position "
-        "embeddings run past it, but quality usually drops there; set data.max_seq_len=128 unless the context is "
-        "meant to be extended (rope_scaling)"
+        "embeddings run past it, but quality usually drops there; set data.max_seq_len=128, or extend the context "
+        "with model.rope_scaling={rope_type:yarn,factor:2.0,original_max_position_embeddings:128}"
+    ]
+    # the suggested override is accepted as typed, and silences the note; a factor too small says so
+    scaled = compose_cfg(
+        "model=local",
+        f"model.name_or_path={llama}",
+        "data.max_seq_len=256",
+        "model.rope_scaling={rope_type:yarn,factor:2.0,original_max_position_embeddings:128}",
+    )
+    validate(scaled, accelerator="cpu")
+    assert max_seq_len_notes(scaled) == []
+    short = compose_cfg(
+        "model=local",
+        f"model.name_or_path={llama}",
+        "data.max_seq_len=1000",
+        "model.rope_scaling={rope_type:linear,factor:4}",
+    )
+    assert max_seq_len_notes(short) == [
+        "data.max_seq_len=1000 is beyond the 512 positions model.rope_scaling={rope_type:linear,factor:4} stretches "
+        "the trained context (max_position_embeddings=128) to; raise its factor to 8.0 or more"
     ]
     tiny = compose_cfg()  # the embedded default: llama, 512 positions
     validate(tiny, accelerator="cpu")

@@ -459,6 +459,40 @@ def test_packing(tmp_path, tok):
     assert set(isolated) == {"input_ids", "position_ids", "labels"}
 
 
+def test_long_documents_tokenize_and_pack_in_memory_bounded_by_a_few_rows(tmp_path, tok, monkeypatch):
+    """Token lists are Python objects (tens of bytes a token): tokenizing and packing hold a batch of rows and the
+    row being filled, never the data set (at data.max_seq_len=1M a batch is one row). Here batches of 2 rows of up
+    to 4096 tokens: Python's peak while preparing the data stays far below what the data set's tokens take."""
+    import random
+    import tracemalloc
+
+    from ds_exp.data import encode
+
+    monkeypatch.setattr(encode, "TOKENS_PER_BATCH", 2 * 4096, raising=False)
+    words = random.Random(0).choices(["cat", "dog", "red", "blue", "sun", "tree"], k=120 * 800)
+    items = [
+        {"prompt": f"document {i}", "chosen": " ".join(words[i * 800 : (i + 1) * 800 - 50 * (i % 7)])}
+        for i in range(120)
+    ]
+    path = write_jsonl(tmp_path / "long.jsonl", items)
+    settings = {"sources": [{"path": str(path)}], "eval_fraction": 0, "packing": True}
+    prepare_sft_data(make_cfg(tmp_path, max_seq_len=4000, **settings).data, tok, seed=SEED)  # imports done
+    cfg = make_cfg(tmp_path, max_seq_len=4096, **settings)
+    tracemalloc.start()
+    try:
+        data = prepare_sft_data(cfg.data, tok, seed=SEED)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    tokens = sum(len(x) for x in data.train["input_ids"])
+    assert tokens > 100_000 and data.stats["num_examples_before_packing"] == 120 and len(data.train) < 60
+    # measured: 1.4 MiB (a batch's token lists and offsets, the texts); 22 MiB when the whole set was held
+    assert peak < 3 * 2**20, f"peak {peak / 2**20:.1f} MiB of Python objects for {tokens} tokens"
+    plain = prepare_sft_data(make_cfg(tmp_path, **{**data_settings(cfg), "packing": False}).data, tok, seed=SEED)
+    assert [t for x in data.train["input_ids"] for t in x] == [t for x in plain.train["input_ids"] for t in x]
+    assert [t for x in data.train["labels"] for t in x] == [t for x in plain.train["labels"] for t in x]
+
+
 def test_chat_template(tmp_path, tok):
     import copy
 
