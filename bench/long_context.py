@@ -29,8 +29,10 @@ measured peak) and bench/results/long_context.png (peak memory per rank against 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -103,6 +105,10 @@ class Setup:
     step: int = 256  # lengths searched in multiples of this
     env: dict[str, str] = field(default_factory=lambda: dict(MALLOC))
     documents_per_row: int = 1  # > 1: documents of length / this, packed into rows (flash-attention's varlen)
+    relative_resolution: int = 16  # the search stops when the bracket is within step or 1/16 of the length
+
+    def resolution(self, length: int) -> int:
+        return max(self.step, length // self.relative_resolution // self.step * self.step)
 
     def documents(self, path: Path, length: int) -> None:
         if self.documents_per_row == 1:
@@ -131,6 +137,17 @@ def trial(setup: Setup, name: str, length: int, work: Path, *, steps: int = 2) -
         f"train.max_steps={steps}",
         f"hydra.run.dir={run_dir}",
     ]
+    summary = run_dir / "summary.json"
+    if summary.is_file() and json.loads(summary.read_text()).get("status") in ("completed", "failed"):
+        record = read_trial(setup, name, length, steps, run_dir)  # a finished trial of an earlier run (--work)
+        print(
+            f"  {name:14s} L={length:7d} steps={steps} -> {'fits' if record['fits'] else 'does not fit'} "
+            f"(peak {record['peak_mib']} MiB, recorded)",
+            flush=True,
+        )
+        return record
+    if run_dir.exists():  # a trial cut short (the bench was stopped): run it again
+        shutil.rmtree(run_dir)
     if ranks == 1:
         cmd = [sys.executable, "-m", "ds_exp", *args]
     else:
@@ -173,82 +190,117 @@ def read_trial(
 
 
 def longest(setup: Setup, name: str, work: Path, trials: list[dict[str, Any]], *, start: int, limit: int) -> int:
-    """The longest multiple of setup.step that fits. Peak memory grows linearly with the length (no attention
-    scores), so after two fitting lengths (doubling from `start`) the line through them predicts where the budget
-    is reached; the lengths tried next are the prediction and its neighbours, then bisection keeps the bracket
-    exact: the answer fits and one step more does not (or it is the limit). Without a budget (a GPU's own limit)
-    it doubles and bisects."""
+    """The longest multiple of setup.step that fits, to within `setup.resolution(length)`: the answer fits and a
+    length at most that much longer does not (or it is the limit). Peak memory grows about linearly with the length
+    (no attention scores; a little slower at long lengths, where fixed costs weigh less), so after two fitting
+    lengths (doubling from `start`) each next length is where the line through the two nearest measured points
+    (the longest fitting one and the shortest failing one, or the two longest fitting ones) meets the budget; a
+    trial that failed without a peak, or no budget (a GPU's own limit), falls back to doubling and bisection."""
     step = setup.step
+    peaks: dict[int, float] = {}
 
     def fits(length: int) -> bool:
         record = trial(setup, name, length, work)
         trials.append(record)
-        return record["fits"]
+        if record["peak_mib"] is not None:
+            peaks[length] = record["peak_mib"]
+        return bool(record["fits"])
 
-    good: list[tuple[int, float]] = []  # (length, peak) of fitting trials
     low, high = 0, limit + step  # low fits (0: none yet), high does not (limit + step: never tried)
-    length = max(start, step)
-    while length <= limit and high > limit:
-        if fits(length):
-            low = length
-            good.append((length, trials[-1]["peak_mib"]))
-            if len(good) >= 2 and setup.budget_mib is not None:
-                break
-            length *= 2
-        else:
+    for done in recorded_lengths(work, name, limit):  # finished trials of an earlier bench run (--work): no cost
+        if fits(done):
+            low = max(low, done)
+    high = min([n for n in peaks if n > low and not trials_fit(trials, name, n)] + [high])
+    length = max(start, step, low * 2)
+    # doubling, until one length does not fit or (with a budget) two do
+    while length <= limit and high > limit and (setup.budget_mib is None or sum(1 for n in peaks if n <= low) < 2):
+        if not fits(length):
             high = length
-    if len(good) >= 2 and setup.budget_mib is not None:  # predict from the last two fitting lengths
-        (l1, p1), (l2, p2) = good[-2], good[-1]
-        slope = (p2 - p1) / (l2 - l1) if l2 != l1 and p2 > p1 else None
-        if slope:
-            guess = min(max(int(l2 + (setup.budget_mib - p2) / slope) // step * step, low + step), limit)
-            if fits(guess):  # then one step more should not
-                low = guess
-                if guess + step <= limit:
-                    if fits(guess + step):
-                        low = guess + step
-                    else:
-                        high = guess + step
-            else:  # then one step less should
-                high = guess
-                if guess - step > low:
-                    if fits(guess - step):
-                        low = guess - step
-                    else:
-                        high = guess - step
-    while high > limit and 0 < low < limit:  # nothing has failed yet: keep doubling
-        length = min(low * 2, limit)
-        if fits(length):
-            low = length
+            break
+        low = length
+        if length == limit:
+            break
+        length = min(length * 2, limit)
+    while high - low > setup.resolution(low) and low < limit:
+        guess = predicted(setup, peaks, low, high)
+        if guess is None:
+            guess = (low + high) // 2 if high <= limit else low * 2
+        upper = min(high - step, limit)
+        nudge = max(step, setup.resolution(low) // 2 // step * step)  # never retry a length next to `low`
+        guess = max(low + nudge, min(guess // step * step, upper))
+        if guess <= low or guess > upper:
+            break
+        if fits(guess):
+            low = guess
         else:
-            high = length
-    if low == 0 and high <= limit:
-        if high == step or not fits(step):
-            return 0
-        low = step
-    while high - low > step and high <= limit:
-        middle = (low + high) // 2 // step * step
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
+            high = guess
     return low
 
 
-def search(setup: Setup, names: list[str], work: Path, *, limit: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Each configuration's longest length (searched from the baseline's), with peak and tokens/s there (3
-    steps), then every configuration at the baseline's longest length (what each knob costs in speed and saves)."""
+def parse_limits(text: str) -> dict[str, int]:
+    """`--limit 10240` (every configuration) or `--limit all_sp2=32768,*=10240`."""
+    if "=" not in text:
+        return {"*": int(text)}
+    return {key: int(value) for key, value in (item.split("=") for item in text.split(","))}
+
+
+def recorded_lengths(work: Path, name: str, limit: int) -> list[int]:
+    """Lengths of `name` whose two-step trial finished in `work` before (a bench run again with --work DIR)."""
+    found = []
+    for run_dir in work.glob(f"{name}-*-2"):
+        summary = run_dir / "summary.json"
+        if summary.is_file() and json.loads(summary.read_text()).get("status") in ("completed", "failed"):
+            length = int(run_dir.name.split("-")[-2])
+            if length <= limit:
+                found.append(length)
+    return sorted(found)
+
+
+def trials_fit(trials: list[dict[str, Any]], name: str, length: int) -> bool:
+    return any(r["config"] == name and r["max_seq_len"] == length and r["fits"] for r in trials)
+
+
+def predicted(setup: Setup, peaks: dict[int, float], low: int, high: int) -> int | None:
+    """Where the line through the two measured points nearest the answer reaches the budget (None: no such line)."""
+    if setup.budget_mib is None or low not in peaks:
+        return None
+    if high in peaks:
+        (l1, p1), (l2, p2) = (low, peaks[low]), (high, peaks[high])
+    else:
+        below = sorted(n for n in peaks if n < low)
+        if not below:
+            return None
+        (l1, p1), (l2, p2) = (below[-1], peaks[below[-1]]), (low, peaks[low])
+    if p2 <= p1:
+        return None
+    return int(l1 + (setup.budget_mib - p1) * (l2 - l1) / (p2 - p1))
+
+
+def search(
+    setup: Setup, names: list[str], work: Path, *, limit: int | dict[str, int], save: Any = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Each configuration's longest length (searched from the baseline's), with peak and tokens/s there (its
+    second step), then every configuration at the baseline's longest length, 3 steps (what each knob costs in speed
+    and saves). `save(results, trials)` is called after each configuration, so a stopped bench keeps what it
+    measured."""
     results: dict[str, dict[str, Any]] = {}
     trials: list[dict[str, Any]] = []
     for name in names:
         start = results["baseline"]["max_seq_len"] if "baseline" in results and name != "baseline" else 4 * setup.step
-        best = longest(setup, name, work, trials, start=max(start, setup.step), limit=limit)
+        cap = limit.get(name, limit.get("*", 1 << 17)) if isinstance(limit, dict) else limit
+        best = longest(setup, name, work, trials, start=max(start, setup.step), limit=cap)
         found = next((r for r in trials if r["config"] == name and r["max_seq_len"] == best and r["fits"]), None)
+        failed = sorted(r["max_seq_len"] for r in trials if r["config"] == name and not r["fits"])
         results[name] = {
             "max_seq_len": best,
             "peak_mib": found["peak_mib"] if found else None,
             "tokens_per_s": found.get("tokens_per_s") if found else None,  # its second step
+            # the shortest length tried that did not fit: the answer is within [max_seq_len, this)
+            "next_tried_did_not_fit": next((n for n in failed if n > best), None),
+            "reached_the_search_limit": best == cap,  # then the longest is at least this, not measured beyond
         }
+        if save is not None:
+            save(results, trials)
     common = results.get("baseline", {}).get("max_seq_len") or 0
     trials += [trial(setup, name, common, work, steps=3) for name in names if common]
     return results, trials
@@ -315,33 +367,51 @@ def plot(trials: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(quick: bool = False) -> None:
-    names = ["baseline", "checkpointing"] if quick else list(CONFIGS)
+def main(quick: bool = False, work: Path | None = None, limit: dict[str, int] | None = None) -> None:
+    """`--work DIR` keeps the trials' run directories there (a bench run again with it reuses every finished
+    trial); `--limit N` caps the lengths searched (`--limit all_sp2=32768,*=10240`: per configuration). all_sp2
+    is searched before checkpointing (issue 24's goal is all_sp2 against the baseline; the longest trials are the
+    slowest)."""
+    names = (
+        ["baseline", "checkpointing"] if quick else ["baseline", "tiled_loss", "tiled_mlp", "all_sp2", "checkpointing"]
+    )
     if not has_sequence_parallel():
         print("  all_sp2: dist.sequence_parallel_size is not in this checkout's schema: not run", flush=True)
         names = [n for n in names if n != "all_sp2"]
     setup = Setup()
-    with tempfile.TemporaryDirectory(prefix="ds_exp_long_context_") as tmp:
-        results, trials = search(setup, names, Path(tmp), limit=4096 if quick else 1 << 17)
+    limit = limit or {"*": 4096 if quick else 1 << 17}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "long_context.json").write_text(
-        json.dumps({"budget_mib": BUDGET_MIB, "configs": results}, indent=2) + "\n"
-    )
-    estimates = estimate_rows(trials)
-    write_result(
-        "long_context_trials",
-        {
-            "budget_mib": BUDGET_MIB,
-            "common_overrides": list(COMMON),
-            "configs": {name: list(CONFIGS[name]) for name in names},
-            "malloc_env": MALLOC,
-            "trials": trials,
-            "estimate_vs_measured": estimates,
-        },
-    )
-    plot(trials, RESULTS / "long_context.png")
+
+    def save(results: dict[str, Any], trials: list[dict[str, Any]], *, final: bool = False) -> None:
+        configs = {n: results[n] for n in CONFIGS if n in results}  # the issue's order: each knob on the last
+        summary = {"budget_mib": BUDGET_MIB, "configs": configs}
+        summary["search"] = {
+            "resolution": f"{setup.step} tokens or 1/{setup.relative_resolution} of the length, the larger",
+            "limit": limit,
+            "complete": final and len(configs) == len(names),
+        }
+        (RESULTS / "long_context.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_result(
+            "long_context_trials",
+            {
+                "budget_mib": BUDGET_MIB,
+                "common_overrides": list(COMMON),
+                "configs": {name: list(CONFIGS[name]) for name in names},
+                "malloc_env": MALLOC,
+                "trials": trials,
+                "estimate_vs_measured": estimate_rows(trials) if final else [],
+            },
+        )
+        plot(trials, RESULTS / "long_context.png")
+
+    with contextlib.ExitStack() as stack:
+        if work is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ds_exp_long_context_")))
+        work.mkdir(parents=True, exist_ok=True)
+        results, trials = search(setup, names, work, limit=limit, save=save)
+    save(results, trials, final=True)
     print_results(results)
-    print_estimates(estimates)
+    print_estimates(json.loads((RESULTS / "long_context_trials.json").read_text())["estimate_vs_measured"])
 
 
 def step_growth(overrides: tuple[str, ...], length: int) -> dict[str, float]:
@@ -567,4 +637,9 @@ if __name__ == "__main__":
     elif "--estimates" in sys.argv:
         recompute_estimates()
     else:
-        main(quick="--quick" in sys.argv)
+        option = {a: sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a in ("--work", "--limit")}
+        main(
+            quick="--quick" in sys.argv,
+            work=Path(option["--work"]) if "--work" in option else None,
+            limit=parse_limits(option["--limit"]) if "--limit" in option else None,
+        )
