@@ -356,7 +356,7 @@ def test_every_way_the_lock_can_fail_is_one_message_never_a_hang(tmp_path, monke
     import fcntl
 
     from ds_exp.core.errors import Refused
-    from ds_exp.launch import run_dir as rd
+    from ds_exp.launch import lock as rd
 
     run = tmp_path / "run"
     run.mkdir()
