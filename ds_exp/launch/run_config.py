@@ -102,7 +102,9 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
                     del node[leaf]
         else:
             whole = _changed_key(key)
-            OmegaConf.update(merged, whole, OmegaConf.select(now, whole), merge=False, force_add=True)
+            value = OmegaConf.select(now, whole)  # a subtree keeps its interpolations; a leaf comes resolved:
+            value = value if OmegaConf.is_config(value) else _unresolved(now, whole)
+            OmegaConf.update(merged, whole, value, merge=False, force_add=True)
     _keep_secrets_reachable(merged, now)
     before = _flat(OmegaConf.to_container(saved, resolve=False))
     after = _flat(OmegaConf.to_container(merged, resolve=False))
@@ -118,12 +120,27 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
     return lines
 
 
+def _unresolved(config: DictConfig, key: str) -> Any:
+    """`key`'s value in `config` as composed, interpolations left as they are: a secret given now stays the reference
+    to its variable (ds_exp.config.secrets), never its value, in the attempt's saved config."""
+    node: Any = OmegaConf.to_container(config, resolve=False)
+    for part in key.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 def _keep_secrets_reachable(merged: DictConfig, now: DictConfig) -> None:
     """A credential given to the first attempt on its command line was saved as a reference to a variable of that
     process (DS_EXP_SECRET_*); where that variable is gone now, the value comes from this composition instead."""
+    given_now = _flat(OmegaConf.to_container(now, resolve=False))  # unresolved: a secret stays a reference
     for key, value in _flat(OmegaConf.to_container(merged, resolve=False)).items():
         if isinstance(value, str) and any(name not in os.environ for name in _SECRET_REF.findall(value)):
-            OmegaConf.update(merged, key, OmegaConf.select(now, key, default=None), merge=False)
+            OmegaConf.update(merged, key, given_now.get(key), merge=False)
 
 
 def resume_note(run_dir: Path, lines: list[str], what: str | None = None) -> str:
