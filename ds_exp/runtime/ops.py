@@ -124,7 +124,7 @@ def ensure_built(op: Op, *, announce: bool) -> None:
                 )
 
 
-STALE_BUILD_S = 15 * 60  # a compilation here takes about a minute; one that wrote nothing for this long is dead
+STALE_BUILD_S = 15 * 60  # builds here took 1-8 minutes, each object written as done: 15 idle ones mean dead
 
 
 def stale_build_lock(build_dir: Path, *, now: float) -> str | None:
