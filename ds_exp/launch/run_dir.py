@@ -62,6 +62,10 @@ def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
         if (run_dir / name).is_file():
             return name
     checkpoints = run_dir / checkpoint_subdir
+    if not checkpoints.resolve().is_relative_to(run_dir.resolve()):
+        # train.checkpoint_dir outside the run directory may be shared by several runs: a fresh run there is
+        # fine, and the checkpointer refuses to overwrite or rotate away another run's checkpoints
+        return None
     if checkpoints.is_dir() and any(checkpoints.glob("step*")):
         return f"{checkpoint_subdir}/"
     return None

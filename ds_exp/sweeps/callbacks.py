@@ -17,7 +17,7 @@ from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.config.secrets import redact_text
@@ -61,7 +61,7 @@ SLURM_COMMANDS = ("sbatch", "srun")  # submitit submits with sbatch, and its SLU
 def check_slurm_commands(config: DictConfig) -> None:
     """hydra/launcher=slurm on a machine without SLURM's commands: one message before anything is submitted or
     written (submitit's own is a traceback ending in `Could not detect "srun"`)."""
-    if not str(config.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher"):
+    if not str(OmegaConf.select(config, "hydra.launcher._target_", default="")).endswith(".SlurmLauncher"):
         return
     missing = [name for name in SLURM_COMMANDS if shutil.which(name) is None]
     if missing:
