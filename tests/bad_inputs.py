@@ -10,7 +10,6 @@ import io
 import json
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.training import REPO, user_env
+from tests.zygote import run_python
 
 GOOD_ROW = {"prompt": "What is 2+2?", "chosen": "4"}
 GOOD_CHAT = {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]}
@@ -868,16 +868,9 @@ def prepare(case: Case, tmp: Path) -> tuple[list[str], dict[str, str]]:
 
 def run_case(case: Case, tmp: Path) -> Outcome:
     """`python -m ds_exp ARGS` in `tmp` (outputs land there) after writing the case's files: the real path, a
-    process of its own."""
+    process of its own (forked from the test zygote where that is the same, tests/zygote.py)."""
     args, env = prepare(case, tmp)
-    proc = subprocess.run(
-        [sys.executable, "-m", "ds_exp", *args],
-        cwd=tmp,
-        env={**user_env(), **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python(["-m", "ds_exp", *args], cwd=tmp, env={**user_env(), **env}, timeout=300)
     return Outcome(proc.returncode, proc.stdout, proc.stderr, tmp)
 
 

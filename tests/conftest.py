@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,11 +62,9 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """`python -m ds_exp ARGS` as a user types it, in `cwd` (its outputs/ land there)."""
     from tests.training import user_env
+    from tests.zygote import run_python
 
-    full_env = {**user_env(), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "ds_exp", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_python(["-m", "ds_exp", *args], cwd=cwd, env={**user_env(), **(env or {})}, timeout=timeout)
 
 
 @pytest.fixture

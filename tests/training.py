@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.zygote import run_python
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Short, fully logged runs on a small slice of the embedded task.
@@ -84,13 +86,15 @@ def launch(
         args.append(f"data.cache_dir={cache_dir}")
     full_env = {**user_env(), **(env or {}), "MASTER_PORT": str(free_port())}
     full_env["PYTHON"] = sys.executable
-    if launcher == "single":
-        cmd = [sys.executable, "-m", "ds_exp", *args]
+    if launcher == "single":  # `python -m ds_exp`, forked from a zygote where that is the same (tests/zygote.py)
+        proc = run_python(["-m", "ds_exp", *args], cwd=cwd or run_dir.parent, env=full_env, timeout=timeout)
     elif launcher in ("torchrun", "deepspeed", "mpirun"):
         cmd = [str(REPO / "launchers" / f"{launcher}.sh"), str(nproc), *args]  # the scripts users run
+        proc = subprocess.run(
+            cmd, cwd=cwd or run_dir.parent, env=full_env, capture_output=True, text=True, timeout=timeout
+        )
     else:
         raise ValueError(launcher)
-    proc = subprocess.run(cmd, cwd=cwd or run_dir.parent, env=full_env, capture_output=True, text=True, timeout=timeout)
     return Run(proc, run_dir)
 
 
@@ -98,12 +102,10 @@ def multirun(
     cwd: Path, sweep_dir: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 900
 ) -> subprocess.CompletedProcess:
     """`python -m ds_exp -m OVERRIDES` with its sweep directory at `sweep_dir`."""
-    return subprocess.run(
-        [sys.executable, "-m", "ds_exp", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
+    return run_python(
+        ["-m", "ds_exp", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
         cwd=cwd,
         env={**user_env(), **(env or {})},
-        capture_output=True,
-        text=True,
         timeout=timeout,
     )
 

@@ -1,0 +1,208 @@
+"""`python -m ds_exp ...` for tests, forked from a process that has imported the training stack once.
+
+A short run of the tiny model spends most of its time importing torch, deepspeed, transformers, peft and datasets
+(8.8 s of a 12.8 s run on a loaded 2-core machine, `python -X importtime`). The zygote is one process that imports
+them once, then forks a child for each run a test starts: the child is a process of its own, as under
+`subprocess.run` (its own pid, stdout, stderr, signal handlers, exit status, atexit handlers, working directory
+and environment), that runs the module as `python -m` would, minus those imports.
+
+What a fork cannot give is a different environment at import time: libraries read some variables once on import
+(HF_*, DS_ACCELERATOR, OMP_NUM_THREADS, ...). A run whose environment differs in anything but the variables read
+at run time (RUNTIME_VARIABLES, RUNTIME_PREFIXES) is forked from another zygote started with its environment
+(MAX_ZYGOTES at most), or else started as a plain subprocess. Multi-rank launches (torchrun, the deepspeed
+launcher, mpirun, SLURM) start their own interpreters and stay subprocesses. DS_EXP_NO_ZYGOTE=1 turns it off.
+
+Protocol (JSON lines): the test sends {"argv", "cwd", "env", "stdout", "stderr"} on the zygote's stdin; the
+zygote answers {"pid"} once forked and {"pid", "returncode"} once the child has ended.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+# Read by ds_exp and the libraries when a run starts, not when they are imported: a difference in these still forks.
+RUNTIME_VARIABLES = frozenset({"MASTER_PORT", "PYTHON", "HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE", "LOCAL_RANK"})
+RUNTIME_PREFIXES = ("DS_EXP_", "WANDB_", "ACME_", "SLURM_", "SUBMITIT_", "PYTEST_")
+
+
+class Zygote:
+    """The test side: one zygote process per test session, started on first use."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve"],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self.lock = threading.Lock()
+        self.tmp = TemporaryDirectory(prefix="ds_exp_zygote_")
+        atexit.register(self.close)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.tmp.cleanup()
+
+    def _answer(self, timeout: float | None) -> dict | None:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the test zygote died")
+        return json.loads(line)
+
+    def run(
+        self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None
+    ) -> subprocess.CompletedProcess:
+        """Like subprocess.run([sys.executable, *argv], cwd=, env=, capture_output=True, text=True, timeout=)."""
+        if not Path(cwd).is_dir():
+            raise FileNotFoundError(f"no such directory: {cwd}")
+        with self.lock:
+            out, err = Path(self.tmp.name) / "stdout", Path(self.tmp.name) / "stderr"
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            started = self._answer(timeout=120)
+            if started is None:
+                raise RuntimeError("the test zygote did not fork within 120 s")
+            ended = self._answer(timeout)
+            timed_out = ended is None
+            if timed_out:
+                os.kill(started["pid"], signal.SIGKILL)
+                ended = self._answer(None)
+            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        cmd = [sys.executable, *argv]
+        if timed_out:
+            raise subprocess.TimeoutExpired(cmd, timeout or 0, output=stdout, stderr=stderr)
+        assert ended is not None
+        return subprocess.CompletedProcess(cmd, ended["returncode"], stdout, stderr)
+
+
+MAX_ZYGOTES = 3  # one per import-time environment seen (most runs share one); the rest start plain subprocesses
+_zygotes: dict[frozenset[tuple[str, str]], Zygote] = {}
+
+
+def import_time_environment(env: dict[str, str]) -> frozenset[tuple[str, str]]:
+    return frozenset(
+        (k, v) for k, v in env.items() if k not in RUNTIME_VARIABLES and not k.startswith(RUNTIME_PREFIXES)
+    )
+
+
+def run_python(
+    argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None = None
+) -> subprocess.CompletedProcess:
+    """`python ARGV` (`argv` starting with "-m", "<module>"): forked from a zygote where that behaves the same,
+    else a plain subprocess."""
+    key = import_time_environment(env)
+    zygote = _zygotes.get(key)
+    if zygote is not None and not zygote.alive():
+        zygote.close()
+        del _zygotes[key]
+        zygote = None
+    wanted = argv[:1] == ["-m"] and os.environ.get("DS_EXP_NO_ZYGOTE") != "1"
+    if zygote is None and wanted and len(_zygotes) < MAX_ZYGOTES:
+        zygote = _zygotes[key] = Zygote(env)
+    if zygote is not None and not zygote.lock.locked():
+        return zygote.run(argv, cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ---- the zygote's side ----
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become `python ARGV` in the request's directory and environment; never returns."""
+    code = 1
+    try:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[0] = os.getcwd()  # as `python -m` puts it
+        module = request["argv"][1]
+        sys.argv = [module, *request["argv"][2:]]
+        import runpy
+
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        # what the interpreter does at exit: join non-daemon threads, then atexit (logging, wandb, locks)
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            if code == -signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            os._exit(code & 0xFF)
+
+
+def serve() -> None:
+    # answers on a descriptor of their own: what the imports print goes to stderr (not into the protocol)
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    # the training stack (torch, deepspeed, transformers, peft, datasets) and what the dry run adds
+    import ds_exp.tools.dry_run
+    import ds_exp.train.recipe  # noqa: F401
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        for stream in (answers, sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            answers.close()
+            _child(request)
+        answers.write(json.dumps({"pid": pid}) + "\n")
+        answers.flush()
+        _, status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+    serve()
