@@ -925,6 +925,9 @@ def run_case_in_process(case: Case, tmp: Path) -> Outcome:
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
 
 
+TRIPPED: list[Any] = []  # each job that reached the tripwire (a sweep's jobs report their failures elsewhere)
+
+
 @contextlib.contextmanager
 def _tripwire(cli: Any) -> Iterator[None]:
     """cli.run_job's heavy branches (the recipe, the dry run) raise ReachedHeavyWork while the case runs."""
@@ -935,6 +938,7 @@ def _tripwire(cli: Any) -> Iterator[None]:
         from ds_exp.train import recipe
 
         def tripped(*args: Any, **kwargs: Any) -> Any:
+            TRIPPED.append(composed)
             raise ReachedHeavyWork("the case passed every check and reached the training stack")
 
         saved = recipe.recipe_main, dry_run.dry_run
