@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from ds_exp.checkpoint.checkpointer import Checkpointer
 from ds_exp.config.plan import eval_interval
 from ds_exp.config.schema import EvalConfig, TrainConfig, plain
 from ds_exp.core.errors import Diverged
@@ -22,10 +23,12 @@ from ds_exp.runtime.memory import peak_memory_bytes
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.runtime.signals import StopRequested
 from ds_exp.train.evaluate import Generations, evaluate
+from ds_exp.train.exports import RunExports
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.sampler import ResumableDistributedSampler
 from ds_exp.train.session import Session
 from ds_exp.train.step import StepResult, TrainStep
+from ds_exp.train.workload import Workload
 
 log = logging.getLogger("ds_exp.train")
 
@@ -45,12 +48,12 @@ class Loop:
         train_cfg: TrainConfig,
         eval_cfg: EvalConfig,
         session: Session,
-        work: Any,  # ds_exp.train.recipe.Workload
+        work: Workload,
         metrics: Metrics,
-        checkpoints: Any,  # ds_exp.checkpoint.Checkpointer
+        checkpoints: Checkpointer,
         generations: Generations,
         progress: Progress,
-        exports: Any = None,  # ds_exp.train.exports.RunExports: train.export_every's exports
+        exports: RunExports | None = None,  # train.export_every's exports
     ) -> None:
         self.train_cfg, self.eval_cfg = train_cfg, eval_cfg
         self.session, self.work, self.metrics = session, work, metrics
