@@ -87,9 +87,9 @@ class Zygote:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            started = self._answer(timeout=120)
+            started = self._answer(timeout=600)
             if started is None:
-                raise RuntimeError("the test zygote did not fork within 120 s")
+                raise RuntimeError("the test zygote did not fork within 600 s (its imports, then the fork)")
             ended = self._answer(timeout)
             timed_out = ended is None
             if timed_out:
