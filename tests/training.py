@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.zygote import run_python
+from tests.zygote import run_python, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,21 +80,27 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float = 600,
 ) -> Run:
-    """Start one run the way a user would and wait for it."""
+    """Start one run the way a user would and wait for it. `launcher`: single (`python -m ds_exp`), torchrun,
+    deepspeed or mpirun (the scripts in launchers/), or ranks: `nproc` ranks with torchrun's environment, forked
+    from the test zygote, where the launcher is not what a test is about (tests/zygote.py)."""
     args = [*overrides, f"hydra.run.dir={run_dir}"]
     if cache_dir is not None:
         args.append(f"data.cache_dir={cache_dir}")
     full_env = {**user_env(), **(env or {}), "MASTER_PORT": str(free_port())}
     full_env["PYTHON"] = sys.executable
+    where = cwd or run_dir.parent
+    forked: subprocess.CompletedProcess | None = None
     if launcher == "single":  # `python -m ds_exp`, forked from a zygote where that is the same (tests/zygote.py)
-        proc = run_python(["-m", "ds_exp", *args], cwd=cwd or run_dir.parent, env=full_env, timeout=timeout)
-    elif launcher in ("torchrun", "deepspeed", "mpirun"):
-        cmd = [str(REPO / "launchers" / f"{launcher}.sh"), str(nproc), *args]  # the scripts users run
-        proc = subprocess.run(
-            cmd, cwd=cwd or run_dir.parent, env=full_env, capture_output=True, text=True, timeout=timeout
-        )
-    else:
+        forked = run_python(["-m", "ds_exp", *args], cwd=where, env=full_env, timeout=timeout)
+    elif launcher == "ranks":  # N ranks as torchrun starts them, forked from a zygote, or else torchrun itself
+        forked = run_ranks(nproc, ["-m", "ds_exp", *args], cwd=where, env=full_env, timeout=timeout)
+        launcher = "torchrun"
+    elif launcher not in ("torchrun", "deepspeed", "mpirun"):
         raise ValueError(launcher)
+    if forked is not None:
+        return Run(forked, run_dir)
+    cmd = [str(REPO / "launchers" / f"{launcher}.sh"), str(nproc), *args]  # the scripts users run
+    proc = subprocess.run(cmd, cwd=where, env=full_env, capture_output=True, text=True, timeout=timeout)
     return Run(proc, run_dir)
 
 

@@ -19,6 +19,7 @@ zygote answers {"pid"} once forked and {"pid", "returncode"} once the child has 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -26,9 +27,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from tempfile import TemporaryDirectory
+from typing import Any
 
 # Read by ds_exp and the libraries when a run starts, not when they are imported: a difference in these still forks.
 RUNTIME_VARIABLES = frozenset({"MASTER_PORT", "PYTHON", "HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE", "LOCAL_RANK"})
@@ -76,14 +79,22 @@ class Zygote:
         return json.loads(line)
 
     def run(
-        self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None
+        self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None, ranks: int = 1
     ) -> subprocess.CompletedProcess:
-        """Like subprocess.run([sys.executable, *argv], cwd=, env=, capture_output=True, text=True, timeout=)."""
+        """Like subprocess.run([sys.executable, *argv], cwd=, env=, capture_output=True, text=True, timeout=);
+        with `ranks` > 1, like torchrun starting that many (see torchrun_ranks)."""
         if not Path(cwd).is_dir():
             raise FileNotFoundError(f"no such directory: {cwd}")
         with self.lock:
             out, err = Path(self.tmp.name) / "stdout", Path(self.tmp.name) / "stderr"
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+            request = {
+                "argv": argv,
+                "cwd": str(cwd),
+                "env": env,
+                "stdout": str(out),
+                "stderr": str(err),
+                "ranks": ranks,
+            }
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
@@ -93,7 +104,9 @@ class Zygote:
             ended = self._answer(timeout)
             timed_out = ended is None
             if timed_out:
-                os.kill(started["pid"], signal.SIGKILL)
+                for pid in started["pids"]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 ended = self._answer(None)
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
         cmd = [sys.executable, *argv]
@@ -118,6 +131,18 @@ def run_python(
 ) -> subprocess.CompletedProcess:
     """`python ARGV` (`argv` starting with "-m", "<module>"): forked from a zygote where that behaves the same,
     else a plain subprocess."""
+    return _run(argv, cwd=cwd, env=env, timeout=timeout, ranks=1)
+
+
+def run_ranks(
+    ranks: int, argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None = None
+) -> subprocess.CompletedProcess | None:
+    """`torchrun --nproc_per_node RANKS ARGV` on this node, forked from a zygote; None where no zygote can run it
+    (the caller then starts the real launcher)."""
+    return _run(argv, cwd=cwd, env=env, timeout=timeout, ranks=ranks)
+
+
+def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None, ranks: int) -> Any:
     key = import_time_environment(env)
     zygote = _zygotes.get(key)
     if zygote is not None and not zygote.alive():
@@ -128,24 +153,44 @@ def run_python(
     if zygote is None and wanted and len(_zygotes) < MAX_ZYGOTES:
         zygote = _zygotes[key] = Zygote(env)
     if zygote is not None and not zygote.lock.locked():
-        return zygote.run(argv, cwd=cwd, env=env, timeout=timeout)
+        return zygote.run(argv, cwd=cwd, env=env, timeout=timeout, ranks=ranks)
+    if ranks > 1:
+        return None
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # ---- the zygote's side ----
 
 
-def _child(request: dict) -> None:
+def torchrun_ranks(env: dict[str, str], ranks: int) -> list[dict[str, str]]:
+    """Each rank's environment as torchrun (torch.distributed.run, one node) gives it, less its agent's store: rank 0
+    serves the rendezvous store itself, as a rank started by any other env launcher does."""
+    port = env.get("MASTER_PORT", "29500")
+    common = {
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_WORLD_SIZE": str(ranks),
+        "GROUP_RANK": "0",
+        "ROLE_WORLD_SIZE": str(ranks),
+    }
+    common |= {"MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+    common |= {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
+    return [{**env, **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)} for r in range(ranks)]
+
+
+def _child(request: dict, env: dict[str, str]) -> None:
     """In the forked child: become `python ARGV` in the request's directory and environment; never returns."""
     code = 1
     try:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
-        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
-        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        # the ranks of one launch share its output files, as torchrun's workers share its stdout and stderr
+        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 1)
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(env)
+        if "OMP_NUM_THREADS" in env:  # read when torch loads, which the zygote did without it
+            sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
         sys.path[0] = os.getcwd()  # as `python -m` puts it
         module = request["argv"][1]
         sys.argv = [module, *request["argv"][2:]]
@@ -191,17 +236,46 @@ def serve() -> None:
 
     for line in sys.stdin:
         request = json.loads(line)
-        for stream in (answers, sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
+        ranks = request["ranks"]
+        envs = [request["env"]] if ranks == 1 else torchrun_ranks(request["env"], ranks)
+        for name in ("stdout", "stderr"):
+            Path(request[name]).write_bytes(b"")
+        pids = []
+        for env in envs:
+            for stream in (answers, sys.stdout, sys.stderr):
+                stream.flush()
+            pid = os.fork()
+            if pid == 0:
+                answers.close()
+                _child(request, env)
+            pids.append(pid)
+        answers.write(json.dumps({"pids": pids}) + "\n")
+        answers.flush()
+        answers.write(json.dumps({"pids": pids, "returncode": _wait(pids)}) + "\n")
+        answers.flush()
+
+
+def _wait(pids: list[int]) -> int:
+    """One child: its exit status. Several ranks: 0 when all succeed; else, as torchrun, the others are stopped
+    (SIGTERM, SIGKILL 30 s later) and the launch fails with 1."""
+    if len(pids) == 1:
+        return os.waitstatus_to_exitcode(os.waitpid(pids[0], 0)[1])
+    left, failed, deadline = set(pids), False, None
+    while left:
+        if deadline is not None and time.monotonic() > deadline:
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            deadline = None
+        pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            answers.close()
-            _child(request)
-        answers.write(json.dumps({"pid": pid}) + "\n")
-        answers.flush()
-        _, status = os.waitpid(pid, 0)
-        answers.write(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        answers.flush()
+            time.sleep(0.05)
+            continue
+        left.discard(pid)
+        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+            failed, deadline = True, time.monotonic() + 30
+            for other in left:
+                os.kill(other, signal.SIGTERM)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:

@@ -70,7 +70,7 @@ def pids_with(tag: str, rank: int) -> list[int]:
 @pytest.fixture(scope="module")
 def uninterrupted_2ranks(tmp_path_factory, cache_dir) -> Run:
     run = launch(
-        tmp_path_factory.mktemp("uninterrupted2") / "run", *RESUMABLE, launcher="torchrun", nproc=2, cache_dir=cache_dir
+        tmp_path_factory.mktemp("uninterrupted2") / "run", *RESUMABLE, launcher="ranks", nproc=2, cache_dir=cache_dir
     )
     assert run.ok, run.explain()
     return run
@@ -116,7 +116,7 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_ends_like_an_uninterrupted_ru
     assert "resume=auto" in summary["error"]
     assert not (run_dir / "hf_model").exists()  # nothing that looks like a finished run
 
-    resumed = launch(run_dir, *RESUMABLE, "resume=auto", launcher="torchrun", nproc=2, cache_dir=cache_dir)
+    resumed = launch(run_dir, *RESUMABLE, "resume=auto", launcher="ranks", nproc=2, cache_dir=cache_dir)
     assert resumed.ok, resumed.explain()
     assert resumed.summary["status"] == "completed"
     assert resumed.summary["resumed_from"].endswith("step40")

@@ -50,7 +50,7 @@ def resumed(reference: Run, run_dir: Path, *overrides: str, cache_dir: Path, npr
         *SAVING,
         f"resume={tag_dir}",
         *overrides,
-        launcher="torchrun" if nproc > 1 else "single",
+        launcher="ranks" if nproc > 1 else "single",
         nproc=nproc,
         cache_dir=cache_dir,
     )
@@ -60,7 +60,7 @@ def resumed(reference: Run, run_dir: Path, *overrides: str, cache_dir: Path, npr
 
 def zero2_reference(root: Path, cache_dir: Path, *overrides: str) -> Run:
     """Uninterrupted: 2 ranks, ZeRO-2, micro batch 4: global batch 8."""
-    run = launch(root, *SAVING, "zero=stage2", *overrides, launcher="torchrun", nproc=2, cache_dir=cache_dir)
+    run = launch(root, *SAVING, "zero=stage2", *overrides, launcher="ranks", nproc=2, cache_dir=cache_dir)
     assert run.ok, run.explain()
     return run
 

@@ -175,7 +175,7 @@ def sp_launch(run_dir: Path, cache_dir: Path, *overrides: str, ranks: int):
         run_dir,
         *common,
         *overrides,
-        launcher="torchrun" if ranks > 1 else "single",
+        launcher="ranks" if ranks > 1 else "single",
         nproc=ranks,
         cache_dir=cache_dir,
         timeout=900,
@@ -277,7 +277,7 @@ def test_smollm2_at_n3_on_three_ranks_trains_2k_rows_at_zero3_and_its_export_rel
         "train.export_dtype=fp32",  # the engine's own weights: the loss check below is then exact
         "optimizer.lr=1e-4",
     ]
-    run = launch(tmp_path / "run", *overrides, launcher="torchrun", nproc=3, cache_dir=cache_dir, timeout=1500)
+    run = launch(tmp_path / "run", *overrides, launcher="ranks", nproc=3, cache_dir=cache_dir, timeout=1500)
     assert run.ok, run.explain()
     summary = run.summary
     assert (summary["world_size"], summary["data_parallel_size"], summary["sequence_parallel_size"]) == (3, 1, 3)

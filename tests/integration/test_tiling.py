@@ -197,8 +197,8 @@ def test_zero3_on_two_ranks_with_every_knob_follows_the_plain_run(tmp_path, cach
         "model.tiled_loss=true",
         "model.tiled_loss_tokens=16",
     )
-    plain = launch(tmp_path / "plain", *common, launcher="torchrun", nproc=2, cache_dir=cache_dir, timeout=300)
-    tiled = launch(tmp_path / "tiled", *common, *knobs, launcher="torchrun", nproc=2, cache_dir=cache_dir, timeout=300)
+    plain = launch(tmp_path / "plain", *common, launcher="ranks", nproc=2, cache_dir=cache_dir, timeout=300)
+    tiled = launch(tmp_path / "tiled", *common, *knobs, launcher="ranks", nproc=2, cache_dir=cache_dir, timeout=300)
     assert plain.ok, plain.explain()
     assert tiled.ok, tiled.explain()
     assert_close(tiled.losses, plain.losses, rel=1e-5)

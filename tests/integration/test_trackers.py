@@ -155,10 +155,10 @@ def test_wandb_tensorboard_and_mlflow_at_once_on_two_ranks_and_a_resume(tmp_path
         f"logger.wandb.api_key={SECRET}",
     ]
     env = {"WANDB_MODE": "offline", "HF_TOKEN": SECRET + "-hf"}
-    first = launch(run_dir, *common, "train.max_steps=4", launcher="torchrun", nproc=2, cache_dir=cache_dir, env=env)
+    first = launch(run_dir, *common, "train.max_steps=4", launcher="ranks", nproc=2, cache_dir=cache_dir, env=env)
     assert first.ok, first.explain()
     resumed = launch(
-        run_dir, *common, "train.max_steps=8", "resume=auto", launcher="torchrun", nproc=2, cache_dir=cache_dir, env=env
+        run_dir, *common, "train.max_steps=8", "resume=auto", launcher="ranks", nproc=2, cache_dir=cache_dir, env=env
     )
     assert resumed.ok, resumed.explain()
     lines = resumed.records("train")

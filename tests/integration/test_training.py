@@ -31,7 +31,7 @@ def zero_runs(tmp_path_factory, cache_dir):
                 f"zero=stage{stage}",
                 f"lora.dim={lora}",
                 "train.export=true",
-                launcher="torchrun",
+                launcher="ranks",
                 nproc=2,
                 cache_dir=cache_dir,
             )
@@ -82,7 +82,7 @@ def test_gradient_accumulation_equivalence(tmp_path, cache_dir, micro, accumulat
 
 def test_world_size_equivalence(tmp_path, cache_dir):
     one = launch(tmp_path / "one", *FAST, cache_dir=cache_dir)
-    two = launch(tmp_path / "two", *FAST, "train.micro_batch_size=2", launcher="torchrun", nproc=2, cache_dir=cache_dir)
+    two = launch(tmp_path / "two", *FAST, "train.micro_batch_size=2", launcher="ranks", nproc=2, cache_dir=cache_dir)
     assert one.ok, one.explain()
     assert two.ok, two.explain()
     assert two.summary["world_size"] == 2
@@ -257,7 +257,7 @@ def test_generations_before_and_after_under_zero3_reach_the_file_and_wandb(tmp_p
         "eval.max_new_tokens=6",
         "logger=wandb",
         "logger.wandb.mode=offline",
-        launcher="torchrun",
+        launcher="ranks",
         nproc=2,
         cache_dir=cache_dir,
         env={"WANDB_MODE": "offline"},
@@ -371,7 +371,7 @@ def test_local_checkpoint_trains_and_its_vocabulary_is_padded(tmp_path, cache_di
         f"model.name_or_path={model_dir}",
         "train.export=true",
         "zero=stage3",
-        launcher="torchrun",
+        launcher="ranks",
         nproc=2,
         cache_dir=cache_dir,
     )

@@ -286,7 +286,7 @@ def test_export_of_a_zero3_checkpoint_on_two_ranks_in_bf16(tmp_path_factory, cac
         f"eval.prompts=[{PROMPT!r}]",
         "eval.max_new_tokens=4",
         "eval.temperature=0.8",  # sampling on two ranks that generate together (ZeRO-3)
-        launcher="torchrun",
+        launcher="ranks",
         nproc=2,
         cache_dir=cache_dir,
     )

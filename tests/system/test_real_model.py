@@ -76,7 +76,7 @@ def finetune(run_dir: Path, model_dir: Path, data_dir: Path, cache_dir: Path, *o
         f"eval.prompts=[{json.dumps(PROMPT)}]",
         "eval.max_new_tokens=8",
         *overrides,
-        launcher="torchrun",
+        launcher="ranks",
         nproc=2,
         cache_dir=cache_dir,
         timeout=900,

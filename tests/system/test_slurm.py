@@ -160,7 +160,7 @@ def test_preempted_job_is_requeued_and_ends_like_an_uninterrupted_run(slurm, tmp
     for rank in (0, 1):  # each rank caught the signal, and they saved one checkpoint together
         assert "caught SIGUSR2" in (job / "logs" / f"rank{rank}.log").read_text()
 
-    reference = launch(tmp_path / "reference", *REQUEUED_RUN, cache, launcher="torchrun", nproc=2)
+    reference = launch(tmp_path / "reference", *REQUEUED_RUN, cache, launcher="ranks", nproc=2)
     assert reference.ok, reference.explain()
     assert_close(losses(job), reference.losses, rel=1e-6)
     assert summary["final_eval"]["eval_loss"] == pytest.approx(reference.summary["final_eval"]["eval_loss"], rel=1e-6)
