@@ -885,6 +885,7 @@ def run_case_in_process(case: Case, tmp: Path) -> Outcome:
     from hydra.core.global_hydra import GlobalHydra
 
     from ds_exp.launch import cli, lock
+    from ds_exp.sweeps import jobs
 
     args, env = prepare(case, tmp)
     saved_env, saved_argv, saved_cwd = dict(os.environ), list(sys.argv), os.getcwd()
@@ -919,6 +920,7 @@ def run_case_in_process(case: Case, tmp: Path) -> Outcome:
             lock.release_run_dir(held)
         for held in list(lock._sweep_locks):
             lock.release_sweep_dir(held)
+        jobs.launched_job_dirs.clear()  # a sweep run here: the next sweep report of this process is not its
     return Outcome(code, out.getvalue(), err.getvalue(), tmp)
 
 
