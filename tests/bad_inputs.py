@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -868,9 +869,16 @@ def prepare(case: Case, tmp: Path) -> tuple[list[str], dict[str, str]]:
 
 def run_case(case: Case, tmp: Path) -> Outcome:
     """`python -m ds_exp ARGS` in `tmp` (outputs land there) after writing the case's files: the real path, a
-    process of its own (forked from the test zygote where that is the same, tests/zygote.py)."""
+    process of its own: a fresh interpreter for the REAL_PATH cases, which prove the whole path; forked from the
+    test zygote for the others (tests/zygote.py)."""
     args, env = prepare(case, tmp)
-    proc = run_python(["-m", "ds_exp", *args], cwd=tmp, env={**user_env(), **env}, timeout=300)
+    argv, full_env = ["-m", "ds_exp", *args], {**user_env(), **env}
+    if case.id in REAL_PATH:
+        proc = subprocess.run(
+            [sys.executable, *argv], cwd=tmp, env=full_env, capture_output=True, text=True, timeout=300
+        )
+    else:
+        proc = run_python(argv, cwd=tmp, env=full_env, timeout=300)
     return Outcome(proc.returncode, proc.stdout, proc.stderr, tmp)
 
 
