@@ -383,6 +383,53 @@ def release_sequence_parallel_groups() -> None:
         vars(groups)["mpu"] = None  # a module attribute DeepSpeed sets at run time
 
 
+def forget_zero3_module(module: Any) -> None:
+    """Let DeepSpeed's ZeRO-3 stack of modules in forward drop this model, whose engine is done.
+
+    DeepSpeed 0.19.8: `runtime.zero.parameter_offload.FWD_MODULE_STACK` (a module-level list) gets the top module
+    appended when ZeRO-3's hooks are set up and never removed, not even by `DeepSpeedEngine.destroy()`, and a
+    cache (below) holds its submodules: the model, its engine, its optimizer state and the engine's process groups
+    live as long as the process. If the names change, they do again (a multirun's next job starts with the last
+    one's memory; at exit, gloo's threads outlive the interpreter's shutdown: the launcher test fails)."""
+    import sys
+
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    stack = getattr(offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack[:] = [m for m in stack if m is not module]
+    # `PartitionedParameterCoordinator.__params_to_release` is a functools.lru_cache on a method (wrapped by
+    # `instrument_w_nvtx`, no functools.wraps): one cache for the class, keyed by every coordinator and submodule
+    # it saw. Emptying it costs a live engine one recomputation per submodule.
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    cls = getattr(coordinator, "PartitionedParameterCoordinator", None)
+    wrapper = getattr(cls, "_PartitionedParameterCoordinator__params_to_release", None)
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        clear = getattr(cell.cell_contents, "cache_clear", None)
+        if callable(clear):
+            clear()
+
+
+def forget_deepspeed_groups(process_group_type: type) -> None:
+    """Drop DeepSpeed's references to process groups that torch.distributed has destroyed, so their backends
+    (gloo's threads, NCCL's communicators) are freed now, while the interpreter is whole.
+
+    DeepSpeed 0.19.8: `deepspeed.utils.groups` keeps the groups it made in module globals (`_WORLD_GROUP`, the
+    expert, data- and model-parallel groups and their dicts) that nothing clears. A backend freed only during the
+    interpreter's own shutdown can abort the process after a completed run (seen: a rank of a 2-rank gloo run
+    ended with SIGABRT, "terminate called without an active exception"). If the names change, that is back."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    namespace = vars(groups)
+    for name, value in list(namespace.items()):
+        if isinstance(value, process_group_type):
+            namespace[name] = None
+        elif isinstance(value, dict) and any(isinstance(v, process_group_type) for v in value.values()):
+            value.clear()
+
+
 def sequence_parallel_gradient_factor(engine: Any, sequence_parallel_size: int) -> int:
     """What the loss must be multiplied by, beyond undoing DeepSpeed's mean over data-parallel ranks, for the
     gradients to be exact under Ulysses sequence parallelism.

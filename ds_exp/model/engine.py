@@ -6,6 +6,7 @@ there (optimizer.owner=deepspeed, or a user's config file) means DeepSpeed build
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -168,6 +169,20 @@ def build_engine(
     if "scheduler" not in ds_config and metric_schedule:
         metric_scheduler = build_scheduler(scheduler_cfg, optimizer or engine.optimizer, total_steps, warmup_steps)
     return TrainingEngine(deepspeed_engine=engine, metric_scheduler=metric_scheduler, optimizer_name=name)
+
+
+def release_engine(engine: Any) -> None:
+    """Let a finished run's engine go with its model, optimizer state and hooks: the next job of a multirun in this
+    process starts without them, and at exit the process groups it held are freed while the interpreter is whole
+    (ds_exp/runtime/process_group.py). Best effort: a failure here never hides how the run ended."""
+    try:
+        if dist.is_initialized():  # DeepSpeed's destroy asks for the rank
+            with library_stdout():
+                engine.destroy()
+        compat.forget_zero3_module(engine.module)
+    except Exception as err:  # e.g. a CUDA error that ended the run comes back at synchronize
+        log.debug("releasing the DeepSpeed engine: %s", err)
+    gc.collect()
 
 
 def describe_optimizer(optimizer: Any, ds_config: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 from typing import Any
 
 import deepspeed
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from ds_exp.config.schema import DistConfig, plain
+from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch.environment import LaunchInfo, choose_backend, cpu_threads_per_rank, export_launch_env
 from ds_exp.launch.rendezvous import wait_for_rendezvous
@@ -116,5 +118,10 @@ def mark_lost_peer() -> None:
 
 
 def _destroy_process_group() -> None:
+    """At exit: the groups and their backends (gloo's threads) freed before the interpreter shuts down, which
+    otherwise frees them part-way through its own teardown and can abort a completed run's rank (SIGABRT)."""
     if dist.is_initialized() and not _lost_peer:
+        gc.collect()  # engines of finished jobs (cycles through their hooks) and the groups they hold
         dist.destroy_process_group()
+        compat.forget_deepspeed_groups(dist.ProcessGroup)
+        gc.collect()

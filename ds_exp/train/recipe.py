@@ -38,7 +38,7 @@ from ds_exp.launch.run_dir import completed_at, set_aside_attempt
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.model.architecture import build_model_config, check_lora, hidden_size_of
 from ds_exp.model.build import build_model
-from ds_exp.model.engine import build_engine, check_deepspeed_config, lr_at, parameter_groups
+from ds_exp.model.engine import build_engine, check_deepspeed_config, lr_at, parameter_groups, release_engine
 from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, unregister
 from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.resume import trajectory
@@ -66,6 +66,7 @@ file_log = logging.getLogger(FILE_LOGGER)
 def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train under whatever launcher started this process; write metrics, summary, checkpoints and export."""
     with Session(cfg, run_dir) as session:
+        work: Workload | None = None
         try:
             session.start()
             work = setup(cfg, session)
@@ -73,6 +74,8 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             train(cfg, session, work, start)
             RunExports(cfg, session, work, start.run_id).final()
         finally:
+            if work is not None:
+                release_engine(work.engine)  # its memory and hooks, before a later job of this process
             unregister()  # transformers' attention table as it was, for a later job of this process
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
