@@ -13,6 +13,7 @@ from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, register_configs, to_config
 from tests.real_model import ModelUnavailable, smollm2_checkpoint
+from tests.training import SHELL_ENVIRON  # noqa: F401 (first: the environment before any library writes to it)
 
 TIERS_BEYOND_QUICK = ("integration", "system")  # tests/<tier>/: real engines, whole commands, clusters
 

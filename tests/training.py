@@ -29,9 +29,15 @@ FAST = [
 ]
 
 
+# The environment the tests started with: libraries imported in-process later write to os.environ (mlflow its
+# telemetry session, tensorboardX CRC32C_SW_MODE), which a user's shell would not hold (and which would give every
+# later run a zygote of its own: tests/zygote.py). conftest.py imports this module first.
+SHELL_ENVIRON = dict(os.environ)
+
+
 def user_env() -> dict[str, str]:
     """A user's shell: this checkout importable, wandb quiet, and no launcher variables from elsewhere."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    env = {**SHELL_ENVIRON, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env

@@ -9,8 +9,9 @@ and environment), that runs the module as `python -m` would, minus those imports
 What a fork cannot give is a different environment at import time: libraries read some variables once on import
 (HF_*, DS_ACCELERATOR, OMP_NUM_THREADS, ...). A run whose environment differs in anything but the variables read
 at run time (RUNTIME_VARIABLES, RUNTIME_PREFIXES) is forked from another zygote started with its environment
-(MAX_ZYGOTES at most), or else started as a plain subprocess. Multi-rank launches (torchrun, the deepspeed
-launcher, mpirun, SLURM) start their own interpreters and stay subprocesses. DS_EXP_NO_ZYGOTE=1 turns it off.
+(MAX_ZYGOTES at most: the least recently used idle one gives way), or else a plain subprocess. `run_ranks` forks N
+ranks with torchrun's environment; the real launchers (torchrun, the deepspeed launcher, mpirun, SLURM) start
+their own interpreters and stay subprocesses. DS_EXP_NO_ZYGOTE=1 turns it off.
 
 Protocol (JSON lines): the test sends {"argv", "cwd", "env", "stdout", "stderr"} on the zygote's stdin; the
 zygote answers {"pid"} once forked and {"pid", "returncode"} once the child has ended.
@@ -116,7 +117,8 @@ class Zygote:
         return subprocess.CompletedProcess(cmd, ended["returncode"], stdout, stderr)
 
 
-MAX_ZYGOTES = 3  # one per import-time environment seen (most runs share one); the rest start plain subprocesses
+# one per import-time environment (most runs share one); a new one replaces the least recently used idle one
+MAX_ZYGOTES = 3
 _zygotes: dict[frozenset[tuple[str, str]], Zygote] = {}
 
 
@@ -150,9 +152,14 @@ def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | No
         del _zygotes[key]
         zygote = None
     wanted = argv[:1] == ["-m"] and os.environ.get("DS_EXP_NO_ZYGOTE") != "1"
-    if zygote is None and wanted and len(_zygotes) < MAX_ZYGOTES:
-        zygote = _zygotes[key] = Zygote(env)
+    if zygote is None and wanted:
+        idle = [k for k, z in _zygotes.items() if not z.lock.locked()]
+        if len(_zygotes) >= MAX_ZYGOTES and idle:  # the least recently used makes room: no worse than a subprocess
+            _zygotes.pop(idle[0]).close()
+        if len(_zygotes) < MAX_ZYGOTES:
+            zygote = _zygotes[key] = Zygote(env)
     if zygote is not None and not zygote.lock.locked():
+        _zygotes[key] = _zygotes.pop(key)  # most recently used last
         return zygote.run(argv, cwd=cwd, env=env, timeout=timeout, ranks=ranks)
     if ranks > 1:
         return None
