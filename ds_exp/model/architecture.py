@@ -102,6 +102,7 @@ def model_facts(cfg: Config) -> dict[str, int]:
         "vocab": int(config.vocab_size),
         "heads": heads,
         "kv_heads": int(getattr(text, "num_key_value_heads", 0) or heads),
+        "tied": int(bool(getattr(config, "tie_word_embeddings", False))),
     }
 
 

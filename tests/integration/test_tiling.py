@@ -295,6 +295,23 @@ def test_the_planner_counts_length_sequence_parallelism_and_each_knob(compose_cf
     )
     assert on_cpu / 2**30 == pytest.approx(gib(131072, **steps[-2]))  # offload saves nothing where host = device
 
+    # a trained input embedding's gradient at the end of backward: the peak of a short checkpointed run of a real
+    # vocabulary (SmolLM2-135M's shape, tied, 256 tokens, fp32: 324.1 MiB measured by bench.long_context --growth)
+    smol = ModelShape(hidden=576, intermediate=1536, layers=30, vocab=49152, heads=9, kv_heads=3, tied=True)
+
+    def smol_mib(**kwargs) -> float:
+        knobs = LongContext(checkpointing=True)
+        return estimate_activations(micro_batch=1, seq_len=256, shape=smol, precision="fp32", knobs=knobs, **kwargs)
+
+    assert smol_mib(embedding_trains=True) / 2**20 == pytest.approx(324.1, rel=0.05)
+    assert smol_mib(embedding_trains=False) / 2**20 < 200  # LoRA: the embedding is frozen
+    untied = ModelShape(hidden=576, intermediate=1536, layers=30, vocab=49152, heads=9, kv_heads=3, tied=False)
+    knobs = LongContext(checkpointing=True)
+    two = estimate_activations(
+        micro_batch=1, seq_len=256, shape=untied, precision="fp32", knobs=knobs, embedding_trains=True
+    )
+    assert two < smol_mib(embedding_trains=True)
+
     # the dry run counts them, and experiment=long_context turns them on
     long = compose_cfg("experiment=long_context", "data.max_seq_len=4096")
     assert (long.model.tiled_mlp, long.model.tiled_loss, long.model.gradient_checkpointing) == (True, True, True)
