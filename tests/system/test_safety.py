@@ -201,7 +201,9 @@ def test_a_rank_waiting_for_its_peers_says_so_and_obeys_sigterm(tmp_path, cache_
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert took < 10, f"{took:.0f} s from SIGTERM to exit"
     assert "Traceback" not in output
-    assert not list(tmpdir.iterdir()), list(tmpdir.iterdir())
+    # torch's compile cache (made there when DeepSpeed's shared-memory op is compiled) is a cache, not a leftover
+    left = [path for path in tmpdir.iterdir() if not path.name.startswith("torchinductor_")]
+    assert not left, left
 
 
 def test_sigterm_during_tokenization_stops_within_seconds(tmp_path):
