@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import overload
 
 from ds_exp.config.schema import DistConfig, plain
-from ds_exp.core import compat
 from ds_exp.launch.rendezvous import free_port
+from ds_exp.launch.slurm_nodes import slurm_hostnames
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def _first_slurm_host() -> str:
     if not nodelist:
         return "127.0.0.1"
 
-    hosts = compat.slurm_hostnames(nodelist)
+    hosts = slurm_hostnames(nodelist)
     return hosts[0] if hosts else socket.gethostname()
 
 

@@ -12,8 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from ds_exp.config.schema import DistConfig
-from ds_exp.core.compat import parse_slurm_nodelist
 from ds_exp.launch.environment import choose_backend, detect_launch, export_launch_env, launched_with_several_ranks
+from ds_exp.launch.slurm_nodes import parse_slurm_nodelist
 from ds_exp.runtime.peers import lost_ranks
 from tests.training import free_port
 
@@ -118,7 +118,7 @@ def test_parser_agrees_with_scontrol(nodelist):
 
 
 def test_plain_srun_without_scontrol(clean_env, monkeypatch):
-    monkeypatch.setattr(shutil, "which", lambda name: None)  # compat.slurm_hostnames falls back to the parser
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # slurm_hostnames falls back to the parser
     clean_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n[07-08]")
     assert detect_launch(dist()).master_addr == "n07"
 
