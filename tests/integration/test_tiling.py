@@ -299,18 +299,18 @@ def test_the_planner_counts_length_sequence_parallelism_and_each_knob(compose_cf
     # vocabulary (SmolLM2-135M's shape, tied, 256 tokens, fp32: 324.1 MiB measured by bench.long_context --growth)
     smol = ModelShape(hidden=576, intermediate=1536, layers=30, vocab=49152, heads=9, kv_heads=3, tied=True)
 
-    def smol_mib(**kwargs) -> float:
+    def smol_bytes(**kwargs) -> float:
         knobs = LongContext(checkpointing=True)
         return estimate_activations(micro_batch=1, seq_len=256, shape=smol, precision="fp32", knobs=knobs, **kwargs)
 
-    assert smol_mib(embedding_trains=True) / 2**20 == pytest.approx(324.1, rel=0.05)
-    assert smol_mib(embedding_trains=False) / 2**20 < 200  # LoRA: the embedding is frozen
+    assert smol_bytes(embedding_trains=True) / 2**20 == pytest.approx(324.1, rel=0.05)
+    assert smol_bytes(embedding_trains=False) / 2**20 < 200  # LoRA: the embedding is frozen
     untied = ModelShape(hidden=576, intermediate=1536, layers=30, vocab=49152, heads=9, kv_heads=3, tied=False)
     knobs = LongContext(checkpointing=True)
     two = estimate_activations(
         micro_batch=1, seq_len=256, shape=untied, precision="fp32", knobs=knobs, embedding_trains=True
     )
-    assert two < smol_mib(embedding_trains=True)
+    assert two < smol_bytes(embedding_trains=True)
 
     # the dry run counts them, and experiment=long_context turns them on
     long = compose_cfg("experiment=long_context", "data.max_seq_len=4096")
