@@ -183,7 +183,7 @@ def run_estimate(
         facts["vocab"],
         facts["heads"],
         facts["kv_heads"],
-        tied=bool(facts.get("tied", 0)),
+        tied=bool(facts["tied"]),
     )
     activations = estimate_activations(
         micro_batch=micro,

@@ -121,7 +121,6 @@ def _destroy_process_group() -> None:
     """At exit: the groups and their backends (gloo's threads) freed before the interpreter shuts down, which
     otherwise frees them part-way through its own teardown and can abort a completed run's rank (SIGABRT)."""
     if dist.is_initialized() and not _lost_peer:
-        gc.collect()  # engines of finished jobs (cycles through their hooks) and the groups they hold
         dist.destroy_process_group()
         compat.forget_deepspeed_groups(dist.ProcessGroup)
-        gc.collect()
+        gc.collect()  # what still held the groups in cycles (an engine's hooks), and with it the groups
