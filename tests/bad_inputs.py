@@ -10,7 +10,6 @@ import io
 import json
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -873,12 +872,7 @@ def run_case(case: Case, tmp: Path) -> Outcome:
     test zygote for the others (tests/zygote.py)."""
     args, env = prepare(case, tmp)
     argv, full_env = ["-m", "ds_exp", *args], {**user_env(), **env}
-    if case.id in REAL_PATH:
-        proc = subprocess.run(
-            [sys.executable, *argv], cwd=tmp, env=full_env, capture_output=True, text=True, timeout=300
-        )
-    else:
-        proc = run_python(argv, cwd=tmp, env=full_env, timeout=300)
+    proc = run_python(argv, cwd=tmp, env=full_env, timeout=300, fresh=case.id in REAL_PATH)
     return Outcome(proc.returncode, proc.stdout, proc.stderr, tmp)
 
 

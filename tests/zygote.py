@@ -129,11 +129,11 @@ def import_time_environment(env: dict[str, str]) -> frozenset[tuple[str, str]]:
 
 
 def run_python(
-    argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None = None
+    argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None = None, fresh: bool = False
 ) -> subprocess.CompletedProcess:
     """`python ARGV` (`argv` starting with "-m", "<module>"): forked from a zygote where that behaves the same,
-    else a plain subprocess."""
-    return _run(argv, cwd=cwd, env=env, timeout=timeout, ranks=1)
+    else (or with `fresh`: a test of the whole path, imports included) a plain subprocess."""
+    return _run(argv, cwd=cwd, env=env, timeout=timeout, ranks=1, fresh=fresh)
 
 
 def run_ranks(
@@ -144,15 +144,19 @@ def run_ranks(
     return _run(argv, cwd=cwd, env=env, timeout=timeout, ranks=ranks)
 
 
-def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None, ranks: int) -> Any:
+def _run(
+    argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float | None, ranks: int, fresh: bool = False
+) -> Any:
     key = import_time_environment(env)
     zygote = _zygotes.get(key)
     if zygote is not None and not zygote.alive():
         zygote.close()
         del _zygotes[key]
         zygote = None
-    wanted = argv[:1] == ["-m"] and os.environ.get("DS_EXP_NO_ZYGOTE") != "1"
-    if zygote is None and wanted:
+    wanted = argv[:1] == ["-m"] and not fresh and os.environ.get("DS_EXP_NO_ZYGOTE") != "1"
+    if not wanted:
+        zygote = None
+    elif zygote is None:
         idle = [k for k, z in _zygotes.items() if not z.lock.locked()]
         if len(_zygotes) >= MAX_ZYGOTES and idle:  # the least recently used makes room: no worse than a subprocess
             _zygotes.pop(idle[0]).close()
