@@ -34,7 +34,7 @@ case "$cmd" in
       $PY -m pip show -q "$name" >/dev/null 2>&1 || missing+=("$whl")
     done
     if ((${#missing[@]})); then $PY -m pip install -q --no-index --no-deps "${missing[@]}"; fi
-    $PY -m pip install -q --no-index --no-deps "$dir"/antlr4-python3-runtime-*.tar.gz
+    $PY -m pip install -q --no-index --no-deps --no-build-isolation "$dir"/antlr4-python3-runtime-*.tar.gz
     src=$(mktemp -d)
     tar -xzf "$dir"/deepspeed-*.tar.gz -C "$src"
     (cd "$src"/deepspeed-* && DS_BUILD_OPS=0 $PY -m pip install -q --no-index --no-deps --no-build-isolation .)

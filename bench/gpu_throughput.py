@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -83,7 +84,9 @@ NEEDS = {"ds_exp_flash_attn": "flash_attn", "ds_exp_liger": "liger_kernel"}
 GOAL_MFU = 0.40
 
 
-def measure_ds_exp(setup: Setup, name: str, stage: int, extra: tuple[str, ...], work: Path) -> dict[str, Any]:
+def measure_ds_exp(
+    setup: Setup, name: str, stage: int, extra: tuple[str, ...], work: Path, timeout: float = 1200
+) -> dict[str, Any]:
     """One torchrun launch of ds_exp; its metric lines after warm-up give step time, tokens/s and MFU."""
     run_dir = work / name
     overrides = [
@@ -97,8 +100,8 @@ def measure_ds_exp(setup: Setup, name: str, stage: int, extra: tuple[str, ...], 
     ]
     started = time.perf_counter()
     try:
-        wall, output = run(torchrun(setup.nproc, "-m", "ds_exp", *overrides), cwd=work, timeout=1200)
-    except RuntimeError as err:
+        wall, output = run(torchrun(setup.nproc, "-m", "ds_exp", *overrides), cwd=work, timeout=timeout)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
         return {"error": str(err)[-3000:], "launch_wall_s": time.perf_counter() - started}
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r["type"] == "train"][setup.warmup_windows :]
@@ -119,7 +122,8 @@ def measure_ds_exp(setup: Setup, name: str, stage: int, extra: tuple[str, ...], 
     }
 
 
-def main(quick: bool = False) -> dict[str, Any] | None:
+def main(quick: bool = False, deadline: float | None = None) -> dict[str, Any] | None:
+    """`deadline` (a time.perf_counter() value): variants that would start past it are recorded as not run."""
     import importlib.util
 
     import torch
@@ -137,11 +141,14 @@ def main(quick: bool = False) -> dict[str, Any] | None:
     try:
         for name in names:
             stage, method, extra = VARIANTS[name]
+            left = (deadline - time.perf_counter()) if deadline else 1200.0
             print(f"{name}: ZeRO-{stage} {' '.join(extra)}", flush=True)
-            if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
+            if left < 90:
+                results[name] = {"skipped": f"not run: {left:.0f} s were left before the deadline"}
+            elif name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
                 results[name] = {"skipped": f"{NEEDS[name]} is not installed"}
             elif method == "ds_exp":
-                results[name] = measure_ds_exp(setup, name, stage, extra, work)
+                results[name] = measure_ds_exp(setup, name, stage, extra, work, timeout=min(left, 1200))
                 if not extra and "ds_config" in results[name]:
                     ds_configs[stage] = Path(results[name]["ds_config"])
             elif stage not in ds_configs:
@@ -150,10 +157,14 @@ def main(quick: bool = False) -> dict[str, Any] | None:
                 config = ds_configs[stage]  # the bare loop and the Trainer train with the config ds_exp resolved
                 script_method = "hf_trainer" if method.startswith("hf_trainer") else method
                 extra_args = ("--recommended",) if method == "hf_trainer_recommended" else ()
-                results[name] = measure_script(
-                    script_method, setup, stage, 0, work, work / "data_cache", config, extra_args=extra_args
-                )
+                try:
+                    results[name] = measure_script(
+                        script_method, setup, stage, 0, work, work / "data_cache", config, extra_args=extra_args
+                    )
+                except (RuntimeError, subprocess.TimeoutExpired) as err:  # one variant's failure is its result
+                    results[name] = {"error": str(err)[-3000:]}
             print(f"  {describe(results[name])}", flush=True)
+            write_result("gpu_throughput_quick" if quick else "gpu_throughput", summarize(results, gpus, device, setup))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     payload = summarize(results, gpus, device, setup)

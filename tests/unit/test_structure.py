@@ -230,3 +230,14 @@ def test_every_package_is_installed():
         for init in root.rglob("__init__.py")
     }
     assert found - listed == set()
+
+
+def test_the_gpu_check_collects_every_gpu_test():
+    """bench/gpu_check.py runs `pytest -m gpu` over a fixed list of files (a bare GPU machine lacks the packages
+    other test files import): a file gaining a gpu test must join it."""
+    from bench.gpu_check import GPU_TEST_FILES
+
+    tests = PACKAGE.parent / "tests"
+    gpu_mark = re.compile(r"^\s*(@pytest\.mark\.gpu|pytest\.mark\.gpu,)", re.MULTILINE)
+    marked = {str(p.relative_to(PACKAGE.parent)) for p in tests.rglob("test_*.py") if gpu_mark.search(p.read_text())}
+    assert marked == set(GPU_TEST_FILES)
