@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import run, stats, table, torchrun, write_result
-from bench.step_time import Setup, measure_script, shared_overrides
+from bench.step_time import Setup, measure_script, pooled, shared_overrides
 
 SEQ_LEN, MICRO_BATCH, ACCUMULATION = 2048, 8, 4
 MODEL = (
@@ -157,9 +157,9 @@ def main(quick: bool = False, deadline: float | None = None) -> dict[str, Any] |
                 config = ds_configs[stage]  # the bare loop and the Trainer train with the config ds_exp resolved
                 script_method = "hf_trainer" if method.startswith("hf_trainer") else method
                 extra_args = ("--recommended",) if method == "hf_trainer_recommended" else ()
-                try:
-                    results[name] = measure_script(
-                        script_method, setup, stage, 0, work, work / "data_cache", config, extra_args=extra_args
+                try:  # pooled: one launch's windows as step_time_s / tokens_per_s, like ds_exp's
+                    results[name] = pooled(
+                        [measure_script(script_method, setup, stage, 0, work, work / "data_cache", config, extra_args)]
                     )
                 except (RuntimeError, subprocess.TimeoutExpired) as err:  # one variant's failure is its result
                     results[name] = {"error": str(err)[-3000:]}
@@ -193,8 +193,8 @@ def summarize(results: dict[str, dict[str, Any]], gpus: int, device: str, setup:
             result["mfu"] = tokens * per_token / gpus / peak
 
     def step_ms(name: str) -> float | None:
-        s = results.get(name, {}).get("step_time_s") or {}
-        return s.get("median") * 1e3 if s.get("median") else None
+        median = (results.get(name, {}).get("step_time_s") or {}).get("median")
+        return median * 1e3 if median else None
 
     def ratio(a: str, b: str) -> float | None:
         top, bottom = step_ms(a), step_ms(b)

@@ -4,8 +4,8 @@ The loss of a step is the sum of token losses over the whole global batch divide
 it does not depend on how the batch is split over ranks and micro batches, and padding never counts. DeepSpeed
 averages gradients over data-parallel ranks and micro batches; the step undoes that average and divides by the global
 count. Under sequence parallelism (ds_exp/model/sequence_parallel.py) each rank sums the token losses of its slice of
-the
-rows and DeepSpeed sums the gradients of a group's slices: the same loss, the same gradients.
+the rows and DeepSpeed sums the gradients of a group's slices: the same loss, the same gradients. In fp16 at ZeRO
+stage 0 the step applies the loss scale DeepSpeed leaves out (Fp16LossScale).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from ds_exp.core import compat
 from ds_exp.core.errors import RunFailed
@@ -113,6 +115,34 @@ class StepResult:
     applied: bool  # False when the fp16 loss scaler skipped the update (gradient overflow)
 
 
+class Fp16LossScale:
+    """A hook on the loss that multiplies its gradient by the fp16 loss scale where DeepSpeed does not.
+
+    DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393, open): at ZeRO stage 0 its fp16 optimizers (FP16_Optimizer,
+    FP16_UnfusedOptimizer) are not ZeROOptimizers, the only kind `engine.backward` scales the loss for, yet their
+    step() divides the gradients by the scale: every update ~65536 times too small, small gradients flushed to zero
+    in fp16, and no overflow ever seen (found on an H200, bench/results/gpu_check.json). The hook reads the gradient
+    DeepSpeed sends into the loss at the first backward with a scale other than 1 (one device sync, once) and scales
+    from then on only if DeepSpeed did not: a DeepSpeed that fixes this is left alone."""
+
+    def __init__(self, engine: Any) -> None:
+        self.optimizer = engine.optimizer
+        self.unscaled = 1.0 / engine.gradient_accumulation_steps()  # engine.backward divides the loss by it
+        self.deepspeed_scales: bool | None = None  # decided at the first backward with a scale other than 1
+
+    @staticmethod
+    def needed(engine: Any) -> bool:
+        return isinstance(getattr(engine, "optimizer", None), (FP16_Optimizer, FP16_UnfusedOptimizer))
+
+    def __call__(self, grad: Any) -> Any:
+        scale = float(self.optimizer.loss_scale)
+        if scale == 1.0:
+            return grad
+        if self.deepspeed_scales is None:
+            self.deepspeed_scales = not math.isclose(float(grad), self.unscaled, rel_tol=1e-3)
+        return grad if self.deepspeed_scales else grad * scale
+
+
 class TrainStep:
     """Runs optimizer steps on a DeepSpeed engine (see the module docstring)."""
 
@@ -133,6 +163,7 @@ class TrainStep:
         # undoes DeepSpeed's mean over data-parallel ranks (it sums over a sequence-parallel group), and where it
         # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat.py) that too
         self.rank_scale = world_size // self.sp.size * compat.sequence_parallel_gradient_factor(engine, self.sp.size)
+        self.fp16_loss_scale = Fp16LossScale(engine) if Fp16LossScale.needed(engine) else None
 
     def __call__(self, batches: list[dict[str, Any]], *, stop_requested: bool, previous_loss: Any) -> StepResult:
         """One step over `batches` (this rank's micro batches). The step's only collective of its own sums the
@@ -173,7 +204,10 @@ class TrainStep:
                     raise RunFailed(
                         "a training batch holds no label tokens: check data.max_seq_len and data.train_on_prompt"
                     )
-            engine.backward(summed * (scale / votes.global_label_tokens))
+            loss = summed * (scale / votes.global_label_tokens)
+            if self.fp16_loss_scale is not None:
+                loss.register_hook(self.fp16_loss_scale)
+            engine.backward(loss)
             engine.step()
             loss_sum = loss_sum + summed.detach()
         assert votes is not None
