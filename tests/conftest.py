@@ -20,10 +20,19 @@ TIERS_BEYOND_QUICK = ("integration", "system")  # tests/<tier>/: real engines, w
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The quick tier (`-m "not slow"`) is tests/unit/ without its slow tests: integration and system tests are
-    slow by where they live, so a new one cannot slip into the quick tier unmarked."""
+    slow by where they live, so a new one cannot slip into the quick tier unmarked. Under pytest-xdist
+    (`--dist loadgroup`, pyproject.toml) every test that submits to a SLURM cluster runs in one worker, one after
+    another: two workers' jobs would queue behind each other on the one-node cluster and time out."""
     for item in items:
         if Path(str(item.fspath)).parent.name in TIERS_BEYOND_QUICK:
             item.add_marker(pytest.mark.slow)
+        if uses_slurm(item):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+def uses_slurm(item: pytest.Item) -> bool:
+    fixtures = getattr(item, "fixturenames", ())
+    return "slurm" in fixtures or Path(str(item.fspath)).name.startswith("test_slurm") or "[slurm]" in item.nodeid
 
 
 REPO = Path(__file__).resolve().parents[1]
