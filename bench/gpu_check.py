@@ -57,7 +57,7 @@ GPU_TEST_FILES = ("tests/system/test_gpu.py", "tests/integration/test_faults.py"
 def run_pytest(work: Path, timeout: float, shards: int = 1) -> dict[str, Any]:
     """`pytest -m gpu`, its tests dealt round-robin to `shards` pytest processes run side by side."""
     started = time.perf_counter()
-    base = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider"]
+    base = [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider"]  # the shards: no xdist
     # no test zygote: a process forked after CUDA's driver was initialized (DeepSpeed asks at import) cannot use it
     test_env = env(DS_EXP_NO_ZYGOTE="1")
     listed = subprocess.run(

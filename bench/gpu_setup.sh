@@ -15,6 +15,7 @@ WHEELS=(
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0
   pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 hjson==3.1.0
   ninja==1.13.2 py-cpuinfo==9.0.0 msgpack==1.2.4 pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0 liger-kernel
+  pytest-xdist==3.8.0 execnet==2.1.2
 )
 SDISTS=(deepspeed==0.19.8 antlr4-python3-runtime==4.9.3)
 
