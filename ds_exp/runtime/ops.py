@@ -133,11 +133,14 @@ def stale_build_lock(build_dir: Path, *, now: float) -> str | None:
     directory has moved past for STALE_BUILD_S is such a leftover: said in one line, naming the file to remove
     (ds_exp does not remove it: another machine sharing the cache may be compiling)."""
     lock = build_dir / "lock"
+    # The lock first, and its own age counts: torch takes it for a moment in every process that loads the op, so one
+    # that appears after the directory was listed is live (seen: two runs starting together, one refused).
     try:
-        newest = max(entry.stat().st_mtime for entry in build_dir.iterdir())
-    except (FileNotFoundError, ValueError):  # no build directory, or an empty one
+        locked_at = lock.stat().st_mtime
+        newest = max([locked_at, *(entry.stat().st_mtime for entry in build_dir.iterdir())])
+    except FileNotFoundError:  # no lock (or it went while we looked): nothing to wait for
         return None
-    if not lock.exists() or now - newest < STALE_BUILD_S:
+    if now - newest < STALE_BUILD_S:
         return None
     minutes = int((now - newest) // 60)
     return (
