@@ -49,7 +49,7 @@ LINES: dict[str, tuple[str, ...]] = {
 }
 
 
-# The files holding `gpu` tests (tests/unit/test_bench.py keeps this list whole): collecting only these keeps the
+# The files holding `gpu` tests (tests/unit/test_structure.py keeps this list whole): collecting only these keeps the
 # dev-only packages the other test files import (gguf, optuna, mlflow, tensorboard) off a bare GPU machine.
 GPU_TEST_FILES = ("tests/system/test_gpu.py", "tests/integration/test_faults.py")
 
@@ -208,7 +208,7 @@ def main(
         ),
         "gpu_tests_passed": payload.get("gpu_tests", {}).get("returncode") == 0,
     }
-    path = write_result("gpu_check", payload)
+    write_result("gpu_check", payload)
     if "throughput" not in skip:
         payload["throughput"] = gpu_throughput.main(quick=quick, deadline=deadline)
         write_result("gpu_check", payload)
