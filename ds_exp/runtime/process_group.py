@@ -35,7 +35,7 @@ def init_distributed(dist_cfg: DistConfig, launch: LaunchInfo, accelerator: str)
     backend = choose_backend(plain(dist_cfg.backend), accelerator)
     check_backend(backend, accelerator)
     if not dist.is_initialized():
-        atexit.register(_destroy_process_group)
+        atexit.register(release_process_groups)
         if accelerator == "cpu":
             # DeepSpeed compiles this inside init_distributed: build it first, with a notice and a clear failure
             ops.ensure_built(ops.SHM_COMM, announce=launch.rank == 0)
@@ -117,7 +117,7 @@ def mark_lost_peer() -> None:
     _lost_peer = True
 
 
-def _destroy_process_group() -> None:
+def release_process_groups() -> None:
     """At exit: the groups and their backends (gloo's threads) freed before the interpreter shuts down, which
     otherwise frees them part-way through its own teardown and can abort a completed run's rank (SIGABRT)."""
     if dist.is_initialized() and not _lost_peer:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import transformers
 from deepspeed.accelerator import get_accelerator
 
-from ds_exp.core import compat
 from ds_exp.model.engine import release_engine
+from ds_exp.runtime.process_group import release_process_groups
 from ds_exp.train.flops import FlopsModel
 from ds_exp.train.step import TrainStep
 
@@ -53,8 +53,7 @@ def fp16_engine(tmp_path, monkeypatch):
     yield build
     for engine in built:
         release_engine(engine)
-    dist.destroy_process_group()
-    compat.forget_deepspeed_groups(dist.ProcessGroup)
+    release_process_groups()  # as a run's exit does: DeepSpeed's references to the group dropped too
 
 
 def micro_batches() -> list[dict]:
