@@ -11,4 +11,8 @@ Entry points: `python -m ds_exp` (launch/cli.py), `python -m ds_exp.parity`, `ds
 Nothing heavy is imported here: `--help`, `--cfg job` and config validation never import torch or deepspeed.
 """
 
+from ds_exp.core.lean_imports import keep_mlflow_out_of_deepspeed
+
 __version__ = "0.1.0"
+
+keep_mlflow_out_of_deepspeed()  # before anything imports deepspeed (core/lean_imports.py)

@@ -175,6 +175,19 @@ def test_light_packages_never_load_torch_or_deepspeed():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
+    """ds_exp/core/lean_imports.py: DeepSpeed's autotuner would import all of mlflow (1.6 s a process here)."""
+    code = (
+        "import sys, ds_exp, deepspeed\n"
+        "from deepspeed.autotuning import autotuner\n"
+        "seen = ('mlflow' in sys.modules, autotuner.has_mlflow)\n"
+        "import mlflow.tracking\n"  # the MLflow tracker's import still gets the real package
+        "print(*seen, mlflow.tracking.MlflowClient.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True)
+    assert out.stdout.splitlines()[-1] == "False False MlflowClient", out.stdout + out.stderr
+
+
 def test_imports_sit_at_the_top_of_their_module():
     """Heavy modules import what they use at the top; light ones are light by what their package holds, not by
     hiding imports in functions. The exceptions are named with their reason, and compat.py (library internals,
