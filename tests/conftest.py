@@ -12,27 +12,41 @@ from hydra import compose, initialize_config_dir
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, register_configs, to_config
-from tests.real_model import ModelUnavailable, smollm2_checkpoint
+from tests.real_model import ModelUnavailable, first_layers, smollm2_checkpoint
 from tests.training import SHELL_ENVIRON  # noqa: F401 (first: the environment before any library writes to it)
 
 TIERS_BEYOND_QUICK = ("integration", "system")  # tests/<tier>/: real engines, whole commands, clusters
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The quick tier (`-m "not slow"`) is tests/unit/ without its slow tests: integration and system tests are
-    slow by where they live, so a new one cannot slip into the quick tier unmarked. Under pytest-xdist
-    (`--dist loadgroup`, pyproject.toml) every test that submits to a SLURM cluster runs in one worker, one after
-    another: two workers' jobs would queue behind each other on the one-node cluster and time out."""
+    slow by where they live, so a new one cannot slip into the quick tier unmarked.
+
+    Under pytest-xdist (`--dist loadgroup`, pyproject.toml) every test that submits to a SLURM cluster runs in one
+    worker, one after another: two workers' jobs would queue behind each other on the one-node cluster and time
+    out. The tests that share a module-scoped fixture (the runs a module compares against) run in one worker too:
+    each worker builds a module fixture of its own, so tests dealt to both workers ran those runs twice. (What is
+    cheap to build, a tokenizer or a data file, is session-scoped instead: each worker builds it once, and the tests
+    that use it stay free to go to either worker.)"""
     for item in items:
         if Path(str(item.fspath)).parent.name in TIERS_BEYOND_QUICK:
             item.add_marker(pytest.mark.slow)
         if uses_slurm(item):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(Path(str(item.fspath)).stem))
 
 
 def uses_slurm(item: pytest.Item) -> bool:
     fixtures = getattr(item, "fixturenames", ())
     return "slurm" in fixtures or Path(str(item.fspath)).name.startswith("test_slurm") or "[slurm]" in item.nodeid
+
+
+def uses_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope in ("module", "class", "package") for defs in definitions for d in defs)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +79,12 @@ def smollm2_dir() -> Path:
         return smollm2_checkpoint()
     except ModelUnavailable as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_6_layers_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct's first 6 of its 30 layers (tests/real_model.py first_layers): 50M parameters."""
+    return first_layers(smollm2_dir, tmp_path_factory.mktemp("smollm2_6_layers"), 6)
 
 
 def run_cli(

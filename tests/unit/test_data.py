@@ -72,7 +72,7 @@ def write_csv(path: Path, items: list[dict]) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tok():
     return load_tokenizer(ModelConfig(), DataConfig())
 
@@ -631,7 +631,7 @@ CHATML = (
 DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def chatml(tok):
     """The embedded tokenizer with SmolLM2's ChatML markup (and its default system prompt)."""
     import copy
