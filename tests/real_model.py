@@ -266,6 +266,27 @@ def _convert(wheel: Path, out: Path) -> dict[str, object]:
     }
 
 
+def first_layers(source: Path, target: Path, layers: int) -> Path:
+    """The checkpoint in `source` cut to its first `layers` decoder layers, in `target`: the same pretrained
+    embeddings (tied), heads, norms, tokenizer and chat template, less depth. For tests whose claim does not depend
+    on depth (an exact resume, sequence parallelism's head split), where all 30 layers cost minutes on 2 cores."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    if layers >= config["num_hidden_layers"]:
+        raise ValueError(f"{source} has {config['num_hidden_layers']} layers, not more than {layers}")
+    config["num_hidden_layers"] = layers
+    weights = load_file(source / "model.safetensors")
+    kept = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(kept, target / "model.safetensors", metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for path in source.iterdir():
+        if path.is_file() and path.name not in ("config.json", "model.safetensors", MANIFEST):
+            shutil.copyfile(path, target / path.name)
+    return target
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:

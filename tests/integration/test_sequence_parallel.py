@@ -247,10 +247,11 @@ def long_rows(n: int, offset: int = 0) -> str:
 
 @pytest.mark.slow
 def test_smollm2_at_n3_on_three_ranks_trains_2k_rows_at_zero3_and_its_export_reloads(
-    tmp_path, smollm2_dir, cache_dir, compose_cfg
+    tmp_path, smollm2_6_layers_dir, cache_dir, compose_cfg
 ):
-    """SmolLM2-135M: 9 attention heads and 3 key/value heads over N=3 ranks (3 and 1 each), ZeRO-3, fp32, rows of
-    2304 tokens. The export reloads with transformers, and its loss on the eval row, computed here without any
+    """SmolLM2-135M's first 6 layers (the head split and the tokenizer are the model's; depth changes nothing
+    here): 9 attention heads and 3 key/value heads over N=3 ranks (3 and 1 each), ZeRO-3, fp32, rows of 2304
+    tokens. The export reloads with transformers, and its loss on the eval row, computed here without any
     sharding, is the run's final eval loss."""
     from transformers import AutoModelForCausalLM
 
@@ -262,7 +263,7 @@ def test_smollm2_at_n3_on_three_ranks_trains_2k_rows_at_zero3_and_its_export_rel
     (tmp_path / "eval.jsonl").write_text(long_rows(1, offset=100))
     overrides = [
         "model=local",
-        f"model.name_or_path={smollm2_dir}",
+        f"model.name_or_path={smollm2_6_layers_dir}",
         "data=local",
         f"data.sources.0.path={tmp_path / 'train.jsonl'}",
         f"data.sources.0.eval_path={tmp_path / 'eval.jsonl'}",

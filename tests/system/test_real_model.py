@@ -54,7 +54,7 @@ def dschat_rows(n: int, offset: int = 0) -> list[dict[str, str]]:
     return rows
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dschat_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("dschat_data")
     (directory / "train.json").write_text(json.dumps(dschat_rows(64)))
@@ -97,7 +97,7 @@ def test_full_finetune_at_zero3_exports_the_base_models_identity(tmp_path, smoll
         cache_dir,
         "zero=stage3",
         "optimizer.lr=1e-4",
-        "train.max_steps=6",
+        "train.max_steps=4",
         "model.vocab_multiple=100",  # 49152 -> 49200 rows for training; the export keeps 49152
     )  # fp32: this CPU has no bf16 matrix units (a bf16 backward pass is ~10x slower than fp32 here)
     assert run.ok, run.explain()
@@ -119,7 +119,7 @@ def test_full_finetune_at_zero3_exports_the_base_models_identity(tmp_path, smoll
         ids = model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     answer = tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert answer.strip(), answer
-    assert sorted(generations(run.run_dir)) == [0, 6]  # before and after, written by rank 0 under ZeRO-3
+    assert sorted(generations(run.run_dir)) == [0, 4]  # before and after, written by rank 0 under ZeRO-3
 
 
 def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dschat_dir, cache_dir):
@@ -156,15 +156,19 @@ def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dscha
     assert any(not torch.equal(merged[t], base[t]) for t in targets)  # the adapters did change something
 
 
-def test_zero3_with_everything_offloaded_resumes_exactly(tmp_path, smollm2_dir, dschat_dir, cache_dir):
+def test_zero3_with_everything_offloaded_resumes_exactly(tmp_path, smollm2_6_layers_dir, dschat_dir, cache_dir):
+    """SmolLM2's first 6 layers: the pretrained embeddings (tied, 49152 rows) and layers, every weight and optimizer
+    state offloaded; the exactness of the resume does not depend on depth (30 layers: ~15 s a step here)."""
+    model = smollm2_6_layers_dir
     common = ("zero=stage3", "offload=cpu_all", "optimizer.lr=1e-4", "train.max_steps=4", "train.export=false")
-    whole = finetune(tmp_path / "whole", smollm2_dir, dschat_dir, cache_dir, *common, "train.save_every=2")
+    common += ("train.eval_at_start=false", "eval.prompts=[]")  # generating with offloaded weights: ~20 s a prompt
+    whole = finetune(tmp_path / "whole", model, dschat_dir, cache_dir, *common, "train.save_every=2")
     assert whole.ok, whole.explain()
     assert whole.summary["optimizer"] == "DeepSpeedCPUAdam"
     assert whole.losses[-1] < whole.losses[0], whole.losses
     resumed = finetune(
         tmp_path / "resumed",
-        smollm2_dir,
+        model,
         dschat_dir,
         cache_dir,
         *common,
