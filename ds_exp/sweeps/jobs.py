@@ -46,16 +46,23 @@ resumed_jobs: dict[Path, tuple[DictConfig, str]] = {}
 
 
 def check_job(
-    loader: Any, config: DictConfig, overrides: list[str], num: int | None = None, *, continues: bool = False
+    loader: Any,
+    config: DictConfig,
+    overrides: list[str],
+    num: int | None = None,
+    *,
+    continues: bool = False,
+    composed: DictConfig | None = None,
 ) -> tuple[DictConfig | None, list[str]]:
     """One job composed and validated once: (its config, []) or (None, the problems, each naming the job).
     Every sweeper's jobs come here before any is launched (the basic sweeper's all at once, autotune's probes, an
     optuna study's trials as they are asked for). With its number the job's directory is known, and is checked
     like a single run's (run_dir.check_job_dir) before Hydra writes the job's .hydra/ into it. `continues` (the
     basic sweeper's jobs): a job resuming in its directory continues from the config saved there (_continue_job).
-    An optuna study's resumed trials and autotune's probes are composed from their recorded overrides as before."""
+    An optuna study's resumed trials and autotune's probes are composed from their recorded overrides as before;
+    `composed`: the job as its sweeper composed it already from the same overrides (autotune's judge)."""
     try:
-        cfg = loader.load_sweep_config(config, list(overrides))
+        cfg = composed if composed is not None else loader.load_sweep_config(config, list(overrides))
         if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it
             with read_write(cfg.hydra), open_dict(cfg.hydra):
                 cfg.hydra.job.num = num

@@ -83,6 +83,7 @@ class Autotune(Sweeper):
         self.max_batch_size = max_batch_size
         self._facts: dict[str, dict[str, int]] = {}
         self._refusals: list[str] = []  # settings that make the whole sweep pointless (judge collects them)
+        self._composed: dict[tuple[str, ...], DictConfig] = {}  # each probe as judge composed it, for check_job
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         self.hydra_context, self.config = hydra_context, config
@@ -126,7 +127,9 @@ class Autotune(Sweeper):
         for number, candidate in enumerate(probes):
             candidate["job"] = str(number)
             # its directory checked like a single run's (and recorded for the report) before anything is launched
-            problems += check_job(self.hydra_context.config_loader, self.config, candidate["overrides"], number)[1]
+            composed = self._composed.pop(tuple(candidate["overrides"]), None)  # composed once: ~0.3 s a job
+            loader = self.hydra_context.config_loader
+            problems += check_job(loader, self.config, candidate["overrides"], number, composed=composed)[1]
         if problems:
             fail(["experiment=autotune: the sweep was not started", *problems])
 
@@ -187,6 +190,7 @@ class Autotune(Sweeper):
                 reason=f"estimated {human_bytes(estimate['estimate_bytes'])} per rank > budget {human_bytes(budget)}",
             )
             return candidate
+        self._composed[tuple(overrides)] = composed
         return {**candidate, "verdict": "probe"}
 
     def check_settings(self) -> None:
