@@ -24,8 +24,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     slow by where they live, so a new one cannot slip into the quick tier unmarked.
 
     Under pytest-xdist (`--dist loadgroup`, pyproject.toml) every test that submits to a SLURM cluster runs in one
-    worker, one after another: two workers' jobs would queue behind each other on the one-node cluster and time
-    out. The tests that share a module-scoped fixture (the runs a module compares against) run in one worker too:
+    worker, one after another: two workers' jobs would queue behind each other on the one-node cluster, and a
+    test's waits (a job's start, the requeue test's signal) would depend on what the other worker submitted. The
+    tests that share a module-scoped fixture (the runs a module compares against) run in one worker too:
     each worker builds a module fixture of its own, so tests dealt to both workers ran those runs twice. (What is
     cheap to build, a tokenizer or a data file, is session-scoped instead: each worker builds it once, and the tests
     that use it stay free to go to either worker.)"""
