@@ -48,11 +48,11 @@ class RunFacts:
 @dataclass(frozen=True)
 class Expectation:
     path: str
-    value: Any
+    value: object
     source: str  # the ds_exp setting it comes from, for messages
 
 
-def strip_none(value: Any) -> Any:
+def strip_none(value: object) -> Any:
     """Drop null keys (recursively): a null group knob means "DeepSpeed's default"."""
     if isinstance(value, dict):
         return {k: strip_none(v) for k, v in value.items() if v is not None}
@@ -71,8 +71,8 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-def get_path(tree: dict[str, Any], path: str, default: Any = MISSING) -> Any:
-    node: Any = tree
+def get_path(tree: dict[str, Any], path: str, default: object = MISSING) -> Any:
+    node: object = tree
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
             return default
@@ -80,7 +80,7 @@ def get_path(tree: dict[str, Any], path: str, default: Any = MISSING) -> Any:
     return node
 
 
-def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
+def set_path(tree: dict[str, Any], path: str, value: object) -> None:
     *parents, leaf = path.split(".")
     node = tree
     for part in parents:
@@ -220,7 +220,7 @@ def hidden_size_values(hidden_size: int) -> dict[str, int]:
     }
 
 
-def same_value(a: Any, b: Any) -> bool:
+def same_value(a: object, b: object) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, bool) or isinstance(b, bool):
@@ -231,7 +231,7 @@ def same_value(a: Any, b: Any) -> bool:
     return a == b
 
 
-def find_auto(tree: Any, prefix: str = "") -> list[str]:
+def find_auto(tree: object, prefix: str = "") -> list[str]:
     if isinstance(tree, dict):
         return [p for k, v in tree.items() for p in find_auto(v, f"{prefix}{k}.")]
     return [prefix.rstrip(".")] if tree == AUTO else []

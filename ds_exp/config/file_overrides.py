@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.ds_config import (
     MISSING,
@@ -49,13 +49,13 @@ def override_key(override: str) -> str:
     return key.split("@", 1)[0]
 
 
-def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+def _leaves(tree: object, prefix: str = "") -> list[tuple[str, Any]]:
     if isinstance(tree, dict) and tree:
         return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{prefix}{k}.")]
     return [(prefix.rstrip("."), tree)]
 
 
-def _sources(unresolved: Any, path: str) -> set[str]:
+def _sources(unresolved: object, path: str) -> set[str]:
     """The ds_exp keys the groups' value at `path` of deepspeed.config comes from (conf/config.yaml interpolates
     them: `stage: ${zero.stage}`), plus the key that sets it directly (deepspeed.config.<path>)."""
     keys = {f"deepspeed.config.{path}"}
@@ -103,7 +103,7 @@ def _distinguishing_keys(group: str) -> set[str] | None:
     return _GROUP_KEYS[group]
 
 
-def overrides_replaced_by_file(composed: Any, cfg: Config, overrides: list[str]) -> list[str]:
+def overrides_replaced_by_file(composed: DictConfig, cfg: Config, overrides: list[str]) -> list[str]:
     """One line for each explicit override that deepspeed.config_file silently wins over, so that the run would not
     do what it says: a DeepSpeed-only key the file sets to another value (the file wins for those, by design), or
     ds_exp's optimizer / schedule choices where the file brings its own block. Keys ds_exp mirrors (batch sizes,
@@ -178,7 +178,7 @@ def _replacing_block(file: dict[str, Any], key: str, cfg: Config) -> str | None:
     return None
 
 
-def check_overrides_obeyed(composed: Any, cfg: Config, overrides: list[str]) -> None:
+def check_overrides_obeyed(composed: DictConfig, cfg: Config, overrides: list[str]) -> None:
     """IgnoredOverride naming each override the user's DeepSpeed file would silently win over (see above)."""
     problems = overrides_replaced_by_file(composed, cfg, overrides)
     if problems:

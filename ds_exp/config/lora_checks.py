@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from typing import Any
 
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, LoraConfig
 
 ALL_LINEAR = "all-linear"
 DEFAULT_SCOPE = "layers."
 QUANTIZE = ("4bit", "8bit")
 # set while lora.dim=0 they would do nothing: refused, not ignored
-_NEEDS_LORA: dict[str, Any] = {
+_NEEDS_LORA: dict[str, object] = {
     "target_modules": None,
     "modules_to_save": [],
     "use_dora": False,
@@ -23,7 +22,7 @@ _NEEDS_LORA: dict[str, Any] = {
 }
 
 
-def scope_of(lora: Any) -> str | None:
+def scope_of(lora: LoraConfig) -> str | None:
     """The substring every adapted layer's name contains: lora.module_name, else `layers.` unless lora.target_modules
     names the layers (then the whole model)."""
     if lora.module_name is not None:
@@ -31,7 +30,7 @@ def scope_of(lora: Any) -> str | None:
     return DEFAULT_SCOPE if lora.target_modules is None else None
 
 
-def _check_targets(targets: Any) -> list[str]:
+def _check_targets(targets: object) -> list[str]:
     if targets is None:
         return []
     if isinstance(targets, str):

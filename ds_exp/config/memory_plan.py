@@ -15,9 +15,8 @@ included.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
-from ds_exp.config.schema import plain
+from ds_exp.config.schema import Config, plain
 from ds_exp.config.tiling_plan import plan_tiling, tokens_per_rank
 
 
@@ -149,7 +148,7 @@ def estimate_activations(
 
 
 def run_estimate(
-    cfg: Any, facts: dict[str, int], *, world_size: int, precision: str, accelerator: str
+    cfg: Config, facts: dict[str, int], *, world_size: int, precision: str, accelerator: str
 ) -> dict[str, int]:
     """Per-rank bytes of a composed config: model states (device, and host where offloaded: on a CPU both count,
     it is the same memory) and one micro batch's activations. `facts`: ds_exp.model.architecture.model_facts."""

@@ -292,7 +292,7 @@ def _is_size_key(key: str) -> bool:
     return key in SIZE_KEYS or _SIZE_PATTERN.match(key) is not None
 
 
-def _is_whole(value: Any) -> bool:
+def _is_whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -5,12 +5,15 @@ applies them and OmegaConf answers "dict is not a subclass of DataSource". Insta
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ds_exp.core.compat import before_overrides
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 # the data options whose sources are files, and what each reads
 FILE_DATA_OPTIONS = {
@@ -46,7 +49,7 @@ def list_item_problem(key: str, input_line: str, cfg: DictConfig) -> str | None:
     return None
 
 
-def _check(overrides: list[Any], cfg: DictConfig) -> None:
+def _check(overrides: list[Override], cfg: DictConfig) -> None:
     for override in overrides:
         if override.is_delete() or override.input_line is None:
             continue

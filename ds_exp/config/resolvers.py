@@ -57,23 +57,23 @@ DEEPSPEED_OPTIMIZER: dict[str, Any] = {
 
 # Blocks are returned as DictConfig: `OmegaConf.resolve` (used by `--cfg job --resolve`) cannot store a
 # plain dict in a value node.
-def deepspeed_optimizer(owner: Any) -> DictConfig | None:
+def deepspeed_optimizer(owner: object) -> DictConfig | None:
     return OmegaConf.create(DEEPSPEED_OPTIMIZER) if plain(owner) == "deepspeed" else None
 
 
-def deepspeed_scheduler(owner: Any, name: Any) -> DictConfig | None:
+def deepspeed_scheduler(owner: object, name: object) -> DictConfig | None:
     block = DEEPSPEED_SCHEDULERS.get(plain(name))  # an unsupported name is reported by validate()
     return OmegaConf.create(block) if block is not None and plain(owner) == "deepspeed" else None
 
 
-def sequence_parallel_key(size: Any) -> int | None:
+def sequence_parallel_key(size: object) -> int | None:
     """DeepSpeed's top-level `sequence_parallel_size`, present only when sequence parallelism is on (null keys are
     left out): its batch check divides the world size by it."""
     return int(size) if isinstance(size, int) and size > 1 else None
 
 
 def register_resolvers() -> None:
-    resolvers: dict[str, Callable[..., Any]] = {
+    resolvers: dict[str, Callable[..., DictConfig | int | None]] = {
         "ds_exp.deepspeed_optimizer": deepspeed_optimizer,
         "ds_exp.deepspeed_scheduler": deepspeed_scheduler,
         "ds_exp.sequence_parallel_key": sequence_parallel_key,

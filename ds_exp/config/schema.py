@@ -21,12 +21,12 @@ from ds_exp.config.tracker_schema import MlflowConfig, TensorBoardConfig
 from ds_exp.core.errors import ConfigError
 
 
-def plain(value: Any) -> Any:
+def plain(value: object) -> Any:
     """An Enum member's value (what the YAML said), anything else unchanged."""
     return value.value if isinstance(value, Enum) else value
 
 
-def plain_tree(value: Any) -> Any:
+def plain_tree(value: object) -> Any:
     """`plain` all the way down dicts and lists."""
     if isinstance(value, dict):
         return {k: plain_tree(v) for k, v in value.items()}

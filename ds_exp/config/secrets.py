@@ -25,15 +25,18 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import OmegaConf, flag_override
+from omegaconf import DictConfig, DictKeyType, OmegaConf, flag_override
 
 from ds_exp.config.secret_names import is_secret_name
 from ds_exp.core.compat import on_compose
 from ds_exp.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 REDACTED = "<redacted>"
 ENV_PREFIX = "DS_EXP_SECRET_"
@@ -46,12 +49,12 @@ def is_secret_key(key: object) -> bool:
     return is_secret_name(key)
 
 
-def holds_secret(value: Any) -> bool:
+def holds_secret(value: object) -> bool:
     """What a credential key may hold: not None, and never a flag (`private: true` is a setting, not a secret)."""
     return value is not None and not isinstance(value, bool)
 
 
-def redact(tree: Any) -> Any:
+def redact(tree: object) -> Any:
     """Blank every value whose key looks like a secret, and every registered secret value wherever it stands (a
     `${oc.env:WANDB_API_KEY}` under an innocent key): configs are saved and sent to wandb."""
     if isinstance(tree, dict):
@@ -63,11 +66,11 @@ def redact(tree: Any) -> Any:
     return tree
 
 
-def register_secrets(tree: Any = None, environ: Mapping[str, str] | None = None) -> None:
+def register_secrets(tree: object = None, environ: Mapping[str, str] | None = None) -> None:
     """Remember the secret values of a config tree and of the environment (WANDB_API_KEY, HF_TOKEN,
     DS_EXP_SECRET_*, ...), so that `redact_text` blanks them wherever they would be printed or logged."""
 
-    def walk(node: Any, secret: bool) -> None:
+    def walk(node: object, secret: bool) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 walk(value, secret or is_secret_key(key))
@@ -129,7 +132,7 @@ def secret_env_name(key: str, prefix: str = ENV_PREFIX) -> str:
 _from_command_line: dict[str, str] = {}  # the variables hide_secret_overrides set in this process
 
 
-def _secret_inside(value: Any) -> bool:
+def _secret_inside(value: object) -> bool:
     """A dict (or list of them) holding a credential key with a value: `+deepspeed.config.comet={api_key:...}`."""
     if isinstance(value, dict):
         return any((is_secret_key(k) and holds_secret(v)) or _secret_inside(v) for k, v in value.items())
@@ -140,11 +143,11 @@ def _secret_inside(value: Any) -> bool:
 
 
 @functools.cache
-def _parser() -> Any:
+def _parser() -> OverridesParser:
     return OverridesParser.create()
 
 
-def _parse(override: str) -> Any:
+def _parse(override: str) -> Override | None:
     """Hydra's own reading of one override (key, +/++/~, value with quotes undone), None where it fails."""
     try:
         return _parser().parse_overrides([override])[0]
@@ -181,7 +184,7 @@ def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]
                     out.append(arg)
                 continue
         key = override.key_or_group if override.package is None else f"{override.key_or_group}@{override.package}"
-        value = override.value()
+        value: Any = override.value()  # Hydra's union; past _refusal a str, or None
         flag = not literal and isinstance(value, bool)  # `+hub.private=true` is a setting, not a secret
         if flag or not is_secret_key(re.split(r"[./@]", key)[-1]):
             if not literal and _secret_inside(value):
@@ -212,7 +215,7 @@ def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]
     return out
 
 
-def _refusal(override: Any, key: str, key_text: str, value: Any) -> str | None:
+def _refusal(override: Override, key: str, key_text: str, value: object) -> str | None:
     if override.is_sweep_override():
         return f"{key_text}=...: a sweep over a secret is not supported; run one sweep per value"
     if override.is_delete() and value is not None:
@@ -234,16 +237,16 @@ def _not_a_value(text: str) -> bool:
     return text in ("", "???") or "${" in text
 
 
-def hide_config_file_secrets(cfg: Any, environ: MutableMapping[str, str]) -> None:
+def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str]) -> None:
     """Literal credential values that config files put into a composition (conf/, a --config-dir experiment, a
     preset) become `${oc.env:DS_EXP_SECRET_FILE_<KEY>}` and their values move into `environ`, as the command
     line's do. Called on every composition before the command line's overrides apply (ds_exp.core.compat.
     on_compose), so Hydra saves the interpolation (.hydra/*.yaml before the task runs, multirun.yaml, submitit's
     pickles, `--cfg job`) and the run resolves the value: every process composes for itself, or inherits the
     environment of the one that did (submitit, SLURM)."""
-    found: list[tuple[list[Any], Any]] = []
+    found: list[tuple[list[DictKeyType], object]] = []
 
-    def walk(node: Any, path: list[Any], secret: bool) -> None:
+    def walk(node: object, path: list[DictKeyType], secret: bool) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 walk(value, [*path, key], secret or is_secret_key(key))
@@ -267,7 +270,7 @@ def hide_config_file_secrets(cfg: Any, environ: MutableMapping[str, str]) -> Non
             parent[path[-1]] = f"${{oc.env:{name}}}"
 
 
-def _hide_in_environ(cfg: Any) -> None:
+def _hide_in_environ(cfg: DictConfig) -> None:
     hide_config_file_secrets(cfg, os.environ)
 
 

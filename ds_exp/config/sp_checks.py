@@ -30,7 +30,7 @@ def text_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return text if isinstance(text, dict) and "num_attention_heads" in text else settings
 
 
-def head_problems(n: int, heads: Any, kv_heads: Any, where: str) -> list[str]:
+def head_problems(n: int, heads: object, kv_heads: object, where: str) -> list[str]:
     """Attention heads must split over the N ranks (Ulysses moves whole heads); key/value heads either split too, or
     divide N (DeepSpeed then replicates each over N / kv ranks)."""
     key = f"dist.sequence_parallel_size={n}"

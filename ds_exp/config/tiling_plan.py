@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ds_exp.config.schema import Config
 
 LOSS_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk when model.tiled_loss_tokens is null
 # what a model that changes its logits after lm_head calls it (the tiled loss would skip it)
@@ -26,7 +29,7 @@ def tokens_per_rank(max_seq_len: int, sequence_parallel: int) -> int:
     return -(-int(max_seq_len) // max(int(sequence_parallel), 1))
 
 
-def plan_tiling(cfg: Any, *, hidden: int, vocab: int) -> TilingPlan:
+def plan_tiling(cfg: Config, *, hidden: int, vocab: int) -> TilingPlan:
     """The slice and chunk counts of this run, from the config alone."""
     model = cfg.model
     tokens = tokens_per_rank(cfg.data.max_seq_len, getattr(cfg.dist, "sequence_parallel_size", 1) or 1)

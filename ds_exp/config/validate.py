@@ -107,7 +107,7 @@ def _file_setting(cfg: Config, path: str) -> str | None:
 _UNSET = object()
 
 
-def _setting(cfg: Config, path: str, value: Any, group_key: str) -> str:
+def _setting(cfg: Config, path: str, value: object, group_key: str) -> str:
     """How a message names where a DeepSpeed value came from: the file and its key, or the ds_exp setting."""
     return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={value}"
 
@@ -199,7 +199,7 @@ def _check_zero_and_offload(cfg: Config, ds: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _in_file(path: str, value: Any, file: str | None) -> str:
+def _in_file(path: str, value: object, file: str | None) -> str:
     """A DeepSpeed key as it stands in the user's file ("" when the file does not set it)."""
     return f'"{path}": {json.dumps(value)} in deepspeed.config_file={file}' if file else ""
 
@@ -305,7 +305,7 @@ def _non_finite(cfg: Config) -> list[tuple[str, str]]:
     (model.arch is checked with the architecture; the DeepSpeed config is DeepSpeed's to read.)"""
     problems: list[tuple[str, str]] = []
 
-    def walk(value: Any, key: str) -> None:
+    def walk(value: object, key: str) -> None:
         if key in ("model.arch", "deepspeed"):
             return
         if dataclasses.is_dataclass(value):

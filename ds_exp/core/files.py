@@ -12,12 +12,12 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 NON_FINITE = "non_finite"
 
 
-def finite_tree(payload: Any, path: str = "") -> tuple[Any, list[str]]:
+def finite_tree(payload: object, path: str = "") -> tuple[Any, list[str]]:
     """`payload` as plain JSON values with every non-finite number replaced by None, and the dotted paths of those
     numbers (`final_eval.perplexity`, `rows.2.loss_a`). Numbers of other libraries (numpy, 0-d tensors) become
     Python numbers; anything else JSON cannot hold becomes its str() (paths, enums)."""
@@ -44,7 +44,7 @@ def finite_tree(payload: Any, path: str = "") -> tuple[Any, list[str]]:
     return str(payload), []
 
 
-def json_text(payload: Any, *, indent: int | None = None, ensure_ascii: bool = True, sort_keys: bool = False) -> str:
+def json_text(payload: object, *, indent: int | None = None, ensure_ascii: bool = True, sort_keys: bool = False) -> str:
     """Strict JSON for `payload` (see the module docstring); a dict at the top records its non-finite numbers."""
     clean, bad = finite_tree(payload)
     if bad and isinstance(clean, dict):
@@ -63,7 +63,7 @@ def restore_non_finite(record: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in record.items() if k != NON_FINITE}
     for name in names:
         *parents, last = str(name).split(".")
-        node: Any = out
+        node: object = out
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and node.get(last) is None:
@@ -78,10 +78,10 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
+def write_json_atomic(path: Path, payload: object) -> None:
     write_text_atomic(path, json_text(payload, indent=2) + "\n")
 
 
-def append_json_line(handle: Any, record: dict[str, Any], *, ensure_ascii: bool = True) -> None:
+def append_json_line(handle: IO[str], record: dict[str, Any], *, ensure_ascii: bool = True) -> None:
     """One record of a JSON-lines file (metrics.jsonl, generations.jsonl)."""
     handle.write(json_text(record, ensure_ascii=ensure_ascii) + "\n")

@@ -79,7 +79,7 @@ def run_dir_of_job() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def run_job(composed: DictConfig) -> Any:
+def run_job(composed: DictConfig) -> dict[str, Any]:
     """A sweep job that resumes runs with the config its sweep continued and kept for it (launch.run_config), and
     at its end puts back the earlier .hydra/ files Hydra wrote over when it launched the job."""
     run_dir = run_dir_of_job()
@@ -95,7 +95,7 @@ def run_job(composed: DictConfig) -> Any:
             finish_job_attempt(run_dir)
 
 
-def _run_job(composed: DictConfig, run_dir: Path) -> Any:
+def _run_job(composed: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Typed once, validated, then planned (dry_run=true) or trained. Heavy imports happen only past validation."""
     # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
@@ -133,7 +133,7 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def hydra_task(cfg: DictConfig) -> Any:
+def hydra_task(cfg: DictConfig) -> dict[str, Any]:
 
     # a submitit job gets the command line's secrets as DS_EXP_SECRET_* (never its argv): blank them from here on
     register_secrets(environ=os.environ)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -37,6 +37,9 @@ from ds_exp.config.schema import register_configs
 from ds_exp.config.secrets import ENV_PREFIX, holds_secret, is_secret_key, redact_text
 from ds_exp.core.errors import ConfigError, first_line
 from ds_exp.launch.console import report_user_error
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 FLAG = "--write-experiment"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -190,7 +193,7 @@ def plan_file(path_arg: str, args: list[str]) -> Plan:
     return plan
 
 
-def _secret(override: Any) -> bool:
+def _secret(override: Override) -> bool:
     """A credential key with a literal value (a `${oc.env:...}` reference is kept: it names, it does not hold)."""
     last = re.split(r"[./@]", override.key_or_group)[-1]
     if not is_secret_key(last) or override.is_sweep_override():
@@ -202,7 +205,7 @@ def _secret(override: Any) -> bool:
 def _value_at(cfg: DictConfig, key: str) -> dict[str, Any]:
     """{dotted key: value} for one overridden key: the value as composed, or the whole list it is an item of."""
     parts = key.split(".")
-    parent: Any = cfg
+    parent: object = cfg
     for depth in range(1, len(parts)):
         parent = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False)
         if isinstance(parent, ListConfig):  # YAML cannot set one item of a list: the list goes in whole
@@ -211,7 +214,7 @@ def _value_at(cfg: DictConfig, key: str) -> dict[str, Any]:
     return {key: _plain(parent)[parts[-1]]}
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> Any:
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=False, enum_to_str=True)
     if isinstance(value, enum.Enum):
@@ -232,7 +235,7 @@ def compose_command_line(overrides: list[str], config_dirs: list[str]) -> DictCo
 
 
 def render(plan: Plan) -> str:
-    defaults: list[Any] = [*plan.includes, *({key: option} for key, option in plan.groups), "_self_"]
+    defaults: list[str | dict[str, str]] = [*plan.includes, *({key: option} for key, option in plan.groups), "_self_"]
     tree: dict[str, Any] = {"defaults": defaults, "experiment_name": plan.values["experiment_name"]}
     for key, value in plan.values.items():
         _set(tree, key.split("."), value)
@@ -276,7 +279,7 @@ def _sweep_lines(plan: Plan) -> list[str]:
     return [f"# Sweep it:  {sweep}", "#   (any key=a,b,... on the command line, or list them in hydra.sweeper.params)"]
 
 
-def _set(tree: dict[str, Any], parts: list[str], value: Any) -> None:
+def _set(tree: dict[str, Any], parts: list[str], value: object) -> None:
     for part in parts[:-1]:
         tree = tree.setdefault(part, {})
     tree[parts[-1]] = value
@@ -318,7 +321,7 @@ def _comparable(cfg: DictConfig) -> dict[str, Any]:
     return flat
 
 
-def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
+def _flatten(node: object, prefix: str, out: dict[str, Any]) -> None:
     if isinstance(node, dict) and node:
         for key, value in node.items():
             _flatten(value, f"{prefix}{key}.", out)

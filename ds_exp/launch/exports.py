@@ -179,7 +179,7 @@ def _launch_dir(hydra_file: Path) -> Path | None:
     return Path(str(cwd)) if cwd else None
 
 
-def _without_secrets(value: Any) -> Any:
+def _without_secrets(value: object) -> Any:
     if isinstance(value, dict):
         return {k: _without_secrets(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -10,16 +10,16 @@ import socket
 import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
 from ds_exp.core.errors import Refused
 
 # ------------------------------------------------------------------------------------ one live run per directory
 LOCK = ".ds_exp.lock"
 # run directory -> (the open file this process locks, whether it made it, the outermost directory it made)
-_locks: dict[Path, tuple[Any, bool, Path | None]] = {}
+_locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}
 # sweep directory -> (the open lock file, whether this process made it, the outermost directory it made)
-_sweep_locks: dict[Path, tuple[Any, bool, Path | None]] = {}
+_sweep_locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}
 
 
 def lock_run_dir(run_dir: Path, *, key: str = "hydra.run.dir") -> None:
@@ -116,7 +116,7 @@ def _os_error(err: OSError, path: Path, run_dir: Path, key: str) -> Refused:
     return _lock_error(run_dir, key, f"{path} cannot be locked ({err.strerror})", "Fix that, or use another directory")
 
 
-def _open_and_lock(run_dir: Path, key: str, what: str) -> tuple[Any, bool]:
+def _open_and_lock(run_dir: Path, key: str, what: str) -> tuple[TextIO, bool]:
     """(the open lock file, whether this call made it), locked exclusively. Every way that fails is one Refused
     naming the path and the fix; the loop is bounded (a dangling link once made it spin forever)."""
     path = run_dir / LOCK
@@ -164,7 +164,7 @@ def _open_and_lock(run_dir: Path, key: str, what: str) -> tuple[Any, bool]:
     )
 
 
-def _write_holder(handle: Any) -> None:
+def _write_holder(handle: TextIO) -> None:
     handle.seek(0)
     handle.truncate()
     handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

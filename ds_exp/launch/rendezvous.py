@@ -9,9 +9,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from ds_exp.core.errors import RunFailed
+
+
+class Ranks(Protocol):
+    """What the messages name of a launch (ds_exp.launch.environment.LaunchInfo, which imports this module)."""
+
+    @property
+    def launcher(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def master_addr(self) -> str: ...
+    @property
+    def master_port(self) -> int: ...
 
 
 def free_port() -> int:
@@ -20,7 +35,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for_rendezvous(start: Callable[[], Any], launch: Any, timeout_minutes: int) -> None:
+def wait_for_rendezvous(start: Callable[[], object], launch: Ranks, timeout_minutes: int) -> None:
     """Run `start` (the rendezvous) in a helper thread while the main thread waits in Python: a blocked rendezvous
     would otherwise hold off Ctrl-C and SIGTERM until it times out (dist.timeout_minutes). Says what it waits for."""
     outcome: dict[str, BaseException] = {}
@@ -57,7 +72,7 @@ def wait_for_rendezvous(start: Callable[[], Any], launch: Any, timeout_minutes: 
 _JOINED = re.compile(r"(\d+)/(\d+) clients joined")
 
 
-def rendezvous_failure(exc: BaseException, launch: Any, timeout_minutes: int) -> str | None:
+def rendezvous_failure(exc: BaseException, launch: Ranks, timeout_minutes: int) -> str | None:
     """What went wrong when the ranks tried to meet, as one message naming the variables to fix; None when `exc`
     is something else. torch says it as a C++ error text: a port already taken, rank 0 timing out while waiting for
     the others (it knows how many came, not which), or another rank timing out while looking for rank 0."""

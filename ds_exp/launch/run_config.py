@@ -44,7 +44,7 @@ def saved_run_config(run_dir: Path) -> Path | None:
     return None
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+def _flat(node: object, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(node, dict) and node:
         for key, value in node.items():
@@ -123,7 +123,7 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
 def _unresolved(config: DictConfig, key: str) -> Any:
     """`key`'s value in `config` as composed, interpolations left as they are: a secret given now stays the reference
     to its variable (ds_exp.config.secrets), never its value, in the attempt's saved config."""
-    node: Any = OmegaConf.to_container(config, resolve=False)
+    node: object = OmegaConf.to_container(config, resolve=False)
     for part in key.split("."):
         if isinstance(node, dict) and part in node:
             node = node[part]

@@ -7,9 +7,11 @@ the model stack (torch): it is imported when Hydra instantiates the sweeper, nev
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
 
 
 class AutotuneSweeper(Sweeper):
@@ -22,8 +24,8 @@ class AutotuneSweeper(Sweeper):
 
     # never called: __new__ returns the real sweeper. Defined so that Hydra's plugin scan, which skips abstract
     # classes, registers this name.
-    def setup(self, *args: Any, **kwargs: Any) -> None:
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         raise NotImplementedError
 
-    def sweep(self, arguments: list[str]) -> Any:
+    def sweep(self, arguments: list[str]) -> NoReturn:
         raise NotImplementedError

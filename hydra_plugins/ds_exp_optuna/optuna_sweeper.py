@@ -6,9 +6,11 @@ included), so optuna (seconds of import) is loaded when Hydra instantiates the s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
 
 
 class OptunaSweeper(Sweeper):
@@ -21,8 +23,8 @@ class OptunaSweeper(Sweeper):
 
     # never called: __new__ returns the real sweeper. Defined so that Hydra's plugin scan, which skips abstract
     # classes, registers this name.
-    def setup(self, *args: Any, **kwargs: Any) -> None:
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         raise NotImplementedError
 
-    def sweep(self, arguments: list[str]) -> Any:
+    def sweep(self, arguments: list[str]) -> NoReturn:
         raise NotImplementedError
