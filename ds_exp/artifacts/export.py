@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from deepspeed import DeepSpeedEngine
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ds_exp.config.schema import Config, plain
@@ -35,7 +37,8 @@ from ds_exp.core.errors import Diverged, RunFailed
 from ds_exp.core.files import json_text
 from ds_exp.launch.exports import METADATA, adapter_dir, check_target
 from ds_exp.launch.storage import export_failure_message
-from ds_exp.model.lora import merge_lora, wrap_lora
+from ds_exp.model.build import BuiltModel
+from ds_exp.model.lora import LoraSpec, merge_lora, wrap_lora
 from ds_exp.model.tokenizer import tokenizer_source
 from ds_exp.runtime.process_group import broadcast
 
@@ -63,13 +66,13 @@ __all__ = ["METADATA", "ExportSpec", "check_target", "export_hf", "export_spec",
 class ExportSpec:
     """What the export needs to know about the base model and the run, besides the trained weights."""
 
-    model_config: Any  # the trained model's transformers config (vocabulary padded)
+    model_config: PretrainedConfig  # the trained model's transformers config (vocabulary padded)
     base_path: str | None  # the checkpoint the base weights were loaded from; None = built from a config
     base_dtype: str  # float32 | bfloat16 | float16: the dtype of the base checkpoint's weights
     base_rows: int  # embedding rows of the base checkpoint (of the config when built from one)
     vocab_size: int  # the base vocabulary: the tokenizer's size, or the checkpoint's if larger
     tokenizer_source: str  # the directory the tokenizer was loaded from
-    lora: Any | None  # ds_exp.model.LoraSpec
+    lora: LoraSpec | None
     precision: str  # the training precision: fp32 | bf16 | fp16
     dtype: str  # train.export_dtype: auto | fp32 | bf16 | fp16
     trust_remote_code: bool = False
@@ -78,7 +81,7 @@ class ExportSpec:
     origin: dict[str, Any] | None = None  # where the weights come from (a run and its step, or a checkpoint)
 
 
-def export_spec(cfg: Config, built: Any, precision: str, **more: Any) -> ExportSpec:
+def export_spec(cfg: Config, built: BuiltModel, precision: str, **more: Any) -> ExportSpec:
     """The spec of a run's export: its model (a ds_exp.model.BuiltModel) as the run's config built it. `more`: the
     template, stop_token_ids and origin."""
     return ExportSpec(
@@ -96,7 +99,7 @@ def export_spec(cfg: Config, built: Any, precision: str, **more: Any) -> ExportS
     )
 
 
-def gather_full_state_dict(engine: Any, zero_stage: int) -> dict[str, Any] | None:
+def gather_full_state_dict(engine: DeepSpeedEngine, zero_stage: int) -> dict[str, torch.Tensor] | None:
     """Collective. The whole state dict on rank 0 (None on the other ranks)."""
     if zero_stage == 3:
         state = compat.zero3_full_state_dict(engine)  # gathers per layer onto rank 0; keeps the dtype
@@ -107,7 +110,7 @@ def gather_full_state_dict(engine: Any, zero_stage: int) -> dict[str, Any] | Non
     return {k: v.detach().to("cpu").clone() for k, v in state.items()}
 
 
-def non_finite_tensors(state: dict[str, Any]) -> list[str]:
+def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
     """The names of the floating-point tensors of `state` that hold a NaN or an infinity."""
     return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
@@ -130,7 +133,13 @@ def export_dtype(spec: ExportSpec, base_trained: bool) -> tuple[str, str]:
 
 
 def export_hf(
-    engine: Any, *, zero_stage: int, spec: ExportSpec, tokenizer: Any, export_dir: Path, save_adapter: bool
+    engine: DeepSpeedEngine,
+    *,
+    zero_stage: int,
+    spec: ExportSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    export_dir: Path,
+    save_adapter: bool,
 ) -> Path | None:
     """Collective; rank 0 writes `export_dir` (and `export_dir`_adapter with `save_adapter`). Weights that are not
     finite are never exported (Diverged on every rank; nothing is written)."""
@@ -157,10 +166,10 @@ def export_hf(
 
 
 def write_export(
-    state: dict[str, Any],
+    state: dict[str, torch.Tensor],
     trained: set[str],
     spec: ExportSpec,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     export_dir: Path,
     *,
     save_adapter: bool = False,
@@ -169,7 +178,7 @@ def write_export(
     """One process: `state` (the trained model's full state dict; `trained`: the names training changed) written
     to `export_dir` in Hugging Face format, or with `adapter_only` the LoRA adapter alone in PEFT's."""
     unset_hf_deepspeed_config()  # the CPU copy below must be a plain, unpartitioned model
-    model = _base_model(spec)
+    model: PreTrainedModel | PeftModel = _base_model(spec)
     if spec.lora is not None:
         model = wrap_lora(model, spec.lora)
     if spec.lora is not None and spec.lora.quantize:  # the engine's base is 4/8-bit: only what was trained is taken
@@ -219,7 +228,7 @@ def write_export(
     log.info("exported %s to %s (%s: %s)", what, export_dir, "float32" if adapter_only else dtype_name, why)
 
 
-def state_bytes(model: Any, dtype_name: str) -> int:
+def state_bytes(model: torch.nn.Module, dtype_name: str) -> int:
     """About what the exported weights take on disk in `dtype_name` (a tied tensor once; LoRA's adapters, merged
     into their layers, not at all)."""
     size = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
@@ -228,7 +237,12 @@ def state_bytes(model: Any, dtype_name: str) -> int:
 
 
 def _save_adapter(
-    model: Any, spec: ExportSpec, tokenizer: Any, tmp: Path, target: Path, metadata: dict[str, Any]
+    model: PreTrainedModel | PeftModel,
+    spec: ExportSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    tmp: Path,
+    target: Path,
+    metadata: dict[str, Any],
 ) -> None:
     """The PEFT adapter alone (in fp32, as trained), with the tokenizer and the metadata, moved into `target`."""
     shutil.rmtree(tmp, ignore_errors=True)
@@ -240,7 +254,13 @@ def _save_adapter(
 
 
 def _save(
-    model: Any, spec: ExportSpec, tokenizer: Any, tmp: Path, export_dir: Path, dtype_name: str, metadata: dict
+    model: PreTrainedModel | PeftModel,
+    spec: ExportSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    tmp: Path,
+    export_dir: Path,
+    dtype_name: str,
+    metadata: dict[str, Any],
 ) -> None:
     """Write the export into `tmp`, then move it into place. A LoRA model comes merged (in fp32: the base weights
     plus the adapters' delta, rounded once below)."""
@@ -255,7 +275,7 @@ def _save(
     _replace(tmp, export_dir)
 
 
-def _base_model(spec: ExportSpec) -> Any:
+def _base_model(spec: ExportSpec) -> PreTrainedModel:
     """A CPU fp32 copy of the model with the trained (padded) vocabulary: the base checkpoint's weights when there
     is one, else a fresh build from the config (every weight then comes from the engine)."""
     if spec.base_path is None:
@@ -271,7 +291,7 @@ def _base_model(spec: ExportSpec) -> Any:
     return model
 
 
-def _copy_added_rows(model: Any, state: dict[str, Any], spec: ExportSpec) -> None:
+def _copy_added_rows(model: Any, state: dict[str, torch.Tensor], spec: ExportSpec) -> None:
     """Embedding rows of tokens the run added are not in the base checkpoint: take them from the engine (they
     were never trained with a frozen embedding, but they are what the run used)."""
     if spec.base_path is None or spec.vocab_size <= spec.base_rows:
@@ -286,11 +306,11 @@ def _copy_added_rows(model: Any, state: dict[str, Any], spec: ExportSpec) -> Non
                 module.weight[spec.base_rows : spec.vocab_size] = trained_value[spec.base_rows : spec.vocab_size]
 
 
-def _text_config(config: Any) -> Any:
+def _text_config(config: PretrainedConfig) -> PretrainedConfig:
     return getattr(config, "text_config", None) or config
 
 
-def _save_tokenizer(spec: ExportSpec, tokenizer: Any, directory: Path) -> str:
+def _save_tokenizer(spec: ExportSpec, tokenizer: PreTrainedTokenizerBase, directory: Path) -> str:
     """Copy the base tokenizer's files byte for byte when the run used it unchanged (the export and its base then
     share one tokenizer); save it anew when the run added tokens (a pad or end-of-conversation token)."""
     source = Path(spec.tokenizer_source)
@@ -310,7 +330,7 @@ def _copy_generation_config(spec: ExportSpec, directory: Path) -> None:
         shutil.copy2(Path(spec.base_path) / "generation_config.json", directory / "generation_config.json")
 
 
-def _is_tied_copy(model: Any, key: str) -> bool:
+def _is_tied_copy(model: PreTrainedModel | PeftModel, key: str) -> bool:
     """lm_head.weight is absent from the state dict of a model whose embeddings are tied."""
     return key.endswith("lm_head.weight") and bool(getattr(model.config, "tie_word_embeddings", False))
 

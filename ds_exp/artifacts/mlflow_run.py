@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -41,7 +42,7 @@ def default_tracking_uri(run_dir: Path) -> str:
     return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
 
 
-def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+def flatten(tree: object, prefix: str = "") -> dict[str, str]:
     """A config as MLflow params: dotted keys, lists as JSON, every value a string within MLflow's limits."""
     if isinstance(tree, dict) and tree:
         out: dict[str, str] = {}
@@ -193,7 +194,7 @@ class MlflowRun:
             path = f"{key}/step{int(step):06d}.json"
             self._guarded(lambda: self.client.log_dict(self.run_id, {"step": step, "rows": rows}, path))
 
-    def _guarded(self, call: Any) -> None:
+    def _guarded(self, call: Callable[[], object]) -> None:
         """A tracker that fails mid-run (a server gone) costs its records, never the training: warned once."""
         try:
             call()

@@ -60,7 +60,7 @@ class RunState:
     def per_second(self, amount: float) -> float | None:
         return amount / self.train_seconds if self.train_seconds else None
 
-    def as_summary(self, peaks: list[Any]) -> dict[str, Any]:
+    def as_summary(self, peaks: list[int | None]) -> dict[str, Any]:
         mfu = None
         if self.peak_flops and self.train_seconds:
             mfu = self.train_flops / self.train_seconds / (self.peak_flops * self.world_size)
@@ -106,7 +106,7 @@ class RunState:
         }
 
 
-def write_summary(state: RunState, peaks: list[Any]) -> dict[str, Any]:
+def write_summary(state: RunState, peaks: list[int | None]) -> dict[str, Any]:
     """Rank 0 writes <run dir>/summary.json (atomically); returns what it wrote."""
     summary = state.as_summary(peaks)
     state.run_dir.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,17 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_exp.artifacts.mlflow_run import MlflowRun
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact
 from ds_exp.core.files import append_json_line, json_text, write_text_atomic
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
+from ds_exp.resume.store import TrainState
+
+if TYPE_CHECKING:
+    from tensorboardX import SummaryWriter
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +139,7 @@ class TensorBoardRun:
     """
 
     def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start_step: int = 0) -> None:
-        self.writer: Any = None
+        self.writer: SummaryWriter | None = None
         self.last_step = start_step
         settings = cfg.logger.tensorboard
         if not enabled or not settings.enabled:
@@ -185,9 +189,9 @@ class TensorBoardRun:
 class Trackers:
     """Every tracker of the run behind one interface: what the metric lines, evaluations and checkpoints use."""
 
-    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start: Any) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start: TrainState) -> None:
         step = int(getattr(start, "step", 0) or 0)
-        self.all: list[Any] = []
+        self.all: list[MlflowRun | TensorBoardRun | WandbRun] = []
         try:  # the one most likely to refuse (a tracking store) first; any refusal closes those already open
             self.mlflow = MlflowRun(
                 cfg, run_dir, enabled=enabled, run_id=getattr(start, "mlflow_run_id", None), start_step=step

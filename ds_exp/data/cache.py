@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.secrets import redact_text
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 META = "meta.json"
 # Files up to this size are fingerprinted by content; bigger ones by size and modification time.
 HASH_LIMIT = 64 * 1024 * 1024
+T = TypeVar("T")  # what cached_build's `load` returns
 
 
 def file_fingerprint(path: Path) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def file_fingerprint(path: Path) -> dict[str, Any]:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def path_fingerprint(path: Path) -> Any:
+def path_fingerprint(path: Path) -> dict[str, Any] | None:
     """Content fingerprint of a file or of every file under a directory (hidden files skipped)."""
     if path.is_file():
         return file_fingerprint(path)
@@ -57,7 +58,7 @@ def path_fingerprint(path: Path) -> Any:
     return None
 
 
-def hash_key(material: Any) -> str:
+def hash_key(material: object) -> str:
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -125,9 +126,9 @@ def cached_build(
     cache_dir: Path,
     key: str,
     build: Callable[[Path], dict[str, Any]],
-    load: Callable[[Path], Any],
-    material: Any,
-) -> tuple[Any, dict[str, Any], bool, Path]:
+    load: Callable[[Path], T],
+    material: object,
+) -> tuple[T, dict[str, Any], bool, Path]:
     """(loaded, meta, cache_hit, path). `build(tmp)` writes into tmp and returns stats; `load(dir)` reads it.
 
     A complete directory that fails to load (files deleted by hand, disk trouble) is rebuilt once.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,7 @@ class Rows:
     def set_template(self, template: str) -> None:
         self.template = [template] * len(self)
 
-    def take(self, indices: Any) -> Rows:
+    def take(self, indices: Collection[int]) -> Rows:
         return Rows(
             [self.roles[i] for i in indices],
             [self.contents[i] for i in indices],
@@ -112,7 +112,7 @@ def detect_layout(columns: Sequence[str], prompt_field: str, chosen_field: str) 
 # ----------------------------------------------------------------------------------------------- parsing
 
 
-def text_value(value: Any, key: str, column_key: str, label: str) -> str | None:
+def text_value(value: object, key: str, column_key: str, label: str) -> str | None:
     """A prompt/chosen cell as text; None = missing. Numbers become text, anything else is a column error."""
     if value is None or isinstance(value, str):
         return value
@@ -126,13 +126,13 @@ def text_value(value: Any, key: str, column_key: str, label: str) -> str | None:
     )
 
 
-def _first(turn: dict[str, Any], names: tuple[str, str]) -> Any:
+def _first(turn: dict[str, Any], names: tuple[str, str]) -> object:
     # Arrow structs of mixed files hold both spellings, one of them None
     value = turn.get(names[0])
     return turn.get(names[1]) if value is None else value
 
 
-def chat_turns(value: Any, key: str, where: str, column: str) -> tuple[list[str], list[str]]:
+def chat_turns(value: object, key: str, where: str, column: str) -> tuple[list[str], list[str]]:
     """A messages / conversations cell -> (roles, contents); a bad row is a DataError naming it."""
 
     def bad(problem: str, fix: str) -> DataError:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
@@ -20,6 +20,9 @@ import pyarrow.compute as pc
 
 from ds_exp.data.sources import Rows
 from ds_exp.data.templates import Span, render_chat, render_dschat, render_raw
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ TOKENS_PER_BATCH = 2**20
 COLUMNS = ("roles", "contents", "template")  # what the map reads from Rows
 
 
-def end_of_conversation(eot: str | None, tokenizer: Any) -> str:
+def end_of_conversation(eot: str | None, tokenizer: PreTrainedTokenizerBase) -> str:
     """The text appended after the last answer by raw and dschat: the configured token, else the eos."""
     return eot if eot is not None else (tokenizer.eos_token or "")
 
@@ -67,7 +70,7 @@ def label_ranges(offsets: Sequence[tuple[int, int]], spans: Sequence[Span], text
 class Encoder:
     """The batched map function. A plain picklable object so `num_proc > 1` can ship it to workers."""
 
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     eot: str  # after the last answer of raw and dschat rows
     max_seq_len: int
     train_on_prompt: bool
@@ -144,7 +147,7 @@ def pick_num_proc(num_proc: int | None, num_rows: int) -> int:
 
 def encode(
     rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str, work_dir: Path | None = None
-) -> tuple[Any, dict[str, int]]:
+) -> tuple[datasets.Dataset, dict[str, int]]:
     """A datasets.Dataset with input_ids/labels (int32 lists) and counts: truncated, dropped. With `work_dir` the
     tokens stream to an Arrow file there, batch by batch (`rows_per_batch`), instead of staying in memory."""
     features = datasets.Features(
@@ -182,7 +185,7 @@ def encode(
     return ds, {"truncated": truncated, "dropped": dropped}
 
 
-def pack(ds: Any, max_seq_len: int, *, work_dir: Path | None = None) -> Any:
+def pack(ds: datasets.Dataset, max_seq_len: int, *, work_dir: Path | None = None) -> datasets.Dataset:
     """Greedily concatenate consecutive examples up to max_seq_len; labels keep each example's masking.
 
     position_ids restart at 0 for every example, so a trainer that passes them without an attention mask

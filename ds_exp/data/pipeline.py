@@ -13,7 +13,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
@@ -27,6 +27,9 @@ from ds_exp.data.formats import expand, resolve_format
 from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
 from ds_exp.data.splits import eval_carve_count, parse_data_split, phase1_count
 from ds_exp.data.templates import RowError, resolve_template, source_template, special_strings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,8 @@ _CODE_FILES = (
 
 @dataclass
 class SFTData:
-    train: Any  # datasets.Dataset: input_ids, labels (+ position_ids when packed), unpadded int lists
-    eval: Any  # datasets.Dataset: input_ids, labels; may hold 0 rows (eval_fraction=0, no eval splits)
+    train: datasets.Dataset  # input_ids, labels (+ position_ids when packed), unpadded int lists
+    eval: datasets.Dataset  # input_ids, labels; may hold 0 rows (eval_fraction=0, no eval splits)
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -83,7 +86,7 @@ def plan_counts(
     return share - carve, 0, carve
 
 
-def _rng(seed: int, *tags: int) -> Any:
+def _rng(seed: int, *tags: int) -> np.random.Generator:
     return np.random.default_rng([seed % 2**32, *tags])
 
 
@@ -152,7 +155,7 @@ def count_train_examples(data: DataConfig) -> int:
 # ----------------------------------------------------------------------------------------------- cache key
 
 
-def save_quietly(ds: Any, path: Path, **options: Any) -> None:
+def save_quietly(ds: datasets.Dataset, path: Path, **options: Any) -> None:
     """save_to_disk without datasets' "Saving the dataset" bar: the tokenizing bars said what is happening."""
     was_disabled = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()
@@ -163,7 +166,7 @@ def save_quietly(ds: Any, path: Path, **options: Any) -> None:
             datasets.enable_progress_bars()
 
 
-def tokenizer_fingerprint(tok: Any) -> str:
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
     parts: dict[str, Any] = {"class": type(tok).__name__}
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
@@ -214,7 +217,9 @@ def _code_hash() -> str:
     return hash_key([(name, (here / name).read_text()) for name in _CODE_FILES])
 
 
-def cache_material(data: DataConfig, seed: int, tokenizer: Any, template: str, eot: str) -> dict[str, Any]:
+def cache_material(
+    data: DataConfig, seed: int, tokenizer: PreTrainedTokenizerBase, template: str, eot: str
+) -> dict[str, Any]:
     """Everything the tokenized result depends on. Per-source templates follow from the configured template,
     its resolution for this tokenizer and the rows (fingerprinted with the sources)."""
     material: dict[str, Any] = {
@@ -254,12 +259,12 @@ def _row_error(data: DataConfig, problem: str, roles: list[str], contents: list[
     return DataError(f"{problem} (turns: {', '.join(roles)}); {fix}")
 
 
-def _empty() -> Any:
+def _empty() -> datasets.Dataset:
     features = datasets.Features({k: datasets.List(datasets.Value("int32")) for k in ("input_ids", "labels")})
     return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
 
 
-def prepare_sft_data(data: DataConfig, tokenizer: Any, *, seed: int) -> SFTData:
+def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> SFTData:
     """Tokenized train/eval sets, from the cache when the same settings were built before; `seed` (train.seed)
     picks the phase split, the eval carve-out and the blend order.
 
@@ -315,7 +320,7 @@ def prepare_sft_data(data: DataConfig, tokenizer: Any, *, seed: int) -> SFTData:
         shutil.rmtree(work)
         return stats
 
-    def load(directory: Path) -> tuple[Any, Any]:
+    def load(directory: Path) -> tuple[datasets.Dataset, datasets.Dataset]:
         return datasets.load_from_disk(str(directory / "train")), datasets.load_from_disk(str(directory / "eval"))
 
     cache_dir = expand(data.cache_dir)

@@ -184,11 +184,11 @@ def _rows_of(label: str) -> Where:
     return lambda i: f"{label}: row {i}"  # 0-based, as datasets' ds[i]
 
 
-def _read_dataset(ds: Any, label: str) -> _Table:
+def _read_dataset(ds: datasets.Dataset, label: str) -> _Table:
     return _Table(list(ds.column_names), lambda f: ds[f], len(ds), _rows_of(label))
 
 
-def _pick_splits(dd: Any, src: DataSource, key: str, label: str) -> tuple[_Table, _Table | None]:
+def _pick_splits(dd: datasets.DatasetDict, src: DataSource, key: str, label: str) -> tuple[_Table, _Table | None]:
     """(train, eval or None) tables out of a DatasetDict, following split / eval_split."""
     names = list(dd.keys())
     split = src.split

@@ -16,9 +16,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_exp.core.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ds_exp.config.schema import PromptTemplate
+    from ds_exp.data.sources import RawSource
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +35,11 @@ class RowError(Exception):
     """A row the template cannot render: args = (problem, roles, contents); the pipeline finds the row."""
 
 
-def has_chat_template(tokenizer: Any) -> bool:
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def resolve_template(template: Any, tokenizer: Any) -> str:
+def resolve_template(template: PromptTemplate | str, tokenizer: PreTrainedTokenizerBase) -> str:
     """The run's template before looking at rows: raw, dschat or chat_template (auto = by the tokenizer)."""
     template = str(getattr(template, "value", template))
     if template == "auto":
@@ -46,7 +52,7 @@ def resolve_template(template: Any, tokenizer: Any) -> str:
     return template
 
 
-def source_template(configured: Any, resolved: str, raw: Any) -> str:
+def source_template(configured: PromptTemplate | str, resolved: str, raw: RawSource) -> str:
     """The template of one source (a sources.RawSource), given what its rows hold.
 
     Rows that already carry DeepSpeed-Chat's markers would be wrapped twice by dschat or a chat template:
@@ -92,25 +98,27 @@ def first_template(stats: dict[str, Any]) -> str:
     return str(stats["template"]).split("+")[0]
 
 
-def render_prompt(prompt: str, template: str, tokenizer: Any) -> tuple[str, bool]:
+def render_prompt(prompt: str, template: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str, bool]:
     """A user's prompt as the run's template asks the model (for generation): (text to complete, whether the
     tokenizer adds its special tokens, as it does when training on that template)."""
     if template == "chat_template":
         messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False  # type: ignore[return-value]  # tokenize=False: a str (hinted as every kind)
     if template == "dschat":
         return f" Human: {prompt} Assistant:", True
     return prompt, True  # raw: the text as given (DeepSpeed-Chat's rows hold their own markers)
 
 
-def render_conversation(turns: Sequence[tuple[str, str]], template: str, tokenizer: Any) -> tuple[str, bool]:
+def render_conversation(
+    turns: Sequence[tuple[str, str]], template: str, tokenizer: PreTrainedTokenizerBase
+) -> tuple[str, bool]:
     """A conversation so far, (role, content) turns ending with the user's, as the template asks the model for the
     next answer (`python -m ds_exp.chat`); one user turn renders exactly as render_prompt."""
     if len(turns) == 1:
         return render_prompt(turns[0][1], template, tokenizer)
     if template == "chat_template":
         messages = [{"role": role, "content": content} for role, content in turns]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False  # type: ignore[return-value]  # tokenize=False: a str (hinted as every kind)
     if template == "dschat":  # as render_dschat writes a conversation, the next answer's head last
         heads = {"user": " Human: ", "assistant": " Assistant: ", "system": ""}
         return "".join(heads[role] + content for role, content in turns) + " Assistant:", True
@@ -158,7 +166,7 @@ def _render_pieces(pieces: list[tuple[str, str]], roles: Sequence[str], eot: str
 
 
 def render_chat(
-    tokenizer: Any, roles: Sequence[str], contents: Sequence[str], specials: Sequence[str]
+    tokenizer: PreTrainedTokenizerBase, roles: Sequence[str], contents: Sequence[str], specials: Sequence[str]
 ) -> tuple[str, list[Span]]:
     """The tokenizer's chat template; spans found by rendering each answer's prefix.
 
@@ -170,7 +178,7 @@ def render_chat(
 
     def apply(turns: list[dict[str, str]], generation: bool = False) -> str:
         try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation)
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation)  # type: ignore[return-value]  # tokenize=False: a str (hinted as every kind)
         except Exception as err:  # jinja's raise_exception (roles must alternate, ...) and template bugs
             problem = f"the tokenizer's chat template rejects this conversation ({type(err).__name__}: {err})"
             raise RowError(problem, list(roles), list(contents)) from None
@@ -207,7 +215,7 @@ def _common_prefix(a: str, b: str) -> int:
     return next((i for i in range(shared) if a[i] != b[i]), shared)
 
 
-def special_strings(tokenizer: Any) -> tuple[str, ...]:
+def special_strings(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
     """The tokenizer's special tokens as text, longest first (end-of-turn candidates for chat templates)."""
     found = set(getattr(tokenizer, "all_special_tokens", ()) or ())
     for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():

@@ -10,8 +10,10 @@ import json
 import logging
 import zlib
 from collections import Counter
+from collections.abc import Callable
+from io import BufferedIOBase
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ds_exp.core.errors import DataError
 
@@ -96,7 +98,7 @@ def read_text(path: Path, key: str, fmt: str) -> str:
 
 def starts_with_bom(path: Path) -> bool:
     """Whether the (decompressed) file starts with a UTF-8 byte order mark; for readers that skip it themselves."""
-    opener: Any = gzip.open if is_gzip_name(path) else open
+    opener: Callable[[Path, Literal["rb"]], BufferedIOBase] = gzip.open if is_gzip_name(path) else open
     try:
         with opener(path, "rb") as fh:
             return fh.read(3) == BOM.encode()
@@ -125,7 +127,7 @@ class StrictJSON:
         self.repeated = []
         return self._decoder.decode(text)
 
-    def repeated_in(self, value: Any) -> str | None:
+    def repeated_in(self, value: object) -> str | None:
         """The repeated key of an object inside `value` (compared by identity), or None."""
         ids = {id(obj): k for k, obj in self.repeated}
         stack = [value]
