@@ -26,11 +26,12 @@ import signal
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
@@ -88,7 +89,7 @@ def _as_tuples(value: Any) -> Any:
 
 
 def save(
-    engine: Any,
+    engine: DeepSpeedEngine,
     checkpoint_dir: Path,
     state: TrainState,
     *,
@@ -123,12 +124,26 @@ def save(
     return path
 
 
+class Position(Protocol):
+    """Where the loop stands (ds_exp.train.loop.Progress, a higher layer)."""
+
+    step: int
+    epoch: int
+    step_in_epoch: int
+
+
+class Steppable(Protocol):
+    """An LR scheduler, torch's or DeepSpeed's own (not a torch LRScheduler)."""
+
+    def step(self) -> object: ...
+
+
 class Checkpointer:
     """This run's checkpoints: where, how many to keep, and what each records besides DeepSpeed's state."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: DeepSpeedEngine,
         directory: Path,
         *,
         rank: int,
@@ -142,7 +157,7 @@ class Checkpointer:
         self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
         self.needed_bytes, self.identity, self.extra = needed_bytes, identity, extra
 
-    def save(self, progress: Any, window: tuple[float, float], initial_eval: dict[str, float] | None) -> Path:
+    def save(self, progress: Position, window: tuple[float, float], initial_eval: dict[str, float] | None) -> Path:
         """Collective. `progress`: step, epoch, step_in_epoch; `window`: the open metric window's sums over ranks.
         A save that fails for lack of room or rights is one message, and leaves no incomplete checkpoint."""
         state = TrainState(
@@ -192,7 +207,7 @@ def inject_fault(point: str, rank: int) -> None:
 CHECKPOINT_TYPES = (ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address)
 
 
-def load_weights_only(engine: Any) -> None:
+def load_weights_only(engine: DeepSpeedEngine) -> None:
     """DeepSpeed reads checkpoint files with torch.load(weights_only=False), which runs whatever a pickle says.
     A resume reads files an earlier process wrote, so ds_exp has it read them with weights_only=True instead,
     allowing only CHECKPOINT_TYPES."""
@@ -208,7 +223,7 @@ def load_rng_states(tag_dir: Path, rank: int) -> bool:
     return True
 
 
-def fast_forward_schedule(scheduler: Any, step: int, skipped_steps: int) -> None:
+def fast_forward_schedule(scheduler: Steppable, step: int, skipped_steps: int) -> None:
     """Step a freshly built LR scheduler to where a run at optimizer step `step` has it. A schedule is a function
     of the step and is recomputed under the run's settings (a resume may change them on purpose, trajectory.py),
     not loaded; it advanced on every step but the `skipped_steps` fp16's loss scaler skipped. Both resume paths
@@ -219,7 +234,7 @@ def fast_forward_schedule(scheduler: Any, step: int, skipped_steps: int) -> None
             scheduler.step()
 
 
-def load_checkpoint(engine: Any, tag_dir: Path, *, rank: int) -> TrainState:
+def load_checkpoint(engine: DeepSpeedEngine, tag_dir: Path, *, rank: int) -> TrainState:
     """Collective: restores module, optimizer, LR scheduler and this rank's RNG states."""
     load_weights_only(engine)
     try:

@@ -28,7 +28,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 import deepspeed
 import torch
@@ -58,7 +58,7 @@ def die_with_parent(parent_pid: int, scratch: Path | None) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     owner = os.getpid()
 
-    def on_parent_death(signum: int, frame: Any) -> None:
+    def on_parent_death(signum: int, frame: FrameType | None) -> None:
         if os.getpid() != owner:  # a forked worker inherited this handler: it dies as by default
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -97,7 +97,7 @@ def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int)
         steps = sorted(zero.glob("*/step.pt"))
         step = torch.load(steps[0]) if steps else optimizer["optimizer_state_dict"]["state"][0]["step"]
         step = step if torch.is_tensor(step) else torch.tensor(float(step))
-        shapes: dict[str, Any] = {}
+        shapes: dict[str, torch.Size] = {}
         if (out / MODEL_STATES[1]).is_file():  # stage 3 wrote flat tensors: their shapes
             for group in torch.load(out / MODEL_STATES[1]).get("param_shapes") or []:
                 shapes.update(group)

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from deepspeed import DeepSpeedEngine
 
 from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES, fast_forward_schedule, load_rng_states, load_weights_only
 from ds_exp.config.memory_plan import human_bytes
@@ -183,7 +184,7 @@ def ds_config_for_load(ds_config: dict[str, Any]) -> dict[str, Any]:
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
 
-def param_names(model: Any, groups: list[dict[str, Any]]) -> list[list[str]]:
+def param_names(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[list[str]]:
     """Parameter names per optimizer group, in optimizer order: what a stage-0 checkpoint's indices stand for."""
     names = {id(p): n for n, p in model.named_parameters()}
     return [[names[id(p)] for p in group["params"]] for group in groups]
@@ -269,7 +270,7 @@ def _size_of(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
-def load(engine: Any, tag_dir: Path) -> dict[str, Any]:
+def load(engine: DeepSpeedEngine, tag_dir: Path) -> dict[str, Any]:
     """Collective: module, optimizer and engine counters from the converted copy of `tag_dir`; returns the client
     state (ds_exp's TrainState under "ds_exp"). The engine was built with ds_config_for_load. The LR schedule is
     fast-forwarded by the caller, as for any resume."""
@@ -289,7 +290,7 @@ def load(engine: Any, tag_dir: Path) -> dict[str, Any]:
     return client or {}
 
 
-def _load_stage0(engine: Any, udir: Path) -> dict[str, Any]:
+def _load_stage0(engine: DeepSpeedEngine, udir: Path) -> dict[str, Any]:
     optimizer = engine.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "fp32_groups"):
         raise ResumeError(
@@ -325,7 +326,16 @@ def restore_rng(
     torch.manual_seed(fresh)
 
 
-def load_state(engine: Any, tag_dir: Path, *, rank: int, world_size: int, seed: int, model: Any, groups: list) -> dict:
+def load_state(
+    engine: DeepSpeedEngine,
+    tag_dir: Path,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    model: torch.nn.Module,
+    groups: list,
+) -> dict:
     """Collective: convert `tag_dir` (once) and load it into `engine`, set the RNG states and fast-forward the LR
     schedule; returns the checkpoint's TrainState as a dict. `groups`: the optimizer's parameter groups as
     ds_exp.model.engine.parameter_groups makes them (they name a stage-0 checkpoint's optimizer indices)."""

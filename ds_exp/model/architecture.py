@@ -113,7 +113,7 @@ def disable_dropout_in_config(config: PretrainedConfig) -> None:
             setattr(config, key, 0.0)
 
 
-def hidden_size_of(config: Any) -> int | None:
+def hidden_size_of(config: PretrainedConfig) -> int | None:
     """hidden_size, else the largest of hidden_sizes, else the same of a nested text_config."""
     for candidate in (config, getattr(config, "text_config", None)):
         if candidate is None:

@@ -7,11 +7,12 @@ import importlib.util
 import logging
 import zlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import deepspeed
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
 from ds_exp.config.model_checks import checkpoint_error
@@ -32,7 +33,7 @@ from ds_exp.model.tiling import TiledLoss, apply_tiling
 log = logging.getLogger(__name__)
 
 
-def init_weights_by_name(model: Any, seed: int, *, zero3: bool) -> None:
+def init_weights_by_name(model: PreTrainedModel, seed: int, *, zero3: bool) -> None:
     """Random init that depends only on the seed and each module's name, never on the ZeRO stage.
 
     Under deepspeed.zero.Init the order in which random numbers are drawn differs from a plain build, so the
@@ -45,7 +46,7 @@ def init_weights_by_name(model: Any, seed: int, *, zero3: bool) -> None:
         if not params:
             continue
         if zero3:
-            gather: Any = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+            gather: contextlib.AbstractContextManager[None] = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
         else:
             gather = contextlib.nullcontext()
         with gather, torch.no_grad():
@@ -76,14 +77,14 @@ def _compute_dtype(ds_config: dict[str, Any]) -> torch.dtype:
 
 @dataclass
 class BuiltModel:
-    model: Any
-    config: Any  # the transformers config (vocabulary already padded)
+    model: Any  # PreTrainedModel, PEFT's PeftModel with LoRA (Any: ds_exp.tools.use.export sets it to None)
+    config: PretrainedConfig  # the vocabulary already padded
     lora: LoraSpec | None
-    hf_ds_config: Any  # keeps transformers' ZeRO-3 mode alive while the engine is built
+    hf_ds_config: HfDeepSpeedConfig | None  # keeps transformers' ZeRO-3 mode alive while the engine is built
     base_rows: int  # embedding rows before padding (the checkpoint's, for a model loaded from one)
     base_dtype: str  # the dtype the checkpoint's weights are stored in (float32 when built from a config)
     vocab_size: int  # the base vocabulary the export keeps: the tokenizer's, or the checkpoint's if larger
-    mpu: Any = None  # DeepSpeed's sequence-parallel groups for deepspeed.initialize (dist.sequence_parallel_size > 1)
+    mpu: ModuleType | None = None  # DeepSpeed's sequence-parallel groups, for deepspeed.initialize (sp size > 1)
     loss: TiledLoss | None = None  # model.tiled_loss's (ds_exp.train.step.batch_loss); None: the full logits
 
 

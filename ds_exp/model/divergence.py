@@ -10,19 +10,19 @@ as `diverged` (summary.json, exit status 3) and its newest checkpoint stays the 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
+from deepspeed import DeepSpeedEngine
 
 from ds_exp.core import compat
 from ds_exp.core.errors import Diverged
 from ds_exp.runtime.process_group import all_reduce_sum
 
 
-def local_weights_finite(engine: Any) -> bool:
+def local_weights_finite(engine: DeepSpeedEngine) -> bool:
     """Whether this rank's part of the weights is finite (ZeRO-3: its partition; else the whole module). One
     device sync, at the end."""
-    bad: Any = None
+    bad: torch.Tensor | None = None
     for shard in compat.local_weight_shards(engine):
         if shard.numel():
             flag = ~torch.isfinite(shard).all()
@@ -30,12 +30,16 @@ def local_weights_finite(engine: Any) -> bool:
     return bad is None or not bool(bad)
 
 
-def is_finite_number(value: Any) -> bool:
+def is_finite_number(value: object) -> bool:
     return not isinstance(value, float) or math.isfinite(value)
 
 
 def non_finite_end(
-    engine: Any, last_loss: Any, final_eval: dict[str, Any] | None, *, last_step_overflowed: bool = False
+    engine: DeepSpeedEngine,
+    last_loss: torch.Tensor | None,
+    final_eval: dict[str, float] | None,
+    *,
+    last_step_overflowed: bool = False,
 ) -> list[str]:
     """Collective: what of the run's end state is not finite (the same list on every rank): the last step's loss
     (this rank's sum; None when the process trained no step), its gradients (`last_step_overflowed`: the ZeRO
@@ -56,7 +60,7 @@ def non_finite_end(
     return found
 
 
-def check_weights_finite(engine: Any, step: int, consequence: str, last_good: str | None) -> None:
+def check_weights_finite(engine: DeepSpeedEngine, step: int, consequence: str, last_good: str | None) -> None:
     """Collective: Diverged on every rank when any rank's weights are not finite, before they are written (a
     checkpoint); `consequence` says what was not written."""
     (votes,) = all_reduce_sum([float(not local_weights_finite(engine))], engine.device)

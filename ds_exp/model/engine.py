@@ -10,15 +10,19 @@ import gc
 import logging
 from dataclasses import dataclass
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_scheduler
+from transformers.optimization import GreedyLR
 
 from ds_exp.config.plan import scheduler_kwargs
 from ds_exp.config.schema import OptimizerConfig, SchedulerConfig, plain
@@ -34,10 +38,10 @@ log = logging.getLogger(__name__)
 METRIC_SCHEDULES = {"reduce_lr_on_plateau", "greedy"}
 
 
-def parameter_groups(model: Any, weight_decay: float, no_decay: list[str]) -> list[dict[str, Any]]:
+def parameter_groups(model: torch.nn.Module, weight_decay: float, no_decay: list[str]) -> list[dict[str, Any]]:
     """Two groups as DeepSpeed-Chat: no weight decay for biases and norm weights."""
-    decay: list[Any] = []
-    plain: list[Any] = []
+    decay: list[torch.nn.Parameter] = []
+    plain: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -61,7 +65,7 @@ def optimizer_impl(opt: OptimizerConfig, ds_config: dict[str, Any], accelerator:
 
 def build_optimizer(
     opt: OptimizerConfig, groups: list[dict[str, Any]], ds_config: dict[str, Any], accelerator: str
-) -> Any:
+) -> torch.optim.Optimizer:
     kwargs: dict[str, Any] = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
     impl = optimizer_impl(opt, ds_config, accelerator)
     announce = _is_rank0()
@@ -81,7 +85,9 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def build_scheduler(sched: SchedulerConfig, optimizer: Any, total_steps: int, warmup_steps: int) -> Any:
+def build_scheduler(
+    sched: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int
+) -> LRScheduler | GreedyLR:
     return get_scheduler(
         plain(sched.name),
         optimizer,
@@ -100,7 +106,7 @@ def check_deepspeed_config(ds_config: dict[str, Any], config_file: str | None) -
         raise ConfigError(deepspeed_config_problems(err, "zero_optimization", config_file)) from None
 
 
-def deepspeed_config_problems(err: Any, block: str, config_file: str | None) -> list[str]:
+def deepspeed_config_problems(err: ValidationError, block: str, config_file: str | None) -> list[str]:
     source = f"deepspeed.config_file={config_file}" if config_file else "the DeepSpeed config built from the groups"
     lines = [f"DeepSpeed rejects the {block} block of {source}:"]
     for problem in err.errors():
@@ -114,13 +120,13 @@ def deepspeed_config_problems(err: Any, block: str, config_file: str | None) -> 
 
 @dataclass
 class TrainingEngine:
-    deepspeed_engine: Any  # deepspeed.DeepSpeedEngine
-    metric_scheduler: Any | None  # stepped by the loop with a metric (plateau, greedy)
+    deepspeed_engine: DeepSpeedEngine
+    metric_scheduler: LRScheduler | GreedyLR | None  # stepped by the loop with a metric (plateau, greedy)
     optimizer_name: str  # what updates the weights (describe_optimizer)
 
 
 def build_engine(
-    model: Any,
+    model: torch.nn.Module,
     ds_config: dict[str, Any],
     *,
     optimizer_cfg: OptimizerConfig,
@@ -129,7 +135,7 @@ def build_engine(
     total_steps: int,
     warmup_steps: int,
     accelerator: str,
-    mpu: Any = None,
+    mpu: ModuleType | None = None,
 ) -> TrainingEngine:
     """`config_file`: deepspeed.config_file (named in its problems); `mpu`: DeepSpeed's sequence-parallel groups
     (ds_exp/model/sequence_parallel.py), or None."""
@@ -171,7 +177,7 @@ def build_engine(
     return TrainingEngine(deepspeed_engine=engine, metric_scheduler=metric_scheduler, optimizer_name=name)
 
 
-def release_engine(engine: Any) -> None:
+def release_engine(engine: DeepSpeedEngine) -> None:
     """Let a finished run's engine go with its model, optimizer state and hooks: the next job of a multirun in this
     process starts without them, and at exit the process groups it held are freed while the interpreter is whole
     (ds_exp/runtime/process_group.py). Best effort: a failure here never hides how the run ended."""
@@ -185,7 +191,7 @@ def release_engine(engine: Any) -> None:
     gc.collect()
 
 
-def describe_optimizer(optimizer: Any, ds_config: dict[str, Any]) -> str:
+def describe_optimizer(optimizer: torch.optim.Optimizer | None, ds_config: dict[str, Any]) -> str:
     """What updates the weights, for the log and summary.json: e.g. "AdamW (fused)", "DeepSpeedCPUAdam"."""
     if optimizer is None:
         return f"{ds_config['optimizer'].get('type')} (built by DeepSpeed from the config's optimizer block)"

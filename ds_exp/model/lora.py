@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import BitsAndBytesConfig
+from peft import LoraConfig, PeftMixedModel, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from transformers import BitsAndBytesConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
+from ds_exp.config import schema
 from ds_exp.config.lora_checks import ALL_LINEAR, scope_of
 from ds_exp.core.errors import ConfigError
 
@@ -49,13 +50,13 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
-def _output_layer(model: Any) -> str | None:
+def _output_layer(model: torch.nn.Module) -> str | None:
     get = getattr(model, "get_output_embeddings", None)
     output = get() if get is not None else None
     return next((name for name, module in model.named_modules() if module is output), None) if output else None
 
 
-def lora_target_names(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
+def lora_target_names(model: torch.nn.Module, lora_cfg: schema.LoraConfig) -> list[str]:
     """Full names of the linear layers that get adapters; a ConfigError (one line per problem) names the model's
     linear layers when a setting matches none."""
     linears = linear_layers(model)
@@ -112,7 +113,7 @@ def lora_target_names(model: torch.nn.Module, lora_cfg: Any) -> list[str]:
     return [name for name in in_scope if any(_matches(name, t) for t in targets)]
 
 
-def modules_to_save_names(model: torch.nn.Module, lora_cfg: Any, targets: list[str]) -> list[str]:
+def modules_to_save_names(model: torch.nn.Module, lora_cfg: schema.LoraConfig, targets: list[str]) -> list[str]:
     """Full names of the modules trained whole (PEFT's modules_to_save: the name ends with an entry); one line per
     entry that matches nothing or names a module that holds adapters."""
     wanted = list(lora_cfg.modules_to_save or [])
@@ -196,7 +197,7 @@ class LoraSpec:
         }
 
 
-def lora_spec(lora_cfg: Any, model: torch.nn.Module) -> LoraSpec:
+def lora_spec(lora_cfg: schema.LoraConfig, model: torch.nn.Module) -> LoraSpec:
     """The adapters lora.* asks for on `model` (a ConfigError names what matches nothing)."""
     targets = lora_target_names(model, lora_cfg)
     saved = modules_to_save_names(model, lora_cfg, targets)
@@ -240,7 +241,7 @@ def in_out_features(module: torch.nn.Module) -> tuple[int, int]:
     return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]  # nn.Linear's ints
 
 
-def wrap_lora(model: Any, spec: LoraSpec) -> Any:
+def wrap_lora(model: PreTrainedModel, spec: LoraSpec) -> PeftModel | PeftMixedModel:
     """PEFT LoRA on exactly the listed layers: W x + scaling B(A(dropout(x))), B = 0 at start (DoRA: a learned
     magnitude per output row on top); the modules to save are trained as copies beside the frozen originals."""
     modules = dict(model.named_modules())
@@ -270,7 +271,7 @@ def wrap_lora(model: Any, spec: LoraSpec) -> Any:
     return wrapped
 
 
-def merge_lora(model: Any) -> Any:
+def merge_lora(model: PeftModel) -> torch.nn.Module:
     """The plain model with the adapters merged into their layers (DoRA's magnitude included) and the saved modules'
     trained copies in place of the originals. A saved module that was tied (lm_head) stays untied: PEFT sets
     tie_word_embeddings=False, as the trained copies differ."""
@@ -294,7 +295,7 @@ def quantized_loading(quantize: str, compute_dtype: torch.dtype) -> dict[str, An
     return {"quantization_config": config, "device_map": {"": torch.cuda.current_device()}, "dtype": compute_dtype}
 
 
-def prepare_quantized(model: Any) -> Any:
+def prepare_quantized(model: PreTrainedModel) -> PreTrainedModel:
     """PEFT's preparation of a k-bit base (norms in fp32, frozen base); gradient checkpointing is set up later by
     build_model, as for any model."""
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

@@ -24,11 +24,14 @@ import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+from peft import PeftMixedModel, PeftModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ds_exp.config.sp_checks import head_problems
@@ -36,6 +39,8 @@ from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
 
 IGNORE_INDEX = -100
+# a transformers attention function (ALL_ATTENTION_FUNCTIONS): (module, query, key, value, mask, ...) -> (out, weights)
+AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ class SequenceParallel:
         sums over all ranks count every row once."""
         return self.rank == 0
 
-    def shard(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's slice of a collated batch (every rank of the group holds the same one): `shift_labels` (the
         label each position predicts, from the whole row) and every [rows, length] tensor cut along the sequence.
         The attention mask is dropped: DeepSpeed's wrapper takes causality from position_ids, and right padding sits
@@ -77,7 +82,7 @@ class SequenceParallel:
         return {k: v[:, part].contiguous() for k, v in full.items()}
 
 
-def check_heads(config: Any, size: int) -> None:
+def check_heads(config: PretrainedConfig, size: int) -> None:
     """The model's heads split over the group (for a model whose config validation could not read: a hub id)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
@@ -87,13 +92,21 @@ def check_heads(config: Any, size: int) -> None:
         raise ConfigError(problems)
 
 
-def isolate_documents(core: Callable[..., Any]) -> Callable[..., Any]:
+def isolate_documents(core: AttentionFunction) -> AttentionFunction:
     """`core` (a transformers attention function) run per document where a row's position_ids restart: equal to a
     block-diagonal causal mask, without building one. Under Ulysses the position_ids in kwargs are the whole row's
     (DeepSpeed gathers them), and no mask reaches the core function, so plain sdpa would let packed documents attend
     to each other; flash attention reads documents from position_ids only for one row per batch."""
 
-    def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         positions = kwargs.get("position_ids")
         length = query.size(2)
         if positions is None or length == 1 or positions.size(-1) != length:
@@ -127,18 +140,18 @@ class _Registration:
     """What `register` changed in transformers' attention table, so generation can step around it and a later run of
     this process can start clean."""
 
-    def __init__(self, key: str, original: Callable[..., Any], sharded: Callable[..., Any]) -> None:
+    def __init__(self, key: str, original: AttentionFunction, sharded: AttentionFunction) -> None:
         self.key, self.original, self.sharded = key, original, sharded
         self.paused = False
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         return (self.original if self.paused else self.sharded)(*args, **kwargs)
 
 
 _registered: _Registration | None = None
 
 
-def register(model_config: Any, attention: str, size: int, micro_batch_size: int) -> Any:
+def register(model_config: PretrainedConfig, attention: str, size: int, micro_batch_size: int) -> ModuleType:
     """Collective (makes the groups): DeepSpeed's Ulysses attention for `attention` (an ALL_ATTENTION_FUNCTIONS key,
     never eager), before the model is built as DeepSpeed asks. Returns the mpu for deepspeed.initialize."""
     global _registered
@@ -165,11 +178,11 @@ def register(model_config: Any, attention: str, size: int, micro_batch_size: int
 
 
 class _ConfigHolder:
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         self.config = config
 
 
-def check_model_attention(model: Any, attention: str) -> None:
+def check_model_attention(model: PreTrainedModel | PeftModel | PeftMixedModel, attention: str) -> None:
     """The built model runs the attention that was wrapped (transformers may have fallen back to another)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     actual = getattr(config, "_attn_implementation", None)

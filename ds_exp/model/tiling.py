@@ -39,7 +39,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from deepspeed import DeepSpeedEngine
+from peft import PeftMixedModel, PeftModel
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ds_exp.config.tiling_plan import TilingPlan
@@ -51,12 +54,12 @@ IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_ind
 # ------------------------------------------------------------------------------------------------ tiled MLP
 
 
-def decoder_mlps(model: Any) -> list[Any]:
+def decoder_mlps(model: torch.nn.Module) -> list[torch.Tensor | torch.nn.Module]:
     """The `mlp` module of every decoder layer (transformers' GradientCheckpointingLayer)."""
     return [m.mlp for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and hasattr(m, "mlp")]
 
 
-def tile_mlps(model: Any, shards: int, model_type: str) -> int:
+def tile_mlps(model: torch.nn.Module, shards: int, model_type: str) -> int:
     """Make every decoder MLP of `model` compute over `shards` sequence slices; returns how many were tiled."""
     mlps = [m for m in decoder_mlps(model) if isinstance(m, torch.nn.Module)]
     if not mlps:
@@ -72,10 +75,10 @@ def tile_mlps(model: Any, shards: int, model_type: str) -> int:
 class _TiledForward:
     """An MLP's forward over exactly `shards` slices of the sequence (dim -2), each checkpointed."""
 
-    def __init__(self, forward: Callable[[Any], Any], shards: int, model_type: str) -> None:
+    def __init__(self, forward: Callable[[torch.Tensor], object], shards: int, model_type: str) -> None:
         self.forward, self.shards, self.model_type = forward, shards, model_type
 
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         outputs = []
         for piece in torch.tensor_split(x, self.shards, dim=-2):  # exactly `shards` pieces, some maybe empty
             if torch.is_grad_enabled():
@@ -102,22 +105,24 @@ class TiledLoss:
     logits, and the model returns that scalar where its logits would be.
     """
 
-    def __init__(self, head: Any, chunks: int, model_type: str) -> None:
+    def __init__(self, head: torch.nn.Module, chunks: int, model_type: str) -> None:
         self.head, self.chunks, self.model_type = head, chunks, model_type
-        self._labels: Any = None
-        self._result: Any = None
+        self._labels: torch.Tensor | None = None
+        self._result: torch.Tensor | None = None
         self._checked = False
         self._own_forward = head.forward
         head.forward = self._forward
 
-    def _forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+    def _forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._labels is None:  # generation, or anything else that wants logits
             return self._own_forward(hidden, *args, **kwargs)
         labels, self._labels = self._labels, None
         self._result = chunked_loss_sum(self._own_forward, hidden, labels, self.chunks)
         return self._result
 
-    def __call__(self, engine: Any, inputs: dict[str, Any], targets: Any) -> tuple[Any, Any]:
+    def __call__(
+        self, engine: DeepSpeedEngine, inputs: dict[str, torch.Tensor], targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`targets`: the next-token labels, shifted already (ds_exp.train.step.next_token_targets)."""
         self._labels, self._result = targets, None
         try:
@@ -137,10 +142,12 @@ class TiledLoss:
         return out.logits, (targets != IGNORE_INDEX).sum()
 
 
-def chunked_loss_sum(head_forward: Callable[[Any], Any], hidden: Any, targets: Any, chunks: int) -> Any:
+def chunked_loss_sum(
+    head_forward: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, chunks: int
+) -> torch.Tensor:
     """sum over tokens of cross_entropy(head(hidden), targets) in fp32, `chunks` slices of tokens at a time."""
 
-    def piece_loss(h: Any, y: Any) -> Any:
+    def piece_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = head_forward(h)
         return F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -182,7 +189,9 @@ class _Offloaded:
             return self.forward(*args, **kwargs)
 
 
-def apply_tiling(model: Any, plan: TilingPlan, model_type: str) -> TiledLoss | None:
+def apply_tiling(
+    model: PreTrainedModel | PeftModel | PeftMixedModel, plan: TilingPlan, model_type: str
+) -> TiledLoss | None:
     """Tiled MLPs and activation offload on the built model (after LoRA and gradient checkpointing); the tiled
     loss to compute losses with, or None for the model's own logits."""
     if plan.mlp_shards:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.paths import embedded_tokenizer_dir
@@ -20,7 +19,7 @@ def tokenizer_source(model: ModelConfig) -> str:
     return str(model.tokenizer or model.name_or_path or embedded_tokenizer_dir())
 
 
-def load_tokenizer(model: ModelConfig, data: DataConfig) -> Any:
+def load_tokenizer(model: ModelConfig, data: DataConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of `model`; `data` says which end-of-conversation token it must hold as one token."""
     source = tokenizer_source(model)
     try:
@@ -48,7 +47,7 @@ def load_tokenizer(model: ModelConfig, data: DataConfig) -> Any:
     return tok
 
 
-def _ensure_end_of_conversation(data: DataConfig, tok: Any, source: str) -> None:
+def _ensure_end_of_conversation(data: DataConfig, tok: PreTrainedTokenizerBase, source: str) -> None:
     """DeepSpeed-Chat's add_eot_token: a configured end-of-conversation token must be one token."""
     eot, template = data.end_of_conversation_token, plain(data.template)
     if eot is None or template == "chat_template" or (template == "auto" and tok.chat_template):

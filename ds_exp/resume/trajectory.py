@@ -14,7 +14,7 @@ schedule, the global batch and the data it draws from. A resume compares them wi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 from ds_exp.config.plan import global_batch_size, scheduler_kwargs
 from ds_exp.config.schema import Config, plain
@@ -86,7 +86,7 @@ def _complete(trajectory: dict) -> bool:
 
 
 def check(
-    cfg: Config, saved: dict | None, current: dict, step: int, tag_dir: Any, lr_at: LrAt | None = None
+    cfg: Config, saved: dict | None, current: dict, step: int, tag_dir: Path, lr_at: LrAt | None = None
 ) -> list[str]:
     """Raise ResumeError for what cannot change; return the lines that say what the resume changes."""
     if not saved:
