@@ -79,7 +79,7 @@ def check_backend(backend: str, accelerator: str) -> None:
             ) from None
 
 
-def all_reduce_sum(values: list[float], device: Any) -> list[float]:
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Collective: `values` summed over ranks (float64), back on the host."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)

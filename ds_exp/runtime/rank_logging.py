@@ -19,7 +19,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import datasets
 import transformers
@@ -99,7 +99,7 @@ class _BarSafeStream:
     """A console stream that clears ds_exp's progress bars before a line and redraws them after it (tqdm.write's
     way), so that a log line never continues the bar's line on a terminal."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self.stream = stream
 
     def write(self, text: str) -> None:

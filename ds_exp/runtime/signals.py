@@ -24,13 +24,17 @@ import signal
 import stat
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from ds_exp.core import compat
 from ds_exp.core.status import RunStatus
 
 log = logging.getLogger(__name__)
+
+# what signal.signal returns and accepts (typeshed's private _HANDLER)
+_Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
 _REQUEUE_WAIT_S = 300  # how long ranks > 0 wait for the requeue to end them before leaving by themselves
 
@@ -54,7 +58,7 @@ class StopSignals:
         self.under_submitit = launcher == "submitit"
         self.signum: int | None = None
         self.immediate = True  # before the training loop: stop at once (set False when the loop starts)
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, _Handler] = {}
 
     @property
     def requested(self) -> bool:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
 
@@ -34,7 +33,7 @@ class SFTCollator:
         self.isolate_packed = isolate_packed
         self.position_ids = position_ids
 
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
         lengths = [len(f["input_ids"]) for f in features]
         width = max(lengths, default=0)
         if self.pad_to_multiple_of:
@@ -65,7 +64,7 @@ class SFTCollator:
 
 
 def make_collator(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     pad_to_multiple_of: int | None = None,
     *,
     isolate_packed: bool = False,

@@ -4,11 +4,10 @@ every rank."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from ds_exp.artifacts.export import check_target
 from ds_exp.config.memory_plan import export_bytes
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, TrainConfig
 from ds_exp.core.errors import RunFailed
 from ds_exp.launch.run_dir import completed_at
 from ds_exp.launch.storage import check_free_space
@@ -17,7 +16,7 @@ from ds_exp.train.exports import check_step_export_targets, planned_step_exports
 from ds_exp.train.session import Session
 
 
-def saves_a_checkpoint(train_cfg: Any, start_step: int, total_steps: int) -> bool:
+def saves_a_checkpoint(train_cfg: TrainConfig, start_step: int, total_steps: int) -> bool:
     """Whether a run from `start_step` to `total_steps` writes a checkpoint (a stop signal aside): the final one,
     or one at a multiple of train.save_every still ahead."""
     if start_step >= total_steps:

@@ -10,12 +10,16 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
+from datasets import Dataset
+from deepspeed import DeepSpeedEngine
+from transformers import PreTrainedTokenizerBase
 
+from ds_exp.artifacts.tracking import Trackers
 from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.runtime.process_group import all_reduce_sum
+from ds_exp.train.collate import SFTCollator
 from ds_exp.train.generate import GREEDY, Sampling, generate, write_generations
 from ds_exp.train.step import IGNORE_INDEX, BatchLoss, batch_loss
 
@@ -23,9 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def evaluate(
-    engine: Any,
-    eval_set: Any,
-    collator: Any,
+    engine: DeepSpeedEngine,
+    eval_set: Dataset,
+    collator: SFTCollator,
     *,
     micro_batch: int,
     rank: int,
@@ -72,7 +76,7 @@ class Generations:
         self,
         prompts: list[str],
         *,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         template: str,
         max_new_tokens: int,
         stop_ids: list[int],
@@ -83,7 +87,7 @@ class Generations:
         self.max_new_tokens, self.stop_ids, self.path, self.sampling = max_new_tokens, stop_ids, path, sampling
         self.last_step = -1  # the step of the last generations
 
-    def __call__(self, engine: Any, step: int, wandb: Any) -> None:
+    def __call__(self, engine: DeepSpeedEngine, step: int, wandb: Trackers) -> None:
         self.last_step = step
         if not self.prompts:
             return

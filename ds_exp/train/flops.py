@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from peft import PeftModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 # Dense (not sparse) peak TFLOP/s per device from the vendors' data sheets: bf16/fp16 tensor cores, and fp32
 # without TF32 (torch's default for matmuls). Matched against torch.cuda.get_device_name(); first match wins.
@@ -75,7 +76,7 @@ class FlopsModel:
         return per_token * tokens + 12 * self.layers * self.hidden * sum_squared_lengths
 
 
-def flops_model(model: Any, config: Any) -> FlopsModel:
+def flops_model(model: PreTrainedModel | PeftModel, config: PreTrainedConfig) -> FlopsModel:
     """From the built model (ZeRO-3: partitioned parameters report their full size in ds_numel)."""
     text_config = getattr(config, "text_config", None) or config
     layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)
@@ -85,7 +86,7 @@ def flops_model(model: Any, config: Any) -> FlopsModel:
         n = numel(param)
         total += n
         trainable += n if param.requires_grad else 0
-    embedding = model.get_input_embeddings().weight
+    embedding: torch.Tensor = model.get_input_embeddings().weight  # type: ignore[assignment]  # transformers: nn.Module
     tied = bool(getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
     if not tied:  # a lookup, not a multiply
         total -= numel(embedding)
@@ -93,11 +94,11 @@ def flops_model(model: Any, config: Any) -> FlopsModel:
     return FlopsModel(total, trainable, layers, hidden)
 
 
-def numel(param: Any) -> int:
+def numel(param: torch.Tensor) -> int:
     return int(getattr(param, "ds_numel", 0) or param.numel())  # ZeRO-3 keeps the full size in ds_numel
 
 
-def sum_squared_lengths(batch: dict[str, Any]) -> float:
+def sum_squared_lengths(batch: dict[str, torch.Tensor]) -> float:
     """sum(n_i^2) over the sequences of a host batch: rows of an attention mask, or the examples of packed rows
     (position_ids restart at 0 for each; a packed row's short pad tail counts with its last example)."""
     mask = batch.get("attention_mask")

@@ -19,8 +19,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
+from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 from ds_exp.config.model_checks import position_limit
+from ds_exp.config.schema import EvalConfig
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import append_json_line
 from ds_exp.data.templates import render_prompt
@@ -38,7 +41,7 @@ class Sampling:
     seed: int | None = None  # seeds each call's sampling (None: the process's random state)
 
     @classmethod
-    def of(cls, eval_cfg: Any) -> Sampling:
+    def of(cls, eval_cfg: EvalConfig) -> Sampling:
         return cls(float(eval_cfg.temperature), float(eval_cfg.top_p), int(eval_cfg.top_k), int(eval_cfg.seed))
 
     @property
@@ -57,7 +60,7 @@ GREEDY = Sampling()
 
 
 @contextlib.contextmanager
-def seeded(sampling: Sampling, device: Any) -> Iterator[None]:
+def seeded(sampling: Sampling, device: torch.device | str) -> Iterator[None]:
     """Sampling seeded by `sampling.seed` in a forked random state: what follows draws as if nothing happened."""
     if sampling.greedy or sampling.seed is None:
         yield
@@ -70,13 +73,13 @@ def seeded(sampling: Sampling, device: Any) -> Iterator[None]:
         yield
 
 
-def load_prompts(eval_cfg: Any) -> list[str]:
+def load_prompts(eval_cfg: EvalConfig) -> list[str]:
     """eval.prompts, then the lines of eval.prompts_file (a text file, one prompt per line, or JSON lines with a
     "prompt" field)."""
     return [prompt for _, prompt in labelled_prompts(eval_cfg)]
 
 
-def labelled_prompts(eval_cfg: Any) -> list[tuple[str, str]]:
+def labelled_prompts(eval_cfg: EvalConfig) -> list[tuple[str, str]]:
     """(where it comes from, for messages: eval.prompts[i] or eval.prompts_file=<path>:<line>; the prompt)."""
     prompts = [(f"eval.prompts[{i}]", str(p)) for i, p in enumerate(eval_cfg.prompts or [])]
     if eval_cfg.prompts_file:
@@ -102,7 +105,9 @@ def labelled_prompts(eval_cfg: Any) -> list[tuple[str, str]]:
     return prompts
 
 
-def check_generation_room(eval_cfg: Any, model_config: Any, tokenizer: Any, template: str) -> None:
+def check_generation_room(
+    eval_cfg: EvalConfig, model_config: PreTrainedConfig, tokenizer: PreTrainedTokenizerBase, template: str
+) -> None:
     """Every prompt, rendered as the run asks it, plus eval.max_new_tokens fits the positions of a model that learned
     a table of absolute positions (OPT, GPT-2, ...): past its end generation fails with an IndexError, after
     training. Checked before training; rotary models run past their context and are not limited here."""
@@ -131,7 +136,7 @@ def check_generation_room(eval_cfg: Any, model_config: Any, tokenizer: Any, temp
         )
 
 
-def stop_token_ids(tokenizer: Any, end_of_conversation: str | None) -> list[int]:
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, end_of_conversation: str | None) -> list[int]:
     """Where a completion ends: the eos, and the end-of-conversation token the run trains with when it is one
     token of its own."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -143,8 +148,8 @@ def stop_token_ids(tokenizer: Any, end_of_conversation: str | None) -> list[int]
 
 
 def generate(
-    engine: Any,
-    tokenizer: Any,
+    engine: DeepSpeedEngine,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
     *,
     template: str,
@@ -159,7 +164,7 @@ def generate(
     if rank != 0 and not zero3:
         return None
     model = engine.module
-    completions = []
+    completions: list[str] = []
     engine.eval()
     with torch.no_grad(), paused(), seeded(sampling, engine.device):
         for prompt in prompts:
@@ -175,7 +180,10 @@ def generate(
                 use_cache=True,
                 synced_gpus=zero3 and dist.get_world_size() > 1,
             )
-            completions.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+            # one sequence decodes to a str (transformers hints str | list[str], the batch's too)
+            completions.append(
+                tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)  # type: ignore[arg-type]
+            )
     engine.train()
     return completions if rank == 0 else None
 

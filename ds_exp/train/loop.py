@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from deepspeed import DeepSpeedEngine
 from torch.utils.data import DataLoader
 
 from ds_exp.checkpoint.checkpointer import Checkpointer
@@ -27,7 +29,7 @@ from ds_exp.train.exports import RunExports
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.sampler import ResumableDistributedSampler
 from ds_exp.train.session import Session
-from ds_exp.train.step import StepResult, TrainStep
+from ds_exp.train.step import Batch, StepResult, TrainStep
 from ds_exp.train.workload import Workload
 
 log = logging.getLogger("ds_exp.train")
@@ -64,7 +66,7 @@ class Loop:
         self.schedule = str(plain(work.schedule_name))
         self.eval_every = eval_interval(train_cfg, work.steps_per_epoch, work.total_steps)  # 0: after each epoch
         self.bad_steps = 0
-        self.last_loss: Any = None
+        self.last_loss: torch.Tensor | float | None = None
         self.last_labels = 0.0  # the last step's label tokens over the global batch
         self.last_applied = True  # whether the last step's update was applied (ZeRO skips non-finite gradients)
         self.finite_at = -1  # the step whose end state was last found finite (check_end)
@@ -93,7 +95,7 @@ class Loop:
                     self.evaluate()  # after each epoch
         self.metrics.write()
 
-    def optimizer_step(self, batches: list[dict[str, Any]], started: float) -> None:
+    def optimizer_step(self, batches: list[Batch], started: float) -> None:
         """One step, then what follows it: the non-finite check, metric line, evaluation, checkpoint, stop."""
         train_cfg, progress, session = self.train_cfg, self.progress, self.session
         result = self.step(batches, stop_requested=session.signals.requested, previous_loss=self.last_loss)
@@ -221,12 +223,12 @@ class Loop:
         self.session.state.checkpoint = str(path)
 
 
-def current_lr(engine: Any) -> float:
+def current_lr(engine: DeepSpeedEngine) -> float:
     lrs = engine.get_lr()
     return float(lrs[0]) if lrs else float(engine.optimizer.param_groups[0]["lr"])
 
 
-def loss_scale(engine: Any) -> float | None:
+def loss_scale(engine: DeepSpeedEngine) -> float | None:
     """The fp16 loss scaler's current scale: DeepSpeed's fp16 optimizers call it cur_scale, its ZeRO optimizers
     loss_scale."""
     for name in ("cur_scale", "loss_scale"):

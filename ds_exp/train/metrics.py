@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ds_exp.artifacts.tracking import MetricsLog, Trackers
 from ds_exp.launch.run_logging import STEP_LOGGER
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.train.step import StepResult
@@ -30,7 +31,8 @@ step_log = logging.getLogger(STEP_LOGGER)
 class Window:
     """This rank's sums since the last metric line."""
 
-    loss_sum: Any = 0.0  # a tensor once a step has run: read (a device sync on GPUs) only when the line is written
+    # a tensor once a step has run: read (a device sync on GPUs) only when the line is written
+    loss_sum: torch.Tensor | float = 0.0
     label_tokens: float = 0.0
     input_tokens: float = 0.0
     samples: float = 0.0
@@ -43,8 +45,8 @@ class Window:
 class PendingLine:
     """A closed window whose sums over ranks are still being all-reduced."""
 
-    work: Any  # the async all-reduce
-    sums: Any  # its tensor: loss sum, label tokens, input tokens, samples, model FLOPs
+    work: dist.Work  # the async all-reduce
+    sums: torch.Tensor  # its tensor: loss sum, label tokens, input tokens, samples, model FLOPs
     record: dict[str, Any]  # the line, less what the sums give
     elapsed: float
 
@@ -76,16 +78,16 @@ class Metrics:
 
     def __init__(
         self,
-        metrics_log: Any,
-        wandb: Any,
+        metrics_log: MetricsLog,
+        wandb: Trackers,
         *,
-        device: Any,
+        device: torch.device,
         world_size: int,
         peak_flops: float | None,
         carried: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.metrics_log, self.wandb = metrics_log, wandb
-        self.bar: Any = _NoBar()
+        self.bar: tqdm | _NoBar = _NoBar()
         self.device, self.world_size, self.peak_flops = device, world_size, peak_flops
         self.window = Window(*carried)  # a resumed window's sums (over all ranks: rank 0 alone carries them)
         self.pending: PendingLine | None = None
@@ -177,12 +179,12 @@ class Metrics:
         totals.last_loss = loss
         self.metrics_log.write(record)
         self.wandb.log({f"train/{k}": v for k, v in record.items() if k not in ("type", "step")}, step=step)
-        shown: dict[str, Any] = {"lr": f"{record['lr']:.2e}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+        shown: dict[str, str] = {"lr": f"{record['lr']:.2e}", "tok_s": f"{record['tokens_per_s']:.0f}"}
         if record["mfu"] is not None:
             shown["mfu"] = f"{record['mfu']:.1%}"
         if step > self.loss_step:  # the run's last line: no later step brings that step's own loss
             shown["loss"] = f"{loss:.4f}"
-        self.show(**shown)
+        self.show(True, **shown)
         step_log.info("step %d loss %.5f lr %.3e tokens/s %.0f", step, loss, record["lr"], record["tokens_per_s"])
 
     def record(self, record: dict[str, Any], wandb_values: dict[str, Any]) -> None:

@@ -20,6 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from ds_exp.checkpoint.checkpointer import Checkpointer, load_checkpoint
 from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, load_state, param_names
 from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
@@ -37,7 +39,7 @@ from ds_exp.data.templates import first_template
 from ds_exp.launch.run_dir import completed_at, set_aside_attempt
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.model.architecture import build_model_config, check_lora, hidden_size_of
-from ds_exp.model.build import build_model
+from ds_exp.model.build import BuiltModel, build_model
 from ds_exp.model.engine import build_engine, check_deepspeed_config, lr_at, parameter_groups, release_engine
 from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, unregister
 from ds_exp.model.tokenizer import load_tokenizer
@@ -183,7 +185,7 @@ def setup(cfg: Config, session: Session) -> Workload:
     )
 
 
-def log_model(cfg: Config, built: Any, parameters: int, trainable: int) -> None:
+def log_model(cfg: Config, built: BuiltModel, parameters: int, trainable: int) -> None:
     lora = built.lora
     log.info(
         "model: %s, %s parameters, %s trainable (%.2f%%)%s",
@@ -388,5 +390,5 @@ def _prompts(cfg: Config) -> list[str]:
     return load_prompts(cfg.eval)
 
 
-def _stop_ids(cfg: Config, tokenizer: Any) -> list[int]:
+def _stop_ids(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return stop_token_ids(tokenizer, cfg.data.end_of_conversation_token)

@@ -35,6 +35,7 @@ from ds_exp.launch.environment import detect_launch
 from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
 from ds_exp.launch.run_dir import remove_rank_placeholder
 from ds_exp.launch.run_logging import FILE_LOGGER
+from ds_exp.resume.store import TrainState
 from ds_exp.runtime.device import resolved_precision
 from ds_exp.runtime.memory import is_out_of_memory, peak_memory_bytes
 from ds_exp.runtime.peers import gather_hosts, lost_ranks
@@ -70,7 +71,7 @@ class Session:
         self.state = RunState(
             run_dir, self.launch.launcher, self.world, sequence_parallel_size=int(cfg.dist.sequence_parallel_size)
         )
-        self.sinks: list[Any] = []  # closed when the session ends
+        self.sinks: list[MetricsLog | Trackers] = []  # closed when the session ends
         self.hosts: list[tuple[str, list[str]]] = []  # (host, addresses) of each rank, once the group is up
         self.resume_source: Path | None = None  # the checkpoint this attempt continues (set once it is decided)
 
@@ -115,7 +116,7 @@ class Session:
             torch.get_num_threads(),
         )
 
-    def open_sinks(self, start: Any) -> tuple[Any, Any]:
+    def open_sinks(self, start: TrainState) -> tuple[MetricsLog, Trackers]:
         """metrics.jsonl and the trackers (rank 0 writes them all). `start`: the TrainState the run continues from,
         whose tracker run ids (wandb, MLflow) a resumed run continues."""
         trackers = Trackers(self.cfg, self.run_dir, enabled=self.is_main, start=start)
@@ -229,7 +230,7 @@ class Session:
     def write_summary(self) -> dict[str, Any] | None:
         """Rank 0 writes summary.json and returns it (None on the other ranks)."""
         peak = peak_memory_bytes(self.accelerator)
-        peaks: list[Any] = [peak]
+        peaks: list[int | None] = [peak]
         if self.state.status in EVERY_RANK_ENDS and dist.is_initialized():  # every rank is still here
             peaks = [None] * self.world
             dist.all_gather_object(peaks, peak)

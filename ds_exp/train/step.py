@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
@@ -28,8 +28,10 @@ from ds_exp.train.flops import FlopsModel, sum_squared_lengths
 
 IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_index)
 
+Batch = dict[str, torch.Tensor]  # a collated batch (ds_exp.train.collate.SFTCollator), on the host or the device
 
-def next_token_targets(batch: dict[str, Any]) -> Any:
+
+def next_token_targets(batch: Batch) -> torch.Tensor:
     """The label each position is scored on: position t on labels[t + 1], the last position on none. A
     sequence-parallel slice carries them shifted already (its last position predicts the next slice's first token)."""
     if "shift_labels" in batch:
@@ -37,14 +39,20 @@ def next_token_targets(batch: dict[str, Any]) -> Any:
     return F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
 
 
-def token_loss_sum(logits: Any, labels: Any = None, *, shift_labels: Any = None) -> tuple[Any, Any]:
+def token_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor | None = None, *, shift_labels: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over label tokens (fp32), and how many there were. `labels` are aligned with
     the inputs (shifted here); `shift_labels` are shifted already: a sequence-parallel slice's, whose last position
     predicts the next slice's first token (see loss_labels)."""
 
     # Shift the labels, not the logits: slicing the logits would copy them (batch x length x vocabulary) and
     # scatter their gradient back; the padded last position is ignored like any other masked token.
-    targets = shift_labels if shift_labels is not None else next_token_targets({"labels": labels})
+    if shift_labels is not None:
+        targets = shift_labels
+    else:
+        assert labels is not None, "token_loss_sum needs labels or shift_labels"
+        targets = next_token_targets({"labels": labels})
     loss = F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
         targets.reshape(-1),
@@ -55,40 +63,40 @@ def token_loss_sum(logits: Any, labels: Any = None, *, shift_labels: Any = None)
 
 
 # (engine, model inputs, next-token targets) -> (summed token loss, label tokens): logits_loss, or the tiled loss
-BatchLoss = Callable[[Any, dict[str, Any], Any], tuple[Any, Any]]
+BatchLoss = Callable[[torch.nn.Module, Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def logits_loss(engine: Any, inputs: dict[str, Any], targets: Any) -> tuple[Any, Any]:
+def logits_loss(engine: torch.nn.Module, inputs: Batch, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed token loss and label tokens from the model's full logits (the default; model.tiled_loss computes
     the same in chunks: ds_exp.model.tiling.TiledLoss)."""
     out = engine(**inputs, use_cache=False)
     return token_loss_sum(out.logits, shift_labels=targets)
 
 
-def batch_loss(loss: BatchLoss | None, engine: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
+def batch_loss(loss: BatchLoss | None, engine: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's summed token loss and label tokens through `loss` (None: the full logits')."""
     return (loss or logits_loss)(engine, model_inputs(batch), next_token_targets(batch))
 
 
-def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+def model_inputs(batch: Batch) -> Batch:
     """input_ids with attention_mask, or with position_ids for packed batches (each example attends to itself)."""
     return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
 
 
-def loss_labels(batch: dict[str, Any]) -> dict[str, Any]:
+def loss_labels(batch: Batch) -> Batch:
     """token_loss_sum's labels for a batch: a sequence-parallel slice carries them shifted already."""
     if "shift_labels" in batch:
         return {"shift_labels": batch["shift_labels"]}
     return {"labels": batch["labels"]}
 
 
-def input_tokens(batch: dict[str, Any]) -> float:
+def input_tokens(batch: Batch) -> float:
     """Counted on the host batch (before it moves to the device), so counting never syncs with the device."""
     mask = batch.get("attention_mask")
     return float(mask.sum()) if mask is not None else float(batch["input_ids"].numel())
 
 
-def label_tokens(batch: dict[str, Any]) -> int:
+def label_tokens(batch: Batch) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
@@ -107,7 +115,9 @@ class StepResult:
     """This rank's part of one optimizer step."""
 
     votes: StepVotes
-    loss_sum: Any  # summed token losses (a tensor: read only when needed, reading syncs with the device)
+    loss_sum: (
+        torch.Tensor | float
+    )  # summed token losses (a tensor: read only when needed, reading syncs with the device)
     label_tokens: int
     input_tokens: float
     samples: int
@@ -125,16 +135,16 @@ class Fp16LossScale:
     DeepSpeed sends into the loss at the first backward with a scale other than 1 (one device sync, once) and scales
     from then on only if DeepSpeed did not: a DeepSpeed that fixes this is left alone."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: DeepSpeedEngine) -> None:
         self.optimizer = engine.optimizer
         self.unscaled = 1.0 / engine.gradient_accumulation_steps()  # engine.backward divides the loss by it
         self.deepspeed_scales: bool | None = None  # decided at the first backward with a scale other than 1
 
     @staticmethod
-    def needed(engine: Any) -> bool:
+    def needed(engine: DeepSpeedEngine) -> bool:
         return isinstance(getattr(engine, "optimizer", None), (FP16_Optimizer, FP16_UnfusedOptimizer))
 
-    def __call__(self, grad: Any) -> Any:
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         scale = float(self.optimizer.loss_scale)
         if scale == 1.0:
             return grad
@@ -148,7 +158,7 @@ class TrainStep:
 
     def __init__(
         self,
-        engine: Any,
+        engine: DeepSpeedEngine,
         *,
         world_size: int,
         flops: FlopsModel,
@@ -165,7 +175,9 @@ class TrainStep:
         self.rank_scale = world_size // self.sp.size * compat.sequence_parallel_gradient_factor(engine, self.sp.size)
         self.fp16_loss_scale = Fp16LossScale(engine) if Fp16LossScale.needed(engine) else None
 
-    def __call__(self, batches: list[dict[str, Any]], *, stop_requested: bool, previous_loss: Any) -> StepResult:
+    def __call__(
+        self, batches: list[Batch], *, stop_requested: bool, previous_loss: torch.Tensor | float | None
+    ) -> StepResult:
         """One step over `batches` (this rank's micro batches). The step's only collective of its own sums the
         label tokens of the global batch (the loss is divided by them), this rank's stop vote, whether its
         previous step's loss was non-finite, and that loss's sum (with the previous step's label tokens: its loss
@@ -185,7 +197,7 @@ class TrainStep:
         )
         pending = dist.all_reduce(reduced, async_op=True)
         votes: StepVotes | None = None
-        loss_sum: Any = 0.0
+        loss_sum: torch.Tensor | float = 0.0
         tokens = samples = flops = 0.0
         for batch in batches:
             if sp.counts_rows:

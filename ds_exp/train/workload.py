@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from deepspeed import DeepSpeedEngine
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 from transformers import PreTrainedTokenizerBase
+from transformers.optimization import GreedyLR
 
 from ds_exp.data.pipeline import SFTData
 from ds_exp.model.build import BuiltModel
@@ -29,7 +31,8 @@ class Workload:
     trajectory: dict[str, Any]  # what the run's course depends on (ds_exp.resume.trajectory.trajectory_of)
     built: BuiltModel  # the model, its config, LoRA, and what the export needs of the base
     engine: DeepSpeedEngine
-    metric_scheduler: Any | None  # a schedule stepped with a metric (plateau, greedy), outside the engine
+    # a schedule stepped with a metric (plateau, greedy), outside the engine
+    metric_scheduler: ReduceLROnPlateau | GreedyLR | None
     schedule_name: str
     flops: FlopsModel
     peak_flops: float | None  # per device, for MFU (None where unknown)
