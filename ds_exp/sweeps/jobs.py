@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
@@ -18,6 +18,9 @@ from ds_exp.launch.run_config import continue_run_config, keep_job_config, resum
 from ds_exp.launch.run_dir import check_job_dir
 from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.study_files import STUDY_FILE, is_study_sweep
+
+if TYPE_CHECKING:
+    from hydra.core.config_loader import ConfigLoader
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
@@ -46,7 +49,7 @@ resumed_jobs: dict[Path, tuple[DictConfig, str]] = {}
 
 
 def check_job(
-    loader: Any,
+    loader: ConfigLoader,
     config: DictConfig,
     overrides: list[str],
     num: int | None = None,

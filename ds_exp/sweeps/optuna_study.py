@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from hydra.core.plugins import Plugins
@@ -40,7 +40,7 @@ from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.launch.console import report_user_error
 from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.jobs import check_job, job_dir_of
-from ds_exp.sweeps.search_space import parse_search_space, probe_overrides
+from ds_exp.sweeps.search_space import SearchSpace, parse_search_space, probe_overrides
 from ds_exp.sweeps.study_files import (
     ABANDONED,
     OBJECTIVES,
@@ -50,6 +50,13 @@ from ds_exp.sweeps.study_files import (
     shown_storage,
 )
 from ds_exp.sweeps.study_trials import abandoned_trials, finished, write_study
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from hydra.plugins.launcher import Launcher
+    from optuna.samplers import BaseSampler
+    from optuna.trial import Trial
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +107,8 @@ class StudySweeper(Sweeper):
         storage: str | None = None,
         n_trials: int = 20,
         n_jobs: int = 1,
-        sampler: Any = None,
-        params: Any = None,
+        sampler: Any = None,  # a Hydra instantiate config (YAML), built by make_sampler
+        params: DictConfig | dict[str, object] | None = None,
         sweep_dir: str | None = None,  # read by conf/config.yaml's hydra.sweep.dir, not here
     ) -> None:
         super().__init__()
@@ -113,7 +120,7 @@ class StudySweeper(Sweeper):
         self.params = {str(key): value for key, value in given.items()}
         self.hydra_context: HydraContext | None = None
         self.config: DictConfig | None = None
-        self.launcher: Any = None
+        self.launcher: Launcher | None = None
         self.exhausted = False  # set when the sampler stops the study (its whole space tried)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -122,7 +129,7 @@ class StudySweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config
         )
 
-    def sweep(self, arguments: list[str]) -> Any:
+    def sweep(self, arguments: list[str]) -> list[list[Trial]]:
         try:
             return self.run_study(arguments)
         except DsExpError as err:
@@ -130,7 +137,7 @@ class StudySweeper(Sweeper):
             raise SystemExit(err.exit_code) from None
 
     # ------------------------------------------------------------------------------------------ the study
-    def run_study(self, arguments: list[str]) -> list[Any]:
+    def run_study(self, arguments: list[str]) -> list[list[Trial]]:
         assert self.config is not None and self.hydra_context is not None
         self.check_settings()
         loader = self.hydra_context.config_loader
@@ -176,7 +183,9 @@ class StudySweeper(Sweeper):
                 f"hydra.sweeper.direction={self.direction}: study {self.study_name} in {shown_storage(storage)} "
                 f"was created to {study.direction.name.lower()}; keep its direction or name a new study"
             )
-        study.sampler = self.make_sampler(len(study.trials))
+        sampler = self.make_sampler(len(study.trials))
+        if sampler is not None:  # sampler=null: the study keeps optuna's default (create_study's TPESampler)
+            study.sampler = sampler
         self.save_sweep_config(sweep_dir)
         returns = []
         continued = self.settle_abandoned(study, sweep_dir)
@@ -190,7 +199,7 @@ class StudySweeper(Sweeper):
             f"objective {self.objective} ({self.direction})"
         )
         while (done := finished(study)) < self.n_trials and not self.exhausted:
-            trials = [study.ask(space.distributions) for _ in range(min(self.n_jobs, self.n_trials - done))]
+            trials = [study.ask(dict(space.distributions)) for _ in range(min(self.n_jobs, self.n_trials - done))]
             missing = self.run_trials(study, trials, space.overrides, sweep_dir)
             write_study(sweep_dir, study, identity, self.n_trials)
             if missing:
@@ -217,7 +226,7 @@ class StudySweeper(Sweeper):
         if problems:
             raise ConfigError(problems)
 
-    def check_composes(self, space: Any) -> None:
+    def check_composes(self, space: SearchSpace) -> None:
         """The corners of the space are composed first: an unknown key or option (or a float for an integer) would
         fail every trial, and a searched key the runs would not obey (a DeepSpeed file that sets it) would search
         nothing, so either stops the study before anything runs. (Other invalid corners are trials that fail.)"""
@@ -240,7 +249,7 @@ class StudySweeper(Sweeper):
         assert self.hydra_context is not None and self.config is not None
         return self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
 
-    def make_sampler(self, trials_so_far: int) -> Any:
+    def make_sampler(self, trials_so_far: int) -> BaseSampler | None:
         """The configured sampler; a seeded one is seeded with seed + the trials so far, so that a continued study
         does not draw the first invocation's values again."""
         if not self.sampler_cfg:
@@ -263,7 +272,7 @@ class StudySweeper(Sweeper):
             target = sweep_dir / f"multirun-{time.strftime('%Y-%m-%d_%H-%M-%S')}.yaml"
         OmegaConf.save(self.config, target)
 
-    def settle_abandoned(self, study: Any, sweep_dir: Path) -> list[Any]:
+    def settle_abandoned(self, study: optuna.Study, sweep_dir: Path) -> list[Trial]:
         """Trials an earlier run of this study left RUNNING (study_trials.abandoned_trials): a stopped or interrupted
         one goes on (the same trial number and values, resume=auto in its directory: from its checkpoint), one that
         completed is recorded as it ended, the rest as failed. Returns the trials continued."""
@@ -288,17 +297,24 @@ class StudySweeper(Sweeper):
 
     # ----------------------------------------------------------------------------------------- the trials
     def run_trials(
-        self, study: Any, trials: list[Any], overrides_of: Any, sweep_dir: Path, *, resume: bool = False
+        self,
+        study: optuna.Study,
+        trials: list[Trial],
+        overrides_of: Callable[[dict[str, Any]], list[str]] | None,
+        sweep_dir: Path,
+        *,
+        resume: bool = False,
     ) -> list[str]:
         """Compose and validate each trial once, launch the valid ones, tell the study how each ended. Returns the
         problems that stop the study (an objective the runs do not report). `resume`: the trials are ones an
         earlier run left unfinished; each continues in its own directory with its recorded overrides."""
         assert self.hydra_context is not None and self.config is not None
-        launch: list[tuple[Any, list[str], Path]] = []
+        launch: list[tuple[Trial, list[str], Path]] = []
         for trial in trials:
             if resume:
                 overrides = [*trial.user_attrs["overrides"], "resume=auto"]
             else:
+                assert overrides_of is not None  # a new trial: its values -> overrides
                 overrides = overrides_of(trial.params)
                 trial.set_user_attr("overrides", overrides)
                 trial.set_user_attr("sweep_dir", str(sweep_dir))
@@ -330,9 +346,9 @@ class StudySweeper(Sweeper):
             self.tell(study, trial, getattr(TrialState, state), value, error)
         return missing
 
-    def launch(self, batch: list[tuple[Any, list[str], Path]]) -> str | None:
+    def launch(self, batch: list[tuple[Trial, list[str], Path]]) -> str | None:
         """Launch the batch (its job numbers are its trial numbers); the launcher's own error, if it raised."""
-        groups: list[list[tuple[Any, list[str], Path]]] = []
+        groups: list[list[tuple[Trial, list[str], Path]]] = []
         for item in batch:  # trial numbers in a batch are consecutive unless another process asked in between
             if groups and groups[-1][-1][0].number + 1 == item[0].number:
                 groups[-1].append(item)
@@ -340,6 +356,7 @@ class StudySweeper(Sweeper):
                 groups.append([item])
         error = None
         for group in groups:
+            assert self.launcher is not None  # setup()
             try:
                 self.launcher.launch([overrides for _, overrides, _ in group], initial_job_idx=group[0][0].number)
             except Exception as err:  # e.g. submitit: a job whose process died; its summary.json tells the rest
@@ -347,7 +364,9 @@ class StudySweeper(Sweeper):
                 log.warning("the launcher reported: %s", error)
         return error
 
-    def tell(self, study: Any, trial: Any, state: Any, value: float | None, error: str | None) -> None:
+    def tell(
+        self, study: optuna.Study, trial: Trial, state: TrialState, value: float | None, error: str | None
+    ) -> None:
         if error is not None:
             trial.set_user_attr("error", error[:2000])
         try:

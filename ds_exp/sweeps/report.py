@@ -18,7 +18,7 @@ import shlex
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -26,6 +26,9 @@ from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 PLAN_FILE = "autotune.json"  # an autotune sweep's plan (ds_exp/tools/autotune.py): candidates, estimates, verdicts
 
@@ -62,7 +65,7 @@ class Damaged(Exception):
     """A file of a job that cannot be read as what ds_exp wrote there (cut short, edited, another program's)."""
 
 
-def _read(path: Path, parse: Any, kind: str) -> Any:
+def _read(path: Path, parse: Callable[[str], Any], kind: str) -> Any:
     try:
         return parse(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -104,7 +107,7 @@ def read_job_summary(path: Path) -> dict[str, Any]:
     return summary
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -154,7 +157,7 @@ def _fill_from_summary(row: dict[str, Any], summary: dict[str, Any]) -> None:
     )
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
@@ -235,7 +238,7 @@ def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[st
     return rows
 
 
-def _section(make: Any, sweep_dir: Path, *args: Any) -> str:
+def _section(make: Callable[..., str | None], sweep_dir: Path, *args: list[dict[str, Any]]) -> str:
     """A section of the report from its own record (autotune's plan, the study's record); a damaged record leaves
     the section out with a line that names it, and the job table still comes out."""
     try:

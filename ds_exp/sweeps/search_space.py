@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep, RangeSweep, Transformer
@@ -23,24 +23,31 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from ds_exp.core.errors import ConfigError, first_line
 
+if TYPE_CHECKING:
+    from hydra.core.config_loader import ConfigLoader
+    from optuna.distributions import CategoricalChoiceType
+
+# What distribution() makes of a sweep override
+Distribution = FloatDistribution | IntDistribution | CategoricalDistribution
+
 TAGS = {"log", "int"}  # what tag(...) may say around an interval / range
 
 
 @dataclass
 class SearchSpace:
-    distributions: dict[str, Any] = field(default_factory=dict)  # key -> optuna distribution
+    distributions: dict[str, Distribution] = field(default_factory=dict)  # key -> optuna distribution
     fixed: list[str] = field(default_factory=list)  # overrides every trial gets, as typed
 
     def as_json(self) -> dict[str, str]:
         """Each distribution as optuna serialises it: what a continued study must search again."""
         return {key: distribution_to_json(dist) for key, dist in self.distributions.items()}
 
-    def overrides(self, params: dict[str, Any]) -> list[str]:
+    def overrides(self, params: dict[str, CategoricalChoiceType]) -> list[str]:
         """A trial's overrides: the fixed ones, then its values."""
         return self.fixed + [f"{key}={override_value(params[key])}" for key in self.distributions]
 
 
-def override_value(value: Any) -> str:
+def override_value(value: CategoricalChoiceType) -> str:
     """A suggested value as Hydra's grammar reads it back unchanged (floats exactly: repr round-trips)."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -51,7 +58,7 @@ def override_value(value: Any) -> str:
     return str(value)
 
 
-def parse_search_space(arguments: list[str], config_loader: Any = None) -> SearchSpace:
+def parse_search_space(arguments: list[str], config_loader: ConfigLoader | None = None) -> SearchSpace:
     """The command line's (and hydra.sweeper.params') overrides -> a search space; one ConfigError naming every
     override that cannot be searched, and how to write it."""
     try:
@@ -76,8 +83,9 @@ def parse_search_space(arguments: list[str], config_loader: Any = None) -> Searc
     return space
 
 
-def distribution(override: Any) -> Any:
-    """One sweep override -> one optuna distribution (ValueError with the fix when it cannot be one)."""
+def distribution(override: Any) -> Distribution:
+    """One sweep override -> one optuna distribution (ValueError with the fix when it cannot be one). `override`: a
+    Hydra Override, typed loosely as its sweep_iterator's elements (any value type) are narrowed by the sweep's kind."""
     value = override.value()
     tags = set(getattr(value, "tags", set()) or set())
     if tags - TAGS:
@@ -120,7 +128,7 @@ def distribution(override: Any) -> Any:
 def probe_overrides(space: SearchSpace) -> list[list[str]]:
     """Trials at the corners of the space (each choice, each bound): if one of them cannot even be composed (an
     unknown key or option, a float for an integer), no trial can, and the study is refused before it starts."""
-    corners: dict[str, list[Any]] = {}
+    corners: dict[str, list[CategoricalChoiceType]] = {}
     for key, dist in space.distributions.items():
         corners[key] = list(dist.choices) if isinstance(dist, CategoricalDistribution) else [dist.low, dist.high]
     probes = []

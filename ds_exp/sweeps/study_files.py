@@ -8,12 +8,15 @@ import math
 import re
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_exp.config.file_overrides import override_key
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.status import RunStatus
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 # Keys of the probe session itself, never part of the configuration it recommends (resume=auto continues the
 # probes' own directories; a new run of the recommendation starts fresh).
@@ -29,12 +32,14 @@ ABANDONED = "the sweep that ran it ended before it did"
 IDENTITY = ("study_name", "storage", "objective", "direction", "search_space", "fixed")
 
 
-def is_study_sweep(config: Any) -> bool:
+def is_study_sweep(config: DictConfig) -> bool:
     """hydra/sweeper=optuna (conf/hydra/sweeper/optuna.yaml)."""
     return str(config.hydra.sweeper.get("_target_", "")).endswith(".OptunaSweeper")
 
 
-def outcome(job_dir: Path, objective: str, launch_error: str | None) -> tuple[str, Any, str | None, Any]:
+def outcome(
+    job_dir: Path, objective: str, launch_error: str | None
+) -> tuple[str, float | None, str | None, dict[str, Any] | None]:
     """(state, value, error, summary) of a launched trial, from its run's summary.json."""
     summary_file = job_dir / "summary.json"
     if not summary_file.is_file():
@@ -153,7 +158,7 @@ def study_section(sweep_dir: Path) -> str | None:
     return "\n".join(lines) + "\n"
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 

@@ -4,7 +4,7 @@ how many finished, and study.json written for people."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optuna.trial import TrialState
 
@@ -14,10 +14,14 @@ from ds_exp.launch.lock import live_holder
 from ds_exp.launch.run_dir import read_summary
 from ds_exp.sweeps.study_files import ABANDONED, STUDY_FILE, command_line
 
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.trial import FrozenTrial
 
-def write_study(sweep_dir: Path, study: Any, identity: dict[str, Any], n_trials: int) -> None:
+
+def write_study(sweep_dir: Path, study: Study, identity: dict[str, Any], n_trials: int) -> None:
     """study.json: the study's settings and every trial, for the sweep report (study_section)."""
-    trials = []
+    trials: list[dict[str, Any]] = []
     for trial in study.get_trials(deepcopy=False):
         attrs = trial.user_attrs
         trials.append(
@@ -43,11 +47,11 @@ def write_study(sweep_dir: Path, study: Any, identity: dict[str, Any], n_trials:
 # saved a checkpoint (or had not reached one) and said how to go on.
 
 
-def finished(study: Any) -> int:
+def finished(study: Study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
 
 
-def abandoned_trials(study: Any, sweep_dir: Path) -> list[tuple[Any, str]]:
+def abandoned_trials(study: Study, sweep_dir: Path) -> list[tuple[FrozenTrial, str]]:
     """Trials of this directory still RUNNING: they belong to a sweep that ended before they did. Each with what
     the re-run does with it: "continue" (its run was stopped or interrupted: the same trial goes on from its
     checkpoint, resume=auto in its own directory), "tell" (its run completed after all, e.g. continued by hand:

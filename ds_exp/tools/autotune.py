@@ -27,13 +27,15 @@ from typing import Any, NoReturn
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.file_overrides import IgnoredOverride
 from ds_exp.config.memory_plan import human_bytes, run_estimate
 from ds_exp.config.precision import detect_accelerator
-from ds_exp.config.schema import as_dict
+from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError, first_line
@@ -47,7 +49,7 @@ from ds_exp.sweeps.report import PLAN_FILE, WARMUP_STEPS
 _UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 
 
-def parse_budget(value: Any) -> int | None:
+def parse_budget(value: object) -> int | None:
     """hydra.sweeper.memory_budget: None for auto, else bytes ("80GiB", "512MiB", "1.5GB")."""
     text = str(value).strip().lower()
     if text in ("auto", "none", "null"):
@@ -71,7 +73,7 @@ def fail(lines: Sequence[str]) -> NoReturn:
 class Autotune(Sweeper):
     def __init__(
         self,
-        memory_budget: Any = "auto",
+        memory_budget: object = "auto",
         probe_keys: Sequence[str] | None = None,
         params: dict[str, str] | None = None,
         max_batch_size: int | None = None,
@@ -85,14 +87,14 @@ class Autotune(Sweeper):
         self._refusals: list[str] = []  # settings that make the whole sweep pointless (judge collects them)
         self._composed: dict[tuple[str, ...], DictConfig] = {}  # each probe as judge composed it, for check_job
 
-    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.hydra_context, self.config = hydra_context, config
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config
         )
 
     # ------------------------------------------------------------------------------------------- the grid
-    def sweep(self, arguments: list[str]) -> Any:
+    def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
         assert self.config is not None and self.hydra_context is not None and self.launcher is not None  # setup()
         grid = [f"{key}={value}" for key, value in self.params.items()] + list(arguments)
         parsed = OverridesParser.create().parse_overrides(grid)
@@ -206,7 +208,7 @@ class Autotune(Sweeper):
             fail(problems)
 
     @staticmethod
-    def cannot_measure(cfg: Any) -> str | None:
+    def cannot_measure(cfg: Config) -> str | None:
         """Why a probe with these settings would time nothing (None: it can be timed). Its speed is the median of
         the metric lines after its warm-up step (report.probe_speed): a line closes every train.log_every steps,
         and the first one holds the warm-up, so a probe needs more steps than that. (train.max_steps=-1: the
@@ -221,7 +223,7 @@ class Autotune(Sweeper):
         )
 
     # ------------------------------------------------------------------------------------ memory and budget
-    def estimate(self, cfg: Any, world: int, accelerator: str) -> dict[str, int]:
+    def estimate(self, cfg: Config, world: int, accelerator: str) -> dict[str, int]:
         """Per-rank bytes: model states (ds_exp/config/memory_plan.py, as the dry run) plus one micro batch's
         activations at data.max_seq_len, with sequence parallelism and the long-context knobs. On a CPU offloaded
         states live in the same memory, so they count too."""

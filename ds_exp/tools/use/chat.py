@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TextStreamer
+from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
 from ds_exp.core.files import json_text
@@ -50,7 +51,7 @@ class Chat:
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         return [int(i) for i in (eos if isinstance(eos, list) else [eos])] if eos is not None else []
 
-    def answer(self, turns: list[tuple[str, str]], streamer: Any = None) -> str:
+    def answer(self, turns: list[tuple[str, str]], streamer: BaseStreamer | None = None) -> str:
         text, add_special = render_conversation(turns, self.template, self.tokenizer)
         ids = self.tokenizer(text, add_special_tokens=add_special, return_tensors="pt")["input_ids"]
         ids = ids.to(self.model.device)
@@ -68,7 +69,7 @@ class Chat:
         return str(self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
 
-def choose_template(asked: str, recorded: str | None, tokenizer: Any) -> str:
+def choose_template(asked: str, recorded: str | None, tokenizer: PreTrainedTokenizerBase) -> str:
     """--template, or (auto) the run's, else the tokenizer's chat template, else dschat."""
     if asked != "auto":
         return asked

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from ds_exp.artifacts.export import DTYPES, export_spec, non_finite_tensors, write_export
@@ -102,7 +103,7 @@ def _in_one_process(cfg: Config) -> Config:
     return cfg
 
 
-def read_weights(tag_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
+def read_weights(tag_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The full state dict of the module at the checkpoint, in the training precision `dtype`."""
     try:
         with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
@@ -121,7 +122,7 @@ def read_weights(tag_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
     return {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
 
 
-def run_template(cfg: Config, marker: dict[str, Any], tokenizer: Any) -> str:
+def run_template(cfg: Config, marker: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> str:
     """The template the run asked its model with: the run's tokenized data says it (data.cache_dir, named by the
     checkpoint's trajectory); without it, data.template as the tokenizer decides it."""
     key = (marker.get("trajectory") or {}).get("data")
