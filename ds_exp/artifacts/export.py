@@ -178,9 +178,8 @@ def write_export(
     """One process: `state` (the trained model's full state dict; `trained`: the names training changed) written
     to `export_dir` in Hugging Face format, or with `adapter_only` the LoRA adapter alone in PEFT's."""
     unset_hf_deepspeed_config()  # the CPU copy below must be a plain, unpartitioned model
-    model: PreTrainedModel | PeftModel = _base_model(spec)
-    if spec.lora is not None:
-        model = wrap_lora(model, spec.lora)
+    base = _base_model(spec)
+    model: PreTrainedModel | PeftModel = base if spec.lora is None else wrap_lora(base, spec.lora)
     if spec.lora is not None and spec.lora.quantize:  # the engine's base is 4/8-bit: only what was trained is taken
         state = {name: value for name, value in state.items() if name in trained}
     # weights training never changed keep the base checkpoint's exact values; the rest come from the engine
@@ -212,7 +211,7 @@ def write_export(
             target = export_dir if adapter_only else adapter_dir(export_dir)
             _save_adapter(model, spec, tokenizer, adapter_tmp, target, metadata)
         if not adapter_only:
-            merged = merge_lora(model) if spec.lora is not None else model
+            merged = merge_lora(model) if isinstance(model, PeftModel) else model
             _save(merged, spec, tokenizer, tmp, export_dir, dtype_name, metadata)
     except Exception as err:
         # nothing half-written stays: the temporary directories go, an earlier export stays as it was
@@ -254,7 +253,7 @@ def _save_adapter(
 
 
 def _save(
-    model: PreTrainedModel | PeftModel,
+    model: PreTrainedModel,
     spec: ExportSpec,
     tokenizer: PreTrainedTokenizerBase,
     tmp: Path,

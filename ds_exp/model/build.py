@@ -12,6 +12,7 @@ from typing import Any
 
 import deepspeed
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -77,7 +78,7 @@ def _compute_dtype(ds_config: dict[str, Any]) -> torch.dtype:
 
 @dataclass
 class BuiltModel:
-    model: Any  # PreTrainedModel, PEFT's PeftModel with LoRA (Any: ds_exp.tools.use.export sets it to None)
+    model: PreTrainedModel | PeftModel  # PEFT's PeftModel with LoRA
     config: PretrainedConfig  # the vocabulary already padded
     lora: LoraSpec | None
     hf_ds_config: HfDeepSpeedConfig | None  # keeps transformers' ZeRO-3 mode alive while the engine is built

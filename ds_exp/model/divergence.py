@@ -36,7 +36,7 @@ def is_finite_number(value: object) -> bool:
 
 def non_finite_end(
     engine: DeepSpeedEngine,
-    last_loss: torch.Tensor | None,
+    last_loss: torch.Tensor | float | None,
     final_eval: dict[str, float] | None,
     *,
     last_step_overflowed: bool = False,

@@ -20,7 +20,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from transformers import get_scheduler
 from transformers.optimization import GreedyLR
 
@@ -121,7 +121,7 @@ def deepspeed_config_problems(err: ValidationError, block: str, config_file: str
 @dataclass
 class TrainingEngine:
     deepspeed_engine: DeepSpeedEngine
-    metric_scheduler: LRScheduler | GreedyLR | None  # stepped by the loop with a metric (plateau, greedy)
+    metric_scheduler: ReduceLROnPlateau | GreedyLR | None  # stepped by the loop with a metric (plateau, greedy)
     optimizer_name: str  # what updates the weights (describe_optimizer)
 
 
@@ -171,9 +171,11 @@ def build_engine(
     # were built from it already
     engine.config = redact(engine.config)
     compat.keep_fp32_grad_norm(engine)  # grad_norm in the metric lines at ZeRO stage 0 in fp32 as well
-    metric_scheduler = None
+    metric_scheduler: ReduceLROnPlateau | GreedyLR | None = None
     if "scheduler" not in ds_config and metric_schedule:
-        metric_scheduler = build_scheduler(scheduler_cfg, optimizer or engine.optimizer, total_steps, warmup_steps)
+        built = build_scheduler(scheduler_cfg, optimizer or engine.optimizer, total_steps, warmup_steps)
+        assert isinstance(built, ReduceLROnPlateau | GreedyLR)  # what METRIC_SCHEDULES name
+        metric_scheduler = built
     return TrainingEngine(deepspeed_engine=engine, metric_scheduler=metric_scheduler, optimizer_name=name)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftMixedModel, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
@@ -241,7 +241,7 @@ def in_out_features(module: torch.nn.Module) -> tuple[int, int]:
     return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]  # nn.Linear's ints
 
 
-def wrap_lora(model: PreTrainedModel, spec: LoraSpec) -> PeftModel | PeftMixedModel:
+def wrap_lora(model: PreTrainedModel, spec: LoraSpec) -> PeftModel:
     """PEFT LoRA on exactly the listed layers: W x + scaling B(A(dropout(x))), B = 0 at start (DoRA: a learned
     magnitude per output row on top); the modules to save are trained as copies beside the frozen originals."""
     modules = dict(model.named_modules())
@@ -262,6 +262,7 @@ def wrap_lora(model: PreTrainedModel, spec: LoraSpec) -> PeftModel | PeftMixedMo
         # a saved module tied to another (lm_head with tie_word_embeddings) is trained as its own copy: meant here
         warnings.filterwarnings("ignore", message=".*tied layer is part of the adapter.*")
         wrapped = get_peft_model(model, peft_config)
+    assert isinstance(wrapped, PeftModel)  # a PeftMixedModel only with mixed=True
     if not spec.only_optimize:
         # the base trains too, but not the originals of the saved modules, unused while the adapter is active (one
         # tied to a module outside the list, such as lm_head to the embedding, trains as that module's weight)
@@ -271,13 +272,15 @@ def wrap_lora(model: PreTrainedModel, spec: LoraSpec) -> PeftModel | PeftMixedMo
     return wrapped
 
 
-def merge_lora(model: PeftModel) -> torch.nn.Module:
+def merge_lora(model: PeftModel) -> PreTrainedModel:
     """The plain model with the adapters merged into their layers (DoRA's magnitude included) and the saved modules'
     trained copies in place of the originals. A saved module that was tied (lm_head) stays untied: PEFT sets
     tie_word_embeddings=False, as the trained copies differ."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*no longer tied after merging.*")
-        return model.merge_and_unload()
+        merged = model.merge_and_unload()
+    assert isinstance(merged, PreTrainedModel)  # the base model the adapters were merged into
+    return merged
 
 
 def quantized_loading(quantize: str, compute_dtype: torch.dtype) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-from peft import PeftMixedModel, PeftModel
+from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -182,7 +182,7 @@ class _ConfigHolder:
         self.config = config
 
 
-def check_model_attention(model: PreTrainedModel | PeftModel | PeftMixedModel, attention: str) -> None:
+def check_model_attention(model: PreTrainedModel | PeftModel, attention: str) -> None:
     """The built model runs the attention that was wrapped (transformers may have fallen back to another)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     actual = getattr(config, "_attn_implementation", None)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from deepspeed import DeepSpeedEngine
-from peft import PeftMixedModel, PeftModel
+from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -189,9 +189,7 @@ class _Offloaded:
             return self.forward(*args, **kwargs)
 
 
-def apply_tiling(
-    model: PreTrainedModel | PeftModel | PeftMixedModel, plan: TilingPlan, model_type: str
-) -> TiledLoss | None:
+def apply_tiling(model: PreTrainedModel | PeftModel, plan: TilingPlan, model_type: str) -> TiledLoss | None:
     """Tiled MLPs and activation offload on the built model (after LoRA and gradient checkpointing); the tiled
     loss to compute losses with, or None for the model's own logits."""
     if plan.mlp_shards:

@@ -17,7 +17,6 @@ product, and launching a job only for it to decline would still queue it on SLUR
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from ds_exp.config.file_overrides import IgnoredOverride
 from ds_exp.config.memory_plan import human_bytes, run_estimate
 from ds_exp.config.precision import detect_accelerator
-from ds_exp.config.schema import Config, as_dict
+from ds_exp.config.schema import Config
 from ds_exp.config.secrets import redact_text
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError, first_line
@@ -230,9 +229,9 @@ class Autotune(Sweeper):
         precision = resolved_precision(cfg.precision.dtype, accelerator)
         return run_estimate(cfg, self.model_facts(cfg), world_size=world, precision=precision, accelerator=accelerator)
 
-    def model_facts(self, cfg: Any) -> dict[str, int]:
+    def model_facts(self, cfg: Config) -> dict[str, int]:
         """Parameter counts and shapes, from the model's config on the meta device (no weights), once per model."""
-        key = json.dumps([as_dict(cfg.model), as_dict(cfg.lora), cfg.data.end_of_conversation_token], default=str)
+        key = repr((cfg.model, cfg.lora, cfg.data.end_of_conversation_token))  # dataclasses: every field shown
         if key not in self._facts:
             self._facts[key] = model_facts(cfg)
         return self._facts[key]
