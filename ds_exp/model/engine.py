@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import deepspeed
 import torch
@@ -20,9 +20,8 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_scheduler
-from transformers.optimization import GreedyLR
 
 from ds_exp.config.plan import scheduler_kwargs
 from ds_exp.config.schema import OptimizerConfig, SchedulerConfig, plain
@@ -85,9 +84,29 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+class MetricSchedule(Protocol):
+    """A schedule the loop steps with a metric (METRIC_SCHEDULES): torch's ReduceLROnPlateau, or transformers'
+    GreedyLR (not an LRScheduler)."""
+
+    def step(self, metrics: float) -> None: ...
+
+
 def build_scheduler(
     sched: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int
-) -> LRScheduler | GreedyLR:
+) -> LRScheduler:
+    """A schedule stepped every optimizer step (by DeepSpeed)."""
+    return _transformers_scheduler(sched, optimizer, total_steps, warmup_steps)
+
+
+def build_metric_scheduler(
+    sched: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int
+) -> MetricSchedule:
+    return _transformers_scheduler(sched, optimizer, total_steps, warmup_steps)
+
+
+def _transformers_scheduler(
+    sched: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int
+) -> Any:  # get_scheduler is unannotated: an LRScheduler, or a GreedyLR
     return get_scheduler(
         plain(sched.name),
         optimizer,
@@ -121,7 +140,7 @@ def deepspeed_config_problems(err: ValidationError, block: str, config_file: str
 @dataclass
 class TrainingEngine:
     deepspeed_engine: DeepSpeedEngine
-    metric_scheduler: ReduceLROnPlateau | GreedyLR | None  # stepped by the loop with a metric (plateau, greedy)
+    metric_scheduler: MetricSchedule | None  # stepped by the loop with a metric (plateau, greedy)
     optimizer_name: str  # what updates the weights (describe_optimizer)
 
 
@@ -171,11 +190,10 @@ def build_engine(
     # were built from it already
     engine.config = redact(engine.config)
     compat.keep_fp32_grad_norm(engine)  # grad_norm in the metric lines at ZeRO stage 0 in fp32 as well
-    metric_scheduler: ReduceLROnPlateau | GreedyLR | None = None
+    metric_scheduler = None
     if "scheduler" not in ds_config and metric_schedule:
-        built = build_scheduler(scheduler_cfg, optimizer or engine.optimizer, total_steps, warmup_steps)
-        assert isinstance(built, ReduceLROnPlateau | GreedyLR)  # what METRIC_SCHEDULES name
-        metric_scheduler = built
+        schedule_of = optimizer or engine.optimizer
+        metric_scheduler = build_metric_scheduler(scheduler_cfg, schedule_of, total_steps, warmup_steps)
     return TrainingEngine(deepspeed_engine=engine, metric_scheduler=metric_scheduler, optimizer_name=name)
 
 

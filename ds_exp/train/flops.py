@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from peft import PeftModel
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 # Dense (not sparse) peak TFLOP/s per device from the vendors' data sheets: bf16/fp16 tensor cores, and fp32
 # without TF32 (torch's default for matmuls). Matched against torch.cuda.get_device_name(); first match wins.
@@ -76,7 +76,7 @@ class FlopsModel:
         return per_token * tokens + 12 * self.layers * self.hidden * sum_squared_lengths
 
 
-def flops_model(model: PreTrainedModel | PeftModel, config: PreTrainedConfig) -> FlopsModel:
+def flops_model(model: PreTrainedModel | PeftModel, config: PretrainedConfig) -> FlopsModel:
     """From the built model (ZeRO-3: partitioned parameters report their full size in ds_numel)."""
     text_config = getattr(config, "text_config", None) or config
     layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
-from transformers import PreTrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from ds_exp.config.model_checks import position_limit
 from ds_exp.config.schema import EvalConfig
@@ -106,7 +106,7 @@ def labelled_prompts(eval_cfg: EvalConfig) -> list[tuple[str, str]]:
 
 
 def check_generation_room(
-    eval_cfg: EvalConfig, model_config: PreTrainedConfig, tokenizer: PreTrainedTokenizerBase, template: str
+    eval_cfg: EvalConfig, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, template: str
 ) -> None:
     """Every prompt, rendered as the run asks it, plus eval.max_new_tokens fits the positions of a model that learned
     a table of absolute positions (OPT, GPT-2, ...): past its end generation fails with an IndexError, after

@@ -115,9 +115,8 @@ class StepResult:
     """This rank's part of one optimizer step."""
 
     votes: StepVotes
-    loss_sum: (
-        torch.Tensor | float
-    )  # summed token losses (a tensor: read only when needed, reading syncs with the device)
+    # summed token losses (a tensor: read only when needed, reading syncs with the device)
+    loss_sum: torch.Tensor | float
     label_tokens: int
     input_tokens: float
     samples: int

@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from deepspeed import DeepSpeedEngine
-from torch.optim.lr_scheduler import ReduceLROnPlateau
 from transformers import PreTrainedTokenizerBase
-from transformers.optimization import GreedyLR
 
 from ds_exp.data.pipeline import SFTData
 from ds_exp.model.build import BuiltModel
+from ds_exp.model.engine import MetricSchedule
 from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.train.collate import SFTCollator
 from ds_exp.train.flops import FlopsModel
@@ -32,7 +31,7 @@ class Workload:
     built: BuiltModel  # the model, its config, LoRA, and what the export needs of the base
     engine: DeepSpeedEngine
     # a schedule stepped with a metric (plateau, greedy), outside the engine
-    metric_scheduler: ReduceLROnPlateau | GreedyLR | None
+    metric_scheduler: MetricSchedule | None
     schedule_name: str
     flops: FlopsModel
     peak_flops: float | None  # per device, for MFU (None where unknown)
