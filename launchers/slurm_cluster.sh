@@ -103,6 +103,9 @@ KillWait=10
 # sbatch --wait polls every 2 s only while that is under MinJobAge/3; past it the polls stretch to 8 s, then 32 s
 # (a 12 s job was seen to end 42 s after submission). Finished jobs stay listed for 6 s and until the next purge.
 MinJobAge=6
+# A requeued job (preempted, or warned of its time limit) waits out its BeginTime, then for a scheduling pass: the
+# main loop's every 60 s and backfill's every 30 s by default (a requeued job was seen pending 53 s on an idle node)
+SchedulerParameters=sched_interval=2,bf_interval=5
 CONF
     if ((n == 1)); then
       cat <<CONF

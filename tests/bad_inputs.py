@@ -876,8 +876,11 @@ def run_case(case: Case, tmp: Path) -> Outcome:
     return Outcome(proc.returncode, proc.stdout, proc.stderr, tmp)
 
 
-class ReachedHeavyWork(AssertionError):
-    """A case run in this process got past every check to the training stack or the dry run."""
+class ReachedHeavyWork(BaseException):
+    """A case run in this process got past every check to the training stack or the dry run. Not an Exception:
+    Hydra's launcher records an Exception as its job's failure and composes the next job, while a sweep's jobs
+    were all composed and checked by its sweeper before the first launched; the first job that gets this far ends
+    the case (the README's autotune line: one probe launched here, not 56)."""
 
 
 def run_case_in_process(case: Case, tmp: Path) -> Outcome:
@@ -909,6 +912,9 @@ def run_case_in_process(case: Case, tmp: Path) -> Outcome:
                 if isinstance(exited.code, str):  # sys.exit("message"): the interpreter would print it
                     print(exited.code, file=sys.stderr)
                 code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
+            except ReachedHeavyWork as reached:  # as an uncaught exception would end the process
+                print(f"{type(reached).__name__}: {reached}", file=sys.stderr)
+                code = 1
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
