@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ds_exp.artifacts.summary import RunState, write_summary
+from ds_exp.model.engine import build_metric_scheduler
 from ds_exp.train.flops import FlopsModel
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.step import IGNORE_INDEX, StepResult, StepVotes, TrainStep, token_loss_sum
@@ -308,3 +309,14 @@ def test_a_lock_taken_while_the_build_directory_is_read_is_live(tmp_path, monkey
 
     monkeypatch.setattr(Path, "iterdir", iterdir_then_lock)
     assert stale_build_lock(build, now=time.time()) is None
+
+
+@pytest.mark.parametrize("name", ["reduce_lr_on_plateau", "greedy"])
+def test_a_metric_schedule_is_built_and_lowers_the_rate_when_its_metric_stalls(compose_cfg, name):
+    """The schedules the loop steps with a metric (eval loss, training loss), outside DeepSpeed's engine."""
+    cfg = compose_cfg(f"scheduler={name}", "+scheduler.kwargs.patience=2")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # above GreedyLR's min_lr (1e-3)
+    schedule = build_metric_scheduler(cfg.scheduler, optimizer, total_steps=100, warmup_steps=0)
+    for _ in range(20):
+        schedule.step(1.0)  # never better
+    assert optimizer.param_groups[0]["lr"] < 0.1
