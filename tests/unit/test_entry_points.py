@@ -118,7 +118,7 @@ def test_every_command_is_found_and_runs_inside_the_boundary():
         assert isinstance(command_of(how, module, name), Command), f"{module}.{name} is not an @entry_point"
 
 
-@pytest.mark.parametrize(("how", "module", "name"), COMMANDS, ids=[f"{h}{m}" for h, m, _ in COMMANDS])
+@pytest.mark.parametrize(("how", "module", "name"), COMMANDS, ids=[f"{h} {m}" for h, m, _ in COMMANDS])
 def test_each_way_a_command_ends_is_one_message(how, module, name, tmp_path, monkeypatch):
     command = command_of(how, module, name)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
