@@ -30,6 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, ParamSpec, TypeVar
 
+from hydra.errors import CompactHydraException
+from omegaconf.errors import OmegaConfBaseException
+
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
 
@@ -96,9 +99,12 @@ def report_error(err: Exception, log: Path | None = None, what: str | None = Non
     """`err` as a person reads it, on stderr; returns the exit status. A DsExpError is its message; anything else
     one line naming `what` failed (default: the command) and the file that keeps its traceback: `log` (the run's
     log) when given, else a new file in the user's cache."""
-    if isinstance(err, DsExpError):
+    if isinstance(err, (DsExpError, CompactHydraException)):
         if full_error():
             sys.stderr.write(redact_text("".join(traceback.format_exception(err))))
+        if isinstance(err, CompactHydraException):  # Hydra's own (a bad override), re-raised under a debugger
+            report_hydra_error(err)
+            return 1
         report_user_error(err, traceback_hint=not isinstance(err, ConfigError))  # a bad value: nothing behind it
         return err.exit_code
     report_unexpected(err, what or _running[0], log, after)
@@ -114,6 +120,14 @@ def report_user_error(err: DsExpError, traceback_hint: bool = True) -> None:
         print(f"  {line}", file=sys.stderr)
     if traceback_hint and not full_error():
         print("  (set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
+
+
+def report_hydra_error(err: CompactHydraException) -> None:
+    """Hydra's message for its own errors, as its run_and_report prints it (when it does not re-raise them: it does
+    under HYDRA_FULL_ERROR=1 and whenever a trace function is set, as debuggers and coverage tools do)."""
+    print(redact_text(str(err)), file=sys.stderr)
+    if isinstance(err.__cause__, OmegaConfBaseException):
+        print(redact_text(str(err.__cause__)), file=sys.stderr)
 
 
 def report_unexpected(err: BaseException, what: str, log: Path | None = None, after: str = "") -> None:

@@ -263,6 +263,21 @@ def test_an_unexpected_error_before_the_run_starts_is_kept_in_hydras_job_log(tmp
     assert SECRET not in text + out + err
 
 
+def test_hydras_own_error_is_its_message_under_a_debugger_too(tmp_path, monkeypatch):
+    """Hydra re-raises its own errors (a bad override) whenever a trace function is set (a debugger, a coverage
+    tool): the boundary prints them as Hydra does, not as an unexpected error."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    previous = sys.gettrace()
+    sys.settrace(lambda *args: None)
+    try:
+        code, out, err = run("-m", "ds_exp", "main", ["train.micro_batch_size=abc", f"hydra.run.dir={tmp_path}/run"])
+    finally:
+        sys.settrace(previous)
+    assert code == 1 and err.startswith("Error merging override train.micro_batch_size=abc\n"), err
+    assert "Traceback" not in out + err and not (tmp_path / "cache").exists()
+
+
 def test_an_unexpected_error_in_a_training_session_is_kept_in_the_ranks_log(tmp_path, monkeypatch, logging_restored):
     """The session writes summary.json (status failed) and its rank's log keeps the traceback; the console has one
     line naming that log, and neither the session's traceback nor Hydra's "Error executing job"."""
