@@ -791,6 +791,19 @@ CASES: list[Case] = [
         ("is a Hugging Face hub id, the hub cannot be reached", "hf download meta-llama/Llama-2-7b-hf --local-dir DIR"),
         env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": "/nonexistent/hf_cache"},  # nothing listens there
     ),
+    # --- issue 31 §1/§10: a user's shell (HF_HUB_OFFLINE=1, HF_HOME elsewhere) gets messages as good as any
+    Case(
+        "hub id with the hub offline in the user's shell",
+        "path",
+        ("model.name_or_path=meta-llama/Llama-2-7b-hf",),
+        (
+            "model.name_or_path=meta-llama/Llama-2-7b-hf is a Hugging Face hub id, HF_HUB_OFFLINE=1 is set",
+            "(/nonexistent/hf_home/hub, from HF_HOME)",
+            "hf download meta-llama/Llama-2-7b-hf --local-dir DIR",
+            "or unset HF_HUB_OFFLINE",
+        ),
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": "/nonexistent/hf_home"},
+    ),
 ]
 
 

@@ -13,7 +13,9 @@ from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, register_configs, to_config
 from tests.real_model import ModelUnavailable, first_layers, smollm2_checkpoint
-from tests.training import SHELL_ENVIRON  # noqa: F401 (first: the environment before any library writes to it)
+from tests.training import pin_test_environment
+
+pin_test_environment()  # the user's HF_HUB_OFFLINE, HF_HOME, ...: the tests mean none of them (tests/training.py)
 
 TIERS_BEYOND_QUICK = ("integration", "system")  # tests/<tier>/: real engines, whole commands, clusters
 

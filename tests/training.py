@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,35 @@ FAST = [
 ]
 
 
+# Variables users keep set in their shells that change what a test means (issue 31 §10): the hub's offline mode
+# (a hub id's message differs), where Hugging Face keeps its files, wandb's mode, Hydra's full tracebacks (every
+# "no traceback" check). The tests run as on a machine where none is set, whatever the shell holds; a test that means
+# one sets it itself (the catalogue's offline hub id, the trackers' WANDB_MODE=offline).
+USER_SHELL_VARIABLES = (
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "WANDB_MODE",
+    "HYDRA_FULL_ERROR",
+)
+
+
+def without_user_shell(environ: Mapping[str, str]) -> dict[str, str]:
+    return {name: value for name, value in environ.items() if name not in USER_SHELL_VARIABLES}
+
+
+def pin_test_environment() -> None:
+    """The tests' own process without the user's shell variables (conftest.py, before any test runs)."""
+    for name in USER_SHELL_VARIABLES:
+        os.environ.pop(name, None)
+
+
 # The environment the tests started with: libraries imported in-process later write to os.environ (mlflow its
 # telemetry session, tensorboardX CRC32C_SW_MODE), which a user's shell would not hold (and which would give every
 # later run a zygote of its own: tests/zygote.py). conftest.py imports this module first.
-SHELL_ENVIRON = dict(os.environ)
+SHELL_ENVIRON = without_user_shell(os.environ)
 
 
 def user_env() -> dict[str, str]:

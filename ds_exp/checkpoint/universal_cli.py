@@ -12,6 +12,7 @@ from pathlib import Path
 from ds_exp.checkpoint import universal
 from ds_exp.checkpoint.universal import conversion_status, convert_here, require_complete
 from ds_exp.core.errors import ResumeError
+from ds_exp.launch.console import entry_point
 from ds_exp.resume.store import COMPLETE_MARKER, step_dirs
 
 log = logging.getLogger(universal.__name__)  # the conversion's own lines: shown on stderr by main()
@@ -40,6 +41,7 @@ def _name_one(path: Path, holder: Path, tags: list[str]) -> Path:
     )
 
 
+@entry_point("ds_exp.universal")
 def main(argv: list[str] | None = None) -> int:
     """`python -m ds_exp.universal TAG_DIR`: convert a checkpoint ahead of a resume that changes its layout."""
     parser = argparse.ArgumentParser(

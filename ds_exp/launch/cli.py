@@ -24,12 +24,11 @@ from ds_exp.config.paths import PACKAGE_DIR, conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
 from ds_exp.config.secrets import hide_secret_overrides, hide_secrets_when_composing, redact_text, register_secrets
-from ds_exp.core.errors import ConfigError, DsExpError
+from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.core.status import RunStatus
-from ds_exp.launch.console import report_user_error
+from ds_exp.launch.console import entry_point, report_error
 from ds_exp.launch.environment import detect_launch, launch_env_problems, launch_rank_from_env
-from ds_exp.launch.experiment_file import main as write_experiment
-from ds_exp.launch.experiment_file import wants_experiment_file
+from ds_exp.launch.experiment_file import wants_experiment_file, write_experiment_main
 from ds_exp.launch.help import main as print_help
 from ds_exp.launch.help import wants_help
 from ds_exp.launch.hub import check_hub
@@ -70,9 +69,7 @@ def check_launch_env() -> None:
     """Inconsistent launcher variables are refused at once: the process would wait for ranks that never come."""
     problems = launch_env_problems()
     if problems:
-        err = ConfigError(problems)
-        report_user_error(err)
-        raise SystemExit(err.exit_code)
+        raise ConfigError(problems)
 
 
 def run_dir_of_job() -> Path:
@@ -134,20 +131,31 @@ def in_multirun() -> bool:
 
 
 def hydra_task(cfg: DictConfig) -> dict[str, Any]:
-
+    """The job's error boundary (ds_exp/launch/console.py), inside Hydra's: a user error is its message, anything
+    else one line naming the run's log that holds its traceback; Hydra's "Error executing job" and its traceback
+    never show (HYDRA_FULL_ERROR=1 shows the traceback)."""
     # a submitit job gets the command line's secrets as DS_EXP_SECRET_* (never its argv): blank them from here on
     register_secrets(environ=os.environ)
     try:
         return run_job(cfg)
-    except DsExpError as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        report_user_error(err)
+    except Exception as err:
+        status = report_error(err, log=job_log(), what="the run")
         if in_multirun():
             # the other jobs of the sweep go on; the job's summary.json and the sweep report name the failure
             # (submitit pickles this return value into the sweep directory)
-            return {"status": getattr(err, "status", RunStatus.FAILED), "error": redact_text(str(err))}
-        sys.exit(err.exit_code)
+            error = str(err) if isinstance(err, DsExpError) else f"{type(err).__name__}: {first_line(err)}"
+            return {"status": getattr(err, "status", RunStatus.FAILED), "error": redact_text(error)}
+        sys.exit(status)
+
+
+def job_log() -> Path | None:
+    """The log Hydra keeps in the run directory (<run dir>/<job name>.log): where the traceback of an unexpected
+    error goes when the run's own log (logs/rank<N>.log, ds_exp/train/session.py) does not hold it."""
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    path = Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}.log"
+    return path if path.is_file() else None
 
 
 def find_own_sweepers() -> None:
@@ -160,23 +168,23 @@ def find_own_sweepers() -> None:
         hydra_plugins.__path__.append(str(ours))
 
 
-def main() -> None:
+@entry_point("ds_exp", exits=True)
+def main() -> int:
+    """`python -m ds_exp ...` and the `ds-exp` console script, inside the error boundary (launch/console.py); a
+    status other than 0 ends the process (SystemExit), as Hydra's own errors do."""
     hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
     find_own_sweepers()
     sys.argv = strip_local_rank(sys.argv)
     register_secrets(environ=os.environ)
     if wants_experiment_file(sys.argv[1:]):  # before Hydra: the command line is saved, not run
-        write_experiment(sys.argv[1:])
+        return write_experiment_main(sys.argv[1:])
     if wants_help(sys.argv[1:]):  # ds_exp's help from conf/'s comments (Hydra's own: --hydra-help)
         print_help(sys.argv[1:])
     check_launch_env()
-    try:
-        # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
-        sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
-    except DsExpError as err:
-        report_user_error(err, traceback_hint=False)
-        sys.exit(err.exit_code)
+    # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
+    sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
     sys.argv += rank_placeholder_overrides(sys.argv[1:])
     register_resolvers()
     register_configs()
     hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(hydra_task)()
+    return 0

@@ -1,14 +1,114 @@
-"""What a person reads when a run cannot go on: one message, its first line after "ds_exp: error:", no traceback."""
+"""Every command's error boundary: what a person reads when a command cannot go on.
+
+A command's main is bounded by `@entry_point("ds_exp.NAME")` (tests/unit/test_entry_points.py finds every command
+and checks that it is):
+
+* a known problem (DsExpError): one message, its first line after "ds_exp: error:", the rest indented, and its
+  exit_code;
+* anything unexpected: one line saying what failed and which file holds its traceback (the run's log when there
+  is a run, else a new file in the user's cache: ~/.cache/ds_exp/errors/), exit status 1;
+* HYDRA_FULL_ERROR=1: the traceback on the console as well;
+* Ctrl-C: exit status 130 and one short line;
+* standard output closed early (`| head`): quiet, exit status 141 (what a shell reports for a process that SIGPIPE
+  ended), and nothing left for Python to complain about at exit.
+
+No registered secret (ds_exp.config.secrets) reaches the console or the traceback's file. A Hydra callback, which
+Hydra would let fail with a warning, stops the process through `exit_on_error`; the Hydra task of `python -m
+ds_exp` reports through `report_error` with its run's log (ds_exp/launch/cli.py).
+"""
 
 from __future__ import annotations
 
+import datetime
+import functools
 import os
+import select
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
+from pathlib import Path
+from typing import Generic, ParamSpec, TypeVar
+
+from hydra.errors import CompactHydraException
+from omegaconf.errors import OmegaConfBaseException
 
 from ds_exp.config.secrets import redact_text
-from ds_exp.core.errors import DsExpError
+from ds_exp.core.errors import ConfigError, DsExpError, first_line
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+INTERRUPTED = 130  # 128 + SIGINT
+STDOUT_CLOSED = 141  # 128 + SIGPIPE
+_LOGGED_IN = "ds_exp_traceback_in"  # set on an exception whose traceback a log file holds already
+_running = ["ds_exp"]  # the command this process runs: names its traceback files
+
+
+class Command(Generic[P]):
+    """A command's main inside the error boundary: calling it runs `work` and returns the exit status (with
+    `exits`, a status other than 0 ends the process instead, as `python -m ds_exp`'s Hydra main does)."""
+
+    def __init__(self, name: str, work: Callable[P, int | None], exits: bool = False) -> None:
+        self.name, self.work, self.exits = name, work, exits
+        functools.update_wrapper(self, work)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> int:
+        status = run_command(self.name, lambda: self.work(*args, **kwargs))
+        if status and self.exits:
+            raise SystemExit(status)
+        return status
+
+
+def entry_point(name: str, exits: bool = False) -> Callable[[Callable[P, int | None]], Command[P]]:
+    """The error boundary as a decorator: `@entry_point("ds_exp.evaluate")` on `def main(argv=None) -> int`, and
+    the command's module ends with `if __name__ == "__main__": sys.exit(main())`. `name` is what the one line of
+    an unexpected error says failed, and names its traceback's file."""
+
+    def bound(work: Callable[P, int | None]) -> Command[P]:
+        return Command(name, work, exits)
+
+    return bound
+
+
+def run_command(name: str, work: Callable[[], int | None]) -> int:
+    """Run a command's work inside the error boundary; returns its exit status. SystemExit (argparse's usage
+    errors, --help) goes through, once standard output is flushed."""
+    _running[0] = name
+    try:
+        try:
+            status = work()
+        except SystemExit:
+            sys.stdout.flush()  # here, where a closed pipe is still ours to handle, not at interpreter exit
+            raise
+        sys.stdout.flush()
+        return status or 0
+    except KeyboardInterrupt:
+        print("ds_exp: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except BrokenPipeError as err:
+        if not stdout_closed():  # another pipe (a child process's): not the reader of our output going away
+            return report_error(err)
+        silence_stdout()
+        return STDOUT_CLOSED
+    except Exception as err:
+        return report_error(err)
+
+
+def report_error(err: Exception, log: Path | None = None, what: str | None = None, after: str = "") -> int:
+    """`err` as a person reads it, on stderr; returns the exit status. A DsExpError is its message; anything else
+    one line naming `what` failed (default: the command) and the file that keeps its traceback: `log` (the run's
+    log) when given, else a new file in the user's cache."""
+    if isinstance(err, (DsExpError, CompactHydraException)):
+        if full_error():
+            sys.stderr.write(redact_text("".join(traceback.format_exception(err))))
+        if isinstance(err, CompactHydraException):  # Hydra's own (a bad override), re-raised under a debugger
+            report_hydra_error(err)
+            return 1
+        report_user_error(err, traceback_hint=not isinstance(err, ConfigError))  # a bad value: nothing behind it
+        return err.exit_code
+    report_unexpected(err, what or _running[0], log, after)
+    return 1
 
 
 def report_user_error(err: DsExpError, traceback_hint: bool = True) -> None:
@@ -18,30 +118,97 @@ def report_user_error(err: DsExpError, traceback_hint: bool = True) -> None:
     print(f"ds_exp: error: {lines[0]}", file=sys.stderr)
     for line in lines[1:]:
         print(f"  {line}", file=sys.stderr)
-    if traceback_hint and os.environ.get("HYDRA_FULL_ERROR") != "1":
+    if traceback_hint and not full_error():
         print("  (set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
 
 
-def exit_on_error(check: Callable[[], None], what: str, after: str = "nothing was started") -> None:
+def report_hydra_error(err: CompactHydraException) -> None:
+    """Hydra's message for its own errors, as its run_and_report prints it (when it does not re-raise them: it does
+    under HYDRA_FULL_ERROR=1 and whenever a trace function is set, as debuggers and coverage tools do)."""
+    print(redact_text(str(err)), file=sys.stderr)
+    if isinstance(err.__cause__, OmegaConfBaseException):
+        print(redact_text(str(err.__cause__)), file=sys.stderr)
+
+
+def report_unexpected(err: BaseException, what: str, log: Path | None = None, after: str = "") -> None:
+    """One line: what failed, the exception's first line, and where its whole traceback is kept."""
+    text = redact_text("".join(traceback.format_exception(err)))
+    kept = keep_traceback(err, text, log)
+    if full_error() or kept is None:  # asked for, or kept nowhere: shown rather than lost
+        sys.stderr.write(text)
+    detail = redact_text(first_line(err))
+    said = type(err).__name__ if detail == type(err).__name__ else f"{type(err).__name__}: {detail}"
+    where = f"; its traceback is in {kept}" if kept else ""
+    print(f"ds_exp: error: {what} failed unexpectedly ({said}){after}{where}", file=sys.stderr)
+
+
+def traceback_logged(err: BaseException, log_file: str | Path) -> None:
+    """Say that `err`'s traceback is in `log_file` already (a rank's log): the boundary names it, not a copy."""
+    setattr(err, _LOGGED_IN, str(log_file))
+
+
+def keep_traceback(err: BaseException, text: str, log: Path | None) -> Path | None:
+    """The file that holds the traceback `text`: the log that has it already, else `log` (appended to), else a new
+    file in the user's cache (or the temporary directory); None when none can be written."""
+    logged = getattr(err, _LOGGED_IN, None)
+    if logged:
+        return Path(logged)
+    now = datetime.datetime.now()
+    if log is not None:
+        try:
+            with log.open("a") as out:
+                out.write(f"{now:%Y-%m-%d %H:%M:%S} ds_exp: the traceback of an unexpected error:\n{text}")
+            return log
+        except OSError:
+            pass
+    for folder in (error_dir(), Path(tempfile.gettempdir()) / f"ds_exp-errors-{os.getuid()}"):
+        path = folder / f"{_running[0]}-{now:%Y%m%d-%H%M%S-%f}-{os.getpid()}.log"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+                out.write(text)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def error_dir() -> Path:
+    """Where the tracebacks of commands that have no run directory go: ds_exp's folder of the user's cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "ds_exp" / "errors"
+
+
+def full_error() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def stdout_closed() -> bool:
+    """Whether standard output's reader has gone (a pipe whose reader exited, as `head` does)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object with no descriptor (a test's capture)
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def silence_stdout() -> None:
+    """Point standard output at /dev/null: what is still buffered goes nowhere at exit, instead of Python's
+    "Exception ignored ... BrokenPipeError" (the fix Python's documentation of SIGPIPE gives)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def exit_on_error(check: Callable[[], T], what: str, after: str = "nothing was started") -> T:
     """Run a check that guards files (a Hydra callback's): whatever it raises stops the process. Hydra 1.3 turns
     an exception raised in a callback into a warning and goes on (`Callbacks._notify`), which would disable the
-    check; so a user error is its one message (exit 2), anything else one line naming `what` failed (exit 1, the
-    traceback under HYDRA_FULL_ERROR=1), and the run never goes ahead."""
+    check; so a user error is its one message (exit 2), anything else one line naming `what` failed and where its
+    traceback is (exit 1), and the run never goes ahead."""
     try:
-        check()
-    except DsExpError as err:
-        report_user_error(err)
-        raise SystemExit(err.exit_code) from None
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            traceback.print_exc()
-        first = (str(err).strip().splitlines() or [""])[0]
-        print(
-            f"ds_exp: error: {what} failed ({type(err).__name__}{': ' + redact_text(first) if first else ''}); {after}",
-            file=sys.stderr,
-        )
-        if os.environ.get("HYDRA_FULL_ERROR") != "1":
-            print("  (set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
-        raise SystemExit(1) from None
+        return check()
+    except Exception as err:
+        raise SystemExit(report_error(err, what=what, after=f"; {after}")) from None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 import re
 import shlex
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,6 @@ from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
 from ds_exp.config.secrets import ENV_PREFIX, holds_secret, is_secret_key, redact_text
 from ds_exp.core.errors import ConfigError, first_line
-from ds_exp.launch.console import report_user_error
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
@@ -331,12 +329,3 @@ def _flatten(node: object, prefix: str, out: dict[str, Any]) -> None:
 
 def _diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(key for key in a.keys() | b.keys() if a.get(key, ...) != b.get(key, ...))
-
-
-def main(argv: list[str]) -> None:
-    """Run the command; a ConfigError becomes one message and exit status 2."""
-    try:
-        sys.exit(write_experiment_main(argv))
-    except ConfigError as err:
-        report_user_error(err, traceback_hint=False)
-        sys.exit(err.exit_code)

@@ -5,7 +5,8 @@ the tokenizer).
 Before anything loads: without HF_HUB_OFFLINE, one TCP connection to the hub (or to the HTTPS proxy) with a short
 timeout says whether it can be reached. When it cannot, an id in the local hub cache is loaded from there
 (HF_HUB_OFFLINE=1 is set for this process, before transformers or huggingface_hub are imported), and an id that is
-not cached is refused with the fix. With HF_HUB_OFFLINE=1 an id that is not cached is refused at once.
+not cached is refused with the fix. With HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1, as users keep in their shells)
+an id that is not cached is refused at once, naming the variable that is set and the cache folder looked in.
 Reads the environment and the cache folder only: huggingface_hub itself is not imported (it fixes its settings
 from the environment when imported, and the training stack imports it after this check).
 """
@@ -27,6 +28,7 @@ from ds_exp.launch.environment import launch_rank_from_env
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 3.0
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -39,8 +41,18 @@ def hub_ids(cfg: Config) -> list[tuple[str, str]]:
     return out
 
 
+def offline_settings() -> list[str]:
+    """The variables that keep huggingface_hub offline here, as set (`HF_HUB_OFFLINE=1`): huggingface_hub reads
+    either name."""
+    return [
+        f"{name}={os.environ[name].strip()}"
+        for name in OFFLINE_VARIABLES
+        if os.environ.get(name, "").strip().lower() in _TRUE
+    ]
+
+
 def offline() -> bool:
-    return any(os.environ.get(name, "").strip().lower() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(offline_settings())
 
 
 def hub_cache() -> Path:
@@ -49,6 +61,12 @@ def hub_cache() -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     default_home = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface"
     return Path(os.environ.get("HF_HOME", default_home)).expanduser() / "hub"
+
+
+def hub_cache_shown() -> str:
+    """The cache folder, and the variable that put it there (HF_HOME set elsewhere moves it)."""
+    source = next((name for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME") if os.environ.get(name)), None)
+    return f"{hub_cache()}, from {source}" if source else str(hub_cache())
 
 
 def cached(repo_id: str) -> bool:
@@ -92,10 +110,12 @@ def check_hub(cfg: Config) -> None:
     if not ids:
         return
     missing = [(key, repo) for key, repo in ids if not cached(repo)]
-    if offline():
+    settings = offline_settings()
+    if settings:
         if missing:
-            offline_why = "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set"
-            raise ConfigError([_refusal(key, repo, offline_why, "unset HF_HUB_OFFLINE") for key, repo in missing])
+            is_set = f"{' and '.join(settings)} {'is' if len(settings) == 1 else 'are'} set (the hub is not asked)"
+            unset = "unset " + " and ".join(setting.partition("=")[0] for setting in settings)
+            raise ConfigError([_refusal(key, repo, is_set, unset) for key, repo in missing])
         return
     host, port, what = hub_address()
     why = unreachable(host, port)
@@ -119,6 +139,6 @@ def check_hub(cfg: Config) -> None:
 
 def _refusal(key: str, repo: str, why: str, or_else: str) -> str:
     return (
-        f"{key}={repo} is a Hugging Face hub id, {why}, and it is not in the local cache ({hub_cache()}); "
+        f"{key}={repo} is a Hugging Face hub id, {why}, and it is not in the local cache ({hub_cache_shown()}); "
         f"download it where there is network (hf download {repo} --local-dir DIR) and give {key}=DIR, or {or_else}"
     )

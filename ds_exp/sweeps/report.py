@@ -25,6 +25,7 @@ import yaml
 from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
+from ds_exp.launch.console import entry_point
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 if TYPE_CHECKING:
@@ -379,6 +380,7 @@ def autotune_verdict(sweep_dir: Path, rows: list[dict[str, Any]]) -> str | None:
     return f"{why[0].lower()}{why[1:]}; nothing to recommend"
 
 
+@entry_point("ds_exp.report")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ds_exp.report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="a multirun directory (outputs/multirun/<name>/<time>)")

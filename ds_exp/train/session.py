@@ -31,6 +31,7 @@ from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
 from ds_exp.core.errors import Diverged, DsExpError, Refused, RunFailed, first_line
 from ds_exp.core.status import RunStatus
+from ds_exp.launch.console import traceback_logged
 from ds_exp.launch.environment import detect_launch
 from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
 from ds_exp.launch.run_dir import remove_rank_placeholder
@@ -195,7 +196,10 @@ class Session:
             )
             file_log.error("run failed", exc_info=exc)  # the collective's own error, for the log file
             return Outcome(RunStatus.FAILED, error, RunFailed(error))
-        log.error("run failed", exc_info=exc)
+        # unexpected: the traceback goes to the rank's log, and the CLI's one line names it (launch/console.py)
+        file_log.error("run failed", exc_info=exc)
+        if self.state.log_file:
+            traceback_logged(exc, self.state.log_file)
         return Outcome(RunStatus.FAILED, f"{type(exc).__name__}: {exc}", exc)
 
     def continue_with(self) -> str:

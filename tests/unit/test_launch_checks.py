@@ -59,11 +59,25 @@ def test_a_cached_hub_id_loads_offline_when_the_hub_is_away(no_hub, compose_cfg,
     assert os.environ.get("HF_HUB_OFFLINE") == "1"  # transformers then reads the cache without retrying
 
 
-def test_offline_mode_refuses_an_uncached_hub_id_without_probing(no_hub, compose_cfg, monkeypatch):
+def test_offline_mode_refuses_an_uncached_hub_id_without_probing(no_hub, compose_cfg, monkeypatch, tmp_path):
+    """A user's shell (issue 31 §10): the variable that is set is named, with the cache looked in and the fix."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hub, "unreachable", lambda *a, **k: pytest.fail("probed the hub in offline mode"))
-    with pytest.raises(ConfigError, match=r"HF_HUB_OFFLINE .* is set, and it is not in the local cache"):
+    with pytest.raises(ConfigError) as err:
         hub.check_hub(compose_cfg("model.tokenizer=org/tok"))
+    assert "model.tokenizer=org/tok is a Hugging Face hub id, HF_HUB_OFFLINE=1 is set (the hub is not asked)" in str(
+        err.value
+    )
+    assert f"not in the local cache ({no_hub}, from HF_HUB_CACHE)" in str(err.value)
+    assert str(err.value).endswith("give model.tokenizer=DIR, or unset HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with pytest.raises(ConfigError) as err:
+        hub.check_hub(compose_cfg("model.tokenizer=org/tok"))
+    assert "HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 are set" in str(err.value)
+    assert f"({tmp_path / 'hf_home' / 'hub'}, from HF_HOME)" in str(err.value)
+    assert str(err.value).endswith("or unset HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE")
 
 
 def test_a_reachable_hub_and_local_models_are_left_alone(no_hub, compose_cfg, monkeypatch, tmp_path):

@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from ds_exp.core.errors import ConfigError, DsExpError
+from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import write_json_atomic
-from ds_exp.launch.console import report_user_error
+from ds_exp.launch.console import entry_point
 from ds_exp.launch.storage import check_writable
 from ds_exp.tools.parity import compare
 from ds_exp.tools.parity.runs import run_side
@@ -56,12 +56,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, Side, Side]:
-    if "--" not in argv:
-        if "-h" in argv or "--help" in argv:
-            parser().parse_args(["--help"])
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser().parse_intermixed_args(argv[:cut])  # --help, and an unknown flag is named first
+    if cut == len(argv):
         raise ConfigError(f"no side B: give side A's overrides, then `--`, then side B's ({USAGE})")
-    cut = argv.index("--")
-    args = parser().parse_intermixed_args(argv[:cut])
     ranks = args.ranks.split(",")
     if len(ranks) not in (1, 2) or not all(r.isdigit() and int(r) > 0 for r in ranks):
         raise ConfigError(f"--ranks {args.ranks}: give a positive number for both sides, or two (A,B), e.g. 2,1")
@@ -153,14 +151,11 @@ def run(args: argparse.Namespace, a: Side, b: Side, out: Path) -> int:
     return 0 if record["passed"] else 1
 
 
+@entry_point("ds_exp.parity")
 def main(argv: list[str]) -> int:
-    try:
-        args, a, b = parse(argv)
-        out = out_dir(args)
-        prepare(args, a, b, out)
-    except DsExpError as err:
-        report_user_error(err, traceback_hint=False)
-        return err.exit_code
+    args, a, b = parse(argv)  # a refusal is a ConfigError: its one message (launch/console.py's boundary)
+    out = out_dir(args)
+    prepare(args, a, b, out)
     try:
         return run(args, a, b, out)
     except KeyboardInterrupt:  # the side's processes got the same Ctrl-C and stop on their own

@@ -4,14 +4,13 @@ here, in one message each and before torch is imported; the work itself (export.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from ds_exp.config.sampling import sampling_problems
-from ds_exp.core.errors import ConfigError, DsExpError, RunFailed
-from ds_exp.launch.console import report_user_error
+from ds_exp.core.errors import ConfigError, RunFailed
+from ds_exp.launch.console import entry_point
 from ds_exp.launch.exports import (
     WRITTEN_BY_RUN,
     adapter_dir,
@@ -92,21 +91,15 @@ def chat_parser() -> argparse.ArgumentParser:
 
 def _run(main: Callable[[list[str]], int], argv: list[str] | None) -> int:
     hold_library_logs()  # what DeepSpeed and transformers say on import stays off the console
-    try:
-        return main(sys.argv[1:] if argv is None else argv)
-    except DsExpError as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        report_user_error(err, traceback_hint=not isinstance(err, ConfigError))
-        return err.exit_code
-    except KeyboardInterrupt:
-        return 130
+    return main(sys.argv[1:] if argv is None else argv)
 
 
+@entry_point("ds_exp.export")
 def export_main(argv: list[str] | None = None) -> int:
     return _run(_export, argv)
 
 
+@entry_point("ds_exp.chat")
 def chat_main(argv: list[str] | None = None) -> int:
     return _run(_chat, argv)
 
