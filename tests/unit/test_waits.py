@@ -1,0 +1,152 @@
+"""Every wait on something outside the process is announced and ends (issue 31 §3): torch's extension build lock
+(a killed builder's leftover, a live builder), the shared mechanism itself (ds_exp.core.waits), tracker servers that
+do not answer, FIFOs and devices given as paths, a row that takes long to tokenize, the tokenized-data cache's lock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ds_exp.core import waits
+from ds_exp.core.waits import WaitGaveUp, announced_wait, run_announced
+
+# ------------------------------------------------------------------------------------------- the mechanism
+
+
+def test_a_wait_is_announced_with_its_start_and_stops_with_the_fix(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(WaitGaveUp) as err:
+        announced_wait("the moon", lambda: False, limit_s=0.6, fix="look elsewhere", notice_s=0.1, poll_s=0.05)
+    notices = capsys.readouterr().err
+    assert "ds_exp: waiting for the moon since " in notices and "gives up after 0 s" in notices
+    assert str(err.value).startswith("gave up waiting for the moon after 0 s (since ")
+    assert str(err.value).endswith("; look elsewhere")
+
+
+def test_only_rank_0_speaks_and_a_wait_that_ends_in_time_returns(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    done = time.monotonic() + 0.4
+    assert announced_wait("rank 0", lambda: time.monotonic() > done, limit_s=5, fix="", notice_s=0.1) >= 0.4
+    assert capsys.readouterr().err == ""  # other ranks log it (their log file), never print
+
+
+def test_a_blocking_call_is_announced_and_its_outcome_comes_back(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert run_announced("a slow answer", lambda: time.sleep(0.5) or 42, limit_s=5, fix="", notice_s=0.1) == 42
+    assert "waiting for a slow answer" in capsys.readouterr().err
+    with pytest.raises(KeyError):
+        run_announced("an error", lambda: {}["x"], limit_s=5, fix="")
+    with pytest.raises(WaitGaveUp):
+        run_announced("no answer", lambda: time.sleep(30), limit_s=0.3, fix="try later")
+
+
+# ------------------------------------------------------------------------- torch's extension build lock
+
+TINY_SOURCE = 'extern "C" int ds_exp_tiny() { return 7; }\n'
+HOLDER = """
+import fcntl, os, subprocess, sys, time
+build = sys.argv[1]
+holder = open(os.path.join(build, "lock.holder"), "a+")
+if sys.argv[2] == "ds_exp":  # as ds_exp's HeldBaton holds it: the flock, then torch's file (kept open)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    holder.write(f"pid {os.getpid()} on here since now\\n"); holder.flush()
+fd = os.open(os.path.join(build, "lock"), os.O_CREAT | os.O_EXCL)
+print("holding", flush=True)
+time.sleep(float(sys.argv[3]))
+if len(sys.argv) > 4:  # what the builder builds: the library torch loads once the lock is gone
+    subprocess.run(["c++", "-shared", "-fPIC", sys.argv[4], "-o", sys.argv[5]], check=True)
+os.close(fd)
+os.remove(os.path.join(build, "lock"))
+"""
+
+
+@pytest.fixture
+def extension(tmp_path, monkeypatch):
+    """(name, build dir, load) of a tiny C++ extension torch compiles in about a second, in a scratch
+    TORCH_EXTENSIONS_DIR; `load()` runs torch's real JIT build (cpp_extension.load) with ds_exp's build lock, and
+    fails instead of hanging when it does not end."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    import ds_exp.runtime.build_lock  # noqa: F401  # installs ds_exp's build lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(waits, "NOTICE_S", 0.3)
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY_SOURCE)
+    name = f"ds_exp_tiny_{uuid.uuid4().hex[:8]}"
+    build = tmp_path / "extensions" / name
+    build.mkdir(parents=True)
+
+    def load(within: float = 60.0) -> object:
+        outcome: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = cpp_extension.load(name=name, sources=[str(source)], is_python_module=False)
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(within)
+        assert not thread.is_alive(), f"the build of {name} still waits after {within} s"
+        if "error" in outcome:
+            raise outcome["error"]  # type: ignore[misc]
+        return outcome["value"]
+
+    return name, build, load
+
+
+def _holder(build: Path, how: str, seconds: float, *builds: str) -> subprocess.Popen:
+    command = [sys.executable, "-c", HOLDER, str(build), how, str(seconds), *builds]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"holding"
+    return proc
+
+
+def test_a_killed_builders_lock_is_removed_and_the_op_built_again(extension, capsys):
+    """What a build SIGKILLed mid-compile leaves: torch's lock file, and ds_exp's holder file that no process
+    holds. torch alone would wait for it forever, before the run's first line."""
+    name, build, load = extension
+    (build / "lock").touch()
+    (build / "lock.holder").write_text("pid 999999 on here since yesterday\n")
+    load()
+    assert (build / f"{name}.so").is_file() and not (build / "lock").exists()
+    said = capsys.readouterr().err
+    assert f"{build / 'lock'} was left by a build that was killed (no process holds it): removed" in said
+
+
+@pytest.mark.parametrize("how", ["ds_exp", "torch"])
+def test_a_live_builders_lock_is_waited_on_and_announced(extension, capsys, how):
+    """Another process holds the lock: ds_exp's flock (another run compiling), or only torch's file, kept open (a
+    program that is not ds_exp). Waited on, said with who holds it, and the wait ends with its build."""
+    name, build, load = extension
+    holder = _holder(build, how, 1.5, str(build.parent.parent / "tiny.cpp"), str(build / f"{name}.so"))
+    load()
+    assert holder.wait(timeout=10) == 0
+    said = capsys.readouterr().err
+    assert f"waiting for the build of {name} in another process (pid {holder.pid}" in said
+    assert f"holds {build / 'lock'}) since " in said
+    assert (build / f"{name}.so").is_file()
+
+
+def test_a_builder_killed_while_waited_for_stops_the_wait_with_one_line(extension):
+    from ds_exp.runtime.build_lock import BuildLockBroken
+
+    name, build, load = extension
+    holder = _holder(build, "ds_exp", seconds=60)
+    threading.Timer(1.0, os.kill, (holder.pid, signal.SIGKILL)).start()
+    with pytest.raises(BuildLockBroken) as err:
+        load()
+    holder.wait(timeout=10)
+    assert f"the build of {name} this run waited for ended without finishing" in str(err.value)
+    assert "run again" in str(err.value) and not (build / "lock").exists()
