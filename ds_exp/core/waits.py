@@ -7,7 +7,10 @@ stops with one line naming what to do. One mechanism for all of them:
 * `announced_wait(what, done, ...)`: polls `done()` until it holds;
 * `run_announced(what, call, ...)`: a blocking call (a rendezvous, a library's connection) in a helper thread while
   this one announces, and stays free to take Ctrl-C and SIGTERM;
-* `announce_while(what, ...)`: the same notices for silent work of this process (no limit: it is not waiting).
+* `announced(what, bound=...)`: notices from a helper thread while this one blocks in a library call that its own
+  timeout bounds (said in `bound`): for calls that must stay in this thread (a tracker's client);
+* `announce_while(what, ...)`: the same notices for silent work of this process (no limit: it is not waiting);
+* `unreachable(host, port)`: a server asked once with a short timeout, before anything waits on it.
 
 Rank 0 says it on the console (stderr, "ds_exp: ..."); every rank records it in its log file. Layer 0: the standard
 library only.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -30,6 +34,9 @@ NOTICE_S = 5.0  # the first notice: well within the 10 s a person waits before w
 NOTICE_GROWTH = 3.0  # then after 15 s, 45 s, 135 s, ... at most every MAX_INTERVAL_S
 MAX_INTERVAL_S = 600.0
 POLL_S = 0.2
+PROBE_TIMEOUT_S = 3.0  # a server that does not answer a TCP connection in 3 s is not one to train against
+PROBE_MEMORY_S = 60.0  # a sweep checks its jobs one after another: one probe of a server answers them all
+_probed: dict[tuple[str, int], tuple[float, str | None]] = {}
 # file only, never the console: ds_exp.launch.run_logging.FILE_LOGGER (core imports nothing above it)
 _file_log = logging.getLogger("ds_exp.file")
 T = TypeVar("T")
@@ -68,8 +75,9 @@ class Wait:
         detail: Callable[[], str | None] | None = None,
         speak: bool | None = None,
         notice_s: float | None = None,
+        bound: str | None = None,
     ) -> None:
-        self.what, self.limit_s, self.fix, self.detail = what, limit_s, fix, detail
+        self.what, self.limit_s, self.fix, self.detail, self.bound = what, limit_s, fix, detail, bound
         self.speak = rank_speaks() if speak is None else speak
         self.started = time.monotonic()
         self.since = time.strftime("%H:%M:%S")
@@ -97,6 +105,7 @@ class Wait:
             )
         if waited >= self.next_notice:
             limit = f"; gives up after {duration(self.limit_s)}" if self.limit_s is not None else ""
+            limit += f"; {self.bound}" if self.bound else ""
             self.say(f"waiting for {self.what}{self._detail()} since {self.since} ({duration(waited)}{limit})")
             self.notices += 1
             self.next_notice = waited + min(MAX_INTERVAL_S, max(self.next_notice, 1.0) * (NOTICE_GROWTH - 1))
@@ -164,6 +173,26 @@ def run_announced(
 
 
 @contextlib.contextmanager
+def announced(what: str, *, bound: str, speak: bool | None = None, notice_s: float | None = None) -> Iterator[None]:
+    """Notices about the wait on `what` while the block runs (from a helper thread): the block's own call is bounded
+    by its library (`bound` says how), so nothing is raised here."""
+    wait = Wait(what, limit_s=None, fix="", speak=speak, notice_s=notice_s, bound=bound)
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(POLL_S):
+            wait.tick()
+
+    thread = threading.Thread(target=watch, name=f"ds_exp-wait: {what[:40]}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextlib.contextmanager
 def announce_while(
     what: str,
     *,
@@ -202,3 +231,27 @@ def announce_while(
     finally:
         stop.set()
         thread.join()
+
+
+def unreachable(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why a TCP connection to (host, port) does not open within `timeout_s` (the name lookup too: it can hang, so
+    the probe runs in a helper thread); None when it opens. Remembered for PROBE_MEMORY_S."""
+    now = time.monotonic()
+    known = _probed.get((host, port))
+    if known is not None and now - known[0] < PROBE_MEMORY_S:
+        return known[1]
+    result: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            result.append(None)
+        except OSError as err:
+            result.append(err.strerror or type(err).__name__)
+
+    thread = threading.Thread(target=probe, name="ds_exp-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    why = result[0] if result else f"no answer in {timeout_s:g} s"
+    _probed[(host, port)] = (now, why)
+    return why

@@ -150,3 +150,42 @@ def test_a_builder_killed_while_waited_for_stops_the_wait_with_one_line(extensio
     holder.wait(timeout=10)
     assert f"the build of {name} this run waited for ended without finishing" in str(err.value)
     assert "run again" in str(err.value) and not (build / "lock").exists()
+
+
+# ------------------------------------------------------------------------------- paths that never end
+
+
+def test_a_fifo_a_reader_meets_is_refused_before_it_is_opened(tmp_path):
+    """The config checks refuse a FIFO the settings name (tests/bad_inputs.py); the readers refuse one found later
+    (inside a directory): opening it would wait for a writer forever."""
+    from ds_exp.core.errors import DataError
+    from ds_exp.data.textfiles import read_text
+
+    fifo = tmp_path / "train.json"
+    os.mkfifo(fifo)
+    refused: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            read_text(fifo, "k", "JSON")
+        except DataError as err:
+            refused.append(err)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "the reader opened the FIFO and waits for a writer"
+    assert str(refused[0]).startswith(f"k: {fifo} is a FIFO (named pipe)")
+
+
+def test_dev_stdin_is_what_stdin_is(tmp_path):
+    """Told by what the path is, not by its name: /dev/stdin redirected from a file is a file and reads fine."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("{}\n")
+    code = "from ds_exp.core.user_paths import special_kind; print(special_kind('/dev/stdin'))"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with data.open() as stdin:
+        from_file = subprocess.run([sys.executable, "-c", code], stdin=stdin, capture_output=True, text=True, env=env)
+    from_pipe = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True, env=env)
+    assert from_file.stdout.strip() == "None"
+    assert from_pipe.stdout.strip().startswith("a FIFO (named pipe)")
