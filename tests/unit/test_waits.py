@@ -189,3 +189,84 @@ def test_dev_stdin_is_what_stdin_is(tmp_path):
     from_pipe = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True, env=env)
     assert from_file.stdout.strip() == "None"
     assert from_pipe.stdout.strip().startswith("a FIFO (named pipe)")
+
+
+# ------------------------------------------------------------------------------- silent work: tokenizing
+
+
+def test_a_row_too_long_to_tokenize_quickly_is_told_while_it_is(tmp_path, monkeypatch, capsys):
+    """The fast tokenizer reads a row whole before truncating it (16M characters: about a minute here) and datasets'
+    bar moves only once its batch is done: rank 0 says what it is doing meanwhile."""
+    from ds_exp.config.schema import DataConfig, ModelConfig
+    from ds_exp.data.encode import Encoder, encode
+    from ds_exp.data.sources import Rows
+    from ds_exp.model.tokenizer import load_tokenizer
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(waits, "NOTICE_S", 0.2)
+    tokenizer = load_tokenizer(ModelConfig(), DataConfig())
+    rows = Rows()
+    for prompt in ("hi", "hello world " * 50_000, "bye"):
+        rows.add(["user", "assistant"], [prompt, "ok"])
+    rows.set_template("raw")
+    ds, counts = encode(rows, Encoder(tokenizer, "", 64, False), num_proc=None, desc="train", work_dir=tmp_path)
+    assert len(ds) == 2 and counts == {"truncated": 1, "dropped": 1}  # its prompt alone fills 64 tokens
+    said = capsys.readouterr().err
+    assert "ds_exp: tokenizing train (3 rows): no sign of progress for " in said
+    assert "its longest row has 600,002 characters" in said
+    assert not list(tmp_path.glob(".progress-*"))
+
+
+# ------------------------------------------------------------------------- the tokenized-data cache's lock
+
+CACHE_HOLDER = """
+import fcntl, os, sys, time
+cache, key, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+lock = open(os.path.join(cache, key + ".lock"), "a+")
+fcntl.flock(lock, fcntl.LOCK_EX)
+lock.write(f"pid {os.getpid()} on here since now\\n"); lock.flush()
+os.makedirs(os.path.join(cache, f".{key}.tmp-{os.getpid()}-0"))
+print("holding", flush=True)
+time.sleep(seconds)
+"""
+
+
+def _cache_holder(cache: Path, key: str, seconds: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", CACHE_HOLDER, str(cache), key, str(seconds)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"holding"
+    return proc
+
+
+def _build(directory: Path) -> dict:
+    (directory / "data").write_text("tokens")
+    return {"rows": 1}
+
+
+def test_waiting_for_another_processs_cache_build_is_announced(tmp_path, monkeypatch, capsys):
+    """Another rank (or a sweep's other job) builds the same tokenized data: who, and how recently it wrote. Here it
+    dies without finishing: the wait ends (the OS lets go of its lock) and this process builds."""
+    from ds_exp.data.cache import cached_build
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(waits, "NOTICE_S", 0.3)
+    holder = _cache_holder(tmp_path, "sft-abc", seconds=1.5)
+    loaded, meta, hit, path = cached_build(tmp_path, "sft-abc", _build, lambda d: (d / "data").read_text(), {})
+    assert (loaded, hit, holder.wait(timeout=10)) == ("tokens", False, 0)
+    said = capsys.readouterr().err
+    assert "ds_exp: waiting for the tokenized data sft-abc, which another process is building" in said
+    assert f"(pid {holder.pid} on here since now; its build last wrote " in said
+
+
+def test_a_cache_build_that_wrote_nothing_for_too_long_stops_the_wait(tmp_path, monkeypatch):
+    from ds_exp.data import cache
+
+    monkeypatch.setattr(cache, "STALLED_BUILD_S", 0.5)
+    holder = _cache_holder(tmp_path, "sft-abc", seconds=30)
+    try:
+        with pytest.raises(WaitGaveUp) as err:
+            cache.cached_build(tmp_path, "sft-abc", _build, lambda d: None, {})
+    finally:
+        holder.kill()
+    message = str(err.value)
+    assert message.startswith(f"data.cache_dir={tmp_path}: the process building the tokenized data sft-abc (pid ")
+    assert "seems stuck; stop it, or point data.cache_dir at another directory, and run again" in message
