@@ -3,7 +3,8 @@
 Layout: `<cache_dir>/<key>/{train,eval}` (datasets.save_to_disk, Arrow) and `meta.json` (stats and the
 settings that made the key). A build goes to `.<key>.tmp-<pid>-<rand>` and is renamed into place, so a
 directory named `<key>` is always complete. Every process (ranks of a job, or jobs of a sweep started at
-once) takes the lock on `<key>.lock`; the first builds, the others wait and then find the result.
+once) takes the lock on `<key>.lock`; the first builds, the others wait (announced: `file_lock`) and then find
+the result.
 """
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ def test_waiting_for_another_processs_cache_build_is_announced(tmp_path, monkeyp
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(waits, "NOTICE_S", 0.3)
     holder = _cache_holder(tmp_path, "sft-abc", seconds=1.5)
-    loaded, meta, hit, path = cached_build(tmp_path, "sft-abc", _build, lambda d: (d / "data").read_text(), {})
+    loaded, _, hit, _ = cached_build(tmp_path, "sft-abc", _build, lambda d: (d / "data").read_text(), {})
     assert (loaded, hit, holder.wait(timeout=10)) == ("tokens", False, 0)
     said = capsys.readouterr().err
     assert "ds_exp: waiting for the tokenized data sft-abc, which another process is building" in said
