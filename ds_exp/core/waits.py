@@ -105,7 +105,7 @@ class Wait:
             )
         if waited >= self.next_notice:
             limit = f"; gives up after {duration(self.limit_s)}" if self.limit_s is not None else ""
-            limit += f"; {self.bound}" if self.bound else ""
+            limit = f"; {self.bound}" if self.bound else limit  # what bounds it, when that is not this wait's limit
             self.say(f"waiting for {self.what}{self._detail()} since {self.since} ({duration(waited)}{limit})")
             self.notices += 1
             self.next_notice = waited + min(MAX_INTERVAL_S, max(self.next_notice, 1.0) * (NOTICE_GROWTH - 1))
@@ -148,6 +148,7 @@ def run_announced(
     fix: str,
     speak: bool | None = None,
     notice_s: float | None = None,
+    bound: str | None = None,
 ) -> T:
     """`call()` in a helper thread while this thread announces the wait (and takes signals between its polls).
     Whatever `call` raises is raised here. Past `limit_s` the thread is left behind (a daemon) and WaitGaveUp
@@ -161,7 +162,7 @@ def run_announced(
             outcome["error"] = exc
 
     thread = threading.Thread(target=run, name=f"ds_exp-wait: {what[:40]}", daemon=True)
-    wait = Wait(what, limit_s=limit_s, fix=fix, speak=speak, notice_s=notice_s)
+    wait = Wait(what, limit_s=limit_s, fix=fix, speak=speak, notice_s=notice_s, bound=bound)
     thread.start()
     while thread.is_alive():
         thread.join(timeout=POLL_S)  # signal handlers run in this thread between the joins

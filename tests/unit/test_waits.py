@@ -270,3 +270,35 @@ def test_a_cache_build_that_wrote_nothing_for_too_long_stops_the_wait(tmp_path, 
     message = str(err.value)
     assert message.startswith(f"data.cache_dir={tmp_path}: the process building the tokenized data sft-abc (pid ")
     assert "seems stuck; stop it, or point data.cache_dir at another directory, and run again" in message
+
+
+# ------------------------------------------------------------------------------------------ peer ranks
+
+
+def test_a_rank_waiting_for_rank_0_at_the_rendezvous_says_so_and_stops_with_one_line(monkeypatch, capsys):
+    """Every rank says it (no rank has a log file yet, and the missing one may be rank 0); torch's own timeout
+    (dist.timeout_minutes; here a real TCPStore's 1 s) ends it in one line."""
+    import datetime
+    import socket
+
+    import torch.distributed as torch_dist
+
+    from ds_exp.core.errors import RunFailed
+    from ds_exp.launch.environment import LaunchInfo
+    from ds_exp.launch.rendezvous import wait_for_rendezvous
+
+    monkeypatch.setattr(waits, "NOTICE_S", 0.2)
+    monkeypatch.setenv("RANK", "1")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there: no rank 0
+
+    def meet() -> object:
+        return torch_dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=1))
+
+    with pytest.raises(RunFailed) as err:
+        wait_for_rendezvous(meet, LaunchInfo("env", 1, 1, 2, "127.0.0.1", port), 7)
+    said = capsys.readouterr().err
+    assert f"ds_exp: waiting for the 2 ranks to meet at 127.0.0.1:{port} (this is rank 1) since " in said
+    assert "torch gives up after dist.timeout_minutes=7" in said
+    assert str(err.value).startswith(f"rank 1 could not reach rank 0 at 127.0.0.1:{port} within dist.timeout_minutes")
