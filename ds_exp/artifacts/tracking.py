@@ -77,9 +77,12 @@ def drop_lines_after(path: Path, step: int) -> Path | None:
 class WandbRun:
     """A wandb run on rank 0 when logger.wandb.mode is not disabled; a no-op everywhere else."""
 
+    finish_bound = "it waits until the data is uploaded; Ctrl-C leaves the rest to `wandb sync` (the run's wandb/)"
+
     def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0) -> None:
         self.run = None
         self.run_id = run_id
+        self.online, self.server = False, ""
         wandb_cfg = cfg.logger.wandb
         mode = plain(wandb_cfg.mode)
         if not enabled or mode == "disabled":
@@ -97,9 +100,10 @@ class WandbRun:
             {"resume_from": f"{run_id}?_step={start_step}"} if run_id and start_step else {"resume": "allow"}
         )
         # online: a server (checked before the run built anything, ds_exp.config.logger_checks); said while it waits
-        server = without_passwords(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL)
+        self.online = mode == "online"
+        self.server = without_passwords(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL)
         bound = "wandb gives up after its init_timeout, 90 s unless set"
-        waiting = announced(f"wandb's server {server}", bound=bound) if mode == "online" else contextlib.nullcontext()
+        waiting = announced(f"wandb's server {self.server}", bound=bound) if self.online else contextlib.nullcontext()
         with waiting:
             self.run = wandb.init(
                 project=wandb_cfg.project,
@@ -135,7 +139,15 @@ class WandbRun:
         """Record how the run ended and finish the wandb run (a failed exit code unless it can be resumed)."""
         if self.run is not None:
             self.run.summary["status"] = status
-            self.run.finish(exit_code=0 if status in RESUMABLE_ENDS else 1)
+            # online: wandb uploads what is left and waits for its server (as long as it takes, unless
+            # finish_timeout is set): said while it does
+            waiting = (
+                announced(f"wandb's server to take the run's last data ({self.server})", bound=self.finish_bound)
+                if self.online
+                else contextlib.nullcontext()
+            )
+            with waiting:
+                self.run.finish(exit_code=0 if status in RESUMABLE_ENDS else 1)
             self.run = None
 
 
