@@ -6,10 +6,11 @@ torch compiles every DeepSpeed op (CPU Adam, FusedAdam, the CPU ranks' shared-me
 exists: forever once its holder was killed mid-build (SIGKILL, the OOM killer, a lost node), and every later run
 on the machine then hangs before its first line.
 
-`HeldBaton` is that lock as ds_exp takes it (installed by ds_exp.core.compat.use_extension_baton when this module is
-imported, so DeepSpeed's own builds in a ds_exp process take it too). Beside the file, ds_exp holds an flock on
-`<build dir>/lock.holder` for as long as it holds the file, and writes there who it is. The OS drops the flock when
-its process dies, however it dies, so the lock file is:
+`HeldBaton` is that lock as ds_exp takes it: `guard_builds` installs it (ds_exp.core.compat.use_extension_baton)
+before ds_exp builds an op (ds_exp.runtime.ops) and before deepspeed.initialize, which builds others itself; not at
+import, which would load torch.utils.cpp_extension (and setuptools) into every process for nothing. Beside the
+file, ds_exp holds an flock on `<build dir>/lock.holder` for as long as it holds the file, and writes there who it
+is. The OS drops the flock when its process dies, however it dies, so the lock file is:
 * live while the flock is held (another ds_exp process compiling or loading) or while some process on this machine
   has the file open (torch keeps it open while it holds it: a program that is not ds_exp, e.g. a plain DeepSpeed
   script): waited on, announced (ds_exp.core.waits) with who holds it and since when, for at most BUILD_LIMIT_S;
@@ -166,4 +167,6 @@ def _opened_note(lock: str) -> str:
     return f"pid {pid}" if pid is not None else "a process"
 
 
-compat.use_extension_baton(HeldBaton)
+def guard_builds() -> None:
+    """From now on, torch's extension builds in this process take HeldBaton as their lock (idempotent)."""
+    compat.use_extension_baton(HeldBaton)

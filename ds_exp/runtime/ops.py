@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 from ds_exp.core import compat
 from ds_exp.core.errors import RunFailed
 from ds_exp.launch.run_logging import FILE_LOGGER
-from ds_exp.runtime.build_lock import BuildLockBroken
+from ds_exp.runtime.build_lock import BuildLockBroken, guard_builds
 
 log = logging.getLogger(__name__)
 file_log = logging.getLogger(FILE_LOGGER)
@@ -103,9 +103,10 @@ def ensure_built(op: Op, *, announce: bool) -> None:
             file=sys.stderr,
             flush=True,
         )
+    guard_builds()  # torch's build lock is build_lock.HeldBaton: told live from stale
     with _arch_list_for_deepspeed():
         try:
-            builder.load(verbose=False)  # torch's build lock is build_lock.HeldBaton: told live from stale
+            builder.load(verbose=False)
         except BuildLockBroken:
             raise  # one line already: run again
         except Exception as exc:  # a compiler error, a missing toolchain: all end the same way

@@ -75,7 +75,9 @@ def extension(tmp_path, monkeypatch):
     fails instead of hanging when it does not end."""
     import torch.utils.cpp_extension as cpp_extension
 
-    import ds_exp.runtime.build_lock  # noqa: F401  # installs ds_exp's build lock
+    from ds_exp.runtime.build_lock import guard_builds
+
+    guard_builds()  # as ds_exp does before it builds an op, and before deepspeed.initialize
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.delenv("RANK", raising=False)
