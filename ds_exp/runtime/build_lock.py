@@ -82,6 +82,20 @@ def opened_by(path: str) -> int | None:
     return None
 
 
+RELEASE_GRACE_S = 0.5  # torch's FileBaton.release closes the file, then removes it: not a leftover in between
+
+
+def _left_behind(lock: str) -> bool:
+    """Whether `lock` (whose flock the caller holds) is held by no live process: still there, open nowhere, and
+    still so a moment later (a program that is not ds_exp may be between closing and removing it)."""
+    for attempt in range(2):
+        if not os.path.exists(lock) or opened_by(lock) is not None:
+            return False
+        if attempt == 0:
+            time.sleep(RELEASE_GRACE_S)
+    return True
+
+
 def _remove_leftover(lock: str) -> None:
     """Remove a lock file no live process holds (the caller holds the flock), and say so."""
     with contextlib.suppress(FileNotFoundError):
@@ -104,7 +118,7 @@ class HeldBaton(FileBaton):
         if holder is None:
             return False  # another ds_exp process holds it: torch calls wait()
         try:
-            if os.path.exists(self.lock_file_path) and opened_by(self.lock_file_path) is None:
+            if _left_behind(self.lock_file_path):
                 _remove_leftover(self.lock_file_path)
             acquired = bool(super().try_acquire())  # False: held by a program that does not take the flock
         except BaseException:
@@ -149,10 +163,8 @@ class HeldBaton(FileBaton):
         if holder is None:
             return False  # a live ds_exp process holds it
         try:
-            if not os.path.exists(lock):
-                return True
-            if opened_by(lock) is not None:
-                return False  # a live program that is not ds_exp
+            if not _left_behind(lock):
+                return not os.path.exists(lock)  # released meanwhile, or a live program that is not ds_exp holds it
             _remove_leftover(lock)
         finally:
             _let_go(holder)
