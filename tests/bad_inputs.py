@@ -33,6 +33,7 @@ class Case:
     files: dict[str, str | bytes] = field(default_factory=dict)  # name -> content, written into {tmp} first
     env: dict[str, str] = field(default_factory=dict)
     links: dict[str, str] = field(default_factory=dict)  # name -> target ({tmp} allowed): symbolic links made first
+    fifos: tuple[str, ...] = ()  # names of FIFOs (named pipes) made first: nothing ever writes to them
 
 
 def jsonl(*rows: object) -> str:
@@ -804,6 +805,63 @@ CASES: list[Case] = [
         ),
         env={"HF_HUB_OFFLINE": "1", "HF_HOME": "/nonexistent/hf_home"},
     ),
+    # --- issue 31 §3: every wait on something outside the process is bounded and announced (paths that would block
+    # or never end, tracker servers that do not answer: told before anything opens or waits on them)
+    Case(
+        "data file a FIFO",
+        "path",
+        local_data("pipe.jsonl"),
+        ("data.sources[0].path: ", "pipe.jsonl is a FIFO (named pipe)", "give the path of a regular file"),
+        fifos=("pipe.jsonl",),
+    ),
+    Case(
+        "data file a device",
+        "path",
+        local_data("zero.jsonl"),
+        ("data.sources[0].path: ", "zero.jsonl is a character device", "give the path of a regular file"),
+        links={"zero.jsonl": "/dev/zero"},
+    ),
+    Case(
+        "eval file a FIFO",
+        "path",
+        (*local_data(), "data.sources.0.eval_path={tmp}/eval.jsonl"),
+        ("data.sources[0].eval_path: ", "eval.jsonl is a FIFO (named pipe)"),
+        files={"sft.jsonl": jsonl(*[GOOD_ROW] * 8)},
+        fifos=("eval.jsonl",),
+    ),
+    Case(
+        "DeepSpeed config a FIFO",
+        "DeepSpeed JSON",
+        ("deepspeed.config_file={tmp}/ds.json",),
+        ("deepspeed.config_file: ", "ds.json is a FIFO (named pipe)", "give the path of a regular file"),
+        fifos=("ds.json",),
+    ),
+    Case(
+        "model path a device",
+        "path",
+        ("model.name_or_path=/dev/zero",),
+        ("model.name_or_path: /dev/zero is a character device", "give the path of a regular file"),
+    ),
+    Case(
+        "prompts file a FIFO",
+        "path",
+        ("eval.prompts_file={tmp}/prompts.txt",),
+        ("eval.prompts_file: ", "prompts.txt is a FIFO (named pipe)"),
+        fifos=("prompts.txt",),
+    ),
+    Case(
+        "MLflow server not answering",
+        "config value",
+        ("logger=mlflow", "logger.mlflow.tracking_uri=http://ds:hunter2@127.0.0.1:9"),  # nothing listens on port 9
+        ("logger.mlflow.tracking_uri=http://ds:***@127.0.0.1:9: the server cannot be reached", "enabled=false"),
+    ),
+    Case(
+        "wandb server not answering",
+        "config value",
+        ("logger=wandb", "logger.wandb.mode=online"),
+        ("logger.wandb.mode=online (WANDB_BASE_URL=http://127.0.0.1:9)", "cannot be reached", "mode=offline"),
+        env={"WANDB_BASE_URL": "http://127.0.0.1:9"},
+    ),
 ]
 
 
@@ -872,6 +930,9 @@ def prepare(case: Case, tmp: Path) -> tuple[list[str], dict[str, str]]:
     for name, target in case.links.items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).symlink_to(target.replace("{tmp}", str(tmp)))
+    for name in case.fifos:
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(tmp / name)
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
     if not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
         args.append(f"hydra.run.dir={tmp}/run")

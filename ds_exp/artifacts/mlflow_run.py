@@ -10,23 +10,30 @@ multirun in one process never share one.
   status (FINISHED, KILLED for a stop that can be resumed, FAILED).
 * A resume continues the same MLflow run (its id is kept in each checkpoint's marker, like wandb's): steps after
   the checkpoint are logged once; params the resume changed are told in a tag, as MLflow's params never change.
+* A server that does not answer: refused before the run builds anything (ds_exp.config.logger_checks); one that
+  goes away later costs seconds, not MLflow's 246 s of retries (SHORT_HTTP), and opening the run is announced
+  while it waits (ds_exp.core.waits). Its error text never shows the URI's password.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ds_exp.config.logger_checks import without_passwords
 from ds_exp.config.schema import Config, as_dict, plain
-from ds_exp.config.secrets import redact, redact_text, register_secrets
+from ds_exp.config.secrets import redact, register_secrets
 from ds_exp.core.errors import RunFailed, first_line
 from ds_exp.core.files import json_text
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
+from ds_exp.core.waits import announced
 from ds_exp.launch.run_logging import FILE_LOGGER
 
 log = logging.getLogger(__name__)
@@ -36,6 +43,24 @@ MAX_TAG_VALUE = 8000
 MAX_KEY = 250
 BATCH = 100  # params or tags per log_batch
 _KEY_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow allows in a param, metric or tag name
+
+
+# MLflow's HTTP client retries a request 7 times, its backoff doubling up to 120 s (246 s before an error for a
+# server that went away; each request may also wait 120 s for an answer). ds_exp's calls retry twice (about 6 s)
+# and wait 20 s for an answer, unless the user set these themselves; read by MLflow at each request.
+SHORT_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
+@contextlib.contextmanager
+def short_http_waits() -> Iterator[None]:
+    """MLflow's requests inside the block give up in seconds (SHORT_HTTP); the process's environment is restored."""
+    added = {name: value for name, value in SHORT_HTTP.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def default_tracking_uri(run_dir: Path) -> str:
@@ -85,21 +110,27 @@ class MlflowRun:
         from mlflow.exceptions import MlflowException
 
         _quiet_library_loggers()
+        shown = without_passwords(self.uri)
         try:
-            self.client = mlflow.MlflowClient(tracking_uri=self.uri)
-            experiment = self._experiment(settings.experiment or cfg.experiment_name, run_dir, settings.tracking_uri)
-            self.run_id = self._continue(run_id, start_step) if run_id else None
-            if self.run_id is None:
-                self.run_id = self._create(cfg, run_dir, experiment)
-            else:
-                self._log_changed_params(cfg, start_step)
+            remote = urlsplit(self.uri).scheme in ("http", "https")
+            bound = "each request gives up within about a minute"
+            waiting = announced(f"the MLflow server {shown}", bound=bound) if remote else contextlib.nullcontext()
+            with short_http_waits(), waiting:
+                self.client = mlflow.MlflowClient(tracking_uri=self.uri)
+                name = settings.experiment or cfg.experiment_name
+                experiment = self._experiment(name, run_dir, settings.tracking_uri)
+                self.run_id = self._continue(run_id, start_step) if run_id else None
+                if self.run_id is None:
+                    self.run_id = self._create(cfg, run_dir, experiment)
+                else:
+                    self._log_changed_params(cfg, start_step)
         except MlflowException as err:
-            first = redact_text(first_line(err))
+            first = without_passwords(first_line(err))
             raise RunFailed(
-                f"logger.mlflow: MLflow refused the tracking store {redact_text(self.uri)} ({first}); fix "
+                f"logger.mlflow: MLflow refused the tracking store {shown} ({first}); fix "
                 "logger.mlflow.tracking_uri (null = <run dir>/mlflow.db), or logger.mlflow.enabled=false"
             ) from err
-        log.info("mlflow: run %s in %s", self.run_id, redact_text(self.uri))
+        log.info("mlflow: run %s in %s", self.run_id, shown)
 
     def _experiment(self, name: str, run_dir: Path, given_uri: str | None) -> str:
         """The experiment's id, created when missing (a store of the run's own keeps its artifacts beside it)."""
@@ -143,7 +174,9 @@ class MlflowRun:
             self.client.get_run(run_id)
         except MlflowException:
             log.warning(
-                "mlflow: the checkpoint's run %s is not in %s: logging to a new run", run_id, redact_text(self.uri)
+                "mlflow: the checkpoint's run %s is not in %s: logging to a new run",
+                run_id,
+                without_passwords(self.uri),
             )
             return None
         self.client.update_run(run_id, status="RUNNING")
@@ -197,10 +230,12 @@ class MlflowRun:
     def _guarded(self, call: Callable[[], object]) -> None:
         """A tracker that fails mid-run (a server gone) costs its records, never the training: warned once."""
         try:
-            call()
+            with short_http_waits():
+                call()
         except Exception as err:
             if not self.failed_once:
-                log.warning("mlflow: could not log to %s (%s); metrics.jsonl has everything", self.uri, err)
+                where, why = without_passwords(self.uri), without_passwords(first_line(err))
+                log.warning("mlflow: could not log to %s (%s); metrics.jsonl has everything", where, why)
                 self.failed_once = True
 
     def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
@@ -219,7 +254,8 @@ class MlflowRun:
             else "FAILED"
         )
         try:
-            client.set_tag(self.run_id, "ds_exp.status", status)
-            client.set_terminated(self.run_id, status=end)
+            with short_http_waits():
+                client.set_tag(self.run_id, "ds_exp.status", status)
+                client.set_terminated(self.run_id, status=end)
         except Exception as err:
-            log.warning("mlflow: could not end run %s (%s)", self.run_id, err)
+            log.warning("mlflow: could not end run %s (%s)", self.run_id, without_passwords(first_line(err)))

@@ -7,6 +7,7 @@ The trackers are wandb (logger.wandb.mode), TensorBoard (logger.tensorboard.enab
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,10 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ds_exp.artifacts.mlflow_run import MlflowRun
+from ds_exp.config.logger_checks import WANDB_DEFAULT_URL, without_passwords
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact
 from ds_exp.core.files import append_json_line, json_text, write_text_atomic
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
+from ds_exp.core.waits import announced
 from ds_exp.resume.store import TrainState
 
 if TYPE_CHECKING:
@@ -74,9 +77,12 @@ def drop_lines_after(path: Path, step: int) -> Path | None:
 class WandbRun:
     """A wandb run on rank 0 when logger.wandb.mode is not disabled; a no-op everywhere else."""
 
+    finish_bound = "it waits until the data is uploaded; Ctrl-C leaves the rest to `wandb sync` (the run's wandb/)"
+
     def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0) -> None:
         self.run = None
         self.run_id = run_id
+        self.online, self.server = False, ""
         wandb_cfg = cfg.logger.wandb
         mode = plain(wandb_cfg.mode)
         if not enabled or mode == "disabled":
@@ -93,21 +99,27 @@ class WandbRun:
         resuming: dict[str, Any] = (
             {"resume_from": f"{run_id}?_step={start_step}"} if run_id and start_step else {"resume": "allow"}
         )
-        self.run = wandb.init(
-            project=wandb_cfg.project,
-            entity=wandb_cfg.entity,
-            group=wandb_cfg.group or cfg.experiment_name,
-            name=wandb_cfg.name or run_dir.name,
-            tags=[*tags, *wandb_cfg.tags],
-            dir=str(wandb_cfg.dir or run_dir),
-            mode=mode,
-            id=run_id,  # set when resuming: the same wandb run continues
-            **resuming,
-            config=redact(as_dict(cfg)),
-            # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
-            # ~/.netrc); an offline run writes it nowhere (tests/integration/test_security.py)
-            settings=wandb.Settings(api_key=wandb_cfg.api_key) if wandb_cfg.api_key else None,
-        )
+        # online: a server (checked before the run built anything, ds_exp.config.logger_checks); said while it waits
+        self.online = mode == "online"
+        self.server = without_passwords(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL)
+        bound = "wandb gives up after its init_timeout, 90 s unless set"
+        waiting = announced(f"wandb's server {self.server}", bound=bound) if self.online else contextlib.nullcontext()
+        with waiting:
+            self.run = wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                group=wandb_cfg.group or cfg.experiment_name,
+                name=wandb_cfg.name or run_dir.name,
+                tags=[*tags, *wandb_cfg.tags],
+                dir=str(wandb_cfg.dir or run_dir),
+                mode=mode,
+                id=run_id,  # set when resuming: the same wandb run continues
+                **resuming,
+                config=redact(as_dict(cfg)),
+                # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
+                # ~/.netrc); an offline run writes it nowhere (tests/integration/test_security.py)
+                settings=wandb.Settings(api_key=wandb_cfg.api_key) if wandb_cfg.api_key else None,
+            )
         self.run_id = self.run.id
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -127,7 +139,15 @@ class WandbRun:
         """Record how the run ended and finish the wandb run (a failed exit code unless it can be resumed)."""
         if self.run is not None:
             self.run.summary["status"] = status
-            self.run.finish(exit_code=0 if status in RESUMABLE_ENDS else 1)
+            # online: wandb uploads what is left and waits for its server (as long as it takes, unless
+            # finish_timeout is set): said while it does
+            waiting = (
+                announced(f"wandb's server to take the run's last data ({self.server})", bound=self.finish_bound)
+                if self.online
+                else contextlib.nullcontext()
+            )
+            with waiting:
+                self.run.finish(exit_code=0 if status in RESUMABLE_ENDS else 1)
             self.run = None
 
 

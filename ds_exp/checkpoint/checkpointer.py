@@ -30,7 +30,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -49,6 +48,7 @@ from ds_exp.resume.store import (
     is_complete,
     tag_for,
 )
+from ds_exp.runtime.peers import barrier
 from ds_exp.runtime.process_group import broadcast
 
 log = logging.getLogger(__name__)
@@ -112,14 +112,14 @@ def save(
     # per-rank RNG states, loadable with torch.load(weights_only=True)
     torch.save(rng_states(), path / f"rng_rank{rank}.pt")
     inject_fault(f"save:{tag}", rank)
-    dist.barrier()
+    barrier(f"the end of the save of {tag}")
     if rank == 0:
         write_json_atomic(path / COMPLETE_MARKER, state.as_dict())
         write_text_atomic(checkpoint_dir / LATEST, tag)  # only now: `latest` names complete checkpoints only
         for old in rotated(checkpoint_dir, state, keep_last):
             shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(old.parent / f"{old.name}.universal", ignore_errors=True)  # its conversion (ds_exp.universal)
-    dist.barrier()
+    barrier(f"checkpoint {tag} marked complete")
     log.info("saved checkpoint %s", path)
     return path
 

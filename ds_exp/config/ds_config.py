@@ -24,6 +24,7 @@ from ds_exp.config.plan import data_parallel_size, global_batch_mismatch, global
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
 from ds_exp.core.errors import ConfigError
+from ds_exp.core.user_paths import special_file_problem
 
 MISSING = object()
 
@@ -99,6 +100,8 @@ def delete_path(tree: dict[str, Any], path: str) -> None:
 def load_config_file(path: str) -> dict[str, Any]:
     file = Path(path).expanduser()
     key = f"deepspeed.config_file={path}"
+    if (special := special_file_problem("deepspeed.config_file", file)) is not None:
+        raise ConfigError(special)
     if not file.is_file():
         raise ConfigError(f"{key}: file not found; give the path of an existing DeepSpeed JSON config")
     try:

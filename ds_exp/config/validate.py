@@ -33,6 +33,7 @@ from ds_exp.config.sampling import sampling_problems
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
 from ds_exp.core.errors import ConfigError
+from ds_exp.core.user_paths import special_file_problem
 
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_TIMEOUT_MINUTES = 525_600  # a year: torch's deadline (now + timeout, in nanoseconds) overflows near 1.5e8
@@ -51,7 +52,9 @@ def _check_model(cfg: Config) -> list[str]:
         if value is None or not looks_like_local_path(value):
             continue
         path = Path(value).expanduser()
-        if not path.exists():
+        if (special := special_file_problem(f"model.{key}", value)) is not None:
+            problems.append(special)
+        elif not path.exists():
             problems.append(f"model.{key}={value}: directory not found; give an existing local directory or a hub id")
         elif key == "name_or_path" and not (path / "config.json").is_file():
             problems.append(
@@ -341,7 +344,9 @@ def _check_eval(cfg: Config) -> list[str]:
     problems = [line for line in sampling if "must be a finite number" not in line]  # said by _non_finite
     if cfg.eval.max_new_tokens < 1:
         problems.append(f"eval.max_new_tokens={cfg.eval.max_new_tokens}: must be >= 1")
-    if cfg.eval.prompts_file and not Path(cfg.eval.prompts_file).expanduser().is_file():
+    if cfg.eval.prompts_file and (special := special_file_problem("eval.prompts_file", cfg.eval.prompts_file)):
+        problems.append(special)
+    elif cfg.eval.prompts_file and not Path(cfg.eval.prompts_file).expanduser().is_file():
         problems.append(
             f"eval.prompts_file={cfg.eval.prompts_file}: file not found; give a text file with one prompt per line"
         )
@@ -351,6 +356,8 @@ def _check_eval(cfg: Config) -> list[str]:
 def _check_resume(cfg: Config) -> list[str]:
     if cfg.resume in (None, "auto"):
         return []
+    if (special := special_file_problem("resume", cfg.resume)) is not None:
+        return [special]
     if not Path(cfg.resume).expanduser().exists():
         return [f"resume={cfg.resume}: no such checkpoint directory; give a run's checkpoints directory or resume=auto"]
     return []

@@ -44,10 +44,21 @@ def op_prebuilt(builder: Any) -> bool:
 def extension_build_dir(name: str) -> Path:
     """Where torch compiles the extension `name`. torch 2.4-2.13: `torch.utils.cpp_extension._get_build_directory`
     (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<python>_<cuda tag>/<name>). If it changes, an op that
-    loads from its cache gets a "compiling ..." notice, and a killed build's lock is not named (ops.py)."""
+    loads from its cache gets a "compiling ..." notice."""
     from torch.utils.cpp_extension import _get_build_directory
 
     return Path(_get_build_directory(name, verbose=False))
+
+
+def use_extension_baton(baton: type) -> None:
+    """torch's JIT extension builds (every DeepSpeed op) take `baton` as their build lock instead of FileBaton.
+
+    torch 2.13: `cpp_extension._jit_compile` looks `FileBaton` up in its module at each call and uses try_acquire,
+    wait and release on `<build dir>/lock`. If that changes, a killed build's lock is waited on forever again,
+    silently (tests/unit/test_waits.py's build-lock tests fail)."""
+    import torch.utils.cpp_extension
+
+    torch.utils.cpp_extension.FileBaton = baton  # type: ignore[misc,assignment]  # its subclass (runtime/build_lock.py)
 
 
 def apply_liger_kernels(model: Any) -> None:

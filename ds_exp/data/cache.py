@@ -3,7 +3,8 @@
 Layout: `<cache_dir>/<key>/{train,eval}` (datasets.save_to_disk, Arrow) and `meta.json` (stats and the
 settings that made the key). A build goes to `.<key>.tmp-<pid>-<rand>` and is renamed into place, so a
 directory named `<key>` is always complete. Every process (ranks of a job, or jobs of a sweep started at
-once) takes the lock on `<key>.lock`; the first builds, the others wait and then find the result.
+once) takes the lock on `<key>.lock`; the first builds, the others wait (announced: `file_lock`) and then find
+the result.
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.files import json_text
+from ds_exp.core.waits import WaitGaveUp, announced_wait, duration
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +65,70 @@ def hash_key(material: object) -> str:
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+STALLED_BUILD_S = 60 * 60  # a live builder whose build wrote nothing for an hour is stuck: the wait stops
+
+
+def _try_lock(fh: IO[str]) -> bool:
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def last_write(cache_dir: Path, key: str) -> float | None:
+    """When a build of `key` last wrote into its directory (two levels down: the tokens' Arrow files, the progress
+    file the tokenizer touches after each batch, the saved shards); None before it wrote anything."""
+    times: list[float] = []
+    for build in cache_dir.glob(f".{key}.tmp-*"):
+        with contextlib.suppress(OSError):  # the build may finish (and be renamed) while it is looked at
+            times.append(build.stat().st_mtime)
+            for entry in build.iterdir():
+                times.append(entry.stat().st_mtime)
+                if entry.is_dir():
+                    times += [inner.stat().st_mtime for inner in entry.iterdir()]
+    return max(times, default=None)
+
+
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive flock; says so when it has to wait (another process is building the same data)."""
+    """Exclusive flock on `<cache dir>/<key>.lock`, its holder written in it. Waiting for another process building
+    the same data (another rank, another job of a sweep) is announced with who builds and how recently its build
+    wrote (ds_exp.core.waits); it ends when that process lets go (the OS does when it dies) and stops, in one line,
+    when its build wrote nothing for STALLED_BUILD_S."""
+    cache_dir, key = path.parent, path.stem
     with path.open("a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process building %s", path.with_suffix(""))
-            start = time.monotonic()
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            log.info("lock acquired after %.1f s", time.monotonic() - start)
+        if not _try_lock(fh):
+
+            def holder() -> str:
+                wrote = last_write(cache_dir, key)
+                when = f"its build last wrote {duration(time.time() - wrote)} ago" if wrote else "nothing written yet"
+                with contextlib.suppress(OSError):
+                    return f"{path.read_text().strip() or 'another process'}; {when}"
+                return when
+
+            def released() -> bool:
+                if _try_lock(fh):
+                    return True
+                wrote = last_write(cache_dir, key)
+                if wrote is not None and time.time() - wrote > STALLED_BUILD_S:
+                    raise WaitGaveUp(
+                        f"data.cache_dir={cache_dir}: the process building the tokenized data {key} ({holder()}) "
+                        "seems stuck; stop it, or point data.cache_dir at another directory, and run again"
+                    )
+                return False
+
+            announced_wait(
+                f"the tokenized data {key}, which another process is building",
+                released,
+                limit_s=None,
+                fix="",
+                detail=holder,
+            )
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        fh.flush()
         try:
             yield
         finally:

@@ -10,6 +10,7 @@ from omegaconf import MISSING
 
 from ds_exp.config.paths import not_a_directory
 from ds_exp.config.schema import DataConfig, DataSource, path_not_set, plain
+from ds_exp.core.user_paths import special_file_problem
 from ds_exp.data.conversations import LAYOUTS
 from ds_exp.data.formats import FILE_FORMATS, expand, resolve_format
 from ds_exp.data.splits import parse_data_split
@@ -23,6 +24,9 @@ def check_source(src: DataSource, key: str) -> list[str]:
     if not path or path == MISSING:
         return [path_not_set(key)]
     fmt = src.format or "auto"
+    for field, value in (("path", path), ("eval_path", src.eval_path)):
+        if value and (special := special_file_problem(f"{key}.{field}", expand(value))) is not None:
+            return [special]  # before anything opens it (a FIFO would block, /dev/zero never ends)
     try:
         resolved = resolve_format(path, fmt)
     except ValueError as err:

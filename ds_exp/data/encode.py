@@ -3,14 +3,22 @@
 The template (templates.py) gives the text and the character spans that are labels; one tokenization with
 offsets maps them onto tokens (what the model sees at inference), so the boundaries are exact for BPE and
 SentencePiece tokenizers alike and no token is split in two.
+
+A row of millions of characters takes the fast tokenizer a minute or more (it tokenizes the whole text before
+truncating), and datasets' bar moves only when a batch is done: every batch the Encoder finishes touches a progress
+file, and while none has for NOTICE_S rank 0 says what is being tokenized and how long its longest row is
+(ds_exp.core.waits.announce_while), whichever process (num_proc) does the work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +26,7 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
+from ds_exp.core.waits import announce_while
 from ds_exp.data.sources import Rows
 from ds_exp.data.templates import Span, render_chat, render_dschat, render_raw
 
@@ -75,6 +84,7 @@ class Encoder:
     max_seq_len: int
     train_on_prompt: bool
     specials: tuple[str, ...] = ()  # the tokenizer's special tokens as text (templates.special_strings)
+    progress_file: str | None = None  # touched after each batch (any process of the map): see the module docstring
 
     def render(self, template: str, roles: Sequence[str], contents: Sequence[str]) -> tuple[str, list[Span]]:
         """(full text, label character spans) of one row."""
@@ -122,6 +132,9 @@ class Encoder:
                 out["labels"][i] = labels
                 out["truncated"][i] = truncated
                 out["keep"][i] = labels.count(IGNORE_INDEX) < len(labels)
+        if self.progress_file is not None:
+            with contextlib.suppress(OSError):  # a sign of life only
+                os.utime(self.progress_file)
         return out
 
     def _slow_ranges(self, text: str, spans: list[Span], n: int, add_special: bool) -> list[tuple[int, int]]:
@@ -161,19 +174,26 @@ def encode(
     raw = datasets.Dataset.from_dict({name: getattr(rows, name) for name in COLUMNS})
     procs = pick_num_proc(num_proc, len(raw))
     rows_at_once = rows_per_batch(encoder.max_seq_len)
-    ds = raw.map(
-        encoder,
-        batched=True,
-        batch_size=rows_at_once,
-        writer_batch_size=rows_at_once,
-        cache_file_name=str(work_dir / f"encoded-{desc}.arrow") if work_dir is not None else None,
-        num_proc=procs if procs > 1 else None,
-        remove_columns=list(COLUMNS),
-        features=features,
-        load_from_cache_file=False,
-        new_fingerprint=f"ds_exp-encode-{desc}",  # skips hashing the tokenizer; our own cache keys the result
-        desc=f"Tokenizing {desc}",
-    )
+    progress = Path(work_dir or tempfile.gettempdir()) / f".progress-{desc}-{os.getpid()}"
+    progress.touch()
+    encoder = replace(encoder, progress_file=str(progress))
+    try:
+        with announce_while(f"tokenizing {desc} ({len(rows)} rows)", idle_s=_idle(progress), detail=_longest(rows)):
+            ds = raw.map(
+                encoder,
+                batched=True,
+                batch_size=rows_at_once,
+                writer_batch_size=rows_at_once,
+                cache_file_name=str(work_dir / f"encoded-{desc}.arrow") if work_dir is not None else None,
+                num_proc=procs if procs > 1 else None,
+                remove_columns=list(COLUMNS),
+                features=features,
+                load_from_cache_file=False,
+                new_fingerprint=f"ds_exp-encode-{desc}",  # skips hashing the tokenizer; our own cache keys the result
+                desc=f"Tokenizing {desc}",
+            )
+    finally:
+        progress.unlink(missing_ok=True)
     # counted on the Arrow columns (map's output has no indices mapping, so ds.data is its rows): iterating
     # ds["..."] formats one row at a time (seconds per 100k rows)
     truncated = int(pc.sum(ds.data.column("truncated")).as_py() or 0)
@@ -183,6 +203,28 @@ def encode(
         ds = ds.select(np.flatnonzero(keep).tolist())
     ds = ds.remove_columns(["truncated", "keep"])
     return ds, {"truncated": truncated, "dropped": dropped}
+
+
+def _idle(progress: Path) -> Callable[[], float]:
+    """Seconds since the map last finished a batch (the progress file's time)."""
+
+    def idle() -> float:
+        try:
+            return time.time() - progress.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    return idle
+
+
+def _longest(rows: Rows) -> Callable[[], str]:
+    """What a notice says of the rows: the longest (counted only once a notice is due)."""
+
+    def longest() -> str:
+        chars = max((sum(map(len, contents)) for contents in rows.contents), default=0)
+        return f"its longest row has {chars:,} characters, which the tokenizer reads whole before truncating"
+
+    return longest
 
 
 def pack(ds: datasets.Dataset, max_seq_len: int, *, work_dir: Path | None = None) -> datasets.Dataset:

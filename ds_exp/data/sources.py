@@ -19,6 +19,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from ds_exp.core.errors import DataError, first_line
+from ds_exp.core.user_paths import special_file_problem
 from ds_exp.data.conversations import ALPACA_COLUMNS, CHAT_COLUMNS, PAIR, Fields, Parsed, Rows, parse_rows
 from ds_exp.data.formats import dschat_files, expand, resolve_format
 from ds_exp.data.synthetic import generate
@@ -154,6 +155,8 @@ class _Table:
 
 
 def _read_file(path: Path, fmt: str, key: str, fields: list[str]) -> _Table:
+    if (special := special_file_problem(key, path)) is not None:  # a FIFO found inside a directory, too
+        raise DataError(special)
     if fmt in ("json", "jsonl"):
         records, where = _json_records(path, key)
         return _Table(_columns_of_records(records), lambda f: [r.get(f) for r in records], len(records), where)

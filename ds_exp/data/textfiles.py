@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ds_exp.core.errors import DataError
+from ds_exp.core.user_paths import special_file_problem
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,10 @@ def _what_it_is(path: Path, head: bytes) -> tuple[str, str] | None:
 
 
 def check_not_binary(path: Path, key: str, fmt: str) -> None:
-    """Refuse a file whose first bytes say it is not `fmt` text (a gzip file named .jsonl, Parquet named .csv)."""
+    """Refuse a file whose first bytes say it is not `fmt` text (a gzip file named .jsonl, Parquet named .csv), and
+    a FIFO or a device before it is opened."""
+    if (special := special_file_problem(key, path)) is not None:
+        raise DataError(special)
     with path.open("rb") as fh:
         head = fh.read(16)
     if is_gzip_name(path):

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import re
 import socket
-import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
 from ds_exp.core.errors import RunFailed
+from ds_exp.core.waits import WaitGaveUp, run_announced
 
 
 class Ranks(Protocol):
@@ -37,36 +35,31 @@ def free_port() -> int:
 
 def wait_for_rendezvous(start: Callable[[], object], launch: Ranks, timeout_minutes: int) -> None:
     """Run `start` (the rendezvous) in a helper thread while the main thread waits in Python: a blocked rendezvous
-    would otherwise hold off Ctrl-C and SIGTERM until it times out (dist.timeout_minutes). Says what it waits for."""
-    outcome: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            start()
-        except BaseException as exc:  # handed to the main thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="ds_exp-rendezvous", daemon=True)
-    started = time.monotonic()
-    thread.start()
-    next_notice = 10.0
-    while thread.is_alive():
-        thread.join(timeout=0.5)  # signal handlers run in the main thread between these waits
-        waited = time.monotonic() - started
-        if thread.is_alive() and launch.world_size > 1 and waited >= next_notice:
-            print(
-                f"ds_exp: rank {launch.rank} has waited {waited:.0f} s for the {launch.world_size} ranks to meet at "
-                f"{launch.master_addr}:{launch.master_port} (gives up after dist.timeout_minutes={timeout_minutes}; "
-                "Ctrl-C stops it)",
-                file=sys.stderr,
-                flush=True,
-            )
-            next_notice *= 3
-    if "error" in outcome:
-        message = rendezvous_failure(outcome["error"], launch, timeout_minutes)
+    would otherwise hold off Ctrl-C and SIGTERM until it times out (dist.timeout_minutes). Said within seconds, on
+    every rank: no rank has a log file yet, and the rank that never came may be rank 0 (ds_exp.core.waits)."""
+    where = f"{launch.master_addr}:{launch.master_port}"
+    what = (
+        f"the {launch.world_size} ranks to meet at {where} (this is rank {launch.rank})"
+        if launch.world_size > 1
+        else f"the rendezvous at {where}"
+    )
+    try:
+        run_announced(
+            what,
+            start,
+            # torch gives up after dist.timeout_minutes; this is a backstop should it not
+            limit_s=timeout_minutes * 60 + 60,
+            fix=f"check that every rank was started and can reach {where}, or raise dist.timeout_minutes",
+            speak=True,
+            bound=f"torch gives up after dist.timeout_minutes={timeout_minutes}",
+        )
+    except WaitGaveUp:
+        raise
+    except BaseException as exc:
+        message = rendezvous_failure(exc, launch, timeout_minutes)
         if message is not None:
-            raise RunFailed(message) from outcome["error"]
-        raise outcome["error"]
+            raise RunFailed(message) from exc
+        raise
 
 
 _JOINED = re.compile(r"(\d+)/(\d+) clients joined")

@@ -43,7 +43,8 @@ def hold_library_logs() -> None:
     """Before anything imports DeepSpeed: hold its records (and Python warnings, and captured library output) for
     the log file, and silence the compiler probes DeepSpeed runs at import (setuptools' logger)."""
     logging.captureWarnings(True)
-    for name in ("DeepSpeed", "py.warnings", LIBRARY_LOGGER):
+    # FILE_LOGGER too: what a rank other than 0 says while it waits before its log file exists (ds_exp.core.waits)
+    for name in ("DeepSpeed", "py.warnings", LIBRARY_LOGGER, FILE_LOGGER):
         logger = logging.getLogger(name)
         if HELD not in logger.filters:
             logger.addFilter(HELD)

@@ -29,6 +29,7 @@ from ds_exp.config.secrets import redact
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
 from ds_exp.runtime import ops
+from ds_exp.runtime.build_lock import guard_builds
 from ds_exp.runtime.rank_logging import library_stdout
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ def build_engine(
     if "scheduler" not in ds_config and not metric_schedule:
         # a callable: DeepSpeed calls it with the optimizer, including one it built from the DeepSpeed config
         scheduler = partial(build_scheduler, scheduler_cfg, total_steps=total_steps, warmup_steps=warmup_steps)
+    guard_builds()  # an op DeepSpeed compiles inside initialize (NVMe's async I/O, ...) takes ds_exp's build lock
     try:
         with library_stdout():  # what DeepSpeed prints while it builds the engine (its optimizer's notices)
             engine, _, _, _ = deepspeed.initialize(

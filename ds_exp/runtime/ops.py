@@ -4,6 +4,7 @@ DeepSpeed builds them deep inside `deepspeed.initialize` / `init_distributed`, w
 compiler traceback and a slow one as a silent minute. `ensure_built` builds an op before DeepSpeed asks for it
 (DeepSpeed then reuses the loaded module): it says on the console when a compilation is coming, and a failure
 becomes one message naming the op, what needs it, the cause and the fix (the compiler's output goes to the log).
+torch's build lock, which a killed build leaves behind, is ds_exp.runtime.build_lock's (stale ones are removed).
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ import logging
 import os
 import re
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from deepspeed.accelerator import get_accelerator
 
 from ds_exp.core import compat
 from ds_exp.core.errors import RunFailed
 from ds_exp.launch.run_logging import FILE_LOGGER
+from ds_exp.runtime.build_lock import BuildLockBroken, guard_builds
 
 log = logging.getLogger(__name__)
 file_log = logging.getLogger(FILE_LOGGER)
@@ -103,12 +103,12 @@ def ensure_built(op: Op, *, announce: bool) -> None:
             file=sys.stderr,
             flush=True,
         )
-    stale = stale_build_lock(compat.extension_build_dir(builder.name), now=time.time())
-    if stale is not None:
-        raise RunFailed(f"{op.title} ({builder.name}) cannot be built: {stale}")
+    guard_builds()  # torch's build lock is build_lock.HeldBaton: told live from stale
     with _arch_list_for_deepspeed():
         try:
             builder.load(verbose=False)
+        except BuildLockBroken:
+            raise  # one line already: run again
         except Exception as exc:  # a compiler error, a missing toolchain: all end the same way
             file_log.error("building %s failed", builder.name, exc_info=True)
             if op is not SHM_COMM:
@@ -122,32 +122,6 @@ def ensure_built(op: Op, *, announce: bool) -> None:
                     file=sys.stderr,
                     flush=True,
                 )
-
-
-STALE_BUILD_S = 15 * 60  # builds here took 1-8 minutes, each object written as done: 15 idle ones mean dead
-
-
-def stale_build_lock(build_dir: Path, *, now: float) -> str | None:
-    """torch's extension builder takes `<build dir>/lock` while it compiles and waits, silently and forever, while
-    the file exists: a build that was killed (Ctrl-C, a lost node) leaves it behind. A lock nothing in the build
-    directory has moved past for STALE_BUILD_S is such a leftover: said in one line, naming the file to remove
-    (ds_exp does not remove it: another machine sharing the cache may be compiling)."""
-    lock = build_dir / "lock"
-    # The lock first, and its own age counts: torch takes it for a moment in every process that loads the op, so one
-    # that appears after the directory was listed is live (seen: two runs starting together, one refused).
-    try:
-        locked_at = lock.stat().st_mtime
-        newest = max([locked_at, *(entry.stat().st_mtime for entry in build_dir.iterdir())])
-    except FileNotFoundError:  # no lock (or it went while we looked): nothing to wait for
-        return None
-    if now - newest < STALE_BUILD_S:
-        return None
-    minutes = int((now - newest) // 60)
-    return (
-        f"{lock} is held by a build that ended without finishing (nothing in {build_dir} changed for {minutes} "
-        "minutes), and torch would wait for it forever; if no other process is compiling there, remove that "
-        "lock file (or the whole directory) and run again"
-    )
 
 
 def deepspeed_optimizer_op(ds_config: dict) -> Op | None:

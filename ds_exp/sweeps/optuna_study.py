@@ -18,6 +18,7 @@ trial the earlier run left stopped (Ctrl-C: it saved a checkpoint) is continued 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from ds_exp.config.file_overrides import IgnoredOverride
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.compat import optuna_trial_of
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
+from ds_exp.core.waits import announced
 from ds_exp.launch.console import report_user_error
 from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.jobs import check_job, job_dir_of
@@ -162,13 +164,18 @@ class StudySweeper(Sweeper):
         check_study_dir(sweep_dir, identity)
         sweep_dir.mkdir(parents=True, exist_ok=True)  # one sweep at a time in it: ds_exp.launch.run_dir.lock_sweep_dir
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the sweeper says what happens, once
+        # a database server (mysql://, postgresql://): said while its driver connects (its timeout bounds it)
+        server = make_url(storage).host is not None
+        shown = f"the study's database {shown_storage(storage)}"
+        waiting = announced(shown, bound="its driver's connect timeout") if server else contextlib.nullcontext()
         try:
-            study = optuna.create_study(
-                storage=storage,
-                study_name=self.study_name,
-                direction="maximize" if self.direction == "maximize" else "minimize",
-                load_if_exists=True,
-            )
+            with waiting:
+                study = optuna.create_study(
+                    storage=storage,
+                    study_name=self.study_name,
+                    direction="maximize" if self.direction == "maximize" else "minimize",
+                    load_if_exists=True,
+                )
         except Exception as err:  # the database: unreachable, refused, ... (SQLAlchemy's errors)
             if not type(err).__module__.startswith("sqlalchemy"):
                 raise

@@ -39,7 +39,7 @@ from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.resume.store import TrainState
 from ds_exp.runtime.device import resolved_precision
 from ds_exp.runtime.memory import is_out_of_memory, peak_memory_bytes
-from ds_exp.runtime.peers import gather_hosts, lost_ranks
+from ds_exp.runtime.peers import barrier, gather_hosts, lost_ranks
 from ds_exp.runtime.process_group import broadcast, init_distributed, is_lost_peer, mark_lost_peer
 from ds_exp.runtime.rank_logging import close_run_logging, setup_run_logging
 from ds_exp.runtime.signals import StopSignals
@@ -225,7 +225,7 @@ class Session:
         if outcome.status in (RunStatus.COMPLETED, RunStatus.UNCHANGED, Diverged.status) and dist.is_initialized():
             # The process group stays up: the next job of a multirun in this process reuses it (DeepSpeed caches
             # its groups, so a destroyed one cannot be replaced); it is torn down at exit.
-            dist.barrier()
+            barrier("the end of the run")
         if self.rank != 0:
             remove_rank_placeholder()
         else:

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -15,7 +16,7 @@ from ds_exp.config.schema import DistConfig
 from ds_exp.launch.environment import choose_backend, detect_launch, export_launch_env, launched_with_several_ranks
 from ds_exp.launch.slurm_nodes import parse_slurm_nodelist
 from ds_exp.runtime.peers import lost_ranks
-from tests.training import free_port
+from tests.training import REPO, free_port
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -233,3 +234,42 @@ def test_a_port_in_use_is_one_message_naming_master_port():
         f"MASTER_PORT={port}: rank 0 cannot open the rendezvous on port {port} (address already in use"
     )
     assert "torchrun --master_port PORT, or MASTER_PORT=PORT" in str(info.value)
+
+
+BARRIER_RANK = """
+import datetime, os, sys, time
+import torch.distributed as dist
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ["RANK"] = str(rank)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+from ds_exp.core import waits
+waits.NOTICE_S = 0.3
+from ds_exp.runtime.peers import barrier
+if rank == 1:
+    time.sleep(2.0)  # a slow rank: writing its shard of a checkpoint, say
+barrier("the test's point")
+print("passed", flush=True)
+"""
+
+
+def test_a_rank_waiting_at_a_barrier_for_a_slow_peer_says_so(tmp_path):
+    """Issue 31 §3: a wait for a peer is said within seconds (rank 0 prints) and bounded by the group's timeout."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BARRIER_RANK, str(rank), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    (out0, err0), (out1, err1) = (proc.communicate(timeout=120) for proc in procs)
+    assert [proc.returncode for proc in procs] == [0, 0], err0[-2000:] + err1[-2000:]
+    assert out0.splitlines()[-1] == out1.splitlines()[-1] == "passed"
+    assert "ds_exp: waiting for the other ranks to reach the test's point since " in err0
+    assert "dist.timeout_minutes bounds it" in err0
+    assert "ds_exp: waiting" not in err1  # the slow rank waited for nobody

@@ -79,10 +79,10 @@ def test_every_readme_command_passes_every_check(tmp_path):
         if "-m" not in args and not any(a.startswith(("hydra.run.dir=", "--")) for a in args):
             args.append(f"hydra.run.dir={{tmp}}/runs/{num}")
         env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1"}
+        # wandb offline (an online run asks wandb's server before it starts): tests talk to no server but 127.0.0.1
+        env = {**(env if ranks > 1 else {}), "WANDB_MODE": "offline"}
         reached_before = len(TRIPPED)
-        outcome = run_case_in_process(
-            Case(line, "readme", tuple(args), (), files=FILES, env=env if ranks > 1 else {}), tmp_path
-        )
+        outcome = run_case_in_process(Case(line, "readme", tuple(args), (), files=FILES, env=env), tmp_path)
         reason = next((why for fragment, why in REFUSED_HERE.items() if fragment in line), None)
         if reason is not None:
             assert outcome.returncode != 0, f"{line}: expected to be refused here ({reason})"

@@ -24,6 +24,8 @@ COMPANIONS = {
     ("offload", "cpu_all"): ["zero=stage3"],
     ("offload", "nvme"): ["zero=stage3", "offload.nvme_path=/tmp"],
     ("model", "local"): ["model.name_or_path=/tmp/ds_exp_not_a_model"],
+    # online (its default) would ask wandb's server before the run: tests talk to no server but 127.0.0.1
+    ("logger", "wandb"): ["logger.wandb.mode=offline"],
 }
 ACCELERATOR = {("precision", "fp16"): "cuda"}
 EXPECTED_INVALID = {("model", "local")}  # the placeholder path does not exist

@@ -347,6 +347,8 @@ CHILD = textwrap.dedent(
         time.sleep(1.0)
         return real(*args, **kwargs)
     enc.encode = slow
+    import ds_exp.core.waits as waits
+    waits.NOTICE_S = 0.2  # the waiting process says so (at most 5 s in a run)
     from ds_exp.data.pipeline import prepare_sft_data
     from ds_exp.model.tokenizer import load_tokenizer
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(sys.argv[1])))
@@ -386,7 +388,7 @@ def test_concurrent_builds_share_one_cache(tmp_path):
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert sorted(r["hit"] for r in results) == [False, True]  # exactly one build
     assert results[0]["train"] == results[1]["train"] and results[0]["n"] == results[1]["n"] == 200
-    assert any("waiting for another process" in err for _, err in outs)
+    assert any("ds_exp: waiting for the tokenized data sft-" in err for _, err in outs)
     cache = Path(cfg.data.cache_dir)
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 1  # no temp directory left behind
 

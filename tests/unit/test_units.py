@@ -266,51 +266,6 @@ def test_a_one_line_message_quotes_the_first_line_or_the_class():
     assert first_line(OSError("x" * 500)) == "x" * 300
 
 
-def test_a_killed_builds_lock_is_named_instead_of_waited_on_forever(tmp_path):
-    """torch waits while <build dir>/lock exists; a build killed mid-compile leaves it (found here: every run with a
-    DeepSpeed-owned optimizer hung at 'model: tiny' behind a lock from hours before)."""
-    import os
-
-    from ds_exp.runtime.ops import STALE_BUILD_S, stale_build_lock
-
-    build = tmp_path / "fused_adam"
-    assert stale_build_lock(build, now=0) is None  # never built
-    build.mkdir()
-    (build / "build.ninja").write_text("")
-    (build / "lock").write_text("")
-    for entry in build.iterdir():
-        os.utime(entry, (1000.0, 1000.0))
-    assert stale_build_lock(build, now=1000.0 + 60) is None  # a build in progress: torch's wait is right
-    message = stale_build_lock(build, now=1000.0 + STALE_BUILD_S + 60)
-    assert message is not None and str(build / "lock") in message and "remove that lock file" in message
-    (build / "lock").unlink()
-    assert stale_build_lock(build, now=1000.0 + STALE_BUILD_S + 60) is None  # built, or never locked
-
-
-def test_a_lock_taken_while_the_build_directory_is_read_is_live(tmp_path, monkeypatch):
-    """torch takes the lock for a moment in every process that loads an op: one taken by another process just
-    after the directory was read is not a leftover (seen with two runs starting at once: one was refused)."""
-    import os
-    import time
-    from pathlib import Path
-
-    from ds_exp.runtime.ops import stale_build_lock
-
-    build = tmp_path / "deepspeed_shm_comm"
-    build.mkdir()
-    (build / "build.ninja").write_text("")
-    os.utime(build / "build.ninja", (1000.0, 1000.0))  # built hours ago
-    listed = Path.iterdir
-
-    def iterdir_then_lock(path: Path):
-        entries = list(listed(path))
-        (build / "lock").touch()  # another process loads the op now
-        return iter(entries)
-
-    monkeypatch.setattr(Path, "iterdir", iterdir_then_lock)
-    assert stale_build_lock(build, now=time.time()) is None
-
-
 @pytest.mark.parametrize("name", ["reduce_lr_on_plateau", "greedy"])
 def test_a_metric_schedule_is_built_and_lowers_the_rate_when_its_metric_stalls(compose_cfg, name):
     """The schedules the loop steps with a metric (eval loss, training loss), outside DeepSpeed's engine."""

@@ -1,0 +1,184 @@
+"""torch's extension build lock, told live from stale by locks the OS lets go of when their holder dies.
+
+torch compiles every DeepSpeed op (CPU Adam, FusedAdam, the CPU ranks' shared-memory collectives) through
+`torch.utils.cpp_extension`, whose build lock is a file: `<build dir>/lock`, created exclusively before it compiles
+(or merely loads) an op and removed after. A process that finds the file polls, silently and for as long as it
+exists: forever once its holder was killed mid-build (SIGKILL, the OOM killer, a lost node), and every later run
+on the machine then hangs before its first line.
+
+`HeldBaton` is that lock as ds_exp takes it: `guard_builds` installs it (ds_exp.core.compat.use_extension_baton)
+before ds_exp builds an op (ds_exp.runtime.ops) and before deepspeed.initialize, which builds others itself; not at
+import, which would load torch.utils.cpp_extension (and setuptools) into every process for nothing. Beside the
+file, ds_exp holds an flock on `<build dir>/lock.holder` for as long as it holds the file, and writes there who it
+is. The OS drops the flock when its process dies, however it dies, so the lock file is:
+* live while the flock is held (another ds_exp process compiling or loading) or while some process on this machine
+  has the file open (torch keeps it open while it holds it: a program that is not ds_exp, e.g. a plain DeepSpeed
+  script): waited on, announced (ds_exp.core.waits) with who holds it and since when, for at most BUILD_LIMIT_S;
+* stale otherwise: removed, said in one line, and the op built again. Not told by its age: a build may take
+  minutes, and a leftover may be seconds old.
+A build that dies while this process waits for it leaves the op unbuilt: that wait stops with one line (run again;
+the leftover is removed by then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+from typing import IO
+
+from torch.utils.file_baton import FileBaton
+
+from ds_exp.core import compat
+from ds_exp.core.errors import RunFailed
+from ds_exp.core.waits import announce, announced_wait
+
+HOLDER_SUFFIX = ".holder"
+BUILD_LIMIT_S = 60 * 60  # builds here took 1-8 minutes: an hour means the other build is stuck
+
+
+class BuildLockBroken(RunFailed):
+    """The build this process waited for ended without finishing (its process died)."""
+
+
+def _take(holder_path: str) -> IO[str] | None:
+    """The holder file, flocked by this process; None while another process holds it."""
+    handle = open(holder_path, "a+")  # noqa: SIM115  # held past this function, closed by _let_go
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+def _let_go(handle: IO[str]) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    handle.close()
+
+
+def holder_of(holder_path: str) -> str | None:
+    """Who holds (or last held) the lock, as its holder wrote it: `pid N on HOST since TIME`."""
+    try:
+        return Path(holder_path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def opened_by(path: str) -> int | None:
+    """A process of this machine that has `path` open (torch's FileBaton keeps its lock file open while it holds
+    it), or None. Reads /proc: processes of other users are not seen without the right to."""
+    target = os.path.realpath(path)
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            for fd in fd_dir.iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) == target:
+                        return int(fd_dir.parent.name)
+    return None
+
+
+RELEASE_GRACE_S = 0.5  # torch's FileBaton.release closes the file, then removes it: not a leftover in between
+
+
+def _left_behind(lock: str) -> bool:
+    """Whether `lock` (whose flock the caller holds) is held by no live process: still there, open nowhere, and
+    still so a moment later (a program that is not ds_exp may be between closing and removing it)."""
+    for attempt in range(2):
+        if not os.path.exists(lock) or opened_by(lock) is not None:
+            return False
+        if attempt == 0:
+            time.sleep(RELEASE_GRACE_S)
+    return True
+
+
+def _remove_leftover(lock: str) -> None:
+    """Remove a lock file no live process holds (the caller holds the flock), and say so."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(lock)
+    announce(
+        f"{lock} was left by a build that was killed (no process holds it): removed, and the op is built again",
+    )
+
+
+class HeldBaton(FileBaton):
+    """torch's FileBaton with an flock beside it: see the module docstring."""
+
+    def __init__(self, lock_file_path: str, wait_seconds: float = 0.1, warn_after_seconds: float | None = None):
+        super().__init__(lock_file_path, wait_seconds, warn_after_seconds)
+        self.holder_path = lock_file_path + HOLDER_SUFFIX
+        self.holder: IO[str] | None = None
+
+    def try_acquire(self) -> bool:
+        holder = _take(self.holder_path)
+        if holder is None:
+            return False  # another ds_exp process holds it: torch calls wait()
+        try:
+            if _left_behind(self.lock_file_path):
+                _remove_leftover(self.lock_file_path)
+            acquired = bool(super().try_acquire())  # False: held by a program that does not take the flock
+        except BaseException:
+            _let_go(holder)
+            raise
+        if not acquired:
+            _let_go(holder)
+            return False
+        holder.seek(0)
+        holder.truncate()
+        holder.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        holder.flush()
+        self.holder = holder
+        return True
+
+    def release(self) -> None:
+        try:
+            super().release()
+        finally:
+            if self.holder is not None:
+                _let_go(self.holder)
+                self.holder = None
+
+    def wait(self) -> None:
+        lock = self.lock_file_path
+        op = Path(lock).parent.name
+        announced_wait(
+            f"the build of {op} in another process",
+            self._released,
+            limit_s=BUILD_LIMIT_S,
+            fix=f"if no build of {op} is running, remove {lock} and run again",
+            detail=lambda: f"{holder_of(self.holder_path) or _opened_note(lock)} holds {lock}",
+            poll_s=self.wait_seconds,
+        )
+
+    def _released(self) -> bool:
+        """Whether torch's lock is gone; raises BuildLockBroken when its holder died without finishing."""
+        lock = self.lock_file_path
+        if not os.path.exists(lock):
+            return True
+        holder = _take(self.holder_path)
+        if holder is None:
+            return False  # a live ds_exp process holds it
+        try:
+            if not _left_behind(lock):
+                return not os.path.exists(lock)  # released meanwhile, or a live program that is not ds_exp holds it
+            _remove_leftover(lock)
+        finally:
+            _let_go(holder)
+        raise BuildLockBroken(
+            f"the build of {Path(lock).parent.name} this run waited for ended without finishing (its process was "
+            f"killed) and left {lock}, removed now; run again to build it"
+        )
+
+
+def _opened_note(lock: str) -> str:
+    pid = opened_by(lock)
+    return f"pid {pid}" if pid is not None else "a process"
+
+
+def guard_builds() -> None:
+    """From now on, torch's extension builds in this process take HeldBaton as their lock (idempotent)."""
+    compat.use_extension_baton(HeldBaton)
