@@ -166,7 +166,7 @@ class DataConfig:
     sources: list[DataSource] = field(default_factory=list)  # blended; empty = the embedded synthetic task
     sft_only_sources: list[DataSource] = field(default_factory=list)  # used whole, no data_split
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)  # used when sources is empty
-    data_split: str = "10,0,0"  # proportions for phases 1/2/3 (DeepSpeed-Chat); SFT uses phase 1
+    data_split: Any = "10,0,0"  # phases 1/2/3 proportions, "2,4,4" or [2,4,4] (Any: OmegaConf has no str | list)
     eval_fraction: float = 0.05  # of a source's phase-1 share, held out for eval when it has no eval split
     max_seq_len: int = 512  # longer examples are truncated (and counted)
     template: PromptTemplate = PromptTemplate.dschat  # how a conversation becomes text (docs/data_templates.md)

@@ -56,7 +56,7 @@ def check_data_config(data: DataConfig) -> list[str]:
     try:
         parse_data_split(data.data_split)
     except ValueError as err:
-        problems.append(f"data.data_split={data.data_split}: {err}; e.g. 2,4,4 or 10,0,0")
+        problems.append(f"data.data_split={data.data_split}: {err}")
     frac = data.eval_fraction
     if not isinstance(frac, (int, float)) or not 0 <= frac < 1:
         problems.append(f"data.eval_fraction={frac}: must be in [0, 1), e.g. 0.05")
