@@ -173,7 +173,7 @@ class DataConfig:
     end_of_conversation_token: str | None = None  # appended by raw and dschat; null = the eos token
     train_on_prompt: bool = False  # false = prompt tokens get label -100
     packing: bool = False  # concatenate short train examples up to max_seq_len (eval is never packed)
-    cache_dir: str = ".cache/ds_exp/data"  # tokenized Arrow datasets, one directory per settings hash
+    cache_dir: str | None = None  # tokenized Arrow data; null = one per user: $XDG_CACHE_HOME or ~/.cache, /ds_exp/data
     num_proc: int | None = None  # tokenization processes; null = 1, or up to 4 for large datasets
     max_eval_examples: int | None = None  # cap on eval rows (after shuffling); null = all
 

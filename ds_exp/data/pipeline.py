@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import numpy as np
 
+from ds_exp.config.paths import data_cache_dir
 from ds_exp.config.schema import DataConfig, DataSource, plain
 from ds_exp.core.errors import DataError
 from ds_exp.data.cache import cached_build, disk_full_message, hash_key, path_fingerprint
@@ -326,7 +327,7 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
     def load(directory: Path) -> tuple[datasets.Dataset, datasets.Dataset]:
         return datasets.load_from_disk(str(directory / "train")), datasets.load_from_disk(str(directory / "eval"))
 
-    cache_dir = expand(data.cache_dir)
+    cache_dir = data_cache_dir(data.cache_dir)
     try:
         (train, evals), meta, hit, path = cached_build(cache_dir, key, build, load, material)
     except DataError:

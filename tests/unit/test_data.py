@@ -423,6 +423,29 @@ def test_cache_reuse_and_invalidation(tmp_path, tok, monkeypatch):
     assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["cache_hit"] is False
 
 
+def test_the_default_cache_is_one_per_user_whatever_the_working_directory(tmp_path, tok, monkeypatch, compose_cfg):
+    """data.cache_dir was .cache/ds_exp/data of the launch directory: a run from elsewhere tokenized again, and a
+    run's export looked for its data where it was started. null (every data option's default) is the user's."""
+    from ds_exp.config.paths import data_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    places = []
+    for where in ("a", "b/c"):
+        (tmp_path / where).mkdir(parents=True)
+        monkeypatch.chdir(tmp_path / where)
+        cfg = compose_cfg("data=synthetic", "data.synthetic.num_train=40", "data.synthetic.num_eval=4")
+        assert cfg.data.cache_dir is None
+        data = prepare_sft_data(cfg.data, tok, seed=SEED)
+        places.append((Path(data.stats["cache_path"]).parent, data.stats["cache_hit"]))
+    assert places == [(tmp_path / "xdg/ds_exp/data", False), (tmp_path / "xdg/ds_exp/data", True)]
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert data_cache_dir(None) == Path.home() / ".cache/ds_exp/data"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: ignored, as the XDG rules say
+    assert data_cache_dir(None) == Path.home() / ".cache/ds_exp/data"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert data_cache_dir("~/mine") == tmp_path / "home/mine"  # one set by hand: as given, ~ expanded
+
+
 def test_broken_cache_entry_is_rebuilt(tmp_path, tok):
     cfg = make_cfg(tmp_path)
     first = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
