@@ -122,7 +122,7 @@ class PromptTemplate(str, Enum):
 class ModelConfig:
     name: str = MISSING
     name_or_path: str | None = None  # local directory or hub id; null = build from `arch` (no weights)
-    arch: dict[str, Any] | None = None  # transformers config kwargs (model_type, hidden_size, ...) for from_config
+    arch: dict[str, Any] | None = None  # config kwargs: built from when name_or_path is null, else dry-run planning
     tokenizer: str | None = None  # null = name_or_path, or the tokenizer shipped in ds_exp/assets
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
