@@ -4,7 +4,6 @@ default name of an optuna study (conf/hydra/sweeper/optuna.yaml)."""
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +11,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.schema import plain
+from ds_exp.core.files import json_text
 
 AUTO = "auto"
 
@@ -109,7 +109,7 @@ def _study_name(experiment_name: str, hydra: DictConfig) -> str:
     objective = OmegaConf.select(hydra, "sweeper.objective", default=None)
     direction = OmegaConf.select(hydra, "sweeper.direction", default=None)
     search = {"searched": sorted(searched), "fixed": sorted(fixed), "objective": objective, "direction": direction}
-    digest = hashlib.sha256(json.dumps(search, sort_keys=True).encode()).hexdigest()[:6]
+    digest = hashlib.sha256(json_text(search, sort_keys=True).encode()).hexdigest()[:6]
     keys = sorted({key.rpartition(".")[2] for key, _ in searched})
     return "-".join([experiment_name, *keys, digest])
 
