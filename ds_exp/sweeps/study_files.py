@@ -111,9 +111,7 @@ def setting_change(key: str, was: Any, now: Any) -> list[str]:
     if key == "fixed":  # the overrides every trial gets, by key
         then = {override_key(o): o for o in was or [] if o not in (now or [])}
         later = {override_key(o): o for o in now or [] if o not in (was or [])}
-        lines = [
-            f"every trial got {then.get(k, f'no {k}')}, now {later.get(k, f'no {k}')}" for k in {**then, **later}
-        ]
+        lines = [f"every trial got {then.get(k, f'no {k}')}, now {later.get(k, f'no {k}')}" for k in {**then, **later}]
         return lines or [f"the overrides every trial gets are in another order (was: {' '.join(was or [])})"]
     if key == "search_space":
         searched_then, searched_now = dict(was or {}), dict(now or {})
