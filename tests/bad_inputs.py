@@ -51,6 +51,18 @@ CASES: list[Case] = [
     Case("unknown key", "config value", ("train.micro_batchsize=4",), ("micro_batchsize",)),
     Case("unknown option", "config value", ("zero=stage5",), ("zero/stage5", "stage3")),
     Case("bad enum value", "config value", ("precision.dtype=fp8",), ("fp8", "bf16")),
+    Case(
+        "data split of one number",
+        "config value",
+        ("data.data_split=10",),
+        ("data.data_split=10: expected 3 proportions (phases 1, 2, 3), got 1", "write data.data_split=10,0,0"),
+    ),
+    Case(  # unquoted, Hydra would read it as a sweep over 2 and 4 ("Ambiguous value"): the CLI quotes it first
+        "data split of two numbers",
+        "config value",
+        ("data.data_split=2,4",),
+        ("data.data_split=2,4: expected 3 proportions (phases 1, 2, 3), got 2", "data.data_split=2,4,4"),
+    ),
     Case("negative learning rate", "config value", ("optimizer.lr=-1",), ("optimizer.lr=-1", "must be > 0")),
     Case("beta out of range", "config value", ("optimizer.betas=[0.9,1.5]",), ("optimizer.betas", "[0, 1)")),
     Case("negative eps", "config value", ("optimizer.eps=0",), ("optimizer.eps=0", "must be > 0")),

@@ -43,6 +43,9 @@ class RunState:
     parameters: int | None = None
     trainable_parameters: int | None = None
     total_steps: int | None = None
+    train_examples: int | None = None  # rows trained on per epoch (after the split; packed rows when packing)
+    global_batch_size: int | None = None  # rows per optimizer step: micro batch x accumulation x data-parallel ranks
+    peak_lr: float | None = None  # the schedule's highest learning rate (optimizer.lr; the largest parameter group's)
     steps: int | None = None  # optimizer steps done (None: training never started)
     train_loss: float | None = None
     initial_eval: dict[str, float] | None = None
@@ -86,6 +89,10 @@ class RunState:
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
             "total_steps": self.total_steps,
+            "train_examples": self.train_examples,
+            "global_batch_size": self.global_batch_size,
+            "peak_lr": self.peak_lr,
+            "overrides": hydra_overrides(),
             "steps": self.steps,
             "train_loss": self.train_loss,
             "initial_eval": self.initial_eval,
@@ -125,6 +132,14 @@ def final_line(summary: dict[str, Any]) -> str:
 
 def _perplexity(result: dict[str, float] | None) -> str:
     return f"{result['perplexity']:.3f}" if result else "n/a"
+
+
+def hydra_overrides() -> list[str]:
+    """The command line's overrides this run (or sweep job) was started with, secrets blanked; [] outside Hydra."""
+    try:
+        return [redact_text(str(o)) for o in HydraConfig.get().overrides.task]
+    except Exception:  # not under Hydra
+        return []
 
 
 def hydra_choices() -> dict[str, Any]:

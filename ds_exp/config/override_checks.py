@@ -1,10 +1,17 @@
-"""Command-line overrides that set an item past the end of a list (`data.sources.0.path=X` where the data option
-has no sources, as data=synthetic and experiment=dschat_step1 have): one message with the fix, before Hydra
-applies them and OmegaConf answers "dict is not a subclass of DataSource". Installed on every composition
-(ds_exp.core.compat.before_overrides) by `check_list_items_when_composing`."""
+"""Command-line overrides Hydra would misread.
+
+* An item past the end of a list (`data.sources.0.path=X` where the data option has no sources, as data=synthetic
+  and experiment=dschat_step1 have): one message with the fix, before Hydra applies them and OmegaConf answers
+  "dict is not a subclass of DataSource". Installed on every composition (ds_exp.core.compat.before_overrides) by
+  `check_list_items_when_composing`.
+* A value that is itself a comma-separated list (`data.data_split=10,0,0`, DeepSpeed-Chat's spelling): Hydra reads
+  it as a sweep over 10, 0 and 0 ("Ambiguous value" without -m; three nonsense jobs with it). The command line is
+  quoted for Hydra before it parses it (`quote_one_value_lists`), so the value is the one the user wrote.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from hydra.errors import ConfigCompositionException
@@ -60,3 +67,20 @@ def _check(overrides: list[Override], cfg: DictConfig) -> None:
 
 def check_list_items_when_composing() -> None:
     before_overrides(_check)
+
+
+# keys whose one value is a comma-separated list: a sweep over their parts would mean nothing
+ONE_VALUE_LISTS = ("data.data_split",)
+# key=a,b,... with no quotes, brackets or parentheses: Hydra's simple sweep (choice(...), [..], '..' are left alone)
+_SIMPLE_SWEEP = re.compile(r"^(\+{0,2})([\w.]+)=([^'\"\[\](){}=]*,[^'\"\[\](){}=]*)$")
+
+
+def quote_one_value_lists(args: list[str]) -> list[str]:
+    """`data.data_split=10,0,0` -> `data.data_split='10,0,0'` (one value, as meant); every other argument as is."""
+    quoted = []
+    for arg in args:
+        match = _SIMPLE_SWEEP.match(arg)
+        if match and match.group(2) in ONE_VALUE_LISTS:
+            arg = f"{match.group(1)}{match.group(2)}='{match.group(3)}'"
+        quoted.append(arg)
+    return quoted

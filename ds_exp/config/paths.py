@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # ds_exp/
@@ -21,6 +22,21 @@ def assets_dir() -> Path:
 
 def embedded_tokenizer_dir() -> Path:
     return assets_dir() / "tokenizer"
+
+
+def user_cache_dir() -> Path:
+    """ds_exp's cache of this user, the same from any working directory: $XDG_CACHE_HOME/ds_exp, else
+    ~/.cache/ds_exp (a relative XDG_CACHE_HOME is ignored, as the XDG base directory rules say)."""
+    xdg = Path(os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "~/.cache"))
+    return (xdg if xdg.is_absolute() else Path.home() / ".cache") / "ds_exp"
+
+
+def data_cache_dir(cache_dir: str | None) -> Path:
+    """Where data.cache_dir puts the tokenized data: null = one cache per user (user_cache_dir()/data); a path
+    set by hand with ~ and $VARS expanded (a relative one is taken from the launch directory)."""
+    if cache_dir is None:
+        return user_cache_dir() / "data"
+    return Path(os.path.expandvars(os.path.expanduser(cache_dir)))
 
 
 def not_a_directory(path: Path) -> Path | None:

@@ -1,13 +1,17 @@
-"""OmegaConf resolvers used by conf/config.yaml to build the DeepSpeed config by interpolation."""
+"""OmegaConf resolvers used by conf/*.yaml: the DeepSpeed config built by interpolation (conf/config.yaml), and the
+default name of an optuna study (conf/hydra/sweeper/optuna.yaml)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.schema import plain
+from ds_exp.core.files import json_text
 
 AUTO = "auto"
 
@@ -72,6 +76,44 @@ def sequence_parallel_key(size: object) -> int | None:
     return int(size) if isinstance(size, int) and size > 1 else None
 
 
+# keys of the session, not of the search: a study re-run with them is the same study
+_SESSION_KEYS = ("resume", "dry_run")
+
+
+def study_name(experiment_name: object, *, _root_: DictConfig) -> str:
+    """hydra.sweeper.study_name by default: the experiment, the searched keys and a digest of the search (what is
+    searched and how, the overrides every trial gets, the objective and its direction), e.g. `default-lr-3f2a9c`.
+    The same command again continues its study (n_trials and the launcher may change); another search in the same
+    project is a study of its own instead of a refused one.
+
+    Read from the sweep's own command line (hydra.overrides.task and hydra.sweeper.params), and kept in the config's
+    resolver cache: each job of the sweep, composed from its own overrides, gets the name its sweep resolved (Hydra
+    copies the sweep config's resolver cache into every job's config, as it does for ${now:...}:
+    ConfigLoader.load_sweep_config). OmegaConf's own use_cache does not take resolvers that read _root_."""
+    cache = OmegaConf.get_cache(_root_).setdefault("ds_exp.study_name", {})
+    if str(experiment_name) not in cache:
+        cache[str(experiment_name)] = _study_name(str(experiment_name), _root_.hydra)
+    return str(cache[str(experiment_name)])
+
+
+def _study_name(experiment_name: str, hydra: DictConfig) -> str:
+    params = OmegaConf.select(hydra, "sweeper.params", default=None) or {}
+    typed = [str(o) for o in hydra.overrides.task] + [f"{k}={v}" for k, v in params.items()]
+    searched: list[tuple[str, str]] = []
+    fixed: list[tuple[str, str]] = []
+    for override in OverridesParser.create().parse_overrides(typed):
+        key = override.get_key_element().lstrip("+~")
+        if key in _SESSION_KEYS:
+            continue
+        (searched if override.is_sweep_override() else fixed).append((key, str(override.input_line)))
+    objective = OmegaConf.select(hydra, "sweeper.objective", default=None)
+    direction = OmegaConf.select(hydra, "sweeper.direction", default=None)
+    search = {"searched": sorted(searched), "fixed": sorted(fixed), "objective": objective, "direction": direction}
+    digest = hashlib.sha256(json_text(search, sort_keys=True).encode()).hexdigest()[:6]
+    keys = sorted({key.rpartition(".")[2] for key, _ in searched})
+    return "-".join([experiment_name, *keys, digest])
+
+
 def register_resolvers() -> None:
     resolvers: dict[str, Callable[..., DictConfig | int | None]] = {
         "ds_exp.deepspeed_optimizer": deepspeed_optimizer,
@@ -81,3 +123,5 @@ def register_resolvers() -> None:
     for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
+    if not OmegaConf.has_resolver("ds_exp.study_name"):
+        OmegaConf.register_new_resolver("ds_exp.study_name", study_name)

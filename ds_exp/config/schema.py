@@ -122,7 +122,7 @@ class PromptTemplate(str, Enum):
 class ModelConfig:
     name: str = MISSING
     name_or_path: str | None = None  # local directory or hub id; null = build from `arch` (no weights)
-    arch: dict[str, Any] | None = None  # transformers config kwargs (model_type, hidden_size, ...) for from_config
+    arch: dict[str, Any] | None = None  # config kwargs: built from when name_or_path is null, else dry-run planning
     tokenizer: str | None = None  # null = name_or_path, or the tokenizer shipped in ds_exp/assets
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
@@ -166,14 +166,14 @@ class DataConfig:
     sources: list[DataSource] = field(default_factory=list)  # blended; empty = the embedded synthetic task
     sft_only_sources: list[DataSource] = field(default_factory=list)  # used whole, no data_split
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)  # used when sources is empty
-    data_split: str = "10,0,0"  # proportions for phases 1/2/3 (DeepSpeed-Chat); SFT uses phase 1
+    data_split: Any = "10,0,0"  # phases 1/2/3 proportions, "2,4,4" or [2,4,4] (Any: OmegaConf has no str | list)
     eval_fraction: float = 0.05  # of a source's phase-1 share, held out for eval when it has no eval split
     max_seq_len: int = 512  # longer examples are truncated (and counted)
     template: PromptTemplate = PromptTemplate.dschat  # how a conversation becomes text (docs/data_templates.md)
     end_of_conversation_token: str | None = None  # appended by raw and dschat; null = the eos token
     train_on_prompt: bool = False  # false = prompt tokens get label -100
     packing: bool = False  # concatenate short train examples up to max_seq_len (eval is never packed)
-    cache_dir: str = ".cache/ds_exp/data"  # tokenized Arrow datasets, one directory per settings hash
+    cache_dir: str | None = None  # tokenized Arrow data; null = one per user: $XDG_CACHE_HOME or ~/.cache, /ds_exp/data
     num_proc: int | None = None  # tokenization processes; null = 1, or up to 4 for large datasets
     max_eval_examples: int | None = None  # cap on eval rows (after shuffling); null = all
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from omegaconf import MISSING
 
-from ds_exp.config.paths import not_a_directory
+from ds_exp.config.paths import data_cache_dir, not_a_directory
 from ds_exp.config.schema import DataConfig, DataSource, path_not_set, plain
 from ds_exp.core.user_paths import special_file_problem
 from ds_exp.data.conversations import LAYOUTS
-from ds_exp.data.formats import FILE_FORMATS, expand, resolve_format
+from ds_exp.data.formats import FILE_FORMATS, resolve_format
 from ds_exp.data.splits import parse_data_split
 
 TEMPLATES = ("raw", "dschat", "chat_template", "auto")
@@ -60,7 +60,7 @@ def check_data_config(data: DataConfig) -> list[str]:
     try:
         parse_data_split(data.data_split)
     except ValueError as err:
-        problems.append(f"data.data_split={data.data_split}: {err}; e.g. 2,4,4 or 10,0,0")
+        problems.append(f"data.data_split={data.data_split}: {err}")
     frac = data.eval_fraction
     if not isinstance(frac, (int, float)) or not 0 <= frac < 1:
         problems.append(f"data.eval_fraction={frac}: must be in [0, 1), e.g. 0.05")
@@ -76,12 +76,13 @@ def check_data_config(data: DataConfig) -> list[str]:
     if max_eval is not None and (not isinstance(max_eval, int) or max_eval < 1):
         problems.append(f"data.max_eval_examples={max_eval}: must be >= 1, or null for all")
     cache_dir = data.cache_dir
-    if not cache_dir:
-        problems.append("data.cache_dir is empty; set a directory for the tokenized cache")
-    elif (in_the_way := not_a_directory(expand(cache_dir))) is not None:
-        where = "" if in_the_way == expand(cache_dir) else f": {in_the_way}"
+    if cache_dir is not None and not cache_dir:
+        problems.append("data.cache_dir is empty; set a directory for the tokenized cache, or null for your own")
+    elif (in_the_way := not_a_directory(data_cache_dir(cache_dir))) is not None:
+        where = "" if in_the_way == data_cache_dir(cache_dir) else f": {in_the_way}"
         problems.append(
-            f"data.cache_dir={cache_dir}{where} is a file, not a directory; point data.cache_dir at a directory"
+            f"data.cache_dir={data_cache_dir(cache_dir)}{where} is a file, not a directory; point data.cache_dir at "
+            "a directory"
         )
     for i, src in enumerate(data.sources):
         problems += check_source(src, f"data.sources[{i}]")

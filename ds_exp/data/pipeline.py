@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import numpy as np
 
+from ds_exp.config.paths import data_cache_dir
 from ds_exp.config.schema import DataConfig, DataSource, plain
 from ds_exp.core.errors import DataError
 from ds_exp.data.cache import cached_build, disk_full_message, hash_key, path_fingerprint
@@ -25,7 +26,7 @@ from ds_exp.data.checks import check_data_config
 from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack
 from ds_exp.data.formats import expand, resolve_format
 from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
-from ds_exp.data.splits import eval_carve_count, parse_data_split, phase1_count
+from ds_exp.data.splits import eval_carve_count, left_for_later_phases, parse_data_split, phase1_count, shown_split
 from ds_exp.data.templates import RowError, resolve_template, source_template, special_strings
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def plan_counts(
     share = n_train if sft_only else phase1_count(n_train, split)
     if share == 0:
         raise DataError(
-            f"{key}: data.data_split={','.join(f'{v:g}' for v in split)} leaves phase 1 (SFT) empty for its "
+            f"{key}: data.data_split={shown_split(split)} leaves phase 1 (SFT) empty for its "
             f"{n_train} rows; give phase 1 a larger share (e.g. 10,0,0) or add rows"
         )
     if n_eval is not None:
@@ -110,6 +111,9 @@ def split_and_blend(
                 "source": raw.key,
                 "train": n_tr,
                 "eval": n_ev + n_carve,
+                # rows of DeepSpeed-Chat's phases 2 and 3: not trained on (the data line says so)
+                "later_phases_train": 0 if sft_only else len(raw.train) - n_tr - n_carve,
+                "later_phases_eval": 0 if sft_only or n_eval is None else n_eval - n_ev,
                 "filtered": raw.num_filtered,
                 "layout": raw.layout,
                 "template": raw.template,
@@ -323,7 +327,7 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
     def load(directory: Path) -> tuple[datasets.Dataset, datasets.Dataset]:
         return datasets.load_from_disk(str(directory / "train")), datasets.load_from_disk(str(directory / "eval"))
 
-    cache_dir = expand(data.cache_dir)
+    cache_dir = data_cache_dir(data.cache_dir)
     try:
         (train, evals), meta, hit, path = cached_build(cache_dir, key, build, load, material)
     except DataError:
@@ -355,12 +359,18 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
             stats["num_dropped_no_labels"],
             max_seq_len,
         )
+    left = left_for_later_phases(
+        parse_data_split(data.data_split),
+        sum(s["later_phases_train"] for s in stats["per_source"]),
+        sum(s["later_phases_eval"] for s in stats["per_source"]),
+    )
     log.info(
-        "data: %d train / %d eval examples, %s (%s %s)",
+        "data: %d train / %d eval examples, %s (%s %s)%s",
         stats["num_train"],
         stats["num_eval"],
         ", ".join(f"{s['source']}: {s['layout']} rows, template {s['template']}" for s in stats["per_source"]),
         "cache hit" if hit else "built",
         path,
+        f"; {left}" if left else "",
     )
     return SFTData(train, evals, stats)

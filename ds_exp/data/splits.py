@@ -1,24 +1,61 @@
-"""Split arithmetic shared by the pipeline and `count_train_examples` (which must agree exactly)."""
+"""Split arithmetic shared by the pipeline and `count_train_examples` (which must agree exactly).
+
+data.data_split is DeepSpeed-Chat's --data_split: the proportions of each source given to its phases 1/2/3 (SFT,
+reward model, RLHF). ds_exp trains phase 1 only, so "10,0,0" (the default of every data option) trains on every
+row; "2,4,4" (DeepSpeed-Chat's default) keeps 20% and leaves the rest to phases 2 and 3, and the data line says so.
+"""
 
 from __future__ import annotations
 
 import math
+import re
+
+SPELLINGS = "data.data_split=10,0,0 (every row to SFT) or data.data_split=2,4,4 (DeepSpeed-Chat's three phases)"
+_BRACKETS = re.compile(r"^\s*[\[(](.*)[\])]\s*$")
 
 
-def parse_data_split(text: str) -> tuple[float, float, float]:
-    """ "2,4,4" -> (2, 4, 4); raises ValueError saying what is wrong."""
-    parts = [p.strip() for p in str(text).split(",")]
+def split_parts(value: object) -> list[object]:
+    """The proportions as written: "2,4,4", "2, 4, 4", "2 4 4", "[2,4,4]" (a quoted list), [2, 4, 4]."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return [value]
+    text = str(value)
+    inner = _BRACKETS.match(text)
+    if inner:
+        text = inner.group(1)
+    parts = text.split(",") if "," in text else text.split()
+    return [p.strip() for p in parts] or [text]
+
+
+def parse_data_split(value: object) -> tuple[float, float, float]:
+    """data.data_split in any spelling -> (phase 1, phase 2, phase 3); ValueError saying what is wrong and how to
+    write it."""
+    parts = split_parts(value)
     if len(parts) != 3:
-        raise ValueError(f"expected 3 comma-separated proportions (phases 1,2,3), got {len(parts)}")
-    try:
-        values = tuple(float(p) for p in parts)
-    except ValueError:
-        raise ValueError("proportions must be numbers") from None
-    if any(not math.isfinite(v) or v < 0 for v in values):
-        raise ValueError("proportions must be finite and non-negative")
-    if values[0] <= 0:
-        raise ValueError("phase 1 (SFT) gets nothing: its proportion must be > 0")
-    return values[0], values[1], values[2]
+        raise ValueError(f"expected 3 proportions (phases 1, 2, 3), got {len(parts)}; write {SPELLINGS}")
+    numbers = []
+    for part in parts:
+        try:
+            if isinstance(part, bool) or not isinstance(part, (str, int, float)):
+                raise ValueError
+            numbers.append(float(part))
+        except ValueError:
+            raise ValueError(f"proportions must be numbers, got {part!r}; write {SPELLINGS}") from None
+    if any(not math.isfinite(v) or v < 0 for v in numbers):
+        raise ValueError(f"proportions must be finite and non-negative; write {SPELLINGS}")
+    if numbers[0] <= 0:
+        raise ValueError(f"phase 1 (SFT) gets nothing: its proportion must be > 0; write {SPELLINGS}")
+    return numbers[0], numbers[1], numbers[2]
+
+
+def shown_split(split: tuple[float, float, float]) -> str:
+    """(2.0, 4.0, 4.0) -> "2,4,4": the spelling that works on the command line."""
+    return ",".join(f"{v:g}" for v in split)
+
+
+def phase1_share(split: tuple[float, float, float]) -> float:
+    return split[0] / sum(split)
 
 
 def _round(x: float) -> int:
@@ -46,3 +83,15 @@ def eval_carve_count(n: int, fraction: float) -> int:
     if fraction <= 0 or n < 2:
         return 0
     return min(n - 1, max(1, _round(n * fraction)))
+
+
+def left_for_later_phases(split: tuple[float, float, float], train_rows: int, eval_rows: int) -> str | None:
+    """What the data line adds when the split leaves rows out of SFT (rows of phases 2 and 3); None when it
+    leaves none."""
+    if not train_rows and not eval_rows:
+        return None
+    left = f"{train_rows:,} train" + (f" and {eval_rows:,} eval" if eval_rows else "")
+    return (
+        f"data.data_split={shown_split(split)} gives SFT (phase 1) {phase1_share(split):.0%} of each source: {left} "
+        "rows are left for phases 2 and 3 and not trained on (data.data_split=10,0,0 trains on every row)"
+    )

@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import hydra_plugins
-from ds_exp.config.override_checks import check_list_items_when_composing
+from ds_exp.config.override_checks import check_list_items_when_composing, quote_one_value_lists
 from ds_exp.config.paths import PACKAGE_DIR, conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
@@ -174,7 +174,7 @@ def main() -> int:
     status other than 0 ends the process (SystemExit), as Hydra's own errors do."""
     hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
     find_own_sweepers()
-    sys.argv = strip_local_rank(sys.argv)
+    sys.argv = quote_one_value_lists(strip_local_rank(sys.argv))  # data.data_split=10,0,0 is one value, not a sweep
     register_secrets(environ=os.environ)
     if wants_experiment_file(sys.argv[1:]):  # before Hydra: the command line is saved, not run
         return write_experiment_main(sys.argv[1:])

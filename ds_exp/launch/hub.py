@@ -104,10 +104,20 @@ def unreachable(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str |
     return result[0] if result else f"no answer in {timeout:g} s"
 
 
+def plans_from_arch(cfg: Config) -> bool:
+    """A dry run of a model that is not on this machine (a hub id not in the local cache) whose preset carries its
+    published architecture (model.arch, conf/model/*.yaml): planned from those numbers, nothing downloaded, no
+    tokenizer read (ds_exp.tools.dry_run says so in its notes)."""
+    ids = hub_ids(cfg)
+    return bool(cfg.dry_run and cfg.model.arch and cfg.model.name_or_path and ids) and not all(
+        cached(repo) for _, repo in ids
+    )
+
+
 def check_hub(cfg: Config) -> None:
     """Raise ConfigError for hub ids that cannot be loaded here; load cached ones offline when the hub is away."""
     ids = hub_ids(cfg)
-    if not ids:
+    if not ids or plans_from_arch(cfg):  # a dry run that needs no file of the model
         return
     missing = [(key, repo) for key, repo in ids if not cached(repo)]
     settings = offline_settings()

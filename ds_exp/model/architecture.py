@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
 from ds_exp.core.errors import ConfigError
+from ds_exp.launch.hub import plans_from_arch
 from ds_exp.model.lora import count_with_lora, lora_spec
 from ds_exp.model.tokenizer import load_tokenizer
 
@@ -21,25 +22,44 @@ def padded_vocab_size(tokenizer_len: int, current: int, multiple: int) -> int:
     return int(multiple * math.ceil(max(tokenizer_len, current) / multiple))
 
 
-def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
-    """The transformers config of the model to train, vocabulary already sized for the tokenizer."""
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: a vision-language model's text_config (gemma-3-4b), else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def config_from_arch(cfg: Config, tokenizer_len: int) -> PretrainedConfig:
+    """model.arch as a transformers config, its vocabulary at least the tokenizer's (0: as published)."""
+    arch = dict(cfg.model.arch or {})
+    model_type = arch.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError("model.arch.model_type is missing: name the architecture, e.g. model.arch.model_type=llama")
+    nested = isinstance(arch.get("text_config"), dict)  # a vision-language model: the vocabulary is its text's
+    vocab = padded_vocab_size(tokenizer_len, int(arch.pop("vocab_size", 0) or 0), cfg.model.vocab_multiple)
+    try:
+        config = AutoConfig.for_model(model_type, **arch, **({} if nested else {"vocab_size": vocab}))
+    except Exception as err:  # transformers' own checks of a family (strict dataclass validators, ValueError)
+        first = " ".join(str(err).split()) or type(err).__name__
+        raise ConfigError(
+            f"model.arch: transformers cannot build a {model_type} from these values ({first}); fix the "
+            "model.arch values it names"
+        ) from err
+    text = text_config(config)
+    text.vocab_size = padded_vocab_size(tokenizer_len, int(text.vocab_size or 0), cfg.model.vocab_multiple)
+    if not text.vocab_size:
+        raise ConfigError(
+            f"model.arch.vocab_size is missing: the dry run of {cfg.model.name_or_path} (not on this machine) plans "
+            "from model.arch; give the vocab_size of its config.json"
+        )
+    return config
+
+
+def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase | None) -> PretrainedConfig:
+    """The transformers config of the model to train, vocabulary already sized for the tokenizer. Without a
+    tokenizer: a dry run planned from model.arch, the published architecture of a model not on this machine
+    (ds_exp.launch.hub.plans_from_arch)."""
     model_cfg = cfg.model
-    if model_cfg.name_or_path is None:
-        arch = dict(model_cfg.arch or {})
-        model_type = arch.pop("model_type", None)
-        if model_type is None:
-            raise ConfigError(
-                "model.arch.model_type is missing: name the architecture, e.g. model.arch.model_type=llama"
-            )
-        vocab = padded_vocab_size(len(tokenizer), int(arch.pop("vocab_size", 0) or 0), model_cfg.vocab_multiple)
-        try:
-            config = AutoConfig.for_model(model_type, vocab_size=vocab, **arch)
-        except Exception as err:  # transformers' own checks of a family (strict dataclass validators, ValueError)
-            first = " ".join(str(err).split()) or type(err).__name__
-            raise ConfigError(
-                f"model.arch: transformers cannot build a {model_type} from these values ({first}); fix the "
-                "model.arch values it names"
-            ) from err
+    if model_cfg.name_or_path is None or tokenizer is None:
+        config = config_from_arch(cfg, len(tokenizer) if tokenizer is not None else 0)
     else:
         try:
             config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
@@ -48,11 +68,12 @@ def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Pretr
             if mapped is None:
                 raise
             raise mapped from err
-    config.pad_token_id = tokenizer.pad_token_id
-    if tokenizer.eos_token_id is not None:
-        config.eos_token_id = tokenizer.eos_token_id
-    if tokenizer.bos_token_id is not None:
-        config.bos_token_id = tokenizer.bos_token_id
+    if tokenizer is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+        if tokenizer.eos_token_id is not None:
+            config.eos_token_id = tokenizer.eos_token_id
+        if tokenizer.bos_token_id is not None:
+            config.bos_token_id = tokenizer.bos_token_id
     if model_cfg.disable_dropout:
         disable_dropout_in_config(config)
     if model_cfg.rope_scaling:
@@ -85,12 +106,12 @@ def apply_rope_scaling(config: PretrainedConfig, scaling: dict[str, Any]) -> Non
 def model_facts(cfg: Config) -> dict[str, int]:
     """Parameter counts and the shapes the memory estimate needs, from the model's config on the meta device (no
     weights read)."""
-    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    tokenizer = None if plans_from_arch(cfg) else load_tokenizer(cfg.model, cfg.data)
     config = build_model_config(cfg, tokenizer)
-    config.vocab_size = padded_vocab_size(len(tokenizer), config.vocab_size, cfg.model.vocab_multiple)
+    text = text_config(config)
+    text.vocab_size = padded_vocab_size(len(tokenizer or ()), text.vocab_size, cfg.model.vocab_multiple)
     counts = count_parameters(cfg, config)
     hidden = int(hidden_size_of(config) or 0)
-    text = getattr(config, "text_config", None) or config
     intermediate = getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None)
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     return {
@@ -99,10 +120,10 @@ def model_facts(cfg: Config) -> dict[str, int]:
         "hidden": hidden,
         "intermediate": int(intermediate or 4 * hidden),
         "layers": int(getattr(text, "num_hidden_layers", 0) or 0),
-        "vocab": int(config.vocab_size),
+        "vocab": int(text.vocab_size),
         "heads": heads,
         "kv_heads": int(getattr(text, "num_key_value_heads", 0) or heads),
-        "tied": int(bool(getattr(config, "tie_word_embeddings", False))),
+        "tied": int(bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))),
     }
 
 
@@ -153,12 +174,12 @@ def check_lora(cfg: Config, config: PretrainedConfig) -> None:
         lora_spec(cfg.lora, model)
 
 
-def base_vocab_size(cfg: Config, tokenizer: PreTrainedTokenizerBase, checkpoint_rows: int) -> int:
+def base_vocab_size(cfg: Config, tokenizer: PreTrainedTokenizerBase | None, checkpoint_rows: int) -> int:
     """The vocabulary an export keeps (model.vocab_multiple's padding rows trimmed): the tokenizer's size, or the
     base's own if larger (the checkpoint's embedding rows; model.arch.vocab_size for a model built from a config,
     whose config is padded already)."""
     own = checkpoint_rows if cfg.model.name_or_path else int((cfg.model.arch or {}).get("vocab_size") or 0)
-    return max(len(tokenizer), own)
+    return max(len(tokenizer or ()), own)
 
 
 def checkpoint_dtype(cfg: Config) -> str:

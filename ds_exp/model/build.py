@@ -27,6 +27,7 @@ from ds_exp.model.architecture import (
     checkpoint_dtype,
     hidden_size_of,
     padded_vocab_size,
+    text_config,
 )
 from ds_exp.model.lora import LoraSpec, lora_spec, prepare_quantized, quantized_loading, tied_elsewhere, wrap_lora
 from ds_exp.model.tiling import TiledLoss, apply_tiling
@@ -149,7 +150,7 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         model.enable_input_require_grads()
     if mpu is not None:
         sequence_parallel.check_model_attention(model, attention or "sdpa")
-    plan = plan_tiling(cfg, hidden=hidden_size_of(config) or 1, vocab=int(config.vocab_size))
+    plan = plan_tiling(cfg, hidden=hidden_size_of(config) or 1, vocab=int(text_config(config).vocab_size))
     tiled_loss = apply_tiling(model, plan, str(config.model_type))
     if plan.mlp_shards or plan.loss_chunks or plan.offload:
         log.info(

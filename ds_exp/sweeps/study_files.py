@@ -94,15 +94,52 @@ def check_study_dir(sweep_dir: Path, identity: dict[str, Any]) -> None:
     earlier = json.loads(record.read_text())
     changed = [key for key in IDENTITY if earlier.get(key) != identity[key]]
     if changed:
-        lines = [f"{key}: was {earlier.get(key)}, now {identity[key]}" for key in changed]
         raise ConfigError(
             [
-                f"hydra.sweep.dir={sweep_dir} holds optuna study {earlier.get('study_name')} started with other "
-                "settings; nothing was changed. Continue it with its first command (n_trials and the launcher may "
-                "change), or start another study: hydra.sweeper.study_name=NEW",
-                *lines,
+                f"hydra.sweep.dir={sweep_dir} holds optuna study {earlier.get('study_name')}, started with other "
+                "settings (nothing was changed):",
+                *(line for key in changed for line in setting_change(key, earlier.get(key), identity[key])),
+                "Continue it with the settings it has (n_trials and the launcher may change), or start another "
+                f"study: leave hydra.sweeper.study_name unset (each search is a study of its own) or name one, "
+                f"e.g. hydra.sweeper.study_name={earlier.get('study_name')}-2",
             ]
         )
+
+
+def setting_change(key: str, was: Any, now: Any) -> list[str]:
+    """What changed in one setting of a study, as the command line writes it."""
+    if key == "fixed":  # the overrides every trial gets, by key
+        then = {override_key(o): o for o in was or [] if o not in (now or [])}
+        later = {override_key(o): o for o in now or [] if o not in (was or [])}
+        lines = [f"every trial got {then.get(k, f'no {k}')}, now {later.get(k, f'no {k}')}" for k in {**then, **later}]
+        return lines or [f"the overrides every trial gets are in another order (was: {' '.join(was or [])})"]
+    if key == "search_space":
+        searched_then, searched_now = dict(was or {}), dict(now or {})
+        return [
+            f"search of {name}: was {search_expression(searched_then.get(name))}, now "
+            f"{search_expression(searched_now.get(name))}"
+            for name in dict.fromkeys([*searched_then, *searched_now])
+            if searched_then.get(name) != searched_now.get(name)
+        ]
+    return [f"{key}: was {was}, now {now}"]
+
+
+def search_expression(distribution: str | None) -> str:
+    """An optuna distribution as serialised in study.json, written as the search expression that makes it."""
+    if distribution is None:
+        return "not searched"
+    try:
+        spec = json.loads(distribution)
+        name, attrs = spec["name"], spec["attributes"]
+    except (ValueError, KeyError, TypeError):
+        return str(distribution)
+    if name == "CategoricalDistribution":
+        return f"choice({','.join(str(c) for c in attrs['choices'])})"
+    tags = [tag for tag, on in (("int", name == "IntDistribution"), ("log", attrs.get("log"))) if on]
+    if name == "IntDistribution" and attrs.get("step", 1) != 1:
+        return f"range({attrs['low']},{attrs['high'] + attrs['step']},{attrs['step']})"
+    interval = f"interval({attrs['low']:g},{attrs['high']:g})"
+    return f"tag({','.join(tags)},{interval})" if tags else interval
 
 
 def shown_storage(storage: str) -> str:

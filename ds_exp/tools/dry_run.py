@@ -20,6 +20,7 @@ from ds_exp.config.secrets import redact
 from ds_exp.core.files import write_json_atomic
 from ds_exp.data.pipeline import count_train_examples
 from ds_exp.launch.environment import detect_launch
+from ds_exp.launch.hub import plans_from_arch
 from ds_exp.model.architecture import (
     base_vocab_size,
     build_model_config,
@@ -27,6 +28,7 @@ from ds_exp.model.architecture import (
     hidden_size_of,
     model_facts,
     padded_vocab_size,
+    text_config,
 )
 from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.runtime.device import resolved_precision
@@ -36,12 +38,14 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     launch = detect_launch(cfg.dist)
     accelerator = detect_accelerator()
     precision = resolved_precision(cfg.precision.dtype, accelerator)
-    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    from_arch = plans_from_arch(cfg)  # a preset's model that is not here: its published architecture
+    tokenizer = None if from_arch else load_tokenizer(cfg.model, cfg.data)
     model_config = build_model_config(cfg, tokenizer)
     hidden = hidden_size_of(model_config)
-    base_vocab = base_vocab_size(cfg, tokenizer, model_config.vocab_size)  # what the export keeps
-    padded = padded_vocab_size(len(tokenizer), model_config.vocab_size, cfg.model.vocab_multiple)
-    model_config.vocab_size = padded
+    text = text_config(model_config)
+    base_vocab = base_vocab_size(cfg, tokenizer, text.vocab_size)  # what the export keeps
+    padded = padded_vocab_size(len(tokenizer or ()), text.vocab_size, cfg.model.vocab_multiple)
+    text.vocab_size = padded
     counts = count_parameters(cfg, model_config)
     num_train = count_train_examples(cfg.data)
     sp = int(cfg.dist.sequence_parallel_size)
@@ -58,6 +62,8 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     )
     ds_config = resolve_ds_config(cfg, facts)
     notes = [*replaced_by_config_file(cfg, facts), *max_seq_len_notes(cfg)]
+    if from_arch:
+        notes.insert(0, arch_note(cfg))
     stage = int(get_path(ds_config, "zero_optimization.stage"))
     memory = estimate_model_states(
         counts.total,
@@ -96,6 +102,14 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "ds_config": ds_config,
         "notes": notes,
     }
+
+
+def arch_note(cfg: Config) -> str:
+    return (
+        f"planned from model.arch, the published architecture model={cfg.model.name} carries: "
+        f"{cfg.model.name_or_path} is not on this machine, and nothing was downloaded (its tokenizer was not read: "
+        "the vocabulary is model.arch's vocab_size)"
+    )
 
 
 def dry_run(cfg: Config, run_dir: Path) -> dict[str, Any]:

@@ -131,6 +131,8 @@ def setup(cfg: Config, session: Session) -> Workload:
     state.model = cfg.model.name_or_path or cfg.model.name
     state.lora_dim, state.parameters, state.trainable_parameters = cfg.lora.dim, parameters, trainable
     state.total_steps, state.zero_stage = steps, int(ds_config["zero_optimization"]["stage"])
+    state.train_examples, state.global_batch_size = len(data.train), int(ds_config["train_batch_size"])
+    state.peak_lr = float(ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.optimizer.lr))  # the top
     state.device = device_name(session.accelerator)
     state.peak_flops = peak_flops(state.device, session.precision, cfg.train.peak_tflops)
     needed = checkpoint_bytes(parameters, trainable, session.precision)

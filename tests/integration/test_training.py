@@ -250,6 +250,9 @@ def test_launchers_train_the_user_command(tmp_path, cache_dir, launcher):
     summary = run.summary
     assert summary["status"] == "completed" and summary["world_size"] == nproc
     assert summary["launcher"] == {"single": "single", "torchrun": "env", "deepspeed": "env", "mpirun": "mpi"}[launcher]
+    # what a person comparing runs needs (issue 35 §12): the rows, the batch, the peak rate and the command line
+    assert summary["train_examples"] == 256 and summary["global_batch_size"] == 4 * nproc
+    assert summary["peak_lr"] == 1e-3 and summary["overrides"][: len(FAST) + 1] == [*FAST, "zero=stage3"]
     assert sorted(p.name for p in (run.run_dir / "logs").iterdir()) == [f"rank{r}.log" for r in range(nproc)]
     assert (run.run_dir / "checkpoints" / "step4" / "ds_exp_complete.json").is_file()
     assert (run.run_dir / "hf_model" / "model.safetensors").is_file()

@@ -25,7 +25,8 @@ LR_LINE = re.compile(r"learning rate per parameter group: peak \[([^\]]*)\], ste
 def study_trials(sweep_dir: Path) -> list:
     import optuna
 
-    study = optuna.load_study(study_name="default", storage=f"sqlite:///{sweep_dir / 'optuna.db'}")
+    name = json.loads((sweep_dir / "study.json").read_text())["study_name"]  # default-lr-<digest of the search>
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{sweep_dir / 'optuna.db'}")
     return study.get_trials(deepcopy=False)
 
 
@@ -388,8 +389,8 @@ def test_a_study_continues_only_with_the_settings_it_started_with(tmp_path):
     check_study_dir(tmp_path, identity)  # the same settings continue it
     with pytest.raises(ConfigError) as err:
         check_study_dir(tmp_path, {**identity, "fixed": ["train.max_steps=9"]})
-    assert "fixed: was ['train.max_steps=8'], now ['train.max_steps=9']" in str(err.value)
-    assert "hydra.sweeper.study_name=NEW" in str(err.value)
+    assert "every trial got train.max_steps=8, now train.max_steps=9" in str(err.value)
+    assert "leave hydra.sweeper.study_name unset" in str(err.value) and "hydra.sweeper.study_name=s-2" in str(err.value)
 
 
 def test_the_best_trials_command_trains_it_again_with_as_many_ranks():

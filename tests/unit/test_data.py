@@ -273,6 +273,103 @@ def test_split_arithmetic():
             parse_data_split(bad)
 
 
+ALL_TO_SFT = [
+    "10,0,0",
+    "10, 0, 0",
+    "10 0 0",
+    "[10,0,0]",
+    "(10, 0, 0)",
+    [10, 0, 0],
+    (10, 0, 0),
+    [10.0, 0, 0],
+    ["10", 0, 0],
+]
+NOT_A_SPLIT = [
+    ("10", "got 1"),
+    ("2,4", "got 2"),
+    ([1, 2, 3, 4], "got 4"),
+    (None, "got 1"),
+    ("a,b,c", "must be numbers, got 'a'"),
+    ([True, 0, 0], "must be numbers, got True"),
+    ([[1], 0, 0], "must be numbers, got [1]"),
+    ("0,5,5", "phase 1 (SFT) gets nothing"),
+    ("1,-1,0", "non-negative"),
+]
+
+
+def test_every_natural_spelling_of_a_split_is_one_split_and_others_are_told_the_one_that_works():
+    from ds_exp.data.splits import parse_data_split
+
+    for spelling in ALL_TO_SFT:
+        assert parse_data_split(spelling) == (10, 0, 0), spelling
+    for spelling, what in NOT_A_SPLIT:
+        with pytest.raises(ValueError) as err:
+            parse_data_split(spelling)
+        assert what in str(err.value) and "write data.data_split=10,0,0 (every row to SFT)" in str(err.value), err
+
+
+@pytest.mark.parametrize("arg", ["data.data_split=2,4,4", "data.data_split=[2,4,4]", "data.data_split='2, 4, 4'"])
+def test_a_split_on_the_command_line_is_one_value(arg, compose_cfg):
+    """Unquoted, Hydra reads 2,4,4 as a sweep over 2, 4 and 4 ("Ambiguous value"): the CLI quotes it first."""
+    from ds_exp.config.override_checks import quote_one_value_lists
+    from ds_exp.data.splits import parse_data_split
+
+    cfg = compose_cfg(*quote_one_value_lists([arg]))
+    assert parse_data_split(cfg.data.data_split) == (2, 4, 4)
+
+
+def test_only_a_split_is_quoted_and_real_sweeps_stay_sweeps():
+    from ds_exp.config.override_checks import quote_one_value_lists
+
+    kept = ["-m", "train.max_steps=1,2", "zero=stage2,stage3", "data.data_split='2,4,4','10,0,0'", "data.name=a,b"]
+    kept += ["data.data_split=choice('2,4,4','10,0,0')", "data.data_split=[10,0,0]", "data.data_split=10"]
+    assert quote_one_value_lists(kept) == kept
+    assert quote_one_value_lists(["data.data_split=10,0,0", "+data.data_split=2, 4,4"]) == [
+        "data.data_split='10,0,0'",
+        "+data.data_split='2, 4,4'",
+    ]
+
+
+def data_line(caplog) -> str:
+    return next(r.getMessage() for r in reversed(caplog.records) if r.getMessage().startswith("data: "))
+
+
+def test_dschat_local_trains_on_every_row_unless_phases_are_asked_for(tmp_path, tok, caplog):
+    """data=dschat_local gave SFT 20% of the file by default (DeepSpeed-Chat's "2,4,4"), saying nothing."""
+    directory = dschat_dir(tmp_path)  # 50 train rows + 10 eval rows
+    cfg = dschat_local_cfg(tmp_path, directory)
+    assert count_train_examples(cfg.data) == 50
+    with caplog.at_level("INFO", logger="ds_exp"):
+        every = prepare_sft_data(cfg.data, tok, seed=SEED)
+        assert (len(every.train), len(every.eval)) == (50, 10) and "phases 2 and 3" not in data_line(caplog)
+        # DeepSpeed-Chat's phases, asked for: SFT gets phase 1's 20%, and the data line says what is left out
+        phased = dschat_local_cfg(tmp_path, directory, data_split="2,4,4")
+        assert count_train_examples(phased.data) == 10
+        dschat = prepare_sft_data(phased.data, tok, seed=SEED)
+        assert (len(dschat.train), len(dschat.eval)) == (10, 2)
+        assert dschat.stats["cache_hit"] is False and dschat.stats["cache_path"] != every.stats["cache_path"]
+        assert data_line(caplog).endswith(
+            "; data.data_split=2,4,4 gives SFT (phase 1) 20% of each source: 40 train and 8 eval rows are left for "
+            "phases 2 and 3 and not trained on (data.data_split=10,0,0 trains on every row)"
+        )
+        # another spelling of the same split is the same data: the same cache entry
+        again = prepare_sft_data(dschat_local_cfg(tmp_path, directory, data_split=[10, 0, 0]).data, tok, seed=SEED)
+        assert again.stats["cache_hit"] is True and again.stats["cache_path"] == every.stats["cache_path"]
+
+
+@pytest.mark.parametrize("split", ["10,0,0", "2,4,4", "1,1,1", "3,0,7", "1,0,0.5"])
+def test_the_count_and_the_pipeline_agree_on_every_split(split, tmp_path, tok):
+    a = write_jsonl(tmp_path / "a.jsonl", rows(37, "a"))
+    b, _, _ = _source("dschat", tmp_path)  # 40 train + 10 eval
+    c = write_csv(tmp_path / "c.csv", rows(11, "c"))
+    cfg = make_cfg(tmp_path, sources=[{"path": str(a)}, b], sft_only_sources=[{"path": str(c)}], data_split=split)
+    data = prepare_sft_data(cfg.data, tok, seed=SEED)
+    assert count_train_examples(cfg.data) == len(data.train)
+    per = data.stats["per_source"]
+    assert sum(s["train"] + s["eval"] + s["later_phases_train"] + s["later_phases_eval"] for s in per) == 37 + 50 + 11
+    assert per[2]["later_phases_train"] == per[2]["later_phases_eval"] == 0  # sft_only: used whole
+
+
 def test_synthetic_split_arithmetic_and_parallel_tokenization(tmp_path, tok):
     cfg = make_cfg(tmp_path, data_split="2,4,4", synthetic={"num_train": 10000})
     assert count_train_examples(cfg.data) == 2000
@@ -324,6 +421,29 @@ def test_cache_reuse_and_invalidation(tmp_path, tok, monkeypatch):
     assert grown.stats["cache_hit"] is False and grown.stats["num_train"] + grown.stats["num_eval"] == 31
     cfg.data.train_on_prompt = True
     assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["cache_hit"] is False
+
+
+def test_the_default_cache_is_one_per_user_whatever_the_working_directory(tmp_path, tok, monkeypatch, compose_cfg):
+    """data.cache_dir was .cache/ds_exp/data of the launch directory: a run from elsewhere tokenized again, and a
+    run's export looked for its data where it was started. null (every data option's default) is the user's."""
+    from ds_exp.config.paths import data_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    places = []
+    for where in ("a", "b/c"):
+        (tmp_path / where).mkdir(parents=True)
+        monkeypatch.chdir(tmp_path / where)
+        cfg = compose_cfg("data=synthetic", "data.synthetic.num_train=40", "data.synthetic.num_eval=4")
+        assert cfg.data.cache_dir is None
+        data = prepare_sft_data(cfg.data, tok, seed=SEED)
+        places.append((Path(data.stats["cache_path"]).parent, data.stats["cache_hit"]))
+    assert places == [(tmp_path / "xdg/ds_exp/data", False), (tmp_path / "xdg/ds_exp/data", True)]
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert data_cache_dir(None) == Path.home() / ".cache/ds_exp/data"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: ignored, as the XDG rules say
+    assert data_cache_dir(None) == Path.home() / ".cache/ds_exp/data"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert data_cache_dir("~/mine") == tmp_path / "home/mine"  # one set by hand: as given, ~ expanded
 
 
 def test_broken_cache_entry_is_rebuilt(tmp_path, tok):
@@ -685,10 +805,10 @@ def dschat_local_cfg(tmp_path: Path, path: Path, **overrides):
 
 def test_dschat_rows_are_trained_on_as_given(tmp_path, tok):
     cfg = dschat_local_cfg(tmp_path, dschat_dir(tmp_path))
-    assert cfg.data.template.value == "raw" and cfg.data.data_split == "2,4,4"
-    assert count_train_examples(cfg.data) == 10
+    assert cfg.data.template.value == "raw" and cfg.data.data_split == "10,0,0"  # every row to SFT (issue 35 §2)
+    assert count_train_examples(cfg.data) == 50
     data = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
-    assert (len(data.train), len(data.eval)) == (10, 2) and data.stats["template"] == "raw"
+    assert (len(data.train), len(data.eval)) == (50, 10) and data.stats["template"] == "raw"
     rows = {r["chosen"]: r for r in dschat_rows(50) + dschat_rows(10, " (eval)")}
     for ex in [*data.train, *data.eval]:
         text = tok.decode(ex["input_ids"])

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 from ds_exp.artifacts.export import DTYPES, export_spec, non_finite_tensors, write_export
 from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES
 from ds_exp.checkpoint.universal import MODEL_STATES
+from ds_exp.config.paths import data_cache_dir
 from ds_exp.config.schema import Config
 from ds_exp.core import compat
 from ds_exp.core.errors import Diverged, RunFailed, first_line
@@ -126,6 +127,6 @@ def run_template(cfg: Config, marker: dict[str, Any], tokenizer: PreTrainedToken
     """The template the run asked its model with: the run's tokenized data says it (data.cache_dir, named by the
     checkpoint's trajectory); without it, data.template as the tokenizer decides it."""
     key = (marker.get("trajectory") or {}).get("data")
-    meta = read_meta(Path(cfg.data.cache_dir).expanduser() / str(key)) if key else None
+    meta = read_meta(data_cache_dir(cfg.data.cache_dir) / str(key)) if key else None
     stats = (meta or {}).get("stats") or {}
     return first_template(stats) if stats.get("template") else resolve_template(cfg.data.template, tokenizer)
