@@ -12,7 +12,7 @@ from ds_exp.config.paths import data_cache_dir, not_a_directory
 from ds_exp.config.schema import DataConfig, DataSource, path_not_set, plain
 from ds_exp.core.user_paths import special_file_problem
 from ds_exp.data.conversations import LAYOUTS
-from ds_exp.data.formats import FILE_FORMATS, resolve_format
+from ds_exp.data.formats import FILE_FORMATS, expand, resolve_format
 from ds_exp.data.splits import parse_data_split
 
 TEMPLATES = ("raw", "dschat", "chat_template", "auto")
