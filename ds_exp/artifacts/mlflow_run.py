@@ -126,7 +126,7 @@ class MlflowRun:
             "precision": str(plain(cfg.precision.dtype)),
             "model": cfg.model.name_or_path or cfg.model.name,
             "ds_exp.run_dir": str(run_dir),
-            **{str(k): str(v) for k, v in settings.tags.items()},
+            **{str(k): redact_text(str(v)) for k, v in settings.tags.items()},  # a secret by its shape
         }
         run = self.client.create_run(experiment, run_name=settings.run_name or run_dir.name, tags=tags)
         run_id = str(run.info.run_id)
