@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import hydra_plugins
+from ds_exp.config.config_files import check_config_files
 from ds_exp.config.override_checks import check_list_items_when_composing
 from ds_exp.config.paths import PACKAGE_DIR, conf_dir
 from ds_exp.config.resolvers import register_resolvers
@@ -173,6 +174,7 @@ def main() -> None:
     try:
         # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
         sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
+        check_config_files(sys.argv[1:])  # the user's experiment files: one message each, before Hydra reads them
     except DsExpError as err:
         report_user_error(err, traceback_hint=False)
         sys.exit(err.exit_code)

@@ -2,6 +2,8 @@
 
 `CheckRunDir` (a Hydra callback, conf/config.yaml) runs before Hydra creates the run or sweep directory and
 saves `.hydra/` into it:
+* experiment_name must be a plain name, and hydra.job.chdir=true must not move relative paths
+  (config.place_checks);
 * the directory must be writable (storage.check_writable);
 * a directory that already holds a run is refused unless `resume` is given (a fresh run would overwrite its
   `.hydra/`, summary, export and checkpoints and append to its metrics);
@@ -20,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from ds_exp.config.place_checks import chdir_problems, experiment_name_problem
 from ds_exp.config.schema import Config, to_config
 from ds_exp.core.errors import ConfigError, Refused
 from ds_exp.core.status import RunStatus
@@ -61,6 +64,9 @@ def completed_at(run_dir: Path) -> int | None:
 def check_run_start(config: DictConfig) -> None:
     """Before a single run: the checks of the module docstring. May move .hydra's output for a resume, and takes
     R's own config for a resume in a directory R the command line names (launch.run_config)."""
+    name_problem = experiment_name_problem(config.get("experiment_name"))
+    if name_problem is not None:  # before its directory is looked at: it may lie outside outputs/
+        raise ConfigError(name_problem)
     run_dir = Path(str(config.hydra.run.dir))
     check_writable(run_dir, "hydra.run.dir")
     named = named_run_dir(config)
@@ -69,6 +75,9 @@ def check_run_start(config: DictConfig) -> None:
         if changed is not None and launch_rank_from_env() == 0:
             print(f"ds_exp: {resume_note(named, changed)}", file=sys.stderr)
     cfg = to_config(config)
+    moved = chdir_problems(cfg, bool(OmegaConf.select(config, "hydra.job.chdir", default=False)))
+    if moved:
+        raise ConfigError(moved)
     check_not_inside_a_live_dir(run_dir, "hydra.run.dir")
     if named is None:  # Hydra named it by the second: another run may have started in the same one
         run_dir = _lock_a_fresh_dir(config, run_dir, cfg.train.checkpoint_dir)
