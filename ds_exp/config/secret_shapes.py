@@ -28,7 +28,10 @@ class Span(NamedTuple):
 
 
 # scheme://[user]:password@host: the password may hold "@" (greedy up to the last one before the host)
-_USERINFO = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@'\"]*:(?P<secret>[^\s/?#'\"]+)@(?=[^\s@/?#'\"]+)")
+# (bounded repeats: a long run of text is scanned in linear time)
+_USERINFO = re.compile(
+    r"\b[A-Za-z][A-Za-z0-9+.-]{0,30}://[^\s:/?#@'\"]{0,256}:(?P<secret>[^\s/?#'\"]{1,1024})@(?=[^\s@/?#'\"])"
+)
 # NAME=VALUE in a connection string (`;`), a query (`?`, `&`) or text; ODBC braces keep `;` inside a value
 _FIELD = re.compile(
     r"(?:^|(?<=[;?&\s,(]))(?P<name>[A-Za-z][A-Za-z0-9_.-]{0,40})\s*=\s*"
@@ -36,7 +39,7 @@ _FIELD = re.compile(
 )
 # connection-string keywords that are credentials without an English name
 _FIELD_NAMES = frozenset({"pwd", "sig", "sas", "accountkey", "sharedaccesskey", "sharedaccesssignature"})
-_URL = re.compile(r"\b(?:https?|wss?)://(?P<host>[^\s/?#'\"]+)(?P<path>/[^\s?#'\"]*)?")
+_URL = re.compile(r"\b(?:https?|wss?)://(?P<host>[^\s/?#'\"]{1,256})(?P<path>/[^\s?#'\"]{0,4096})?")
 _TELEGRAM_BOT = re.compile(r"^bot\d+:[A-Za-z0-9_-]{20,}$")
 # path segments named like credentials that name a place, not the value after them: /oauth/authorize, /auth/login
 _PLACES = frozenset({"auth", "oauth", "authorization", "session", "sessions", "credentials", "signature", "cookie"})
@@ -80,7 +83,7 @@ def _url_path_spans(match: re.Match[str]) -> list[Span]:
 
 def secret_spans(text: str) -> list[Span]:
     """Where `text` holds credentials by their shape (the module docstring), sorted, none overlapping."""
-    if not text or len(text) > 100_000:  # a whole file's text is not a value; redact_text bounds its own work
+    if not text:
         return []
     spans: list[Span] = []
     if "://" in text:
@@ -92,12 +95,11 @@ def secret_spans(text: str) -> list[Span]:
             if _field_is_secret(match.group("name")):
                 value_start, value_end = match.span("secret")
                 if ";" in text and (match.start() == 0 or text[match.start() - 1] == ";"):
-                    end = text.find(";", value_end)  # a connection string's field ends at ";" (a SAS holds "&")
-                    value_end = len(text) if end < 0 else end
+                    value_end = _field_end(text, value_start, value_end)
                 if text[value_start] in "{\"'" and value_end - value_start >= 2:  # keep the quotes or braces
                     value_start, value_end = value_start + 1, value_end - 1
                 if value_end > value_start:
-                    spans.append(Span(value_start, value_end, f"{match.group('name').strip()}= in a value"))
+                    spans.append(Span(value_start, value_end, f"a {match.group('name').strip()}= field"))
     spans += [Span(m.start(), m.end(), "a token of a well-known service") for m in _KNOWN_TOKENS.finditer(text)]
     # an interpolation names a value, it does not hold one (`pg://bob:${oc.env:PW}@host`); a mask hides it already
     spans = [span for span in spans if not _not_a_secret(text[span.start : span.end])]
@@ -134,6 +136,17 @@ def is_reference(text: str) -> bool:
     """The whole of `text` is one interpolation, `${oc.env:WANDB_API_KEY}`: it names a value (anything else holding
     `${` is taken literally when it is a credential: a password may hold those characters)."""
     return interpolations(text) == [(0, len(text))]
+
+
+def _field_end(text: str, start: int, end: int) -> int:
+    """Where a connection string's field ends: at `;` (a SAS holds `&`, a password spaces), or, where that stretch
+    reads on as text (another `=`: a message quoting the field), at the first space."""
+    stops = [i for i in (text.find(";", end), text.find("\n", end)) if i >= 0]
+    stretch_end = min(stops) if stops else len(text)
+    stretch = text[start:stretch_end]
+    if "=" in text[end:stretch_end] and (space := re.search(r"\s", stretch)):
+        return start + space.start()
+    return stretch_end
 
 
 def _merged(spans: list[Span]) -> list[Span]:

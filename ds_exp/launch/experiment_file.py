@@ -38,7 +38,7 @@ from ds_exp.config.paths import conf_dir
 from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
-from ds_exp.config.secret_shapes import is_reference
+from ds_exp.config.secret_shapes import is_reference, secret_spans
 from ds_exp.config.secrets import (
     ENV_PREFIX,
     holds_secret,
@@ -251,7 +251,8 @@ def _why_secret(override: Override) -> str:
         return "a credential"
     if is_env_set_value(override.key_or_group, override.value()):
         return "a variable of the job's environment, where credentials go"
-    return "its value holds a credential: a password, a key or a token"
+    spans = secret_spans(str(override.value()))
+    return f"its value holds {spans[0].what if spans else 'a credential'}"
 
 
 def _value_at(cfg: DictConfig, key: str) -> dict[str, Any]:
