@@ -164,6 +164,15 @@ def test_credentials_are_never_written(tmp_path, monkeypatch, capsys):
     assert yaml.safe_load((tmp_path / "experiment" / "ref.yaml").read_text())["logger"] == {
         "wandb": {"api_key": "${oc.env:MY_KEY}"}
     }
+    # secrets by their shape or their place (issue 31 §4) are left out too, named; the rest is written
+    shaped = "postgresql://bob:shape-pw-2b7e@db.example.com/x"
+    write_experiment_main(
+        ["--write-experiment", "shapes", f"+logger.mlflow.tags.db={shaped}", "+hydra.job.env_set.UPLOAD=up-4c1f9a"]
+    )
+    text, out = (tmp_path / "experiment" / "shapes.yaml").read_text(), capsys.readouterr().out
+    assert "shape-pw-2b7e" not in text and "up-4c1f9a" not in text and "experiment_name: shapes" in text
+    assert "left out:  logger.mlflow.tags.db (its value holds a password in a URL)" in out
+    assert "left out:  hydra.job.env_set.UPLOAD (a variable of the job's environment" in out
     # an environment credential under an innocent key: nothing is written
     monkeypatch.setenv("HF_TOKEN", "hf_env_token_abcdef")
     register_secrets(environ={"HF_TOKEN": "hf_env_token_abcdef"})
