@@ -39,14 +39,7 @@ from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
 from ds_exp.config.secret_shapes import is_reference, secret_spans
-from ds_exp.config.secrets import (
-    ENV_PREFIX,
-    holds_secret,
-    is_env_set_value,
-    is_secret_key,
-    redact_text,
-    secret_inside,
-)
+from ds_exp.config.secrets import ENV_PREFIX, holds_secret, is_env_set_value, is_secret_key, redact_text, secret_inside
 from ds_exp.core.errors import ConfigError, first_line
 from ds_exp.launch.console import report_user_error
 from ds_exp.launch.storage import check_writable
