@@ -874,6 +874,85 @@ CASES: list[Case] = [
         ("logger.wandb.mode=online (WANDB_BASE_URL=http://127.0.0.1:9)", "cannot be reached", "mode=offline"),
         env={"WANDB_BASE_URL": "http://127.0.0.1:9"},
     ),
+    # --- issue 31 §4/§6: experiment files as safe as the command line, and where a run's name puts it
+    Case(
+        "experiment file not YAML",
+        "path",
+        ("--config-dir", "{tmp}/conf", "experiment=broken"),
+        ("conf/experiment/broken.yaml: not valid YAML at line 3", "fix that line"),
+        files={"conf/experiment/broken.yaml": "# @package _global_\ntrain: {max_steps: 2\n"},
+    ),
+    Case(
+        "experiment file with a key given twice",
+        "path",
+        ("--config-dir", "{tmp}/conf", "experiment=twice"),
+        ("conf/experiment/twice.yaml: `max_steps` is given twice in one mapping (lines 3 and 4)", "keep one"),
+        files={"conf/experiment/twice.yaml": "# @package _global_\ntrain:\n  max_steps: 2\n  max_steps: 3\n"},
+    ),
+    Case(
+        "experiment file that includes itself",
+        "path",
+        ("--config-dir", "{tmp}/conf", "experiment=mine"),
+        ("conf/experiment/mine.yaml includes itself in its defaults list (experiment/mine -> experiment/mine)",),
+        files={"conf/experiment/mine.yaml": "# @package _global_\ndefaults:\n  - /experiment/mine\n  - _self_\n"},
+    ),
+    Case(
+        "experiment files that include each other",
+        "sweep",
+        ("-m", "--config-dir", "{tmp}/conf", "experiment=a,b", "hydra.sweep.dir={tmp}/sweep"),
+        ("conf/experiment/a.yaml and", "include each other", "experiment/a -> experiment/b -> experiment/a"),
+        files={
+            "conf/experiment/a.yaml": "# @package _global_\ndefaults:\n  - b\n  - _self_\n",
+            "conf/experiment/b.yaml": "# @package _global_\ndefaults:\n  - /experiment/a\n  - _self_\n",
+        },
+    ),
+    Case(
+        "experiment file without its package header",
+        "path",
+        ("--config-dir", "{tmp}/conf", "experiment=bare"),
+        ("conf/experiment/bare.yaml: an experiment file sets keys of the whole config", "`# @package _global_`"),
+        files={"conf/experiment/bare.yaml": "train:\n  max_steps: 2\n"},
+    ),
+    Case(
+        "experiment_name holding a path",
+        "config value",
+        ("--config-dir", "{tmp}/conf", "experiment=away"),
+        ("experiment_name=../../away is not a plain name", "experiment_name=away"),
+        files={"conf/experiment/away.yaml": "# @package _global_\nexperiment_name: ../../away\n"},
+    ),
+    Case(
+        "sweep whose experiment_name holds a path",
+        "sweep",
+        ("-m", "experiment_name=../elsewhere", "train.max_steps=2"),
+        ("experiment_name=../elsewhere is not a plain name", "experiment_name=elsewhere"),
+    ),
+    Case(
+        "hydra.job.chdir with relative paths",
+        "combination",
+        ("hydra.job.chdir=true", "data=local", "data.sources.0.path=sft.jsonl", "train.max_steps=2"),
+        ("hydra.job.chdir=true runs the job inside its run directory", "data.sources[0].path=sft.jsonl", "absolute"),
+        files={"sft.jsonl": jsonl(GOOD_ROW)},
+    ),
+    Case(
+        "resume=auto in a run directory without its config",
+        "path",
+        ("resume=auto", "hydra.run.dir={tmp}/run"),
+        ("holds a run (metrics.jsonl) but not its saved config (.hydra/config.yaml)", "with the defaults"),
+        files={"run/metrics.jsonl": "{}\n"},
+    ),
+    Case(
+        "--write-experiment with a path as experiment_name",
+        "config value",
+        ("--write-experiment", "{tmp}/exps/mine.yaml", "experiment_name=a/b"),
+        ("--write-experiment: experiment_name=a/b is not a plain name", "nothing was written"),
+    ),
+    Case(
+        "--write-experiment from a broken experiment file",
+        "path",
+        ("--write-experiment", "{tmp}/exps/mine.yaml", "--config-dir", "{tmp}/conf", "experiment=broken"),
+        ("conf/experiment/broken.yaml: not valid YAML",),
+        files={"conf/experiment/broken.yaml": "# @package _global_\ntrain: [\n"},
+    ),
 ]
 
 

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from ds_exp.config.logger_checks import without_passwords
 from ds_exp.config.schema import Config, as_dict, plain
-from ds_exp.config.secrets import redact, register_secrets
+from ds_exp.config.secrets import redact, redact_text, register_secrets
 from ds_exp.core.errors import RunFailed, first_line
 from ds_exp.core.files import json_text
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
@@ -157,7 +157,7 @@ class MlflowRun:
             "precision": str(plain(cfg.precision.dtype)),
             "model": cfg.model.name_or_path or cfg.model.name,
             "ds_exp.run_dir": str(run_dir),
-            **{str(k): str(v) for k, v in settings.tags.items()},
+            **{str(k): redact_text(str(v)) for k, v in settings.tags.items()},  # a secret by its shape
         }
         run = self.client.create_run(experiment, run_name=settings.run_name or run_dir.name, tags=tags)
         run_id = str(run.info.run_id)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ds_exp.artifacts.mlflow_run import MlflowRun
 from ds_exp.config.logger_checks import WANDB_DEFAULT_URL, without_passwords
 from ds_exp.config.schema import Config, as_dict, plain
-from ds_exp.config.secrets import redact
+from ds_exp.config.secrets import redact, redact_text
 from ds_exp.core.files import append_json_line, json_text, write_text_atomic
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 from ds_exp.core.waits import announced
@@ -110,7 +110,7 @@ class WandbRun:
                 entity=wandb_cfg.entity,
                 group=wandb_cfg.group or cfg.experiment_name,
                 name=wandb_cfg.name or run_dir.name,
-                tags=[*tags, *wandb_cfg.tags],
+                tags=[*tags, *map(redact_text, wandb_cfg.tags)],  # a tag may hold a secret by its shape
                 dir=str(wandb_cfg.dir or run_dir),
                 mode=mode,
                 id=run_id,  # set when resuming: the same wandb run continues

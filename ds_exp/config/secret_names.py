@@ -12,6 +12,12 @@ password) and judged by the well-known credential families, word by word, never 
   `num_key_value_heads`), `token` (`hf_token`, `slack_bot_token`, not `pad_token`, `end_of_conversation_token`,
   `token_count`), `session` (`session`, `session_id`, not `DESKTOP_SESSION`), `sig`, `pass`, `pwd` (not `PWD`,
   the working directory);
+* their plurals only after a word that makes them credentials (QUALIFIERS: `api_keys`, `auth_tokens`,
+  `github_tokens`), never after a count or a vocabulary word (`max_tokens`, `num_tokens`, `special_tokens`,
+  `unexpected_keys`);
+* one word that runs qualifiers and a credential noun together: `apitoken`, `githubtoken`, `hftoken`, `wandbkey`,
+  `apikeys`, `ghpat` (not `monkey`, `hotkey`, `maxtokens`); a single word ending in `token` is a credential unless
+  what precedes it says which vocabulary token it is (`eostoken`);
 * a descriptor after the credential word says the value is about it, not it: `password_file`, `token_path`,
   `auth_type`, `secret_name`, `api_key_env`, `SSH_AUTH_SOCK` are not secrets.
 
@@ -37,6 +43,16 @@ CREDENTIAL_WORDS = _set(
 )
 # one word ending in a credential: `dbpassword`, `clientsecret`, `openaiapikey`, `authtoken`
 _COMPOUND = re.compile(r"(password|passwd|secret|apikey|accesskey|secretkey|privatekey|authtoken|accesstoken)$")
+# what makes a key or a token (or their plurals) a credential: its kind, or the service it opens
+QUALIFIERS = _set(
+    """api access auth oauth refresh secret private bearer session client service personal deploy deployment bot app
+    id signing encryption master root admin ssh gpg pgp webhook license account storage upload
+    hf hub huggingface github gh gitlab gl wandb openai anthropic claude slack discord aws azure gcp google gcs s3
+    stripe twilio sendgrid mlflow comet neptune cohere mistral groq replicate pinecone datadog sentry npm pypi docker
+    dockerhub telegram notion jira mailgun heroku vercel cloudflare dropbox kaggle together deepseek gemini"""
+)
+# the credential nouns a one-word name may end in after its qualifiers: `githubtoken`, `wandbkey`, `apikeys`
+_RUN_TOGETHER = ("tokens", "token", "keys", "key", "pat")
 # credential nouns at the end of a name, with the words before them that make them something else
 NOUN_QUALIFIERS: dict[str, frozenset[str]] = {
     "key": _set(
@@ -51,7 +67,7 @@ NOUN_QUALIFIERS: dict[str, frozenset[str]] = {
         """pad eos bos unk sep cls mask end start begin stop special conversation eot eom image audio video tool
         think chat system user assistant default added extra placeholder first last next prefix suffix turn
         separator vocab decoder generation response prompt fill middle fim boundary control reserved role
-        instruction answer question new output"""
+        instruction answer question new output text max min num total count per"""
     ),
     "session": _set("desktop xdg term terminal tmux screen login shell training"),
     "sig": frozenset(),
@@ -76,6 +92,35 @@ def words_of(name: str) -> list[str]:
     return re.findall(r"[a-z]+|[0-9]+", _CAMEL.sub("_", name).lower())
 
 
+def _qualifiers_only(prefix: str) -> bool:
+    """`prefix` is one or more QUALIFIERS run together: `github`, `hfhub`, `openaiapi` (not `mon` of `monkey`)."""
+    ends = {0}
+    for end in range(1, len(prefix) + 1):
+        if any(start in ends and prefix[start:end] in QUALIFIERS for start in range(max(0, end - 12), end)):
+            ends.add(end)
+    return len(prefix) in ends and bool(prefix)
+
+
+def _run_together(word: str) -> bool:
+    """One word that is a credential: `dbpassword`, `githubtoken`, `wandbkey`, `apikeys`, `acmetoken`, `sessionid`."""
+    if _COMPOUND.search(word):
+        return True
+    for value in VALUE_WORDS:  # `sessionid`, `apikeyvalue`: the credential, said of its value
+        stem = word.removesuffix(value)
+        if stem != word and (stem in CREDENTIAL_WORDS or stem in NOUN_QUALIFIERS or (stem and _run_together(stem))):
+            return True
+    for noun in _RUN_TOGETHER:
+        if word.endswith(noun) and word != noun:
+            prefix = word[: -len(noun)]
+            if _qualifiers_only(prefix):
+                return True
+            # no English word ends in "token": what precedes it names a credential unless it names a vocabulary
+            # token (`eostoken`, `maxtoken`)
+            if noun == "token" and not any(prefix.endswith(q) for q in NOUN_QUALIFIERS["token"]):
+                return True
+    return False
+
+
 def is_secret_name(name: object) -> bool:
     """Whether a key or environment variable named `name` holds a credential (see the module docstring)."""
     words = [w for w in words_of(str(name)) if not w.isdigit()]
@@ -83,8 +128,10 @@ def is_secret_name(name: object) -> bool:
         rest = words[i + 1 :]
         if any(r in DESCRIPTORS for r in rest):
             continue
-        if word in CREDENTIAL_WORDS or _COMPOUND.search(word):
+        if word in CREDENTIAL_WORDS or _run_together(word):
             return True
+        if word in ("keys", "tokens") and i > 0 and words[i - 1] in QUALIFIERS and all(r in VALUE_WORDS for r in rest):
+            return True  # `api_keys`, `auth_tokens`: never `max_tokens`, `sort_keys`
         qualifiers = NOUN_QUALIFIERS.get(word)
         if qualifiers is None or not all(r in VALUE_WORDS for r in rest):
             continue

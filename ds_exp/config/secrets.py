@@ -1,19 +1,25 @@
 """Secrets given on the command line, in a config file or in the environment never reach a file a run writes.
 
-Which names hold credentials: ds_exp/secret_names.py (word families, not a list of names).
+What is a secret: a value under a credential's name (ds_exp/config/secret_names.py: word families, not a list
+of names); the part of any value whose shape gives it away (ds_exp/config/secret_shapes.py: a URL's password, a
+connection string's AccountKey=, a webhook's path); and every text value of `hydra.job.env_set` (the variables a
+job gets are where credentials go). A secret is taken literally, `${` and all, unless the whole value is one
+interpolation (`${oc.env:WANDB_API_KEY}` names a value, it does not hold one).
 
 * `hide_secret_overrides` runs before Hydra parses the command line. An override whose key looks like a
   credential, `+logger.wandb.api_key=VALUE`, becomes `+logger.wandb.api_key=${oc.env:DS_EXP_SECRET_LOGGER_
-  WANDB_API_KEY}` and VALUE moves into that environment variable. Hydra then saves the interpolation, never
-  the value (.hydra/*.yaml, multirun.yaml, submitit's pickles); sys.argv, which wandb records as the run's
-  arguments, no longer holds it; and the environment carries it to every process of the run (torchrun and
-  deepspeed children, submitit's local jobs, SLURM jobs, which get the submitting environment).
+  WANDB_API_KEY}` and VALUE moves into that environment variable; a value holding a secret by its shape keeps
+  the rest of its text (`'postgresql://bob:${oc.env:DS_EXP_SECRET_..._URI}@db/x'`). Hydra then saves the
+  interpolation, never the value (.hydra/*.yaml, multirun.yaml, submitit's pickles); sys.argv, which wandb
+  records as the run's arguments, no longer holds it; and the environment carries it to every process of the
+  run (torchrun and deepspeed children, submitit's local jobs, SLURM jobs, which get the submitting environment).
 * `hide_config_file_secrets` does the same, as Hydra composes, for literal credentials that config files
   (conf/, a --config-dir experiment, a preset) put into the config: `${oc.env:DS_EXP_SECRET_FILE_<KEY>}`.
 * `redact` blanks the values of credential keys in configs that are saved or sent (ds_config.json, the
   wandb config, DeepSpeed's checkpoints), and registered values wherever they stand; `redact_text` blanks every
   registered value (the command line's, the config files', the config's credentials and those of
-  credential-named environment variables) in text: every log record of the process, error messages.
+  credential-named environment variables) and every secret found by its shape in text: every log record of the
+  process, error messages (a library's exception that quotes a value).
 
 Import-light (no torch): the CLI calls it before `--help` and `--cfg job`.
 """
@@ -32,6 +38,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, DictKeyType, OmegaConf, flag_override
 
 from ds_exp.config.secret_names import is_secret_name
+from ds_exp.config.secret_shapes import is_reference, redact_shapes, secret_spans
 from ds_exp.core.compat import on_compose
 from ds_exp.core.errors import ConfigError
 
@@ -52,6 +59,24 @@ def is_secret_key(key: object) -> bool:
 def holds_secret(value: object) -> bool:
     """What a credential key may hold: not None, and never a flag (`private: true` is a setting, not a secret)."""
     return value is not None and not isinstance(value, bool)
+
+
+ENV_SET = "hydra.job.env_set."  # a variable the job gets: a secret by its place
+
+
+def is_env_set_value(key: str, value: object) -> bool:
+    """A text value of hydra.job.env_set.NAME (numbers and flags, `OMP_NUM_THREADS: 4`, are settings; Hydra's
+    schema makes them text)."""
+    return (
+        key.startswith(ENV_SET)
+        and isinstance(value, str)
+        and not re.fullmatch(r"[-+]?\d+(\.\d*)?|true|false|yes|no|on|off", value, re.IGNORECASE)
+    )
+
+
+def secret_parts(text: str) -> list[str]:
+    """The substrings of `text` that are secrets by their shape (ds_exp/config/secret_shapes.py)."""
+    return [text[span.start : span.end] for span in secret_spans(text)]
 
 
 def redact(tree: object) -> Any:
@@ -77,20 +102,24 @@ def register_secrets(tree: object = None, environ: Mapping[str, str] | None = No
         elif isinstance(node, list):
             for value in node:
                 walk(value, secret)
-        elif secret and isinstance(node, str) and len(node) >= _MIN_SECRET_LEN:
-            _secrets.add(node)
+        elif isinstance(node, str):
+            found = [node] if secret else secret_parts(node)
+            _secrets.update(value for value in found if len(value) >= _MIN_SECRET_LEN)
 
     walk(tree, False)
-    walk({k: v for k, v in (environ or {}).items() if is_secret_key(k)}, True)
+    environ = environ or {}
+    walk({k: v for k, v in environ.items() if is_secret_key(k)}, True)
+    walk([v for k, v in environ.items() if not is_secret_key(k)], False)  # MLFLOW_TRACKING_URI=https://u:PW@...
     if _secrets:
         _redact_log_records()
 
 
 def redact_text(text: str) -> str:
+    """`text` with every registered secret, and every secret found by its shape, blanked."""
     for value in _secrets:
         if value in text:
             text = text.replace(value, REDACTED)
-    return text
+    return redact_shapes(text, REDACTED)
 
 
 _factory_installed = False
@@ -132,14 +161,17 @@ def secret_env_name(key: str, prefix: str = ENV_PREFIX) -> str:
 _from_command_line: dict[str, str] = {}  # the variables hide_secret_overrides set in this process
 
 
-def _secret_inside(value: object) -> bool:
-    """A dict (or list of them) holding a credential key with a value: `+deepspeed.config.comet={api_key:...}`."""
+def secret_inside(value: object) -> bool:
+    """A dict (or list of them) holding a credential key with a value, `+deepspeed.config.comet={api_key:...}`, or
+    a text holding a secret by its shape (a sweep's options included)."""
     if isinstance(value, dict):
-        return any((is_secret_key(k) and holds_secret(v)) or _secret_inside(v) for k, v in value.items())
+        return any((is_secret_key(k) and holds_secret(v)) or secret_inside(v) for k, v in value.items())
     if isinstance(value, list):
-        return any(_secret_inside(v) for v in value)
+        return any(secret_inside(v) for v in value)
+    if isinstance(value, str):
+        return bool(secret_spans(value))
     options = getattr(value, "list", None)  # a choice sweep's
-    return isinstance(options, list) and _secret_inside(options)
+    return isinstance(options, list) and secret_inside(options)
 
 
 @functools.cache
@@ -155,16 +187,47 @@ def _parse(override: str) -> Override | None:
         return None
 
 
+class _Variables:
+    """The DS_EXP_SECRET_* variables of one command line: two keys that spell the same name get distinct ones."""
+
+    def __init__(self, environ: MutableMapping[str, str]) -> None:
+        self.environ, self.names = environ, dict[str, str]()
+
+    def move(self, key: str, value: str) -> str:
+        """`value` into a variable named after `key`; returns the interpolation that reads it."""
+        name = secret_env_name(key)
+        while self.names.setdefault(name, key) != key:
+            name += "_"
+        self.environ[name] = _from_command_line[name] = value
+        register_secrets(environ={name: value})
+        return f"${{oc.env:{name}}}"
+
+    def move_parts(self, key: str, value: str) -> str:
+        """`value` with each secret part found by its shape moved into a variable of its own."""
+        spans = secret_spans(value)
+        for n, span in reversed(list(enumerate(spans, 1))):
+            reference = self.move(key if len(spans) == 1 else f"{key}_{n}", value[span.start : span.end])
+            value = value[: span.start] + reference + value[span.end :]
+        return value
+
+
+def _quoted(key_text: str, value: str) -> str | None:
+    """`key_text='value'` as Hydra reads it back to `value` exactly; None when no quoting does."""
+    arg = f"{key_text}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    parsed = _parse(arg)
+    return arg if parsed is not None and parsed.value() == value else None
+
+
 def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]) -> list[str]:
     """The command line with every secret value moved into `environ` (see the module's docstring).
 
     Refused, with a message that does not show the value: a sweep over a secret (`key=a,b`), a secret inside
-    a dict value, `~key=VALUE`, and secret-looking `hydra.*` keys other than `hydra.job.env_set.NAME` (Hydra
-    writes its own settings out resolved: sbatch files, the sweeper's job overrides).
+    a dict value, `~key=VALUE`, and secrets under `hydra.*` keys other than `hydra.job.env_set.NAME` and
+    `hydra.sweeper.storage` (Hydra writes its own settings out resolved: sbatch files, the sweeper's job overrides).
     """
     out: list[str] = []
     problems: list[str] = []
-    names: dict[str, str] = {}  # variable -> key: two keys that spell the same name get distinct variables
+    variables = _Variables(environ)
     for arg in args:
         if arg.startswith("-") or "=" not in arg:  # flags, their values, `~key`
             out.append(arg)
@@ -173,41 +236,37 @@ def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]
         override = _parse(arg)
         literal = False
         if override is None:
-            # Hydra's grammar rejects the value (a base64 key ending in "="); for a secret key the text after
-            # the first "=" is taken as it is, anything else is left for Hydra to report
+            # Hydra's grammar rejects the value (a base64 key ending in "=", `Server=s;Password=p`); a secret is
+            # the text after the first "=" as it is, anything else is left for Hydra to report
             override, literal = _parse(f"{key_text}=x"), True
             if override is None:
                 last = re.split(r"\W+", key_text.strip("+~"))[-1]
-                if is_secret_key(last):
+                if is_secret_key(last) or secret_spans(raw):
                     problems.append(f"{key_text}=...: not a valid override (the value is not shown)")
                 else:
                     out.append(arg)
                 continue
         key = override.key_or_group if override.package is None else f"{override.key_or_group}@{override.package}"
-        value: Any = override.value()  # Hydra's union; past _refusal a str, or None
+        value: Any = raw if literal else override.value()  # Hydra's union; past _refusal a str, or None
         flag = not literal and isinstance(value, bool)  # `+hub.private=true` is a setting, not a secret
-        if flag or not is_secret_key(re.split(r"[./@]", key)[-1]):
-            if not literal and _secret_inside(value):
+        by_name = not flag and is_secret_key(re.split(r"[./@]", key)[-1])
+        if not (by_name or is_env_set_value(key, value)):
+            if isinstance(value, str) and secret_spans(value):
+                out.append(_hide_parts(override, key, key_text, raw if literal else value, variables, problems))
+            elif not literal and secret_inside(value):
                 problems.append(f"{key_text}=...: holds a secret inside its value; give it as its own override")
             else:
                 out.append(arg)
             continue
-        if literal:
-            value = raw
-        elif isinstance(value, (bool, int, float)):
+        if isinstance(value, (bool, int, float)):
             value = raw  # as typed: a password 1e10 stays "1e10"
         problem = _refusal(override, key, key_text, value)
         if problem:
             problems.append(problem)
-        elif value is None or value == "" or "${" in value:  # nothing to hide, or already an interpolation
+        elif value is None or value == "" or is_reference(value):  # nothing to hide, or names a variable
             out.append(arg)
         else:
-            name = secret_env_name(key)
-            while names.setdefault(name, key) != key:
-                name += "_"
-            environ[name] = _from_command_line[name] = value
-            register_secrets(environ={name: value})
-            out.append(f"{key_text}=${{oc.env:{name}}}")
+            out.append(f"{key_text}={variables.move(key, value)}")
     if problems:
         raise ConfigError(
             [*problems, "secrets go in the environment (WANDB_API_KEY, HF_TOKEN, ...) or as key=VALUE on their own"]
@@ -215,14 +274,28 @@ def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]
     return out
 
 
-def _refusal(override: Override, key: str, key_text: str, value: object) -> str | None:
+def _hide_parts(
+    override: Override, key: str, key_text: str, value: str, variables: _Variables, problems: list[str]
+) -> str:
+    """`key=VALUE` whose VALUE holds a secret by its shape: the secret parts move, the rest stays readable."""
+    problem = _refusal(override, key, key_text, value, allowed=("hydra.job.env_set.", "hydra.sweeper.storage"))
+    if problem:
+        problems.append(problem)
+        return ""
+    hidden = variables.move_parts(key, value)
+    return _quoted(key_text, hidden) or f"{key_text}={variables.move(key + '_value', value)}"
+
+
+def _refusal(
+    override: Override, key: str, key_text: str, value: object, allowed: tuple[str, ...] = ("hydra.job.env_set.",)
+) -> str | None:
     if override.is_sweep_override():
         return f"{key_text}=...: a sweep over a secret is not supported; run one sweep per value"
     if override.is_delete() and value is not None:
         return f"{key_text}=...: delete a secret without its value: {key_text}"
     if isinstance(value, (dict, list)):
         return f"{key_text}=...: a secret must be a single value, not a dict or list"
-    if key.startswith(("hydra.", "hydra/")) and not key.startswith("hydra.job.env_set."):
+    if key.startswith(("hydra.", "hydra/")) and not key.startswith(allowed):
         return f"{key_text}=...: Hydra writes its settings into files; put the secret in the environment instead"
     return None
 
@@ -233,18 +306,18 @@ FILE_ENV_PREFIX = ENV_PREFIX + "FILE_"
 
 
 def _not_a_value(text: str) -> bool:
-    """Empty, an interpolation, or `???` (a mandatory value not given yet)."""
-    return text in ("", "???") or "${" in text
+    """Empty, a reference to another value (one interpolation), or `???` (a mandatory value not given yet)."""
+    return text in ("", "???") or is_reference(text)
 
 
 def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str]) -> None:
-    """Literal credential values that config files put into a composition (conf/, a --config-dir experiment, a
-    preset) become `${oc.env:DS_EXP_SECRET_FILE_<KEY>}` and their values move into `environ`, as the command
-    line's do. Called on every composition before the command line's overrides apply (ds_exp.core.compat.
-    on_compose), so Hydra saves the interpolation (.hydra/*.yaml before the task runs, multirun.yaml, submitit's
-    pickles, `--cfg job`) and the run resolves the value: every process composes for itself, or inherits the
-    environment of the one that did (submitit, SLURM)."""
-    found: list[tuple[list[DictKeyType], object]] = []
+    """Literal secrets that config files put into a composition (conf/, a --config-dir experiment, a preset)
+    become `${oc.env:DS_EXP_SECRET_FILE_<KEY>}` (a secret by its shape: its secret parts only) and their values
+    move into `environ`, as the command line's do. Called on every composition before the command line's
+    overrides apply (ds_exp.core.compat.on_compose), so Hydra saves the interpolation (.hydra/*.yaml before the
+    task runs, multirun.yaml, submitit's pickles, `--cfg job`) and the run resolves the value: every process
+    composes for itself, or inherits the environment of the one that did (submitit, SLURM)."""
+    found: list[tuple[list[DictKeyType], str, bool]] = []  # (path, value, whole value)
 
     def walk(node: object, path: list[DictKeyType], secret: bool) -> None:
         if isinstance(node, dict):
@@ -253,21 +326,28 @@ def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str])
         elif isinstance(node, list):
             for index, value in enumerate(node):
                 walk(value, [*path, index], secret)
-        elif secret and holds_secret(node) and not (isinstance(node, str) and _not_a_value(node)):
-            found.append((path, node))
+        elif (secret and holds_secret(node)) or is_env_set_value(".".join(map(str, path)), node):
+            if not (isinstance(node, str) and _not_a_value(node)):
+                found.append((path, str(node), True))
+        elif isinstance(node, str) and secret_spans(node):
+            found.append((path, node, False))
 
     walk(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False), [], False)
-    for path, value in found:
-        name = secret_env_name(".".join(map(str, path)), FILE_ENV_PREFIX)
-        while name in _from_command_line:
-            name += "_"
-        environ[name] = str(value)
-        register_secrets(environ={name: str(value)})
+    for path, value, whole in found:
+        key = ".".join(map(str, path))
+        spans = [(0, len(value))] if whole else [(span.start, span.end) for span in secret_spans(value)]
+        for n, (start, end) in reversed(list(enumerate(spans, 1))):
+            name = secret_env_name(key if len(spans) == 1 else f"{key}_{n}", FILE_ENV_PREFIX)
+            while name in _from_command_line:
+                name += "_"
+            environ[name] = value[start:end]
+            register_secrets(environ={name: value[start:end]})
+            value = value[:start] + f"${{oc.env:{name}}}" + value[end:]
         parent = cfg
         for part in path[:-1]:  # by key, not by a dotted path: a key may hold a dot
             parent = parent[part]
         with flag_override(parent, ["readonly", "struct"], False):
-            parent[path[-1]] = f"${{oc.env:{name}}}"
+            parent[path[-1]] = value
 
 
 def _hide_in_environ(cfg: DictConfig) -> None:

@@ -26,6 +26,7 @@ from ds_exp.config.model_checks import (
 )
 from ds_exp.config.output_paths import check_output_paths
 from ds_exp.config.paths import not_a_directory
+from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.plan import data_parallel_size, decay_problem, global_batch_mismatch, samples_per_rank
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
@@ -370,6 +371,7 @@ def config_problems(
     (run-time "auto" kept; {} when it cannot be built). `world_size`: the launch's (for the global batch);
     `run_dir`, when known, places the output directories that are given as absolute paths."""
     problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg, world_size)
+    problems += [problem] if (problem := experiment_name_problem(cfg.experiment_name)) else []
     problems += (
         _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + check_output_paths(cfg, run_dir)
     )

@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import hydra_plugins
+from ds_exp.config.config_files import check_config_files
 from ds_exp.config.override_checks import check_list_items_when_composing, quote_one_value_lists
 from ds_exp.config.paths import PACKAGE_DIR, conf_dir
 from ds_exp.config.resolvers import register_resolvers
@@ -183,6 +184,7 @@ def main() -> int:
     check_launch_env()
     # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
     sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
+    check_config_files(sys.argv[1:])  # the user's experiment files: one message each, before Hydra reads them
     sys.argv += rank_placeholder_overrides(sys.argv[1:])
     register_resolvers()
     register_configs()

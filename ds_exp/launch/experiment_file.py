@@ -17,7 +17,9 @@ named `experiment` gets one (`my_exp.yaml` -> `experiment/my_exp.yaml`, run with
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
 import re
 import shlex
 import tempfile
@@ -30,11 +32,15 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from ds_exp.config.config_files import check_config_files
 from ds_exp.config.paths import conf_dir
+from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
-from ds_exp.config.secrets import ENV_PREFIX, holds_secret, is_secret_key, redact_text
+from ds_exp.config.secret_shapes import is_reference, secret_spans
+from ds_exp.config.secrets import ENV_PREFIX, holds_secret, is_env_set_value, is_secret_key, redact_text, secret_inside
 from ds_exp.core.errors import ConfigError, first_line
+from ds_exp.launch.storage import check_writable
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
@@ -78,22 +84,45 @@ def write_experiment_main(argv: list[str]) -> int:
     plan = plan_file(path_arg, rest)
     text = render(plan)
     check_same_config(plan, text)
-    if redact_text(text) != text or ENV_PREFIX in text:
+    written = [render_body(plan), *plan.kept_args]  # the values and the command line (the header's prose is ours)
+    if any(redact_text(part) != part or ENV_PREFIX in part for part in written):
         raise ConfigError(
             f"{FLAG}: a value of the command line is a credential (from the environment); nothing was written. "
             "Give credentials in the environment (WANDB_API_KEY, HF_TOKEN, ...) when you run the experiment"
         )
-    plan.path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with plan.path.open("x", encoding="utf-8") as fh:  # exclusive: never overwrites
-            fh.write(text)
-    except FileExistsError:
-        raise ConfigError(_exists(plan.path)) from None
+    write_new_file(plan.path, text)
     print(f"ds_exp: wrote {plan.path}")
     print(f"  run it:    {_run_command(plan)}" + ("   (a sweep: hydra.sweeper.params)" if plan.sweeps else ""))
     for note in plan.left_out:
         print(f"  left out:  {note}")
     return 0
+
+
+def write_new_file(path: Path, text: str) -> None:
+    """`text` as a new file at `path`, whole or not at all: never over an existing file, and a failure (a read-only
+    or full disk) leaves neither a partial file nor the directories made for it."""
+    check_writable(path.parent, FLAG)
+    made = [p for p in [path.parent, *path.parent.parents] if not p.exists()]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("x", encoding="utf-8") as fh:  # exclusive: never overwrites
+            try:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            except BaseException:
+                path.unlink(missing_ok=True)  # ours: made by this open
+                raise
+    except FileExistsError:
+        raise ConfigError(_exists(path)) from None
+    except OSError as err:
+        for directory in made:  # innermost first: only those this call made, and only while empty
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise ConfigError(
+            f"{FLAG} {path}: the file cannot be written ({err.strerror or first_line(err)}); nothing was written. "
+            "Free some space, or give a path on a writable disk"
+        ) from None
 
 
 def _split_flag(argv: list[str]) -> tuple[str, list[str]]:
@@ -167,13 +196,17 @@ def plan_file(path_arg: str, args: list[str]) -> Plan:
     if not any(override.key_or_group == "experiment_name" for _, override in parsed):
         composable.append(f"experiment_name={name}")
     plan.overrides = composable
+    check_config_files([*composable, *(f"--config-dir={d}" for d in plan.config_dirs)])
     cfg = plan.composed = compose_command_line(composable, plan.config_dirs)
+    if (problem := experiment_name_problem(cfg.get("experiment_name"))) is not None:
+        raise ConfigError(f"{FLAG}: {problem}; nothing was written")
     choices = cfg.hydra.runtime.choices
     for arg, override in parsed:
         key = override.key_or_group
         if _secret(override):
             plan.left_out.append(
-                f"{key} (a credential): give it in the environment or on the command line when you run the experiment"
+                f"{key} ({_why_secret(override)}): give it in the environment or on the command line when you run "
+                "the experiment"
             )
             continue
         plan.kept_args.append(arg)
@@ -192,12 +225,25 @@ def plan_file(path_arg: str, args: list[str]) -> Plan:
 
 
 def _secret(override: Override) -> bool:
-    """A credential key with a literal value (a `${oc.env:...}` reference is kept: it names, it does not hold)."""
-    last = re.split(r"[./@]", override.key_or_group)[-1]
-    if not is_secret_key(last) or override.is_sweep_override():
+    """A secret given literally (a `${oc.env:...}` reference is kept: it names, it does not hold): under a
+    credential's name, a value of hydra.job.env_set, or a value holding one by its shape (a URL's password)."""
+    if override.is_sweep_override():
         return False
     value = override.value()
-    return holds_secret(value) and not (isinstance(value, str) and "${" in value)
+    if isinstance(value, str) and is_reference(value):
+        return False
+    last = re.split(r"[./@]", override.key_or_group)[-1]
+    by_name = is_secret_key(last) and holds_secret(value)
+    return by_name or is_env_set_value(override.key_or_group, value) or secret_inside(value)
+
+
+def _why_secret(override: Override) -> str:
+    if is_secret_key(re.split(r"[./@]", override.key_or_group)[-1]):
+        return "a credential"
+    if is_env_set_value(override.key_or_group, override.value()):
+        return "a variable of the job's environment, where credentials go"
+    spans = secret_spans(str(override.value()))
+    return f"its value holds {spans[0].what if spans else 'a credential'}"
 
 
 def _value_at(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -232,14 +278,19 @@ def compose_command_line(overrides: list[str], config_dirs: list[str]) -> DictCo
             raise ConfigError(f"the command line does not compose: {redact_text(str(err))}") from None
 
 
-def render(plan: Plan) -> str:
+def render_body(plan: Plan) -> str:
+    """The file's settings, as YAML (render adds the header)."""
     defaults: list[str | dict[str, str]] = [*plan.includes, *({key: option} for key, option in plan.groups), "_self_"]
     tree: dict[str, Any] = {"defaults": defaults, "experiment_name": plan.values["experiment_name"]}
     for key, value in plan.values.items():
         _set(tree, key.split("."), value)
     if plan.sweeps:
         _set(tree, ["hydra", "sweeper", "params"], dict(plan.sweeps))
-    body = OmegaConf.to_yaml(OmegaConf.create(tree))
+    return OmegaConf.to_yaml(OmegaConf.create(tree))
+
+
+def render(plan: Plan) -> str:
+    body = render_body(plan)
     command = " ".join(["python -m ds_exp", *map(_shell_word, plan.kept_args)])
     header = [
         "# @package _global_",

@@ -11,6 +11,7 @@ Light: no torch, no deepspeed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import ValidationError
 
 from ds_exp.config.secrets import ENV_PREFIX
 from ds_exp.core.errors import ConfigError, first_line
@@ -30,6 +32,39 @@ _SECRET_REF = re.compile(r"\$\{oc\.env:(" + ENV_PREFIX + r"\w+)")
 # In .hydra/: a resumed sweep job's earlier .hydra/*.yaml, kept from before its launch until the job ends
 KEPT_DIR = "kept-while-resuming"
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+
+def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
+    """What shows that `run_dir` holds a run (for messages), or None."""
+    if not run_dir.is_dir():
+        return None
+    if (run_dir / "summary.json").is_file():
+        summary = read_summary(run_dir)
+        return (
+            f"summary.json: status {summary.get('status')} at step {summary.get('steps')}"
+            if summary is not None
+            else "summary.json"
+        )
+    for name in ("metrics.jsonl", ".hydra/config.yaml", "ds_config.json"):
+        if (run_dir / name).is_file():
+            return name
+    checkpoints = run_dir / checkpoint_subdir
+    if not checkpoints.resolve().is_relative_to(run_dir.resolve()):
+        # train.checkpoint_dir outside the run directory may be shared by several runs: a fresh run there is
+        # fine, and the checkpointer refuses to overwrite or rotate away another run's checkpoints
+        return None
+    if checkpoints.is_dir() and any(checkpoints.glob("step*")):
+        return f"{checkpoint_subdir}/"
+    return None
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary.json, or None when it is missing or unreadable."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def saved_run_config(run_dir: Path) -> Path | None:
@@ -63,18 +98,58 @@ def _changed_key(key: str) -> str:
     return key
 
 
+def added_keys(run_dir: Path) -> list[str]:
+    """The keys the run's attempts added to the schema on their command lines (`+logger.gh_pat=...`, `++x=1`), as
+    each attempt's .hydra/[resume-<time>/]overrides.yaml recorded them."""
+    keys: list[str] = []
+    parser = OverridesParser.create()
+    for path in sorted((run_dir / ".hydra").glob("**/overrides.yaml")):
+        try:
+            lines = OmegaConf.to_container(OmegaConf.load(path))
+            items = parser.parse_overrides([str(line) for line in lines]) if isinstance(lines, list) else []
+        except Exception:  # a file ds_exp cannot read adds nothing; the config itself is read below
+            continue
+        keys += [o.key_or_group for o in items if o.is_add() or o.is_force_add()]
+    return list(dict.fromkeys(key for key in keys if not key.startswith("hydra")))
+
+
+def _with_added_keys(now: DictConfig, saved: DictConfig, run_dir: Path) -> DictConfig:
+    """`now` with the keys the run added with `+` (added_keys) that this command line did not add again: the saved
+    config merges into it as typed, and those keys are not ones the schema lost."""
+    target = now.copy()
+    for key in added_keys(run_dir):
+        if _unresolved(target, key, _ABSENT) is _ABSENT and (value := _unresolved(saved, key, _ABSENT)) is not _ABSENT:
+            with open_dict(target):  # as saved: a secret stays the reference to its variable
+                OmegaConf.update(target, key, value, merge=False, force_add=True)
+    return target
+
+
+_ABSENT = object()
+
+
 def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str]) -> list[str] | None:
     """In place: `config`'s task keys become those of the run saved in `run_dir`, then the `overrides` given now
     (group choices and values, as Hydra composed them now) are applied again over them. Returns one line per key
-    whose value now differs from the run's; None (and `config` unchanged) when the directory saved no config."""
+    whose value now differs from the run's; None (and `config` unchanged) when the directory holds no run yet.
+    A directory that holds a run but not its config is refused: the run would go on with the defaults."""
     path = saved_run_config(run_dir)
     if path is None:
+        found = holds_a_run(run_dir, str(OmegaConf.select(config, "train.checkpoint_dir", default="checkpoints")))
+        if found is not None:
+            raise ConfigError(
+                f"resume: {run_dir} holds a run ({found}) but not its saved config (.hydra/config.yaml), so "
+                "ds_exp cannot tell what it was trained with and would continue it with the defaults; nothing was "
+                "changed. Put that file back (from a copy of the run), or start a new run in another directory"
+            )
         return None
     task_keys = [str(key) for key in config if key != "hydra"]
     now = OmegaConf.masked_copy(config, task_keys)
     try:
         saved = OmegaConf.load(path)
-        merged = OmegaConf.merge(now, saved)  # typed as now: a key the schema lost is named, not taken silently
+        if not isinstance(saved, DictConfig):
+            raise ValueError("not a mapping of settings")
+        # typed as now: a key the schema lost is named, not taken silently (one an attempt added with + is taken)
+        merged = OmegaConf.merge(_with_added_keys(now, saved, run_dir), saved)
         if not isinstance(merged, DictConfig):
             raise ValueError("not a mapping of settings")
     except Exception as err:  # any failure to read or merge: one message naming the file
@@ -120,7 +195,7 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
     return lines
 
 
-def _unresolved(config: DictConfig, key: str) -> Any:
+def _unresolved(config: DictConfig, key: str, default: Any = None) -> Any:
     """`key`'s value in `config` as composed, interpolations left as they are: a secret given now stays the reference
     to its variable (ds_exp.config.secrets), never its value, in the attempt's saved config."""
     node: object = OmegaConf.to_container(config, resolve=False)
@@ -130,17 +205,28 @@ def _unresolved(config: DictConfig, key: str) -> Any:
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            return None
+            return default
     return node
 
 
 def _keep_secrets_reachable(merged: DictConfig, now: DictConfig) -> None:
-    """A credential given to the first attempt on its command line was saved as a reference to a variable of that
-    process (DS_EXP_SECRET_*); where that variable is gone now, the value comes from this composition instead."""
+    """A secret given to the first attempt on its command line was saved as a reference to a variable of that
+    process (DS_EXP_SECRET_*); where that variable is gone now, the value comes from this composition instead
+    (unset where it gives none). A value that cannot be unset (`logger.mlflow.tags.db`: text) must be given again."""
     given_now = _flat(OmegaConf.to_container(now, resolve=False))  # unresolved: a secret stays a reference
+    missing: list[str] = []
     for key, value in _flat(OmegaConf.to_container(merged, resolve=False)).items():
-        if isinstance(value, str) and any(name not in os.environ for name in _SECRET_REF.findall(value)):
-            OmegaConf.update(merged, key, given_now.get(key), merge=False)
+        gone = [name for name in _SECRET_REF.findall(value) if name not in os.environ] if isinstance(value, str) else []
+        if gone:
+            try:
+                OmegaConf.update(merged, key, given_now.get(key), merge=False)
+            except ValidationError:
+                missing.append(
+                    f"resume: {key} held a secret given on an earlier attempt's command line ({gone[0]}), which is "
+                    f"saved nowhere; give it again on this command line: {key}=VALUE"
+                )
+    if missing:
+        raise ConfigError(missing)
 
 
 def resume_note(run_dir: Path, lines: list[str], what: str | None = None) -> str:
@@ -220,6 +306,14 @@ def finish_job_attempt(job_dir: Path) -> None:
         if (kept / name).is_file():
             os.replace(kept / name, job_dir / ".hydra" / name)
     shutil.rmtree(kept, ignore_errors=True)
+
+
+def task_overrides(config: DictConfig) -> list[str]:
+    """The command line's overrides as Hydra recorded them (hydra.overrides.task), unresolved: a secret stays the
+    reference to its variable (ds_exp.config.secrets), where resolving it would put its value back into an override,
+    and one holding `${` would be read as an interpolation."""
+    task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+    return [str(item) for item in task] if isinstance(task, list) else []
 
 
 def named_run_dir(config: DictConfig) -> Path | None:

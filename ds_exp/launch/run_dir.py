@@ -2,6 +2,8 @@
 
 `CheckRunDir` (a Hydra callback, conf/config.yaml) runs before Hydra creates the run or sweep directory and
 saves `.hydra/` into it:
+* experiment_name must be a plain name, and hydra.job.chdir=true must not move relative paths
+  (config.place_checks);
 * the directory must be writable (storage.check_writable);
 * a directory that already holds a run is refused unless `resume` is given (a fresh run would overwrite its
   `.hydra/`, summary, export and checkpoints and append to its metrics);
@@ -14,16 +16,15 @@ Light: no torch, no deepspeed.
 from __future__ import annotations
 
 import atexit
-import json
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from ds_exp.config.place_checks import chdir_problems, experiment_name_problem
 from ds_exp.config.schema import Config, to_config
 from ds_exp.core.errors import ConfigError, Refused
 from ds_exp.core.status import RunStatus
@@ -38,46 +39,20 @@ from ds_exp.launch.lock import (
     made_here,
     release_run_dir,
 )
-from ds_exp.launch.run_config import continue_run_config, named_run_dir, resume_note
+from ds_exp.launch.run_config import (
+    continue_run_config,
+    holds_a_run,
+    named_run_dir,
+    read_summary,
+    resume_note,
+    task_overrides,
+)
 from ds_exp.launch.storage import check_writable
 from ds_exp.resume.preflight import check_resume_target
 
 # Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
 # append to: they are moved aside into attempts/<time>/ first.
 ATTEMPT_FILES = ("metrics.jsonl", "generations.jsonl", "summary.json")
-
-
-def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
-    """What shows that `run_dir` holds a run (for messages), or None."""
-    if not run_dir.is_dir():
-        return None
-    if (run_dir / "summary.json").is_file():
-        summary = read_summary(run_dir)
-        return (
-            f"summary.json: status {summary.get('status')} at step {summary.get('steps')}"
-            if summary is not None
-            else "summary.json"
-        )
-    for name in ("metrics.jsonl", ".hydra/config.yaml", "ds_config.json"):
-        if (run_dir / name).is_file():
-            return name
-    checkpoints = run_dir / checkpoint_subdir
-    if not checkpoints.resolve().is_relative_to(run_dir.resolve()):
-        # train.checkpoint_dir outside the run directory may be shared by several runs: a fresh run there is
-        # fine, and the checkpointer refuses to overwrite or rotate away another run's checkpoints
-        return None
-    if checkpoints.is_dir() and any(checkpoints.glob("step*")):
-        return f"{checkpoint_subdir}/"
-    return None
-
-
-def read_summary(run_dir: Path) -> dict[str, Any] | None:
-    """The run's summary.json, or None when it is missing or unreadable."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
 
 
 def completed_at(run_dir: Path) -> int | None:
@@ -89,14 +64,20 @@ def completed_at(run_dir: Path) -> int | None:
 def check_run_start(config: DictConfig) -> None:
     """Before a single run: the checks of the module docstring. May move .hydra's output for a resume, and takes
     R's own config for a resume in a directory R the command line names (launch.run_config)."""
+    name_problem = experiment_name_problem(config.get("experiment_name"))
+    if name_problem is not None:  # before its directory is looked at: it may lie outside outputs/
+        raise ConfigError(name_problem)
     run_dir = Path(str(config.hydra.run.dir))
     check_writable(run_dir, "hydra.run.dir")
     named = named_run_dir(config)
     if config.get("resume") is not None and named is not None:
-        changed = continue_run_config(config, named, list(config.hydra.overrides.task))
+        changed = continue_run_config(config, named, task_overrides(config))
         if changed is not None and launch_rank_from_env() == 0:
             print(f"ds_exp: {resume_note(named, changed)}", file=sys.stderr)
     cfg = to_config(config)
+    moved = chdir_problems(cfg, bool(OmegaConf.select(config, "hydra.job.chdir", default=False)))
+    if moved:
+        raise ConfigError(moved)
     check_not_inside_a_live_dir(run_dir, "hydra.run.dir")
     if named is None:  # Hydra named it by the second: another run may have started in the same one
         run_dir = _lock_a_fresh_dir(config, run_dir, cfg.train.checkpoint_dir)

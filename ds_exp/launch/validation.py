@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.file_overrides import check_overrides_obeyed
+from ds_exp.config.place_checks import chdir_problems
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, to_config
 from ds_exp.config.validate import config_problems
@@ -33,6 +34,9 @@ def validate_job(composed: DictConfig, overrides: list[str], run_dir: Path | Non
     """A composed run (or sweep job) typed and validated; its own overrides must be ones the run obeys (a DeepSpeed
     file that silently wins over one is an IgnoredOverride). Raises DsExpError; returns the typed config."""
     cfg = to_config(composed)
+    moved = chdir_problems(cfg, bool(OmegaConf.select(composed, "hydra.job.chdir", default=False)))
+    if moved:  # a sweep's job (a single run was refused before Hydra made its directory: launch.run_dir)
+        raise ConfigError(moved)
     validate(cfg, run_dir=run_dir)
     check_overrides_obeyed(composed, cfg, list(overrides))
     return cfg

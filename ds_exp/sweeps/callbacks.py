@@ -20,6 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.paths import sweep_job_names
+from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.status import RunStatus
@@ -35,6 +36,9 @@ from ds_exp.sweeps.study_files import completed_trials, is_study_sweep
 def check_sweep_start(config: DictConfig) -> None:
     """Before a sweep: writable, locked for this sweep's life (one live sweep per directory), not inside another
     live run's or sweep's directory, and not an earlier sweep's directory (unless its jobs are resumed)."""
+    name_problem = experiment_name_problem(config.get("experiment_name"))
+    if name_problem is not None:  # the sweep directory is named by it: it may lie outside outputs/
+        raise ConfigError(name_problem)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     check_writable(sweep_dir, "hydra.sweep.dir")
     check_not_inside_a_live_dir(sweep_dir, "hydra.sweep.dir")

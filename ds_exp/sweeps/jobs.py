@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError
-from ds_exp.launch.run_config import continue_run_config, keep_job_config, resume_note
+from ds_exp.launch.run_config import continue_run_config, keep_job_config, resume_note, task_overrides
 from ds_exp.launch.run_dir import check_job_dir
 from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.study_files import STUDY_FILE, is_study_sweep
@@ -31,7 +31,7 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     raw = OmegaConf.to_container(given, resolve=True) if given else {}
     assert isinstance(raw, dict)  # hydra.sweeper.params: a mapping (Hydra's schema)
     params = {str(key): value for key, value in raw.items()}
-    overrides = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
+    overrides = [f"{key}={value}" for key, value in params.items()] + task_overrides(config)  # secrets unresolved
     return compat.basic_sweep_jobs(overrides)
 
 

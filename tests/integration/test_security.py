@@ -60,12 +60,33 @@ hydra: {{job: {{env_set: {{ACME_UPLOAD_SIGNATURE: {FILE_SIGNATURE}}}}}}}
 # the command line's secrets less logger.wandb.api_key, which the experiment file sets
 BESIDE_THE_FILE = [s for s in CLI_SECRETS if not s.startswith("logger.wandb.api_key=")]
 
+# issue 31 §4: secrets by shape under innocent keys (MLflow's tags reach wandb and TensorBoard with the config),
+# by place (every hydra.job.env_set value), by compound name, and one holding `${`, taken literally
+SHAPE_URL_PW = "cli-url-pw-81c2"
+SHAPE_HOOK = "cliHook3e9d0a"
+SHAPE_ACCOUNT_KEY = "cli-acct-key-6a0f"
+PLACE_ENV_SET = "cli-envset-plain-5b7a"
+NAME_APITOKEN = "cli-apitoken-0d1e"
+LITERAL_DOLLAR = "cli-${x}-dollar-7c2d"
+FILE_URL_PW = "file-url-pw-9d3b"
+BY_SHAPE = [
+    f"+logger.mlflow.tags.db=postgresql://bob:{SHAPE_URL_PW}@db.example.com/x",
+    f"+logger.mlflow.tags.hook=https://hooks.slack.com/services/T000/B000/{SHAPE_HOOK}",
+    f"+logger.mlflow.tags.conn=AccountName=acct;AccountKey={SHAPE_ACCOUNT_KEY};EndpointSuffix=core.windows.net",
+    f"+hydra.job.env_set.UPLOAD_URL={PLACE_ENV_SET}",
+    f"+logger.apitoken={NAME_APITOKEN}",
+    f"+logger.literal_pat={LITERAL_DOLLAR}",
+]
+SHAPE_SECRETS = [SHAPE_URL_PW, SHAPE_HOOK, SHAPE_ACCOUNT_KEY, PLACE_ENV_SET, NAME_APITOKEN, LITERAL_DOLLAR, FILE_URL_PW]
+# ... and one by its shape, in a block DeepSpeed logs whole at start-up (its comet monitor's settings)
+LEAKY_SHAPES = f"deepspeed: {{config: {{comet: {{project: 'mysql://me:{FILE_URL_PW}@db.example/x'}}}}}}\n"
 
-def leaky_config_dir(tmp_path: Path) -> Path:
+
+def leaky_config_dir(tmp_path: Path, extra: str = "") -> Path:
     """A --config-dir whose experiment=leaky writes credentials in clear."""
     config_dir = tmp_path / "my_conf"
     (config_dir / "experiment").mkdir(parents=True)
-    (config_dir / "experiment" / "leaky.yaml").write_text(LEAKY_EXPERIMENT)
+    (config_dir / "experiment" / "leaky.yaml").write_text(LEAKY_EXPERIMENT + extra)
     return config_dir
 
 
@@ -355,41 +376,53 @@ def test_a_refused_secret_override_stops_before_hydra(tmp_path):
 
 @pytest.mark.slow
 def test_command_line_config_file_and_environment_secrets_reach_no_file(tmp_path):
+    """Secrets by name, by shape and by place, from the command line, a config file and the environment: none in
+    any file of the run (.hydra/, logs, summary, metrics, checkpoints, wandb's offline run, TensorBoard's events)
+    or on the console. MLflow's tags and params: tests/integration/test_trackers.py (in-process: MLflow's store
+    costs 15 s here); that such a run, started with `+key=` additions, continues with resume=auto:
+    tests/unit/test_secrets.py."""
     cache = tmp_path / "cache"
-    secrets = [*ALL_SECRETS, FILE_WANDB_KEY, FILE_SIGNATURE, ENV_DEPLOY_PAT]
+    secrets = [*ALL_SECRETS, FILE_WANDB_KEY, FILE_SIGNATURE, ENV_DEPLOY_PAT, *SHAPE_SECRETS]
+    env = {**ENV_SECRETS, "ACME_DEPLOY_PAT": ENV_DEPLOY_PAT}
+    common = ["--config-dir", str(leaky_config_dir(tmp_path, LEAKY_SHAPES)), "experiment=leaky", *FAST]
     run = launch(
         tmp_path / "run",
-        "--config-dir",
-        str(leaky_config_dir(tmp_path)),
-        "experiment=leaky",
-        *FAST,
+        *common,
         "train.export=true",
         "train.save_final_checkpoint=true",
-        "logger=wandb",
+        "logger=[wandb,tensorboard]",
         "logger.wandb.mode=offline",
         *BESIDE_THE_FILE,
+        *BY_SHAPE,
         "+logger.notes=${oc.env:ACME_DEPLOY_PAT}",  # an environment secret under an innocent key
         cache_dir=cache,
-        env={**ENV_SECRETS, "ACME_DEPLOY_PAT": ENV_DEPLOY_PAT},
+        env=env,
     )
     # completed: every ${oc.env:...} resolved (without a default, a missing variable fails the run)
     assert run.ok, run.explain()
     assert list((run.run_dir / "checkpoints").rglob("*model_states.pt")), "no DeepSpeed checkpoint was written"
     run_file = next((run.run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert list((run.run_dir / "tensorboard").glob("events.*"))
     assert files_holding(run.run_dir, secrets) == {}
     assert files_holding(cache, secrets) == {}
     assert not [s for s in secrets if s in run.proc.stdout + run.proc.stderr]
     hydra_config = (run.run_dir / ".hydra" / "hydra.yaml").read_text()
     assert "ACME_UPLOAD_SIGNATURE: ${oc.env:DS_EXP_SECRET_FILE_HYDRA_JOB_ENV_SET_ACME_UPLOAD_SIGNATURE}" in hydra_config
+    assert "UPLOAD_URL: ${oc.env:DS_EXP_SECRET_HYDRA_JOB_ENV_SET_UPLOAD_URL}" in hydra_config
     job_config = (run.run_dir / ".hydra" / "config.yaml").read_text()
     assert "api_key: ${oc.env:DS_EXP_SECRET_FILE_LOGGER_WANDB_API_KEY}" in job_config
+    # a secret by its shape keeps the rest of its value readable: the user, the host, the fields
+    assert "db: postgresql://bob:${oc.env:DS_EXP_SECRET_LOGGER_MLFLOW_TAGS_DB}@db.example.com/x" in job_config
+    assert "project: mysql://me:${oc.env:DS_EXP_SECRET_FILE_DEEPSPEED_CONFIG_COMET_PROJECT}@db.example/x" in job_config
     # Hydra saved, and wandb recorded as the program's arguments, the interpolation
     overrides = (run.run_dir / ".hydra" / "overrides.yaml").read_text()
     assert "+logger.api_key=${oc.env:DS_EXP_SECRET_LOGGER_API_KEY}" in overrides
     args = [list(r.environment.args) for r in records(run_file) if r.WhichOneof("record_type") == "environment"]
     assert args and "+logger.api_key=${oc.env:DS_EXP_SECRET_LOGGER_API_KEY}" in args[0], args
-    # DeepSpeed's comet monitor got the key: its logged config shows it blanked, not missing
-    assert "api_key='<redacted>'" in (run.run_dir / "logs" / "rank0.log").read_text()
+    # DeepSpeed's comet monitor got the key: its logged config shows it blanked, not missing; and the project's
+    # URL with its password blanked, the rest as it was
+    rank0 = (run.run_dir / "logs" / "rank0.log").read_text()
+    assert "api_key='<redacted>'" in rank0 and "project='mysql://me:<redacted>@db.example/x'" in rank0
 
 
 @pytest.mark.slow
@@ -412,6 +445,7 @@ def test_a_sweep_writes_no_secret_into_its_directory(tmp_path, launcher):
         "logger=wandb",
         "logger.wandb.mode=offline",
         *BESIDE_THE_FILE,
+        *BY_SHAPE,
         f"data.cache_dir={cache}",
         env=ENV_SECRETS,
     )
@@ -420,7 +454,7 @@ def test_a_sweep_writes_no_secret_into_its_directory(tmp_path, launcher):
     assert list(sweep.glob(".submitit/*/*.pkl")), "submitit left no pickles"
     assert list(sweep.glob("0/wandb/offline-run-*/run-*.wandb")), "no wandb offline run was written"
     assert list(sweep.glob("0/checkpoints/*/*model_states.pt")), "no DeepSpeed checkpoint was written"
-    secrets = [*ALL_SECRETS, FILE_WANDB_KEY, FILE_SIGNATURE]
+    secrets = [*ALL_SECRETS, FILE_WANDB_KEY, FILE_SIGNATURE, *SHAPE_SECRETS[:-1]]  # the file's shapes are not used
     assert files_holding(sweep, secrets) == {}
     assert files_holding(cache, secrets) == {}
     assert not [s for s in secrets if s in proc.stdout + proc.stderr]

@@ -18,6 +18,7 @@ from tests.integration.test_security import files_holding
 from tests.training import FAST, launch
 
 SECRET = "mlflow-secret-token-7c41d2"
+TAG_PASSWORD = "mlflow-tag-pw-31c7e0"
 
 
 def scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
@@ -101,7 +102,10 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(compose_cfg, 
 
     monkeypatch.setenv("MY_SERVICE_TOKEN", SECRET)
     register_secrets(environ={"MY_SERVICE_TOKEN": SECRET})
-    cfg = compose_cfg("logger=mlflow", "experiment_name=trackers", "logger.wandb.api_key=${oc.env:MY_SERVICE_TOKEN}")
+    tag = f"+logger.mlflow.tags.db=postgresql://bob:{TAG_PASSWORD}@db.example.com/x"  # a secret by its shape
+    cfg = compose_cfg(
+        "logger=mlflow", "experiment_name=trackers", "logger.wandb.api_key=${oc.env:MY_SERVICE_TOKEN}", tag
+    )
     first = MlflowRun(cfg, tmp_path, enabled=True, run_id=None)
     for step in (1, 2, 3):
         first.log({"train/loss": 1.0 / step, "train/mfu": None}, step)
@@ -111,6 +115,11 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(compose_cfg, 
     (run,) = mlflow_runs(uri)
     assert (run.info.status, run.info.run_name) == ("KILLED", tmp_path.name)
     assert run.data.params["experiment_name"] == "trackers" and run.data.params["logger.wandb.api_key"] == "<redacted>"
+    assert (
+        run.data.tags["db"]
+        == run.data.params["logger.mlflow.tags.db"]
+        == "postgresql://bob:<redacted>@db.example.com/x"
+    )
 
     resumed_cfg = compose_cfg("logger=mlflow", "experiment_name=trackers", "train.max_steps=6")
     resumed = MlflowRun(resumed_cfg, tmp_path, enabled=True, run_id=first.run_id, start_step=3)
@@ -125,7 +134,7 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(compose_cfg, 
     artifacts = tmp_path / "mlartifacts" / run.info.run_id / "artifacts"
     assert json.loads((artifacts / "summary.json").read_text())["steps"] == 6
     assert (artifacts / "eval" / "generations" / "step000003.json").is_file()
-    assert files_holding(tmp_path, [SECRET]) == {}
+    assert files_holding(tmp_path, [SECRET, TAG_PASSWORD]) == {}
 
     # a hard kill after the checkpoint at step 5 (steps 6 logged twice): said in a tag, as MLflow cannot delete
     again = MlflowRun(resumed_cfg, tmp_path, enabled=True, run_id=first.run_id, start_step=5)

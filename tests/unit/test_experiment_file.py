@@ -5,6 +5,8 @@ saves a command line as such a file that composes to exactly the same config."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,15 @@ def test_credentials_are_never_written(tmp_path, monkeypatch, capsys):
     assert yaml.safe_load((tmp_path / "experiment" / "ref.yaml").read_text())["logger"] == {
         "wandb": {"api_key": "${oc.env:MY_KEY}"}
     }
+    # secrets by their shape or their place (issue 31 §4) are left out too, named; the rest is written
+    shaped = "postgresql://bob:shape-pw-2b7e@db.example.com/x"
+    write_experiment_main(
+        ["--write-experiment", "shapes", f"+logger.mlflow.tags.db={shaped}", "+hydra.job.env_set.UPLOAD=up-4c1f9a"]
+    )
+    text, out = (tmp_path / "experiment" / "shapes.yaml").read_text(), capsys.readouterr().out
+    assert "shape-pw-2b7e" not in text and "up-4c1f9a" not in text and "experiment_name: shapes" in text
+    assert "left out:  logger.mlflow.tags.db (its value holds a password in a URL)" in out
+    assert "left out:  hydra.job.env_set.UPLOAD (a variable of the job's environment" in out
     # an environment credential under an innocent key: nothing is written
     monkeypatch.setenv("HF_TOKEN", "hf_env_token_abcdef")
     register_secrets(environ={"HF_TOKEN": "hf_env_token_abcdef"})
@@ -202,3 +213,82 @@ def test_write_then_run_the_file_from_the_command_line(tmp_path):
     assert dry.returncode == 0, dry.stderr
     (run_dir,) = (tmp_path / "outputs" / "my_exp").iterdir()
     assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").experiment_name == "my_exp"
+
+
+# ---------------------------------------------------------------- issue 31 §6: as safe as the command line
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(options) mounts a 64 KiB tmpfs (root only: skipped where mounting is not permitted); unmounted after."""
+    point = tmp_path / "disk"
+    point.mkdir()
+    mounted: list[Path] = []
+
+    def mount(*options: str) -> Path:
+        if mounted:
+            subprocess.run(["umount", str(point)], check=True)
+            mounted.clear()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", ",".join(["size=64k", *options]), "tmpfs", str(point)], capture_output=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    if mounted:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_write_experiment_onto_a_read_only_or_full_disk_writes_nothing(small_disk, tmp_path, monkeypatch, capsys):
+    """One message, exit 2, no traceback, and neither a partial file nor the directories made for it."""
+    monkeypatch.chdir(tmp_path)
+    disk = small_disk("ro")
+    with pytest.raises(ConfigError, match="is on a read-only file system"):
+        write_experiment_main(["--write-experiment", str(disk / "mine.yaml"), "zero=stage3"])
+    disk = small_disk()
+    (disk / "fill").write_bytes(b"\0" * 62 * 1024)  # room for a directory or two, not for the file
+    with pytest.raises(ConfigError, match=r"cannot be written \(No space left on device\); nothing was written"):
+        write_experiment_main(["--write-experiment", str(disk / "sub" / "mine.yaml"), "zero=stage3"])
+    assert sorted(p.name for p in disk.rglob("*")) == ["fill"]
+    # through the command's own main (launch/cli.py, inside the error boundary): one line, exit 2, no traceback
+    from ds_exp.launch import cli
+
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["ds_exp", "--write-experiment", str(disk / "mine.yaml"), "zero=stage3"])
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("ds_exp: error: --write-experiment") and len(err.splitlines()) == 1
+    assert sorted(p.name for p in disk.rglob("*")) == ["fill"]
+
+
+def test_an_experiment_name_holding_a_path_puts_nothing_outside_outputs(tmp_path, monkeypatch):
+    """outputs/${experiment_name}/<time>: `../../away` put the run beside the project; refused before anything is
+    made, where the run would have gone too."""
+    from ds_exp.launch.run_dir import check_run_start
+
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    config = composed("experiment_name=../../away")
+    with pytest.raises(ConfigError, match=r"experiment_name=\.\./\.\./away is not a plain name"):
+        check_run_start(config)
+    assert sorted(tmp_path.rglob("*")) == [project]
+
+
+def test_an_experiment_files_defaults_are_checked_where_they_lead(tmp_path):
+    """What a chosen file includes in the user's directory is checked too; ds_exp's presets are found first."""
+    from ds_exp.config.config_files import check_config_files
+
+    _write(tmp_path / "experiment" / "top.yaml", "# @package _global_\ndefaults:\n  - /experiment/autotune\n  - low\n")
+    _write(tmp_path / "experiment" / "low.yaml", "# @package _global_\ntrain: {max_steps: [1,\n")
+    with pytest.raises(ConfigError, match=r"low.yaml: not valid YAML at line 3"):
+        check_config_files(["--config-dir", str(tmp_path), "experiment=top"])
+    _write(tmp_path / "experiment" / "low.yaml", "# @package _global_\ntrain: {max_steps: 2}\n")
+    _write(tmp_path / "zero" / "mine.yaml", "stage: 3\nstage: 2\n")  # a group's own file: no header needed
+    check_config_files([f"hydra.searchpath=[file://{tmp_path}]", "experiment=top"])
+    with pytest.raises(ConfigError, match="`stage` is given twice"):
+        check_config_files([f"hydra.searchpath=[file://{tmp_path}]", "experiment=top", "zero=stage0,mine"])
