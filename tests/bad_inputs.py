@@ -791,6 +791,17 @@ CASES: list[Case] = [
         ("is a Hugging Face hub id, the hub cannot be reached", "hf download meta-llama/Llama-2-7b-hf --local-dir DIR"),
         env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": "/nonexistent/hf_cache"},  # nothing listens there
     ),
+    # --- issue 31 §5/§7/§8: exports that tell the truth (python -m ds_exp.export's and chat's own refusals are in
+    # tests/unit/test_use_refusals.py; full disks mid-run in tests/integration/test_faults.py)
+    Case(
+        "export inside the checkpoints",
+        "path",
+        ("train.export_dir=checkpoints/hf_model",),
+        (
+            "train.export_dir=checkpoints/hf_model is inside train.checkpoint_dir=checkpoints",
+            "train.export_dir=hf_model",
+        ),
+    ),
 ]
 
 
