@@ -278,7 +278,7 @@ def _moved_here(run_dir: Path, origin_run_dir: Path) -> None:
     """A copy of a run directory, as if the run had been there: its exports' metadata names it."""
     for meta in run_dir.glob("hf_model*/ds_exp_export.json"):
         found = json.loads(meta.read_text())
-        assert found["origin"]["run_dir"] == str(origin_run_dir)
+        assert Path(found["origin"]["run_dir"]).resolve() == origin_run_dir.resolve()
         meta.write_text(json.dumps({**found, "origin": {**found["origin"], "run_dir": str(run_dir)}}))
 
 
@@ -305,14 +305,16 @@ def test_an_abandoned_branch_takes_its_exports_along_and_its_checkpoints_export_
     OmegaConf.save(later, run / ".hydra" / "resume-2030-01-01_00-00-00" / "config.yaml")
 
     # what the resume from step 2 does before it writes anything (ds_exp.train.recipe.continue_trajectory)
+    made_on_it = sorted(p.name for p in run.glob("hf_model*") if p.name != "hf_model-step2")  # (+ step 4's by
+    assert {"hf_model", "hf_model-step3"} <= set(made_on_it)  # python -m ds_exp.export, when its test ran first)
     exports = exports_off_trajectory(run / "hf_model", run, 2, same_directory=True)
     aside = set_aside_branch(ckpts, ckpts / "step2", run, exports)
-    assert aside.checkpoints == ["step4"] and sorted(aside.exports) == ["hf_model", "hf_model-step3"]
+    assert aside.checkpoints == ["step4"] and sorted(aside.exports) == made_on_it
     branch = aside.branch
-    assert branch is not None and sorted(p.name for p in (branch / "exports").iterdir()) == sorted(aside.exports)
+    assert branch is not None and sorted(p.name for p in (branch / "exports").iterdir()) == made_on_it
     assert sorted(p.name for p in run.glob("hf_model*")) == ["hf_model-step2"]  # on the resumed trajectory
     said = aside.message(ckpts / "step2", run, here=True)
-    assert "step4, hf_model, hf_model-step3 moved (nothing deleted)" in said and "python -m ds_exp.export" in said
+    assert f"step4, {', '.join(aside.exports)} moved (nothing deleted)" in said and "python -m ds_exp.export" in said
 
     assert export(branch / "step4") == 0  # beside the branch's own exports, not over the trajectory in charge
     same_export(branch / "exports" / "hf_model-step4", branch / "exports" / "hf_model")  # no rope scaling in it
