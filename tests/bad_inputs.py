@@ -953,6 +953,17 @@ CASES: list[Case] = [
         ("conf/experiment/broken.yaml: not valid YAML",),
         files={"conf/experiment/broken.yaml": "# @package _global_\ntrain: [\n"},
     ),
+    # --- issue 31 §5/§7/§8: exports that tell the truth (python -m ds_exp.export's and chat's own refusals are in
+    # tests/unit/test_use_refusals.py; full disks mid-run in tests/integration/test_faults.py)
+    Case(
+        "export inside the checkpoints",
+        "path",
+        ("train.export_dir=checkpoints/hf_model",),
+        (
+            "train.export_dir=checkpoints/hf_model is inside train.checkpoint_dir=checkpoints",
+            "train.export_dir=hf_model",
+        ),
+    ),
 ]
 
 

@@ -1,5 +1,5 @@
 """What a run leaves for people and tools: the Hugging Face export (export), summary.json (summary), and the metric
-sinks metrics.jsonl, wandb, TensorBoard (tracking) and MLflow (mlflow_run).
+sinks metrics.jsonl, wandb (tracking), TensorBoard (tensorboard_run) and MLflow (mlflow_run).
 
 Layer 9, heavy. May import: the light layers, ds_exp.runtime, ds_exp.model.
 """

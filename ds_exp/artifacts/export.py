@@ -79,6 +79,7 @@ class ExportSpec:
     template: str | None = None  # how the run asked the model: raw | dschat | chat_template
     stop_token_ids: tuple[int, ...] = ()  # where the run's generations stop
     origin: dict[str, Any] | None = None  # where the weights come from (a run and its step, or a checkpoint)
+    dtype_key: str = "train.export_dtype"  # how the user chose `dtype` (python -m ds_exp.export: --dtype)
 
 
 def export_spec(cfg: Config, built: BuiltModel, precision: str, **more: Any) -> ExportSpec:
@@ -113,6 +114,33 @@ def gather_full_state_dict(engine: DeepSpeedEngine, zero_stage: int) -> dict[str
 def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
     """The names of the floating-point tensors of `state` that hold a NaN or an infinity."""
     return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def beyond_dtype(model: torch.nn.Module, dtype_name: str) -> tuple[str, float] | None:
+    """The first floating-point tensor of `model` (its name, its largest magnitude) that is not finite once cast to
+    `dtype_name`, as it would be written (fp16 holds at most 65504: larger weights become inf); None when all are."""
+    dtype = getattr(torch, dtype_name)
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and tensor.dtype != dtype and not bool(torch.isfinite(tensor.to(dtype)).all()):
+            return name, float(tensor.detach().abs().max())
+    return None
+
+
+def fitting_dtype(model: torch.nn.Module, spec: ExportSpec, dtype_name: str, why: str) -> tuple[str, str]:
+    """(dtype, why) the export is written in: `dtype_name` when every weight stays finite in it; else, when the
+    dtype was chosen by ds_exp (auto), float32, said in `why`; one the user asked for is refused (RunFailed)."""
+    found = beyond_dtype(model, dtype_name)
+    if found is None:
+        return dtype_name, why
+    name, largest = found
+    limit = f"{torch.finfo(getattr(torch, dtype_name)).max:.6g}"
+    if spec.dtype == "auto":
+        return "float32", f"{why}; but {name} reaches {largest:.6g}, beyond {dtype_name}'s largest ({limit}): float32"
+    raise RunFailed(
+        f"export: {spec.dtype_key}={spec.dtype} cannot hold the weights: {name} reaches {largest:.6g}, beyond "
+        f"{dtype_name}'s largest ({limit}), and would be written as inf; nothing was exported. Export in bf16 or "
+        f"fp32 ({spec.dtype_key}=bf16; a checkpoint: python -m ds_exp.export CHECKPOINT --dtype bf16)"
+    )
 
 
 def export_dtype(spec: ExportSpec, base_trained: bool) -> tuple[str, str]:
@@ -217,14 +245,18 @@ def write_export(
         # nothing half-written stays: the temporary directories go, an earlier export stays as it was
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(adapter_tmp, ignore_errors=True)
-
+        if isinstance(err, RunFailed):  # a refusal of ds_exp's own (fitting_dtype): its message says it all
+            raise
         message = export_failure_message(err, export_dir, needed)
         if message is None:
             raise
 
         raise RunFailed(message) from err
     what = "the LoRA adapter" if adapter_only else "Hugging Face model"
-    log.info("exported %s to %s (%s: %s)", what, export_dir, "float32" if adapter_only else dtype_name, why)
+    if adapter_only:
+        log.info("exported %s to %s (float32)", what, export_dir)
+    else:
+        log.info("exported %s to %s (%s: %s)", what, export_dir, metadata["dtype"], metadata["why"])
 
 
 def state_bytes(model: torch.nn.Module, dtype_name: str) -> int:
@@ -265,6 +297,9 @@ def _save(
     plus the adapters' delta, rounded once below)."""
     if model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)  # drop the padding rows: model and tokenizer agree
+    # checked on what is written: cast to the export's dtype, every weight must still be finite
+    dtype_name, metadata["why"] = fitting_dtype(model, spec, dtype_name, metadata["why"])
+    metadata["dtype"] = dtype_name
     model.to(getattr(torch, dtype_name))
     model.config.dtype = dtype_name
     model.save_pretrained(str(tmp), safe_serialization=True)

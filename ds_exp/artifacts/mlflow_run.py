@@ -95,14 +95,18 @@ def _quiet_library_loggers() -> None:
 class MlflowRun:
     """See the module docstring; a no-op unless enabled (rank 0 with logger.mlflow.enabled)."""
 
+    name = "MLflow"
+
     def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0) -> None:
         self.client: Any = None
         self.run_id = run_id
-        self.failed_once = False
+        self.store: Path | None = None  # the store's file on this machine (a SQLite database), None for a server
         settings = cfg.logger.mlflow
         if not enabled or not settings.enabled:
             return
         self.uri = settings.tracking_uri or default_tracking_uri(run_dir)
+        if self.uri.startswith("sqlite:///"):
+            self.store = Path(self.uri.removeprefix("sqlite:///").split("?")[0]).expanduser()
         password = urlsplit(self.uri).password
         if password:  # a server's basic auth in the URI: never in a log line or a param
             register_secrets({"password": password})
@@ -219,32 +223,25 @@ class MlflowRun:
             if isinstance(value, (int, float)) and not isinstance(value, bool)
         ]
         if values:
-            self._guarded(lambda: self.client.log_batch(self.run_id, metrics=values))
+            with short_http_waits():
+                self.client.log_batch(self.run_id, metrics=values)
 
     def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
         """Rows (the generations of one evaluation) as a JSON artifact <key>/step<N>.json."""
         if self.client is not None and rows:
             path = f"{key}/step{int(step):06d}.json"
-            self._guarded(lambda: self.client.log_dict(self.run_id, {"step": step, "rows": rows}, path))
-
-    def _guarded(self, call: Callable[[], object]) -> None:
-        """A tracker that fails mid-run (a server gone) costs its records, never the training: warned once."""
-        try:
             with short_http_waits():
-                call()
-        except Exception as err:
-            if not self.failed_once:
-                where, why = without_passwords(self.uri), without_passwords(first_line(err))
-                log.warning("mlflow: could not log to %s (%s); metrics.jsonl has everything", where, why)
-                self.failed_once = True
+                self.client.log_dict(self.run_id, {"step": step, "rows": rows}, path)
+
+    @property
+    def location(self) -> str:
+        return redact_text(self.uri)
 
     def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
         """summary.json as an artifact, the status as a tag, and the run ended as FINISHED, KILLED (a stop that can be
-        resumed) or FAILED."""
+        resumed) or FAILED; each tried whatever the one before did, the first failure raised after."""
         if self.client is None:
             return
-        if summary is not None:
-            self._guarded(lambda: self.client.log_dict(self.run_id, redact(summary), "summary.json"))
         client, self.client = self.client, None
         end = (
             "FINISHED"
@@ -253,9 +250,22 @@ class MlflowRun:
             if status in RESUMABLE_ENDS
             else "FAILED"
         )
-        try:
-            with short_http_waits():
-                client.set_tag(self.run_id, "ds_exp.status", status)
-                client.set_terminated(self.run_id, status=end)
-        except Exception as err:
-            log.warning("mlflow: could not end run %s (%s)", self.run_id, without_passwords(first_line(err)))
+        failed: list[Exception] = []
+        calls: list[Callable[[], object]] = [
+            lambda: client.set_tag(self.run_id, "ds_exp.status", status),
+            lambda: client.set_terminated(self.run_id, status=end),
+        ]
+        if summary is not None:
+            calls.insert(0, lambda: client.log_dict(self.run_id, redact(summary), "summary.json"))
+        with short_http_waits():
+            for call in calls:
+                try:
+                    call()
+                except Exception as err:
+                    failed.append(err)
+        if failed:
+            raise failed[0]
+
+    def abandon(self) -> None:
+        """Stop logging (its store failed); the run stays RUNNING in the store, as a killed run's does."""
+        self.client = None

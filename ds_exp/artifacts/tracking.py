@@ -8,46 +8,70 @@ The trackers are wandb (logger.wandb.mode), TensorBoard (logger.tensorboard.enab
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
+import io
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ds_exp.artifacts.mlflow_run import MlflowRun
+from ds_exp.artifacts.tensorboard_run import TensorBoardRun
 from ds_exp.config.logger_checks import WANDB_DEFAULT_URL, without_passwords
+from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact, redact_text
-from ds_exp.core.files import append_json_line, json_text, write_text_atomic
+from ds_exp.core.errors import RunFailed, first_line
+from ds_exp.core.files import append_whole, disk_free_bytes, json_text, no_room, same_disk, write_text_atomic
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 from ds_exp.core.waits import announced
 from ds_exp.resume.store import TrainState
 
-if TYPE_CHECKING:
-    from tensorboardX import SummaryWriter
-
 log = logging.getLogger(__name__)
+
+__all__ = ["MetricsLog", "TensorBoardRun", "Trackers", "WandbRun", "drop_lines_after"]
+FULL = 4096  # bytes free under which a disk counts as full (less than a page: nothing more can be written)
 
 
 class MetricsLog:
-    """One JSON object per line in <run dir>/metrics.jsonl (rank 0 writes; other ranks hold a disabled log)."""
+    """One JSON object per line in <run dir>/metrics.jsonl (rank 0 writes; other ranks hold a disabled log). A line
+    that cannot be written (a full disk) stops the run with one message, and leaves no line cut short behind."""
 
     def __init__(self, path: Path, enabled: bool, start_step: int = 0) -> None:
         self.path = path
         self.enabled = enabled
         if enabled and start_step:
             drop_lines_after(path, start_step)
-        self._file = path.open("a", buffering=1) if enabled else None
+        self._file = io.FileIO(path, "a") if enabled else None  # unbuffered: each line is on disk once written
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            append_json_line(self._file, record)
+        if self._file is None:
+            return
+        try:
+            append_whole(self._file, (json_text(record) + "\n").encode(), self.path)
+        except OSError as err:
+            file, self._file = self._file, None
+            file.close()
+            raise RunFailed(write_failure_message(self.path, err, record.get("step"))) from err
 
     def close(self, status: RunStatus | None = None, summary: dict[str, Any] | None = None) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            file.close()
+
+
+def write_failure_message(path: Path, err: OSError | BaseException, step: object) -> str:
+    """A file of the run could not be written at `step`: the run stops here, and what to do."""
+    reason = no_room(err) or (os.strerror(err.errno) if isinstance(err, OSError) and err.errno else first_line(err))
+    free = human_bytes(disk_free_bytes(path))
+    return (
+        f"could not write {path} ({reason}; {free} free on its disk), so the run stopped at step {step}; its complete "
+        "checkpoints are as they were. Free some space, then continue with the same overrides plus resume=auto"
+    )
 
 
 def drop_lines_after(path: Path, step: int) -> Path | None:
@@ -77,12 +101,14 @@ def drop_lines_after(path: Path, step: int) -> Path | None:
 class WandbRun:
     """A wandb run on rank 0 when logger.wandb.mode is not disabled; a no-op everywhere else."""
 
+    name = "wandb"
     finish_bound = "it waits until the data is uploaded; Ctrl-C leaves the rest to `wandb sync` (the run's wandb/)"
 
     def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0) -> None:
         self.run = None
         self.run_id = run_id
         self.online, self.server = False, ""
+        self.store: Path | None = None  # where its files go, on this machine
         wandb_cfg = cfg.logger.wandb
         mode = plain(wandb_cfg.mode)
         if not enabled or mode == "disabled":
@@ -121,10 +147,22 @@ class WandbRun:
                 settings=wandb.Settings(api_key=wandb_cfg.api_key) if wandb_cfg.api_key else None,
             )
         self.run_id = self.run.id
+        self.store = Path(self.run.dir).parent  # <dir>/wandb/<run>/ (its files/ and the .wandb record)
+
+    @property
+    def location(self) -> str:
+        return str(self.store)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.run is not None:
             self.run.log(metrics, step=step)
+            self._check_room()
+
+    def _check_room(self) -> None:
+        """wandb's service process writes the run's files and loses what a full disk refuses without a word: the
+        disk is looked at instead (a statvfs per metric line)."""
+        if self.store is not None and disk_free_bytes(self.store) < FULL:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.store))
 
     def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
         """Rows of equal keys as a wandb Table (e.g. the generations of one evaluation)."""
@@ -138,7 +176,8 @@ class WandbRun:
     def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
         """Record how the run ended and finish the wandb run (a failed exit code unless it can be resumed)."""
         if self.run is not None:
-            self.run.summary["status"] = status
+            run, self.run = self.run, None
+            run.summary["status"] = status
             # online: wandb uploads what is left and waits for its server (as long as it takes, unless
             # finish_timeout is set): said while it does
             waiting = (
@@ -147,63 +186,14 @@ class WandbRun:
                 else contextlib.nullcontext()
             )
             with waiting:
-                self.run.finish(exit_code=0 if status in RESUMABLE_ENDS else 1)
-            self.run = None
+                run.finish(exit_code=0 if status in RESUMABLE_ENDS else 1)
 
-
-class TensorBoardRun:
-    """TensorBoard event files (tensorboardX) in logger.tensorboard.dir, else <run dir>/tensorboard, on rank 0.
-
-    A resume from the checkpoint at step S opens the writer with purge_step S + 1: TensorBoard then hides what an
-    attempt killed after that checkpoint wrote past it, so each step is shown once, as the resumed run logged it.
-    """
-
-    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start_step: int = 0) -> None:
-        self.writer: SummaryWriter | None = None
-        self.last_step = start_step
-        settings = cfg.logger.tensorboard
-        if not enabled or not settings.enabled:
-            return
-        from tensorboardX import SummaryWriter
-
-        self.dir = Path(settings.dir).expanduser() if settings.dir else run_dir / "tensorboard"
-        # tensorboardX names a file by the second and the host and opens it with "wb": two attempts within one
-        # second would overwrite; the suffix keeps them apart and in order (TensorBoard reads files sorted by name)
-        self.writer = SummaryWriter(
-            logdir=str(self.dir),
-            purge_step=start_step + 1 if start_step else None,
-            filename_suffix=f".step{start_step:09d}.{os.getpid()}",
-        )
-        if not start_step:
-            config = json_text(redact(as_dict(cfg)), indent=2)
-            self.writer.add_text("config", f"```\n{config}\n```", 0)
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        if self.writer is None:
-            return
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(key, value, step)
-        self.last_step = max(self.last_step, step)
-
-    def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
-        """Rows (the generations of one evaluation) as a Markdown table in TensorBoard's text tab."""
-        if self.writer is None or not rows:
-            return
-        columns = list(rows[0])
-        cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
-        self.writer.add_text(key, "\n".join(lines), step)
-
-    def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
-        if self.writer is None:
-            return
-        if summary is not None:
-            text = json_text(redact(summary), indent=2)
-            self.writer.add_text("summary", f"```\n{text}\n```", self.last_step)
-        self.writer.close()
-        self.writer = None
+    def abandon(self) -> None:
+        """Stop logging (its disk is full); wandb's service ends the run when the process does."""
+        run, self.run = self.run, None
+        if run is not None:
+            with contextlib.suppress(Exception):
+                run.finish(exit_code=1)
 
 
 class Trackers:
@@ -211,6 +201,7 @@ class Trackers:
 
     def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start: TrainState) -> None:
         step = int(getattr(start, "step", 0) or 0)
+        self.run_dir = run_dir
         self.all: list[MlflowRun | TensorBoardRun | WandbRun] = []
         try:  # the one most likely to refuse (a tracking store) first; any refusal closes those already open
             self.mlflow = MlflowRun(
@@ -237,17 +228,48 @@ class Trackers:
         return {"wandb_run_id": self.wandb.run_id, "mlflow_run_id": self.mlflow.run_id}
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        for tracker in self.all:
-            tracker.log(metrics, step)
+        for tracker in list(self.all):
+            self._guarded(tracker, step, functools.partial(tracker.log, metrics, step))
 
     def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
-        for tracker in self.all:
-            tracker.table(key, rows, step)
+        for tracker in list(self.all):
+            self._guarded(tracker, step, functools.partial(tracker.table, key, rows, step))
+
+    def _guarded(self, tracker: MlflowRun | TensorBoardRun | WandbRun, step: int, call: Callable[[], None]) -> None:
+        """A tracker whose store fails mid-run (a server gone, its own disk full) costs its records from here, never
+        the training: said once, and it is not written to again. A full disk under the run directory stops the run
+        with one message: metrics.jsonl and the next checkpoint would fail on it too."""
+        try:
+            call()
+        except Exception as err:
+            self.all.remove(tracker)
+            with contextlib.suppress(Exception):
+                tracker.abandon()
+            store = tracker.store
+            if no_room(err) and store is not None and same_disk(store, self.run_dir):
+                raise RunFailed(write_failure_message(store, err, step)) from err
+            log.warning(
+                "%s: could not write to %s (%s): its records stop at step %d; the run goes on (metrics.jsonl has "
+                "every line)",
+                tracker.name,
+                tracker.location,
+                redact_text(no_room(err) or first_line(err)),
+                step,
+            )
 
     def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
-        """Each tracker ends however the others fare: one failing to close never hides the run's own outcome."""
+        """Each tracker ends however the others fare: one failing to close never hides the run's own outcome. On a
+        full disk under the run directory a failed run has said so already: the trackers' part goes to the log."""
         for tracker in self.all:
             try:
                 tracker.close(status, summary)
             except Exception as err:
-                log.error("could not close %s: %s", type(tracker).__name__, err)
+                store = tracker.store
+                said = status == RunStatus.FAILED and store is not None and same_disk(store, self.run_dir)
+                (log.debug if said and no_room(err) else log.warning)(
+                    "%s: could not end its run in %s (%s)",
+                    tracker.name,
+                    tracker.location,
+                    redact_text(no_room(err) or first_line(err)),
+                )
+        self.all = []

@@ -71,9 +71,10 @@ def local_checkpoint(model: ModelConfig) -> Path | None:
     return path if path.is_dir() else None
 
 
-def read_config_json(directory: Path, shown: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(config.json as a dict, None) or (None, the problem in one line naming model.name_or_path and the fix)."""
-    key = f"model.name_or_path={shown}"
+def read_config_json(directory: Path, shown: str, key: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """(config.json as a dict, None) or (None, the problem in one line naming model.name_or_path (or `key`) and the
+    fix)."""
+    key = key or f"model.name_or_path={shown}"
     try:
         value = json.loads((directory / "config.json").read_bytes().decode("utf-8"))
     except FileNotFoundError:
@@ -111,9 +112,10 @@ def _cut_short(path: Path) -> str | None:
     return None
 
 
-def weights_problem(directory: Path, shown: str) -> str | None:
-    """One line when the checkpoint's weights are missing or incomplete (what from_pretrained would fail on)."""
-    key = f"model.name_or_path={shown}"
+def weights_problem(directory: Path, shown: str, key: str | None = None) -> str | None:
+    """One line when the checkpoint's weights are missing or incomplete (what from_pretrained would fail on), naming
+    model.name_or_path (or `key`)."""
+    key = key or f"model.name_or_path={shown}"
     present = [name for name in WEIGHT_FILES if (directory / name).is_file()]
     if not present:
         if (directory / "adapter_config.json").is_file():

@@ -8,6 +8,9 @@ file stays JSON.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import math
 import os
@@ -15,6 +18,9 @@ from pathlib import Path
 from typing import IO, Any
 
 NON_FINITE = "non_finite"
+# How a full disk reads where a library wraps the OSError in its own error (SQLite through SQLAlchemy and MLflow,
+# safetensors, torch's zip writer)
+_FULL_DISK_TEXTS = ("No space left on device", "database or disk is full", "Disk quota exceeded", "StorageFull")
 
 
 def finite_tree(payload: object, path: str = "") -> tuple[Any, list[str]]:
@@ -72,10 +78,15 @@ def restore_non_finite(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temporary name beside `path`, then rename it into place (atomic on one file system)."""
+    """Write to a temporary name beside `path`, then rename it into place (atomic on one file system). A write that
+    fails (a full disk) leaves `path` as it was and no temporary file behind."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, payload: object) -> None:
@@ -85,3 +96,55 @@ def write_json_atomic(path: Path, payload: object) -> None:
 def append_json_line(handle: IO[str], record: dict[str, Any], *, ensure_ascii: bool = True) -> None:
     """One record of a JSON-lines file (metrics.jsonl, generations.jsonl)."""
     handle.write(json_text(record, ensure_ascii=ensure_ascii) + "\n")
+
+
+def append_whole(file: io.FileIO, data: bytes, path: Path) -> None:
+    """Append `data` to `file` (unbuffered, opened for appending) whole, or not at all: a write that fails (a full
+    disk) cuts the file back to what it held before, and is raised. A buffered file cannot promise that: what a
+    failed write left in its buffer is appended by the next flush or the close, after a line cut short."""
+    size = os.fstat(file.fileno()).st_size
+    try:
+        view = memoryview(data)
+        while view:
+            written = file.write(view)
+            if not written:  # a regular file takes something or raises; never loop on nothing
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            view = view[written:]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(file.fileno(), size)  # gives room back: never fails for lack of it
+        raise
+
+
+def no_room(err: BaseException) -> str | None:
+    """Why `err` is a write that found no room (a full disk, a quota), in a few words; None for any other error.
+    Follows the chain of causes: libraries re-raise the OSError as their own."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return os.strerror(seen.errno)
+        text = str(seen)
+        found = next((t for t in _FULL_DISK_TEXTS if t in text), None)
+        if found is not None:
+            return "No space left on device" if found == "StorageFull" else found
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def disk_free_bytes(path: Path) -> int:
+    """Room left for this user on the disk holding `path` (its nearest existing ancestor)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def same_disk(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` (or their nearest existing ancestors) are on one file system."""
+    devices = []
+    for path in (a.absolute(), b.absolute()):
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        devices.append(path.stat().st_dev)
+    return devices[0] == devices[1]

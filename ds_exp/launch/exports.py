@@ -1,23 +1,34 @@
 """Exported models on disk, told without torch: which directories are ds_exp's exports (the only ones an export may
 replace), where the exports made during training go and which of them rotation removes, and what
 `python -m ds_exp.export` / `python -m ds_exp.chat` are pointed at (a checkpoint, found in a run directory, its
-checkpoints directory or named by its step<N> tag; a run's composed config; a model directory).
+checkpoints directory or named by its step<N> tag, or set aside in a branch; a run's composed config, with the model
+section the checkpoint was trained with; a model directory and its positions), and which exports a resume from an
+older checkpoint sets aside with its branch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from ds_exp.config.model_checks import (
+    WEIGHT_FILES,
+    position_limit,
+    read_config_json,
+    scaled_positions,
+    weights_problem,
+)
 from ds_exp.config.resolvers import register_resolvers
-from ds_exp.config.schema import Config, to_config
-from ds_exp.config.secrets import ENV_PREFIX
+from ds_exp.config.schema import Config, ModelConfig, as_dict, to_config
+from ds_exp.config.secrets import ENV_PREFIX, redact
 from ds_exp.core.errors import ConfigError, RunFailed, first_line
-from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints, is_complete, read_marker
+from ds_exp.resume.branches import BRANCH_EXPORTS
+from ds_exp.resume.store import BRANCHES, COMPLETE_MARKER, complete_checkpoints, is_complete, read_marker
 
 METADATA = "ds_exp_export.json"  # written into every export, last before the rename that makes it visible
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: an adapter directory
@@ -85,6 +96,56 @@ def rotated_step_exports(export_dir: Path, run_id: str | None, keep_last: int) -
     return doomed + [adapter_dir(p) for p in doomed if is_export(adapter_dir(p))]
 
 
+def exports_off_trajectory(export_dir: Path, run_dir: Path, step: int, *, same_directory: bool) -> list[Path]:
+    """The exports beside `export_dir` made on the branch a resume from the checkpoint at `step` abandons: the run's
+    own and `python -m ds_exp.export`'s (their metadata names the run directory and the step) past `step`, or all of
+    this run directory's when the resume comes from another directory's checkpoint (`same_directory` False); each
+    with its adapter sibling. Left where they are, the new branch's exports of the same steps would replace them."""
+    found = []
+    for path in [export_dir, *(p for _, p in step_exports(export_dir))]:
+        for candidate in (path, adapter_dir(path)):
+            origin = read_metadata(candidate).get("origin") if is_export(candidate) else None
+            if not isinstance(origin, dict) or not origin.get("run_dir") or not isinstance(origin.get("step"), int):
+                continue
+            if Path(str(origin["run_dir"])).resolve() != run_dir.resolve():
+                continue  # another run's, or one that does not say: not this trajectory's to set aside
+            if not same_directory or origin["step"] > step:
+                found.append(candidate)
+    return found
+
+
+def branch_of(tag_dir: Path) -> Path | None:
+    """The branch directory (<checkpoints>/branches/<branch>/) holding `tag_dir`, None for a checkpoint in charge."""
+    return tag_dir.parent if tag_dir.parent.parent.name == BRANCHES else None
+
+
+def default_export_dir(run_dir: Path, cfg: Config, tag_dir: Path, step: int) -> Path:
+    """Where `python -m ds_exp.export` puts the export of `tag_dir` without a DIR: <run dir>/<export_dir>-step<N>,
+    or for a checkpoint set aside with an abandoned branch, beside that branch's own exports (the trajectory in
+    charge has exports of its own at the same steps)."""
+    export_dir = run_dir / cfg.train.export_dir
+    branch = branch_of(tag_dir)
+    if branch is not None:
+        return branch / BRANCH_EXPORTS / f"{export_dir.name}-step{step}"
+    return step_export_dir(export_dir, step)
+
+
+def check_outside_checkpoints(target: Path, checkpoint_dir: Path, key: str) -> None:
+    """An export never goes inside a checkpoint directory: saves, rotation, resume and branch set-asides own what is
+    there (an export named step<N> would pass for a checkpoint, one named step<N>.universal be deleted with it). The
+    one place inside it that takes exports is a set-aside branch's exports/ folder, which nothing rotates."""
+    real, checkpoints = Path(os.path.realpath(target)), Path(os.path.realpath(checkpoint_dir))
+    if not real.is_relative_to(checkpoints):
+        return
+    parts = real.relative_to(checkpoints).parts
+    if len(parts) >= 4 and parts[0] == BRANCHES and parts[2] == BRANCH_EXPORTS:
+        return
+    raise ConfigError(
+        f"{key}: {target} is inside the checkpoint directory {checkpoint_dir}, which saves, rotation and resumes own; "
+        "give a directory outside it (e.g. beside the run's hf_model)"
+    )
+
+
 # ------------------------------------------------------------------------------ what the commands are pointed at
 
 
@@ -118,11 +179,13 @@ def find_checkpoint(given: str) -> Path:
 
 
 def run_dir_of(tag_dir: Path) -> Path:
-    """The run directory whose train.checkpoint_dir holds `tag_dir` (its composed config rebuilds the model)."""
+    """The run directory whose train.checkpoint_dir holds `tag_dir`, directly or in a branch set aside there
+    (branches/<branch>/): its composed config rebuilds the model."""
+    holder = tag_dir.resolve().parent
     for parent in tag_dir.resolve().parents:
         if (parent / RUN_CONFIG).is_file():
             checkpoints = (parent / str(_raw_config(parent).get("train", {}).get("checkpoint_dir", ""))).resolve()
-            if checkpoints == tag_dir.resolve().parent:
+            if holder == checkpoints or holder.parent == checkpoints / BRANCHES:
                 return parent
     raise ConfigError(
         f"{tag_dir}: no run directory above it ({RUN_CONFIG} of the run whose train.checkpoint_dir holds it): the "
@@ -149,12 +212,25 @@ def _raw_config(run_dir: Path) -> dict[str, Any]:
     return {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
-def run_config(run_dir: Path) -> Config:
-    """The run's composed config, typed. Relative paths are taken from where the run was launched; secrets hidden
-    as ${oc.env:DS_EXP_SECRET_...} are dropped (nothing here needs them, and their variables are gone)."""
+def model_section(cfg: Config) -> dict[str, Any]:
+    """The config's `model` section as plain JSON values (credentials blanked): what each checkpoint records of the
+    model it trained (TrainState.model_config)."""
+    found = redact(as_dict(cfg)["model"])
+    return found if isinstance(found, dict) else {}
+
+
+def run_config(run_dir: Path, tag_dir: Path | None = None) -> Config:
+    """The run's composed config, typed; with `tag_dir`, with the `model` section that checkpoint was trained with
+    (a later attempt may have changed model.rope_scaling, ...; a checkpoint of an older ds_exp records none, and the
+    run's latest config stands). Relative paths are taken from where the run was launched; secrets hidden as
+    ${oc.env:DS_EXP_SECRET_...} are dropped (nothing here needs them, and their variables are gone)."""
     config_file, hydra_file = _config_files(run_dir)
+    recorded = read_marker(tag_dir).get("model_config") if tag_dir is not None else None
     try:
         raw = _without_secrets(OmegaConf.to_container(OmegaConf.load(config_file), resolve=False))
+        if isinstance(recorded, dict) and isinstance(raw, dict):
+            known = set(ModelConfig.__dataclass_fields__)
+            raw["model"] = {**(raw.get("model") or {}), **{k: v for k, v in recorded.items() if k in known}}
         register_resolvers()
         cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(raw)))
     except ConfigError:
@@ -209,3 +285,37 @@ def model_dir_of(given: str) -> Path:
         f"{given}: not a Hugging Face model directory (no config.json) nor a run directory (no {RUN_CONFIG}); give "
         "an export such as <run dir>/hf_model, or a run directory"
     )
+
+
+def model_settings_of(model_dir: Path, given: str) -> dict[str, Any]:
+    """The config.json of the model `python -m ds_exp.chat` talks to, once its weights are known to be whole: one
+    message for a config.json that is not JSON, no weights, or weights cut short (an export whose save never
+    finished, a copy interrupted), before transformers is imported."""
+    settings, problem = read_config_json(model_dir, given, key=given)
+    if problem is None and settings is not None:
+        if not any((model_dir / name).is_file() for name in WEIGHT_FILES):
+            problem = (
+                f"{given}: no weights in it ({', '.join(WEIGHT_FILES)}): not a whole model, or an export whose save "
+                "never finished; give another export, or export a checkpoint with python -m ds_exp.export"
+            )
+        else:
+            problem = weights_problem(model_dir, given, key=given)
+    if problem is not None or settings is None:
+        raise ConfigError(problem or f"{given}: config.json cannot be read")
+    return settings
+
+
+def context_of(settings: dict[str, Any]) -> tuple[int, str] | None:
+    """(positions, what they are) of a model's config.json: the tokens a prompt and its answer share. A learned
+    position table ends there (past it, an IndexError); a rotary model was trained to there, stretched by its
+    rope scaling's factor when it has one. None when nothing limits them (ALiBi, relative positions)."""
+    found = position_limit(settings)
+    if found is None:
+        return None
+    key, limit, kind = found
+    scaling = settings.get("rope_scaling") or settings.get("rope_parameters")
+    stretched = scaled_positions(scaling, limit) if kind == "rope" and isinstance(scaling, dict) else None
+    if stretched is not None and stretched > limit:
+        return stretched, f"{stretched} positions ({key}={limit} stretched by its rope scaling)"
+    how = "a learned position table" if kind == "learned" else "its context"
+    return limit, f"{limit} positions ({key}={limit}, {how})"

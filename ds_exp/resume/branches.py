@@ -1,12 +1,14 @@
 """One trajectory per run directory: a save at a step that holds another branch's checkpoint, which of this run's
 checkpoints rotation may delete, and the branch a resume from an older checkpoint abandons, set aside (never
-deleted) with `latest` repaired. File operations only (rank 0): no torch, no deepspeed."""
+deleted) with the exports made on it, `latest` repaired. File operations only (rank 0): no torch, no deepspeed."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ from ds_exp.resume.store import (
 )
 
 log = logging.getLogger(__name__)
+
+BRANCH_EXPORTS = "exports"  # branches/<branch>/exports/: the Hugging Face exports made on an abandoned branch
 
 
 def save_verdict(checkpoint_dir: Path, path: Path, state: TrainState) -> str | None:
@@ -88,12 +92,45 @@ def is_same_run(tag_dir: Path, run_dir: Path, checkpoint_dir: Path) -> bool:
     return here and (written_by is None or written_by == str(run_dir.resolve()))
 
 
-def set_aside_branch(checkpoint_dir: Path, resumed_from: Path, run_dir: Path) -> tuple[Path | None, list[str]]:
+@dataclass(frozen=True)
+class SetAside:
+    """What a resume set aside as an abandoned branch (set_aside_branch)."""
+
+    branch: Path | None  # branches/<time>-resumed-at-step<N>/; None when nothing was off the trajectory
+    checkpoints: list[str]  # the complete checkpoints moved there
+    exports: list[str] = field(default_factory=list)  # the branch's exports moved into its exports/ folder
+    exports_left: list[Path] = field(default_factory=list)  # those that could not move (another file system)
+
+    def message(self, resumed_from: Path, run_dir: Path, here: bool) -> str:
+        """What the resume says: why there is a branch, what moved where, what could not, how to go back to it."""
+        why = (
+            f"{resumed_from.name} is older than this directory's newest checkpoint, so the later ones are an "
+            "abandoned branch of the run"
+            if here
+            else f"{resumed_from} is another directory's checkpoint, so this directory's own form another trajectory"
+        )
+        text = f"{why}: {', '.join([*self.checkpoints, *self.exports])} moved (nothing deleted) into {self.branch}"
+        if self.exports_left:
+            text += (
+                f"; its exports {', '.join(str(p) for p in self.exports_left)} are on another file system and stay "
+                "where they are: move them away before this trajectory exports the same steps over them"
+            )
+        if self.branch is not None and self.checkpoints:
+            text += (
+                f"; to go back to it: resume={self.branch / self.checkpoints[-1]} hydra.run.dir={run_dir} (this "
+                "trajectory's checkpoints are then set aside in turn); python -m ds_exp.export exports any of them"
+            )
+        return text
+
+
+def set_aside_branch(checkpoint_dir: Path, resumed_from: Path, run_dir: Path, exports: Sequence[Path] = ()) -> SetAside:
     """Rank 0, once a resume is decided and loaded, before anything is written: this run directory's checkpoints
     that are not on the resumed trajectory (a step past the one resumed from, or all of them when it came from
     another directory) form an abandoned branch, moved with their conversions into branches/<time>-resumed-at-step
-    <N>/. Incomplete ones past the step go with them when there is a branch. `latest` is pointed at the newest
-    complete checkpoint left (removed if none). Returns (where they went, their names)."""
+    <N>/. Incomplete ones past the step go with them when there is a branch, and so do `exports`, the Hugging Face
+    exports made on it (ds_exp.launch.exports.exports_off_trajectory tells them), into its exports/ folder. Without
+    a branch (a resume after a kill past the newest checkpoint continues the same trajectory) nothing moves.
+    `latest` is pointed at the newest complete checkpoint left (removed if none)."""
     step = _step_of(resumed_from)
     here = resumed_from.parent.resolve() == checkpoint_dir.resolve()
     off_trajectory = [c for c in step_dirs(checkpoint_dir) if not (here and _step_of(c) <= step)]
@@ -104,7 +141,23 @@ def set_aside_branch(checkpoint_dir: Path, resumed_from: Path, run_dir: Path) ->
         incomplete = [c for c in off_trajectory if not is_complete(c) and inside and _step_of(c) > step]
         moved = move_branch(checkpoint_dir, sorted([*complete, *incomplete], key=_step_of), step)
     _repair_latest(checkpoint_dir)
-    return moved, [c.name for c in complete]
+    done, left = _move_exports(exports, moved / BRANCH_EXPORTS) if moved is not None else ([], [])
+    return SetAside(moved, [c.name for c in complete], done, left)
+
+
+def _move_exports(exports: Sequence[Path], target: Path) -> tuple[list[str], list[Path]]:
+    """Rename each export into `target` (nothing copied or deleted); one on another file system stays where it is."""
+    done: list[str] = []
+    left: list[Path] = []
+    for export in exports:
+        try:
+            target.mkdir(exist_ok=True)
+            os.replace(export, target / export.name)
+            done.append(export.name)
+        except OSError as err:
+            log.debug("could not move %s into %s: %s", export, target, err)
+            left.append(export)
+    return done, left
 
 
 def move_branch(checkpoint_dir: Path, tag_dirs: list[Path], step: int) -> Path:

@@ -44,6 +44,9 @@ class TrainState:
     run_dir: str | None = None  # the run directory that wrote it (a checkpoint directory may be shared)
     # what the checkpoint depends on (ds_exp.resume.settings_of): a resume with other values is refused
     settings: dict[str, Any] | None = None
+    # the `model` section of the config that trained the weights (a resume may change model.rope_scaling, ...): its
+    # export (`python -m ds_exp.export`) rebuilds the model with it, not with a later attempt's
+    model_config: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -26,6 +26,7 @@ import transformers
 from tqdm import tqdm
 
 from ds_exp.config.secrets import redact_text
+from ds_exp.core.files import no_room
 from ds_exp.launch.run_logging import FILE_LOGGER, HELD, LIBRARY_LOGGER, LOGGERS, STEP_LOGGER
 
 _FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
@@ -95,6 +96,29 @@ class _OursOnly(logging.Filter):
         return ours or record.levelno >= logging.ERROR
 
 
+class LogFile(logging.FileHandler):
+    """A run's log file that a full disk stops quietly: its lines end there, instead of logging's traceback on stderr
+    for every line after (Handler.handleError). The run's own message names the full disk: its metric lines and
+    checkpoints are on the same one. Any other error is logging's to report."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if err is None or no_room(err) is None:
+            super().handleError(record)
+            return
+        self.setLevel(logging.CRITICAL + 1)  # nothing more is written
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            with contextlib.suppress(OSError):  # its buffer cannot be flushed: the descriptor closes all the same
+                stream.close()
+
+
+def _stops_when_full(handler: logging.Handler) -> None:
+    """Hydra's own job log file (<run dir>/<job name>.log, a plain FileHandler) behaves as LogFile."""
+    if type(handler) is logging.FileHandler:
+        handler.__class__ = LogFile
+
+
 class _BarSafeStream:
     """A console stream that clears ds_exp's progress bars before a line and redraws them after it (tqdm.write's
     way), so that a log line never continues the bar's line on a terminal."""
@@ -120,7 +144,7 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"rank{rank}.log"
-    handler = logging.FileHandler(path)
+    handler = LogFile(path)
     handler.setFormatter(logging.Formatter(_FORMAT))
     handler.addFilter(_RankFilter(rank))
     handler.setLevel(logging.INFO)
@@ -131,6 +155,8 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
         logger.addHandler(handler)
         logger.propagate = False  # the console gets these only through the handlers below
     root = logging.getLogger()
+    for other in root.handlers:
+        _stops_when_full(other)
     root.addHandler(handler)  # ds_exp's records, and those of every library that propagates (torch, datasets, ...)
     for record in HELD.records:  # what libraries said before the file existed
         handler.handle(record)

@@ -36,6 +36,7 @@ from ds_exp.core.files import write_json_atomic
 from ds_exp.data.checks import no_eval_note
 from ds_exp.data.pipeline import prepare_sft_data
 from ds_exp.data.templates import first_template
+from ds_exp.launch.exports import exports_off_trajectory, model_section
 from ds_exp.launch.run_dir import completed_at, set_aside_attempt
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.model.architecture import build_model_config, check_lora, hidden_size_of
@@ -261,24 +262,11 @@ def continue_trajectory(cfg: Config, session: Session, state: TrainState, tag_di
     run_dir, checkpoint_dir = session.run_dir, session.run_dir / cfg.train.checkpoint_dir
     decided = None
     if session.is_main:
-        moved, names = set_aside_branch(checkpoint_dir, tag_dir, run_dir)
-        if moved is not None:
-            here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
-            why = (
-                f"{tag_dir.name} is older than this directory's newest checkpoint, so the later ones are an abandoned "
-                "branch of the run"
-                if here
-                else f"{tag_dir} is another directory's checkpoint, so this directory's own form another trajectory"
-            )
-            log.warning(
-                "resume: %s: %s moved (nothing deleted) into %s; to go back to it: resume=%s hydra.run.dir=%s "
-                "(this trajectory's checkpoints are then set aside in turn)",
-                why,
-                ", ".join(names),
-                moved,
-                moved / names[-1],
-                run_dir,
-            )
+        here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
+        exports = exports_off_trajectory(run_dir / cfg.train.export_dir, run_dir, state.step, same_directory=here)
+        aside = set_aside_branch(checkpoint_dir, tag_dir, run_dir, exports)
+        if aside.branch is not None:
+            log.warning("resume: %s", aside.message(tag_dir, run_dir, here))
         same_run = state.run_id is not None and is_same_run(tag_dir, run_dir, checkpoint_dir)
         decided = (state.run_id if same_run else _new_run_id(), _new_run_id())
     run_id, branch = broadcast(decided)
@@ -342,6 +330,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
             **trackers.ids(),  # wandb_run_id, mlflow_run_id: a resume continues the same tracker runs
             "settings": work.settings,
             "trajectory": work.trajectory,
+            "model_config": model_section(cfg),  # what an export of the checkpoint rebuilds the model with
         },
         extra=_stage0_names(cfg, work),
     )

@@ -29,7 +29,8 @@ from ds_exp.artifacts.tracking import MetricsLog, Trackers, drop_lines_after
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
-from ds_exp.core.errors import Diverged, DsExpError, Refused, RunFailed, first_line
+from ds_exp.core.errors import ConfigError, Diverged, DsExpError, Refused, RunFailed, first_line
+from ds_exp.core.files import no_room
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import traceback_logged
 from ds_exp.launch.environment import detect_launch
@@ -177,6 +178,16 @@ class Session:
             self.state.error_kind = "out_of_memory"
             file_log.error("run failed", exc_info=exc)
             return Outcome(RunStatus.FAILED, error, RunFailed(error))
+        reason = no_room(exc) if not isinstance(exc, DsExpError) else None
+        if reason is not None:  # a full disk under any write (generations.jsonl, a data cache, ...): one message
+            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
+            path = getattr(exc, "filename", None) or "a file of the run"
+            error = (
+                f"could not write {path} ({reason}), so the run stopped at {where}; its complete checkpoints are as "
+                "they were. Free some space, then continue with the same overrides plus resume=auto"
+            )
+            file_log.error("run failed", exc_info=exc)
+            return Outcome(RunStatus.FAILED, error, RunFailed(error))
         if isinstance(exc, Diverged):  # every rank decided it together: a failure of its own (exit status 3)
             file_log.error("run diverged", exc_info=exc)
             return Outcome(exc.status, f"{type(exc).__name__}: {exc}", exc)
@@ -217,8 +228,8 @@ class Session:
         try:
             if outcome.status != RunStatus.UNCHANGED:
                 summary = self.write_summary()
-        except OSError as err:  # e.g. a full disk: the run's own error matters more than its summary
-            log.error("could not write %s: %s", self.run_dir / "summary.json", err)
+        except OSError as err:  # e.g. a full disk: said with the run's own error, which matters more
+            self.summary_not_written(outcome, err)
         for sink in self.sinks:
             sink.close(outcome.status, summary)  # the trackers keep the summary too
         close_run_logging()
@@ -230,6 +241,17 @@ class Session:
             remove_rank_placeholder()
         else:
             release_run_dir(self.run_dir)
+
+    def summary_not_written(self, outcome: Outcome, err: OSError) -> None:
+        """summary.json could not be written (no .tmp of it is left): the run's message says so, or one line when
+        there is none; an earlier attempt's summary.json is named as such."""
+        path = self.run_dir / "summary.json"
+        earlier = "; the one there is an earlier attempt's" if path.exists() else ""
+        note = f"{path} was not written ({no_room(err) or err.strerror or first_line(err)}){earlier}"
+        if isinstance(outcome.raise_, DsExpError) and not isinstance(outcome.raise_, ConfigError):
+            outcome.raise_ = type(outcome.raise_)(f"{outcome.raise_}; {note}")
+        else:
+            log.error("%s", note)
 
     def write_summary(self) -> dict[str, Any] | None:
         """Rank 0 writes summary.json and returns it (None on the other ranks)."""

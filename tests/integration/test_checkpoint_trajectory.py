@@ -72,7 +72,8 @@ def test_a_resume_from_an_older_step_sets_the_later_ones_aside_and_saves_anew(tm
     (ckpts / LATEST).write_text("step8")
     first_branch = contents(old8) | {"step8.universal/x": b"its conversion"}
 
-    moved, names = set_aside_branch(ckpts, ckpts / "step6", run_dir)
+    aside = set_aside_branch(ckpts, ckpts / "step6", run_dir)
+    moved, names = aside.branch, aside.checkpoints
     assert names == ["step8"] and moved is not None and moved.parent == ckpts / BRANCHES
     assert moved.name.endswith("-resumed-at-step6")
     assert sorted(p.name for p in moved.iterdir()) == ["step8", "step8.universal", "step9"]
@@ -126,7 +127,8 @@ def test_a_resume_from_another_directory_sets_this_directorys_checkpoints_aside_
     checkpoint(ckpts, 2, run_id="B", branch="b")
     checkpoint(ckpts, 8, run_id="B", branch="b")
     (ckpts / LATEST).write_text("step8")
-    moved, names = set_aside_branch(ckpts, source, run_dir)
+    aside = set_aside_branch(ckpts, source, run_dir)
+    moved, names = aside.branch, aside.checkpoints
     assert names == ["step2", "step8"] and moved is not None
     assert not (ckpts / LATEST).exists()  # nothing complete is left for it to name
     assert contents(other.parent) == theirs
@@ -134,7 +136,8 @@ def test_a_resume_from_another_directory_sets_this_directorys_checkpoints_aside_
     shared = tmp_path / "shared"  # a checkpoint directory outside both run directories: only this run's move
     checkpoint(shared, 8, run_id="C", branch="c", run_dir=str((tmp_path / "third").resolve()))
     checkpoint(shared, 10, run_id="B", branch="b", run_dir=str(run_dir.resolve()))
-    moved, names = set_aside_branch(shared, source, run_dir)
+    aside = set_aside_branch(shared, source, run_dir)
+    moved, names = aside.branch, aside.checkpoints
     assert names == ["step10"] and (shared / "step8").is_dir()
 
 

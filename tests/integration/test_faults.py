@@ -5,6 +5,7 @@ SLURM's time limit: test_slurm.py; disks and directories: test_disk_faults.py.)"
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -271,6 +272,73 @@ def test_a_disk_that_fills_up_during_training_leaves_no_corrupt_checkpoint(
     assert resumed.ok, resumed.explain()
     assert resumed.summary["resumed_from"].endswith("step20")
     assert_same_weights(run_dir, uninterrupted_1rank.run_dir)
+
+
+def test_full_disks_under_the_trackers_then_the_run_are_one_message_each(tmp_path, cache_dir, mount_tmpfs):
+    """The trackers' stores (MLflow's SQLite, TensorBoard's event files, wandb's offline files) on one small disk,
+    the run directory on another, checkpoints on a third. The stores' disk fills at step 2: each tracker says so once
+    and the run goes on (no hang: tensorboardX's writer thread would block it forever). The run directory's disk
+    fills at step 5: metrics.jsonl stops the run with one message; no traceback, no .tmp, no line or record cut
+    short, and the checkpoints as they were."""
+    run_disk, stores = mount_tmpfs("2m"), mount_tmpfs("4m")
+    run_dir, checkpoints = run_disk / "run", tmp_path / "checkpoints"
+    overrides = [
+        *FAST,
+        "train.max_steps=40",  # never reached: the full disk stops the run within a few lines
+        "train.save_every=3",
+        "train.allow_outside_run_dir=true",
+        f"train.checkpoint_dir={checkpoints}",
+        "logger=[wandb,tensorboard,mlflow]",
+        "logger.wandb.mode=offline",
+        f"logger.wandb.dir={stores}",
+        f"logger.tensorboard.dir={stores / 'tb'}",
+        f"logger.mlflow.tracking_uri=sqlite:///{stores / 'mlflow.db'}",
+    ]
+    cmd = [sys.executable, "-m", "ds_exp", *overrides, f"hydra.run.dir={run_dir}", f"data.cache_dir={cache_dir}"]
+    env = {**user_env(), "MASTER_PORT": str(free_port())}
+    out, err = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")  # pipes could fill and block it
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=err)
+
+    def fill(disk: Path) -> None:  # to the last byte, again and again: what the run frees is taken back
+        with contextlib.suppress(OSError), (disk / "filler").open("ab") as filler:
+            while True:
+                filler.write(b"\0" * 4096)
+                filler.flush()
+
+    deadline = time.monotonic() + 300
+    try:
+        for until_step, full in ((2, []), (5, [stores]), (10**6, [stores, run_disk])):  # the last: until it ends
+            while logged_steps(run_dir) < until_step and proc.poll() is None:
+                assert time.monotonic() < deadline, "the run hangs"
+                for disk in full:
+                    fill(disk)
+                time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+        out.close(), err.close()
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    output = stdout + stderr
+    assert proc.returncode == 1, output[-4000:]
+    assert "Traceback" not in output and "Logging error" not in output, output[-4000:]
+    stores_of = {"MLflow": f"sqlite:///{stores}/mlflow.db", "TensorBoard": stores / "tb", "wandb": stores}
+    for tracker, where in stores_of.items():
+        said = [line for line in output.splitlines() if f"{tracker}: could not write to {where}" in line]
+        assert len(said) == 1 and "the run goes on" in said[0], output[-4000:]
+    (message,) = [line for line in stderr.splitlines() if line.startswith("ds_exp: error:")]
+    assert f"could not write {run_dir / 'metrics.jsonl'} (No space left on device" in message
+    assert "resume=auto" in message
+    summary = run_dir / "summary.json"
+    assert summary.is_file() or f"{summary} was not written (No space left on device)" in message
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, len(lines) + 1))  # none cut short
+    from tests.integration.test_trackers import scalars
+
+    assert [s for s, _ in scalars(stores / "tb", "train/loss")][:2] == [1, 2]  # readable: no record cut short
+    assert not [p for root in (run_disk, stores, checkpoints) for p in root.rglob("*.tmp*")]
+    newest = (checkpoints / "latest").read_text().strip()
+    assert (checkpoints / newest / "ds_exp_complete.json").is_file() and int(newest.removeprefix("step")) >= 3
 
 
 # ------------------------------------------------------------------------------------------------- shared data

@@ -211,10 +211,13 @@ def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside_and_continu
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
-    first = launch(run_dir, *FAST, "train.save_every=2", "train.keep_last=2", cache_dir=cache_dir)
+    first = launch(
+        run_dir, *FAST, "train.save_every=2", "train.keep_last=2", "train.export_every=7", cache_dir=cache_dir
+    )
     assert first.ok, first.explain()
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("step*")) == ["step6", "step8"]
+    first_export7 = checksums(run_dir / "hf_model-step7")  # made on the branch a resume from step 6 abandons
     first_step8 = checksums(ckpts / "step8")
     copy = tmp_path / "copy"  # a user's copy of the run directory, to branch off from (cp -a)
     shutil.copytree(run_dir, copy, symlinks=True)
@@ -227,7 +230,11 @@ def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside_and_continu
     (branch,) = (ckpts / "branches").iterdir()
     assert checksums(branch / "step8") == first_step8  # moved whole, not deleted
     said = console(killed)
-    assert f"step8 moved (nothing deleted) into {branch}; to go back to it: resume={branch / 'step8'}" in said
+    assert (
+        f"step8, hf_model-step7 moved (nothing deleted) into {branch}; to go back to it: resume={branch / 'step8'}"
+        in said
+    )
+    assert checksums(branch / "exports" / "hf_model-step7") == first_export7  # set aside with its branch
     assert (ckpts / "latest").read_text() == "step6"  # never the moved step8, never the incomplete step7
     assert complete_checkpoints(ckpts)[-1] == ckpts / "step6"  # what resume=auto continues
 

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -271,6 +272,113 @@ def test_chat_on_a_terminal_is_a_conversation(zero0, monkeypatch, capsys):
     assert chat_module.chat(zero0.run_dir / "hf_model", chat_args(max_new_tokens=4), stdin=Terminal()) == 0
     assert [len(turns) for turns in said] == [1, 3, 1]  # the second turn sees the first answer; /reset forgets
     assert said[1][:2] == [("user", PROMPT), ("assistant", said[1][1][1])] and said[2] == [("user", "hi")]
+
+
+def _moved_here(run_dir: Path, origin_run_dir: Path) -> None:
+    """A copy of a run directory, as if the run had been there: its exports' metadata names it."""
+    for meta in run_dir.glob("hf_model*/ds_exp_export.json"):
+        found = json.loads(meta.read_text())
+        assert Path(found["origin"]["run_dir"]).resolve() == origin_run_dir.resolve()
+        meta.write_text(json.dumps({**found, "origin": {**found["origin"], "run_dir": str(run_dir)}}))
+
+
+@pytest.mark.slow
+def test_an_abandoned_branch_takes_its_exports_along_and_its_checkpoints_export_as_trained(zero0, tmp_path, capsys):
+    """A resume from step 2 with model.rope_scaling added abandons step 4: its checkpoint and the exports made on
+    it (steps 3 and 4) are set aside together, and the set-aside checkpoint exports with the model config it was
+    trained with (no rope scaling), the same model as the run's own export of that step. An fp16 export of weights
+    beyond fp16's range is refused, nothing written."""
+    from omegaconf import OmegaConf
+
+    from ds_exp.launch.exports import exports_off_trajectory
+    from ds_exp.resume.branches import set_aside_branch
+    from ds_exp.resume.store import read_marker
+
+    run = tmp_path / "run"
+    shutil.copytree(zero0.run_dir, run, ignore=shutil.ignore_patterns("logs", "*.log"))
+    _moved_here(run, zero0.run_dir)
+    ckpts = run / "checkpoints"
+    assert read_marker(ckpts / "step2")["model_config"]["rope_scaling"] is None  # recorded with the weights
+    later = OmegaConf.load(run / ".hydra" / "config.yaml")  # the resume's own config, saved as a resume saves it
+    later.model.rope_scaling = {"rope_type": "linear", "factor": 2.0}
+    (run / ".hydra" / "resume-2030-01-01_00-00-00").mkdir()
+    OmegaConf.save(later, run / ".hydra" / "resume-2030-01-01_00-00-00" / "config.yaml")
+
+    # what the resume from step 2 does before it writes anything (ds_exp.train.recipe.continue_trajectory)
+    made_on_it = sorted(p.name for p in run.glob("hf_model*") if p.name != "hf_model-step2")  # (+ step 4's by
+    assert {"hf_model", "hf_model-step3"} <= set(made_on_it)  # python -m ds_exp.export, when its test ran first)
+    exports = exports_off_trajectory(run / "hf_model", run, 2, same_directory=True)
+    aside = set_aside_branch(ckpts, ckpts / "step2", run, exports)
+    assert aside.checkpoints == ["step4"] and sorted(aside.exports) == made_on_it
+    branch = aside.branch
+    assert branch is not None and sorted(p.name for p in (branch / "exports").iterdir()) == made_on_it
+    assert sorted(p.name for p in run.glob("hf_model*")) == ["hf_model-step2"]  # on the resumed trajectory
+    said = aside.message(ckpts / "step2", run, here=True)
+    assert f"step4, {', '.join(aside.exports)} moved (nothing deleted)" in said and "python -m ds_exp.export" in said
+
+    assert export(branch / "step4") == 0  # beside the branch's own exports, not over the trajectory in charge
+    same_export(branch / "exports" / "hf_model-step4", branch / "exports" / "hf_model")  # no rope scaling in it
+    assert "exported step 4 to" in capsys.readouterr().out
+
+    states_file = ckpts / "step2" / "mp_rank_00_model_states.pt"
+    states = torch.load(states_file, weights_only=False)
+    name = next(k for k in states["module"] if k.endswith("q_proj.weight"))
+    states["module"][name][0, 0] = 7.0e4  # beyond fp16's largest, 65504: inf once cast
+    torch.save(states, states_file)
+    assert export(ckpts / "step2", tmp_path / "m16", "--dtype", "fp16") == 1
+    err = capsys.readouterr().err
+    assert f"--dtype=fp16 cannot hold the weights: {name} reaches 70000, beyond float16's largest (65504)" in err
+    assert "Traceback" not in err and err.count("ds_exp: error") == 1
+    assert not list(tmp_path.glob("*m16*"))  # nothing written, no temporary left
+
+
+@pytest.mark.slow
+def test_chat_cuts_what_the_positions_cannot_hold_skips_a_line_not_utf8_and_refuses_nan(zero0, tmp_path, capsys):
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+
+    from ds_exp.config.paths import embedded_tokenizer_dir
+    from ds_exp.tools.use.cli import chat_main
+
+    def piped(data: bytes) -> None:
+        sys.stdin = io.TextIOWrapper(io.BytesIO(data))
+
+    saved = sys.stdin
+    try:
+        long = " ".join(["apple"] * 3000)  # thousands of tokens, the model has 512 positions
+        piped(f"{PROMPT}\n".encode() + b"caf\xe9 au lait\n" + f"{long}\n".encode())
+        assert chat_main([str(zero0.run_dir / "hf_model-step2"), "--max-new-tokens", "4"]) == 1
+        out, err = capsys.readouterr()
+        assert len(out.splitlines()) == 2, out  # the two lines of text are answered
+        assert "line 2 of standard input is not UTF-8 text (byte 0xe9 at character 4): not answered" in err
+        assert "the model's 512 positions less --max-new-tokens=4 leave 508: its first" in err
+
+        tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir())  # a learned position table: OPT
+        config = OPTConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+        )
+        OPTForCausalLM(config).save_pretrained(tmp_path / "opt")
+        tokenizer.save_pretrained(tmp_path / "opt")
+        piped(f"{long}\n".encode())
+        assert chat_main([str(tmp_path / "opt"), "--max-new-tokens", "8"]) == 0  # not an IndexError
+        assert "positions less --max-new-tokens=8 leave 56" in capsys.readouterr().err
+
+        shutil.copytree(zero0.run_dir / "hf_model-step2", tmp_path / "nan")
+        weights = load_file(tmp_path / "nan" / "model.safetensors")
+        weights[next(iter(weights))][0] = float("nan")
+        save_file(weights, tmp_path / "nan" / "model.safetensors", metadata={"format": "pt"})
+        piped(f"{PROMPT}\n".encode())
+        assert chat_main([str(tmp_path / "nan")]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'nan'}: the weights are not finite (NaN or inf) in" in err and "Traceback" not in err
+    finally:
+        sys.stdin = saved
 
 
 @pytest.mark.slow

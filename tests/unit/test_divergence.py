@@ -153,6 +153,27 @@ def test_an_export_of_weights_that_are_not_finite_writes_nothing(one_rank, tmp_p
     assert list(tmp_path.iterdir()) == [tmp_path / "store"]
 
 
+def test_weights_a_dtype_cannot_hold_are_refused_or_written_in_one_that_can():
+    """The finiteness check runs on what is written: 7e4 is finite in fp32 and inf in fp16 (largest 65504)."""
+    from ds_exp.artifacts.export import fitting_dtype
+    from ds_exp.core.errors import RunFailed
+
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = 7.0e4
+    asked = SimpleNamespace(dtype="fp16", dtype_key="--dtype")
+    with pytest.raises(RunFailed) as err:
+        fitting_dtype(model, asked, "float16", "--dtype=fp16")  # type: ignore[arg-type]
+    assert "--dtype=fp16 cannot hold the weights: weight reaches 70000, beyond float16's largest (65504)" in str(err)
+    auto = SimpleNamespace(dtype="auto", dtype_key="train.export_dtype")
+    chosen = fitting_dtype(model, auto, "float16", "the base checkpoint's dtype")  # type: ignore[arg-type]
+    assert chosen == (
+        "float32",
+        "the base checkpoint's dtype; but weight reaches 70000, beyond float16's largest (65504): float32",
+    )
+    assert fitting_dtype(model, asked, "bfloat16", "why") == ("bfloat16", "why")  # bf16 has fp32's range
+
+
 # -------------------------------------------------------------------------------- readers of the verdict
 
 

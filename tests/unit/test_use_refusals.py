@@ -62,6 +62,14 @@ def adapter(root: Path) -> None:
     (root / "adapter" / "adapter_config.json").write_text("{}")
 
 
+def model(root: Path, config: dict | None = None, weights: bool = True) -> None:
+    """A model directory as far as chat looks before loading it: config.json and a complete (empty) weights file."""
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps(config or {"model_type": "llama", "hidden_size": 64}))
+    if weights:
+        (root / "model" / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -113,6 +121,49 @@ CASES = [
     ),
     Case("top-k negative", "chat", ("{run}", "--temperature", "1", "--top-k", "-2"), ("--top-k=-2: must be >= 0",)),
     Case("no new tokens", "chat", ("{run}", "--max-new-tokens", "0"), ("--max-new-tokens=0: must be >= 1",)),
+    # --- issue 31 §5/§7: exports that tell the truth, chat's inputs
+    Case(
+        "an export inside the checkpoints",
+        "export",
+        ("{run}/checkpoints/step2", "{run}/checkpoints/m2"),
+        ("DIR: {run}/checkpoints/m2 is inside the checkpoint directory {run}/checkpoints", "outside it"),
+    ),
+    Case(
+        "a negative seed",
+        "chat",
+        ("{run}", "--temperature", "1", "--seed", "-1"),
+        ("--seed=-1: must be a whole number from 0 to 4294967295",),
+    ),
+    Case("a seed past 2**32 - 1", "chat", ("{run}", "--seed", "4294967296"), ("--seed=4294967296: must be",)),
+    Case("not a device", "chat", ("{run}", "--device", "banana"), ("--device=banana: not a device", "cuda:N")),
+    Case(
+        "a device this machine lacks",
+        "chat",
+        ("{tmp}/model", "--device", "cuda:3"),
+        ("--device=cuda:3: this machine has no cuda device", "--device cpu"),
+        model,
+    ),
+    Case(
+        "a model without weights",
+        "chat",
+        ("{tmp}/model",),
+        ("{tmp}/model: no weights in it (model.safetensors", "python -m ds_exp.export"),
+        functools.partial(model, weights=False),
+    ),
+    Case(
+        "a model whose config.json is not JSON",
+        "chat",
+        ("{tmp}/model",),
+        ("{tmp}/model: config.json is not valid JSON",),
+        lambda tmp: (model(tmp), (tmp / "model" / "config.json").write_text("{,")),
+    ),
+    Case(
+        "no room for a prompt",
+        "chat",
+        ("{tmp}/model", "--max-new-tokens", "200"),
+        ("--max-new-tokens=200 leaves no room for a prompt within the model's 128 positions", "below 128"),
+        functools.partial(model, config={"model_type": "opt", "hidden_size": 64, "max_position_embeddings": 128}),
+    ),
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -20,6 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
+from ds_exp.artifacts.export import non_finite_tensors
+from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import json_text
 from ds_exp.data.templates import has_chat_template, render_conversation
 from ds_exp.launch.exports import read_metadata
@@ -29,15 +32,26 @@ DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16":
 
 
 class Chat:
-    def __init__(self, model_dir: Path, args: argparse.Namespace) -> None:
+    def __init__(
+        self, model_dir: Path, args: argparse.Namespace, context: int | None = None, notes: TextIO | None = None
+    ) -> None:
+        """`context`: the positions a prompt and its answer share (ds_exp.launch.exports.context_of), None for no
+        limit; `notes`: where a prompt cut short is said."""
         hf_logging.disable_progress_bar()
-        device = torch.device(
-            args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        device = pick_device(args.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+        bad = non_finite_tensors(model.state_dict())
+        if bad:
+            raise ConfigError(
+                f"{model_dir}: the weights are not finite (NaN or inf) in {', '.join(bad[:3])}"
+                f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}: that model diverged and answers "
+                "nothing but noise; chat with an earlier export, or export an earlier checkpoint (python -m "
+                "ds_exp.export CHECKPOINT)"
+            )
         # transformers 5 types PreTrainedModel.to through a wrapper whose first parameter is the model itself
         self.model = model.to(device).eval()  # type: ignore[arg-type]
+        self.context, self.notes = context, notes or sys.stderr
         generation = read_metadata(model_dir).get("generation") or {}
         self.template = choose_template(args.template, generation.get("template"), self.tokenizer)
         self.stop_ids = list(generation.get("stop_token_ids") or []) or self._default_stops()
@@ -54,6 +68,15 @@ class Chat:
     def answer(self, turns: list[tuple[str, str]], streamer: BaseStreamer | None = None) -> str:
         text, add_special = render_conversation(turns, self.template, self.tokenizer)
         ids = self.tokenizer(text, add_special_tokens=add_special, return_tensors="pt")["input_ids"]
+        room = self.context - self.max_new_tokens if self.context is not None else None
+        if room is not None and ids.shape[1] > room:  # past its positions a model fails (or crawls): cut the oldest
+            print(
+                f"ds_exp chat: the prompt is {ids.shape[1]} tokens; the model's {self.context} positions less "
+                f"--max-new-tokens={self.max_new_tokens} leave {room}: its first {ids.shape[1] - room} tokens were "
+                "dropped",
+                file=self.notes,
+            )
+            ids = ids[:, -room:]
         ids = ids.to(self.model.device)
         with torch.no_grad():
             out = self.model.generate(
@@ -78,20 +101,73 @@ def choose_template(asked: str, recorded: str | None, tokenizer: PreTrainedToken
     return "chat_template" if has_chat_template(tokenizer) else "dschat"
 
 
-def chat(model_dir: Path, args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+def pick_device(asked: str) -> torch.device:
+    """--device as torch names it (auto: cuda when there is one), refused in one message when this machine has no
+    such device (its form was checked before torch was imported: ds_exp/tools/use/cli.py)."""
+    if asked == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(asked)
+    if device.type == "cpu":
+        return device
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
+    count = int(backend.device_count()) if backend is not None and hasattr(backend, "device_count") else 0
+    if device.type == "mps":
+        count = int(torch.backends.mps.is_available())
+    if (device.index or 0) >= count:
+        has = f"{count} {device.type} device{'' if count == 1 else 's'}" if count else f"no {device.type} device"
+        raise ConfigError(f"--device={asked}: this machine has {has}; give --device cpu, or auto (cuda if any)")
+    return device
+
+
+def prompts(stdin: TextIO, notes: TextIO) -> Iterator[str | None]:
+    """The lines of a piped standard input, each one prompt; None for a line that is not UTF-8 text (said on
+    `notes`, with its number), so that the answers of the others still come, in order."""
+    reconfigure = getattr(stdin, "reconfigure", None)
+    if reconfigure is not None:  # undecodable bytes arrive as surrogates, told apart below, instead of an error
+        reconfigure(encoding="utf-8", errors="surrogateescape")
+    for number, line in enumerate(stdin, 1):
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError as err:
+            byte = line[err.start].encode("utf-8", "surrogateescape")[0]
+            print(
+                f"ds_exp chat: line {number} of standard input is not UTF-8 text (byte 0x{byte:02x} at character "
+                f"{err.start + 1}): not answered; give UTF-8 text (iconv -t UTF-8 converts a file)",
+                file=notes,
+            )
+            yield None
+            continue
+        yield line.rstrip("\n")
+
+
+def chat(
+    model_dir: Path,
+    args: argparse.Namespace,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    *,
+    context: int | None = None,
+    notes: TextIO | None = None,
+) -> int:
+    """Exit status 0; 1 when a line of a piped standard input was not answered (not UTF-8 text). `stdin`, `stdout`:
+    the process's own unless given."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if args.seed is not None:
         torch.manual_seed(args.seed)  # once: the answers that follow draw in order, as a run's generations do
-    bot = Chat(model_dir, args)
+    bot = Chat(model_dir, args, context, notes)
     if stdin.isatty():
         return conversation(bot, model_dir, stdin, stdout)
-    for line in stdin:
-        prompt = line.rstrip("\n")
+    skipped = 0
+    for prompt in prompts(stdin, bot.notes):
+        if prompt is None:
+            skipped += 1
+            continue
         if not prompt.strip():
             continue
         completion = bot.answer([("user", prompt)])
         print(json_text({"prompt": prompt, "completion": completion}) if args.jsonl else completion, file=stdout)
         stdout.flush()
-    return 0
+    return 1 if skipped else 0
 
 
 def conversation(bot: Chat, model_dir: Path, stdin: TextIO, stdout: TextIO) -> int:
@@ -109,6 +185,9 @@ def conversation(bot: Chat, model_dir: Path, stdin: TextIO, stdout: TextIO) -> i
         except EOFError:
             print(file=stdout)
             return 0
+        except UnicodeDecodeError as err:  # a terminal in another encoding: say it, and go on
+            print(f"ds_exp chat: that line is not UTF-8 text ({err.reason}): type it again", file=sys.stderr)
+            continue
         if prompt.strip() in ("/exit", "/quit"):
             return 0
         if prompt.strip() == "/reset":

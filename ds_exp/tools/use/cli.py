@@ -1,9 +1,12 @@
-"""The command lines of `python -m ds_exp.export` and `python -m ds_exp.chat`. Everything they can refuse is refused
-here, in one message each and before torch is imported; the work itself (export.py, chat.py) is imported after."""
+"""The command lines of `python -m ds_exp.export` and `python -m ds_exp.chat`. Everything they can refuse without
+torch is refused here, in one message each and before torch is imported; the work itself (export.py, chat.py) is
+imported after, and refuses in one message what only torch can tell (a --device this machine lacks, weights that
+are not finite, weights a dtype cannot hold)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,18 +17,25 @@ from ds_exp.launch.console import entry_point
 from ds_exp.launch.exports import (
     WRITTEN_BY_RUN,
     adapter_dir,
+    check_outside_checkpoints,
     check_target,
     checkpoint_step,
+    context_of,
+    default_export_dir,
     find_checkpoint,
     model_dir_of,
+    model_settings_of,
     read_metadata,
     run_config,
     run_dir_of,
-    step_export_dir,
 )
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.storage import check_writable
 from ds_exp.resume.store import read_marker
+
+MAX_SEED = 2**32 - 1  # what every generator seeds from (numpy's range; torch's seed is taken modulo it elsewhere)
+# devices a model can be moved to for chat: the CPU, CUDA (ROCm too), Apple's MPS, Intel's XPU, with an index
+DEVICE = re.compile(r"(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)")
 
 EXPORT_EPILOG = """examples:
   python -m ds_exp.export outputs/2026-01-01/12-00-00             newest complete checkpoint -> <run>/hf_model-step<N>
@@ -40,8 +50,11 @@ CHAT_EPILOG = """examples:
   python -m ds_exp.chat outputs/2026-01-01/12-00-00              the run's hf_model
   printf 'What is 2+2?\\nName a colour.\\n' | python -m ds_exp.chat DIR --temperature 0.7 --seed 1
 With standard input not a terminal, every line is one prompt on its own and its answer is printed (one per
-prompt; --jsonl prints {"prompt", "completion"} lines). Prompts are rendered with the template the run trained
-with (recorded in the export), else the tokenizer's chat template, else DeepSpeed-Chat's " Human: ... Assistant:"."""
+prompt; --jsonl prints {"prompt", "completion"} lines). A line that is not UTF-8 text is said on stderr with its
+number and not answered; the others are, and the exit status is then 1. Prompts are rendered with the template the
+run trained with (recorded in the export), else the tokenizer's chat template, else DeepSpeed-Chat's
+" Human: ... Assistant:". A prompt (or a conversation) longer than the model's positions less --max-new-tokens is
+cut from the left, said on stderr: its oldest tokens go."""
 
 
 def export_parser() -> argparse.ArgumentParser:
@@ -77,7 +90,7 @@ def chat_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus probability; 1 = off (default)")
     p.add_argument("--top-k", type=int, default=0, help="with sampling: the k likeliest tokens; 0 = off (default)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per answer (default 256)")
-    p.add_argument("--seed", type=int, help="seeds the sampling once, at the start (default: unseeded)")
+    p.add_argument("--seed", type=int, help="seeds the sampling once, at the start: 0 to 2**32 - 1 (default: unseeded)")
     p.add_argument(
         "--template",
         choices=["auto", "chat_template", "dschat", "raw"],
@@ -108,7 +121,7 @@ def _export(argv: list[str]) -> int:
     args = export_parser().parse_args(argv)
     tag_dir = find_checkpoint(args.checkpoint)
     run_dir = run_dir_of(tag_dir)
-    cfg = run_config(run_dir)
+    cfg = run_config(run_dir, tag_dir)  # with the model section the checkpoint was trained with
     step = checkpoint_step(tag_dir)
     settings = read_marker(tag_dir).get("settings") or {}
     lora = settings.get("lora") if "lora" in settings else (cfg.lora.dim > 0 or None)
@@ -117,8 +130,9 @@ def _export(argv: list[str]) -> int:
             f"--adapter: {tag_dir} holds no LoRA adapters (the run trained with lora.dim=0): export the whole model "
             "without --adapter"
         )
-    default = step_export_dir(run_dir / cfg.train.export_dir, step)
+    default = default_export_dir(run_dir, cfg, tag_dir, step)
     target = Path(args.dir).expanduser() if args.dir else adapter_dir(default) if args.adapter else default
+    check_outside_checkpoints(target, run_dir / cfg.train.checkpoint_dir, "DIR")
     check_writable(target.parent, "DIR")
     try:
         check_target(target, key="DIR", fix="move it away or give another DIR", adapter=False)
@@ -147,9 +161,22 @@ def _chat(argv: list[str]) -> int:
     problems = sampling_problems(args.temperature, args.top_p, args.top_k, key=names.__getitem__)
     if args.max_new_tokens < 1:
         problems.append(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        problems.append(f"--seed={args.seed}: must be a whole number from 0 to {MAX_SEED} (2**32 - 1)")
+    if args.device != "auto" and not DEVICE.fullmatch(args.device):
+        problems.append(
+            f"--device={args.device}: not a device; give cpu, cuda, cuda:N (the GPU's index), mps or xpu[:N], or "
+            "auto (cuda when there is one, else cpu)"
+        )
     if problems:
         raise ConfigError(problems)
     model_dir = model_dir_of(args.dir)
+    context = context_of(model_settings_of(model_dir, str(model_dir)))
+    if context is not None and args.max_new_tokens >= context[0]:
+        raise ConfigError(
+            f"--max-new-tokens={args.max_new_tokens} leaves no room for a prompt within the model's {context[1]}: "
+            f"give --max-new-tokens below {context[0]}, e.g. {min(256, context[0] // 2)}"
+        )
     from ds_exp.tools.use.chat import chat
 
-    return chat(model_dir, args)
+    return chat(model_dir, args, context=context[0] if context else None)

@@ -83,7 +83,7 @@ def export_checkpoint(
         },
     )
     if dtype is not None:
-        spec = dataclasses.replace(spec, dtype=dtype)
+        spec = dataclasses.replace(spec, dtype=dtype, dtype_key="--dtype")
     del built  # the export builds its own copy: one model in memory at a time, besides the state
     write_export(state, trained, spec, tokenizer, target, adapter_only=adapter)
     return read_metadata(target)

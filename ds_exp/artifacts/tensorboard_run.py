@@ -1,0 +1,163 @@
+"""TensorBoard event files on rank 0 (logger.tensorboard.enabled), in logger.tensorboard.dir, else
+<run dir>/tensorboard.
+
+A resume from the checkpoint at step S writes TensorBoard's purge event at S + 1: TensorBoard then hides what an
+attempt killed after that checkpoint wrote past it, so each step is shown once, as the resumed run logged it.
+
+The events are tensorboardX's (its summaries and Event protos), written here in the caller's thread, each record
+handed to the operating system at once. tensorboardX's SummaryWriter writes through a queue to a thread that dies at
+the first write error (a full disk, with a traceback on stderr); its next add_* calls then fill the queue and block
+forever, and so does its close. Here a write error is raised to the caller (ds_exp.artifacts.tracking.Trackers
+decides what it costs), and the file is cut back to its last whole record.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ds_exp.config.schema import Config, as_dict
+from ds_exp.config.secrets import redact
+from ds_exp.core.files import append_whole, json_text
+from ds_exp.core.status import RunStatus
+
+if TYPE_CHECKING:  # tensorboardX is an optional extra: imported only where TensorBoard is on
+    from tensorboardX.proto.event_pb2 import Event
+
+FLUSH_SECONDS = 120.0  # how often the file is synced to the disk (tensorboardX's default)
+
+
+class EventFile:
+    """One TensorBoard event file (TFRecord framing: length, its masked CRC32C, the Event, its masked CRC32C)."""
+
+    def __init__(self, directory: Path, suffix: str) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+
+        directory.mkdir(parents=True, exist_ok=True)
+        # tensorboardX's name: TensorBoard reads a directory's files in the order of their names
+        self.path = directory / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}{suffix}"
+        self.file: io.FileIO | None = io.FileIO(self.path, "a")  # unbuffered: what a write takes is on disk
+        self.synced = time.monotonic()
+        self.add(Event(file_version="brain.Event:2"))
+
+    def scalar(self, key: str, value: float, step: int) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        self.add(Event(summary=scalar(key, value)), step)
+
+    def text(self, key: str, value: str, step: int) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import text
+
+        self.add(Event(summary=text(key, value)), step)
+
+    def purge_from(self, step: int) -> None:
+        """TensorBoard hides the steps from `step` on that earlier files hold (a restart, as SummaryWriter's
+        purge_step says it)."""
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        self.add(Event(session_log=SessionLog(status=SessionLog.START)), step)
+
+    def add(self, event: Event, step: int | None = None) -> None:
+        """Append one record; a write that fails leaves the file as it was (no record cut short) and is raised."""
+        if self.file is None:
+            return
+        from tensorboardX.record_writer import masked_crc32c
+
+        event.wall_time = time.time()
+        if step is not None:
+            event.step = int(step)
+        data = event.SerializeToString()
+        header = struct.pack("Q", len(data))
+        record = header + struct.pack("I", masked_crc32c(header)) + data + struct.pack("I", masked_crc32c(data))
+        try:
+            append_whole(self.file, record, self.path)  # no record cut short stays behind
+        except OSError:
+            self.abandon()
+            raise
+        if time.monotonic() - self.synced > FLUSH_SECONDS:
+            os.fsync(self.file.fileno())
+            self.synced = time.monotonic()
+
+    def close(self) -> None:
+        if self.file is not None:
+            try:
+                os.fsync(self.file.fileno())
+            finally:
+                self.abandon()
+
+    def abandon(self) -> None:
+        """Close the file without another write (unbuffered: nothing is pending)."""
+        file, self.file = self.file, None
+        if file is not None:
+            file.close()
+
+
+class TensorBoardRun:
+    """Event files on rank 0 when logger.tensorboard.enabled; a no-op everywhere else (see the module docstring)."""
+
+    name = "TensorBoard"
+
+    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start_step: int = 0) -> None:
+        self.events: EventFile | None = None
+        self.last_step = start_step
+        self.store: Path | None = None
+        settings = cfg.logger.tensorboard
+        if not enabled or not settings.enabled:
+            return
+        self.dir = self.store = Path(settings.dir).expanduser() if settings.dir else run_dir / "tensorboard"
+        # a file per attempt, named by the second and the host: the suffix keeps two attempts within one second
+        # apart and in order
+        self.events = EventFile(self.dir, f".step{start_step:09d}.{os.getpid()}")
+        if start_step:
+            self.events.purge_from(start_step + 1)
+        else:
+            self.events.text("config", f"```\n{json_text(redact(as_dict(cfg)), indent=2)}\n```", 0)
+
+    @property
+    def writer(self) -> EventFile | None:
+        return self.events
+
+    @property
+    def location(self) -> str:
+        return str(self.store)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.events is None:
+            return
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.events.scalar(key, float(value), step)
+        self.last_step = max(self.last_step, step)
+
+    def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Rows (the generations of one evaluation) as a Markdown table in TensorBoard's text tab."""
+        if self.events is None or not rows:
+            return
+        columns = list(rows[0])
+        cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
+        self.events.text(key, "\n".join(lines), step)
+
+    def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
+        events, self.events = self.events, None
+        if events is None:
+            return
+        try:
+            if summary is not None:
+                events.text("summary", f"```\n{json_text(redact(summary), indent=2)}\n```", self.last_step)
+        finally:
+            events.close()
+
+    def abandon(self) -> None:
+        """Stop writing at once, without a last record (its disk is full)."""
+        events, self.events = self.events, None
+        if events is not None:
+            events.abandon()
