@@ -33,7 +33,7 @@ class Component:
         target: Any = importlib.import_module(module)
         for part in attribute.split("."):
             target = getattr(target, part)
-        return target  # type: ignore[no-any-return]
+        return target
 
     def missing_package(self, key: str) -> str | None:
         """One line naming `key`, the missing package and how to install it; None when everything is there."""
