@@ -218,7 +218,7 @@ def rank_placeholder_overrides(args: list[str]) -> list[str]:
         return []
     _placeholder = tempfile.mkdtemp(prefix=f"ds_exp_rank{launch_rank_from_env()}_")
     atexit.register(remove_rank_placeholder)  # however the process ends, short of a SIGKILL
-    return [f"hydra.run.dir={_placeholder}", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+    return [f"hydra.run.dir={_placeholder}", "hydra.output_subdir=null", "hydra/job_logging=ds_exp_console"]
 
 
 def remove_rank_placeholder() -> None:

@@ -1,4 +1,8 @@
-"""ds_exp's loggers, and what libraries say before a rank's log file exists.
+"""ds_exp's loggers, how the console says their lines, and what libraries say before a rank's log file exists.
+
+The console's lines read `ds_exp: <message>` (`ConsoleFormatter`, conf/hydra/job_logging/ds_exp.yaml): the time,
+level and module of each stay in the log files (<run dir>/ds_exp.log, logs/rank<N>.log), where a person looking for
+them goes; on the console they were 47 characters of every line, wrapped on an 80-column terminal.
 
 Libraries talk before the log file exists (DeepSpeed logs "Setting accelerator to CPU" on import, on every rank):
 `hold_library_logs` (first thing in the CLI) holds those records, and ds_exp.runtime.rank_logging replays them
@@ -19,6 +23,25 @@ LOGGERS = ("ds_exp", STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "DeepSpeed", "py.
 for _name in (FILE_LOGGER, LIBRARY_LOGGER):
     logging.getLogger(_name).addHandler(logging.NullHandler())
     logging.getLogger(_name).propagate = False
+
+
+class ConsoleFormatter(logging.Formatter):
+    """A console line: `ds_exp: <message>`, with `warning: ` or `error: ` after it from those levels on (as the
+    messages ds_exp prints itself say them); a library's record (only its errors reach the console) names the
+    library. Hydra's own lines (a sweep's job list) lose their leading tab."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record).lstrip()
+        if text.startswith("ds_exp: "):  # a message that says whose it is already
+            return text
+        if record.levelno >= logging.ERROR:
+            level = "error: "
+        elif record.levelno >= logging.WARNING:
+            level = "warning: "
+        else:
+            level = ""
+        ours = record.name.split(".")[0] in ("ds_exp", "hydra", "__main__")
+        return f"ds_exp: {level}{'' if ours else f'{record.name}: '}{text}"
 
 
 class _Held(logging.Filter):
