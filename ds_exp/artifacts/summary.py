@@ -50,7 +50,9 @@ class RunState:
     train_loss: float | None = None
     initial_eval: dict[str, float] | None = None
     final_eval: dict[str, float] | None = None
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # the optimizer steps' wall time (fetching their batches included)
+    compile_seconds: float = 0.0  # building (or waiting for) DeepSpeed's ops: once per machine, about a minute
+    ready_seconds: float | None = None  # from the start until training could begin (weights, engine, checkpoint)
     train_tokens: float = 0.0
     train_samples: float = 0.0
     train_flops: float = 0.0
@@ -63,7 +65,21 @@ class RunState:
     def per_second(self, amount: float) -> float | None:
         return amount / self.train_seconds if self.train_seconds else None
 
+    def times(self, total: float) -> dict[str, float]:
+        """Where the run's wall time went: compiling DeepSpeed's ops (once per machine), loading (the process
+        group, data, model, engine and checkpoint), training (the optimizer steps), and evaluating and saving
+        (evaluations, generations, checkpoints, exports), which add up to the total."""
+        ready = self.ready_seconds if self.ready_seconds is not None else total
+        return {
+            "total": total,
+            "compile": self.compile_seconds,
+            "load": max(ready - self.compile_seconds, 0.0),
+            "train": self.train_seconds,
+            "evaluate_and_save": max(total - ready - self.train_seconds, 0.0),
+        }
+
     def as_summary(self, peaks: list[int | None]) -> dict[str, Any]:
+        wall = time.time() - self.started
         mfu = None
         if self.peak_flops and self.train_seconds:
             mfu = self.train_flops / self.train_seconds / (self.peak_flops * self.world_size)
@@ -73,7 +89,8 @@ class RunState:
             "error": redact_text(self.error) if self.error else self.error,  # an exception's text may quote a value
             "error_kind": self.error_kind,
             "run_dir": str(self.run_dir),
-            "wall_time_s": time.time() - self.started,
+            "wall_time_s": wall,
+            "time_s": self.times(wall),
             "world_size": self.world_size,
             "data_parallel_size": self.data_parallel_size or self.world_size // max(self.sequence_parallel_size, 1),
             "sequence_parallel_size": self.sequence_parallel_size,
@@ -122,12 +139,42 @@ def write_summary(state: RunState, peaks: list[int | None]) -> dict[str, Any]:
 
 
 def final_line(summary: dict[str, Any]) -> str:
-    """What the console says at the end of a completed run."""
+    """What the console says at the end of a completed run: the time apart (a first run's minute of compiling is
+    not its training), the evaluation before and after, and where it all is."""
     before, after = (_perplexity(summary[k]) for k in ("initial_eval", "final_eval"))
     return (
-        f"ds_exp: {summary['status']} {summary['steps']} steps in {summary['wall_time_s']:.1f}s; "
-        f"eval perplexity {before} -> {after}; run directory {summary['run_dir']}"
+        f"ds_exp: {summary['status']} {summary['steps']} steps in {time_parts(summary['time_s'])}; "
+        f"eval perplexity {before} -> {after}; run directory {shown_path(summary['run_dir'])}"
     )
+
+
+def time_parts(times: dict[str, float]) -> str:
+    """`2m 39s (compile 1m 05s, load 8.1 s, train 80.3 s, evaluate and save 5.4 s)`; compiling only when it took a
+    second or more (a built op loads from torch's cache in well under one)."""
+    parts = [f"compile {duration(times['compile'])}"] if times["compile"] >= 1 else []
+    parts += [f"load {duration(times['load'])}", f"train {duration(times['train'])}"]
+    parts.append(f"evaluate and save {duration(times['evaluate_and_save'])}")
+    return f"{duration(times['total'])} ({', '.join(parts)})"
+
+
+def duration(seconds: float) -> str:
+    """Seconds as people read them: 42.1 s, 3m 05s, 2h 10m."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+def shown_path(path: str | Path) -> str:
+    """A path as the console shows it: relative to the working directory when it is inside it (what a person
+    pastes into the next command), else as it is."""
+    try:
+        return str(Path(path).absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _perplexity(result: dict[str, float] | None) -> str:

@@ -12,6 +12,7 @@ into the rank's log file once it exists.
 from __future__ import annotations
 
 import logging
+import sys
 
 STEP_LOGGER = "ds_exp.steps"
 FILE_LOGGER = "ds_exp.file"  # the log file only, never the console (e.g. the traceback behind a user error)
@@ -42,6 +43,14 @@ class ConsoleFormatter(logging.Formatter):
             level = ""
         ours = record.name.split(".")[0] in ("ds_exp", "hydra", "__main__")
         return f"ds_exp: {level}{'' if ours else f'{record.name}: '}{text}"
+
+
+def on_terminal() -> bool:
+    """Whether the console (stderr, where progress bars are drawn) is a terminal: bars are for terminals only."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without one, or closed
+        return False
 
 
 class _Held(logging.Filter):

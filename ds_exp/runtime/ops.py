@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,6 +29,13 @@ log = logging.getLogger(__name__)
 file_log = logging.getLogger(FILE_LOGGER)
 
 _ARCH = re.compile(r"^(\d+)\.(\d+)[a-z]*(\+PTX)?$")
+_building = [0.0]  # seconds this process spent building (or loading) ops: a run's "compile" time
+
+
+def build_seconds() -> float:
+    """Seconds this process has spent in `ensure_built` loading ops that were not loaded yet: a compilation's
+    minute (or the wait for another process's), else well under a second (a built op loads from torch's cache)."""
+    return _building[0]
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ def ensure_built(op: Op, *, announce: bool) -> None:
             flush=True,
         )
     guard_builds()  # torch's build lock is build_lock.HeldBaton: told live from stale
+    started = time.perf_counter()
     with _arch_list_for_deepspeed():
         try:
             builder.load(verbose=False)
@@ -122,6 +131,8 @@ def ensure_built(op: Op, *, announce: bool) -> None:
                     file=sys.stderr,
                     flush=True,
                 )
+        finally:
+            _building[0] += time.perf_counter() - started
 
 
 def deepspeed_optimizer_op(ds_config: dict) -> Op | None:

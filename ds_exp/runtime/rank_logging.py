@@ -1,7 +1,8 @@
 """Per-rank log files and a console people can read: rank 0 speaks, other ranks only on error, library chatter
 goes to the log files, and each warning reaches the console at most once.
 
-What reaches rank 0's console: ds_exp's own log lines (each warning once) and the progress bars ds_exp draws.
+What reaches rank 0's console: ds_exp's own log lines (each warning once) and, on a terminal only, the progress bars
+ds_exp draws (piped: plain progress lines, ds_exp.train.metrics).
 Everything libraries say goes to logs/rank<N>.log: their loggers (DeepSpeed, transformers, datasets, torch, ...),
 Python warnings, and what they print on stdout around the calls known to print (`library_stdout`). Library errors
 still reach the console. A console line written while a progress bar is drawn clears the bar first and redraws it
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.files import no_room
-from ds_exp.launch.run_logging import FILE_LOGGER, HELD, LIBRARY_LOGGER, LOGGERS, STEP_LOGGER
+from ds_exp.launch.run_logging import FILE_LOGGER, HELD, LIBRARY_LOGGER, LOGGERS, STEP_LOGGER, on_terminal
 
 _FORMAT = "%(asctime)s [rank%(rank)s] %(levelname)s %(name)s: %(message)s"
 
@@ -180,8 +181,11 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
                 h.setStream(_BarSafeStream(h.stream))
     # libraries' own progress bars (loading weights, writing shards) never: ds_exp says what it is doing instead
     transformers.utils.logging.disable_progress_bar()
+    if rank != 0 or not on_terminal():
+        # tokenizing: rank 0's bar is the console's, on a terminal only (piped, a bar is a line per frame; a long
+        # tokenization is said in plain lines, ds_exp.data.encode)
+        datasets.disable_progress_bars()
     if rank != 0:
-        datasets.disable_progress_bars()  # tokenizing: rank 0's bar is the console's
         transformers.utils.logging.set_verbosity_error()
     return path
 

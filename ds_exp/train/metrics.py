@@ -1,6 +1,10 @@
 """The run's metric lines, as one object: `add` each step's sums, `close` a window every train.log_every steps,
 `write` its line once the sums over ranks arrive; to metrics.jsonl, wandb, the progress bar and the step log.
 
+The progress bar is drawn on a terminal only. Piped into a file or another program (a CI log, `| tee`), a bar's
+frames would be hundreds of carriage-return updates on one line: there rank 0 writes a plain progress line instead,
+at every tenth of the run and at least once a minute (`PlainProgress`).
+
 A window's sums (loss, label and input tokens, samples, model FLOPs) are this rank's until the window closes; then
 one all-reduce sums them over ranks. It is started when the window closes and awaited at the next step (or before
 anything else is logged or saved), so no rank waits for the slower one to write a line, and the next window starts
@@ -18,8 +22,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ds_exp.artifacts.summary import duration
 from ds_exp.artifacts.tracking import MetricsLog, Trackers
-from ds_exp.launch.run_logging import STEP_LOGGER
+from ds_exp.launch.run_logging import STEP_LOGGER, on_terminal
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.train.step import StepResult
 
@@ -73,6 +78,34 @@ class _NoBar:
     def close(self) -> None: ...
 
 
+class PlainProgress:
+    """The bar's news as plain lines, for a console that is not a terminal: `step 50/250 (20%): loss 2.4377, lr
+    9.05e-04, 975 tokens/s; about 1m 40s left`, at every tenth of the run and at least every `every_s` seconds."""
+
+    def __init__(self, total: int, initial: int, every_s: float = 60.0) -> None:
+        self.total, self.initial, self.every_s = total, initial, every_s
+        self.started = self.said_at = time.perf_counter()
+        self.said_tenth = self.tenth(initial)
+
+    def tenth(self, step: int) -> int:
+        return step * 10 // max(self.total, 1)
+
+    def due(self, step: int) -> bool:
+        return self.tenth(step) > self.said_tenth or time.perf_counter() - self.said_at >= self.every_s
+
+    def line(self, step: int, shown: dict[str, str]) -> str:
+        self.said_at, self.said_tenth = time.perf_counter(), self.tenth(step)
+        values = [f"loss {shown['loss']}"] if "loss" in shown else []
+        values += [f"lr {shown['lr']}"] if "lr" in shown else []
+        values += [f"{shown['tok_s']} tokens/s"] if "tok_s" in shown else []
+        values += [f"MFU {shown['mfu']}"] if "mfu" in shown else []
+        done = step - self.initial
+        left = (self.said_at - self.started) / done * (self.total - step) if done > 0 and step < self.total else 0.0
+        eta = f"; about {duration(left)} left" if left >= 1 else ""
+        percent = 100 * step // max(self.total, 1)
+        return f"step {step}/{self.total} ({percent}%): {', '.join(values) or 'running'}{eta}"
+
+
 class Metrics:
     """See the module docstring. `metrics_log`, `wandb`: ds_exp.artifacts.tracking's sinks."""
 
@@ -95,11 +128,14 @@ class Metrics:
         self.skips_said = 0  # skipped steps the log has warned about
         self.shown: dict[str, str] = {}  # what the bar shows besides its count: loss, lr, tok_s, mfu
         self.loss_step = 0  # the step whose loss the bar shows
+        self.plain: PlainProgress | None = None  # the bar's lines when the console is not a terminal
 
     def show_progress(self, total: int, initial: int, enabled: bool) -> None:
-        """The progress bar of the training steps (rank 0), from here on."""
+        """The progress of the training steps (rank 0), from here on: a bar on a terminal, plain lines elsewhere."""
+        drawn = enabled and on_terminal()
+        self.plain = PlainProgress(total, initial) if enabled and not drawn else None
         self.bar = tqdm(
-            total=total, initial=initial, desc="train", disable=not enabled, dynamic_ncols=True, mininterval=1.0
+            total=total, initial=initial, desc="train", disable=not drawn, dynamic_ncols=True, mininterval=1.0
         )
 
     def close_progress(self) -> None:
@@ -111,6 +147,12 @@ class Metrics:
         first = not self.loss_step
         self.loss_step = step
         self.show(refresh=first, loss=f"{loss:.4f}")
+        self.say_progress(step)
+
+    def say_progress(self, step: int) -> None:
+        """A plain progress line, when one is due (the console is not a terminal)."""
+        if self.plain is not None and self.plain.due(step):
+            log.info("%s", self.plain.line(step, self.shown))
 
     def show(self, refresh: bool = True, **values: str) -> None:
         self.shown.update(values)
@@ -184,7 +226,10 @@ class Metrics:
             shown["mfu"] = f"{record['mfu']:.1%}"
         if step > self.loss_step:  # the run's last line: no later step brings that step's own loss
             shown["loss"] = f"{loss:.4f}"
-        self.show(True, **shown)
+            self.show(True, **shown)
+            self.say_progress(step)
+        else:
+            self.show(True, **shown)
         step_log.info("step %d loss %.5f lr %.3e tokens/s %.0f", step, loss, record["lr"], record["tokens_per_s"])
 
     def record(self, record: dict[str, Any], wandb_values: dict[str, Any]) -> None:

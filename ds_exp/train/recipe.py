@@ -59,7 +59,7 @@ from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
 from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
-from ds_exp.train.session import NothingToDo, Session
+from ds_exp.train.session import NothingToDo, Session, training_line
 from ds_exp.train.workload import Workload
 
 log = logging.getLogger("ds_exp.train")
@@ -112,6 +112,8 @@ def setup(cfg: Config, session: Session) -> Workload:
         world, hidden_size_of(model_config), steps, warmup, session.precision, str(session.run_dir), sp.size
     )
     ds_config = resolve_ds_config(cfg, facts)
+    if session.is_main:
+        log.info(training_line(cfg, ds_config, session.precision, dp, sp.size))
     settings = settings_of(cfg, world, ds_config, session.precision)
     resume_from, universal = resume_plan(cfg, session, settings)
     # what a stop before this attempt's first checkpoint names to continue (Session.continue_with)
@@ -336,6 +338,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
     )
     exports = RunExports(cfg, session, work, start.run_id)
     loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, exports)
+    session.ready()
     try:
         if cfg.train.eval_at_start and progress.step == 0:
             session.state.initial_eval = loop.evaluate()

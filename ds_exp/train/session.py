@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -40,6 +42,7 @@ from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.resume.store import TrainState
 from ds_exp.runtime.device import resolved_precision
 from ds_exp.runtime.memory import is_out_of_memory, peak_memory_bytes
+from ds_exp.runtime.ops import build_seconds
 from ds_exp.runtime.peers import barrier, gather_hosts, lost_ranks
 from ds_exp.runtime.process_group import broadcast, init_distributed, is_lost_peer, mark_lost_peer
 from ds_exp.runtime.rank_logging import close_run_logging, setup_run_logging
@@ -47,6 +50,48 @@ from ds_exp.runtime.signals import StopSignals
 
 log = logging.getLogger("ds_exp.train")
 file_log = logging.getLogger(FILE_LOGGER)
+
+
+_runs_started = [0]  # sessions this process has started
+
+
+def run_started() -> float:
+    """When the run began as its user waited for it: the process's own start for its first run (the imports, Hydra
+    and the checks are part of its load time), the session's for a later job of a multirun in the same process."""
+    _runs_started[0] += 1
+    if _runs_started[0] == 1:
+        try:
+            return float(psutil.Process().create_time())
+        except psutil.Error:
+            pass
+    return time.time()
+
+
+def training_line(cfg: Config, ds_config: dict[str, Any], precision: str, dp: int, sp: int) -> str:
+    """What the run trains with, as DeepSpeed is given it (a user's DeepSpeed file included): the ZeRO stage,
+    precision, offload, sequence parallelism and LoRA; the console's line after the launch's, so that a user sees
+    that they got what they asked for."""
+    zero = ds_config.get("zero_optimization") or {}
+    parts = [f"ZeRO stage {zero.get('stage', 0)}", precision]
+    offloaded = []
+    for what, key in (("optimizer states", "offload_optimizer"), ("parameters", "offload_param")):
+        block = zero.get(key) or {}
+        device = str(block.get("device") or "none")
+        if device != "none":
+            offloaded.append(f"{what} to {device}" + (f" ({block.get('nvme_path')})" if device == "nvme" else ""))
+    parts.append(f"offload {' and '.join(offloaded)}" if offloaded else "no offload")
+    if sp > 1:
+        parts.append(f"sequence parallel {sp} (each sample over {sp} ranks) x data parallel {dp}")
+    lora = cfg.lora
+    if lora.dim:
+        kinds = [name for name, on in (("DoRA", lora.use_dora), ("rsLoRA", lora.use_rslora)) if on]
+        if lora.quantize:
+            kinds.append(f"QLoRA ({lora.quantize} base)")
+        alpha = lora.alpha if lora.alpha is not None else lora.dim
+        parts.append(f"LoRA rank {lora.dim}, alpha {alpha:g}{' with ' + ' and '.join(kinds) if kinds else ''}")
+    else:
+        parts.append("every parameter trained (lora.dim=0)")
+    return "training: " + ", ".join(parts)
 
 
 class NothingToDo(Exception):
@@ -71,11 +116,16 @@ class Session:
         self.precision = ""  # decided in start()
         self.signals = StopSignals(self.launch.launcher)
         self.state = RunState(
-            run_dir, self.launch.launcher, self.world, sequence_parallel_size=int(cfg.dist.sequence_parallel_size)
+            run_dir,
+            self.launch.launcher,
+            self.world,
+            sequence_parallel_size=int(cfg.dist.sequence_parallel_size),
+            started=run_started(),
         )
         self.sinks: list[MetricsLog | Trackers] = []  # closed when the session ends
         self.hosts: list[tuple[str, list[str]]] = []  # (host, addresses) of each rank, once the group is up
         self.resume_source: Path | None = None  # the checkpoint this attempt continues (set once it is decided)
+        self.built_before = build_seconds()  # ops built by an earlier job of this process are not this run's
 
     @property
     def is_main(self) -> bool:
@@ -105,7 +155,7 @@ class Session:
         self.precision = resolved_precision(self.cfg.precision.dtype, self.accelerator)
         self.state.backend, self.state.accelerator, self.state.precision = backend, self.accelerator, self.precision
         log.info(
-            "launch %s: rank %d of %d on %s, rendezvous %s:%d, %s backend on %s, %s, %d CPU threads",
+            "launch %s: rank %d of %d on %s, rendezvous %s:%d, %s backend on %s, %d CPU threads",
             self.launch.launcher,
             self.rank,
             self.world,
@@ -114,7 +164,6 @@ class Session:
             int(os.environ.get("MASTER_PORT", self.launch.master_port)),
             backend,
             self.accelerator,
-            self.precision,
             torch.get_num_threads(),
         )
 
@@ -129,6 +178,10 @@ class Session:
             drop_lines_after(self.run_dir / "generations.jsonl", start_step)
         self.sinks.append(metrics_log)
         return metrics_log, trackers
+
+    def ready(self) -> None:
+        """Training can begin (data, weights, engine and checkpoint are loaded): the end of the run's load time."""
+        self.state.ready_seconds = time.time() - self.state.started
 
     # ------------------------------------------------------------------------------------------- the end
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
@@ -224,6 +277,7 @@ class Session:
     def finish(self, outcome: Outcome) -> None:
         """summary.json, the sinks, the log file, the process group: whatever happened, and never hiding it."""
         self.state.status, self.state.error = outcome.status, outcome.error
+        self.state.compile_seconds = build_seconds() - self.built_before
         summary = None
         try:
             if outcome.status != RunStatus.UNCHANGED:
@@ -241,6 +295,8 @@ class Session:
             remove_rank_placeholder()
         else:
             release_run_dir(self.run_dir)
+        if summary is not None and outcome.status == RunStatus.COMPLETED:
+            print(final_line(summary), flush=True)  # the last line: after the trackers' own (wandb's) and the barrier
 
     def summary_not_written(self, outcome: Outcome, err: OSError) -> None:
         """summary.json could not be written (no .tmp of it is left): the run's message says so, or one line when
@@ -262,7 +318,4 @@ class Session:
             dist.all_gather_object(peaks, peak)
         if not self.is_main:
             return None
-        summary = write_summary(self.state, peaks)
-        if self.state.status == RunStatus.COMPLETED:
-            print(final_line(summary))
-        return summary
+        return write_summary(self.state, peaks)
