@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.artifacts.mlflow_run import MlflowRun
+from ds_exp.artifacts.summary import shown_path
 from ds_exp.artifacts.tensorboard_run import TensorBoardRun
 from ds_exp.config.logger_checks import WANDB_DEFAULT_URL, without_passwords
 from ds_exp.config.memory_plan import human_bytes
@@ -143,11 +144,17 @@ class WandbRun:
                 **resuming,
                 config=redact(as_dict(cfg)),
                 # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
-                # ~/.netrc); an offline run writes it nowhere (tests/integration/test_security.py)
-                settings=wandb.Settings(api_key=wandb_cfg.api_key) if wandb_cfg.api_key else None,
+                # ~/.netrc); an offline run writes it nowhere (tests/integration/test_security.py). silent: wandb's
+                # own lines (its banner, and 34 lines of run history after ds_exp's last line) stay off the
+                # console; the line below says where the run is
+                settings=wandb.Settings(silent=True, **({"api_key": wandb_cfg.api_key} if wandb_cfg.api_key else {})),
             )
         self.run_id = self.run.id
         self.store = Path(self.run.dir).parent  # <dir>/wandb/<run>/ (its files/ and the .wandb record)
+        if self.online:
+            log.info("wandb: run %s", self.run.url or self.run.id)
+        else:
+            log.info("wandb: an offline run; upload it with: wandb sync %s", shown_path(self.store))
 
     @property
     def location(self) -> str:

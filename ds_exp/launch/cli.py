@@ -34,7 +34,7 @@ from ds_exp.launch.help import main as print_help
 from ds_exp.launch.help import wants_help
 from ds_exp.launch.hub import check_hub
 from ds_exp.launch.run_config import finish_job_attempt, take_job_config
-from ds_exp.launch.run_dir import rank_placeholder_overrides, remove_refused_attempt
+from ds_exp.launch.run_dir import rank_placeholder_overrides, remove_refused_attempt, stop_before_start
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.validation import validate_job
 
@@ -188,5 +188,6 @@ def main() -> int:
     sys.argv += rank_placeholder_overrides(sys.argv[1:])
     register_resolvers()
     register_configs()
-    hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(hydra_task)()
+    with stop_before_start():  # a rank stopped by its launcher before its run starts leaves nothing, quietly
+        hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(hydra_task)()
     return 0

@@ -12,6 +12,10 @@ and checks that it is):
 * standard output closed early (`| head`): quiet, exit status 141 (what a shell reports for a process that SIGPIPE
   ended), and nothing left for Python to complain about at exit.
 
+Several ranks (torchrun, the deepspeed launcher, mpirun, srun) that hit the same error print it once: the ranks a
+launcher started on one machine agree through a file named by their launcher's process and the message, which the
+first of them creates (`first_to_say`); a rank's own error, another message, still prints.
+
 No registered secret (ds_exp.config.secrets) reaches the console or the traceback's file. A Hydra callback, which
 Hydra would let fail with a warning, stops the process through `exit_on_error`; the Hydra task of `python -m
 ds_exp` reports through `report_error` with its run's log (ds_exp/launch/cli.py).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import os
 import select
 import sys
@@ -35,6 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
+from ds_exp.launch.environment import launched_with_several_ranks
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -84,7 +90,7 @@ def run_command(name: str, work: Callable[[], int | None]) -> int:
         sys.stdout.flush()
         return status or 0
     except KeyboardInterrupt:
-        print("ds_exp: interrupted", file=sys.stderr)
+        say(["ds_exp: interrupted"])  # Ctrl-C reaches every rank of a terminal's launch
         return INTERRUPTED
     except BrokenPipeError as err:
         if not stdout_closed():  # another pipe (a child process's): not the reader of our output going away
@@ -115,19 +121,73 @@ def report_user_error(err: DsExpError, traceback_hint: bool = True) -> None:
     """The message on stderr: its first line after "ds_exp: error:", the rest indented; no traceback, and no
     registered secret (ds_exp.config.secrets)."""
     lines = redact_text(str(err)).splitlines() or [type(err).__name__]
-    print(f"ds_exp: error: {lines[0]}", file=sys.stderr)
-    for line in lines[1:]:
-        print(f"  {line}", file=sys.stderr)
+    shown = [f"ds_exp: error: {lines[0]}", *(f"  {line}" for line in lines[1:])]
     if traceback_hint and not full_error():
-        print("  (set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
+        shown.append("  (set HYDRA_FULL_ERROR=1 for the full traceback)")
+    say(shown)
+
+
+def say(lines: list[str]) -> None:
+    """Print `lines` on stderr, unless another rank of this launch on this machine has printed them already."""
+    if first_to_say("\n".join(lines)):
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+_SAID_KEEP_S = 24 * 3600  # how long a claim is kept (a launcher process id comes back only after many others)
+
+
+def first_to_say(text: str) -> bool:
+    """Whether this process is the first of its launch's ranks on this machine to say `text` (always, when it runs
+    alone). The ranks a launcher started on one machine share their parent process (torchrun's agent, the
+    deepspeed launcher's, mpirun's daemon, slurmstepd) and /tmp: the first to create <tmp>/ds_exp-<uid>/said/
+    <parent's pid and start time>-<digest of text> says it, the others stay quiet. Ranks on other machines say it
+    there (once per machine). Anything in the way (no /proc, a directory that cannot be written) says it."""
+    if not launched_with_several_ranks():
+        return True
+    launch = _launcher_process()
+    if launch is None:
+        return True
+    folder = Path(tempfile.gettempdir()) / f"ds_exp-{os.getuid()}" / "said"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _forget_old_claims(folder)
+        os.close(os.open(folder / f"{launch}-{digest}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _launcher_process() -> str | None:
+    """The parent process's id and start time (clock ticks since boot: a reused id is another process)."""
+    parent = os.getppid()
+    try:
+        stat = Path(f"/proc/{parent}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command's name, which may hold spaces
+    return f"{parent}-{fields[19]}" if len(fields) > 19 else None
+
+
+def _forget_old_claims(folder: Path) -> None:
+    now = datetime.datetime.now().timestamp()
+    for claim in folder.iterdir():
+        try:
+            if now - claim.stat().st_mtime > _SAID_KEEP_S:
+                claim.unlink()
+        except OSError:  # another rank removed it first
+            continue
 
 
 def report_hydra_error(err: CompactHydraException) -> None:
     """Hydra's message for its own errors, as its run_and_report prints it (when it does not re-raise them: it does
     under HYDRA_FULL_ERROR=1 and whenever a trace function is set, as debuggers and coverage tools do)."""
-    print(redact_text(str(err)), file=sys.stderr)
+    lines = [redact_text(str(err))]
     if isinstance(err.__cause__, OmegaConfBaseException):
-        print(redact_text(str(err.__cause__)), file=sys.stderr)
+        lines.append(redact_text(str(err.__cause__)))
+    say(lines)
 
 
 def report_unexpected(err: BaseException, what: str, log: Path | None = None, after: str = "") -> None:

@@ -44,6 +44,11 @@ def made_here(run_dir: Path) -> bool:
     return entry is not None and entry[2] is not None
 
 
+def made_run_dirs() -> list[Path]:
+    """The run directories this process locked and made (they did not exist before its run)."""
+    return [run_dir for run_dir, (_, _, made) in _locks.items() if made is not None]
+
+
 def claim_run_dir(run_dir: Path) -> None:
     """Write who holds the lock into it, once the run goes ahead (a refused start leaves the file as it was)."""
     _write_holder(_locks[run_dir.absolute()][0])

@@ -4,6 +4,10 @@
 saves `.hydra/` into it:
 * experiment_name must be a plain name, and hydra.job.chdir=true must not move relative paths
   (config.place_checks);
+* resume=auto continues the run in the directory the command line names: without hydra.run.dir it would start a
+  new directory where there is nothing to resume, so it is refused, naming where it looked and the command that
+  continues the newest run of the experiment that has a checkpoint (a guess would resume a run the user may not
+  mean: another one's sweep, other overrides);
 * the directory must be writable (storage.check_writable);
 * a directory that already holds a run is refused unless `resume` is given (a fresh run would overwrite its
   `.hydra/`, summary, export and checkpoints and append to its metrics);
@@ -16,18 +20,25 @@ Light: no torch, no deepspeed.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ds_exp.config.place_checks import chdir_problems, experiment_name_problem
 from ds_exp.config.schema import Config, to_config
 from ds_exp.core.errors import ConfigError, Refused
 from ds_exp.core.status import RunStatus
+from ds_exp.launch.console import say
 from ds_exp.launch.environment import detect_launch, launch_rank_from_env, launched_with_several_ranks
 from ds_exp.launch.lock import (
     LOCK,
@@ -37,6 +48,7 @@ from ds_exp.launch.lock import (
     live_holder,
     lock_run_dir,
     made_here,
+    made_run_dirs,
     release_run_dir,
 )
 from ds_exp.launch.run_config import (
@@ -49,6 +61,7 @@ from ds_exp.launch.run_config import (
 )
 from ds_exp.launch.storage import check_writable
 from ds_exp.resume.preflight import check_resume_target
+from ds_exp.resume.store import complete_checkpoints
 
 # Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
 # append to: they are moved aside into attempts/<time>/ first.
@@ -68,8 +81,10 @@ def check_run_start(config: DictConfig) -> None:
     if name_problem is not None:  # before its directory is looked at: it may lie outside outputs/
         raise ConfigError(name_problem)
     run_dir = Path(str(config.hydra.run.dir))
-    check_writable(run_dir, "hydra.run.dir")
     named = named_run_dir(config)
+    if config.get("resume") == "auto" and named is None:  # rank 0's (a rank > 0's directory is named for it)
+        raise ConfigError(nothing_to_resume(run_dir, str(OmegaConf.select(config, "train.checkpoint_dir"))))
+    check_writable(run_dir, "hydra.run.dir")
     if config.get("resume") is not None and named is not None:
         changed = continue_run_config(config, named, task_overrides(config))
         if changed is not None and launch_rank_from_env() == 0:
@@ -89,6 +104,41 @@ def check_run_start(config: DictConfig) -> None:
         release_run_dir(run_dir, refused=True)
         raise
     claim_run_dir(run_dir)
+
+
+def nothing_to_resume(new_dir: Path, checkpoint_subdir: str, shown: int = 3) -> str:
+    """resume=auto in the directory Hydra would make for this run (new, so empty): where it looked, and the runs
+    beside it (the experiment's) that have a complete checkpoint, newest first, each with the command that
+    continues it."""
+    runs = []
+    parent = new_dir.parent
+    for candidate in sorted(parent.iterdir(), reverse=True) if parent.is_dir() else []:
+        found = complete_checkpoints(candidate / checkpoint_subdir) if candidate.is_dir() else []
+        if found:
+            summary = read_summary(candidate) or {}
+            status = f", {summary['status']}" if summary.get("status") else ""
+            runs.append(f"python -m ds_exp hydra.run.dir={_shown(candidate)} resume=auto   # {found[-1].name}{status}")
+        if len(runs) == shown:
+            break
+    head = (
+        f"resume=auto continues the run in hydra.run.dir, and none was given: this run would start in a new "
+        f"directory ({_shown(new_dir)}), where there is nothing to resume; nothing was started."
+    )
+    if not runs:
+        return (
+            f"{head} No run in {_shown(parent)} has a complete checkpoint. Name the run directory to continue "
+            "(python -m ds_exp hydra.run.dir=<run dir> resume=auto), or leave resume=auto out to start fresh"
+        )
+    newest = "the newest run with a checkpoint" if len(runs) == 1 else f"the {len(runs)} newest runs with a checkpoint"
+    return f"{head} Continue {newest} in {_shown(parent)}:\n" + "\n".join(runs) + "\nor leave resume=auto out"
+
+
+def _shown(path: Path) -> str:
+    """A path as a command line gives it: relative to the working directory when it is inside it."""
+    try:
+        return str(path.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _lock_a_fresh_dir(config: DictConfig, run_dir: Path, checkpoint_subdir: str) -> Path:
@@ -137,10 +187,16 @@ def _check_existing_run(config: DictConfig, cfg: Config, run_dir: Path, found: s
             config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
 
 
+# What a run writes into its directory before its first training step (Hydra's .hydra/ and job log aside): the
+# rank logs and the DeepSpeed config it resolved. A refused run that made its directory takes them with it.
+SETUP_FILES = ("logs", "ds_config.json")
+
+
 def remove_refused_attempt(run_dir: Path, output_subdir: str | None, log_file: str) -> None:
-    """A run refused at validation leaves nothing of its own (Hydra saved its config and opened its log before the
-    task could validate): a resume's .hydra/resume-<time>/; and a directory this run made goes altogether (only
-    what Hydra and the lock put there is in it), so no stub of a run that never started stays under outputs/."""
+    """A run refused before any work (at validation, or in the session's setup: a LoRA target that matches nothing)
+    leaves nothing of its own (Hydra saved its config and opened its log before the task could look): a resume's
+    .hydra/resume-<time>/; and a directory this run made goes altogether (only what Hydra, the lock and the setup put
+    there is in it), so no stub of a run that never started stays under outputs/."""
     if output_subdir and output_subdir.startswith(".hydra/resume-"):
         shutil.rmtree(run_dir / output_subdir, ignore_errors=True)
     if not made_here(run_dir):
@@ -148,7 +204,47 @@ def remove_refused_attempt(run_dir: Path, output_subdir: str | None, log_file: s
     if output_subdir:
         shutil.rmtree(run_dir / output_subdir, ignore_errors=True)
     (run_dir / log_file).unlink(missing_ok=True)
+    for name in SETUP_FILES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     release_run_dir(run_dir, refused=True)  # the lock file, then the directories it made, if empty now
+
+
+def leave_quietly_before_start(signum: int, frame: FrameType | None) -> None:
+    """A stop signal before the run's session has started (validation, imports): the directories this process made
+    for the run go (Hydra's config and log in them, nothing else was written yet), and the process ends with
+    128 + the signal. Installed for the ranks of a launch with several (`stop_before_start`): when one rank is
+    refused, its launcher stops the others with SIGTERM, often while they are still validating, and the refusal
+    is the last line (Ctrl-C says "interrupted", once for all ranks)."""
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    subdir, log_file = (hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log") if hydra_cfg else (".hydra", "ds_exp.log")
+    for run_dir in made_run_dirs():
+        remove_refused_attempt(run_dir, subdir, log_file)
+    remove_rank_placeholder()
+    if signum == signal.SIGINT:
+        say(["ds_exp: interrupted"])
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+@contextlib.contextmanager
+def stop_before_start() -> Iterator[None]:
+    """Around a command of the ranks of a launch with several: a stop signal leaves nothing until the run's session
+    takes the signals over (ds_exp.runtime.signals installs its own, and puts these back at its end); the handlers
+    found are put back when the command ends."""
+    if not launched_with_several_ranks():
+        yield
+        return
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, leave_quietly_before_start) for signum in stops}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def check_job_dir(cfg: Config, job_dir: Path, sweep_dir: Path, *, runs_here: bool = False) -> None:
@@ -209,8 +305,8 @@ def rank_placeholder_overrides(args: list[str]) -> list[str]:
     if not launched_with_several_ranks():
         return []
     if "-m" in args or "--multirun" in args:
-        raise SystemExit(
-            "ds_exp: error: -m/--multirun under torchrun, mpirun, srun or the deepspeed launcher would run the whole "
+        raise ConfigError(  # every rank hits it: printed once (ds_exp.launch.console.first_to_say)
+            "-m/--multirun under torchrun, mpirun, srun or the deepspeed launcher would run the whole "
             "sweep on every rank; use a submitit launcher with several tasks per node instead "
             "(hydra/launcher=slurm hydra.launcher.tasks_per_node=N)"
         )

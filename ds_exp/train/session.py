@@ -25,19 +25,21 @@ import psutil
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 
 from ds_exp.artifacts.summary import EVERY_RANK_ENDS, RunState, final_line, write_summary
 from ds_exp.artifacts.tracking import MetricsLog, Trackers, drop_lines_after
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
-from ds_exp.core.errors import ConfigError, Diverged, DsExpError, Refused, RunFailed, first_line
+from ds_exp.core.errors import ConfigError, DataError, Diverged, DsExpError, Refused, RunFailed, first_line
 from ds_exp.core.files import no_room
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import traceback_logged
 from ds_exp.launch.environment import detect_launch
 from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
-from ds_exp.launch.run_dir import remove_rank_placeholder
+from ds_exp.launch.run_dir import remove_rank_placeholder, remove_refused_attempt
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.resume.store import TrainState
 from ds_exp.runtime.device import resolved_precision
@@ -65,6 +67,11 @@ def run_started() -> float:
         except psutil.Error:
             pass
     return time.time()
+
+
+def in_multirun() -> bool:
+    """A job of a sweep (its directory is the sweep's to report on), not a single run."""
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def training_line(cfg: Config, ds_config: dict[str, Any], precision: str, dp: int, sp: int) -> str:
@@ -126,6 +133,7 @@ class Session:
         self.hosts: list[tuple[str, list[str]]] = []  # (host, addresses) of each rank, once the group is up
         self.resume_source: Path | None = None  # the checkpoint this attempt continues (set once it is decided)
         self.built_before = build_seconds()  # ops built by an earlier job of this process are not this run's
+        self.refused = False  # refused before any work: this attempt leaves nothing (finish)
 
     @property
     def is_main(self) -> bool:
@@ -209,6 +217,15 @@ class Session:
         if isinstance(exc, KeyboardInterrupt):
             return Outcome(RunStatus.INTERRUPTED, "interrupted by the user", exc)
         if isinstance(exc, Refused):  # refused before anything was loaded or trained: files stay as they were
+            self.refused = not self.sinks and not in_multirun()
+            return Outcome(RunStatus.UNCHANGED, f"{type(exc).__name__}: {exc}", exc)
+        if isinstance(exc, (ConfigError, DataError)) and not self.sinks and not in_multirun():
+            # refused in setup, before any training (a LoRA target that matches nothing, a row that cannot be
+            # read): like a refusal at validation it leaves nothing, so that typos leave no stubs of runs under
+            # outputs/. Every rank raises it (the same checks of the same config). A sweep's job keeps its
+            # summary.json "failed": the sweep report and an optuna study read it.
+            file_log.error("run refused", exc_info=exc)
+            self.refused = True
             return Outcome(RunStatus.UNCHANGED, f"{type(exc).__name__}: {exc}", exc)
         stopped = self.signals.behind(exc)  # a library may turn the stop into an error of its own
         if stopped is not None:
@@ -293,6 +310,10 @@ class Session:
             barrier("the end of the run")
         if self.rank != 0:
             remove_rank_placeholder()
+        elif self.refused:  # after the barrier: every rank's log is closed
+            hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+            subdir, job_log = (hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log") if hydra_cfg else (None, "")
+            remove_refused_attempt(self.run_dir, subdir, job_log or "ds_exp.log")
         else:
             release_run_dir(self.run_dir)
         if summary is not None and outcome.status == RunStatus.COMPLETED:
