@@ -7,6 +7,8 @@
 set -euo pipefail
 nproc=${1:?usage: launchers/deepspeed.sh NPROC_PER_NODE [hydra overrides...]}
 shift
+# what a stopped run prints to continue it: this script, as it was typed (ds_exp/train/session.py)
+export DS_EXP_RELAUNCH="${DS_EXP_RELAUNCH:-$0 $nproc}"
 hostfile=()
 if [[ -n "${HOSTFILE:-}" ]]; then hostfile=(--hostfile "$HOSTFILE"); fi
 exec deepspeed "${hostfile[@]}" --log_level error --num_gpus "$nproc" --master_port "${MASTER_PORT:-29500}" --module ds_exp "$@"

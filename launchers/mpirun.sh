@@ -10,8 +10,10 @@ shift
 root=()
 if [[ $EUID -eq 0 ]]; then root=(--allow-run-as-root); fi
 export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} MASTER_PORT=${MASTER_PORT:-29500}
+# what a stopped run prints to continue it: this script, as it was typed (ds_exp/train/session.py)
+export DS_EXP_RELAUNCH="${DS_EXP_RELAUNCH:-$0 $nproc}"
 passed=()  # the variables the ranks need, those that are set (mpirun warns about each one that is not)
-for name in MASTER_ADDR MASTER_PORT PYTHONPATH WANDB_MODE; do
+for name in MASTER_ADDR MASTER_PORT PYTHONPATH WANDB_MODE DS_EXP_RELAUNCH; do
   if [[ -n "${!name+x}" ]]; then passed+=(-x "$name"); fi
 done
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of words on purpose

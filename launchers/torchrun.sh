@@ -8,6 +8,8 @@ set -euo pipefail
 nproc=${1:?usage: launchers/torchrun.sh NPROC_PER_NODE [hydra overrides...]}
 shift
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# what a stopped run prints to continue it: this script, as it was typed (ds_exp/train/session.py)
+export DS_EXP_RELAUNCH="${DS_EXP_RELAUNCH:-$0 $nproc}"
 exec "${PYTHON:-python}" -m ds_exp.tools.torchrun \
   --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
   --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \

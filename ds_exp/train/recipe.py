@@ -231,6 +231,8 @@ def resume(cfg: Config, session: Session, work: Workload) -> TrainState:
             moved = set_aside_attempt(run_dir)  # an attempt that left no checkpoint: start over beside it
             if moved is not None:
                 log.warning("no complete checkpoint to resume from: starting over; the earlier attempt is in %s", moved)
+            else:  # said, so that a resume that finds nothing never looks like one that did
+                log.info("resume=auto: no complete checkpoint in %s: a fresh start", run_dir / cfg.train.checkpoint_dir)
         run_id, branch = broadcast((_new_run_id(), _new_run_id()))
         return TrainState(run_id=run_id, branch=branch, run_dir=str(run_dir.resolve()))
     if work.universal:

@@ -37,7 +37,7 @@ from ds_exp.core.errors import ConfigError, DataError, Diverged, DsExpError, Ref
 from ds_exp.core.files import no_room
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import traceback_logged
-from ds_exp.launch.environment import detect_launch
+from ds_exp.launch.environment import LaunchInfo, detect_launch
 from ds_exp.launch.lock import claim_run_dir, lock_run_dir, release_run_dir
 from ds_exp.launch.run_dir import remove_rank_placeholder, remove_refused_attempt
 from ds_exp.launch.run_logging import FILE_LOGGER
@@ -67,6 +67,26 @@ def run_started() -> float:
         except psutil.Error:
             pass
     return time.time()
+
+
+RELAUNCH = "DS_EXP_RELAUNCH"  # how a launchers/*.sh script is run again for this launch, as it was typed
+
+
+def relaunch_command(launch: LaunchInfo) -> str:
+    """How this launch starts ds_exp again: as a launchers/ script was typed (its DS_EXP_RELAUNCH), else the
+    launcher's own command for the same number of ranks, else `python -m ds_exp`."""
+    if os.environ.get(RELAUNCH):
+        return os.environ[RELAUNCH]
+    if launch.world_size == 1:
+        return "python -m ds_exp"
+    nodes = "" if launch.local_world_size == launch.world_size else " (on each node, with its rendezvous options)"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun --nproc_per_node {launch.local_world_size}{nodes} -m ds_exp"
+    if launch.launcher == "mpi":
+        return f"mpirun -np {launch.world_size} python -m ds_exp"
+    if launch.launcher == "slurm":
+        return "srun python -m ds_exp"
+    return f"the launcher that started these {launch.world_size} ranks{nodes}, with python -m ds_exp"
 
 
 def in_multirun() -> bool:
@@ -232,7 +252,7 @@ class Session:
             where = (
                 "submitit requeues the job, which resumes from it"
                 if stopped.status == RunStatus.REQUEUED
-                else f"continue with the same overrides plus hydra.run.dir={self.run_dir} {self.continue_with()}"
+                else f"continue it with: {self.continue_command()}"
             )
             if stopped.step is not None:
                 self.state.steps = stopped.step
@@ -254,7 +274,7 @@ class Session:
             path = getattr(exc, "filename", None) or "a file of the run"
             error = (
                 f"could not write {path} ({reason}), so the run stopped at {where}; its complete checkpoints are as "
-                "they were. Free some space, then continue with the same overrides plus resume=auto"
+                f"they were. Free some space, then continue it with: {self.continue_command()}"
             )
             file_log.error("run failed", exc_info=exc)
             return Outcome(RunStatus.FAILED, error, RunFailed(error))
@@ -272,8 +292,8 @@ class Session:
             lost = lost_ranks(str(exc), self.hosts, self.rank, self.world)
             error = (
                 f"lost contact with {lost} at {where} ({first}): it died or was killed, see the other ranks' "
-                f"logs in {self.run_dir / 'logs'}; continue from the last complete checkpoint with the same "
-                f"overrides plus hydra.run.dir={self.run_dir} {self.continue_with()}"
+                f"logs in {self.run_dir / 'logs'}; continue from the last complete checkpoint with: "
+                f"{self.continue_command()}"
             )
             file_log.error("run failed", exc_info=exc)  # the collective's own error, for the log file
             return Outcome(RunStatus.FAILED, error, RunFailed(error))
@@ -282,6 +302,11 @@ class Session:
         if self.state.log_file:
             traceback_logged(exc, self.state.log_file)
         return Outcome(RunStatus.FAILED, f"{type(exc).__name__}: {exc}", exc)
+
+    def continue_command(self) -> str:
+        """The command that continues this run, to paste (the README's): its launcher, the run directory and what
+        to continue from; the directory remembers the rest of the run's config (ds_exp.launch.run_config)."""
+        return f"{relaunch_command(self.launch)} hydra.run.dir={self.run_dir} {self.continue_with()}"
 
     def continue_with(self) -> str:
         """The resume override that continues what was interrupted: the checkpoint this attempt resumed from until it
