@@ -1,6 +1,6 @@
 """Sweep report: one row per job of a multirun, printed and written as CSV, Markdown and a PNG plot.
 
-    python -m ds_exp.report <sweep dir>
+    python -m ds_exp.report <sweep dir>     (ds_exp/sweeps/runs.py: any other directory of runs is listed)
 
 Runs by itself at the end of every multirun (the `SweepReport` callback in conf/config.yaml). A job that
 failed shows its error; a job that left no summary.json (killed, never started) says so. An autotune sweep
@@ -10,7 +10,6 @@ tokens/s, the recommended one and the command line that trains with it.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
@@ -25,7 +24,6 @@ import yaml
 from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
-from ds_exp.launch.console import entry_point
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 if TYPE_CHECKING:
@@ -378,19 +376,3 @@ def autotune_verdict(sweep_dir: Path, rows: list[dict[str, Any]]) -> str | None:
         return None
     why = _no_recommendation(ranked)
     return f"{why[0].lower()}{why[1:]}; nothing to recommend"
-
-
-@entry_point("ds_exp.report")
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ds_exp.report", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", type=Path, help="a multirun directory (outputs/multirun/<name>/<time>)")
-    args = parser.parse_args(argv)
-    if not job_dirs(args.sweep_dir):
-        print(f"ds_exp: error: {args.sweep_dir} holds no sweep jobs (no */.hydra/overrides.yaml)", file=sys.stderr)
-        return 2
-    rows = write_report(args.sweep_dir)
-    return 0 if all(row["status"] == RunStatus.COMPLETED for row in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

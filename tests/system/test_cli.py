@@ -351,7 +351,7 @@ def test_max_seq_len_beyond_a_rotary_context_is_warned_once_at_run_start(tmp_pat
 
 
 def test_the_sweep_report_names_damaged_job_files_and_reports_the_rest(tmp_path, capsys):
-    from ds_exp.sweeps import report
+    from ds_exp.sweeps import runs
 
     good = {"status": "completed", "world_size": 1, "tokens_per_s": 1000.0, "final_eval": {"perplexity": 3.5}}
     jobs = {
@@ -366,7 +366,7 @@ def test_the_sweep_report_names_damaged_job_files_and_reports_the_rest(tmp_path,
         (tmp_path / name / ".hydra" / "overrides.yaml").write_text(overrides)
         (tmp_path / name / "summary.json").write_text(summary)
     (tmp_path / "autotune.json").write_text("{")  # an autotune sweep's plan, damaged: its ranking is left out
-    assert report.main([str(tmp_path)]) == 1  # not every job completed
+    assert runs.main([str(tmp_path)]) == 1  # not every job completed
     err = capsys.readouterr().err
     rows = {row["job"]: row for row in csv.DictReader((tmp_path / "report.csv").open())}
     assert rows["0"]["status"] == "completed" and rows["0"]["perplexity"] == "3.5"

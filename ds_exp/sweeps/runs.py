@@ -1,0 +1,119 @@
+"""`python -m ds_exp.report DIR`: the runs under DIR, one line each, so that a person can tell them apart.
+
+    python -m ds_exp.report outputs/                       every run and sweep job below outputs/
+    python -m ds_exp.report outputs/multirun/default/<time>   a sweep: its report (ds_exp/sweeps/report.py)
+
+A run is a directory where Hydra saved `.hydra/overrides.yaml`: a single run or a sweep's job. Each line says its
+status (summary.json's; `running` while a live process holds its lock; `no summary` when it was killed before
+writing one), its steps out of its total, its final evaluation and its overrides. Nothing is written: a listing
+reads only. A sweep directory given itself gets its sweep report written, as at the end of the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ds_exp.core.status import RunStatus
+from ds_exp.launch.console import entry_point
+from ds_exp.launch.lock import live_holder
+from ds_exp.sweeps.report import Damaged, job_dirs, read_job_summary, read_overrides, write_report
+
+# What a run holds that is not another run: never looked into (a checkpoint directory alone can hold thousands)
+_NOT_RUNS = {".hydra", "checkpoints", "logs", "wandb", "tensorboard", "mlartifacts", "attempts", "plots"}
+COLUMNS = ("run", "status", "steps", "final eval", "overrides")
+
+
+def is_sweep(directory: Path) -> bool:
+    """A sweep's directory: Hydra's multirun.yaml in it, or jobs named by their number (hydra.sweep.subdir)."""
+    jobs = job_dirs(directory)
+    return bool(jobs) and ((directory / "multirun.yaml").is_file() or all(job.name.isdigit() for job in jobs))
+
+
+def find_runs(root: Path) -> list[Path]:
+    """The runs below `root` (and `root` itself when it is one), in path order: by date and time under outputs/."""
+    found = []
+    for folder, subdirs, _ in os.walk(root):
+        here = Path(folder)
+        if (here / ".hydra" / "overrides.yaml").is_file():
+            found.append(here)
+        subdirs[:] = sorted(d for d in subdirs if d not in _NOT_RUNS and not d.startswith(("hf_model", ".")))
+    return sorted(found)
+
+
+def run_line(run_dir: Path, root: Path) -> dict[str, str]:
+    """One run's cells: a file it cannot read is said in its status, and the listing goes on."""
+    shown = str(run_dir.relative_to(root)) if run_dir != root else str(run_dir)
+    row = {"run": shown, "status": "", "steps": "", "final eval": "", "overrides": ""}
+    try:
+        row["overrides"] = " ".join(read_overrides(run_dir)) or "(defaults)"
+    except Damaged as err:
+        row["overrides"] = str(err)
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        holder = live_holder(run_dir)
+        row["status"] = f"running ({holder})" if holder else "no summary (killed, or never started)"
+        return row
+    try:
+        summary = read_job_summary(path)
+    except Damaged as err:
+        row["status"] = f"damaged: {err}"
+        return row
+    row.update(status=str(summary.get("status")), steps=_steps(summary), **{"final eval": _final_eval(summary)})
+    if summary.get("status") != RunStatus.COMPLETED and summary.get("error"):
+        row["status"] += f": {str(summary['error']).splitlines()[0][:80]}"
+    return row
+
+
+def _steps(summary: dict[str, Any]) -> str:
+    steps, total = summary.get("steps"), summary.get("total_steps")
+    if steps is None:
+        return "-"
+    return f"{steps}/{total}" if total is not None else str(steps)
+
+
+def _final_eval(summary: dict[str, Any]) -> str:
+    final = summary.get("final_eval") or {}
+    if not isinstance(final, dict) or final.get("eval_loss") is None:
+        return "-"
+    loss = f"loss {final['eval_loss']:.4f}"
+    return f"{loss}, ppl {final['perplexity']:.3f}" if final.get("perplexity") is not None else loss
+
+
+def listing(rows: list[dict[str, str]]) -> str:
+    """The rows as aligned columns; the overrides (the longest) last, unaligned."""
+    widths = {c: max([len(c), *(len(r[c]) for r in rows)]) for c in COLUMNS[:-1]}
+    lines = ["  ".join(c.ljust(widths[c]) if c in widths else c for c in COLUMNS)]
+    lines += ["  ".join(r[c].ljust(widths[c]) if c in widths else r[c] for c in COLUMNS) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+@entry_point("ds_exp.report")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_exp.report", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "directory",
+        type=Path,
+        help="any directory of runs (outputs/, outputs/<experiment>): they are listed; or a sweep directory "
+        "(outputs/multirun/<name>/<time>): its report is written",
+    )
+    args = parser.parse_args(argv)
+    if is_sweep(args.directory):  # its report, as at the end of the sweep
+        rows = write_report(args.directory)
+        return 0 if all(row["status"] == RunStatus.COMPLETED for row in rows) else 1
+    runs = find_runs(args.directory)
+    if not runs:
+        print(
+            f"ds_exp: error: {args.directory} holds no ds_exp runs (no .hydra/overrides.yaml in it or below it)",
+            file=sys.stderr,
+        )
+        return 2
+    print(listing([run_line(run, args.directory) for run in runs]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
