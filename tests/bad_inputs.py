@@ -34,6 +34,7 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     links: dict[str, str] = field(default_factory=dict)  # name -> target ({tmp} allowed): symbolic links made first
     fifos: tuple[str, ...] = ()  # names of FIFOs (named pipes) made first: nothing ever writes to them
+    run_dir: bool = True  # hydra.run.dir={tmp}/run is added unless the case names one; False: Hydra's own
 
 
 def jsonl(*rows: object) -> str:
@@ -933,6 +934,18 @@ CASES: list[Case] = [
         ("hydra.job.chdir=true runs the job inside its run directory", "data.sources[0].path=sft.jsonl", "absolute"),
         files={"sft.jsonl": jsonl(GOOD_ROW)},
     ),
+    Case(  # issue 35 §7: it silently started a fresh run in a new directory
+        "resume=auto without a run directory",
+        "combination",
+        ("resume=auto", "train.max_steps=2"),
+        (
+            "resume=auto continues the run in hydra.run.dir, and none was given",
+            "outputs/default/",
+            "nothing was started",
+            "python -m ds_exp hydra.run.dir=<run dir> resume=auto",
+        ),
+        run_dir=False,
+    ),
     Case(
         "resume=auto in a run directory without its config",
         "path",
@@ -1036,7 +1049,7 @@ def prepare(case: Case, tmp: Path) -> tuple[list[str], dict[str, str]]:
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         os.mkfifo(tmp / name)
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
-    if not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
+    if case.run_dir and not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
         args.append(f"hydra.run.dir={tmp}/run")
     args.append(f"data.cache_dir={tmp}/cache")
     return args, {**case.env, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}

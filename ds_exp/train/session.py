@@ -33,7 +33,7 @@ from ds_exp.artifacts.tracking import MetricsLog, Trackers, drop_lines_after
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
-from ds_exp.core.errors import ConfigError, DataError, Diverged, DsExpError, Refused, RunFailed, first_line
+from ds_exp.core.errors import ConfigError, Diverged, DsExpError, Refused, RunFailed, first_line
 from ds_exp.core.files import no_room
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import traceback_logged
@@ -239,11 +239,12 @@ class Session:
         if isinstance(exc, Refused):  # refused before anything was loaded or trained: files stay as they were
             self.refused = not self.sinks and not in_multirun()
             return Outcome(RunStatus.UNCHANGED, f"{type(exc).__name__}: {exc}", exc)
-        if isinstance(exc, (ConfigError, DataError)) and not self.sinks and not in_multirun():
+        if isinstance(exc, DsExpError) and not self.sinks and not in_multirun():
             # refused in setup, before any training (a LoRA target that matches nothing, a row that cannot be
-            # read): like a refusal at validation it leaves nothing, so that typos leave no stubs of runs under
-            # outputs/. Every rank raises it (the same checks of the same config). A sweep's job keeps its
-            # summary.json "failed": the sweep report and an optuna study read it.
+            # read, an export_dir that is not an export): like a refusal at validation it leaves nothing, so that
+            # typos leave no stubs of runs under outputs/; its message says what to change. Every rank raises it
+            # (the same checks of the same config). A sweep's job keeps its summary.json "failed": the sweep
+            # report and an optuna study read it.
             file_log.error("run refused", exc_info=exc)
             self.refused = True
             return Outcome(RunStatus.UNCHANGED, f"{type(exc).__name__}: {exc}", exc)

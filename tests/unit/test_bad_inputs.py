@@ -8,6 +8,7 @@ of the others for the real path (REAL_PATH), run `python -m ds_exp` as a process
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,14 @@ def test_bad_input_gets_one_clear_message(case: Case, how: str, tmp_path):
         assert json.loads(summary.read_text())["status"] != "completed", summary
     assert not list(tmp_path.rglob("hf_model")), "an export was written"
     assert not list(tmp_path.rglob("ds_exp_complete.json")), "a checkpoint was completed"
+    # refused before any work: no directory the attempt made stays, with a summary.json "failed" in it that looks
+    # like a run (issue 35 §8); what the case's own files made stays as it was
+    assert not attempts_left(case, tmp_path), f"{case.id} left {attempts_left(case, tmp_path)}"
+
+
+def attempts_left(case: Case, tmp: Path) -> list[str]:
+    """The run directories under `tmp` (Hydra's .hydra/ or ds_exp's lock in them) that the case's files did not
+    make."""
+    given = {Path(name).parts[0] for name in case.files} | {Path(name).parts[0] for name in case.links}
+    found = {p.parent for pattern in (".hydra", ".ds_exp.lock") for p in tmp.rglob(pattern)}
+    return sorted(str(d.relative_to(tmp)) for d in found if d.relative_to(tmp).parts[0] not in given)
