@@ -32,7 +32,7 @@ _KEY_LINE = re.compile(r"^(?P<indent> *)(?P<dash>- )?(?P<key>[A-Za-z_][\w.-]*):(
 _DEFAULT_LINE = re.compile(r"^\s+- (?:override )?/?(?P<group>[\w/]+):\s*(?P<option>[\w.-]+)(?:\s+#\s?(?P<doc>.*))?$")
 
 RECIPES = """\
-  python -m ds_exp                                       the tiny model on synthetic data, on this CPU (~30 s)
+  python -m ds_exp                                       the tiny model on synthetic data, on this CPU (about 2m 46s)
   python -m ds_exp model=local model.name_or_path=DIR data=local data.sources.0.path=FILE.jsonl
                                                          your checkpoint on your data (JSON/JSONL/CSV/Parquet rows)
   python -m ds_exp zero=stage3 precision=bf16 lora.dim=64 ZeRO-3, bf16, LoRA adapters of rank 64
@@ -170,7 +170,7 @@ def load_catalog(root: Path | None = None) -> Catalog:
     groups: dict[str, list[Option]] = {}
     for group in [*order, *(f for f in folders if f not in order)]:
         files = sorted((root / group).glob("*.yaml"))
-        if not files:
+        if not files or (group.startswith("hydra/") and group not in HYDRA_GROUPS):  # ds_exp's own logging: no choice
             continue
         options = [parse_option(p, group) for p in files]
         options.sort(key=lambda o: o.name != defaults.get(group))  # the default first, the rest by name

@@ -1,22 +1,18 @@
-"""The console a person reads: run on a terminal (a pty), rank 0 shows ds_exp's own lines and its progress bar;
-every library line is in the rank log files; a log line never shares the bar's line."""
+"""The console a person reads: run on a terminal (a pty), rank 0 shows ds_exp's own lines, each `ds_exp: ...`,
+and its progress bar, as the README shows them; every library line is in the rank log files; a log line never
+shares the bar's line; nothing comes after the final line; a refusal of every rank is one line. (A piped run, the
+sweep's console and a wandb run's: tests/integration/test_training.py.)"""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
 import re
-import select
-import struct
 import subprocess
 import sys
-import termios
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.console import ANSI, BAR, on_terminal, readme_console, rendered, shape
 from tests.training import REPO, Run, free_port, user_env
 
 # What libraries print or log on their own (DeepSpeed's CPU Adam from C++, its schedule's warning, transformers'
@@ -36,59 +32,6 @@ LIBRARY_LINES = (
     "rank 1 of 2",
     "{'num_",
 )
-BAR = re.compile(r"^(train|Tokenizing \w+): +\d+%\|")
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def on_terminal(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
-    """Run `cmd` with stdout and stderr on one pseudo-terminal of 120 columns, as a person's shell does: what it
-    wrote, in order (the terminal's CR LF back to LF)."""
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
-    os.close(slave)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 1.0)
-            if not ready:
-                continue
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: every writer has closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        else:
-            proc.kill()
-        code = proc.wait(timeout=30)
-    finally:
-        os.close(master)
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-    return code, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
-
-
-def rendered(text: str) -> list[str]:
-    """The lines a terminal shows for `text`: a carriage return goes back to the start of the line, and what
-    follows overwrites it character by character (a bar cleared with spaces leaves only spaces)."""
-    lines = []
-    for raw in ANSI.sub("", text).split("\n"):
-        cells: list[str] = []
-        column = 0
-        for char in raw:
-            if char == "\r":
-                column = 0
-                continue
-            if column < len(cells):
-                cells[column] = char
-            else:
-                cells.append(char)
-            column += 1
-        lines.append("".join(cells).rstrip())
-    return lines
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +99,14 @@ def test_a_zero3_run_on_two_ranks_prints_only_its_own_lines(tmp_path, cache_dir,
         else:
             assert "%|" not in line and "it/s" not in line, f"bar residue before a message: {line!r}"
     ours = [line for line in shown if line.strip() and not BAR.match(line)]
-    ours = [line for line in ours if "OMP_NUM_THREADS" not in line and "****" not in line]
     assert len(ours) <= 22, "\n".join(ours)
+    # each line is ds_exp's (torchrun's OMP_NUM_THREADS banner, Hydra's prefix: gone), the final line last
+    assert all(line.startswith("ds_exp: ") for line in ours), "\n".join(ours)
+    assert ours[-1].startswith("ds_exp: completed 6 steps in "), "\n".join(ours)
+    assert shown[-1] == "" and ours[-1] == [line for line in shown if line.strip()][-1]
+    # what the user asked for, said before anything is loaded
+    training = next(line for line in ours if line.startswith("ds_exp: training: "))
+    assert "ZeRO stage 3, fp32, offload optimizer states to cpu, every parameter trained" in training, training
     text = "\n".join(ours)
     for line in ("trainable (100.00%)", "data: 8 train / 16 eval examples", "saved checkpoint", "exported"):
         assert line in text, line
@@ -172,6 +121,42 @@ def test_a_zero3_run_on_two_ranks_prints_only_its_own_lines(tmp_path, cache_dir,
 
     # 6 one-step epochs: not 6 evaluations (train.max_evals=5), one every ceil(6 / 5) = 2 steps, and the start
     assert [r["step"] for r in run.records("eval")] == [0, 2, 4, 6]
+
+
+@pytest.mark.slow
+def test_the_default_run_on_a_terminal_reads_as_the_readme_shows(tmp_path, cache_dir):
+    """`python -m ds_exp` on a terminal, line by line as the README's console block shows it (numbers, times,
+    paths and the host aside: tests/console.py's shape), ending on the final line; a shorter run of the same
+    shape (fewer rows and steps)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds_exp",
+        "train.max_steps=12",
+        "data.synthetic.num_train=96",
+        "data.synthetic.num_eval=16",
+        f"data.cache_dir={cache_dir}",
+    ]
+    code, console = on_terminal(cmd, cwd=tmp_path, env={**user_env(), "MASTER_PORT": str(free_port())}, timeout=600)
+    assert code == 0, console[-3000:]
+    shown = [line for line in rendered(console) if line.strip()]
+    # a first run on a machine compiles an op and tokenizes its data: said, and not in the README's block
+    extra = ("ds_exp: compiling ", "Tokenizing ")
+    said = [shape(line) for line in shown if not line.startswith(extra)]
+    assert said == [shape(line) for line in readme_console() if not line.startswith(extra)], "\n".join(shown)
+    assert shown[-1].startswith("ds_exp: completed 12 steps in ")  # nothing after the final line
+    assert re.search(r"run directory outputs/default/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d$", shown[-1]), shown[-1]
+
+
+@pytest.mark.slow
+def test_a_refusal_every_rank_hits_is_one_line(tmp_path):
+    """3 ranks under launchers/torchrun.sh, each refused at validation: the message once (not once per rank),
+    then nothing (torchrun's 30-line report of the failed ranks left out), exit status 2, and no run directory."""
+    env = {**user_env(), "MASTER_PORT": str(free_port()), "PYTHON": sys.executable}
+    cmd = [str(REPO / "launchers" / "torchrun.sh"), "3", "train.max_evals=0"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stdout + out.stderr) == (2, "ds_exp: error: train.max_evals=0: must be >= 1\n")
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_tokenizing_shows_its_bar_and_not_the_saving_one(tmp_path, capfd, compose_cfg):

@@ -63,7 +63,8 @@ def test_signal_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(
     stopped_at = summary["steps"]
     assert summary["status"] == "stopped" and 30 <= stopped_at < 64
     assert summary["error"].startswith(f"stopped by {signal.Signals(signum).name} after step {stopped_at}")
-    assert f"hydra.run.dir={run_dir} resume=auto" in stderr
+    # the exact command to paste, as the README's resume section shows it (issue 35 §7)
+    assert f"; continue it with: python -m ds_exp hydra.run.dir={run_dir} resume=auto\n" in stderr, stderr[-2000:]
     assert (run_dir / "checkpoints" / f"step{stopped_at}" / "ds_exp_complete.json").is_file()
     assert not (run_dir / "hf_model").exists()  # nothing that looks like a finished run
 

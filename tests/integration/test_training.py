@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.console import PROGRESS, readme_console, shape
 from tests.training import FAST, REPO, assert_close, launch, multirun, report_rows, user_env
 from tests.wandb_files import history
 
@@ -273,6 +274,11 @@ def test_wandb_offline_files_hold_the_metrics(tmp_path, cache_dir):
     )
     assert run.ok, run.explain()
     (run_file,) = (run.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    # wandb's own lines stay off the console (its run history came after the final line): ds_exp says where it is
+    console = (run.proc.stdout + run.proc.stderr).splitlines()
+    assert [line for line in console if line.startswith("wandb:")] == [], console
+    assert f"ds_exp: wandb: an offline run; upload it with: wandb sync {run_file.parent}" in console
+    assert run.proc.stdout.splitlines()[-1].startswith("ds_exp: completed 8 steps in ")
     logged = history(run_file)
     for record in run.records("train"):
         assert math.isclose(logged[record["step"]]["train/loss"], record["loss"], rel_tol=1e-6)
@@ -315,6 +321,17 @@ def test_default_run_learns(tmp_path, cache_dir):
     summary = run.summary
     assert summary["final_eval"]["perplexity"] < 0.05 * summary["initial_eval"]["perplexity"]
     assert summary["final_eval"]["perplexity"] < 10
+    # piped (issue 35 §5): no bar frames, a plain progress line every tenth, and otherwise the README's lines
+    assert "\r" not in run.proc.stdout + run.proc.stderr and "%|" not in run.proc.stdout + run.proc.stderr
+    lines = run.proc.stdout.splitlines()
+    progress = [line for line in lines if PROGRESS.match(line)]
+    assert [int(line.split()[2].split("/")[0]) for line in progress] == list(range(25, 251, 25)), progress
+    extra = ("ds_exp: compiling ", "Tokenizing ", "train: ")  # a first run's compile, the terminal's bars
+    said = [shape(line) for line in lines if not PROGRESS.match(line) and not line.startswith(extra)]
+    assert said == [shape(line) for line in readme_console() if not line.startswith(extra)], run.proc.stdout
+    times = summary["time_s"]  # the final line's parts, kept (issue 35 §6)
+    assert sum(times[k] for k in ("compile", "load", "train", "evaluate_and_save")) == pytest.approx(times["total"])
+    assert times["train"] > 0 and times["load"] > 0 and times["total"] == summary["wall_time_s"]
 
 
 def test_gradient_checkpointing_with_lora_gives_the_same_losses(tmp_path, cache_dir):
@@ -342,7 +359,7 @@ def test_lora_scope_that_matches_nothing_lists_the_candidates(tmp_path, cache_di
     assert "lora.module_name=decoder.layers. matches no Linear layer" in run.proc.stderr
     assert "model.layers.0.self_attn." in run.proc.stderr
     assert "Traceback" not in run.proc.stderr
-    assert run.summary["status"] == "failed"
+    assert not run.run_dir.exists()  # refused before any work: no stub of a run (issue 35 §8)
 
 
 def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
@@ -353,6 +370,14 @@ def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
     assert [s["zero_stage"] for s in summaries] == [0, 2]
     assert all(s["status"] == "completed" for s in summaries)
+    # its console: Hydra's lines and each job's as ds_exp says them, each job ending on its final line, the report
+    said = proc.stdout.split("ds_exp sweep report (")[0].splitlines()
+    assert all(line.startswith("ds_exp: ") for line in said), proc.stdout
+    assert [line for line in said if line.startswith("ds_exp: #")] == [
+        f"ds_exp: #{n} : zero=stage{s} {' '.join(FAST)} train.max_steps=2 data.cache_dir={cache_dir}"
+        for n, s in ((0, 0), (1, 2))
+    ]
+    assert said[-1].startswith("ds_exp: completed 2 steps in ")
     # the sweep report, written at the end of the multirun and again on demand
     rows = report_rows(sweep)
     assert [(r["zero_stage"], r["status"]) for r in rows] == [("0", "completed"), ("2", "completed")]
