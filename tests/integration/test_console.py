@@ -133,7 +133,7 @@ def test_the_default_run_on_a_terminal_reads_as_the_readme_shows(tmp_path, cache
         "-m",
         "ds_exp",
         "train.max_steps=12",
-        "data.synthetic.num_train=96",
+        "data.synthetic.num_train=256",  # one epoch: evaluated at the start and the end, as the default
         "data.synthetic.num_eval=16",
         f"data.cache_dir={cache_dir}",
     ]
