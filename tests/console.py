@@ -93,6 +93,7 @@ def shape(line: str) -> str:
         return f"{line.split(':')[0]}: BAR"
     line = re.sub(r"(\d+h \d+m|\d+m \d+s|\d+(\.\d+)? s)\b", "TIME", line)
     line = line.replace("compile TIME, ", "")
+    line = re.sub(r"run directory \S+$", "run directory PATH", line)
     line = re.sub(r"(?<![\w.])(~|\.{1,2})?/?[\w.~-]+(/[\w.~<>-]+)+/?", "PATH", line)
     line = re.sub(r" on [\w.-]+, rendezvous", " on HOST, rendezvous", line)
     line = line.replace("(cache hit PATH)", "(built PATH)")

@@ -32,7 +32,7 @@ _KEY_LINE = re.compile(r"^(?P<indent> *)(?P<dash>- )?(?P<key>[A-Za-z_][\w.-]*):(
 _DEFAULT_LINE = re.compile(r"^\s+- (?:override )?/?(?P<group>[\w/]+):\s*(?P<option>[\w.-]+)(?:\s+#\s?(?P<doc>.*))?$")
 
 RECIPES = """\
-  python -m ds_exp                                       the tiny model on synthetic data, on this CPU (about 2m 46s)
+  python -m ds_exp                                       the tiny model on synthetic data, on this CPU (about 9 s)
   python -m ds_exp model=local model.name_or_path=DIR data=local data.sources.0.path=FILE.jsonl
                                                          your checkpoint on your data (JSON/JSONL/CSV/Parquet rows)
   python -m ds_exp zero=stage3 precision=bf16 lora.dim=64 ZeRO-3, bf16, LoRA adapters of rank 64

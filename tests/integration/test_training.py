@@ -277,7 +277,8 @@ def test_wandb_offline_files_hold_the_metrics(tmp_path, cache_dir):
     # wandb's own lines stay off the console (its run history came after the final line): ds_exp says where it is
     console = (run.proc.stdout + run.proc.stderr).splitlines()
     assert [line for line in console if line.startswith("wandb:")] == [], console
-    assert f"ds_exp: wandb: an offline run; upload it with: wandb sync {run_file.parent}" in console
+    where = run_file.parent.relative_to(tmp_path)  # from where the run was started
+    assert f"ds_exp: wandb: an offline run; upload it with: wandb sync {where}" in console
     assert run.proc.stdout.splitlines()[-1].startswith("ds_exp: completed 8 steps in ")
     logged = history(run_file)
     for record in run.records("train"):
@@ -373,10 +374,8 @@ def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
     # its console: Hydra's lines and each job's as ds_exp says them, each job ending on its final line, the report
     said = proc.stdout.split("ds_exp sweep report (")[0].splitlines()
     assert all(line.startswith("ds_exp: ") for line in said), proc.stdout
-    assert [line for line in said if line.startswith("ds_exp: #")] == [
-        f"ds_exp: #{n} : zero=stage{s} {' '.join(FAST)} train.max_steps=2 data.cache_dir={cache_dir}"
-        for n, s in ((0, 0), (1, 2))
-    ]
+    jobs = [line.split(" train.")[0] for line in said if line.startswith("ds_exp: #")]
+    assert jobs == ["ds_exp: #0 : zero=stage0", "ds_exp: #1 : zero=stage2"], said
     assert said[-1].startswith("ds_exp: completed 2 steps in ")
     # the sweep report, written at the end of the multirun and again on demand
     rows = report_rows(sweep)
