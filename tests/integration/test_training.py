@@ -261,6 +261,15 @@ def test_launchers_train_the_user_command(tmp_path, cache_dir, launcher):
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["run"]  # no directory per rank
     ds_config = json.loads((run.run_dir / "ds_config.json").read_text())
     assert ds_config["zero_optimization"]["stage"] == 3 and ds_config["bf16"]["enabled"] is True
+    # the console under each launcher (issue 35 §5): ds_exp's lines once (rank 0's), what the user asked for, the
+    # final line last; no torchrun banner. The DeepSpeed launcher's own import-time notice is all that is not ours.
+    said = [line for line in run.proc.stdout.splitlines() if "real_accelerator.py" not in line]
+    assert all(line.startswith("ds_exp: ") for line in said), run.proc.stdout
+    assert "OMP_NUM_THREADS" not in run.proc.stdout + run.proc.stderr
+    assert [line for line in said if line.startswith("ds_exp: training: ")] == [
+        "ds_exp: training: ZeRO stage 3, bf16, no offload, LoRA rank 64, alpha 64"
+    ]
+    assert said[-1].startswith("ds_exp: completed 4 steps in ") and said.count(said[-1]) == 1
 
 
 def test_wandb_offline_files_hold_the_metrics(tmp_path, cache_dir):
