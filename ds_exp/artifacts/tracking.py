@@ -147,7 +147,7 @@ class WandbRun:
                 # ~/.netrc); an offline run writes it nowhere (tests/integration/test_security.py). silent: wandb's
                 # own lines (its banner, and 34 lines of run history after ds_exp's last line) stay off the
                 # console; the line below says where the run is
-                settings=wandb.Settings(silent=True, **({"api_key": wandb_cfg.api_key} if wandb_cfg.api_key else {})),
+                settings=wandb.Settings(silent=True, api_key=wandb_cfg.api_key or None),
             )
         self.run_id = self.run.id
         self.store = Path(self.run.dir).parent  # <dir>/wandb/<run>/ (its files/ and the .wandb record)
