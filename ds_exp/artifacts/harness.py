@@ -19,6 +19,7 @@ import logging
 import os
 import random
 import shutil
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,17 +227,22 @@ def evaluate(
     harness.json, the chart and lm-eval's files into `out_dir`. Training's random state is left as it was."""
     hf_logging.disable_progress_bar()  # loading and writing shards: ds_exp says what it does instead
     with _random_state_kept(), staged(out_dir) as scratch, _lm_eval_log(scratch / "lm_eval.log"):
+        started = time.perf_counter()
         builtin_dir = _builtin_tasks(specs, tuned_dir, cache_dir, builtin)
         manager = task_manager(specs, builtin_dir)
         keyed = [_keyed(spec, builtin_dir) for spec in specs]
+        timing = {"tasks_s": time.perf_counter() - started}
         tuned = score(load_model(tuned_dir, settings), keyed, settings, manager, scratch / "tuned")
+        timing["tuned_s"] = time.perf_counter() - started - timing["tasks_s"]
         base: dict[str, TaskScores] | None = None
         scored: list[str] = []
         if base_cfg is not None:
             cache = BaseCache(cache_dir, base_identity(base_cfg, tuned_dir), settings.material())
             base, scored = base_scores(base_cfg, tuned_dir, keyed, settings, manager, cache, scratch / "base")
+            timing["base_s"] = time.perf_counter() - started - timing["tasks_s"] - timing["tuned_s"]
         record = harness_record(_pairs(tuned, keyed), _pairs(base, keyed) if base else None, _shown(settings, specs))
         record["settings"].update(model=str(tuned_dir), base_scored=scored if base_cfg is not None else None)
+        record["timing"] = timing  # seconds: the built-in tasks' files, the tuned model, the base (or its cache)
         write_record(scratch, record)
         chart(record, scratch / CHART, title)
     return Evaluation(record, out_dir, scored)

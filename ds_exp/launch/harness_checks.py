@@ -15,6 +15,7 @@ import contextlib
 import difflib
 import functools
 import glob
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -339,16 +340,15 @@ def cache_home() -> Path:
 def registry_index() -> dict[str, list[Any]]:
     """lm-eval's task registry by name: [kind, YAML path, a tag's task names]. lm-eval builds it by reading its
     ~15000 YAML files (seconds); it is kept in ~/.cache/ds_exp per lm-eval installation."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    tasks_dir = Path(lm_eval.__file__).parent / "tasks"
-    version = getattr(lm_eval, "__version__", "")
-    saved = cache_home() / f"lm_eval_tasks-{version}-{hash_key(str(tasks_dir))}.json"
+    spec = importlib.util.find_spec("lm_eval")
+    tasks_dir = Path(str(spec.origin if spec else "")).parent / "tasks"
+    saved = cache_home() / f"lm_eval_tasks-{importlib.metadata.version('lm_eval')}-{hash_key(str(tasks_dir))}.json"
     with contextlib.suppress(OSError, ValueError):
         found = json.loads(saved.read_text())
         if isinstance(found, dict) and found:
             return found
+    from lm_eval.tasks import TaskManager  # only to build the index (its import alone takes seconds)
+
     index = {
         name: [entry.kind.name, str(entry.yaml_path) if entry.yaml_path else None, sorted(entry.tags)]
         for name, entry in TaskManager().task_index.items()

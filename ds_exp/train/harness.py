@@ -12,6 +12,7 @@ during it ends the evaluation at once), and `python -m ds_exp.evaluate RUN_DIR T
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ def _scored(cfg: Config, session: Session, export_dir: Path, out_dir: Path, *, b
     """harness.json's record, or "failed: why" / "interrupted: why"."""
     from ds_exp.artifacts.harness import builtin_of, evaluate, settings_of  # lm-eval: an optional extra
 
+    gc.collect()  # what training held (the engine is released) before lm-eval loads the export
     accelerator = session.accelerator
     device = "cpu" if accelerator == "cpu" else f"{accelerator}:{session.launch.local_rank}"
     if cfg.eval.harness.device != "auto":

@@ -81,6 +81,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             if work is not None:
                 release_engine(work.engine)  # its memory and hooks, before a later job of this process
             unregister()  # transformers' attention table as it was, for a later job of this process
+        work = None  # the model and optimizer state go before lm-eval loads the export
         score_final_export(cfg, session)  # rank 0, once the engine is released; never fails the completed run
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
