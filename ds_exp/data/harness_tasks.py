@@ -14,7 +14,6 @@ Pure Python and yaml: the tokenizer that measures passkey prompts is handed in (
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 import yaml
 
 from ds_exp.config.schema import SyntheticDataConfig
+from ds_exp.core.files import json_text
 from ds_exp.data.cache import cached_build, hash_key
 from ds_exp.data.synthetic import COLORS, NOUNS, WORDS, generate, make_example
 
@@ -93,7 +93,7 @@ def write_builtin_tasks(
 
 
 def _write_task(directory: Path, final: Path, name: str, rows: list[dict[str, Any]], task: dict[str, Any]) -> int:
-    (directory / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (directory / f"{name}.jsonl").write_text("".join(json_text(row) + "\n" for row in rows))
     task = {**task, "dataset_kwargs": {"data_files": {"test": str(final / f"{name}.jsonl")}}}
     (directory / f"{name}.yaml").write_text(yaml.safe_dump(task, sort_keys=False))
     return len(rows)
