@@ -40,6 +40,14 @@ def jsonl(*rows: object) -> str:
     return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
 
 
+# an lm-eval task YAML whose data are a local file (relative paths are taken from where the command runs)
+HARNESS_TASK = (
+    "task: qa\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: qa.jsonl\ntest_split: test\n"
+    "output_type: multiple_choice\ndoc_to_text: question\ndoc_to_choice: choices\ndoc_to_target: answer\n"
+)
+HARNESS_ROWS = jsonl({"question": "2+2?", "choices": ["4", "5"], "answer": 0})
+
+
 def local_data(name: str = "sft.jsonl") -> tuple[str, ...]:
     return ("data=local", f"data.sources.0.path={{tmp}}/{name}", "train.max_steps=2")
 
@@ -963,6 +971,58 @@ CASES: list[Case] = [
             "train.export_dir=checkpoints/hf_model is inside train.checkpoint_dir=checkpoints",
             "train.export_dir=hf_model",
         ),
+    ),
+    # --- issue 33: lm-evaluation-harness scores (eval.harness), refused before any model is loaded
+    Case(
+        "unknown lm-eval task",
+        "config value",
+        ("eval.harness.tasks=[arc_eazy]",),
+        ("eval.harness.tasks: arc_eazy: lm-eval knows no such task or group; did you mean arc_easy", "task YAML"),
+    ),
+    Case(
+        "task YAML lm-eval rejects",
+        "path",
+        ("eval.harness.tasks=[qa.yaml]",),
+        ("eval.harness.tasks: qa.yaml: lm-eval rejects this task YAML", "doc_to_textt", "task_guide"),
+        files={"qa.yaml": HARNESS_TASK.replace("doc_to_text:", "doc_to_textt:"), "qa.jsonl": HARNESS_ROWS},
+    ),
+    Case(
+        "task data file missing",
+        "path",
+        ("eval.harness.tasks=[qa.yaml]",),
+        ("eval.harness.tasks: qa.yaml: its data file", "qa.jsonl is missing (dataset_kwargs.data_files)"),
+        files={"qa.yaml": HARNESS_TASK},
+    ),
+    Case(
+        "lm-eval task needing the hub",
+        "path",
+        ("eval.harness.tasks=[arc_easy]",),
+        ("arc_easy: its data is the Hugging Face hub dataset allenai/ai2_arc, HF_HUB_OFFLINE", "local files"),
+        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": "/nonexistent/datasets", "HF_HUB_CACHE": "/nonexistent/hub"},
+    ),
+    Case(
+        "harness every_save without step exports",
+        "combination",
+        ("eval.harness.tasks=[ds_exp_synthetic]", "eval.harness.every_save=true"),
+        ("eval.harness.every_save=true scores the exports of train.export_every, which is 0", "train.export_every=N"),
+    ),
+    Case(
+        "harness tasks without the export",
+        "combination",
+        ("eval.harness.tasks=[ds_exp_synthetic]", "train.export=false"),
+        ("eval.harness.tasks scores the run's final export, which train.export=false leaves out",),
+    ),
+    Case(
+        "optuna objective no task reports",
+        "sweep",
+        (
+            "-m",
+            "hydra/sweeper=optuna",
+            "optimizer.lr=interval(1e-5,1e-3)",
+            "eval.harness.tasks=[ds_exp_synthetic]",
+            "hydra.sweeper.objective=harness.ds_exp_synthetic.f1",
+        ),
+        ("hydra.sweeper.objective=harness.ds_exp_synthetic.f1: the runs' lm-eval scores hold no such number",),
     ),
 ]
 

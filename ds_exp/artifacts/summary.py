@@ -59,6 +59,12 @@ class RunState:
     export_dir: str | None = None
     resumed_from: str | None = None
     log_file: str | None = None
+    # eval.harness: lm-eval's scores of the final export (task -> metric -> value; the base's beside), and how that
+    # evaluation ended (completed | failed | interrupted): its own status, a failure never fails the run
+    harness: dict[str, dict[str, float | None]] | None = None
+    harness_base: dict[str, dict[str, float | None]] | None = None
+    harness_status: str | None = None
+    harness_error: str | None = None
 
     def per_second(self, amount: float) -> float | None:
         return amount / self.train_seconds if self.train_seconds else None
@@ -110,6 +116,10 @@ class RunState:
             "resumed_from": self.resumed_from,
             "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0),  # SLURM requeues of this job so far
             "log_file": self.log_file,
+            "harness": self.harness,
+            "harness_base": self.harness_base,
+            "harness_status": self.harness_status,
+            "harness_error": redact_text(self.harness_error) if self.harness_error else None,
         }
 
 

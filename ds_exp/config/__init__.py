@@ -3,7 +3,8 @@ the interpolations that build the DeepSpeed config (resolvers, ds_config: a user
 the checks of values and combinations (validate, model_checks; place_checks: where a run's name and relative
 paths put it), a user's own config files (config_files), the run's arithmetic (plan: steps, batches; memory_plan:
 bytes per rank, on disk), the precision an accelerator gets (precision), credentials by name and by shape
-(secret_names, secret_shapes, secrets) and where ds_exp's own files are (paths).
+(secret_names, secret_shapes, secrets), where ds_exp's own files are (paths), and the typed eval group with
+lm-eval's settings (eval_schema).
 
 Layer 1, light: no torch, no deepspeed. May import: ds_exp.core.
 """

@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf, open_dict
 
+from ds_exp.config.eval_schema import EvalConfig
 from ds_exp.config.secrets import hide_secrets_when_composing
 from ds_exp.config.tracker_schema import MlflowConfig, TensorBoardConfig
 from ds_exp.core.errors import ConfigError
@@ -283,18 +284,6 @@ class TrainConfig:
     max_bad_steps: int = 10  # consecutive non-finite losses before giving up
     compile: bool = False  # torch.compile the model through DeepSpeed's engine (engine.compile())
     peak_tflops: float | None = None  # per device, for MFU; null = the GPU's dense peak from ds_exp/train/flops.py
-
-
-@dataclass
-class EvalConfig:
-    prompts: list[str] = field(default_factory=list)  # completed at the first and the last evaluation
-    prompts_file: str | None = None  # more prompts: one per line, or JSON lines with a "prompt" field
-    max_new_tokens: int = 64
-    every_eval: bool = False  # also at every evaluation in between
-    temperature: float = 0.0  # 0 = greedy; > 0 samples
-    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability; 1 = off
-    top_k: int = 0  # sample among the k likeliest tokens; 0 = off
-    seed: int = 1234  # seeds each generation's sampling (training's random state is left as it was)
 
 
 @dataclass

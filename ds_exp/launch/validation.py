@@ -1,5 +1,6 @@
-"""Everything checked before heavy work, in one call: the config's values and combinations (ds_exp.config.validate)
-and the data config (ds_exp.data.checks), for the world size and accelerator of this launch."""
+"""Everything checked before heavy work, in one call: the config's values and combinations (ds_exp.config.validate),
+the data config (ds_exp.data.checks) and the lm-eval tasks to score (ds_exp.launch.harness_checks), for the world
+size and accelerator of this launch."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ds_exp.config.validate import config_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.data.checks import check_data_config
 from ds_exp.launch.environment import detect_launch
+from ds_exp.launch.harness_checks import harness_problems
 
 
 def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
@@ -25,6 +27,7 @@ def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None =
     accelerator = accelerator or detect_accelerator()
     problems, ds = config_problems(cfg, accelerator=accelerator, world_size=world, run_dir=run_dir)
     problems += check_data_config(cfg.data)
+    problems += harness_problems(cfg)  # eval.harness: lm-eval's tasks, before any model is loaded
     if problems:
         raise ConfigError(problems)
     return ds

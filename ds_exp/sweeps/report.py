@@ -26,6 +26,7 @@ from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import entry_point
+from ds_exp.sweeps.harness_columns import harness_cells, harness_damaged, report_columns
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ def read_job_summary(path: Path) -> dict[str, Any]:
     final = summary.get("final_eval") or {}
     if not isinstance(final, dict) or (final.get("perplexity") is not None and not _is_number(final["perplexity"])):
         wrong.append("final_eval")
+    wrong += ["harness"] if harness_damaged(summary) else []
     if wrong:
         raise Damaged(f"{path} is damaged: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not numbers")
     return summary
@@ -155,6 +157,7 @@ def _fill_from_summary(row: dict[str, Any], summary: dict[str, Any]) -> None:
         restarts=summary.get("restarts"),
         error_kind=summary.get("error_kind"),
         error=summary.get("error"),
+        **harness_cells(summary),  # harness.<task>.<metric>: eval.harness's scores
     )
 
 
@@ -166,9 +169,9 @@ def _cell(value: object) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+def markdown(rows: list[dict[str, Any]], columns: list[str] = COLUMNS) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -223,11 +226,12 @@ def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[st
     for row in rows:
         if row["status"] == "damaged" or " is damaged: " in (row["error"] or ""):
             print(f"ds_exp: warning: job {row['job']}: {row['error']}; the report says so in its row", file=sys.stderr)
+    columns = report_columns(COLUMNS, rows)  # a harness.<task>.<metric> column per score the jobs report
     with (sweep_dir / "report.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    table = markdown(rows)
+    table = markdown(rows, columns)
 
     tuned = _section(autotune_section, sweep_dir, rows)
     study = _section(study_section, sweep_dir)  # an optuna study's trials and its best one (hydra/sweeper=optuna)

@@ -1,6 +1,7 @@
 """Tools around runs, each an entry point: the dry run's plan without weights (dry_run), the autotune sweeper
 (autotune: which configuration fits and which is fastest), the parity check of two configurations (parity), and
-using what a run trained (use: export any checkpoint, chat with an export).
+using what a run trained (use: export any checkpoint, chat with an export; evaluate: lm-eval scores, base
+against tuned).
 
 Layer 11, heavy. May import every layer below it.
 """

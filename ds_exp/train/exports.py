@@ -16,6 +16,7 @@ from ds_exp.config.schema import Config
 from ds_exp.data.templates import first_template
 from ds_exp.launch.exports import WRITTEN_BY_RUN, rotated_step_exports, step_export_dir
 from ds_exp.train.generate import stop_token_ids
+from ds_exp.train.harness import score_step_export
 from ds_exp.train.session import Session
 from ds_exp.train.workload import Workload
 
@@ -62,6 +63,7 @@ class RunExports:
         self._export(target, step)
         if self.session.is_main:
             log.info("exported step %d to %s", step, target)
+            score_step_export(self.cfg, self.session, target, step)  # eval.harness.every_save: before rotation
             for old in rotated_step_exports(self.export_dir, self.run_id, self.cfg.train.export_keep_last):
                 shutil.rmtree(old, ignore_errors=True)
 

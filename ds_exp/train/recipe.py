@@ -6,6 +6,7 @@
         start = resume(cfg, session, work)     # the checkpoint to continue from, or a fresh start
         train(cfg, session, work, start)       # the loop, evaluations, generations, checkpoints
         RunExports(...).final()                # a Hugging Face model with the base model's identity
+        score_final_export(cfg, session)       # eval.harness: lm-eval scores, base beside (its own status)
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
 label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
@@ -57,6 +58,7 @@ from ds_exp.train.evaluate import Generations
 from ds_exp.train.exports import RunExports
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
 from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
+from ds_exp.train.harness import score_final_export
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.session import NothingToDo, Session
@@ -80,6 +82,8 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             if work is not None:
                 release_engine(work.engine)  # its memory and hooks, before a later job of this process
             unregister()  # transformers' attention table as it was, for a later job of this process
+        work = None  # the model and optimizer state go before lm-eval loads the export
+        score_final_export(cfg, session)  # rank 0, once the engine is released; never fails the completed run
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
 

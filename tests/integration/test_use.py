@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from tests.integration.test_harness import task_yaml
 from tests.training import FAST, launch, user_env
 
 PROMPT = "repeat the words: apple cat dog"
@@ -169,10 +170,14 @@ def test_a_conversation_renders_every_turn_as_the_template_trains_it():
 @pytest.fixture(scope="module")
 def zero0(tmp_path_factory, cache_dir):
     """ZeRO-0, fp32: checkpoints at 2 and 4, an export every step (the newest 2 kept), generations at 0, 2 and 4
-    (a learning rate that leaves the tiny model babbling: an answer of no tokens would prove nothing)."""
+    (a learning rate that leaves the tiny model babbling: an answer of no tokens would prove nothing), and an lm-eval
+    task that fails while the final export is scored."""
+    root = tmp_path_factory.mktemp("zero0")
+    failing = task_yaml(root, "failing", "raise RuntimeError('this document cannot be rendered')")
     run = launch(
-        tmp_path_factory.mktemp("zero0") / "run",
+        root / "run",
         *FAST,
+        f"eval.harness.tasks=[{failing}]",  # an lm-eval task that fails while it is scored: the run completes
         "optimizer.lr=1e-4",
         "train.max_steps=4",
         "train.save_every=2",
@@ -199,6 +204,11 @@ def test_exports_during_training_are_rotated_and_say_where_they_come_from(zero0)
     assert origin["step"] == 3 and origin["written_by"] == "run" and origin["run_id"]
     meta = json.loads((run_dir / "hf_model" / "ds_exp_export.json").read_text())
     assert meta["origin"]["step"] == 4 and meta["generation"]["template"] == "dschat"
+    # the lm-eval evaluation failed (issue 33): its own status, the completed run and its files as they were
+    summary = zero0.summary
+    assert (summary["status"], summary["harness_status"], summary["harness"]) == ("completed", "failed", None)
+    assert "RuntimeError: this document cannot be rendered" in summary["harness_error"]
+    assert not (run_dir / "eval").exists() and (run_dir / "checkpoints" / "step4" / "ds_exp_complete.json").is_file()
 
 
 @pytest.mark.slow

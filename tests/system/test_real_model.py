@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ds_exp.artifacts.export import TOKENIZER_FILES
+from tests.integration.test_harness import qa_task
 from tests.training import launch
 
 
@@ -135,9 +136,17 @@ def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dscha
         "train.micro_batch_size=2",
         "train.max_steps=4",
         "train.export_adapter=true",
+        f"eval.harness.tasks=[{qa_task(tmp_path)}]",  # lm-eval scores of the merged export and of SmolLM2 itself
+        "eval.harness.limit=4",
     )
     assert run.ok, run.explain()
     assert run.losses[-1] < run.losses[0], run.losses
+    # scored on rank 0 (rank 1 waits): the base is the checkpoint itself, which the export kept as it was; the
+    # run's template (raw) is lm-eval's own prompt
+    record = json.loads((run.run_dir / "eval" / "harness.json").read_text())
+    assert run.summary["harness_status"] == "completed" and record["settings"]["template"] is None
+    assert set(record["tasks"]["qa"]["acc"]) == {"base", "tuned", "stderr"}
+    assert len(list((run.run_dir / "eval" / "base" / "qa").glob("samples_qa_*.jsonl"))) == 1
     base = load_file(smollm2_dir / "model.safetensors")
     merged = load_file(run.run_dir / "hf_model" / "model.safetensors")
     adapter = load_file(run.run_dir / "hf_model_adapter" / "adapter_model.safetensors")

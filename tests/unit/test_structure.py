@@ -28,7 +28,8 @@ IMPORTED_WHERE_USED = {
     "oneccl_bindings_for_pytorch": "optional: Intel's oneCCL bindings, only where installed",
     "liger_kernel": "optional: only where installed",
     "submitit": "only inside a submitit job (every other launch skips its import time)",
-    "matplotlib": "only for the sweep report's plot (its import prints and costs seconds)",
+    "matplotlib": "only for the sweep report's plot and the harness chart (its import prints and costs seconds)",
+    "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",
     "wandb": "only with logger=wandb (its import costs seconds)",
     "mlflow": "only with logger.mlflow.enabled (its import costs seconds)",
     "tensorboardX": "only with logger.tensorboard.enabled",
@@ -37,6 +38,8 @@ IMPORTED_WHERE_USED = {
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.use.export": "python -m ds_exp.export: --help and every refusal answer before torch is imported",
     "ds_exp.tools.use.chat": "python -m ds_exp.chat: --help and every refusal answer before torch is imported",
+    "ds_exp.artifacts.harness": "imports lm-eval, an optional extra: only with eval.harness.tasks / ds_exp.evaluate",
+    "ds_exp.tools.evaluate.run": "python -m ds_exp.evaluate: --help and every refusal answer before torch is imported",
 }
 # uses (not mentions) of other libraries' private names that ds_exp relies on
 PRIVATE = re.compile(
