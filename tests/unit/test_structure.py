@@ -27,6 +27,7 @@ IMPORTED_WHERE_USED = {
     "flash_attn": "optional: only where installed",
     "oneccl_bindings_for_pytorch": "optional: Intel's oneCCL bindings, only where installed",
     "liger_kernel": "optional: only where installed",
+    "torch.nn.attention.varlen": "a prototype of recent torch versions: only where its kernel runs (CUDA)",
     "submitit": "only inside a submitit job (every other launch skips its import time)",
     "matplotlib": "only for the sweep report's plot (its import prints and costs seconds)",
     "wandb": "only with logger=wandb (its import costs seconds)",
