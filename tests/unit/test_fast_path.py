@@ -201,3 +201,31 @@ def test_mfu_is_given_in_both_counts():
     assert flops.per_batch_row_attention(16, 16) == (6000 + 12 * 2 * 8 * 16) * 16
     lora = FlopsModel(matmul_params=1000, trainable_matmul_params=10, layers=2, hidden=8)
     assert lora.matmul_per_token == 4 * 1000 + 2 * 10  # LoRA: 4 N + 2 N_trainable
+
+
+# ------------------------------------------------------------------------------------------------ the planner
+
+
+def test_the_planner_picks_the_largest_micro_batch_that_fits_without_checkpointing(compose_cfg):
+    from dataclasses import replace
+
+    from ds_exp.config.memory_plan import plan_micro_batch, run_estimate
+    from ds_exp.model.architecture import model_facts
+
+    cfg = compose_cfg("precision=bf16", "data.max_seq_len=4096")
+    facts = model_facts(cfg)
+
+    def estimate(micro: int, checkpointing: bool) -> int:
+        one = replace(cfg, train=replace(cfg.train, micro_batch_size=micro))
+        one = replace(one, model=replace(one.model, gradient_checkpointing=checkpointing))
+        return run_estimate(one, facts, world_size=1, precision="bf16", accelerator="cuda")["estimate_bytes"]
+
+    def plan(device_bytes: float) -> tuple[int, bool]:
+        return plan_micro_batch(cfg, facts, int(device_bytes / 0.85) + 2, precision="bf16", world_size=1)
+
+    assert plan(estimate(16, False)) == (16, False)
+    assert plan(estimate(4, False)) == (4, False)
+    assert plan(estimate(1, False)) == (1, False)  # a smaller batch before any recomputation
+    assert estimate(1, True) < estimate(1, False)  # checkpointing fits where nothing else does
+    assert plan(estimate(1, True)) == (1, True)
+    assert plan(1) == (1, True)  # nothing fits: the run says so itself
