@@ -314,7 +314,9 @@ def dry_run() -> dict[str, Any]:
         }
         print(f"{name}: {plan[name]['command']}\n  memory plan per GPU: {plan[name]['estimate_per_gpu']}", flush=True)
     missing = [p for p in ("liger_kernel", "triton") if importlib.util.find_spec(p) is None]
-    return {"variants": plan, "missing_packages_here": missing}
+    payload = {"gpu_bytes_planned_for": gpu_bytes, "variants": plan, "missing_packages_here": missing}
+    write_result("gpu_throughput_dry_run", payload)
+    return payload
 
 
 if __name__ == "__main__":
