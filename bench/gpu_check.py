@@ -1,5 +1,5 @@
-"""One command that checks a CUDA machine with ds_exp installed in under 12 minutes, and writes
-bench/results/gpu_check.json (and gpu_throughput.json).
+"""One command that checks a CUDA machine with ds_exp installed, in under 12 minutes.
+It writes bench/results/gpu_check.json (and gpu_throughput.json).
 
     bench/gpu_setup.sh install .whl && python -m bench.gpu_check    # a bare H100: setup ~30 s, the check <= 640 s
     python -m bench.gpu_check --deadline-s 3600 --jobs 1           # everything, one thing at a time (~25 minutes)

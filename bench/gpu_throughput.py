@@ -98,6 +98,7 @@ VARIANTS: dict[str, tuple[int, str, tuple[str, ...]]] = {
 EXPECTED_S = {"lora_8b_zero3": 150, "ds_exp": 100, "ds_exp_no_liger": 100, "ds_exp_no_varlen": 100}
 DEFAULT_EXPECTED_S = 75
 STEPS, WINDOW, WARMUP_WINDOWS = 11, 2, 1  # the first 3 steps (compile, allocator) are warm-up: 4 windows measured
+QUICK = ("ds_exp", "hf_trainer_recommended", "lora_8b_zero3", "ds_exp_plain")
 GOALS = {"mfu": 0.40, "vs_trainer": 1.4, "lora_8b_mfu": 0.35, "loss_vs_plain": 0.03}
 
 
@@ -166,8 +167,13 @@ def planned_lora_8b(gpu_bytes: int) -> tuple[str, ...]:
     return (f"train.micro_batch_size={micro}", f"model.gradient_checkpointing={str(checkpointing).lower()}")
 
 
-def main(deadline: float | None = None, names: tuple[str, ...] = tuple(VARIANTS)) -> dict[str, Any] | None:
-    """`deadline` (a time.perf_counter() value): variants that would end past it are recorded as not run."""
+def main(
+    quick: bool = False, deadline: float | None = None, names: tuple[str, ...] = tuple(VARIANTS)
+) -> dict[str, Any] | None:
+    """`deadline` (a time.perf_counter() value): variants that would end past it are recorded as not run; `quick`:
+    the three that decide the goals (ds_exp's default, the Trainer, lora_8b_zero3) and the plain path."""
+    if quick:
+        names = tuple(n for n in names if n in QUICK)
     import torch
 
     if not torch.cuda.is_available():

@@ -1,16 +1,18 @@
-"""The longest sequence that trains an optimizer step under one memory budget per rank, knob by knob.
+"""The longest sequence that trains an optimizer step under one memory budget per rank, ALST's way (its Table 1).
 
-    python -m bench long_context            # ~1 hour on 2 CPU cores
-    python -m bench long_context --quick    # a smoke run: two configurations, a coarse search
+    python -m bench long_context --budget 736 --work DIR   # ~30-60 minutes on 2 CPU cores (more when they are shared)
+    python -m bench long_context --quick                   # a smoke run: two configurations, a coarse search
 
 Every trial is a real `python -m ds_exp` run (fp32, ZeRO-3, micro batch 1, rows of exactly L tokens from a file of
 long documents, no evaluation, two optimizer steps: the second runs with the optimizer's states allocated, the
 steady state). A trial fits when it trains and its peak memory per rank stays within the budget; tokens/s is the
-second step's. Then every configuration runs 3 steps at the baseline's longest L: what each knob costs in speed and
-saves in memory at one length. The configurations are
-cumulative, as issue 24 lists them: baseline, + tiled loss, + TiledMLP, + activation checkpointing (+ offload), +
-Ulysses sequence parallelism over 2 ranks (all_sp2: every knob, `dist.sequence_parallel_size=2` on 2 ranks: run only
-where this checkout has that key; otherwise recorded as not run).
+second step's. The configurations add ALST's techniques in turn (issue 32): baseline, + tiled loss, + activation
+checkpointing, + Ulysses sequence parallelism over 2 ranks (sp2), + tiled MLP, + activation offload (the full stack
+at N=2); and full_n1, every technique but sequence parallelism: the best single-rank configuration. Each search
+starts at the longest length any earlier configuration reached and ends at a length that did not fit (never at a
+cap: `ended_at_a_failure` says so per configuration). Goal (`goal` in the results): the full stack at N=2 >= 16x the
+baseline's length (ALST's one-GPU factor) and >= 1.8x the best single-rank configuration's. `--speed-pass` also runs
+every configuration 3 steps at the baseline's longest length (what each costs in speed).
 
 Peak memory per rank on a CPU: the process's resident-set high-water mark (ru_maxrss, what ds_exp writes to
 summary.json as peak_memory_bytes per rank), because that is what the operating system, a cgroup or SLURM's --mem
@@ -19,8 +21,8 @@ freed blocks of 64 KiB or more back at once (MALLOC_MMAP_THRESHOLD_=65536); by d
 32 MiB as blocks are freed and keeps up to 64 MiB of freed memory resident, which would make the high-water mark
 depend on the order tensors die rather than on what was alive together (the same thing CUDA's max_memory_allocated
 counts, without its caching allocator's reserve). Activation offload moves activations from the accelerator to host
-memory; on a CPU both are the same memory, so here it saves nothing (it is on in the checkpointing configuration
-and costs its copies only on a GPU: bench/gpu_check.py measures there).
+memory; on a CPU both are the same memory, so here it saves nothing (its search shows the cost of its copies only:
+bench/gpu_check.py measures it on a GPU).
 
 Writes bench/results/long_context.json (issue 24's schema: budget_mib, configs -> max_seq_len, peak_mib,
 tokens_per_s), bench/results/long_context_trials.json (every trial, the settings, the memory estimate against each
