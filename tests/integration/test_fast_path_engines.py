@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ds_exp.config.fast_path import liger_installed
 from ds_exp.model.build import build_model
 from ds_exp.model.engine import release_engine
 from ds_exp.model.tokenizer import load_tokenizer
@@ -62,6 +63,7 @@ def train(compose_cfg, engines: list, stage: int, *overrides: str) -> tuple[list
     return losses, built
 
 
+@pytest.mark.skipif(not liger_installed(), reason="liger-kernel is not installed (pip install '.[dev]')")
 def test_the_fused_loss_trains_like_the_plain_loss_at_zero3(compose_cfg, one_rank):
     """(ZeRO-0 is tests/unit/test_fast_path.py's, without an engine: nothing is partitioned there.)"""
     lora = ("lora.dim=4", "lora.modules_to_save=[lm_head]")  # adapters in the layers, lm_head trained whole
