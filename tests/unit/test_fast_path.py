@@ -147,7 +147,9 @@ def packed_rows() -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
 def test_packed_examples_see_only_themselves(compose_cfg, attention):
     """A packed row's logits of each example equal that example's alone (sdpa: transformers' mask from the position
     ids; torch_varlen: the examples' boundaries; eager attention over the rows as one sequence would mix them)."""
-    model = built(compose_cfg, f"model.attn_implementation={attention}").model.eval()
+    model_built = built(compose_cfg, f"model.attn_implementation={attention}")
+    assert model_built.takes_example_boundaries == (attention == TORCH_VARLEN)  # the step hands them over then
+    model = model_built.model.eval()
     batch, examples = packed_rows()
     boundaries = example_boundaries(batch)
     assert boundaries["cu_seq_lens_q"].tolist() == [0, 5, 12, 16, 25, 32]
