@@ -24,9 +24,11 @@ counts, without its caching allocator's reserve). Activation offload moves activ
 memory; on a CPU both are the same memory, so here it saves nothing (its search shows the cost of its copies only:
 bench/gpu_check.py measures it on a GPU).
 
-Writes bench/results/long_context.json (issue 24's schema: budget_mib, configs -> max_seq_len, peak_mib,
-tokens_per_s), bench/results/long_context_trials.json (every trial, the settings, the memory estimate against each
-measured peak) and bench/results/long_context.png (peak memory per rank against sequence length).
+Writes bench/results/long_context_alst.json (budget_mib, configs -> max_seq_len, peak_mib, tokens_per_s,
+ended_at_a_failure; the goal), long_context_alst_trials.json (every trial, the settings, the memory estimate against
+each measured peak) and long_context_alst.png (peak memory per rank against sequence length). bench/results/
+long_context.json and its trials are issue 24's search (cumulative knobs, capped at 8x; the bench as of adda99a),
+which the README's figures quote.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ TWO_RANKS = ("sp2", "tiled_mlp", "offload")
 FULL_STACK_N2, SINGLE_RANK = "offload", ("baseline", "tiled_loss", "checkpointing", "full_n1")
 GOAL = {"vs_baseline": 16.0, "vs_best_single_rank": 1.8}  # ALST's one-GPU factor; issue 32
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+RESULT = "long_context_alst"  # bench/results/<this>.json, <this>_trials.json, <this>.png
 
 
 def write_documents(path: Path, tokens: int, count: int = 2) -> None:
@@ -446,9 +449,9 @@ def main(
             "complete": final and len(configs) == len(names),
             "cpu_load_average": {**load, "at_end": os.getloadavg()},  # 2 cores shared with other work
         }
-        (RESULTS / "long_context.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (RESULTS / f"{RESULT}.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_result(
-            "long_context_trials",
+            f"{RESULT}_trials",
             {
                 "budget_mib": budget_mib,
                 "common_overrides": list(COMMON),
@@ -459,7 +462,7 @@ def main(
                 "estimate_vs_measured": estimate_rows(trials) if final else [],
             },
         )
-        plot(trials, RESULTS / "long_context.png", budget_mib)
+        plot(trials, RESULTS / f"{RESULT}.png", budget_mib)
 
     with contextlib.ExitStack() as stack:
         if work is None:
@@ -622,7 +625,7 @@ def print_estimates(rows: list[dict[str, Any]]) -> None:
 def recompute_estimates() -> None:
     """`python -m bench.long_context --estimates`: the estimate columns again, from the recorded trials and step
     growths (after the estimate's formula changed), without running anything."""
-    path = RESULTS / "long_context_trials.json"
+    path = RESULTS / f"{RESULT}_trials.json"
     recorded = json.loads(path.read_text())
     recorded["estimate_vs_measured"] = estimate_rows(recorded["trials"])
     models = growth_models()
@@ -636,7 +639,7 @@ def recompute_estimates() -> None:
 
 
 def add_paired_speed(length: int) -> None:
-    path = RESULTS / "long_context_trials.json"
+    path = RESULTS / f"{RESULT}_trials.json"
     recorded = json.loads(path.read_text())
     recorded["paired_speed"] = {"max_seq_len": length, "configs": paired_speed(length)}
     path.write_text(json.dumps(recorded, indent=2, default=str) + "\n")
@@ -699,7 +702,7 @@ def growth_table(
 
 if __name__ == "__main__":
     if "--growth" in sys.argv:
-        path = RESULTS / "long_context_trials.json"
+        path = RESULTS / f"{RESULT}_trials.json"
         recorded = json.loads(path.read_text()) if path.is_file() else {}
         recorded["step_growth_vs_estimate"] = growth_table()
         path.write_text(json.dumps(recorded, indent=2, default=str) + "\n")
