@@ -402,6 +402,20 @@ CASES: list[Case] = [
         ("model.attn_implementation=flash_attention_2",),
         ("model.attn_implementation=flash_attention_2 needs a CUDA GPU", "model.attn_implementation=auto"),
     ),
+    # --- the fast path (issue 32): each knob auto | true | false; true where it cannot run is refused with the fix
+    Case(
+        "a fast-path knob that is not auto, true or false",
+        "config value",
+        ("model.fused_loss=sometimes",),
+        ("model.fused_loss=sometimes: expected auto, true or false",),
+    ),
+    Case(
+        "Liger's fused loss asked for on a CPU",
+        "combination",
+        ("model.fused_loss=true",),
+        ("model.fused_loss=true: Liger's fused linear cross-entropy is a Triton GPU kernel and this is cpu", "auto"),
+        env={"TRITON_INTERPRET": "0"},  # the interpreter (tests/unit/test_fast_path.py's) would run it on the host
+    ),
     # --- sequence parallelism (dist.sequence_parallel_size, issue 24): refused before anything heavy
     Case(
         "sequence parallel size not dividing the world size",

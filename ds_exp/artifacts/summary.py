@@ -54,6 +54,9 @@ class RunState:
     train_tokens: float = 0.0
     train_samples: float = 0.0
     train_flops: float = 0.0
+    train_flops_row_attention: float = 0.0  # torchtitan's / llm-foundry's count (ds_exp/train/flops.py)
+    compile_s: float | None = None  # torch.compile's time, part of the first steps' (train.compile)
+    fast_path: dict[str, Any] | None = None  # attention, Liger's kernels, fused loss, compile: what the run used
     skipped_steps: int = 0
     checkpoint: str | None = None
     export_dir: str | None = None
@@ -69,10 +72,13 @@ class RunState:
     def per_second(self, amount: float) -> float | None:
         return amount / self.train_seconds if self.train_seconds else None
 
-    def as_summary(self, peaks: list[int | None]) -> dict[str, Any]:
-        mfu = None
+    def mfu(self, flops: float) -> float | None:
         if self.peak_flops and self.train_seconds:
-            mfu = self.train_flops / self.train_seconds / (self.peak_flops * self.world_size)
+            return flops / self.train_seconds / (self.peak_flops * self.world_size)
+        return None
+
+    def as_summary(self, peaks: list[int | None]) -> dict[str, Any]:
+        mfu = self.mfu(self.train_flops)
         tokens_per_s = self.per_second(self.train_tokens)
         return {
             "status": self.status,
@@ -106,7 +112,10 @@ class RunState:
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / self.world_size if tokens_per_s is not None else None,
             "samples_per_s": self.per_second(self.train_samples),
-            "mfu": mfu,
+            "mfu": mfu,  # ds_exp's count: 6 N + each example's attention
+            "mfu_with_attention": self.mfu(self.train_flops_row_attention),  # torchtitan's: 6 N + 12 L d s per token
+            "compile_s": self.compile_s,
+            "fast_path": self.fast_path,
             "device": self.device,
             "peak_tflops_per_device": (self.peak_flops or 0) / 1e12 or None,
             "skipped_steps": self.skipped_steps,

@@ -14,8 +14,9 @@ included.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from ds_exp.config.fast_path import decide
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.tiling_plan import plan_tiling, tokens_per_rank
 
@@ -88,6 +89,7 @@ class LongContext:
     offload: bool = False  # checkpointed layer inputs in host memory (saves device memory on accelerators only)
     attention_scores: bool = False  # eager attention: heads x length x length probabilities per layer
     packed_mask: bool = False  # packed rows without flash-attention: transformers builds a length x length mask
+    fused_loss: bool = False  # Liger's fused linear cross-entropy (model.fused_loss): logits a chunk at a time
 
 
 def estimate_activations(
@@ -135,7 +137,12 @@ def estimate_activations(
         kept = shape.layers * t * hidden * w * on_device + layer + mlp_tile
     else:
         kept = shape.layers * layer + mlp_tile
-    if knobs.loss_chunk_tokens:
+    if knobs.fused_loss:  # Liger: chunks of about t x hidden / vocab tokens (up to twice that), the hidden states'
+        # gradient worked out in the forward, and a trained output weight's gradient summed in fp32
+        chunk = min(t, max(1, 2 * t * hidden // max(shape.vocab, 1)))
+        head_grad = shape.vocab * hidden * 4 if embedding_trains else 0
+        logits = 2 * t * hidden * w + chunk * shape.vocab * (w + 4) + head_grad
+    elif knobs.loss_chunk_tokens:
         chunk = min(t, knobs.loss_chunk_tokens)
         logits = t * hidden * w + chunk * shape.vocab * (w + 8 + (4 if w == 2 else 0))
     else:
@@ -166,14 +173,16 @@ def run_estimate(
     micro = int(cfg.train.micro_batch_size)
     tokens = micro * tokens_per_rank(cfg.data.max_seq_len, sp)
     attention = str(cfg.model.attn_implementation or "sdpa")
+    fast = decide(cfg, accelerator, int(cfg.zero.stage))
     knobs = LongContext(
+        fused_loss=fast.fused_loss,
         checkpointing=bool(cfg.model.gradient_checkpointing),
         sequence_parallel=sp,
         mlp_tiles=tiling.mlp_shards,
-        loss_chunk_tokens=-(-tokens // tiling.loss_chunks) if tiling.loss_chunks else 0,
+        loss_chunk_tokens=-(-tokens // tiling.loss_chunks) if tiling.loss_chunks and not fast.fused_loss else 0,
         offload=tiling.offload,
         attention_scores=attention == "eager",
-        packed_mask=bool(cfg.data.packing) and not attention.startswith("flash"),
+        packed_mask=bool(cfg.data.packing) and not varlen_attention(attention, accelerator, precision),
     )
     shape = ModelShape(
         facts["hidden"],
@@ -200,6 +209,30 @@ def run_estimate(
         "model_states_bytes": states_bytes,
         "activation_bytes": activations,
     }
+
+
+def varlen_attention(attention: str, accelerator: str, precision: str) -> bool:
+    """Whether packed rows run on a varlen kernel, which reads the examples' boundaries instead of a length x length
+    mask: flash-attn's, torch's (model.attn_implementation=auto picks one on CUDA in 16 bits: model/attention.py)."""
+    auto = attention == "auto" and accelerator == "cuda" and precision != "fp32"
+    return attention.startswith("flash") or attention == "torch_varlen" or auto
+
+
+def plan_micro_batch(
+    cfg: Config, facts: dict[str, int], device_bytes: int, *, precision: str, world_size: int, use: float = 0.85
+) -> tuple[int, bool]:
+    """The planner's micro batch and activation checkpointing for a GPU of `device_bytes`: the largest micro batch
+    (16, 8, 4, 2, 1) whose estimate fits `use` of the memory without checkpointing (recomputing costs about a third
+    more compute), else with it; (1, True) when nothing fits (the run then says so itself)."""
+    for checkpointing in (False, True):
+        for micro in (16, 8, 4, 2, 1):
+            train = replace(cfg.train, micro_batch_size=micro)
+            model = replace(cfg.model, gradient_checkpointing=checkpointing)
+            one = replace(cfg, train=train, model=model)
+            bytes_ = run_estimate(one, facts, world_size=world_size, precision=precision, accelerator="cuda")
+            if bytes_["estimate_bytes"] <= use * device_bytes:
+                return micro, checkpointing
+    return 1, True
 
 
 def human_bytes(n: float) -> str:

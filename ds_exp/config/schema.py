@@ -7,9 +7,8 @@ before any code of ours runs. Semantic checks (combinations, ranges, paths) live
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -129,8 +128,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     disable_dropout: bool = False
     vocab_multiple: int = 8  # pad the embedding matrix to a multiple of this
-    attn_implementation: str | None = None  # null = transformers' default; auto = flash_attention_2 when usable
-    liger_kernel: bool = False  # Liger's Triton kernels (CUDA, `pip install liger-kernel`)
+    attn_implementation: str | None = "auto"  # null = transformers' default; auto: ds_exp/model/attention.py
+    liger_kernel: Any = "auto"  # Liger's RMSNorm, SwiGLU, RoPE: auto | true | false (ds_exp/config/fast_path.py)
+    fused_loss: Any = "auto"  # Liger's fused linear cross-entropy, no full logits tensor: auto | true | false
     rope_scaling: Any = None  # transformers' rope_scaling dict (rope_type, factor, ...); Any: a dict merges into null
     tiled_mlp: bool = False  # long context (ds_exp/model/tiling.py): MLPs over sequence tiles, recomputed in backward
     tiled_mlp_shards: int | None = None  # tiles per MLP call; null = ceil(tokens per row / hidden size)
@@ -282,7 +282,7 @@ class TrainConfig:
     export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/artifacts/export.py)
     allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
     max_bad_steps: int = 10  # consecutive non-finite losses before giving up
-    compile: bool = False  # torch.compile the model through DeepSpeed's engine (engine.compile())
+    compile: Any = "auto"  # torch.compile of each decoder layer: auto (CUDA at ZeRO 0-2) | true | false
     peak_tflops: float | None = None  # per device, for MFU; null = the GPU's dense peak from ds_exp/train/flops.py
 
 
@@ -380,7 +380,7 @@ def to_config(cfg: Any) -> Config:
 
 def as_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain JSON values (for wandb, secret scanning)."""
-    return plain_tree(dataclasses.asdict(cfg))
+    return plain_tree(asdict(cfg))
 
 
 def register_configs() -> None:

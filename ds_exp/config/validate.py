@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.ds_config import RunFacts, get_path, load_config_file, resolve_ds_config
+from ds_exp.config.fast_path import fast_path_problems
 from ds_exp.config.logger_checks import logger_problems
 from ds_exp.config.long_context_checks import long_context_problems
 from ds_exp.config.lora_checks import lora_problems
@@ -82,14 +83,7 @@ def _check_speed_features(cfg: Config, accelerator: str) -> list[str]:
                 f"model.attn_implementation={attention}: the {package} package is not installed "
                 "(pip install flash-attn --no-build-isolation); or use model.attn_implementation=auto"
             )
-    if cfg.model.liger_kernel:
-        if accelerator != "cuda":
-            problems.append(
-                f"model.liger_kernel=true: Liger's kernels are Triton GPU kernels and this is {accelerator}; "
-                "set model.liger_kernel=false"
-            )
-        elif importlib.util.find_spec("liger_kernel") is None:
-            problems.append("model.liger_kernel=true: pip install liger-kernel, or set model.liger_kernel=false")
+    problems += fast_path_problems(cfg, accelerator)  # Liger's kernels, the fused loss, compile
     if cfg.train.peak_tflops is not None and cfg.train.peak_tflops <= 0:
         problems.append(f"train.peak_tflops={cfg.train.peak_tflops}: must be > 0, or null for the GPU's own")
     return problems

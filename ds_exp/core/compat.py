@@ -61,16 +61,27 @@ def use_extension_baton(baton: type) -> None:
     torch.utils.cpp_extension.FileBaton = baton  # type: ignore[misc,assignment]  # its subclass (runtime/build_lock.py)
 
 
-def apply_liger_kernels(model: Any) -> None:
-    """Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) patched into this model instance.
-
-    liger-kernel 0.8.5: `liger_kernel.transformers._apply_liger_kernel_to_instance` (exported, underscore-named) patches
-    a built model by its model_type. Its cross-entropy kernels stay off: ds_exp's loss is the exact sum over the
-    global batch's label tokens, computed from the logits. If the function moves, model.liger_kernel=true fails
-    at model build with an ImportError naming it."""
+def apply_liger_kernels(model: Any) -> bool:
+    """Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) patched into this model instance; False for a model family Liger
+    has none for. liger-kernel 0.8.5: `liger_kernel.transformers._apply_liger_kernel_to_instance` (exported,
+    underscore-named) patches a built model found by its model_type in `monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN`.
+    Its cross-entropy patches stay off: the fused loss is ds_exp's (ds_exp/model/fused_loss.py). If either moves,
+    the fast path fails at model build with an ImportError naming it."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
+    if getattr(model.config, "model_type", None) not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return False
     _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
+    return True
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent in torch.compile (Dynamo's frames and the backward graphs it compiled). torch 2.13:
+    `torch._dynamo.utils.calculate_time_spent()["total_wall_time"]`; if it goes, compile time reads 0."""
+    import torch._dynamo.utils
+
+    return float(torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0))
 
 
 def zero3_full_state_dict(engine: Any) -> dict[str, Any] | None:

@@ -7,11 +7,15 @@ estimates per-rank model-state memory, writes the exact DeepSpeed config the eng
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
-from ds_exp.config.memory_plan import estimate_model_states, human_bytes, run_estimate
+from ds_exp.config.fast_path import decide
+from ds_exp.config.memory_plan import estimate_model_states, human_bytes, plan_micro_batch, run_estimate
 from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import data_parallel_size, total_steps, warmup_steps
 from ds_exp.config.precision import detect_accelerator
@@ -76,7 +80,14 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     )
     shapes = model_facts(cfg)
     per_rank = run_estimate(cfg, shapes, world_size=launch.world_size, precision=precision, accelerator=accelerator)
+    fast = decide(cfg, accelerator, stage)
+    planned = None
+    if accelerator == "cuda":  # the planner's micro batch and checkpointing for this GPU's memory
+        device = torch.cuda.get_device_properties(0).total_memory
+        planned = plan_micro_batch(cfg, shapes, device, precision=precision, world_size=launch.world_size)
     return {
+        "fast_path": {"attention": cfg.model.attn_implementation or "sdpa", **asdict(fast)},
+        "planned_micro_batch_and_checkpointing": planned,
         "launcher": launch.launcher,
         "world_size": launch.world_size,
         "data_parallel_size": dp,
@@ -149,8 +160,19 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
         f"{plan['micro_batch_size']} x {plan['max_seq_len']:,} tokens -> ~"
         f"{human_bytes(plan['estimate_per_rank_bytes'])} per rank in all"
         + (" (host memory counted: this is a CPU)" if plan["accelerator"] == "cpu" else ""),
+        "  fast path  " + ", ".join(f"{k} {_on(v)}" for k, v in plan["fast_path"].items()),
     ]
+    if plan["planned_micro_batch_and_checkpointing"]:
+        micro, checkpointing = plan["planned_micro_batch_and_checkpointing"]
+        lines.append(
+            f"  planner    for this GPU: train.micro_batch_size={micro} "
+            f"model.gradient_checkpointing={str(checkpointing).lower()}"
+        )
     return "\n".join(lines)
+
+
+def _on(value: object) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def _parallel_words(plan: dict[str, Any]) -> str:

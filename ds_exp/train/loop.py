@@ -62,7 +62,15 @@ class Loop:
         self.checkpoints, self.generations, self.progress = checkpoints, generations, progress
         self.exports = exports
         self.engine = work.engine
-        self.step = TrainStep(work.engine, world_size=session.world, flops=work.flops, sp=work.sp, loss=work.built.loss)
+        built = work.built
+        self.step = TrainStep(
+            work.engine,
+            world_size=session.world,
+            flops=work.flops,
+            sp=work.sp,
+            loss=built.loss,
+            boundaries=built.takes_example_boundaries,
+        )
         self.schedule = str(plain(work.schedule_name))
         self.eval_every = eval_interval(train_cfg, work.steps_per_epoch, work.total_steps)  # 0: after each epoch
         self.bad_steps = 0

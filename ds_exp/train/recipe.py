@@ -32,6 +32,7 @@ from ds_exp.config.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.secrets import redact, register_secrets
 from ds_exp.config.sp_checks import check_sequence_parallel
+from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import write_json_atomic
 from ds_exp.data.checks import no_eval_note
@@ -159,8 +160,7 @@ def setup(cfg: Config, session: Session) -> Workload:
     groups = engine.deepspeed_engine.optimizer.param_groups
     peak = [float(g.get("initial_lr", g["lr"])) for g in groups]  # the schedule's base: optimizer.lr
     file_log.info("learning rate per parameter group: peak %s, step 1 %s", peak, [float(g["lr"]) for g in groups])
-    if cfg.train.compile:
-        engine.deepspeed_engine.compile()  # torch.compile of the wrapped module, DeepSpeed's hooks kept working
+    state.fast_path = built.fast_path_record()
     return Workload(
         tokenizer=tokenizer,
         data=data,
@@ -368,6 +368,9 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         state.train_seconds, state.train_tokens = totals.seconds, totals.tokens
         state.train_samples, state.train_flops = totals.samples, totals.flops
         state.skipped_steps, state.train_loss = totals.skipped_steps, totals.last_loss
+        state.train_flops_row_attention = totals.flops_row_attention
+        if work.built.fast.compile:
+            state.compile_s = compat.compile_seconds()  # torch.compile's own timers: not in train_seconds' speed
 
 
 def _stage0_names(cfg: Config, work: Workload) -> dict[str, Any] | None:

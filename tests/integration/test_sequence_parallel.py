@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ds_exp.config.ds_config import RunFacts, resolve_ds_config
+from ds_exp.config.fast_path import liger_installed
 from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, isolate_documents
@@ -167,7 +168,7 @@ def test_parity_checker_finds_sp2_on_two_ranks_equal_to_one_rank_packed_with_acc
     assert (summary["world_size"], summary["data_parallel_size"], summary["sequence_parallel_size"]) == (2, 1, 2)
 
 
-def sp_launch(run_dir: Path, cache_dir: Path, *overrides: str, ranks: int):
+def sp_launch(run_dir: Path, cache_dir: Path, *overrides: str, ranks: int, env: dict[str, str] | None = None):
     from tests.training import launch
 
     common = [*SMALL, "zero=stage3", "lora.dim=8", "train.max_steps=6", "eval.prompts=[hello]", "eval.max_new_tokens=4"]
@@ -178,6 +179,7 @@ def sp_launch(run_dir: Path, cache_dir: Path, *overrides: str, ranks: int):
         launcher="ranks" if ranks > 1 else "single",
         nproc=ranks,
         cache_dir=cache_dir,
+        env=env,
         timeout=900,
     )
 
@@ -192,11 +194,15 @@ def test_sp2_at_zero3_with_lora_equals_one_rank_and_resumes_with_n_changed(tmp_p
     """ZeRO-3 + LoRA, accumulation 2: losses, gradient norms (clipping at 1.0 bites at step 5) and eval perplexity
     of N=2 on 2 ranks equal one rank's; generations run unsharded; the exports hold the same weights. Its step-3
     checkpoint then continues on 2 ranks with N=1 (same global batch: micro 2 x accumulation 1 x 2 data-parallel)
-    exactly as the N=2 run went on: N is no part of a checkpoint's layout."""
+    exactly as the N=2 run went on: N is no part of a checkpoint's layout. The N=2 run computes its loss through
+    Liger's fused kernel (Triton's interpreter on a CPU), the others from the logits: the fused loss is exact over
+    each rank's slice, with its labels shifted across slices, at ZeRO-3 with the weight partitioned over 2 ranks."""
     from safetensors.torch import load_file
 
     batch = ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", "train.save_every=3"]
-    sp = sp_launch(tmp_path / "sp", cache_dir, *batch, "dist.sequence_parallel_size=2", ranks=2)
+    fused = ("model.fused_loss=true",) if liger_installed() else ()  # the dev extra has it
+    sp_n2 = ("dist.sequence_parallel_size=2", *fused)
+    sp = sp_launch(tmp_path / "sp", cache_dir, *batch, *sp_n2, ranks=2, env={"TRITON_INTERPRET": "1"})
     assert sp.ok, sp.explain()
     one = sp_launch(tmp_path / "one", cache_dir, *batch, ranks=1)
     assert one.ok, one.explain()
@@ -208,6 +214,7 @@ def test_sp2_at_zero3_with_lora_equals_one_rank_and_resumes_with_n_changed(tmp_p
     assert_within(sp_evals, evals)  # perplexity over the whole eval set, exact under sharding
     summary = sp.summary
     assert (summary["data_parallel_size"], summary["sequence_parallel_size"]) == (1, 2)
+    assert summary["fast_path"]["fused_loss"] == bool(fused)
     assert [json.loads(line)["step"] for line in (sp.run_dir / "generations.jsonl").read_text().splitlines()] == [0, 6]
     exported = [load_file(run.run_dir / "hf_model" / "model.safetensors") for run in (sp, one)]
     assert exported[0].keys() == exported[1].keys()

@@ -27,6 +27,7 @@ IMPORTED_WHERE_USED = {
     "flash_attn": "optional: only where installed",
     "oneccl_bindings_for_pytorch": "optional: Intel's oneCCL bindings, only where installed",
     "liger_kernel": "optional: only where installed",
+    "torch.nn.attention.varlen": "a prototype of recent torch versions: only where its kernel runs (CUDA)",
     "submitit": "only inside a submitit job (every other launch skips its import time)",
     "matplotlib": "only for the sweep report's plot and the harness chart (its import prints and costs seconds)",
     "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",

@@ -95,7 +95,8 @@ def _in_one_process(cfg: Config) -> Config:
     cfg = dataclasses.replace(cfg)
     sp = int(cfg.dist.sequence_parallel_size)
     cfg.dist = dataclasses.replace(cfg.dist, sequence_parallel_size=1)
-    model: dict[str, Any] = {"liger_kernel": False}
+    model: dict[str, Any] = {"liger_kernel": False, "fused_loss": False}
+    cfg.train = dataclasses.replace(cfg.train, compile=False)
     if cfg.model.attn_implementation == "auto":
         model["attn_implementation"] = None  # flash-attention needs a GPU; the weights do not depend on it
     if sp > 1 and model.get("attn_implementation", cfg.model.attn_implementation) is None:
