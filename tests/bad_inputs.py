@@ -864,7 +864,7 @@ CASES: list[Case] = [
         "a path name longer than a file system allows",
         "path",
         (f"data.cache_dir={{tmp}}/{'n' * 300}",),
-        ("data.cache_dir=", "more than a file name may have (255)", "give a shorter path"),
+        ("data.cache_dir: the name nnnn", "more than file systems allow (255)", "give a shorter name"),
     ),
 ]
 

@@ -10,10 +10,10 @@ import os
 import typing
 from typing import Any
 
+from ds_exp.config.output_paths import NAME_MAX
 from ds_exp.config.schema import Config
 
-NAME_MAX = 255  # bytes per file name: Linux's, and the most any common file system allows
-PATH_MAX = 4096
+PATH_MAX = 4096  # bytes per path on Linux
 # the schema's keys that hold a path (any other string is taken as one when it holds a separator)
 PATH_KEYS = frozenset(
     {"path", "eval_path", "name_or_path", "tokenizer", "cache_dir", "checkpoint_dir", "export_dir", "nvme_path"}
@@ -48,7 +48,7 @@ def _walk(node: Any, key: str, problems: list[str]) -> None:
                     )
                     break
         elif isinstance(value, str) and (problem := path_too_long(value, f.name in PATH_KEYS)):
-            problems.append(f"{where}={value[:60]}...: {problem}; give a shorter path")
+            problems.append(f"{where}: {problem}")
 
 
 def _item_type(hint: Any) -> type | None:
@@ -78,13 +78,16 @@ def _shown(value: list[Any]) -> str:
 
 
 def path_too_long(value: str, path_key: bool = True) -> str | None:
-    """Why `value`, taken as a path, cannot exist (None when it can, or when it is no path)."""
+    """Why `value`, taken as a path, cannot exist (None when it can, or when it is no path), said as
+    ds_exp.config.output_paths says it of the output directories."""
     if not path_key and os.sep not in value:
         return None
-    encoded = os.fsencode(value)
-    longest = max(encoded.split(os.fsencode(os.sep)), key=len)
-    if len(longest) > NAME_MAX:
-        return f"a name in it has {len(longest)} bytes, more than a file name may have ({NAME_MAX})"
-    if len(encoded) > PATH_MAX:
-        return f"it has {len(encoded)} bytes, more than a path may have ({PATH_MAX})"
+    longest = max(value.split(os.sep), key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) > NAME_MAX:
+        return (
+            f"the name {longest[:40]}... has {len(os.fsencode(longest))} bytes, more than file systems allow "
+            f"({NAME_MAX}); give a shorter name"
+        )
+    if len(os.fsencode(value)) > PATH_MAX:
+        return f"the path has {len(os.fsencode(value))} bytes, more than file systems allow ({PATH_MAX}); shorten it"
     return None

@@ -67,7 +67,7 @@ def path_text(text: str) -> str:
     """A path given as it was typed, refused when no file system can hold it (a name over 255 bytes)."""
     problem = path_too_long(text)
     if problem is not None:
-        raise argparse.ArgumentTypeError(f"{text[:60]}...: {problem}; give a shorter path")
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 
