@@ -6,10 +6,8 @@ and the fix, all reported together in one ConfigError.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +33,10 @@ from ds_exp.config.schedule_kwargs import scheduler_kwargs_problems
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.shapes import shape_problems
 from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
+from ds_exp.config.speed_checks import speed_feature_problems
 from ds_exp.core.errors import ConfigError
 
 FLOAT32_MAX = 3.4028234663852886e38
-# transformers' attention implementations (ALL_ATTENTION_FUNCTIONS and eager; tests/unit/test_hostile_inputs.py
-# checks them against the installed transformers)
-ATTENTION_IMPLEMENTATIONS = (
-    "sdpa",
-    "eager",
-    "flex_attention",
-    "flash_attention_2",
-    "flash_attention_3",
-    "flash_attention_4",
-    "paged|eager",
-)
 # what a tokenizer directory holds (any one): fast tokenizers, their config, BPE, WordPiece and SentencePiece files
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
@@ -81,56 +69,6 @@ def _check_model(cfg: Config) -> list[str]:
                 "id, or null for the model's own"
             )
     return problems + check_arch(cfg) + check_checkpoint(cfg) + check_max_seq_len(cfg) + check_max_new_tokens(cfg)
-
-
-def _check_attention(attention: str | None) -> list[str]:
-    """An attention implementation transformers has (its names, 4.50-5.24), ds_exp's auto, or a hub kernel."""
-    if attention is None or attention == "auto" or attention in ATTENTION_IMPLEMENTATIONS:
-        return []
-    if re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", attention):  # a kernel from the hub, e.g. kernels-community/x
-        if importlib.util.find_spec("kernels") is None:
-            return [
-                f"model.attn_implementation={attention} is a kernel from the hub, which transformers loads with the "
-                "kernels package: pip install kernels, or use model.attn_implementation=auto"
-            ]
-        return []
-    return [
-        f"model.attn_implementation={attention}: transformers has no such attention; use one of auto, "
-        f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (or a hub kernel, org/name), or null for the model's default"
-    ]
-
-
-def _check_speed_features(cfg: Config, accelerator: str) -> list[str]:
-    """Features that need a package or a GPU: told here, not as an ImportError after the model is loaded."""
-    attention = cfg.model.attn_implementation
-    problems = _check_attention(attention)
-    if attention in ("flash_attention_2", "flash_attention_3"):
-        package = "flash_attn" if attention == "flash_attention_2" else "flash_attn_interface"
-        if accelerator != "cuda":
-            problems.append(
-                f"model.attn_implementation={attention} needs a CUDA GPU (this is {accelerator}); use "
-                "model.attn_implementation=auto (FlashAttention where usable, else transformers' default)"
-            )
-        elif importlib.util.find_spec(package) is None:
-            problems.append(
-                f"model.attn_implementation={attention}: the {package} package is not installed "
-                "(pip install flash-attn --no-build-isolation); or use model.attn_implementation=auto"
-            )
-    if attention == "flex_attention" and accelerator == "cpu":  # sequence parallel or not (issue 31 §9)
-        problems.append(
-            "model.attn_implementation=flex_attention cannot train on the CPU: torch's FlexAttention has no backward "
-            "pass there (NotImplementedError in the first step); use model.attn_implementation=sdpa, or flex_attention "
-            "on a GPU"
-        )
-    if cfg.model.liger_kernel:
-        if accelerator != "cuda":
-            problems.append(
-                f"model.liger_kernel=true: Liger's kernels are Triton GPU kernels and this is {accelerator}; "
-                "set model.liger_kernel=false"
-            )
-        elif importlib.util.find_spec("liger_kernel") is None:
-            problems.append("model.liger_kernel=true: pip install liger-kernel, or set model.liger_kernel=false")
-    return problems
 
 
 def _file_setting(cfg: Config, path: str) -> str | None:
@@ -373,7 +311,7 @@ def config_problems(
     shapes = shape_problems(cfg)
     if shapes:  # values the checks below would trip over (a dict where a number goes, a path too long to probe)
         return shapes, {}
-    problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg, world_size)
+    problems = _check_model(cfg) + speed_feature_problems(cfg, accelerator) + _check_numbers(cfg, world_size)
     problems += (
         _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + check_output_paths(cfg, run_dir)
     )

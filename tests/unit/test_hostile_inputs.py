@@ -9,7 +9,8 @@ Three tiers, cheapest first:
   ds_exp's validation (validate_job) and the hub check, as cli._run_job does: ~30 ms a case, so hundreds of them;
 * a few of the same drawn through the CLI's own main() in this process (tests/bad_inputs.py's tripwire), each
   compared with the cheap tier's verdict: the cheap tier is the same path, and the run directory stays untouched;
-* every command's flags and paths, through its main() in this process.
+* every command's flags and paths, through its main() in this process; and `python -m ds_exp --write-experiment
+  PATH` with drawn PATHs and overrides.
 
 Beyond "one message or accepted", what the checks must refuse: a number outside the range ds_exp/config/ranges.py
 declares for its key, a number that is not finite or does not fit 64 bits, and the values the typed schema cannot
@@ -381,7 +382,7 @@ def test_the_schedule_kwargs_are_what_transformers_takes():
 def test_the_attention_names_are_what_transformers_has():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ds_exp.config.validate import ATTENTION_IMPLEMENTATIONS
+    from ds_exp.config.speed_checks import ATTENTION_IMPLEMENTATIONS
 
     assert {*ALL_ATTENTION_FUNCTIONS.keys(), "eager"} <= set(ATTENTION_IMPLEMENTATIONS)
 
@@ -657,3 +658,42 @@ def test_what_the_drawn_flags_found_is_one_line(command, argv, said, fixture_run
     lines = [line for line in err.getvalue().splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("ds_exp: error: "), f"{code}: {err.getvalue()}"
     assert said in lines[0]
+
+
+# `python -m ds_exp --write-experiment PATH OVERRIDES`: drawn PATHs inside a scratch directory (a device would have
+# it write beside the device: /dev/zero -> /dev/experiment/zero.yaml) and drawn overrides. A PATH under a file or with
+# a name over 255 bytes is a traceback today; experiment files are issue 31 §6's, so those two are left out here.
+WRITE_PATHS = ("fresh.yaml", "fifo", "dir", "read_only/x", "missing/x", "''", "héllo ✓.yaml", "a b.yaml")
+
+
+@settings(**HOSTILE, max_examples=10)
+@given(data=st.data())
+def test_write_experiment_refuses_cleanly_or_writes(data, places, monkeypatch):
+    """One message (exit 2) and nothing written, or the experiment file written where PATH says; never a traceback."""
+    from ds_exp.launch.experiment_file import main
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    base, overrides = data.draw(drawn_overrides(places), label="overrides")
+    where = data.draw(st.sampled_from(WRITE_PATHS), label="PATH")
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
+        os.mkfifo(tmp / "fifo")
+        (tmp / "dir").mkdir()
+        (tmp / "read_only").mkdir(mode=0o555)
+        before = listing(tmp)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                main(["--write-experiment", str(tmp / where), *context(base, places), *overrides])
+                code: Any = 0
+            except SystemExit as exited:
+                code = exited.code
+        stderr = err.getvalue()
+        assert "Traceback" not in stderr, stderr
+        if code == 0:
+            assert list(tmp.rglob("experiment/*.yaml")), f"{where} {overrides}: exit 0 and no file"
+            return
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert code == 2 and lines[0].startswith("ds_exp: error: "), stderr
+        assert all(line.startswith("  ") for line in lines[1:]), stderr
+        assert listing(tmp) == before, f"a refusal left {listing(tmp)}"
