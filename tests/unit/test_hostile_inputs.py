@@ -42,7 +42,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -328,6 +328,7 @@ def test_every_key_refuses_cleanly_or_accepts(data, composed, places, offline_hu
     base, overrides = data.draw(drawn_overrides(places), label="overrides")
     run_dir = tmp_path_factory.getbasetemp() / "never_made"
     found = verdict(composed[base], overrides, run_dir)
+    event(found.how)  # pytest --hypothesis-show-statistics: how the drawn cases ended
     assert not run_dir.exists()
     if found.how == "refused":
         assert found.message.strip(), "a refusal without words"
@@ -442,6 +443,7 @@ def test_the_cheap_tier_is_the_cli_path(data, composed, places, offline_hub):
         outcome = run_case_in_process(Case("drawn", "config value", tuple(args), (), env=OFFLINE_HUB), tmp)
         output = outcome.output
         assert "Traceback" not in output, output[-3000:]
+        event(f"cheap tier: {cheap.how}")
         if "ReachedHeavyWork" in output:
             assert cheap.how == "accepted", f"{args}: the CLI went on, the cheap tier said {cheap}"
             return
@@ -606,6 +608,7 @@ def test_every_flag_of_every_command_refuses_cleanly_or_accepts(data, places, fi
             code = exited.code
         except Tripped:
             code = "tripped"
+    event(f"{command}: {'tripped' if code == 'tripped' else 'refused'}")
     assert listing(fixture_run["root"]) == before, f"{command} {argv} changed the files it was pointed at"
     stderr = err.getvalue()
     assert "Traceback" not in stderr, stderr
@@ -689,6 +692,7 @@ def test_write_experiment_refuses_cleanly_or_writes(data, places, monkeypatch):
             except SystemExit as exited:
                 code = exited.code
         stderr = err.getvalue()
+        event("written" if code == 0 else "refused")
         assert "Traceback" not in stderr, stderr
         if code == 0:
             assert list(tmp.rglob("experiment/*.yaml")), f"{where} {overrides}: exit 0 and no file"
