@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1038,6 +1039,80 @@ CASES: list[Case] = [
         ),
         ("hydra.sweeper.objective=harness.ds_exp_synthetic.f1: the runs' lm-eval scores hold no such number",),
     ),
+    # --- issue 31 §2/§9: values the typed schema cannot reach, numbers past 64 bits, shapes, paths, flex attention
+    Case(
+        "flex attention on a CPU under sequence parallelism",
+        "combination",
+        ("dist.sequence_parallel_size=2", "model.attn_implementation=flex_attention"),
+        ("model.attn_implementation=flex_attention cannot train on the CPU", "model.attn_implementation=sdpa"),
+    ),
+    Case(
+        "scheduler kwarg its schedule does not take",
+        "config value",
+        ("scheduler=cosine_with_restarts", "+scheduler.kwargs.num_cycle=2"),
+        ("scheduler.kwargs.num_cycle=2: scheduler.name=cosine_with_restarts takes no num_cycle", "num_cycles"),
+    ),
+    Case(
+        "scheduler kwarg not a number",
+        "config value",
+        ("scheduler=cosine_with_restarts", "scheduler.kwargs.num_cycles=abc"),
+        ("scheduler.kwargs.num_cycles=abc: give a whole number",),
+    ),
+    Case(
+        "rope scaling field its type does not have",
+        "config value",
+        ("model.rope_scaling={rope_type:linear,factor:4.0,low_freq_factor:1.0}",),
+        ("rope_type=linear has no field low_freq_factor", "remove it"),
+    ),
+    Case(
+        "rope scaling field not a number",
+        "config value",
+        ("model.rope_scaling={rope_type:yarn,factor:4.0,beta_fast:fast}",),
+        ("model.rope_scaling.beta_fast=fast: give a number",),
+    ),
+    Case(
+        "more MLP tiles than tokens",
+        "combination",
+        ("model.tiled_mlp=true", "model.tiled_mlp_shards=1000", "data.max_seq_len=512"),
+        ("model.tiled_mlp_shards=1000 is more than the 512 tokens a rank holds", "give at most 512"),
+    ),
+    Case(
+        "a mapping in a list of numbers",
+        "config value",
+        ("optimizer.betas=[{a:1},0.95]",),
+        ("optimizer.betas=", "item 0 is dict, not number"),
+    ),
+    Case(
+        "a whole number past 64 bits",
+        "config value",
+        ("train.seed=18446744073709551616",),
+        ("train.seed=18446744073709551616: too large", "2^63 - 1"),
+    ),
+    Case(
+        "attention transformers does not have",
+        "config value",
+        ("model.attn_implementation=flash",),
+        ("model.attn_implementation=flash: transformers has no such attention", "sdpa"),
+    ),
+    Case(
+        "ZeRO bucket size not a number",
+        "config value",
+        ("zero.reduce_bucket_size=lots",),
+        ("zero.reduce_bucket_size=lots: give a whole number >= 0", "or auto"),
+    ),
+    Case("resume from a device", "path", ("resume=/dev/null",), ("resume=/dev/null is not a directory",)),
+    Case(
+        "tokenizer a device",
+        "path",
+        ("model.tokenizer=/dev/zero",),
+        ("model.tokenizer=/dev/zero is not a directory", "tokenizer (or model) directory"),
+    ),
+    Case(
+        "a path name longer than a file system allows",
+        "path",
+        (f"data.cache_dir={{tmp}}/{'n' * 300}",),
+        ("data.cache_dir: the name nnnn", "more than file systems allow (255)", "give a shorter name"),
+    ),
 ]
 
 
@@ -1112,7 +1187,8 @@ def prepare(case: Case, tmp: Path) -> tuple[list[str], dict[str, str]]:
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
     if not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
         args.append(f"hydra.run.dir={tmp}/run")
-    args.append(f"data.cache_dir={tmp}/cache")
+    if not any(a.startswith("data.cache_dir=") for a in args):  # a case that gives its own keeps it
+        args.append(f"data.cache_dir={tmp}/cache")
     return args, {**case.env, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 
 
@@ -1188,25 +1264,34 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_P
 TRIPPED: list[Any] = []  # each job that reached the tripwire (a sweep's jobs report their failures elsewhere)
 
 
+HEAVY_ENTRIES = (("ds_exp.train.recipe", "recipe_main"), ("ds_exp.tools.dry_run", "dry_run"))
+
+
 @contextlib.contextmanager
 def _tripwire(cli: Any) -> Iterator[None]:
-    """cli.run_job's heavy branches (the recipe, the dry run) raise ReachedHeavyWork while the case runs."""
+    """cli.run_job's heavy branches (the recipe, the dry run) raise ReachedHeavyWork while the case runs. A module
+    not imported yet is stood in for by an empty one for the while (cli._run_job imports it where it calls it): a
+    case refused before heavy work costs no import of torch, DeepSpeed and transformers (~10 s a process)."""
     original = cli.run_job
 
     def checked(composed: Any) -> Any:
-        from ds_exp.tools import dry_run
-        from ds_exp.train import recipe
-
         def tripped(*args: Any, **kwargs: Any) -> Any:
             TRIPPED.append(composed)
             raise ReachedHeavyWork("the case passed every check and reached the training stack")
 
-        saved = recipe.recipe_main, dry_run.dry_run
-        recipe.recipe_main, dry_run.dry_run = tripped, tripped
+        stand_ins = [name for name, _ in HEAVY_ENTRIES if name not in sys.modules]
+        for name in stand_ins:
+            sys.modules[name] = types.ModuleType(name)
+        saved = {(name, attr): getattr(sys.modules[name], attr, None) for name, attr in HEAVY_ENTRIES}
+        for name, attr in HEAVY_ENTRIES:
+            setattr(sys.modules[name], attr, tripped)
         try:
             return original(composed)
         finally:
-            recipe.recipe_main, dry_run.dry_run = saved
+            for (name, attr), value in saved.items():
+                setattr(sys.modules[name], attr, value)
+            for name in stand_ins:
+                del sys.modules[name]
 
     cli.run_job = checked
     try:

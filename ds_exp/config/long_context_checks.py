@@ -3,12 +3,50 @@ encoding, and the tiling knobs (ds_exp/model/tiling.py) against each other and t
 
 from __future__ import annotations
 
+from typing import Any
+
 from ds_exp.config.model_checks import model_settings, position_limit, rope_scaling_override
+from ds_exp.config.ranges import Range, Spec, above, at_least
 from ds_exp.config.schema import Config
-from ds_exp.config.tiling_plan import logits_changed_after_head
+from ds_exp.config.tiling_plan import logits_changed_after_head, tokens_per_rank
 
 # transformers' rotary scalings (model.rope_scaling's rope_type)
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3", "default")
+# The fields each rope_type reads (transformers' _validate_<type>_rope_parameters, 4.50-5.24), beside rope_type itself.
+# transformers only logs a warning for a field it does not know or a value of the wrong type, and the run trains with
+# something else than asked (or fails in the first forward pass): here each is refused, naming the field.
+_FACTOR = Spec(range=at_least(1, " (new context / trained context), e.g. factor:4.0"))
+_POSITIONS = Spec(whole=True, range=at_least(1, " (the context the model was trained with)"))
+_POSITIVE = Spec(range=above(0))
+_COMMON = {"rope_theta": _POSITIVE, "partial_rotary_factor": Spec(range=Range(0, 1, low_open=True))}
+ROPE_FIELDS: dict[str, dict[str, Spec]] = {
+    "default": {},
+    "linear": {"factor": _FACTOR},
+    "dynamic": {"factor": _FACTOR},
+    "yarn": {
+        "factor": _FACTOR,
+        "original_max_position_embeddings": _POSITIONS,
+        "attention_factor": _POSITIVE,
+        "beta_fast": _POSITIVE,
+        "beta_slow": _POSITIVE,
+        "mscale": _POSITIVE,
+        "mscale_all_dim": Spec(range=at_least(0)),
+        "truncate": Spec(choices=(True, False)),
+    },
+    "longrope": {
+        "short_factor": Spec(range=above(0), each=True),
+        "long_factor": Spec(range=above(0), each=True),
+        "factor": _FACTOR,
+        "attention_factor": _POSITIVE,
+        "original_max_position_embeddings": _POSITIONS,
+    },
+    "llama3": {
+        "factor": _FACTOR,
+        "original_max_position_embeddings": _POSITIONS,
+        "low_freq_factor": _POSITIVE,
+        "high_freq_factor": _POSITIVE,
+    },
+}
 
 
 def long_context_problems(cfg: Config) -> list[str]:
@@ -32,9 +70,12 @@ def check_rope_scaling(cfg: Config) -> list[str]:
         return [f"{shown}: rope_type={rope_type} is not one of {', '.join(ROPE_SCALING_TYPES)}"]
     factor = scaling.get("factor")
     if rope_type in ("linear", "dynamic", "yarn", "llama3") and (
-        not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 1
+        not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1
     ):
         return [f"{shown}: rope_type={rope_type} needs factor >= 1 (new context / trained context), e.g. factor:4.0"]
+    problems = rope_field_problems(str(rope_type), scaling)
+    if problems:
+        return problems
     settings = model_settings(cfg) or {}
     found = position_limit(settings) if settings else None
     if found is not None and found[2] == "learned":
@@ -43,6 +84,30 @@ def check_rope_scaling(cfg: Config) -> list[str]:
             "embeddings to scale; remove model.rope_scaling"
         ]
     return []
+
+
+def rope_field_problems(rope_type: str, scaling: dict[str, Any]) -> list[str]:
+    """Each field of model.rope_scaling that its rope_type does not read, or reads as another type or range."""
+    fields = {**_COMMON, **ROPE_FIELDS[rope_type]}
+    problems = []
+    for key, value in scaling.items():
+        if key in ("rope_type", "type"):
+            continue
+        given = f"model.rope_scaling.{key}={value}"
+        spec = fields.get(key)
+        if spec is None:
+            problems.append(
+                f"{given}: rope_type={rope_type} has no field {key} (its fields: {', '.join(fields)}); remove it"
+            )
+        elif value is not None and (problem := spec.problem(value)) is not None:  # null: transformers' default
+            problems.append(f"{given}: {problem}")
+    low, high = scaling.get("low_freq_factor"), scaling.get("high_freq_factor")
+    if rope_type == "llama3" and not problems and low is not None and high is not None and high <= low:
+        problems.append(  # llama3's wavelength bands would be empty; transformers only warns
+            f"model.rope_scaling.high_freq_factor={high}: must be greater than low_freq_factor={low} (llama3's "
+            "defaults are 4.0 and 1.0)"
+        )
+    return problems
 
 
 def check_long_context(cfg: Config) -> list[str]:
@@ -54,6 +119,14 @@ def check_long_context(cfg: Config) -> list[str]:
         value = getattr(model, key)
         if value is not None and value < 1:
             problems.append(f"model.{key}={value}: must be >= 1, or null to derive it")
+    tokens = tokens_per_rank(cfg.data.max_seq_len, cfg.dist.sequence_parallel_size)
+    shards = model.tiled_mlp_shards
+    if model.tiled_mlp and shards is not None and shards > tokens >= 1:
+        problems.append(
+            f"model.tiled_mlp_shards={shards} is more than the {tokens} tokens a rank holds of a row (data.max_seq_len="
+            f"{cfg.data.max_seq_len}{_per_rank(cfg)}): every tile past the {tokens}th would be empty; give at most "
+            f"{tokens}, or null to derive it from the hidden size"
+        )
     if model.activation_offload and not model.gradient_checkpointing:
         problems.append(
             "model.activation_offload=true keeps what activation checkpointing saves (each layer's input) in host "
@@ -67,3 +140,8 @@ def check_long_context(cfg: Config) -> list[str]:
                 "computed in chunks of lm_head's output would skip; set model.tiled_loss=false"
             )
     return problems
+
+
+def _per_rank(cfg: Config) -> str:
+    n = cfg.dist.sequence_parallel_size
+    return f" over dist.sequence_parallel_size={n}" if isinstance(n, int) and n > 1 else ""

@@ -37,9 +37,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ds_exp.config.speed_checks import TORCH_VARLEN
+
 log = logging.getLogger(__name__)
 
-TORCH_VARLEN = "torch_varlen"
 # attention implementations that take the micro batch's example boundaries (transformers' FlashAttentionKwargs)
 TAKES_BOUNDARIES = ("flash_attention_2", "flash_attention_3", TORCH_VARLEN)
 

@@ -10,7 +10,6 @@ tokens/s, the recommended one and the command line that trains with it.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
@@ -26,6 +25,7 @@ from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import entry_point
+from ds_exp.launch.flags import FlagParser, path
 from ds_exp.sweeps.harness_columns import harness_cells, harness_damaged, report_columns
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
@@ -386,8 +386,8 @@ def autotune_verdict(sweep_dir: Path, rows: list[dict[str, Any]]) -> str | None:
 
 @entry_point("ds_exp.report")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ds_exp.report", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", type=Path, help="a multirun directory (outputs/multirun/<name>/<time>)")
+    parser = FlagParser(prog="python -m ds_exp.report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=path, help="a multirun directory (outputs/multirun/<name>/<time>)")
     args = parser.parse_args(argv)
     if not job_dirs(args.sweep_dir):
         print(f"ds_exp: error: {args.sweep_dir} holds no sweep jobs (no */.hydra/overrides.yaml)", file=sys.stderr)

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ds_exp.config.ranges import MAX_TOKENS
 from ds_exp.config.sampling import sampling_problems
 from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.launch.console import entry_point
@@ -29,6 +30,7 @@ from ds_exp.launch.exports import (
     run_config,
     run_dir_of,
 )
+from ds_exp.launch.flags import SEED, FlagParser, number, path_text, whole
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.storage import check_writable
 from ds_exp.resume.store import read_marker
@@ -58,7 +60,7 @@ cut from the left, said on stderr: its oldest tokens go."""
 
 
 def export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="python -m ds_exp.export",
         description="Export a checkpoint (any ZeRO stage, with or without LoRA) to Hugging Face format.",
         epilog=EXPORT_EPILOG,
@@ -66,9 +68,12 @@ def export_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "checkpoint",
+        type=path_text,
         help="a run directory (its newest complete checkpoint), its checkpoints directory, or one step<N> checkpoint",
     )
-    p.add_argument("dir", nargs="?", help="where the export goes (default <run dir>/<train.export_dir>-step<N>)")
+    p.add_argument(
+        "dir", nargs="?", type=path_text, help="where the export goes (default <run dir>/<train.export_dir>-step<N>)"
+    )
     p.add_argument("--adapter", action="store_true", help="with LoRA: the PEFT adapter alone, not the merged model")
     p.add_argument(
         "--dtype",
@@ -79,18 +84,23 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 def chat_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="python -m ds_exp.chat",
         description="Talk to an exported model: a conversation on a terminal, one answer per line of standard input.",
         epilog=CHAT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dir", help="a Hugging Face model directory (an export), or a run directory (its hf_model)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, e.g. 0.7")
-    p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus probability; 1 = off (default)")
-    p.add_argument("--top-k", type=int, default=0, help="with sampling: the k likeliest tokens; 0 = off (default)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per answer (default 256)")
-    p.add_argument("--seed", type=int, help="seeds the sampling once, at the start: 0 to 2**32 - 1 (default: unseeded)")
+    p.add_argument(
+        "dir", type=path_text, help="a Hugging Face model directory (an export), or a run directory (its hf_model)"
+    )
+    # the types refuse nan, inf and numbers past 64 bits at once; the ranges are checked below, as eval.* are
+    p.add_argument("--temperature", type=number(), default=0.0, help="0 = greedy (default); > 0 samples, e.g. 0.7")
+    p.add_argument("--top-p", type=number(), default=1.0, help="with sampling: nucleus probability; 1 = off (default)")
+    p.add_argument("--top-k", type=whole(), default=0, help="with sampling: the k likeliest tokens; 0 = off (default)")
+    p.add_argument(
+        "--max-new-tokens", type=whole(high=MAX_TOKENS), default=256, help="tokens generated per answer (default 256)"
+    )
+    p.add_argument("--seed", type=SEED, help="seeds the sampling once, at the start, 0 to 2^32 - 1 (default: unseeded)")
     p.add_argument(
         "--template",
         choices=["auto", "chat_template", "dschat", "raw"],
