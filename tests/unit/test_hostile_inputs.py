@@ -480,6 +480,7 @@ HEAVY_WORK = {
     "ds_exp.universal": ("ds_exp.checkpoint.universal_cli", "convert_here"),
     "ds_exp.parity": ("ds_exp.tools.parity.cli", "run"),
     "ds_exp.report": ("ds_exp.sweeps.report", "write_report"),
+    "ds_exp.evaluate": ("ds_exp.tools.evaluate.run", "run"),
 }
 
 
@@ -517,7 +518,7 @@ def tripwires() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as mp:
         for module, attribute in HEAVY_WORK.values():
-            if module not in sys.modules and module.startswith("ds_exp.tools.use."):
+            if module not in sys.modules and module.startswith(("ds_exp.tools.use.", "ds_exp.tools.evaluate.run")):
                 mp.setitem(sys.modules, module, types.ModuleType(module))
             mp.setattr(importlib.import_module(module), attribute, tripped, raising=False)
         yield

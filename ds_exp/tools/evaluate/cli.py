@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from ds_exp.launch.console import entry_point
+from ds_exp.launch.flags import FlagParser, number, path_text, whole
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.tools.evaluate.plan import make_plan
 
@@ -23,22 +24,30 @@ Written: RUN_DIR/eval/harness.json (base, tuned, stderr per task and metric), ha
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="python -m ds_exp.evaluate",
         description="Did the fine-tune help? lm-eval scores of a run's export beside its base model's.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("target", help="a run directory (base vs final export), an export or model directory, a checkpoint")
+    p.add_argument(
+        "target",
+        type=path_text,
+        help="a run directory (base vs final export), an export or model directory, a checkpoint",
+    )
     p.add_argument("tasks", nargs="+", metavar="TASK", help="lm-eval task or group names, task YAML files, built-ins")
-    p.add_argument("--limit", type=float, help="questions per task (a fraction when < 1); default: the run's, or all")
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the run's, or each task's own)")
-    p.add_argument("--batch-size", type=int, help="lm-eval's batch size (default: the run's eval.harness, or 8)")
+    p.add_argument(
+        "--limit", type=number(), help="questions per task (a fraction when < 1); default: the run's, or all"
+    )
+    p.add_argument("--num-fewshot", type=whole(0), help="few-shot examples (default: the run's, or each task's own)")
+    p.add_argument("--batch-size", type=whole(1), help="lm-eval's batch size (default: the run's eval.harness, or 8)")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N (default auto: cuda when there is one)")
     p.add_argument("--no-template", action="store_true", help="lm-eval's raw prompts, not the run's template")
     p.add_argument("--no-base", action="store_true", help="a run directory: its final export alone")
     p.add_argument("--passkey-lengths", help="ds_exp_passkey's lengths in tokens, e.g. 256,1024 (default max_seq_len)")
-    p.add_argument("--output", help="where the scores go (default RUN_DIR/eval, or RUN_DIR/eval/<export>)")
+    p.add_argument(
+        "--output", type=path_text, help="where the scores go (default RUN_DIR/eval, or RUN_DIR/eval/<export>)"
+    )
     return p
 
 
@@ -53,5 +62,3 @@ def _evaluate(argv: list[str]) -> int:
     from ds_exp.tools.evaluate.run import run  # torch, transformers, lm-eval: past every refusal
 
     return run(plan)
-
-
