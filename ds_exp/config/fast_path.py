@@ -19,6 +19,9 @@ from ds_exp.config.tiling_plan import logits_changed_after_head
 AUTO = "auto"
 
 
+FAST_PATH_KEYS = ("model.liger_kernel", "model.fused_loss", "train.compile")  # each auto | true | false
+
+
 def toggle(value: object) -> bool | None:
     """A fast-path knob's value: True / False, None for auto; ValueError for anything else."""
     if isinstance(value, bool):

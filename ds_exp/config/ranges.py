@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ds_exp.config.fast_path import FAST_PATH_KEYS
 from ds_exp.config.schema import Config
 
 INT64_MAX = 2**63 - 1  # torch, numpy and DeepSpeed's JSON take integers as 64-bit: a larger one overflows there
@@ -160,6 +161,10 @@ RANGES: dict[str, Range] = {
     "eval.top_p": Range(0, 1, low_open=True, fix=" (1 = off)"),
     "eval.top_k": at_least(0, " (0 = off)"),
     "eval.seed": SEED,
+    "eval.harness.limit": above(0, " (questions per task; a fraction when < 1), or null for all"),
+    "eval.harness.num_fewshot": at_least(0, ", or null for each task's own"),
+    "eval.harness.batch_size": at_least(1),
+    "eval.harness.passkey_lengths": Range(64, MAX_TOKENS, fix=" tokens"),
     "dist.timeout_minutes": Range(1, MAX_TIMEOUT_MINUTES, fix=" (a year; the default is 30)"),
     "dist.master_port": Range(1, 65535, fix=" (a TCP port, e.g. 29500)"),
     "dist.sequence_parallel_size": at_least(1, " (1 = off)"),
@@ -177,6 +182,8 @@ FREE_FORM: dict[str, str] = {
     "logger.mlflow.tags": "ds_exp.config.logger_checks",
     "deepspeed.config": "ds_exp.config.ds_config (built from the groups; a user's file is DeepSpeed's to read)",
     "zero.overlap_comm": "zero_value_problems below: true, false or auto",
+    **{key: "ds_exp.config.fast_path.fast_path_problems (auto, true or false)" for key in FAST_PATH_KEYS},
+    "data.data_split": "ds_exp.data.checks (ds_exp.data.splits.parse_data_split: any spelling of three numbers)",
     **{
         f"zero.{key}": "zero_value_problems below: a whole number >= 0, or auto"
         for key in (

@@ -58,8 +58,8 @@ def _check_model(cfg: Config) -> list[str]:
         if value is None or not looks_like_local_path(value):
             continue
         path = Path(value).expanduser()
-        if (special := special_file_problem(f"model.{key}", value)) is not None:
-            problems.append(special)
+        if key == "name_or_path" and (special := special_file_problem(f"model.{key}", value)) is not None:
+            problems.append(special)  # (a tokenizer that is a device or a FIFO: "is not a directory" below)
         elif not path.exists():
             problems.append(f"model.{key}={value}: directory not found; give an existing local directory or a hub id")
         elif key == "name_or_path" and not (path / "config.json").is_file():
@@ -295,8 +295,6 @@ def _check_eval(cfg: Config) -> list[str]:
 def _check_resume(cfg: Config) -> list[str]:
     if cfg.resume in (None, "auto"):
         return []
-    if (special := special_file_problem("resume", cfg.resume)) is not None:
-        return [special]
     if not cfg.resume.strip():
         return ["resume is empty: give a run's checkpoints directory, resume=auto, or null to start fresh"]
     path = Path(cfg.resume).expanduser()

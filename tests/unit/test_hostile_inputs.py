@@ -339,13 +339,20 @@ def test_every_key_refuses_cleanly_or_accepts(data, composed, places, offline_hu
 
 def just_outside(key: str) -> str:
     """A value of `key` just outside its declared range, as typed on the command line."""
-    allowed, whole = RANGES[key], base_type(KEYS[key]) is int
+    kind = KEYS[key]
+    listed = base_type(kind) is list
+    item = next(a for a in typing.get_args(kind) if a is not type(None)) if listed else kind
+    if listed and typing.get_origin(item) is not None:  # list[int] | None: the list's own item
+        item = typing.get_args(item)[0]
+    allowed, whole = RANGES[key], base_type(item) is int
     if allowed.low is not None:
         value = allowed.low if allowed.low_open else allowed.low - (1 if whole else 0.5)
     else:
         value = allowed.high + (1 if whole else 0.5)  # type: ignore[operator]
     text = str(int(value)) if whole else repr(float(value))
-    return f"[{text},0.95]" if base_type(KEYS[key]) is list else text
+    if not listed:
+        return text
+    return f"[{text}]" if whole else f"[{text},0.95]"  # (a float list's second item in range: optimizer.betas)
 
 
 @pytest.mark.parametrize("key", sorted(RANGES))
@@ -555,6 +562,7 @@ def right_positionals(command: str, where: dict[str, Path]) -> list[str]:
         "ds_exp.universal": [str(where["tag"])],
         "ds_exp.report": [str(where["sweep"])],
         "ds_exp.parity": list(SIDES),
+        "ds_exp.evaluate": [str(where["run"]), "ds_exp_synthetic"],
     }[command]
 
 
@@ -674,7 +682,7 @@ WRITE_PATHS = ("fresh.yaml", "fifo", "dir", "read_only/x", "missing/x", "''", "h
 @given(data=st.data())
 def test_write_experiment_refuses_cleanly_or_writes(data, places, monkeypatch):
     """One message (exit 2) and nothing written, or the experiment file written where PATH says; never a traceback."""
-    from ds_exp.launch.experiment_file import main
+    from ds_exp.launch import cli
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     base, overrides = data.draw(drawn_overrides(places), label="overrides")
@@ -687,9 +695,10 @@ def test_write_experiment_refuses_cleanly_or_writes(data, places, monkeypatch):
         before = listing(tmp)
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            argv = ["ds_exp", "--write-experiment", str(tmp / where), *context(base, places), *overrides]
+            monkeypatch.setattr(sys, "argv", argv)  # through the command's own main, inside its error boundary
             try:
-                main(["--write-experiment", str(tmp / where), *context(base, places), *overrides])
-                code: Any = 0
+                code: Any = cli.main() or 0
             except SystemExit as exited:
                 code = exited.code
         stderr = err.getvalue()

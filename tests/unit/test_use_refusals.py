@@ -132,9 +132,14 @@ CASES = [
         "a negative seed",
         "chat",
         ("{run}", "--temperature", "1", "--seed", "-1"),
-        ("--seed=-1: must be a whole number from 0 to 4294967295",),
+        ("argument --seed: -1 must be from 0 to 4294967295",),
     ),
-    Case("a seed past 2**32 - 1", "chat", ("{run}", "--seed", "4294967296"), ("--seed=4294967296: must be",)),
+    Case(
+        "a seed past 2**32 - 1",
+        "chat",
+        ("{run}", "--seed", "4294967296"),
+        ("argument --seed: 4294967296 must be from 0 to 4294967295",),
+    ),
     Case("not a device", "chat", ("{run}", "--device", "banana"), ("--device=banana: not a device", "cuda:N")),
     Case(
         "a device this machine lacks",

@@ -35,7 +35,6 @@ from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.storage import check_writable
 from ds_exp.resume.store import read_marker
 
-MAX_SEED = 2**32 - 1  # what every generator seeds from (numpy's range; torch's seed is taken modulo it elsewhere)
 # devices a model can be moved to for chat: the CPU, CUDA (ROCm too), Apple's MPS, Intel's XPU, with an index
 DEVICE = re.compile(r"(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)")
 
@@ -171,8 +170,6 @@ def _chat(argv: list[str]) -> int:
     problems = sampling_problems(args.temperature, args.top_p, args.top_k, key=names.__getitem__)
     if args.max_new_tokens < 1:
         problems.append(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
-        problems.append(f"--seed={args.seed}: must be a whole number from 0 to {MAX_SEED} (2**32 - 1)")
     if args.device != "auto" and not DEVICE.fullmatch(args.device):
         problems.append(
             f"--device={args.device}: not a device; give cpu, cuda, cuda:N (the GPU's index), mps or xpu[:N], or "
