@@ -170,7 +170,7 @@ class TrainStep:
         self.sp = sp or SequenceParallel()
         self.loss = loss  # None: from the full logits (logits_loss); model.tiled_loss: in chunks
         # undoes DeepSpeed's mean over data-parallel ranks (it sums over a sequence-parallel group), and where it
-        # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat.py) that too
+        # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat/) that too
         self.rank_scale = world_size // self.sp.size * compat.sequence_parallel_gradient_factor(engine, self.sp.size)
         self.fp16_loss_scale = Fp16LossScale(engine) if Fp16LossScale.needed(engine) else None
 
