@@ -8,11 +8,8 @@ The packages are the layers; each imports only from the layers below it (tests/u
 
 Entry points: `python -m ds_exp` (launch/cli.py), `python -m ds_exp.parity`, `ds_exp.report`, `ds_exp.universal`,
 `ds_exp.export` and `ds_exp.chat` (tools/use/).
-Nothing heavy is imported here: `--help`, `--cfg job` and config validation never import torch or deepspeed.
+Nothing heavy is imported here, and importing ds_exp changes nothing of the process (no import hook, no patch of a
+library): `--help`, `--cfg job` and config validation never import torch or deepspeed.
 """
 
-from ds_exp.core.lean_imports import keep_mlflow_out_of_deepspeed
-
 __version__ = "0.1.0"
-
-keep_mlflow_out_of_deepspeed()  # before anything imports deepspeed (core/lean_imports.py)

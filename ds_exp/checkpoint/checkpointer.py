@@ -153,7 +153,7 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
     ) -> None:
         """`identity`: what every checkpoint of this run records besides where it stands (TrainState's run_id,
-        branch, run_dir, wandb_run_id, settings and trajectory). `extra`: more client state (save())."""
+        branch, run_dir, trackers, settings and trajectory). `extra`: more client state (save())."""
         self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
         self.needed_bytes, self.identity, self.extra = needed_bytes, identity, extra
 

@@ -179,7 +179,7 @@ FREE_FORM: dict[str, str] = {
     "lora.target_modules": "ds_exp.config.lora_checks",
     "scheduler.kwargs": "ds_exp.config.schedule_kwargs.scheduler_kwargs_problems",
     "train.global_batch_size": "ds_exp.config.validate (a positive integer or auto)",
-    "logger.mlflow.tags": "ds_exp.config.logger_checks",
+    "logger.mlflow.tags": "ds_exp.config.trackers (MLflow's tags: text values)",
     "deepspeed.config": "ds_exp.config.ds_config (built from the groups; a user's file is DeepSpeed's to read)",
     "zero.overlap_comm": "zero_value_problems below: true, false or auto",
     **{key: "ds_exp.config.fast_path.fast_path_problems (auto, true or false)" for key in FAST_PATH_KEYS},

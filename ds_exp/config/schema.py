@@ -17,7 +17,7 @@ from omegaconf import MISSING, OmegaConf, open_dict
 
 from ds_exp.config.eval_schema import EvalConfig
 from ds_exp.config.secrets import hide_secrets_when_composing
-from ds_exp.config.tracker_schema import MlflowConfig, TensorBoardConfig
+from ds_exp.config.trackers import LoggerConfig
 from ds_exp.core.errors import ConfigError
 
 
@@ -103,12 +103,6 @@ class SchedulerName(str, Enum):
     cosine_warmup_with_min_lr = "cosine_warmup_with_min_lr"
     warmup_stable_decay = "warmup_stable_decay"
     greedy = "greedy"
-
-
-class WandbMode(str, Enum):
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
 
 
 class PromptTemplate(str, Enum):
@@ -298,27 +292,6 @@ class DistConfig:
 
 
 @dataclass
-class WandbConfig:
-    mode: WandbMode = WandbMode.disabled
-    project: str = "ds_exp"
-    entity: str | None = None
-    group: str | None = None  # null = the sweep / experiment name
-    name: str | None = None
-    tags: list[str] = field(default_factory=list)
-    dir: str | None = None  # null = the run directory
-    api_key: str | None = None  # null = WANDB_API_KEY or `wandb login`; never written (ds_exp/config/secrets.py)
-
-
-@dataclass
-class LoggerConfig:
-    name: str = MISSING  # trackers, any number at once: wandb unless its mode is disabled, the others while enabled
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    deepspeed_monitors: bool = False  # also let DeepSpeed write its csv monitor into the run directory
-
-
-@dataclass
 class DeepSpeedSection:
     config_file: str | None = None  # an existing DeepSpeed JSON (Hugging Face / Axolotl style, "auto" allowed)
     config: dict[str, Any] = field(default_factory=dict)  # built from the groups by interpolation
@@ -337,7 +310,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # the trackers' settings: ds_exp/config/trackers.py
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     experiment_name: str = "default"
     dry_run: bool = False

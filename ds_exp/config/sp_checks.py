@@ -124,7 +124,7 @@ def zero_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
         return [
             f"zero.reduce_scatter=false with dist.sequence_parallel_size={n} at ZeRO-3: DeepSpeed 0.19.8 averages "
             "ZeRO-3 gradients over sequence-parallel ranks differently on its all-reduce and reduce-scatter paths "
-            "(ds_exp/core/compat.py), and with reduce_scatter off it picks one per bucket; leave zero.reduce_scatter "
+            "(ds_exp/core/compat/), and with reduce_scatter off it picks one per bucket; leave zero.reduce_scatter "
             "unset (or true)"
         ]
     return []

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.ds_config import RunFacts, get_path, load_config_file, resolve_ds_config
-from ds_exp.config.logger_checks import logger_problems
 from ds_exp.config.long_context_checks import long_context_problems
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
@@ -35,6 +34,7 @@ from ds_exp.config.schema import Config, plain
 from ds_exp.config.shapes import shape_problems
 from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
 from ds_exp.config.speed_checks import speed_feature_problems
+from ds_exp.config.trackers import logger_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.user_paths import special_file_problem
 
@@ -322,7 +322,8 @@ def config_problems(
     problems += (
         _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + check_output_paths(cfg, run_dir)
     )
-    problems += check_sequence_parallel(cfg, world_size) + lora_problems(cfg, accelerator) + logger_problems(cfg)
+    problems += check_sequence_parallel(cfg, world_size) + lora_problems(cfg, accelerator)
+    problems += logger_problems(cfg.logger, dry_run=cfg.dry_run)
     problems += long_context_problems(cfg)
     problems += [p for p in scheduler_kwargs_problems(cfg) if not said_already(key_of(p), problems)]
     ds: dict[str, Any] = {}

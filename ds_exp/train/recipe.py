@@ -331,7 +331,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
             "run_id": start.run_id,
             "branch": start.branch,
             "run_dir": start.run_dir,
-            **trackers.ids(),  # wandb_run_id, mlflow_run_id: a resume continues the same tracker runs
+            "trackers": trackers.ids(),  # each tracker's run id: a resume continues the same tracker runs
             "settings": work.settings,
             "trajectory": work.trajectory,
             "model_config": model_section(cfg),  # what an export of the checkpoint rebuilds the model with

@@ -182,7 +182,7 @@ class TrainStep:
         self.loss = loss  # None: from the full logits (logits_loss); the fused or the tiled loss
         self.boundaries = boundaries and not self.sp.enabled  # sequence parallelism runs each document on its own
         # undoes DeepSpeed's mean over data-parallel ranks (it sums over a sequence-parallel group), and where it
-        # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat.py) that too
+        # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat/) that too
         self.rank_scale = world_size // self.sp.size * compat.sequence_parallel_gradient_factor(engine, self.sp.size)
         self.fp16_loss_scale = Fp16LossScale(engine) if Fp16LossScale.needed(engine) else None
 

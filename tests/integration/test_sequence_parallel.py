@@ -115,7 +115,7 @@ def test_what_sequence_parallelism_cannot_run_is_said_before_heavy_work(compose_
     assert problems(n=4, model__arch={**base.model.arch, "num_key_value_heads": 2}) == ""
     assert "train.eval_micro_batch_size=null" in problems(train__eval_micro_batch_size=2)
     assert "leave zero.reduce_scatter unset" in problems(stage=3, reduce_scatter=False)
-    assert problems(stage=3) == ""  # DeepSpeed's default (on): its factor is compensated (ds_exp/core/compat.py)
+    assert problems(stage=3) == ""  # DeepSpeed's default (on): its factor is compensated (ds_exp/core/compat/)
     monkeypatch.setattr("ds_exp.config.sp_checks.importlib.metadata.version", lambda name: "0.16.9")
     assert "this is DeepSpeed 0.16.9: pip install -U 'deepspeed>=0.17'" in problems()
     # a hub model's heads are checked once its config is loaded, before its data and weights

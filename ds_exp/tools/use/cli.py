@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ds_exp.config.ranges import MAX_TOKENS
 from ds_exp.config.sampling import sampling_problems
+from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.launch.console import entry_point
 from ds_exp.launch.exports import (
@@ -157,6 +158,7 @@ def _export(argv: list[str]) -> int:
     what = "the LoRA adapter of " if args.adapter else ""
     ranks = f"{world} rank{'' if world == 1 else 's'}"
     print(f"ds_exp: exporting {what}{tag_dir} (step {step}, ZeRO-{stage}, {ranks}) to {target}", file=sys.stderr)
+    compat.import_deepspeed_without_mlflow()  # DeepSpeed would import all of mlflow (the extra) for nothing
     from ds_exp.tools.use.export import export_checkpoint
 
     metadata = export_checkpoint(tag_dir, run_dir, cfg, target, adapter=args.adapter, dtype=args.dtype)
@@ -184,6 +186,7 @@ def _chat(argv: list[str]) -> int:
             f"--max-new-tokens={args.max_new_tokens} leaves no room for a prompt within the model's {context[1]}: "
             f"give --max-new-tokens below {context[0]}, e.g. {min(256, context[0] // 2)}"
         )
+    compat.import_deepspeed_without_mlflow()
     from ds_exp.tools.use.chat import chat
 
     return chat(model_dir, args, context=context[0] if context else None)

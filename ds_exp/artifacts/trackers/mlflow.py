@@ -10,7 +10,7 @@ multirun in one process never share one.
   status (FINISHED, KILLED for a stop that can be resumed, FAILED).
 * A resume continues the same MLflow run (its id is kept in each checkpoint's marker, like wandb's): steps after
   the checkpoint are logged once; params the resume changed are told in a tag, as MLflow's params never change.
-* A server that does not answer: refused before the run builds anything (ds_exp.config.logger_checks); one that
+* A server that does not answer: refused before the run builds anything (ds_exp.config.trackers); one that
   goes away later costs seconds, not MLflow's 246 s of retries (SHORT_HTTP), and opening the run is announced
   while it waits (ds_exp.core.waits). Its error text never shows the URI's password.
 """
@@ -27,9 +27,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ds_exp.config.logger_checks import without_passwords
+import mlflow
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+
+from ds_exp.artifacts.trackers.base import Tracker
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact, redact_text, register_secrets
+from ds_exp.config.trackers import without_passwords
 from ds_exp.core.errors import RunFailed, first_line
 from ds_exp.core.files import json_text
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
@@ -92,27 +97,22 @@ def _quiet_library_loggers() -> None:
         library.propagate = False
 
 
-class MlflowRun:
-    """See the module docstring; a no-op unless enabled (rank 0 with logger.mlflow.enabled)."""
+class MlflowRun(Tracker):
+    """See the module docstring."""
 
     name = "MLflow"
 
-    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, *, run_id: str | None, start_step: int) -> None:
         self.client: Any = None
         self.run_id = run_id
-        self.store: Path | None = None  # the store's file on this machine (a SQLite database), None for a server
+        self.store = None  # the store's file on this machine (a SQLite database), None for a server
         settings = cfg.logger.mlflow
-        if not enabled or not settings.enabled:
-            return
         self.uri = settings.tracking_uri or default_tracking_uri(run_dir)
         if self.uri.startswith("sqlite:///"):
             self.store = Path(self.uri.removeprefix("sqlite:///").split("?")[0]).expanduser()
         password = urlsplit(self.uri).password
         if password:  # a server's basic auth in the URI: never in a log line or a param
             register_secrets({"password": password})
-        import mlflow
-        from mlflow.exceptions import MlflowException
-
         _quiet_library_loggers()
         shown = without_passwords(self.uri)
         try:
@@ -138,8 +138,6 @@ class MlflowRun:
 
     def _experiment(self, name: str, run_dir: Path, given_uri: str | None) -> str:
         """The experiment's id, created when missing (a store of the run's own keeps its artifacts beside it)."""
-        from mlflow.exceptions import MlflowException
-
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return str(found.experiment_id)
@@ -153,8 +151,6 @@ class MlflowRun:
             return str(found.experiment_id)
 
     def _create(self, cfg: Config, run_dir: Path, experiment: str) -> str:
-        from mlflow.entities import Param
-
         settings = cfg.logger.mlflow
         tags = {
             "zero_stage": str(cfg.zero.stage),
@@ -172,8 +168,6 @@ class MlflowRun:
 
     def _continue(self, run_id: str, start_step: int) -> str | None:
         """The checkpoint's run, RUNNING again; None (a new run, said in the log) when this store does not have it."""
-        from mlflow.exceptions import MlflowException
-
         try:
             self.client.get_run(run_id)
         except MlflowException:
@@ -198,8 +192,6 @@ class MlflowRun:
 
     def _log_changed_params(self, cfg: Config, start_step: int) -> None:
         """Params are immutable in MLflow: new keys are logged, changed values are told in one tag."""
-        from mlflow.entities import Param
-
         assert self.run_id is not None
         before = self.client.get_run(self.run_id).data.params
         now = flatten(redact(as_dict(cfg)))
@@ -214,8 +206,6 @@ class MlflowRun:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.client is None:
             return
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
         values = [
             Metric(_KEY_CHARS.sub("_", key)[:MAX_KEY], float(value), now, int(step))
@@ -237,9 +227,15 @@ class MlflowRun:
     def location(self) -> str:
         return redact_text(self.uri)
 
-    def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
-        """summary.json as an artifact, the status as a tag, and the run ended as FINISHED, KILLED (a stop that can be
-        resumed) or FAILED; each tried whatever the one before did, the first failure raised after."""
+    def artifact(self, name: str, document: dict[str, Any]) -> None:
+        """The document as a JSON artifact of the run (summary.json)."""
+        if self.client is not None:
+            with short_http_waits():
+                self.client.log_dict(self.run_id, redact(document), name)
+
+    def close(self, status: RunStatus) -> None:
+        """The status as a tag, and the run ended as FINISHED, KILLED (a stop that can be resumed) or FAILED; each
+        tried whatever the one before did, the first failure raised after."""
         if self.client is None:
             return
         client, self.client = self.client, None
@@ -255,8 +251,6 @@ class MlflowRun:
             lambda: client.set_tag(self.run_id, "ds_exp.status", status),
             lambda: client.set_terminated(self.run_id, status=end),
         ]
-        if summary is not None:
-            calls.insert(0, lambda: client.log_dict(self.run_id, redact(summary), "summary.json"))
         with short_http_waits():
             for call in calls:
                 try:
