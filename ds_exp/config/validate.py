@@ -16,7 +16,7 @@ from typing import Any
 from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, samples_per_rank
 from ds_exp.config.ds_config import RunFacts, get_path, load_config_file, resolve_ds_config
 from ds_exp.config.logger_checks import logger_problems
-from ds_exp.config.long_context_checks import long_context_problems
+from ds_exp.config.long_context import long_context_problems
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
     check_arch,

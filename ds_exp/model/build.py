@@ -16,9 +16,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
+from ds_exp.config.long_context import plan_tiling
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
-from ds_exp.config.tiling_plan import plan_tiling
 from ds_exp.core import compat
 from ds_exp.model import sequence_parallel
 from ds_exp.model.architecture import (

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ds_exp.config.tiling_plan import TilingPlan
+from ds_exp.config.long_context import TilingPlan
 from ds_exp.core.errors import ConfigError, RunFailed
 
 IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_index)
