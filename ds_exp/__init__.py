@@ -12,4 +12,13 @@ Nothing heavy is imported here, and importing ds_exp changes nothing of the proc
 library): `--help`, `--cfg job` and config validation never import torch or deepspeed.
 """
 
+import sys
+
+# pyproject's requires-python: pip checks it, a run from a checkout does not (ruff: the block is for older Pythons)
+if sys.version_info < (3, 11):  # noqa: UP036
+    raise SystemExit(
+        f"ds_exp needs Python 3.11 or newer and this is {sys.version.split()[0]}: see README.md, Set-up, for "
+        "installing a 3.11 beside the system's Python"
+    )
+
 __version__ = "0.1.0"

@@ -795,6 +795,15 @@ CASES: list[Case] = [
         ("-m", "experiment=autotune", "train.max_steps=1"),
         ("train.max_steps=1 with train.log_every=1", "give train.max_steps > 1"),
     ),
+    Case(  # validation cannot tell (the steps of a run without train.max_steps need the data); the run's plan can
+        "autotune probes shorter than their warmup",
+        "sweep",
+        ("-m", "experiment=autotune", "scheduler.warmup_steps=10"),
+        (
+            "none of the 32 candidates is a valid configuration",
+            "scheduler.warmup_steps=10 is longer than the whole run (6 optimizer steps)",
+        ),
+    ),
     Case(
         "autotune max_batch_size -1",
         "sweep",

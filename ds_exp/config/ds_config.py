@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.plan import data_parallel_size, global_batch_mismatch, global_batch_size
+from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, global_batch_size
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
 from ds_exp.core.errors import ConfigError

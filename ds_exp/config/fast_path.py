@@ -12,14 +12,11 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from ds_exp.config.long_context import logits_changed_after_head
 from ds_exp.config.model_checks import model_settings
 from ds_exp.config.schema import Config
-from ds_exp.config.tiling_plan import logits_changed_after_head
 
 AUTO = "auto"
-
-
-FAST_PATH_KEYS = ("model.liger_kernel", "model.fused_loss", "train.compile")  # each auto | true | false
 
 
 def toggle(value: object) -> bool | None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ds_exp.config.fast_path import decide
+from ds_exp.config.long_context import plan_tiling, tokens_per_rank
 from ds_exp.config.schema import Config, plain
-from ds_exp.config.tiling_plan import plan_tiling, tokens_per_rank
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ds_exp.config.fast_path import FAST_PATH_KEYS
 from ds_exp.config.schema import Config
 
 INT64_MAX = 2**63 - 1  # torch, numpy and DeepSpeed's JSON take integers as 64-bit: a larger one overflows there
@@ -175,14 +174,17 @@ RANGES: dict[str, Range] = {
 # (ds_exp.model.engine.check_deepspeed_config).
 FREE_FORM: dict[str, str] = {
     "model.arch": "ds_exp.config.model_checks.check_arch",
-    "model.rope_scaling": "ds_exp.config.long_context_checks.check_rope_scaling",
+    "model.rope_scaling": "ds_exp.config.long_context.check_rope_scaling",
     "lora.target_modules": "ds_exp.config.lora_checks",
     "scheduler.kwargs": "ds_exp.config.schedule_kwargs.scheduler_kwargs_problems",
     "train.global_batch_size": "ds_exp.config.validate (a positive integer or auto)",
     "logger.mlflow.tags": "ds_exp.config.trackers (MLflow's tags: text values)",
     "deepspeed.config": "ds_exp.config.ds_config (built from the groups; a user's file is DeepSpeed's to read)",
     "zero.overlap_comm": "zero_value_problems below: true, false or auto",
-    **{key: "ds_exp.config.fast_path.fast_path_problems (auto, true or false)" for key in FAST_PATH_KEYS},
+    **{  # the fast path's knobs (ds_exp/config/fast_path.py)
+        key: "ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
+        for key in ("model.liger_kernel", "model.fused_loss", "train.compile")
+    },
     "data.data_split": "ds_exp.data.checks (ds_exp.data.splits.parse_data_split: any spelling of three numbers)",
     **{
         f"zero.{key}": "zero_value_problems below: a whole number >= 0, or auto"

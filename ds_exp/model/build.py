@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
 from ds_exp.config.fast_path import FastPath, decide, toggle
+from ds_exp.config.long_context import plan_tiling
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
-from ds_exp.config.tiling_plan import plan_tiling
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
 from ds_exp.model import sequence_parallel

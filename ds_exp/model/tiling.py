@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ds_exp.config.tiling_plan import TilingPlan
+from ds_exp.config.long_context import TilingPlan
 from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.model.head_loss import HeadLoss
 

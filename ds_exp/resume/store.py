@@ -93,6 +93,15 @@ def read_marker(tag_dir: Path) -> dict[str, Any]:
     return restore_non_finite(marker) if isinstance(marker, dict) and "step" in marker else {}
 
 
+def resume_wanted(resume: str | None, launcher: str) -> str | None:
+    """What a run continues from, the one rule: the `resume` setting as given, except that a submitit job without
+    one continues its own directory (auto): SLURM requeues a preempted or stopped job into the same directory, where
+    it must go on from its last checkpoint rather than start over. `launcher`: ds_exp.launch.environment's."""
+    if resume is None and launcher == "submitit":
+        return "auto"
+    return resume
+
+
 def find_resume_checkpoint(resume: str | None, run_dir: Path, checkpoint_subdir: str) -> Path | None:
     """The checkpoint tag directory to resume from; None to start fresh (resume=null, or auto with none yet)."""
     if resume is None:

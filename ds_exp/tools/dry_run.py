@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
+from ds_exp.config.ds_config import get_path, replaced_by_config_file
 from ds_exp.config.fast_path import decide
 from ds_exp.config.memory_plan import estimate_model_states, human_bytes, plan_micro_batch, run_estimate
 from ds_exp.config.model_checks import max_seq_len_notes
-from ds_exp.config.plan import data_parallel_size, total_steps, warmup_steps
+from ds_exp.config.plan import plan_run
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
 from ds_exp.config.secrets import redact
@@ -51,21 +51,16 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     padded = padded_vocab_size(len(tokenizer or ()), text.vocab_size, cfg.model.vocab_multiple)
     text.vocab_size = padded
     counts = count_parameters(cfg, model_config)
-    num_train = count_train_examples(cfg.data)
-    sp = int(cfg.dist.sequence_parallel_size)
-    dp = data_parallel_size(launch.world_size, sp)  # the ranks drawing different samples
-    steps = total_steps(num_train, cfg.train, dp)
-    facts = RunFacts(
+    plan = plan_run(
+        cfg,
         world_size=launch.world_size,
+        train_examples=count_train_examples(cfg.data),
         hidden_size=hidden,
-        total_steps=steps,
-        warmup_steps=warmup_steps(cfg.scheduler, steps),
         precision=precision,
-        run_dir=str(run_dir),
-        sequence_parallel_size=sp,
+        run_dir=run_dir,
     )
-    ds_config = resolve_ds_config(cfg, facts)
-    notes = [*replaced_by_config_file(cfg, facts), *max_seq_len_notes(cfg)]
+    ds_config = plan.ds_config
+    notes = [*replaced_by_config_file(cfg, plan.facts), *max_seq_len_notes(cfg)]
     if from_arch:
         notes.insert(0, arch_note(cfg))
     stage = int(get_path(ds_config, "zero_optimization.stage"))
@@ -90,8 +85,8 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "planned_micro_batch_and_checkpointing": planned,
         "launcher": launch.launcher,
         "world_size": launch.world_size,
-        "data_parallel_size": dp,
-        "sequence_parallel_size": sp,
+        "data_parallel_size": plan.data_parallel_size,
+        "sequence_parallel_size": plan.sequence_parallel_size,
         "accelerator": accelerator,
         "precision": precision,
         "model": cfg.model.name_or_path or f"{cfg.model.name} (built from model.arch)",
@@ -102,9 +97,9 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "parameters": counts.total,
         "trainable_parameters": counts.trainable,
         "lora_targets": len(counts.lora_targets),
-        "train_examples": num_train,
-        "global_batch_size": ds_config["train_batch_size"],
-        "total_steps": steps,
+        "train_examples": plan.train_examples,
+        "global_batch_size": plan.global_batch_size,
+        "total_steps": plan.total_steps,
         "zero_stage": stage,
         "memory_per_rank": {**memory.as_dict(), "activation_bytes": per_rank["activation_bytes"]},
         "estimate_per_rank_bytes": per_rank["estimate_bytes"],  # model states + activations (autotune's number)

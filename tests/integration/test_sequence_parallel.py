@@ -189,14 +189,30 @@ def train_and_eval(run) -> tuple[list[float], list[float], list[float]]:
     return run.losses, [r["grad_norm"] for r in run.records("train")], evals
 
 
+def dry_run_of(run, world: int, compose_cfg, monkeypatch) -> dict:
+    """What `dry_run=true` plans for a run's own command line at its world size (ds_exp/tools/dry_run.py)."""
+    from omegaconf import OmegaConf
+
+    from ds_exp.tools.dry_run import make_plan
+
+    overrides = [o for o in OmegaConf.load(run.run_dir / ".hydra" / "overrides.yaml") if not o.startswith("hydra.")]
+    with monkeypatch.context() as env:  # rank 0 of `world` ranks, for this call only (launches inherit os.environ)
+        for name, value in {"WORLD_SIZE": world, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": world}.items():
+            env.setenv(name, str(value))
+        return make_plan(compose_cfg(*overrides, "dist.launcher=env"), run.run_dir)
+
+
 @pytest.mark.slow
-def test_sp2_at_zero3_with_lora_equals_one_rank_and_resumes_with_n_changed(tmp_path, cache_dir):
+def test_sp2_at_zero3_with_lora_equals_one_rank_and_resumes_with_n_changed(
+    tmp_path, cache_dir, compose_cfg, monkeypatch
+):
     """ZeRO-3 + LoRA, accumulation 2: losses, gradient norms (clipping at 1.0 bites at step 5) and eval perplexity
     of N=2 on 2 ranks equal one rank's; generations run unsharded; the exports hold the same weights. Its step-3
     checkpoint then continues on 2 ranks with N=1 (same global batch: micro 2 x accumulation 1 x 2 data-parallel)
     exactly as the N=2 run went on: N is no part of a checkpoint's layout. The N=2 run computes its loss through
     Liger's fused kernel (Triton's interpreter on a CPU), the others from the logits: the fused loss is exact over
-    each rank's slice, with its labels shifted across slices, at ZeRO-3 with the weight partitioned over 2 ranks."""
+    each rank's slice, with its labels shifted across slices, at ZeRO-3 with the weight partitioned over 2 ranks.
+    The N=2 run trained with the plan a dry run of its command makes (one plan for every caller: config/plan.py)."""
     from safetensors.torch import load_file
 
     batch = ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", "train.save_every=3"]
@@ -204,6 +220,13 @@ def test_sp2_at_zero3_with_lora_equals_one_rank_and_resumes_with_n_changed(tmp_p
     sp_n2 = ("dist.sequence_parallel_size=2", *fused)
     sp = sp_launch(tmp_path / "sp", cache_dir, *batch, *sp_n2, ranks=2, env={"TRITON_INTERPRET": "1"})
     assert sp.ok, sp.explain()
+    planned = dry_run_of(sp, 2, compose_cfg, monkeypatch)
+    assert json.loads(json.dumps(planned["ds_config"])) == json.loads((sp.run_dir / "ds_config.json").read_text())
+    assert (planned["data_parallel_size"], planned["global_batch_size"], planned["total_steps"]) == (
+        sp.summary["data_parallel_size"],
+        sp.summary["global_batch_size"],
+        sp.summary["total_steps"],
+    )
     one = sp_launch(tmp_path / "one", cache_dir, *batch, ranks=1)
     assert one.ok, one.explain()
     (sp_losses, sp_norms, sp_evals), (losses, norms, evals) = train_and_eval(sp), train_and_eval(one)

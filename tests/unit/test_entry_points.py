@@ -22,6 +22,7 @@ import re
 import runpy
 import subprocess
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -56,10 +57,6 @@ def commands() -> list[tuple[str, str, str]]:
         called = _main_call(path)
         if called is not None:
             found.append(("-m", "ds_exp" if path.stem == "__main__" else f"ds_exp.{path.stem}", called))
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: pytest's own reader
-        import tomli as tomllib
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     for target in scripts.values():
         module, _, name = target.partition(":")

@@ -403,7 +403,7 @@ def test_the_rope_fields_are_what_transformers_reads():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import logger
 
-    from ds_exp.config.long_context_checks import ROPE_FIELDS
+    from ds_exp.config.long_context import ROPE_FIELDS
 
     class Said(logging.Handler):  # transformers' loggers do not propagate to pytest's caplog
         def __init__(self) -> None:

@@ -278,6 +278,35 @@ def test_every_package_is_installed():
     assert found - listed == set()
 
 
+def test_one_lowest_python_is_declared_and_checked():
+    """requires-python, ruff's target, mypy's python_version and ds_exp/__init__.py's check name one minimum. mypy
+    checks the code against that version's standard library: with 3.10 it finds enum.StrEnum (core/status.py)."""
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    declared = re.fullmatch(r">=\s*3\.(\d+)", project["project"]["requires-python"])
+    assert declared, project["project"]["requires-python"]
+    minor = declared.group(1)
+    assert project["tool"]["ruff"]["target-version"] == f"py3{minor}"
+    assert project["tool"]["mypy"]["python_version"] == f"3.{minor}"
+    assert re.search(rf"sys\.version_info < \(3, {minor}\)", (PACKAGE / "__init__.py").read_text())
+
+
+def test_an_older_python_gets_one_line_at_import(monkeypatch):
+    import importlib
+
+    import ds_exp
+
+    monkeypatch.setattr(sys, "version_info", (3, 10, 12, "final", 0))
+    monkeypatch.setattr(sys, "version", "3.10.12 (main, Nov  6 2024)")
+    try:
+        importlib.reload(ds_exp)  # the check comes first: nothing after it runs again
+    except SystemExit as stop:
+        assert str(stop).startswith("ds_exp needs Python 3.11 or newer and this is 3.10.12: see README.md")
+    else:
+        raise AssertionError("ds_exp imported on Python 3.10")
+
+
 def test_the_gpu_check_collects_every_gpu_test():
     """bench/gpu_check.py runs `pytest -m gpu` over a fixed list of files (a bare GPU machine lacks the packages
     other test files import): a file gaining a gpu test must join it."""

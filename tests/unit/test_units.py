@@ -195,6 +195,17 @@ def test_a_marker_that_is_not_a_json_object_means_an_incomplete_checkpoint(tmp_p
     assert f"the newest complete checkpoint beside it is {checkpoints / 'step2'}" in message
 
 
+def test_a_submitit_job_without_resume_continues_its_own_directory():
+    """The one resume rule (resume_plan before the engine, resume after it): SLURM requeues a submitit job into the
+    same directory, so unset means auto there; every other launcher takes `resume` as given."""
+    from ds_exp.resume.store import resume_wanted
+
+    assert resume_wanted(None, "submitit") == "auto"
+    assert [resume_wanted(None, launcher) for launcher in ("single", "env", "mpi", "slurm")] == [None] * 4
+    assert resume_wanted("/runs/a/checkpoints/step4", "submitit") == "/runs/a/checkpoints/step4"
+    assert resume_wanted("auto", "single") == "auto"
+
+
 def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, mount_tmpfs, compose_cfg):
     """A 4 MiB disk: a checkpoint of 8 MiB does not fit, the export of 2 MiB does. A run from step 0, or a resume
     with steps left, needs both; a resume from a checkpoint at the last step needs only the export; a run complete

@@ -1,15 +1,68 @@
-"""The long-context knobs before anything runs (issue 24 §2, §3): model.rope_scaling against the model's position
-encoding, and the tiling knobs (ds_exp/model/tiling.py) against each other and the model's logits. Light."""
+"""The long-context knobs (model.rope_scaling, tiled_mlp, tiled_loss, activation_offload), from the config alone:
+light, so the checks and the memory planner read them before anything heavy runs.
+
+* The plan (`plan_tiling`): how many MLP slices and loss chunks a run cuts, the same on every rank; and which model
+  settings change the logits after lm_head (the tiled loss refuses them). The compute is ds_exp/model/tiling.py.
+* The checks (`long_context_problems`): model.rope_scaling against the model's position encoding, and the tiling
+  knobs against each other and the model's logits.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from ds_exp.config.model_checks import model_settings, position_limit, rope_scaling_override
 from ds_exp.config.ranges import Range, Spec, above, at_least
 from ds_exp.config.schema import Config
-from ds_exp.config.tiling_plan import logits_changed_after_head, tokens_per_rank
 
+LOSS_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk when model.tiled_loss_tokens is null
+# what a model that changes its logits after lm_head calls it (the tiled loss would skip it)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+@dataclass(frozen=True)
+class TilingPlan:
+    """How many slices and chunks, fixed for the run (the same on every rank)."""
+
+    mlp_shards: int  # 0 = MLPs untiled
+    loss_chunks: int  # 0 = logits computed whole
+    offload: bool
+
+
+def tokens_per_rank(max_seq_len: int, sequence_parallel: int) -> int:
+    return -(-int(max_seq_len) // max(int(sequence_parallel), 1))
+
+
+def plan_tiling(cfg: Config, *, hidden: int, vocab: int) -> TilingPlan:
+    """The slice and chunk counts of this run, from the config alone."""
+    model = cfg.model
+    tokens = tokens_per_rank(cfg.data.max_seq_len, getattr(cfg.dist, "sequence_parallel_size", 1) or 1)
+    shards = 0
+    if model.tiled_mlp:
+        shards = int(model.tiled_mlp_shards or max(1, math.ceil(tokens / max(hidden, 1))))
+    chunks = 0
+    if model.tiled_loss:
+        rows = max(int(cfg.train.micro_batch_size), int(cfg.train.eval_micro_batch_size or 0))
+        per_chunk = int(model.tiled_loss_tokens or max(1, LOSS_CHUNK_BYTES // (4 * max(vocab, 1))))
+        chunks = max(1, math.ceil(rows * tokens / per_chunk))
+    return TilingPlan(mlp_shards=shards, loss_chunks=chunks, offload=bool(model.activation_offload))
+
+
+def logits_changed_after_head(settings: dict[str, Any] | None) -> str | None:
+    """The config key by which a model transforms its logits after lm_head (refused with the tiled loss)."""
+    if not settings:
+        return None
+    for scope in (settings, settings.get("text_config") or {}):
+        for key in LOGIT_TRANSFORMS:
+            value = scope.get(key) if isinstance(scope, dict) else None
+            if value not in (None, 0, 0.0, 1, 1.0, False):
+                return f"{key}={value}"
+    return None
+
+
+# -------------------------------------------------------------------------------------------------------------- checks
 # transformers' rotary scalings (model.rope_scaling's rope_type)
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3", "default")
 # The fields each rope_type reads (transformers' _validate_<type>_rope_parameters, 4.50-5.24), beside rope_type itself.
