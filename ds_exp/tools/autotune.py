@@ -41,7 +41,6 @@ from ds_exp.config.secrets import redact_text
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError, first_line
 from ds_exp.core.files import write_json_atomic
-from ds_exp.data.pipeline import count_train_examples
 from ds_exp.launch.validation import validate_job
 from ds_exp.model.architecture import model_facts
 from ds_exp.runtime.device import resolved_precision
@@ -241,6 +240,10 @@ class Autotune(Sweeper):
         """The probe's plan as its run makes it (ds_exp.config.plan.plan_run, as the recipe and the dry run): what
         its setup would refuse (fewer examples than one global batch, a warmup longer than the probe's steps, a
         DeepSpeed file that disagrees) is refused before anything is launched."""
+        # here, not at the top: datasets (pyarrow.dataset) reserves ~1 GB of address space on import, and imported
+        # before the model stack it left none for transformers in a sweep under a memory limit (ulimit -d / -v)
+        from ds_exp.data.pipeline import count_train_examples
+
         key = repr(cfg.data)
         if key not in self._examples:
             self._examples[key] = count_train_examples(cfg.data)

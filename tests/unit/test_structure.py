@@ -32,6 +32,7 @@ IMPORTED_WHERE_USED = {
     "matplotlib": "only for the sweep report's plot and the harness chart (its import prints and costs seconds)",
     "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",
     "psutil": "only for autotune's host-memory budget",
+    "ds_exp.data.pipeline": "autotune: datasets reserves ~1 GB of address space, first it starves a memory limit",
     "ds_exp.train.recipe": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.use.export": "python -m ds_exp.export: --help and every refusal answer before torch is imported",
