@@ -245,6 +245,29 @@ def test_chat_answers_as_the_run_generated(zero0):
 
 
 @pytest.mark.slow
+def test_an_empty_answer_gets_one_hint(zero0, tmp_path, capsys):
+    """A model that ends every answer at once (its final norm zeroed: every logit 0, so the first token is id 0, the
+    end of text), asked raw as issue 35 §1's chat asked: the answers are empty, and stderr says once why they may be
+    and what to try."""
+    from safetensors.torch import save_file
+
+    from ds_exp.tools.use.chat import empty_answer_hint
+
+    mute = tmp_path / "mute"
+    shutil.copytree(zero0.run_dir / "hf_model-step2", mute)
+    weights = load_file(mute / "model.safetensors")
+    weights["model.norm.weight"].zero_()
+    save_file(weights, mute / "model.safetensors", metadata={"format": "pt"})
+    assert ask(mute, [PROMPT, "hello"], max_new_tokens=4, template="raw") == ["", ""]
+    err = capsys.readouterr().err
+    assert err.count("ds_exp chat: the answer is empty: ") == 1, err  # once, not per answer
+    assert "the prompt went to the model as typed (template raw)" in err and "try --template dschat" in err
+    assert "(its stop token came first) in the dschat template; try another --template (chat_template, raw)" in (
+        empty_answer_hint("dschat")
+    )
+
+
+@pytest.mark.slow
 def test_chat_on_a_terminal_is_a_conversation(zero0, monkeypatch, capsys):
     from ds_exp.tools.use import chat as chat_module
 
