@@ -23,6 +23,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from ds_exp.checkpoint.checkpointer import Checkpointer, load_checkpoint
+from ds_exp.checkpoint.frozen import built_base
 from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, load_state, param_names
 from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
 from ds_exp.config.memory_plan import checkpoint_bytes
@@ -126,6 +127,7 @@ def setup(cfg: Config, session: Session) -> Workload:
     if session.is_main:
         write_json_atomic(session.run_dir / "ds_config.json", redact(ds_config))
     built = build_model(cfg, tokenizer, ds_config)
+    base = built_base(cfg, built.model, zero3=ds_config["zero_optimization"]["stage"] == 3, checkpoint=resume_from)
     parameters = sum(numel(p) for p in built.model.parameters())
     trainable = sum(numel(p) for p in built.model.parameters() if p.requires_grad)
     log_model(cfg, built, parameters, trainable)
@@ -136,9 +138,9 @@ def setup(cfg: Config, session: Session) -> Workload:
     state.peak_lr = float(ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.optimizer.lr))  # the top
     state.device = device_name(session.accelerator)
     state.peak_flops = peak_flops(state.device, session.precision, cfg.train.peak_tflops)
-    needed = checkpoint_bytes(parameters, trainable, session.precision)
+    needed = checkpoint_bytes(trainable, session.precision)
     start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
-    check_disk_space(cfg, session, needed, parameters, start_step=start_step, total_steps=steps)
+    check_disk_space(cfg, session, needed, parameters, trainable=trainable, start_step=start_step, total_steps=steps)
     engine = build_engine(
         built.model,
         ds_config,
@@ -184,6 +186,7 @@ def setup(cfg: Config, session: Session) -> Workload:
         flops=flops_model(built.model, built.config),
         peak_flops=state.peak_flops,
         checkpoint_bytes=needed,
+        base=base,
         sp=sp,
     )
 
@@ -331,6 +334,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
             "settings": work.settings,
             "trajectory": work.trajectory,
             "model_config": model_section(cfg),  # what an export of the checkpoint rebuilds the model with
+            "base": work.base,  # the frozen weights it leaves out
         },
         extra=_stage0_names(cfg, work),
     )

@@ -143,8 +143,12 @@ def test_step_exports_are_checked_before_training_and_rotation_removes_only_this
     made(5, written_by="python -m ds_exp.export", step=5)  # the user's
     (tmp_path / "exports" / "hf_model-step2_adapter").mkdir()
     (tmp_path / "exports" / "hf_model-step2_adapter" / "adapter_config.json").write_text("{}")
+    alone = tmp_path / "exports" / "hf_model-step1_adapter"  # a LoRA step export: the adapter alone (issue 35 §4)
+    alone.mkdir()
+    (alone / "adapter_config.json").write_text("{}")
+    (alone / "ds_exp_export.json").write_text(json.dumps({"origin": {"written_by": "run", "run_id": "A", "step": 1}}))
     doomed = rotated_step_exports(tmp_path / "exports" / "hf_model", "A", keep_last=1)
-    assert doomed == [mine[0], mine[1], tmp_path / "exports" / "hf_model-step2_adapter"]
+    assert doomed == [mine[0], mine[1], alone, tmp_path / "exports" / "hf_model-step2_adapter"]
     assert rotated_step_exports(tmp_path / "exports" / "hf_model", "A", keep_last=0) == []
 
 
@@ -444,7 +448,7 @@ def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(tmp_path_fac
         "train.max_steps=2",
         "train.save_every=1",
         "train.export_every=1",
-        "train.export_adapter=true",
+        "train.export_merged=every",  # step exports merged too (by default a LoRA run's are adapters alone)
         cache_dir=cache_dir,
     )
     assert run.ok, run.explain()
