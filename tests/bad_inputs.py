@@ -830,6 +830,12 @@ CASES: list[Case] = [
         ("data=synthetic has no data.sources[0]", "data=dschat_local data.sources.0.path="),
     ),
     Case(
+        "a key ds_exp no longer has",
+        "config value",
+        ("lora.dim=8", "train.export_adapter=true"),
+        ("train.export_adapter is no more", "every export writes the adapter", "train.export_merged=end|every|none"),
+    ),
+    Case(
         "hub id with no hub to reach",
         "path",
         ("model.name_or_path=meta-llama/Llama-2-7b-hf",),

@@ -24,10 +24,11 @@ stage 0 on both sides a world-size change needs no conversion: rank 0 saved the 
 The data order needs nothing: the loop starts the sampler at step_in_epoch x global batch samples, counted over
 all ranks, and the global batch may not change (ds_exp.resume.trajectory). The node count needs nothing either: the
 files are named by global rank. The RNG states are this rank's when the world size is unchanged, else seeded from
-(seed, step, rank). Frozen parameters (LoRA's base) are in no optimizer state: ds_to_universal writes their values
-alone (zero/<name>/fp32.pt) and a stage-0 conversion leaves them out; a ZeRO 1-2 engine loads them with the module
-from the model states, a ZeRO-3 engine restores only the optimizer's parameters and keeps the frozen ones as the
-model was built, which is what they were saved with (nothing trains them).
+(seed, step, rank). Frozen parameters (LoRA's base) are in no optimizer state, and a checkpoint that records its base
+(ds_exp/checkpoint/frozen.py) holds none of them: the conversion has only what trains, and every engine keeps the
+frozen ones as the model was built, checked to be the base the checkpoint was trained on before anything loads. (A
+checkpoint written before ds_exp left them out holds them: ds_to_universal writes their values alone, which no engine
+reads, and a stage-0 conversion leaves them out.)
 """
 
 from __future__ import annotations

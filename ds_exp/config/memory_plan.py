@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from ds_exp.config.export_schema import merges
 from ds_exp.config.fast_path import decide
 from ds_exp.config.long_context import plan_tiling, tokens_per_rank
 from ds_exp.config.schema import Config, plain
@@ -243,12 +244,28 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def checkpoint_bytes(parameters: int, trainable: int, precision: str) -> int:
-    """About what one DeepSpeed checkpoint takes: the weights in the training dtype, plus the fp32 master
-    weights and the two Adam moments of every trainable parameter (12 bytes each)."""
+def checkpoint_bytes(trainable: int, precision: str) -> int:
+    """About what one DeepSpeed checkpoint takes: what trains, in the training dtype, plus its fp32 master weights
+    and two Adam moments (12 bytes each). Frozen weights (LoRA's base) are not in it: they come from the model the
+    run started from (ds_exp/checkpoint/frozen.py)."""
     weight = 4 if precision == "fp32" else 2
-    return parameters * weight + trainable * 12
+    return trainable * (weight + 12)
 
 
 def export_bytes(parameters: int, precision: str) -> int:
+    """A whole model exported (LoRA merged) in the training dtype."""
     return parameters * (4 if precision == "fp32" else 2)
+
+
+def adapter_bytes(trainable: int) -> int:
+    """A LoRA adapter exported alone: what trains, in fp32 (PEFT's files, as trained)."""
+    return trainable * 4
+
+
+def one_export_bytes(cfg: Config, parameters: int, trainable: int, precision: str, *, final: bool) -> int:
+    """What one export of the run writes (the final one, or a step export): the model, or with LoRA the adapter
+    plus the merged model where train.export_merged asks for it."""
+    lora = int(cfg.lora.dim)
+    adapter = adapter_bytes(trainable) if lora > 0 else 0
+    merged = merges(cfg.train.export_merged, lora, final=final)
+    return adapter + (export_bytes(parameters, precision) if merged else 0)

@@ -4,6 +4,8 @@
   and experiment=dschat_step1 have): one message with the fix, before Hydra applies them and OmegaConf answers
   "dict is not a subclass of DataSource". Installed on every composition (ds_exp.core.compat.before_overrides) by
   `check_list_items_when_composing`.
+* A key ds_exp no longer has (`train.export_adapter`): what replaced it (RETIRED), where Hydra would say only that
+  the key is not in the schema.
 * A value that is itself a comma-separated list (`data.data_split=10,0,0`, DeepSpeed-Chat's spelling): Hydra reads
   it as a sweep over 10, 0 and 0 ("Ambiguous value" without -m; three nonsense jobs with it). The command line is
   quoted for Hydra before it parses it (`quote_one_value_lists`), so the value is the one the user wrote.
@@ -56,10 +58,22 @@ def list_item_problem(key: str, input_line: str, cfg: DictConfig) -> str | None:
     return None
 
 
+# keys ds_exp had and no longer has: what replaced them (Hydra would only say the key is not in the schema)
+RETIRED = {
+    "train.export_adapter": (
+        "with LoRA every export writes the adapter (<export_dir>_adapter) now; train.export_merged=end|every|none "
+        "says which exports also hold the merged model (default end: the final one)"
+    ),
+}
+
+
 def _check(overrides: list[Override], cfg: DictConfig) -> None:
     for override in overrides:
         if override.is_delete() or override.input_line is None:
             continue
+        key = override.key_or_group.lstrip("+")
+        if key in RETIRED:
+            raise ConfigCompositionException(f"{override.input_line}: {key} is no more: {RETIRED[key]}")
         problem = list_item_problem(override.key_or_group, override.input_line, cfg)
         if problem is not None:
             raise ConfigCompositionException(problem)

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf, open_dict
 
 from ds_exp.config.eval_schema import EvalConfig
+from ds_exp.config.export_schema import ExportDtype, ExportMerged
 from ds_exp.config.secrets import hide_secrets_when_composing
 from ds_exp.config.trackers import LoggerConfig
 from ds_exp.core.errors import ConfigError
@@ -64,13 +65,6 @@ class Dtype(str, Enum):
     fp16 = "fp16"
     bf16 = "bf16"
     auto = "auto"
-
-
-class ExportDtype(str, Enum):
-    auto = "auto"  # the base checkpoint's dtype, or the training precision where every base weight was trained
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
 
 
 class OptimizerImpl(str, Enum):
@@ -270,7 +264,7 @@ class TrainConfig:
     checkpoint_dir: str = "checkpoints"  # relative to the run directory
     export: bool = True
     export_dir: str = "hf_model"  # relative to the run directory
-    export_adapter: bool = False  # also save the PEFT adapter alone
+    export_merged: ExportMerged = ExportMerged.end  # with LoRA: which exports hold the merged model (the adapter: all)
     export_every: int = 0  # optimizer steps between exports <export_dir>-step<N>; 0 = only the final export
     export_keep_last: int = 2  # step exports kept (this run's newest); 0 = all
     export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/artifacts/export.py)

@@ -47,6 +47,10 @@ class TrainState:
     # the `model` section of the config that trained the weights (a resume may change model.rope_scaling, ...): its
     # export (`python -m ds_exp.export`) rebuilds the model with it, not with a later attempt's
     model_config: dict[str, Any] | None = None
+    # the frozen weights (LoRA's base) the checkpoint leaves out, as they were built (ds_exp.checkpoint.frozen:
+    # tensors, elements, sha256, source): a resume or an export builds them again and continues only on the same ones;
+    # None for a checkpoint that holds every weight
+    base: dict[str, Any] | None = None
     # markers written before the trackers' ids were one mapping held one field per tracker: read into `trackers`
     # (never written again; a tracker added since has only its key in `trackers`)
     wandb_run_id: InitVar[str | None] = None

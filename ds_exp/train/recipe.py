@@ -23,6 +23,7 @@ from typing import Any
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from ds_exp.checkpoint.checkpointer import Checkpointer
+from ds_exp.checkpoint.frozen import built_base
 from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, param_names
 from ds_exp.config.ds_config import replaced_by_config_file
 from ds_exp.config.memory_plan import checkpoint_bytes
@@ -105,10 +106,13 @@ def setup(cfg: Config, session: Session) -> Workload:
     resume_from, universal = resume_plan(cfg, session, settings)
     ds_config = final_ds_config(cfg, session, plan, universal)
     built = build_model(cfg, tokenizer, ds_config)
+    base = built_base(cfg, built.model, zero3=ds_config["zero_optimization"]["stage"] == 3, checkpoint=resume_from)
     parameters, trainable = record_model(cfg, session, built, plan, ds_config)
-    needed = checkpoint_bytes(parameters, trainable, session.precision)
+    needed = checkpoint_bytes(trainable, session.precision)
     start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
-    check_disk_space(cfg, session, needed, parameters, start_step=start_step, total_steps=plan.total_steps)
+    check_disk_space(
+        cfg, session, needed, parameters, trainable=trainable, start_step=start_step, total_steps=plan.total_steps
+    )
     engine = training_engine(cfg, session, built, ds_config, plan)
     return Workload(
         tokenizer=tokenizer,
@@ -141,6 +145,7 @@ def setup(cfg: Config, session: Session) -> Workload:
         flops=flops_model(built.model, built.config),
         peak_flops=session.state.peak_flops,
         checkpoint_bytes=needed,
+        base=base,
         sp=sp,
     )
 
@@ -290,6 +295,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
             "settings": work.settings,
             "trajectory": work.trajectory,
             "model_config": model_section(cfg),  # what an export of the checkpoint rebuilds the model with
+            "base": work.base,  # the frozen weights it leaves out
         },
         extra=_stage0_names(cfg, work),
     )

@@ -238,6 +238,24 @@ def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, moun
     assert "KiB free, the export needs about 2.00 MiB" in str(info.value)
 
 
+def test_a_lora_run_plans_checkpoints_of_what_trains_and_exports_of_its_adapter(compose_cfg):
+    """Issue 35 §4 (a LoRA run of SmolLM2-135M took 1.6 GB): a checkpoint holds what trains (weights, fp32 master and
+    two Adam moments), never the frozen base; every export writes the adapter (fp32) and the merged model only where
+    train.export_merged asks for it: by default in the final export alone. Without LoRA an export is the model."""
+    from ds_exp.config.memory_plan import checkpoint_bytes, one_export_bytes
+
+    parameters, trainable = 134_515_008, 921_600  # SmolLM2-135M, rank 8 on its attention
+    assert checkpoint_bytes(trainable, "bf16") == trainable * (2 + 12) < 13 * 2**20
+    sizes = {}
+    for merged in ("end", "every", "none"):
+        cfg = compose_cfg("lora.dim=8", f"train.export_merged={merged}")
+        sizes[merged] = [one_export_bytes(cfg, parameters, trainable, "bf16", final=f) for f in (True, False)]
+    model, adapter = parameters * 2, trainable * 4
+    assert sizes == {"end": [model + adapter, adapter], "every": [model + adapter] * 2, "none": [adapter, adapter]}
+    full = compose_cfg("train.export_merged=none")  # no LoRA: nothing to leave out
+    assert one_export_bytes(full, parameters, parameters, "bf16", final=False) == model
+
+
 def _schedule() -> torch.optim.lr_scheduler.LambdaLR:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))

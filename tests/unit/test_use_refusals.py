@@ -227,3 +227,22 @@ def test_help_and_refusals_never_import_torch(tmp_path: Path):
     for tool in ("export", "chat"):
         shown = subprocess.run([sys.executable, "-m", f"ds_exp.{tool}", "--help"], env=user_env(), capture_output=True)
         assert shown.returncode == 0 and b"examples:" in shown.stdout
+
+
+def test_the_examples_of_help_name_run_directories_as_runs_lay_them_out():
+    """`--help`'s examples are paths a run writes: outputs/<experiment_name>/<date>_<time> as conf/config.yaml's
+    hydra.run.dir lays it out (experiment_name default), not a layout of an older ds_exp."""
+    import re
+
+    from ds_exp.tools.use.cli import chat_parser, export_parser
+
+    run_dir = str(OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml"))["hydra"]["run"]["dir"])
+    pattern = re.escape(run_dir)
+    pattern = pattern.replace(re.escape("${experiment_name}"), "default")
+    pattern = pattern.replace(re.escape("${now:%Y-%m-%d_%H-%M-%S}"), r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d")
+    for parser in (chat_parser(), export_parser()):
+        shown = parser.format_help()
+        paths = re.findall(r"outputs/\S+", shown.split("examples:")[1].split("\nA run directory")[0])
+        assert len(paths) >= 3, shown
+        for path in paths:
+            assert re.match(pattern + r"(/|$)", path), f"{path} is not a run directory as {run_dir} makes it"

@@ -39,24 +39,39 @@ from ds_exp.resume.store import read_marker
 # devices a model can be moved to for chat: the CPU, CUDA (ROCm too), Apple's MPS, Intel's XPU, with an index
 DEVICE = re.compile(r"(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)")
 
-EXPORT_EPILOG = """examples:
-  python -m ds_exp.export outputs/2026-01-01/12-00-00             newest complete checkpoint -> <run>/hf_model-step<N>
-  python -m ds_exp.export outputs/.../checkpoints/step40 /data/m40 that checkpoint -> /data/m40
-  python -m ds_exp.export outputs/... --adapter                   LoRA alone -> <run>/hf_model-step<N>_adapter
+RUN = "outputs/default/2026-01-01_12-00-00"  # a run directory as conf/config.yaml's hydra.run.dir lays it out
+
+EXPORT_EPILOG = f"""examples:
+  python -m ds_exp.export {RUN}
+      the run's newest complete checkpoint -> <run>/hf_model-step<N>
+  python -m ds_exp.export {RUN}/checkpoints/step40 /data/m40
+      that checkpoint -> /data/m40
+  python -m ds_exp.export {RUN} --adapter
+      LoRA alone -> <run>/hf_model-step<N>_adapter
+A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless set);
+a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>.
 The export is what the run's own export at that step holds: the base model's identity (vocabulary, dtype,
 tokenizer, generation config), LoRA merged into it, and ds_exp_export.json saying where it comes from.
 DIR is replaced only when it is an earlier export of ds_exp (never the run's own export of another step)."""
 
-CHAT_EPILOG = """examples:
-  python -m ds_exp.chat outputs/2026-01-01/12-00-00/hf_model     a conversation (on a terminal)
-  python -m ds_exp.chat outputs/2026-01-01/12-00-00              the run's hf_model
-  printf 'What is 2+2?\\nName a colour.\\n' | python -m ds_exp.chat DIR --temperature 0.7 --seed 1
+CHAT_EPILOG = f"""examples:
+  python -m ds_exp.chat {RUN}/hf_model
+      a conversation on a terminal with the run's final export
+  python -m ds_exp.chat {RUN}
+      the same: a run directory's hf_model
+  python -m ds_exp.chat {RUN}/hf_model-step40
+      a step export (train.export_every)
+  printf 'What is 2+2?\\nName a colour.\\n' | python -m ds_exp.chat {RUN} --temperature 0.7 --seed 1
+      one answer per line, sampled
+A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless set);
+a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>.
 With standard input not a terminal, every line is one prompt on its own and its answer is printed (one per
-prompt; --jsonl prints {"prompt", "completion"} lines). A line that is not UTF-8 text is said on stderr with its
+prompt; --jsonl prints {{"prompt", "completion"}} lines). A line that is not UTF-8 text is said on stderr with its
 number and not answered; the others are, and the exit status is then 1. Prompts are rendered with the template the
-run trained with (recorded in the export), else the tokenizer's chat template, else DeepSpeed-Chat's
-" Human: ... Assistant:". A prompt (or a conversation) longer than the model's positions less --max-new-tokens is
-cut from the left, said on stderr: its oldest tokens go."""
+run trained with (recorded in the export; rows that carried their own " Human: ... Assistant:" markup: that
+markup), else the tokenizer's chat template, else DeepSpeed-Chat's " Human: ... Assistant:". An empty answer gets
+a hint on stderr. A prompt (or a conversation) longer than the model's positions less --max-new-tokens is cut from
+the left, said on stderr: its oldest tokens go."""
 
 
 def export_parser() -> argparse.ArgumentParser:
