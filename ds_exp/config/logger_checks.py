@@ -55,13 +55,13 @@ def _setting_problems(cfg: Config) -> list[str]:
         if not uri.strip():
             problems.append(
                 "logger.mlflow.tracking_uri is empty: give a store (sqlite:///path/mlflow.db, http://host:5000) "
-                "or null for <run dir>/mlflow.db"
+                "or null for the project's outputs/mlflow.db"
             )
         elif urlsplit(uri).scheme in ("", "file") and not _file_store_allowed():
             problems.append(
                 f"logger.mlflow.tracking_uri={uri} is MLflow's file store, which MLflow 3 refuses (maintenance mode): "
                 "use a database, e.g. logger.mlflow.tracking_uri=sqlite:////abs/path/mlflow.db, null for "
-                "<run dir>/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
+                "the project's outputs/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
             )
     if mlflow.experiment is not None and not mlflow.experiment.strip():
         problems.append("logger.mlflow.experiment is empty: give a name, or null for experiment_name")
@@ -84,7 +84,7 @@ def tracker_servers(cfg: Config) -> list[tuple[str, str, str]]:
     uri = cfg.logger.mlflow.tracking_uri
     if cfg.logger.mlflow.enabled and uri and urlsplit(uri).scheme in ("http", "https"):
         fix = (
-            "start the server or fix the URI, or use logger.mlflow.tracking_uri=null (a store in the run directory) "
+            "start the server or fix the URI, or use logger.mlflow.tracking_uri=null (the project's outputs/mlflow.db) "
             "or logger.mlflow.enabled=false"
         )
         servers.append((f"logger.mlflow.tracking_uri={without_passwords(uri)}", uri, fix))

@@ -15,7 +15,7 @@ class TensorBoardConfig:
 @dataclass
 class MlflowConfig:
     enabled: bool = False  # logger=mlflow turns it on
-    tracking_uri: str | None = None  # null = sqlite:///<run dir>/mlflow.db (ds_exp/artifacts/mlflow_run.py)
+    tracking_uri: str | None = None  # null = the project's sqlite:///<launch dir>/outputs/mlflow.db
     experiment: str | None = None  # null = experiment_name
     run_name: str | None = None  # null = the run directory's name
     tags: dict[str, str] = field(default_factory=dict)
