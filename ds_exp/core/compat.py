@@ -156,6 +156,17 @@ def basic_sweep_jobs(overrides: list[str]) -> list[list[str]]:
     return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
+def hydra_job_callbacks(config: Any) -> Any:
+    """The callbacks of a composed config (hydra.callbacks) as hydra.core.utils.run_job calls them (on_job_start,
+    on_job_end): ds_exp.train runs its job as Hydra's run mode does (ds_exp/train/api.py).
+
+    hydra-core 1.3.2-1.3.8: `hydra._internal.callbacks.Callbacks`, what run_job's HydraContext holds (no public API
+    builds one). If it moves, ds_exp.train fails at once (tests/unit/test_api.py)."""
+    from hydra._internal.callbacks import Callbacks
+
+    return Callbacks(config)
+
+
 _COMPOSE_HOOKS: list[Any] = []
 
 
