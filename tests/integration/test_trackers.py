@@ -185,9 +185,9 @@ def test_runs_that_open_the_projects_mlflow_store_at_once_each_log_to_it(compose
     def run(name: str) -> None:
         go.wait()
         tracker = MlflowRun(cfg, tmp_path / name, enabled=True, run_id=None)
-        for step in range(1, 21):
+        for step in range(1, 11):
             tracker.log({"train/loss": 1.0 / step}, step)
-        tracker.close("completed", {"status": "completed", "steps": 20})
+        tracker.close("completed", {"status": "completed", "steps": 10})
 
     runs = [fork.Process(target=run, args=(f"run{n}",)) for n in range(3)]
     for process in runs:
@@ -199,7 +199,7 @@ def test_runs_that_open_the_projects_mlflow_store_at_once_each_log_to_it(compose
     uri = default_tracking_uri()
     found = sorted(mlflow_runs(uri), key=lambda r: r.info.run_name)
     assert [(r.info.run_name, r.info.status) for r in found] == [(f"run{n}", "FINISHED") for n in range(3)]
-    assert all([s for s, _ in history(uri, r.info.run_id, "train/loss")] == list(range(1, 21)) for r in found)
+    assert all([s for s, _ in history(uri, r.info.run_id, "train/loss")] == list(range(1, 11)) for r in found)
 
 
 @pytest.mark.slow
