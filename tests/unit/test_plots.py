@@ -46,7 +46,7 @@ def test_the_loss_plot_draws_what_metrics_jsonl_holds(tmp_path, caplog):
     metrics.write_text(json.dumps({"type": "train", "step": 1, "loss": 4.0, "lr": 1e-3}) + "\n")
     plot.draw(final=True)
     assert plot.curves.train == [(1, 4.0)] and plot.curves.eval == []
-    # the same picture asked again right away at an evaluation: skipped (at most 5% of the run's time)
+    # the same picture asked again right away at an evaluation: skipped (at most 2% of the run's time)
     before = (run_dir / PLOT).stat().st_mtime_ns
     plot.draw()
     assert (run_dir / PLOT).stat().st_mtime_ns == before
