@@ -11,9 +11,10 @@ multirun in one process never share one.
   MLflow creates its tables on first use, and two processes doing that at once fail); then SQLite's own locking
   keeps its writers apart.
 * What: experiment = logger.mlflow.experiment or experiment_name; run name = logger.mlflow.run_name or the run
-  directory's name; params = the whole config, flattened, credentials blanked (ds_exp.config.secrets.redact);
-  metrics at every metric line, by optimizer step; generations and summary.json as artifacts; the end as the run's
-  status (FINISHED, KILLED for a stop that can be resumed, FAILED).
+  directory as a path under outputs/ (a sweep's job `multirun/default/<time>/0`, not `0`); params = the whole
+  config, flattened, credentials blanked (ds_exp.config.secrets.redact); metrics at every metric line, by
+  optimizer step; generations and summary.json as artifacts; the end as the run's status (FINISHED, KILLED for a
+  stop that can be resumed, FAILED).
 * A resume continues the same MLflow run (its id is kept in each checkpoint's marker, like wandb's): steps after
   the checkpoint are logged once; params the resume changed are told in a tag, as MLflow's params never change.
 * A server that does not answer: refused before the run builds anything (ds_exp.config.logger_checks); one that
@@ -83,6 +84,15 @@ def project_outputs() -> Path:
 def default_tracking_uri() -> str:
     """The project's store, logger.mlflow.tracking_uri=null without $MLFLOW_TRACKING_URI: one for every run."""
     return f"sqlite:///{project_outputs() / 'mlflow.db'}"
+
+
+def default_run_name(run_dir: Path) -> str:
+    """The run directory under the project's outputs/ (`default/2026-11-26_18-23-47`, `multirun/default/<time>/0`,
+    `optuna/<study>/3`): a sweep's jobs (0, 1, ...) stay apart in the project's one store; elsewhere its name."""
+    try:
+        return str(run_dir.resolve().relative_to(project_outputs()))
+    except ValueError:
+        return run_dir.name
 
 
 @contextlib.contextmanager
@@ -208,7 +218,7 @@ class MlflowRun:
             "ds_exp.run_dir": str(run_dir),
             **{str(k): redact_text(str(v)) for k, v in settings.tags.items()},  # a secret by its shape
         }
-        run = self.client.create_run(experiment, run_name=settings.run_name or run_dir.name, tags=tags)
+        run = self.client.create_run(experiment, run_name=settings.run_name or default_run_name(run_dir), tags=tags)
         run_id = str(run.info.run_id)
         params = [Param(k, v) for k, v in flatten(redact(as_dict(cfg))).items()]
         for start in range(0, len(params), BATCH):

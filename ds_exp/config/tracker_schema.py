@@ -17,5 +17,5 @@ class MlflowConfig:
     enabled: bool = False  # logger=mlflow turns it on
     tracking_uri: str | None = None  # null = the project's sqlite:///<launch dir>/outputs/mlflow.db
     experiment: str | None = None  # null = experiment_name
-    run_name: str | None = None  # null = the run directory's name
+    run_name: str | None = None  # null = the run directory, as a path under outputs/
     tags: dict[str, str] = field(default_factory=dict)

@@ -184,12 +184,12 @@ def test_runs_that_open_the_projects_mlflow_store_at_once_each_log_to_it(compose
 
     def run(name: str) -> None:
         go.wait()
-        tracker = MlflowRun(cfg, tmp_path / name, enabled=True, run_id=None)
+        tracker = MlflowRun(cfg, tmp_path / "outputs" / "multirun" / "together" / name, enabled=True, run_id=None)
         for step in range(1, 11):
             tracker.log({"train/loss": 1.0 / step}, step)
         tracker.close("completed", {"status": "completed", "steps": 10})
 
-    runs = [fork.Process(target=run, args=(f"run{n}",)) for n in range(3)]
+    runs = [fork.Process(target=run, args=(str(n),)) for n in range(3)]  # a sweep's jobs 0, 1, 2
     for process in runs:
         process.start()
     go.set()
@@ -198,7 +198,8 @@ def test_runs_that_open_the_projects_mlflow_store_at_once_each_log_to_it(compose
     assert [process.exitcode for process in runs] == [0, 0, 0]
     uri = default_tracking_uri()
     found = sorted(mlflow_runs(uri), key=lambda r: r.info.run_name)
-    assert [(r.info.run_name, r.info.status) for r in found] == [(f"run{n}", "FINISHED") for n in range(3)]
+    # named by their directories under outputs/: the jobs of another sweep in the same store are other names
+    assert [(r.info.run_name, r.info.status) for r in found] == [(f"multirun/together/{n}", "FINISHED") for n in "012"]
     assert all([s for s, _ in history(uri, r.info.run_id, "train/loss")] == list(range(1, 11)) for r in found)
 
 
