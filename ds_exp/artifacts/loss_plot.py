@@ -5,9 +5,10 @@ Train loss and eval loss by optimizer step, the learning rate on a second axis, 
 the run, however it ended (a diverged run's curve is the one worth seeing), and writes it whole
 (ds_exp/core/files.py): a viewer never sees half a PNG. Kept cheap: each picture reads only the lines appended
 since the one before, and draws on matplotlib's Agg canvas without pyplot (no global figure state: a notebook's
-own plots and backend are left alone). A picture takes about 0.1 s (0.25 s at 100,000 points); on the tiny model
-an evaluation takes less (0.06 s), so an evaluation that comes sooner after the last picture than 50 times what
-that one took is not drawn (the end always is): pictures never take more than 2% of a run. A picture that cannot
+own plots and backend are left alone). A picture takes about 0.06 s of CPU (0.25 s at 100,000 points); on the tiny
+model an evaluation takes as long, so an evaluation that comes sooner after the last picture than 50 times what
+that one took is not drawn (the end always is, unless no line came since the last picture): pictures never take
+more than 2% of a run. A picture that cannot
 be drawn or written costs the picture, said once, never the run: metrics.jsonl has every line.
 """
 
@@ -67,18 +68,23 @@ class LossPlot:
         self.title = title or f"{run_dir.parent.name}/{run_dir.name}"
         self.curves = Curves()
         self.read_to = 0  # bytes of metrics.jsonl read so far (only whole lines)
+        self.drawn_to = 0  # read_to when the picture was last drawn
         self.next_at = 0.0  # time.perf_counter() before which an evaluation's picture is skipped
 
     def draw(self, final: bool = False) -> None:
-        """The picture of what metrics.jsonl holds now; an evaluation's (not `final`) only when it is due."""
+        """The picture of what metrics.jsonl holds now, unless it holds nothing new (the end, right after the last
+        evaluation's picture); an evaluation's (not `final`) only when it is due."""
         started = time.perf_counter()
         if not self.enabled or (started < self.next_at and not final):
             return
         try:
             self.read_new_lines()
+            if self.read_to == self.drawn_to:
+                return
             png = render(self.curves, self.title)
             self.path.parent.mkdir(exist_ok=True)
             write_bytes_atomic(self.path, png)
+            self.drawn_to = self.read_to
         except Exception as err:  # the picture's loss alone
             self.enabled = False
             # a full disk stops the run at its next metric line, with the one message that names it: the log file's
@@ -96,7 +102,7 @@ class LossPlot:
             return
         with self.metrics.open("rb") as file:
             if file.seek(0, io.SEEK_END) < self.read_to:
-                self.curves, self.read_to = Curves(), 0
+                self.curves, self.read_to, self.drawn_to = Curves(), 0, -1
             file.seek(self.read_to)
             data = file.read()
         whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next picture
@@ -143,7 +149,7 @@ def render(curves: Curves, title: str) -> bytes:
     else:
         loss_axis.text(0.5, 0.5, "no metric line yet", ha="center", va="center", transform=loss_axis.transAxes)
     loss_axis.set_title(title, fontsize=10)
-    figure.tight_layout()
+    figure.subplots_adjust(left=0.09, right=0.88, top=0.92, bottom=0.12)
     out = io.BytesIO()
     figure.savefig(out, format="png")
     return out.getvalue()

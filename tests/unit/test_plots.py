@@ -46,13 +46,21 @@ def test_the_loss_plot_draws_what_metrics_jsonl_holds(tmp_path, caplog):
     metrics.write_text(json.dumps({"type": "train", "step": 1, "loss": 4.0, "lr": 1e-3}) + "\n")
     plot.draw(final=True)
     assert plot.curves.train == [(1, 4.0)] and plot.curves.eval == []
-    # the same picture asked again right away at an evaluation: skipped (at most 2% of the run's time)
+    # an evaluation's picture right after the last one is skipped (at most 2% of the run's time), and so is the
+    # end's when no line came since (the end right after the last evaluation's picture)
     before = (run_dir / PLOT).stat().st_mtime_ns
+    lines(metrics, {"type": "eval", "step": 1, "eval_loss": 4.5})
     plot.draw()
     assert (run_dir / PLOT).stat().st_mtime_ns == before
-    # rank > 0 draws nothing
+    plot.draw(final=True)
+    after = (run_dir / PLOT).stat().st_mtime_ns
+    plot.draw(final=True)
+    assert before < after == (run_dir / PLOT).stat().st_mtime_ns and plot.curves.eval == [(1, 4.5)]
+    # a run that wrote no metric line has no picture, and rank > 0 draws nothing
+    (tmp_path / "exp" / "early").mkdir()
+    LossPlot(tmp_path / "exp" / "early", enabled=True).draw(final=True)
     LossPlot(tmp_path / "exp" / "rank1", enabled=False).draw(final=True)
-    assert not (tmp_path / "exp" / "rank1").exists()
+    assert not (tmp_path / "exp" / "early" / "plots").exists() and not (tmp_path / "exp" / "rank1").exists()
     # a picture that cannot be written costs the picture, said once, never the run
     broken = tmp_path / "exp" / "broken"
     (broken / "plots").parent.mkdir()
