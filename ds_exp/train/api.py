@@ -125,11 +125,10 @@ def _train(args: list[str]) -> dict[str, Any]:
                 release_run_dir(Path(str(config.hydra.run.dir)))
     if "error" in outcome:
         raise _stopped(outcome["error"])
+    if config.get("dry_run"):
+        return dict(outcome["value"])  # the plan (plan.json)
     run_dir = Path(str(config.hydra.runtime.output_dir))  # absolute, the directory taken (hydra.run.dir)
-    summary = run_dir / "summary.json"
-    if outcome["value"] is not None and not summary.is_file():  # a dry run: its plan
-        return dict(outcome["value"])
-    return dict(json.loads(summary.read_text()))
+    return dict(json.loads((run_dir / "summary.json").read_text()))
 
 
 @contextmanager
