@@ -242,7 +242,12 @@ def serve() -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     # the training stack (torch, deepspeed, transformers, peft, datasets) and what the dry run adds, deepspeed first
-    # as a run imports it (ds_exp.launch.cli.run_job): without all of mlflow
+    # as a run imports it (ds_exp.launch.cli.run_job): without all of mlflow; and what every run's first
+    # plots/loss.png imports (ds_exp/artifacts/loss_plot.py: a second of matplotlib per run otherwise)
+    import matplotlib.backends.backend_agg
+    import matplotlib.figure
+    import matplotlib.ticker  # noqa: F401
+
     from ds_exp.core import compat
 
     compat.import_deepspeed_without_mlflow()

@@ -109,7 +109,7 @@ class TensorBoardConfig:
 @dataclass
 class MlflowConfig:
     enabled: bool = False  # logger=mlflow turns it on
-    tracking_uri: str | None = None  # null = sqlite:///<run dir>/mlflow.db (ds_exp/artifacts/trackers/mlflow.py)
+    tracking_uri: str | None = None  # null = the project's sqlite:///<launch dir>/outputs/mlflow.db
     experiment: str | None = None  # null = experiment_name
     run_name: str | None = None  # null = the run directory's name
     tags: dict[str, str] = field(default_factory=dict)
@@ -127,13 +127,13 @@ class MlflowConfig:
             if not uri.strip():
                 problems.append(
                     "logger.mlflow.tracking_uri is empty: give a store (sqlite:///path/mlflow.db, http://host:5000) "
-                    "or null for <run dir>/mlflow.db"
+                    "or null for the project's outputs/mlflow.db"
                 )
             elif urlsplit(uri).scheme in ("", "file") and not _file_store_allowed():
                 problems.append(
                     f"logger.mlflow.tracking_uri={uri} is MLflow's file store, which MLflow 3 refuses (maintenance "
                     "mode): use a database, e.g. logger.mlflow.tracking_uri=sqlite:////abs/path/mlflow.db, null for "
-                    "<run dir>/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
+                    "the project's outputs/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
                 )
         if self.experiment is not None and not self.experiment.strip():
             problems.append("logger.mlflow.experiment is empty: give a name, or null for experiment_name")
@@ -144,7 +144,7 @@ class MlflowConfig:
         if not (self.enabled and uri and urlsplit(uri).scheme in ("http", "https")):
             return []
         fix = (
-            "start the server or fix the URI, or use logger.mlflow.tracking_uri=null (a store in the run directory) "
+            "start the server or fix the URI, or use logger.mlflow.tracking_uri=null (the project's outputs/mlflow.db) "
             "or logger.mlflow.enabled=false"
         )
         return [Server(f"logger.mlflow.tracking_uri={without_passwords(uri)}", uri, fix)]
@@ -186,7 +186,7 @@ TRACKERS = table(
             settings=MlflowConfig,
             run_id_key="mlflow",
             logs="metrics by step, generations and summary.json as JSON artifacts, the config as params (credentials "
-            "blanked), how the run ended; <run dir>/mlflow.db unless logger.mlflow.tracking_uri",
+            "blanked), how the run ended; the project's outputs/mlflow.db unless logger.mlflow.tracking_uri",
         ),
         TrackerEntry(
             "tensorboard",

@@ -210,11 +210,17 @@ def main() -> int:
         return write_experiment_main(sys.argv[1:])
     if wants_help(sys.argv[1:]):  # ds_exp's help from conf/'s comments (Hydra's own: --hydra-help)
         print_help(sys.argv[1:])
-    check_launch_env()
-    # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
-    sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
-    check_config_files(sys.argv[1:])  # the user's experiment files: one message each, before Hydra reads them
-    sys.argv += rank_placeholder_overrides(sys.argv[1:])
-    prepare_composition()
+    sys.argv[1:] = prepare_overrides(sys.argv[1:])
     hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(HydraTask())()
     return 0
+
+
+def prepare_overrides(args: list[str]) -> list[str]:
+    """What every way into a run does before Hydra reads its overrides (the command line, ds_exp.train's API)."""
+    check_launch_env()
+    # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
+    args = hide_secret_overrides(args, os.environ)
+    check_config_files(args)  # the user's experiment files: one message each, before Hydra reads them
+    args += rank_placeholder_overrides(args)
+    prepare_composition()
+    return args

@@ -325,6 +325,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
     finally:
         metrics.write()
         metrics.close_progress()
+        loop.loss_plot.draw(final=True)  # the run's picture as it ends, however it ends
         totals, state = metrics.totals, session.state
         state.train_seconds, state.train_tokens = totals.seconds, totals.tokens
         state.train_samples, state.train_flops = totals.samples, totals.flops

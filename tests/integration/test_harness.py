@@ -71,7 +71,7 @@ def test_the_default_run_learns_and_scores_well_above_its_base(default_run):
     expected = [(125, step["tuned"]), (250, acc["tuned"])]
     assert _close(scalars(run_dir / "tensorboard", key), expected)
     assert _close(scalars(run_dir / "tensorboard", f"harness_base/{TASK}/acc"), [(250, acc["base"])])
-    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    uri = f"sqlite:///{run_dir.parent / 'outputs' / 'mlflow.db'}"  # the project's store: where the run was launched
     (mlflow_run,) = mlflow_runs(uri)
     assert _close(mlflow_history(uri, mlflow_run.info.run_id, key), expected)
     (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")

@@ -65,7 +65,7 @@ def test_the_logger_options_combine(compose_cfg):
     assert cfg.logger.tensorboard.enabled and cfg.logger.mlflow.enabled and cfg.logger.wandb.mode.value != "disabled"
     cfg = compose_cfg("logger=wandb")  # as before: wandb alone
     assert not cfg.logger.tensorboard.enabled and not cfg.logger.mlflow.enabled
-    assert compose_cfg("logger=mlflow").logger.mlflow.tracking_uri is None  # <run dir>/mlflow.db
+    assert compose_cfg("logger=mlflow").logger.mlflow.tracking_uri is None  # the project's outputs/mlflow.db
     assert not any(t.enabled for t in (compose_cfg().logger.tensorboard, compose_cfg().logger.mlflow))
 
 
@@ -122,7 +122,9 @@ def test_every_tracker_of_the_table_builds_writes_and_ends(
     MLflow's SQLite store): built by the fan-out the run uses from `logger=<name>` alone, through the one interface,
     and its run id is what a checkpoint keeps."""
     monkeypatch.setenv("WANDB_MODE", "offline")  # conf/logger/wandb.yaml: $WANDB_MODE, else online
-    shutil.copy(migrated_mlflow_db, tmp_path / "mlflow.db")  # used by logger=mlflow only
+    monkeypatch.chdir(tmp_path)  # the project: MLflow's store is outputs/mlflow.db here
+    (tmp_path / "outputs").mkdir()
+    shutil.copy(migrated_mlflow_db, tmp_path / "outputs" / "mlflow.db")  # used by logger=mlflow only
     entry = TRACKERS[name]
     cfg = compose_cfg(f"logger={name}")
     trackers = Trackers(cfg, tmp_path, enabled=True, start=TrainState())
@@ -144,20 +146,23 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(
     from ds_exp.artifacts.trackers.mlflow import MlflowRun, default_tracking_uri
     from ds_exp.config.secrets import register_secrets
 
+    monkeypatch.chdir(tmp_path)  # the project: its store is outputs/mlflow.db here
     monkeypatch.setenv("MY_SERVICE_TOKEN", SECRET)
     register_secrets(environ={"MY_SERVICE_TOKEN": SECRET})
     tag = f"+logger.mlflow.tags.db=postgresql://bob:{TAG_PASSWORD}@db.example.com/x"  # a secret by its shape
     cfg = compose_cfg(
         "logger=mlflow", "experiment_name=trackers", "logger.wandb.api_key=${oc.env:MY_SERVICE_TOKEN}", tag
     )
-    shutil.copy(migrated_mlflow_db, tmp_path / "mlflow.db")
+    (tmp_path / "outputs").mkdir()
+    shutil.copy(migrated_mlflow_db, tmp_path / "outputs" / "mlflow.db")
     first = MlflowRun(cfg, tmp_path, run_id=None, start_step=0)
     for step in (1, 2, 3):
         first.log({"train/loss": 1.0 / step, "train/mfu": None}, step)
     first.table("eval/generations", [{"prompt": "p", "completion": "c"}], 3)
     first.artifact("summary.json", {"status": "stopped", "steps": 3})
     first.close(RunStatus.STOPPED)
-    uri = default_tracking_uri(tmp_path)
+    uri = default_tracking_uri()
+    assert uri == f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}"
     (run,) = mlflow_runs(uri)
     assert (run.info.status, run.info.run_name) == ("KILLED", tmp_path.name)
     assert run.data.params["experiment_name"] == "trackers" and run.data.params["logger.wandb.api_key"] == "<redacted>"
@@ -178,7 +183,7 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(
     assert run.info.status == "FINISHED" and run.data.tags["ds_exp.status"] == "completed"
     assert [s for s, _ in history(uri, run.info.run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]
     assert "train.max_steps: -1 -> 6" in run.data.tags["ds_exp.changed_at_step_3"]  # params never change in MLflow
-    artifacts = tmp_path / "mlartifacts" / run.info.run_id / "artifacts"
+    artifacts = tmp_path / "outputs" / "mlartifacts" / run.info.run_id / "artifacts"
     assert json.loads((artifacts / "summary.json").read_text())["steps"] == 6
     assert (artifacts / "eval" / "generations" / "step000003.json").is_file()
     assert files_holding(tmp_path, [SECRET, TAG_PASSWORD]) == {}
@@ -211,6 +216,45 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(
     assert "ds_exp: waiting for the MLflow server http://ds:***@127.0.0.1:9 since " in capsys.readouterr().err
 
 
+@pytest.mark.slow  # MLflow's import and its SQLite store's first migration take seconds
+def test_runs_that_open_the_projects_mlflow_store_at_once_each_log_to_it(compose_cfg, tmp_path, monkeypatch):
+    """One store per project (issue 35 §3), so runs meet in it: three that open a new one at the same moment (a
+    sweep's jobs on SLURM, two terminals) each get their own MLflow run with every step. MLflow creates a store's
+    tables on its first use, and processes doing that at once failed ("duplicate column name"): ds_exp opens a store
+    one process at a time (ds_exp.artifacts.trackers.mlflow.store_opened)."""
+    import multiprocessing
+
+    import mlflow  # noqa: F401  # imported once, before the runs are forked
+
+    from ds_exp.artifacts.trackers.mlflow import MlflowRun, default_tracking_uri
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_cfg("logger=mlflow", "experiment_name=together")
+    fork = multiprocessing.get_context("fork")
+    go = fork.Event()
+
+    def run(name: str) -> None:
+        go.wait()
+        tracker = MlflowRun(cfg, tmp_path / "outputs" / "multirun" / "together" / name, run_id=None, start_step=0)
+        for step in range(1, 11):
+            tracker.log({"train/loss": 1.0 / step}, step)
+        tracker.artifact("summary.json", {"status": "completed", "steps": 10})
+        tracker.close(RunStatus.COMPLETED)
+
+    runs = [fork.Process(target=run, args=(str(n),)) for n in range(3)]  # a sweep's jobs 0, 1, 2
+    for process in runs:
+        process.start()
+    go.set()
+    for process in runs:
+        process.join(timeout=300)
+    assert [process.exitcode for process in runs] == [0, 0, 0]
+    uri = default_tracking_uri()
+    found = sorted(mlflow_runs(uri), key=lambda r: r.info.run_name)
+    # named by their directories under outputs/: the jobs of another sweep in the same store are other names
+    assert [(r.info.run_name, r.info.status) for r in found] == [(f"multirun/together/{n}", "FINISHED") for n in "012"]
+    assert all([s for s, _ in history(uri, r.info.run_id, "train/loss")] == list(range(1, 11)) for r in found)
+
+
 @pytest.mark.slow
 def test_wandb_tensorboard_and_mlflow_at_once_on_two_ranks_and_a_resume(tmp_path, cache_dir):
     """One 2-rank run to step 4 with every tracker, resumed (same directory, resume=auto) to step 8: each tracker
@@ -241,7 +285,7 @@ def test_wandb_tensorboard_and_mlflow_at_once_on_two_ranks_and_a_resume(tmp_path
     assert all(math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(tensorboard, expected, strict=True))
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one writer per attempt, rank 0
 
-    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    uri = f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}"  # the project's store, where the run was launched
     (run,) = mlflow_runs(uri)  # one run, continued
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     logged = history(uri, run.info.run_id, "train/loss")
@@ -253,5 +297,5 @@ def test_wandb_tensorboard_and_mlflow_at_once_on_two_ranks_and_a_resume(tmp_path
     assert marker["trackers"]["mlflow"] == run.info.run_id and marker["trackers"]["wandb"]  # one mapping (issue 34)
     assert not {"mlflow_run_id", "wandb_run_id"} & set(marker)
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert files_holding(run_dir, [SECRET]) == {}
+    assert files_holding(run_dir, [SECRET]) == {} and files_holding(tmp_path / "outputs", [SECRET]) == {}
     assert SECRET not in first.proc.stdout + first.proc.stderr + resumed.proc.stdout + resumed.proc.stderr

@@ -1,5 +1,6 @@
 """Correctness of real DeepSpeed training on CPU (fp32): stage, accumulation and world-size equivalence,
-exact resume, exports that reload, launchers, wandb offline files."""
+exact resume, exports that reload, launchers, wandb offline files. Where no process boundary is under test the
+recipe runs in the test's process through the Python API (tests/training.py train_here)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.training import FAST, REPO, assert_close, launch, multirun, report_rows, user_env
+from tests.training import FAST, REPO, assert_close, launch, multirun, report_rows, train_here, user_env
 from tests.wandb_files import history
 
 pytestmark = pytest.mark.slow
@@ -68,9 +69,9 @@ def test_lora_export_is_merged(zero_runs):
 
 @pytest.mark.parametrize(("micro", "accumulation"), [(2, 2), (1, 4)])
 def test_gradient_accumulation_equivalence(tmp_path, cache_dir, micro, accumulation):
-    reference = launch(tmp_path / "m4", *FAST, cache_dir=cache_dir)
+    reference = train_here(tmp_path / "m4", *FAST, cache_dir=cache_dir)
     assert reference.ok, reference.explain()
-    run = launch(
+    run = train_here(
         tmp_path / f"m{micro}x{accumulation}",
         *FAST,
         f"train.micro_batch_size={micro}",
@@ -79,6 +80,38 @@ def test_gradient_accumulation_equivalence(tmp_path, cache_dir, micro, accumulat
     )
     assert run.ok, run.explain()
     assert_close(run.losses, reference.losses)
+
+
+def test_the_python_api_runs_the_recipe_here_as_the_command_line_does(tmp_path, cache_dir, monkeypatch):
+    """`from ds_exp import train; summary = train([...])` (issue 35 §9): the command line's run directory (.hydra/,
+    ds_exp.log, logs/, metrics.jsonl, plots/loss.png drawn at an evaluation and at the end), its summary.json
+    returned, and the process as it was: no process group, Hydra's state, logging handlers and launch variables
+    put back, so a second call trains again (another ZeRO stage)."""
+    import logging
+
+    import torch.distributed as dist
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ds_exp import train
+
+    monkeypatch.chdir(tmp_path)  # outputs/<experiment_name>/<time>/ lands here, as on the command line
+    handlers = logging.getLogger().handlers[:]
+    overrides = [*FAST, "train.eval_every=4", f"data.cache_dir={cache_dir}", "experiment_name=api"]
+    summary = train(overrides)
+    (run_dir,) = (tmp_path / "outputs" / "api").iterdir()
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["launcher"], summary["overrides"]) == (
+        "completed", 8, "single", overrides
+    )  # fmt: skip
+    for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "ds_exp.log", "logs/rank0.log", "metrics.jsonl"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "plots" / "loss.png").read_bytes().startswith(b"\x89PNG")
+    drawn = [line for line in (run_dir / "logs" / "rank0.log").read_text().splitlines() if "loss.png drawn" in line]
+    assert len(drawn) >= 2  # the evaluation at step 4, and the end (the one at step 8 may come too soon after)
+    assert not dist.is_initialized() and not GlobalHydra.instance().is_initialized()
+    assert logging.getLogger().handlers == handlers and "RANK" not in os.environ
+    again = train([*FAST, "train.max_steps=2", "zero=stage2", f"data.cache_dir={cache_dir}", "experiment_name=api"])
+    assert (again["status"], again["steps"], again["zero_stage"]) == ("completed", 2, 2)
 
 
 def test_world_size_equivalence(tmp_path, cache_dir):
@@ -92,9 +125,9 @@ def test_world_size_equivalence(tmp_path, cache_dir):
 
 def test_resume_continues_exactly(tmp_path, cache_dir):
     common = [*FAST, "train.save_every=4", "train.save_final_checkpoint=true", "train.export=true"]
-    straight = launch(tmp_path / "straight", *common, cache_dir=cache_dir)
+    straight = train_here(tmp_path / "straight", *common, cache_dir=cache_dir)
     assert straight.ok, straight.explain()
-    resumed = launch(
+    resumed = train_here(
         tmp_path / "resumed", *common, f"resume={straight.run_dir / 'checkpoints' / 'step4'}", cache_dir=cache_dir
     )
     assert resumed.ok, resumed.explain()
@@ -135,7 +168,7 @@ def test_exported_model_reloads_with_the_engines_eval_loss(tmp_path, cache_dir, 
     from ds_exp.train.collate import make_collator
     from ds_exp.train.step import token_loss_sum
 
-    run = launch(tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", cache_dir=cache_dir)
     assert run.ok, run.explain()
     model = AutoModelForCausalLM.from_pretrained(run.run_dir / "hf_model").eval()
     cfg = compose_cfg(*FAST, f"data.cache_dir={cache_dir}")
@@ -160,7 +193,7 @@ def test_merged_lora_export_equals_the_adapter_model(tmp_path, cache_dir, compos
     from ds_exp.model.build import build_model
     from ds_exp.model.tokenizer import load_tokenizer
 
-    run = launch(tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", cache_dir=cache_dir)
     assert run.ok, run.explain()
     merged = AutoModelForCausalLM.from_pretrained(run.run_dir / "hf_model").eval()
     # only the adapters trained, so the base under them is the initial model, rebuilt from the same seed

@@ -29,7 +29,11 @@ IMPORTED_WHERE_USED = {
     "liger_kernel": "optional: only where installed",
     "torch.nn.attention.varlen": "a prototype of recent torch versions: only where its kernel runs (CUDA)",
     "submitit": "only inside a submitit job (every other launch skips its import time)",
-    "matplotlib": "only for the sweep report's plot and the harness chart (its import prints and costs seconds)",
+    "matplotlib": "only where a picture is drawn: a run's plots/loss.png, the sweep report's, the study's, the "
+    "harness chart (its import costs a second and logs on first use)",
+    "optuna.visualization": "the study's picture (ds_exp/sweeps/study_plot.py): imports matplotlib's pyplot",
+    "ds_exp.train.api": "the callable package ds_exp.train (from ds_exp import train): the training stack loads on the "
+    "first call, not with every module of the package",
     "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",
     "psutil": "only for autotune's host-memory budget",
     "ds_exp.data.pipeline": "autotune: datasets reserves ~1 GB of address space, first it starves a memory limit",
@@ -171,6 +175,8 @@ def test_light_packages_never_load_torch_or_deepspeed():
         "import importlib, sys\n"
         f"for name in {light!r}:\n"
         "    importlib.import_module(name)\n"
+        "from ds_exp import train\n"  # the Python API (ds_exp/train/__init__.py): light until it is called
+        "assert callable(train)\n"
         "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True)

@@ -1,13 +1,20 @@
 """An MLflow run on rank 0 (logger.mlflow.enabled), through MlflowClient: no global active run, so the jobs of a
 multirun in one process never share one.
 
-* Where: logger.mlflow.tracking_uri, else a store of the run's own, sqlite:///<run dir>/mlflow.db, with artifacts in
-  <run dir>/mlartifacts (MLflow 3 refuses its old ./mlruns file store unless MLFLOW_ALLOW_FILE_STORE=true).
-  `mlflow ui --backend-store-uri sqlite:///<run dir>/mlflow.db` shows it.
+* Where: logger.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the project's store: outputs/mlflow.db in the
+  directory the run was launched from (Hydra's runtime.cwd, where outputs/ holds every run, sweep and study of
+  the project), with artifacts in outputs/mlartifacts: every run of the project in one store, comparable side by
+  side (MLflow's experiments keep experiment_name apart). `mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db`
+  there shows them (the UI is in the full `mlflow` package; mlflow-skinny logs only). MLflow 3 refuses its old
+  ./mlruns file store unless MLFLOW_ALLOW_FILE_STORE=true.
+* Runs at once (a sweep's jobs, two terminals): a SQLite store is opened by one process at a time (`store_opened`:
+  MLflow creates its tables on first use, and two processes doing that at once fail); then SQLite's own locking
+  keeps its writers apart.
 * What: experiment = logger.mlflow.experiment or experiment_name; run name = logger.mlflow.run_name or the run
-  directory's name; params = the whole config, flattened, credentials blanked (ds_exp.config.secrets.redact);
-  metrics at every metric line, by optimizer step; generations and summary.json as artifacts; the end as the run's
-  status (FINISHED, KILLED for a stop that can be resumed, FAILED).
+  directory as a path under outputs/ (a sweep's job `multirun/default/<time>/0`, not `0`); params = the whole
+  config, flattened, credentials blanked (ds_exp.config.secrets.redact); metrics at every metric line, by
+  optimizer step; generations and summary.json as artifacts; the end as the run's status (FINISHED, KILLED for a
+  stop that can be resumed, FAILED).
 * A resume continues the same MLflow run (its id is kept in each checkpoint's marker, like wandb's): steps after
   the checkpoint are logged once; params the resume changed are told in a tag, as MLflow's params never change.
 * A server that does not answer: refused before the run builds anything (ds_exp.config.trackers); one that
@@ -18,6 +25,7 @@ multirun in one process never share one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -28,6 +36,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import mlflow
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_original_cwd
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
@@ -38,7 +48,7 @@ from ds_exp.config.trackers import without_passwords
 from ds_exp.core.errors import RunFailed, first_line
 from ds_exp.core.files import json_text
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
-from ds_exp.core.waits import announced
+from ds_exp.core.waits import announced, announced_wait
 from ds_exp.launch.run_logging import FILE_LOGGER
 
 log = logging.getLogger(__name__)
@@ -47,6 +57,7 @@ MAX_PARAM_VALUE = 6000  # MLflow's limits (mlflow.utils.validation)
 MAX_TAG_VALUE = 8000
 MAX_KEY = 250
 BATCH = 100  # params or tags per log_batch
+STORE_WAIT_S = 600.0  # another run opening the same SQLite store: its tables take seconds to create
 _KEY_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow allows in a param, metric or tag name
 
 
@@ -68,8 +79,51 @@ def short_http_waits() -> Iterator[None]:
             os.environ.pop(name, None)
 
 
-def default_tracking_uri(run_dir: Path) -> str:
-    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+def project_outputs() -> Path:
+    """outputs/ of the directory the run was launched from (where Hydra's default run and sweep directories are)."""
+    launched_from = get_original_cwd() if HydraConfig.initialized() else os.getcwd()
+    return Path(launched_from).resolve() / "outputs"
+
+
+def default_tracking_uri() -> str:
+    """The project's store, logger.mlflow.tracking_uri=null without $MLFLOW_TRACKING_URI: one for every run."""
+    return f"sqlite:///{project_outputs() / 'mlflow.db'}"
+
+
+def default_run_name(run_dir: Path) -> str:
+    """The run directory under the project's outputs/ (`default/2026-11-26_18-23-47`, `multirun/default/<time>/0`,
+    `optuna/<study>/3`): a sweep's jobs (0, 1, ...) stay apart in the project's one store; elsewhere its name."""
+    try:
+        return str(run_dir.resolve().relative_to(project_outputs()))
+    except ValueError:
+        return run_dir.name
+
+
+@contextlib.contextmanager
+def store_opened(store: Path | None) -> Iterator[None]:
+    """One process at a time opens a SQLite store (an flock on <store>.lock): MLflow creates its tables (and migrates
+    older ones) on a client's first call, and two processes doing that at once fail ("duplicate column name", mlflow
+    3.17, three runs opening a new store together); once they exist, three runs logging 200 steps at once each
+    found SQLite's own locking enough. Waited on as every wait is (ds_exp/core/waits.py)."""
+    if store is None:
+        yield
+        return
+    store.parent.mkdir(parents=True, exist_ok=True)
+    with store.with_name(f"{store.name}.lock").open("a") as lock:
+
+        def taken() -> bool:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
+        fix = f"another run holds {lock.name} while it opens the store: let it finish, or stop it"
+        announced_wait(f"another run to open the MLflow store {store}", taken, limit_s=STORE_WAIT_S, fix=fix)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def flatten(tree: object, prefix: str = "") -> dict[str, str]:
@@ -107,7 +161,7 @@ class MlflowRun(Tracker):
         self.run_id = run_id
         self.store = None  # the store's file on this machine (a SQLite database), None for a server
         settings = cfg.logger.mlflow
-        self.uri = settings.tracking_uri or default_tracking_uri(run_dir)
+        self.uri = settings.tracking_uri or default_tracking_uri()
         if self.uri.startswith("sqlite:///"):
             self.store = Path(self.uri.removeprefix("sqlite:///").split("?")[0]).expanduser()
         password = urlsplit(self.uri).password
@@ -119,10 +173,10 @@ class MlflowRun(Tracker):
             remote = urlsplit(self.uri).scheme in ("http", "https")
             bound = "each request gives up within about a minute"
             waiting = announced(f"the MLflow server {shown}", bound=bound) if remote else contextlib.nullcontext()
-            with short_http_waits(), waiting:
+            with short_http_waits(), waiting, store_opened(self.store):
                 self.client = mlflow.MlflowClient(tracking_uri=self.uri)
                 name = settings.experiment or cfg.experiment_name
-                experiment = self._experiment(name, run_dir, settings.tracking_uri)
+                experiment = self._experiment(name, None if settings.tracking_uri else self.store)
                 self.run_id = self._continue(run_id, start_step) if run_id else None
                 if self.run_id is None:
                     self.run_id = self._create(cfg, run_dir, experiment)
@@ -132,16 +186,16 @@ class MlflowRun(Tracker):
             first = without_passwords(first_line(err))
             raise RunFailed(
                 f"logger.mlflow: MLflow refused the tracking store {shown} ({first}); fix "
-                "logger.mlflow.tracking_uri (null = <run dir>/mlflow.db), or logger.mlflow.enabled=false"
+                "logger.mlflow.tracking_uri (null = the project's outputs/mlflow.db), or logger.mlflow.enabled=false"
             ) from err
         log.info("mlflow: run %s in %s", self.run_id, shown)
 
-    def _experiment(self, name: str, run_dir: Path, given_uri: str | None) -> str:
-        """The experiment's id, created when missing (a store of the run's own keeps its artifacts beside it)."""
+    def _experiment(self, name: str, default_store: Path | None) -> str:
+        """The experiment's id, created when missing (the project's store keeps its artifacts beside it)."""
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return str(found.experiment_id)
-        location = None if given_uri else (run_dir / "mlartifacts").resolve().as_uri()
+        location = (default_store.parent / "mlartifacts").as_uri() if default_store is not None else None
         try:
             return str(self.client.create_experiment(name, artifact_location=location))
         except MlflowException:  # another run of a shared store created it meanwhile
@@ -159,7 +213,7 @@ class MlflowRun(Tracker):
             "ds_exp.run_dir": str(run_dir),
             **{str(k): redact_text(str(v)) for k, v in settings.tags.items()},  # a secret by its shape
         }
-        run = self.client.create_run(experiment, run_name=settings.run_name or run_dir.name, tags=tags)
+        run = self.client.create_run(experiment, run_name=settings.run_name or default_run_name(run_dir), tags=tags)
         run_id = str(run.info.run_id)
         params = [Param(k, v) for k, v in flatten(redact(as_dict(cfg))).items()]
         for start in range(0, len(params), BATCH):

@@ -22,7 +22,7 @@ from ds_exp.core.compat.deepspeed import (
     skip_op,
     zero3_full_state_dict,
 )
-from ds_exp.core.compat.hydra import basic_sweep_jobs, before_overrides, on_compose
+from ds_exp.core.compat.hydra import basic_sweep_jobs, before_overrides, hydra_job_callbacks, on_compose
 from ds_exp.core.compat.liger_kernel import apply_liger_kernels
 from ds_exp.core.compat.optuna import optuna_trial_of
 from ds_exp.core.compat.submitit import submitit_requeue_signal
@@ -41,6 +41,7 @@ __all__ = [
     "fix_zero3_universal_load",
     "forget_deepspeed_groups",
     "forget_zero3_module",
+    "hydra_job_callbacks",
     "import_deepspeed_without_mlflow",
     "keep_fp32_grad_norm",
     "local_weight_shards",

@@ -105,3 +105,14 @@ def before_overrides(hook: Any) -> None:
 
     apply._ds_exp_hooks = _OVERRIDE_HOOKS  # type: ignore[attr-defined]
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign]
+
+
+def hydra_job_callbacks(config: Any) -> Any:
+    """The callbacks of a composed config (hydra.callbacks) as hydra.core.utils.run_job calls them (on_job_start,
+    on_job_end): ds_exp.train runs its job as Hydra's run mode does (ds_exp/train/api.py).
+
+    hydra-core 1.3.2-1.3.8: `hydra._internal.callbacks.Callbacks`, what run_job's HydraContext holds (no public API
+    builds one). If it moves, ds_exp.train fails at once (tests/unit/test_api.py)."""
+    from hydra._internal.callbacks import Callbacks
+
+    return Callbacks(config)
