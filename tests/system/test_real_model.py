@@ -146,9 +146,9 @@ def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dscha
     assert run.ok, run.explain()
     assert run.losses[-1] < run.losses[0], run.losses
     # scored on rank 0 (rank 1 waits): the base is the checkpoint itself, which the export kept as it was; the
-    # run's template (raw) is lm-eval's own prompt
+    # rows carried " Human: ... Assistant:" themselves, so both models are asked in that markup
     record = json.loads((run.run_dir / "eval" / "harness.json").read_text())
-    assert run.summary["harness_status"] == "completed" and record["settings"]["template"] is None
+    assert run.summary["harness_status"] == "completed" and record["settings"]["template"] == "dschat"
     assert set(record["tasks"]["qa"]["acc"]) == {"base", "tuned", "stderr"}
     assert len(list((run.run_dir / "eval" / "base" / "qa").glob("samples_qa_*.jsonl"))) == 1
     base = load_file(smollm2_dir / "model.safetensors")
