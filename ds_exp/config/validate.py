@@ -24,6 +24,7 @@ from ds_exp.config.model_checks import (
     check_max_seq_len,
     looks_like_local_path,
 )
+from ds_exp.config.optimizer_checks import placement_problems, settings_problems
 from ds_exp.config.output_paths import check_output_paths
 from ds_exp.config.paths import not_a_directory
 from ds_exp.config.place_checks import experiment_name_problem
@@ -36,7 +37,6 @@ from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.user_paths import special_file_problem
 
-FLOAT32_MAX = 3.4028234663852886e38
 MAX_TIMEOUT_MINUTES = 525_600  # a year: torch's deadline (now + timeout, in nanoseconds) overflows near 1.5e8
 
 
@@ -116,25 +116,6 @@ def _setting(cfg: Config, path: str, value: object, group_key: str) -> str:
     return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={value}"
 
 
-def _check_optimizer_impl(cfg: Config, ds: dict[str, Any], accelerator: str) -> list[str]:
-    impl = plain(cfg.optimizer.impl)
-    offload = get_path(ds, "zero_optimization.offload_optimizer.device", "none")
-    if plain(cfg.optimizer.owner) == "deepspeed" or impl == "auto":
-        return []
-    if offload in ("cpu", "nvme") and impl != "deepspeed_cpu":
-        where = _setting(cfg, "zero_optimization.offload_optimizer.device", offload, "offload.optimizer")
-        return [
-            f"optimizer.impl={impl} with {where}: the offloaded optimizer step runs on the host "
-            "with DeepSpeed's CPU Adam; use optimizer.impl=auto (or deepspeed_cpu)"
-        ]
-    if impl == "deepspeed_cpu" and offload not in ("cpu", "nvme") and accelerator != "cpu":
-        return [
-            f"optimizer.impl=deepspeed_cpu updates parameters in host memory, but they live on the {accelerator} "
-            "device: add offload=cpu (with zero=stage1 or higher) or use optimizer.impl=auto"
-        ]
-    return []
-
-
 def _check_zero_and_offload(cfg: Config, ds: dict[str, Any]) -> list[str]:
     """ZeRO stage and offload fit together; a value from the user's DeepSpeed file is named with its file and key."""
     stage = get_path(ds, "zero_optimization.stage", None)
@@ -210,7 +191,7 @@ def _in_file(path: str, value: object, file: str | None) -> str:
 
 def _check_numbers(cfg: Config, world: int) -> list[str]:
     problems = []
-    train, opt, sched, lora = cfg.train, cfg.optimizer, cfg.scheduler, cfg.lora
+    train, sched, lora = cfg.train, cfg.scheduler, cfg.lora
     if lora.dim < 0:
         problems.append(f"lora.dim={lora.dim}: must be >= 0 (0 turns LoRA off, e.g. lora.dim=64 turns it on)")
     if lora.dim > 0:
@@ -218,16 +199,7 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
             problems.append(f"lora.alpha={lora.alpha}: must be > 0, or null for alpha = dim")
         if not 0 <= lora.dropout < 1:
             problems.append(f"lora.dropout={lora.dropout}: must be in [0, 1)")
-    if opt.lr <= 0:
-        problems.append(f"optimizer.lr={opt.lr}: the learning rate must be > 0 (DeepSpeed-Chat uses 1e-3 for SFT)")
-    if len(opt.betas) != 2 or not all(0 <= b < 1 for b in opt.betas):
-        problems.append(f"optimizer.betas={list(opt.betas)}: give two numbers in [0, 1), e.g. [0.9,0.95]")
-    if opt.eps <= 0:
-        problems.append(f"optimizer.eps={opt.eps}: must be > 0")
-    if opt.weight_decay < 0:
-        problems.append(f"optimizer.weight_decay={opt.weight_decay}: must be >= 0")
-    if opt.name != "adamw":
-        problems.append(f"optimizer.name={opt.name}: only adamw is available")
+    problems += settings_problems(cfg)  # the optimizer's own (its entry in ds_exp/config/optimizers.py)
     if sched.warmup_steps < 0:
         problems.append(f"scheduler.warmup_steps={sched.warmup_steps}: must be >= 0")
     if not 0 <= sched.warmup_ratio < 1:
@@ -277,31 +249,8 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
         )
     if not 1 <= cfg.dist.master_port <= 65535:
         problems.append(f"dist.master_port={cfg.dist.master_port}: a TCP port is from 1 to 65535 (e.g. 29500)")
-    problems += _check_learning_rate(cfg)
     # a value refused above for its range is not said twice
     return problems + [line for key, line in _non_finite(cfg) if not any(p.startswith(f"{key}=") for p in problems)]
-
-
-def _check_learning_rate(cfg: Config) -> list[str]:
-    """AdamW's first update divides the learning rate by (1 - beta1) (bias correction): beyond float32's range the
-    optimizer cannot even compute it (a RuntimeError in the first step). Smaller but absurd rates diverge, which
-    the run reports itself."""
-    opt = cfg.optimizer
-    if not (math.isfinite(opt.lr) and opt.lr > 0 and len(opt.betas) == 2 and 0 <= opt.betas[0] < 1):
-        return []
-    first_step = opt.lr / (1 - opt.betas[0])
-    decay = opt.lr * opt.weight_decay if math.isfinite(opt.weight_decay) else 0.0
-    if first_step <= FLOAT32_MAX and decay <= FLOAT32_MAX:
-        return []
-    what = (
-        f"AdamW's first step lr / (1 - beta1) = {first_step:.3g}"
-        if first_step > FLOAT32_MAX
-        else f"the weight decay factor lr x optimizer.weight_decay = {decay:.3g}"
-    )
-    return [
-        f"optimizer.lr={opt.lr:g}: {what} is beyond the largest float32 number ({FLOAT32_MAX:.4g}), so no update can "
-        "be computed; give a learning rate in the usual range (1e-5 to 1e-3 for fine-tuning; DeepSpeed-Chat uses 1e-3)"
-    ]
 
 
 def _non_finite(cfg: Config) -> list[tuple[str, str]]:
@@ -385,6 +334,8 @@ def config_problems(
         problems += err.problems
     if ds:
         problems += (
-            _check_zero_and_offload(cfg, ds) + _check_optimizer_impl(cfg, ds, accelerator) + zero_problems(cfg, ds)
+            _check_zero_and_offload(cfg, ds)
+            + placement_problems(cfg, ds, accelerator, lambda path, value, key: _setting(cfg, path, value, key))
+            + zero_problems(cfg, ds)
         )
     return problems, ds

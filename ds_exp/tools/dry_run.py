@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
-from ds_exp.config.memory_plan import estimate_model_states, human_bytes, run_estimate
+from ds_exp.config.memory_plan import estimate_model_states, human_bytes, optimizer_state, run_estimate
 from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import data_parallel_size, total_steps, warmup_steps
 from ds_exp.config.precision import detect_accelerator
@@ -65,6 +65,7 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     if from_arch:
         notes.insert(0, arch_note(cfg))
     stage = int(get_path(ds_config, "zero_optimization.stage"))
+    shapes = model_facts(cfg)
     memory = estimate_model_states(
         counts.total,
         counts.trainable,
@@ -73,8 +74,8 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         precision=precision,
         offload_optimizer=str(get_path(ds_config, "zero_optimization.offload_optimizer.device", "none")),
         offload_param=str(get_path(ds_config, "zero_optimization.offload_param.device", "none")),
+        state=optimizer_state(cfg, shapes, accelerator),
     )
-    shapes = model_facts(cfg)
     per_rank = run_estimate(cfg, shapes, world_size=launch.world_size, precision=precision, accelerator=accelerator)
     return {
         "launcher": launch.launcher,

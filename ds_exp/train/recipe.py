@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from ds_exp.checkpoint.checkpointer import Checkpointer, load_checkpoint
 from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, load_state, param_names
 from ds_exp.config.ds_config import RunFacts, replaced_by_config_file, resolve_ds_config
-from ds_exp.config.memory_plan import checkpoint_bytes
+from ds_exp.config.memory_plan import checkpoint_bytes, optimizer_state
 from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import steps_per_epoch, total_steps, warmup_steps
 from ds_exp.config.schema import Config, plain
@@ -136,7 +136,8 @@ def setup(cfg: Config, session: Session) -> Workload:
     state.peak_lr = float(ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.optimizer.lr))  # the top
     state.device = device_name(session.accelerator)
     state.peak_flops = peak_flops(state.device, session.precision, cfg.train.peak_tflops)
-    needed = checkpoint_bytes(parameters, trainable, session.precision)
+    state_size = optimizer_state(cfg, accelerator=session.accelerator)
+    needed = checkpoint_bytes(parameters, trainable, session.precision, state_size)
     start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
     check_disk_space(cfg, session, needed, parameters, start_step=start_step, total_steps=steps)
     engine = build_engine(
