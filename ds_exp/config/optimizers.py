@@ -185,7 +185,10 @@ class OptimizerEntry(Component):
         if self.zero_untested and stage in (1, 2, 3):
             needs["zero_allow_untested_optimizer"] = (True, f"DeepSpeed's ZeRO has not tested {self.name}")
         if self.deepspeed_type == "muon" and stage == 3:
-            needs["zero_optimization.reduce_scatter"] = (False, "DeepSpeed's Muon at ZeRO stage 3 does not run with reduce-scatter")
+            needs["zero_optimization.reduce_scatter"] = (
+                False,
+                "DeepSpeed's Muon at ZeRO stage 3 does not run with reduce-scatter",
+            )
         return needs
 
 
