@@ -29,7 +29,7 @@ def _plain_where(path: str, value: object, group_key: str) -> str:
 def settings_problems(cfg: Config) -> list[str]:
     """The optimizer's own settings: one line per problem."""
     opt = cfg.optimizer
-    entry = entry_of(opt)
+    entry = OPTIMIZERS.get(str(opt.name))
     if entry is None:
         names = ", ".join(OPTIMIZERS)
         return [f"optimizer.name={opt.name}: no such optimizer; choose one with optimizer=<name>: {names}"]
@@ -91,7 +91,7 @@ def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where:
     needs. Nothing for an optimizer the settings checks refuse."""
     opt = cfg.optimizer
     entry = entry_of(opt)
-    if entry is None or type(opt) is not entry.settings:
+    if entry is None:  # refused by settings_problems
         return []
     stage = get_path(ds, "zero_optimization.stage", None)
     offload = get_path(ds, "zero_optimization.offload_optimizer.device", "none")

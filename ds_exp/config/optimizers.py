@@ -387,7 +387,10 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
 
 
 def entry_of(settings: OptimizerConfig) -> OptimizerEntry | None:
-    return OPTIMIZERS.get(str(settings.name))
+    """The entry whose settings these are (None: an unknown name, or settings of another optimizer, which
+    validation refuses)."""
+    entry = OPTIMIZERS.get(str(settings.name))
+    return entry if entry is not None and type(settings) is entry.settings else None
 
 
 def entry_for_deepspeed_type(block_type: object) -> OptimizerEntry | None:
