@@ -131,17 +131,17 @@ def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where:
             "train.gradient_clipping=0, or use zero=stage0"
         )
     sp = int(cfg.dist.sequence_parallel_size)
-    if entry.deepspeed_type == "muon" and stage == 3 and sp > 1:
+    if stage == 3 and sp > 1 and entry.zero3_settings.get("zero_optimization.reduce_scatter", (True,))[0] is False:
         problems.append(
-            f"optimizer=muon at ZeRO stage 3 with dist.sequence_parallel_size={sp}: DeepSpeed's Muon needs "
+            f"optimizer={entry.name} at ZeRO stage 3 with dist.sequence_parallel_size={sp}: it needs "
             "zero.reduce_scatter off at ZeRO-3, where DeepSpeed 0.19.8 averages sequence-parallel gradients "
             "inexactly (ds_exp/core/compat.py); use zero=stage2 or lower with sequence parallelism"
         )
-    if entry.deepspeed_type == "muon" and accelerator == "cpu" and cfg.train.compile:
+    if entry.compiled_update and accelerator == "cpu" and cfg.train.compile:
         problems.append(
-            "train.compile=true with optimizer=muon on a CPU: ds_exp runs DeepSpeed's Muon eagerly there (its "
-            "torch.compile'd update takes 10-30 s to compile per matrix shape on a CPU), which leaves torch.compile "
-            "off for the run; set train.compile=false"
+            f"train.compile=true with optimizer={entry.name} on a CPU: ds_exp runs its update eagerly there "
+            "(DeepSpeed's torch.compile'd update takes 10-30 s to compile per matrix shape on a CPU), which leaves "
+            "torch.compile off for the run; set train.compile=false"
         )
     for path, value, current, why in optimizer_needs(cfg, ds):
         if current not in (MISSING, None, AUTO) and current != value:

@@ -74,7 +74,7 @@ class Adam8bitConfig(OptimizerConfig):
 @dataclass
 class LionConfig(OptimizerConfig):
     impl: OptimizerImpl = OptimizerImpl.auto
-    lr: float = 1e-4
+    lr: float = 3e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
 
 
@@ -138,6 +138,8 @@ class OptimizerEntry(Component):
     cuda_only: bool = False  # runs on CUDA GPUs only
     deepspeed_cuda: bool = False  # DeepSpeed builds it on CUDA, or under optimizer offload, only
     clip_note: str | None = None  # why it refuses gradient clipping at ZeRO stages 1-3 (None: it does not)
+    zero3_settings: Mapping[str, tuple[Any, str]] = field(default_factory=dict)  # DeepSpeed path -> (value, why)
+    compiled_update: bool = False  # DeepSpeed torch.compiles its update: run eagerly on a CPU (model/optimizers.py)
     check: Callable[[Any], list[str]] = lambda settings: []  # problems of its own settings
 
     @property
@@ -184,11 +186,8 @@ class OptimizerEntry(Component):
         needs: dict[str, tuple[Any, str]] = {}
         if self.zero_untested and stage in (1, 2, 3):
             needs["zero_allow_untested_optimizer"] = (True, f"DeepSpeed's ZeRO has not tested {self.name}")
-        if self.deepspeed_type == "muon" and stage == 3:
-            needs["zero_optimization.reduce_scatter"] = (
-                False,
-                "DeepSpeed's Muon at ZeRO stage 3 does not run with reduce-scatter",
-            )
+        if stage == 3:
+            needs.update(self.zero3_settings)
         return needs
 
 
@@ -366,6 +365,13 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
                 "DeepSpeed 0.19.8 clips Muon's orthogonalized update there, not the gradient, which shrinks every "
                 "step to the clipping norm (Muon's updates are normalized by construction)"
             ),
+            zero3_settings={
+                "zero_optimization.reduce_scatter": (
+                    False,
+                    "DeepSpeed's Muon at ZeRO stage 3 does not run with reduce-scatter",
+                )
+            },
+            compiled_update=True,
             check=_muon,
         ),
         OptimizerEntry(

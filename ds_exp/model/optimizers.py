@@ -70,7 +70,7 @@ def prepare_deepspeed_optimizer(ds_config: dict[str, Any], accelerator: str) -> 
 
 def muon_runs_eagerly(ds_config: dict[str, Any], accelerator: str) -> bool:
     entry = deepspeed_entry(ds_config)
-    return entry is not None and entry.deepspeed_type == "muon" and accelerator == "cpu"
+    return entry is not None and entry.compiled_update and accelerator == "cpu"
 
 
 def _is_rank0() -> bool:

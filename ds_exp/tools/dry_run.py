@@ -96,6 +96,7 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "global_batch_size": ds_config["train_batch_size"],
         "total_steps": steps,
         "zero_stage": stage,
+        "optimizer": str(cfg.optimizer.name),
         "memory_per_rank": {**memory.as_dict(), "activation_bytes": per_rank["activation_bytes"]},
         "estimate_per_rank_bytes": per_rank["estimate_bytes"],  # model states + activations (autotune's number)
         "max_seq_len": int(cfg.data.max_seq_len),
@@ -144,7 +145,7 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
         f"  data       {plan['train_examples']:,} train examples, global batch {plan['global_batch_size']}, "
         f"{plan['total_steps']:,} optimizer steps",
         f"  ZeRO {plan['zero_stage']}     per rank: params {human_bytes(mem['params_bytes'])}, grads "
-        f"{human_bytes(mem['grads_bytes'])}, optimizer {human_bytes(mem['optimizer_bytes'])} -> "
+        f"{human_bytes(mem['grads_bytes'])}, optimizer ({plan['optimizer']}) {human_bytes(mem['optimizer_bytes'])} -> "
         f"device {human_bytes(mem['device_bytes'])}, host {human_bytes(mem['host_bytes'])} (model states)",
         f"  activations ~{human_bytes(mem['activation_bytes'])} per rank for a micro batch of "
         f"{plan['micro_batch_size']} x {plan['max_seq_len']:,} tokens -> ~"

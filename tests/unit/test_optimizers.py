@@ -147,6 +147,10 @@ REFUSED = [
         ("optimizer=muon", "zero=stage3", "train.gradient_clipping=0", "zero.reduce_scatter=true"),
         "zero.reduce_scatter=true: DeepSpeed's Muon at ZeRO stage 3 does not run with reduce-scatter",
     ),
+    (
+        ("optimizer=muon", "zero=stage3", "train.gradient_clipping=0", "train.compile=true"),
+        "train.compile=true with optimizer=muon on a CPU: ds_exp runs its update eagerly there",
+    ),
     (("optimizer=lion", "optimizer.impl=torch_fused"), "optimizer=lion is built as torch, deepspeed_fused"),
     (("optimizer=lion", "optimizer.impl=deepspeed_fused"), "FusedLion runs on CUDA GPUs and this is cpu"),
     (("optimizer=lion", "optimizer.owner=deepspeed"), "DeepSpeed builds its CUDA kernel for it"),
@@ -228,3 +232,13 @@ def test_the_readme_lists_every_optimizer_with_when_to_use_it():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for name, entry in OPTIMIZERS.items():
         assert f"| `optimizer={name}` | {entry.when} |" in readme, name
+
+
+def test_the_universal_command_refuses_a_checkpoint_of_another_optimizer(tmp_path, capsys):
+    from ds_exp.checkpoint.universal_cli import main
+
+    tag = _checkpoint(tmp_path, "sgd")
+    assert main([str(tag)]) != 0
+    said = capsys.readouterr().err
+    assert f"{tag} is not converted: the checkpoint holds optimizer=sgd's state" in said, said
+    assert not list(tmp_path.rglob("*.universal*")), "nothing written"
