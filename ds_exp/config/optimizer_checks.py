@@ -23,7 +23,7 @@ Where = Callable[[str, object, str], str]
 
 
 def _plain_where(path: str, value: object, group_key: str) -> str:
-    return f"{group_key}={value}"
+    return f"{group_key}={json.dumps(value) if isinstance(value, bool) else value}"
 
 
 def settings_problems(cfg: Config) -> list[str]:
@@ -145,7 +145,7 @@ def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where:
         )
     for path, value, current, why in optimizer_needs(cfg, ds):
         if current not in (MISSING, None, AUTO) and current != value:
-            setting = where(path, json.dumps(current), GROUP_KEYS.get(path, f"deepspeed.config.{path}"))
+            setting = where(path, current, GROUP_KEYS.get(path, f"deepspeed.config.{path}"))
             problems.append(
                 f"{setting}: {why}, so optimizer={entry.name} needs {json.dumps(value)} there; leave it unset (ds_exp "
                 "sets it)"

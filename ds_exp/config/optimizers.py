@@ -378,6 +378,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
             name="adamw_8bit",
             builder="bitsandbytes.optim:AdamW8bit",
             packages=("bitsandbytes",),
+            extra="bitsandbytes",
             settings=Adam8bitConfig,
             when="AdamW with 8-bit moments: a quarter of its optimizer memory, on CUDA GPUs (bitsandbytes)",
             arguments=ADAM_ARGUMENTS,

@@ -113,7 +113,8 @@ _UNSET = object()
 
 def _setting(cfg: Config, path: str, value: object, group_key: str) -> str:
     """How a message names where a DeepSpeed value came from: the file and its key, or the ds_exp setting."""
-    return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={value}"
+    shown = json.dumps(value) if isinstance(value, bool) else value  # as the override is written: true, not True
+    return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={shown}"
 
 
 def _check_zero_and_offload(cfg: Config, ds: dict[str, Any]) -> list[str]:

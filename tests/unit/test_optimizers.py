@@ -131,7 +131,9 @@ def test_adamw_8bit_is_one_line_where_bitsandbytes_does_not_run(compose_cfg):
         "use optimizer=adamw, or optimizer=lion for half of AdamW's optimizer memory"
     ]
     on_gpu = _problems(compose_cfg, "optimizer=adamw_8bit", accelerator="cuda")
-    assert on_gpu == ["optimizer=adamw_8bit needs bitsandbytes, which is not installed: pip install bitsandbytes"]
+    assert on_gpu == [
+        'optimizer=adamw_8bit needs bitsandbytes, which is not installed: pip install "ds_exp[bitsandbytes]"'
+    ]
 
 
 REFUSED = [
