@@ -113,7 +113,7 @@ def matrix() -> None:
                         "error": error,
                     }
                 )
-                print(name, stage, ranks, offload, "error" if error else f"{worst:.2e}", flush=True)
+                print(name, stage, ranks, offload, error or worst, flush=True)
     headers = ["optimizer", "zero", "ranks", "offload", "max rel. diff. to stage 0 x 1", "learns", "error"]
     keys = ["optimizer", "zero_stage", "ranks", "offload", "max_relative_difference_to_stage0_1rank", "learns", "error"]
     print(table(headers, [[r[k] for k in keys] for r in rows]))

@@ -38,12 +38,7 @@ def settings_problems(cfg: Config) -> list[str]:
             f"optimizer.name={opt.name} does not match the optimizer's settings ({type(opt).__name__}): choose the "
             f"optimizer with optimizer={opt.name}, which brings its settings, rather than setting optimizer.name"
         ]
-    problems = []
-    if opt.lr <= 0:
-        problems.append(f"optimizer.lr={opt.lr}: the learning rate must be > 0 (DeepSpeed-Chat uses 1e-3 for SFT)")
-    if opt.weight_decay < 0:
-        problems.append(f"optimizer.weight_decay={opt.weight_decay}: must be >= 0")
-    problems += entry.check(opt)
+    problems = opt.problems()  # its own values (ds_exp/config/optimizer_settings.py)
     owner = Owner(plain(opt.owner))
     if owner not in entry.owners:
         problems.append(_owner_problem(entry, owner))

@@ -1,14 +1,14 @@
 """The optimizers, one table: each entry owns its facts, and everything else reads them (ds_exp/config/components.py).
 
 An entry says what `optimizer=<name>` builds and how (its library class by dotted path, or DeepSpeed's optimizer
-type when DeepSpeed builds it), its typed settings (conf/optimizer/<name>.yaml merges into them: a wrong type or a
-key of another optimizer is refused while Hydra composes), the checks of their values, the bytes of state it keeps
-per parameter (the memory planner, autotune and the dry run), and where it runs: the ZeRO stages, optimizer
-offload, DeepSpeed's universal checkpoints, the device and the package it needs. The checks that combine an entry
+type when DeepSpeed builds it), its typed settings (ds_exp/config/optimizer_settings.py, which check their own
+values; conf/optimizer/<name>.yaml merges into them), the bytes of state it keeps per parameter (the memory
+planner, autotune and the dry run), and where it runs: the ZeRO stages, optimizer offload, DeepSpeed's universal
+checkpoints, the device and the package it needs. The checks that combine an entry
 with the rest of the config are ds_exp/config/optimizer_checks.py's; the building is ds_exp/model/optimizers.py's.
 
-Adding an optimizer: a settings dataclass here when it has settings the others lack, one OptimizerEntry in
-OPTIMIZERS, and conf/optimizer/<name>.yaml (docs/architecture.md, "How to add a component"). Light: no torch.
+Adding an optimizer: a settings dataclass in optimizer_settings.py when it has settings the others lack, one entry
+in OPTIMIZERS, and conf/optimizer/<name>.yaml (docs/architecture.md, "How to add a component"). Light: no torch.
 """
 
 from __future__ import annotations
@@ -19,90 +19,19 @@ from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
 
 from ds_exp.config.components import Component, table
-
-
-class Owner(str, Enum):
-    ds_exp = "ds_exp"  # built in Python and handed to deepspeed.initialize (DeepSpeed-Chat's convention)
-    deepspeed = "deepspeed"  # "optimizer"/"scheduler" blocks of the DeepSpeed config (Hugging Face's convention)
-
-
-class OptimizerImpl(str, Enum):
-    """Which implementation of an Adam or Lion optimizer ds_exp builds (optimizer.owner=ds_exp)."""
-
-    auto = "auto"  # DeepSpeed's CPU op under optimizer offload, the fastest CUDA one on a GPU, torch's otherwise
-    torch = "torch"  # torch.optim (Lion: ds_exp's, in torch)
-    torch_fused = "torch_fused"  # torch.optim.AdamW(fused=True): no compilation, CUDA and CPU (Adam only)
-    deepspeed_fused = "deepspeed_fused"  # DeepSpeed's FusedAdam / FusedLion: a JIT-compiled op (about a minute, once)
-    deepspeed_cpu = "deepspeed_cpu"  # DeepSpeed's CPU Adam / CPU Lion: what optimizer offload needs (JIT, once)
-
-
-class NewtonSchulz(str, Enum):
-    gram = "gram"  # DeepSpeed's default: Newton-Schulz on the Gram matrix, about twice as fast
-    standard = "standard"  # the original quintic iteration
-
-
-NO_DECAY = ["bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight"]
-
-
-@dataclass
-class OptimizerConfig:
-    """What every optimizer's settings have; each entry's settings class adds its own."""
-
-    owner: Owner = Owner.ds_exp
-    name: str = MISSING  # the option picked in conf/optimizer (its settings class must match)
-    lr: float = 1e-3
-    weight_decay: float = 0.0  # decoupled (AdamW-style) unless the optimizer says otherwise
-    no_decay: list[str] = field(default_factory=lambda: list(NO_DECAY))
-
-
-@dataclass
-class AdamConfig(OptimizerConfig):
-    impl: OptimizerImpl = OptimizerImpl.auto
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-
-
-@dataclass
-class Adam8bitConfig(OptimizerConfig):
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-
-
-@dataclass
-class LionConfig(OptimizerConfig):
-    impl: OptimizerImpl = OptimizerImpl.auto
-    lr: float = 3e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-
-
-@dataclass
-class AdafactorConfig(OptimizerConfig):
-    lr: float = 1e-2  # torch's Adafactor: the largest relative step (its step is lr x the parameter's RMS)
-    beta2_decay: float = -0.8
-    eps: float | None = None  # added to the second moment; null = the dtype's smallest step
-    eps_scale: float = 1e-3  # the smallest parameter RMS a step is scaled by
-    d: float = 1.0  # clipping threshold of the update's RMS
-
-
-@dataclass
-class SGDConfig(OptimizerConfig):
-    lr: float = 0.1
-    momentum: float = 0.9
-    nesterov: bool = False
-
-
-@dataclass
-class MuonConfig(OptimizerConfig):
-    owner: Owner = Owner.deepspeed
-    lr: float = 0.02  # Muon's, for the hidden matrices
-    momentum: float = 0.95
-    ns_method: NewtonSchulz = NewtonSchulz.gram
-    adam_lr: float = 1e-3  # the auxiliary AdamW's, for embeddings, the head, norms and biases
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+from ds_exp.config.optimizer_settings import (
+    AdafactorConfig,
+    Adam8bitConfig,
+    AdamConfig,
+    LionConfig,
+    MuonConfig,
+    OptimizerConfig,
+    OptimizerImpl,
+    Owner,
+    SGDConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -140,7 +69,6 @@ class OptimizerEntry(Component):
     clip_note: str | None = None  # why it refuses gradient clipping at ZeRO stages 1-3 (None: it does not)
     zero3_settings: Mapping[str, tuple[Any, str]] = field(default_factory=dict)  # DeepSpeed path -> (value, why)
     compiled_update: bool = False  # DeepSpeed torch.compiles its update: run eagerly on a CPU (model/optimizers.py)
-    check: Callable[[Any], list[str]] = lambda settings: []  # problems of its own settings
 
     @property
     def offload(self) -> bool:
@@ -197,52 +125,6 @@ def _json_value(value: object) -> Any:
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def _betas(settings: Any) -> list[str]:
-    betas = list(settings.betas)
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        return [f"optimizer.betas={betas}: give two numbers in [0, 1), e.g. [0.9,0.95]"]
-    return []
-
-
-def _eps(settings: Any) -> list[str]:
-    return [f"optimizer.eps={settings.eps}: must be > 0"] if settings.eps is not None and settings.eps <= 0 else []
-
-
-def _momentum(settings: Any) -> list[str]:
-    if not 0 <= settings.momentum < 1:
-        return [f"optimizer.momentum={settings.momentum}: must be in [0, 1) (e.g. 0.9)"]
-    return []
-
-
-def _adam(settings: Any) -> list[str]:
-    return _betas(settings) + _eps(settings)
-
-
-def _sgd(settings: SGDConfig) -> list[str]:
-    problems = _momentum(settings)
-    if settings.nesterov and settings.momentum == 0:
-        problems.append("optimizer.nesterov=true needs momentum: set optimizer.momentum > 0 (e.g. 0.9)")
-    return problems
-
-
-def _adafactor(settings: AdafactorConfig) -> list[str]:
-    problems = [] if settings.eps is None else _eps(settings)
-    if settings.beta2_decay > 0:
-        problems.append(f"optimizer.beta2_decay={settings.beta2_decay}: must be <= 0 (torch's default -0.8)")
-    if settings.eps_scale < 0:
-        problems.append(f"optimizer.eps_scale={settings.eps_scale}: must be >= 0")
-    if settings.d < 1:
-        problems.append(f"optimizer.d={settings.d}: the clipping threshold must be >= 1")
-    return problems
-
-
-def _muon(settings: MuonConfig) -> list[str]:
-    problems = _momentum(settings) + _adam(settings)
-    if settings.adam_lr <= 0:
-        problems.append(f"optimizer.adam_lr={settings.adam_lr}: the auxiliary AdamW's learning rate must be > 0")
-    return problems
-
-
 def _adam_impls(adamw: bool) -> dict[str, Impl]:
     torch_class = "torch.optim:AdamW" if adamw else "torch.optim:Adam"
     return {
@@ -269,7 +151,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
             cuda_impl="torch_fused",
             deepspeed_type="AdamW",
             universal=True,
-            check=_adam,
         ),
         OptimizerEntry(
             name="adam",
@@ -282,7 +163,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
             deepspeed_type="Adam",
             deepspeed_params={"adam_w_mode": False},
             universal=True,
-            check=_adam,
         ),
         OptimizerEntry(
             name="lion",
@@ -301,7 +181,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
             deepspeed_type="Lion",
             deepspeed_cuda=True,  # DeepSpeed builds FusedLion, or its CPU Lion under offload
             zero_untested=True,  # ds_exp's torch Lion (DeepSpeed's own two are tested)
-            check=_betas,
         ),
         OptimizerEntry(
             name="adafactor",
@@ -327,7 +206,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
             ),
             offload_note="DeepSpeed runs an offloaded optimizer step only with its CPU Adam or CPU Lion",
             zero_untested=True,
-            check=_adafactor,
         ),
         OptimizerEntry(
             name="sgd",
@@ -339,7 +217,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
             deepspeed_type="SGD",
             offload_note="DeepSpeed runs an offloaded optimizer step only with its CPU Adam or CPU Lion",
             zero_untested=True,
-            check=_sgd,
         ),
         OptimizerEntry(
             name="muon",
@@ -372,7 +249,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
                 )
             },
             compiled_update=True,
-            check=_muon,
         ),
         OptimizerEntry(
             name="adamw_8bit",
@@ -387,7 +263,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
             offload_note="DeepSpeed runs an offloaded optimizer step only with its CPU Adam or CPU Lion",
             zero_untested=True,
             cuda_only=True,
-            check=_adam,
         ),
     ]
 )

@@ -16,7 +16,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf, open_dict
 
-from ds_exp.config.optimizers import OptimizerConfig, Owner, register_optimizer_settings
+from ds_exp.config.optimizer_settings import OptimizerConfig, Owner
+from ds_exp.config.optimizers import register_optimizer_settings
 from ds_exp.config.secrets import hide_secrets_when_composing
 from ds_exp.config.tracker_schema import MlflowConfig, TensorBoardConfig
 from ds_exp.core.errors import ConfigError

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_scheduler
 
-from ds_exp.config.optimizers import OptimizerConfig
+from ds_exp.config.optimizer_settings import OptimizerConfig
 from ds_exp.config.plan import scheduler_kwargs
 from ds_exp.config.schema import SchedulerConfig, plain
 from ds_exp.config.secrets import redact

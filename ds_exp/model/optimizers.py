@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_exp.config.optimizers import OPTIMIZERS, OptimizerConfig, OptimizerEntry, entry_for_deepspeed_type
+from ds_exp.config.optimizer_settings import OptimizerConfig
+from ds_exp.config.optimizers import OPTIMIZERS, OptimizerEntry, entry_for_deepspeed_type
 from ds_exp.runtime import ops
 
 HOST_OFFLOAD = ("cpu", "nvme")
