@@ -37,6 +37,10 @@ class Case:
     fifos: tuple[str, ...] = ()  # names of FIFOs (named pipes) made first: nothing ever writes to them
 
 
+# one cell of autotune's default grid (conf/experiment/autotune.yaml), the dimension under test added to it
+ONE_CELL = ("zero=stage0", "offload=none", "train.micro_batch_size=4", "model.gradient_checkpointing=false")
+
+
 def jsonl(*rows: object) -> str:
     return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
 
@@ -75,6 +79,30 @@ CASES: list[Case] = [
     Case("negative learning rate", "config value", ("optimizer.lr=-1",), ("optimizer.lr=-1", "must be > 0")),
     Case("beta out of range", "config value", ("optimizer.betas=[0.9,1.5]",), ("optimizer.betas", "[0, 1)")),
     Case("negative eps", "config value", ("optimizer.eps=0",), ("optimizer.eps=0", "must be > 0")),
+    Case(
+        "setting of another optimizer",
+        "config value",
+        ("optimizer=sgd", "optimizer.betas=[0.9,0.99]"),
+        ("optimizer=sgd has no setting betas", "the optimizers that have it: adamw, adam, lion, muon"),
+    ),
+    Case(
+        "8-bit AdamW without CUDA and bitsandbytes",
+        "combination",
+        ("optimizer=adamw_8bit",),
+        ("optimizer=adamw_8bit needs a CUDA GPU and bitsandbytes", "use optimizer=adamw"),
+    ),
+    Case(
+        "optimizer at a ZeRO stage it cannot run",
+        "combination",
+        ("optimizer=adafactor", "zero=stage2"),
+        ("optimizer=adafactor at zero.stage=2", "use zero=stage0"),
+    ),
+    Case(
+        "Muon with CPU offload",
+        "combination",
+        ("optimizer=muon", "zero=stage2", "offload=cpu", "train.gradient_clipping=0"),
+        ("optimizer=muon with offload.optimizer=cpu", "DeepSpeed RFC #8463", "use offload=none"),
+    ),
     Case("negative LoRA dim", "config value", ("lora.dim=-4",), ("lora.dim=-4", "lora.dim=64")),
     Case("LoRA dropout 1.5", "config value", ("lora.dim=8", "lora.dropout=1.5"), ("lora.dropout=1.5", "[0, 1)")),
     Case(
@@ -630,6 +658,18 @@ CASES: list[Case] = [
         "sweep",
         ("-m", "experiment=autotune", "hydra.sweeper.memory_budget=1MiB"),
         ("experiment=autotune: nothing fits the memory budget of 1.00 MiB per",),
+    ),
+    Case(  # the estimate counts each optimizer's state: Adafactor's is the smallest
+        "autotune over optimizers, nothing fits",
+        "sweep",
+        ("-m", "experiment=autotune", "hydra.sweeper.memory_budget=1MiB", "optimizer=adamw,lion,adafactor", *ONE_CELL),
+        ("nothing fits the memory budget of 1.00 MiB", "experiment=autotune optimizer=adafactor data.cache_dir="),
+    ),
+    Case(
+        "a sweep over optimizers with a job that cannot run",
+        "sweep",
+        ("-m", "optimizer=adamw,lion,muon", "zero=stage2"),
+        ("the sweep was not started", "job [optimizer=muon zero=stage2 ", "set train.gradient_clipping=0"),
     ),
     Case(
         "autotune budget not a size",

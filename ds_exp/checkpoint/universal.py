@@ -59,6 +59,7 @@ from ds_exp.config.paths import PACKAGE_DIR
 from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError, first_line
 from ds_exp.core.files import json_text
+from ds_exp.resume.settings import not_universal
 from ds_exp.resume.store import COMPLETE_MARKER, not_complete, read_marker
 from ds_exp.runtime.process_group import broadcast
 
@@ -220,6 +221,9 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
     tag_dir = tag_dir.resolve()
     target = universal_dir(tag_dir)
     require_complete(tag_dir)
+    why = not_universal(read_marker(tag_dir).get("settings") or {})
+    if why is not None:  # ds_to_universal would fail on its missing Adam moments
+        raise ResumeError(f"{tag_dir} is not converted: {why}")
     if is_converted(tag_dir):
         return target
     remove_stale_temporaries(tag_dir.parent)

@@ -2,10 +2,13 @@
 and the peak measured.
 
 Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
-paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 12 of fp32 master weights
-and Adam moments per parameter. In fp32 training: 4 + 4 + 8 (Adam moments) at stage 0, where the torch
-optimizer updates the model's own weights, and + 4 more at stages 1-3, where DeepSpeed keeps an fp32 master
-partition even in fp32 (measured in bench/memory.py). Stage 1 partitions the optimizer states, stage 2 also
+paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 4 of fp32 master weights +
+the optimizer's own state per parameter (its entry's state_bytes in ds_exp/config/optimizers.py: Adam's two
+moments 8, Lion's or SGD's momentum 4, Muon's momentum 4 with 8 for what its auxiliary AdamW takes). In fp32
+training: 4 + 4 + the optimizer's state at stage 0, where the torch optimizer updates the model's own weights,
+and + 4 more at stages 1-3, where DeepSpeed keeps an fp32 master partition even in fp32 (measured in
+bench/memory.py for AdamW; each optimizer's state after a real step: tests/unit/test_optimizers.py).
+Stage 1 partitions the optimizer states, stage 2 also
 the gradients, stage 3 also the parameters; offload moves optimizer states (and ZeRO-3 parameters) to host
 memory. Activations are estimated apart (`estimate_activations`: sequence length, sequence parallelism and the
 long-context knobs, checked against measured peaks in bench/long_context.py); communication buckets are not
@@ -19,7 +22,41 @@ from dataclasses import asdict, dataclass, replace
 from ds_exp.config.export_schema import merges
 from ds_exp.config.fast_path import decide
 from ds_exp.config.long_context import plan_tiling, tokens_per_rank
+from ds_exp.config.optimizers import OPTIMIZERS, entry_of
 from ds_exp.config.schema import Config, plain
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The optimizer's own fp32 state per trainable parameter (beside the master weights), and the parameters it
+    keeps another amount for (Muon's auxiliary AdamW: embeddings, the head, norms, biases)."""
+
+    per_param: float = 8.0  # AdamW's two moments
+    aux_params: int = 0
+    aux_per_param: float = 0.0
+
+    def bytes(self, trainable: int) -> int:
+        aux = min(self.aux_params, trainable)
+        return round(trainable * self.per_param + aux * (self.aux_per_param - self.per_param))
+
+
+def optimizer_state(cfg: Config, facts: dict[str, int] | None = None, accelerator: str = "cuda") -> OptimizerState:
+    """The state of the optimizer the config builds on `accelerator`, for a model with `facts`
+    (ds_exp.model.architecture's model_facts: the embedding's share where an auxiliary optimizer takes it; None:
+    the larger of the two amounts for every parameter, an upper bound)."""
+    entry = entry_of(cfg.optimizer) or OPTIMIZERS["adamw"]
+    offload = str(plain(cfg.offload.optimizer)) != "none"
+    impl = entry.impl_for(cfg.optimizer, offload=offload, accelerator=accelerator)
+    per_param = float(entry.state_bytes(cfg.optimizer, impl))
+    if entry.aux_state_bytes is None:
+        return OptimizerState(per_param)
+    if facts is None:
+        return OptimizerState(max(per_param, entry.aux_state_bytes))
+    aux = 0
+    if int(cfg.lora.dim) == 0:  # what DeepSpeed hands the auxiliary AdamW: embeddings, the head, vectors
+        embeddings = facts["vocab"] * facts["hidden"] * (1 if facts.get("tied") else 2)
+        aux = embeddings + (2 * facts["layers"] + 1) * facts["hidden"]
+    return OptimizerState(per_param, aux, float(entry.aux_state_bytes))
 
 
 @dataclass(frozen=True)
@@ -43,13 +80,14 @@ def estimate_model_states(
     precision: str,
     offload_optimizer: str = "none",
     offload_param: str = "none",
+    state: OptimizerState = OptimizerState(),
 ) -> MemoryEstimate:
     weight_bytes = 4 if precision == "fp32" else 2
-    # Adam m, v, plus the fp32 master weights wherever a ZeRO optimizer or mixed precision keeps them
-    optimizer_per_param = 8 if precision == "fp32" and stage == 0 else 12
+    # the optimizer's state, plus the fp32 master weights wherever a ZeRO optimizer or mixed precision keeps them
+    master = 0 if precision == "fp32" and stage == 0 else 4
     params = total_params * weight_bytes
     grads = trainable_params * weight_bytes
-    optimizer = trainable_params * optimizer_per_param
+    optimizer = state.bytes(trainable_params) + trainable_params * master
     if stage >= 1:
         optimizer = -(-optimizer // world_size)
     if stage >= 2:
@@ -168,6 +206,7 @@ def run_estimate(
         precision=precision,
         offload_optimizer=str(plain(cfg.offload.optimizer)),
         offload_param=str(plain(cfg.offload.param)),
+        state=optimizer_state(cfg, facts, accelerator),
     )
     sp = int(getattr(cfg.dist, "sequence_parallel_size", 1) or 1)
     tiling = plan_tiling(cfg, hidden=facts["hidden"], vocab=facts["vocab"])
@@ -244,12 +283,12 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def checkpoint_bytes(trainable: int, precision: str) -> int:
+def checkpoint_bytes(trainable: int, precision: str, state: OptimizerState = OptimizerState()) -> int:
     """About what one DeepSpeed checkpoint takes: what trains, in the training dtype, plus its fp32 master weights
-    and two Adam moments (12 bytes each). Frozen weights (LoRA's base) are not in it: they come from the model the
-    run started from (ds_exp/checkpoint/frozen.py)."""
+    (4 bytes) and the optimizer's state (AdamW's two moments: 8). Frozen weights (LoRA's base) are not in it: they
+    come from the model the run started from (ds_exp/checkpoint/frozen.py)."""
     weight = 4 if precision == "fp32" else 2
-    return trainable * (weight + 12)
+    return trainable * (weight + 4) + state.bytes(trainable)
 
 
 def export_bytes(parameters: int, precision: str) -> int:

@@ -17,6 +17,8 @@ from omegaconf import MISSING, OmegaConf, open_dict
 
 from ds_exp.config.eval_schema import EvalConfig
 from ds_exp.config.export_schema import ExportDtype, ExportMerged
+from ds_exp.config.optimizer_settings import OptimizerConfig, Owner
+from ds_exp.config.optimizers import register_optimizer_settings
 from ds_exp.config.secrets import hide_secrets_when_composing
 from ds_exp.config.trackers import LoggerConfig
 from ds_exp.core.errors import ConfigError
@@ -65,21 +67,6 @@ class Dtype(str, Enum):
     fp16 = "fp16"
     bf16 = "bf16"
     auto = "auto"
-
-
-class OptimizerImpl(str, Enum):
-    """Which AdamW implementation ds_exp builds (optimizer.owner=ds_exp)."""
-
-    auto = "auto"  # DeepSpeed's CPU Adam under optimizer offload, torch's fused AdamW on CUDA, torch AdamW else
-    torch = "torch"  # torch.optim.AdamW (foreach)
-    torch_fused = "torch_fused"  # torch.optim.AdamW(fused=True): no compilation, CUDA and CPU
-    deepspeed_fused = "deepspeed_fused"  # DeepSpeed's FusedAdam: a JIT-compiled op (about a minute, once)
-    deepspeed_cpu = "deepspeed_cpu"  # DeepSpeed's CPU Adam: what optimizer offload needs (JIT-compiled, once)
-
-
-class Owner(str, Enum):
-    ds_exp = "ds_exp"  # built in Python and handed to deepspeed.initialize (DeepSpeed-Chat's convention)
-    deepspeed = "deepspeed"  # "optimizer"/"scheduler" blocks of the DeepSpeed config (Hugging Face's convention)
 
 
 class SchedulerName(str, Enum):
@@ -222,20 +209,6 @@ class LoraConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    owner: Owner = Owner.ds_exp
-    name: str = "adamw"
-    impl: OptimizerImpl = OptimizerImpl.auto
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    no_decay: list[str] = field(
-        default_factory=lambda: ["bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight"]
-    )
-
-
-@dataclass
 class SchedulerConfig:
     owner: Owner = Owner.ds_exp
     name: SchedulerName = SchedulerName.cosine
@@ -299,7 +272,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # its option's settings class (optimizers.py)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -352,5 +325,7 @@ def as_dict(cfg: Config) -> dict[str, Any]:
 
 def register_configs() -> None:
     """Make the schema the base of conf/config.yaml (its defaults list starts with `ds_exp_schema`)."""
-    ConfigStore.instance().store(name="ds_exp_schema", node=Config)
+    store = ConfigStore.instance()
+    store.store(name="ds_exp_schema", node=Config)
+    register_optimizer_settings(store)  # the base of each conf/optimizer/<name>.yaml
     hide_secrets_when_composing()  # literal credentials in config files never reach what Hydra saves

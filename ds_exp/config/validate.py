@@ -22,6 +22,7 @@ from ds_exp.config.model_checks import (
     check_max_seq_len,
     looks_like_local_path,
 )
+from ds_exp.config.optimizer_checks import placement_problems, settings_problems
 from ds_exp.config.output_paths import check_output_paths
 from ds_exp.config.paths import not_a_directory
 from ds_exp.config.place_checks import experiment_name_problem
@@ -94,26 +95,8 @@ _UNSET = object()
 
 def _setting(cfg: Config, path: str, value: object, group_key: str) -> str:
     """How a message names where a DeepSpeed value came from: the file and its key, or the ds_exp setting."""
-    return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={value}"
-
-
-def _check_optimizer_impl(cfg: Config, ds: dict[str, Any], accelerator: str) -> list[str]:
-    impl = plain(cfg.optimizer.impl)
-    offload = get_path(ds, "zero_optimization.offload_optimizer.device", "none")
-    if plain(cfg.optimizer.owner) == "deepspeed" or impl == "auto":
-        return []
-    if offload in ("cpu", "nvme") and impl != "deepspeed_cpu":
-        where = _setting(cfg, "zero_optimization.offload_optimizer.device", offload, "offload.optimizer")
-        return [
-            f"optimizer.impl={impl} with {where}: the offloaded optimizer step runs on the host "
-            "with DeepSpeed's CPU Adam; use optimizer.impl=auto (or deepspeed_cpu)"
-        ]
-    if impl == "deepspeed_cpu" and offload not in ("cpu", "nvme") and accelerator != "cpu":
-        return [
-            f"optimizer.impl=deepspeed_cpu updates parameters in host memory, but they live on the {accelerator} "
-            "device: add offload=cpu (with zero=stage1 or higher) or use optimizer.impl=auto"
-        ]
-    return []
+    shown = json.dumps(value) if isinstance(value, bool) else value  # as the override is written: true, not True
+    return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={shown}"
 
 
 def _check_zero_and_offload(cfg: Config, ds: dict[str, Any]) -> list[str]:
@@ -191,7 +174,7 @@ def _in_file(path: str, value: object, file: str | None) -> str:
 
 def _check_numbers(cfg: Config, world: int) -> list[str]:
     problems = []
-    train, opt, sched, lora = cfg.train, cfg.optimizer, cfg.scheduler, cfg.lora
+    train, sched, lora = cfg.train, cfg.scheduler, cfg.lora
     if lora.dim < 0:
         problems.append(f"lora.dim={lora.dim}: must be >= 0 (0 turns LoRA off, e.g. lora.dim=64 turns it on)")
     if lora.dim > 0:
@@ -199,12 +182,7 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
             problems.append(f"lora.alpha={lora.alpha}: must be > 0, or null for alpha = dim")
         if not 0 <= lora.dropout < 1:
             problems.append(f"lora.dropout={lora.dropout}: must be in [0, 1)")
-    if opt.lr <= 0:
-        problems.append(f"optimizer.lr={opt.lr}: the learning rate must be > 0 (DeepSpeed-Chat uses 1e-3 for SFT)")
-    if len(opt.betas) != 2 or not all(0 <= b < 1 for b in opt.betas):
-        problems.append(f"optimizer.betas={list(opt.betas)}: give two numbers in [0, 1), e.g. [0.9,0.95]")
-    if opt.name != "adamw":
-        problems.append(f"optimizer.name={opt.name}: only adamw is available")
+    problems += settings_problems(cfg)  # the optimizer's own (its entry in ds_exp/config/optimizers.py)
     if not 0 <= sched.warmup_ratio < 1:
         problems.append(f"scheduler.warmup_ratio={sched.warmup_ratio}: must be in [0, 1)")
     if sched.warmup_steps > 0 and sched.warmup_ratio > 0:
@@ -246,18 +224,20 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
 
 
 def _check_learning_rate(cfg: Config) -> list[str]:
-    """AdamW's first update divides the learning rate by (1 - beta1) (bias correction): beyond float32's range the
-    optimizer cannot even compute it (a RuntimeError in the first step). Smaller but absurd rates diverge, which
+    """An Adam-like first update divides the learning rate by (1 - beta1) (bias correction): beyond float32's range
+    the optimizer cannot even compute it (a RuntimeError in the first step). Smaller but absurd rates diverge, which
     the run reports itself."""
     opt = cfg.optimizer
-    if not (math.isfinite(opt.lr) and opt.lr > 0 and len(opt.betas) == 2 and 0 <= opt.betas[0] < 1):
+    betas = list(getattr(opt, "betas", None) or [])
+    beta1 = betas[0] if len(betas) == 2 and 0 <= betas[0] < 1 else 0.0
+    if not (math.isfinite(opt.lr) and opt.lr > 0):
         return []
-    first_step = opt.lr / (1 - opt.betas[0])
+    first_step = opt.lr / (1 - beta1)
     decay = opt.lr * opt.weight_decay if math.isfinite(opt.weight_decay) else 0.0
     if first_step <= FLOAT32_MAX and decay <= FLOAT32_MAX:
         return []
     what = (
-        f"AdamW's first step lr / (1 - beta1) = {first_step:.3g}"
+        f"the first step lr / (1 - beta1) = {first_step:.3g}"
         if first_step > FLOAT32_MAX
         else f"the weight decay factor lr x optimizer.weight_decay = {decay:.3g}"
     )
@@ -335,7 +315,9 @@ def config_problems(
         problems += err.problems
     if ds:
         problems += (
-            _check_zero_and_offload(cfg, ds) + _check_optimizer_impl(cfg, ds, accelerator) + zero_problems(cfg, ds)
+            _check_zero_and_offload(cfg, ds)
+            + placement_problems(cfg, ds, accelerator, lambda path, value, key: _setting(cfg, path, value, key))
+            + zero_problems(cfg, ds)
         )
     # every number finite, within 64 bits and within its declared range (a key's own check above says more)
     return problems + numbers_problems(cfg, problems), ds

@@ -15,7 +15,13 @@ import torch
 
 from ds_exp.config.ds_config import get_path, replaced_by_config_file
 from ds_exp.config.fast_path import decide
-from ds_exp.config.memory_plan import estimate_model_states, human_bytes, plan_micro_batch, run_estimate
+from ds_exp.config.memory_plan import (
+    estimate_model_states,
+    human_bytes,
+    optimizer_state,
+    plan_micro_batch,
+    run_estimate,
+)
 from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import plan_run
 from ds_exp.config.precision import detect_accelerator
@@ -64,6 +70,7 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     if from_arch:
         notes.insert(0, arch_note(cfg))
     stage = int(get_path(ds_config, "zero_optimization.stage"))
+    shapes = model_facts(cfg)
     memory = estimate_model_states(
         counts.total,
         counts.trainable,
@@ -72,8 +79,8 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         precision=precision,
         offload_optimizer=str(get_path(ds_config, "zero_optimization.offload_optimizer.device", "none")),
         offload_param=str(get_path(ds_config, "zero_optimization.offload_param.device", "none")),
+        state=optimizer_state(cfg, shapes, accelerator),
     )
-    shapes = model_facts(cfg)
     per_rank = run_estimate(cfg, shapes, world_size=launch.world_size, precision=precision, accelerator=accelerator)
     fast = decide(cfg, accelerator, stage)
     planned = None
@@ -101,6 +108,7 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "global_batch_size": plan.global_batch_size,
         "total_steps": plan.total_steps,
         "zero_stage": stage,
+        "optimizer": str(cfg.optimizer.name),
         "memory_per_rank": {**memory.as_dict(), "activation_bytes": per_rank["activation_bytes"]},
         "estimate_per_rank_bytes": per_rank["estimate_bytes"],  # model states + activations (autotune's number)
         "max_seq_len": int(cfg.data.max_seq_len),
@@ -149,7 +157,7 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
         f"  data       {plan['train_examples']:,} train examples, global batch {plan['global_batch_size']}, "
         f"{plan['total_steps']:,} optimizer steps",
         f"  ZeRO {plan['zero_stage']}     per rank: params {human_bytes(mem['params_bytes'])}, grads "
-        f"{human_bytes(mem['grads_bytes'])}, optimizer {human_bytes(mem['optimizer_bytes'])} -> "
+        f"{human_bytes(mem['grads_bytes'])}, optimizer ({plan['optimizer']}) {human_bytes(mem['optimizer_bytes'])} -> "
         f"device {human_bytes(mem['device_bytes'])}, host {human_bytes(mem['host_bytes'])} (model states)",
         f"  activations ~{human_bytes(mem['activation_bytes'])} per rank for a micro batch of "
         f"{plan['micro_batch_size']} x {plan['max_seq_len']:,} tokens -> ~"

@@ -26,7 +26,7 @@ from ds_exp.checkpoint.checkpointer import Checkpointer
 from ds_exp.checkpoint.frozen import built_base
 from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, param_names
 from ds_exp.config.ds_config import replaced_by_config_file
-from ds_exp.config.memory_plan import checkpoint_bytes
+from ds_exp.config.memory_plan import checkpoint_bytes, optimizer_state
 from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import RunPlan, plan_run
 from ds_exp.config.schema import Config, plain
@@ -108,7 +108,7 @@ def setup(cfg: Config, session: Session) -> Workload:
     built = build_model(cfg, tokenizer, ds_config)
     base = built_base(cfg, built.model, zero3=ds_config["zero_optimization"]["stage"] == 3, checkpoint=resume_from)
     parameters, trainable = record_model(cfg, session, built, plan, ds_config)
-    needed = checkpoint_bytes(trainable, session.precision)
+    needed = checkpoint_bytes(trainable, session.precision, optimizer_state(cfg, accelerator=session.accelerator))
     start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
     check_disk_space(
         cfg, session, needed, parameters, trainable=trainable, start_step=start_step, total_steps=plan.total_steps

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,10 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.training import FAST, REPO, assert_close, launch, multirun, report_rows, train_here, user_env
+from tests.training import FAST, REPO, Run, assert_close, launch, multirun, report_rows, train_here, user_env
 from tests.wandb_files import history
 
 pytestmark = pytest.mark.slow
+
+
+# The full fine-tune trains with DeepSpeed's Muon (its auxiliary AdamW for the embedding and the norms), whose ZeRO
+# 1-3 code splits each matrix's update over the ranks; LoRA with AdamW. Muon at ZeRO 1-3 needs gradient clipping off.
+OPTIMIZER_OF = {0: ("optimizer=muon", "train.gradient_clipping=0"), 8: ("optimizer=adamw",)}
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +38,7 @@ def zero_runs(tmp_path_factory, cache_dir):
                 *FAST,
                 f"zero=stage{stage}",
                 f"lora.dim={lora}",
+                *OPTIMIZER_OF[lora],
                 "train.export=true",
                 launcher="ranks",
                 nproc=2,
@@ -42,7 +49,7 @@ def zero_runs(tmp_path_factory, cache_dir):
     return runs
 
 
-@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [0, 8], ids=["full-muon", "lora-adamw"])
 def test_losses_equal_across_zero_stages(zero_runs, lora):
     reference = zero_runs[0, lora].losses
     assert len(reference) == 8
@@ -385,6 +392,40 @@ def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
         env=user_env(),
     )
     assert again.returncode == 0 and "zero=stage2" in again.stdout
+
+
+OPTIMIZERS_HERE = ["adam", "lion", "sgd", "adafactor", "muon"]  # adamw: test_resume_continues_exactly
+
+
+def test_every_optimizer_learns_and_resumes_exactly(tmp_path, cache_dir):
+    """`-m optimizer=...` is a sweep like any other: every optimizer trains from its YAML's defaults in one process,
+    saving at step 2; the same sweep with resume=auto, its step-4 checkpoints gone, continues each job from step 2
+    with its optimizer's state, and steps 3-4 are the uninterrupted run's, bit for bit (ZeRO stage 0: the one
+    every optimizer runs at; Muon across ZeRO 0-3 on 2 ranks is zero_runs')."""
+    sweep = tmp_path / "sweep"
+    common = [f"optimizer={','.join(OPTIMIZERS_HERE)}", *FAST, "train.max_steps=4", "train.save_every=2"]
+    first = multirun(tmp_path, sweep, *common, f"data.cache_dir={cache_dir}")
+    assert first.returncode == 0, first.stderr[-4000:]
+    jobs = [sweep / str(number) for number in range(len(OPTIMIZERS_HERE))]
+    straight = {}
+    for name, job in zip(OPTIMIZERS_HERE, jobs, strict=True):
+        assert json.loads((job / "summary.json").read_text())["optimizer"].startswith(_built_as(name)), name
+        straight[name] = Run(first, job).losses
+        assert straight[name][-1] < straight[name][0], (name, straight[name])
+        shutil.rmtree(job / "checkpoints" / "step4")
+        (job / "checkpoints" / "latest").write_text("step2")
+    again = multirun(tmp_path, sweep, *common, "resume=auto", f"data.cache_dir={cache_dir}")
+    assert again.returncode == 0, again.stderr[-4000:]
+    for name, job in zip(OPTIMIZERS_HERE, jobs, strict=True):
+        resumed = Run(again, job)
+        assert resumed.summary["resumed_from"].endswith("step2"), name
+        assert [r["step"] for r in resumed.records("train")] == [1, 2, 3, 4]  # steps 3-4 again; the first ones aside
+        assert resumed.losses[2:] == straight[name][2:], name
+
+
+def _built_as(name: str) -> str:
+    """What summary.json says updates the weights (ds_exp/model/engine.py: describe_optimizer)."""
+    return {"adam": "Adam", "lion": "Lion", "sgd": "SGD", "adafactor": "Adafactor", "muon": "muon (built by"}[name]
 
 
 def test_a_failed_sweep_job_is_reported_and_the_sweep_goes_on(tmp_path, cache_dir):

@@ -62,9 +62,10 @@ def test_the_built_in_tasks_are_generated_from_a_seed_and_lm_eval_loads_them(tmp
     assert sorted(loaded["tasks"]) == ["ds_exp_passkey_160", "ds_exp_passkey_96", "ds_exp_synthetic"]
     assert len(loaded["tasks"]["ds_exp_synthetic"].eval_docs) == 200
     other = write_builtin_tasks(["ds_exp_synthetic"], tmp_path, BuiltinSettings(SyntheticDataConfig(seed=1), ()), words)
-    assert other != directory and (other / "ds_exp_synthetic.jsonl").read_text() != (
-        directory / "ds_exp_synthetic.jsonl"
-    ).read_text()
+    assert (
+        other != directory
+        and (other / "ds_exp_synthetic.jsonl").read_text() != (directory / "ds_exp_synthetic.jsonl").read_text()
+    )
 
 
 def test_a_task_yaml_names_its_metrics_and_an_objective_must_be_one_of_them(tmp_path):
