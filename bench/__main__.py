@@ -15,9 +15,11 @@ BENCHMARKS = {
     "step_time": "steady-state step time: ds_exp vs a bare DeepSpeed loop vs HF Trainer, ZeRO 0-3, 2 ranks",
     "step_overhead": "ds_exp's per-step overhead over a bare step, paired in the same processes, ZeRO 0-3",
     "tokenize_data": "tokenization of 100k examples, cold and cached, vs a bare datasets.map; peak memory",
+    "optimizers": "each optimizer on the default model, one sweep: tokens/s, perplexity before and after",
     "memory": "per-rank parameter, gradient and optimizer-state bytes at ZeRO 0-3 vs formulas and estimators",
-    "long_context": "the longest sequence that trains under one memory budget per rank, knob by knob (~1 hour)",
-    "gpu_throughput": "CUDA only (skipped without): tokens/s and MFU of a ~1B model, bf16, ZeRO 2/3, vs Trainer",
+    "harness_time": "eval.harness (ds_exp_synthetic, ds_exp_passkey) on the default run against its training time",
+    "long_context": "the longest sequence under one per-rank budget, ALST's techniques added in turn (~30+ minutes)",
+    "gpu_throughput": "CUDA only (skipped without): tokens/s, both MFUs: 1.1B fast vs plain vs Trainer, 8B LoRA",
 }
 
 

@@ -6,8 +6,8 @@ OVERRIDES are those of the ds_exp run that wrote ds_config.json (composed with H
 model (ds_exp.model.build_model, same seeded init), the data (prepare_sft_data, make_collator) and the order
 of the micro batches (ResumableDistributedSampler, one DataLoader per epoch) are ds_exp's. The engine gets the
 exact DeepSpeed config ds_exp resolved, and the optimizer ds_exp builds (ds_exp.model.engine.parameter_groups +
-build_optimizer: torch AdamW with two param groups on CPU) with ds_exp's LR schedule, so the LR trajectory
-and hence the losses match too. Per step: fetch the micro batches, then forward (the model's own loss,
+ds_exp.model.optimizers.build_optimizer: torch AdamW with two param groups on CPU) with ds_exp's LR schedule, so
+the LR trajectory and hence the losses match too. Per step: fetch the micro batches, then forward (the model's own loss,
 use_cache=False as ds_exp passes), engine.backward(loss), engine.step() for each. Each step is timed with
 time.perf_counter (on CUDA after synchronizing); rank 0 writes the per-step times.
 """
@@ -24,7 +24,8 @@ def main() -> None:
     import deepspeed
     import torch
 
-    from ds_exp.model.engine import build_optimizer, build_scheduler, parameter_groups
+    from ds_exp.model.engine import build_scheduler, parameter_groups
+    from ds_exp.model.optimizers import build_optimizer
 
     args = parse_args(__doc__.splitlines()[0])
     rank, world = init_distributed()

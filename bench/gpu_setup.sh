@@ -2,7 +2,9 @@
 # ds_exp on a bare CUDA machine without network (one that has Python 3.12, a CUDA torch and transformers):
 #   bench/gpu_setup.sh download .whl     # on a machine that reaches PyPI: wheels + sdists into .whl/
 #   bench/gpu_setup.sh install .whl      # on the GPU machine: install them into its own Python, then ds_exp
-#   python -m bench.gpu_check            # then: GPU tests, the user's lines, the throughput benchmark
+#   python -m bench.gpu_check            # then: GPU tests, the user's lines, the throughput benchmark (<= 640 s)
+# The GPU machine has no network: download where PyPI answers, into a folder inside the checkout that git does not
+# ignore (e.g. .whl/), so that it travels with the working tree; install there takes ~30 s.
 # The package list is what such a machine lacked (torch 2.11+cu130, transformers 5.17, peft, accelerate, triton,
 # pyarrow, pandas present). DeepSpeed is installed from its sdist with DS_BUILD_OPS=0: its ops compile on first use.
 set -euo pipefail
@@ -14,8 +16,9 @@ WHEELS=(
   hydra-core==1.3.8 omegaconf==2.3.1 hydra-submitit-launcher==1.2.0 submitit==1.5.4 cloudpickle==2.1.0
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0
   pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 hjson==3.1.0
-  ninja==1.13.2 py-cpuinfo==9.0.0 msgpack==1.2.4 pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0 liger-kernel
+  ninja==1.13.2 py-cpuinfo==9.0.0 msgpack==1.2.4 pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0
   pytest-xdist==3.8.0 execnet==2.1.2
+  liger-kernel==0.8.5  # ds_exp's gpu extra: the fast path's kernels (pure Python; triton comes with CUDA torch)
 )
 SDISTS=(deepspeed==0.19.8 antlr4-python3-runtime==4.9.3)
 

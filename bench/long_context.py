@@ -1,16 +1,18 @@
-"""The longest sequence that trains an optimizer step under one memory budget per rank, knob by knob.
+"""The longest sequence that trains an optimizer step under one memory budget per rank, ALST's way (its Table 1).
 
-    python -m bench long_context            # ~1 hour on 2 CPU cores
-    python -m bench long_context --quick    # a smoke run: two configurations, a coarse search
+    python -m bench long_context --budget 736 --work DIR   # ~30-60 minutes on 2 CPU cores (more when they are shared)
+    python -m bench long_context --quick                   # a smoke run: two configurations, a coarse search
 
 Every trial is a real `python -m ds_exp` run (fp32, ZeRO-3, micro batch 1, rows of exactly L tokens from a file of
 long documents, no evaluation, two optimizer steps: the second runs with the optimizer's states allocated, the
 steady state). A trial fits when it trains and its peak memory per rank stays within the budget; tokens/s is the
-second step's. Then every configuration runs 3 steps at the baseline's longest L: what each knob costs in speed and
-saves in memory at one length. The configurations are
-cumulative, as issue 24 lists them: baseline, + tiled loss, + TiledMLP, + activation checkpointing (+ offload), +
-Ulysses sequence parallelism over 2 ranks (all_sp2: every knob, `dist.sequence_parallel_size=2` on 2 ranks: run only
-where this checkout has that key; otherwise recorded as not run).
+second step's. The configurations add ALST's techniques in turn (issue 32): baseline, + tiled loss, + activation
+checkpointing, + Ulysses sequence parallelism over 2 ranks (sp2), + tiled MLP, + activation offload (the full stack
+at N=2); and full_n1, every technique but sequence parallelism: the best single-rank configuration. Each search
+starts at the longest length any earlier configuration reached and ends at a length that did not fit (never at a
+cap: `ended_at_a_failure` says so per configuration). Goal (`goal` in the results): the full stack at N=2 >= 16x the
+baseline's length (ALST's one-GPU factor) and >= 1.8x the best single-rank configuration's. `--speed-pass` also runs
+every configuration 3 steps at the baseline's longest length (what each costs in speed).
 
 Peak memory per rank on a CPU: the process's resident-set high-water mark (ru_maxrss, what ds_exp writes to
 summary.json as peak_memory_bytes per rank), because that is what the operating system, a cgroup or SLURM's --mem
@@ -19,12 +21,14 @@ freed blocks of 64 KiB or more back at once (MALLOC_MMAP_THRESHOLD_=65536); by d
 32 MiB as blocks are freed and keeps up to 64 MiB of freed memory resident, which would make the high-water mark
 depend on the order tensors die rather than on what was alive together (the same thing CUDA's max_memory_allocated
 counts, without its caching allocator's reserve). Activation offload moves activations from the accelerator to host
-memory; on a CPU both are the same memory, so here it saves nothing (it is on in the checkpointing configuration
-and costs its copies only on a GPU: bench/gpu_check.py measures there).
+memory; on a CPU both are the same memory, so here it saves nothing (its search shows the cost of its copies only:
+bench/gpu_check.py measures it on a GPU).
 
-Writes bench/results/long_context.json (issue 24's schema: budget_mib, configs -> max_seq_len, peak_mib,
-tokens_per_s), bench/results/long_context_trials.json (every trial, the settings, the memory estimate against each
-measured peak) and bench/results/long_context.png (peak memory per rank against sequence length).
+Writes bench/results/long_context_alst.json (budget_mib, configs -> max_seq_len, peak_mib, tokens_per_s,
+ended_at_a_failure; the goal), long_context_alst_trials.json (every trial, the settings, the memory estimate against
+each measured peak) and long_context_alst.png (peak memory per rank against sequence length). bench/results/
+long_context.json and its trials are issue 24's search (cumulative knobs, capped at 8x; the bench as of adda99a),
+which the README's figures quote.
 """
 
 from __future__ import annotations
@@ -42,15 +46,18 @@ from typing import Any
 
 from bench.common import REPO, RESULTS, env, free_port, table, write_result
 
-BUDGET_MIB = 896  # per rank, the Python runtime and libraries (~620 MiB here) included
-# a Llama shape scaled down (hidden : intermediate : vocabulary about as in Llama-3-8B), fp32
+BUDGET_MIB = 896  # per rank, the Python runtime and libraries (~620 MiB here) included: set from a calibration run
+# A Llama shape with many thin layers, fp32: ALST's gains come from what is kept per layer (checkpointing keeps one
+# hidden state per layer and token, sequence parallelism halves it) against what one layer holds while it runs; with
+# 32 layers the first dominates, as in an 8B model, while the attention's compute per step (L x hidden x length^2) stays
+# what an 8-layer, 128-wide model costs: the longest lengths must stay short on 2 shared CPU cores.
 MODEL = (
     "model=tiny",
-    "model.arch.hidden_size=128",
-    "model.arch.intermediate_size=448",
-    "model.arch.num_hidden_layers=8",
-    "model.arch.num_attention_heads=4",
-    "model.arch.num_key_value_heads=4",
+    "model.arch.hidden_size=32",
+    "model.arch.intermediate_size=112",
+    "model.arch.num_hidden_layers=32",
+    "model.arch.num_attention_heads=2",
+    "model.arch.num_key_value_heads=2",
     "model.arch.max_position_embeddings=1048576",
     "+model.arch.vocab_size=4096",
     "model.arch.tie_word_embeddings=false",
@@ -70,16 +77,27 @@ COMMON = (
     "data.eval_fraction=0",
     "scheduler=constant",
 )
-TILED_LOSS = ("model.tiled_loss=true", "model.tiled_loss_tokens=1024")  # 16 MiB of fp32 logits per chunk
-EVERY_KNOB = (*TILED_LOSS, "model.tiled_mlp=true", "model.gradient_checkpointing=true", "model.activation_offload=true")
+TILED_LOSS = ("model.tiled_loss=true", "model.tiled_loss_tokens=256")  # 4 MiB of fp32 logits per chunk
+CHECKPOINTING = (*TILED_LOSS, "model.gradient_checkpointing=true")
+SP2 = (*CHECKPOINTING, "dist.sequence_parallel_size=2")
+# a few tiles (the derived count, tokens / hidden, would be hundreds at hidden 32: a checkpointed call each)
+TILED_MLP = (*SP2, "model.tiled_mlp=true", "model.tiled_mlp_shards=4")
+# ALST's Table 1 order, each technique added to the last; full_n1 is everything but sequence parallelism: the best
+# single-rank configuration the full stack at N=2 is compared with
 CONFIGS: dict[str, tuple[str, ...]] = {
     "baseline": (),
     "tiled_loss": TILED_LOSS,
-    "tiled_mlp": (*TILED_LOSS, "model.tiled_mlp=true"),
-    "checkpointing": EVERY_KNOB,
-    "all_sp2": (*EVERY_KNOB, "dist.sequence_parallel_size=2"),
+    "checkpointing": CHECKPOINTING,
+    "sp2": SP2,
+    "tiled_mlp": TILED_MLP,
+    "offload": (*TILED_MLP, "model.activation_offload=true"),
+    "full_n1": (*CHECKPOINTING, "model.tiled_mlp=true", "model.tiled_mlp_shards=4", "model.activation_offload=true"),
 }
+TWO_RANKS = ("sp2", "tiled_mlp", "offload")
+FULL_STACK_N2, SINGLE_RANK = "offload", ("baseline", "tiled_loss", "checkpointing", "full_n1")
+GOAL = {"vs_baseline": 16.0, "vs_best_single_rank": 1.8}  # ALST's one-GPU factor; issue 32
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+RESULT = "long_context_alst"  # bench/results/<this>.json, <this>_trials.json, <this>.png
 
 
 def write_documents(path: Path, tokens: int, count: int = 2) -> None:
@@ -100,12 +118,13 @@ class Setup:
 
     common: tuple[str, ...] = COMMON
     configs: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(CONFIGS))
-    ranks: dict[str, int] = field(default_factory=lambda: {"all_sp2": 2})
+    ranks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TWO_RANKS, 2))
     budget_mib: float | None = BUDGET_MIB  # None: fits = trains (the device's own limit decides)
-    step: int = 256  # lengths searched in multiples of this
+    step: int = 64  # lengths searched in multiples of this
     env: dict[str, str] = field(default_factory=lambda: dict(MALLOC))
     documents_per_row: int = 1  # > 1: documents of length / this, packed into rows (flash-attention's varlen)
     relative_resolution: int = 16  # the search stops when the bracket is within step or 1/16 of the length
+    deadline: float | None = None  # a time.perf_counter() value: no trial starts within 90 s of it (OutOfTime)
 
     def resolution(self, length: int) -> int:
         return max(self.step, length // self.relative_resolution // self.step * self.step)
@@ -115,6 +134,10 @@ class Setup:
             write_documents(path, length + 64)
         else:
             write_documents(path, length // self.documents_per_row - 8, count=2 * self.documents_per_row + 2)
+
+
+class OutOfTime(Exception):
+    """The search's deadline came before its next trial."""
 
 
 def trial(setup: Setup, name: str, length: int, work: Path, *, steps: int = 2) -> dict[str, Any]:
@@ -146,6 +169,8 @@ def trial(setup: Setup, name: str, length: int, work: Path, *, steps: int = 2) -
             flush=True,
         )
         return record
+    if setup.deadline is not None and time.perf_counter() > setup.deadline - 90:
+        raise OutOfTime(f"{name} at L={length}")
     if run_dir.exists():  # a trial cut short (the bench was stopped): run it again
         shutil.rmtree(run_dir)
     if ranks == 1:
@@ -238,7 +263,7 @@ def longest(setup: Setup, name: str, work: Path, trials: list[dict[str, Any]], *
 
 
 def parse_limits(text: str) -> dict[str, int]:
-    """`--limit 10240` (every configuration) or `--limit all_sp2=32768,*=10240`."""
+    """`--limit 10240` (every configuration) or `--limit offload=32768,*=10240`."""
     if "=" not in text:
         return {"*": int(text)}
     return {key: int(value) for key, value in (item.split("=") for item in text.split(","))}
@@ -277,33 +302,62 @@ def predicted(setup: Setup, peaks: dict[int, float], low: int, high: int) -> int
 
 
 def search(
-    setup: Setup, names: list[str], work: Path, *, limit: int | dict[str, int], save: Any = None
+    setup: Setup,
+    names: list[str],
+    work: Path,
+    *,
+    limit: int | dict[str, int],
+    save: Any = None,
+    speed_pass: bool = False,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Each configuration's longest length (searched from the baseline's), with peak and tokens/s there (its
-    second step), then every configuration at the baseline's longest length, 3 steps (what each knob costs in speed
-    and saves). `save(results, trials)` is called after each configuration, so a stopped bench keeps what it
-    measured."""
+    """Each configuration's longest length, searched from the longest any earlier configuration reached (the
+    techniques are added in turn), with peak and tokens/s there (its second step); with `speed_pass`, then every
+    configuration at the baseline's longest length, 3 steps (what each costs in speed). `save(results, trials)` is
+    called after each configuration, so a stopped bench keeps what it measured."""
     results: dict[str, dict[str, Any]] = {}
     trials: list[dict[str, Any]] = []
     for name in names:
-        start = results["baseline"]["max_seq_len"] if "baseline" in results and name != "baseline" else 4 * setup.step
+        start = max([r["max_seq_len"] for r in results.values()] or [4 * setup.step])
         cap = limit.get(name, limit.get("*", 1 << 17)) if isinstance(limit, dict) else limit
-        best = longest(setup, name, work, trials, start=max(start, setup.step), limit=cap)
+        try:
+            best = longest(setup, name, work, trials, start=max(start, setup.step), limit=cap)
+        except OutOfTime as stopped:
+            print(f"  out of time before {stopped}: the search stops here", flush=True)
+            break
         found = next((r for r in trials if r["config"] == name and r["max_seq_len"] == best and r["fits"]), None)
         failed = sorted(r["max_seq_len"] for r in trials if r["config"] == name and not r["fits"])
         results[name] = {
             "max_seq_len": best,
+            "ranks": setup.ranks.get(name, 1),
             "peak_mib": found["peak_mib"] if found else None,
             "tokens_per_s": found.get("tokens_per_s") if found else None,  # its second step
             # the shortest length tried that did not fit: the answer is within [max_seq_len, this)
             "next_tried_did_not_fit": next((n for n in failed if n > best), None),
             "reached_the_search_limit": best == cap,  # then the longest is at least this, not measured beyond
         }
+        results[name]["ended_at_a_failure"] = results[name]["next_tried_did_not_fit"] is not None
         if save is not None:
             save(results, trials)
     common = results.get("baseline", {}).get("max_seq_len") or 0
-    trials += [trial(setup, name, common, work, steps=3) for name in names if common]
+    if speed_pass and common:
+        trials += [trial(setup, name, common, work, steps=3) for name in names]
     return results, trials
+
+
+def goal(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The full stack at N=2 against the baseline and against the best single-rank configuration."""
+    full = results.get(FULL_STACK_N2, {}).get("max_seq_len")
+    single = {n: results[n]["max_seq_len"] for n in SINGLE_RANK if n in results}
+    base = results.get("baseline", {}).get("max_seq_len")
+    best = max(single, key=lambda n: single[n]) if single else None
+    out: dict[str, Any] = {"full_stack_n2": FULL_STACK_N2, "best_single_rank": best, "targets": GOAL}
+    if full and base:
+        out["vs_baseline"] = round(full / base, 2)
+    if full and best:
+        out["vs_best_single_rank"] = round(full / single[best], 2)
+    out["met"] = all(out.get(key, 0) >= target for key, target in GOAL.items())
+    out["every_search_ended_at_a_failure"] = all(r["ended_at_a_failure"] for r in results.values())
+    return out
 
 
 def estimate_rows(trials: list[dict[str, Any]], *, model: str = "bench Llama (3M)") -> list[dict[str, Any]]:
@@ -344,7 +398,7 @@ def estimate_rows(trials: list[dict[str, Any]], *, model: str = "bench Llama (3M
     return rows
 
 
-def plot(trials: list[dict[str, Any]], path: Path) -> None:
+def plot(trials: list[dict[str, Any]], path: Path, budget_mib: float = BUDGET_MIB) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -357,7 +411,7 @@ def plot(trials: list[dict[str, Any]], path: Path) -> None:
         )
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", label=name)
-    ax.axhline(BUDGET_MIB, color="grey", linestyle="--", label=f"budget {BUDGET_MIB} MiB")
+    ax.axhline(budget_mib, color="grey", linestyle="--", label=f"budget {budget_mib:g} MiB")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length (tokens per row)")
     ax.set_ylabel("peak memory per rank (MiB, RSS)")
@@ -367,51 +421,57 @@ def plot(trials: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(quick: bool = False, work: Path | None = None, limit: dict[str, int] | None = None) -> None:
+def main(
+    quick: bool = False,
+    work: Path | None = None,
+    limit: dict[str, int] | None = None,
+    budget_mib: float = BUDGET_MIB,
+    speed_pass: bool = False,
+) -> None:
     """`--work DIR` keeps the trials' run directories there (a bench run again with it reuses every finished
-    trial); `--limit N` caps the lengths searched (`--limit all_sp2=32768,*=10240`: per configuration). all_sp2
-    is searched before checkpointing (issue 24's goal is all_sp2 against the baseline; the longest trials are the
-    slowest)."""
-    names = (
-        ["baseline", "checkpointing"] if quick else ["baseline", "tiled_loss", "tiled_mlp", "all_sp2", "checkpointing"]
-    )
-    if not has_sequence_parallel():
-        print("  all_sp2: dist.sequence_parallel_size is not in this checkout's schema: not run", flush=True)
-        names = [n for n in names if n != "all_sp2"]
-    setup = Setup()
+    trial); `--limit N` caps the lengths searched (`--limit offload=32768,*=10240`: per configuration; by default
+    no cap is reached: every search ends at a length that failed); `--budget MIB` the per-rank budget;
+    `--speed-pass` adds every configuration at the baseline's longest length (3 steps)."""
+    import os
+
+    names = ["baseline", "checkpointing"] if quick else list(CONFIGS)
+    setup = Setup(budget_mib=budget_mib)
     limit = limit or {"*": 4096 if quick else 1 << 17}
     RESULTS.mkdir(parents=True, exist_ok=True)
+    load = {"at_start": os.getloadavg()}
 
     def save(results: dict[str, Any], trials: list[dict[str, Any]], *, final: bool = False) -> None:
-        configs = {n: results[n] for n in CONFIGS if n in results}  # the issue's order: each knob on the last
-        summary = {"budget_mib": BUDGET_MIB, "configs": configs}
+        configs = {n: results[n] for n in CONFIGS if n in results}  # ALST's order: each technique on the last
+        summary = {"budget_mib": budget_mib, "configs": configs, "goal": goal(results)}
         summary["search"] = {
             "resolution": f"{setup.step} tokens or 1/{setup.relative_resolution} of the length, the larger",
             "limit": limit,
             "complete": final and len(configs) == len(names),
+            "cpu_load_average": {**load, "at_end": os.getloadavg()},  # 2 cores shared with other work
         }
-        (RESULTS / "long_context.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (RESULTS / f"{RESULT}.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_result(
-            "long_context_trials",
+            f"{RESULT}_trials",
             {
-                "budget_mib": BUDGET_MIB,
+                "budget_mib": budget_mib,
                 "common_overrides": list(COMMON),
                 "configs": {name: list(CONFIGS[name]) for name in names},
+                "ranks": setup.ranks,
                 "malloc_env": MALLOC,
                 "trials": trials,
                 "estimate_vs_measured": estimate_rows(trials) if final else [],
             },
         )
-        plot(trials, RESULTS / "long_context.png")
+        plot(trials, RESULTS / f"{RESULT}.png", budget_mib)
 
     with contextlib.ExitStack() as stack:
         if work is None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ds_exp_long_context_")))
         work.mkdir(parents=True, exist_ok=True)
-        results, trials = search(setup, names, work, limit=limit, save=save)
+        results, trials = search(setup, names, work, limit=limit, save=save, speed_pass=speed_pass)
     save(results, trials, final=True)
     print_results(results)
-    print_estimates(json.loads((RESULTS / "long_context_trials.json").read_text())["estimate_vs_measured"])
+    print(json.dumps(goal(results), indent=2))
 
 
 def step_growth(overrides: tuple[str, ...], length: int) -> dict[str, float]:
@@ -480,7 +540,7 @@ def paired_speed(length: int, rounds: int = 7) -> dict[str, dict[str, float]]:
     from ds_exp.train.step import batch_loss
 
     torch.set_num_threads(1)  # one core: OpenMP's spinning threads thrash on a machine shared with other work
-    names = [n for n in CONFIGS if n != "all_sp2"]
+    names = [n for n in CONFIGS if n not in TWO_RANKS]
     built = {}
     for name in names:
         cfg = compose(*COMMON, *CONFIGS[name], "data.sources.0.path=/dev/null", f"data.max_seq_len={length}")
@@ -506,12 +566,6 @@ def paired_speed(length: int, rounds: int = 7) -> dict[str, dict[str, float]]:
     }
 
 
-def has_sequence_parallel() -> bool:
-    from ds_exp.config.schema import DistConfig
-
-    return "sequence_parallel_size" in DistConfig.__dataclass_fields__
-
-
 def print_results(results: dict[str, dict[str, Any]]) -> None:
     base = results.get("baseline", {}).get("max_seq_len") or 0
     rows = [
@@ -521,13 +575,14 @@ def print_results(results: dict[str, dict[str, Any]]) -> None:
     print(table(["config", "longest L", "vs baseline", "peak MiB", "tokens/s"], rows))
 
 
-def gpu_main(work: Path, quick: bool = False) -> dict[str, Any]:
+def gpu_main(work: Path, quick: bool = False, deadline: float | None = None) -> dict[str, Any]:
     """bench/gpu_check.py's long-context part (not run yet: no GPU in the sessions that wrote it): a 1.03B Llama
-    in bf16 with flash-attention 2 on rows packed from 4 documents each (transformers runs them through
-    flash-attention's varlen kernel, the documents kept apart), searched in multiples of 4096 tokens up to 1M:
-    the baseline and experiment=long_context on one GPU, and with dist.sequence_parallel_size over every GPU
-    where there are several. A trial fits when it trains (the GPU's own memory is the budget); peak per rank is
-    CUDA's max_memory_allocated."""
+    in bf16 on rows packed from 4 documents each (model.attn_implementation=auto: flash-attn's or torch's varlen
+    kernel, the documents kept apart without a length x length mask), searched in multiples of 4096 tokens up to 1M:
+    the baseline and experiment=long_context (tiled loss, tiled MLP, checkpointing, activation offload; the fused loss
+    where it is on) on one GPU, and with dist.sequence_parallel_size over every GPU where there are several. A trial
+    fits when it trains (the GPU's own memory is the budget); peak per rank is CUDA's max_memory_allocated. No trial
+    starts within 90 s of `deadline`."""
     import torch
 
     gpus = torch.cuda.device_count()
@@ -541,18 +596,18 @@ def gpu_main(work: Path, quick: bool = False) -> dict[str, Any]:
         "model.arch.max_position_embeddings=1048576",
         "+model.arch.vocab_size=32000",
         "model.arch.tie_word_embeddings=false",
-        *[o for o in COMMON if not o.startswith(("model", "precision"))],
+        *[o for o in COMMON if not o.startswith(("model", "+model", "precision"))],
         "precision=bf16",
-        "model.attn_implementation=flash_attention_2",
+        "model.attn_implementation=auto",
         "data.packing=true",
     )
-    every = ("experiment=long_context", "model.attn_implementation=flash_attention_2", "data.packing=true")
+    every = ("experiment=long_context", "model.attn_implementation=auto", "data.packing=true")
     configs = {"baseline": (), "long_context": every}
     ranks = {}
-    if gpus > 1 and has_sequence_parallel():
+    if gpus > 1:
         configs[f"long_context_sp{gpus}"] = (*every, f"dist.sequence_parallel_size={gpus}")
         ranks[f"long_context_sp{gpus}"] = gpus
-    setup = Setup(common, configs, ranks, budget_mib=None, step=4096, env={}, documents_per_row=4)
+    setup = Setup(common, configs, ranks, budget_mib=None, step=4096, env={}, documents_per_row=4, deadline=deadline)
     results, trials = search(setup, list(configs), work, limit=1 << 15 if quick else 1 << 20)
     print_results(results)
     return {"device": torch.cuda.get_device_name(), "gpus": gpus, "configs": results, "trials": trials}
@@ -570,7 +625,7 @@ def print_estimates(rows: list[dict[str, Any]]) -> None:
 def recompute_estimates() -> None:
     """`python -m bench.long_context --estimates`: the estimate columns again, from the recorded trials and step
     growths (after the estimate's formula changed), without running anything."""
-    path = RESULTS / "long_context_trials.json"
+    path = RESULTS / f"{RESULT}_trials.json"
     recorded = json.loads(path.read_text())
     recorded["estimate_vs_measured"] = estimate_rows(recorded["trials"])
     models = growth_models()
@@ -584,7 +639,7 @@ def recompute_estimates() -> None:
 
 
 def add_paired_speed(length: int) -> None:
-    path = RESULTS / "long_context_trials.json"
+    path = RESULTS / f"{RESULT}_trials.json"
     recorded = json.loads(path.read_text())
     recorded["paired_speed"] = {"max_seq_len": length, "configs": paired_speed(length)}
     path.write_text(json.dumps(recorded, indent=2, default=str) + "\n")
@@ -647,7 +702,7 @@ def growth_table(
 
 if __name__ == "__main__":
     if "--growth" in sys.argv:
-        path = RESULTS / "long_context_trials.json"
+        path = RESULTS / f"{RESULT}_trials.json"
         recorded = json.loads(path.read_text()) if path.is_file() else {}
         recorded["step_growth_vs_estimate"] = growth_table()
         path.write_text(json.dumps(recorded, indent=2, default=str) + "\n")
@@ -656,9 +711,11 @@ if __name__ == "__main__":
     elif "--estimates" in sys.argv:
         recompute_estimates()
     else:
-        option = {a: sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a in ("--work", "--limit")}
+        option = {a: sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a in ("--work", "--limit", "--budget")}
         main(
             quick="--quick" in sys.argv,
             work=Path(option["--work"]) if "--work" in option else None,
             limit=parse_limits(option["--limit"]) if "--limit" in option else None,
+            budget_mib=float(option.get("--budget", BUDGET_MIB)),
+            speed_pass="--speed-pass" in sys.argv,
         )

@@ -1,8 +1,9 @@
 """Per-rank bytes of model states in a real DeepSpeed engine: `torchrun ... -m bench.memory_probe OUT_DIR OVERRIDES`.
 
-Builds the engine as ds_exp's Trainer.setup/prepare does (init_distributed, load_tokenizer, prepare_sft_data,
-resolve_ds_config, build_model, build_engine), takes one optimizer step on a real batch (the first micro batch
-of each rank, loss scaled as Trainer.train_step does) and writes OUT_DIR/rank<R>.json.
+Builds the engine as ds_exp's recipe (ds_exp.train.recipe.setup) does (init_distributed, load_tokenizer,
+prepare_sft_data, the run's plan from ds_exp.config.plan.plan_run, build_model, build_engine), takes one optimizer
+step on a real batch (the first micro batch of each rank, loss scaled as Trainer.train_step does) and writes
+OUT_DIR/rank<R>.json.
 
 Every count is the sum of `untyped_storage().nbytes()` over distinct storages (a flat buffer that many
 parameters view is counted once, with its alignment padding; tied embeddings once). A storage is claimed by
@@ -144,19 +145,31 @@ def state_snapshot(model: Any, zero: Any, inner: Any) -> dict[str, int]:
     }
 
 
+def prepare(cfg: Any, world: int, precision: str, out_dir: str) -> tuple[Any, Any, Any]:
+    """(tokenizer, tokenized data, the run's plan) as the recipe makes them: ds_exp.config.plan.plan_run, whose steps
+    and DeepSpeed batch count data-parallel ranks (world size / dist.sequence_parallel_size), not the world size."""
+    from ds_exp.config.plan import plan_run
+    from ds_exp.data.pipeline import prepare_sft_data
+    from ds_exp.model.architecture import build_model_config, hidden_size_of
+    from ds_exp.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
+    hidden = hidden_size_of(build_model_config(cfg, tokenizer))
+    plan = plan_run(
+        cfg, world_size=world, train_examples=len(data.train), hidden_size=hidden, precision=precision, run_dir=out_dir
+    )
+    return tokenizer, data, plan
+
+
 def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from ds_exp.config.ds_config import RunFacts, resolve_ds_config
-    from ds_exp.config.plan import total_steps, warmup_steps
     from ds_exp.config.precision import detect_accelerator
-    from ds_exp.data.pipeline import prepare_sft_data
     from ds_exp.launch.environment import detect_launch
-    from ds_exp.model.architecture import build_model_config, hidden_size_of
     from ds_exp.model.build import build_model
     from ds_exp.model.engine import build_engine
-    from ds_exp.model.tokenizer import load_tokenizer
     from ds_exp.runtime.device import resolved_precision
     from ds_exp.runtime.process_group import init_distributed
     from ds_exp.train.collate import make_collator
@@ -168,12 +181,8 @@ def main() -> None:
     init_distributed(cfg.dist, detect_launch(cfg.dist), accelerator)
     rank, world = dist.get_rank(), dist.get_world_size()
     precision = resolved_precision(cfg.precision.dtype, accelerator)
-    tokenizer = load_tokenizer(cfg.model, cfg.data)
-    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
-    steps = total_steps(len(data.train), cfg.train, world)
-    warmup = warmup_steps(cfg.scheduler, steps)
-    hidden = hidden_size_of(build_model_config(cfg, tokenizer))
-    ds_config = resolve_ds_config(cfg, RunFacts(world, hidden, steps, warmup, precision, out_dir))
+    tokenizer, data, plan = prepare(cfg, world, precision, out_dir)
+    ds_config = plan.ds_config
     built = build_model(cfg, tokenizer, ds_config)
     model = built.model
     numel = sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in model.parameters())
@@ -183,9 +192,10 @@ def main() -> None:
         optimizer_cfg=cfg.optimizer,
         scheduler_cfg=cfg.scheduler,
         config_file=cfg.deepspeed.config_file,
-        total_steps=steps,
-        warmup_steps=warmup,
+        total_steps=plan.total_steps,
+        warmup_steps=plan.warmup_steps,
         accelerator=accelerator,
+        mpu=built.mpu,
     ).deepspeed_engine
     zero, inner = zero_parts(engine)
 

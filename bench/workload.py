@@ -164,6 +164,11 @@ def load_workload(args: argparse.Namespace, rank: int, world: int) -> Workload:
     from ds_exp.train.collate import make_collator
 
     cfg = compose(args.overrides)
+    if int(cfg.dist.sequence_parallel_size) > 1:  # its sampler and steps count every rank as data-parallel
+        raise SystemExit(
+            "bench: the bare loop and the Trainer have no sequence parallelism; compare at "
+            "dist.sequence_parallel_size=1"
+        )
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
     collator = make_collator(tokenizer, isolate_packed=bool(cfg.data.packing))

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +38,20 @@ class Case:
     run_dir: bool = True  # hydra.run.dir={tmp}/run is added unless the case names one; False: Hydra's own
 
 
+# one cell of autotune's default grid (conf/experiment/autotune.yaml), the dimension under test added to it
+ONE_CELL = ("zero=stage0", "offload=none", "train.micro_batch_size=4", "model.gradient_checkpointing=false")
+
+
 def jsonl(*rows: object) -> str:
     return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+# an lm-eval task YAML whose data are a local file (relative paths are taken from where the command runs)
+HARNESS_TASK = (
+    "task: qa\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: qa.jsonl\ntest_split: test\n"
+    "output_type: multiple_choice\ndoc_to_text: question\ndoc_to_choice: choices\ndoc_to_target: answer\n"
+)
+HARNESS_ROWS = jsonl({"question": "2+2?", "choices": ["4", "5"], "answer": 0})
 
 
 def local_data(name: str = "sft.jsonl") -> tuple[str, ...]:
@@ -67,6 +80,30 @@ CASES: list[Case] = [
     Case("negative learning rate", "config value", ("optimizer.lr=-1",), ("optimizer.lr=-1", "must be > 0")),
     Case("beta out of range", "config value", ("optimizer.betas=[0.9,1.5]",), ("optimizer.betas", "[0, 1)")),
     Case("negative eps", "config value", ("optimizer.eps=0",), ("optimizer.eps=0", "must be > 0")),
+    Case(
+        "setting of another optimizer",
+        "config value",
+        ("optimizer=sgd", "optimizer.betas=[0.9,0.99]"),
+        ("optimizer=sgd has no setting betas", "the optimizers that have it: adamw, adam, lion, muon"),
+    ),
+    Case(
+        "8-bit AdamW without CUDA and bitsandbytes",
+        "combination",
+        ("optimizer=adamw_8bit",),
+        ("optimizer=adamw_8bit needs a CUDA GPU and bitsandbytes", "use optimizer=adamw"),
+    ),
+    Case(
+        "optimizer at a ZeRO stage it cannot run",
+        "combination",
+        ("optimizer=adafactor", "zero=stage2"),
+        ("optimizer=adafactor at zero.stage=2", "use zero=stage0"),
+    ),
+    Case(
+        "Muon with CPU offload",
+        "combination",
+        ("optimizer=muon", "zero=stage2", "offload=cpu", "train.gradient_clipping=0"),
+        ("optimizer=muon with offload.optimizer=cpu", "DeepSpeed RFC #8463", "use offload=none"),
+    ),
     Case("negative LoRA dim", "config value", ("lora.dim=-4",), ("lora.dim=-4", "lora.dim=64")),
     Case("LoRA dropout 1.5", "config value", ("lora.dim=8", "lora.dropout=1.5"), ("lora.dropout=1.5", "[0, 1)")),
     Case(
@@ -395,6 +432,20 @@ CASES: list[Case] = [
         ("model.attn_implementation=flash_attention_2",),
         ("model.attn_implementation=flash_attention_2 needs a CUDA GPU", "model.attn_implementation=auto"),
     ),
+    # --- the fast path (issue 32): each knob auto | true | false; true where it cannot run is refused with the fix
+    Case(
+        "a fast-path knob that is not auto, true or false",
+        "config value",
+        ("model.fused_loss=sometimes",),
+        ("model.fused_loss=sometimes: expected auto, true or false",),
+    ),
+    Case(
+        "Liger's fused loss asked for on a CPU",
+        "combination",
+        ("model.fused_loss=true",),
+        ("model.fused_loss=true: Liger's fused linear cross-entropy is a Triton GPU kernel and this is cpu", "auto"),
+        env={"TRITON_INTERPRET": "0"},  # the interpreter (tests/unit/test_fast_path.py's) would run it on the host
+    ),
     # --- sequence parallelism (dist.sequence_parallel_size, issue 24): refused before anything heavy
     Case(
         "sequence parallel size not dividing the world size",
@@ -609,6 +660,18 @@ CASES: list[Case] = [
         ("-m", "experiment=autotune", "hydra.sweeper.memory_budget=1MiB"),
         ("experiment=autotune: nothing fits the memory budget of 1.00 MiB per",),
     ),
+    Case(  # the estimate counts each optimizer's state: Adafactor's is the smallest
+        "autotune over optimizers, nothing fits",
+        "sweep",
+        ("-m", "experiment=autotune", "hydra.sweeper.memory_budget=1MiB", "optimizer=adamw,lion,adafactor", *ONE_CELL),
+        ("nothing fits the memory budget of 1.00 MiB", "experiment=autotune optimizer=adafactor data.cache_dir="),
+    ),
+    Case(
+        "a sweep over optimizers with a job that cannot run",
+        "sweep",
+        ("-m", "optimizer=adamw,lion,muon", "zero=stage2"),
+        ("the sweep was not started", "job [optimizer=muon zero=stage2 ", "set train.gradient_clipping=0"),
+    ),
     Case(
         "autotune budget not a size",
         "sweep",
@@ -773,6 +836,15 @@ CASES: list[Case] = [
         ("-m", "experiment=autotune", "train.max_steps=1"),
         ("train.max_steps=1 with train.log_every=1", "give train.max_steps > 1"),
     ),
+    Case(  # validation cannot tell (the steps of a run without train.max_steps need the data); the run's plan can
+        "autotune probes shorter than their warmup",
+        "sweep",
+        ("-m", "experiment=autotune", "scheduler.warmup_steps=10"),
+        (
+            "none of the 32 candidates is a valid configuration",
+            "scheduler.warmup_steps=10 is longer than the whole run (6 optimizer steps)",
+        ),
+    ),
     Case(
         "autotune max_batch_size -1",
         "sweep",
@@ -797,6 +869,12 @@ CASES: list[Case] = [
         "config value",
         ("experiment=dschat_step1", "data.sources.0.path={tmp}/data"),
         ("data=synthetic has no data.sources[0]", "data=dschat_local data.sources.0.path="),
+    ),
+    Case(
+        "a key ds_exp no longer has",
+        "config value",
+        ("lora.dim=8", "train.export_adapter=true"),
+        ("train.export_adapter is no more", "every export writes the adapter", "train.export_merged=end|every|none"),
     ),
     Case(
         "hub id with no hub to reach",
@@ -977,6 +1055,132 @@ CASES: list[Case] = [
             "train.export_dir=hf_model",
         ),
     ),
+    # --- issue 33: lm-evaluation-harness scores (eval.harness), refused before any model is loaded
+    Case(
+        "unknown lm-eval task",
+        "config value",
+        ("eval.harness.tasks=[arc_eazy]",),
+        ("eval.harness.tasks: arc_eazy: lm-eval knows no such task or group; did you mean arc_easy", "task YAML"),
+    ),
+    Case(
+        "task YAML lm-eval rejects",
+        "path",
+        ("eval.harness.tasks=[qa.yaml]",),
+        ("eval.harness.tasks: qa.yaml: lm-eval rejects this task YAML", "doc_to_textt", "task_guide"),
+        files={"qa.yaml": HARNESS_TASK.replace("doc_to_text:", "doc_to_textt:"), "qa.jsonl": HARNESS_ROWS},
+    ),
+    Case(
+        "task data file missing",
+        "path",
+        ("eval.harness.tasks=[qa.yaml]",),
+        ("eval.harness.tasks: qa.yaml: its data file", "qa.jsonl is missing (dataset_kwargs.data_files)"),
+        files={"qa.yaml": HARNESS_TASK},
+    ),
+    Case(
+        "lm-eval task needing the hub",
+        "path",
+        ("eval.harness.tasks=[arc_easy]",),
+        ("arc_easy: its data is the Hugging Face hub dataset allenai/ai2_arc, HF_HUB_OFFLINE", "local files"),
+        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": "/nonexistent/datasets", "HF_HUB_CACHE": "/nonexistent/hub"},
+    ),
+    Case(
+        "harness every_save without step exports",
+        "combination",
+        ("eval.harness.tasks=[ds_exp_synthetic]", "eval.harness.every_save=true"),
+        ("eval.harness.every_save=true scores the exports of train.export_every, which is 0", "train.export_every=N"),
+    ),
+    Case(
+        "harness tasks without the export",
+        "combination",
+        ("eval.harness.tasks=[ds_exp_synthetic]", "train.export=false"),
+        ("eval.harness.tasks scores the run's final export, which train.export=false leaves out",),
+    ),
+    Case(
+        "optuna objective no task reports",
+        "sweep",
+        (
+            "-m",
+            "hydra/sweeper=optuna",
+            "optimizer.lr=interval(1e-5,1e-3)",
+            "eval.harness.tasks=[ds_exp_synthetic]",
+            "hydra.sweeper.objective=harness.ds_exp_synthetic.f1",
+        ),
+        ("hydra.sweeper.objective=harness.ds_exp_synthetic.f1: the runs' lm-eval scores hold no such number",),
+    ),
+    # --- issue 31 §2/§9: values the typed schema cannot reach, numbers past 64 bits, shapes, paths, flex attention
+    Case(
+        "flex attention on a CPU under sequence parallelism",
+        "combination",
+        ("dist.sequence_parallel_size=2", "model.attn_implementation=flex_attention"),
+        ("model.attn_implementation=flex_attention cannot train on the CPU", "model.attn_implementation=sdpa"),
+    ),
+    Case(
+        "scheduler kwarg its schedule does not take",
+        "config value",
+        ("scheduler=cosine_with_restarts", "+scheduler.kwargs.num_cycle=2"),
+        ("scheduler.kwargs.num_cycle=2: scheduler.name=cosine_with_restarts takes no num_cycle", "num_cycles"),
+    ),
+    Case(
+        "scheduler kwarg not a number",
+        "config value",
+        ("scheduler=cosine_with_restarts", "scheduler.kwargs.num_cycles=abc"),
+        ("scheduler.kwargs.num_cycles=abc: give a whole number",),
+    ),
+    Case(
+        "rope scaling field its type does not have",
+        "config value",
+        ("model.rope_scaling={rope_type:linear,factor:4.0,low_freq_factor:1.0}",),
+        ("rope_type=linear has no field low_freq_factor", "remove it"),
+    ),
+    Case(
+        "rope scaling field not a number",
+        "config value",
+        ("model.rope_scaling={rope_type:yarn,factor:4.0,beta_fast:fast}",),
+        ("model.rope_scaling.beta_fast=fast: give a number",),
+    ),
+    Case(
+        "more MLP tiles than tokens",
+        "combination",
+        ("model.tiled_mlp=true", "model.tiled_mlp_shards=1000", "data.max_seq_len=512"),
+        ("model.tiled_mlp_shards=1000 is more than the 512 tokens a rank holds", "give at most 512"),
+    ),
+    Case(
+        "a mapping in a list of numbers",
+        "config value",
+        ("optimizer.betas=[{a:1},0.95]",),
+        ("optimizer.betas=", "item 0 is dict, not number"),
+    ),
+    Case(
+        "a whole number past 64 bits",
+        "config value",
+        ("train.seed=18446744073709551616",),
+        ("train.seed=18446744073709551616: too large", "2^63 - 1"),
+    ),
+    Case(
+        "attention transformers does not have",
+        "config value",
+        ("model.attn_implementation=flash",),
+        ("model.attn_implementation=flash: transformers has no such attention", "sdpa"),
+    ),
+    Case(
+        "ZeRO bucket size not a number",
+        "config value",
+        ("zero.reduce_bucket_size=lots",),
+        ("zero.reduce_bucket_size=lots: give a whole number >= 0", "or auto"),
+    ),
+    Case("resume from a device", "path", ("resume=/dev/null",), ("resume=/dev/null is not a directory",)),
+    Case(
+        "tokenizer a device",
+        "path",
+        ("model.tokenizer=/dev/zero",),
+        ("model.tokenizer=/dev/zero is not a directory", "tokenizer (or model) directory"),
+    ),
+    Case(
+        "a path name longer than a file system allows",
+        "path",
+        (f"data.cache_dir={{tmp}}/{'n' * 300}",),
+        ("data.cache_dir: the name nnnn", "more than file systems allow (255)", "give a shorter name"),
+    ),
 ]
 
 
@@ -1051,7 +1255,8 @@ def prepare(case: Case, tmp: Path) -> tuple[list[str], dict[str, str]]:
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
     if case.run_dir and not any(a.startswith(("hydra.run.dir=", "-m")) for a in args):
         args.append(f"hydra.run.dir={tmp}/run")
-    args.append(f"data.cache_dir={tmp}/cache")
+    if not any(a.startswith("data.cache_dir=") for a in args):  # a case that gives its own keeps it
+        args.append(f"data.cache_dir={tmp}/cache")
     return args, {**case.env, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 
 
@@ -1127,25 +1332,34 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_P
 TRIPPED: list[Any] = []  # each job that reached the tripwire (a sweep's jobs report their failures elsewhere)
 
 
+HEAVY_ENTRIES = (("ds_exp.train.recipe", "recipe_main"), ("ds_exp.tools.dry_run", "dry_run"))
+
+
 @contextlib.contextmanager
 def _tripwire(cli: Any) -> Iterator[None]:
-    """cli.run_job's heavy branches (the recipe, the dry run) raise ReachedHeavyWork while the case runs."""
+    """cli.run_job's heavy branches (the recipe, the dry run) raise ReachedHeavyWork while the case runs. A module
+    not imported yet is stood in for by an empty one for the while (cli._run_job imports it where it calls it): a
+    case refused before heavy work costs no import of torch, DeepSpeed and transformers (~10 s a process)."""
     original = cli.run_job
 
     def checked(composed: Any) -> Any:
-        from ds_exp.tools import dry_run
-        from ds_exp.train import recipe
-
         def tripped(*args: Any, **kwargs: Any) -> Any:
             TRIPPED.append(composed)
             raise ReachedHeavyWork("the case passed every check and reached the training stack")
 
-        saved = recipe.recipe_main, dry_run.dry_run
-        recipe.recipe_main, dry_run.dry_run = tripped, tripped
+        stand_ins = [name for name, _ in HEAVY_ENTRIES if name not in sys.modules]
+        for name in stand_ins:
+            sys.modules[name] = types.ModuleType(name)
+        saved = {(name, attr): getattr(sys.modules[name], attr, None) for name, attr in HEAVY_ENTRIES}
+        for name, attr in HEAVY_ENTRIES:
+            setattr(sys.modules[name], attr, tripped)
         try:
             return original(composed)
         finally:
-            recipe.recipe_main, dry_run.dry_run = saved
+            for (name, attr), value in saved.items():
+                setattr(sys.modules[name], attr, value)
+            for name in stand_ins:
+                del sys.modules[name]
 
     cli.run_job = checked
     try:

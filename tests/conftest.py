@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -10,12 +11,20 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from ds_exp.config.paths import conf_dir
+from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, register_configs, to_config
 from tests.real_model import ModelUnavailable, first_layers, smollm2_checkpoint
 from tests.training import pin_test_environment
 
 pin_test_environment()  # the user's HF_HUB_OFFLINE, HF_HOME, ...: the tests mean none of them (tests/training.py)
+
+if detect_accelerator() != "cuda":
+    # Liger's kernels are Triton kernels: without a GPU only Triton's interpreter runs them (the fused loss's tests,
+    # tests/unit/test_fast_path.py). Triton reads this when triton.language is first imported, which torch._dynamo
+    # does through transformers' DeepSpeed integration: before any test module imports them. Not in SHELL_ENVIRON:
+    # the runs tests start as users would never see it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TIERS_BEYOND_QUICK = ("integration", "system")  # tests/<tier>/: real engines, whole commands, clusters
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import socket
@@ -134,6 +136,26 @@ def launch(
     cmd = [str(REPO / "launchers" / f"{launcher}.sh"), str(nproc), *args]  # the scripts users run
     proc = subprocess.run(cmd, cwd=where, env=full_env, capture_output=True, text=True, timeout=timeout)
     return Run(proc, run_dir)
+
+
+def train_here(run_dir: Path, *overrides: str, cache_dir: Path | None = None) -> Run:
+    """One rank of the recipe in this process, through ds_exp's Python API (ds_exp/train/api.py), for tests of what
+    the recipe does where no process boundary is under test: the run directory and files of `launch`, without a
+    child process (its start, its process group's, and the first-use costs every new process pays again). Its
+    stdout and stderr are captured; a DsExpError is the exit status and message the command line would give."""
+    from ds_exp import train
+    from ds_exp.core.errors import DsExpError
+
+    args = [*overrides, f"hydra.run.dir={run_dir}", *([f"data.cache_dir={cache_dir}"] if cache_dir else [])]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train(args)
+            code = 0
+        except DsExpError as error:
+            print(f"ds_exp: error: {error}", file=sys.stderr)
+            code = error.exit_code
+    return Run(subprocess.CompletedProcess(["ds_exp.train", *args], code, out.getvalue(), err.getvalue()), run_dir)
 
 
 def multirun(

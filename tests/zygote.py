@@ -241,7 +241,16 @@ def serve() -> None:
     # answers on a descriptor of their own: what the imports print goes to stderr (not into the protocol)
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    # the training stack (torch, deepspeed, transformers, peft, datasets) and what the dry run adds
+    # the training stack (torch, deepspeed, transformers, peft, datasets) and what the dry run adds, deepspeed first
+    # as a run imports it (ds_exp.launch.cli.run_job): without all of mlflow; and what every run's first
+    # plots/loss.png imports (ds_exp/artifacts/loss_plot.py: a second of matplotlib per run otherwise)
+    import matplotlib.backends.backend_agg
+    import matplotlib.figure
+    import matplotlib.ticker  # noqa: F401
+
+    from ds_exp.core import compat
+
+    compat.import_deepspeed_without_mlflow()
     import ds_exp.tools.dry_run
     import ds_exp.train.recipe  # noqa: F401
 

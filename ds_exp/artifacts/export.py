@@ -11,8 +11,9 @@ when complete. What the export keeps of the base model:
 * its tokenizer files, copied as they are when training did not change the tokenizer; its generation config.
 The metadata also says how the run asked the model (its template and stop tokens, for `python -m ds_exp.chat`) and
 where the weights come from (origin: the run and step, or the checkpoint `python -m ds_exp.export` read).
-With LoRA the adapter alone can be saved beside the merged model (train.export_adapter) or instead of it
-(`python -m ds_exp.export --adapter`).
+With LoRA a run's every export writes the adapter alone beside it (<export_dir>_adapter: a few MB), and the merged
+model where train.export_merged asks for it (by default in the final export only); `python -m ds_exp.export` writes
+the merged model, or with --adapter the adapter alone.
 """
 
 from __future__ import annotations
@@ -168,9 +169,11 @@ def export_hf(
     tokenizer: PreTrainedTokenizerBase,
     export_dir: Path,
     save_adapter: bool,
+    merged: bool = True,
 ) -> Path | None:
-    """Collective; rank 0 writes `export_dir` (and `export_dir`_adapter with `save_adapter`). Weights that are not
-    finite are never exported (Diverged on every rank; nothing is written)."""
+    """Collective; rank 0 writes `export_dir` (with LoRA: `export_dir`_adapter with `save_adapter`, and the merged
+    model in `export_dir` only with `merged`). Weights that are not finite are never exported (Diverged on every
+    rank; nothing is written)."""
     state = gather_full_state_dict(engine, zero_stage)
     bad = broadcast(non_finite_tensors(state) if state is not None else None)
     if bad:
@@ -184,7 +187,7 @@ def export_hf(
     if dist.get_rank() == 0:
         assert state is not None
         try:
-            write_export(state, trained, spec, tokenizer, export_dir, save_adapter=save_adapter)
+            write_export(state, trained, spec, tokenizer, export_dir, save_adapter=save_adapter, merged=merged)
         except RunFailed as err:  # a full disk: every rank fails with rank 0's message, none waits for it
             failure = str(err)
     failure = broadcast(failure)
@@ -202,9 +205,13 @@ def write_export(
     *,
     save_adapter: bool = False,
     adapter_only: bool = False,
+    merged: bool = True,
 ) -> None:
     """One process: `state` (the trained model's full state dict; `trained`: the names training changed) written
-    to `export_dir` in Hugging Face format, or with `adapter_only` the LoRA adapter alone in PEFT's."""
+    to `export_dir` in Hugging Face format, or with `adapter_only` the LoRA adapter alone in PEFT's. With LoRA,
+    `save_adapter` also writes the adapter beside (<export_dir>_adapter), and `merged` False leaves the merged
+    model out (the adapter alone, beside)."""
+    merged = merged or spec.lora is None  # without LoRA the export is the model
     unset_hf_deepspeed_config()  # the CPU copy below must be a plain, unpartitioned model
     base = _base_model(spec)
     model: PreTrainedModel | PeftModel = base if spec.lora is None else wrap_lora(base, spec.lora)
@@ -235,12 +242,13 @@ def write_export(
         "origin": spec.origin,
     }
     try:
-        if spec.lora is not None and (save_adapter or adapter_only):
+        if spec.lora is not None and (save_adapter or adapter_only or not merged):
             target = export_dir if adapter_only else adapter_dir(export_dir)
             _save_adapter(model, spec, tokenizer, adapter_tmp, target, metadata)
-        if not adapter_only:
-            merged = merge_lora(model) if isinstance(model, PeftModel) else model
-            _save(merged, spec, tokenizer, tmp, export_dir, dtype_name, metadata)
+            log.info("exported the LoRA adapter to %s (float32, PEFT)", target)
+        if merged and not adapter_only:
+            whole = merge_lora(model) if isinstance(model, PeftModel) else model
+            _save(whole, spec, tokenizer, tmp, export_dir, dtype_name, metadata)
     except Exception as err:
         # nothing half-written stays: the temporary directories go, an earlier export stays as it was
         shutil.rmtree(tmp, ignore_errors=True)
@@ -252,11 +260,8 @@ def write_export(
             raise
 
         raise RunFailed(message) from err
-    what = "the LoRA adapter" if adapter_only else "Hugging Face model"
-    if adapter_only:
-        log.info("exported %s to %s (float32)", what, export_dir)
-    else:
-        log.info("exported %s to %s (%s: %s)", what, export_dir, metadata["dtype"], metadata["why"])
+    if merged and not adapter_only:
+        log.info("exported Hugging Face model to %s (%s: %s)", export_dir, metadata["dtype"], metadata["why"])
 
 
 def state_bytes(model: torch.nn.Module, dtype_name: str) -> int:

@@ -56,11 +56,20 @@ class RunState:
     train_tokens: float = 0.0
     train_samples: float = 0.0
     train_flops: float = 0.0
+    train_flops_row_attention: float = 0.0  # torchtitan's / llm-foundry's count (ds_exp/train/flops.py)
+    compile_s: float | None = None  # torch.compile's time, part of the first steps' (train.compile)
+    fast_path: dict[str, Any] | None = None  # attention, Liger's kernels, fused loss, compile: what the run used
     skipped_steps: int = 0
     checkpoint: str | None = None
     export_dir: str | None = None
     resumed_from: str | None = None
     log_file: str | None = None
+    # eval.harness: lm-eval's scores of the final export (task -> metric -> value; the base's beside), and how that
+    # evaluation ended (completed | failed | interrupted): its own status, a failure never fails the run
+    harness: dict[str, dict[str, float | None]] | None = None
+    harness_base: dict[str, dict[str, float | None]] | None = None
+    harness_status: str | None = None
+    harness_error: str | None = None
 
     def per_second(self, amount: float) -> float | None:
         return amount / self.train_seconds if self.train_seconds else None
@@ -78,11 +87,14 @@ class RunState:
             "evaluate_and_save": max(total - ready - self.train_seconds, 0.0),
         }
 
+    def mfu(self, flops: float) -> float | None:
+        if self.peak_flops and self.train_seconds:
+            return flops / self.train_seconds / (self.peak_flops * self.world_size)
+        return None
+
     def as_summary(self, peaks: list[int | None]) -> dict[str, Any]:
         wall = time.time() - self.started
-        mfu = None
-        if self.peak_flops and self.train_seconds:
-            mfu = self.train_flops / self.train_seconds / (self.peak_flops * self.world_size)
+        mfu = self.mfu(self.train_flops)
         tokens_per_s = self.per_second(self.train_tokens)
         return {
             "status": self.status,
@@ -117,7 +129,10 @@ class RunState:
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / self.world_size if tokens_per_s is not None else None,
             "samples_per_s": self.per_second(self.train_samples),
-            "mfu": mfu,
+            "mfu": mfu,  # ds_exp's count: 6 N + each example's attention
+            "mfu_with_attention": self.mfu(self.train_flops_row_attention),  # torchtitan's: 6 N + 12 L d s per token
+            "compile_s": self.compile_s,
+            "fast_path": self.fast_path,
             "device": self.device,
             "peak_tflops_per_device": (self.peak_flops or 0) / 1e12 or None,
             "skipped_steps": self.skipped_steps,
@@ -127,6 +142,10 @@ class RunState:
             "resumed_from": self.resumed_from,
             "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0),  # SLURM requeues of this job so far
             "log_file": self.log_file,
+            "harness": self.harness,
+            "harness_base": self.harness_base,
+            "harness_status": self.harness_status,
+            "harness_error": redact_text(self.harness_error) if self.harness_error else None,
         }
 
 

@@ -5,6 +5,7 @@ finished writing and rank 0 has written <tag>/ds_exp_complete.json; only then do
 at it (DeepSpeed's own `latest`, written before anything is known to be complete, is switched off). Resume
 never picks a directory without the marker, so a crash in the middle of a save leaves the previous checkpoint
 in charge, and `latest` still names it (for tools that read DeepSpeed's layout, such as zero_to_fp32.py).
+A checkpoint of a run with frozen weights (LoRA's base) holds only what trains: ds_exp/checkpoint/frozen.py.
 
 A checkpoint directory holds one trajectory: each checkpoint continues the one before it. A resume from a checkpoint
 older than the directory's newest (or from another directory's) abandons the later ones: `set_aside_branch` moves
@@ -15,6 +16,7 @@ is a save, not "complete already". Rotation deletes only this run's checkpoints 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -35,6 +37,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from ds_exp.checkpoint.frozen import load_trained, trained_only
 from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError, RunFailed, first_line
 from ds_exp.core.files import write_json_atomic, write_text_atomic
@@ -108,7 +111,11 @@ def save(
     if verdict is not None:
         raise RunFailed(verdict)
     client_state = {"ds_exp": state.as_dict(), **(extra or {})}
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
+    # with frozen weights (LoRA's base) only what trains: the base comes from the model the run started from
+    # (ds_exp.checkpoint.frozen; state.base says which)
+    leave_out = {"exclude_frozen_parameters": True} if state.base is not None else {}
+    with trained_only(engine.module) if leave_out else contextlib.nullcontext():
+        engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False, **leave_out)
     # per-rank RNG states, loadable with torch.load(weights_only=True)
     torch.save(rng_states(), path / f"rng_rank{rank}.pt")
     inject_fault(f"save:{tag}", rank)
@@ -153,7 +160,7 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
     ) -> None:
         """`identity`: what every checkpoint of this run records besides where it stands (TrainState's run_id,
-        branch, run_dir, wandb_run_id, settings and trajectory). `extra`: more client state (save())."""
+        branch, run_dir, trackers, settings and trajectory). `extra`: more client state (save())."""
         self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
         self.needed_bytes, self.identity, self.extra = needed_bytes, identity, extra
 
@@ -241,7 +248,7 @@ def load_checkpoint(engine: DeepSpeedEngine, tag_dir: Path, *, rank: int) -> Tra
         # the LR schedule is not loaded but fast-forwarded to the step (ds_exp.resume.trajectory): a schedule is a
         # function of the step, and a resume that changes the run's length or learning rate must take effect
         load_path, client_state = engine.load_checkpoint(
-            str(tag_dir.parent), tag=tag_dir.name, load_lr_scheduler_states=False
+            str(tag_dir.parent), tag=tag_dir.name, load_lr_scheduler_states=False, custom_load_fn=load_trained
         )
     except pickle.UnpicklingError as err:
         raise ResumeError(

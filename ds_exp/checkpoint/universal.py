@@ -24,10 +24,11 @@ stage 0 on both sides a world-size change needs no conversion: rank 0 saved the 
 The data order needs nothing: the loop starts the sampler at step_in_epoch x global batch samples, counted over
 all ranks, and the global batch may not change (ds_exp.resume.trajectory). The node count needs nothing either: the
 files are named by global rank. The RNG states are this rank's when the world size is unchanged, else seeded from
-(seed, step, rank). Frozen parameters (LoRA's base) are in no optimizer state: ds_to_universal writes their values
-alone (zero/<name>/fp32.pt) and a stage-0 conversion leaves them out; a ZeRO 1-2 engine loads them with the module
-from the model states, a ZeRO-3 engine restores only the optimizer's parameters and keeps the frozen ones as the
-model was built, which is what they were saved with (nothing trains them).
+(seed, step, rank). Frozen parameters (LoRA's base) are in no optimizer state, and a checkpoint that records its base
+(ds_exp/checkpoint/frozen.py) holds none of them: the conversion has only what trains, and every engine keeps the
+frozen ones as the model was built, checked to be the base the checkpoint was trained on before anything loads. (A
+checkpoint written before ds_exp left them out holds them: ds_to_universal writes their values alone, which no engine
+reads, and a stage-0 conversion leaves them out.)
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from ds_exp.config.paths import PACKAGE_DIR
 from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError, first_line
 from ds_exp.core.files import json_text
+from ds_exp.resume.settings import not_universal
 from ds_exp.resume.store import COMPLETE_MARKER, not_complete, read_marker
 from ds_exp.runtime.process_group import broadcast
 
@@ -219,6 +221,9 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
     tag_dir = tag_dir.resolve()
     target = universal_dir(tag_dir)
     require_complete(tag_dir)
+    why = not_universal(read_marker(tag_dir).get("settings") or {})
+    if why is not None:  # ds_to_universal would fail on its missing Adam moments
+        raise ResumeError(f"{tag_dir} is not converted: {why}")
     if is_converted(tag_dir):
         return target
     remove_stale_temporaries(tag_dir.parent)

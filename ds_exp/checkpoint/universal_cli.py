@@ -3,7 +3,6 @@ resume that changes its layout; one line per refusal (ds_exp/checkpoint/universa
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 import sys
@@ -13,8 +12,10 @@ from ds_exp.checkpoint import universal
 from ds_exp.checkpoint.universal import conversion_status, convert_here, require_complete
 from ds_exp.core.errors import ResumeError
 from ds_exp.launch.console import entry_point
+from ds_exp.launch.flags import FlagParser, path, whole
 from ds_exp.resume.store import COMPLETE_MARKER, step_dirs
 
+MAX_WORKERS = 256  # processes DeepSpeed's conversion starts: more than the machine has only queue
 log = logging.getLogger(universal.__name__)  # the conversion's own lines: shown on stderr by main()
 
 
@@ -44,18 +45,18 @@ def _name_one(path: Path, holder: Path, tags: list[str]) -> Path:
 @entry_point("ds_exp.universal")
 def main(argv: list[str] | None = None) -> int:
     """`python -m ds_exp.universal TAG_DIR`: convert a checkpoint ahead of a resume that changes its layout."""
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="python -m ds_exp.universal",
         description="Convert one complete ds_exp checkpoint into DeepSpeed's universal format, cached beside it as "
         "<tag>.universal/, ahead of a resume with another world size, ZeRO stage or offload (a resume converts by "
         "itself otherwise, while the other ranks wait). A conversion that is there and matches the checkpoint is "
         "reused; a stale one is replaced.",
     )
-    parser.add_argument("checkpoint", type=Path, help="one checkpoint directory: <run dir>/checkpoints/step<N>")
-    parser.add_argument("--workers", type=int, default=2, help="DeepSpeed's extraction processes (default 2)")
+    parser.add_argument("checkpoint", type=path, help="one checkpoint directory: <run dir>/checkpoints/step<N>")
+    parser.add_argument(
+        "--workers", type=whole(1, MAX_WORKERS), default=2, help="DeepSpeed's extraction processes (default 2)"
+    )
     args = parser.parse_args(argv)
-    if args.workers < 1:
-        parser.error(f"--workers {args.workers}: give 1 or more")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("ds_exp.universal: %(message)s"))
     log.addHandler(handler)

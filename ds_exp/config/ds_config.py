@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.plan import data_parallel_size, global_batch_mismatch, global_batch_size
+from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, global_batch_size
+from ds_exp.config.optimizers import entry_for_deepspeed_type, entry_of
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
 from ds_exp.core.errors import ConfigError
@@ -128,7 +129,7 @@ def replaced_by_config_file(cfg: Config, facts: RunFacts) -> list[str]:
     if isinstance(file.get("optimizer"), dict):
         notes.append(
             f"{key} brings its own optimizer ({file['optimizer'].get('type')}): DeepSpeed builds it, not ds_exp's "
-            f"optimizer.impl={plain(cfg.optimizer.impl)}; remove the block to use ds_exp's"
+            f"optimizer={cfg.optimizer.name}{_impl_of(cfg)}; remove the block to use ds_exp's"
         )
     if isinstance(file.get("scheduler"), dict):
         warmup = _effective_warmup(cfg, facts.total_steps)
@@ -138,6 +139,11 @@ def replaced_by_config_file(cfg: Config, facts: RunFacts) -> list[str]:
             f"({max(warmup or 0, 1)} steps); remove the block to use ds_exp's schedule"
         )
     return notes
+
+
+def _impl_of(cfg: Config) -> str:
+    impl = getattr(cfg.optimizer, "impl", None)
+    return "" if impl is None else f" (optimizer.impl={plain(impl)})"
 
 
 def groups_ds_config(cfg: Config) -> dict[str, Any]:
@@ -172,11 +178,10 @@ def expected_values(cfg: Config, facts: RunFacts) -> list[Expectation]:
             "gradient_accumulation_steps", train.gradient_accumulation_steps, "train.gradient_accumulation_steps"
         ),
         Expectation("gradient_clipping", float(train.gradient_clipping), "train.gradient_clipping"),
-        Expectation("optimizer.params.lr", float(opt.lr), "optimizer.lr"),
-        Expectation("optimizer.params.betas", [float(b) for b in opt.betas], "optimizer.betas"),
-        Expectation("optimizer.params.eps", float(opt.eps), "optimizer.eps"),
-        Expectation("optimizer.params.weight_decay", float(opt.weight_decay), "optimizer.weight_decay"),
     ]
+    entry = entry_of(opt)  # an unknown one is reported by validation
+    for argument, (value, source) in (entry.values(opt) if entry else {}).items():
+        out.append(Expectation(f"optimizer.params.{argument}", value, source))
     sp = int(cfg.dist.sequence_parallel_size)
     # DeepSpeed reads it where it has no mpu (transformers' ZeRO-3 HfDeepSpeedConfig): its batch check divides by it
     out.append(Expectation("sequence_parallel_size", sp, "dist.sequence_parallel_size"))
@@ -240,6 +245,27 @@ def find_auto(tree: object, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")] if tree == AUTO else []
 
 
+def optimizer_needs(cfg: Config, ds: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
+    """The DeepSpeed keys the optimizer needs at the config's ZeRO stage (its entry's deepspeed_settings):
+    (path, needed value, the value set or MISSING, why). The optimizer DeepSpeed builds from a user's "optimizer"
+    block is its type's entry, not optimizer.name's."""
+    block = ds.get("optimizer")
+    entry = entry_for_deepspeed_type(block.get("type")) if isinstance(block, dict) else entry_of(cfg.optimizer)
+    if entry is None:
+        return []
+    stage = get_path(ds, "zero_optimization.stage")
+    return [(path, value, get_path(ds, path), why) for path, (value, why) in entry.deepspeed_settings(stage).items()]
+
+
+def _fill_optimizer_needs(cfg: Config, ds: dict[str, Any]) -> None:
+    """Set what the optimizer needs where nothing set it (a value set otherwise is validation's to refuse)."""
+    for path, value, current, _ in optimizer_needs(cfg, ds):
+        if current is MISSING or current is None or current == AUTO:
+            if "." in path:
+                ds.setdefault(path.split(".", 1)[0], {})
+            set_path(ds, path, value)
+
+
 def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) -> dict[str, Any]:
     """Merge, check and fill. Unless `partial` (validation, before the run knows its facts), the result has
     no "auto" left, or a ConfigError names the keys."""
@@ -281,6 +307,7 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
         )
 
     stage = get_path(ds, "zero_optimization.stage")
+    _fill_optimizer_needs(cfg, ds)
     if stage is not MISSING and stage != 3:
         # stage-3 knobs mean nothing below stage 3; drop the ones still waiting to be filled
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):

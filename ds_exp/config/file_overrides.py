@@ -19,6 +19,7 @@ from ds_exp.config.ds_config import (
     load_config_file,
     same_value,
 )
+from ds_exp.config.optimizers import entry_of
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
@@ -34,8 +35,16 @@ _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
 # With its own "optimizer" block DeepSpeed builds the optimizer from the file: ds_exp's choice of it is not used,
 # and a hyperparameter the block leaves out is DeepSpeed's default. ("auto" ones and weight_decay, which each
 # parameter group carries, are obeyed.)
-_OPTIMIZER_BLOCK_REPLACES = ("optimizer.impl", "optimizer.name")
-_OPTIMIZER_PARAMS = {"optimizer.lr": "lr", "optimizer.betas": "betas", "optimizer.eps": "eps"}
+_OPTIMIZER_BLOCK_REPLACES = ("optimizer", "optimizer.impl", "optimizer.name")
+
+
+def _optimizer_params(cfg: Config) -> dict[str, str]:
+    """ds_exp's optimizer settings that reach DeepSpeed as a block's params: optimizer.<key> -> the param."""
+    entry = entry_of(cfg.optimizer)
+    arguments = entry.arguments.items() if entry else ()
+    return {f"optimizer.{k}": argument for argument, k in arguments if isinstance(k, str) and k != "weight_decay"}
+
+
 # With its own "scheduler" block the schedule is the file's; only its warmup may come from ds_exp ("auto").
 _SCHEDULER_BLOCK_REPLACES = ("scheduler", "scheduler.name", "scheduler.kwargs")
 _SCHEDULER_WARMUP = ("scheduler.warmup_steps", "scheduler.warmup_ratio")
@@ -151,7 +160,7 @@ def overrides_replaced_by_file(composed: DictConfig, cfg: Config, overrides: lis
 def _replacing_block(file: dict[str, Any], key: str, cfg: Config) -> str | None:
     """Why the file's "optimizer" / "scheduler" block means `key` is not used, with the fix; or None."""
     for block, replaces, owner, params_of in (
-        ("optimizer", _OPTIMIZER_BLOCK_REPLACES, cfg.optimizer.owner, _OPTIMIZER_PARAMS),
+        ("optimizer", _OPTIMIZER_BLOCK_REPLACES, cfg.optimizer.owner, _optimizer_params(cfg)),
         (
             "scheduler",
             _SCHEDULER_BLOCK_REPLACES,

@@ -2,10 +2,13 @@
 and the peak measured.
 
 Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
-paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 12 of fp32 master weights
-and Adam moments per parameter. In fp32 training: 4 + 4 + 8 (Adam moments) at stage 0, where the torch
-optimizer updates the model's own weights, and + 4 more at stages 1-3, where DeepSpeed keeps an fp32 master
-partition even in fp32 (measured in bench/memory.py). Stage 1 partitions the optimizer states, stage 2 also
+paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 4 of fp32 master weights +
+the optimizer's own state per parameter (its entry's state_bytes in ds_exp/config/optimizers.py: Adam's two
+moments 8, Lion's or SGD's momentum 4, Muon's momentum 4 with 8 for what its auxiliary AdamW takes). In fp32
+training: 4 + 4 + the optimizer's state at stage 0, where the torch optimizer updates the model's own weights,
+and + 4 more at stages 1-3, where DeepSpeed keeps an fp32 master partition even in fp32 (measured in
+bench/memory.py for AdamW; each optimizer's state after a real step: tests/unit/test_optimizers.py).
+Stage 1 partitions the optimizer states, stage 2 also
 the gradients, stage 3 also the parameters; offload moves optimizer states (and ZeRO-3 parameters) to host
 memory. Activations are estimated apart (`estimate_activations`: sequence length, sequence parallelism and the
 long-context knobs, checked against measured peaks in bench/long_context.py); communication buckets are not
@@ -14,10 +17,46 @@ included.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from ds_exp.config.export_schema import merges
+from ds_exp.config.fast_path import decide
+from ds_exp.config.long_context import plan_tiling, tokens_per_rank
+from ds_exp.config.optimizers import OPTIMIZERS, entry_of
 from ds_exp.config.schema import Config, plain
-from ds_exp.config.tiling_plan import plan_tiling, tokens_per_rank
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The optimizer's own fp32 state per trainable parameter (beside the master weights), and the parameters it
+    keeps another amount for (Muon's auxiliary AdamW: embeddings, the head, norms, biases)."""
+
+    per_param: float = 8.0  # AdamW's two moments
+    aux_params: int = 0
+    aux_per_param: float = 0.0
+
+    def bytes(self, trainable: int) -> int:
+        aux = min(self.aux_params, trainable)
+        return round(trainable * self.per_param + aux * (self.aux_per_param - self.per_param))
+
+
+def optimizer_state(cfg: Config, facts: dict[str, int] | None = None, accelerator: str = "cuda") -> OptimizerState:
+    """The state of the optimizer the config builds on `accelerator`, for a model with `facts`
+    (ds_exp.model.architecture's model_facts: the embedding's share where an auxiliary optimizer takes it; None:
+    the larger of the two amounts for every parameter, an upper bound)."""
+    entry = entry_of(cfg.optimizer) or OPTIMIZERS["adamw"]
+    offload = str(plain(cfg.offload.optimizer)) != "none"
+    impl = entry.impl_for(cfg.optimizer, offload=offload, accelerator=accelerator)
+    per_param = float(entry.state_bytes(cfg.optimizer, impl))
+    if entry.aux_state_bytes is None:
+        return OptimizerState(per_param)
+    if facts is None:
+        return OptimizerState(max(per_param, entry.aux_state_bytes))
+    aux = 0
+    if int(cfg.lora.dim) == 0:  # what DeepSpeed hands the auxiliary AdamW: embeddings, the head, vectors
+        embeddings = facts["vocab"] * facts["hidden"] * (1 if facts.get("tied") else 2)
+        aux = embeddings + (2 * facts["layers"] + 1) * facts["hidden"]
+    return OptimizerState(per_param, aux, float(entry.aux_state_bytes))
 
 
 @dataclass(frozen=True)
@@ -41,13 +80,14 @@ def estimate_model_states(
     precision: str,
     offload_optimizer: str = "none",
     offload_param: str = "none",
+    state: OptimizerState = OptimizerState(),
 ) -> MemoryEstimate:
     weight_bytes = 4 if precision == "fp32" else 2
-    # Adam m, v, plus the fp32 master weights wherever a ZeRO optimizer or mixed precision keeps them
-    optimizer_per_param = 8 if precision == "fp32" and stage == 0 else 12
+    # the optimizer's state, plus the fp32 master weights wherever a ZeRO optimizer or mixed precision keeps them
+    master = 0 if precision == "fp32" and stage == 0 else 4
     params = total_params * weight_bytes
     grads = trainable_params * weight_bytes
-    optimizer = trainable_params * optimizer_per_param
+    optimizer = state.bytes(trainable_params) + trainable_params * master
     if stage >= 1:
         optimizer = -(-optimizer // world_size)
     if stage >= 2:
@@ -88,6 +128,7 @@ class LongContext:
     offload: bool = False  # checkpointed layer inputs in host memory (saves device memory on accelerators only)
     attention_scores: bool = False  # eager attention: heads x length x length probabilities per layer
     packed_mask: bool = False  # packed rows without flash-attention: transformers builds a length x length mask
+    fused_loss: bool = False  # Liger's fused linear cross-entropy (model.fused_loss): logits a chunk at a time
 
 
 def estimate_activations(
@@ -135,7 +176,12 @@ def estimate_activations(
         kept = shape.layers * t * hidden * w * on_device + layer + mlp_tile
     else:
         kept = shape.layers * layer + mlp_tile
-    if knobs.loss_chunk_tokens:
+    if knobs.fused_loss:  # Liger: chunks of about t x hidden / vocab tokens (up to twice that), the hidden states'
+        # gradient worked out in the forward, and a trained output weight's gradient summed in fp32
+        chunk = min(t, max(1, 2 * t * hidden // max(shape.vocab, 1)))
+        head_grad = shape.vocab * hidden * 4 if embedding_trains else 0
+        logits = 2 * t * hidden * w + chunk * shape.vocab * (w + 4) + head_grad
+    elif knobs.loss_chunk_tokens:
         chunk = min(t, knobs.loss_chunk_tokens)
         logits = t * hidden * w + chunk * shape.vocab * (w + 8 + (4 if w == 2 else 0))
     else:
@@ -160,20 +206,23 @@ def run_estimate(
         precision=precision,
         offload_optimizer=str(plain(cfg.offload.optimizer)),
         offload_param=str(plain(cfg.offload.param)),
+        state=optimizer_state(cfg, facts, accelerator),
     )
     sp = int(getattr(cfg.dist, "sequence_parallel_size", 1) or 1)
     tiling = plan_tiling(cfg, hidden=facts["hidden"], vocab=facts["vocab"])
     micro = int(cfg.train.micro_batch_size)
     tokens = micro * tokens_per_rank(cfg.data.max_seq_len, sp)
     attention = str(cfg.model.attn_implementation or "sdpa")
+    fast = decide(cfg, accelerator, int(cfg.zero.stage))
     knobs = LongContext(
+        fused_loss=fast.fused_loss,
         checkpointing=bool(cfg.model.gradient_checkpointing),
         sequence_parallel=sp,
         mlp_tiles=tiling.mlp_shards,
-        loss_chunk_tokens=-(-tokens // tiling.loss_chunks) if tiling.loss_chunks else 0,
+        loss_chunk_tokens=-(-tokens // tiling.loss_chunks) if tiling.loss_chunks and not fast.fused_loss else 0,
         offload=tiling.offload,
         attention_scores=attention == "eager",
-        packed_mask=bool(cfg.data.packing) and not attention.startswith("flash"),
+        packed_mask=bool(cfg.data.packing) and not varlen_attention(attention, accelerator, precision),
     )
     shape = ModelShape(
         facts["hidden"],
@@ -202,6 +251,30 @@ def run_estimate(
     }
 
 
+def varlen_attention(attention: str, accelerator: str, precision: str) -> bool:
+    """Whether packed rows run on a varlen kernel, which reads the examples' boundaries instead of a length x length
+    mask: flash-attn's, torch's (model.attn_implementation=auto picks one on CUDA in 16 bits: model/attention.py)."""
+    auto = attention == "auto" and accelerator == "cuda" and precision != "fp32"
+    return attention.startswith("flash") or attention == "torch_varlen" or auto
+
+
+def plan_micro_batch(
+    cfg: Config, facts: dict[str, int], device_bytes: int, *, precision: str, world_size: int, use: float = 0.85
+) -> tuple[int, bool]:
+    """The planner's micro batch and activation checkpointing for a GPU of `device_bytes`: the largest micro batch
+    (16, 8, 4, 2, 1) whose estimate fits `use` of the memory without checkpointing (recomputing costs about a third
+    more compute), else with it; (1, True) when nothing fits (the run then says so itself)."""
+    for checkpointing in (False, True):
+        for micro in (16, 8, 4, 2, 1):
+            train = replace(cfg.train, micro_batch_size=micro)
+            model = replace(cfg.model, gradient_checkpointing=checkpointing)
+            one = replace(cfg, train=train, model=model)
+            bytes_ = run_estimate(one, facts, world_size=world_size, precision=precision, accelerator="cuda")
+            if bytes_["estimate_bytes"] <= use * device_bytes:
+                return micro, checkpointing
+    return 1, True
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -210,12 +283,28 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def checkpoint_bytes(parameters: int, trainable: int, precision: str) -> int:
-    """About what one DeepSpeed checkpoint takes: the weights in the training dtype, plus the fp32 master
-    weights and the two Adam moments of every trainable parameter (12 bytes each)."""
+def checkpoint_bytes(trainable: int, precision: str, state: OptimizerState = OptimizerState()) -> int:
+    """About what one DeepSpeed checkpoint takes: what trains, in the training dtype, plus its fp32 master weights
+    (4 bytes) and the optimizer's state (AdamW's two moments: 8). Frozen weights (LoRA's base) are not in it: they
+    come from the model the run started from (ds_exp/checkpoint/frozen.py)."""
     weight = 4 if precision == "fp32" else 2
-    return parameters * weight + trainable * 12
+    return trainable * (weight + 4) + state.bytes(trainable)
 
 
 def export_bytes(parameters: int, precision: str) -> int:
+    """A whole model exported (LoRA merged) in the training dtype."""
     return parameters * (4 if precision == "fp32" else 2)
+
+
+def adapter_bytes(trainable: int) -> int:
+    """A LoRA adapter exported alone: what trains, in fp32 (PEFT's files, as trained)."""
+    return trainable * 4
+
+
+def one_export_bytes(cfg: Config, parameters: int, trainable: int, precision: str, *, final: bool) -> int:
+    """What one export of the run writes (the final one, or a step export): the model, or with LoRA the adapter
+    plus the merged model where train.export_merged asks for it."""
+    lora = int(cfg.lora.dim)
+    adapter = adapter_bytes(trainable) if lora > 0 else 0
+    merged = merges(cfg.train.export_merged, lora, final=final)
+    return adapter + (export_bytes(parameters, precision) if merged else 0)

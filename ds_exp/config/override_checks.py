@@ -4,6 +4,10 @@
   and experiment=dschat_step1 have): one message with the fix, before Hydra applies them and OmegaConf answers
   "dict is not a subclass of DataSource". Installed on every composition (ds_exp.core.compat.before_overrides) by
   `check_list_items_when_composing`.
+* A key ds_exp no longer has (`train.export_adapter`): what replaced it (RETIRED), where Hydra would say only that
+  the key is not in the schema.
+* A setting of another optimizer (`optimizer=sgd optimizer.betas=[0.9,0.99]`): one message naming the optimizers
+  that have it, instead of OmegaConf's "Key 'betas' not in 'OptimizerConfig'" and Hydra's advice to add it with `+`.
 * A value that is itself a comma-separated list (`data.data_split=10,0,0`, DeepSpeed-Chat's spelling): Hydra reads
   it as a sweep over 10, 0 and 0 ("Ambiguous value" without -m; three nonsense jobs with it). The command line is
   quoted for Hydra before it parses it (`quote_one_value_lists`), so the value is the one the user wrote.
@@ -12,11 +16,13 @@
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from ds_exp.config.optimizers import OPTIMIZERS
 from ds_exp.core.compat import before_overrides
 
 if TYPE_CHECKING:
@@ -56,11 +62,41 @@ def list_item_problem(key: str, input_line: str, cfg: DictConfig) -> str | None:
     return None
 
 
+# keys ds_exp had and no longer has: what replaced them (Hydra would only say the key is not in the schema)
+RETIRED = {
+    "train.export_adapter": (
+        "with LoRA every export writes the adapter (<export_dir>_adapter) now; train.export_merged=end|every|none "
+        "says which exports also hold the merged model (default end: the final one)"
+    ),
+}
+
+
+def optimizer_key_problem(key: str, input_line: str, cfg: DictConfig) -> str | None:
+    """The message for an override of a setting the chosen optimizer lacks but others have; None otherwise."""
+    group, _, setting = key.lstrip("+").partition(".")
+    node = cfg.get("optimizer") if group == "optimizer" and setting and "." not in setting else None
+    if not isinstance(node, DictConfig) or setting in node:
+        return None
+    having = [name for name, entry in OPTIMIZERS.items() if setting in {f.name for f in fields(entry.settings)}]
+    if not having:
+        return None  # no optimizer has it: Hydra's own message names the unknown key
+    own = ", ".join(map(str, node))
+    return (
+        f"{input_line}: optimizer={node.get('name')} has no setting {setting} (its settings: {own}); the optimizers "
+        f"that have it: {', '.join(having)} (choose one with optimizer=<name>)"
+    )
+
+
 def _check(overrides: list[Override], cfg: DictConfig) -> None:
     for override in overrides:
         if override.is_delete() or override.input_line is None:
             continue
-        problem = list_item_problem(override.key_or_group, override.input_line, cfg)
+        key = override.key_or_group.lstrip("+")
+        if key in RETIRED:
+            raise ConfigCompositionException(f"{override.input_line}: {key} is no more: {RETIRED[key]}")
+        problem = list_item_problem(override.key_or_group, override.input_line, cfg) or optimizer_key_problem(
+            override.key_or_group, override.input_line, cfg
+        )
         if problem is not None:
             raise ConfigCompositionException(problem)
 

@@ -1,69 +1,97 @@
-"""Step arithmetic shared by the dry run and the trainer.
+"""The run's plan, written once for every caller: world -> data-parallel size -> steps -> warmup -> RunFacts ->
+DeepSpeed config (`plan_run`). The recipe (ds_exp/train/recipe.py setup), the dry run (ds_exp/tools/dry_run.py),
+autotune (ds_exp/tools/autotune.py) and the benchmarks (bench/memory_probe.py) all take it from here, so that what a
+dry run or a probe plans is what the run trains with; and the step arithmetic it is made of.
 
-Every optimizer step consumes exactly one global batch (micro x accumulation x data-parallel size samples); an
-incomplete global batch at the end of an epoch is dropped, so the step count and the samples of each step do
-not depend on how the global batch is split over ranks and micro batches. The data-parallel size is the world size
-divided by dist.sequence_parallel_size: the ranks of a sequence-parallel group train the same samples together.
+Every optimizer step consumes exactly one global batch (ds_exp/config/batch.py: micro x accumulation x data-parallel
+size samples); an incomplete global batch at the end of an epoch is dropped, so the step count and the samples of
+each step do not depend on how the global batch is split over ranks and micro batches.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from ds_exp.config.schema import SchedulerConfig, TrainConfig, plain
+from ds_exp.config.batch import data_parallel_size, global_batch_size
+from ds_exp.config.ds_config import RunFacts, resolve_ds_config
+from ds_exp.config.schema import Config, SchedulerConfig, TrainConfig, plain
 from ds_exp.core.errors import ConfigError
 
 
-def data_parallel_size(world_size: int, sequence_parallel_size: int = 1) -> int:
-    """The ranks that draw different samples: the N ranks of a sequence-parallel group train the same ones."""
-    return max(world_size // max(sequence_parallel_size, 1), 1)
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run trains with, decided before anything heavy: its ranks, its steps and its DeepSpeed config."""
+
+    world_size: int
+    sequence_parallel_size: int
+    data_parallel_size: int  # the ranks that draw different samples: world size / sequence-parallel size
+    train_examples: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    facts: RunFacts  # what resolve_ds_config was told (replaced_by_config_file reads them too)
+    ds_config: dict[str, Any]  # "auto" filled; a resume through the universal format changes it (recipe)
+
+    @property
+    def global_batch_size(self) -> int:
+        return int(self.ds_config["train_batch_size"])
 
 
-def samples_per_rank(train: TrainConfig) -> int:
-    """The samples one data-parallel rank contributes to an optimizer step."""
-    return train.micro_batch_size * train.gradient_accumulation_steps
-
-
-def global_batch_size(train: TrainConfig, data_parallel: int) -> int:
-    """The samples of one optimizer step. `data_parallel`: data_parallel_size(), which is the world size without
-    sequence parallelism. The one home of this formula: DeepSpeed's train_batch_size, the trajectory's
-    global_batch, the resume checks and the parity checker all come from it."""
-    return samples_per_rank(train) * data_parallel
-
-
-def global_batch_mismatch(train: TrainConfig, world: int, sequence_parallel_size: int = 1) -> str:
-    """train.global_batch_size names a world size other than this launch's."""
-    per_rank = samples_per_rank(train)
-    fits = train.global_batch_size / per_rank
-    if sequence_parallel_size > 1:
-        n = sequence_parallel_size
-        where = f"holds only at {fits:g} data-parallel ranks" if fits == int(fits) else "holds at no world size"
-        return (
-            f"train.global_batch_size={train.global_batch_size} {where} (micro {train.micro_batch_size} x "
-            f"accumulation {train.gradient_accumulation_steps} x data-parallel ranks), and this launch has {world} "
-            f"rank(s) = {data_parallel_size(world, n)} data-parallel x dist.sequence_parallel_size={n}: use "
-            "train.global_batch_size=auto, or change train.micro_batch_size / gradient_accumulation_steps"
-        )
-    where = f"holds only at world size {fits:g}" if fits == int(fits) else "holds at no world size"
-    return (
-        f"train.global_batch_size={train.global_batch_size} {where} (micro {train.micro_batch_size} x accumulation "
-        f"{train.gradient_accumulation_steps} x world size), and this launch has {world} rank(s): use "
-        "train.global_batch_size=auto, or change train.micro_batch_size / gradient_accumulation_steps"
+def plan_run(
+    cfg: Config,
+    *,
+    world_size: int,
+    train_examples: int,
+    hidden_size: int | None,
+    precision: str,
+    run_dir: str | Path,
+) -> RunPlan:
+    """The chain every caller shares. `train_examples`: the training set's rows after splits (the recipe's tokenized
+    set, or ds_exp.data.pipeline.count_train_examples before tokenizing); `hidden_size`: the model's (fills the
+    DeepSpeed buckets); `precision`: fp32 | fp16 | bf16, "auto" decided. ConfigError where the run cannot be planned:
+    fewer examples than one global batch, a warmup or decay longer than the run, a DeepSpeed file that disagrees."""
+    sp = max(int(cfg.dist.sequence_parallel_size), 1)
+    dp = data_parallel_size(world_size, sp)
+    steps = total_steps(train_examples, cfg.train, dp)
+    warmup = warmup_steps(cfg.scheduler, steps)
+    facts = RunFacts(
+        world_size=world_size,
+        hidden_size=hidden_size,
+        total_steps=steps,
+        warmup_steps=warmup,
+        precision=precision,
+        run_dir=str(run_dir),
+        sequence_parallel_size=sp,
+    )
+    return RunPlan(
+        world_size=world_size,
+        sequence_parallel_size=sp,
+        data_parallel_size=dp,
+        train_examples=train_examples,
+        steps_per_epoch=steps_per_epoch(train_examples, cfg.train, dp),
+        total_steps=steps,
+        warmup_steps=warmup,
+        facts=facts,
+        ds_config=resolve_ds_config(cfg, facts),
     )
 
 
-def steps_per_epoch(num_train: int, train: TrainConfig, world_size: int) -> int:
-    return num_train // global_batch_size(train, world_size)
+def steps_per_epoch(num_train: int, train: TrainConfig, data_parallel: int) -> int:
+    """`data_parallel`: the data-parallel size (ds_exp.config.batch.data_parallel_size), not the world size."""
+    return num_train // global_batch_size(train, data_parallel)
 
 
-def total_steps(num_train: int, train: TrainConfig, world_size: int) -> int:
-    """`world_size`: the data-parallel size (see global_batch_size)."""
-    per_epoch = steps_per_epoch(num_train, train, world_size)
+def total_steps(num_train: int, train: TrainConfig, data_parallel: int) -> int:
+    """`data_parallel`: the data-parallel size (ds_exp.config.batch.data_parallel_size), not the world size."""
+    per_epoch = steps_per_epoch(num_train, train, data_parallel)
     if per_epoch == 0:
         raise ConfigError(
             f"the training set has {num_train} examples, fewer than one global batch of "
-            f"{global_batch_size(train, world_size)} (train.micro_batch_size x train.gradient_accumulation_steps x "
-            f"world size {world_size}): lower train.micro_batch_size or add data"
+            f"{global_batch_size(train, data_parallel)} (train.micro_batch_size x train.gradient_accumulation_steps x "
+            f"world size {data_parallel}): lower train.micro_batch_size or add data"
         )
     if train.max_steps > 0:
         return int(train.max_steps)

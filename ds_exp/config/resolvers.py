@@ -10,6 +10,7 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from ds_exp.config.optimizers import OPTIMIZERS
 from ds_exp.config.schema import plain
 from ds_exp.core.files import json_text
 
@@ -53,16 +54,16 @@ DEEPSPEED_SCHEDULERS: dict[str, dict[str, Any]] = {
     },
 }
 
-DEEPSPEED_OPTIMIZER: dict[str, Any] = {
-    "type": "AdamW",
-    "params": {"lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO},
-}
-
 
 # Blocks are returned as DictConfig: `OmegaConf.resolve` (used by `--cfg job --resolve`) cannot store a
 # plain dict in a value node.
-def deepspeed_optimizer(owner: object) -> DictConfig | None:
-    return OmegaConf.create(DEEPSPEED_OPTIMIZER) if plain(owner) == "deepspeed" else None
+def deepspeed_optimizer(owner: object, name: object) -> DictConfig | None:
+    """The optimizer entry's "optimizer" block when DeepSpeed builds it (an entry without a DeepSpeed type is
+    reported by validation)."""
+    entry = OPTIMIZERS.get(str(name))
+    if plain(owner) != "deepspeed" or entry is None or entry.deepspeed_type is None:
+        return None
+    return OmegaConf.create(entry.deepspeed_block())
 
 
 def deepspeed_scheduler(owner: object, name: object) -> DictConfig | None:

@@ -7,17 +7,20 @@ before any code of ours runs. Semantic checks (combinations, ranges, paths) live
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf, open_dict
 
+from ds_exp.config.eval_schema import EvalConfig
+from ds_exp.config.export_schema import ExportDtype, ExportMerged
+from ds_exp.config.optimizer_settings import OptimizerConfig, Owner
+from ds_exp.config.optimizers import register_optimizer_settings
 from ds_exp.config.secrets import hide_secrets_when_composing
-from ds_exp.config.tracker_schema import MlflowConfig, TensorBoardConfig
+from ds_exp.config.trackers import LoggerConfig
 from ds_exp.core.errors import ConfigError
 
 
@@ -66,28 +69,6 @@ class Dtype(str, Enum):
     auto = "auto"
 
 
-class ExportDtype(str, Enum):
-    auto = "auto"  # the base checkpoint's dtype, or the training precision where every base weight was trained
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class OptimizerImpl(str, Enum):
-    """Which AdamW implementation ds_exp builds (optimizer.owner=ds_exp)."""
-
-    auto = "auto"  # DeepSpeed's CPU Adam under optimizer offload, torch's fused AdamW on CUDA, torch AdamW else
-    torch = "torch"  # torch.optim.AdamW (foreach)
-    torch_fused = "torch_fused"  # torch.optim.AdamW(fused=True): no compilation, CUDA and CPU
-    deepspeed_fused = "deepspeed_fused"  # DeepSpeed's FusedAdam: a JIT-compiled op (about a minute, once)
-    deepspeed_cpu = "deepspeed_cpu"  # DeepSpeed's CPU Adam: what optimizer offload needs (JIT-compiled, once)
-
-
-class Owner(str, Enum):
-    ds_exp = "ds_exp"  # built in Python and handed to deepspeed.initialize (DeepSpeed-Chat's convention)
-    deepspeed = "deepspeed"  # "optimizer"/"scheduler" blocks of the DeepSpeed config (Hugging Face's convention)
-
-
 class SchedulerName(str, Enum):
     """Every schedule of transformers.get_scheduler."""
 
@@ -103,12 +84,6 @@ class SchedulerName(str, Enum):
     cosine_warmup_with_min_lr = "cosine_warmup_with_min_lr"
     warmup_stable_decay = "warmup_stable_decay"
     greedy = "greedy"
-
-
-class WandbMode(str, Enum):
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
 
 
 class PromptTemplate(str, Enum):
@@ -128,8 +103,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     disable_dropout: bool = False
     vocab_multiple: int = 8  # pad the embedding matrix to a multiple of this
-    attn_implementation: str | None = None  # null = transformers' default; auto = flash_attention_2 when usable
-    liger_kernel: bool = False  # Liger's Triton kernels (CUDA, `pip install liger-kernel`)
+    attn_implementation: str | None = "auto"  # null = transformers' default; auto: ds_exp/model/attention.py
+    liger_kernel: Any = "auto"  # Liger's RMSNorm, SwiGLU, RoPE: auto | true | false (ds_exp/config/fast_path.py)
+    fused_loss: Any = "auto"  # Liger's fused linear cross-entropy, no full logits tensor: auto | true | false
     rope_scaling: Any = None  # transformers' rope_scaling dict (rope_type, factor, ...); Any: a dict merges into null
     tiled_mlp: bool = False  # long context (ds_exp/model/tiling.py): MLPs over sequence tiles, recomputed in backward
     tiled_mlp_shards: int | None = None  # tiles per MLP call; null = ceil(tokens per row / hidden size)
@@ -233,20 +209,6 @@ class LoraConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    owner: Owner = Owner.ds_exp
-    name: str = "adamw"
-    impl: OptimizerImpl = OptimizerImpl.auto
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    no_decay: list[str] = field(
-        default_factory=lambda: ["bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight"]
-    )
-
-
-@dataclass
 class SchedulerConfig:
     owner: Owner = Owner.ds_exp
     name: SchedulerName = SchedulerName.cosine
@@ -275,26 +237,14 @@ class TrainConfig:
     checkpoint_dir: str = "checkpoints"  # relative to the run directory
     export: bool = True
     export_dir: str = "hf_model"  # relative to the run directory
-    export_adapter: bool = False  # also save the PEFT adapter alone
+    export_merged: ExportMerged = ExportMerged.end  # with LoRA: which exports hold the merged model (the adapter: all)
     export_every: int = 0  # optimizer steps between exports <export_dir>-step<N>; 0 = only the final export
     export_keep_last: int = 2  # step exports kept (this run's newest); 0 = all
     export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/artifacts/export.py)
     allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
     max_bad_steps: int = 10  # consecutive non-finite losses before giving up
-    compile: bool = False  # torch.compile the model through DeepSpeed's engine (engine.compile())
+    compile: Any = "auto"  # torch.compile of each decoder layer: auto (CUDA at ZeRO 0-2) | true | false
     peak_tflops: float | None = None  # per device, for MFU; null = the GPU's dense peak from ds_exp/train/flops.py
-
-
-@dataclass
-class EvalConfig:
-    prompts: list[str] = field(default_factory=list)  # completed at the first and the last evaluation
-    prompts_file: str | None = None  # more prompts: one per line, or JSON lines with a "prompt" field
-    max_new_tokens: int = 64
-    every_eval: bool = False  # also at every evaluation in between
-    temperature: float = 0.0  # 0 = greedy; > 0 samples
-    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability; 1 = off
-    top_k: int = 0  # sample among the k likeliest tokens; 0 = off
-    seed: int = 1234  # seeds each generation's sampling (training's random state is left as it was)
 
 
 @dataclass
@@ -306,27 +256,6 @@ class DistConfig:
     # Ulysses sequence parallelism (DeepSpeed's ALST): N ranks train each sample together, sharded along the
     # sequence; world size = data-parallel x N, global batch = micro x accumulation x data-parallel
     sequence_parallel_size: int = 1
-
-
-@dataclass
-class WandbConfig:
-    mode: WandbMode = WandbMode.disabled
-    project: str = "ds_exp"
-    entity: str | None = None
-    group: str | None = None  # null = the sweep / experiment name
-    name: str | None = None
-    tags: list[str] = field(default_factory=list)
-    dir: str | None = None  # null = the run directory
-    api_key: str | None = None  # null = WANDB_API_KEY or `wandb login`; never written (ds_exp/config/secrets.py)
-
-
-@dataclass
-class LoggerConfig:
-    name: str = MISSING  # trackers, any number at once: wandb unless its mode is disabled, the others while enabled
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    deepspeed_monitors: bool = False  # also let DeepSpeed write its csv monitor into the run directory
 
 
 @dataclass
@@ -343,12 +272,12 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # its option's settings class (optimizers.py)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # the trackers' settings: ds_exp/config/trackers.py
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     experiment_name: str = "default"
     dry_run: bool = False
@@ -391,10 +320,12 @@ def to_config(cfg: Any) -> Config:
 
 def as_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain JSON values (for wandb, secret scanning)."""
-    return plain_tree(dataclasses.asdict(cfg))
+    return plain_tree(asdict(cfg))
 
 
 def register_configs() -> None:
     """Make the schema the base of conf/config.yaml (its defaults list starts with `ds_exp_schema`)."""
-    ConfigStore.instance().store(name="ds_exp_schema", node=Config)
+    store = ConfigStore.instance()
+    store.store(name="ds_exp_schema", node=Config)
+    register_optimizer_settings(store)  # the base of each conf/optimizer/<name>.yaml
     hide_secrets_when_composing()  # literal credentials in config files never reach what Hydra saves

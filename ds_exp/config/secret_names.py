@@ -79,9 +79,9 @@ VALUE_WORDS = _set("value string str b64 base64 hex bytes raw id")
 # what makes the name about a credential rather than the credential itself
 DESCRIPTORS = _set(
     """name names path paths file files filename dir directory folder type types mode method kind env var variable
-    enabled enable disabled required source count num len length size url uri host port endpoint server sock socket
-    timeout ttl expiry expires format field column prefix provider scope scopes location manager helper command
-    cmd"""
+    enabled enable disabled required source count counts num len length lengths size sizes url uri host port
+    endpoint server sock socket timeout ttl expiry expires format field column prefix provider scope scopes location
+    manager helper command cmd"""
 )
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")

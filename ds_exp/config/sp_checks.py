@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.ds_config import optimizer_needs
 from ds_exp.config.model_checks import model_settings
 from ds_exp.config.schema import Config
 
@@ -120,11 +121,13 @@ def zero_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
     """ZeRO settings that sequence parallelism cannot train exactly with (ds: the merged DeepSpeed config)."""
     n = sp_size(cfg)
     zero = ds.get("zero_optimization") or {}
-    if n > 1 and zero.get("stage") == 3 and zero.get("reduce_scatter") is False:
+    # an optimizer that needs it off (Muon) has its own line: ds_exp/config/optimizer_checks.py
+    optimizer_set_it = any(path == "zero_optimization.reduce_scatter" for path, *_ in optimizer_needs(cfg, ds))
+    if n > 1 and zero.get("stage") == 3 and zero.get("reduce_scatter") is False and not optimizer_set_it:
         return [
             f"zero.reduce_scatter=false with dist.sequence_parallel_size={n} at ZeRO-3: DeepSpeed 0.19.8 averages "
             "ZeRO-3 gradients over sequence-parallel ranks differently on its all-reduce and reduce-scatter paths "
-            "(ds_exp/core/compat.py), and with reduce_scatter off it picks one per bucket; leave zero.reduce_scatter "
+            "(ds_exp/core/compat/), and with reduce_scatter off it picks one per bucket; leave zero.reduce_scatter "
             "unset (or true)"
         ]
     return []

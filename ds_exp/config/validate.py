@@ -6,16 +6,14 @@ and the fix, all reported together in one ConfigError.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, samples_per_rank
 from ds_exp.config.ds_config import RunFacts, get_path, load_config_file, resolve_ds_config
-from ds_exp.config.logger_checks import logger_problems
-from ds_exp.config.long_context_checks import long_context_problems
+from ds_exp.config.long_context import long_context_problems
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
     check_arch,
@@ -24,20 +22,27 @@ from ds_exp.config.model_checks import (
     check_max_seq_len,
     looks_like_local_path,
 )
+from ds_exp.config.optimizer_checks import placement_problems, settings_problems
 from ds_exp.config.output_paths import check_output_paths
 from ds_exp.config.paths import not_a_directory
 from ds_exp.config.place_checks import experiment_name_problem
-from ds_exp.config.plan import data_parallel_size, decay_problem, global_batch_mismatch, samples_per_rank
+from ds_exp.config.plan import decay_problem
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
+from ds_exp.config.ranges import MAX_TIMEOUT_MINUTES, key_of, numbers_problems, said_already
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.sampling import sampling_problems
+from ds_exp.config.schedule_kwargs import scheduler_kwargs_problems
 from ds_exp.config.schema import Config, plain
+from ds_exp.config.shapes import shape_problems
 from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
+from ds_exp.config.speed_checks import speed_feature_problems
+from ds_exp.config.trackers import logger_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.user_paths import special_file_problem
 
 FLOAT32_MAX = 3.4028234663852886e38
-MAX_TIMEOUT_MINUTES = 525_600  # a year: torch's deadline (now + timeout, in nanoseconds) overflows near 1.5e8
+# what a tokenizer directory holds (any one): fast tokenizers, their config, BPE, WordPiece and SentencePiece files
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
 def _check_model(cfg: Config) -> list[str]:
@@ -50,49 +55,26 @@ def _check_model(cfg: Config) -> list[str]:
         )
     for key in ("name_or_path", "tokenizer"):
         value = getattr(model, key)
+        if value is not None and not str(value).strip():
+            problems.append(f"model.{key} is empty: give a local directory or a hub id (or null)")
         if value is None or not looks_like_local_path(value):
             continue
         path = Path(value).expanduser()
-        if (special := special_file_problem(f"model.{key}", value)) is not None:
-            problems.append(special)
+        if key == "name_or_path" and (special := special_file_problem(f"model.{key}", value)) is not None:
+            problems.append(special)  # (a tokenizer that is a device or a FIFO: "is not a directory" below)
         elif not path.exists():
             problems.append(f"model.{key}={value}: directory not found; give an existing local directory or a hub id")
         elif key == "name_or_path" and not (path / "config.json").is_file():
             problems.append(
                 f"model.name_or_path={value} has no config.json: point it at a Hugging Face checkpoint directory"
             )
-    if model.vocab_multiple < 1:
-        problems.append(f"model.vocab_multiple={model.vocab_multiple}: must be >= 1 (1 = no padding)")
+        elif key == "tokenizer" and not (path.is_dir() and any((path / f).is_file() for f in TOKENIZER_FILES)):
+            what = "is not a directory" if not path.is_dir() else f"holds no tokenizer ({', '.join(TOKENIZER_FILES)})"
+            problems.append(
+                f"model.tokenizer={value} {what}: point it at a Hugging Face tokenizer (or model) directory, a hub "
+                "id, or null for the model's own"
+            )
     return problems + check_arch(cfg) + check_checkpoint(cfg) + check_max_seq_len(cfg) + check_max_new_tokens(cfg)
-
-
-def _check_speed_features(cfg: Config, accelerator: str) -> list[str]:
-    """Features that need a package or a GPU: told here, not as an ImportError after the model is loaded."""
-    problems = []
-    attention = cfg.model.attn_implementation
-    if attention in ("flash_attention_2", "flash_attention_3"):
-        package = "flash_attn" if attention == "flash_attention_2" else "flash_attn_interface"
-        if accelerator != "cuda":
-            problems.append(
-                f"model.attn_implementation={attention} needs a CUDA GPU (this is {accelerator}); use "
-                "model.attn_implementation=auto (FlashAttention where usable, else transformers' default)"
-            )
-        elif importlib.util.find_spec(package) is None:
-            problems.append(
-                f"model.attn_implementation={attention}: the {package} package is not installed "
-                "(pip install flash-attn --no-build-isolation); or use model.attn_implementation=auto"
-            )
-    if cfg.model.liger_kernel:
-        if accelerator != "cuda":
-            problems.append(
-                f"model.liger_kernel=true: Liger's kernels are Triton GPU kernels and this is {accelerator}; "
-                "set model.liger_kernel=false"
-            )
-        elif importlib.util.find_spec("liger_kernel") is None:
-            problems.append("model.liger_kernel=true: pip install liger-kernel, or set model.liger_kernel=false")
-    if cfg.train.peak_tflops is not None and cfg.train.peak_tflops <= 0:
-        problems.append(f"train.peak_tflops={cfg.train.peak_tflops}: must be > 0, or null for the GPU's own")
-    return problems
 
 
 def _file_setting(cfg: Config, path: str) -> str | None:
@@ -113,26 +95,8 @@ _UNSET = object()
 
 def _setting(cfg: Config, path: str, value: object, group_key: str) -> str:
     """How a message names where a DeepSpeed value came from: the file and its key, or the ds_exp setting."""
-    return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={value}"
-
-
-def _check_optimizer_impl(cfg: Config, ds: dict[str, Any], accelerator: str) -> list[str]:
-    impl = plain(cfg.optimizer.impl)
-    offload = get_path(ds, "zero_optimization.offload_optimizer.device", "none")
-    if plain(cfg.optimizer.owner) == "deepspeed" or impl == "auto":
-        return []
-    if offload in ("cpu", "nvme") and impl != "deepspeed_cpu":
-        where = _setting(cfg, "zero_optimization.offload_optimizer.device", offload, "offload.optimizer")
-        return [
-            f"optimizer.impl={impl} with {where}: the offloaded optimizer step runs on the host "
-            "with DeepSpeed's CPU Adam; use optimizer.impl=auto (or deepspeed_cpu)"
-        ]
-    if impl == "deepspeed_cpu" and offload not in ("cpu", "nvme") and accelerator != "cpu":
-        return [
-            f"optimizer.impl=deepspeed_cpu updates parameters in host memory, but they live on the {accelerator} "
-            "device: add offload=cpu (with zero=stage1 or higher) or use optimizer.impl=auto"
-        ]
-    return []
+    shown = json.dumps(value) if isinstance(value, bool) else value  # as the override is written: true, not True
+    return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={shown}"
 
 
 def _check_zero_and_offload(cfg: Config, ds: dict[str, Any]) -> list[str]:
@@ -210,7 +174,7 @@ def _in_file(path: str, value: object, file: str | None) -> str:
 
 def _check_numbers(cfg: Config, world: int) -> list[str]:
     problems = []
-    train, opt, sched, lora = cfg.train, cfg.optimizer, cfg.scheduler, cfg.lora
+    train, sched, lora = cfg.train, cfg.scheduler, cfg.lora
     if lora.dim < 0:
         problems.append(f"lora.dim={lora.dim}: must be >= 0 (0 turns LoRA off, e.g. lora.dim=64 turns it on)")
     if lora.dim > 0:
@@ -218,18 +182,7 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
             problems.append(f"lora.alpha={lora.alpha}: must be > 0, or null for alpha = dim")
         if not 0 <= lora.dropout < 1:
             problems.append(f"lora.dropout={lora.dropout}: must be in [0, 1)")
-    if opt.lr <= 0:
-        problems.append(f"optimizer.lr={opt.lr}: the learning rate must be > 0 (DeepSpeed-Chat uses 1e-3 for SFT)")
-    if len(opt.betas) != 2 or not all(0 <= b < 1 for b in opt.betas):
-        problems.append(f"optimizer.betas={list(opt.betas)}: give two numbers in [0, 1), e.g. [0.9,0.95]")
-    if opt.eps <= 0:
-        problems.append(f"optimizer.eps={opt.eps}: must be > 0")
-    if opt.weight_decay < 0:
-        problems.append(f"optimizer.weight_decay={opt.weight_decay}: must be >= 0")
-    if opt.name != "adamw":
-        problems.append(f"optimizer.name={opt.name}: only adamw is available")
-    if sched.warmup_steps < 0:
-        problems.append(f"scheduler.warmup_steps={sched.warmup_steps}: must be >= 0")
+    problems += settings_problems(cfg)  # the optimizer's own (its entry in ds_exp/config/optimizers.py)
     if not 0 <= sched.warmup_ratio < 1:
         problems.append(f"scheduler.warmup_ratio={sched.warmup_ratio}: must be in [0, 1)")
     if sched.warmup_steps > 0 and sched.warmup_ratio > 0:
@@ -239,11 +192,6 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
             f"scheduler.name={plain(sched.name)} has no DeepSpeed equivalent: use scheduler.owner=ds_exp, or one of "
             f"{', '.join(DEEPSPEED_SCHEDULERS)} with scheduler.owner=deepspeed"
         )
-    for key in ("micro_batch_size", "gradient_accumulation_steps", "epochs", "log_every", "max_evals"):
-        if getattr(train, key) < 1:
-            problems.append(f"train.{key}={getattr(train, key)}: must be >= 1")
-    if train.eval_micro_batch_size is not None and train.eval_micro_batch_size < 1:
-        problems.append(f"train.eval_micro_batch_size={train.eval_micro_batch_size}: must be >= 1 or null")
     if train.max_steps == 0 or train.max_steps < -1:
         problems.append(
             f"train.max_steps={train.max_steps}: give a positive number of steps, or -1 to use train.epochs"
@@ -251,11 +199,6 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
     elif train.max_steps > 0 and sched.warmup_steps <= train.max_steps:  # else the run start says it, data known
         warmup = int(sched.warmup_steps) or math.ceil(train.max_steps * sched.warmup_ratio)
         problems += filter(None, [decay_problem(sched, train.max_steps, warmup)])
-    for key in ("eval_every", "save_every", "keep_last", "max_bad_steps", "export_every", "export_keep_last"):
-        if getattr(train, key) < 0:
-            problems.append(f"train.{key}={getattr(train, key)}: must be >= 0")
-    if train.gradient_clipping < 0:
-        problems.append(f"train.gradient_clipping={train.gradient_clipping}: must be >= 0 (0 = no clipping)")
     global_batch = train.global_batch_size
     per_rank = samples_per_rank(train)
     if global_batch != "auto":
@@ -277,24 +220,24 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
         )
     if not 1 <= cfg.dist.master_port <= 65535:
         problems.append(f"dist.master_port={cfg.dist.master_port}: a TCP port is from 1 to 65535 (e.g. 29500)")
-    problems += _check_learning_rate(cfg)
-    # a value refused above for its range is not said twice
-    return problems + [line for key, line in _non_finite(cfg) if not any(p.startswith(f"{key}=") for p in problems)]
+    return problems + _check_learning_rate(cfg)
 
 
 def _check_learning_rate(cfg: Config) -> list[str]:
-    """AdamW's first update divides the learning rate by (1 - beta1) (bias correction): beyond float32's range the
-    optimizer cannot even compute it (a RuntimeError in the first step). Smaller but absurd rates diverge, which
+    """An Adam-like first update divides the learning rate by (1 - beta1) (bias correction): beyond float32's range
+    the optimizer cannot even compute it (a RuntimeError in the first step). Smaller but absurd rates diverge, which
     the run reports itself."""
     opt = cfg.optimizer
-    if not (math.isfinite(opt.lr) and opt.lr > 0 and len(opt.betas) == 2 and 0 <= opt.betas[0] < 1):
+    betas = list(getattr(opt, "betas", None) or [])
+    beta1 = betas[0] if len(betas) == 2 and 0 <= betas[0] < 1 else 0.0
+    if not (math.isfinite(opt.lr) and opt.lr > 0):
         return []
-    first_step = opt.lr / (1 - opt.betas[0])
+    first_step = opt.lr / (1 - beta1)
     decay = opt.lr * opt.weight_decay if math.isfinite(opt.weight_decay) else 0.0
     if first_step <= FLOAT32_MAX and decay <= FLOAT32_MAX:
         return []
     what = (
-        f"AdamW's first step lr / (1 - beta1) = {first_step:.3g}"
+        f"the first step lr / (1 - beta1) = {first_step:.3g}"
         if first_step > FLOAT32_MAX
         else f"the weight decay factor lr x optimizer.weight_decay = {decay:.3g}"
     )
@@ -302,30 +245,6 @@ def _check_learning_rate(cfg: Config) -> list[str]:
         f"optimizer.lr={opt.lr:g}: {what} is beyond the largest float32 number ({FLOAT32_MAX:.4g}), so no update can "
         "be computed; give a learning rate in the usual range (1e-5 to 1e-3 for fine-tuning; DeepSpeed-Chat uses 1e-3)"
     ]
-
-
-def _non_finite(cfg: Config) -> list[tuple[str, str]]:
-    """Every number of the config is finite: nan and inf parse as floats, and nothing in a run means either.
-    (model.arch is checked with the architecture; the DeepSpeed config is DeepSpeed's to read.)"""
-    problems: list[tuple[str, str]] = []
-
-    def walk(value: object, key: str) -> None:
-        if key in ("model.arch", "deepspeed"):
-            return
-        if dataclasses.is_dataclass(value):
-            for f in dataclasses.fields(value):
-                walk(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{key}.{k}")
-        elif isinstance(value, (list, tuple)):
-            if any(isinstance(v, float) and not math.isfinite(v) for v in value):
-                problems.append((key, f"{key}={list(value)}: every number must be finite"))
-        elif isinstance(value, float) and not math.isfinite(value):
-            problems.append((key, f"{key}={value}: must be a finite number"))
-
-    walk(cfg, "")
-    return problems
 
 
 def _check_precision(cfg: Config, accelerator: str) -> list[str]:
@@ -342,7 +261,7 @@ def _check_precision(cfg: Config, accelerator: str) -> list[str]:
 
 def _check_eval(cfg: Config) -> list[str]:
     sampling = sampling_problems(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.top_k, key=lambda name: f"eval.{name}")
-    problems = [line for line in sampling if "must be a finite number" not in line]  # said by _non_finite
+    problems = [line for line in sampling if "must be a finite number" not in line]  # said by number_problems
     if cfg.eval.max_new_tokens < 1:
         problems.append(f"eval.max_new_tokens={cfg.eval.max_new_tokens}: must be >= 1")
     if cfg.eval.prompts_file and (special := special_file_problem("eval.prompts_file", cfg.eval.prompts_file)):
@@ -357,10 +276,16 @@ def _check_eval(cfg: Config) -> list[str]:
 def _check_resume(cfg: Config) -> list[str]:
     if cfg.resume in (None, "auto"):
         return []
-    if (special := special_file_problem("resume", cfg.resume)) is not None:
-        return [special]
-    if not Path(cfg.resume).expanduser().exists():
+    if not cfg.resume.strip():
+        return ["resume is empty: give a run's checkpoints directory, resume=auto, or null to start fresh"]
+    path = Path(cfg.resume).expanduser()
+    if not path.exists():
         return [f"resume={cfg.resume}: no such checkpoint directory; give a run's checkpoints directory or resume=auto"]
+    if not path.is_dir():  # a file, a FIFO, a device: nothing a checkpoint is
+        return [
+            f"resume={cfg.resume} is not a directory; give a run's checkpoints directory, one step<N> of it, or "
+            "resume=auto"
+        ]
     return []
 
 
@@ -370,13 +295,18 @@ def config_problems(
     """Every problem of the config's values and combinations (one line each), and the merged DeepSpeed config
     (run-time "auto" kept; {} when it cannot be built). `world_size`: the launch's (for the global batch);
     `run_dir`, when known, places the output directories that are given as absolute paths."""
-    problems = _check_model(cfg) + _check_speed_features(cfg, accelerator) + _check_numbers(cfg, world_size)
+    shapes = shape_problems(cfg)
+    if shapes:  # values the checks below would trip over (a dict where a number goes, a path too long to probe)
+        return shapes, {}
+    problems = _check_model(cfg) + speed_feature_problems(cfg, accelerator) + _check_numbers(cfg, world_size)
     problems += [problem] if (problem := experiment_name_problem(cfg.experiment_name)) else []
     problems += (
         _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + check_output_paths(cfg, run_dir)
     )
-    problems += check_sequence_parallel(cfg, world_size) + lora_problems(cfg, accelerator) + logger_problems(cfg)
+    problems += check_sequence_parallel(cfg, world_size) + lora_problems(cfg, accelerator)
+    problems += logger_problems(cfg.logger, dry_run=cfg.dry_run)
     problems += long_context_problems(cfg)
+    problems += [p for p in scheduler_kwargs_problems(cfg) if not said_already(key_of(p), problems)]
     ds: dict[str, Any] = {}
     try:
         precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))
@@ -385,6 +315,9 @@ def config_problems(
         problems += err.problems
     if ds:
         problems += (
-            _check_zero_and_offload(cfg, ds) + _check_optimizer_impl(cfg, ds, accelerator) + zero_problems(cfg, ds)
+            _check_zero_and_offload(cfg, ds)
+            + placement_problems(cfg, ds, accelerator, lambda path, value, key: _setting(cfg, path, value, key))
+            + zero_problems(cfg, ds)
         )
-    return problems, ds
+    # every number finite, within 64 bits and within its declared range (a key's own check above says more)
+    return problems + numbers_problems(cfg, problems), ds

@@ -1,8 +1,7 @@
 """What every layer uses: the errors meant for people and how a run ends (errors), files written whole or not at
-all as strict JSON (files), and every touch of a library's private internals (compat: each function imports the
-library it reaches into, so light callers stay light), and what ds_exp keeps out of its processes' imports
-(lean_imports: DeepSpeed's eager import of mlflow), how a wait on anything outside the process is
-announced and bounded (waits), and user paths that would block or never end (user_paths).
+all as strict JSON (files), every touch of a library's private internals (compat: a module per library, each
+function importing the library it reaches into, so light callers stay light), how a wait on anything outside the
+process is announced and bounded (waits), and user paths that would block or never end (user_paths).
 
 Layer 0. May import: nothing of ds_exp.
 """

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -80,9 +81,18 @@ def restore_non_finite(record: dict[str, Any]) -> dict[str, Any]:
 def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temporary name beside `path`, then rename it into place (atomic on one file system). A write that
     fails (a full disk) leaves `path` as it was and no temporary file behind."""
+    _replace_whole(path, lambda tmp: tmp.write_text(text))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """write_text_atomic for bytes: a picture (a run's plots/loss.png, a sweep's report.png) is replaced whole."""
+    _replace_whole(path, lambda tmp: tmp.write_bytes(data))
+
+
+def _replace_whole(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

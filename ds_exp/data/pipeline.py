@@ -27,7 +27,7 @@ from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack
 from ds_exp.data.formats import expand, resolve_format
 from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
 from ds_exp.data.splits import eval_carve_count, left_for_later_phases, parse_data_split, phase1_count, shown_split
-from ds_exp.data.templates import RowError, resolve_template, source_template, special_strings
+from ds_exp.data.templates import RowError, resolve_template, row_markup, source_template, special_strings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -117,6 +117,7 @@ def split_and_blend(
                 "filtered": raw.num_filtered,
                 "layout": raw.layout,
                 "template": raw.template,
+                "markup": row_markup(raw),  # the rows' own: how a typed prompt is asked (templates.first_template)
             }
         )
     train = train.take(_rng(seed, 1).permutation(len(train)))  # blend: concatenate, then shuffle

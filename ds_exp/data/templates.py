@@ -7,6 +7,11 @@
 * chat_template: the tokenizer's chat template, rendered turn by turn to find each answer.
 * auto: chat_template when the tokenizer has one, else dschat; raw for a source whose rows carry the markers.
 
+A typed prompt is asked in the form the rows were trained in (`first_template`): raw rows that carried
+DeepSpeed-Chat's markers themselves (`row_markup`) were trained as dschat text, so generation, the export's metadata,
+`python -m ds_exp.chat` and `python -m ds_exp.evaluate` wrap a prompt in that markup; one that carries it already is
+kept as given.
+
 Labels are the assistant contents (every assistant turn), plus the end-of-conversation token (raw, dschat)
 or the end-of-turn token the chat template writes right after each answer (e.g. <|im_end|>). Headers,
 system prompts and user turns never are. Only the tokenizer object is used here: no heavy import.
@@ -19,6 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ds_exp.core.errors import DataError
+from ds_exp.data.conversations import is_marked
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -90,12 +96,23 @@ def source_template(configured: PromptTemplate | str, resolved: str, raw: RawSou
     )
 
 
+def row_markup(raw: RawSource) -> str | None:
+    """The markup a source's rows carry themselves: "dschat" when they go in as given (template raw) and at least
+    half of them hold DeepSpeed-Chat's " Human: ... Assistant:" (what auto picks raw for); None otherwise. Recorded
+    per source in the pipeline's statistics (the data cache keeps them), read by `first_template`."""
+    return "dschat" if raw.template == "raw" and raw.num_marked and 2 * raw.num_marked >= raw.num_rows else None
+
+
 # ----------------------------------------------------------------------------------------------- render
 
 
 def first_template(stats: dict[str, Any]) -> str:
-    """The template generations use: the run's, or the first source's when blended sources differ ("a+b")."""
-    return str(stats["template"]).split("+")[0]
+    """How the run asks its model a prompt: the template of its (first) source, as generation during training, the
+    export's metadata and so `python -m ds_exp.chat` and `python -m ds_exp.evaluate` render one. Rows that carried
+    DeepSpeed-Chat's markers themselves (template raw) were trained as dschat text, so a typed prompt is wrapped in
+    that markup (statistics of a data cache built before ds_exp recorded it say raw)."""
+    sources = stats.get("per_source") or [{}]
+    return str(sources[0].get("markup") or str(stats["template"]).split("+")[0])
 
 
 def render_prompt(prompt: str, template: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str, bool]:
@@ -104,9 +121,9 @@ def render_prompt(prompt: str, template: str, tokenizer: PreTrainedTokenizerBase
     if template == "chat_template":
         messages = [{"role": "user", "content": prompt}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False  # type: ignore[return-value]  # tokenize=False: a str (hinted as every kind)
-    if template == "dschat":
+    if template == "dschat" and not is_marked(("user",), (prompt,)):
         return f" Human: {prompt} Assistant:", True
-    return prompt, True  # raw: the text as given (DeepSpeed-Chat's rows hold their own markers)
+    return prompt, True  # raw, or a prompt that holds DeepSpeed-Chat's markers already: the text as given
 
 
 def render_conversation(

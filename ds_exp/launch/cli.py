@@ -2,6 +2,8 @@
 
 Everything imported at module level here is light (Hydra, OmegaConf, our config package): `--help`,
 `--cfg job` and validation never import torch or deepspeed. The training stack is imported inside `run_job`.
+Importing this module patches nothing: what Hydra's compositions need (`prepare_composition`) is installed by the
+processes that compose, main() and a submitit job as it unpickles its task (`HydraTask`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,8 @@ from ds_exp.config.override_checks import check_list_items_when_composing, quote
 from ds_exp.config.paths import PACKAGE_DIR, conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import register_configs
-from ds_exp.config.secrets import hide_secret_overrides, hide_secrets_when_composing, redact_text, register_secrets
+from ds_exp.config.secrets import hide_secret_overrides, redact_text, register_secrets
+from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import entry_point, report_error
@@ -39,11 +43,6 @@ from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.validation import validate_job
 
 log = logging.getLogger("ds_exp")
-
-# Every composition of a process that runs ds_exp's task hides its config files' credentials, a submitit job's
-# too: the job imports this module to unpickle hydra_task, then composes its own config and saves .hydra/
-hide_secrets_when_composing()
-check_list_items_when_composing()  # `data.sources.0.path=X` on a data option without sources: one message
 
 _LOCAL_RANK_FLAG = re.compile(r"^--local[_-]rank(=(\d+))?$")
 
@@ -107,6 +106,7 @@ def _run_job(composed: DictConfig, run_dir: Path) -> dict[str, Any]:
         raise
     if launch_rank_from_env() == 0 and (note := unnamed_experiment_note(cfg.experiment_name)):
         log.warning(note)
+    compat.import_deepspeed_without_mlflow()  # DeepSpeed would import all of mlflow (the extra) for nothing
     if cfg.dry_run:
         from ds_exp.tools.dry_run import dry_run
 
@@ -149,6 +149,35 @@ def hydra_task(cfg: DictConfig) -> dict[str, Any]:
         sys.exit(status)
 
 
+class HydraTask:
+    """hydra_task as Hydra's launchers get it. A submitit job unpickles its task, then composes its own config
+    (and saves .hydra/) before the task runs: unpickling this prepares that composition first (`task_in_job`), so a
+    config file's credentials are hidden in the job's files too. Hydra names the job from `__module__`, as it did
+    from the function."""
+
+    def __call__(self, cfg: DictConfig) -> dict[str, Any]:
+        return hydra_task(cfg)
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[[DictConfig], dict[str, Any]]], tuple[()]]:
+        return (task_in_job, ())
+
+
+def task_in_job() -> Callable[[DictConfig], dict[str, Any]]:
+    """The task, in a process that got it pickled (a submitit job), ready for the composition that comes next."""
+    prepare_composition()
+    return hydra_task
+
+
+def prepare_composition() -> None:
+    """What every composition of ds_exp's config needs, installed in the process that composes (before Hydra does:
+    the run's, each sweep job's, a sweeper's trials): the resolvers, the schema, config files' credentials hidden
+    (ds_exp.config.secrets) and `data.sources.0.path=X` on a data option without sources as one message
+    (ds_exp.config.override_checks). Both hooks are ds_exp.core.compat.hydra's, with its version check."""
+    register_resolvers()
+    register_configs()
+    check_list_items_when_composing()
+
+
 def job_log() -> Path | None:
     """The log Hydra keeps in the run directory (<run dir>/<job name>.log): where the traceback of an unexpected
     error goes when the run's own log (logs/rank<N>.log, ds_exp/train/session.py) does not hold it."""
@@ -181,13 +210,18 @@ def main() -> int:
         return write_experiment_main(sys.argv[1:])
     if wants_help(sys.argv[1:]):  # ds_exp's help from conf/'s comments (Hydra's own: --hydra-help)
         print_help(sys.argv[1:])
+    sys.argv[1:] = prepare_overrides(sys.argv[1:])
+    with stop_before_start():  # a rank stopped by its launcher before its run starts leaves nothing, quietly
+        hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(HydraTask())()
+    return 0
+
+
+def prepare_overrides(args: list[str]) -> list[str]:
+    """What every way into a run does before Hydra reads its overrides (the command line, ds_exp.train's API)."""
     check_launch_env()
     # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
-    sys.argv[1:] = hide_secret_overrides(sys.argv[1:], os.environ)
-    check_config_files(sys.argv[1:])  # the user's experiment files: one message each, before Hydra reads them
-    sys.argv += rank_placeholder_overrides(sys.argv[1:])
-    register_resolvers()
-    register_configs()
-    with stop_before_start():  # a rank stopped by its launcher before its run starts leaves nothing, quietly
-        hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(hydra_task)()
-    return 0
+    args = hide_secret_overrides(args, os.environ)
+    check_config_files(args)  # the user's experiment files: one message each, before Hydra reads them
+    args += rank_placeholder_overrides(args)
+    prepare_composition()
+    return args

@@ -37,7 +37,7 @@ WRITTEN_BY_RUN = "run"  # origin.written_by of the exports a run makes (rotation
 
 
 def adapter_dir(export_dir: Path) -> Path:
-    """Where the LoRA adapter alone goes beside a merged export (train.export_adapter)."""
+    """Where the LoRA adapter of an export goes: beside the merged model (written by every export of a LoRA run)."""
     return export_dir.with_name(f"{export_dir.name}_adapter")
 
 
@@ -74,12 +74,17 @@ def read_metadata(export_dir: Path) -> dict[str, Any]:
 
 
 def step_exports(export_dir: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of the step exports beside `export_dir`, oldest first."""
-    pattern = re.compile(rf"^{re.escape(export_dir.name)}-step(\d+)$")
+    """(step, directory) of the step exports beside `export_dir`, oldest first; the directory of the merged model
+    (<export_dir>-step<N>), which a LoRA run's step export may leave out, writing only its adapter beside it."""
+    pattern = re.compile(rf"^{re.escape(export_dir.name)}-step(\d+)(_adapter)?$")
     if not export_dir.parent.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in export_dir.parent.iterdir() if (m := pattern.match(p.name)) and p.is_dir()]
-    return sorted(found)
+    found = {
+        int(m.group(1)): export_dir.with_name(f"{export_dir.name}-step{m.group(1)}")
+        for p in export_dir.parent.iterdir()
+        if (m := pattern.match(p.name)) and p.is_dir()
+    }
+    return sorted(found.items())
 
 
 def rotated_step_exports(export_dir: Path, run_id: str | None, keep_last: int) -> list[Path]:
@@ -89,11 +94,11 @@ def rotated_step_exports(export_dir: Path, run_id: str | None, keep_last: int) -
         return []
     mine = []
     for _, path in step_exports(export_dir):
-        origin = read_metadata(path).get("origin") or {}
+        origin = (read_metadata(path) or read_metadata(adapter_dir(path))).get("origin") or {}
         if origin.get("written_by") == WRITTEN_BY_RUN and origin.get("run_id") == run_id:
             mine.append(path)
     doomed = mine[:-keep_last]
-    return doomed + [adapter_dir(p) for p in doomed if is_export(adapter_dir(p))]
+    return [p for p in doomed if p.exists()] + [adapter_dir(p) for p in doomed if is_export(adapter_dir(p))]
 
 
 def exports_off_trajectory(export_dir: Path, run_dir: Path, step: int, *, same_directory: bool) -> list[Path]:

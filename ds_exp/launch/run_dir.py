@@ -65,7 +65,7 @@ from ds_exp.resume.store import complete_checkpoints
 
 # Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
 # append to: they are moved aside into attempts/<time>/ first.
-ATTEMPT_FILES = ("metrics.jsonl", "generations.jsonl", "summary.json")
+ATTEMPT_FILES = ("metrics.jsonl", "generations.jsonl", "summary.json", "plots/loss.png")
 
 
 def completed_at(run_dir: Path) -> int | None:

@@ -1,5 +1,6 @@
-"""Everything checked before heavy work, in one call: the config's values and combinations (ds_exp.config.validate)
-and the data config (ds_exp.data.checks), for the world size and accelerator of this launch."""
+"""Everything checked before heavy work, in one call: the config's values and combinations (ds_exp.config.validate),
+the data config (ds_exp.data.checks) and the lm-eval tasks to score (ds_exp.launch.harness_checks), for the world
+size and accelerator of this launch."""
 
 from __future__ import annotations
 
@@ -11,20 +12,28 @@ from omegaconf import DictConfig, OmegaConf
 from ds_exp.config.file_overrides import check_overrides_obeyed
 from ds_exp.config.place_checks import chdir_problems
 from ds_exp.config.precision import detect_accelerator
+from ds_exp.config.ranges import key_of, said_already
 from ds_exp.config.schema import Config, to_config
+from ds_exp.config.shapes import shape_problems
 from ds_exp.config.validate import config_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.data.checks import check_data_config
 from ds_exp.launch.environment import detect_launch
+from ds_exp.launch.harness_checks import harness_problems
 
 
 def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
     """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept).
     `run_dir`, when known, places the output directories that are given as absolute paths."""
+    shapes = shape_problems(cfg)  # before the data checks, which would trip over them too
+    if shapes:
+        raise ConfigError(shapes)
     world = detect_launch(cfg.dist).world_size
     accelerator = accelerator or detect_accelerator()
     problems, ds = config_problems(cfg, accelerator=accelerator, world_size=world, run_dir=run_dir)
-    problems += check_data_config(cfg.data)
+    # the data keys' ranges are also in ds_exp.config.ranges (every numeric key has one): each said once
+    problems += [line for line in check_data_config(cfg.data) if not said_already(key_of(line), problems)]
+    problems += harness_problems(cfg)  # eval.harness: lm-eval's tasks, before any model is loaded
     if problems:
         raise ConfigError(problems)
     return ds

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -16,10 +15,13 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
+from ds_exp.config.fast_path import FastPath, decide, toggle
+from ds_exp.config.long_context import plan_tiling
 from ds_exp.config.model_checks import checkpoint_error
+from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
-from ds_exp.config.tiling_plan import plan_tiling
 from ds_exp.core import compat
+from ds_exp.core.errors import ConfigError
 from ds_exp.model import sequence_parallel
 from ds_exp.model.architecture import (
     base_vocab_size,
@@ -29,8 +31,12 @@ from ds_exp.model.architecture import (
     padded_vocab_size,
     text_config,
 )
+from ds_exp.model.attention import TAKES_BOUNDARIES, attn_implementation
+from ds_exp.model.compile import compile_decoder_layers
+from ds_exp.model.fused_loss import apply_fused_loss
+from ds_exp.model.head_loss import HeadLoss
 from ds_exp.model.lora import LoraSpec, lora_spec, prepare_quantized, quantized_loading, tied_elsewhere, wrap_lora
-from ds_exp.model.tiling import TiledLoss, apply_tiling
+from ds_exp.model.tiling import apply_tiling
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +62,14 @@ def init_weights_by_name(model: PreTrainedModel, seed: int, *, zero3: bool) -> N
             compat.reinit_module(model, module)
 
 
-def attn_implementation(requested: str | None, ds_config: dict[str, Any]) -> str | None:
-    """model.attn_implementation with auto decided: flash_attention_2 where flash-attn imports, a GPU is there and
-    the weights are 16-bit (its kernels need them), else transformers' default. Packed batches then run as
-    variable-length sequences (transformers reads the example boundaries from position_ids)."""
-    if requested != "auto":
-        return requested
-
-    half = any(ds_config.get(key, {}).get("enabled") is True for key in ("bf16", "fp16"))
-    if half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    log.info("model.attn_implementation=auto: flash-attn is not usable here (needs the package, a GPU and bf16/fp16)")
-    return None
-
-
 def _compute_dtype(ds_config: dict[str, Any]) -> torch.dtype:
     """The dtype the engine trains in: a quantized base computes in it."""
     if ds_config.get("bf16", {}).get("enabled") is True:
         return torch.bfloat16
     return torch.float16 if ds_config.get("fp16", {}).get("enabled") is True else torch.float32
+
+
+NO_FAST_PATH = FastPath(liger_kernel=False, fused_loss=False, compile=False)
 
 
 @dataclass
@@ -87,7 +82,19 @@ class BuiltModel:
     base_dtype: str  # the dtype the checkpoint's weights are stored in (float32 when built from a config)
     vocab_size: int  # the base vocabulary the export keeps: the tokenizer's, or the checkpoint's if larger
     mpu: ModuleType | None = None  # DeepSpeed's sequence-parallel groups, for deepspeed.initialize (sp size > 1)
-    loss: TiledLoss | None = None  # model.tiled_loss's (ds_exp.train.step.batch_loss); None: the full logits
+    # the fused or the tiled loss (ds_exp.train.step.batch_loss, ds_exp/model/head_loss.py); None: the full logits
+    loss: HeadLoss | None = None
+    attention: str | None = None  # the attention implementation (None: transformers' default)
+    fast: FastPath = NO_FAST_PATH  # what the fast path applied
+
+    def fast_path_record(self) -> dict[str, Any]:
+        """What of the fast path the model uses (ds_exp/config/fast_path.py), for summary.json."""
+        return {"attention": self.attention or "sdpa", **asdict(self.fast)}
+
+    @property
+    def takes_example_boundaries(self) -> bool:
+        """Whether packed batches hand the attention their examples' boundaries (ds_exp/model/attention.py)."""
+        return self.attention in TAKES_BOUNDARIES and self.mpu is None
 
 
 def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
@@ -98,8 +105,10 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         config.use_cache = False
     zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
     hf_ds_config = HfDeepSpeedConfig(ds_config) if zero3 else None
-    attention = attn_implementation(cfg.model.attn_implementation, ds_config)
     sp_size, mpu = int(cfg.dist.sequence_parallel_size), None
+    attention = attn_implementation(cfg.model.attn_implementation, ds_config, sp_size)
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    fast = decide(cfg, detect_accelerator(), stage)
     if sp_size > 1:
         attention = attention or "sdpa"  # the wrapper needs the name of the attention it wraps
         mpu = sequence_parallel.register(config, attention, sp_size, cfg.train.micro_batch_size)
@@ -128,8 +137,13 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
             raise mapped from err
     if cfg.model.name_or_path is None:
         init_weights_by_name(model, cfg.train.seed, zero3=zero3)
-    if cfg.model.liger_kernel:
-        compat.apply_liger_kernels(model)
+    if fast.liger_kernel and not compat.apply_liger_kernels(model):
+        if toggle(cfg.model.liger_kernel):
+            raise ConfigError(
+                f"model.liger_kernel=true: Liger has no kernels for the {config.model_type} model family; set "
+                "model.liger_kernel=auto or false"
+            )
+        fast = replace(fast, liger_kernel=False)
     base_rows = model.get_input_embeddings().num_embeddings
     vocab = padded_vocab_size(len(tokenizer), model.get_input_embeddings().num_embeddings, cfg.model.vocab_multiple)
     if vocab != model.get_input_embeddings().num_embeddings:
@@ -151,7 +165,14 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
     if mpu is not None:
         sequence_parallel.check_model_attention(model, attention or "sdpa")
     plan = plan_tiling(cfg, hidden=hidden_size_of(config) or 1, vocab=int(text_config(config).vocab_size))
-    tiled_loss = apply_tiling(model, plan, str(config.model_type))
+    fused = None
+    if fast.fused_loss:
+        fused = apply_fused_loss(model, str(config.model_type), asked=bool(toggle(cfg.model.fused_loss)))
+    fast = replace(fast, fused_loss=fused is not None)
+    if fused is not None and plan.loss_chunks:
+        log.info("model.tiled_loss: the fused loss computes the logits in chunks already; no tiled loss on top")
+        plan = replace(plan, loss_chunks=0)
+    loss = apply_tiling(model, plan, str(config.model_type)) or fused
     if plan.mlp_shards or plan.loss_chunks or plan.offload:
         log.info(
             "long context: MLP tiles %s, loss chunks %s, activation offload %s",
@@ -159,6 +180,13 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
             plan.loss_chunks or "off",
             "on" if plan.offload else "off",
         )
+    if fast.compile:
+        fast = replace(fast, compile=compile_decoder_layers(model) > 0)
+    log.info(
+        "fast path: attention %s, Liger kernels %s, fused loss %s, compiled decoder layers %s",
+        attention or "sdpa (transformers' default)",
+        *("on" if on else "off" for on in (fast.liger_kernel, fast.fused_loss, fast.compile)),
+    )
     return BuiltModel(
         model=model,
         config=config,
@@ -168,5 +196,7 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         base_dtype=checkpoint_dtype(cfg),
         vocab_size=base_vocab_size(cfg, tokenizer, base_rows),
         mpu=mpu,
-        loss=tiled_loss,
+        loss=loss,
+        attention=attention,
+        fast=fast,
     )

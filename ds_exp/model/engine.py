@@ -17,18 +17,18 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
-from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
 from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_scheduler
 
+from ds_exp.config.optimizer_settings import OptimizerConfig
 from ds_exp.config.plan import scheduler_kwargs
-from ds_exp.config.schema import OptimizerConfig, SchedulerConfig, plain
+from ds_exp.config.schema import SchedulerConfig, plain
 from ds_exp.config.secrets import redact
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
-from ds_exp.runtime import ops
+from ds_exp.model.optimizers import build_optimizer, prepare_deepspeed_optimizer
 from ds_exp.runtime.build_lock import guard_builds
 from ds_exp.runtime.rank_logging import library_stdout
 
@@ -48,41 +48,6 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, no_decay: list
         (plain if any(key in name for key in no_decay) else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
-
-
-def optimizer_impl(opt: OptimizerConfig, ds_config: dict[str, Any], accelerator: str) -> str:
-    """optimizer.impl with auto decided: DeepSpeed's CPU Adam under optimizer offload (the optimizer step runs on
-    the host), torch's fused AdamW on CUDA (as fast as DeepSpeed's FusedAdam, and nothing to compile), torch
-    AdamW otherwise."""
-    impl = str(plain(opt.impl))
-    if impl != "auto":
-        return impl
-    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    if offload in ("cpu", "nvme"):
-        return "deepspeed_cpu"
-    return "torch_fused" if accelerator == "cuda" else "torch"
-
-
-def build_optimizer(
-    opt: OptimizerConfig, groups: list[dict[str, Any]], ds_config: dict[str, Any], accelerator: str
-) -> torch.optim.Optimizer:
-    kwargs: dict[str, Any] = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
-    impl = optimizer_impl(opt, ds_config, accelerator)
-    announce = _is_rank0()
-    if impl == "deepspeed_cpu":
-        ops.ensure_built(ops.CPU_ADAM, announce=announce)
-
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    if impl == "deepspeed_fused":
-        ops.ensure_built(ops.FUSED_ADAM, announce=announce)
-
-        return FusedAdam(groups, adam_w_mode=True, **kwargs)
-    # fused=None lets torch pick its default (foreach on CUDA, single-tensor on CPU)
-    return torch.optim.AdamW(groups, fused=True if impl == "torch_fused" else None, **kwargs)
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 class MetricSchedule(Protocol):
@@ -160,13 +125,11 @@ def build_engine(
     """`config_file`: deepspeed.config_file (named in its problems); `mpu`: DeepSpeed's sequence-parallel groups
     (ds_exp/model/sequence_parallel.py), or None."""
     groups = parameter_groups(model, optimizer_cfg.weight_decay, list(optimizer_cfg.no_decay))
-    if "optimizer" in ds_config:
+    if "optimizer" in ds_config:  # DeepSpeed builds it inside initialize (its op compiled first, with a notice)
         optimizer = None
-        op = ops.deepspeed_optimizer_op(ds_config)
-        if op is not None:  # DeepSpeed compiles it inside initialize: build it first, with a notice
-            ops.ensure_built(op, announce=_is_rank0())
+        prepare_deepspeed_optimizer(ds_config, accelerator)
     else:
-        with library_stdout():  # DeepSpeed's CPU Adam prints its settings from C++ on every rank
+        with library_stdout():  # DeepSpeed's CPU Adam / Lion print their settings from C++ on every rank
             optimizer = build_optimizer(optimizer_cfg, groups, ds_config, accelerator)
     name = describe_optimizer(optimizer, ds_config)
     log.info("optimizer: %s", name)
@@ -210,11 +173,12 @@ def release_engine(engine: DeepSpeedEngine) -> None:
         compat.forget_zero3_module(engine.module)
     except Exception as err:  # e.g. a CUDA error that ended the run comes back at synchronize
         log.debug("releasing the DeepSpeed engine: %s", err)
+    torch.compiler.set_stance("default")  # a CPU Muon run's eager stance (ds_exp/model/optimizers.py)
     gc.collect()
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer | None, ds_config: dict[str, Any]) -> str:
-    """What updates the weights, for the log and summary.json: e.g. "AdamW (fused)", "DeepSpeedCPUAdam"."""
+    """What updates the weights, for the log and summary.json: e.g. "AdamW (fused)", "DeepSpeedCPUAdam", "SGD"."""
     if optimizer is None:
         return f"{ds_config['optimizer'].get('type')} (built by DeepSpeed from the config's optimizer block)"
     fused = any(group.get("fused") for group in optimizer.param_groups)

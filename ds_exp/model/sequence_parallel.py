@@ -34,6 +34,7 @@ from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ds_exp.config.batch import data_parallel_size
 from ds_exp.config.sp_checks import head_problems
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
@@ -55,7 +56,7 @@ class SequenceParallel:
     @classmethod
     def of(cls, rank: int, world_size: int, size: int) -> SequenceParallel:
         size = max(int(size), 1)
-        return cls(size=size, rank=rank % size, dp_rank=rank // size, dp_size=max(world_size // size, 1))
+        return cls(size=size, rank=rank % size, dp_rank=rank // size, dp_size=data_parallel_size(world_size, size))
 
     @property
     def enabled(self) -> bool:

@@ -39,16 +39,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from deepspeed import DeepSpeedEngine
 from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ds_exp.config.tiling_plan import TilingPlan
+from ds_exp.config.long_context import TilingPlan
 from ds_exp.core.errors import ConfigError, RunFailed
+from ds_exp.model.head_loss import HeadLoss
 
 IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_index)
+KNOB = "model.tiled_loss=true"
 
 
 # ------------------------------------------------------------------------------------------------ tiled MLP
@@ -95,51 +96,6 @@ class _TiledForward:
 
 
 # ------------------------------------------------------------------------------------------------ tiled loss
-
-
-class TiledLoss:
-    """Per-rank (summed token loss, label tokens) of a batch with the logits computed `chunks` at a time.
-
-    Called as the step calls the default loss (ds_exp.train.step.batch_loss): `loss(engine, inputs, targets)`.
-    While it runs, the output embeddings' forward computes the loss of the labels handed to it instead of the
-    logits, and the model returns that scalar where its logits would be.
-    """
-
-    def __init__(self, head: torch.nn.Module, chunks: int, model_type: str) -> None:
-        self.head, self.chunks, self.model_type = head, chunks, model_type
-        self._labels: torch.Tensor | None = None
-        self._result: torch.Tensor | None = None
-        self._checked = False
-        self._own_forward = head.forward
-        head.forward = self._forward
-
-    def _forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._labels is None:  # generation, or anything else that wants logits
-            return self._own_forward(hidden, *args, **kwargs)
-        labels, self._labels = self._labels, None
-        self._result = chunked_loss_sum(self._own_forward, hidden, labels, self.chunks)
-        return self._result
-
-    def __call__(
-        self, engine: DeepSpeedEngine, inputs: dict[str, torch.Tensor], targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`targets`: the next-token labels, shifted already (ds_exp.train.step.next_token_targets)."""
-        self._labels, self._result = targets, None
-        try:
-            out = engine(**inputs, use_cache=False)
-        finally:
-            self._labels = None
-        result, self._result = self._result, None
-        # what the model returns where its logits would be must be that loss as is (ZeRO-3 hands back a new
-        # tensor object carrying its backward hook: compared by value, once, since reading it syncs the device)
-        if result is None or out.logits.shape != result.shape or (not self._checked and not bool(out.logits == result)):
-            raise RunFailed(
-                f"model.tiled_loss=true: the {self.model_type} model changes its logits after the output embeddings "
-                "(or never calls them), so a loss computed inside them would not be its loss; set "
-                "model.tiled_loss=false"
-            )
-        self._checked = True
-        return out.logits, (targets != IGNORE_INDEX).sum()
 
 
 def chunked_loss_sum(
@@ -189,7 +145,7 @@ class _Offloaded:
             return self.forward(*args, **kwargs)
 
 
-def apply_tiling(model: PreTrainedModel | PeftModel, plan: TilingPlan, model_type: str) -> TiledLoss | None:
+def apply_tiling(model: PreTrainedModel | PeftModel, plan: TilingPlan, model_type: str) -> HeadLoss | None:
     """Tiled MLPs and activation offload on the built model (after LoRA and gradient checkpointing); the tiled
     loss to compute losses with, or None for the model's own logits."""
     if plan.mlp_shards:
@@ -204,4 +160,5 @@ def apply_tiling(model: PreTrainedModel | PeftModel, plan: TilingPlan, model_typ
             f"model.tiled_loss=true: the {model_type} model has no output embeddings (lm_head) to compute the loss "
             "through; set model.tiled_loss=false"
         )
-    return TiledLoss(head, plan.loss_chunks, model_type)
+    chunks = plan.loss_chunks
+    return HeadLoss(head, lambda forward, _, h, y: chunked_loss_sum(forward, h, y, chunks), model_type, KNOB)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ds_exp.config.batch import data_parallel_size, global_batch_size
 from ds_exp.config.ds_config import merged_ds_config
-from ds_exp.config.plan import data_parallel_size, global_batch_size
 from ds_exp.config.precision import decide_precision, detect_accelerator, supports_bf16
 from ds_exp.config.schema import Config
 from ds_exp.resume.settings import check_resume, settings_of

@@ -2,7 +2,8 @@
 
 Each checkpoint's marker (ds_exp_complete.json) records the settings that fix the shapes and the partitioning of
 what it holds: the model, LoRA (rank, alpha, targets, modules to save, DoRA, rsLoRA, quantization), the vocabulary
-padding, the ZeRO stage, offload, precision and the world size.
+padding, the ZeRO stage, offload, precision, the optimizer (its state) and the world size. DeepSpeed's universal
+format carries Adam's moments only: another optimizer's checkpoint is refused a layout change (not_universal).
 dist.sequence_parallel_size is recorded but is no layout: under Ulysses, ZeRO partitions over all data-parallel x
 sequence-parallel ranks, so a checkpoint's files depend on the world size alone and load under any N (the global
 batch, micro x accumulation x world / N, must stay: ds_exp/resume/trajectory.py). What cannot be done is a layout change
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.lora_checks import scope_of
+from ds_exp.config.optimizers import OPTIMIZERS
 from ds_exp.config.schema import Config, plain, plain_tree
 from ds_exp.core.errors import ResumeError
 from ds_exp.resume.store import read_marker
@@ -30,6 +32,7 @@ _WHY = {
     "vocab_multiple": "the embedding has another number of rows",
     "lora": "the adapters have other shapes or targets",
     "precision": "DeepSpeed keeps other master copies and optimizer states",
+    "optimizer": "its state belongs to another optimizer",
 }
 # the layout: a change is followed by a conversion to DeepSpeed's universal checkpoint format
 LAYOUT = ("world_size", "zero_stage", "offload")
@@ -50,6 +53,7 @@ def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precisi
             "param": zero.get("offload_param", {}).get("device", "none"),
         },
         "precision": precision,
+        "optimizer": str(cfg.optimizer.name),
         "world_size": world_size,
         "sequence_parallel_size": int(cfg.dist.sequence_parallel_size),
     }
@@ -126,6 +130,32 @@ def universal_problem(saved: dict[str, Any], current: dict[str, Any]) -> str | N
     )
 
 
+def not_universal(saved: dict[str, Any]) -> str | None:
+    """Why a checkpoint's optimizer state cannot go through DeepSpeed's universal format (a checkpoint without the
+    setting was written with AdamW, which it can)."""
+    name = saved.get("optimizer") or "adamw"
+    entry = OPTIMIZERS.get(str(name))
+    if entry is None or entry.universal:
+        return None
+    return (
+        f"the checkpoint holds optimizer={name}'s state, which DeepSpeed 0.19.8's universal checkpoints cannot carry "
+        "(they hold Adam's two moments only)"
+    )
+
+
+def optimizer_universal_problem(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """A line when the checkpoint's layout changed and its optimizer's state cannot be converted."""
+    why = not_universal(saved)
+    if why is None or not needs_universal(saved, current) or saved.get("optimizer") != current.get("optimizer"):
+        return None
+    layout = "; ".join(layout_changes(saved, current))
+    return (
+        f"the checkpoint's layout changed ({layout}) and {why}: resume on {saved.get('world_size')} rank(s) with its "
+        "ZeRO stage and offload (at ZeRO stage 0 on both sides, any world size), or continue from the run's export "
+        "in a new run"
+    )
+
+
 def needs_universal(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     """Whether the checkpoint must be converted to DeepSpeed's universal format to be loaded with `current`. At
     ZeRO stage 0 on both sides rank 0 saved the whole optimizer state, which any world size loads as it is."""
@@ -148,9 +178,9 @@ def check_resume(cfg: Config, tag_dir: Path, current: dict[str, Any]) -> None:
     """Refuse to continue from `tag_dir` when a setting it depends on changed."""
     saved = read_marker(tag_dir).get("settings") or {}
     found = changes(saved, current)
-    problem = universal_problem(saved, current)
-    if problem is not None:
-        found.append(problem)
+    for problem in (universal_problem(saved, current), optimizer_universal_problem(saved, current)):
+        if problem is not None:
+            found.append(problem)
     if found:
         raise ResumeError(
             "\n".join(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ class TrainState:
     step: int = 0  # optimizer steps done
     epoch: int = 0  # current epoch
     step_in_epoch: int = 0  # optimizer steps done within `epoch`
-    wandb_run_id: str | None = None
-    mlflow_run_id: str | None = None
+    # each tracker's run id by its table's run_id_key (ds_exp.config.trackers): a resume continues the same runs
+    trackers: dict[str, str] = field(default_factory=dict)
     # the loss sums of the metric window still open when a stop signal came, so that the resumed run's next
     # metric line covers the same steps as an uninterrupted run's (summed over ranks)
     window_loss_sum: float = 0.0
@@ -47,6 +47,19 @@ class TrainState:
     # the `model` section of the config that trained the weights (a resume may change model.rope_scaling, ...): its
     # export (`python -m ds_exp.export`) rebuilds the model with it, not with a later attempt's
     model_config: dict[str, Any] | None = None
+    # the frozen weights (LoRA's base) the checkpoint leaves out, as they were built (ds_exp.checkpoint.frozen:
+    # tensors, elements, sha256, source): a resume or an export builds them again and continues only on the same ones;
+    # None for a checkpoint that holds every weight
+    base: dict[str, Any] | None = None
+    # markers written before the trackers' ids were one mapping held one field per tracker: read into `trackers`
+    # (never written again; a tracker added since has only its key in `trackers`)
+    wandb_run_id: InitVar[str | None] = None
+    mlflow_run_id: InitVar[str | None] = None
+
+    def __post_init__(self, wandb_run_id: str | None, mlflow_run_id: str | None) -> None:
+        earlier = {"wandb": wandb_run_id, "mlflow": mlflow_run_id}
+        ids = {**{key: run_id for key, run_id in earlier.items() if run_id}, **self.trackers}
+        object.__setattr__(self, "trackers", ids)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -82,6 +95,15 @@ def read_marker(tag_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return restore_non_finite(marker) if isinstance(marker, dict) and "step" in marker else {}
+
+
+def resume_wanted(resume: str | None, launcher: str) -> str | None:
+    """What a run continues from, the one rule: the `resume` setting as given, except that a submitit job without
+    one continues its own directory (auto): SLURM requeues a preempted or stopped job into the same directory, where
+    it must go on from its last checkpoint rather than start over. `launcher`: ds_exp.launch.environment's."""
+    if resume is None and launcher == "submitit":
+        return "auto"
+    return resume
 
 
 def find_resume_checkpoint(resume: str | None, run_dir: Path, checkpoint_subdir: str) -> Path | None:

@@ -16,14 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ds_exp.config.plan import global_batch_size, scheduler_kwargs
+from ds_exp.config.batch import global_batch_size
+from ds_exp.config.plan import scheduler_kwargs
 from ds_exp.config.schema import Config, plain
 from ds_exp.core.errors import ResumeError
 
 
 def trajectory_of(cfg: Config, *, total_steps: int, warmup_steps: int, world_size: int, data_key: str) -> dict:
     """What the course of this run depends on (JSON values; recorded in each checkpoint). `world_size`: the ranks
-    that draw different samples (the data-parallel size, ds_exp.config.plan.data_parallel_size)."""
+    that draw different samples (the data-parallel size, ds_exp.config.batch.data_parallel_size)."""
     train, sched = cfg.train, cfg.scheduler
     return {
         "total_steps": total_steps,

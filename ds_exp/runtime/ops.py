@@ -1,4 +1,5 @@
-"""DeepSpeed ops compiled on first use (JIT): CPU Adam, FusedAdam and the shared-memory collectives of CPU ranks.
+"""DeepSpeed ops compiled on first use (JIT): CPU Adam and Lion, FusedAdam and FusedLion, and the shared-memory
+collectives of CPU ranks.
 
 DeepSpeed builds them deep inside `deepspeed.initialize` / `init_distributed`, where a failed build surfaces as a
 compiler traceback and a slow one as a silent minute. `ensure_built` builds an op before DeepSpeed asks for it
@@ -58,12 +59,28 @@ FUSED_ADAM = Op(
     "optimizer.impl=deepspeed_fused or an Adam block in the DeepSpeed config",
     "use optimizer.impl=auto (torch's fused AdamW on CUDA: nothing to compile)",
 )
+CPU_LION = Op(
+    "CPULionBuilder",
+    "DeepSpeed's CPU Lion",
+    "optimizer=lion with optimizer offload, or optimizer.impl=deepspeed_cpu",
+    "use offload=none with optimizer.impl=auto (ds_exp's torch Lion on a CPU)",
+)
+FUSED_LION = Op(
+    "FusedLionBuilder",
+    "DeepSpeed's FusedLion",
+    "optimizer=lion on CUDA (optimizer.impl=auto or deepspeed_fused)",
+    "use optimizer.impl=torch (ds_exp's torch Lion: nothing to compile)",
+)
 SHM_COMM = Op(
     "ShareMemCommBuilder",
     "DeepSpeed's shared-memory collectives for CPU ranks",
     "DeepSpeed's CPU accelerator",
     "training goes on without them (plain gloo collectives: slower with several ranks)",
 )
+
+
+# the optimizers' ops by builder name (ds_exp/config/optimizers.py names them)
+OPS = {op.builder: op for op in (CPU_ADAM, FUSED_ADAM, CPU_LION, FUSED_LION)}
 
 
 def deepspeed_arch_list(value: str | None) -> str | None:
@@ -133,16 +150,6 @@ def ensure_built(op: Op, *, announce: bool) -> None:
                 )
         finally:
             _building[0] += time.perf_counter() - started
-
-
-def deepspeed_optimizer_op(ds_config: dict) -> Op | None:
-    """The op DeepSpeed compiles for an "optimizer" block of its config (Adam/AdamW): CPU Adam under optimizer
-    offload, else FusedAdam, unless the block asks for torch's own ("torch_adam": true)."""
-    block = ds_config.get("optimizer") or {}
-    if str(block.get("type", "")).lower() not in ("adam", "adamw") or block.get("params", {}).get("torch_adam"):
-        return None
-    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    return CPU_ADAM if offload in ("cpu", "nvme") else FUSED_ADAM
 
 
 def build_failure_message(op: Op, name: str, exc: BaseException) -> str:

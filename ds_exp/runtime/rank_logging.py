@@ -205,31 +205,47 @@ def close_run_logging() -> None:
 
 
 @contextlib.contextmanager
-def library_stdout() -> Iterator[None]:
+def library_stdout(stderr: bool = False) -> Iterator[None]:
     """What libraries print on stdout inside the block goes to the log file (LIBRARY_LOGGER), Python's print and
-    C's printf alike (DeepSpeed's CPU Adam announces itself from C++ on every rank)."""
-    console = sys.stdout  # a library's handler may hold it: what it writes inside the block is captured too
+    C's printf alike (DeepSpeed's CPU Adam announces itself from C++ on every rank); with `stderr`, what they write
+    there too (lm-eval's progress bars, a subprocess's complaints)."""
+    printed: list[str] = []
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_captured(1, "stdout", printed))
+            if stderr:
+                stack.enter_context(_captured(2, "stderr", printed))
+            yield
+    finally:
+        library = logging.getLogger(LIBRARY_LOGGER)
+        for line in "".join(printed).splitlines():
+            if line.strip():
+                library.info(line)
+
+
+@contextlib.contextmanager
+def _captured(fd: int, name: str, printed: list[str]) -> Iterator[None]:
+    """File descriptor `fd` and sys.<name> into `printed` for the block."""
+    console = getattr(sys, name)  # a library's handler may hold it: what it writes inside the block is captured too
     console.flush()
     _flush_c_stdio()
-    printed = io.StringIO()
+    python = io.StringIO()
     with tempfile.TemporaryFile() as sink, contextlib.ExitStack() as restore:
-        with contextlib.suppress(OSError):  # no file descriptor 1 (a daemon): Python's prints are still caught
-            saved = os.dup(1)
+        with contextlib.suppress(OSError):  # no such file descriptor (a daemon): Python's prints are still caught
+            saved = os.dup(fd)
             restore.callback(os.close, saved)
-            os.dup2(sink.fileno(), 1)
-            restore.callback(os.dup2, saved, 1)
+            os.dup2(sink.fileno(), fd)
+            restore.callback(os.dup2, saved, fd)
+        redirect = contextlib.redirect_stdout if name == "stdout" else contextlib.redirect_stderr
         try:
-            with contextlib.redirect_stdout(printed):
+            with redirect(python):
                 yield
         finally:
             console.flush()
             _flush_c_stdio()
-            restore.close()  # fd 1 back to the console
+            restore.close()  # the file descriptor back to the console
             sink.seek(0)
-            library = logging.getLogger(LIBRARY_LOGGER)
-            for line in (printed.getvalue() + sink.read().decode(errors="replace")).splitlines():
-                if line.strip():
-                    library.info(line)
+            printed.append(python.getvalue() + sink.read().decode(errors="replace"))
 
 
 def _flush_c_stdio() -> None:

@@ -1,4 +1,4 @@
-"""Sweep report: one row per job of a multirun, printed and written as CSV, Markdown and a PNG plot.
+"""Sweep report: one row per job of a multirun, printed and written as CSV, Markdown and a PNG plot (report_plot).
 
     python -m ds_exp.report <sweep dir>     (ds_exp/sweeps/runs.py: any other directory of runs is listed)
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import shlex
 import statistics
 import sys
@@ -24,6 +23,8 @@ import yaml
 from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
+from ds_exp.sweeps.harness_columns import harness_cells, harness_damaged, report_columns
+from ds_exp.sweeps.report_plot import plot
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ COLUMNS = [
     "peak_memory_mib",
     "peak_memory_mib_per_rank",
     "train_loss",
+    "eval_loss",
     "perplexity",
     "wall_time_s",
     "restarts",
@@ -101,6 +103,7 @@ def read_job_summary(path: Path) -> dict[str, Any]:
     final = summary.get("final_eval") or {}
     if not isinstance(final, dict) or (final.get("perplexity") is not None and not _is_number(final["perplexity"])):
         wrong.append("final_eval")
+    wrong += ["harness"] if harness_damaged(summary) else []
     if wrong:
         raise Damaged(f"{path} is damaged: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not numbers")
     return summary
@@ -148,11 +151,13 @@ def _fill_from_summary(row: dict[str, Any], summary: dict[str, Any]) -> None:
         peak_memory_mib=max(peaks) / 2**20 if peaks else None,
         peak_memory_mib_per_rank=" ".join(f"{p / 2**20:.0f}" for p in peaks) or None,
         train_loss=summary.get("train_loss"),
+        eval_loss=final.get("eval_loss"),
         perplexity=final.get("perplexity"),
         wall_time_s=summary.get("wall_time_s"),
         restarts=summary.get("restarts"),
         error_kind=summary.get("error_kind"),
         error=summary.get("error"),
+        **harness_cells(summary),  # harness.<task>.<metric>: eval.harness's scores
     )
 
 
@@ -164,53 +169,10 @@ def _cell(value: object) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+def markdown(rows: list[dict[str, Any]], columns: list[str] = COLUMNS) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
-
-
-def varying_overrides(rows: list[dict[str, Any]]) -> list[str]:
-    """Per job, only the overrides that differ between jobs (what the sweep varies), for short labels."""
-    parsed = [dict(item.split("=", 1) for item in (row["overrides"] or "").split() if "=" in item) for row in rows]
-    keys = sorted({k for p in parsed for k in p if len({q.get(k) for q in parsed}) > 1})
-    return [
-        " ".join(f"{k}={p[k]}" for k in keys if k in p) or f"job {row['job']}"
-        for p, row in zip(parsed, rows, strict=True)
-    ]
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Throughput and peak memory per job, side by side."""
-    # matplotlib's INFO lines ("generated new fontManager" on its first use) would reach the sweep's console
-    # through Hydra's root handler: its warnings and errors still do
-    mpl_log = logging.getLogger("matplotlib")
-    if mpl_log.getEffectiveLevel() < logging.WARNING:
-        mpl_log.setLevel(logging.WARNING)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = varying_overrides(rows)
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4.5))
-    for ax, key, title in (
-        (axes[0], "tokens_per_s", "tokens/s (all ranks)"),
-        (axes[1], "peak_memory_mib", "peak memory per rank (MiB)"),
-    ):
-        values = [row[key] or 0.0 for row in rows]
-        bars = ax.bar(
-            range(len(rows)),
-            values,
-            color=["tab:blue" if r["status"] == RunStatus.COMPLETED else "tab:red" for r in rows],
-        )
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
-        ax.set_title(title)
-    fig.suptitle("ds_exp sweep (red: failed)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[str, Any]]:
@@ -221,18 +183,19 @@ def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[st
     for row in rows:
         if row["status"] == "damaged" or " is damaged: " in (row["error"] or ""):
             print(f"ds_exp: warning: job {row['job']}: {row['error']}; the report says so in its row", file=sys.stderr)
+    columns = report_columns(COLUMNS, rows)  # a harness.<task>.<metric> column per score the jobs report
     with (sweep_dir / "report.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    table = markdown(rows)
+    table = markdown(rows, columns)
 
     tuned = _section(autotune_section, sweep_dir, rows)
     study = _section(study_section, sweep_dir)  # an optuna study's trials and its best one (hydra/sweeper=optuna)
     extra = tuned + (f"\n{study}" if study else "")
     (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{extra}")
     if rows:
-        plot(rows, sweep_dir / "report.png")
+        plot(rows, sweep_dir / "report.png", sweep_dir)
     print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}{extra}")
     return rows
 

@@ -11,7 +11,6 @@ reads only. A sweep directory given itself gets its sweep report written, as at 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import entry_point
+from ds_exp.launch.flags import FlagParser, path
 from ds_exp.launch.lock import live_holder
 from ds_exp.sweeps.report import Damaged, job_dirs, read_job_summary, read_overrides, write_report
 
@@ -93,10 +93,10 @@ def listing(rows: list[dict[str, str]]) -> str:
 
 @entry_point("ds_exp.report")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ds_exp.report", description=__doc__.splitlines()[0])
+    parser = FlagParser(prog="python -m ds_exp.report", description=__doc__.splitlines()[0])
     parser.add_argument(
         "directory",
-        type=Path,
+        type=path,
         help="any directory of runs (outputs/, outputs/<experiment>): they are listed; or a sweep directory "
         "(outputs/multirun/<name>/<time>): its report is written",
     )

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # probes' own directories; a new run of the recommendation starts fresh).
 SESSION_KEYS = ("resume", "dry_run", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 STUDY_FILE = "study.json"
+STUDY_PLOT = "study.png"  # the objective against each searched parameter (ds_exp/sweeps/study_plot.py)
 # Numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py,
 # ds_exp/train/evaluate.py).
 EVAL_METRICS = ("eval_loss", "perplexity")
@@ -182,6 +183,8 @@ def study_section(sweep_dir: Path) -> str | None:
         lines.append(f"| {t['number']} | {t['state']} | {value} | {params} | {error} |")
     best = study.get("best")
     lines.append("")
+    if (sweep_dir / STUDY_PLOT).is_file():
+        lines += [f"![the objective against each searched parameter]({STUDY_PLOT})", ""]
     if best is None:
         lines.append("Best trial: none yet (no trial completed).")
     else:
@@ -193,6 +196,17 @@ def study_section(sweep_dir: Path) -> str | None:
             f"    {best['command']}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def study_values(sweep_dir: Path) -> tuple[str, str, dict[str, float | None]] | None:
+    """An optuna study's objective, its direction and each trial's value by the name of its job's directory (None for
+    other sweeps): what the sweep report's picture shows per job."""
+    record = sweep_dir / STUDY_FILE
+    if not record.is_file():
+        return None
+    study = json.loads(record.read_text())
+    values = {Path(t["job_dir"]).name: t["value"] for t in study["trials"] if t.get("job_dir")}
+    return str(study["objective"]), str(study["direction"]), values
 
 
 def _short(value: object) -> str:

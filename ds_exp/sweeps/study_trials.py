@@ -1,5 +1,5 @@
 """An optuna study's trials across sessions: the ones an earlier session left RUNNING (continued or failed),
-how many finished, and study.json written for people."""
+how many finished, and study.json (with its picture, study.png) written for people."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ds_exp.core.status import CONTINUABLE, RunStatus
 from ds_exp.launch.lock import live_holder
 from ds_exp.launch.run_dir import read_summary
 from ds_exp.sweeps.study_files import ABANDONED, STUDY_FILE, command_line
+from ds_exp.sweeps.study_plot import plot_study
 
 if TYPE_CHECKING:
     from optuna import Study
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def write_study(sweep_dir: Path, study: Study, identity: dict[str, Any], n_trials: int) -> None:
-    """study.json: the study's settings and every trial, for the sweep report (study_section)."""
+    """study.json: the study's settings and every trial, for the sweep report (study_section); study.png beside."""
     trials: list[dict[str, Any]] = []
     for trial in study.get_trials(deepcopy=False):
         attrs = trial.user_attrs
@@ -41,6 +42,7 @@ def write_study(sweep_dir: Path, study: Study, identity: dict[str, Any], n_trial
         best = next(t for t in trials if t["number"] == study.best_trial.number)
         best = {**best, "command": command_line(best["overrides"] or [], best["world_size"])}
     write_json_atomic(sweep_dir / STUDY_FILE, {**identity, "n_trials": n_trials, "trials": trials, "best": best})
+    plot_study(sweep_dir, study, identity["objective"])
 
 
 # How a trial's run ended that a sweep stopping before it did (Ctrl-C, a lost login node) leaves continuable: it

@@ -6,10 +6,11 @@
 the grid of hydra.sweeper.params and the command line's sweeps the way Hydra's basic sweeper does, then sorts the
 candidates before anything is launched: a combination the config validation refuses (e.g. offload at ZeRO-0) is
 "not applicable", one whose estimated memory per rank (model states from ds_exp/config/memory_plan.py, as the dry run
-computes
-them, plus activations) exceeds the memory budget is "ruled out"; the rest are launched as short probes through the
-configured launcher (one SLURM job each with hydra/launcher=slurm). The verdicts go to <sweep dir>/autotune.json;
-the sweep report (ds_exp/sweeps/report.py) ranks the probes and prints the command line of the recommended one.
+computes them, plus activations) exceeds the memory budget is "ruled out", one the run's plan refuses (its steps and
+DeepSpeed config, ds_exp/config/plan.py, as the recipe makes them) is "not applicable"; the rest are launched as
+short probes through the configured launcher (one SLURM job each with hydra/launcher=slurm). The verdicts go to
+<sweep dir>/autotune.json; the sweep report (ds_exp/sweeps/report.py) ranks the probes and prints the command line
+of the recommended one.
 
 A custom sweeper, not Hydra's basic one plus a callback: a callback cannot drop single jobs from a cartesian
 product, and launching a job only for it to decline would still queue it on SLURM.
@@ -33,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.file_overrides import IgnoredOverride
 from ds_exp.config.memory_plan import human_bytes, run_estimate
+from ds_exp.config.plan import RunPlan, plan_run
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
 from ds_exp.config.secrets import redact_text
@@ -83,6 +85,7 @@ class Autotune(Sweeper):
         self.params = dict(params or {})
         self.max_batch_size = max_batch_size
         self._facts: dict[str, dict[str, int]] = {}
+        self._examples: dict[str, int] = {}  # the training set's size, per data config (plan)
         self._refusals: list[str] = []  # settings that make the whole sweep pointless (judge collects them)
         self._composed: dict[tuple[str, ...], DictConfig] = {}  # each probe as judge composed it, for check_job
 
@@ -191,6 +194,10 @@ class Autotune(Sweeper):
                 reason=f"estimated {human_bytes(estimate['estimate_bytes'])} per rank > budget {human_bytes(budget)}",
             )
             return candidate
+        try:  # last: it counts the training set
+            self.plan(cfg, world, accelerator, Path(self.config.hydra.sweep.dir))
+        except DsExpError as err:
+            return {**candidate, "verdict": "not_applicable", "reason": first_line(err)}
         self._composed[tuple(overrides)] = composed
         return {**candidate, "verdict": "probe"}
 
@@ -228,6 +235,26 @@ class Autotune(Sweeper):
         states live in the same memory, so they count too."""
         precision = resolved_precision(cfg.precision.dtype, accelerator)
         return run_estimate(cfg, self.model_facts(cfg), world_size=world, precision=precision, accelerator=accelerator)
+
+    def plan(self, cfg: Config, world: int, accelerator: str, sweep_dir: Path) -> RunPlan:
+        """The probe's plan as its run makes it (ds_exp.config.plan.plan_run, as the recipe and the dry run): what
+        its setup would refuse (fewer examples than one global batch, a warmup longer than the probe's steps, a
+        DeepSpeed file that disagrees) is refused before anything is launched."""
+        # here, not at the top: datasets (pyarrow.dataset) reserves ~1 GB of address space on import, and imported
+        # before the model stack it left none for transformers in a sweep under a memory limit (ulimit -d / -v)
+        from ds_exp.data.pipeline import count_train_examples
+
+        key = repr(cfg.data)
+        if key not in self._examples:
+            self._examples[key] = count_train_examples(cfg.data)
+        return plan_run(
+            cfg,
+            world_size=world,
+            train_examples=self._examples[key],
+            hidden_size=self.model_facts(cfg)["hidden"] or None,
+            precision=resolved_precision(cfg.precision.dtype, accelerator),
+            run_dir=sweep_dir,
+        )
 
     def model_facts(self, cfg: Config) -> dict[str, int]:
         """Parameter counts and shapes, from the model's config on the meta device (no weights), once per model."""

@@ -7,13 +7,23 @@ estimates per-rank model-state memory, writes the exact DeepSpeed config the eng
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.ds_config import RunFacts, get_path, replaced_by_config_file, resolve_ds_config
-from ds_exp.config.memory_plan import estimate_model_states, human_bytes, run_estimate
+import torch
+
+from ds_exp.config.ds_config import get_path, replaced_by_config_file
+from ds_exp.config.fast_path import decide
+from ds_exp.config.memory_plan import (
+    estimate_model_states,
+    human_bytes,
+    optimizer_state,
+    plan_micro_batch,
+    run_estimate,
+)
 from ds_exp.config.model_checks import max_seq_len_notes
-from ds_exp.config.plan import data_parallel_size, total_steps, warmup_steps
+from ds_exp.config.plan import plan_run
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
 from ds_exp.config.secrets import redact
@@ -47,24 +57,20 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     padded = padded_vocab_size(len(tokenizer or ()), text.vocab_size, cfg.model.vocab_multiple)
     text.vocab_size = padded
     counts = count_parameters(cfg, model_config)
-    num_train = count_train_examples(cfg.data)
-    sp = int(cfg.dist.sequence_parallel_size)
-    dp = data_parallel_size(launch.world_size, sp)  # the ranks drawing different samples
-    steps = total_steps(num_train, cfg.train, dp)
-    facts = RunFacts(
+    plan = plan_run(
+        cfg,
         world_size=launch.world_size,
+        train_examples=count_train_examples(cfg.data),
         hidden_size=hidden,
-        total_steps=steps,
-        warmup_steps=warmup_steps(cfg.scheduler, steps),
         precision=precision,
-        run_dir=str(run_dir),
-        sequence_parallel_size=sp,
+        run_dir=run_dir,
     )
-    ds_config = resolve_ds_config(cfg, facts)
-    notes = [*replaced_by_config_file(cfg, facts), *max_seq_len_notes(cfg)]
+    ds_config = plan.ds_config
+    notes = [*replaced_by_config_file(cfg, plan.facts), *max_seq_len_notes(cfg)]
     if from_arch:
         notes.insert(0, arch_note(cfg))
     stage = int(get_path(ds_config, "zero_optimization.stage"))
+    shapes = model_facts(cfg)
     memory = estimate_model_states(
         counts.total,
         counts.trainable,
@@ -73,14 +79,21 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         precision=precision,
         offload_optimizer=str(get_path(ds_config, "zero_optimization.offload_optimizer.device", "none")),
         offload_param=str(get_path(ds_config, "zero_optimization.offload_param.device", "none")),
+        state=optimizer_state(cfg, shapes, accelerator),
     )
-    shapes = model_facts(cfg)
     per_rank = run_estimate(cfg, shapes, world_size=launch.world_size, precision=precision, accelerator=accelerator)
+    fast = decide(cfg, accelerator, stage)
+    planned = None
+    if accelerator == "cuda":  # the planner's micro batch and checkpointing for this GPU's memory
+        device = torch.cuda.get_device_properties(0).total_memory
+        planned = plan_micro_batch(cfg, shapes, device, precision=precision, world_size=launch.world_size)
     return {
+        "fast_path": {"attention": cfg.model.attn_implementation or "sdpa", **asdict(fast)},
+        "planned_micro_batch_and_checkpointing": planned,
         "launcher": launch.launcher,
         "world_size": launch.world_size,
-        "data_parallel_size": dp,
-        "sequence_parallel_size": sp,
+        "data_parallel_size": plan.data_parallel_size,
+        "sequence_parallel_size": plan.sequence_parallel_size,
         "accelerator": accelerator,
         "precision": precision,
         "model": cfg.model.name_or_path or f"{cfg.model.name} (built from model.arch)",
@@ -91,10 +104,11 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "parameters": counts.total,
         "trainable_parameters": counts.trainable,
         "lora_targets": len(counts.lora_targets),
-        "train_examples": num_train,
-        "global_batch_size": ds_config["train_batch_size"],
-        "total_steps": steps,
+        "train_examples": plan.train_examples,
+        "global_batch_size": plan.global_batch_size,
+        "total_steps": plan.total_steps,
         "zero_stage": stage,
+        "optimizer": str(cfg.optimizer.name),
         "memory_per_rank": {**memory.as_dict(), "activation_bytes": per_rank["activation_bytes"]},
         "estimate_per_rank_bytes": per_rank["estimate_bytes"],  # model states + activations (autotune's number)
         "max_seq_len": int(cfg.data.max_seq_len),
@@ -143,14 +157,25 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
         f"  data       {plan['train_examples']:,} train examples, global batch {plan['global_batch_size']}, "
         f"{plan['total_steps']:,} optimizer steps",
         f"  ZeRO {plan['zero_stage']}     per rank: params {human_bytes(mem['params_bytes'])}, grads "
-        f"{human_bytes(mem['grads_bytes'])}, optimizer {human_bytes(mem['optimizer_bytes'])} -> "
+        f"{human_bytes(mem['grads_bytes'])}, optimizer ({plan['optimizer']}) {human_bytes(mem['optimizer_bytes'])} -> "
         f"device {human_bytes(mem['device_bytes'])}, host {human_bytes(mem['host_bytes'])} (model states)",
         f"  activations ~{human_bytes(mem['activation_bytes'])} per rank for a micro batch of "
         f"{plan['micro_batch_size']} x {plan['max_seq_len']:,} tokens -> ~"
         f"{human_bytes(plan['estimate_per_rank_bytes'])} per rank in all"
         + (" (host memory counted: this is a CPU)" if plan["accelerator"] == "cpu" else ""),
+        "  fast path  " + ", ".join(f"{k} {_on(v)}" for k, v in plan["fast_path"].items()),
     ]
+    if plan["planned_micro_batch_and_checkpointing"]:
+        micro, checkpointing = plan["planned_micro_batch_and_checkpointing"]
+        lines.append(
+            f"  planner    for this GPU: train.micro_batch_size={micro} "
+            f"model.gradient_checkpointing={str(checkpointing).lower()}"
+        )
     return "\n".join(lines)
+
+
+def _on(value: object) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def _parallel_words(plan: dict[str, Any]) -> str:

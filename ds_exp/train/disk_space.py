@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ds_exp.artifacts.export import check_target
-from ds_exp.config.memory_plan import export_bytes
+from ds_exp.config.memory_plan import one_export_bytes
 from ds_exp.config.schema import Config, TrainConfig
 from ds_exp.core.errors import RunFailed
 from ds_exp.launch.run_dir import completed_at
@@ -26,11 +26,21 @@ def saves_a_checkpoint(train_cfg: TrainConfig, start_step: int, total_steps: int
 
 
 def check_disk_space(
-    cfg: Config, session: Session, checkpoint_size: int, parameters: int, *, start_step: int = 0, total_steps: int = 0
+    cfg: Config,
+    session: Session,
+    checkpoint_size: int,
+    parameters: int,
+    *,
+    trainable: int | None = None,
+    start_step: int = 0,
+    total_steps: int = 0,
 ) -> None:
-    """Collective: rank 0 checks that what the run will write (a checkpoint, the export) fits on its disk (and that
-    the export would replace nothing that is not an export); every rank obeys. A resume counts only what is still
-    to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
+    """Collective: rank 0 checks that what the run will write (a checkpoint, the exports) fits on its disk (and that
+    the export would replace nothing that is not an export); every rank obeys. `checkpoint_size`: one checkpoint
+    (what trains: ds_exp.config.memory_plan.checkpoint_bytes); with LoRA an export is the adapter (`trainable`
+    weights, default all) and the merged model where train.export_merged asks for it. A resume counts only what is
+    still to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
+    trainable = parameters if trainable is None else trainable
     train_cfg, verdict = cfg.train, None
     finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step
     if session.is_main and not finished:
@@ -41,10 +51,12 @@ def check_disk_space(
             needs[path], keys[path] = checkpoint_size, "train.checkpoint_dir"
         if train_cfg.export:
             path = session.run_dir / train_cfg.export_dir
-            needs[path], keys[path] = export_bytes(parameters, session.precision), "train.export_dir"
+            size = one_export_bytes(cfg, parameters, trainable, session.precision, final=True)
+            needs[path], keys[path] = size, "train.export_dir"
         planned = planned_step_exports(cfg, session.run_dir, start_step, total_steps)
         if planned:
-            needs[planned[0]] = step_export_needs(cfg, planned, parameters, session.precision)
+            each = one_export_bytes(cfg, parameters, trainable, session.precision, final=False)
+            needs[planned[0]] = step_export_needs(cfg, planned, each)
             keys[planned[0]] = "train.export_every"
         try:
             check_free_space(needs, keys)

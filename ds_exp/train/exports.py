@@ -1,7 +1,9 @@
 """The run's Hugging Face exports: the final one (train.export_dir), and with train.export_every one every N steps
 during training (<export_dir>-step<N>, beside it; the last step has the final one), of which the newest
 train.export_keep_last of this run are kept. Each is made by ds_exp/artifacts/export.py and records the run, its step,
-and how the run asked the model (template, stop tokens) for `python -m ds_exp.chat`.
+and how the run asked the model (template, stop tokens) for `python -m ds_exp.chat`. With LoRA each export is the
+adapter (<export_dir>[-step<N>]_adapter, a few MB), and the merged model where train.export_merged asks for it: by
+default in the final export only.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import shutil
 from pathlib import Path
 
 from ds_exp.artifacts.export import check_target, export_hf, export_spec
-from ds_exp.config.memory_plan import export_bytes
+from ds_exp.config.export_schema import merges
 from ds_exp.config.schema import Config
 from ds_exp.data.templates import first_template
-from ds_exp.launch.exports import WRITTEN_BY_RUN, rotated_step_exports, step_export_dir
+from ds_exp.launch.exports import WRITTEN_BY_RUN, adapter_dir, rotated_step_exports, step_export_dir
 from ds_exp.train.generate import stop_token_ids
+from ds_exp.train.harness import score_step_export
 from ds_exp.train.session import Session
 from ds_exp.train.workload import Workload
 
@@ -31,10 +34,10 @@ def planned_step_exports(cfg: Config, run_dir: Path, start_step: int, total_step
     return [step_export_dir(export_dir, s) for s in range((start_step // every + 1) * every, total_steps, every)]
 
 
-def step_export_needs(cfg: Config, planned: list[Path], parameters: int, precision: str) -> int:
+def step_export_needs(cfg: Config, planned: list[Path], per_export: int) -> int:
     """Disk for the step exports at their most: train.export_keep_last of them, plus the one being written."""
     keep = cfg.train.export_keep_last
-    return export_bytes(parameters, precision) * (min(keep + 1, len(planned)) if keep else len(planned))
+    return per_export * (min(keep + 1, len(planned)) if keep else len(planned))
 
 
 def check_step_export_targets(planned: list[Path]) -> None:
@@ -53,19 +56,25 @@ class RunExports:
     def final(self) -> None:
         if self.cfg.train.export:
             assert self.session.state.steps is not None  # set once training ends
-            self._export(self.export_dir, self.session.state.steps)
-            self.session.state.export_dir = str(self.export_dir)
+            merged = merges(self.cfg.train.export_merged, self.cfg.lora.dim, final=True)
+            self._export(self.export_dir, self.session.state.steps, merged=merged)
+            self.session.state.export_dir = str(self.export_dir if merged else adapter_dir(self.export_dir))
 
     def at_step(self, step: int) -> None:
         """The step export (train.export_every), then this run's older ones beyond train.export_keep_last."""
         target = step_export_dir(self.export_dir, step)
-        self._export(target, step)
+        # eval.harness.every_save scores each step's merged model: it is written for it whatever export_merged says
+        every_save = bool(self.cfg.eval.harness.tasks) and self.cfg.eval.harness.every_save
+        merged = merges(self.cfg.train.export_merged, self.cfg.lora.dim, final=False) or every_save
+        self._export(target, step, merged=merged)
         if self.session.is_main:
-            log.info("exported step %d to %s", step, target)
+            log.info("exported step %d to %s", step, target if merged else adapter_dir(target))
+            if merged:  # eval.harness.every_save scores the merged model: before rotation
+                score_step_export(self.cfg, self.session, target, step)
             for old in rotated_step_exports(self.export_dir, self.run_id, self.cfg.train.export_keep_last):
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _export(self, target: Path, step: int) -> None:
+    def _export(self, target: Path, step: int, *, merged: bool) -> None:
         cfg, work = self.cfg, self.work
         spec = export_spec(
             cfg,
@@ -86,5 +95,6 @@ class RunExports:
             spec=spec,
             tokenizer=work.tokenizer,
             export_dir=target,
-            save_adapter=cfg.train.export_adapter,
+            save_adapter=True,  # with LoRA the adapter, always: it is small
+            merged=merged,
         )

@@ -1,11 +1,16 @@
-"""Model FLOPs and the accelerator's peak, for model FLOPs utilization (MFU).
+"""Model FLOPs and the accelerator's peak, for model FLOPs utilization (MFU), in two counts.
 
 Model FLOPs of one training token (PaLM's accounting, recomputation not counted):
 * matrix multiplies: 2 N forward + 2 N backward to the activations + 2 N_trainable for the weight gradients, where
   N counts the weights that multiply (the input embedding is a lookup and only counts when it is tied to the
   output layer). A full fine-tune gives the familiar 6 N; LoRA with a frozen base about 4 N.
-* attention scores: 12 L h n per token of a sequence of n tokens (Q K^T and A V, forward and backward), so a
-  batch costs 12 L h sum(n_i^2) over its sequences (packed rows: over the examples they hold).
+* attention scores, two ways:
+  - ds_exp's count (`mfu`, `tflops_per_device`): 12 L d n per token of an example of n tokens (Q K^T and A V, forward
+    and backward), so a batch costs 12 L d sum(n_i^2) over its examples: the attention each example needs, which is
+    what a varlen kernel computes over packed rows (ds_exp/model/attention.py). For short packed examples this is
+    close to 6 N alone.
+  - torchtitan's and llm-foundry's count (`mfu_with_attention`): 6 N + 12 L d s per token, s the row length, every
+    token counted over its whole row whatever the examples in it: their published MFU figures use it.
 MFU = model FLOP/s per device / the device's dense peak for the training precision.
 """
 
@@ -72,8 +77,16 @@ class FlopsModel:
     hidden: int
 
     def per_batch(self, tokens: float, sum_squared_lengths: float) -> float:
-        per_token = 4 * self.matmul_params + 2 * self.trainable_matmul_params
-        return per_token * tokens + 12 * self.layers * self.hidden * sum_squared_lengths
+        """ds_exp's count: the attention of each example (sum of its squared lengths)."""
+        return self.matmul_per_token * tokens + 12 * self.layers * self.hidden * sum_squared_lengths
+
+    def per_batch_row_attention(self, tokens: float, row_length: int) -> float:
+        """torchtitan's and llm-foundry's count: every token attends over its whole row (12 L d s per token)."""
+        return (self.matmul_per_token + 12 * self.layers * self.hidden * row_length) * tokens
+
+    @property
+    def matmul_per_token(self) -> int:
+        return 4 * self.matmul_params + 2 * self.trainable_matmul_params
 
 
 def flops_model(model: PreTrainedModel | PeftModel, config: PretrainedConfig) -> FlopsModel:

@@ -16,6 +16,7 @@ import torch
 from deepspeed import DeepSpeedEngine
 from torch.utils.data import DataLoader
 
+from ds_exp.artifacts.loss_plot import LossPlot
 from ds_exp.checkpoint.checkpointer import Checkpointer
 from ds_exp.config.plan import eval_interval
 from ds_exp.config.schema import EvalConfig, TrainConfig, plain
@@ -61,8 +62,17 @@ class Loop:
         self.session, self.work, self.metrics = session, work, metrics
         self.checkpoints, self.generations, self.progress = checkpoints, generations, progress
         self.exports = exports
+        self.loss_plot = LossPlot(session.run_dir, enabled=session.is_main)  # plots/loss.png at each evaluation
         self.engine = work.engine
-        self.step = TrainStep(work.engine, world_size=session.world, flops=work.flops, sp=work.sp, loss=work.built.loss)
+        built = work.built
+        self.step = TrainStep(
+            work.engine,
+            world_size=session.world,
+            flops=work.flops,
+            sp=work.sp,
+            loss=built.loss,
+            boundaries=built.takes_example_boundaries,
+        )
         self.schedule = str(plain(work.schedule_name))
         self.eval_every = eval_interval(train_cfg, work.steps_per_epoch, work.total_steps)  # 0: after each epoch
         self.bad_steps = 0
@@ -180,6 +190,7 @@ class Loop:
         record = {"type": "eval", "step": progress.step, "epoch": progress.epoch, **result}
         self.metrics.record(record, {"eval/loss": result["eval_loss"], "eval/perplexity": result["perplexity"]})
         log.info("eval at step %d: loss %.5f perplexity %.3f", progress.step, result["eval_loss"], result["perplexity"])
+        self.loss_plot.draw()
         self.session.state.final_eval = result  # the last so far
         if self.eval_cfg.every_eval and progress.step not in (0, work.total_steps):
             self.generate()

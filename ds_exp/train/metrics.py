@@ -44,6 +44,7 @@ class Window:
     flops: float = 0.0
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
+    flops_row_attention: float = 0.0  # torchtitan's / llm-foundry's count (ds_exp.train.flops)
 
 
 @dataclass
@@ -51,7 +52,7 @@ class PendingLine:
     """A closed window whose sums over ranks are still being all-reduced."""
 
     work: dist.Work  # the async all-reduce
-    sums: torch.Tensor  # its tensor: loss sum, label tokens, input tokens, samples, model FLOPs
+    sums: torch.Tensor  # its tensor: loss sum, label tokens, input tokens, samples, model FLOPs (both counts)
     record: dict[str, Any]  # the line, less what the sums give
     elapsed: float
 
@@ -66,6 +67,7 @@ class Totals:
     flops: float = 0.0
     skipped_steps: int = 0
     last_loss: float | None = None
+    flops_row_attention: float = 0.0
 
 
 class _NoBar:
@@ -165,6 +167,7 @@ class Metrics:
         window.input_tokens += result.input_tokens
         window.samples += result.samples
         window.flops += result.flops
+        window.flops_row_attention += result.flops_row_attention
         window.steps += 1
         self.totals.seconds += seconds
         self.totals.skipped_steps += not result.applied
@@ -176,7 +179,14 @@ class Metrics:
         window, now = self.window, time.perf_counter()
         self.window = Window(started=now)
         sums = torch.tensor(
-            [float(window.loss_sum), window.label_tokens, window.input_tokens, window.samples, window.flops],
+            [
+                float(window.loss_sum),
+                window.label_tokens,
+                window.input_tokens,
+                window.samples,
+                window.flops,
+                window.flops_row_attention,
+            ],
             dtype=torch.float64,
             device=self.device,
         )
@@ -195,11 +205,12 @@ class Metrics:
         if pending is None:
             return
         pending.work.wait()
-        loss_sum, labels, inputs, samples, flops = pending.sums.tolist()
+        loss_sum, labels, inputs, samples, flops, row_flops = pending.sums.tolist()
         totals = self.totals
         totals.tokens += inputs
         totals.samples += samples
         totals.flops += flops
+        totals.flops_row_attention += row_flops
         loss = loss_sum / max(labels, 1.0)
         record = {
             **pending.record,
@@ -208,7 +219,8 @@ class Metrics:
             "tokens_per_s_per_device": inputs / pending.elapsed / self.world_size,
             "samples_per_s": samples / pending.elapsed,
             "tflops_per_device": flops / pending.elapsed / self.world_size / 1e12,
-            "mfu": self.mfu(flops, pending.elapsed),
+            "mfu": self.mfu(flops, pending.elapsed),  # ds_exp's count: 6 N + each example's attention
+            "mfu_with_attention": self.mfu(row_flops, pending.elapsed),  # torchtitan's: 6 N + 12 L d s per token
         }
         step = record["step"]
         if record["skipped_steps"] > self.skips_said:

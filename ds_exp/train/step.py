@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from ds_exp.core import compat
 from ds_exp.core.errors import RunFailed
+from ds_exp.model.attention import example_boundaries
 from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.train.flops import FlopsModel, sum_squared_lengths
 
@@ -62,20 +64,26 @@ def token_loss_sum(
     return loss, (targets != IGNORE_INDEX).sum()
 
 
-# (engine, model inputs, next-token targets) -> (summed token loss, label tokens): logits_loss, or the tiled loss
-BatchLoss = Callable[[torch.nn.Module, Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (engine, model inputs, next-token targets) -> (summed token loss, label tokens): logits_loss, or the fused or the
+# tiled loss (ds_exp.model.head_loss.HeadLoss)
+BatchLoss = Callable[[torch.nn.Module, dict[str, Any], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def logits_loss(engine: torch.nn.Module, inputs: Batch, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed token loss and label tokens from the model's full logits (the default; model.tiled_loss computes
-    the same in chunks: ds_exp.model.tiling.TiledLoss)."""
+def logits_loss(
+    engine: torch.nn.Module, inputs: dict[str, Any], targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed token loss and label tokens from the model's full logits (the plain path; model.fused_loss and
+    model.tiled_loss compute the same without them: ds_exp/model/head_loss.py)."""
     out = engine(**inputs, use_cache=False)
     return token_loss_sum(out.logits, shift_labels=targets)
 
 
-def batch_loss(loss: BatchLoss | None, engine: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's summed token loss and label tokens through `loss` (None: the full logits')."""
-    return (loss or logits_loss)(engine, model_inputs(batch), next_token_targets(batch))
+def batch_loss(
+    loss: BatchLoss | None, engine: torch.nn.Module, batch: Batch, boundaries: dict[str, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's summed token loss and label tokens through `loss` (None: the full logits'). `boundaries`: a packed
+    batch's examples for a varlen attention (ds_exp.model.attention.example_boundaries)."""
+    return (loss or logits_loss)(engine, {**model_inputs(batch), **(boundaries or {})}, next_token_targets(batch))
 
 
 def model_inputs(batch: Batch) -> Batch:
@@ -120,8 +128,9 @@ class StepResult:
     label_tokens: int
     input_tokens: float
     samples: int
-    flops: float  # model FLOPs of this rank's batches (ds_exp.train.flops)
+    flops: float  # model FLOPs of this rank's batches (ds_exp.train.flops: ds_exp's count)
     applied: bool  # False when the fp16 loss scaler skipped the update (gradient overflow)
+    flops_row_attention: float = 0.0  # the same in torchtitan's / llm-foundry's count (6 N + 12 L d s per token)
 
 
 class Fp16LossScale:
@@ -163,14 +172,17 @@ class TrainStep:
         flops: FlopsModel,
         sp: SequenceParallel | None = None,
         loss: BatchLoss | None = None,
+        boundaries: bool = False,
     ) -> None:
+        """`boundaries`: hand packed batches' example boundaries to the attention (a varlen kernel's)."""
         self.engine = engine
         self.world_size = world_size
         self.flops = flops
         self.sp = sp or SequenceParallel()
-        self.loss = loss  # None: from the full logits (logits_loss); model.tiled_loss: in chunks
+        self.loss = loss  # None: from the full logits (logits_loss); the fused or the tiled loss
+        self.boundaries = boundaries and not self.sp.enabled  # sequence parallelism runs each document on its own
         # undoes DeepSpeed's mean over data-parallel ranks (it sums over a sequence-parallel group), and where it
-        # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat.py) that too
+        # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat/) that too
         self.rank_scale = world_size // self.sp.size * compat.sequence_parallel_gradient_factor(engine, self.sp.size)
         self.fp16_loss_scale = Fp16LossScale(engine) if Fp16LossScale.needed(engine) else None
 
@@ -197,17 +209,20 @@ class TrainStep:
         pending = dist.all_reduce(reduced, async_op=True)
         votes: StepVotes | None = None
         loss_sum: torch.Tensor | float = 0.0
-        tokens = samples = flops = 0.0
+        tokens = samples = flops = row_flops = 0.0
         for batch in batches:
             if sp.counts_rows:
                 batch_tokens = input_tokens(batch)
                 tokens += batch_tokens
                 samples += batch["input_ids"].size(0)
                 flops += self.flops.per_batch(batch_tokens, sum_squared_lengths(batch))
+                row_flops += self.flops.per_batch_row_attention(batch_tokens, batch["input_ids"].size(1))
             if sp.enabled:
                 batch = sp.shard(batch)
+            examples = example_boundaries(batch) if self.boundaries else {}  # from the host's position ids
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            summed, _ = batch_loss(self.loss, engine, batch)
+            examples = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in examples.items()}
+            summed, _ = batch_loss(self.loss, engine, batch, examples)
             if votes is None:
                 pending.wait()
                 votes = StepVotes(*reduced.tolist())
@@ -222,4 +237,5 @@ class TrainStep:
             engine.step()
             loss_sum = loss_sum + summed.detach()
         assert votes is not None
-        return StepResult(votes, loss_sum, sum(labels), tokens, int(samples), flops, engine.was_step_applied())
+        applied = engine.was_step_applied()
+        return StepResult(votes, loss_sum, sum(labels), tokens, int(samples), flops, applied, row_flops)

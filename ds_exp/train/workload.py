@@ -36,6 +36,8 @@ class Workload:
     flops: FlopsModel
     peak_flops: float | None  # per device, for MFU (None where unknown)
     checkpoint_bytes: int  # about what one checkpoint takes on disk
+    # the frozen weights (LoRA's base) as built, which checkpoints leave out and record (ds_exp.checkpoint.frozen)
+    base: dict[str, Any] | None = None
     resume_from: Path | None = None  # the checkpoint this run continues (ds_exp.train.recipe.resume_plan)
     # loaded through DeepSpeed's universal format: its layout changed (ds_exp/checkpoint/universal.py)
     universal: bool = False

@@ -13,11 +13,14 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
+from ds_exp.core import compat
+
 
 class AutotuneSweeper(Sweeper):
     """ds_exp.tools.autotune.Autotune, under the name Hydra accepts."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        compat.import_deepspeed_without_mlflow()  # DeepSpeed would import all of mlflow (the extra) for nothing
         from ds_exp.tools.autotune import Autotune
 
         return Autotune(*args, **kwargs)

@@ -277,14 +277,14 @@ def test_a_disk_that_fills_up_during_training_leaves_no_corrupt_checkpoint(
 def test_full_disks_under_the_trackers_then_the_run_are_one_message_each(tmp_path, cache_dir, mount_tmpfs):
     """The trackers' stores (MLflow's SQLite, TensorBoard's event files, wandb's offline files) on one small disk,
     the run directory on another, checkpoints on a third. The stores' disk fills at step 2: each tracker says so once
-    and the run goes on (no hang: tensorboardX's writer thread would block it forever). The run directory's disk
-    fills at step 5: metrics.jsonl stops the run with one message; no traceback, no .tmp, no line or record cut
+    and the run goes on (no hang: tensorboardX's writer thread would block it forever). Then the run directory's
+    disk fills: metrics.jsonl stops the run with one message; no traceback, no .tmp, no line or record cut
     short, and the checkpoints as they were."""
     run_disk, stores = mount_tmpfs("2m"), mount_tmpfs("4m")
     run_dir, checkpoints = run_disk / "run", tmp_path / "checkpoints"
     overrides = [
         *FAST,
-        "train.max_steps=40",  # never reached: the full disk stops the run within a few lines
+        "train.max_steps=200",  # never reached: the full disk stops the run within a few lines
         "train.save_every=3",
         "train.allow_outside_run_dir=true",
         f"train.checkpoint_dir={checkpoints}",
@@ -305,10 +305,21 @@ def test_full_disks_under_the_trackers_then_the_run_are_one_message_each(tmp_pat
                 filler.write(b"\0" * 4096)
                 filler.flush()
 
+    stores_of = {"MLflow": f"sqlite:///{stores}/mlflow.db", "TensorBoard": stores / "tb", "wandb": stores}
+
+    def trackers_told() -> bool:  # a store fails only when its next write needs a new page: wait for all three
+        output = (tmp_path / "stdout").read_text() + (tmp_path / "stderr").read_text()
+        return all(f"{tracker}: could not write to {where}" in output for tracker, where in stores_of.items())
+
+    phases = (
+        (lambda: logged_steps(run_dir) >= 2, []),
+        (trackers_told, [stores]),
+        (lambda: False, [stores, run_disk]),  # until it ends
+    )
     deadline = time.monotonic() + 300
     try:
-        for until_step, full in ((2, []), (5, [stores]), (10**6, [stores, run_disk])):  # the last: until it ends
-            while logged_steps(run_dir) < until_step and proc.poll() is None:
+        for done, full in phases:
+            while not done() and proc.poll() is None:
                 assert time.monotonic() < deadline, "the run hangs"
                 for disk in full:
                     fill(disk)
@@ -322,7 +333,6 @@ def test_full_disks_under_the_trackers_then_the_run_are_one_message_each(tmp_pat
     output = stdout + stderr
     assert proc.returncode == 1, output[-4000:]
     assert "Traceback" not in output and "Logging error" not in output, output[-4000:]
-    stores_of = {"MLflow": f"sqlite:///{stores}/mlflow.db", "TensorBoard": stores / "tb", "wandb": stores}
     for tracker, where in stores_of.items():
         said = [line for line in output.splitlines() if f"{tracker}: could not write to {where}" in line]
         assert len(said) == 1 and "the run goes on" in said[0], output[-4000:]

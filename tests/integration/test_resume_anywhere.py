@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ds_exp.checkpoint.universal import (
     MARKER,
@@ -29,6 +30,7 @@ from ds_exp.checkpoint.universal import (
 )
 from ds_exp.checkpoint.universal_cli import main
 from ds_exp.core.errors import ResumeError
+from ds_exp.resume.store import read_marker
 from tests.training import FAST, Run, assert_close, free_port, launch, user_env
 
 pytestmark = pytest.mark.slow
@@ -129,19 +131,30 @@ def test_two_ranks_zero2_continue_on_one_rank_zero3(zero2_two_ranks, zero3_one_r
     assert summary["world_size"] == 1 and summary["zero_stage"] == 3
 
 
+def holds_only_what_trains(run: Run, tag: str = "step4") -> None:
+    """A LoRA checkpoint holds the adapters and their optimizer states, not the frozen base (issue 35 §4): the
+    module's weights in it are exactly the run's trainable ones, and its marker records the base it leaves out."""
+    tag_dir = run.run_dir / "checkpoints" / tag
+    module = torch.load(tag_dir / MODEL_STATES[0], map_location="cpu", weights_only=False)["module"]
+    summary = run.summary
+    assert module and all("lora_" in name for name in module), sorted(module)[:4]
+    assert sum(t.numel() for t in module.values()) == summary["trainable_parameters"]
+    base = read_marker(tag_dir)["base"]
+    assert base["elements"] + summary["trainable_parameters"] == summary["parameters"] and len(base["sha256"]) == 64
+
+
 def test_two_ranks_zero2_with_lora_continue_on_one_rank_zero3(lora_zero2_two_ranks, tmp_path, cache_dir):
-    """Only the adapters are in the optimizer: ds_to_universal converts their Adam states and writes the frozen
-    base weights' values alone; the ZeRO-3 engine restores the adapters and keeps the base as built (as saved)."""
+    """Only the adapters are in the checkpoint: ds_to_universal converts them and their Adam states, nothing else;
+    the ZeRO-3 engine restores the adapters and keeps the base as built (the one the checkpoint records)."""
+    holds_only_what_trains(lora_zero2_two_ranks)
     run, before = to_zero3_one_rank(lora_zero2_two_ranks, tmp_path / "lora_zero3", cache_dir, "lora.dim=8")
     continued(lora_zero2_two_ranks, run)
     tag_dir = lora_zero2_two_ranks.run_dir / "checkpoints" / "step4"
     assert checksums(tag_dir) == before
     zero = universal_dir(tag_dir) / "zero"
     converted = {p.name for p in zero.iterdir() if p.is_dir()}
-    trainable = {name for name in converted if (zero / name / "exp_avg.pt").is_file()}
-    assert trainable and all("lora_" in name for name in trainable), trainable
-    frozen = converted - trainable  # DeepSpeed writes their values alone (fp32.pt), from the model states
-    assert frozen and not any("lora_" in name for name in frozen), frozen
+    assert converted and all((zero / name / "exp_avg.pt").is_file() for name in converted), converted
+    assert all("lora_" in name for name in converted), converted  # no frozen weight: the checkpoint has none
 
 
 def test_an_offload_change_reuses_the_cached_conversion(zero2_two_ranks, zero3_one_rank, tmp_path, cache_dir):
@@ -157,8 +170,9 @@ def test_an_offload_change_reuses_the_cached_conversion(zero2_two_ranks, zero3_o
 
 
 def test_one_rank_with_lora_continues_on_two_ranks_zero2(lora_one_rank, tmp_path, cache_dir):
-    """Stage 0 -> ZeRO-2: ds_exp converts the stage-0 optimizer state (only the adapters are in it; the frozen
-    base weights come from the model states)."""
+    """Stage 0 -> ZeRO-2: ds_exp converts the stage-0 optimizer state (only the adapters are in it, as in the
+    checkpoint; the frozen base weights are the ones built)."""
+    holds_only_what_trains(lora_one_rank)
     run = resumed(lora_one_rank, tmp_path / "lora_2ranks", "lora.dim=8", "zero=stage2", nproc=2, cache_dir=cache_dir)
     continued(lora_one_rank, run)
     zero = universal_dir(lora_one_rank.run_dir / "checkpoints" / "step4") / "zero"

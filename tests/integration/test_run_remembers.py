@@ -84,17 +84,20 @@ def test_a_resume_drops_the_killed_attempts_lines_past_its_checkpoint(tmp_path, 
     # wandb agrees: the resumed wandb run is rewound to the checkpoint's step, not continued past the killed steps
     seen: dict = {}
 
+    from ds_exp.artifacts.trackers import wandb as wandb_tracker
+
     class FakeRun:
         id = "run123"
+        dir = str(tmp_path / "wandb" / "offline-run-x" / "files")
 
     fake_wandb = type(sys)("wandb")
     fake_wandb.init = lambda **kwargs: seen.update(kwargs) or FakeRun()
     fake_wandb.Settings = lambda **kwargs: kwargs
-    monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
+    monkeypatch.setattr(wandb_tracker, "wandb", fake_wandb)
     cfg = compose_cfg("logger=wandb", "logger.wandb.mode=offline")
-    tracking.WandbRun(cfg, tmp_path, enabled=True, run_id="run123", start_step=10)
+    wandb_tracker.WandbRun(cfg, tmp_path, run_id="run123", start_step=10)
     assert seen["resume_from"] == "run123?_step=10" and "resume" not in seen
-    tracking.WandbRun(cfg, tmp_path, enabled=True, run_id=None)
+    wandb_tracker.WandbRun(cfg, tmp_path, run_id=None, start_step=0)
     assert seen["resume"] == "allow"
 
 

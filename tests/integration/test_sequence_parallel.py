@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ds_exp.config.ds_config import RunFacts, resolve_ds_config
+from ds_exp.config.fast_path import liger_installed
 from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, isolate_documents
@@ -114,7 +115,7 @@ def test_what_sequence_parallelism_cannot_run_is_said_before_heavy_work(compose_
     assert problems(n=4, model__arch={**base.model.arch, "num_key_value_heads": 2}) == ""
     assert "train.eval_micro_batch_size=null" in problems(train__eval_micro_batch_size=2)
     assert "leave zero.reduce_scatter unset" in problems(stage=3, reduce_scatter=False)
-    assert problems(stage=3) == ""  # DeepSpeed's default (on): its factor is compensated (ds_exp/core/compat.py)
+    assert problems(stage=3) == ""  # DeepSpeed's default (on): its factor is compensated (ds_exp/core/compat/)
     monkeypatch.setattr("ds_exp.config.sp_checks.importlib.metadata.version", lambda name: "0.16.9")
     assert "this is DeepSpeed 0.16.9: pip install -U 'deepspeed>=0.17'" in problems()
     # a hub model's heads are checked once its config is loaded, before its data and weights
@@ -167,7 +168,7 @@ def test_parity_checker_finds_sp2_on_two_ranks_equal_to_one_rank_packed_with_acc
     assert (summary["world_size"], summary["data_parallel_size"], summary["sequence_parallel_size"]) == (2, 1, 2)
 
 
-def sp_launch(run_dir: Path, cache_dir: Path, *overrides: str, ranks: int):
+def sp_launch(run_dir: Path, cache_dir: Path, *overrides: str, ranks: int, env: dict[str, str] | None = None):
     from tests.training import launch
 
     common = [*SMALL, "zero=stage3", "lora.dim=8", "train.max_steps=6", "eval.prompts=[hello]", "eval.max_new_tokens=4"]
@@ -178,6 +179,7 @@ def sp_launch(run_dir: Path, cache_dir: Path, *overrides: str, ranks: int):
         launcher="ranks" if ranks > 1 else "single",
         nproc=ranks,
         cache_dir=cache_dir,
+        env=env,
         timeout=900,
     )
 
@@ -187,17 +189,44 @@ def train_and_eval(run) -> tuple[list[float], list[float], list[float]]:
     return run.losses, [r["grad_norm"] for r in run.records("train")], evals
 
 
+def dry_run_of(run, world: int, compose_cfg, monkeypatch) -> dict:
+    """What `dry_run=true` plans for a run's own command line at its world size (ds_exp/tools/dry_run.py)."""
+    from omegaconf import OmegaConf
+
+    from ds_exp.tools.dry_run import make_plan
+
+    overrides = [o for o in OmegaConf.load(run.run_dir / ".hydra" / "overrides.yaml") if not o.startswith("hydra.")]
+    with monkeypatch.context() as env:  # rank 0 of `world` ranks, for this call only (launches inherit os.environ)
+        for name, value in {"WORLD_SIZE": world, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": world}.items():
+            env.setenv(name, str(value))
+        return make_plan(compose_cfg(*overrides, "dist.launcher=env"), run.run_dir)
+
+
 @pytest.mark.slow
-def test_sp2_at_zero3_with_lora_equals_one_rank_and_resumes_with_n_changed(tmp_path, cache_dir):
+def test_sp2_at_zero3_with_lora_equals_one_rank_and_resumes_with_n_changed(
+    tmp_path, cache_dir, compose_cfg, monkeypatch
+):
     """ZeRO-3 + LoRA, accumulation 2: losses, gradient norms (clipping at 1.0 bites at step 5) and eval perplexity
     of N=2 on 2 ranks equal one rank's; generations run unsharded; the exports hold the same weights. Its step-3
     checkpoint then continues on 2 ranks with N=1 (same global batch: micro 2 x accumulation 1 x 2 data-parallel)
-    exactly as the N=2 run went on: N is no part of a checkpoint's layout."""
+    exactly as the N=2 run went on: N is no part of a checkpoint's layout. The N=2 run computes its loss through
+    Liger's fused kernel (Triton's interpreter on a CPU), the others from the logits: the fused loss is exact over
+    each rank's slice, with its labels shifted across slices, at ZeRO-3 with the weight partitioned over 2 ranks.
+    The N=2 run trained with the plan a dry run of its command makes (one plan for every caller: config/plan.py)."""
     from safetensors.torch import load_file
 
     batch = ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", "train.save_every=3"]
-    sp = sp_launch(tmp_path / "sp", cache_dir, *batch, "dist.sequence_parallel_size=2", ranks=2)
+    fused = ("model.fused_loss=true",) if liger_installed() else ()  # the dev extra has it
+    sp_n2 = ("dist.sequence_parallel_size=2", *fused)
+    sp = sp_launch(tmp_path / "sp", cache_dir, *batch, *sp_n2, ranks=2, env={"TRITON_INTERPRET": "1"})
     assert sp.ok, sp.explain()
+    planned = dry_run_of(sp, 2, compose_cfg, monkeypatch)
+    assert json.loads(json.dumps(planned["ds_config"])) == json.loads((sp.run_dir / "ds_config.json").read_text())
+    assert (planned["data_parallel_size"], planned["global_batch_size"], planned["total_steps"]) == (
+        sp.summary["data_parallel_size"],
+        sp.summary["global_batch_size"],
+        sp.summary["total_steps"],
+    )
     one = sp_launch(tmp_path / "one", cache_dir, *batch, ranks=1)
     assert one.ok, one.explain()
     (sp_losses, sp_norms, sp_evals), (losses, norms, evals) = train_and_eval(sp), train_and_eval(one)
@@ -208,6 +237,7 @@ def test_sp2_at_zero3_with_lora_equals_one_rank_and_resumes_with_n_changed(tmp_p
     assert_within(sp_evals, evals)  # perplexity over the whole eval set, exact under sharding
     summary = sp.summary
     assert (summary["data_parallel_size"], summary["sequence_parallel_size"]) == (1, 2)
+    assert summary["fast_path"]["fused_loss"] == bool(fused)
     assert [json.loads(line)["step"] for line in (sp.run_dir / "generations.jsonl").read_text().splitlines()] == [0, 6]
     exported = [load_file(run.run_dir / "hf_model" / "model.safetensors") for run in (sp, one)]
     assert exported[0].keys() == exported[1].keys()

@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from ds_exp.config.ds_config import RunFacts, resolve_ds_config
-from ds_exp.model.engine import optimizer_impl
+from ds_exp.model.optimizers import optimizer_impl
 from ds_exp.runtime.ops import deepspeed_arch_list
 from ds_exp.train.flops import FlopsModel, flops_model, peak_flops, sum_squared_lengths
 from tests.training import FAST, launch

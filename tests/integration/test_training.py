@@ -1,11 +1,13 @@
 """Correctness of real DeepSpeed training on CPU (fp32): stage, accumulation and world-size equivalence,
-exact resume, exports that reload, launchers, wandb offline files."""
+exact resume, exports that reload, launchers, wandb offline files. Where no process boundary is under test the
+recipe runs in the test's process through the Python API (tests/training.py train_here)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,10 +16,15 @@ import torch
 from safetensors.torch import load_file
 
 from tests.console import PROGRESS, readme_console, shape
-from tests.training import FAST, REPO, assert_close, launch, multirun, report_rows, user_env
+from tests.training import FAST, REPO, Run, assert_close, launch, multirun, report_rows, train_here, user_env
 from tests.wandb_files import history
 
 pytestmark = pytest.mark.slow
+
+
+# The full fine-tune trains with DeepSpeed's Muon (its auxiliary AdamW for the embedding and the norms), whose ZeRO
+# 1-3 code splits each matrix's update over the ranks; LoRA with AdamW. Muon at ZeRO 1-3 needs gradient clipping off.
+OPTIMIZER_OF = {0: ("optimizer=muon", "train.gradient_clipping=0"), 8: ("optimizer=adamw",)}
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +39,7 @@ def zero_runs(tmp_path_factory, cache_dir):
                 *FAST,
                 f"zero=stage{stage}",
                 f"lora.dim={lora}",
+                *OPTIMIZER_OF[lora],
                 "train.export=true",
                 launcher="ranks",
                 nproc=2,
@@ -42,7 +50,7 @@ def zero_runs(tmp_path_factory, cache_dir):
     return runs
 
 
-@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [0, 8], ids=["full-muon", "lora-adamw"])
 def test_losses_equal_across_zero_stages(zero_runs, lora):
     reference = zero_runs[0, lora].losses
     assert len(reference) == 8
@@ -69,9 +77,9 @@ def test_lora_export_is_merged(zero_runs):
 
 @pytest.mark.parametrize(("micro", "accumulation"), [(2, 2), (1, 4)])
 def test_gradient_accumulation_equivalence(tmp_path, cache_dir, micro, accumulation):
-    reference = launch(tmp_path / "m4", *FAST, cache_dir=cache_dir)
+    reference = train_here(tmp_path / "m4", *FAST, cache_dir=cache_dir)
     assert reference.ok, reference.explain()
-    run = launch(
+    run = train_here(
         tmp_path / f"m{micro}x{accumulation}",
         *FAST,
         f"train.micro_batch_size={micro}",
@@ -80,6 +88,38 @@ def test_gradient_accumulation_equivalence(tmp_path, cache_dir, micro, accumulat
     )
     assert run.ok, run.explain()
     assert_close(run.losses, reference.losses)
+
+
+def test_the_python_api_runs_the_recipe_here_as_the_command_line_does(tmp_path, cache_dir, monkeypatch):
+    """`from ds_exp import train; summary = train([...])` (issue 35 §9): the command line's run directory (.hydra/,
+    ds_exp.log, logs/, metrics.jsonl, plots/loss.png drawn at an evaluation and at the end), its summary.json
+    returned, and the process as it was: no process group, Hydra's state, logging handlers and launch variables
+    put back, so a second call trains again (another ZeRO stage)."""
+    import logging
+
+    import torch.distributed as dist
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ds_exp import train
+
+    monkeypatch.chdir(tmp_path)  # outputs/<experiment_name>/<time>/ lands here, as on the command line
+    handlers = logging.getLogger().handlers[:]
+    overrides = [*FAST, "train.eval_every=4", f"data.cache_dir={cache_dir}", "experiment_name=api"]
+    summary = train(overrides)
+    (run_dir,) = (tmp_path / "outputs" / "api").iterdir()
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["launcher"], summary["overrides"]) == (
+        "completed", 8, "single", overrides
+    )  # fmt: skip
+    for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "ds_exp.log", "logs/rank0.log", "metrics.jsonl"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "plots" / "loss.png").read_bytes().startswith(b"\x89PNG")
+    drawn = [line for line in (run_dir / "logs" / "rank0.log").read_text().splitlines() if "loss.png drawn" in line]
+    assert len(drawn) >= 2  # the evaluation at step 4, and the end (the one at step 8 may come too soon after)
+    assert not dist.is_initialized() and not GlobalHydra.instance().is_initialized()
+    assert logging.getLogger().handlers == handlers and "RANK" not in os.environ
+    again = train([*FAST, "train.max_steps=2", "zero=stage2", f"data.cache_dir={cache_dir}", "experiment_name=api"])
+    assert (again["status"], again["steps"], again["zero_stage"]) == ("completed", 2, 2)
 
 
 def test_world_size_equivalence(tmp_path, cache_dir):
@@ -93,9 +133,9 @@ def test_world_size_equivalence(tmp_path, cache_dir):
 
 def test_resume_continues_exactly(tmp_path, cache_dir):
     common = [*FAST, "train.save_every=4", "train.save_final_checkpoint=true", "train.export=true"]
-    straight = launch(tmp_path / "straight", *common, cache_dir=cache_dir)
+    straight = train_here(tmp_path / "straight", *common, cache_dir=cache_dir)
     assert straight.ok, straight.explain()
-    resumed = launch(
+    resumed = train_here(
         tmp_path / "resumed", *common, f"resume={straight.run_dir / 'checkpoints' / 'step4'}", cache_dir=cache_dir
     )
     assert resumed.ok, resumed.explain()
@@ -136,9 +176,7 @@ def test_exported_model_reloads_with_the_engines_eval_loss(tmp_path, cache_dir, 
     from ds_exp.train.collate import make_collator
     from ds_exp.train.step import token_loss_sum
 
-    run = launch(
-        tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", "train.export_adapter=true", cache_dir=cache_dir
-    )
+    run = train_here(tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", cache_dir=cache_dir)
     assert run.ok, run.explain()
     model = AutoModelForCausalLM.from_pretrained(run.run_dir / "hf_model").eval()
     cfg = compose_cfg(*FAST, f"data.cache_dir={cache_dir}")
@@ -153,7 +191,7 @@ def test_exported_model_reloads_with_the_engines_eval_loss(tmp_path, cache_dir, 
             loss, count = token_loss_sum(logits, batch["labels"])
             total, tokens = total + float(loss), tokens + float(count)
     assert math.isclose(total / tokens, run.summary["final_eval"]["eval_loss"], rel_tol=1e-4)
-    assert (run.run_dir / "hf_model_adapter" / "adapter_config.json").is_file()
+    assert (run.run_dir / "hf_model_adapter" / "adapter_config.json").is_file()  # with LoRA, unasked (issue 35 §4)
 
 
 def test_merged_lora_export_equals_the_adapter_model(tmp_path, cache_dir, compose_cfg):
@@ -163,9 +201,7 @@ def test_merged_lora_export_equals_the_adapter_model(tmp_path, cache_dir, compos
     from ds_exp.model.build import build_model
     from ds_exp.model.tokenizer import load_tokenizer
 
-    run = launch(
-        tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", "train.export_adapter=true", cache_dir=cache_dir
-    )
+    run = train_here(tmp_path / "run", *FAST, "train.export=true", "lora.dim=8", cache_dir=cache_dir)
     assert run.ok, run.explain()
     merged = AutoModelForCausalLM.from_pretrained(run.run_dir / "hf_model").eval()
     # only the adapters trained, so the base under them is the initial model, rebuilt from the same seed
@@ -324,8 +360,9 @@ def test_generations_before_and_after_under_zero3_reach_the_file_and_wandb(tmp_p
         assert table["data"] == [[r["step"], r["prompt"], r["completion"]] for r in lines if r["step"] == step]
 
 
-def test_default_run_learns(tmp_path, cache_dir):
-    """`python -m ds_exp` on its embedded defaults: eval perplexity falls well below where it started."""
+def test_the_default_run_piped_prints_the_readmes_lines(tmp_path, cache_dir):
+    """`python -m ds_exp` on its embedded defaults, piped: it learns (its harness run,
+    tests/integration/test_harness.py, scores it), and says what the README shows."""
     run = launch(tmp_path / "run", cache_dir=cache_dir)
     assert run.ok, run.explain()
     summary = run.summary
@@ -398,6 +435,40 @@ def test_multirun_in_one_process_runs_every_job(tmp_path, cache_dir):
         env=user_env(),
     )
     assert again.returncode == 0 and "zero=stage2" in again.stdout
+
+
+OPTIMIZERS_HERE = ["adam", "lion", "sgd", "adafactor", "muon"]  # adamw: test_resume_continues_exactly
+
+
+def test_every_optimizer_learns_and_resumes_exactly(tmp_path, cache_dir):
+    """`-m optimizer=...` is a sweep like any other: every optimizer trains from its YAML's defaults in one process,
+    saving at step 2; the same sweep with resume=auto, its step-4 checkpoints gone, continues each job from step 2
+    with its optimizer's state, and steps 3-4 are the uninterrupted run's, bit for bit (ZeRO stage 0: the one
+    every optimizer runs at; Muon across ZeRO 0-3 on 2 ranks is zero_runs')."""
+    sweep = tmp_path / "sweep"
+    common = [f"optimizer={','.join(OPTIMIZERS_HERE)}", *FAST, "train.max_steps=4", "train.save_every=2"]
+    first = multirun(tmp_path, sweep, *common, f"data.cache_dir={cache_dir}")
+    assert first.returncode == 0, first.stderr[-4000:]
+    jobs = [sweep / str(number) for number in range(len(OPTIMIZERS_HERE))]
+    straight = {}
+    for name, job in zip(OPTIMIZERS_HERE, jobs, strict=True):
+        assert json.loads((job / "summary.json").read_text())["optimizer"].startswith(_built_as(name)), name
+        straight[name] = Run(first, job).losses
+        assert straight[name][-1] < straight[name][0], (name, straight[name])
+        shutil.rmtree(job / "checkpoints" / "step4")
+        (job / "checkpoints" / "latest").write_text("step2")
+    again = multirun(tmp_path, sweep, *common, "resume=auto", f"data.cache_dir={cache_dir}")
+    assert again.returncode == 0, again.stderr[-4000:]
+    for name, job in zip(OPTIMIZERS_HERE, jobs, strict=True):
+        resumed = Run(again, job)
+        assert resumed.summary["resumed_from"].endswith("step2"), name
+        assert [r["step"] for r in resumed.records("train")] == [1, 2, 3, 4]  # steps 3-4 again; the first ones aside
+        assert resumed.losses[2:] == straight[name][2:], name
+
+
+def _built_as(name: str) -> str:
+    """What summary.json says updates the weights (ds_exp/model/engine.py: describe_optimizer)."""
+    return {"adam": "Adam", "lion": "Lion", "sgd": "SGD", "adafactor": "Adafactor", "muon": "muon (built by"}[name]
 
 
 def test_a_failed_sweep_job_is_reported_and_the_sweep_goes_on(tmp_path, cache_dir):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from tests.integration.test_harness import task_yaml
 from tests.training import FAST, launch, user_env
 
 PROMPT = "repeat the words: apple cat dog"
@@ -143,8 +144,12 @@ def test_step_exports_are_checked_before_training_and_rotation_removes_only_this
     made(5, written_by="python -m ds_exp.export", step=5)  # the user's
     (tmp_path / "exports" / "hf_model-step2_adapter").mkdir()
     (tmp_path / "exports" / "hf_model-step2_adapter" / "adapter_config.json").write_text("{}")
+    alone = tmp_path / "exports" / "hf_model-step1_adapter"  # a LoRA step export: the adapter alone (issue 35 §4)
+    alone.mkdir()
+    (alone / "adapter_config.json").write_text("{}")
+    (alone / "ds_exp_export.json").write_text(json.dumps({"origin": {"written_by": "run", "run_id": "A", "step": 1}}))
     doomed = rotated_step_exports(tmp_path / "exports" / "hf_model", "A", keep_last=1)
-    assert doomed == [mine[0], mine[1], tmp_path / "exports" / "hf_model-step2_adapter"]
+    assert doomed == [mine[0], mine[1], alone, tmp_path / "exports" / "hf_model-step2_adapter"]
     assert rotated_step_exports(tmp_path / "exports" / "hf_model", "A", keep_last=0) == []
 
 
@@ -169,10 +174,14 @@ def test_a_conversation_renders_every_turn_as_the_template_trains_it():
 @pytest.fixture(scope="module")
 def zero0(tmp_path_factory, cache_dir):
     """ZeRO-0, fp32: checkpoints at 2 and 4, an export every step (the newest 2 kept), generations at 0, 2 and 4
-    (a learning rate that leaves the tiny model babbling: an answer of no tokens would prove nothing)."""
+    (a learning rate that leaves the tiny model babbling: an answer of no tokens would prove nothing), and an lm-eval
+    task that fails while the final export is scored."""
+    root = tmp_path_factory.mktemp("zero0")
+    failing = task_yaml(root, "failing", "raise RuntimeError('this document cannot be rendered')")
     run = launch(
-        tmp_path_factory.mktemp("zero0") / "run",
+        root / "run",
         *FAST,
+        f"eval.harness.tasks=[{failing}]",  # an lm-eval task that fails while it is scored: the run completes
         "optimizer.lr=1e-4",
         "train.max_steps=4",
         "train.save_every=2",
@@ -199,6 +208,11 @@ def test_exports_during_training_are_rotated_and_say_where_they_come_from(zero0)
     assert origin["step"] == 3 and origin["written_by"] == "run" and origin["run_id"]
     meta = json.loads((run_dir / "hf_model" / "ds_exp_export.json").read_text())
     assert meta["origin"]["step"] == 4 and meta["generation"]["template"] == "dschat"
+    # the lm-eval evaluation failed (issue 33): its own status, the completed run and its files as they were
+    summary = zero0.summary
+    assert (summary["status"], summary["harness_status"], summary["harness"]) == ("completed", "failed", None)
+    assert "RuntimeError: this document cannot be rendered" in summary["harness_error"]
+    assert not (run_dir / "eval").exists() and (run_dir / "checkpoints" / "step4" / "ds_exp_complete.json").is_file()
 
 
 @pytest.mark.slow
@@ -242,6 +256,29 @@ def test_chat_answers_as_the_run_generated(zero0):
     # sampling with a seed: the same answers every time
     hot = {"temperature": 1.2, "top_k": 50, "seed": 3, "max_new_tokens": 12}
     assert ask(run_dir, [PROMPT, PROMPT], **hot) == ask(run_dir, [PROMPT, PROMPT], **hot)
+
+
+@pytest.mark.slow
+def test_an_empty_answer_gets_one_hint(zero0, tmp_path, capsys):
+    """A model that ends every answer at once (its final norm zeroed: every logit 0, so the first token is id 0, the
+    end of text), asked raw as issue 35 §1's chat asked: the answers are empty, and stderr says once why they may be
+    and what to try."""
+    from safetensors.torch import save_file
+
+    from ds_exp.tools.use.chat import empty_answer_hint
+
+    mute = tmp_path / "mute"
+    shutil.copytree(zero0.run_dir / "hf_model-step2", mute)
+    weights = load_file(mute / "model.safetensors")
+    weights["model.norm.weight"].zero_()
+    save_file(weights, mute / "model.safetensors", metadata={"format": "pt"})
+    assert ask(mute, [PROMPT, "hello"], max_new_tokens=4, template="raw") == ["", ""]
+    err = capsys.readouterr().err
+    assert err.count("ds_exp chat: the answer is empty: ") == 1, err  # once, not per answer
+    assert "the prompt went to the model as typed (template raw)" in err and "try --template dschat" in err
+    assert "(its stop token came first) in the dschat template; try another --template (chat_template, raw)" in (
+        empty_answer_hint("dschat")
+    )
 
 
 @pytest.mark.slow
@@ -421,7 +458,7 @@ def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(tmp_path_fac
         "train.max_steps=2",
         "train.save_every=1",
         "train.export_every=1",
-        "train.export_adapter=true",
+        "train.export_merged=every",  # step exports merged too (by default a LoRA run's are adapters alone)
         cache_dir=cache_dir,
     )
     assert run.ok, run.explain()

@@ -3,8 +3,10 @@
 What a new user on a GPU machine needs to hold: the user's line trains on the first launch with nothing to
 compile (even with Hopper's TORCH_CUDA_ARCH_LIST=9.0a), DeepSpeed's FusedAdam still builds when asked for, fp16
 overflow skips steps and says so, precision=auto picks bf16, nccl is the backend, peak memory comes from CUDA and
-every metric line carries the MFU. bench/gpu_check.py runs these with the user's lines and the throughput
-benchmark and writes one results file.
+every metric line carries both MFUs; the fast path (issue 32) is the default and learns what the plain path learns,
+and what only a GPU runs computes what torch does: Liger's kernels and fused loss in bf16, torch's varlen kernel
+keeping packed examples apart. bench/gpu_check.py runs these with the user's lines and the throughput benchmark
+and writes one results file.
 """
 
 from __future__ import annotations
@@ -88,21 +90,86 @@ def test_two_gpus_rendezvous_over_nccl(tmp_path, cache_dir):
     assert run.summary["world_size"] == 2 and run.summary["backend"] == "nccl"
 
 
-@pytest.mark.parametrize(
-    ("feature", "package"),
-    [
-        ("model.liger_kernel=true", "liger_kernel"),
-        ("model.attn_implementation=auto", "flash_attn"),
-        ("train.compile=true", None),
-    ],
-)
-def test_speed_features_train_like_the_plain_run(tmp_path, cache_dir, feature, package):
-    if package and importlib.util.find_spec(package) is None:
-        pytest.skip(f"{package} is not installed")
-    common = (*FAST, "precision=bf16", "data.packing=true")
-    plain = launch(tmp_path / "plain", *common, cache_dir=cache_dir)
-    fast = launch(tmp_path / "fast", *common, feature, cache_dir=cache_dir, timeout=900)
+PLAIN = ("model.liger_kernel=false", "model.fused_loss=false", "train.compile=false", "model.attn_implementation=null")
+VARLEN = ("flash_attention_2", "torch_varlen")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_fast_path_is_the_default_and_trains_like_the_plain_path(tmp_path, cache_dir, stage):
+    """The user's line with no speed flags runs Liger's kernels, the fused loss, a varlen attention over packed rows
+    and (ZeRO 0-2) compiled layers, and learns what the plain path learns (bf16 rounding apart)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("liger-kernel is not installed (pip install '.[gpu]')")
+    common = (*FAST, f"zero=stage{stage}", "precision=bf16", "data.packing=true", "lora.dim=8")
+    plain = launch(tmp_path / "plain", *common, *PLAIN, cache_dir=cache_dir)
+    fast = launch(tmp_path / "fast", *common, cache_dir=cache_dir, timeout=900)
     assert plain.ok and fast.ok, plain.explain() + fast.explain()
-    # bf16 kernels differ in rounding: the same training, not the same bits
-    for a, b in zip(plain.losses, fast.losses, strict=True):
+    used = fast.summary["fast_path"]
+    assert used["attention"] in VARLEN and used["liger_kernel"] and used["fused_loss"]
+    assert used["compile"] == (stage < 3) and (fast.summary["compile_s"] or 0) > (0 if stage < 3 else -1)
+    off = {"attention": "sdpa", "liger_kernel": False, "fused_loss": False, "compile": False}
+    assert plain.summary["fast_path"] == off
+    for a, b in zip(plain.losses, fast.losses, strict=True):  # bf16 kernels differ in rounding: the same training
         assert abs(a - b) <= 0.05 * abs(a)
+    line = fast.records("train")[-1]
+    assert 0 < line["mfu"] <= line["mfu_with_attention"] < 1  # torchtitan's count adds the rows' attention
+
+
+def tiny_on_gpu(compose_cfg, *overrides: str):
+    """The tiny model as ds_exp builds it, in bf16 on the GPU (no DeepSpeed: the kernels are what is under test)."""
+    from ds_exp.model.build import build_model
+    from ds_exp.model.tokenizer import load_tokenizer
+
+    cfg = compose_cfg("precision=bf16", "train.compile=false", *overrides)
+    ds_config = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}  # auto's attention reads the dtype
+    built = build_model(cfg, load_tokenizer(cfg.model, cfg.data), ds_config)
+    built.model.to("cuda", torch.bfloat16)
+    return built
+
+
+def test_liger_kernels_and_the_fused_loss_compute_what_torch_does(compose_cfg):
+    if importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("liger-kernel is not installed")
+    from ds_exp.train.step import batch_loss
+
+    plain = tiny_on_gpu(compose_cfg, *PLAIN)
+    fast = tiny_on_gpu(compose_cfg, "model.attn_implementation=null")
+    assert fast.fast.liger_kernel and fast.fast.fused_loss
+    fast.model.load_state_dict(plain.model.state_dict())
+    ids = torch.randint(5, 200, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    losses, grads = [], []
+    for built in (plain, fast):
+        built.model.zero_grad()
+        summed, count = batch_loss(built.loss, built.model, batch)
+        (summed / count).backward()
+        losses.append(float(summed.detach() / count))
+        grads.append({n: p.grad.float() for n, p in built.model.named_parameters() if p.grad is not None})
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2)
+    for name, grad in grads[0].items():
+        assert torch.nn.functional.cosine_similarity(grad.flatten(), grads[1][name].flatten(), dim=0) > 0.99, name
+
+
+@pytest.mark.parametrize("attention", VARLEN)
+def test_a_varlen_attention_keeps_packed_examples_apart_on_the_gpu(compose_cfg, attention):
+    """Rows of several packed examples, more than one row per batch (where transformers' flash path alone would let
+    the examples of a row attend to each other)."""
+    from ds_exp.model.attention import example_boundaries, torch_varlen_works
+
+    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    if attention == "torch_varlen":
+        assert torch_varlen_works(), "torch's varlen kernel does not run on this GPU"
+    model = tiny_on_gpu(compose_cfg, f"model.attn_implementation={attention}").model.eval()
+    ids = torch.randint(5, 200, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    examples = [(0, 0, 5), (0, 5, 12), (0, 12, 16), (1, 0, 9), (1, 9, 16)]
+    positions = torch.zeros_like(ids)
+    for row, a, b in examples:
+        positions[row, a:b] = torch.arange(b - a)
+    boundaries = example_boundaries({"input_ids": ids.cpu(), "position_ids": positions.cpu()})
+    boundaries = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in boundaries.items()}
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, **boundaries, use_cache=False).logits.float()
+        for row, a, b in examples:
+            alone = model(input_ids=ids[row : row + 1, a:b], use_cache=False).logits[0].float()
+            torch.testing.assert_close(packed[row, a:b], alone, rtol=2e-2, atol=2e-2)

@@ -4,14 +4,16 @@ DeepSpeed-Chat's exact local layout, 2 CPU ranks, bf16: the way users train, shr
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ds_exp.artifacts.export import TOKENIZER_FILES
+from tests.integration.test_harness import qa_task
 from tests.training import launch
 
 
@@ -122,10 +124,14 @@ def test_full_finetune_at_zero3_exports_the_base_models_identity(tmp_path, smoll
     assert sorted(generations(run.run_dir)) == [0, 4]  # before and after, written by rank 0 under ZeRO-3
 
 
-def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dschat_dir, cache_dir):
+def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dschat_dir, cache_dir, capsys):
+    """...and its checkpoints hold only what trains, continued only on the base they were trained on; chat asks a
+    typed question in the markup the rows carried (issue 35 §1, §4)."""
+    base_link = tmp_path / "base"  # the model the run starts from, by a path whose files change later
+    base_link.symlink_to(smollm2_dir)
     run = finetune(
         tmp_path / "run",
-        smollm2_dir,
+        base_link,
         dschat_dir,
         cache_dir,
         "zero=stage2",
@@ -134,10 +140,17 @@ def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dscha
         "lora.module_name=self_attn.",
         "train.micro_batch_size=2",
         "train.max_steps=4",
-        "train.export_adapter=true",
+        f"eval.harness.tasks=[{qa_task(tmp_path)}]",  # lm-eval scores of the merged export and of SmolLM2 itself
+        "eval.harness.limit=4",
     )
     assert run.ok, run.explain()
     assert run.losses[-1] < run.losses[0], run.losses
+    # scored on rank 0 (rank 1 waits): the base is the checkpoint itself, which the export kept as it was; the
+    # rows carried " Human: ... Assistant:" themselves, so both models are asked in that markup
+    record = json.loads((run.run_dir / "eval" / "harness.json").read_text())
+    assert run.summary["harness_status"] == "completed" and record["settings"]["template"] == "dschat"
+    assert set(record["tasks"]["qa"]["acc"]) == {"base", "tuned", "stderr"}
+    assert len(list((run.run_dir / "eval" / "base" / "qa").glob("samples_qa_*.jsonl"))) == 1
     base = load_file(smollm2_dir / "model.safetensors")
     merged = load_file(run.run_dir / "hf_model" / "model.safetensors")
     adapter = load_file(run.run_dir / "hf_model_adapter" / "adapter_model.safetensors")
@@ -154,6 +167,54 @@ def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dscha
         expected = (base[name].float() + b @ a).to(torch.bfloat16)  # alpha = dim: scaling 1, merged in fp32
         assert torch.allclose(weight.float(), expected.float(), rtol=2**-7, atol=0), name
     assert any(not torch.equal(merged[t], base[t]) for t in targets)  # the adapters did change something
+
+    # the checkpoint: the adapters and their optimizer states, not the 135M-weight base (270 MB in bf16)
+    step4 = run.run_dir / "checkpoints" / "step4"
+    module = torch.load(step4 / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    assert sum(t.numel() for t in module.values()) == run.summary["trainable_parameters"] < 1e6
+    assert sum(f.stat().st_size for f in step4.iterdir()) < 20e6
+
+    # chat: the rows carried " Human: ... Assistant:" (template raw); a typed question is asked in that markup
+    from tests.integration.test_use import ask
+
+    assert json.loads((run.run_dir / "hf_model" / "ds_exp_export.json").read_text())["generation"]["template"] == (
+        "dschat"
+    )
+    typed = PROMPT.removeprefix(" Human: ").removesuffix(" Assistant:")
+    answer = ask(run.run_dir, [typed], max_new_tokens=8)[0]
+    assert answer.strip() and answer == ask(run.run_dir, [PROMPT], max_new_tokens=8)[0], answer
+    assert "the answer is empty" not in capsys.readouterr().err
+
+    # the base changes at the same path: a resume and an export of the checkpoint refuse it, in one line
+    changed = tmp_path / "changed"
+    shutil.copytree(smollm2_dir, changed)
+    weights = load_file(changed / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    base_link.unlink()
+    base_link.symlink_to(changed)
+    refused = finetune(
+        tmp_path / "resumed",
+        base_link,
+        dschat_dir,
+        cache_dir,
+        "zero=stage2",
+        "precision=bf16",
+        "lora.dim=8",
+        "lora.module_name=self_attn.",
+        "train.micro_batch_size=2",
+        "train.max_steps=6",
+        f"resume={step4}",
+    )
+    said = refused.proc.stderr
+    assert refused.proc.returncode != 0 and "Traceback" not in said, refused.explain()
+    assert f"resume: {step4} holds only what trains, and the frozen base weights it continues are not" in said
+    from ds_exp.tools.use.cli import export_main
+
+    assert export_main([str(step4), str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err
+    assert f"export: {step4} holds only what trains" in err and "point model.name_or_path" in err
+    assert not (tmp_path / "export").exists()
 
 
 def test_zero3_with_everything_offloaded_resumes_exactly(tmp_path, smollm2_6_layers_dir, dschat_dir, cache_dir):

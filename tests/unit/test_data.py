@@ -830,6 +830,25 @@ def test_dschat_rows_are_trained_on_as_given(tmp_path, tok):
     assert raw.train.rejected[:2] == [r["rejected"] for r in dschat_rows(2)]
 
 
+def test_a_typed_prompt_is_asked_in_the_markup_the_rows_carried(tmp_path, tok):
+    """Rows that carry " Human: ... Assistant:" themselves train as given (raw); the model never saw unmarked text,
+    so a typed question is wrapped in that markup (issue 35 §1: chat answered "" to every prompt), and a prompt
+    already marked is kept as given (the README's eval.prompts)."""
+    from ds_exp.data.templates import first_template, render_prompt
+
+    data = prepare_sft_data(dschat_local_cfg(tmp_path, dschat_dir(tmp_path)).data, tok, seed=SEED)
+    assert data.stats["template"] == "raw" and data.stats["per_source"][0]["markup"] == "dschat"
+    asked = first_template(data.stats)
+    assert asked == "dschat"  # what the export records for python -m ds_exp.chat and python -m ds_exp.evaluate
+    trained = dschat_rows(4)[3]["prompt"]
+    question = trained.removeprefix(" Human: ").removesuffix(" Assistant:")
+    assert render_prompt(question, asked, tok) == (trained, True)
+    assert render_prompt(trained, asked, tok) == (trained, True)  # marked already: not wrapped twice
+    unmarked = write_jsonl(tmp_path / "plain.jsonl", rows(20))
+    plain = prepare_sft_data(make_cfg(tmp_path, sources=[{"path": str(unmarked)}], template="raw").data, tok, seed=SEED)
+    assert plain.stats["per_source"][0]["markup"] is None and first_template(plain.stats) == "raw"
+
+
 def test_dschat_step1_trains_on_the_text_as_given(tmp_path):
     from ds_exp.config.paths import conf_dir
     from ds_exp.config.schema import register_configs

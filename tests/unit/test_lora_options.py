@@ -189,7 +189,7 @@ def test_lora_options_export_and_resume_exactly(tmp_path, cache_dir, compose_cfg
     from ds_exp.model.build import build_model
     from ds_exp.model.tokenizer import load_tokenizer
 
-    common = [*FAST, "train.max_steps=6", "train.save_every=3", "train.export=true", "train.export_adapter=true"]
+    common = [*FAST, "train.max_steps=6", "train.save_every=3", "train.export=true"]
     common += ["scheduler=constant", *VARIANTS]
     first = launch(tmp_path / "first", *common, cache_dir=cache_dir)
     assert first.ok, first.explain()
@@ -208,6 +208,13 @@ def test_lora_options_export_and_resume_exactly(tmp_path, cache_dir, compose_cfg
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+    # its ZeRO-3 checkpoint holds only what trains (the base: rebuilt); exported, it is the run's own export
+    from ds_exp.tools.use.cli import export_main
+
+    step6 = resumed.run_dir / "checkpoints" / "step6"
+    assert export_main([str(step6), str(tmp_path / "m6")]) == 0
+    c = load_file(tmp_path / "m6" / "model.safetensors")
+    assert c.keys() == b.keys() and all(torch.equal(c[key], b[key]) for key in b)
 
     config = json.loads((first.run_dir / "hf_model_adapter" / "adapter_config.json").read_text())
     assert config["use_dora"] and config["use_rslora"] and config["modules_to_save"] == ["lm_head"]

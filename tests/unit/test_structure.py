@@ -1,6 +1,6 @@
 """The package's shape holds as it grows: the folders are the layers and imports go one way (down), light packages
-never load torch or deepspeed, heavy modules import at the top, no import cycle, no module over 400 lines, and
-libraries' private internals only in ds_exp/core/compat.py."""
+never load torch or deepspeed, heavy modules import at the top, no import cycle, no module over 400 lines,
+libraries' private internals only in ds_exp/core/compat/, and importing ds_exp changes nothing of the process."""
 
 from __future__ import annotations
 
@@ -27,16 +27,22 @@ IMPORTED_WHERE_USED = {
     "flash_attn": "optional: only where installed",
     "oneccl_bindings_for_pytorch": "optional: Intel's oneCCL bindings, only where installed",
     "liger_kernel": "optional: only where installed",
+    "torch.nn.attention.varlen": "a prototype of recent torch versions: only where its kernel runs (CUDA)",
     "submitit": "only inside a submitit job (every other launch skips its import time)",
-    "matplotlib": "only for the sweep report's plot (its import prints and costs seconds)",
-    "wandb": "only with logger=wandb (its import costs seconds)",
-    "mlflow": "only with logger.mlflow.enabled (its import costs seconds)",
-    "tensorboardX": "only with logger.tensorboard.enabled",
+    "matplotlib": "only where a picture is drawn: a run's plots/loss.png, the sweep report's, the study's, the "
+    "harness chart (its import costs a second and logs on first use)",
+    "optuna.visualization": "the study's picture (ds_exp/sweeps/study_plot.py): imports matplotlib's pyplot",
+    "ds_exp.train.api": "the callable package ds_exp.train (from ds_exp import train): the training stack loads on the "
+    "first call, not with every module of the package",
+    "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",
     "psutil": "only for autotune's host-memory budget",
+    "ds_exp.data.pipeline": "autotune: datasets reserves ~1 GB of address space, first it starves a memory limit",
     "ds_exp.train.recipe": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.use.export": "python -m ds_exp.export: --help and every refusal answer before torch is imported",
     "ds_exp.tools.use.chat": "python -m ds_exp.chat: --help and every refusal answer before torch is imported",
+    "ds_exp.artifacts.harness": "imports lm-eval, an optional extra: only with eval.harness.tasks / ds_exp.evaluate",
+    "ds_exp.tools.evaluate.run": "python -m ds_exp.evaluate: --help and every refusal answer before torch is imported",
 }
 # uses (not mentions) of other libraries' private names that ds_exp relies on
 PRIVATE = re.compile(
@@ -169,16 +175,49 @@ def test_light_packages_never_load_torch_or_deepspeed():
         "import importlib, sys\n"
         f"for name in {light!r}:\n"
         "    importlib.import_module(name)\n"
+        "from ds_exp import train\n"  # the Python API (ds_exp/train/__init__.py): light until it is called
+        "assert callable(train)\n"
         "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
-    """ds_exp/core/lean_imports.py: DeepSpeed's autotuner would import all of mlflow (1.6 s a process here)."""
+def test_importing_ds_exp_installs_no_hook_and_patches_nothing_of_hydras():
+    """No import hook (issue 34: core/lean_imports.py is gone) and no patch of Hydra's composition at import time:
+    the hooks are installed where a process composes: main() (prepare_composition), and a submitit job, which
+    unpickles its task (cli.HydraTask) and then composes."""
     code = (
-        "import sys, ds_exp, deepspeed\n"
+        "import pickle, sys\n"
+        "from hydra._internal.config_loader_impl import ConfigLoaderImpl as Loader\n"
+        "hydra = lambda: (Loader._compose_config_from_defaults_list, Loader.__dict__['_apply_overrides_to_config'])\n"
+        "before = list(sys.meta_path), hydra()\n"
+        "import ds_exp, ds_exp.launch.cli as cli, ds_exp.config.schema, ds_exp.config.secrets, ds_exp.core.compat\n"
+        "print((list(sys.meta_path), hydra()) == before)\n"
+        "task = pickle.loads(pickle.dumps(cli.HydraTask()))\n"  # as a submitit job gets it
+        "print(task is cli.hydra_task, list(sys.meta_path) == before[0], hydra()[0] is before[1][0])\n"
+        "print(all(hasattr(m, '_ds_exp_hooks') for m in (Loader._compose_config_from_defaults_list, "
+        "Loader._apply_overrides_to_config)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True)
+    assert out.stdout.split() == ["True", "True", "True", "False", "True"], out.stdout + out.stderr
+
+
+def test_hydras_hooks_say_when_hydra_is_not_a_version_they_were_checked_with():
+    from ds_exp.core.compat.hydra import version_problem
+
+    assert version_problem("1.3.2") is None and version_problem("1.3.8") is None
+    assert "checked with 1.3.2 to 1.3.8" in (version_problem("1.3.9.dev0") or "")
+    assert "install hydra-core==1.3.8" in (version_problem("1.4.0") or "")
+
+
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
+    """compat.import_deepspeed_without_mlflow, which the entry points call before the training stack: DeepSpeed's
+    autotuner would import all of mlflow (the extra; 1.6 s a process on a quiet 2-core machine)."""
+    code = (
+        "import sys\n"
+        "from ds_exp.core import compat\n"
+        "compat.import_deepspeed_without_mlflow()\n"
         "from deepspeed.autotuning import autotuner\n"
         "seen = ('mlflow' in sys.modules, autotuner.has_mlflow)\n"
         "import mlflow.tracking\n"  # the MLflow tracker's import still gets the real package
@@ -190,11 +229,11 @@ def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
 
 def test_imports_sit_at_the_top_of_their_module():
     """Heavy modules import what they use at the top; light ones are light by what their package holds, not by
-    hiding imports in functions. The exceptions are named with their reason, and compat.py (library internals,
-    each touched where it is needed so that light callers stay light)."""
+    hiding imports in functions. The exceptions are named with their reason, and ds_exp/core/compat/ (library
+    internals, each touched where it is needed so that light callers stay light)."""
     hidden = []
     for name, path in modules().items():
-        if name == "ds_exp.core.compat":
+        if name.startswith("ds_exp.core.compat."):
             continue
         tree = ast.parse(path.read_text())
         guarded = {
@@ -222,13 +261,14 @@ def test_no_module_is_over_400_lines():
 
 
 def test_private_internals_are_touched_only_in_compat():
+    compat = PACKAGE / "core" / "compat"
     touching = sorted(
         str(p.relative_to(PACKAGE))
         for p in PACKAGE.rglob("*.py")
-        if p.name != "compat.py" and PRIVATE.search(p.read_text())
+        if compat not in p.parents and PRIVATE.search(p.read_text())
     )
     assert touching == []
-    assert PRIVATE.search((PACKAGE / "core" / "compat.py").read_text())
+    assert PRIVATE.search("".join(p.read_text() for p in compat.glob("*.py")))
 
 
 def test_every_package_is_installed():
@@ -243,6 +283,35 @@ def test_every_package_is_installed():
         for init in root.rglob("__init__.py")
     }
     assert found - listed == set()
+
+
+def test_one_lowest_python_is_declared_and_checked():
+    """requires-python, ruff's target, mypy's python_version and ds_exp/__init__.py's check name one minimum. mypy
+    checks the code against that version's standard library: with 3.10 it finds enum.StrEnum (core/status.py)."""
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    declared = re.fullmatch(r">=\s*3\.(\d+)", project["project"]["requires-python"])
+    assert declared, project["project"]["requires-python"]
+    minor = declared.group(1)
+    assert project["tool"]["ruff"]["target-version"] == f"py3{minor}"
+    assert project["tool"]["mypy"]["python_version"] == f"3.{minor}"
+    assert re.search(rf"sys\.version_info < \(3, {minor}\)", (PACKAGE / "__init__.py").read_text())
+
+
+def test_an_older_python_gets_one_line_at_import(monkeypatch):
+    import importlib
+
+    import ds_exp
+
+    monkeypatch.setattr(sys, "version_info", (3, 10, 12, "final", 0))
+    monkeypatch.setattr(sys, "version", "3.10.12 (main, Nov  6 2024)")
+    try:
+        importlib.reload(ds_exp)  # the check comes first: nothing after it runs again
+    except SystemExit as stop:
+        assert str(stop).startswith("ds_exp needs Python 3.11 or newer and this is 3.10.12: see README.md")
+    else:
+        raise AssertionError("ds_exp imported on Python 3.10")
 
 
 def test_the_gpu_check_collects_every_gpu_test():

@@ -195,6 +195,17 @@ def test_a_marker_that_is_not_a_json_object_means_an_incomplete_checkpoint(tmp_p
     assert f"the newest complete checkpoint beside it is {checkpoints / 'step2'}" in message
 
 
+def test_a_submitit_job_without_resume_continues_its_own_directory():
+    """The one resume rule (resume_plan before the engine, resume after it): SLURM requeues a submitit job into the
+    same directory, so unset means auto there; every other launcher takes `resume` as given."""
+    from ds_exp.resume.store import resume_wanted
+
+    assert resume_wanted(None, "submitit") == "auto"
+    assert [resume_wanted(None, launcher) for launcher in ("single", "env", "mpi", "slurm")] == [None] * 4
+    assert resume_wanted("/runs/a/checkpoints/step4", "submitit") == "/runs/a/checkpoints/step4"
+    assert resume_wanted("auto", "single") == "auto"
+
+
 def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, mount_tmpfs, compose_cfg):
     """A 4 MiB disk: a checkpoint of 8 MiB does not fit, the export of 2 MiB does. A run from step 0, or a resume
     with steps left, needs both; a resume from a checkpoint at the last step needs only the export; a run complete
@@ -225,6 +236,24 @@ def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, moun
     with pytest.raises(RunFailed) as info:
         check(7)
     assert "KiB free, the export needs about 2.00 MiB" in str(info.value)
+
+
+def test_a_lora_run_plans_checkpoints_of_what_trains_and_exports_of_its_adapter(compose_cfg):
+    """Issue 35 §4 (a LoRA run of SmolLM2-135M took 1.6 GB): a checkpoint holds what trains (weights, fp32 master and
+    two Adam moments), never the frozen base; every export writes the adapter (fp32) and the merged model only where
+    train.export_merged asks for it: by default in the final export alone. Without LoRA an export is the model."""
+    from ds_exp.config.memory_plan import checkpoint_bytes, one_export_bytes
+
+    parameters, trainable = 134_515_008, 921_600  # SmolLM2-135M, rank 8 on its attention
+    assert checkpoint_bytes(trainable, "bf16") == trainable * (2 + 12) < 13 * 2**20
+    sizes = {}
+    for merged in ("end", "every", "none"):
+        cfg = compose_cfg("lora.dim=8", f"train.export_merged={merged}")
+        sizes[merged] = [one_export_bytes(cfg, parameters, trainable, "bf16", final=f) for f in (True, False)]
+    model, adapter = parameters * 2, trainable * 4
+    assert sizes == {"end": [model + adapter, adapter], "every": [model + adapter] * 2, "none": [adapter, adapter]}
+    full = compose_cfg("train.export_merged=none")  # no LoRA: nothing to leave out
+    assert one_export_bytes(full, parameters, parameters, "bf16", final=False) == model
 
 
 def _schedule() -> torch.optim.lr_scheduler.LambdaLR:

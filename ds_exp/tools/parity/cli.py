@@ -8,9 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+from ds_exp.config.ranges import at_least
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.console import entry_point
+from ds_exp.launch.flags import FlagParser, number, path, whole
 from ds_exp.launch.storage import check_writable
 from ds_exp.tools.parity import compare
 from ds_exp.tools.parity.runs import run_side
@@ -25,6 +27,8 @@ from ds_exp.tools.parity.sides import (
     packing_problems,
 )
 
+MAX_STEPS = 10_000  # parity trains both sides this many steps, in full: a few are what it is for
+MAX_RANKS = 1024  # processes per side on this machine (torchrun --nproc_per_node)
 USAGE = "python -m ds_exp.parity [OPTIONS] [A_OVERRIDES ...] -- [B_OVERRIDES ...]"
 EPILOG = """examples:
   python -m ds_exp.parity zero=stage2 -- zero=stage3
@@ -36,7 +40,7 @@ exit status: 0 every step within tolerance, 1 a step is not (or a side failed), 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="python -m ds_exp.parity",
         usage=USAGE,
         description="Train a few steps of two configurations from the same weights and data order and compare "
@@ -44,13 +48,15 @@ def parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per side (default 5)")
+    p.add_argument("--steps", type=whole(1, MAX_STEPS), default=5, help="optimizer steps per side (default 5)")
     p.add_argument(
         "--ranks", default="1", help="processes per side: N for both, or A,B (e.g. 2,1); default 1 (torchrun for N>1)"
     )
-    p.add_argument("--loss-rtol", type=float, help="relative loss difference allowed per step (default 1e-3 fp32)")
-    p.add_argument("--grad-rtol", type=float, help="relative grad_norm difference allowed (default 1e-2 fp32)")
-    p.add_argument("--out", type=Path, help="where the two runs go (default outputs/parity/<date_time>); must be new")
+    # a tolerance of nan or inf would pass every step, whatever the two sides did
+    tolerance = number(at_least(0, " (0 = exactly equal)"))
+    p.add_argument("--loss-rtol", type=tolerance, help="relative loss difference allowed per step (default 1e-3 fp32)")
+    p.add_argument("--grad-rtol", type=tolerance, help="relative grad_norm difference allowed (default 1e-2 fp32)")
+    p.add_argument("--out", type=path, help="where the two runs go (default outputs/parity/<date_time>); must be new")
     p.add_argument("overrides", nargs="*", help="side A's Hydra overrides")
     return p
 
@@ -61,18 +67,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Side, Side]:
     if cut == len(argv):
         raise ConfigError(f"no side B: give side A's overrides, then `--`, then side B's ({USAGE})")
     ranks = args.ranks.split(",")
-    if len(ranks) not in (1, 2) or not all(r.isdigit() and int(r) > 0 for r in ranks):
-        raise ConfigError(f"--ranks {args.ranks}: give a positive number for both sides, or two (A,B), e.g. 2,1")
+    if len(ranks) not in (1, 2) or not all(r.isdigit() and 0 < int(r) <= MAX_RANKS for r in ranks):
+        raise ConfigError(
+            f"--ranks {args.ranks}: give a number of processes (1 to {MAX_RANKS}) for both sides, or two (A,B), "
+            "e.g. 2,1"
+        )
     ranks_a, ranks_b = int(ranks[0]), int(ranks[-1])
-    problems = []
-    if args.steps < 1:
-        problems.append(f"--steps {args.steps}: must be at least 1")
-    for name in ("loss_rtol", "grad_rtol"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            problems.append(f"--{name.replace('_', '-')} {value}: must be >= 0")
-    if problems:
-        raise ConfigError(problems)
     return args, Side("A", list(args.overrides), ranks_a), Side("B", argv[cut + 1 :], ranks_b)
 
 

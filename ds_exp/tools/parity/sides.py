@@ -20,9 +20,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from ds_exp.config.batch import data_parallel_size, global_batch_size
 from ds_exp.config.model_checks import model_settings
 from ds_exp.config.paths import conf_dir
-from ds_exp.config.plan import global_batch_size
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, as_dict, register_configs, to_config
 from ds_exp.config.secrets import hide_secret_overrides
@@ -97,7 +97,7 @@ class Side:
     @property
     def data_parallel(self) -> int:
         """The side's ranks that draw different samples (a sequence-parallel group trains the same ones)."""
-        return max(self.ranks // self.sequence_parallel, 1)
+        return data_parallel_size(self.ranks, self.sequence_parallel)
 
     @property
     def global_batch(self) -> int:

@@ -1,11 +1,13 @@
 """`python -m ds_exp.chat`'s work: an exported model answers as it did during its run.
 
 The prompt is rendered with the template the run trained with (the export's ds_exp_export.json records it, with the
-tokens where its generations stopped), else the tokenizer's chat template, else DeepSpeed-Chat's text; generation
+tokens where its generations stopped: for rows that carried their own " Human: ... Assistant:" markup, that markup;
+ds_exp.data.templates.first_template), else the tokenizer's chat template, else DeepSpeed-Chat's text; generation
 is the run's own call (ds_exp/train/generate.py's options, greedy unless --temperature > 0), so a greedy answer to
 an eval.prompts prompt is the one the run wrote to generations.jsonl at that step. On a terminal it is a
 conversation (each answer streamed; /reset forgets it, /exit or Ctrl-D ends it); otherwise every line of standard
-input is one prompt on its own, answered in order.
+input is one prompt on its own, answered in order. The first empty answer gets a hint on stderr: why it may be empty
+and what to try.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Chat:
         self.max_new_tokens = int(args.max_new_tokens)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0] if self.stop_ids else None
+        self.hinted = False  # the empty-answer hint is said once
 
     def _default_stops(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
@@ -89,7 +92,26 @@ class Chat:
                 use_cache=True,
                 streamer=streamer,
             )
-        return str(self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+        completion = str(self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+        if not completion.strip() and not self.hinted:
+            self.hinted = True
+            print(f"ds_exp chat: the answer is empty: {empty_answer_hint(self.template)}", file=self.notes)
+        return completion
+
+
+def empty_answer_hint(template: str) -> str:
+    """Why an answer may be empty, and what to try, for a prompt asked in `template`."""
+    if template == "raw":
+        return (
+            "the prompt went to the model as typed (template raw), and a model trained on rows that carry their own "
+            "markup answers nothing to text without it; try --template dschat, or type the markup (' Human: ... "
+            "Assistant:')"
+        )
+    others = ", ".join(t for t in ("dschat", "chat_template", "raw") if t != template)
+    return (
+        f"the model ended it at once (its stop token came first) in the {template} template; try another "
+        f"--template ({others}), or sampling (--temperature 0.7)"
+    )
 
 
 def choose_template(asked: str, recorded: str | None, tokenizer: PreTrainedTokenizerBase) -> str:

@@ -11,7 +11,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ds_exp.config.ranges import MAX_TOKENS
 from ds_exp.config.sampling import sampling_problems
+from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.launch.console import entry_point
 from ds_exp.launch.exports import (
@@ -29,36 +31,51 @@ from ds_exp.launch.exports import (
     run_config,
     run_dir_of,
 )
+from ds_exp.launch.flags import SEED, FlagParser, number, path_text, whole
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.storage import check_writable
 from ds_exp.resume.store import read_marker
 
-MAX_SEED = 2**32 - 1  # what every generator seeds from (numpy's range; torch's seed is taken modulo it elsewhere)
 # devices a model can be moved to for chat: the CPU, CUDA (ROCm too), Apple's MPS, Intel's XPU, with an index
 DEVICE = re.compile(r"(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)")
 
-EXPORT_EPILOG = """examples:
-  python -m ds_exp.export outputs/2026-01-01/12-00-00             newest complete checkpoint -> <run>/hf_model-step<N>
-  python -m ds_exp.export outputs/.../checkpoints/step40 /data/m40 that checkpoint -> /data/m40
-  python -m ds_exp.export outputs/... --adapter                   LoRA alone -> <run>/hf_model-step<N>_adapter
+RUN = "outputs/default/2026-01-01_12-00-00"  # a run directory as conf/config.yaml's hydra.run.dir lays it out
+
+EXPORT_EPILOG = f"""examples:
+  python -m ds_exp.export {RUN}
+      the run's newest complete checkpoint -> <run>/hf_model-step<N>
+  python -m ds_exp.export {RUN}/checkpoints/step40 /data/m40
+      that checkpoint -> /data/m40
+  python -m ds_exp.export {RUN} --adapter
+      LoRA alone -> <run>/hf_model-step<N>_adapter
+A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless set);
+a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>.
 The export is what the run's own export at that step holds: the base model's identity (vocabulary, dtype,
 tokenizer, generation config), LoRA merged into it, and ds_exp_export.json saying where it comes from.
 DIR is replaced only when it is an earlier export of ds_exp (never the run's own export of another step)."""
 
-CHAT_EPILOG = """examples:
-  python -m ds_exp.chat outputs/2026-01-01/12-00-00/hf_model     a conversation (on a terminal)
-  python -m ds_exp.chat outputs/2026-01-01/12-00-00              the run's hf_model
-  printf 'What is 2+2?\\nName a colour.\\n' | python -m ds_exp.chat DIR --temperature 0.7 --seed 1
+CHAT_EPILOG = f"""examples:
+  python -m ds_exp.chat {RUN}/hf_model
+      a conversation on a terminal with the run's final export
+  python -m ds_exp.chat {RUN}
+      the same: a run directory's hf_model
+  python -m ds_exp.chat {RUN}/hf_model-step40
+      a step export (train.export_every)
+  printf 'What is 2+2?\\nName a colour.\\n' | python -m ds_exp.chat {RUN} --temperature 0.7 --seed 1
+      one answer per line, sampled
+A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless set);
+a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>.
 With standard input not a terminal, every line is one prompt on its own and its answer is printed (one per
-prompt; --jsonl prints {"prompt", "completion"} lines). A line that is not UTF-8 text is said on stderr with its
+prompt; --jsonl prints {{"prompt", "completion"}} lines). A line that is not UTF-8 text is said on stderr with its
 number and not answered; the others are, and the exit status is then 1. Prompts are rendered with the template the
-run trained with (recorded in the export), else the tokenizer's chat template, else DeepSpeed-Chat's
-" Human: ... Assistant:". A prompt (or a conversation) longer than the model's positions less --max-new-tokens is
-cut from the left, said on stderr: its oldest tokens go."""
+run trained with (recorded in the export; rows that carried their own " Human: ... Assistant:" markup: that
+markup), else the tokenizer's chat template, else DeepSpeed-Chat's " Human: ... Assistant:". An empty answer gets
+a hint on stderr. A prompt (or a conversation) longer than the model's positions less --max-new-tokens is cut from
+the left, said on stderr: its oldest tokens go."""
 
 
 def export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="python -m ds_exp.export",
         description="Export a checkpoint (any ZeRO stage, with or without LoRA) to Hugging Face format.",
         epilog=EXPORT_EPILOG,
@@ -66,9 +83,12 @@ def export_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "checkpoint",
+        type=path_text,
         help="a run directory (its newest complete checkpoint), its checkpoints directory, or one step<N> checkpoint",
     )
-    p.add_argument("dir", nargs="?", help="where the export goes (default <run dir>/<train.export_dir>-step<N>)")
+    p.add_argument(
+        "dir", nargs="?", type=path_text, help="where the export goes (default <run dir>/<train.export_dir>-step<N>)"
+    )
     p.add_argument("--adapter", action="store_true", help="with LoRA: the PEFT adapter alone, not the merged model")
     p.add_argument(
         "--dtype",
@@ -79,18 +99,23 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 def chat_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="python -m ds_exp.chat",
         description="Talk to an exported model: a conversation on a terminal, one answer per line of standard input.",
         epilog=CHAT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dir", help="a Hugging Face model directory (an export), or a run directory (its hf_model)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, e.g. 0.7")
-    p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus probability; 1 = off (default)")
-    p.add_argument("--top-k", type=int, default=0, help="with sampling: the k likeliest tokens; 0 = off (default)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per answer (default 256)")
-    p.add_argument("--seed", type=int, help="seeds the sampling once, at the start: 0 to 2**32 - 1 (default: unseeded)")
+    p.add_argument(
+        "dir", type=path_text, help="a Hugging Face model directory (an export), or a run directory (its hf_model)"
+    )
+    # the types refuse nan, inf and numbers past 64 bits at once; the ranges are checked below, as eval.* are
+    p.add_argument("--temperature", type=number(), default=0.0, help="0 = greedy (default); > 0 samples, e.g. 0.7")
+    p.add_argument("--top-p", type=number(), default=1.0, help="with sampling: nucleus probability; 1 = off (default)")
+    p.add_argument("--top-k", type=whole(), default=0, help="with sampling: the k likeliest tokens; 0 = off (default)")
+    p.add_argument(
+        "--max-new-tokens", type=whole(high=MAX_TOKENS), default=256, help="tokens generated per answer (default 256)"
+    )
+    p.add_argument("--seed", type=SEED, help="seeds the sampling once, at the start, 0 to 2^32 - 1 (default: unseeded)")
     p.add_argument(
         "--template",
         choices=["auto", "chat_template", "dschat", "raw"],
@@ -148,6 +173,7 @@ def _export(argv: list[str]) -> int:
     what = "the LoRA adapter of " if args.adapter else ""
     ranks = f"{world} rank{'' if world == 1 else 's'}"
     print(f"ds_exp: exporting {what}{tag_dir} (step {step}, ZeRO-{stage}, {ranks}) to {target}", file=sys.stderr)
+    compat.import_deepspeed_without_mlflow()  # DeepSpeed would import all of mlflow (the extra) for nothing
     from ds_exp.tools.use.export import export_checkpoint
 
     metadata = export_checkpoint(tag_dir, run_dir, cfg, target, adapter=args.adapter, dtype=args.dtype)
@@ -161,8 +187,6 @@ def _chat(argv: list[str]) -> int:
     problems = sampling_problems(args.temperature, args.top_p, args.top_k, key=names.__getitem__)
     if args.max_new_tokens < 1:
         problems.append(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
-        problems.append(f"--seed={args.seed}: must be a whole number from 0 to {MAX_SEED} (2**32 - 1)")
     if args.device != "auto" and not DEVICE.fullmatch(args.device):
         problems.append(
             f"--device={args.device}: not a device; give cpu, cuda, cuda:N (the GPU's index), mps or xpu[:N], or "
@@ -177,6 +201,7 @@ def _chat(argv: list[str]) -> int:
             f"--max-new-tokens={args.max_new_tokens} leaves no room for a prompt within the model's {context[1]}: "
             f"give --max-new-tokens below {context[0]}, e.g. {min(256, context[0] // 2)}"
         )
+    compat.import_deepspeed_without_mlflow()
     from ds_exp.tools.use.chat import chat
 
     return chat(model_dir, args, context=context[0] if context else None)

@@ -6,7 +6,10 @@
    DeepSpeed's zero_to_fp32 stitches together, rounded here to the training precision as the engine's own
    parameters were. Every file is read with torch.load(weights_only=True);
 3. they are loaded into the rebuilt model (a checkpoint that does not fit it is refused) and exported by
-   ds_exp/artifacts/export.py: the same files the run's own export at that step (train.export_every) holds.
+   ds_exp/artifacts/export.py: the same files the run's own export at that step (train.export_every) holds. A LoRA
+   checkpoint holds only what trains: the frozen base is the one rebuilt in step 1, checked to be the one the
+   checkpoint was trained on (ds_exp/checkpoint/frozen.py), and taken in the training precision, as the engine
+   held it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from ds_exp.artifacts.export import DTYPES, export_spec, non_finite_tensors, write_export
 from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES
+from ds_exp.checkpoint.frozen import built_base, load_trained
 from ds_exp.checkpoint.universal import MODEL_STATES
 from ds_exp.config.paths import data_cache_dir
 from ds_exp.config.schema import Config
@@ -53,15 +57,21 @@ def export_checkpoint(
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     ds_config = {"zero_optimization": {"stage": 0}, **{k: {"enabled": precision == k} for k in ("bf16", "fp16")}}
     built = build_model(cfg, tokenizer, ds_config)
-    state = read_weights(tag_dir, getattr(torch, DTYPES[precision]))
+    built_base(cfg, built.model, zero3=False, checkpoint=tag_dir, what="export")  # the frozen weights it left out
+    dtype_of_training = getattr(torch, DTYPES[precision])
+    state = read_weights(tag_dir, dtype_of_training)
     try:
-        built.model.load_state_dict(state, strict=True)
+        load_trained(state, built.model)  # the frozen weights may be left out: they are the ones rebuilt
     except RuntimeError as err:
         problem = " ".join(str(err).split())[:400]
         raise RunFailed(
             f"{tag_dir} does not fit the model the run's config builds ({problem}); was {run_dir}/.hydra changed "
             "since the checkpoint was written?"
         ) from None
+    # what the checkpoint left out, as the engine held it: the rebuilt frozen weights in the training precision
+    for name, value in built.model.state_dict().items():
+        if name not in state:
+            state[name] = value.to(dtype_of_training) if value.is_floating_point() else value
     bad = non_finite_tensors(state)
     if bad:
         raise Diverged(
@@ -95,7 +105,8 @@ def _in_one_process(cfg: Config) -> Config:
     cfg = dataclasses.replace(cfg)
     sp = int(cfg.dist.sequence_parallel_size)
     cfg.dist = dataclasses.replace(cfg.dist, sequence_parallel_size=1)
-    model: dict[str, Any] = {"liger_kernel": False}
+    model: dict[str, Any] = {"liger_kernel": False, "fused_loss": False}
+    cfg.train = dataclasses.replace(cfg.train, compile=False)
     if cfg.model.attn_implementation == "auto":
         model["attn_implementation"] = None  # flash-attention needs a GPU; the weights do not depend on it
     if sp > 1 and model.get("attn_implementation", cfg.model.attn_implementation) is None:

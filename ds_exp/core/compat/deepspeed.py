@@ -1,13 +1,17 @@
-"""Every touch of a library's private internals, in one place. Each function says which versions it was checked
-against and what breaks if the internal changes: the list to re-check when a library is upgraded."""
+"""DeepSpeed's internals ds_exp relies on (0.19.8): its op cache, ZeRO-3's partitions and module stack, the checkpoint
+reader, the universal-checkpoint converter and loader, the stage-0 gradient norm, its process groups, and its eager
+import of mlflow."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ds_exp.core.compat.torch import extension_build_dir
 
 
 def op_loaded(builder: Any) -> bool:
@@ -39,38 +43,6 @@ def op_prebuilt(builder: Any) -> bool:
     if installed_ops.get(builder.name, False):
         return True
     return (extension_build_dir(builder.name) / f"{builder.name}.so").is_file()
-
-
-def extension_build_dir(name: str) -> Path:
-    """Where torch compiles the extension `name`. torch 2.4-2.13: `torch.utils.cpp_extension._get_build_directory`
-    (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<python>_<cuda tag>/<name>). If it changes, an op that
-    loads from its cache gets a "compiling ..." notice."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return Path(_get_build_directory(name, verbose=False))
-
-
-def use_extension_baton(baton: type) -> None:
-    """torch's JIT extension builds (every DeepSpeed op) take `baton` as their build lock instead of FileBaton.
-
-    torch 2.13: `cpp_extension._jit_compile` looks `FileBaton` up in its module at each call and uses try_acquire,
-    wait and release on `<build dir>/lock`. If that changes, a killed build's lock is waited on forever again,
-    silently (tests/unit/test_waits.py's build-lock tests fail)."""
-    import torch.utils.cpp_extension
-
-    torch.utils.cpp_extension.FileBaton = baton  # type: ignore[misc,assignment]  # its subclass (runtime/build_lock.py)
-
-
-def apply_liger_kernels(model: Any) -> None:
-    """Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) patched into this model instance.
-
-    liger-kernel 0.8.5: `liger_kernel.transformers._apply_liger_kernel_to_instance` (exported, underscore-named) patches
-    a built model by its model_type. Its cross-entropy kernels stay off: ds_exp's loss is the exact sum over the
-    global batch's label tokens, computed from the logits. If the function moves, model.liger_kernel=true fails
-    at model build with an ImportError naming it."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def zero3_full_state_dict(engine: Any) -> dict[str, Any] | None:
@@ -111,112 +83,6 @@ def read_checkpoints_weights_only(engine: Any, allowed: list[Any]) -> None:
     engine.checkpoint_engine.load = safe_load
 
 
-def reinit_module(model: Any, module: Any) -> None:
-    """Run the model's own weight initialization on one module again (seeded by the caller).
-
-    transformers 5.23: `PreTrainedModel._init_weights(module)` initializes one module; since 5.0 it skips tensors
-    flagged `_is_hf_initialized`, so the flag is cleared first. If either changes, the tiny model's weights stop
-    depending on the seed alone and the equal-losses-across-ZeRO-stages test fails."""
-    for param in module.parameters(recurse=False):
-        param._is_hf_initialized = False
-    model._init_weights(module)
-
-
-def submitit_requeue_signal() -> int:
-    """The signal SLURM sends before a time limit or a preemption, as submitit's job expects it.
-
-    submitit 1.5.4: `JobEnvironment._usr_sig()` (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise). If it
-    moves, the requeue test (tests/system/test_slurm.py) fails."""
-    import submitit
-
-    return int(submitit.JobEnvironment._usr_sig())
-
-
-def basic_sweep_jobs(overrides: list[str]) -> list[list[str]]:
-    """Each job's overrides as Hydra's basic sweeper expands the command line's (its cartesian product).
-
-    hydra-core 1.3.2-1.3.8: `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments` (a static
-    method; no public API lists a sweep's jobs before launching them). If it moves, sweeps are no longer validated
-    before launch (tests/system/test_cli.py catches it)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-
-
-_COMPOSE_HOOKS: list[Any] = []
-
-
-def on_compose(hook: Any) -> None:
-    """Call `hook(cfg)` on every config Hydra composes in this process, once its config files are merged and
-    before the command line's overrides apply (so before Hydra saves .hydra/*.yaml, before `--cfg job`, before a
-    sweeper or submitit pickles a job's config). Installing the same hook twice is a no-op.
-
-    hydra-core 1.3.2-1.3.8: `hydra._internal.config_loader_impl.ConfigLoaderImpl._compose_config_from_defaults_list`
-    (the one method every composition goes through: the run's, each sweep job's, the compose API's). No public
-    hook sees the config before Hydra writes it: callbacks' on_job_start runs after .hydra/ is saved. If the
-    method moves, this raises at start-up rather than letting config files' secrets reach .hydra/
-    (tests/integration/test_security.py)."""
-    import functools
-
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
-    if hook in _COMPOSE_HOOKS:
-        return
-    _COMPOSE_HOOKS.append(hook)
-    original = ConfigLoaderImpl._compose_config_from_defaults_list
-    if getattr(original, "_ds_exp_hooks", None) is not None:
-        return
-
-    @functools.wraps(original)
-    def compose(self: Any, *args: Any, **kwargs: Any) -> Any:
-        cfg = original(self, *args, **kwargs)
-        for each in _COMPOSE_HOOKS:
-            each(cfg)
-        return cfg
-
-    compose._ds_exp_hooks = _COMPOSE_HOOKS  # type: ignore[attr-defined]
-    ConfigLoaderImpl._compose_config_from_defaults_list = compose  # type: ignore[method-assign]
-
-
-_OVERRIDE_HOOKS: list[Any] = []
-
-
-def before_overrides(hook: Any) -> None:
-    """Call `hook(overrides, cfg)` (Hydra's parsed Overrides) before Hydra applies the command line's values to a
-    composed config; the hook raises to refuse them. hydra-core 1.3.2-1.3.8: the static
-    `ConfigLoaderImpl._apply_overrides_to_config`, called by every composition (run, sweep job, compose API). If it
-    moves, OmegaConf's "dict is not a subclass of DataSource" comes back (tests/bad_inputs.py catches it)."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
-    if hook not in _OVERRIDE_HOOKS:
-        _OVERRIDE_HOOKS.append(hook)
-    original = ConfigLoaderImpl._apply_overrides_to_config
-    if getattr(original, "_ds_exp_hooks", None) is not None:
-        return
-
-    def apply(overrides: Any, cfg: Any) -> None:
-        for each in _OVERRIDE_HOOKS:
-            each(overrides, cfg)
-        original(overrides, cfg)
-
-    apply._ds_exp_hooks = _OVERRIDE_HOOKS  # type: ignore[attr-defined]
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign]
-
-
-def optuna_trial_of(study: Any, frozen: Any) -> Any:
-    """A live `optuna.trial.Trial` for a RUNNING trial an earlier process asked for (the study's get_trials gives
-    FrozenTrials, whose set_user_attr does not reach the storage and which study.tell does not accept), so that the
-    trial can be continued and told like one asked for now.
-
-    optuna 5.0.0: `Trial(study, trial_id)` is public, but a FrozenTrial's id is only its private `_trial_id`. If it
-    goes, a study re-run cannot continue its stopped trials (tests/system/test_optuna.py catches it)."""
-    from optuna.trial import Trial
-
-    return Trial(study, frozen._trial_id)
-
-
 UNIVERSAL_CHECKED = "0.19.8"  # the DeepSpeed version ds_exp's universal-checkpoint handling was checked against
 
 
@@ -232,30 +98,6 @@ def check_universal_version() -> str | None:
         f"{UNIVERSAL_CHECKED}, this is {deepspeed.__version__}: compare the resumed losses with the run's before "
         "trusting them"
     )
-
-
-@contextlib.contextmanager
-def torch_load_weights_only(allowed: list[Any]) -> Iterator[None]:
-    """While it lasts, every torch.load reads with weights_only=True, allowing only `allowed` types.
-
-    DeepSpeed 0.19.8: `deepspeed.checkpoint.ds_to_universal` and the universal loader
-    (`deepspeed.checkpoint.universal_checkpoint.load_hp_checkpoint_state`, the ZeRO optimizers'
-    `_load_universal_checkpoint`) call torch.load(weights_only=False) themselves, not through the engine's
-    checkpoint_engine (read_checkpoints_weights_only). If they start to, this is merely redundant; if they pass
-    other arguments, weights_only=True still wins."""
-    import torch
-
-    original = torch.load
-
-    def load(*args: Any, **kwargs: Any) -> Any:
-        with torch.serialization.safe_globals(allowed):
-            return original(*args, **{**kwargs, "weights_only": True})
-
-    torch.load = load
-    try:
-        yield
-    finally:
-        torch.load = original
 
 
 def ds_to_universal(input_folder: Path, output_folder: Path, workers: int) -> None:
@@ -325,8 +167,6 @@ def release_sequence_parallel_groups() -> None:
     calls it itself only when the world group is destroyed), and `deepspeed.utils.groups.mpu` holds the mpu the last
     engine was given. If they change, a second sequence-parallel job in one process fails at registration with
     DeepSpeed's "sequence parallel group is already initialized"."""
-    import sys
-
     state = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
     if state is not None:
         state._release_sequence_parallel_groups()
@@ -343,8 +183,6 @@ def forget_zero3_module(module: Any) -> None:
     cache (below) holds its submodules: the model, its engine, its optimizer state and the engine's process groups
     live as long as the process. If the names change, they do again (a multirun's next job starts with the last
     one's memory; at exit, gloo's threads outlive the interpreter's shutdown: the launcher test fails)."""
-    import sys
-
     offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     stack = getattr(offload, "FWD_MODULE_STACK", None)
     if isinstance(stack, list):
@@ -369,8 +207,6 @@ def forget_deepspeed_groups(process_group_type: type) -> None:
     expert, data- and model-parallel groups and their dicts) that nothing clears. A backend freed only during the
     interpreter's own shutdown can abort the process after a completed run (seen: a rank of a 2-rank gloo run
     ended with SIGABRT, "terminate called without an active exception"). If the names change, that is back."""
-    import sys
-
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is None:
         return
@@ -396,3 +232,25 @@ def sequence_parallel_gradient_factor(engine: Any, sequence_parallel_size: int) 
     if sequence_parallel_size <= 1 or engine.zero_optimization_stage() != 3:
         return 1
     return sequence_parallel_size if getattr(engine.optimizer, "reduce_scatter", True) else 1
+
+
+def import_deepspeed_without_mlflow() -> None:
+    """`import deepspeed`, with `import mlflow` failing for its duration: called by the entry points right before
+    they import the training stack (ds_exp.launch.cli.run_job, the autotune sweeper, `python -m ds_exp.export`).
+
+    DeepSpeed 0.16-0.19.8: `deepspeed/autotuning/autotuner.py` runs `try: import mlflow` when deepspeed is imported
+    (runtime.config -> autotuning.config -> autotuning), for DeepSpeed's own autotuner (`deepspeed --autotuning`,
+    which ds_exp never runs: its autotune is hydra/sweeper=autotune). With the mlflow extra installed, that is all of
+    mlflow in every rank for nothing: 1.6 s of CPU on a quiet 2-core machine (3 s under load), about 40% of `import
+    deepspeed`. Here the autotuner records `has_mlflow = False`; nothing else of DeepSpeed imports mlflow, and
+    mlflow is importable again afterwards (ds_exp's MLflow tracker imports it when a run logs to it). A no-op when
+    deepspeed or mlflow is imported already. If DeepSpeed imports mlflow elsewhere one day, it finds it missing there
+    too (only during this import): tests/unit/test_structure.py checks that this one import is all it affects."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        return
+    sys.modules["mlflow"] = None  # type: ignore[assignment]  # the import system's "not importable" entry
+    try:
+        importlib.import_module("deepspeed")
+    finally:
+        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]

@@ -1,16 +1,23 @@
 """An MLflow run on rank 0 (logger.mlflow.enabled), through MlflowClient: no global active run, so the jobs of a
 multirun in one process never share one.
 
-* Where: logger.mlflow.tracking_uri, else a store of the run's own, sqlite:///<run dir>/mlflow.db, with artifacts in
-  <run dir>/mlartifacts (MLflow 3 refuses its old ./mlruns file store unless MLFLOW_ALLOW_FILE_STORE=true).
-  `mlflow ui --backend-store-uri sqlite:///<run dir>/mlflow.db` shows it.
+* Where: logger.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the project's store: outputs/mlflow.db in the
+  directory the run was launched from (Hydra's runtime.cwd, where outputs/ holds every run, sweep and study of
+  the project), with artifacts in outputs/mlartifacts: every run of the project in one store, comparable side by
+  side (MLflow's experiments keep experiment_name apart). `mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db`
+  there shows them (the UI is in the full `mlflow` package; mlflow-skinny logs only). MLflow 3 refuses its old
+  ./mlruns file store unless MLFLOW_ALLOW_FILE_STORE=true.
+* Runs at once (a sweep's jobs, two terminals): a SQLite store is opened by one process at a time (`store_opened`:
+  MLflow creates its tables on first use, and two processes doing that at once fail); then SQLite's own locking
+  keeps its writers apart.
 * What: experiment = logger.mlflow.experiment or experiment_name; run name = logger.mlflow.run_name or the run
-  directory's name; params = the whole config, flattened, credentials blanked (ds_exp.config.secrets.redact);
-  metrics at every metric line, by optimizer step; generations and summary.json as artifacts; the end as the run's
-  status (FINISHED, KILLED for a stop that can be resumed, FAILED).
+  directory as a path under outputs/ (a sweep's job `multirun/default/<time>/0`, not `0`); params = the whole
+  config, flattened, credentials blanked (ds_exp.config.secrets.redact); metrics at every metric line, by
+  optimizer step; generations and summary.json as artifacts; the end as the run's status (FINISHED, KILLED for a
+  stop that can be resumed, FAILED).
 * A resume continues the same MLflow run (its id is kept in each checkpoint's marker, like wandb's): steps after
   the checkpoint are logged once; params the resume changed are told in a tag, as MLflow's params never change.
-* A server that does not answer: refused before the run builds anything (ds_exp.config.logger_checks); one that
+* A server that does not answer: refused before the run builds anything (ds_exp.config.trackers); one that
   goes away later costs seconds, not MLflow's 246 s of retries (SHORT_HTTP), and opening the run is announced
   while it waits (ds_exp.core.waits). Its error text never shows the URI's password.
 """
@@ -18,6 +25,7 @@ multirun in one process never share one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -27,13 +35,20 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ds_exp.config.logger_checks import without_passwords
+import mlflow
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_original_cwd
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+
+from ds_exp.artifacts.trackers.base import Tracker
 from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.config.secrets import redact, redact_text, register_secrets
+from ds_exp.config.trackers import without_passwords
 from ds_exp.core.errors import RunFailed, first_line
 from ds_exp.core.files import json_text
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
-from ds_exp.core.waits import announced
+from ds_exp.core.waits import announced, announced_wait
 from ds_exp.launch.run_logging import FILE_LOGGER
 
 log = logging.getLogger(__name__)
@@ -42,6 +57,7 @@ MAX_PARAM_VALUE = 6000  # MLflow's limits (mlflow.utils.validation)
 MAX_TAG_VALUE = 8000
 MAX_KEY = 250
 BATCH = 100  # params or tags per log_batch
+STORE_WAIT_S = 600.0  # another run opening the same SQLite store: its tables take seconds to create
 _KEY_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow allows in a param, metric or tag name
 
 
@@ -63,8 +79,51 @@ def short_http_waits() -> Iterator[None]:
             os.environ.pop(name, None)
 
 
-def default_tracking_uri(run_dir: Path) -> str:
-    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+def project_outputs() -> Path:
+    """outputs/ of the directory the run was launched from (where Hydra's default run and sweep directories are)."""
+    launched_from = get_original_cwd() if HydraConfig.initialized() else os.getcwd()
+    return Path(launched_from).resolve() / "outputs"
+
+
+def default_tracking_uri() -> str:
+    """The project's store, logger.mlflow.tracking_uri=null without $MLFLOW_TRACKING_URI: one for every run."""
+    return f"sqlite:///{project_outputs() / 'mlflow.db'}"
+
+
+def default_run_name(run_dir: Path) -> str:
+    """The run directory under the project's outputs/ (`default/2026-11-26_18-23-47`, `multirun/default/<time>/0`,
+    `optuna/<study>/3`): a sweep's jobs (0, 1, ...) stay apart in the project's one store; elsewhere its name."""
+    try:
+        return str(run_dir.resolve().relative_to(project_outputs()))
+    except ValueError:
+        return run_dir.name
+
+
+@contextlib.contextmanager
+def store_opened(store: Path | None) -> Iterator[None]:
+    """One process at a time opens a SQLite store (an flock on <store>.lock): MLflow creates its tables (and migrates
+    older ones) on a client's first call, and two processes doing that at once fail ("duplicate column name", mlflow
+    3.17, three runs opening a new store together); once they exist, three runs logging 200 steps at once each
+    found SQLite's own locking enough. Waited on as every wait is (ds_exp/core/waits.py)."""
+    if store is None:
+        yield
+        return
+    store.parent.mkdir(parents=True, exist_ok=True)
+    with store.with_name(f"{store.name}.lock").open("a") as lock:
+
+        def taken() -> bool:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
+        fix = f"another run holds {lock.name} while it opens the store: let it finish, or stop it"
+        announced_wait(f"another run to open the MLflow store {store}", taken, limit_s=STORE_WAIT_S, fix=fix)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def flatten(tree: object, prefix: str = "") -> dict[str, str]:
@@ -92,37 +151,32 @@ def _quiet_library_loggers() -> None:
         library.propagate = False
 
 
-class MlflowRun:
-    """See the module docstring; a no-op unless enabled (rank 0 with logger.mlflow.enabled)."""
+class MlflowRun(Tracker):
+    """See the module docstring."""
 
     name = "MLflow"
 
-    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, run_id: str | None, start_step: int = 0) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, *, run_id: str | None, start_step: int) -> None:
         self.client: Any = None
         self.run_id = run_id
-        self.store: Path | None = None  # the store's file on this machine (a SQLite database), None for a server
+        self.store = None  # the store's file on this machine (a SQLite database), None for a server
         settings = cfg.logger.mlflow
-        if not enabled or not settings.enabled:
-            return
-        self.uri = settings.tracking_uri or default_tracking_uri(run_dir)
+        self.uri = settings.tracking_uri or default_tracking_uri()
         if self.uri.startswith("sqlite:///"):
             self.store = Path(self.uri.removeprefix("sqlite:///").split("?")[0]).expanduser()
         password = urlsplit(self.uri).password
         if password:  # a server's basic auth in the URI: never in a log line or a param
             register_secrets({"password": password})
-        import mlflow
-        from mlflow.exceptions import MlflowException
-
         _quiet_library_loggers()
         shown = without_passwords(self.uri)
         try:
             remote = urlsplit(self.uri).scheme in ("http", "https")
             bound = "each request gives up within about a minute"
             waiting = announced(f"the MLflow server {shown}", bound=bound) if remote else contextlib.nullcontext()
-            with short_http_waits(), waiting:
+            with short_http_waits(), waiting, store_opened(self.store):
                 self.client = mlflow.MlflowClient(tracking_uri=self.uri)
                 name = settings.experiment or cfg.experiment_name
-                experiment = self._experiment(name, run_dir, settings.tracking_uri)
+                experiment = self._experiment(name, None if settings.tracking_uri else self.store)
                 self.run_id = self._continue(run_id, start_step) if run_id else None
                 if self.run_id is None:
                     self.run_id = self._create(cfg, run_dir, experiment)
@@ -132,18 +186,16 @@ class MlflowRun:
             first = without_passwords(first_line(err))
             raise RunFailed(
                 f"logger.mlflow: MLflow refused the tracking store {shown} ({first}); fix "
-                "logger.mlflow.tracking_uri (null = <run dir>/mlflow.db), or logger.mlflow.enabled=false"
+                "logger.mlflow.tracking_uri (null = the project's outputs/mlflow.db), or logger.mlflow.enabled=false"
             ) from err
         log.info("mlflow: run %s in %s", self.run_id, shown)
 
-    def _experiment(self, name: str, run_dir: Path, given_uri: str | None) -> str:
-        """The experiment's id, created when missing (a store of the run's own keeps its artifacts beside it)."""
-        from mlflow.exceptions import MlflowException
-
+    def _experiment(self, name: str, default_store: Path | None) -> str:
+        """The experiment's id, created when missing (the project's store keeps its artifacts beside it)."""
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return str(found.experiment_id)
-        location = None if given_uri else (run_dir / "mlartifacts").resolve().as_uri()
+        location = (default_store.parent / "mlartifacts").as_uri() if default_store is not None else None
         try:
             return str(self.client.create_experiment(name, artifact_location=location))
         except MlflowException:  # another run of a shared store created it meanwhile
@@ -153,8 +205,6 @@ class MlflowRun:
             return str(found.experiment_id)
 
     def _create(self, cfg: Config, run_dir: Path, experiment: str) -> str:
-        from mlflow.entities import Param
-
         settings = cfg.logger.mlflow
         tags = {
             "zero_stage": str(cfg.zero.stage),
@@ -163,7 +213,7 @@ class MlflowRun:
             "ds_exp.run_dir": str(run_dir),
             **{str(k): redact_text(str(v)) for k, v in settings.tags.items()},  # a secret by its shape
         }
-        run = self.client.create_run(experiment, run_name=settings.run_name or run_dir.name, tags=tags)
+        run = self.client.create_run(experiment, run_name=settings.run_name or default_run_name(run_dir), tags=tags)
         run_id = str(run.info.run_id)
         params = [Param(k, v) for k, v in flatten(redact(as_dict(cfg))).items()]
         for start in range(0, len(params), BATCH):
@@ -172,8 +222,6 @@ class MlflowRun:
 
     def _continue(self, run_id: str, start_step: int) -> str | None:
         """The checkpoint's run, RUNNING again; None (a new run, said in the log) when this store does not have it."""
-        from mlflow.exceptions import MlflowException
-
         try:
             self.client.get_run(run_id)
         except MlflowException:
@@ -198,8 +246,6 @@ class MlflowRun:
 
     def _log_changed_params(self, cfg: Config, start_step: int) -> None:
         """Params are immutable in MLflow: new keys are logged, changed values are told in one tag."""
-        from mlflow.entities import Param
-
         assert self.run_id is not None
         before = self.client.get_run(self.run_id).data.params
         now = flatten(redact(as_dict(cfg)))
@@ -214,8 +260,6 @@ class MlflowRun:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.client is None:
             return
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
         values = [
             Metric(_KEY_CHARS.sub("_", key)[:MAX_KEY], float(value), now, int(step))
@@ -237,9 +281,15 @@ class MlflowRun:
     def location(self) -> str:
         return redact_text(self.uri)
 
-    def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
-        """summary.json as an artifact, the status as a tag, and the run ended as FINISHED, KILLED (a stop that can be
-        resumed) or FAILED; each tried whatever the one before did, the first failure raised after."""
+    def artifact(self, name: str, document: dict[str, Any]) -> None:
+        """The document as a JSON artifact of the run (summary.json)."""
+        if self.client is not None:
+            with short_http_waits():
+                self.client.log_dict(self.run_id, redact(document), name)
+
+    def close(self, status: RunStatus) -> None:
+        """The status as a tag, and the run ended as FINISHED, KILLED (a stop that can be resumed) or FAILED; each
+        tried whatever the one before did, the first failure raised after."""
         if self.client is None:
             return
         client, self.client = self.client, None
@@ -255,8 +305,6 @@ class MlflowRun:
             lambda: client.set_tag(self.run_id, "ds_exp.status", status),
             lambda: client.set_terminated(self.run_id, status=end),
         ]
-        if summary is not None:
-            calls.insert(0, lambda: client.log_dict(self.run_id, redact(summary), "summary.json"))
         with short_http_waits():
             for call in calls:
                 try:

@@ -1,5 +1,5 @@
 """TensorBoard event files on rank 0 (logger.tensorboard.enabled), in logger.tensorboard.dir, else
-<run dir>/tensorboard.
+<run dir>/tensorboard: scalar metrics by step, generations as Markdown tables, the config and summary.json as text.
 
 A resume from the checkpoint at step S writes TensorBoard's purge event at S + 1: TensorBoard then hides what an
 attempt killed after that checkpoint wrote past it, so each step is shown once, as the resumed run logged it.
@@ -19,15 +19,17 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.record_writer import masked_crc32c
+from tensorboardX.summary import scalar, text
+
+from ds_exp.artifacts.trackers.base import Tracker
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact
 from ds_exp.core.files import append_whole, json_text
 from ds_exp.core.status import RunStatus
-
-if TYPE_CHECKING:  # tensorboardX is an optional extra: imported only where TensorBoard is on
-    from tensorboardX.proto.event_pb2 import Event
 
 FLUSH_SECONDS = 120.0  # how often the file is synced to the disk (tensorboardX's default)
 
@@ -36,8 +38,6 @@ class EventFile:
     """One TensorBoard event file (TFRecord framing: length, its masked CRC32C, the Event, its masked CRC32C)."""
 
     def __init__(self, directory: Path, suffix: str) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-
         directory.mkdir(parents=True, exist_ok=True)
         # tensorboardX's name: TensorBoard reads a directory's files in the order of their names
         self.path = directory / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}{suffix}"
@@ -46,30 +46,20 @@ class EventFile:
         self.add(Event(file_version="brain.Event:2"))
 
     def scalar(self, key: str, value: float, step: int) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import scalar
-
         self.add(Event(summary=scalar(key, value)), step)
 
     def text(self, key: str, value: str, step: int) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import text
-
         self.add(Event(summary=text(key, value)), step)
 
     def purge_from(self, step: int) -> None:
         """TensorBoard hides the steps from `step` on that earlier files hold (a restart, as SummaryWriter's
         purge_step says it)."""
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-
         self.add(Event(session_log=SessionLog(status=SessionLog.START)), step)
 
     def add(self, event: Event, step: int | None = None) -> None:
         """Append one record; a write that fails leaves the file as it was (no record cut short) and is raised."""
         if self.file is None:
             return
-        from tensorboardX.record_writer import masked_crc32c
-
         event.wall_time = time.time()
         if step is not None:
             event.step = int(step)
@@ -99,22 +89,18 @@ class EventFile:
             file.close()
 
 
-class TensorBoardRun:
-    """Event files on rank 0 when logger.tensorboard.enabled; a no-op everywhere else (see the module docstring)."""
+class TensorBoardRun(Tracker):
+    """Event files on rank 0 (see the module docstring)."""
 
     name = "TensorBoard"
 
-    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start_step: int = 0) -> None:
-        self.events: EventFile | None = None
+    def __init__(self, cfg: Config, run_dir: Path, *, run_id: str | None, start_step: int) -> None:
         self.last_step = start_step
-        self.store: Path | None = None
         settings = cfg.logger.tensorboard
-        if not enabled or not settings.enabled:
-            return
         self.dir = self.store = Path(settings.dir).expanduser() if settings.dir else run_dir / "tensorboard"
         # a file per attempt, named by the second and the host: the suffix keeps two attempts within one second
         # apart and in order
-        self.events = EventFile(self.dir, f".step{start_step:09d}.{os.getpid()}")
+        self.events: EventFile | None = EventFile(self.dir, f".step{start_step:09d}.{os.getpid()}")
         if start_step:
             self.events.purge_from(start_step + 1)
         else:
@@ -123,10 +109,6 @@ class TensorBoardRun:
     @property
     def writer(self) -> EventFile | None:
         return self.events
-
-    @property
-    def location(self) -> str:
-        return str(self.store)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.events is None:
@@ -146,14 +128,14 @@ class TensorBoardRun:
         lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
         self.events.text(key, "\n".join(lines), step)
 
-    def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
+    def artifact(self, name: str, document: dict[str, Any]) -> None:
+        """The document as text under its name's stem (summary.json: "summary"), at the last step logged."""
+        if self.events is not None:
+            self.events.text(Path(name).stem, f"```\n{json_text(redact(document), indent=2)}\n```", self.last_step)
+
+    def close(self, status: RunStatus) -> None:
         events, self.events = self.events, None
-        if events is None:
-            return
-        try:
-            if summary is not None:
-                events.text("summary", f"```\n{json_text(redact(summary), indent=2)}\n```", self.last_step)
-        finally:
+        if events is not None:
             events.close()
 
     def abandon(self) -> None:

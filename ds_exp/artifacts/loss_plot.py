@@ -1,0 +1,160 @@
+"""plots/loss.png: a picture of a run without a tracker or a viewer (issue 35 §3).
+
+Train loss and eval loss by optimizer step, the learning rate on a second axis, drawn from what metrics.jsonl holds
+(so a resumed run's picture is its whole course). Rank 0 draws it after each evaluation and once more at the end of
+the run, however it ended (a diverged run's curve is the one worth seeing), and writes it whole
+(ds_exp/core/files.py): a viewer never sees half a PNG. Kept cheap: each picture reads only the lines appended
+since the one before, and draws on matplotlib's Agg canvas without pyplot (no global figure state: a notebook's
+own plots and backend are left alone). A picture takes about 0.06 s of CPU (0.25 s at 100,000 points); on the tiny
+model an evaluation takes as long, so an evaluation that comes sooner after the last picture than 50 times what
+that one took is not drawn (the end always is, unless no line came since the last picture): pictures never take
+more than 2% of a run. A picture that cannot
+be drawn or written costs the picture, said once, never the run: metrics.jsonl has every line.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds_exp.core.errors import first_line
+from ds_exp.core.files import no_room, write_bytes_atomic
+from ds_exp.launch.run_logging import FILE_LOGGER
+
+log = logging.getLogger(__name__)
+file_log = logging.getLogger(FILE_LOGGER)
+
+PLOT = Path("plots") / "loss.png"  # in the run directory
+SHARE = 50  # a picture waits at least this many times the last one's duration after it (2% of the run at most)
+
+
+@dataclass
+class Curves:
+    """The points of the picture, by optimizer step (NaN where a value was not finite: a gap in the line)."""
+
+    train: list[tuple[int, float]] = field(default_factory=list)
+    lr: list[tuple[int, float]] = field(default_factory=list)
+    eval: list[tuple[int, float]] = field(default_factory=list)
+
+    def add(self, record: dict[str, Any]) -> None:
+        step = record.get("step")
+        if not isinstance(step, int):
+            return
+        if record.get("type") == "train":
+            self.train.append((step, _number(record.get("loss"))))
+            if record.get("lr") is not None:
+                self.lr.append((step, _number(record.get("lr"))))
+        elif record.get("type") == "eval":
+            self.eval.append((step, _number(record.get("eval_loss"))))
+
+
+def _number(value: object) -> float:
+    """A value of a metric line as a float; null (a non-finite value, ds_exp/core/files.py) as NaN."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+
+
+class LossPlot:
+    """<run dir>/plots/loss.png, redrawn by `draw` (a no-op unless enabled: rank 0)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, title: str | None = None) -> None:
+        self.metrics, self.path = run_dir / "metrics.jsonl", run_dir / PLOT
+        self.enabled = enabled
+        self.title = title or f"{run_dir.parent.name}/{run_dir.name}"
+        self.curves = Curves()
+        self.read_to = 0  # bytes of metrics.jsonl read so far (only whole lines)
+        self.drawn_to = 0  # read_to when the picture was last drawn
+        self.next_at = 0.0  # time.perf_counter() before which an evaluation's picture is skipped
+
+    def draw(self, final: bool = False) -> None:
+        """The picture of what metrics.jsonl holds now, unless it holds nothing new (the end, right after the last
+        evaluation's picture); an evaluation's (not `final`) only when it is due."""
+        started = time.perf_counter()
+        if not self.enabled or (started < self.next_at and not final):
+            return
+        try:
+            self.read_new_lines()
+            if self.read_to == self.drawn_to:
+                return
+            png = render(self.curves, self.title)
+            self.path.parent.mkdir(exist_ok=True)
+            write_bytes_atomic(self.path, png)
+            self.drawn_to = self.read_to
+        except Exception as err:  # the picture's loss alone
+            self.enabled = False
+            # a full disk stops the run at its next metric line, with the one message that names it: the log file's
+            say = file_log.info if no_room(err) else log.warning
+            say("%s was not drawn (%s); metrics.jsonl has every line", self.path, no_room(err) or first_line(err))
+            return
+        took = time.perf_counter() - started
+        self.next_at = started + SHARE * took
+        file_log.info("%s drawn in %.3f s", self.path, took)
+
+    def read_new_lines(self) -> None:
+        """The lines metrics.jsonl gained since the last picture; all of them again when it was rewritten shorter
+        (a resume sets aside the lines past its checkpoint)."""
+        if not self.metrics.is_file():
+            return
+        with self.metrics.open("rb") as file:
+            if file.seek(0, io.SEEK_END) < self.read_to:
+                self.curves, self.read_to, self.drawn_to = Curves(), 0, -1
+            file.seek(self.read_to)
+            data = file.read()
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next picture
+        self.read_to += len(whole)
+        for line in whole.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # not a line of ours (a cut-short line of a killed attempt)
+            if isinstance(record, dict):
+                self.curves.add(record)
+
+
+def render(curves: Curves, title: str) -> bytes:
+    """The PNG: loss on the left axis, learning rate on the right."""
+    # matplotlib is imported by the first picture (a second of import; the run's console filter keeps its
+    # first-use log lines in the log file), not by every import of the training stack
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(figure)
+    loss_axis = figure.add_subplot()
+    lines = []
+    if curves.train:
+        steps, values = zip(*curves.train, strict=True)
+        lines += loss_axis.plot(steps, values, color="tab:blue", linewidth=1.2, label="train loss", **_dots(steps))
+    if curves.eval:
+        steps, values = zip(*curves.eval, strict=True)
+        lines += loss_axis.plot(steps, values, "o-", color="tab:orange", markersize=4, label="eval loss")
+    loss_axis.set_xlabel("optimizer step")
+    loss_axis.set_ylabel("loss")
+    loss_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    loss_axis.grid(alpha=0.3)
+    if curves.lr:
+        lr_axis = loss_axis.twinx()
+        steps, values = zip(*curves.lr, strict=True)
+        lines += lr_axis.plot(steps, values, "--", color="tab:gray", linewidth=1, label="learning rate", **_dots(steps))
+        lr_axis.set_ylabel("learning rate")
+        lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    if lines:
+        loss_axis.legend(lines, [str(line.get_label()) for line in lines], loc="upper right", fontsize=9)
+    else:
+        loss_axis.text(0.5, 0.5, "no metric line yet", ha="center", va="center", transform=loss_axis.transAxes)
+    loss_axis.set_title(title, fontsize=10)
+    figure.subplots_adjust(left=0.09, right=0.88, top=0.92, bottom=0.12)
+    out = io.BytesIO()
+    figure.savefig(out, format="png")
+    return out.getvalue()
+
+
+def _dots(steps: tuple[int, ...]) -> dict[str, Any]:
+    """Markers on a line of few points (a short run's metric lines): one point alone draws no line."""
+    return {"marker": "o", "markersize": 3} if len(steps) < 30 else {}

@@ -1,0 +1,51 @@
+"""What every tracker is: a run in a tracking store, opened on rank 0 by ds_exp.artifacts.tracking.Trackers (only for
+a tracker the run turns on: ds_exp.config.trackers.TRACKERS), which guards each call: a store that fails costs its
+tracker's records, said once; a full disk under the run directory stops the run."""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ds_exp.config.schema import Config
+from ds_exp.core.status import RunStatus
+
+
+class Tracker(abc.ABC):
+    """One tracker's run. Built with the run's config, its directory, the run id a checkpoint kept for it (a resume
+    continues that run) and the step training starts from (what an attempt killed past it logged is set aside or
+    said, as each store allows)."""
+
+    name: ClassVar[str]  # as people read it in messages: "wandb", "TensorBoard", "MLflow"
+    store: Path | None = None  # where it writes on this machine (a full disk there is told apart); None: a server
+    run_id: str | None = None  # what a checkpoint keeps so a resume continues the run; None: nothing to continue
+
+    @abc.abstractmethod
+    def __init__(self, cfg: Config, run_dir: Path, *, run_id: str | None, start_step: int) -> None: ...
+
+    @property
+    def location(self) -> str:
+        """Where it writes, as a message shows it (no password)."""
+        return str(self.store)
+
+    @abc.abstractmethod
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """A metric line (`train/*`, `eval/*`) at an optimizer step; values that are not numbers are the tracker's to
+        keep or skip."""
+
+    @abc.abstractmethod
+    def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Rows of equal keys (the generations of one evaluation) at a step."""
+
+    @abc.abstractmethod
+    def artifact(self, name: str, document: dict[str, Any]) -> None:
+        """A JSON document the run leaves (summary.json), credentials blanked by the tracker."""
+
+    @abc.abstractmethod
+    def close(self, status: RunStatus) -> None:
+        """End the run as `status` says (a stop that can be resumed is not a failure)."""
+
+    @abc.abstractmethod
+    def abandon(self) -> None:
+        """Stop at once, without another write (its store failed, or its disk is full)."""

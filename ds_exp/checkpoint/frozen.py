@@ -1,0 +1,124 @@
+"""What a checkpoint leaves out: the frozen weights (LoRA's base). A resume, a universal conversion and an export take
+them from the model the run started from, which must be the same: its identity is recorded in every checkpoint.
+
+A LoRA run's checkpoints hold only what trains (DeepSpeed's exclude_frozen_parameters): the adapters and the modules
+trained whole, their optimizer states and the engine's counters (SmolLM2-135M with rank 8: a few MB instead of the
+525 MB base in every checkpoint). The frozen weights are what ds_exp.model.build builds again: read from
+model.name_or_path, or for a model built from model.arch the seeded init (init_weights_by_name: a function of
+train.seed and the module names, the same at every ZeRO stage; both are settings a resume may not change). What they
+are is checked, not assumed: `base_identity` (their count, elements and a SHA-256 of each one's name, dtype, shape
+and values as built, before the engine casts them) goes into each checkpoint's marker (TrainState.base), and a resume
+or an export whose rebuilt base differs (the model's files changed at the same path, a transformers that initialises
+otherwise) is refused in one line (`base_change`). A checkpoint written before ds_exp left them out holds them and
+records no identity: it loads as it always did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ds_exp.config.schema import Config
+from ds_exp.core.errors import ResumeError
+from ds_exp.core.waits import announce_while
+from ds_exp.resume.store import read_marker
+from ds_exp.runtime.process_group import broadcast
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """The names of the weights training never changes, every name of a tied one included (its state dict has both)."""
+    return {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+
+
+def base_identity(model: torch.nn.Module, *, zero3: bool, source: str) -> dict[str, Any] | None:
+    """What the frozen weights of `model` are, as built: None when every weight trains (a checkpoint then holds them
+    all). Collective where a process group is up: at ZeRO-3 each frozen weight is gathered in turn; rank 0 hashes
+    and every rank gets its identity. `source`: where they come from, for the message of a resume that finds
+    another base."""
+    frozen = [(name, param) for name, param in model.named_parameters() if not param.requires_grad]
+    if not frozen:
+        return None
+    group = dist.is_available() and dist.is_initialized()
+    main = not group or dist.get_rank() == 0
+    digest, elements = hashlib.sha256(), 0
+    with announce_while(f"the identity of the {len(frozen)} frozen weight tensors (SHA-256: about 2 s per GB)"):
+        for name, param in frozen:
+            gather = deepspeed.zero.GatheredParameters([param]) if zero3 else contextlib.nullcontext()
+            with gather, torch.no_grad():
+                if main:
+                    value = param.detach().to("cpu").contiguous()
+                    digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
+                    digest.update(value.view(torch.uint8).numpy().data)  # its bytes (bf16 has no numpy dtype)
+                    elements += value.numel()
+    found = {"tensors": len(frozen), "elements": elements, "sha256": digest.hexdigest(), "source": source}
+    return broadcast(found if main else None) if group else found
+
+
+def built_base(
+    cfg: Config, model: torch.nn.Module, *, zero3: bool, checkpoint: Path | None, what: str = "resume"
+) -> dict[str, Any] | None:
+    """Collective: the identity of the frozen weights of `model` as the run's config built them (None when every
+    weight trains), which the run's checkpoints record. Continuing `checkpoint` (a resume, an export: `what`) with
+    other frozen weights than it was trained on is refused here (ResumeError), before anything is loaded."""
+    source = cfg.model.name_or_path or f"model.arch, initialised from train.seed={cfg.train.seed}"
+    base = base_identity(model, zero3=zero3, source=source)
+    if checkpoint is not None:
+        problem = base_change(read_marker(checkpoint).get("base"), base, checkpoint, what=what)
+        if problem is not None:
+            raise ResumeError(problem)
+    return base
+
+
+def base_change(saved: dict[str, Any] | None, now: dict[str, Any] | None, tag_dir: Path, *, what: str) -> str | None:
+    """Why `tag_dir` cannot be used with the frozen weights built now (`saved`: its marker's record), None when it
+    can: it recorded none (it holds its frozen weights itself), or they are the same. `what`: the command's word
+    (resume, export)."""
+    if not saved or (now is not None and now.get("sha256") == saved.get("sha256")):
+        return None
+    then = f"{saved.get('elements', 0):,} weights, SHA-256 {str(saved.get('sha256'))[:16]} (from {saved.get('source')})"
+    found = f"{now['elements']:,} weights, SHA-256 {now['sha256'][:16]}" if now else "none"
+    return (
+        f"{what}: {tag_dir} holds only what trains, and the frozen base weights it continues are not those it was "
+        f"trained on: {then} in the checkpoint, {found} built now from {now['source'] if now else 'the config'}; "
+        "point model.name_or_path at the model the run started from, as it was (or start a new run from this one's "
+        "export)"
+    )
+
+
+@contextlib.contextmanager
+def trained_only(module: torch.nn.Module) -> Iterator[None]:
+    """While a checkpoint is saved: the module's state without its frozen weights, under every name. DeepSpeed's
+    exclude_frozen_parameters drops each under the one name named_parameters() gives it and keeps a tied weight's
+    other name (lm_head.weight of a tied embedding: SmolLM2-135M's 28M weights in every checkpoint)."""
+    frozen = frozen_names(module)
+
+    def drop(_: torch.nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+        for name in frozen:
+            state.pop(prefix + name, None)
+
+    handle = module.register_state_dict_post_hook(drop)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def load_trained(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """The module's state from a checkpoint, as DeepSpeed's load_checkpoint(custom_load_fn=...) calls it: the frozen
+    weights may be left out (they are the ones built: `base_change` checked them); anything else missing or unexpected
+    is refused, as a strict load refuses it."""
+    result = dst.load_state_dict(dict(src), strict=False)
+    frozen = frozen_names(dst)
+    missing = [key for key in result.missing_keys if key not in frozen]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(dst).__name__}: missing {missing[:4]} "
+            f"({len(missing)} in all), unexpected {list(result.unexpected_keys)[:4]} ({len(result.unexpected_keys)})"
+        )

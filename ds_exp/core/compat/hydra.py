@@ -1,0 +1,118 @@
+"""Hydra's internals ds_exp relies on (hydra-core 1.3.2-1.3.8): a sweep's jobs before launch, and two hooks into
+every composition. The hooks are installed by the processes that compose (ds_exp.launch.cli.prepare_composition:
+main(), a submitit job as it unpickles its task), never by importing a module of ds_exp."""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from typing import Any
+
+CHECKED = ((1, 3, 2), (1, 3, 8))  # the hydra-core versions the patches below were checked against
+
+
+def version_problem(version: str) -> str | None:
+    """What to say when ds_exp patches a Hydra it was not checked with (pyproject allows any 1.3); None when it was."""
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    if CHECKED[0] <= parts <= CHECKED[1]:
+        return None
+    low, high = (".".join(map(str, v)) for v in CHECKED)
+    return (
+        f"hydra-core {version}: ds_exp's hooks into Hydra's composition (ds_exp/core/compat/hydra.py) were checked "
+        f"with {low} to {high}; if config files' credentials reach .hydra/*.yaml, install hydra-core=={high}"
+    )
+
+
+@functools.cache
+def check_version() -> None:
+    """Once per process, before the first patch: a Hydra outside CHECKED is said in one warning."""
+    import hydra
+
+    problem = version_problem(hydra.__version__)
+    if problem is not None:
+        warnings.warn(problem, stacklevel=3)
+
+
+def basic_sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Each job's overrides as Hydra's basic sweeper expands the command line's (its cartesian product).
+
+    hydra-core 1.3.2-1.3.8: `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments` (a static
+    method; no public API lists a sweep's jobs before launching them). If it moves, sweeps are no longer validated
+    before launch (tests/system/test_cli.py catches it)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+_COMPOSE_HOOKS: list[Any] = []
+
+
+def on_compose(hook: Any) -> None:
+    """Call `hook(cfg)` on every config Hydra composes in this process, once its config files are merged and
+    before the command line's overrides apply (so before Hydra saves .hydra/*.yaml, before `--cfg job`, before a
+    sweeper or submitit pickles a job's config). Installing the same hook twice is a no-op.
+
+    hydra-core 1.3.2-1.3.8: `hydra._internal.config_loader_impl.ConfigLoaderImpl._compose_config_from_defaults_list`
+    (the one method every composition goes through: the run's, each sweep job's, the compose API's). No public
+    hook sees the config before Hydra writes it: callbacks' on_job_start runs after .hydra/ is saved. If the
+    method moves, this raises at start-up rather than letting config files' secrets reach .hydra/
+    (tests/integration/test_security.py)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    check_version()
+    if hook in _COMPOSE_HOOKS:
+        return
+    _COMPOSE_HOOKS.append(hook)
+    original = ConfigLoaderImpl._compose_config_from_defaults_list
+    if getattr(original, "_ds_exp_hooks", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def compose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cfg = original(self, *args, **kwargs)
+        for each in _COMPOSE_HOOKS:
+            each(cfg)
+        return cfg
+
+    compose._ds_exp_hooks = _COMPOSE_HOOKS  # type: ignore[attr-defined]
+    ConfigLoaderImpl._compose_config_from_defaults_list = compose  # type: ignore[method-assign]
+
+
+_OVERRIDE_HOOKS: list[Any] = []
+
+
+def before_overrides(hook: Any) -> None:
+    """Call `hook(overrides, cfg)` (Hydra's parsed Overrides) before Hydra applies the command line's values to a
+    composed config; the hook raises to refuse them. hydra-core 1.3.2-1.3.8: the static
+    `ConfigLoaderImpl._apply_overrides_to_config`, called by every composition (run, sweep job, compose API). If it
+    moves, OmegaConf's "dict is not a subclass of DataSource" comes back (tests/bad_inputs.py catches it)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    check_version()
+    if hook not in _OVERRIDE_HOOKS:
+        _OVERRIDE_HOOKS.append(hook)
+    original = ConfigLoaderImpl._apply_overrides_to_config
+    if getattr(original, "_ds_exp_hooks", None) is not None:
+        return
+
+    def apply(overrides: Any, cfg: Any) -> None:
+        for each in _OVERRIDE_HOOKS:
+            each(overrides, cfg)
+        original(overrides, cfg)
+
+    apply._ds_exp_hooks = _OVERRIDE_HOOKS  # type: ignore[attr-defined]
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign]
+
+
+def hydra_job_callbacks(config: Any) -> Any:
+    """The callbacks of a composed config (hydra.callbacks) as hydra.core.utils.run_job calls them (on_job_start,
+    on_job_end): ds_exp.train runs its job as Hydra's run mode does (ds_exp/train/api.py).
+
+    hydra-core 1.3.2-1.3.8: `hydra._internal.callbacks.Callbacks`, what run_job's HydraContext holds (no public API
+    builds one). If it moves, ds_exp.train fails at once (tests/unit/test_api.py)."""
+    from hydra._internal.callbacks import Callbacks
+
+    return Callbacks(config)

@@ -1,0 +1,78 @@
+"""The flags of ds_exp's commands (python -m ds_exp.export, .chat, .parity, .universal, .report), read the same way
+(issue 31 §2): a parser that refuses with one line naming the flag and the fix (argparse prints its usage block
+first), and value types that refuse what no flag means: nan, inf, a whole number past 64 bits, a number out of the
+flag's range, a path no file system can hold (Path.exists raises on it). tests/unit/test_hostile_inputs.py finds
+every command's parser and feeds it hostile values."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from ds_exp.config.ranges import INT64_MAX, SEED_MAX, Range
+from ds_exp.config.shapes import path_too_long
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse, with its errors said in one line: `ds_exp: error: <what> (see <prog> --help)`, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"ds_exp: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def whole(low: int | None = None, high: int | None = None, fix: str = "") -> Callable[[str], int]:
+    """A whole number within [low, high] (64 bits at most)."""
+    allowed = Range(low, INT64_MAX if high is None else high, fix=fix)
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not allowed.holds(value):
+            raise argparse.ArgumentTypeError(f"{value} {allowed.said()}{allowed.fix}")
+        return value
+
+    parse.__name__ = "whole number"  # argparse names the type by it in its messages
+    return parse
+
+
+def number(allowed: Range | None = None) -> Callable[[str], float]:
+    """A finite number, within `allowed` when given."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if allowed is not None and not allowed.holds(value):
+            raise argparse.ArgumentTypeError(f"{value:g} {allowed.said()}{allowed.fix}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+SEED = whole(0, SEED_MAX)
+
+
+def path_text(text: str) -> str:
+    """A path given as it was typed, refused when no file system can hold it (a name over 255 bytes)."""
+    problem = path_too_long(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def path(text: str) -> Path:
+    return Path(path_text(text))
+
+
+path_text.__name__ = path.__name__ = "path"

@@ -1,0 +1,72 @@
+"""A loss computed inside the output layer's own call: the logits of the whole batch never exist at once.
+
+Both ways ds_exp computes the loss without a full tokens x vocabulary logits tensor work this way: the tiled loss
+(model.tiled_loss: the logits in checkpointed chunks, ds_exp/model/tiling.py) and the fused loss (model.fused_loss:
+Liger's fused linear cross-entropy, ds_exp/model/fused_loss.py). While a HeadLoss is asked for a batch's loss, the
+output layer's forward computes the loss of the labels handed to it from the final hidden states, and the model
+returns that scalar where its logits would be. Running inside the output layer's call is what makes it right under
+ZeRO-3: DeepSpeed gathers a module's parameters in a hook before its forward and releases them after, so the weight is
+whole exactly there (TRL found the fused loss reading a released, empty weight where it was called outside that call:
+huggingface/trl#3368, #4544).
+
+Both return the per-rank sum of token losses (fp32) and the label count, what ds_exp.train.step.token_loss_sum computes
+from full logits, so the step's exact reduction over the global batch is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from deepspeed import DeepSpeedEngine
+
+from ds_exp.core.errors import RunFailed
+
+IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_index)
+
+# (the output layer's own forward, the output layer, final hidden states, next-token targets) -> summed token loss
+HeadCompute = Callable[[Callable[..., torch.Tensor], torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class HeadLoss:
+    """Per-rank (summed token loss, label tokens) of a batch, computed by `compute` inside `head`'s call.
+
+    Called as the step calls the default loss (ds_exp.train.step.batch_loss): `loss(engine, inputs, targets)`.
+    `knob` names the setting in messages (model.tiled_loss=true, model.fused_loss)."""
+
+    def __init__(self, head: torch.nn.Module, compute: HeadCompute, model_type: str, knob: str) -> None:
+        self.head, self.compute, self.model_type, self.knob = head, compute, model_type, knob
+        self._labels: torch.Tensor | None = None
+        self._result: torch.Tensor | None = None
+        self._checked = False
+        self._own_forward = head.forward
+        head.forward = self._forward
+
+    def _forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._labels is None:  # generation, or anything else that wants logits
+            return self._own_forward(hidden, *args, **kwargs)
+        labels, self._labels = self._labels, None
+        self._result = self.compute(self._own_forward, self.head, hidden, labels)
+        return self._result
+
+    def __call__(
+        self, engine: DeepSpeedEngine | torch.nn.Module, inputs: dict[str, Any], targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`targets`: the next-token labels, shifted already (ds_exp.train.step.next_token_targets)."""
+        self._labels, self._result = targets, None
+        try:
+            out = engine(**inputs, use_cache=False)
+        finally:
+            self._labels = None
+        result, self._result = self._result, None
+        # what the model returns where its logits would be must be that loss as is (ZeRO-3 hands back a new
+        # tensor object carrying its backward hook: compared by value, once, since reading it syncs the device)
+        if result is None or out.logits.shape != result.shape or (not self._checked and not bool(out.logits == result)):
+            off = self.knob.split("=")[0] + "=false"
+            raise RunFailed(
+                f"{self.knob}: the {self.model_type} model changes its logits after the output embeddings (or never "
+                f"calls them), so a loss computed inside them would not be its loss; set {off}"
+            )
+        self._checked = True
+        return out.logits, (targets != IGNORE_INDEX).sum()

@@ -1,0 +1,128 @@
+"""The sweep report's picture, report.png (ds_exp/sweeps/report.py): one row per job, named by the overrides that
+differ between the jobs, with what the sweep is judged by (an optuna study's objective, else the final eval loss,
+else the train loss), its speed (tokens/s over all ranks) and its peak memory per rank. The best job is green; a
+job that did not complete says how it ended in place of its bars.
+
+Drawn on matplotlib's Agg canvas without pyplot (no global figure state) and written whole (ds_exp/core/files.py).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import textwrap
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ds_exp.core.files import write_bytes_atomic
+from ds_exp.core.status import RunStatus
+from ds_exp.sweeps.study_files import study_values
+
+LABEL_WIDTH = 44  # characters of a job's label per line
+
+
+class Panel(NamedTuple):
+    title: str
+    values: list[float | None]  # one per job, None where it has none
+    lower_is_better: bool | None  # None: no job is "best" by it (memory)
+
+
+def varying_overrides(rows: list[dict[str, Any]]) -> list[str]:
+    """Per job, only the overrides that differ between jobs (what the sweep varies), for short labels."""
+    parsed = [dict(item.split("=", 1) for item in (row["overrides"] or "").split() if "=" in item) for row in rows]
+    keys = sorted({k for p in parsed for k in p if len({q.get(k) for q in parsed}) > 1})
+    return [
+        " ".join(f"{k}={_short(p[k])}" for k in keys if k in p) or f"job {row['job']}"
+        for p, row in zip(parsed, rows, strict=True)
+    ]
+
+
+def _short(value: str) -> str:
+    """A number an optuna study drew (optimizer.lr=0.0006646813937221444) to 4 significant digits; the rest as is."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return f"{number:.4g}" if len(value) > 8 and math.isfinite(number) else value
+
+
+def job_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """`<job>: <the overrides that differ>`, wrapped to fit beside the bars."""
+    return [
+        "\n".join(textwrap.wrap(f"{row['job']}: {varying}", LABEL_WIDTH, break_on_hyphens=False)[:4])
+        for row, varying in zip(rows, varying_overrides(rows), strict=True)
+    ]
+
+
+def judged_by(rows: list[dict[str, Any]], sweep_dir: Path | None) -> Panel:
+    """What the sweep is judged by: an optuna study's objective (its value per trial's job), else the final eval
+    loss, else (no job has an eval set) the train loss."""
+    try:
+        study = study_values(sweep_dir) if sweep_dir is not None else None
+    except (ValueError, KeyError, TypeError, OSError):
+        study = None  # a damaged record: the report's study section says so
+    if study is not None:
+        objective, direction, by_job = study
+        return Panel(f"{objective} ({direction})", [by_job.get(row["job"]) for row in rows], direction != "maximize")
+    if any(_number(row.get("eval_loss")) is not None for row in rows):
+        return Panel("final eval loss (lower is better)", [_number(row.get("eval_loss")) for row in rows], True)
+    return Panel("train loss (lower is better)", [_number(row.get("train_loss")) for row in rows], True)
+
+
+def _number(value: object) -> float | None:
+    finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if finite else None  # type: ignore[arg-type]
+
+
+def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Path | None = None) -> None:
+    """report.png of `rows` (the sweep report's rows); `sweep_dir`: where an optuna study's record is."""
+    # matplotlib's INFO lines ("generated new fontManager" on its first use) would reach the sweep's console
+    # through Hydra's root handler: its warnings and errors still do
+    mpl_log = logging.getLogger("matplotlib")
+    if mpl_log.getEffectiveLevel() < logging.WARNING:
+        mpl_log.setLevel(logging.WARNING)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = [
+        judged_by(rows, sweep_dir),
+        Panel("tokens/s, all ranks (higher is better)", [_number(row.get("tokens_per_s")) for row in rows], False),
+        Panel("peak memory per rank (MiB)", [_number(row.get("peak_memory_mib")) for row in rows], None),
+    ]
+    labels = job_labels(rows)
+    height = max(3.0, 0.2 + 0.32 * sum(label.count("\n") + 1.6 for label in labels))
+    figure = Figure(figsize=(15, height), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(panels), sharey=True)
+    positions = list(range(len(rows)))
+    for ax, panel in zip(axes, panels, strict=True):
+        _bars(ax, panel, rows, positions)
+    axes[0].set_yticks(positions, labels, fontsize=8)
+    axes[0].invert_yaxis()  # job 0 on top, as in the report's table
+    figure.suptitle(f"ds_exp sweep: {len(rows)} jobs (green: best; red: did not complete)", fontsize=11)
+    figure.tight_layout()
+    out = io.BytesIO()
+    figure.savefig(out, format="png", dpi=100)
+    write_bytes_atomic(path, out.getvalue())
+
+
+def _bars(ax: Any, panel: Panel, rows: list[dict[str, Any]], positions: list[int]) -> None:
+    """One panel: a bar per job with its value; the best green, a job without a value says why."""
+    known = [v for v in panel.values if v is not None]
+    best = None if panel.lower_is_better is None or not known else (min if panel.lower_is_better else max)(known)
+    colors = ["tab:green" if v is not None and v == best else "tab:blue" for v in panel.values]
+    bars = ax.barh(positions, [v or 0.0 for v in panel.values], color=colors)
+    ax.bar_label(bars, [_shown(v) for v in panel.values], fontsize=8, padding=2)
+    for position, value, row in zip(positions, panel.values, rows, strict=True):
+        if value is None and row["status"] != RunStatus.COMPLETED:
+            ax.text(0, position, f" {row.get('error_kind') or row['status']}", color="tab:red", va="center", fontsize=8)
+    ax.set_title(panel.title, fontsize=9)
+    ax.margins(x=0.18)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _shown(value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.4g}"

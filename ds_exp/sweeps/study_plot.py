@@ -1,0 +1,71 @@
+"""study.png beside study.json: an optuna study's objective against each searched parameter, drawn by optuna's own
+slice plot (optuna.visualization.matplotlib.plot_slice: one panel per parameter, a point per completed trial, its
+colour the trial's number), labelled with the objective's and the parameters' names as the command line writes
+them. Redrawn with study.json after each batch of trials (ds_exp/sweeps/study_trials.py) and shown in the sweep
+report (ds_exp/sweeps/study_files.py study_section). A picture that cannot be drawn costs the picture, said once,
+never the study."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from optuna.trial import TrialState
+
+from ds_exp.core.errors import first_line
+from ds_exp.core.files import write_bytes_atomic
+from ds_exp.sweeps.study_files import STUDY_PLOT
+
+if TYPE_CHECKING:
+    from optuna import Study
+
+
+def plot_study(sweep_dir: Path, study: Study, objective: str) -> None:
+    """<sweep dir>/study.png, once a trial has completed."""
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        return  # nothing to show yet
+    path = sweep_dir / STUDY_PLOT
+    try:
+        write_bytes_atomic(path, _slice_png(study, objective))
+    except Exception as err:
+        print(f"ds_exp: warning: {path} was not drawn ({first_line(err)}); study.json has every trial", file=sys.stderr)
+
+
+def _slice_png(study: Study, objective: str) -> bytes:
+    # matplotlib's INFO lines on its first use would reach the sweep's console through Hydra's root handler
+    mpl_log = logging.getLogger("matplotlib")
+    if mpl_log.getEffectiveLevel() < logging.WARNING:
+        mpl_log.setLevel(logging.WARNING)
+    import matplotlib
+
+    matplotlib.use("Agg")  # the sweeper's own process: nothing is shown, the picture is a file
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+    from optuna.visualization.matplotlib import plot_slice
+
+    with warnings.catch_warnings(), plt.rc_context():  # plot_slice sets pyplot's ggplot style: not for later plots
+        warnings.simplefilter("ignore")  # plot_slice is experimental; a study of one value per parameter warns
+        drawn: Any = plot_slice(study, target_name=objective)
+        axes = list(getattr(drawn, "flat", [drawn]))
+        figure = axes[0].figure
+        try:
+            figure.set_size_inches(max(6.4, 4.2 * len(axes)), 4.8)
+            title = f"optuna study {study.study_name}: {objective} against each searched parameter"
+            figure.suptitle(title, fontsize=11)
+            if len(axes) == 1:
+                axes[0].set_title("")  # plot_slice's "Slice Plot": the title above says what it is
+            for ax in axes:
+                ax.tick_params(axis="x", labelrotation=30)
+                if ax.get_xscale() == "log":  # a log-scaled parameter (optimizer.lr): decades only, no crowding
+                    ax.xaxis.set_minor_formatter(NullFormatter())
+                elif any(t.get_text().startswith("'") for t in ax.get_xticklabels()):  # choices: as typed, unquoted
+                    ax.set_xticks(ax.get_xticks(), [t.get_text().strip("'") for t in ax.get_xticklabels()])
+            out = io.BytesIO()
+            figure.savefig(out, format="png", dpi=100, bbox_inches="tight")
+        finally:
+            plt.close(figure)
+    return out.getvalue()

@@ -1,0 +1,178 @@
+"""The Python API, for notebooks and scripts (issue 35 §9):
+
+    from ds_exp import train
+    summary = train(["zero=stage3", "lora.dim=64"])      # what `python -m ds_exp zero=stage3 lora.dim=64` does
+
+Each item is one argument of the command line (no shell quoting: `"data.data_split=10,0,0"` is one value). The run
+is the command line's, in this process: Hydra composes ds_exp's conf/ with the same resolvers, schema and hidden
+secrets (ds_exp.launch.cli.prepare_overrides), the run directory is checked and made as the command line's
+(outputs/<experiment_name>/<time>/ with its .hydra/ and ds_exp.log; ds_exp.launch.run_dir.check_run_start), the
+same checks validate it (ds_exp.launch.validation, through cli.run_job), and the recipe (ds_exp/train/recipe.py)
+trains it on one rank: gloo on the CPU, or the one GPU. It returns what the run wrote to summary.json (a dry run,
+dry_run=true: its plan).
+
+Whatever ds_exp explains raises a DsExpError (ds_exp.core.errors, also `ds_exp.DsExpError`) whose str() is the
+message the command line prints after "ds_exp: error:", secrets blanked: a bad value, key or combination
+(ConfigError, Hydra's own composition errors included), data that cannot feed training (DataError), a run directory
+or resume that is refused (Refused), a run that failed (RunFailed: diverged, out of memory...). As on the command
+line it comes without the traceback behind it unless HYDRA_FULL_ERROR=1; an unexpected error (a bug) is raised as
+it is. A stop asked with Ctrl-C saves a checkpoint, says how to continue, then raises KeyboardInterrupt.
+
+A call leaves the process as it found it, so calls follow one another (and other code of the process goes on): the
+run releases its engine (as a multirun's job does), the process group it started is destroyed with DeepSpeed's
+references to it (ds_exp.runtime.process_group.release_process_groups; a group that was up before the call is left
+up), Hydra's global state is put back, and the logging handlers, captured warnings and launch variables the run
+set are taken away.
+
+`ds_exp.train` is at once the package of the training run and this function: the package is callable
+(ds_exp/train/__init__.py), so `from ds_exp import train` and `import ds_exp.train.recipe` both keep working. Typed
+code may import the function itself: `from ds_exp.train.api import train`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.utils import run_job as run_hydra_job
+from hydra.errors import HydraException
+from hydra.types import HydraContext, RunMode
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from ds_exp.config.override_checks import quote_one_value_lists
+from ds_exp.config.paths import conf_dir
+from ds_exp.config.secrets import redact_text, register_secrets
+from ds_exp.core import compat
+from ds_exp.core.errors import ConfigError, DsExpError
+from ds_exp.launch import cli
+from ds_exp.launch.console import full_error
+from ds_exp.launch.environment import launched_with_several_ranks
+from ds_exp.launch.lock import release_run_dir
+from ds_exp.launch.run_dir import check_run_start
+from ds_exp.launch.run_logging import hold_library_logs
+from ds_exp.runtime.process_group import release_process_groups
+
+# what a launch exports for torch.distributed's env:// rendezvous (ds_exp.launch.environment.export_launch_env)
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def train(overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Train (or plan, dry_run=true) one run of `overrides` in this process; its summary.json. See the module."""
+    try:
+        return _train(_arguments(overrides))
+    except DsExpError as err:
+        if full_error():
+            raise
+        raise _told(err) from None
+    except (HydraException, OmegaConfBaseException) as err:  # a key or value Hydra refused while composing
+        if full_error():
+            raise
+        raise ConfigError(_told_lines(err)) from None
+
+
+def _arguments(overrides: Sequence[str]) -> list[str]:
+    if isinstance(overrides, str):
+        raise ConfigError(f"train() takes a list of overrides, e.g. train([{overrides!r}]), not one string")
+    args = [str(item) for item in overrides]
+    flags = [item for item in args if item.startswith("-")]
+    if flags:
+        raise ConfigError(
+            f"train() takes overrides (key=value), not command-line flags: {' '.join(flags)}; a sweep (-m) or "
+            "--config-dir runs with `python -m ds_exp`"
+        )
+    if launched_with_several_ranks():
+        world = os.environ.get("WORLD_SIZE", "several")
+        raise ConfigError(
+            f"train() runs one rank in this process, and this one was launched as one of {world}: launch the ranks "
+            "with `torchrun --nproc_per_node N -m ds_exp OVERRIDES` instead"
+        )
+    return args
+
+
+def _train(args: list[str]) -> dict[str, Any]:
+    hold_library_logs()  # before DeepSpeed is imported (the first run): its records go to the run's log file
+    args = quote_one_value_lists(args)
+    register_secrets(environ=os.environ)
+    with _as_it_was():
+        args = cli.prepare_overrides(args)
+        with initialize_config_dir(config_dir=str(conf_dir()), job_name="ds_exp", version_base="1.3"):
+            config = compose(config_name="config", overrides=args, return_hydra_config=True)
+            config.hydra.mode = RunMode.RUN
+            check_run_start(config)  # as Hydra's callback does for the command line (CheckRunDir), but raising
+            outcome: dict[str, Any] = {}
+
+            def task(composed: DictConfig) -> None:
+                try:
+                    outcome["value"] = cli.run_job(composed)
+                except BaseException as err:  # raised once Hydra has finished the job (logs flushed, cwd back)
+                    outcome["error"] = err
+
+            loader = GlobalHydra.instance().config_loader()
+            context = HydraContext(config_loader=loader, callbacks=compat.hydra_job_callbacks(config))
+            try:
+                run_hydra_job(task, config, "hydra.run.dir", None, hydra_context=context)
+            finally:  # the run let it go (Session.finish), unless it was refused first: the command line's exit would
+                release_run_dir(Path(str(config.hydra.run.dir)))
+    if "error" in outcome:
+        raise _stopped(outcome["error"])
+    if config.get("dry_run"):
+        return dict(outcome["value"])  # the plan (plan.json)
+    run_dir = Path(str(config.hydra.runtime.output_dir))  # absolute, the directory taken (hydra.run.dir)
+    return dict(json.loads((run_dir / "summary.json").read_text()))
+
+
+@contextmanager
+def _as_it_was() -> Iterator[None]:
+    """The process as it was before the run: no process group of the run's, the logging and launch variables."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    launch = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    had_group = dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not had_group:
+            release_process_groups()
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()  # the run's ds_exp.log, Hydra's console
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        logging.captureWarnings(False)
+        for name, value in launch.items():
+            if value is None:
+                os.environ.pop(name, None)
+
+
+def _stopped(err: BaseException) -> BaseException:
+    """A stop asked with Ctrl-C ends the command line with exit status 130 (ds_exp.runtime.signals): in Python it is
+    the KeyboardInterrupt the interrupt means (the run has said how to continue)."""
+    if isinstance(err, SystemExit) and err.code == 128 + signal.SIGINT:
+        return KeyboardInterrupt()
+    return err
+
+
+def _told(err: DsExpError) -> DsExpError:
+    """`err` as the command line prints it: its text with no secret, without the traceback and chain behind it."""
+    err.args = tuple(redact_text(a) if isinstance(a, str) else a for a in err.args)
+    if isinstance(err, ConfigError):
+        err.problems = [redact_text(p) for p in err.problems]
+    return err.with_traceback(None)
+
+
+def _told_lines(err: Exception) -> list[str]:
+    """Hydra's message and OmegaConf's behind it, as the command line prints them (ds_exp.launch.console)."""
+    lines = [*str(err).splitlines()]
+    if isinstance(err.__cause__, OmegaConfBaseException):
+        lines += str(err.__cause__).splitlines()
+    return [redact_text(line) for line in lines if line.strip()] or [type(err).__name__]

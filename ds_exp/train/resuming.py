@@ -1,0 +1,120 @@
+"""Where a run starts: the checkpoint it continues from, decided before the engine exists (`resume_plan`:
+deepspeed.initialize reads whether it loads through DeepSpeed's universal format), then loaded into the engine and
+placed on the run's trajectory (`resume`), or a fresh start at step 0. Which checkpoint `resume` names, and that a
+submitit job continues its own directory, is ds_exp.resume.store.resume_wanted's rule; what may change across a
+resume is ds_exp.resume's (settings, trajectory). Steps of the recipe (ds_exp/train/recipe.py)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ds_exp.checkpoint.checkpointer import load_checkpoint
+from ds_exp.checkpoint.universal import load_state
+from ds_exp.config.schema import Config
+from ds_exp.launch.exports import exports_off_trajectory
+from ds_exp.launch.run_dir import completed_at, set_aside_attempt
+from ds_exp.model.engine import lr_at, parameter_groups
+from ds_exp.resume import trajectory
+from ds_exp.resume.branches import is_same_run, set_aside_branch
+from ds_exp.resume.settings import check_resume, layout_changes, needs_universal, sequence_parallel_change
+from ds_exp.resume.store import TrainState, find_resume_checkpoint, read_marker, resume_wanted
+from ds_exp.runtime.process_group import broadcast
+from ds_exp.train.session import NothingToDo, Session
+from ds_exp.train.workload import Workload
+
+log = logging.getLogger("ds_exp.train")
+
+
+def resume_plan(cfg: Config, session: Session, settings: dict[str, Any]) -> tuple[Path | None, bool]:
+    """The checkpoint to continue from (None: a fresh start), and whether its layout (world size, ZeRO stage,
+    offload) changed so that it is loaded through DeepSpeed's universal format. Decided before the engine exists,
+    since deepspeed.initialize reads that choice; other changed settings are refused here."""
+    wanted = resume_wanted(cfg.resume, session.launch.launcher)
+    tag_dir = find_resume_checkpoint(wanted, session.run_dir, cfg.train.checkpoint_dir)
+    if tag_dir is None:
+        return None, False
+    check_resume(cfg, tag_dir, settings)  # also where Hydra's callback did not run (submitit)
+    saved = read_marker(tag_dir).get("settings") or {}
+    if session.is_main:
+        for line in layout_changes(saved, settings):
+            log.warning("resume: %s", line)
+        sp_line = sequence_parallel_change(saved, settings)
+        if sp_line is not None:
+            log.warning("resume: %s", sp_line)
+    session.resume_source = tag_dir.absolute()  # what a stop before this attempt's first checkpoint names to continue
+    return tag_dir, needs_universal(saved, settings)
+
+
+def resume(cfg: Config, session: Session, work: Workload) -> TrainState:
+    """The state to start from: a checkpoint's (resume=auto / <path>), or step 0. A submitit job that SLURM
+    requeued runs again in the same directory, so it continues whenever there is something to continue."""
+    run_dir, tag_dir = session.run_dir, work.resume_from
+    if tag_dir is None:
+        if resume_wanted(cfg.resume, session.launch.launcher) is not None and session.is_main:
+            moved = set_aside_attempt(run_dir)  # an attempt that left no checkpoint: start over beside it
+            if moved is not None:
+                log.warning("no complete checkpoint to resume from: starting over; the earlier attempt is in %s", moved)
+            else:  # said, so that a resume that finds nothing never looks like one that did
+                log.info("resume=auto: no complete checkpoint in %s: a fresh start", run_dir / cfg.train.checkpoint_dir)
+        run_id, branch = broadcast((_new_run_id(), _new_run_id()))
+        return TrainState(run_id=run_id, branch=branch, run_dir=str(run_dir.resolve()))
+    if work.universal:
+        state = TrainState(**_load_universal(cfg, session, work, tag_dir))
+    else:
+        state = load_checkpoint(work.engine, tag_dir, rank=session.rank)
+    for change in trajectory.check(cfg, state.trajectory, work.trajectory, state.step, tag_dir, lr_at):
+        if session.is_main:
+            log.warning("resume: %s", change)
+    session.state.resumed_from, session.state.initial_eval = str(tag_dir), state.initial_eval
+    if state.step >= work.total_steps:
+        # a checkpoint at the last step is not a finished run: one killed just after saving it, or resumed with
+        # a train.max_steps lowered to it, still owes its final evaluation, export and summary
+        if broadcast(completed_at(run_dir) if session.is_main else None) == state.step:
+            raise NothingToDo(f"{run_dir} is complete at step {state.step} of {work.total_steps}")
+        if session.is_main:
+            log.warning(
+                "resume: the checkpoint at step %d is at or past the last step (%d) but the run never finished: "
+                "finishing it without training (final evaluation, export, summary)",
+                state.step,
+                work.total_steps,
+            )
+    return continue_trajectory(cfg, session, state, tag_dir)
+
+
+def continue_trajectory(cfg: Config, session: Session, state: TrainState, tag_dir: Path) -> TrainState:
+    """Collective, once the resume is loaded and accepted: the checkpoint directory's checkpoints that are not on the
+    resumed trajectory are set aside as a branch (ds_exp.resume.branches.set_aside_branch), and the state gets this
+    attempt's identity: a new branch, and a new run_id when the checkpoint is another run directory's (its files are
+    never this run's to rotate)."""
+    run_dir, checkpoint_dir = session.run_dir, session.run_dir / cfg.train.checkpoint_dir
+    decided = None
+    if session.is_main:
+        here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
+        exports = exports_off_trajectory(run_dir / cfg.train.export_dir, run_dir, state.step, same_directory=here)
+        aside = set_aside_branch(checkpoint_dir, tag_dir, run_dir, exports)
+        if aside.branch is not None:
+            log.warning("resume: %s", aside.message(tag_dir, run_dir, here))
+        same_run = state.run_id is not None and is_same_run(tag_dir, run_dir, checkpoint_dir)
+        decided = (state.run_id if same_run else _new_run_id(), _new_run_id())
+    run_id, branch = broadcast(decided)
+    return TrainState(**{**state.as_dict(), "run_id": run_id, "branch": branch, "run_dir": str(run_dir.resolve())})
+
+
+def _load_universal(cfg: Config, session: Session, work: Workload, tag_dir: Path) -> dict[str, Any]:
+    model = work.built.model
+    return load_state(
+        work.engine,
+        tag_dir,
+        rank=session.rank,
+        world_size=session.world,
+        seed=cfg.train.seed,
+        model=model,
+        groups=parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay)),
+    )
+
+
+def _new_run_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,72 @@
+"""The Python API refuses what the command line refuses, with the same message, as one exception type
+(issue 35 §9): `from ds_exp import train; train([...])` raises a DsExpError whose text is what `python -m ds_exp`
+prints after "ds_exp: error:", secrets blanked, and leaves nothing behind. In this process, before any heavy work:
+a tripwire stands in for the training stack (tests/bad_inputs.py), so a case that got past the checks fails."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+
+from ds_exp import DsExpError, train
+from ds_exp.core.errors import ConfigError
+from ds_exp.launch import cli, lock
+from tests.bad_inputs import CASES, LAUNCH_VARIABLES, REFUSED_BY_THE_RUN, Case, _tripwire, prepare
+
+
+def one_case_per_kind() -> list[Case]:
+    """The first case of each kind the checks refuse before any heavy work, that is a single run's overrides."""
+    chosen: dict[str, Case] = {}
+    for case in CASES:
+        single = not any(a.startswith("-") for a in case.args) and not case.env and not case.fifos
+        if single and case.id not in REFUSED_BY_THE_RUN:
+            chosen.setdefault(case.kind, case)
+    return list(chosen.values())
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """A user's shell in `tmp_path` (relative paths of the cases are taken from there), no launcher variables."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    root = logging.getLogger()
+    handlers = root.handlers[:]
+    yield tmp_path
+    assert root.handlers == handlers  # the run's handlers (ds_exp.log, Hydra's console) are gone
+    assert not GlobalHydra.instance().is_initialized() and not lock._locks  # Hydra's state and the lock let go
+
+
+@pytest.mark.parametrize("case", one_case_per_kind(), ids=lambda case: case.id)
+def test_the_api_refuses_what_the_command_line_refuses_with_its_message(case, here):
+    args, env = prepare(case, here)
+    for name, value in env.items():
+        os.environ[name] = value
+    with _tripwire(cli), pytest.raises(DsExpError) as refused:
+        train(args)
+    for fragment in case.expect:
+        assert fragment in str(refused.value), f"{fragment!r} not in {refused.value}"
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__  # no chain behind it
+    assert not list(here.rglob("summary.json")) and not (here / "run" / ".hydra").exists()
+
+
+def test_the_api_says_what_it_takes_and_keeps_secrets_out_of_its_messages(here, monkeypatch):
+    with pytest.raises(ConfigError, match=r"train\(\) takes a list of overrides, e.g. train\(\['lora.dim=8'\]\)"):
+        train("lora.dim=8")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"not command-line flags: -m; a sweep \(-m\) .* `python -m ds_exp`"):
+        train(["-m", "zero=stage2,stage3"])
+    # Hydra's own refusal of a key is a ConfigError with Hydra's message, and a secret's value is never in it
+    with pytest.raises(ConfigError) as unknown:
+        train(["trian.max_steps=3", "my_service_token=hunter2-7f3a9c"])
+    assert str(unknown.value).startswith("Could not override 'trian.max_steps'.")
+    with pytest.raises(ConfigError) as secret:
+        train(["my_service_token=hunter2-7f3a9c"])
+    assert "Could not override 'my_service_token'" in str(secret.value) and "hunter2" not in str(secret.value)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match=r"train\(\) runs one rank in this process, and this one was launched"):
+        train([])
+    assert not (here / "outputs").exists()  # nothing of any of them

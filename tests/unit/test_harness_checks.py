@@ -1,0 +1,198 @@
+"""lm-evaluation-harness scores without a model (issue 33): the built-in tasks generated from a seed and loaded by
+lm-eval itself, a task YAML's metrics and the objectives they allow, the sweep report's column per task metric, an
+optuna study maximizing a score, and what `python -m ds_exp.evaluate` refuses: one line, exit 2, nothing written,
+before torch is imported. (The scores themselves: tests/integration/test_harness.py.)"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ds_exp.config.schema import SyntheticDataConfig
+from ds_exp.data.harness_tasks import BuiltinSettings, write_builtin_tasks
+from ds_exp.data.synthetic import generate
+from ds_exp.launch.harness_checks import objective_problems, resolve_tasks
+from tests.training import user_env
+from tests.unit.test_use_refusals import make_run
+
+SYNTHETIC = SyntheticDataConfig(num_train=400)
+
+
+def right_answer(question: str) -> str:
+    """What the embedded task's generator answers (ds_exp/data/synthetic.py), told from the question alone."""
+    head, _, rest = question.partition(": ")
+    if head == "reverse the words":
+        return " ".join(reversed(rest.split()))
+    if head == "repeat the words":
+        return rest
+    if head == "sort the digits":
+        return " ".join(sorted(rest.split()))
+    facts = dict(re.findall(r"the (\w+) is (\w+)", question.split(". what")[0]))
+    return facts[re.search(r"what color is the (\w+)\?", question).group(1)]
+
+
+def test_the_built_in_tasks_are_generated_from_a_seed_and_lm_eval_loads_them(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    words = lambda text: len(text.split())  # noqa: E731 (the tokenizer the passkey lengths are counted with)
+    settings = BuiltinSettings(SYNTHETIC, (96, 160))
+    directory = write_builtin_tasks(["ds_exp_synthetic", "ds_exp_passkey"], tmp_path, settings, words)
+    assert write_builtin_tasks(["ds_exp_synthetic", "ds_exp_passkey"], tmp_path, settings, words) == directory
+    rows = [json.loads(line) for line in (directory / "ds_exp_synthetic.jsonl").read_text().splitlines()]
+    trained = {row["prompt"] for row in generate(SYNTHETIC.num_train, 0, SYNTHETIC.seed)[0]}
+    assert len(rows) == 200 and not any(row["question"] in trained for row in rows)
+    for row in rows:
+        assert len(set(row["choices"])) == 4 and row["choices"][row["answer"]] == right_answer(row["question"]), row
+    assert {row["answer"] for row in rows} == {0, 1, 2, 3}  # the right answer is not always in one place
+    for length in (96, 160):
+        keys = [json.loads(line) for line in (directory / f"ds_exp_passkey_{length}.jsonl").read_text().splitlines()]
+        assert len(keys) == 20 and all(key["answer"] in key["question"] for key in keys)
+        assert all(length - 32 <= words(key["question"]) <= length - 16 for key in keys)
+    group = yaml.safe_load((directory / "ds_exp_passkey.yaml").read_text())
+    assert group["task"] == ["ds_exp_passkey_96", "ds_exp_passkey_160"]
+    manager = TaskManager(include_defaults=False, include_path=str(directory))
+    loaded = manager.load(["ds_exp_synthetic", "ds_exp_passkey"])
+    assert sorted(loaded["tasks"]) == ["ds_exp_passkey_160", "ds_exp_passkey_96", "ds_exp_synthetic"]
+    assert len(loaded["tasks"]["ds_exp_synthetic"].eval_docs) == 200
+    other = write_builtin_tasks(["ds_exp_synthetic"], tmp_path, BuiltinSettings(SyntheticDataConfig(seed=1), ()), words)
+    assert (
+        other != directory
+        and (other / "ds_exp_synthetic.jsonl").read_text() != (directory / "ds_exp_synthetic.jsonl").read_text()
+    )
+
+
+def test_a_task_yaml_names_its_metrics_and_an_objective_must_be_one_of_them(tmp_path):
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
+    (tmp_path / "qa.yaml").write_text(
+        f"task: qa\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'qa.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: question\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: exact_match\nfilter_list:\n"
+        "  - name: strict\n    filter: [{function: take_first}]\n"
+        "  - name: none\n    filter: [{function: take_first}]\n"
+    )
+    yaml_path = str(tmp_path / "qa.yaml")
+    (spec, synthetic), problems = resolve_tasks([yaml_path, "ds_exp_synthetic"], (64,), key="eval.harness.tasks")
+    assert problems == [] and spec.name == "qa" and spec.kind == "file"
+    assert spec.metrics == {"qa": ("exact_match/strict", "exact_match")} and synthetic.metrics == {
+        "ds_exp_synthetic": ("acc",)
+    }
+    key = "hydra.sweeper.objective"
+    assert objective_problems("harness.qa.exact_match/strict", [yaml_path], (64,), key=key) == []
+    assert objective_problems("final_eval.eval_loss", [], (64,), key=key) == []
+    (wrong,) = objective_problems("harness.qa.acc", [yaml_path], (64,), key=key)
+    assert wrong == (
+        "hydra.sweeper.objective=harness.qa.acc: the runs' lm-eval scores hold no such number; choose one of "
+        "harness.qa.exact_match/strict, harness.qa.exact_match"
+    )
+    (none,) = objective_problems("harness.qa.acc", [], (64,), key=key)
+    assert "the runs score no lm-eval task; set eval.harness.tasks=[...]" in none
+
+
+def _job(sweep: Path, name: str, summary: object) -> None:
+    (sweep / name / ".hydra").mkdir(parents=True)
+    (sweep / name / ".hydra" / "overrides.yaml").write_text(f"- lora.dim={name}\n")
+    (sweep / name / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_sweep_report_has_a_column_per_task_metric(tmp_path, capsys):
+    from ds_exp.sweeps.report import write_report
+
+    scores = {"0": {"ds_exp_synthetic": {"acc": 0.5}}, "8": {"ds_exp_synthetic": {"acc": 0.75}, "qa": {"f1": None}}}
+    for name, harness in scores.items():
+        _job(tmp_path, name, {"status": "completed", "world_size": 1, "harness": harness})
+    _job(tmp_path, "16", {"status": "completed", "harness": ["not", "a", "mapping"]})
+    rows = write_report(tmp_path, [tmp_path / n for n in ("0", "8", "16")])
+    with (tmp_path / "report.csv").open() as fh:
+        reader = csv.DictReader(fh)
+        columns, table = list(reader.fieldnames or []), list(reader)
+    at = columns.index("harness.ds_exp_synthetic.acc")
+    assert columns[at - 1] == "perplexity" and columns[at + 1 : at + 3] == ["harness.qa.f1", "wall_time_s"]
+    assert [r["harness.ds_exp_synthetic.acc"] for r in table] == ["0.5", "0.75", ""]
+    assert rows[2]["status"] == "damaged" and "harness is not numbers" in rows[2]["error"]
+    assert "| harness.ds_exp_synthetic.acc | harness.qa.f1 |" in (tmp_path / "report.md").read_text()
+    assert "job 16" in capsys.readouterr().err
+
+
+def test_a_study_maximizing_a_harness_score_picks_the_best_trial(tmp_path):
+    """The sweeper takes harness.<task>.<metric> as its objective, reads each trial's value from its summary.json as
+    for any objective, and optuna's best trial is the one that scored highest."""
+    import optuna
+
+    from ds_exp.sweeps.optuna_study import StudySweeper
+    from ds_exp.sweeps.study_files import outcome
+
+    objective = "harness.ds_exp_synthetic.acc"
+    StudySweeper(objective=objective, direction="maximize", study_name="s").check_settings()
+    with pytest.raises(Exception, match=r"hydra\.sweeper\.objective=harness: no run's summary\.json reports it"):
+        StudySweeper(objective="harness", study_name="s").check_settings()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    for number, acc in enumerate([0.31, 0.82, 0.55]):
+        trial = study.ask({"lr": optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True)})
+        _job(tmp_path, str(number), {"status": "completed", "harness": {"ds_exp_synthetic": {"acc": acc}}})
+        state, value, error, _ = outcome(tmp_path / str(number), objective, None)
+        assert (state, error) == ("COMPLETE", None)
+        study.tell(trial, value)
+    assert (study.best_trial.number, study.best_value) == (1, 0.82)
+
+
+def _export(root: Path) -> Path:
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text("{}")
+    return root / "model"
+
+
+def _adapter(root: Path) -> None:
+    (root / "adapter").mkdir()
+    (root / "adapter" / "adapter_config.json").write_text("{}")
+
+
+REFUSALS = [
+    ("no such target", ["{tmp}/nope", "ds_exp_synthetic"], "{tmp}/nope: no such directory", None),
+    ("not a model", ["{tmp}/empty", "ds_exp_synthetic"], "{tmp}/empty: not a model: no config.json", None),
+    ("a LoRA adapter", ["{tmp}/adapter", "ds_exp_synthetic"], "is a LoRA adapter, not a whole model", _adapter),
+    ("a run without its export", ["{run}", "ds_exp_synthetic"], "is a run directory without its final export", None),
+    ("an unknown task", ["{model}", "arc_eazy"], "TASK: arc_eazy: lm-eval knows no such task", None),
+    ("a missing task YAML", ["{model}", "{tmp}/qa.yaml"], "{tmp}/qa.yaml: no such task YAML file", None),
+    ("a limit of 0", ["{model}", "ds_exp_synthetic", "--limit", "0"], "--limit=0.0: give a number", None),
+    ("an unknown device", ["{model}", "ds_exp_synthetic", "--device", "tpu"], "--device=tpu: use auto, cpu", None),
+    ("passkey lengths", ["{model}", "ds_exp_passkey", "--passkey-lengths", "1k"], "--passkey-lengths=1k: give", None),
+]
+
+
+@pytest.mark.parametrize(("args", "expected", "setup"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_evaluate_refuses_in_one_line_and_writes_nothing(args, expected, setup, tmp_path, capsys, monkeypatch):
+    from ds_exp.tools.evaluate.cli import main
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    run, model = make_run(tmp_path), _export(tmp_path)
+    (tmp_path / "empty").mkdir()
+    if setup is not None:
+        setup(tmp_path)
+    given = [a.replace("{tmp}", str(tmp_path)).replace("{run}", str(run)).replace("{model}", str(model)) for a in args]
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    assert main(given) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds_exp: error: ") and err.count("ds_exp: error") == 1 and "Traceback" not in err, err
+    assert expected.replace("{tmp}", str(tmp_path)) in err, err
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_evaluate_answers_help_and_refusals_without_torch(tmp_path):
+    code = (
+        "import sys\n"
+        "from ds_exp.tools.evaluate.cli import main\n"
+        f"codes = [main([{str(tmp_path)!r}, 'ds_exp_synthetic']), main([{str(tmp_path / 'x')!r}, 'x'])]\n"
+        "print(codes, sorted(m for m in ('torch', 'deepspeed', 'transformers', 'lm_eval') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=user_env(), capture_output=True, text=True)
+    assert proc.stdout.strip() == "[2, 2] []", proc.stdout + proc.stderr
+    shown = subprocess.run([sys.executable, "-m", "ds_exp.evaluate", "--help"], env=user_env(), capture_output=True)
+    assert shown.returncode == 0 and b"ds_exp_passkey" in shown.stdout

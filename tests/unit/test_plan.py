@@ -1,0 +1,55 @@
+"""One plan for every caller (ds_exp/config/plan.py plan_run): the recipe, the dry run, autotune and the memory bench
+plan a run alike, and count data-parallel ranks (world size / dist.sequence_parallel_size), not the world size."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.memory_probe import prepare
+from ds_exp.config.plan import plan_run
+from ds_exp.tools.autotune import Autotune
+from ds_exp.tools.dry_run import make_plan
+
+WORLD, SP, MICRO, ACCUMULATION, ROWS = 4, 2, 2, 3, 300
+
+
+@pytest.fixture
+def sequence_parallel(compose_cfg, cache_dir, monkeypatch):
+    """A run of 4 ranks in sequence-parallel pairs (2 data-parallel ranks), over one epoch of 300 rows."""
+    for name, value in {"WORLD_SIZE": WORLD, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": WORLD}.items():
+        monkeypatch.setenv(name, str(value))
+    return compose_cfg(
+        "dist.launcher=env",
+        f"dist.sequence_parallel_size={SP}",
+        f"train.micro_batch_size={MICRO}",
+        f"train.gradient_accumulation_steps={ACCUMULATION}",
+        "train.max_steps=-1",
+        "train.epochs=1",
+        "scheduler.warmup_ratio=0.1",
+        f"data.synthetic.num_train={ROWS}",
+        f"data.cache_dir={cache_dir}",
+    )
+
+
+def test_every_caller_plans_a_sequence_parallel_run_alike(sequence_parallel, tmp_path):
+    cfg = sequence_parallel
+    dry = make_plan(cfg, tmp_path)  # the dry run
+    # the recipe's inputs: the tokenized set, the model config's hidden size (the bench makes them the same way)
+    _, data, bench = prepare(cfg, WORLD, dry["precision"], str(tmp_path))
+    recipe = plan_run(
+        cfg,
+        world_size=WORLD,
+        train_examples=len(data.train),
+        hidden_size=dry["hidden_size"],
+        precision=dry["precision"],
+        run_dir=tmp_path,
+    )
+    tuned = Autotune().plan(cfg, WORLD, dry["accelerator"], tmp_path)
+
+    global_batch = MICRO * ACCUMULATION * (WORLD // SP)  # 12: two data-parallel ranks, not four
+    assert recipe.data_parallel_size == WORLD // SP and recipe.global_batch_size == global_batch
+    assert recipe.total_steps == ROWS // global_batch == 25 and recipe.warmup_steps == 3
+    assert recipe.ds_config["train_batch_size"] == global_batch and recipe.ds_config["sequence_parallel_size"] == SP
+    assert bench == recipe and tuned == recipe
+    assert (dry["data_parallel_size"], dry["global_batch_size"], dry["total_steps"]) == (2, global_batch, 25)
+    assert dry["ds_config"] == recipe.ds_config

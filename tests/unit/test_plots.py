@@ -1,0 +1,146 @@
+"""Pictures without a tracker (issue 35 §3): a run's plots/loss.png drawn from its metrics.jsonl, a sweep report's
+report.png per job, an optuna study's study.png. Real files and real matplotlib; the PNGs are read back."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import optuna
+import yaml
+
+from ds_exp.artifacts.loss_plot import PLOT, LossPlot
+from ds_exp.sweeps.report import write_report
+from ds_exp.sweeps.report_plot import judged_by, varying_overrides
+from ds_exp.sweeps.study_files import STUDY_PLOT, study_section
+from ds_exp.sweeps.study_trials import write_study
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def lines(path: Path, *records: dict, tail: str = "") -> None:
+    with path.open("a") as file:
+        file.write("".join(json.dumps(r) + "\n" for r in records) + tail)
+
+
+def test_the_loss_plot_draws_what_metrics_jsonl_holds(tmp_path, caplog):
+    run_dir = tmp_path / "exp" / "run"
+    run_dir.mkdir(parents=True)
+    metrics = run_dir / "metrics.jsonl"
+    lines(metrics, {"type": "eval", "step": 0, "eval_loss": 6.1}, {"type": "train", "step": 1, "loss": 6.0, "lr": 1e-3})
+    lines(metrics, {"type": "harness", "step": 1, "harness/x": 0.5}, tail='{"type": "train", "step": 2, "lo')
+    plot = LossPlot(run_dir, enabled=True)
+    plot.draw()
+    png = (run_dir / PLOT).read_bytes()
+    assert png.startswith(PNG) and len(png) > 10_000
+    assert (plot.curves.train, plot.curves.lr, plot.curves.eval) == ([(1, 6.0)], [(1, 1e-3)], [(0, 6.1)])
+    # the line being written is read once it is whole; a diverged step (null, ds_exp/core/files.py) is a gap
+    with metrics.open("a") as file:
+        file.write('ss": 5.5, "lr": 0.001}\n')
+    lines(metrics, {"type": "train", "step": 3, "loss": None, "lr": 1e-3})
+    plot.draw(final=True)  # an evaluation's picture this soon would be skipped: the end's never is
+    assert [s for s, _ in plot.curves.train] == [1, 2, 3] and plot.curves.train[1] == (2, 5.5)
+    assert plot.curves.train[2][1] != plot.curves.train[2][1]  # NaN
+    # a resume sets aside the lines past its checkpoint (the file gets shorter): read again from the start
+    metrics.write_text(json.dumps({"type": "train", "step": 1, "loss": 4.0, "lr": 1e-3}) + "\n")
+    plot.draw(final=True)
+    assert plot.curves.train == [(1, 4.0)] and plot.curves.eval == []
+    # an evaluation's picture right after the last one is skipped (at most 2% of the run's time), and so is the
+    # end's when no line came since (the end right after the last evaluation's picture)
+    before = (run_dir / PLOT).stat().st_mtime_ns
+    lines(metrics, {"type": "eval", "step": 1, "eval_loss": 4.5})
+    plot.draw()
+    assert (run_dir / PLOT).stat().st_mtime_ns == before
+    plot.draw(final=True)
+    after = (run_dir / PLOT).stat().st_mtime_ns
+    plot.draw(final=True)
+    assert before < after == (run_dir / PLOT).stat().st_mtime_ns and plot.curves.eval == [(1, 4.5)]
+    # a run that wrote no metric line has no picture, and rank > 0 draws nothing
+    (tmp_path / "exp" / "early").mkdir()
+    LossPlot(tmp_path / "exp" / "early", enabled=True).draw(final=True)
+    LossPlot(tmp_path / "exp" / "rank1", enabled=False).draw(final=True)
+    assert not (tmp_path / "exp" / "early" / "plots").exists() and not (tmp_path / "exp" / "rank1").exists()
+    # a picture that cannot be written costs the picture, said once, never the run
+    broken = tmp_path / "exp" / "broken"
+    (broken / "plots").parent.mkdir()
+    (broken / "plots").write_text("a file where the plots directory goes")
+    lines(broken / "metrics.jsonl", {"type": "train", "step": 1, "loss": 6.0, "lr": 1e-3})
+    failing = LossPlot(broken, enabled=True)
+    with caplog.at_level(logging.WARNING):
+        failing.draw(final=True)
+        failing.draw(final=True)
+    said = [r.getMessage() for r in caplog.records if "was not drawn" in r.getMessage()]
+    assert len(said) == 1 and "metrics.jsonl has every line" in said[0]
+    assert not list(broken.glob("plots*.tmp")) and not list(broken.rglob(".*.tmp"))
+
+
+def job(sweep: Path, number: int, overrides: list[str], summary: dict | None) -> Path:
+    directory = sweep / str(number)
+    (directory / ".hydra").mkdir(parents=True)
+    (directory / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if summary is not None:
+        (directory / "summary.json").write_text(json.dumps(summary))
+    return directory
+
+
+def completed(eval_loss: float | None, tokens_per_s: float) -> dict:
+    final = {"eval_loss": eval_loss, "perplexity": 2.0} if eval_loss is not None else None
+    return {
+        "status": "completed",
+        "world_size": 1,
+        "tokens_per_s": tokens_per_s,
+        "train_loss": 3.0,
+        "peak_memory_bytes_per_rank": [2**30],
+        "final_eval": final,
+    }
+
+
+def test_the_sweep_report_plots_eval_loss_per_job_labelled_by_what_differs(tmp_path):
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optimizer.lr=0.0006646813937221444", "zero=stage2", "train.max_steps=8"], completed(3.5, 900.0))
+    job(sweep, 1, ["optimizer.lr=3e-4", "zero=stage3", "train.max_steps=8"], completed(3.2, 800.0))
+    job(sweep, 2, ["optimizer.lr=1e-2", "zero=stage3", "train.max_steps=8"], {"status": "failed", "error": "oom"})
+    rows = write_report(sweep)
+    assert (sweep / "report.png").read_bytes().startswith(PNG)
+    assert [r["eval_loss"] for r in rows] == [3.5, 3.2, None]  # the report's own column too
+    # only the overrides that differ, a drawn number to 4 digits: labels a person reads
+    assert varying_overrides(rows) == ["optimizer.lr=0.0006647 zero=stage2", "optimizer.lr=3e-4 zero=stage3",
+                                       "optimizer.lr=1e-2 zero=stage3"]  # fmt: skip
+    panel = judged_by(rows, sweep)
+    assert (panel.title, panel.values, panel.lower_is_better) == ("final eval loss (lower is better)", [3.5, 3.2, None],
+                                                                  True)  # fmt: skip
+    no_eval = [{**r, "eval_loss": None} for r in rows]  # no job has an eval set: the train loss
+    assert judged_by(no_eval, None).title == "train loss (lower is better)"
+
+
+def test_a_study_plots_its_objective_against_each_searched_parameter(tmp_path):
+    sweep = tmp_path / "study"
+    study = optuna.create_study(direction="maximize", study_name="demo")
+    space = {
+        "optimizer.lr": optuna.distributions.FloatDistribution(1e-5, 1e-2, log=True),
+        "zero": optuna.distributions.CategoricalDistribution(["stage2", "stage3"]),
+    }
+    identity = {"study_name": "demo", "storage": "memory", "objective": "tokens_per_s", "direction": "maximize"}
+    sweep.mkdir()
+    write_study(sweep, study, identity, 3)  # no trial completed yet: no picture
+    assert not (sweep / STUDY_PLOT).exists()
+    for number, value in enumerate((900.0, 1200.0, 1000.0)):
+        trial = study.ask(space)
+        overrides = [f"optimizer.lr={trial.params['optimizer.lr']}", f"zero={trial.params['zero']}"]
+        trial.set_user_attr("job_dir", str(job(sweep, number, overrides, completed(3.0, value))))
+        trial.set_user_attr("overrides", overrides)
+        study.tell(trial, value)
+    write_study(sweep, study, identity, 3)
+    assert (sweep / STUDY_PLOT).read_bytes().startswith(PNG)
+    assert f"]({STUDY_PLOT})" in (study_section(sweep) or "")
+    panel = judged_by(write_report(sweep), sweep)  # the report's picture is judged by the study's objective
+    assert (panel.title, panel.values, panel.lower_is_better) == ("tokens_per_s (maximize)", [900.0, 1200.0, 1000.0],
+                                                                  False)  # fmt: skip
+
+
+def test_a_damaged_study_record_leaves_the_report_picture_to_the_eval_loss(tmp_path):
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["zero=stage2"], completed(3.5, 900.0))
+    (sweep / "study.json").write_text('{"objective": "x"}')  # cut short or edited: no trials
+    assert judged_by(write_report(sweep), sweep).title == "final eval loss (lower is better)"
