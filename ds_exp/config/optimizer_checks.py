@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ds_exp.config.ds_config import MISSING, get_path, optimizer_needs
+from ds_exp.config.fast_path import toggle
 from ds_exp.config.optimizers import OPTIMIZERS, OptimizerEntry, Owner, entry_of
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
@@ -130,9 +131,9 @@ def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where:
         problems.append(
             f"optimizer={entry.name} at ZeRO stage 3 with dist.sequence_parallel_size={sp}: it needs "
             "zero.reduce_scatter off at ZeRO-3, where DeepSpeed 0.19.8 averages sequence-parallel gradients "
-            "inexactly (ds_exp/core/compat.py); use zero=stage2 or lower with sequence parallelism"
+            "inexactly (ds_exp/core/compat/deepspeed.py); use zero=stage2 or lower with sequence parallelism"
         )
-    if entry.compiled_update and accelerator == "cpu" and cfg.train.compile:
+    if entry.compiled_update and accelerator == "cpu" and toggle(cfg.train.compile) is True:  # auto: off on CPUs
         problems.append(
             f"train.compile=true with optimizer={entry.name} on a CPU: ds_exp runs its update eagerly there "
             "(DeepSpeed's torch.compile'd update takes 10-30 s to compile per matrix shape on a CPU), which leaves "

@@ -137,6 +137,12 @@ RANGES: dict[str, Range] = {
     "optimizer.betas": FRACTION,
     "optimizer.eps": above(0),
     "optimizer.weight_decay": at_least(0),
+    # each optimizer's own settings (ds_exp/config/optimizer_settings.py): a key only the chosen one has is checked
+    "optimizer.momentum": FRACTION,
+    "optimizer.adam_lr": above(0),
+    "optimizer.beta2_decay": Range(None, 0, fix=" (torch's Adafactor default: -0.8)"),
+    "optimizer.eps_scale": at_least(0),
+    "optimizer.d": at_least(1, " (the clipping threshold of the update's RMS; torch's default 1.0)"),
     "scheduler.warmup_steps": at_least(0),
     "scheduler.warmup_ratio": FRACTION,
     "train.micro_batch_size": at_least(1),
@@ -240,9 +246,10 @@ def _beyond_64_bits(value: object) -> bool:
 
 
 def lookup(cfg: Config, key: str) -> Any:
+    """The value of a dotted key; None where the config has no such key (a setting of another optimizer)."""
     value: Any = cfg
     for part in key.split("."):
-        value = getattr(value, part)
+        value = getattr(value, part, None)
     return value
 
 

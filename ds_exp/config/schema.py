@@ -13,12 +13,12 @@ from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf, open_dict
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from ds_exp.config.eval_schema import EvalConfig
 from ds_exp.config.export_schema import ExportDtype, ExportMerged
 from ds_exp.config.optimizer_settings import OptimizerConfig, Owner
-from ds_exp.config.optimizers import register_optimizer_settings
+from ds_exp.config.optimizers import OPTIMIZERS, register_optimizer_settings
 from ds_exp.config.secrets import hide_secrets_when_composing
 from ds_exp.config.trackers import LoggerConfig
 from ds_exp.core.errors import ConfigError
@@ -316,6 +316,18 @@ def to_config(cfg: Any) -> Config:
     typed: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     typed.deepspeed.config = plain_tree(typed.deepspeed.config)
     return typed
+
+
+def schema_for(saved: Any = None) -> DictConfig:
+    """The schema as a node to merge a saved config into (a run's .hydra/config.yaml, a test's settings): its
+    `optimizer` typed as the settings of the optimizer `saved` names (adamw where it names none), as Hydra's
+    composition types it through conf/optimizer/<name>.yaml."""
+    node = OmegaConf.structured(Config)
+    chosen = saved.get("optimizer") if isinstance(saved, (dict, DictConfig)) else None
+    name = str(chosen.get("name") or "adamw") if isinstance(chosen, (dict, DictConfig)) else "adamw"
+    entry = OPTIMIZERS.get(name, OPTIMIZERS["adamw"])
+    node.optimizer = OmegaConf.structured(entry.settings(name=entry.name))
+    return node
 
 
 def as_dict(cfg: Config) -> dict[str, Any]:

@@ -40,7 +40,6 @@ from ds_exp.config.trackers import logger_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.user_paths import special_file_problem
 
-FLOAT32_MAX = 3.4028234663852886e38
 # what a tokenizer directory holds (any one): fast tokenizers, their config, BPE, WordPiece and SentencePiece files
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
@@ -220,31 +219,7 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
         )
     if not 1 <= cfg.dist.master_port <= 65535:
         problems.append(f"dist.master_port={cfg.dist.master_port}: a TCP port is from 1 to 65535 (e.g. 29500)")
-    return problems + _check_learning_rate(cfg)
-
-
-def _check_learning_rate(cfg: Config) -> list[str]:
-    """An Adam-like first update divides the learning rate by (1 - beta1) (bias correction): beyond float32's range
-    the optimizer cannot even compute it (a RuntimeError in the first step). Smaller but absurd rates diverge, which
-    the run reports itself."""
-    opt = cfg.optimizer
-    betas = list(getattr(opt, "betas", None) or [])
-    beta1 = betas[0] if len(betas) == 2 and 0 <= betas[0] < 1 else 0.0
-    if not (math.isfinite(opt.lr) and opt.lr > 0):
-        return []
-    first_step = opt.lr / (1 - beta1)
-    decay = opt.lr * opt.weight_decay if math.isfinite(opt.weight_decay) else 0.0
-    if first_step <= FLOAT32_MAX and decay <= FLOAT32_MAX:
-        return []
-    what = (
-        f"the first step lr / (1 - beta1) = {first_step:.3g}"
-        if first_step > FLOAT32_MAX
-        else f"the weight decay factor lr x optimizer.weight_decay = {decay:.3g}"
-    )
-    return [
-        f"optimizer.lr={opt.lr:g}: {what} is beyond the largest float32 number ({FLOAT32_MAX:.4g}), so no update can "
-        "be computed; give a learning rate in the usual range (1e-5 to 1e-3 for fine-tuning; DeepSpeed-Chat uses 1e-3)"
-    ]
+    return problems
 
 
 def _check_precision(cfg: Config, accelerator: str) -> list[str]:

@@ -24,7 +24,7 @@ from ds_exp.config.model_checks import (
     weights_problem,
 )
 from ds_exp.config.resolvers import register_resolvers
-from ds_exp.config.schema import Config, ModelConfig, as_dict, to_config
+from ds_exp.config.schema import Config, ModelConfig, as_dict, schema_for, to_config
 from ds_exp.config.secrets import ENV_PREFIX, redact
 from ds_exp.core.errors import ConfigError, RunFailed, first_line
 from ds_exp.resume.branches import BRANCH_EXPORTS
@@ -237,7 +237,7 @@ def run_config(run_dir: Path, tag_dir: Path | None = None) -> Config:
             known = set(ModelConfig.__dataclass_fields__)
             raw["model"] = {**(raw.get("model") or {}), **{k: v for k, v in recorded.items() if k in known}}
         register_resolvers()
-        cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(raw)))
+        cfg = to_config(OmegaConf.merge(schema_for(raw), OmegaConf.create(raw)))
     except ConfigError:
         raise
     except Exception as err:

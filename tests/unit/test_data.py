@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ds_exp.config.schema import Config, DataConfig, DataSource, ModelConfig, plain_tree, to_config
+from ds_exp.config.schema import Config, DataConfig, DataSource, ModelConfig, plain_tree, schema_for, to_config
 from ds_exp.core.errors import ConfigError, DataError
 from ds_exp.data.checks import check_data_config
 from ds_exp.data.pipeline import count_train_examples, prepare_sft_data
@@ -31,7 +31,7 @@ SEED = 1234  # train.seed of make_cfg
 
 def make_cfg(tmp_path: Path, **data) -> Config:
     """A typed config as the entry point makes it (schema, merged, converted); data keys as keyword arguments."""
-    cfg = OmegaConf.structured(Config)
+    cfg = schema_for()
     cfg.model.name = cfg.logger.name = "test"
     cfg.data.name = "test"
     cfg.data.cache_dir = str(tmp_path / "cache")
@@ -460,7 +460,7 @@ CHILD = textwrap.dedent(
     import json, sys, time, logging, pathlib
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     from omegaconf import OmegaConf
-    from ds_exp.config.schema import Config
+    from ds_exp.config.schema import schema_for
     import ds_exp.data.encode as enc
     real = enc.encode
     def slow(*args, **kwargs):  # widen the window in which the other process must wait
@@ -471,7 +471,7 @@ CHILD = textwrap.dedent(
     waits.NOTICE_S = 0.2  # the waiting process says so (at most 5 s in a run)
     from ds_exp.data.pipeline import prepare_sft_data
     from ds_exp.model.tokenizer import load_tokenizer
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(sys.argv[1])))
+    cfg = OmegaConf.to_object(OmegaConf.merge(schema_for(), OmegaConf.load(sys.argv[1])))
     tok = load_tokenizer(cfg.model, cfg.data)
     pathlib.Path(sys.argv[2] + "." + sys.argv[3]).touch()
     while not pathlib.Path(sys.argv[2]).exists():

@@ -84,6 +84,7 @@ def test_no_module_writes_json_past_the_strict_writer():
         "config/ds_config.py",
         "config/file_overrides.py",
         "config/validate.py",
+        "config/optimizer_checks.py",
         "tools/autotune.py",
         "data/cache.py",
         "resume/settings.py",

@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ds_exp.config.optimizers import OPTIMIZERS
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.ranges import FREE_FORM, INT64_MAX, RANGES
 from ds_exp.config.schedule_kwargs import SCHEDULE_KWARGS
@@ -84,7 +85,19 @@ def schema_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any
             yield key, kind
 
 
-KEYS = dict(schema_keys())
+def optimizer_keys() -> Iterator[tuple[str, Any, str]]:
+    """(key, type, the composition that has it) of every optimizer's own settings: optimizer.momentum is drawn on
+    optimizer=sgd, optimizer.betas on the default (adamw)."""
+    for name, entry in OPTIMIZERS.items():
+        for key, kind in schema_keys(entry.settings, "optimizer."):
+            yield key, kind, "default" if name == "adamw" else f"optimizer={name}"
+
+
+BASE_OF: dict[str, str] = {}  # keys drawn on a composition of their own (an optimizer's settings): that composition
+for _key, _kind, _base in optimizer_keys():
+    BASE_OF.setdefault(_key, _base)
+KEYS = {**dict(schema_keys()), **{key: kind for key, kind, _ in optimizer_keys()}}
+BASES = ("default", "local", *sorted(set(BASE_OF.values()) - {"default"}))
 
 
 def base_type(kind: Any) -> Any:
@@ -184,7 +197,7 @@ def plain_override(places: dict[str, str]) -> st.SearchStrategy[Drawn]:
     """One key of the schema with a hostile value; data.sources.0.* on data=local with a real file."""
 
     def build(key: str) -> st.SearchStrategy[Drawn]:
-        base = "local" if ".sources.0." in key else "default"
+        base = "local" if ".sources.0." in key else BASE_OF.get(key, "default")
         return hostile_values(KEYS[key], places).map(lambda value: (base, [f"{key}={value}"]))
 
     return st.sampled_from(sorted(KEYS)).flatmap(build)
@@ -192,7 +205,8 @@ def plain_override(places: dict[str, str]) -> st.SearchStrategy[Drawn]:
 
 def both(pair: tuple[Drawn, Drawn]) -> Drawn:
     (base_a, a), (base_b, b) = pair
-    return ("local" if "local" in (base_a, base_b) else "default", [*a, *b])
+    bases = {base_a, base_b} - {"default"}
+    return ("local" if "local" in bases else min(bases, default="default"), [*a, *b])
 
 
 # what the typed schema cannot reach (dicts of anything, combinations): drawn on purpose
@@ -235,15 +249,17 @@ def drawn_overrides(places: dict[str, str]) -> st.SearchStrategy[Drawn]:
 
 
 def context(base: str, places: dict[str, str]) -> list[str]:
-    """The command line that composes `base`: the defaults, or data=local with a real data file."""
-    return ["data=local", f"data.sources.0.path={places['data']}"] if base == "local" else []
+    """The command line that composes `base`: the defaults, data=local with a real data file, or an optimizer."""
+    if base == "local":
+        return ["data=local", f"data.sources.0.path={places['data']}"]
+    return [] if base == "default" else [base]
 
 
 @pytest.fixture(scope="module")
 def composed(places) -> dict[str, DictConfig]:
-    """Both compositions, once (Hydra's compose API: the same files and schema as `python -m ds_exp`)."""
+    """Every composition, once (Hydra's compose API: the same files and schema as `python -m ds_exp`)."""
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return {base: compose(config_name="config", overrides=context(base, places)) for base in ("default", "local")}
+        return {base: compose(config_name="config", overrides=context(base, places)) for base in BASES}
 
 
 def apply_overrides(base: DictConfig, overrides: list[str]) -> DictConfig:
@@ -359,7 +375,7 @@ def just_outside(key: str) -> str:
 def test_every_declared_range_is_enforced(key, composed, offline_hub, tmp_path):
     """Deterministic, beside the drawn cases: each key's range (ds_exp/config/ranges.py) refuses the value just past
     its end, in a message that starts with the key."""
-    found = verdict(composed["default"], [f"{key}={just_outside(key)}"], tmp_path / "run")
+    found = verdict(composed[BASE_OF.get(key, "default")], [f"{key}={just_outside(key)}"], tmp_path / "run")
     assert found.how == "refused", f"{key}={just_outside(key)} was {found.how}"
     assert any(line.startswith(f"{key}=") for line in found.message.splitlines()), found.message
 
