@@ -62,8 +62,8 @@ def test_every_group_has_a_comment_on_every_knob():
             stripped = line.strip()
             if not stripped or stripped.startswith(("#", "-", "defaults")) or stripped.endswith(":"):
                 continue
-            if path.parent.name in ("experiment",) or path.name == "config.yaml":
-                continue  # presets and the root document their blocks, not each mirrored key
+            if path.parent.name in ("experiment", "hydra_logging", "job_logging") or path.name == "config.yaml":
+                continue  # presets, the root and Python's logging schema document their blocks, not each key
             identity = line.startswith(("name:", "stage:", "dtype:"))  # what the file's header comment describes
             assert "#" in line or identity or line.startswith("  "), f"{path}: no comment on `{stripped}`"
 

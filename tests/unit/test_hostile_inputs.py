@@ -502,7 +502,7 @@ HEAVY_WORK = {
     "ds_exp.chat": ("ds_exp.tools.use.chat", "chat"),
     "ds_exp.universal": ("ds_exp.checkpoint.universal_cli", "convert_here"),
     "ds_exp.parity": ("ds_exp.tools.parity.cli", "run"),
-    "ds_exp.report": ("ds_exp.sweeps.report", "write_report"),
+    "ds_exp.report": ("ds_exp.sweeps.runs", "write_report"),  # a sweep's report; listing runs only reads
     "ds_exp.evaluate": ("ds_exp.tools.evaluate.run", "run"),
 }
 
