@@ -103,10 +103,10 @@ ROPE_FIELDS: dict[str, dict[str, Spec]] = {
 
 
 def long_context_problems(cfg: Config) -> list[str]:
-    return check_rope_scaling(cfg) + check_long_context(cfg)
+    return rope_scaling_problems(cfg) + tiling_problems(cfg)
 
 
-def check_rope_scaling(cfg: Config) -> list[str]:
+def rope_scaling_problems(cfg: Config) -> list[str]:
     """model.rope_scaling: a rotary model, a type transformers has, a factor that stretches (transformers checks
     the rest of the keys when it builds the config)."""
     scaling = cfg.model.rope_scaling
@@ -163,7 +163,7 @@ def rope_field_problems(rope_type: str, scaling: dict[str, Any]) -> list[str]:
     return problems
 
 
-def check_long_context(cfg: Config) -> list[str]:
+def tiling_problems(cfg: Config) -> list[str]:
     """The tiling knobs (ds_exp/model/tiling.py): counts that exist, offload of something checkpointing keeps, a loss
     the model computes from lm_head's output as is."""
     problems = []

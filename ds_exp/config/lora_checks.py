@@ -30,7 +30,7 @@ def scope_of(lora: LoraConfig) -> str | None:
     return DEFAULT_SCOPE if lora.target_modules is None else None
 
 
-def _check_targets(targets: object) -> list[str]:
+def _target_problems(targets: object) -> list[str]:
     if targets is None:
         return []
     if isinstance(targets, str):
@@ -70,7 +70,7 @@ def lora_problems(cfg: Config, accelerator: str) -> list[str]:
             "lora.module_name is empty: name the scope of the adapted layers (e.g. lora.module_name=layers.), or set "
             "it to null and name the layers with lora.target_modules"
         )
-    problems += _check_targets(lora.target_modules)
+    problems += _target_problems(lora.target_modules)
     saved = lora.modules_to_save
     if not all(isinstance(name, str) and name for name in saved):
         problems.append(f"lora.modules_to_save={saved!r}: give module names, e.g. [lm_head]")

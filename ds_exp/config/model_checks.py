@@ -143,7 +143,7 @@ def weights_problem(directory: Path, shown: str, key: str | None = None) -> str 
     return None
 
 
-def check_checkpoint(cfg: Config) -> list[str]:
+def local_model_problems(cfg: Config) -> list[str]:
     """A local model.name_or_path: config.json parses, and (unless it is a dry run) the weights are complete."""
     directory = local_checkpoint(cfg.model)
     if directory is None or not (directory / "config.json").is_file():
@@ -200,7 +200,7 @@ def _beyond(cfg: Config) -> tuple[int, str, int, str, str] | None:
     return max_seq_len, found[0], found[1], found[2], str(settings.get("model_type") or "?")
 
 
-def check_max_seq_len(cfg: Config) -> list[str]:
+def max_seq_len_problems(cfg: Config) -> list[str]:
     """An error for a model with a learned position table shorter than data.max_seq_len."""
     beyond = _beyond(cfg)
     if beyond is None or beyond[3] != "learned":
@@ -212,7 +212,7 @@ def check_max_seq_len(cfg: Config) -> list[str]:
     ]
 
 
-def check_max_new_tokens(cfg: Config) -> list[str]:
+def max_new_tokens_problems(cfg: Config) -> list[str]:
     """eval.max_new_tokens alone at or past a learned position table leaves no room for any prompt (each prompt
     is measured once the tokenizer is loaded: ds_exp.train.generate.check_generation_room)."""
     settings = model_settings(cfg)
@@ -303,7 +303,7 @@ def _divisors(n: int) -> str:
     return ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
 
 
-def check_arch(cfg: Config) -> list[str]:
+def arch_problems(cfg: Config) -> list[str]:
     """model.arch (a model built from a config) holds an architecture transformers can build and run: every size
     a whole number > 0, the hidden size split evenly over the heads, key/value heads that divide the heads, an even
     rotary head dimension, finite epsilons and dropouts in [0, 1]. Told here, not as a ZeroDivisionError or a
@@ -333,10 +333,10 @@ def check_arch(cfg: Config) -> list[str]:
                 problems.append(f"{shown}: must be > 0 (e.g. 10000)")
     if problems:
         return problems
-    return _check_heads(arch)
+    return _head_problems(arch)
 
 
-def _check_heads(arch: dict[str, Any]) -> list[str]:
+def _head_problems(arch: dict[str, Any]) -> list[str]:
     hidden_key = next((k for k in _HIDDEN_KEYS if arch.get(k) is not None), None)
     heads_key = next((k for k in _HEAD_KEYS if arch.get(k) is not None), None)
     if hidden_key is None or heads_key is None:

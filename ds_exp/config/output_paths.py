@@ -11,7 +11,7 @@ from ds_exp.config.schema import Config
 NAME_MAX = 255  # bytes per file name on Linux file systems (ext4, xfs, tmpfs, NFS)
 
 
-def check_output_paths(cfg: Config, run_dir: Path | None = None) -> list[str]:
+def output_path_problems(cfg: Config, run_dir: Path | None = None) -> list[str]:
     """Checkpoints and the export stay inside the run directory: rotation deletes in checkpoint_dir, and a run must
     not write over another run's files. Neither is the run directory itself, and neither holds the other: the export
     replaces its whole directory, and checkpoints inside it (or it inside them) fail after training, on every

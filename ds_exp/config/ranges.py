@@ -179,8 +179,8 @@ RANGES: dict[str, Range] = {
 # heavy runs. DeepSpeed's own schema reads the zero.* values again before the model is built
 # (ds_exp.model.engine.check_deepspeed_config).
 FREE_FORM: dict[str, str] = {
-    "model.arch": "ds_exp.config.model_checks.check_arch",
-    "model.rope_scaling": "ds_exp.config.long_context.check_rope_scaling",
+    "model.arch": "ds_exp.config.model_checks.arch_problems",
+    "model.rope_scaling": "ds_exp.config.long_context.rope_scaling_problems",
     "lora.target_modules": "ds_exp.config.lora_checks",
     "scheduler.kwargs": "ds_exp.config.schedule_kwargs.scheduler_kwargs_problems",
     "train.global_batch_size": "ds_exp.config.validate (a positive integer or auto)",

@@ -295,7 +295,7 @@ def path_not_set(key: str) -> str:
 
 def missing_source_paths(missing_keys: list[str]) -> list[str]:
     """The source paths among a composed config's mandatory values left unset (`???`), phrased as
-    `check_source` says them. Typed objects cannot hold an unset value, so this runs before conversion."""
+    `source_problems` says them. Typed objects cannot hold an unset value, so this runs before conversion."""
     matches = (_SOURCE_PATH.fullmatch(key) for key in missing_keys)
     return [path_not_set(m.group(1)) for m in matches if m is not None]
 

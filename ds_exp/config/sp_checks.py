@@ -71,7 +71,7 @@ def deepspeed_problem() -> str | None:
     return None
 
 
-def check_sequence_parallel(cfg: Config, world_size: int | None) -> list[str]:
+def sequence_parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
     """One line per problem with dist.sequence_parallel_size; `world_size` None when the launch is not known yet."""
     n = sp_size(cfg)
     key = f"dist.sequence_parallel_size={n}"

@@ -26,7 +26,7 @@ ATTENTION_IMPLEMENTATIONS = (
 )
 
 
-def _check_attention(attention: str | None) -> list[str]:
+def _attention_problems(attention: str | None) -> list[str]:
     """An attention implementation transformers has (its names, 4.50-5.24), ds_exp's auto, or a hub kernel."""
     if attention is None or attention == "auto" or attention in ATTENTION_IMPLEMENTATIONS:
         return []
@@ -46,7 +46,7 @@ def _check_attention(attention: str | None) -> list[str]:
 def speed_feature_problems(cfg: Config, accelerator: str) -> list[str]:
     """Features that need a package or a GPU: told here, not as an ImportError after the model is loaded."""
     attention = cfg.model.attn_implementation
-    problems = _check_attention(attention)
+    problems = _attention_problems(attention)
     if attention in ("flash_attention_2", "flash_attention_3"):
         package = "flash_attn" if attention == "flash_attention_2" else "flash_attn_interface"
         if accelerator != "cuda":

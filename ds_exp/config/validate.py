@@ -16,14 +16,14 @@ from ds_exp.config.ds_config import RunFacts, get_path, load_config_file, resolv
 from ds_exp.config.long_context import long_context_problems
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
-    check_arch,
-    check_checkpoint,
-    check_max_new_tokens,
-    check_max_seq_len,
+    arch_problems,
+    local_model_problems,
     looks_like_local_path,
+    max_new_tokens_problems,
+    max_seq_len_problems,
 )
 from ds_exp.config.optimizer_checks import placement_problems, settings_problems
-from ds_exp.config.output_paths import check_output_paths
+from ds_exp.config.output_paths import output_path_problems
 from ds_exp.config.paths import not_a_directory
 from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.plan import decay_problem
@@ -34,7 +34,7 @@ from ds_exp.config.sampling import sampling_problems
 from ds_exp.config.schedule_kwargs import scheduler_kwargs_problems
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.shapes import shape_problems
-from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
+from ds_exp.config.sp_checks import sequence_parallel_problems, zero_problems
 from ds_exp.config.speed_checks import speed_feature_problems
 from ds_exp.config.trackers import logger_problems
 from ds_exp.core.errors import ConfigError
@@ -44,7 +44,7 @@ from ds_exp.core.user_paths import special_file_problem
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
-def _check_model(cfg: Config) -> list[str]:
+def _model_problems(cfg: Config) -> list[str]:
     problems = []
     model = cfg.model
     if model.name_or_path is None and model.arch is None:
@@ -73,7 +73,13 @@ def _check_model(cfg: Config) -> list[str]:
                 f"model.tokenizer={value} {what}: point it at a Hugging Face tokenizer (or model) directory, a hub "
                 "id, or null for the model's own"
             )
-    return problems + check_arch(cfg) + check_checkpoint(cfg) + check_max_seq_len(cfg) + check_max_new_tokens(cfg)
+    return (
+        problems
+        + arch_problems(cfg)
+        + local_model_problems(cfg)
+        + max_seq_len_problems(cfg)
+        + max_new_tokens_problems(cfg)
+    )
 
 
 def _file_setting(cfg: Config, path: str) -> str | None:
@@ -98,7 +104,7 @@ def _setting(cfg: Config, path: str, value: object, group_key: str) -> str:
     return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={shown}"
 
 
-def _check_zero_and_offload(cfg: Config, ds: dict[str, Any]) -> list[str]:
+def _zero_and_offload_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
     """ZeRO stage and offload fit together; a value from the user's DeepSpeed file is named with its file and key."""
     stage = get_path(ds, "zero_optimization.stage", None)
     stage_file = _file_setting(cfg, "zero_optimization.stage")
@@ -171,7 +177,7 @@ def _in_file(path: str, value: object, file: str | None) -> str:
     return f'"{path}": {json.dumps(value)} in deepspeed.config_file={file}' if file else ""
 
 
-def _check_numbers(cfg: Config, world: int) -> list[str]:
+def _value_problems(cfg: Config, world: int) -> list[str]:
     problems = []
     train, sched, lora = cfg.train, cfg.scheduler, cfg.lora
     if lora.dim < 0:
@@ -222,7 +228,7 @@ def _check_numbers(cfg: Config, world: int) -> list[str]:
     return problems
 
 
-def _check_precision(cfg: Config, accelerator: str) -> list[str]:
+def _precision_problems(cfg: Config, accelerator: str) -> list[str]:
     dtype = plain(cfg.precision.dtype)
     if dtype == "fp16" and not supports_fp16(accelerator):
         return [
@@ -234,7 +240,7 @@ def _check_precision(cfg: Config, accelerator: str) -> list[str]:
     return []
 
 
-def _check_eval(cfg: Config) -> list[str]:
+def _eval_problems(cfg: Config) -> list[str]:
     sampling = sampling_problems(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.top_k, key=lambda name: f"eval.{name}")
     problems = [line for line in sampling if "must be a finite number" not in line]  # said by number_problems
     if cfg.eval.max_new_tokens < 1:
@@ -248,7 +254,7 @@ def _check_eval(cfg: Config) -> list[str]:
     return problems
 
 
-def _check_resume(cfg: Config) -> list[str]:
+def _resume_problems(cfg: Config) -> list[str]:
     if cfg.resume in (None, "auto"):
         return []
     if not cfg.resume.strip():
@@ -273,12 +279,15 @@ def config_problems(
     shapes = shape_problems(cfg)
     if shapes:  # values the checks below would trip over (a dict where a number goes, a path too long to probe)
         return shapes, {}
-    problems = _check_model(cfg) + speed_feature_problems(cfg, accelerator) + _check_numbers(cfg, world_size)
+    problems = _model_problems(cfg) + speed_feature_problems(cfg, accelerator) + _value_problems(cfg, world_size)
     problems += [problem] if (problem := experiment_name_problem(cfg.experiment_name)) else []
     problems += (
-        _check_precision(cfg, accelerator) + _check_resume(cfg) + _check_eval(cfg) + check_output_paths(cfg, run_dir)
+        _precision_problems(cfg, accelerator)
+        + _resume_problems(cfg)
+        + _eval_problems(cfg)
+        + output_path_problems(cfg, run_dir)
     )
-    problems += check_sequence_parallel(cfg, world_size) + lora_problems(cfg, accelerator)
+    problems += sequence_parallel_problems(cfg, world_size) + lora_problems(cfg, accelerator)
     problems += logger_problems(cfg.logger, dry_run=cfg.dry_run)
     problems += long_context_problems(cfg)
     problems += [p for p in scheduler_kwargs_problems(cfg) if not said_already(key_of(p), problems)]
@@ -290,7 +299,7 @@ def config_problems(
         problems += err.problems
     if ds:
         problems += (
-            _check_zero_and_offload(cfg, ds)
+            _zero_and_offload_problems(cfg, ds)
             + placement_problems(cfg, ds, accelerator, lambda path, value, key: _setting(cfg, path, value, key))
             + zero_problems(cfg, ds)
         )

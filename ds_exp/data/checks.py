@@ -1,4 +1,4 @@
-"""`check_data_config`: cheap checks of the data settings run before anything heavy is imported (dry run, launch).
+"""`data_config_problems`: cheap checks of the data settings run before anything heavy is imported (dry run, launch).
 
 Each problem is one line naming the key, what is wrong and the fix, so a sweep fails at submission and not
 minutes later on a compute node.
@@ -18,7 +18,7 @@ from ds_exp.data.splits import parse_data_split
 TEMPLATES = ("raw", "dschat", "chat_template", "auto")
 
 
-def check_source(src: DataSource, key: str) -> list[str]:
+def source_problems(src: DataSource, key: str) -> list[str]:
     problems: list[str] = []
     path = src.path
     if not path or path == MISSING:
@@ -51,7 +51,7 @@ def check_source(src: DataSource, key: str) -> list[str]:
     return problems
 
 
-def check_data_config(data: DataConfig) -> list[str]:
+def data_config_problems(data: DataConfig) -> list[str]:
     """Problems of the data settings, one line each; empty when they look usable."""
     problems: list[str] = []
     max_seq_len = data.max_seq_len
@@ -85,9 +85,9 @@ def check_data_config(data: DataConfig) -> list[str]:
             "a directory"
         )
     for i, src in enumerate(data.sources):
-        problems += check_source(src, f"data.sources[{i}]")
+        problems += source_problems(src, f"data.sources[{i}]")
     for i, src in enumerate(data.sft_only_sources):
-        problems += check_source(src, f"data.sft_only_sources[{i}]")
+        problems += source_problems(src, f"data.sft_only_sources[{i}]")
     if not data.sources and not data.sft_only_sources:
         num_train, num_eval = data.synthetic.num_train, data.synthetic.num_eval
         if not isinstance(num_train, int) or num_train < 1:

@@ -22,7 +22,7 @@ from ds_exp.config.paths import data_cache_dir
 from ds_exp.config.schema import DataConfig, DataSource, plain
 from ds_exp.core.errors import DataError
 from ds_exp.data.cache import cached_build, disk_full_message, hash_key, path_fingerprint
-from ds_exp.data.checks import check_data_config
+from ds_exp.data.checks import data_config_problems
 from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack
 from ds_exp.data.formats import expand, resolve_format
 from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
@@ -135,7 +135,7 @@ def count_train_examples(data: DataConfig) -> int:
     where it is an upper bound: the number of examples before they are packed. The seed only orders rows, so
     the count does not take it.
     """
-    problems = check_data_config(data)
+    problems = data_config_problems(data)
     if problems:
         raise DataError("\n".join(problems))
     split = parse_data_split(data.data_split)
@@ -276,7 +276,7 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
     Safe to call from every rank (and every job of a sweep) at once: one process builds, the rest wait on
     the lock and load the result. Raises DataError (one line per problem) on bad input.
     """
-    problems = check_data_config(data)
+    problems = data_config_problems(data)
     if problems:
         raise DataError("\n".join(problems))
     configured = str(plain(data.template))

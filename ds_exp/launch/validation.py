@@ -17,7 +17,7 @@ from ds_exp.config.schema import Config, to_config
 from ds_exp.config.shapes import shape_problems
 from ds_exp.config.validate import config_problems
 from ds_exp.core.errors import ConfigError
-from ds_exp.data.checks import check_data_config
+from ds_exp.data.checks import data_config_problems
 from ds_exp.launch.environment import detect_launch
 from ds_exp.launch.harness_checks import harness_problems
 
@@ -32,7 +32,7 @@ def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None =
     accelerator = accelerator or detect_accelerator()
     problems, ds = config_problems(cfg, accelerator=accelerator, world_size=world, run_dir=run_dir)
     # the data keys' ranges are also in ds_exp.config.ranges (every numeric key has one): each said once
-    problems += [line for line in check_data_config(cfg.data) if not said_already(key_of(line), problems)]
+    problems += [line for line in data_config_problems(cfg.data) if not said_already(key_of(line), problems)]
     problems += harness_problems(cfg)  # eval.harness: lm-eval's tasks, before any model is loaded
     if problems:
         raise ConfigError(problems)

@@ -31,7 +31,7 @@ from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import RunPlan, plan_run
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.secrets import redact, register_secrets
-from ds_exp.config.sp_checks import check_sequence_parallel
+from ds_exp.config.sp_checks import sequence_parallel_problems
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import write_json_atomic
@@ -154,7 +154,7 @@ def setup(cfg: Config, session: Session) -> Workload:
 
 def parallel_layout(cfg: Config, session: Session) -> SequenceParallel:
     """This rank's sequence-parallel group, checked again with the world the group has (submitit: known here)."""
-    problems = check_sequence_parallel(cfg, session.world)
+    problems = sequence_parallel_problems(cfg, session.world)
     if problems:
         raise ConfigError(problems)
     sp = SequenceParallel.of(session.rank, session.world, cfg.dist.sequence_parallel_size)

@@ -15,7 +15,7 @@ import torch
 
 from ds_exp.config.ds_config import RunFacts, resolve_ds_config
 from ds_exp.config.fast_path import liger_installed
-from ds_exp.config.sp_checks import check_sequence_parallel, zero_problems
+from ds_exp.config.sp_checks import sequence_parallel_problems, zero_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, isolate_documents
 from ds_exp.train.collate import SFTCollator
@@ -103,7 +103,7 @@ def test_what_sequence_parallelism_cannot_run_is_said_before_heavy_work(compose_
             group, name = key.split("__")
             setattr(getattr(cfg, group), name, value)
         ds = {"zero_optimization": {"stage": stage, "reduce_scatter": reduce_scatter}}
-        return "\n".join(check_sequence_parallel(cfg, world) + zero_problems(cfg, ds))
+        return "\n".join(sequence_parallel_problems(cfg, world) + zero_problems(cfg, ds))
 
     assert problems() == ""
     assert problems(data__packing=True, model__attn_implementation="sdpa") == ""

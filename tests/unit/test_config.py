@@ -423,7 +423,7 @@ def test_max_seq_len_beyond_a_learned_position_table_is_an_error(compose_cfg, tm
 
 
 def test_max_seq_len_beyond_a_rotary_context_is_a_warning(compose_cfg, tmp_path):
-    from ds_exp.config.model_checks import check_max_seq_len, max_seq_len_notes
+    from ds_exp.config.model_checks import max_seq_len_notes, max_seq_len_problems
 
     llama = _checkpoint(tmp_path / "llama", LLAMA)
     cfg = compose_cfg("model=local", f"model.name_or_path={llama}", "data.max_seq_len=256")
@@ -457,7 +457,7 @@ def test_max_seq_len_beyond_a_rotary_context_is_a_warning(compose_cfg, tmp_path)
     assert max_seq_len_notes(tiny) == [] and tiny.data.max_seq_len <= tiny.model.arch["max_position_embeddings"]
     assert "(max_position_embeddings=512)" in max_seq_len_notes(compose_cfg("data.max_seq_len=1024"))[0]
     hub = compose_cfg("model=opt-1.3b", "data.max_seq_len=100000")  # a hub id: no local config.json to read
-    assert check_max_seq_len(hub) == [] and max_seq_len_notes(hub) == []
+    assert max_seq_len_problems(hub) == [] and max_seq_len_notes(hub) == []
 
 
 def test_a_broken_config_json_is_reported_in_validation(compose_cfg, tmp_path):
@@ -569,7 +569,7 @@ def test_checkpoint_errors_at_load_are_one_message(compose_cfg, tmp_path):
         build_model_config(cfg, load_tokenizer(base.model, base.data))
 
 
-# What a model built from model.arch must hold (ds_exp/config/model_checks.py check_arch), and numbers every run
+# What a model built from model.arch must hold (ds_exp/config/model_checks.py arch_problems), and numbers every run
 # needs finite and in range: (changes to the default config, the start of the one line that refuses them). The
 # config is composed once and changed in place (Hydra's compose takes most of a second).
 ARCH_AND_NUMBERS = [

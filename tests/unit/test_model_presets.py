@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_exp.config.model_checks import check_arch
+from ds_exp.config.model_checks import arch_problems
 from ds_exp.config.paths import conf_dir
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch.hub import check_hub, plans_from_arch
@@ -77,7 +77,7 @@ def test_every_model_preset_composes_and_the_dry_run_plans_it_without_the_hub(
     arch = cfg.model.arch
     assert arch, f"conf/model/{preset}.yaml carries no arch: a dry run could not plan it without the model"
     # the architecture passes ds_exp's own checks of one (sizes, heads that divide, even rotary head dimensions)
-    assert check_arch(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=None))) == []
+    assert arch_problems(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=None))) == []
     if preset not in BUILT_HERE:
         assert plans_from_arch(cfg), "a hub model that is not here: planned from its arch"
         check_hub(cfg)  # a dry run that needs no file of the model is not refused
