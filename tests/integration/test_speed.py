@@ -4,7 +4,6 @@ CUDA."""
 
 from __future__ import annotations
 
-import json
 import stat
 
 import pytest
@@ -154,7 +153,7 @@ def test_an_op_that_cannot_be_compiled_is_named_with_its_fix(tmp_path, cache_dir
     assert "could not compile DeepSpeed's CPU Adam (cpu_adam), needed for optimizer offload" in err
     assert f"the C++ compiler ({broken_compiler['CXX']}) does not run" in err and "apt-get install g++" in err
     assert "offload=none" in err  # how to do without it
-    assert json.loads((run.run_dir / "summary.json").read_text())["status"] == "failed"
+    assert not run.run_dir.exists()  # refused before any training: nothing left that looks like a run
 
 
 def test_without_the_shared_memory_op_cpu_ranks_train_on(tmp_path, cache_dir, broken_compiler):
