@@ -28,7 +28,7 @@ Writes bench/results/long_context_alst.json (budget_mib, configs -> max_seq_len,
 ended_at_a_failure; the goal), long_context_alst_trials.json (every trial, the settings, the memory estimate against
 each measured peak) and long_context_alst.png (peak memory per rank against sequence length). bench/results/
 long_context.json and its trials are issue 24's search (cumulative knobs, capped at 8x; the bench as of adda99a),
-which the README's figures quote.
+which docs/benchmarks.md's figures quote (moved there from the README).
 """
 
 from __future__ import annotations
