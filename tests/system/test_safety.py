@@ -214,7 +214,11 @@ def test_sigterm_during_tokenization_stops_within_seconds(tmp_path):
     ]
     proc = _start(tmp_path, args, {"MASTER_PORT": str(free_port())})
     try:
-        _wait_for(proc, "Tokenizing train", timeout=120)
+        _wait_for(proc, "ds_exp: launch single", timeout=120)
+        deadline = time.monotonic() + 120  # piped, tokenizing draws no bar: its build directory says it started
+        while not list((tmp_path / "cache").glob(".*.tmp-*")):
+            assert time.monotonic() < deadline and proc.poll() is None, "tokenizing never started"
+            time.sleep(0.1)
         time.sleep(2)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
