@@ -1397,7 +1397,10 @@ def write_docs(path: Path) -> None:
         "| kind | case | command | exit | message |",
         "|---|---|---|---|---|",
     ]
-    path.write_text("\n".join(header + rows) + "\n")
+    # what follows the table was written by hand (the sections from its first `## ` on): kept as it is
+    kept = path.read_text().partition("\n## ") if path.is_file() else ("", "", "")
+    tail = f"\n## {kept[2]}" if kept[1] else ""
+    path.write_text("\n".join(header + rows) + "\n" + tail)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where:
         ]
     if (missing := entry.missing_package("optimizer")) is not None:
         problems.append(missing)
-    if isinstance(stage, int) and stage not in entry.zero_stages:
+    if type(stage) is int and stage in (0, 1, 2, 3) and stage not in entry.zero_stages:
         allowed = " or ".join(f"zero=stage{s}" for s in entry.zero_stages)
         problems.append(
             f"optimizer={entry.name} at {where('zero_optimization.stage', stage, 'zero.stage')}: {entry.zero_note}; "
