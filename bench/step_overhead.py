@@ -39,6 +39,7 @@ def worker(stage: int, pairs: int, out: Path, cache: Path) -> None:
 
     from bench.workload import compose
     from ds_exp.checkpoint.checkpointer import Checkpointer
+    from ds_exp.resume.store import TrainState
     from ds_exp.train.evaluate import Generations
     from ds_exp.train.loop import Loop, Progress
     from ds_exp.train.metrics import Metrics
@@ -64,8 +65,8 @@ def worker(stage: int, pairs: int, out: Path, cache: Path) -> None:
     with Session(cfg, run_dir) as session:
         session.start()
         work = setup(cfg, session)
-        metrics_log, wandb = session.open_sinks(None)
-        metrics = Metrics(metrics_log, wandb, device=work.engine.device, world_size=session.world, peak_flops=None)
+        metrics_log, trackers = session.open_sinks(TrainState())
+        metrics = Metrics(metrics_log, trackers, device=work.engine.device, world_size=session.world, peak_flops=None)
         metrics.show_progress(work.total_steps, 0, session.is_main)
         checkpoints = Checkpointer(
             work.engine,
