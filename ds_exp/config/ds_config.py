@@ -28,6 +28,12 @@ from ds_exp.core.errors import ConfigError
 from ds_exp.core.user_paths import special_file_problem
 
 MISSING = object()
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def is_zero_stage(value: object) -> bool:
+    """A ZeRO stage DeepSpeed has (a whole number 0-3; not a bool, which Python counts as 0 or 1)."""
+    return type(value) is int and value in ZERO_STAGES
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ds_exp.config.ds_config import MISSING, get_path, optimizer_needs
+from ds_exp.config.ds_config import MISSING, get_path, is_zero_stage, optimizer_needs
 from ds_exp.config.fast_path import toggle
 from ds_exp.config.optimizers import OPTIMIZERS, OptimizerEntry, Owner, entry_of
 from ds_exp.config.resolvers import AUTO
@@ -101,7 +101,7 @@ def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where:
         ]
     if (missing := entry.missing_package("optimizer")) is not None:
         problems.append(missing)
-    if type(stage) is int and stage in (0, 1, 2, 3) and stage not in entry.zero_stages:
+    if is_zero_stage(stage) and stage not in entry.zero_stages:
         allowed = " or ".join(f"zero=stage{s}" for s in entry.zero_stages)
         problems.append(
             f"optimizer={entry.name} at {where('zero_optimization.stage', stage, 'zero.stage')}: {entry.zero_note}; "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, samples_per_rank
-from ds_exp.config.ds_config import RunFacts, get_path, load_config_file, resolve_ds_config
+from ds_exp.config.ds_config import RunFacts, get_path, is_zero_stage, load_config_file, resolve_ds_config
 from ds_exp.config.long_context import long_context_problems
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
@@ -108,7 +108,7 @@ def _zero_and_offload_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
     """ZeRO stage and offload fit together; a value from the user's DeepSpeed file is named with its file and key."""
     stage = get_path(ds, "zero_optimization.stage", None)
     stage_file = _file_setting(cfg, "zero_optimization.stage")
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    if not is_zero_stage(stage):
         if stage_file is not None:
             return [
                 f"{_in_file('zero_optimization.stage', stage, stage_file)}: ZeRO stage must be 0, 1, 2 or 3; fix it "

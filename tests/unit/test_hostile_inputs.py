@@ -93,10 +93,12 @@ def optimizer_keys() -> Iterator[tuple[str, Any, str]]:
             yield key, kind, "default" if name == "adamw" else f"optimizer={name}"
 
 
+KEYS = dict(schema_keys())
 BASE_OF: dict[str, str] = {}  # keys drawn on a composition of their own (an optimizer's settings): that composition
-for _key, _kind, _base in optimizer_keys():
-    BASE_OF.setdefault(_key, _base)
-KEYS = {**dict(schema_keys()), **{key: kind for key, kind, _ in optimizer_keys()}}
+for _key, _kind, _base in optimizer_keys():  # a key several optimizers have: the first one's type and composition
+    if _key not in BASE_OF:
+        BASE_OF[_key] = _base
+        KEYS[_key] = _kind
 BASES = ("default", "local", *sorted(set(BASE_OF.values()) - {"default"}))
 
 
@@ -606,6 +608,19 @@ def test_every_command_names_its_heavy_work():
     assert set(COMMANDS) == set(HEAVY_WORK), "add the command's heavy work to HEAVY_WORK (its tripwire)"
 
 
+def call_command(main: Callable[[list[str]], Any], argv: list[str]) -> tuple[Any, str]:
+    """(its exit status, or "tripped" where it reached its heavy work; what it said on stderr)."""
+    err = io.StringIO()
+    with tripwires(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code: Any = main(argv)
+        except SystemExit as exited:
+            code = exited.code
+        except Tripped:
+            code = "tripped"
+    return code, err.getvalue()
+
+
 @settings(**HOSTILE, max_examples=60)
 @given(data=st.data())
 def test_every_flag_of_every_command_refuses_cleanly_or_accepts(data, places, fixture_run, monkeypatch):
@@ -625,17 +640,9 @@ def test_every_flag_of_every_command_refuses_cleanly_or_accepts(data, places, fi
         positionals[0] = data.draw(st.sampled_from(list(places.values())), label="path")
     argv += positionals
     before = listing(fixture_run["root"])
-    err = io.StringIO()
-    with tripwires(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code: Any = main(argv)
-        except SystemExit as exited:
-            code = exited.code
-        except Tripped:
-            code = "tripped"
+    code, stderr = call_command(main, argv)
     event(f"{command}: {'tripped' if code == 'tripped' else 'refused'}")
     assert listing(fixture_run["root"]) == before, f"{command} {argv} changed the files it was pointed at"
-    stderr = err.getvalue()
     assert "Traceback" not in stderr, stderr
     if code == "tripped":
         nonsense = [v for v in argv if v.lower() in ("nan", "inf", "-inf") or _beyond_64_bits(v)]
@@ -675,16 +682,9 @@ def test_what_the_drawn_flags_found_is_one_line(command, argv, said, fixture_run
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     main = getattr(importlib.import_module(command), COMMANDS[command])
     argv = [a.replace("{run}", str(fixture_run["run"])).replace("{tag}", str(fixture_run["tag"])) for a in argv]
-    err = io.StringIO()
-    with tripwires(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code: Any = main(argv)
-        except SystemExit as exited:
-            code = exited.code
-        except Tripped:
-            code = "tripped"
-    lines = [line for line in err.getvalue().splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("ds_exp: error: "), f"{code}: {err.getvalue()}"
+    code, stderr = call_command(main, argv)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("ds_exp: error: "), f"{code}: {stderr}"
     assert said in lines[0]
 
 
