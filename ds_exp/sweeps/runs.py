@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         "(outputs/multirun/<name>/<time>): its report is written",
     )
     args = parser.parse_args(argv)
+    if not args.directory.is_dir():
+        what = "is not a directory" if args.directory.exists() else "does not exist"
+        print(f"ds_exp: error: {args.directory} {what}; give a directory of runs, e.g. outputs/", file=sys.stderr)
+        return 2
     if is_sweep(args.directory):  # its report, as at the end of the sweep
         rows = write_report(args.directory)
         return 0 if all(row["status"] == RunStatus.COMPLETED for row in rows) else 1
