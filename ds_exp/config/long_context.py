@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ds_exp.config.fields import Range, Spec, above, at_least
 from ds_exp.config.model_checks import model_settings, position_limit, rope_scaling_override
-from ds_exp.config.ranges import Range, Spec, above, at_least
 from ds_exp.config.schema import Config
 
 LOSS_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk when model.tiled_loss_tokens is null

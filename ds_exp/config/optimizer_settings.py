@@ -11,6 +11,14 @@ from enum import Enum
 
 from omegaconf import MISSING
 
+from ds_exp.config.fields import (
+    FRACTION,
+    Range,
+    above,
+    at_least,
+    setting,
+)
+
 
 class Owner(str, Enum):
     ds_exp = "ds_exp"  # built in Python and handed to deepspeed.initialize (DeepSpeed-Chat's convention)
@@ -41,8 +49,8 @@ class OptimizerConfig:
 
     owner: Owner = Owner.ds_exp
     name: str = MISSING  # the option picked in conf/optimizer (its settings class must match)
-    lr: float = 1e-3
-    weight_decay: float = 0.0  # decoupled (AdamW-style) unless the optimizer says otherwise
+    lr: float = setting(1e-3, range=above(0))
+    weight_decay: float = setting(0.0, range=at_least(0))  # decoupled (AdamW-style) unless the optimizer says otherwise
     no_decay: list[str] = field(default_factory=lambda: list(NO_DECAY))
 
     def problems(self) -> list[str]:
@@ -71,8 +79,8 @@ def _momentum(momentum: float) -> list[str]:
 @dataclass
 class AdamConfig(OptimizerConfig):
     impl: OptimizerImpl = OptimizerImpl.auto
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    betas: list[float] = setting(factory=lambda: [0.9, 0.95], range=FRACTION)
+    eps: float = setting(1e-8, range=above(0))
 
     def problems(self) -> list[str]:
         return super().problems() + _betas(self.betas) + _eps(self.eps)
@@ -80,8 +88,8 @@ class AdamConfig(OptimizerConfig):
 
 @dataclass
 class Adam8bitConfig(OptimizerConfig):
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    betas: list[float] = setting(factory=lambda: [0.9, 0.95], range=FRACTION)
+    eps: float = setting(1e-8, range=above(0))
 
     def problems(self) -> list[str]:
         return super().problems() + _betas(self.betas) + _eps(self.eps)
@@ -90,8 +98,8 @@ class Adam8bitConfig(OptimizerConfig):
 @dataclass
 class LionConfig(OptimizerConfig):
     impl: OptimizerImpl = OptimizerImpl.auto
-    lr: float = 3e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    lr: float = setting(3e-4, range=above(0))
+    betas: list[float] = setting(factory=lambda: [0.9, 0.99], range=FRACTION)
 
     def problems(self) -> list[str]:
         return super().problems() + _betas(self.betas)
@@ -99,11 +107,15 @@ class LionConfig(OptimizerConfig):
 
 @dataclass
 class AdafactorConfig(OptimizerConfig):
-    lr: float = 1e-2  # torch's Adafactor: the largest relative step (its step is lr x the parameter's RMS)
-    beta2_decay: float = -0.8
-    eps: float | None = None  # added to the second moment; null = the dtype's smallest step
-    eps_scale: float = 1e-3  # the smallest parameter RMS a step is scaled by
-    d: float = 1.0  # clipping threshold of the update's RMS
+    lr: float = setting(
+        1e-2, range=above(0)
+    )  # torch's Adafactor: the largest relative step (its step is lr x the parameter's RMS)
+    beta2_decay: float = setting(-0.8, range=Range(None, 0, fix=" (torch's Adafactor default: -0.8)"))
+    eps: float | None = setting(None, range=above(0))  # added to the second moment; null = the dtype's smallest step
+    eps_scale: float = setting(1e-3, range=at_least(0))  # the smallest parameter RMS a step is scaled by
+    d: float = setting(
+        1.0, range=at_least(1, " (the clipping threshold of the update's RMS; torch's default 1.0)")
+    )  # clipping threshold of the update's RMS
 
     def problems(self) -> list[str]:
         found = super().problems() + _eps(self.eps)
@@ -118,8 +130,8 @@ class AdafactorConfig(OptimizerConfig):
 
 @dataclass
 class SGDConfig(OptimizerConfig):
-    lr: float = 0.1
-    momentum: float = 0.9
+    lr: float = setting(0.1, range=above(0))
+    momentum: float = setting(0.9, range=FRACTION)
     nesterov: bool = False
 
     def problems(self) -> list[str]:
@@ -132,12 +144,12 @@ class SGDConfig(OptimizerConfig):
 @dataclass
 class MuonConfig(OptimizerConfig):
     owner: Owner = Owner.deepspeed
-    lr: float = 0.02  # Muon's, for the hidden matrices
-    momentum: float = 0.95
+    lr: float = setting(0.02, range=above(0))  # Muon's, for the hidden matrices
+    momentum: float = setting(0.95, range=FRACTION)
     ns_method: NewtonSchulz = NewtonSchulz.gram
-    adam_lr: float = 1e-3  # the auxiliary AdamW's, for embeddings, the head, norms and biases
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    adam_lr: float = setting(1e-3, range=above(0))  # the auxiliary AdamW's, for embeddings, the head, norms and biases
+    betas: list[float] = setting(factory=lambda: [0.9, 0.95], range=FRACTION)
+    eps: float = setting(1e-8, range=above(0))
 
     def problems(self) -> list[str]:
         found = super().problems() + _momentum(self.momentum) + _betas(self.betas) + _eps(self.eps)

@@ -6,7 +6,7 @@ schedule takes; tests/unit/test_hostile_inputs.py checks it against the installe
 
 from __future__ import annotations
 
-from ds_exp.config.ranges import FRACTION, Range, Spec, above, at_least
+from ds_exp.config.fields import FRACTION, Range, Spec, above, at_least
 from ds_exp.config.schema import Config, plain
 
 _STEPS = Spec(whole=True, range=at_least(0))

@@ -17,6 +17,17 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from ds_exp.config.eval_schema import EvalConfig
 from ds_exp.config.export_schema import ExportDtype, ExportMerged
+from ds_exp.config.fields import (
+    FRACTION,
+    MAX_SYNTHETIC_ROWS,
+    MAX_TIMEOUT_MINUTES,
+    MAX_TOKENS,
+    SEED,
+    Range,
+    above,
+    at_least,
+    setting,
+)
 from ds_exp.config.optimizer_settings import OptimizerConfig, Owner
 from ds_exp.config.optimizers import OPTIMIZERS, register_optimizer_settings
 from ds_exp.config.secrets import hide_secrets_when_composing
@@ -97,20 +108,34 @@ class PromptTemplate(str, Enum):
 class ModelConfig:
     name: str = MISSING
     name_or_path: str | None = None  # local directory or hub id; null = build from `arch` (no weights)
-    arch: dict[str, Any] | None = None  # config kwargs: built from when name_or_path is null, else dry-run planning
+    arch: dict[str, Any] | None = setting(
+        None, checked_by="ds_exp.config.model_checks.arch_problems"
+    )  # config kwargs: built from when name_or_path is null, else dry-run planning
     tokenizer: str | None = None  # null = name_or_path, or the tokenizer shipped in ds_exp/assets
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     disable_dropout: bool = False
-    vocab_multiple: int = 8  # pad the embedding matrix to a multiple of this
+    vocab_multiple: int = setting(
+        8, range=Range(1, 65536, fix=" (1 = no padding; the embedding is padded to a multiple of it)")
+    )  # pad the embedding matrix to a multiple of this
     attn_implementation: str | None = "auto"  # null = transformers' default; auto: ds_exp/model/attention.py
-    liger_kernel: Any = "auto"  # Liger's RMSNorm, SwiGLU, RoPE: auto | true | false (ds_exp/config/fast_path.py)
-    fused_loss: Any = "auto"  # Liger's fused linear cross-entropy, no full logits tensor: auto | true | false
-    rope_scaling: Any = None  # transformers' rope_scaling dict (rope_type, factor, ...); Any: a dict merges into null
+    liger_kernel: Any = setting(
+        "auto", checked_by="ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
+    )  # Liger's RMSNorm, SwiGLU, RoPE: auto | true | false (ds_exp/config/fast_path.py)
+    fused_loss: Any = setting(
+        "auto", checked_by="ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
+    )  # Liger's fused linear cross-entropy, no full logits tensor: auto | true | false
+    rope_scaling: Any = setting(
+        None, checked_by="ds_exp.config.long_context.rope_scaling_problems"
+    )  # transformers' rope_scaling dict (rope_type, factor, ...); Any: a dict merges into null
     tiled_mlp: bool = False  # long context (ds_exp/model/tiling.py): MLPs over sequence tiles, recomputed in backward
-    tiled_mlp_shards: int | None = None  # tiles per MLP call; null = ceil(tokens per row / hidden size)
+    tiled_mlp_shards: int | None = setting(
+        None, range=at_least(1, ", or null to derive it")
+    )  # tiles per MLP call; null = ceil(tokens per row / hidden size)
     tiled_loss: bool = False  # logits and loss in chunks of tokens: the full tokens x vocabulary logits never exist
-    tiled_loss_tokens: int | None = None  # tokens per chunk; null = about 256 MiB of fp32 logits per chunk
+    tiled_loss_tokens: int | None = setting(
+        None, range=at_least(1, ", or null to derive it")
+    )  # tokens per chunk; null = about 256 MiB of fp32 logits per chunk
     activation_offload: bool = False  # checkpointed layer inputs kept in host memory (needs gradient_checkpointing)
 
 
@@ -131,9 +156,13 @@ class DataSource:
 
 @dataclass
 class SyntheticDataConfig:
-    num_train: int = 4000  # train rows of the embedded task (before data_split)
-    num_eval: int = 200  # eval rows, drawn from a separate stream and never seen in train; 0 = no eval set
-    seed: int = 0  # fixes the task's content; train.seed only shuffles and splits it
+    num_train: int = setting(
+        4000, range=Range(1, MAX_SYNTHETIC_ROWS, fix=" (for more, train on your own data: data=local)")
+    )  # train rows of the embedded task (before data_split)
+    num_eval: int = setting(
+        200, range=Range(0, MAX_SYNTHETIC_ROWS, fix=" (0 = no eval set)")
+    )  # eval rows, drawn from a separate stream and never seen in train; 0 = no eval set
+    seed: int = setting(0, range=SEED)  # fixes the task's content; train.seed only shuffles and splits it
 
 
 @dataclass
@@ -142,35 +171,61 @@ class DataConfig:
     sources: list[DataSource] = field(default_factory=list)  # blended; empty = the embedded synthetic task
     sft_only_sources: list[DataSource] = field(default_factory=list)  # used whole, no data_split
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)  # used when sources is empty
-    data_split: Any = "10,0,0"  # phases 1/2/3 proportions, "2,4,4" or [2,4,4] (Any: OmegaConf has no str | list)
-    eval_fraction: float = 0.05  # of a source's phase-1 share, held out for eval when it has no eval split
-    max_seq_len: int = 512  # longer examples are truncated (and counted)
+    data_split: Any = setting(
+        "10,0,0", checked_by="ds_exp.data.checks (ds_exp.data.splits.parse_data_split: any spelling of three numbers)"
+    )  # phases 1/2/3 proportions, "2,4,4" or [2,4,4] (Any: OmegaConf has no str | list)
+    eval_fraction: float = setting(
+        0.05, range=Range(0, 1, high_open=True, fix=", e.g. 0.05")
+    )  # of a source's phase-1 share, held out for eval when it has no eval split
+    max_seq_len: int = setting(
+        512, range=Range(1, MAX_TOKENS, fix=", e.g. 512")
+    )  # longer examples are truncated (and counted)
     template: PromptTemplate = PromptTemplate.dschat  # how a conversation becomes text (docs/data_templates.md)
     end_of_conversation_token: str | None = None  # appended by raw and dschat; null = the eos token
     train_on_prompt: bool = False  # false = prompt tokens get label -100
     packing: bool = False  # concatenate short train examples up to max_seq_len (eval is never packed)
     cache_dir: str | None = None  # tokenized Arrow data; null = one per user: $XDG_CACHE_HOME or ~/.cache, /ds_exp/data
-    num_proc: int | None = None  # tokenization processes; null = 1, or up to 4 for large datasets
-    max_eval_examples: int | None = None  # cap on eval rows (after shuffling); null = all
+    num_proc: int | None = setting(
+        None, range=Range(1, 1024, fix=", or null to decide from the data size")
+    )  # tokenization processes; null = 1, or up to 4 for large datasets
+    max_eval_examples: int | None = setting(
+        None, range=at_least(1, ", or null for all")
+    )  # cap on eval rows (after shuffling); null = all
 
 
 @dataclass
 class ZeroConfig:
     """DeepSpeed `zero_optimization` keys; null keys are left out of the DeepSpeed config."""
 
-    stage: int = 0
-    overlap_comm: Any = None  # bool, or "auto" (= world size > 1: only where there is communication to hide)
+    stage: int = setting(0, range=Range(0, 3, fix=" (zero=stage0 ... zero=stage3)"))
+    overlap_comm: Any = setting(
+        None, checked_by="ds_exp.config.ranges.zero_value_problems: true, false or auto"
+    )  # bool, or "auto" (= world size > 1: only where there is communication to hide)
     contiguous_gradients: bool | None = None
     reduce_scatter: bool | None = None
-    reduce_bucket_size: Any = None  # int or "auto"
+    reduce_bucket_size: Any = setting(
+        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
+    )  # int or "auto"
     allgather_partitions: bool | None = None
-    allgather_bucket_size: Any = None
+    allgather_bucket_size: Any = setting(
+        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
+    )
     round_robin_gradients: bool | None = None
-    sub_group_size: Any = None
-    stage3_prefetch_bucket_size: Any = None
-    stage3_param_persistence_threshold: Any = None
-    stage3_max_live_parameters: Any = None
-    stage3_max_reuse_distance: Any = None
+    sub_group_size: Any = setting(
+        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
+    )
+    stage3_prefetch_bucket_size: Any = setting(
+        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
+    )
+    stage3_param_persistence_threshold: Any = setting(
+        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
+    )
+    stage3_max_live_parameters: Any = setting(
+        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
+    )
+    stage3_max_reuse_distance: Any = setting(
+        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
+    )
     stage3_gather_16bit_weights_on_model_save: bool | None = None
     memory_efficient_linear: bool | None = None
 
@@ -178,11 +233,15 @@ class ZeroConfig:
 @dataclass
 class PrecisionConfig:
     dtype: Dtype = Dtype.fp32
-    loss_scale: float = 0.0  # fp16 only; 0 = dynamic loss scaling
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
+    loss_scale: float = setting(
+        0.0, range=at_least(0, " (0 = dynamic loss scaling)")
+    )  # fp16 only; 0 = dynamic loss scaling
+    initial_scale_power: int = setting(
+        16, range=Range(0, 64, fix=" (dynamic loss scaling starts at 2^this; DeepSpeed's is 16)")
+    )
+    loss_scale_window: int = setting(1000, range=at_least(1))
+    hysteresis: int = setting(2, range=at_least(1))
+    min_loss_scale: float = setting(1.0, range=above(0))
 
 
 @dataclass
@@ -195,12 +254,16 @@ class OffloadConfig:
 
 @dataclass
 class LoraConfig:
-    dim: int = 0  # LoRA rank; 0 = LoRA off
-    alpha: float | None = None  # scaling = alpha / dim; null = dim (scaling 1, as DeepSpeed-Chat's lora_scaling=1)
-    dropout: float = 0.0
+    dim: int = setting(
+        0, range=at_least(0, " (0 turns LoRA off, e.g. lora.dim=64 turns it on)")
+    )  # LoRA rank; 0 = LoRA off
+    alpha: float | None = setting(
+        None, range=above(0, ", or null for alpha = dim")
+    )  # scaling = alpha / dim; null = dim (scaling 1, as DeepSpeed-Chat's lora_scaling=1)
+    dropout: float = setting(0.0, range=FRACTION)
     # the adapted Linear layers: inside the scope module_name, those target_modules names (ds_exp/model/lora.py)
     module_name: str | None = None
-    target_modules: Any = None
+    target_modules: Any = setting(None, checked_by="ds_exp.config.lora_checks")
     modules_to_save: list[str] = field(default_factory=list)  # trained whole beside the adapters (PEFT's)
     use_dora: bool = False  # PEFT's DoRA: a learned magnitude per output row
     use_rslora: bool = False  # PEFT's rsLoRA: scaling alpha / sqrt(dim) instead of alpha / dim
@@ -212,56 +275,72 @@ class LoraConfig:
 class SchedulerConfig:
     owner: Owner = Owner.ds_exp
     name: SchedulerName = SchedulerName.cosine
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0  # fraction of the total steps; use either this or warmup_steps
-    kwargs: dict[str, Any] = field(default_factory=dict)  # scheduler_specific_kwargs of get_scheduler
+    warmup_steps: int = setting(0, range=at_least(0))
+    warmup_ratio: float = setting(0.0, range=FRACTION)  # fraction of the total steps; use either this or warmup_steps
+    kwargs: dict[str, Any] = setting(
+        factory=dict, checked_by="ds_exp.config.schedule_kwargs.scheduler_kwargs_problems"
+    )  # scheduler_specific_kwargs of get_scheduler
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 16  # per device
-    eval_micro_batch_size: int | None = None  # null = micro_batch_size
-    gradient_accumulation_steps: int = 1
-    global_batch_size: Any = "auto"  # int or "auto" (= micro x accumulation x world size)
-    epochs: int = 1
-    max_steps: int = -1  # > 0 overrides epochs
-    gradient_clipping: float = 1.0
-    seed: int = 1234
-    log_every: int = 10  # optimizer steps between metric lines (and DeepSpeed's steps_per_print)
-    eval_every: int = 0  # 0 = only before training, after each epoch and at the end
-    max_evals: int = 5  # with eval_every=0: evaluations after the start at most (ds_exp/config/plan.py)
+    micro_batch_size: int = setting(16, range=at_least(1))  # per device
+    eval_micro_batch_size: int | None = setting(None, range=at_least(1, " or null"))  # null = micro_batch_size
+    gradient_accumulation_steps: int = setting(1, range=at_least(1))
+    global_batch_size: Any = setting(
+        "auto", checked_by="ds_exp.config.validate (a positive integer or auto)"
+    )  # int or "auto" (= micro x accumulation x world size)
+    epochs: int = setting(1, range=at_least(1))
+    max_steps: int = setting(-1, range=at_least(-1, " (-1 = use train.epochs)"))  # > 0 overrides epochs
+    gradient_clipping: float = setting(1.0, range=at_least(0, " (0 = no clipping)"))
+    seed: int = setting(1234, range=SEED)
+    log_every: int = setting(
+        10, range=at_least(1)
+    )  # optimizer steps between metric lines (and DeepSpeed's steps_per_print)
+    eval_every: int = setting(0, range=at_least(0))  # 0 = only before training, after each epoch and at the end
+    max_evals: int = setting(
+        5, range=at_least(1)
+    )  # with eval_every=0: evaluations after the start at most (ds_exp/config/plan.py)
     eval_at_start: bool = True
-    save_every: int = 0  # 0 = only at the end
-    keep_last: int = 2  # checkpoints kept
+    save_every: int = setting(0, range=at_least(0))  # 0 = only at the end
+    keep_last: int = setting(2, range=at_least(0))  # checkpoints kept
     save_final_checkpoint: bool = True
     checkpoint_dir: str = "checkpoints"  # relative to the run directory
     export: bool = True
     export_dir: str = "hf_model"  # relative to the run directory
     export_merged: ExportMerged = ExportMerged.end  # with LoRA: which exports hold the merged model (the adapter: all)
-    export_every: int = 0  # optimizer steps between exports <export_dir>-step<N>; 0 = only the final export
-    export_keep_last: int = 2  # step exports kept (this run's newest); 0 = all
+    export_every: int = setting(
+        0, range=at_least(0)
+    )  # optimizer steps between exports <export_dir>-step<N>; 0 = only the final export
+    export_keep_last: int = setting(2, range=at_least(0))  # step exports kept (this run's newest); 0 = all
     export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/artifacts/export.py)
     allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
-    max_bad_steps: int = 10  # consecutive non-finite losses before giving up
-    compile: Any = "auto"  # torch.compile of each decoder layer: auto (CUDA at ZeRO 0-2) | true | false
-    peak_tflops: float | None = None  # per device, for MFU; null = the GPU's dense peak from ds_exp/train/flops.py
+    max_bad_steps: int = setting(10, range=at_least(0))  # consecutive non-finite losses before giving up
+    compile: Any = setting(
+        "auto", checked_by="ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
+    )  # torch.compile of each decoder layer: auto (CUDA at ZeRO 0-2) | true | false
+    peak_tflops: float | None = setting(
+        None, range=above(0, ", or null for the GPU's own")
+    )  # per device, for MFU; null = the GPU's dense peak from ds_exp/train/flops.py
 
 
 @dataclass
 class DistConfig:
     launcher: Launcher = Launcher.auto
     backend: Backend = Backend.auto
-    timeout_minutes: int = 30
-    master_port: int = 29500
+    timeout_minutes: int = setting(30, range=Range(1, MAX_TIMEOUT_MINUTES, fix=" (a year; the default is 30)"))
+    master_port: int = setting(29500, range=Range(1, 65535, fix=" (a TCP port, e.g. 29500)"))
     # Ulysses sequence parallelism (DeepSpeed's ALST): N ranks train each sample together, sharded along the
     # sequence; world size = data-parallel x N, global batch = micro x accumulation x data-parallel
-    sequence_parallel_size: int = 1
+    sequence_parallel_size: int = setting(1, range=at_least(1, " (1 = off)"))
 
 
 @dataclass
 class DeepSpeedSection:
     config_file: str | None = None  # an existing DeepSpeed JSON (Hugging Face / Axolotl style, "auto" allowed)
-    config: dict[str, Any] = field(default_factory=dict)  # built from the groups by interpolation
+    config: dict[str, Any] = setting(
+        factory=dict, checked_by="ds_exp.config.ds_config (built from the groups; a user's file is DeepSpeed's to read)"
+    )  # built from the groups by interpolation
 
 
 @dataclass

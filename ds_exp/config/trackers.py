@@ -28,6 +28,9 @@ from urllib.parse import SplitResult, urlsplit
 from omegaconf import MISSING
 
 from ds_exp.config.components import Component, table
+from ds_exp.config.fields import (
+    setting,
+)
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.waits import unreachable
 
@@ -112,7 +115,7 @@ class MlflowConfig:
     tracking_uri: str | None = None  # null = the project's sqlite:///<launch dir>/outputs/mlflow.db
     experiment: str | None = None  # null = experiment_name
     run_name: str | None = None  # null = the run directory's name
-    tags: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = setting(factory=dict, checked_by="ds_exp.config.trackers (MLflow's tags: text values)")
 
     def active(self) -> bool:
         return self.enabled
@@ -245,13 +248,13 @@ def tracker_server_problems(logger: LoggerConfig) -> list[str]:
     """One line per tracker server that does not answer (a TCP connection, a few seconds at most). Every rank
     checks, so that all of them stop (rank 0 alone would leave the others waiting for it at the rendezvous)."""
     problems = []
-    for setting, url, fix in tracker_servers(logger):
+    for key_said, url, fix in tracker_servers(logger):
         try:
             host, port, how = first_hop(urlsplit(url))
         except ValueError as err:  # a port that is not a number
-            problems.append(f"{setting}: not a URL ({without_passwords(str(err))}); {fix}")
+            problems.append(f"{key_said}: not a URL ({without_passwords(str(err))}); {fix}")
             continue
         why = unreachable(host, port)
         if why is not None:
-            problems.append(f"{setting}: the server cannot be reached ({how}: {why}); {fix}")
+            problems.append(f"{key_said}: the server cannot be reached ({how}: {why}); {fix}")
     return problems

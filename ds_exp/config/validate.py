@@ -13,6 +13,7 @@ from typing import Any
 
 from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, samples_per_rank
 from ds_exp.config.ds_config import RunFacts, get_path, is_zero_stage, load_config_file, resolve_ds_config
+from ds_exp.config.fields import MAX_TIMEOUT_MINUTES
 from ds_exp.config.long_context import long_context_problems
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
@@ -28,7 +29,7 @@ from ds_exp.config.paths import not_a_directory
 from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.plan import decay_problem
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
-from ds_exp.config.ranges import MAX_TIMEOUT_MINUTES, key_of, numbers_problems, said_already
+from ds_exp.config.ranges import key_of, numbers_problems, said_already
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.sampling import sampling_problems
 from ds_exp.config.schedule_kwargs import scheduler_kwargs_problems

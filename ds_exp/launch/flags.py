@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from ds_exp.config.ranges import INT64_MAX, SEED_MAX, Range
+from ds_exp.config.fields import INT64_MAX, SEED_MAX, Range
 from ds_exp.config.shapes import path_too_long
 
 

@@ -47,9 +47,10 @@ from hypothesis import strategies as st
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ds_exp.config.fields import INT64_MAX
 from ds_exp.config.optimizers import OPTIMIZERS
 from ds_exp.config.paths import conf_dir
-from ds_exp.config.ranges import FREE_FORM, INT64_MAX, RANGES
+from ds_exp.config.ranges import FREE_FORM, RANGES
 from ds_exp.config.schedule_kwargs import SCHEDULE_KWARGS
 from ds_exp.config.schema import Config, DataSource
 from ds_exp.core.errors import DsExpError

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds_exp.config.ranges import at_least
+from ds_exp.config.fields import at_least
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import write_json_atomic
 from ds_exp.launch.console import entry_point

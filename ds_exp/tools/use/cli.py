@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ds_exp.config.ranges import MAX_TOKENS
+from ds_exp.config.fields import MAX_TOKENS
 from ds_exp.config.sampling import sampling_problems
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError, RunFailed

@@ -1,0 +1,158 @@
+"""A setting's rules beside its field: the range of a number (`Range`), the spec of a value in a free-form mapping
+(`Spec`), and `setting()`, which declares a dataclass field of a settings class with them. Every settings class of
+ds_exp (the schema's sections, the optimizers' and the features' settings) declares its numbers with `setting(...,
+range=...)` and its free-form keys with `setting(..., checked_by=...)`; the checks (ds_exp/config/ranges.py), `--help`
+and the hostile-input generator (tests/unit/test_hostile_inputs.py) read them from there. Light: the standard library
+and omegaconf's MISSING only."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+INT64_MAX = 2**63 - 1  # torch, numpy and DeepSpeed's JSON take integers as 64-bit: a larger one overflows there
+SEED_MAX = 2**32 - 1  # numpy's seeds (np.random.seed) are 32-bit, the narrowest library a seed reaches
+MAX_TOKENS = 2**31 - 1  # tokens of a row: more than any model has positions
+MAX_SYNTHETIC_ROWS = 10_000_000  # the embedded task is generated in this process, row by row
+MAX_TIMEOUT_MINUTES = 525_600  # a year: torch's deadline (now + timeout, in nanoseconds) overflows near 1.5e8
+
+
+@dataclass(frozen=True)
+class Range:
+    """Where a number may lie: [low, high], either end open or absent. `fix` follows the range in the message."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    fix: str = ""
+
+    def holds(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def said(self) -> str:
+        if self.high is None:
+            return f"must be {'>' if self.low_open else '>='} {_number(self.low)}"
+        if self.low is None:
+            return f"must be {'<' if self.high_open else '<='} {_number(self.high)}"
+        if not (self.low_open or self.high_open) and float(self.high).is_integer() and float(self.low).is_integer():
+            return f"must be from {_number(self.low)} to {_number(self.high)}"
+        return (
+            f"must be in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+            f"{')' if self.high_open else ']'}"
+        )
+
+    def problem(self, key: str, value: object) -> str | None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            return None  # a type Hydra refused, or a non-finite number (said by number_problems)
+        if self.holds(value):
+            return None
+        return f"{key}={value}: {self.said()}{self.fix}"
+
+
+def _number(value: float | None) -> str:
+    return str(int(value)) if value is not None and float(value).is_integer() else str(value)
+
+
+def at_least(low: float, fix: str = "") -> Range:
+    return Range(low=low, fix=fix)
+
+
+def above(low: float, fix: str = "") -> Range:
+    return Range(low=low, low_open=True, fix=fix)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A value of a free-form mapping (scheduler.kwargs, model.rope_scaling): a whole number or a number in its
+    range, or one of `choices`; with `each`, a non-empty list of such numbers."""
+
+    whole: bool = False
+    range: Range | None = None
+    choices: tuple[object, ...] = ()
+    null: bool = False  # null allowed (the library's own default)
+    auto: bool = False  # `auto`: ds_exp decides
+    each: bool = False
+
+    def problem(self, value: object) -> str | None:
+        """What is wrong with `value` (said after `KEY=VALUE: `), or None."""
+        if (value is None and self.null) or (value == "auto" and self.auto):
+            return None
+        if self.choices:
+            return None if value in self.choices else f"give one of {', '.join(map(_word, self.choices))}"
+        if self.each:
+            items = value if isinstance(value, (list, tuple)) else []
+            problems = [self._number_problem(item) for item in items] or ["give a non-empty list of numbers"]
+            found = next((p for p in problems if p is not None), None)
+            return None if found is None else f"each item: {found}" if items else found
+        return self._number_problem(value)
+
+    def _number_problem(self, value: object) -> str | None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or (self.whole and isinstance(value, float)):
+            kind = "a whole number" if self.whole else "a number"
+            return f"give {kind}{', auto' if self.auto else ''}{' or null' if self.null else ''}"
+        if not math.isfinite(value):
+            return "must be a finite number"
+        if self.range is not None and not self.range.holds(value):
+            return f"{self.range.said()}{self.range.fix}"
+        return None
+
+
+def _word(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+FRACTION = Range(0, 1, high_open=True)  # [0, 1)
+SEED = Range(0, SEED_MAX)
+
+
+RANGE = "ds_exp.range"  # a field's metadata key: its Range
+CHECKED_BY = "ds_exp.checked_by"  # a free-form field's: the check that reads it (a dotted name and a few words)
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    range: Range | None = None,
+    checked_by: str | None = None,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A field of a settings dataclass with its rule beside it: a number's `range` (a list of numbers: each item's),
+    or, for a free-form value (typed Any or a dict), the check that reads it (`checked_by`)."""
+    metadata: dict[str, Any] = {}
+    if range is not None:
+        metadata[RANGE] = range
+    if checked_by is not None:
+        metadata[CHECKED_BY] = checked_by
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def rule(cls: type, name: str, kind: str) -> Any:
+    """The rule (RANGE or CHECKED_BY) of field `name` of `cls`, or of the nearest base class that declares one: a
+    subclass that changes a default (`lr: float = setting(3e-4)`) keeps its base's range."""
+    for klass in cls.__mro__:
+        fields = getattr(klass, "__dataclass_fields__", {})
+        if name in fields and kind in fields[name].metadata:
+            return fields[name].metadata[kind]
+    return None
+
+
+def walk_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, type, dataclasses.Field[Any]]]:
+    """(dotted key, owning class, field) of every leaf field of a settings dataclass, nested sections included (a
+    field whose default is a dataclass is walked into)."""
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        key = f"{prefix}{f.name}"
+        nested = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(nested) and not isinstance(nested, type):
+            yield from walk_fields(type(nested), key + ".")
+        else:
+            yield key, cls, f
