@@ -149,7 +149,7 @@ def rule(cls: type, name: str, kind: str) -> Any:
 def walk_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, type, dataclasses.Field[Any]]]:
     """(dotted key, owning class, field) of every leaf field of a settings dataclass, nested sections included (a
     field whose default is a dataclass is walked into)."""
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         nested = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(nested) and not isinstance(nested, type):
