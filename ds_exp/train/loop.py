@@ -27,6 +27,7 @@ from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.runtime.signals import StopRequested
 from ds_exp.train.evaluate import Generations, evaluate
 from ds_exp.train.exports import RunExports
+from ds_exp.train.hooks import Run, RunHooks
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.sampler import ResumableDistributedSampler
 from ds_exp.train.session import Session
@@ -56,12 +57,13 @@ class Loop:
         checkpoints: Checkpointer,
         generations: Generations,
         progress: Progress,
+        hooks: RunHooks,
         exports: RunExports | None = None,  # train.export_every's exports
     ) -> None:
         self.train_cfg, self.eval_cfg = train_cfg, eval_cfg
         self.session, self.work, self.metrics = session, work, metrics
         self.checkpoints, self.generations, self.progress = checkpoints, generations, progress
-        self.exports = exports
+        self.exports, self.hooks = exports, hooks
         self.loss_plot = LossPlot(session.run_dir, enabled=session.is_main)  # plots/loss.png at each evaluation
         self.engine = work.engine
         built = work.built
@@ -232,6 +234,7 @@ class Loop:
         path = self.checkpoints.save(self.progress, self.metrics.carry(), self.session.state.initial_eval)
         self.progress.last_save_step = self.progress.step
         self.session.state.checkpoint = str(path)
+        self.hooks.at_checkpoint(Run(self.session, self.work), step, path)
 
 
 def current_lr(engine: DeepSpeedEngine) -> float:

@@ -1,12 +1,15 @@
 """The supervised fine-tuning recipe (DeepSpeed-Chat step 1's main.py, readable and exact), top to bottom:
 
+    hooks = RunHooks.of(cfg)                   # the features this run turns on, each given its own settings
     with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/train/session.py
         session.start()
         work = setup(cfg, session)             # named steps: model config, data, plan, resume point, model, engine
+        hooks.after_setup(...)                 # the features' named points: ds_exp/train/hooks.py
         start = resume(cfg, session, work)     # the checkpoint's state, or a fresh start: ds_exp/train/resuming.py
-        train(cfg, session, work, start)       # the loop, evaluations, generations, checkpoints
+        train(cfg, session, work, start, hooks)  # the loop, evaluations, generations, checkpoints (at_checkpoint)
         RunExports(...).final()                # a Hugging Face model with the base model's identity
         score_final_export(cfg, session)       # eval.harness: lm-eval scores, base beside (its own status)
+        hooks.after_run(...)                   # the features' work on what the run left
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
 label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
@@ -57,6 +60,7 @@ from ds_exp.train.exports import RunExports
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
 from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
 from ds_exp.train.harness import score_final_export
+from ds_exp.train.hooks import Run, RunHooks
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.resuming import resume, resume_plan
@@ -69,13 +73,15 @@ file_log = logging.getLogger(FILE_LOGGER)
 
 def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train under whatever launcher started this process; write metrics, summary, checkpoints and export."""
+    hooks = RunHooks.of(cfg)  # the features this run turns on, each with its own settings (ds_exp/config/features.py)
     with Session(cfg, run_dir) as session:
         work: Workload | None = None
         try:
             session.start()
             work = setup(cfg, session)
+            hooks.after_setup(Run(session, work))
             start = resume(cfg, session, work)
-            train(cfg, session, work, start)
+            train(cfg, session, work, start, hooks)
             RunExports(cfg, session, work, start.run_id).final()
         finally:
             if work is not None:
@@ -83,6 +89,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             unregister()  # transformers' attention table as it was, for a later job of this process
         work = None  # the model and optimizer state go before lm-eval loads the export
         score_final_export(cfg, session)  # rank 0, once the engine is released; never fails the completed run
+        hooks.after_run(Run(session))
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
 
@@ -256,7 +263,7 @@ def training_engine(
     return engine
 
 
-def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> None:
+def train(cfg: Config, session: Session, work: Workload, start: TrainState, hooks: RunHooks) -> None:
     """Evaluate and generate before the first step, run the loop, evaluate and generate after the last, and
     save the final checkpoint."""
     metrics_log, trackers = session.open_sinks(start)
@@ -302,7 +309,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState) -> N
         extra=_stage0_names(cfg, work),
     )
     exports = RunExports(cfg, session, work, start.run_id)
-    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, exports)
+    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, hooks, exports)
     session.ready()
     try:
         if cfg.train.eval_at_start and progress.step == 0:

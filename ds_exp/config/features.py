@@ -1,0 +1,74 @@
+"""The features of ds_exp and the small interface through which the shared layers reach them.
+
+A feature is what a user turns on by name (lm-eval scores, exports and chat, sequence parallelism, long context, the
+fast path, preference tuning): one package `ds_exp/<name>/` holding
+
+* `settings.py`: its settings dataclass (each field with its range beside it: ds_exp/config/fields.py), light;
+* `checks.py`: what is refused before anything heavy runs, light (no torch, no deepspeed);
+* `feature.py`: its entry, `FEATURE`, light: its name, how it reads its settings from the config, when it is on, its
+  checks, and the dotted name of its hooks;
+* its heavy work (scoring, writing, the loss), imported only when the feature is on, and its hooks into the recipe
+  at named points (ds_exp/train/hooks.py: after setup, at each checkpoint, after each export, after the run);
+* its command, if it has one, behind the shared error boundary (ds_exp/launch/console.py's `entry_point`).
+
+The shared layers never import a feature package, bar its `settings` module (the schema types the feature's section
+with it, so Hydra refuses a wrong key or type while it composes). They reach a feature through `features()` and this
+interface: validation runs every feature's checks, the recipe runs the hooks of the features that are on, and each is
+handed its own settings, never the whole config. A new feature is one package, its YAML and one line in
+FEATURE_PACKAGES. tests/unit/test_structure.py keeps the rule. Light: no torch, no deepspeed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from ds_exp.config.schema import Config
+
+# Every feature, in the order its checks are said and its hooks run.
+FEATURE_PACKAGES: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CheckFacts:
+    """What a feature's checks may know beside its settings: the launch and the merged DeepSpeed config."""
+
+    world_size: int
+    accelerator: str
+    ds_config: dict[str, Any] = field(default_factory=dict)  # {} where it could not be built (said on its own)
+    run_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str  # the package's name under ds_exp/
+    summary: str  # one line: what it does for a user (docs/architecture.md, the dry run)
+    settings: Callable[[Config], Any]  # its own settings: its section of the config (or a view of its keys)
+    active: Callable[[Any], bool]  # on for this run (given its settings): only then is its heavy work imported
+    problems: Callable[[Any, CheckFacts], list[str]] | None = None  # light checks of its settings, one line each
+    hooks: str | None = None  # "module:Class": its FeatureHooks (ds_exp/train/hooks.py), built with its settings
+
+
+@cache
+def features() -> tuple[Feature, ...]:
+    """Every feature's entry (each package's `feature.FEATURE`), in FEATURE_PACKAGES' order."""
+    return tuple(importlib.import_module(f"{package}.feature").FEATURE for package in FEATURE_PACKAGES)
+
+
+def feature_problems(cfg: Config, facts: CheckFacts) -> list[str]:
+    """Every feature's checks, each given its own settings."""
+    problems: list[str] = []
+    for feature in features():
+        if feature.problems is not None:
+            problems += feature.problems(feature.settings(cfg), facts)
+    return problems
+
+
+def load(dotted: str) -> Any:
+    """The object a "module:name" string names (a feature's hooks class), imported now."""
+    module, _, name = dotted.partition(":")
+    return getattr(importlib.import_module(module), name)
