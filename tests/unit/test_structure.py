@@ -43,6 +43,8 @@ IMPORTED_WHERE_USED = {
     "first call, not with every module of the package",
     "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",
     "psutil": "only for autotune's host-memory budget",
+    "detect_secrets": "its package imports requests (0.2 s): loaded on the first text long enough to hold a token, "
+    "never by --help",
     "ds_exp.data.pipeline": "autotune: datasets reserves ~1 GB of address space, first it starves a memory limit",
     "ds_exp.train.recipe": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
