@@ -1176,6 +1176,13 @@ CASES: list[Case] = [
         ("model.tokenizer=/dev/zero is not a directory", "tokenizer (or model) directory"),
     ),
     Case(
+        "data cache a link planted in a shared directory",
+        "path",
+        ("data.cache_dir={tmp}/planted",),
+        ("data.cache_dir=", "planted is a symbolic link", "does not follow links"),
+        links={"planted": "{tmp}"},
+    ),
+    Case(
         "a path name longer than a file system allows",
         "path",
         (f"data.cache_dir={{tmp}}/{'n' * 300}",),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 
@@ -48,6 +49,50 @@ def test_an_error_every_rank_hits_is_said_once(monkeypatch, tmp_path):
     assert said == [True, False, False]
     assert first_to_say("ds_exp: error: rank 2's own")  # another message still prints
     assert len(list(tmp_path.glob("ds_exp-*/said/*"))) == 2
+
+
+@pytest.mark.parametrize("planted", ["said is a link", "root is a link", "said is a file", "root is another's"])
+def test_a_claim_folder_planted_by_someone_else_is_never_followed_nor_silences_an_error(planted, monkeypatch, tmp_path):
+    """Issue 39 §1: with <tmp>/ds_exp-<uid>/said (or <tmp>/ds_exp-<uid>) a link to a user's project, a failing run
+    deleted every file older than a day there; with `said` a plain file no rank printed the error at all."""
+    tmp, project = tmp_path / "tmp", tmp_path / "project"
+    tmp.mkdir()
+    project.mkdir()
+    old = project / "thesis.tex"
+    old.write_text("years of work")
+    os.utime(old, (1, 1))  # older than a day: what the claims' clean-up removes
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    root = tmp / f"ds_exp-{os.getuid()}"
+    if planted == "root is a link":
+        root.symlink_to(project)
+    else:
+        root.mkdir(mode=0o700)
+        if planted == "said is a link":
+            (root / "said").symlink_to(project)
+        elif planted == "said is a file":
+            (root / "said").write_text("")
+        else:
+            os.chmod(root, 0o777)  # what another user's directory is to this one: writable by others
+    assert first_to_say("ds_exp: error: data.sources[0]: no such file") is True  # every rank says it
+    assert old.read_text() == "years of work" and sorted(p.name for p in project.iterdir()) == ["thesis.tex"]
+
+
+def test_the_claims_clean_up_removes_only_old_claims_it_made(monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    folder = tmp_path / f"ds_exp-{os.getuid()}" / "said"
+    folder.mkdir(parents=True, mode=0o700)
+    os.chmod(folder.parent, 0o700)
+    mine, other = folder / f"12-34-{'a' * 16}", folder / "notes.txt"
+    for path in (mine, other):
+        path.write_text("")
+        os.utime(path, (1, 1))
+    assert first_to_say("ds_exp: error: x")
+    assert not mine.exists() and other.exists()
 
 
 def test_a_piped_run_says_its_progress_each_tenth_and_each_minute(monkeypatch):
