@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.command_line import override
 from ds_exp.core.files import write_text_atomic
 from ds_exp.resume.store import (
     BRANCHES,
@@ -117,7 +118,8 @@ class SetAside:
             )
         if self.branch is not None and self.checkpoints:
             text += (
-                f"; to go back to it: resume={self.branch / self.checkpoints[-1]} hydra.run.dir={run_dir} (this "
+                f"; to go back to it: {override('resume', self.branch / self.checkpoints[-1])} "
+                f"{override('hydra.run.dir', run_dir)} (this "
                 "trajectory's checkpoints are then set aside in turn); python -m ds_exp.export exports any of them"
             )
         return text

@@ -9,16 +9,21 @@ import json
 import logging
 import os
 import re
+import shlex
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds_exp.artifacts.summary import RunState, final_line, time_parts
+from ds_exp.config.command_line import command, override
 from ds_exp.launch.console import first_to_say
 from ds_exp.launch.environment import LaunchInfo
 from ds_exp.launch.help import RECIPES
 from ds_exp.launch.run_dir import nothing_to_resume
 from ds_exp.launch.run_logging import ConsoleFormatter
+from ds_exp.resume.store import COMPLETE_MARKER
 from ds_exp.sweeps import runs
 from ds_exp.train.metrics import PlainProgress
 from ds_exp.train.session import RELAUNCH, relaunch_command, training_line
@@ -226,3 +231,45 @@ def test_the_readme_and_help_give_the_default_runs_time_the_console_gives():
     total = re.match(r"ds_exp: completed 250 steps in (\d+m \d+s|\d+\.\d s) \(", final)
     assert total, final
     assert said == helped and abs(seconds(total[1]) - seconds(said)) <= 0.05 * seconds(said), (said, helped, final)
+
+
+# issue 39 §5: every command ds_exp prints is pasted as it is; these are the directory names people make
+HOSTILE_NAMES = [
+    "my run", "a,b", "it's", 'say "hi"', "cost$HOME", "x=y", "[1,2]", "{a:1}", "back\\slash", "tab\there",
+    "étude 2026", "${oc.env:HOME}", "~user", "-starts-with-dash", "semi;colon", "a&b", "paren(1)", "star*",
+]  # fmt: skip
+
+
+def pasted(printed: str) -> dict[str, str]:
+    """What a shell, then Hydra, make of a printed command's overrides: key -> value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    words = shlex.split(printed)
+    overrides = [w for w in words if "=" in w and not w.startswith("-")]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return {o.key_or_group: o.value() for o in parsed}
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_a_printed_override_parses_back_to_its_value(name):
+    assert pasted(command("python -m ds_exp", override("hydra.run.dir", f"outputs/{name}"), "resume=auto")) == {
+        "hydra.run.dir": f"outputs/{name}",
+        "resume": "auto",
+    }
+
+
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_any_printable_value_survives_the_shell_and_hydra(value):
+    assert pasted(command("python -m ds_exp", override("resume", value))) == {"resume": value}
+
+
+def test_the_runs_resume_auto_can_continue_are_printed_to_paste(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    experiment = tmp_path / "outputs" / "default"
+    run = experiment / "2026-01-03 my run,2"
+    (run / "checkpoints" / "step4").mkdir(parents=True)
+    (run / "checkpoints" / "step4" / COMPLETE_MARKER).write_text('{"step": 4}')
+    said = nothing_to_resume(experiment / "2026-01-04_10-00-00", "checkpoints")
+    line = next(line.strip() for line in said.splitlines() if line.strip().startswith("python -m ds_exp"))
+    assert pasted(line.split("   #")[0]) == {"hydra.run.dir": "outputs/default/2026-01-03 my run,2", "resume": "auto"}
