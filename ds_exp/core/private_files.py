@@ -2,6 +2,9 @@
 the temporary directory, the tracebacks of commands without a run, the caches under ~/.cache/ds_exp (tokenized data,
 lm-eval's task index, base-model scores), build locks.
 
+Caches are checked, not trusted: every cache entry is read through `cache_entry`, and one that is not exactly what
+ds_exp writes (another shape, a hand edit, a file cut short) is a miss, said once and built again, never a crash.
+
 Every one goes through here: a directory of ds_exp's is made owner-only (0700), and each component ds_exp makes
 (from its `root`, the first directory that is ds_exp's own, down) is checked with lstat, never followed: a symbolic
 link, something that is not a directory, another user's, or one others may write into, is refused in one line
@@ -14,11 +17,15 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import re
 import stat
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ds_exp.core.errors import DsExpError
 
@@ -78,3 +85,30 @@ def remove_own(folder: Path, name: re.Pattern[str], older_than_s: float = 0.0) -
                     os.unlink(entry.path)
             except OSError:
                 continue
+
+
+log = logging.getLogger("ds_exp.cache")
+_said_misses: set[Path] = set()
+
+
+def cache_entry(path: Path, fields: Mapping[str, type | tuple[type, ...]]) -> dict[str, Any] | None:
+    """The JSON object of a cache entry when it is what ds_exp writes: an object holding each of `fields` with a
+    value of its type; None when it is missing, and None, said once per entry, when it is anything else (it is then
+    built again over it)."""
+    try:
+        entry = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        why = f"unreadable ({type(err).__name__})"
+    else:
+        wrong = [
+            key for key, kind in fields.items() if not isinstance(entry, dict) or not isinstance(entry.get(key), kind)
+        ]
+        if not wrong:
+            return entry
+        why = f"{', '.join(wrong)} missing or of another type"
+    if path not in _said_misses:
+        _said_misses.add(path)
+        log.warning("cache entry %s is not what ds_exp writes (%s): built again", path, why)
+    return None

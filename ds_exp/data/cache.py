@@ -28,7 +28,7 @@ from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import json_text
-from ds_exp.core.private_files import UnsafePath, private_dir
+from ds_exp.core.private_files import UnsafePath, cache_entry, private_dir
 from ds_exp.core.waits import WaitGaveUp, announced_wait, duration
 
 log = logging.getLogger(__name__)
@@ -174,10 +174,8 @@ def disk_full_message(err: BaseException, cache_dir: Path) -> str | None:
 
 
 def read_meta(directory: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((directory / META).read_text())
-    except (OSError, ValueError):
-        return None
+    """The entry's meta.json when it is what cached_build writes (else a miss: built again)."""
+    return cache_entry(directory / META, {"key": str, "created": str, "stats": dict})
 
 
 def cached_build(

@@ -1394,3 +1394,17 @@ def test_eval_rows_that_repeat_train_rows_are_counted_and_said(tmp_path, tok, ca
     assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["num_eval_in_train"] == 3
     apart = make_cfg(tmp_path, sources=[{"path": str(train)}], eval_fraction=0.1)  # carved out: never repeated
     assert prepare_sft_data(apart.data, tok, seed=apart.train.seed).stats["num_eval_in_train"] == 0
+
+
+@pytest.mark.parametrize("entry", ['{"format": 1, "acc": 0.5}', "[1, 2]", '{"key": "x", "created": 1, "stats": {}}', "{"])
+def test_a_cache_entry_of_another_shape_is_a_miss_built_again(entry, tmp_path, tok, caplog):
+    """Issue 39 §3: a cache entry ds_exp did not write (another shape, cut short) is rebuilt and said, never a crash."""
+    cfg = make_cfg(tmp_path)
+    first = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
+    meta = Path(first.stats["cache_path"]) / "meta.json"
+    meta.write_text(entry)
+    with caplog.at_level(logging.WARNING, logger="ds_exp"):
+        again = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
+    assert not again.stats["cache_hit"] and len(again.train) == len(first.train)
+    assert f"cache entry {meta} is not what ds_exp writes" in caplog.text
+    assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["cache_hit"]
