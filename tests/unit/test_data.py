@@ -1396,7 +1396,9 @@ def test_eval_rows_that_repeat_train_rows_are_counted_and_said(tmp_path, tok, ca
     assert prepare_sft_data(apart.data, tok, seed=apart.train.seed).stats["num_eval_in_train"] == 0
 
 
-@pytest.mark.parametrize("entry", ['{"format": 1, "acc": 0.5}', "[1, 2]", '{"key": "x", "created": 1, "stats": {}}', "{"])
+@pytest.mark.parametrize(
+    "entry", ['{"format": 1, "acc": 0.5}', "[1, 2]", '{"key": "x", "created": 1, "stats": {}}', "{"]
+)
 def test_a_cache_entry_of_another_shape_is_a_miss_built_again(entry, tmp_path, tok, caplog):
     """Issue 39 §3: a cache entry ds_exp did not write (another shape, cut short) is rebuilt and said, never a crash."""
     cfg = make_cfg(tmp_path)
