@@ -614,7 +614,7 @@ CASES: list[Case] = [
             + bytes(16),
         },
     ),
-    # --- long context (ds_exp/model/tiling.py, model.rope_scaling)
+    # --- long context (ds_exp/long_context/, model.rope_scaling)
     Case(
         "activation offload without checkpointing",
         "combination",

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ds_exp.config.export_schema import merges
-from ds_exp.config.fast_path import decide
-from ds_exp.config.long_context import plan_tiling, tokens_per_rank
 from ds_exp.config.optimizers import OPTIMIZERS, entry_of
 from ds_exp.config.schema import Config, plain
+from ds_exp.fast_path.settings import FastPathSettings
+from ds_exp.long_context.settings import LongContextSettings
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class LongContext:
-    """The knobs that change activation memory beyond batch and length (ds_exp/model/tiling.py)."""
+    """The knobs that change activation memory beyond batch and length (ds_exp/long_context/)."""
 
     checkpointing: bool = False
     sequence_parallel: int = 1  # Ulysses: each rank holds 1/N of every sequence
@@ -208,12 +208,12 @@ def run_estimate(
         offload_param=str(plain(cfg.offload.param)),
         state=optimizer_state(cfg, facts, accelerator),
     )
-    sp = int(getattr(cfg.dist, "sequence_parallel_size", 1) or 1)
-    tiling = plan_tiling(cfg, hidden=facts["hidden"], vocab=facts["vocab"])
+    long_context = LongContextSettings.of(cfg)
+    sp, tiling = long_context.sequence_parallel, long_context.plan(hidden=facts["hidden"], vocab=facts["vocab"])
     micro = int(cfg.train.micro_batch_size)
-    tokens = micro * tokens_per_rank(cfg.data.max_seq_len, sp)
+    tokens = micro * long_context.tokens
     attention = str(cfg.model.attn_implementation or "sdpa")
-    fast = decide(cfg, accelerator, int(cfg.zero.stage))
+    fast = FastPathSettings.of(cfg).decide(accelerator, int(cfg.zero.stage))
     knobs = LongContext(
         fused_loss=fast.fused_loss,
         checkpointing=bool(cfg.model.gradient_checkpointing),
@@ -253,7 +253,7 @@ def run_estimate(
 
 def varlen_attention(attention: str, accelerator: str, precision: str) -> bool:
     """Whether packed rows run on a varlen kernel, which reads the examples' boundaries instead of a length x length
-    mask: flash-attn's, torch's (model.attn_implementation=auto picks one on CUDA in 16 bits: model/attention.py)."""
+    mask: flash-attn's, torch's (model.attn_implementation=auto picks one on CUDA in 16 bits: ds_exp/fast_path/)."""
     auto = attention == "auto" and accelerator == "cuda" and precision != "fp32"
     return attention.startswith("flash") or attention == "torch_varlen" or auto
 

@@ -118,17 +118,17 @@ class ModelConfig:
     vocab_multiple: int = setting(
         8, range=Range(1, 65536, fix=" (1 = no padding; the embedding is padded to a multiple of it)")
     )  # pad the embedding matrix to a multiple of this
-    attn_implementation: str | None = "auto"  # null = transformers' default; auto: ds_exp/model/attention.py
+    attn_implementation: str | None = "auto"  # null = transformers' default; auto: ds_exp/fast_path/attention.py
     liger_kernel: Any = setting(
-        "auto", checked_by="ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
-    )  # Liger's RMSNorm, SwiGLU, RoPE: auto | true | false (ds_exp/config/fast_path.py)
+        "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
+    )  # Liger's RMSNorm, SwiGLU, RoPE: auto | true | false (ds_exp/fast_path/)
     fused_loss: Any = setting(
-        "auto", checked_by="ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
+        "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
     )  # Liger's fused linear cross-entropy, no full logits tensor: auto | true | false
     rope_scaling: Any = setting(
-        None, checked_by="ds_exp.config.long_context.rope_scaling_problems"
+        None, checked_by="ds_exp.long_context.checks.rope_scaling_problems"
     )  # transformers' rope_scaling dict (rope_type, factor, ...); Any: a dict merges into null
-    tiled_mlp: bool = False  # long context (ds_exp/model/tiling.py): MLPs over sequence tiles, recomputed in backward
+    tiled_mlp: bool = False  # long context (ds_exp/long_context/): MLPs over sequence tiles, recomputed in backward
     tiled_mlp_shards: int | None = setting(
         None, range=at_least(1, ", or null to derive it")
     )  # tiles per MLP call; null = ceil(tokens per row / hidden size)
@@ -317,7 +317,7 @@ class TrainConfig:
     allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
     max_bad_steps: int = setting(10, range=at_least(0))  # consecutive non-finite losses before giving up
     compile: Any = setting(
-        "auto", checked_by="ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
+        "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
     )  # torch.compile of each decoder layer: auto (CUDA at ZeRO 0-2) | true | false
     peak_tflops: float | None = setting(
         None, range=above(0, ", or null for the GPU's own")
@@ -332,7 +332,9 @@ class DistConfig:
     master_port: int = setting(29500, range=Range(1, 65535, fix=" (a TCP port, e.g. 29500)"))
     # Ulysses sequence parallelism (DeepSpeed's ALST): N ranks train each sample together, sharded along the
     # sequence; world size = data-parallel x N, global batch = micro x accumulation x data-parallel
-    sequence_parallel_size: int = setting(1, range=at_least(1, " (1 = off)"))
+    sequence_parallel_size: int = setting(
+        1, range=at_least(1, " (1 = off; N > 1 shards every sample's sequence over N ranks)")
+    )  # ds_exp/sequence_parallel/
 
 
 @dataclass

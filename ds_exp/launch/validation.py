@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ds_exp.config.ds_config import optimizer_needs
 from ds_exp.config.features import CheckFacts, feature_problems
 from ds_exp.config.file_overrides import check_overrides_obeyed
 from ds_exp.config.place_checks import chdir_problems
@@ -35,7 +36,8 @@ def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None =
     # the data keys' ranges are also in ds_exp.config.ranges (every numeric key has one): each said once
     problems += [line for line in data_config_problems(cfg.data) if not said_already(key_of(line), problems)]
     problems += harness_problems(cfg)  # eval.harness: lm-eval's tasks, before any model is loaded
-    problems += feature_problems(cfg, CheckFacts(world, accelerator, ds, run_dir))  # each with its own settings
+    needs = frozenset(path for path, *_ in optimizer_needs(cfg, ds)) if ds else frozenset()
+    problems += feature_problems(cfg, CheckFacts(world, accelerator, ds, run_dir, needs))  # each its own settings
     if problems:
         raise ConfigError(problems)
     return ds

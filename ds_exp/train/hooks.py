@@ -2,11 +2,18 @@
 turns on. The recipe calls each point once, in its order; every feature that is on gets its own settings, given when
 its hooks are built, and the run as it stands at that point.
 
-    after_setup    the engine is built, nothing trained yet
-    at_checkpoint  a checkpoint was saved, complete (every rank)
-    after_export   an export was written (rank 0 wrote it; every rank calls, ordered after the export's barrier)
-    after_run      the run is over and its engine released: work on what it left (scoring an export), never failing
-                   the completed run
+    after_model_config  the tokenizer and the model's config are read (no data, no weights): what only the launch
+                        and the model's config can refuse
+    after_setup         the engine is built, nothing trained yet
+    at_checkpoint       a checkpoint was saved, complete (every rank)
+    after_export        an export was written (rank 0 wrote it; every rank calls, ordered after the export's barrier)
+    after_release       the engine is released, whether the run completed or failed: undo what the feature changed in
+                        the process, for a later run in it
+    after_run           the run is over and its engine released: work on what it left (scoring an export), never
+                        failing the completed run
+
+A hooks class may also act while the model is built (ds_exp/model/hooks.py's ModelHooks): the recipe hands the hooks
+to build_model.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.features import features, load
+from transformers import PretrainedConfig
+
+from ds_exp.config.features import feature_hooks
 from ds_exp.config.schema import Config
 from ds_exp.train.session import Session
 from ds_exp.train.workload import Workload
@@ -36,6 +45,9 @@ class FeatureHooks:
     def __init__(self, settings: Any) -> None:
         self.settings = settings
 
+    def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
+        return None
+
     def after_setup(self, run: Run) -> None:
         return None
 
@@ -43,6 +55,9 @@ class FeatureHooks:
         return None
 
     def after_export(self, run: Run, export: Path, step: int, *, final: bool) -> None:
+        return None
+
+    def after_release(self, run: Run) -> None:
         return None
 
     def after_run(self, run: Run) -> None:
@@ -57,12 +72,11 @@ class RunHooks:
 
     @classmethod
     def of(cls, cfg: Config) -> RunHooks:
-        built = []
-        for feature in features():
-            settings = feature.settings(cfg)
-            if feature.hooks is not None and feature.active(settings):
-                built.append(load(feature.hooks)(settings))
-        return cls(built)
+        return cls(feature_hooks(cfg))
+
+    def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
+        for hook in self.hooks:
+            hook.after_model_config(run, model_config)
 
     def after_setup(self, run: Run) -> None:
         for hook in self.hooks:
@@ -75,6 +89,10 @@ class RunHooks:
     def after_export(self, run: Run, export: Path, step: int, *, final: bool) -> None:
         for hook in self.hooks:
             hook.after_export(run, export, step, final=final)
+
+    def after_release(self, run: Run) -> None:
+        for hook in self.hooks:
+            hook.after_release(run)
 
     def after_run(self, run: Run) -> None:
         for hook in self.hooks:

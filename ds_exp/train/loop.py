@@ -71,9 +71,10 @@ class Loop:
             work.engine,
             world_size=session.world,
             flops=work.flops,
-            sp=work.sp,
+            ranks=work.ranks,
+            shard=built.shard,
             loss=built.loss,
-            boundaries=built.takes_example_boundaries,
+            inputs=built.inputs,
         )
         self.schedule = str(plain(work.schedule_name))
         self.eval_every = eval_interval(train_cfg, work.steps_per_epoch, work.total_steps)  # 0: after each epoch
@@ -86,14 +87,14 @@ class Loop:
     def run(self) -> None:
         """From progress.step to the last step; then nothing is pending (the last metric line is written)."""
         train_cfg, work, progress = self.train_cfg, self.work, self.progress
-        micro, accum, sp = train_cfg.micro_batch_size, train_cfg.gradient_accumulation_steps, work.sp
+        micro, accum, ranks = train_cfg.micro_batch_size, train_cfg.gradient_accumulation_steps, work.ranks
         # sharded by data-parallel rank: the ranks of a sequence-parallel group draw the same rows (and split them)
         sampler = ResumableDistributedSampler(
-            len(work.data.train), rank=sp.dp_rank, world_size=sp.dp_size, seed=train_cfg.seed, drop_last=True
+            len(work.data.train), rank=ranks.dp_rank, world_size=ranks.dp_size, seed=train_cfg.seed, drop_last=True
         )
         while progress.step < work.total_steps:
             sampler.set_epoch(progress.epoch)
-            sampler.set_start(progress.step_in_epoch * micro * accum * sp.dp_size)  # counted over all ranks
+            sampler.set_start(progress.step_in_epoch * micro * accum * ranks.dp_size)  # counted over all ranks
             loader = iter(
                 DataLoader(work.data.train, batch_size=micro, sampler=sampler, collate_fn=work.collator, drop_last=True)
             )
@@ -184,7 +185,8 @@ class Loop:
             micro_batch=self.train_cfg.eval_micro_batch_size or self.train_cfg.micro_batch_size,
             rank=self.session.rank,
             world=self.session.world,
-            sp=work.sp,
+            ranks=work.ranks,
+            shard=work.built.shard,
             loss=work.built.loss,
         )
         if work.metric_scheduler is not None and self.schedule == "reduce_lr_on_plateau":

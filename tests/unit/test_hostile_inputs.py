@@ -409,7 +409,7 @@ def test_the_schedule_kwargs_are_what_transformers_takes():
 def test_the_attention_names_are_what_transformers_has():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ds_exp.config.speed_checks import ATTENTION_IMPLEMENTATIONS
+    from ds_exp.fast_path.checks import ATTENTION_IMPLEMENTATIONS
 
     assert {*ALL_ATTENTION_FUNCTIONS.keys(), "eager"} <= set(ATTENTION_IMPLEMENTATIONS)
 
@@ -422,7 +422,7 @@ def test_the_rope_fields_are_what_transformers_reads():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import logger
 
-    from ds_exp.config.long_context import ROPE_FIELDS
+    from ds_exp.long_context.checks import ROPE_FIELDS
 
     class Said(logging.Handler):  # transformers' loggers do not propagate to pytest's caplog
         def __init__(self) -> None:

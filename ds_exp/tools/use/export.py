@@ -110,7 +110,7 @@ def _in_one_process(cfg: Config) -> Config:
     if cfg.model.attn_implementation == "auto":
         model["attn_implementation"] = None  # flash-attention needs a GPU; the weights do not depend on it
     if sp > 1 and model.get("attn_implementation", cfg.model.attn_implementation) is None:
-        model["attn_implementation"] = "sdpa"  # what the run's model was built with (ds_exp.model.build)
+        model["attn_implementation"] = "sdpa"  # what the run's model was built with (ds_exp/sequence_parallel/)
     cfg.model = dataclasses.replace(cfg.model, **model)
     return cfg
 

@@ -1,34 +1,21 @@
-"""Checks of dist.sequence_parallel_size (Ulysses sequence parallelism) before anything heavy: light, no torch, no
-deepspeed. The model's heads are read from model.arch or a local config.json (`model_settings`); a hub model's are
-checked again once its config is loaded (ds_exp.model.sequence_parallel.check_heads), still before data and weights.
-"""
+"""Checks of dist.sequence_parallel_size before anything heavy: light, no torch, no deepspeed. The model's heads are
+read from model.arch or a local config.json; a hub model's are checked once its config is loaded
+(ds_exp.sequence_parallel.ulysses.check_heads), still before data and weights. The size's range is its field's."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
 from pathlib import Path
-from typing import Any
 
-from ds_exp.config.ds_config import optimizer_needs
-from ds_exp.config.model_checks import model_settings
-from ds_exp.config.schema import Config
+from ds_exp.config.features import CheckFacts
+from ds_exp.sequence_parallel.settings import SequenceParallelSettings
 
 MIN_DEEPSPEED = (0, 17)  # Ulysses for Hugging Face models (deepspeed.runtime.sequence_parallel.ulysses_sp) came in 0.17
 # attention implementations that keep packed documents apart under Ulysses: ds_exp runs them per document
-# (ds_exp/model/sequence_parallel.py). Not flex_attention: DeepSpeed rebuilds its BlockMask as plain causal over the
-# row.
+# (ds_exp/sequence_parallel/ulysses.py). Not flex_attention: DeepSpeed rebuilds its BlockMask as plain causal over
+# the row.
 ISOLATING_PACKED = (None, "auto", "sdpa", "flash_attention_2", "flash_attention_3")
-
-
-def sp_size(cfg: Config) -> int:
-    return int(cfg.dist.sequence_parallel_size)
-
-
-def text_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal config's text part (where its attention heads are), else the config itself."""
-    text = settings.get("text_config")
-    return text if isinstance(text, dict) and "num_attention_heads" in text else settings
 
 
 def head_problems(n: int, heads: object, kv_heads: object, where: str) -> list[str]:
@@ -71,13 +58,11 @@ def deepspeed_problem() -> str | None:
     return None
 
 
-def sequence_parallel_problems(cfg: Config, world_size: int | None) -> list[str]:
+def sequence_parallel_problems(settings: SequenceParallelSettings, world_size: int | None) -> list[str]:
     """One line per problem with dist.sequence_parallel_size; `world_size` None when the launch is not known yet."""
-    n = sp_size(cfg)
+    n = settings.size
     key = f"dist.sequence_parallel_size={n}"
-    if n < 1:
-        return [f"{key}: must be >= 1 (1 = off; N > 1 shards every sample's sequence over N ranks)"]
-    if n == 1:
+    if n <= 1:  # off (below 1: its range says so)
         return []
     problems = []
     if world_size is not None and world_size % n:
@@ -86,43 +71,44 @@ def sequence_parallel_problems(cfg: Config, world_size: int | None) -> list[str]
             f"samples together; launch a multiple of {n} ranks (e.g. torchrun --nproc_per_node {n}) or set "
             f"dist.sequence_parallel_size to a divisor of {world_size}"
         )
-    attention = cfg.model.attn_implementation
+    attention = settings.attention
     if attention == "eager":
         problems.append(
             f"model.attn_implementation=eager cannot run under {key}: it needs the full 4D attention mask, which "
             "Ulysses does not carry; use model.attn_implementation=sdpa (or flash_attention_2 on GPUs)"
         )
-    if cfg.data.packing and attention != "eager" and attention not in ISOLATING_PACKED:
+    if settings.packing and attention != "eager" and attention not in ISOLATING_PACKED:
         problems.append(
             f"data.packing=true with model.attn_implementation={attention} under {key}: packed documents would attend "
             "to each other (DeepSpeed's Ulysses wrapper gives this attention a plain causal mask over the whole row); "
             "use model.attn_implementation=sdpa or flash_attention_2, which ds_exp runs per document, or "
             "data.packing=false"
         )
-    train = cfg.train
-    if train.eval_micro_batch_size is not None and train.eval_micro_batch_size != train.micro_batch_size:
+    micro, eval_micro = settings.micro_batch_size, settings.eval_micro_batch_size
+    if eval_micro is not None and eval_micro != micro:
         problems.append(
-            f"train.eval_micro_batch_size={train.eval_micro_batch_size} under {key}: DeepSpeed's Ulysses attention is "
-            f"built for one batch size (train.micro_batch_size={train.micro_batch_size}) and evaluation runs through "
-            "it; set train.eval_micro_batch_size=null"
+            f"train.eval_micro_batch_size={eval_micro} under {key}: DeepSpeed's Ulysses attention is built for one "
+            f"batch size (train.micro_batch_size={micro}) and evaluation runs through it; set "
+            "train.eval_micro_batch_size=null"
         )
-    settings = model_settings(cfg)
-    if settings:
-        text = text_settings(settings)
-        where = "model.arch" if cfg.model.name_or_path is None else "its config.json"
-        problems += head_problems(n, text.get("num_attention_heads"), text.get("num_key_value_heads"), where)
+    if settings.model:  # a multimodal config's text part has the heads
+        text = settings.model.get("text_config")
+        text = text if isinstance(text, dict) and "num_attention_heads" in text else settings.model
+        problems += head_problems(
+            n, text.get("num_attention_heads"), text.get("num_key_value_heads"), settings.model_from
+        )
     problem = deepspeed_problem()
     if problem is not None:
         problems.append(problem)
     return problems
 
 
-def zero_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
-    """ZeRO settings that sequence parallelism cannot train exactly with (ds: the merged DeepSpeed config)."""
-    n = sp_size(cfg)
-    zero = ds.get("zero_optimization") or {}
+def zero_problems(settings: SequenceParallelSettings, facts: CheckFacts) -> list[str]:
+    """ZeRO settings that sequence parallelism cannot train exactly with (in the merged DeepSpeed config)."""
+    n = settings.size
+    zero = facts.ds_config.get("zero_optimization") or {}
     # an optimizer that needs it off (Muon) has its own line: ds_exp/config/optimizer_checks.py
-    optimizer_set_it = any(path == "zero_optimization.reduce_scatter" for path, *_ in optimizer_needs(cfg, ds))
+    optimizer_set_it = "zero_optimization.reduce_scatter" in facts.optimizer_keys
     if n > 1 and zero.get("stage") == 3 and zero.get("reduce_scatter") is False and not optimizer_set_it:
         return [
             f"zero.reduce_scatter=false with dist.sequence_parallel_size={n} at ZeRO-3: DeepSpeed 0.19.8 averages "

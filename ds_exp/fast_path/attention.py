@@ -3,7 +3,7 @@
 `auto` picks, on CUDA with 16-bit weights: flash_attention_2 where flash-attn is installed, else `torch_varlen`
 (PyTorch's own flash kernel for variable-length sequences, torch.nn.attention.varlen: no package to install), else
 transformers' default (sdpa); off CUDA, transformers' default. Under sequence parallelism DeepSpeed's Ulysses wraps the
-attention and runs each packed document on its own (ds_exp/model/sequence_parallel.py): auto stays with flash-attn or
+attention and runs each packed document on its own (ds_exp/sequence_parallel/): auto stays with flash-attn or
 sdpa there.
 
 Packed rows (data.packing=true) carry position_ids that restart at each example and no attention mask (the step calls
@@ -37,7 +37,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ds_exp.config.speed_checks import TORCH_VARLEN
+from ds_exp.fast_path.checks import TORCH_VARLEN
 
 log = logging.getLogger(__name__)
 

@@ -8,28 +8,20 @@ transformers' activation checkpoint around it, stays eager. The loss (ds_exp/mod
 or chunks), the embedding and the final norm stay eager too. Compile time is reported on its own (summary.json's
 compile_s: torch.compile's own timers) instead of disappearing into the first step.
 
-Decided by ds_exp/config/fast_path.py: auto compiles on CUDA at ZeRO stages 0-2. At ZeRO-3 DeepSpeed gathers each
+Decided by ds_exp/fast_path/settings.py: auto compiles on CUDA at ZeRO stages 0-2. At ZeRO-3 DeepSpeed gathers each
 submodule's parameters in hooks inside the layer's forward; each is a graph break, so auto leaves ZeRO-3 eager.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-log = logging.getLogger(__name__)
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """transformers' decoder layers (GradientCheckpointingLayer): the repeated blocks of a causal LM."""
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """Replace each decoder layer's forward with torch.compile of it; returns how many (0: none found)."""
-    layers = decoder_layers(model)
+    """Replace the forward of each decoder layer (transformers' GradientCheckpointingLayer: the repeated blocks of a
+    causal LM) with torch.compile of it; returns how many (0: none found)."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend)
     return len(layers)

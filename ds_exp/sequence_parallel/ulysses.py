@@ -1,78 +1,47 @@
-"""Ulysses sequence parallelism (`dist.sequence_parallel_size=N`), DeepSpeed's ALST, in ds_exp's exact step.
-
-The world is dp x N ranks; DeepSpeed's groups are contiguous (ranks [i*N, (i+1)*N) train together), so a rank's place
-in its group is rank % N and its data-parallel rank is rank // N. What each part does:
-
-- DeepSpeed: `UlyssesSPAttentionHF.register_with_transformers` makes the groups (the `mpu` handed to
-  deepspeed.initialize) and swaps the model's attention function for one that all-to-alls from sequence shards to
-  head shards and back. ZeRO then partitions over all dp x N ranks, sums gradients over the N ranks of a group and
-  divides by dp.
-- ds_exp's data path (not DeepSpeed's DataLoader adapter, whose queue spills shards across optimizer steps and cannot
-  be resumed): the resumable sampler is sharded by data-parallel rank, so every rank of a group draws and collates
-  the same rows (padded to a multiple of N, position_ids in every batch), and `shard` keeps this rank's slice of the
-  sequence, with the labels shifted on the whole row first (a shard's last token predicts the next shard's first).
-- The loss: each rank's token-loss sum over its slice, divided by the global batch's label tokens
-(ds_exp/train/step.py):
-  the sum over all ranks is the loss of the global batch, and DeepSpeed's gradient reduction makes it exact.
-- Packed rows: the wrapped attention runs per document (`isolate_documents`), so documents never see each other.
-- Generation runs without sharding (`paused`): a decode step has one token, nothing to shard.
-"""
+"""DeepSpeed's Ulysses attention registered with transformers, each batch's slice, and the hooks that do both at the
+model build's points (the package's docstring says how the parts fit)."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ds_exp.config.batch import data_parallel_size
-from ds_exp.config.sp_checks import head_problems
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError
+from ds_exp.model.architecture import text_config
+from ds_exp.model.head_loss import IGNORE_INDEX
+from ds_exp.model.hooks import ModelBuild, ModelHooks
+from ds_exp.sequence_parallel.checks import head_problems, sequence_parallel_problems
+from ds_exp.sequence_parallel.settings import SequenceParallelSettings
+from ds_exp.train.hooks import FeatureHooks, Run
 
-IGNORE_INDEX = -100
 # a transformers attention function (ALL_ATTENTION_FUNCTIONS): (module, query, key, value, mask, ...) -> (out, weights)
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
-class SequenceParallel:
-    """This rank's place: `size` ranks train each row together; `rank` is its place in that group."""
+class SequenceShard:
+    """This rank's slice of each collated batch: `size` ranks train each row together, `rank` is its place among
+    them (rank % size: DeepSpeed's groups are contiguous)."""
 
-    size: int = 1
-    rank: int = 0
-    dp_rank: int = 0
-    dp_size: int = 1
+    size: int
+    rank: int
 
-    @classmethod
-    def of(cls, rank: int, world_size: int, size: int) -> SequenceParallel:
-        size = max(int(size), 1)
-        return cls(size=size, rank=rank % size, dp_rank=rank // size, dp_size=data_parallel_size(world_size, size))
-
-    @property
-    def enabled(self) -> bool:
-        return self.size > 1
-
-    @property
-    def counts_rows(self) -> bool:
-        """Whether this rank counts its group's rows (samples, tokens, label tokens): one rank per group does, so
-        sums over all ranks count every row once."""
-        return self.rank == 0
-
-    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's slice of a collated batch (every rank of the group holds the same one): `shift_labels` (the
-        label each position predicts, from the whole row) and every [rows, length] tensor cut along the sequence.
-        The attention mask is dropped: DeepSpeed's wrapper takes causality from position_ids, and right padding sits
-        behind every real token."""
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`shift_labels` (the label each position predicts, from the whole row) and every [rows, length] tensor cut
+        along the sequence (every rank of the group holds the same batch). The attention mask is dropped: DeepSpeed's
+        wrapper takes causality from position_ids, and right padding sits behind every real token."""
         width = batch["input_ids"].size(1)
         if width % self.size:
             raise ValueError(f"a batch of length {width} does not split over {self.size} ranks (collate to a multiple)")
@@ -85,10 +54,10 @@ class SequenceParallel:
 
 def check_heads(config: PretrainedConfig, size: int) -> None:
     """The model's heads split over the group (for a model whose config validation could not read: a hub id)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    kv = getattr(text, "num_key_value_heads", None)
-    problems = head_problems(size, heads, kv, "its config")
+    text = text_config(config)
+    problems = head_problems(
+        size, getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None), "its config"
+    )
     if problems:
         raise ConfigError(problems)
 
@@ -157,11 +126,10 @@ def register(model_config: PretrainedConfig, attention: str, size: int, micro_ba
     never eager), before the model is built as DeepSpeed asks. Returns the mpu for deepspeed.initialize."""
     global _registered
 
-    check_heads(model_config, size)
     unregister()
     original = ALL_ATTENTION_FUNCTIONS[attention]
     ALL_ATTENTION_FUNCTIONS[attention] = isolate_documents(original)  # the core function DeepSpeed wraps
-    holder = _ConfigHolder(model_config)  # the model is not built yet: DeepSpeed reads only `.config`
+    holder = SimpleNamespace(config=model_config)  # the model is not built yet: DeepSpeed reads only `.config`
     try:
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             holder,
@@ -178,36 +146,6 @@ def register(model_config: PretrainedConfig, attention: str, size: int, micro_ba
     return mpu
 
 
-class _ConfigHolder:
-    def __init__(self, config: PretrainedConfig) -> None:
-        self.config = config
-
-
-def check_model_attention(model: PreTrainedModel | PeftModel, attention: str) -> None:
-    """The built model runs the attention that was wrapped (transformers may have fallen back to another)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    actual = getattr(config, "_attn_implementation", None)
-    if actual is not None and actual != attention:
-        raise ConfigError(
-            f"dist.sequence_parallel_size > 1 wraps {attention} attention, but this model runs {actual}: set "
-            f"model.attn_implementation={attention} if the model supports it (sdpa or flash_attention_2)"
-        )
-
-
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Attention without sharding while it lasts (generation: every rank runs whole sequences)."""
-    registration = _registered
-    if registration is None:
-        yield
-        return
-    registration.paused = True
-    try:
-        yield
-    finally:
-        registration.paused = False
-
-
 def unregister() -> None:
     """The attention table as it was, and DeepSpeed's group references released: a later run in this process (a
     multirun) registers afresh."""
@@ -218,3 +156,42 @@ def unregister() -> None:
     ALL_ATTENTION_FUNCTIONS[_registered.key] = _registered.original
     _registered = None
     compat.release_sequence_parallel_groups()
+
+
+class SequenceParallelHooks(FeatureHooks, ModelHooks):
+    settings: SequenceParallelSettings
+
+    def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
+        problems = sequence_parallel_problems(self.settings, run.session.world)  # the world the group has (submitit)
+        if problems:
+            raise ConfigError(problems)
+        check_heads(model_config, self.settings.size)  # a hub model's, before its data and weights
+
+    def before_weights(self, build: ModelBuild) -> None:
+        build.attention = build.attention or "sdpa"  # the wrapper needs the name of the attention it wraps
+        size = self.settings.size
+        build.mpu = register(build.config, build.attention, size, self.settings.micro_batch_size)
+        build.shard = SequenceShard(size, dist.get_rank() % size)
+
+    def after_wrap(self, model: PreTrainedModel | PeftModel, build: ModelBuild) -> None:
+        attention, config = build.attention or "sdpa", text_config(model.config)
+        actual = getattr(config, "_attn_implementation", None)
+        if actual is not None and actual != attention:  # transformers fell back to another
+            raise ConfigError(
+                f"dist.sequence_parallel_size > 1 wraps {attention} attention, but this model runs {actual}: set "
+                f"model.attn_implementation={attention} if the model supports it (sdpa or flash_attention_2)"
+            )
+        generate, registration = model.generate, _registered
+        assert callable(generate) and registration is not None
+
+        def unsharded(*args: Any, **kwargs: Any) -> Any:
+            registration.paused = True  # generation: every rank runs whole sequences
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                registration.paused = False
+
+        model.generate = unsharded  # type: ignore[method-assign]  # this model's own, as the losses patch lm_head
+
+    def after_release(self, run: Run) -> None:
+        unregister()  # transformers' attention table as it was, for a later run of this process
