@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from ds_exp.config.export_schema import merges
 from ds_exp.config.fast_path import decide
 from ds_exp.config.long_context import plan_tiling, tokens_per_rank
 from ds_exp.config.optimizers import OPTIMIZERS, entry_of
@@ -299,12 +298,3 @@ def export_bytes(parameters: int, precision: str) -> int:
 def adapter_bytes(trainable: int) -> int:
     """A LoRA adapter exported alone: what trains, in fp32 (PEFT's files, as trained)."""
     return trainable * 4
-
-
-def one_export_bytes(cfg: Config, parameters: int, trainable: int, precision: str, *, final: bool) -> int:
-    """What one export of the run writes (the final one, or a step export): the model, or with LoRA the adapter
-    plus the merged model where train.export_merged asks for it."""
-    lora = int(cfg.lora.dim)
-    adapter = adapter_bytes(trainable) if lora > 0 else 0
-    merged = merges(cfg.train.export_merged, lora, final=final)
-    return adapter + (export_bytes(parameters, precision) if merged else 0)

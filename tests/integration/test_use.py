@@ -28,7 +28,7 @@ PROMPT = "repeat the words: apple cat dog"
 
 
 def export(*args: str) -> int:
-    from ds_exp.tools.use.cli import export_main
+    from ds_exp.exports.cli import export_main
 
     return export_main([str(a) for a in args])
 
@@ -45,15 +45,15 @@ def same_export(ours: Path, runs: Path, weights: str = "model.safetensors") -> N
 
 
 def chat_args(**given: object) -> argparse.Namespace:
-    from ds_exp.tools.use.cli import chat_parser
+    from ds_exp.exports.cli import chat_parser
 
     return argparse.Namespace(**{**vars(chat_parser().parse_args(["x"])), **given})
 
 
 def ask(model_dir: Path, prompts: list[str], **given: object) -> list[str]:
     """python -m ds_exp.chat MODEL_DIR < prompts, in this process."""
-    from ds_exp.launch.exports import model_dir_of
-    from ds_exp.tools.use.chat import chat
+    from ds_exp.exports.chat import chat
+    from ds_exp.exports.checks import model_dir_of
 
     out, stdin = io.StringIO(), io.StringIO("\n".join(prompts) + "\n")
     assert chat(model_dir_of(str(model_dir)), chat_args(jsonl=True, **given), stdin=stdin, stdout=out) == 0
@@ -112,18 +112,17 @@ def _one_rank(tmp_path: Path) -> Iterator[None]:
 
 def test_step_exports_are_checked_before_training_and_rotation_removes_only_this_runs(compose_cfg, tmp_path):
     from ds_exp.core.errors import RunFailed
-    from ds_exp.launch.exports import rotated_step_exports
+    from ds_exp.exports.on_disk import planned_step_exports, rotated_step_exports
     from ds_exp.train.disk_space import check_disk_space
-    from ds_exp.train.exports import planned_step_exports
 
     cfg = compose_cfg("train.export_every=2", "train.export_keep_last=1")
     run_dir = tmp_path / "run"
-    assert [p.name for p in planned_step_exports(cfg, run_dir, 0, 8)] == [
+    assert [p.name for p in planned_step_exports(cfg.train, run_dir, 0, 8)] == [
         "hf_model-step2",
         "hf_model-step4",
         "hf_model-step6",
     ]
-    assert [p.name for p in planned_step_exports(cfg, run_dir, 5, 8)] == ["hf_model-step6"]
+    assert [p.name for p in planned_step_exports(cfg.train, run_dir, 5, 8)] == ["hf_model-step6"]
     (run_dir / "hf_model-step4").mkdir(parents=True)
     (run_dir / "hf_model-step4" / "notes.txt").write_text("not ds_exp's")
     session = SimpleNamespace(is_main=True, run_dir=run_dir, precision="fp32")
@@ -265,7 +264,7 @@ def test_an_empty_answer_gets_one_hint(zero0, tmp_path, capsys):
     and what to try."""
     from safetensors.torch import save_file
 
-    from ds_exp.tools.use.chat import empty_answer_hint
+    from ds_exp.exports.chat import empty_answer_hint
 
     mute = tmp_path / "mute"
     shutil.copytree(zero0.run_dir / "hf_model-step2", mute)
@@ -283,7 +282,7 @@ def test_an_empty_answer_gets_one_hint(zero0, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_chat_on_a_terminal_is_a_conversation(zero0, monkeypatch, capsys):
-    from ds_exp.tools.use import chat as chat_module
+    from ds_exp.exports import chat as chat_module
 
     said: list[list[tuple[str, str]]] = []
     answer = chat_module.Chat.answer
@@ -327,7 +326,7 @@ def test_an_abandoned_branch_takes_its_exports_along_and_its_checkpoints_export_
     beyond fp16's range is refused, nothing written."""
     from omegaconf import OmegaConf
 
-    from ds_exp.launch.exports import exports_off_trajectory
+    from ds_exp.exports.on_disk import exports_off_trajectory
     from ds_exp.resume.branches import set_aside_branch
     from ds_exp.resume.store import read_marker
 
@@ -375,7 +374,7 @@ def test_chat_cuts_what_the_positions_cannot_hold_skips_a_line_not_utf8_and_refu
     from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
     from ds_exp.config.paths import embedded_tokenizer_dir
-    from ds_exp.tools.use.cli import chat_main
+    from ds_exp.exports.cli import chat_main
 
     def piped(data: bytes) -> None:
         sys.stdin = io.TextIOWrapper(io.BytesIO(data))
@@ -486,7 +485,7 @@ def test_chat_renders_a_real_chat_template_turn_by_turn(smollm2_dir):
     from transformers import AutoTokenizer
 
     from ds_exp.data.templates import render_conversation, render_prompt
-    from ds_exp.tools.use.chat import choose_template
+    from ds_exp.exports.chat import choose_template
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     assert choose_template("auto", None, tokenizer) == "chat_template"  # an export from elsewhere

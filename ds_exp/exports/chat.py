@@ -23,21 +23,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
-from ds_exp.artifacts.export import non_finite_tensors
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import json_text
 from ds_exp.data.templates import has_chat_template, render_conversation
-from ds_exp.launch.exports import read_metadata
+from ds_exp.exports.on_disk import read_metadata
+from ds_exp.exports.writer import non_finite_tensors
 from ds_exp.train.generate import Sampling
-
-DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Chat:
     def __init__(
         self, model_dir: Path, args: argparse.Namespace, context: int | None = None, notes: TextIO | None = None
     ) -> None:
-        """`context`: the positions a prompt and its answer share (ds_exp.launch.exports.context_of), None for no
+        """`context`: the positions a prompt and its answer share (ds_exp.exports.checks.context_of), None for no
         limit; `notes`: where a prompt cut short is said."""
         hf_logging.disable_progress_bar()
         device = pick_device(args.device)
@@ -125,7 +123,7 @@ def choose_template(asked: str, recorded: str | None, tokenizer: PreTrainedToken
 
 def pick_device(asked: str) -> torch.device:
     """--device as torch names it (auto: cuda when there is one), refused in one message when this machine has no
-    such device (its form was checked before torch was imported: ds_exp/tools/use/cli.py)."""
+    such device (its form was checked before torch was imported: ds_exp/exports/cli.py)."""
     if asked == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(asked)
