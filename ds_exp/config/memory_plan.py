@@ -1,5 +1,5 @@
-"""Byte accounting, in one place: per-rank memory of model states, what a checkpoint and an export take on disk,
-and the peak measured.
+"""Byte accounting, in one place: per-rank memory of model states, what a checkpoint takes on disk (an export:
+ds_exp/exports/on_disk.py), and the peak measured.
 
 Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
 paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 4 of fp32 master weights +
@@ -288,13 +288,3 @@ def checkpoint_bytes(trainable: int, precision: str, state: OptimizerState = Opt
     come from the model the run started from (ds_exp/checkpoint/frozen.py)."""
     weight = 4 if precision == "fp32" else 2
     return trainable * (weight + 4) + state.bytes(trainable)
-
-
-def export_bytes(parameters: int, precision: str) -> int:
-    """A whole model exported (LoRA merged) in the training dtype."""
-    return parameters * (4 if precision == "fp32" else 2)
-
-
-def adapter_bytes(trainable: int) -> int:
-    """A LoRA adapter exported alone: what trains, in fp32 (PEFT's files, as trained)."""
-    return trainable * 4

@@ -27,7 +27,7 @@ from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import json_text
 from ds_exp.data.templates import has_chat_template, render_conversation
 from ds_exp.exports.on_disk import read_metadata
-from ds_exp.exports.writer import non_finite_tensors
+from ds_exp.exports.writer import not_finite
 from ds_exp.train.generate import Sampling
 
 
@@ -41,13 +41,11 @@ class Chat:
         device = pick_device(args.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
-        bad = non_finite_tensors(model.state_dict())
+        bad = not_finite(model.state_dict())
         if bad:
             raise ConfigError(
-                f"{model_dir}: the weights are not finite (NaN or inf) in {', '.join(bad[:3])}"
-                f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}: that model diverged and answers "
-                "nothing but noise; chat with an earlier export, or export an earlier checkpoint (python -m "
-                "ds_exp.export CHECKPOINT)"
+                f"{model_dir}: {bad}: that model diverged and answers nothing but noise; chat with an earlier export, "
+                "or export an earlier checkpoint (python -m ds_exp.export CHECKPOINT)"
             )
         # transformers 5 types PreTrainedModel.to through a wrapper whose first parameter is the model itself
         self.model = model.to(device).eval()  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
 """The command lines of `python -m ds_exp.export` and `python -m ds_exp.chat`. Everything they can refuse without
-torch is refused here, in one message each and before torch is imported; the work itself (export.py, chat.py) is
+torch is refused here, in one message each and before torch is imported; the work itself (writer.py, chat.py) is
 imported after, and refuses in one message what only torch can tell (a --device this machine lacks, weights that
 are not finite, weights a dtype cannot hold)."""
 

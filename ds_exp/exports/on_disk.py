@@ -13,12 +13,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ds_exp.config.memory_plan import adapter_bytes, export_bytes
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, ModelConfig, schema_for, to_config
 from ds_exp.config.secrets import ENV_PREFIX
 from ds_exp.core.errors import ConfigError, first_line
 from ds_exp.exports.settings import ExportSettings
+from ds_exp.launch.run_config import saved_run_config
 from ds_exp.resume.branches import BRANCH_EXPORTS
 from ds_exp.resume.store import BRANCHES, read_marker
 
@@ -62,10 +62,10 @@ def planned_step_exports(settings: ExportSettings, run_dir: Path, start_step: in
 def one_export_bytes(
     settings: ExportSettings, lora_dim: int, parameters: int, trainable: int, precision: str, *, final: bool
 ) -> int:
-    """What one export of the run writes (the final one, or a step export): the model, or with LoRA the adapter
-    plus the merged model where train.export_merged asks for it."""
-    adapter = adapter_bytes(trainable) if lora_dim > 0 else 0
-    return adapter + (export_bytes(parameters, precision) if settings.merges(lora_dim, final=final) else 0)
+    """What one export of the run writes (the final one, or a step export): the model in the training dtype, or with
+    LoRA the adapter plus the merged model where train.export_merged asks for it."""
+    adapter = trainable * 4 if lora_dim > 0 else 0  # what trains, in fp32 (PEFT's files, as trained)
+    return adapter + (parameters * (4 if precision == "fp32" else 2) if settings.merges(lora_dim, final=final) else 0)
 
 
 def step_exports(export_dir: Path) -> list[tuple[int, Path]]:
@@ -133,10 +133,9 @@ def checkpoint_step(tag_dir: Path) -> int:
 
 
 def _config_files(run_dir: Path) -> tuple[Path, Path]:
-    """(config.yaml, hydra.yaml) of the run's latest attempt: a resume saves its own under .hydra/resume-<time>/."""
-    latest = sorted((run_dir / ".hydra").glob("resume-*/config.yaml"))
-    folder = latest[-1].parent if latest else run_dir / ".hydra"
-    return folder / "config.yaml", folder / "hydra.yaml"
+    """(config.yaml, hydra.yaml) of the run's newest attempt (ds_exp.launch.run_config.saved_run_config)."""
+    config = saved_run_config(run_dir) or run_dir / RUN_CONFIG
+    return config, config.with_name("hydra.yaml")
 
 
 def train_section(run_dir: Path) -> dict[str, Any]:

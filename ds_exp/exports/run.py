@@ -1,13 +1,6 @@
-"""The run's Hugging Face exports, at the recipe's named points (ds_exp/train/hooks.py): the final one
-(train.export_dir) once training is over, and with train.export_every one every N steps during training
-(<export_dir>-step<N>, beside it; the last step has the final one), of which the newest train.export_keep_last of
-this run are kept. Each is written by ds_exp/exports/writer.py and records the run, its step, and how the run asked
-the model (template, stop tokens) for `python -m ds_exp.chat`; then every feature's after_export runs. With LoRA each
-export is the adapter (<export_dir>[-step<N>]_adapter, a few MB), and the merged model where train.export_merged asks
-for it (by default in the final export only) or a feature reads it (lm-eval's eval.harness.every_save). Before the
-engine is built the exports' room on disk is counted and their targets checked; a resume that abandons a branch
-sets aside the exports made on it.
-"""
+"""The run's exports at the recipe's named points (ds_exp/train/hooks.py): what they will write, counted before the
+engine; a step export after each train.export_every-th step, then rotation; the final export once training is over;
+each followed by every feature's after_export; and the exports a resume's abandoned branch takes along."""
 
 from __future__ import annotations
 
@@ -47,19 +40,18 @@ class ExportHooks(FeatureHooks):
         written); a target that is not an earlier export is refused now, not after the training (and checked again
         when written)."""
         export, lora, session = self.settings.export, self.settings.lora.dim, run.session
+        planned = planned_step_exports(export, session.run_dir, start_step, total_steps)
+        for path in planned:
+            check_target(path, key="train.export_every", fix="move it away, or set train.export_every=0")
         needs: dict[Path, tuple[int, str]] = {}
         if export.export:
+            check_target(self.export_dir(run))
             size = one_export_bytes(export, lora, parameters, trainable, session.precision, final=True)
             needs[self.export_dir(run)] = (size, "train.export_dir")
-        planned = planned_step_exports(export, session.run_dir, start_step, total_steps)
         if planned:
             each = one_export_bytes(export, lora, parameters, trainable, session.precision, final=False)
             keep = export.export_keep_last
             needs[planned[0]] = (each * (min(keep + 1, len(planned)) if keep else len(planned)), "train.export_every")
-        for path in planned:
-            check_target(path, key="train.export_every", fix="move it away, or set train.export_every=0")
-        if export.export:
-            check_target(self.export_dir(run))
         return needs
 
     def on_branch(self, run: Run, step: int, *, same_directory: bool) -> list[Path]:
@@ -76,7 +68,9 @@ class ExportHooks(FeatureHooks):
             return  # the last step has the final export
         if run.metrics is not None:
             run.metrics.write()  # the step's line first: the export takes a while
-        merged = export.merges(self.settings.lora.dim, final=False) or run.hooks.reads_merged_exports
+        merged = export.merges(self.settings.lora.dim, final=False) or any(
+            h.reads_merged_exports for h in run.hooks.hooks
+        )
         written = self._export(run, step_export_dir(self.export_dir(run), step), step, merged=merged)
         if session.is_main:
             log.info("exported step %d to %s", step, written)

@@ -15,14 +15,10 @@ With LoRA every export writes the adapter alone beside it (<export_dir>_adapter:
 where train.export_merged asks for it (by default in the final export only; `python -m ds_exp.export --merged`: its
 export too), or with `python -m ds_exp.export --adapter` the adapter alone in DIR.
 
-`python -m ds_exp.export` writes the same from a checkpoint (`export_checkpoint`), in one process on the CPU, without
-DeepSpeed's engine nor a process group: the model is rebuilt as the run's config builds it (base weights, padded
-vocabulary, LoRA); the checkpoint's weights are read (at ZeRO 0-2 rank 0's model states hold the whole module, in
-the training precision; at ZeRO-3 DeepSpeed's zero_to_fp32 stitches the ranks' fp32 master partitions together,
-rounded here to the training precision as the engine's own parameters were; every file with
-torch.load(weights_only=True)) and loaded into it (a checkpoint that does not fit is refused). A LoRA checkpoint
-holds only what trains: the frozen base is the one rebuilt, checked to be the one the checkpoint was trained on
-(ds_exp/checkpoint/frozen.py), and taken in the training precision, as the engine held it.
+`python -m ds_exp.export` writes the same from a checkpoint (`export_checkpoint`), in one process on the CPU without
+DeepSpeed's engine: the model rebuilt as the run's config builds it, the checkpoint's weights loaded into it (ZeRO
+0-2: rank 0's model states; ZeRO-3: zero_to_fp32's fp32 masters rounded to the training precision, as the engine's
+were), a LoRA checkpoint's frozen base the one rebuilt, checked to be the one it trained on (checkpoint/frozen.py).
 """
 
 from __future__ import annotations
@@ -134,9 +130,12 @@ def gather_full_state_dict(engine: DeepSpeedEngine, zero_stage: int) -> dict[str
     return {k: v.detach().to("cpu").clone() for k, v in state.items()}
 
 
-def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point tensors of `state` that hold a NaN or an infinity."""
-    return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+def not_finite(state: dict[str, torch.Tensor]) -> str | None:
+    """ "the weights are not finite (NaN or inf) in <the first tensors that hold one>"; None when every floating-point
+    tensor of `state` is finite."""
+    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    more = f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""
+    return f"the weights are not finite (NaN or inf) in {', '.join(bad[:3])}{more}" if bad else None
 
 
 def beyond_dtype(model: torch.nn.Module, dtype_name: str) -> tuple[str, float] | None:
@@ -197,13 +196,9 @@ def export_hf(
     model in `export_dir` only with `merged`). Weights that are not finite are never exported (Diverged on every
     rank; nothing is written)."""
     state = gather_full_state_dict(engine, zero_stage)
-    bad = broadcast(non_finite_tensors(state) if state is not None else None)
+    bad = broadcast(not_finite(state) if state is not None else None)
     if bad:
-        raise Diverged(
-            f"export: the weights are not finite (NaN or inf) in {', '.join(bad[:3])}"
-            f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}: the run diverged and nothing was "
-            f"exported to {export_dir}"
-        )
+        raise Diverged(f"export: {bad}: the run diverged and nothing was exported to {export_dir}")
     trained = {name for name, param in engine.module.named_parameters() if param.requires_grad}
     failure = None
     if dist.get_rank() == 0:
@@ -434,12 +429,9 @@ def export_checkpoint(
     for name, value in built.model.state_dict().items():
         if name not in state:
             state[name] = value.to(dtype_of_training) if value.is_floating_point() else value
-    bad = non_finite_tensors(state)
+    bad = not_finite(state)
     if bad:
-        raise Diverged(
-            f"{tag_dir}: the weights are not finite (NaN or inf) in {', '.join(bad[:3])}: that checkpoint diverged "
-            "and nothing was exported; export an earlier one"
-        )
+        raise Diverged(f"{tag_dir}: {bad}: that checkpoint diverged and nothing was exported; export an earlier one")
     trained = {name for name, param in built.model.named_parameters() if param.requires_grad}
     spec = export_spec(
         cfg.model,

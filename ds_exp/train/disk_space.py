@@ -32,14 +32,12 @@ def check_disk_space(
     trainable: int | None = None,
     start_step: int = 0,
     total_steps: int = 0,
-    hooks: RunHooks | None = None,
 ) -> None:
     """Collective: rank 0 checks that what the run will write (a checkpoint, what the features plan: the exports)
     fits on its disk (and that the features' targets may be replaced); every rank obeys. `checkpoint_size`: one
     checkpoint (what trains: ds_exp.config.memory_plan.checkpoint_bytes); `parameters` and `trainable` (default
-    all) size the features' writes (ds_exp/train/hooks.py's planned_writes; `hooks`: the run's, else built from
-    `cfg`). A resume counts only what is still to be written: from a checkpoint at the last step no checkpoint, and
-    for a run complete already nothing."""
+    all) size the features' writes (their hooks' planned_writes: ds_exp/train/hooks.py). A resume counts only what is
+    still to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
     trainable = parameters if trainable is None else trainable
     train_cfg, verdict = cfg.train, None
     finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step
@@ -50,7 +48,7 @@ def check_disk_space(
             path = session.run_dir / train_cfg.checkpoint_dir
             needs[path], keys[path] = checkpoint_size, "train.checkpoint_dir"
         try:
-            hooks = hooks or RunHooks.of(cfg)
+            hooks = RunHooks.of(cfg)
             planned = hooks.planned_writes(Run(session, hooks), start_step, total_steps, parameters, trainable)
             for path, (size, key) in planned.items():
                 needs[path], keys[path] = size, key

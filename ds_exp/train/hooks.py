@@ -2,16 +2,14 @@
 turns on. The recipe calls each point once, in its order; every feature that is on gets its own settings, given when
 its hooks are built, and the run as it stands at that point.
 
-    planned_writes before the engine is built (rank 0): what the feature will write, {path: (bytes, key)}, counted
-                   in the run's disk check; a target it must not replace is refused there (RunFailed)
+    planned_writes before the engine (rank 0): {path: (bytes, key)} it will write, for the disk check; or RunFailed
     after_setup    the engine is built, nothing trained yet
-    on_branch      a resume abandons the run's later branch (rank 0): the files the feature made on it, set aside
-                   with its checkpoints
-    after_step     an optimizer step, and what train.* asks after it (evaluation, checkpoint), is done (every rank)
+    on_branch      a resume abandons a branch (rank 0): the feature's files made on it, set aside with it
+    after_step     an optimizer step and what train.* asks after it (evaluation, checkpoint) are done (every rank)
     at_checkpoint  a checkpoint was saved, complete (every rank)
     after_train    training is over, its final checkpoint saved, the engine still held (every rank)
-    after_export   an export was written (rank 0 wrote it; every rank calls, ordered after the export's barrier):
-                   called by the feature that wrote it (ds_exp/exports/), through Run.hooks
+    after_export   an export was written (rank 0 wrote it; every rank calls, ordered after the export's barrier),
+                   called through Run.hooks by the feature that wrote it (ds_exp/exports/)
     after_run      the run is over and its engine released: work on what it left (scoring an export), never failing
                    the completed run
 """
@@ -90,10 +88,6 @@ class RunHooks:
             if feature.hooks is not None and feature.active(settings):
                 built.append(load(feature.hooks)(settings))
         return cls(built)
-
-    @property
-    def reads_merged_exports(self) -> bool:
-        return any(hook.reads_merged_exports for hook in self.hooks)
 
     def planned_writes(
         self, run: Run, start_step: int, total_steps: int, parameters: int, trainable: int

@@ -3,8 +3,8 @@
     hooks = RunHooks.of(cfg)                   # the features this run turns on, each given its own settings
     with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/train/session.py
         session.start()
-        work = setup(cfg, session, hooks)      # named steps: model config, data, plan, resume point, model, engine
-        hooks.after_setup(run)                 # the features' named points: ds_exp/train/hooks.py
+        run.work = setup(cfg, session)         # named steps: model config, data, plan, resume point, model, engine
+        hooks.after_setup(run)                 # the features' named points (ds_exp/train/hooks.py), run: Run(...)
         start = resume(cfg, session, work, hooks)  # the checkpoint's state, or a fresh start: ds_exp/train/resuming.py
         train(cfg, run, start)                 # the loop, evaluations, generations, checkpoints, step exports
         hooks.after_train(run)                 # the final export (ds_exp/exports/), then each after_export
@@ -77,7 +77,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
         run = Run(session, hooks)
         try:
             session.start()
-            run.work = setup(cfg, session, hooks)
+            run.work = setup(cfg, session)
             hooks.after_setup(run)
             start = resume(cfg, session, run.work, hooks)
             run.run_id = start.run_id
@@ -93,7 +93,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
 
-def setup(cfg: Config, session: Session, hooks: RunHooks | None = None) -> Workload:
+def setup(cfg: Config, session: Session) -> Workload:
     """Everything the loop uses, as named steps in the order that fails cheapest first: the ranks' layout, then the
     model's config before the data (a checkpoint transformers cannot read fails before tokenizing), the data before
     the plan (its steps count the examples), the checkpoint to resume from before the weights (deepspeed.initialize
@@ -120,14 +120,7 @@ def setup(cfg: Config, session: Session, hooks: RunHooks | None = None) -> Workl
     needed = checkpoint_bytes(trainable, session.precision, optimizer_state(cfg, accelerator=session.accelerator))
     start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
     check_disk_space(
-        cfg,
-        session,
-        needed,
-        parameters,
-        trainable=trainable,
-        start_step=start_step,
-        total_steps=plan.total_steps,
-        hooks=hooks,
+        cfg, session, needed, parameters, trainable=trainable, start_step=start_step, total_steps=plan.total_steps
     )
     engine = training_engine(cfg, session, built, ds_config, plan)
     return Workload(

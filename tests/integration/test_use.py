@@ -442,7 +442,12 @@ def test_export_of_a_zero3_checkpoint_on_two_ranks_in_bf16(tmp_path_factory, cac
 
 
 @pytest.mark.slow
-def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(tmp_path_factory, cache_dir, tmp_path, compose_cfg):
+def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(
+    tmp_path_factory, cache_dir, tmp_path, compose_cfg, capsys
+):
+    """Issue 41 §8: the command writes what the run's own export of that step holds, the adapter always and the
+    merged model where the run's train.export_merged puts one (or --merged asks for it)."""
+    from omegaconf import OmegaConf
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -464,12 +469,29 @@ def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(tmp_path_fac
     step1 = run.run_dir / "checkpoints" / "step1"
     assert export(step1, tmp_path / "merged") == 0
     same_export(tmp_path / "merged", run.run_dir / "hf_model-step1")
+    adapter_file = "adapter_model.safetensors"
+    same_export(tmp_path / "merged_adapter", run.run_dir / "hf_model-step1_adapter", adapter_file)
     assert export(step1, tmp_path / "adapter", "--adapter") == 0
     same_export(tmp_path / "adapter", run.run_dir / "hf_model-step1_adapter", "adapter_model.safetensors")
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
     assert export(step1, "--adapter") == 0  # by default beside the run's: the run's own of that step is replaced
     origin = json.loads((run.run_dir / "hf_model-step1_adapter" / "ds_exp_export.json").read_text())["origin"]
     assert origin["written_by"] == "python -m ds_exp.export" and origin["step"] == 1
+    # a later attempt of the run asks for the default, train.export_merged=end: the merged model at its last step only
+    later = OmegaConf.load(run.run_dir / ".hydra" / "config.yaml")
+    later.train.export_merged = "end"
+    (run.run_dir / ".hydra" / "resume-2030-01-01_00-00-00").mkdir()
+    OmegaConf.save(later, run.run_dir / ".hydra" / "resume-2030-01-01_00-00-00" / "config.yaml")
+    capsys.readouterr()
+    assert export(step1, tmp_path / "rule") == 0
+    assert not (tmp_path / "rule").exists()
+    same_export(tmp_path / "rule_adapter", run.run_dir / "hf_model-step1_adapter", adapter_file)
+    assert "no merged model at step 1 (train.export_merged=end): --merged adds it" in capsys.readouterr().out
+    assert export(step1, tmp_path / "asked", "--merged") == 0
+    same_export(tmp_path / "asked", run.run_dir / "hf_model-step1")
+    assert (tmp_path / "asked_adapter" / adapter_file).is_file()
+    assert export(run.run_dir / "checkpoints" / "step2", tmp_path / "last") == 0  # the last step: the final export's
+    assert (tmp_path / "last" / "model.safetensors").is_file() and (tmp_path / "last_adapter" / adapter_file).is_file()
     # reloaded as users do: the merged model, and the adapter on its base (the seeded tiny model, rebuilt)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     cfg = compose_cfg()
