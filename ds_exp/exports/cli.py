@@ -43,6 +43,8 @@ from ds_exp.resume.store import read_marker
 DEVICE = re.compile(r"(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)")
 
 RUN = "outputs/default/2026-01-01_12-00-00"  # a run directory as conf/config.yaml's hydra.run.dir lays it out
+RUNS = """A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless
+set); a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>."""
 
 EXPORT_EPILOG = f"""examples:
   python -m ds_exp.export {RUN}
@@ -51,8 +53,7 @@ EXPORT_EPILOG = f"""examples:
       that checkpoint -> /data/m40
   python -m ds_exp.export {RUN} --adapter
       LoRA alone -> <run>/hf_model-step<N>_adapter
-A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless set);
-a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>.
+{RUNS}
 The export is what the run's own export at that step holds: the base model's identity (vocabulary, dtype,
 tokenizer, generation config) and ds_exp_export.json saying where it comes from; with LoRA the adapter (DIR_adapter)
 and the merged model (DIR) where the run's train.export_merged puts one (end: its last step; every; none), or
@@ -68,8 +69,7 @@ CHAT_EPILOG = f"""examples:
       a step export (train.export_every)
   printf 'What is 2+2?\\nName a colour.\\n' | python -m ds_exp.chat {RUN} --temperature 0.7 --seed 1
       one answer per line, sampled
-A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless set);
-a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>.
+{RUNS}
 With standard input not a terminal, every line is one prompt on its own and its answer is printed (one per
 prompt; --jsonl prints {{"prompt", "completion"}} lines). A line that is not UTF-8 text is said on stderr with its
 number and not answered; the others are, and the exit status is then 1. Prompts are rendered with the template the
