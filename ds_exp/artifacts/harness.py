@@ -35,13 +35,13 @@ from lm_eval.tasks import TaskManager
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from ds_exp.artifacts.export import TOKENIZER_FILES
 from ds_exp.artifacts.harness_base import SCORES, BaseCache, base_identity, base_model_dir
 from ds_exp.artifacts.harness_report import CHART, chart, harness_record, staged, write_record
 from ds_exp.config.eval_schema import EvalConfig, HarnessConfig
 from ds_exp.config.schema import Config
 from ds_exp.data.cache import hash_key, path_fingerprint
 from ds_exp.data.harness_tasks import BuiltinSettings, write_builtin_tasks
+from ds_exp.exports.writer import TOKENIZER_FILES
 from ds_exp.launch.harness_checks import TaskSpec, passkey_lengths
 from ds_exp.launch.run_logging import FILE_LOGGER, LIBRARY_LOGGER
 from ds_exp.runtime.rank_logging import library_stdout

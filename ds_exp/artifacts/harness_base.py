@@ -6,7 +6,7 @@ train.seed. Rebuilt rather than saved at the start: init_weights_by_name draws e
 (train.seed, its name) alone, so the rebuild is the run's step-0 model at any ZeRO stage and world size
 (tests/integration/test_harness.py compares its perplexity with the run's step-0 evaluation), nothing is written
 during training, and runs made before scores existed have their base too. It is exported as the run exports
-(ds_exp/artifacts/export.py: vocabulary, dtype and tokenizer of the tuned export) into a scratch directory, so the
+(ds_exp/exports/writer.py: vocabulary, dtype and tokenizer of the tuned export) into a scratch directory, so the
 two are loaded and asked alike; a checkpoint whose vocabulary and dtype the export kept is scored where it is.
 
 The base's scores are cached under data.cache_dir, one entry per (model, TASK, settings), written whole under a
@@ -29,11 +29,11 @@ import torch
 import transformers
 from transformers import AutoConfig
 
-from ds_exp.artifacts.export import DTYPES, TOKENIZER_FILES, export_spec, write_export
 from ds_exp.config.schema import Config
 from ds_exp.core.files import json_text
 from ds_exp.data.cache import file_lock, hash_key, path_fingerprint
-from ds_exp.launch.exports import read_metadata
+from ds_exp.exports.on_disk import read_metadata
+from ds_exp.exports.writer import DTYPES, TOKENIZER_FILES, export_spec, write_export
 from ds_exp.model.architecture import checkpoint_dtype
 from ds_exp.model.build import build_model
 from ds_exp.model.tokenizer import load_tokenizer
@@ -111,7 +111,7 @@ def base_model_dir(cfg: Config, tuned_dir: Path, scratch: Path) -> Iterator[Path
     built = build_model(rebuilt, tokenizer, {"zero_optimization": {"stage": 0}})
     state = dict(built.model.state_dict())
     spec = export_spec(
-        rebuilt,
+        rebuilt.model,
         built,
         "fp32",
         template=generation.get("template"),

@@ -1,5 +1,5 @@
-"""The configuration, before anything runs: the typed schema (schema; the exports' options: export_schema) Hydra's
-composition is converted to once,
+"""The configuration, before anything runs: the typed schema (schema) Hydra's composition is converted
+to once,
 the interpolations that build the DeepSpeed config (resolvers, ds_config: a user's JSON, Hugging Face's "auto"),
 the checks of values and combinations (validate, model_checks; place_checks: where a run's name and relative
 paths put it), the optimizers as one table (optimizers, optimizer_settings; optimizer_checks: what an entry

@@ -31,7 +31,12 @@ from typing import Any
 from ds_exp.config.schema import Config
 
 # Every feature, in the order its checks are said and its hooks run.
-FEATURE_PACKAGES: tuple[str, ...] = ("ds_exp.fast_path", "ds_exp.sequence_parallel", "ds_exp.long_context")
+FEATURE_PACKAGES: tuple[str, ...] = (
+    "ds_exp.fast_path",
+    "ds_exp.sequence_parallel",
+    "ds_exp.long_context",
+    "ds_exp.exports",
+)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Byte accounting, in one place: per-rank memory of model states, what a checkpoint and an export take on disk,
-and the peak measured.
+"""Byte accounting, in one place: per-rank memory of model states, what a checkpoint takes on disk (an export:
+ds_exp/exports/on_disk.py), and the peak measured.
 
 Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
 paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 4 of fp32 master weights +
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from ds_exp.config.export_schema import merges
 from ds_exp.config.optimizers import OPTIMIZERS, entry_of
 from ds_exp.config.schema import Config, plain
 from ds_exp.fast_path.settings import FastPathSettings
@@ -289,22 +288,3 @@ def checkpoint_bytes(trainable: int, precision: str, state: OptimizerState = Opt
     come from the model the run started from (ds_exp/checkpoint/frozen.py)."""
     weight = 4 if precision == "fp32" else 2
     return trainable * (weight + 4) + state.bytes(trainable)
-
-
-def export_bytes(parameters: int, precision: str) -> int:
-    """A whole model exported (LoRA merged) in the training dtype."""
-    return parameters * (4 if precision == "fp32" else 2)
-
-
-def adapter_bytes(trainable: int) -> int:
-    """A LoRA adapter exported alone: what trains, in fp32 (PEFT's files, as trained)."""
-    return trainable * 4
-
-
-def one_export_bytes(cfg: Config, parameters: int, trainable: int, precision: str, *, final: bool) -> int:
-    """What one export of the run writes (the final one, or a step export): the model, or with LoRA the adapter
-    plus the merged model where train.export_merged asks for it."""
-    lora = int(cfg.lora.dim)
-    adapter = adapter_bytes(trainable) if lora > 0 else 0
-    merged = merges(cfg.train.export_merged, lora, final=final)
-    return adapter + (export_bytes(parameters, precision) if merged else 0)

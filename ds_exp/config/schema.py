@@ -16,7 +16,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from ds_exp.config.eval_schema import EvalConfig
-from ds_exp.config.export_schema import ExportDtype, ExportMerged
 from ds_exp.config.fields import (
     FRACTION,
     MAX_SYNTHETIC_ROWS,
@@ -33,6 +32,7 @@ from ds_exp.config.optimizers import OPTIMIZERS, register_optimizer_settings
 from ds_exp.config.secrets import hide_secrets_when_composing
 from ds_exp.config.trackers import LoggerConfig
 from ds_exp.core.errors import ConfigError
+from ds_exp.exports.settings import ExportSettings
 
 
 def plain(value: object) -> Any:
@@ -283,7 +283,7 @@ class SchedulerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ExportSettings):  # train.export*: ds_exp/exports/settings.py
     micro_batch_size: int = setting(16, range=at_least(1))  # per device
     eval_micro_batch_size: int | None = setting(None, range=at_least(1, " or null"))  # null = micro_batch_size
     gradient_accumulation_steps: int = setting(1, range=at_least(1))
@@ -306,14 +306,6 @@ class TrainConfig:
     keep_last: int = setting(2, range=at_least(0))  # checkpoints kept
     save_final_checkpoint: bool = True
     checkpoint_dir: str = "checkpoints"  # relative to the run directory
-    export: bool = True
-    export_dir: str = "hf_model"  # relative to the run directory
-    export_merged: ExportMerged = ExportMerged.end  # with LoRA: which exports hold the merged model (the adapter: all)
-    export_every: int = setting(
-        0, range=at_least(0)
-    )  # optimizer steps between exports <export_dir>-step<N>; 0 = only the final export
-    export_keep_last: int = setting(2, range=at_least(0))  # step exports kept (this run's newest); 0 = all
-    export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/artifacts/export.py)
     allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
     max_bad_steps: int = setting(10, range=at_least(0))  # consecutive non-finite losses before giving up
     compile: Any = setting(

@@ -1,4 +1,5 @@
-"""A training run, top to bottom: the recipe (recipe: setup -> resume -> train -> export), the session that owns its
+"""A training run, top to bottom: the recipe (recipe: setup -> resume -> train, the features at named points: hooks),
+the session that owns its
 lifecycle and failures (session), everything setup builds (workload), batches (collate, sampler), the loop
 (loop), one optimizer step (step), metric lines (metrics, flops), evaluation and generation (evaluate, generate),
 where a run starts (resuming: the checkpoint it continues, or step 0), the lm-eval scores of its exports

@@ -22,10 +22,11 @@ from ds_exp.artifacts.tracking import MetricsLog, Trackers
 from ds_exp.config.paths import data_cache_dir
 from ds_exp.config.schema import Config
 from ds_exp.core.errors import first_line
-from ds_exp.launch.exports import read_metadata
+from ds_exp.exports.on_disk import read_metadata
 from ds_exp.launch.harness_checks import passkey_lengths, resolve_tasks
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.runtime.signals import StopRequested
+from ds_exp.train.hooks import FeatureHooks, Run
 from ds_exp.train.session import Session
 
 log = logging.getLogger("ds_exp.train")
@@ -62,6 +63,19 @@ def score_step_export(cfg: Config, session: Session, export_dir: Path, step: int
         log.warning("lm-eval scores of %s: %s; training goes on", export_dir, record)
         return
     _log(session, record, step)
+
+
+class StepScores(FeatureHooks):
+    """eval.harness.every_save through the recipe's named points (until lm-eval's scores are a feature): each step
+    export's merged model, which it asks the exports for, scored as it is written."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        self.reads_merged_exports = bool(cfg.eval.harness.tasks) and cfg.eval.harness.every_save
+
+    def after_export(self, run: Run, export: Path, step: int, *, final: bool) -> None:
+        if not final:
+            score_step_export(self.settings, run.session, export, step)
 
 
 def _scored(cfg: Config, session: Session, export_dir: Path, out_dir: Path, *, base: bool) -> dict[str, Any] | str:

@@ -3,13 +3,13 @@
     hooks = RunHooks.of(cfg)                   # the features this run turns on, each given its own settings
     with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/train/session.py
         session.start()
-        work = setup(cfg, session, hooks)      # named steps: model config, data, plan, resume point, model, engine
-        hooks.after_setup(...)                 # the features' named points: ds_exp/train/hooks.py
-        start = resume(cfg, session, work)     # the checkpoint's state, or a fresh start: ds_exp/train/resuming.py
-        train(cfg, session, work, start, hooks)  # the loop, evaluations, generations, checkpoints (at_checkpoint)
-        RunExports(...).final()                # a Hugging Face model with the base model's identity
+        run.work = setup(cfg, session, hooks)  # named steps: model config, data, plan, resume point, model, engine
+        hooks.after_setup(run)                 # the features' named points (ds_exp/train/hooks.py), run: Run(...)
+        start = resume(cfg, session, run.work, hooks)  # the checkpoint's state, or a fresh start (train/resuming.py)
+        train(cfg, run, start)                 # the loop, evaluations, generations, checkpoints, step exports
+        hooks.after_train(run)                 # the final export (ds_exp/exports/), then each after_export
         score_final_export(cfg, session)       # eval.harness: lm-eval scores, base beside (its own status)
-        hooks.after_run(...)                   # the features' work on what the run left
+        hooks.after_run(run)                   # the features' work on what the run left
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
 label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
@@ -39,13 +39,12 @@ from ds_exp.core.files import write_json_atomic
 from ds_exp.data.checks import no_eval_note
 from ds_exp.data.pipeline import SFTData, prepare_sft_data
 from ds_exp.data.templates import first_template
-from ds_exp.launch.exports import model_section
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.model.architecture import build_model_config, check_lora, hidden_size_of
 from ds_exp.model.build import BuiltModel, build_model
 from ds_exp.model.engine import TrainingEngine, build_engine, check_deepspeed_config, parameter_groups, release_engine
 from ds_exp.model.tokenizer import load_tokenizer
-from ds_exp.resume.settings import settings_of
+from ds_exp.resume.settings import model_section, settings_of
 from ds_exp.resume.store import TrainState, read_marker
 from ds_exp.resume.trajectory import trajectory_of
 from ds_exp.runtime.process_group import all_reduce_sum
@@ -53,10 +52,9 @@ from ds_exp.runtime.signals import StopRequested
 from ds_exp.train.collate import make_collator
 from ds_exp.train.disk_space import check_disk_space
 from ds_exp.train.evaluate import Generations
-from ds_exp.train.exports import RunExports
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
 from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
-from ds_exp.train.harness import score_final_export
+from ds_exp.train.harness import StepScores, score_final_export
 from ds_exp.train.hooks import Run, RunHooks
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
@@ -72,22 +70,24 @@ file_log = logging.getLogger(FILE_LOGGER)
 def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train under whatever launcher started this process; write metrics, summary, checkpoints and export."""
     hooks = RunHooks.of(cfg)  # the features this run turns on, each with its own settings (ds_exp/config/features.py)
+    hooks.hooks.append(StepScores(cfg))  # eval.harness.every_save, until lm-eval's scores are a feature
     with Session(cfg, run_dir) as session:
-        work: Workload | None = None
+        run = Run(session, hooks)
         try:
             session.start()
-            work = setup(cfg, session, hooks)
-            hooks.after_setup(Run(session, work))
-            start = resume(cfg, session, work)
-            train(cfg, session, work, start, hooks)
-            RunExports(cfg, session, work, start.run_id).final()
+            run.work = setup(cfg, session, hooks)
+            hooks.after_setup(run)
+            start = resume(cfg, session, run.work, hooks)
+            run.run_id = start.run_id
+            train(cfg, run, start)
+            hooks.after_train(run)
         finally:
-            if work is not None:
-                release_engine(work.engine)  # its memory and hooks, before a later job of this process
-            hooks.after_release(Run(session))
-        work = None  # the model and optimizer state go before lm-eval loads the export
+            if run.work is not None:
+                release_engine(run.work.engine)  # its memory and hooks, before a later job of this process
+            hooks.after_release(run)
+        run.work = None  # the model and optimizer state go before lm-eval loads the export
         score_final_export(cfg, session)  # rank 0, once the engine is released; never fails the completed run
-        hooks.after_run(Run(session))
+        hooks.after_run(run)
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
 
@@ -99,7 +99,7 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
     points (ds_exp/train/hooks.py, and while the model is built: ds_exp/model/hooks.py)."""
     ranks = parallel_layout(cfg, session)
     tokenizer, model_config = read_model_config(cfg, session)
-    hooks.after_model_config(Run(session), model_config)
+    hooks.after_model_config(Run(session, hooks), model_config)
     data = tokenized_data(cfg, session, tokenizer, model_config)
     plan = plan_run(
         cfg,
@@ -256,9 +256,11 @@ def training_engine(
     return engine
 
 
-def train(cfg: Config, session: Session, work: Workload, start: TrainState, hooks: RunHooks) -> None:
+def train(cfg: Config, run: Run, start: TrainState) -> None:
     """Evaluate and generate before the first step, run the loop, evaluate and generate after the last, and
     save the final checkpoint."""
+    session, work = run.session, run.work
+    assert work is not None
     metrics_log, trackers = session.open_sinks(start)
     progress = Progress(start.step, start.epoch, start.step_in_epoch)
     if start.step > 0:
@@ -296,13 +298,13 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState, hook
             "trackers": trackers.ids(),  # each tracker's run id: a resume continues the same tracker runs
             "settings": work.settings,
             "trajectory": work.trajectory,
-            "model_config": model_section(cfg),  # what an export of the checkpoint rebuilds the model with
+            "model_config": model_section(cfg.model),  # what an export of the checkpoint rebuilds the model with
             "base": work.base,  # the frozen weights it leaves out
         },
         extra=_stage0_names(cfg, work),
     )
-    exports = RunExports(cfg, session, work, start.run_id)
-    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, hooks, exports)
+    run.metrics = metrics
+    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, run)
     session.ready()
     try:
         if cfg.train.eval_at_start and progress.step == 0:

@@ -92,7 +92,7 @@ def test_the_rebuilt_base_is_the_runs_step_0_model(default_run, tmp_path):
 
     from ds_exp.artifacts.harness_base import base_model_dir
     from ds_exp.data.pipeline import prepare_sft_data
-    from ds_exp.launch.exports import run_config
+    from ds_exp.exports.on_disk import run_config
     from ds_exp.model.tokenizer import load_tokenizer
 
     run_dir = default_run.run_dir
@@ -167,7 +167,7 @@ def test_the_base_is_scored_once_for_a_sweep_of_four_jobs(default_run, tmp_path)
     """Four jobs of a sweep over one base model (lora.dim and the learning rate swept; their exports differ): the
     first scores the base model, the other three read the cache."""
     from ds_exp.artifacts.harness import HarnessSettings, builtin_of, evaluate
-    from ds_exp.launch.exports import run_config
+    from ds_exp.exports.on_disk import run_config
     from ds_exp.launch.harness_checks import resolve_tasks
 
     run_dir = default_run.run_dir

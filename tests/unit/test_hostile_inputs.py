@@ -501,8 +501,8 @@ def commands() -> dict[str, str]:
 
 # the heavy work of each command, replaced by a tripwire: (module, attribute). A command added later must say it.
 HEAVY_WORK = {
-    "ds_exp.export": ("ds_exp.tools.use.export", "export_checkpoint"),
-    "ds_exp.chat": ("ds_exp.tools.use.chat", "chat"),
+    "ds_exp.export": ("ds_exp.exports.writer", "export_checkpoint"),
+    "ds_exp.chat": ("ds_exp.exports.chat", "chat"),
     "ds_exp.universal": ("ds_exp.checkpoint.universal_cli", "convert_here"),
     "ds_exp.parity": ("ds_exp.tools.parity.cli", "run"),
     "ds_exp.report": ("ds_exp.sweeps.runs", "write_report"),  # a sweep's report; listing runs only reads
@@ -544,7 +544,7 @@ def tripwires() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as mp:
         for module, attribute in HEAVY_WORK.values():
-            if module not in sys.modules and module.startswith(("ds_exp.tools.use.", "ds_exp.tools.evaluate.run")):
+            if module not in sys.modules and module.startswith(("ds_exp.exports.", "ds_exp.tools.evaluate.run")):
                 mp.setitem(sys.modules, module, types.ModuleType(module))
             mp.setattr(importlib.import_module(module), attribute, tripped, raising=False)
         yield

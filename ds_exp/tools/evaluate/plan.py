@@ -12,16 +12,14 @@ from pathlib import Path
 from ds_exp.config.eval_schema import HarnessConfig
 from ds_exp.config.schema import Config
 from ds_exp.core.errors import ConfigError, RunFailed
-from ds_exp.launch.exports import (
+from ds_exp.exports.checks import check_target, find_checkpoint, run_dir_of
+from ds_exp.exports.on_disk import (
     ADAPTER_CONFIG,
     RUN_CONFIG,
     WRITTEN_BY_RUN,
-    check_target,
     checkpoint_step,
-    find_checkpoint,
     read_metadata,
     run_config,
-    run_dir_of,
     step_export_dir,
 )
 from ds_exp.launch.harness_checks import TaskSpec, resolve_tasks, setting_problems
@@ -109,7 +107,7 @@ def _target(given: str) -> Target:
     if (path / ADAPTER_CONFIG).is_file():
         raise ConfigError(
             f"{given} is a LoRA adapter, not a whole model: score the merged export (the run's hf_model, or python "
-            "-m ds_exp.export CHECKPOINT without --adapter)"
+            "-m ds_exp.export CHECKPOINT --merged)"
         )
     marks = (COMPLETE_MARKER, "*model_states.pt", f"*/{COMPLETE_MARKER}")  # a checkpoint, or a checkpoints directory
     if any(any(path.glob(mark)) for mark in marks):

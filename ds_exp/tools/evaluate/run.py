@@ -17,9 +17,10 @@ from ds_exp.config.paths import data_cache_dir
 from ds_exp.config.schema import DataConfig, SyntheticDataConfig
 from ds_exp.data.harness_tasks import BuiltinSettings
 from ds_exp.data.templates import has_chat_template
-from ds_exp.launch.exports import read_metadata, run_dir_of
+from ds_exp.exports.checks import run_dir_of
+from ds_exp.exports.on_disk import read_metadata
+from ds_exp.exports.writer import export_checkpoint
 from ds_exp.tools.evaluate.plan import Plan
-from ds_exp.tools.use.export import export_checkpoint
 
 
 def run(plan: Plan) -> int:

@@ -1,5 +1,5 @@
 """The command lines of `python -m ds_exp.export` and `python -m ds_exp.chat`. Everything they can refuse without
-torch is refused here, in one message each and before torch is imported; the work itself (export.py, chat.py) is
+torch is refused here, in one message each and before torch is imported; the work itself (writer.py, chat.py) is
 imported after, and refuses in one message what only torch can tell (a --device this machine lacks, weights that
 are not finite, weights a dtype cannot hold)."""
 
@@ -13,24 +13,27 @@ from pathlib import Path
 
 from ds_exp.config.fields import MAX_TOKENS
 from ds_exp.config.sampling import sampling_problems
+from ds_exp.config.schema import plain
 from ds_exp.core import compat
 from ds_exp.core.errors import ConfigError, RunFailed
-from ds_exp.launch.console import entry_point
-from ds_exp.launch.exports import (
-    WRITTEN_BY_RUN,
-    adapter_dir,
+from ds_exp.exports.checks import (
     check_outside_checkpoints,
     check_target,
-    checkpoint_step,
     context_of,
-    default_export_dir,
     find_checkpoint,
     model_dir_of,
     model_settings_of,
-    read_metadata,
-    run_config,
     run_dir_of,
 )
+from ds_exp.exports.on_disk import (
+    WRITTEN_BY_RUN,
+    adapter_dir,
+    checkpoint_step,
+    default_export_dir,
+    read_metadata,
+    run_config,
+)
+from ds_exp.launch.console import entry_point
 from ds_exp.launch.flags import SEED, FlagParser, number, path_text, whole
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.storage import check_writable
@@ -40,6 +43,8 @@ from ds_exp.resume.store import read_marker
 DEVICE = re.compile(r"(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)")
 
 RUN = "outputs/default/2026-01-01_12-00-00"  # a run directory as conf/config.yaml's hydra.run.dir lays it out
+RUNS = """A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless
+set); a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>."""
 
 EXPORT_EPILOG = f"""examples:
   python -m ds_exp.export {RUN}
@@ -48,10 +53,11 @@ EXPORT_EPILOG = f"""examples:
       that checkpoint -> /data/m40
   python -m ds_exp.export {RUN} --adapter
       LoRA alone -> <run>/hf_model-step<N>_adapter
-A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless set);
-a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>.
+{RUNS}
 The export is what the run's own export at that step holds: the base model's identity (vocabulary, dtype,
-tokenizer, generation config), LoRA merged into it, and ds_exp_export.json saying where it comes from.
+tokenizer, generation config) and ds_exp_export.json saying where it comes from; with LoRA the adapter (DIR_adapter)
+and the merged model (DIR) where the run's train.export_merged puts one (end: its last step; every; none), or
+where --merged asks for it.
 DIR is replaced only when it is an earlier export of ds_exp (never the run's own export of another step)."""
 
 CHAT_EPILOG = f"""examples:
@@ -63,8 +69,7 @@ CHAT_EPILOG = f"""examples:
       a step export (train.export_every)
   printf 'What is 2+2?\\nName a colour.\\n' | python -m ds_exp.chat {RUN} --temperature 0.7 --seed 1
       one answer per line, sampled
-A run directory is outputs/<experiment_name>/<date>_<time> (hydra.run.dir; experiment_name is default unless set);
-a sweep's jobs are outputs/multirun/<experiment_name>/<date>_<time>/<job number>.
+{RUNS}
 With standard input not a terminal, every line is one prompt on its own and its answer is printed (one per
 prompt; --jsonl prints {{"prompt", "completion"}} lines). A line that is not UTF-8 text is said on stderr with its
 number and not answered; the others are, and the exit status is then 1. Prompts are rendered with the template the
@@ -89,7 +94,11 @@ def export_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "dir", nargs="?", type=path_text, help="where the export goes (default <run dir>/<train.export_dir>-step<N>)"
     )
-    p.add_argument("--adapter", action="store_true", help="with LoRA: the PEFT adapter alone, not the merged model")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument("--adapter", action="store_true", help="with LoRA: the PEFT adapter alone in DIR")
+    lora.add_argument(
+        "--merged", action="store_true", help="with LoRA: the merged model too, whatever the run's train.export_merged"
+    )
     p.add_argument(
         "--dtype",
         choices=["auto", "fp32", "bf16", "fp16"],
@@ -147,37 +156,52 @@ def _export(argv: list[str]) -> int:
     tag_dir = find_checkpoint(args.checkpoint)
     run_dir = run_dir_of(tag_dir)
     cfg = run_config(run_dir, tag_dir)  # with the model section the checkpoint was trained with
-    step = checkpoint_step(tag_dir)
-    settings = read_marker(tag_dir).get("settings") or {}
+    step, marker = checkpoint_step(tag_dir), read_marker(tag_dir)
+    settings = marker.get("settings") or {}
     lora = settings.get("lora") if "lora" in settings else (cfg.lora.dim > 0 or None)
     if args.adapter and not lora:
         raise ConfigError(
             f"--adapter: {tag_dir} holds no LoRA adapters (the run trained with lora.dim=0): export the whole model "
             "without --adapter"
         )
-    default = default_export_dir(run_dir, cfg, tag_dir, step)
+    # what the run's own export at that step holds: with LoRA the adapter beside, and the merged model where its
+    # train.export_merged puts one (the run's final step is its final export), or where --merged asks for it
+    final = step >= int((marker.get("trajectory") or {}).get("total_steps") or step)
+    merged = args.merged or cfg.train.merges(cfg.lora.dim if lora else 0, final=final)
+    default = default_export_dir(run_dir / cfg.train.export_dir, tag_dir, step)
     target = Path(args.dir).expanduser() if args.dir else adapter_dir(default) if args.adapter else default
+    written = [target] if args.adapter or not lora else [target, adapter_dir(target)][0 if merged else 1 :]
     check_outside_checkpoints(target, run_dir / cfg.train.checkpoint_dir, "DIR")
     check_writable(target.parent, "DIR")
-    try:
-        check_target(target, key="DIR", fix="move it away or give another DIR", adapter=False)
-    except RunFailed as err:  # refused before anything is done: a usage error
-        raise ConfigError(str(err)) from None
-    origin = read_metadata(target).get("origin") or {}
-    if origin.get("written_by") == WRITTEN_BY_RUN and origin.get("step") != step:
-        raise ConfigError(
-            f"DIR: {target} is the run's own export of step {origin.get('step')}, so it is not replaced by step "
-            f"{step}; give another DIR"
-        )
+    for path in written:
+        try:
+            check_target(path, key="DIR", fix="move it away or give another DIR", adapter=False)
+        except RunFailed as err:  # refused before anything is done: a usage error
+            raise ConfigError(str(err)) from None
+        origin = read_metadata(path).get("origin") or {}
+        if origin.get("written_by") == WRITTEN_BY_RUN and origin.get("step") != step:
+            raise ConfigError(
+                f"DIR: {path} is the run's own export of step {origin.get('step')}, so it is not replaced by step "
+                f"{step}; give another DIR"
+            )
     stage, world = settings.get("zero_stage", "?"), settings.get("world_size", "?")
-    what = "the LoRA adapter of " if args.adapter else ""
+    what = "the LoRA adapter of " if written[0] != target or args.adapter else ""
     ranks = f"{world} rank{'' if world == 1 else 's'}"
-    print(f"ds_exp: exporting {what}{tag_dir} (step {step}, ZeRO-{stage}, {ranks}) to {target}", file=sys.stderr)
+    shown = " and ".join(str(path) for path in written)
+    print(f"ds_exp: exporting {what}{tag_dir} (step {step}, ZeRO-{stage}, {ranks}) to {shown}", file=sys.stderr)
     compat.import_deepspeed_without_mlflow()  # DeepSpeed would import all of mlflow (the extra) for nothing
-    from ds_exp.tools.use.export import export_checkpoint
+    from ds_exp.exports.writer import export_checkpoint
 
-    metadata = export_checkpoint(tag_dir, run_dir, cfg, target, adapter=args.adapter, dtype=args.dtype)
-    print(f"ds_exp: exported step {step} to {target} ({metadata.get('dtype')}: {metadata.get('why')})")
+    export_checkpoint(
+        tag_dir, run_dir, cfg, target, dtype=args.dtype, adapter=args.adapter, save_adapter=True, merged=merged
+    )
+    metadata = read_metadata(written[0])
+    how = f"{metadata.get('dtype')}: {metadata.get('why')}" if what == "" else "float32, PEFT's files, as trained"
+    if not (merged or args.adapter):
+        how += (
+            f"; no merged model at step {step} (train.export_merged={plain(cfg.train.export_merged)}): --merged adds it"
+        )
+    print(f"ds_exp: exported step {step} to {shown} ({how})")
     return 0
 
 
@@ -202,6 +226,6 @@ def _chat(argv: list[str]) -> int:
             f"give --max-new-tokens below {context[0]}, e.g. {min(256, context[0] // 2)}"
         )
     compat.import_deepspeed_without_mlflow()
-    from ds_exp.tools.use.chat import chat
+    from ds_exp.exports.chat import chat
 
     return chat(model_dir, args, context=context[0] if context else None)

@@ -11,14 +11,22 @@ when complete. What the export keeps of the base model:
 * its tokenizer files, copied as they are when training did not change the tokenizer; its generation config.
 The metadata also says how the run asked the model (its template and stop tokens, for `python -m ds_exp.chat`) and
 where the weights come from (origin: the run and step, or the checkpoint `python -m ds_exp.export` read).
-With LoRA a run's every export writes the adapter alone beside it (<export_dir>_adapter: a few MB), and the merged
-model where train.export_merged asks for it (by default in the final export only); `python -m ds_exp.export` writes
-the merged model, or with --adapter the adapter alone.
+With LoRA every export writes the adapter alone beside it (<export_dir>_adapter: a few MB), and the merged model
+where train.export_merged asks for it (by default in the final export only; `python -m ds_exp.export --merged`: its
+export too), or with `python -m ds_exp.export --adapter` the adapter alone in DIR.
+
+`python -m ds_exp.export` writes the same from a checkpoint (`export_checkpoint`), in one process on the CPU without
+DeepSpeed's engine: the model rebuilt as the run's config builds it, the checkpoint's weights loaded into it (ZeRO
+0-2: rank 0's model states; ZeRO-3: zero_to_fp32's fp32 masters rounded to the training precision, as the engine's
+were), a LoRA checkpoint's frozen base the one rebuilt, checked to be the one it trained on (checkpoint/frozen.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import io
 import logging
 import shutil
 from dataclasses import dataclass
@@ -28,20 +36,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+from transformers.utils import logging as hf_logging
 
-from ds_exp.config.schema import Config, plain
+from ds_exp.checkpoint.checkpointer import CHECKPOINT_TYPES
+from ds_exp.checkpoint.frozen import built_base, load_trained
+from ds_exp.checkpoint.universal import MODEL_STATES
+from ds_exp.config.paths import data_cache_dir
+from ds_exp.config.schema import Config, DataConfig, ModelConfig, plain
 from ds_exp.core import compat
-from ds_exp.core.errors import Diverged, RunFailed
+from ds_exp.core.errors import Diverged, RunFailed, first_line
 from ds_exp.core.files import json_text
-from ds_exp.launch.exports import METADATA, adapter_dir, check_target
+from ds_exp.data.cache import read_meta
+from ds_exp.data.templates import first_template, resolve_template
+from ds_exp.exports.checks import check_target
+from ds_exp.exports.on_disk import METADATA, adapter_dir
 from ds_exp.launch.storage import export_failure_message
-from ds_exp.model.build import BuiltModel
+from ds_exp.model.build import BuiltModel, build_model
 from ds_exp.model.lora import LoraSpec, merge_lora, wrap_lora
-from ds_exp.model.tokenizer import tokenizer_source
+from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
+from ds_exp.resume.store import read_marker
 from ds_exp.runtime.process_group import broadcast
+from ds_exp.train.generate import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +79,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-__all__ = ["METADATA", "ExportSpec", "check_target", "export_hf", "export_spec", "write_export"]
+WRITTEN_BY = "python -m ds_exp.export"  # origin.written_by of the exports of a checkpoint
 
 
 @dataclass(frozen=True)
@@ -75,7 +94,7 @@ class ExportSpec:
     tokenizer_source: str  # the directory the tokenizer was loaded from
     lora: LoraSpec | None
     precision: str  # the training precision: fp32 | bf16 | fp16
-    dtype: str  # train.export_dtype: auto | fp32 | bf16 | fp16
+    dtype: str = "auto"  # train.export_dtype: auto | fp32 | bf16 | fp16
     trust_remote_code: bool = False
     template: str | None = None  # how the run asked the model: raw | dschat | chat_template
     stop_token_ids: tuple[int, ...] = ()  # where the run's generations stop
@@ -83,20 +102,19 @@ class ExportSpec:
     dtype_key: str = "train.export_dtype"  # how the user chose `dtype` (python -m ds_exp.export: --dtype)
 
 
-def export_spec(cfg: Config, built: BuiltModel, precision: str, **more: Any) -> ExportSpec:
-    """The spec of a run's export: its model (a ds_exp.model.BuiltModel) as the run's config built it. `more`: the
-    template, stop_token_ids and origin."""
+def export_spec(model: ModelConfig, built: BuiltModel, precision: str, **more: Any) -> ExportSpec:
+    """The spec of an export of `built` (a ds_exp.model.BuiltModel), as `model` (the run's model section) built it.
+    `more`: the dtype (train.export_dtype), template, stop_token_ids and origin."""
     return ExportSpec(
         model_config=built.config,
-        base_path=cfg.model.name_or_path,
+        base_path=model.name_or_path,
         base_dtype=built.base_dtype,
         base_rows=built.base_rows,
         vocab_size=built.vocab_size,
-        tokenizer_source=tokenizer_source(cfg.model),
+        tokenizer_source=tokenizer_source(model),
         lora=built.lora,
         precision=precision,
-        dtype=str(plain(cfg.train.export_dtype)),
-        trust_remote_code=bool(cfg.model.trust_remote_code),
+        trust_remote_code=bool(model.trust_remote_code),
         **more,
     )
 
@@ -112,9 +130,12 @@ def gather_full_state_dict(engine: DeepSpeedEngine, zero_stage: int) -> dict[str
     return {k: v.detach().to("cpu").clone() for k, v in state.items()}
 
 
-def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point tensors of `state` that hold a NaN or an infinity."""
-    return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+def not_finite(state: dict[str, torch.Tensor]) -> str | None:
+    """ "the weights are not finite (NaN or inf) in <the first tensors that hold one>"; None when every floating-point
+    tensor of `state` is finite."""
+    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    more = f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""
+    return f"the weights are not finite (NaN or inf) in {', '.join(bad[:3])}{more}" if bad else None
 
 
 def beyond_dtype(model: torch.nn.Module, dtype_name: str) -> tuple[str, float] | None:
@@ -175,13 +196,9 @@ def export_hf(
     model in `export_dir` only with `merged`). Weights that are not finite are never exported (Diverged on every
     rank; nothing is written)."""
     state = gather_full_state_dict(engine, zero_stage)
-    bad = broadcast(non_finite_tensors(state) if state is not None else None)
+    bad = broadcast(not_finite(state) if state is not None else None)
     if bad:
-        raise Diverged(
-            f"export: the weights are not finite (NaN or inf) in {', '.join(bad[:3])}"
-            f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}: the run diverged and nothing was "
-            f"exported to {export_dir}"
-        )
+        raise Diverged(f"export: {bad}: the run diverged and nothing was exported to {export_dir}")
     trained = {name for name, param in engine.module.named_parameters() if param.requires_grad}
     failure = None
     if dist.get_rank() == 0:
@@ -379,3 +396,101 @@ def _replace(src: Path, dst: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     src.rename(dst)
+
+
+# ------------------------------------------------------------------- python -m ds_exp.export: from a checkpoint
+
+
+def export_checkpoint(
+    tag_dir: Path, run_dir: Path, cfg: Config, target: Path, *, dtype: str | None, adapter: bool, **beside: bool
+) -> None:
+    """Export the complete checkpoint `tag_dir` of the run in `run_dir` (composed config `cfg`) to `target` (with
+    `adapter`: the LoRA adapter alone; `beside`: write_export's save_adapter and merged)."""
+    hf_logging.disable_progress_bar()
+    marker = read_marker(tag_dir)
+    settings = marker.get("settings") or {}
+    precision = str(settings.get("precision") or "fp32")
+    cfg = _in_one_process(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    ds_config = {"zero_optimization": {"stage": 0}, **{k: {"enabled": precision == k} for k in ("bf16", "fp16")}}
+    built = build_model(cfg, tokenizer, ds_config)
+    built_base(cfg, built.model, zero3=False, checkpoint=tag_dir, what="export")  # the frozen weights it left out
+    dtype_of_training = getattr(torch, DTYPES[precision])
+    state = read_weights(tag_dir, dtype_of_training)
+    try:
+        load_trained(state, built.model)  # the frozen weights may be left out: they are the ones rebuilt
+    except RuntimeError as err:
+        problem = " ".join(str(err).split())[:400]
+        raise RunFailed(
+            f"{tag_dir} does not fit the model the run's config builds ({problem}); was {run_dir}/.hydra changed "
+            "since the checkpoint was written?"
+        ) from None
+    # what the checkpoint left out, as the engine held it: the rebuilt frozen weights in the training precision
+    for name, value in built.model.state_dict().items():
+        if name not in state:
+            state[name] = value.to(dtype_of_training) if value.is_floating_point() else value
+    bad = not_finite(state)
+    if bad:
+        raise Diverged(f"{tag_dir}: {bad}: that checkpoint diverged and nothing was exported; export an earlier one")
+    trained = {name for name, param in built.model.named_parameters() if param.requires_grad}
+    spec = export_spec(
+        cfg.model,
+        built,
+        precision,
+        dtype=dtype or str(plain(cfg.train.export_dtype)),
+        dtype_key="--dtype" if dtype else "train.export_dtype",
+        template=run_template(cfg.data, marker, tokenizer),
+        stop_token_ids=tuple(stop_token_ids(tokenizer, cfg.data.end_of_conversation_token)),
+        origin={
+            "written_by": WRITTEN_BY,
+            "checkpoint": str(tag_dir.resolve()),
+            "step": int(marker["step"]),
+            "run_dir": str(run_dir.resolve()),
+        },
+    )
+    del built  # the export builds its own copy: one model in memory at a time, besides the state
+    write_export(state, trained, spec, tokenizer, target, adapter_only=adapter, **beside)
+
+
+def _in_one_process(cfg: Config) -> Config:
+    """The run's config for a rebuild in this process: no sequence-parallel groups (their attention wrapper needs
+    the ranks; the weights do not depend on it), no GPU kernels patched in."""
+    cfg = dataclasses.replace(cfg)
+    sp = int(cfg.dist.sequence_parallel_size)
+    cfg.dist = dataclasses.replace(cfg.dist, sequence_parallel_size=1)
+    model: dict[str, Any] = {"liger_kernel": False, "fused_loss": False}
+    cfg.train = dataclasses.replace(cfg.train, compile=False)
+    if cfg.model.attn_implementation == "auto":
+        model["attn_implementation"] = None  # flash-attention needs a GPU; the weights do not depend on it
+    if sp > 1 and model.get("attn_implementation", cfg.model.attn_implementation) is None:
+        model["attn_implementation"] = "sdpa"  # what the run's model was built with (ds_exp.model.build)
+    cfg.model = dataclasses.replace(cfg.model, **model)
+    return cfg
+
+
+def read_weights(tag_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The full state dict of the module at the checkpoint, in the training precision `dtype`."""
+    try:
+        with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
+            states = tag_dir / MODEL_STATES[0]
+            if states.is_file():  # ZeRO 0-2: the whole module, as the engine held it
+                return dict(torch.load(states, map_location="cpu")["module"])
+            quiet = io.StringIO()  # zero_to_fp32 prints and draws progress bars
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+                state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a file truncated or deleted since
+        first = first_line(err)
+        raise RunFailed(
+            f"{tag_dir} cannot be read, a file of it is damaged or missing ({first}); export an earlier checkpoint"
+        ) from None
+    # the engine's ZeRO-3 parameters are these fp32 masters rounded to the training precision
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
+
+
+def run_template(data: DataConfig, marker: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> str:
+    """The template the run asked its model with: the run's tokenized data says it (data.cache_dir, named by the
+    checkpoint's trajectory); without it, data.template as the tokenizer decides it."""
+    key = (marker.get("trajectory") or {}).get("data")
+    meta = read_meta(data_cache_dir(data.cache_dir) / str(key)) if key else None
+    stats = (meta or {}).get("stats") or {}
+    return first_template(stats) if stats.get("template") else resolve_template(data.template, tokenizer)

@@ -23,33 +23,29 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
-from ds_exp.artifacts.export import non_finite_tensors
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import json_text
 from ds_exp.data.templates import has_chat_template, render_conversation
-from ds_exp.launch.exports import read_metadata
+from ds_exp.exports.on_disk import read_metadata
+from ds_exp.exports.writer import not_finite
 from ds_exp.train.generate import Sampling
-
-DTYPES = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Chat:
     def __init__(
         self, model_dir: Path, args: argparse.Namespace, context: int | None = None, notes: TextIO | None = None
     ) -> None:
-        """`context`: the positions a prompt and its answer share (ds_exp.launch.exports.context_of), None for no
+        """`context`: the positions a prompt and its answer share (ds_exp.exports.checks.context_of), None for no
         limit; `notes`: where a prompt cut short is said."""
         hf_logging.disable_progress_bar()
         device = pick_device(args.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
-        bad = non_finite_tensors(model.state_dict())
+        bad = not_finite(model.state_dict())
         if bad:
             raise ConfigError(
-                f"{model_dir}: the weights are not finite (NaN or inf) in {', '.join(bad[:3])}"
-                f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}: that model diverged and answers "
-                "nothing but noise; chat with an earlier export, or export an earlier checkpoint (python -m "
-                "ds_exp.export CHECKPOINT)"
+                f"{model_dir}: {bad}: that model diverged and answers nothing but noise; chat with an earlier export, "
+                "or export an earlier checkpoint (python -m ds_exp.export CHECKPOINT)"
             )
         # transformers 5 types PreTrainedModel.to through a wrapper whose first parameter is the model itself
         self.model = model.to(device).eval()  # type: ignore[arg-type]
@@ -125,7 +121,7 @@ def choose_template(asked: str, recorded: str | None, tokenizer: PreTrainedToken
 
 def pick_device(asked: str) -> torch.device:
     """--device as torch names it (auto: cuda when there is one), refused in one message when this machine has no
-    such device (its form was checked before torch was imported: ds_exp/tools/use/cli.py)."""
+    such device (its form was checked before torch was imported: ds_exp/exports/cli.py)."""
     if asked == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(asked)
