@@ -30,7 +30,7 @@ from typing import Any
 from ds_exp.config.schema import Config
 
 # Every feature, in the order its checks are said and its hooks run.
-FEATURE_PACKAGES: tuple[str, ...] = ()
+FEATURE_PACKAGES: tuple[str, ...] = ("ds_exp.evaluation",)
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,9 @@ class Feature:
     active: Callable[[Any], bool]  # on for this run (given its settings): only then is its heavy work imported
     problems: Callable[[Any, CheckFacts], list[str]] | None = None  # light checks of its settings, one line each
     hooks: str | None = None  # "module:Class": its FeatureHooks (ds_exp/train/hooks.py), built with its settings
+    # (settings, objective, key): an optuna study's objective that names a number of this feature's summary.json
+    # (harness.<task>.<metric>) is one its runs will report, one line per problem
+    objective_problems: Callable[[Any, str, str], list[str]] | None = None
 
 
 @cache
@@ -66,6 +69,12 @@ def feature_problems(cfg: Config, facts: CheckFacts) -> list[str]:
         if feature.problems is not None:
             problems += feature.problems(feature.settings(cfg), facts)
     return problems
+
+
+def objective_problems(cfg: Config, objective: str, key: str) -> list[str]:
+    """An objective none of the core's summary numbers (ds_exp/sweeps/optuna_study.py), as the features check it."""
+    checks = [(f.objective_problems, f.settings(cfg)) for f in features() if f.objective_problems is not None]
+    return [problem for check, settings in checks for problem in check(settings, objective, key)]
 
 
 def load(dotted: str) -> Any:

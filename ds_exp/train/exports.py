@@ -18,7 +18,7 @@ from ds_exp.config.schema import Config
 from ds_exp.data.templates import first_template
 from ds_exp.launch.exports import WRITTEN_BY_RUN, adapter_dir, rotated_step_exports, step_export_dir
 from ds_exp.train.generate import stop_token_ids
-from ds_exp.train.harness import score_step_export
+from ds_exp.train.hooks import Run, RunHooks
 from ds_exp.train.session import Session
 from ds_exp.train.workload import Workload
 
@@ -49,8 +49,8 @@ def check_step_export_targets(planned: list[Path]) -> None:
 class RunExports:
     """Collective: every rank calls each method (ZeRO-3 gathers the weights with all of them); rank 0 writes."""
 
-    def __init__(self, cfg: Config, session: Session, work: Workload, run_id: str | None) -> None:
-        self.cfg, self.session, self.work, self.run_id = cfg, session, work, run_id
+    def __init__(self, cfg: Config, session: Session, work: Workload, run_id: str | None, hooks: RunHooks) -> None:
+        self.cfg, self.session, self.work, self.run_id, self.hooks = cfg, session, work, run_id, hooks
         self.export_dir = session.run_dir / cfg.train.export_dir
 
     def final(self) -> None:
@@ -63,14 +63,13 @@ class RunExports:
     def at_step(self, step: int) -> None:
         """The step export (train.export_every), then this run's older ones beyond train.export_keep_last."""
         target = step_export_dir(self.export_dir, step)
-        # eval.harness.every_save scores each step's merged model: it is written for it whatever export_merged says
-        every_save = bool(self.cfg.eval.harness.tasks) and self.cfg.eval.harness.every_save
-        merged = merges(self.cfg.train.export_merged, self.cfg.lora.dim, final=False) or every_save
+        # a feature that reads each step's merged model (eval.harness.every_save) has it whatever export_merged says
+        merged = merges(self.cfg.train.export_merged, self.cfg.lora.dim, final=False) or self.hooks.merged_exports
         self._export(target, step, merged=merged)
         if self.session.is_main:
             log.info("exported step %d to %s", step, target if merged else adapter_dir(target))
-            if merged:  # eval.harness.every_save scores the merged model: before rotation
-                score_step_export(self.cfg, self.session, target, step)
+        self.hooks.after_export(Run(self.session, self.work), target, step, final=False)  # before rotation
+        if self.session.is_main:
             for old in rotated_step_exports(self.export_dir, self.run_id, self.cfg.train.export_keep_last):
                 shutil.rmtree(old, ignore_errors=True)
 

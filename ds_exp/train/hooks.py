@@ -36,6 +36,12 @@ class FeatureHooks:
     def __init__(self, settings: Any) -> None:
         self.settings = settings
 
+    @property
+    def merged_exports(self) -> bool:
+        """The step exports (train.export_every) must hold the merged model, not only a LoRA adapter: after_export
+        reads it."""
+        return False
+
     def after_setup(self, run: Run) -> None:
         return None
 
@@ -63,6 +69,10 @@ class RunHooks:
             if feature.hooks is not None and feature.active(settings):
                 built.append(load(feature.hooks)(settings))
         return cls(built)
+
+    @property
+    def merged_exports(self) -> bool:
+        return any(hook.merged_exports for hook in self.hooks)
 
     def after_setup(self, run: Run) -> None:
         for hook in self.hooks:

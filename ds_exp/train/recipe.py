@@ -8,8 +8,7 @@
         start = resume(cfg, session, work)     # the checkpoint's state, or a fresh start: ds_exp/train/resuming.py
         train(cfg, session, work, start, hooks)  # the loop, evaluations, generations, checkpoints (at_checkpoint)
         RunExports(...).final()                # a Hugging Face model with the base model's identity
-        score_final_export(cfg, session)       # eval.harness: lm-eval scores, base beside (its own status)
-        hooks.after_run(...)                   # the features' work on what the run left
+        hooks.after_run(...)                   # the features' work on what the run left (lm-eval scores: its status)
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
 label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
@@ -59,7 +58,6 @@ from ds_exp.train.evaluate import Generations
 from ds_exp.train.exports import RunExports
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
 from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
-from ds_exp.train.harness import score_final_export
 from ds_exp.train.hooks import Run, RunHooks
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
@@ -82,14 +80,13 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             hooks.after_setup(Run(session, work))
             start = resume(cfg, session, work)
             train(cfg, session, work, start, hooks)
-            RunExports(cfg, session, work, start.run_id).final()
+            RunExports(cfg, session, work, start.run_id, hooks).final()
         finally:
             if work is not None:
                 release_engine(work.engine)  # its memory and hooks, before a later job of this process
             unregister()  # transformers' attention table as it was, for a later job of this process
-        work = None  # the model and optimizer state go before lm-eval loads the export
-        score_final_export(cfg, session)  # rank 0, once the engine is released; never fails the completed run
-        hooks.after_run(Run(session))
+        work = None  # the model and optimizer state go before a feature loads the export (lm-eval)
+        hooks.after_run(Run(session))  # once the engine is released; never fails the completed run
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
 
@@ -308,7 +305,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState, hook
         },
         extra=_stage0_names(cfg, work),
     )
-    exports = RunExports(cfg, session, work, start.run_id)
+    exports = RunExports(cfg, session, work, start.run_id, hooks)
     loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, hooks, exports)
     session.ready()
     try:

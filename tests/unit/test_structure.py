@@ -48,8 +48,8 @@ IMPORTED_WHERE_USED = {
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.use.export": "python -m ds_exp.export: --help and every refusal answer before torch is imported",
     "ds_exp.tools.use.chat": "python -m ds_exp.chat: --help and every refusal answer before torch is imported",
-    "ds_exp.artifacts.harness": "imports lm-eval, an optional extra: only with eval.harness.tasks / ds_exp.evaluate",
-    "ds_exp.tools.evaluate.run": "python -m ds_exp.evaluate: --help and every refusal answer before torch is imported",
+    "ds_exp.evaluation.harness": "imports lm-eval, an optional extra: only where tasks are scored (eval.harness.tasks, "
+    "python -m ds_exp.evaluate, whose --help and every refusal answer before torch is imported)",
 }
 # uses (not mentions) of other libraries' private names that ds_exp relies on
 PRIVATE = re.compile(

@@ -1,0 +1,19 @@
+"""The evaluation's entry (ds_exp/config/features.py): on when eval.harness.tasks names a task. Light."""
+
+from __future__ import annotations
+
+from ds_exp.config.features import Feature
+from ds_exp.evaluation.checks import problems, scoring_objective_problems
+from ds_exp.evaluation.settings import Scoring
+
+FEATURE = Feature(
+    name="evaluation",
+    summary="lm-evaluation-harness scores of the run's export beside its base model's (eval.harness)",
+    settings=lambda cfg: Scoring(
+        cfg.eval.harness, cfg.eval.harness.lengths(cfg.data.max_seq_len), cfg.train.export, cfg.train.export_every
+    ),
+    active=lambda scoring: bool(scoring.harness.tasks),
+    problems=problems,
+    objective_problems=scoring_objective_problems,
+    hooks="ds_exp.evaluation.hooks:HarnessHooks",
+)
