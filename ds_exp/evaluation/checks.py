@@ -333,11 +333,6 @@ def registry_index() -> dict[str, list[Any]]:
     return index
 
 
-def scoring_objective_problems(scoring: Scoring, objective: str, key: str) -> list[str]:
-    """FEATURE.objective_problems: the study's trials score eval.harness.tasks."""
-    return objective_problems(objective, list(scoring.harness.tasks), scoring.lengths, key)
-
-
 def objective_problems(objective: str, tasks: list[str], lengths: tuple[int, ...], key: str) -> list[str]:
     """An objective `harness.<task>.<metric>` (an optuna study's) names a number the runs' scores will hold."""
     if not objective.startswith("harness."):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ds_exp.config.features import Feature
-from ds_exp.evaluation.checks import problems, scoring_objective_problems
+from ds_exp.evaluation.checks import objective_problems, problems
 from ds_exp.evaluation.settings import Scoring
 
 FEATURE = Feature(
@@ -14,6 +14,8 @@ FEATURE = Feature(
     ),
     active=lambda scoring: bool(scoring.harness.tasks),
     problems=problems,
-    objective_problems=scoring_objective_problems,
+    objective_problems=lambda scoring, objective, key: objective_problems(
+        objective, list(scoring.harness.tasks), scoring.lengths, key
+    ),
     hooks="ds_exp.evaluation.hooks:HarnessHooks",
 )

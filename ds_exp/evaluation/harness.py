@@ -53,7 +53,7 @@ from ds_exp.data.cache import file_lock, hash_key, path_fingerprint
 from ds_exp.data.templates import has_chat_template
 from ds_exp.evaluation.checks import TaskSpec
 from ds_exp.evaluation.plan import Plan
-from ds_exp.evaluation.report import CHART, HARNESS_JSON, chart, harness_record, staged, table, write_record
+from ds_exp.evaluation.report import HARNESS_JSON, harness_record, staged, table, write_record
 from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.evaluation.tasks import BuiltinSettings, write_builtin_tasks
 from ds_exp.launch.exports import read_metadata, run_dir_of
@@ -164,12 +164,6 @@ def load_model(model_dir: Path, settings: HarnessSettings, *, tokenizer_dir: Pat
         )
 
 
-def task_manager(specs: Sequence[TaskSpec], builtin_dir: Path | None) -> TaskManager:
-    """lm-eval's registry only when a TASK is one of its names (reading it takes seconds); the built-ins' directory."""
-    registry = any(spec.kind == "registry" for spec in specs)
-    return TaskManager(include_defaults=registry, include_path=str(builtin_dir) if builtin_dir else None)
-
-
 def score(
     lm: RenderedLM, specs: Sequence[TaskSpec], settings: HarnessSettings, manager: TaskManager, out_dir: Path
 ) -> dict[str, TaskScores]:
@@ -253,7 +247,8 @@ def evaluate(
     with _random_state_kept(), staged(out_dir) as scratch, _lm_eval_log(scratch / "lm_eval.log"):
         started = time.perf_counter()
         builtin_dir = _builtin_tasks(specs, tuned_dir, cache_dir, builtin)
-        manager = task_manager(specs, builtin_dir)
+        registry = any(spec.kind == "registry" for spec in specs)  # lm-eval's registry takes seconds to read
+        manager = TaskManager(include_defaults=registry, include_path=str(builtin_dir) if builtin_dir else None)
         keyed = [_keyed(spec, builtin_dir) for spec in specs]
         timing = {"tasks_s": time.perf_counter() - started}
         tuned = score(load_model(tuned_dir, settings), keyed, settings, manager, scratch / "tuned")
@@ -269,8 +264,7 @@ def evaluate(
         record = harness_record(_pairs(tuned, keyed), _pairs(base, keyed) if base else None, shown)
         record["settings"].update(model=str(tuned_dir), base_scored=scored if base_cfg is not None else None)
         record["timing"] = timing  # seconds: the built-in tasks' files, the tuned model, the base (or its cache)
-        write_record(scratch, record)
-        chart(record, scratch / CHART, title)
+        write_record(scratch, record, title)
     return Evaluation(record, scored)
 
 
