@@ -55,10 +55,13 @@ class RunExports:
 
     def final(self) -> None:
         if self.cfg.train.export:
-            assert self.session.state.steps is not None  # set once training ends
+            steps = self.session.state.steps
+            assert steps is not None  # set once training ends
             merged = merges(self.cfg.train.export_merged, self.cfg.lora.dim, final=True)
-            self._export(self.export_dir, self.session.state.steps, merged=merged)
-            self.session.state.export_dir = str(self.export_dir if merged else adapter_dir(self.export_dir))
+            self._export(self.export_dir, steps, merged=merged)
+            written = self.export_dir if merged else adapter_dir(self.export_dir)
+            self.session.state.export_dir = str(written)
+            self.hooks.after_export(Run(self.session, self.work), written, steps, final=True)
 
     def at_step(self, step: int) -> None:
         """The step export (train.export_every), then this run's older ones beyond train.export_keep_last."""
@@ -66,9 +69,10 @@ class RunExports:
         # a feature that reads each step's merged model (eval.harness.every_save) has it whatever export_merged says
         merged = merges(self.cfg.train.export_merged, self.cfg.lora.dim, final=False) or self.hooks.merged_exports
         self._export(target, step, merged=merged)
+        written = target if merged else adapter_dir(target)
         if self.session.is_main:
-            log.info("exported step %d to %s", step, target if merged else adapter_dir(target))
-        self.hooks.after_export(Run(self.session, self.work), target, step, final=False)  # before rotation
+            log.info("exported step %d to %s", step, written)
+        self.hooks.after_export(Run(self.session, self.work), written, step, final=False)  # before rotation
         if self.session.is_main:
             for old in rotated_step_exports(self.export_dir, self.run_id, self.cfg.train.export_keep_last):
                 shutil.rmtree(old, ignore_errors=True)
