@@ -6,7 +6,7 @@ paths put it), the optimizers as one table (optimizers, optimizer_settings; opti
 cannot do with the rest), a user's own config files (config_files), the run's arithmetic (batch: the global batch;
 plan: the run's plan for every caller, steps; memory_plan: bytes per rank, on disk), the precision an accelerator
 gets (precision), credentials by name and by shape (secret_names, secret_shapes, secrets), where ds_exp's own files
-are (paths), and the typed eval group with lm-eval's settings (eval_schema).
+are (paths).
 
 Layer 1, light: no torch, no deepspeed. May import: ds_exp.core.
 """

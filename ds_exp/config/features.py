@@ -36,6 +36,7 @@ FEATURE_PACKAGES: tuple[str, ...] = (
     "ds_exp.sequence_parallel",
     "ds_exp.long_context",
     "ds_exp.exports",
+    "ds_exp.evaluation",
 )
 
 
@@ -59,6 +60,9 @@ class Feature:
     active: Callable[[Any], bool]  # on for this run (given its settings): only then is its heavy work imported
     problems: Callable[[Any, CheckFacts], list[str]] | None = None  # light checks of its settings, one line each
     hooks: str | None = None  # "module:Class": its FeatureHooks (and ModelHooks: model/hooks.py), given its settings
+    # (settings, objective, key): an optuna study's objective that names a number of this feature's summary.json
+    # (harness.<task>.<metric>) is one its runs will report, one line per problem
+    objective_problems: Callable[[Any, str, str], list[str]] | None = None
 
 
 @cache
@@ -79,6 +83,12 @@ def feature_problems(cfg: Config, facts: CheckFacts) -> list[str]:
 def feature_hooks(cfg: Config) -> list[Any]:
     """The hooks of every feature cfg turns on, each built with its own settings, in FEATURE_PACKAGES' order."""
     return [load(f.hooks)(s) for f in features() if f.hooks is not None and f.active(s := f.settings(cfg))]
+
+
+def objective_problems(cfg: Config, objective: str, key: str) -> list[str]:
+    """An objective none of the core's summary numbers (ds_exp/sweeps/optuna_study.py), as the features check it."""
+    checks = [(f.objective_problems, f.settings(cfg)) for f in features() if f.objective_problems is not None]
+    return [problem for check, settings in checks for problem in check(settings, objective, key)]
 
 
 def load(dotted: str) -> Any:

@@ -15,7 +15,6 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
-from ds_exp.config.eval_schema import EvalConfig
 from ds_exp.config.fields import (
     FRACTION,
     MAX_SYNTHETIC_ROWS,
@@ -32,6 +31,7 @@ from ds_exp.config.optimizers import OPTIMIZERS, register_optimizer_settings
 from ds_exp.config.secrets import hide_secrets_when_composing
 from ds_exp.config.trackers import LoggerConfig
 from ds_exp.core.errors import ConfigError
+from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.exports.settings import ExportSettings
 
 
@@ -335,6 +335,23 @@ class DeepSpeedSection:
     config: dict[str, Any] = setting(
         factory=dict, checked_by="ds_exp.config.ds_config (built from the groups; a user's file is DeepSpeed's to read)"
     )  # built from the groups by interpolation
+
+
+@dataclass
+class EvalConfig:
+    prompts: list[str] = field(default_factory=list)  # completed at the first and the last evaluation
+    prompts_file: str | None = None  # more prompts: one per line, or JSON lines with a "prompt" field
+    max_new_tokens: int = setting(64, range=Range(1, MAX_TOKENS))
+    every_eval: bool = False  # also at every evaluation in between
+    temperature: float = setting(0.0, range=at_least(0, " (0 = greedy, e.g. 0.7 to sample)"))  # 0 = greedy; > 0 samples
+    top_p: float = setting(
+        1.0, range=Range(0, 1, low_open=True, fix=" (1 = off)")
+    )  # nucleus sampling: the smallest set of tokens holding this much probability; 1 = off
+    top_k: int = setting(0, range=at_least(0, " (0 = off)"))  # sample among the k likeliest tokens; 0 = off
+    seed: int = setting(
+        1234, range=SEED
+    )  # seeds each generation's sampling (training's random state is left as it was)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval scores of the export: ds_exp/evaluation/
 
 
 @dataclass

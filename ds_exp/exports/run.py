@@ -68,9 +68,7 @@ class ExportHooks(FeatureHooks):
             return  # the last step has the final export
         if run.metrics is not None:
             run.metrics.write()  # the step's line first: the export takes a while
-        merged = export.merges(self.settings.lora.dim, final=False) or any(
-            h.reads_merged_exports for h in run.hooks.hooks
-        )
+        merged = export.merges(self.settings.lora.dim, final=False) or run.hooks.merged_exports
         written = self._export(run, step_export_dir(self.export_dir(run), step), step, merged=merged)
         if session.is_main:
             log.info("exported step %d to %s", step, written)

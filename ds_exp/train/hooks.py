@@ -51,10 +51,14 @@ class Run:
 class FeatureHooks:
     """A feature's side of the recipe: override the points it acts at; the others do nothing."""
 
-    reads_merged_exports = False  # reads the merged model of every export: step exports then hold it (LoRA)
-
     def __init__(self, settings: Any) -> None:
         self.settings = settings
+
+    @property
+    def merged_exports(self) -> bool:
+        """The step exports (train.export_every) must hold the merged model, not only a LoRA adapter: after_export
+        reads it."""
+        return False
 
     def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
         return None
@@ -111,6 +115,10 @@ class RunHooks:
             for hook in self.hooks
             for path, need in hook.planned_writes(run, start_step, total_steps, parameters, trainable).items()
         }
+
+    @property
+    def merged_exports(self) -> bool:
+        return any(hook.merged_exports for hook in self.hooks)
 
     def after_setup(self, run: Run) -> None:
         for hook in self.hooks:

@@ -8,8 +8,7 @@
         start = resume(cfg, session, run.work, hooks)  # the checkpoint's state, or a fresh start (train/resuming.py)
         train(cfg, run, start)                 # the loop, evaluations, generations, checkpoints, step exports
         hooks.after_train(run)                 # the final export (ds_exp/exports/), then each after_export
-        score_final_export(cfg, session)       # eval.harness: lm-eval scores, base beside (its own status)
-        hooks.after_run(run)                   # the features' work on what the run left
+        hooks.after_run(run)                   # the features' work on what the run left (lm-eval scores: its status)
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
 label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
@@ -54,7 +53,6 @@ from ds_exp.train.disk_space import check_disk_space
 from ds_exp.train.evaluate import Generations
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
 from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
-from ds_exp.train.harness import StepScores, score_final_export
 from ds_exp.train.hooks import Run, RunHooks
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
@@ -70,7 +68,6 @@ file_log = logging.getLogger(FILE_LOGGER)
 def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train under whatever launcher started this process; write metrics, summary, checkpoints and export."""
     hooks = RunHooks.of(cfg)  # the features this run turns on, each with its own settings (ds_exp/config/features.py)
-    hooks.hooks.append(StepScores(cfg))  # eval.harness.every_save, until lm-eval's scores are a feature
     with Session(cfg, run_dir) as session:
         run = Run(session, hooks)
         try:
@@ -85,9 +82,8 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             if run.work is not None:
                 release_engine(run.work.engine)  # its memory and hooks, before a later job of this process
             hooks.after_release(run)
-        run.work = None  # the model and optimizer state go before lm-eval loads the export
-        score_final_export(cfg, session)  # rank 0, once the engine is released; never fails the completed run
-        hooks.after_run(run)
+        run.work = None  # the model and optimizer state go before a feature loads the export (lm-eval)
+        hooks.after_run(run)  # once the engine is released (lm-eval scores); never fails the completed run
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
 

@@ -506,7 +506,7 @@ HEAVY_WORK = {
     "ds_exp.universal": ("ds_exp.checkpoint.universal_cli", "convert_here"),
     "ds_exp.parity": ("ds_exp.tools.parity.cli", "run"),
     "ds_exp.report": ("ds_exp.sweeps.runs", "write_report"),  # a sweep's report; listing runs only reads
-    "ds_exp.evaluate": ("ds_exp.tools.evaluate.run", "run"),
+    "ds_exp.evaluate": ("ds_exp.evaluation.harness", "run"),
 }
 
 
@@ -544,7 +544,7 @@ def tripwires() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as mp:
         for module, attribute in HEAVY_WORK.values():
-            if module not in sys.modules and module.startswith(("ds_exp.exports.", "ds_exp.tools.evaluate.run")):
+            if module not in sys.modules and module.startswith(("ds_exp.exports.", "ds_exp.evaluation.harness")):
                 mp.setitem(sys.modules, module, types.ModuleType(module))
             mp.setattr(importlib.import_module(module), attribute, tripped, raising=False)
         yield

@@ -29,19 +29,6 @@ FEATURES = tuple(name.removeprefix("ds_exp.") for name in FEATURE_PACKAGES)
 FEATURE_LIGHT = ("feature", "settings", "checks")
 # The one import that goes up: the command line hands a validated config to the training stack.
 UPWARD = {("ds_exp.launch.cli", "ds_exp.train.recipe"), ("ds_exp.launch.cli", "ds_exp.tools.dry_run")}
-# lm-eval's scores read and write exports: until they are a feature of their own (issue 38, ds_exp/evaluation/), when
-# these become one feature's imports of another's
-UPWARD |= {
-    (f"ds_exp.{source}", f"ds_exp.exports.{target}")
-    for source, targets in {
-        "artifacts.harness": ["writer"],
-        "artifacts.harness_base": ["on_disk", "writer"],
-        "tools.evaluate.plan": ["checks", "on_disk"],
-        "tools.evaluate.run": ["checks", "on_disk", "writer"],
-        "train.harness": ["on_disk"],
-    }.items()
-    for target in targets
-}
 # Imported inside the function that needs them, and why; every other import sits at the top of its module.
 IMPORTED_WHERE_USED = {
     "flash_attn": "optional: only where installed",
@@ -63,8 +50,8 @@ IMPORTED_WHERE_USED = {
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
     "ds_exp.exports.writer": "python -m ds_exp.export: --help and every refusal answer before torch is imported",
     "ds_exp.exports.chat": "python -m ds_exp.chat: --help and every refusal answer before torch is imported",
-    "ds_exp.artifacts.harness": "imports lm-eval, an optional extra: only with eval.harness.tasks / ds_exp.evaluate",
-    "ds_exp.tools.evaluate.run": "python -m ds_exp.evaluate: --help and every refusal answer before torch is imported",
+    "ds_exp.evaluation.harness": "imports lm-eval, an optional extra: only where tasks are scored (eval.harness.tasks, "
+    "python -m ds_exp.evaluate, whose --help and every refusal answer before torch is imported)",
 }
 # uses (not mentions) of other libraries' private names that ds_exp relies on
 PRIVATE = re.compile(

@@ -1,12 +1,14 @@
-"""lm-evaluation-harness tasks (eval.harness.tasks, `python -m ds_exp.evaluate`'s TASK arguments) checked before any
-model is loaded, one line each: lm-eval itself missing, an unknown task, a task YAML lm-eval rejects, its data files
-missing, a task whose data only the Hugging Face hub has (and the hub cannot be reached, or HF_HUB_OFFLINE is set),
-and an objective `harness.<task>.<metric>` no task reports. Light: lm-eval's task loader imports datasets, never
-torch; lm-eval is an optional extra, imported where it is used (only when tasks are given).
+"""What the evaluation refuses before any model is loaded, one line each (reached from validation through
+FEATURE.problems, from an optuna study through FEATURE.objective_problems, and from `python -m ds_exp.evaluate`):
+eval.harness's combinations with the exports, lm-eval itself missing, an unknown task, a task YAML lm-eval rejects,
+its data files missing, a task whose data only the Hugging Face hub has (and the hub cannot be reached, or
+HF_HUB_OFFLINE is set), and an objective `harness.<task>.<metric>` no task reports. eval.harness's numbers are
+checked by the ranges beside their fields (settings.py). Light: lm-eval's task loader imports datasets, never torch;
+lm-eval is an optional extra, imported where it is used (only when tasks are given).
 
-What a task is (`TaskSpec`): a built-in (ds_exp/data/harness_tasks.py), a name in lm-eval's registry, or a YAML file.
-Its result names and metrics are told from its config, as harness.json and summary.json name them: a metric under
-lm-eval's filter `none` (or a task's only filter) by its own name (`acc`), else `<metric>/<filter>`.
+What a task is (`TaskSpec`): a built-in (tasks.py), a name in lm-eval's registry, or a YAML file. Its result names
+and metrics are told from its config, as harness.json and summary.json name them: a metric under lm-eval's filter
+`none` (or a task's only filter) by its own name (`acc`), else `<metric>/<filter>`.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from typing import Any
 
 import yaml
 
+from ds_exp.config.features import CheckFacts
 from ds_exp.config.model_checks import looks_like_local_path
-from ds_exp.config.schema import Config
+from ds_exp.config.paths import user_cache_dir
 from ds_exp.core.errors import first_line
 from ds_exp.core.files import write_json_atomic
 from ds_exp.data.cache import hash_key, path_fingerprint
-from ds_exp.data.harness_tasks import PASSKEY, SYNTHETIC
+from ds_exp.evaluation.settings import Scoring
+from ds_exp.evaluation.tasks import PASSKEY, SYNTHETIC
 from ds_exp.launch.hub import hub_address, hub_cache, offline, unreachable
 
 INSTALL = 'pip install -e ".[eval]" (or pip install lm-eval)'
@@ -62,62 +66,40 @@ class TaskSpec:
         return self.path if self.kind == "file" and self.path else self.name
 
 
-def lm_eval_installed() -> bool:
-    return importlib.util.find_spec("lm_eval") is not None
-
-
-def harness_problems(cfg: Config) -> list[str]:
-    """eval.harness's settings and tasks, one line per problem; [] when there is nothing to score."""
-    harness = cfg.eval.harness
-    problems: list[str] = []
-    if harness.every_save and cfg.train.export_every <= 0:
-        problems.append(
+def problems(scoring: Scoring, facts: CheckFacts) -> list[str]:
+    """eval.harness's tasks and their combinations with the exports, one line per problem (FEATURE.problems)."""
+    harness = scoring.harness
+    found: list[str] = []
+    if harness.every_save and scoring.export_every <= 0:
+        found.append(
             "eval.harness.every_save=true scores the exports of train.export_every, which is 0: set "
             "train.export_every=N (exports every N steps), or eval.harness.every_save=false"
         )
     if harness.every_save and not harness.tasks:
-        problems.append("eval.harness.every_save=true without eval.harness.tasks: name the tasks to score")
+        found.append("eval.harness.every_save=true without eval.harness.tasks: name the tasks to score")
     if not harness.tasks:
-        return problems
-    if not cfg.train.export:
-        problems.append(
+        return found
+    if not scoring.export:
+        found.append(
             "eval.harness.tasks scores the run's final export, which train.export=false leaves out: set "
             "train.export=true, or score a checkpoint later with python -m ds_exp.evaluate"
         )
-    problems += setting_problems(harness.limit, harness.num_fewshot, harness.batch_size, harness.device, "eval.harness")
-    problems += [f"eval.harness.passkey_lengths: {n} is too short: give lengths >= 64 tokens" for n in _short(cfg)]
-    problems += resolve_tasks(list(harness.tasks), passkey_lengths(cfg), key="eval.harness.tasks")[1]
-    return problems
+    found += device_problems(harness.device, "eval.harness.device")
+    return found + resolve_tasks(list(harness.tasks), scoring.lengths, key="eval.harness.tasks")[1]
 
 
-def setting_problems(limit: Any, fewshot: Any, batch: Any, device: Any, key: str) -> list[str]:
-    """The options lm-eval is run with (eval.harness.*, or the command's flags: `key` "--" names them so)."""
-    prefix, unset = ("--", "leave it out") if key == "--" else (f"{key}.", "null")
-    problems = []
-    if limit is not None and not float(limit) > 0:
-        problems.append(f"{prefix}limit={limit}: give a number of questions >= 1, a fraction in (0, 1), or {unset}")
-    if fewshot is not None and int(fewshot) < 0:
-        problems.append(f"{prefix}num_fewshot={fewshot}: must be >= 0, or {unset} for each task's own")
-    if int(batch) < 1:
-        problems.append(f"{prefix}batch_size={batch}: must be >= 1")
-    if str(device) not in ("auto", "cpu", "cuda") and not str(device).startswith("cuda:"):
-        problems.append(f"{prefix}device={device}: use auto, cpu, cuda or cuda:N")
-    return problems
-
-
-def passkey_lengths(cfg: Config) -> tuple[int, ...]:
-    return tuple(int(n) for n in cfg.eval.harness.passkey_lengths) or (int(cfg.data.max_seq_len),)
-
-
-def _short(cfg: Config) -> list[int]:
-    return [n for n in cfg.eval.harness.passkey_lengths if int(n) < 64] if PASSKEY in cfg.eval.harness.tasks else []
+def device_problems(device: str, key: str) -> list[str]:
+    """The device lm-eval runs on (eval.harness.device, or the command's --device)."""
+    if str(device) in ("auto", "cpu", "cuda") or str(device).startswith("cuda:"):
+        return []
+    return [f"{key}={device}: use auto, cpu, cuda or cuda:N"]
 
 
 def resolve_tasks(given: list[str], lengths: tuple[int, ...], *, key: str) -> tuple[list[TaskSpec], list[str]]:
     """(what each TASK is, the problems: one line each, naming `key`)."""
     if not given:
         return [], []
-    if not lm_eval_installed():
+    if importlib.util.find_spec("lm_eval") is None:
         return [], [f"{key}: lm-evaluation-harness is not installed; {INSTALL}"]
     specs: list[TaskSpec] = []
     problems: list[str] = []
@@ -162,7 +144,7 @@ def _file_task(task: str) -> TaskSpec:
         raise TaskProblem(data)
     _check_loads(path, group="group" in cfg)
     material = {"yaml": path_fingerprint(path), "data": [path_fingerprint(p) for p in _data_files(cfg)]}
-    metrics = {name: _metric_names(cfg)} if "group" not in cfg else _group_metrics(cfg)
+    metrics = {name: _metric_names(cfg)} if "group" not in cfg else {str(cfg["group"]): _aggregate_names(cfg)}
     return TaskSpec(task, name, "file", str(path.resolve()), metrics, hash_key(material))
 
 
@@ -328,21 +310,13 @@ def _aggregate_names(cfg: dict[str, Any]) -> tuple[str, ...]:
     return tuple(str(m["metric"]) for m in listed if isinstance(m.get("metric"), str))
 
 
-def _group_metrics(cfg: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    return {str(cfg["group"]): _aggregate_names(cfg)}
-
-
-def cache_home() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "ds_exp"
-
-
 @functools.cache
 def registry_index() -> dict[str, list[Any]]:
     """lm-eval's task registry by name: [kind, YAML path, a tag's task names]. lm-eval builds it by reading its
     ~15000 YAML files (seconds); it is kept in ~/.cache/ds_exp per lm-eval installation."""
     spec = importlib.util.find_spec("lm_eval")
     tasks_dir = Path(str(spec.origin if spec else "")).parent / "tasks"
-    saved = cache_home() / f"lm_eval_tasks-{importlib.metadata.version('lm_eval')}-{hash_key(str(tasks_dir))}.json"
+    saved = user_cache_dir() / f"lm_eval_tasks-{importlib.metadata.version('lm_eval')}-{hash_key(str(tasks_dir))}.json"
     with contextlib.suppress(OSError, ValueError):
         found = json.loads(saved.read_text())
         if isinstance(found, dict) and found:

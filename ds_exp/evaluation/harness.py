@@ -1,25 +1,34 @@
 """lm-evaluation-harness scores of exported models, through lm-eval's own Python API (nothing of its scoring is
 redone here): each model is an HFLM of its directory (weights, tokenizer and dtype as exported), each TASK one
-lm_eval.simple_evaluate call on it with the tasks of a TaskManager (ds_exp's built-ins generated into the data cache,
-YAML files, lm-eval's registry), and lm-eval's EvaluationTracker writes its own files: results_<date>.json and the
-per-sample outputs samples_<task>_<date>.jsonl.
+lm_eval.simple_evaluate call on it with the tasks of a TaskManager (the built-ins of tasks.py, YAML files, lm-eval's
+registry), and lm-eval's EvaluationTracker writes its own files (results_<date>.json, samples_<task>_<date>.jsonl).
+Prompts are rendered as the run trained (`RenderedLM`): the run's dschat markup, or the tokenizer's chat template
+(lm-eval's apply_chat_template), or with the template off (or the run's raw template) lm-eval's own prompts.
 
-Prompts are rendered as the run trained (`RenderedLM`, settings.template): the run's dschat markup, or the tokenizer's
-chat template (lm-eval's apply_chat_template), or with the template off (or the run's raw template) lm-eval's own
-prompts. The base model is scored the same way (ds_exp/artifacts/harness_base.py); harness.json, the console table
-and the chart: ds_exp/artifacts/harness_report.py. lm-eval is an optional extra: this module imports it, and is
-itself imported only where tasks are scored.
+The base model is scored the same way: what the run's config builds before training (ds_exp.model.build, the run's
+own call), the pretrained checkpoint or, for a model built from its config, its initialization rebuilt from
+train.seed (init_weights_by_name draws every module's weights from (train.seed, its name) alone: the run's step-0
+model at any ZeRO stage and world size; tests/integration/test_harness.py checks its perplexity), exported as the run
+exports (the tuned export's vocabulary, dtype and tokenizer) into a scratch directory; a checkpoint the export kept
+as it was is scored in place. Its scores are cached under data.cache_dir, one entry per (model, TASK, settings),
+written whole under a lock: a sweep of 20 jobs over one base model scores it once, and a rerun not at all.
+
+lm-eval is an optional extra: this module imports it, and is itself imported only where tasks are scored (a run's
+hooks.py; `run`, `python -m ds_exp.evaluate`'s work).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import random
 import shutil
+import sys
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,28 +37,40 @@ from typing import Any
 import lm_eval
 import numpy as np
 import torch
+import transformers
 from lm_eval.api.instance import Instance
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from ds_exp.artifacts.harness_base import SCORES, BaseCache, base_identity, base_model_dir
-from ds_exp.artifacts.harness_report import CHART, chart, harness_record, staged, write_record
-from ds_exp.config.eval_schema import EvalConfig, HarnessConfig
-from ds_exp.config.schema import Config
-from ds_exp.data.cache import hash_key, path_fingerprint
-from ds_exp.data.harness_tasks import BuiltinSettings, write_builtin_tasks
-from ds_exp.exports.writer import TOKENIZER_FILES
-from ds_exp.launch.harness_checks import TaskSpec, passkey_lengths
+from ds_exp.config.paths import data_cache_dir
+from ds_exp.config.schema import Config, DataConfig, EvalConfig, ModelConfig
+from ds_exp.core.files import json_text
+from ds_exp.data.cache import file_lock, hash_key, path_fingerprint
+from ds_exp.data.templates import has_chat_template
+from ds_exp.evaluation.checks import TaskSpec
+from ds_exp.evaluation.plan import Plan
+from ds_exp.evaluation.report import HARNESS_JSON, harness_record, staged, table, write_record
+from ds_exp.evaluation.settings import HarnessConfig
+from ds_exp.evaluation.tasks import BuiltinSettings, write_builtin_tasks
+from ds_exp.exports.checks import run_dir_of
+from ds_exp.exports.on_disk import read_metadata
+from ds_exp.exports.writer import DTYPES, TOKENIZER_FILES, export_checkpoint, export_spec, write_export
 from ds_exp.launch.run_logging import FILE_LOGGER, LIBRARY_LOGGER
+from ds_exp.model.architecture import checkpoint_dtype
+from ds_exp.model.build import build_model
+from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.runtime.rank_logging import library_stdout
 
 log = logging.getLogger(__name__)
 file_log = logging.getLogger(FILE_LOGGER)
 
 APPLIED = ("dschat", "chat_template")  # the run's templates lm-eval's apply_chat_template renders
+CACHE = "harness-base"  # the base model's scores, under data.cache_dir
+SCORES = "scores.json"
+WRITTEN_BY = "ds_exp harness: the base model"
 
 
 @dataclass(frozen=True)
@@ -67,11 +88,15 @@ class HarnessSettings:
     def applied(self) -> bool:
         return self.template in APPLIED
 
+    @property
+    def questions(self) -> float | None:
+        """lm-eval's limit: a number of questions (>= 1), or a fraction of them."""
+        return int(self.limit) if self.limit is not None and self.limit >= 1 else self.limit
+
     def material(self) -> dict[str, Any]:
-        limit = int(self.limit) if self.limit is not None and self.limit >= 1 else self.limit
         return {
             "template": self.template if self.applied else None,
-            "limit": limit,
+            "limit": self.questions,
             "num_fewshot": self.num_fewshot,
             "batch_size": self.batch_size,
             "device": self.device.split(":")[0],
@@ -139,12 +164,6 @@ def load_model(model_dir: Path, settings: HarnessSettings, *, tokenizer_dir: Pat
         )
 
 
-def task_manager(specs: Sequence[TaskSpec], builtin_dir: Path | None) -> TaskManager:
-    """lm-eval's registry only when a TASK is one of its names (reading it takes seconds); the built-ins' directory."""
-    registry = any(spec.kind == "registry" for spec in specs)
-    return TaskManager(include_defaults=registry, include_path=str(builtin_dir) if builtin_dir else None)
-
-
 def score(
     lm: RenderedLM, specs: Sequence[TaskSpec], settings: HarnessSettings, manager: TaskManager, out_dir: Path
 ) -> dict[str, TaskScores]:
@@ -157,7 +176,7 @@ def score(
                 model=lm,
                 tasks=[spec.request],
                 task_manager=manager,
-                limit=int(settings.limit) if settings.limit is not None and settings.limit >= 1 else settings.limit,
+                limit=settings.questions,
                 num_fewshot=settings.num_fewshot,
                 apply_chat_template=settings.applied,
                 fewshot_as_multiturn=settings.applied,
@@ -208,7 +227,6 @@ def _number(value: Any) -> float | None:
 @dataclass
 class Evaluation:
     record: dict[str, Any]  # harness.json
-    directory: Path  # where it was written
     base_scored: list[str] = field(default_factory=list)  # the TASKs whose base scores were computed (not cached)
 
 
@@ -229,7 +247,8 @@ def evaluate(
     with _random_state_kept(), staged(out_dir) as scratch, _lm_eval_log(scratch / "lm_eval.log"):
         started = time.perf_counter()
         builtin_dir = _builtin_tasks(specs, tuned_dir, cache_dir, builtin)
-        manager = task_manager(specs, builtin_dir)
+        registry = any(spec.kind == "registry" for spec in specs)  # lm-eval's registry takes seconds to read
+        manager = TaskManager(include_defaults=registry, include_path=str(builtin_dir) if builtin_dir else None)
         keyed = [_keyed(spec, builtin_dir) for spec in specs]
         timing = {"tasks_s": time.perf_counter() - started}
         tuned = score(load_model(tuned_dir, settings), keyed, settings, manager, scratch / "tuned")
@@ -237,15 +256,16 @@ def evaluate(
         base: dict[str, TaskScores] | None = None
         scored: list[str] = []
         if base_cfg is not None:
-            cache = BaseCache(cache_dir, base_identity(base_cfg, tuned_dir), settings.material())
+            identity = base_identity(base_cfg.model, base_cfg.train.seed, tuned_dir)
+            cache = BaseCache(cache_dir, identity, settings.material())
             base, scored = base_scores(base_cfg, tuned_dir, keyed, settings, manager, cache, scratch / "base")
             timing["base_s"] = time.perf_counter() - started - timing["tasks_s"] - timing["tuned_s"]
-        record = harness_record(_pairs(tuned, keyed), _pairs(base, keyed) if base else None, _shown(settings, specs))
+        shown = {"tasks": [spec.given for spec in specs], **settings.material()}
+        record = harness_record(_pairs(tuned, keyed), _pairs(base, keyed) if base else None, shown)
         record["settings"].update(model=str(tuned_dir), base_scored=scored if base_cfg is not None else None)
         record["timing"] = timing  # seconds: the built-in tasks' files, the tuned model, the base (or its cache)
-        write_record(scratch, record)
-        chart(record, scratch / CHART, title)
-    return Evaluation(record, out_dir, scored)
+        write_record(scratch, record, title)
+    return Evaluation(record, scored)
 
 
 def base_scores(
@@ -269,7 +289,8 @@ def base_scores(
                 scratch = cache.scratch()
                 try:
                     how = f"from {cfg.model.name_or_path}" if cfg.model.name_or_path else "built from model.arch"
-                    log.info("the base model (%s, train.seed=%d): scoring %s", how, cfg.train.seed, _names(missing))
+                    names = ", ".join(spec.given for spec in missing)
+                    log.info("the base model (%s, train.seed=%d): scoring %s", how, cfg.train.seed, names)
                     with base_model_dir(cfg, tuned_dir, scratch) as base_dir:
                         lm = load_model(base_dir, settings, tokenizer_dir=tuned_dir)
                         scores = score(lm, missing, settings, manager, scratch / "files")
@@ -296,14 +317,6 @@ def _pairs(
     return out
 
 
-def _names(specs: Sequence[TaskSpec]) -> str:
-    return ", ".join(spec.given for spec in specs)
-
-
-def _shown(settings: HarnessSettings, specs: Sequence[TaskSpec]) -> dict[str, Any]:
-    return {"tasks": [spec.given for spec in specs], **settings.material()}
-
-
 def _keyed(spec: TaskSpec, builtin_dir: Path | None) -> TaskSpec:
     """A built-in's cache key holds what it was generated from (its directory in the data cache is named by it)."""
     if spec.kind != "builtin" or builtin_dir is None:
@@ -318,8 +331,7 @@ def _builtin_tasks(
     if not names:
         return None
     tokenizer = AutoTokenizer.from_pretrained(str(tuned_dir))
-    files = {name: path_fingerprint(tuned_dir / name) for name in TOKENIZER_FILES if (tuned_dir / name).is_file()}
-    settings = dataclasses.replace(builtin, tokenizer_id=hash_key(files))
+    settings = dataclasses.replace(builtin, tokenizer_id=hash_key(_tokenizer_files(tuned_dir)))
     return write_builtin_tasks(names, cache_dir, settings, lambda text: len(tokenizer(text)["input_ids"]))
 
 
@@ -376,4 +388,172 @@ def settings_of(
 
 
 def builtin_of(cfg: Config) -> BuiltinSettings:
-    return BuiltinSettings(cfg.data.synthetic, passkey_lengths(cfg))
+    return BuiltinSettings(cfg.data.synthetic, cfg.eval.harness.lengths(cfg.data.max_seq_len))
+
+
+def _tokenizer_files(model_dir: Path) -> dict[str, Any]:
+    return {name: path_fingerprint(model_dir / name) for name in TOKENIZER_FILES if (model_dir / name).is_file()}
+
+
+# ---------------------------------------------------------------------------------------------- the base model
+
+
+def base_identity(model: ModelConfig, seed: int, tuned_dir: Path) -> dict[str, Any]:
+    """What the base model's scores depend on: how it is built (from model.arch and train.seed `seed`, or the
+    checkpoint's files), the tokenizer and dtype the tuned export has."""
+    if model.name_or_path is None:
+        built: dict[str, Any] = {
+            "arch": model.arch,
+            "seed": seed,
+            "vocab_multiple": model.vocab_multiple,
+            "built_with": [torch.__version__, transformers.__version__],  # their init code draws the weights
+        }
+    else:
+        path = Path(model.name_or_path).expanduser()
+        built = (
+            {"checkpoint": str(path.resolve()), "files": path_fingerprint(path)}
+            if path.exists()
+            else {"hub": model.name_or_path}
+        )
+    return {"model": built, "tokenizer": _tokenizer_files(tuned_dir), "dtype": read_metadata(tuned_dir).get("dtype")}
+
+
+def _for_rebuild(cfg: Config) -> Config:
+    """The run's config for the base alone, in this process: no LoRA (its adapters start as the identity), no
+    sequence-parallel groups, no GPU kernels, no long-context tiling (none of them changes a weight)."""
+    cfg = dataclasses.replace(cfg)
+    cfg.lora = dataclasses.replace(cfg.lora, dim=0, quantize=None)
+    cfg.dist = dataclasses.replace(cfg.dist, sequence_parallel_size=1)
+    attention = None if cfg.model.attn_implementation == "auto" else cfg.model.attn_implementation
+    cfg.model = dataclasses.replace(
+        cfg.model,
+        liger_kernel=False,
+        attn_implementation=attention,
+        gradient_checkpointing=False,
+        tiled_mlp=False,
+        tiled_loss=False,
+        activation_offload=False,
+    )
+    return cfg
+
+
+@contextlib.contextmanager
+def base_model_dir(cfg: Config, tuned_dir: Path, scratch: Path) -> Iterator[Path]:
+    """A directory lm-eval loads the base model from: the checkpoint itself, or an export of the rebuilt model
+    written under `scratch` (removed after)."""
+    meta = read_metadata(tuned_dir)
+    path = cfg.model.name_or_path
+    if path is not None and Path(path).expanduser().is_dir():  # the checkpoint itself, when the export kept its
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)  # vocabulary, dtype
+        rows = int(getattr(config.get_text_config(), "vocab_size", 0) or 0)
+        if meta.get("vocab_size") == rows and meta.get("dtype") == checkpoint_dtype(cfg):
+            yield Path(path).expanduser()
+            return
+    generation = meta.get("generation") or {}
+    rebuilt = _for_rebuild(cfg)
+    tokenizer = load_tokenizer(rebuilt.model, rebuilt.data)
+    built = build_model(rebuilt, tokenizer, {"zero_optimization": {"stage": 0}})
+    state = dict(built.model.state_dict())
+    spec = export_spec(
+        rebuilt.model,
+        built,
+        "fp32",
+        template=generation.get("template"),
+        stop_token_ids=tuple(generation.get("stop_token_ids") or ()),
+        origin={"written_by": WRITTEN_BY, "model": cfg.model.name_or_path or f"{cfg.model.name}, train.seed"},
+    )
+    names = {name: key for key, name in DTYPES.items()}
+    spec = dataclasses.replace(spec, dtype=names.get(str(meta.get("dtype")), "fp32"))  # the tuned export's
+    # built from a config, every weight comes from the rebuild; a checkpoint's are copied from it exactly
+    trained = set(state) if cfg.model.name_or_path is None else set()
+    del built
+    target = scratch / f".base-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write_export(state, trained, spec, tokenizer, target)
+        yield target
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+class BaseCache:
+    """The base model's scores under <data.cache_dir>/harness-base/: <model>-<task and settings>/ holds
+    scores.json and lm-eval's files for that TASK. An entry is complete once its directory has its name."""
+
+    def __init__(self, cache_dir: Path, identity: dict[str, Any], settings: dict[str, Any]) -> None:
+        self.root = cache_dir / CACHE
+        self.model_key = hash_key(identity)
+        self.settings = settings
+
+    def entry(self, fingerprint: str) -> Path:
+        return self.root / f"{self.model_key}-{hash_key([fingerprint, self.settings])}"
+
+    def read(self, fingerprint: str) -> dict[str, Any] | None:
+        try:
+            found = json.loads((self.entry(fingerprint) / SCORES).read_text())
+        except (OSError, ValueError):
+            return None
+        return found if isinstance(found, dict) else None
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """One process scores a base model at a time (the jobs of a sweep started together wait, then read)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.root / f"{self.model_key}.lock"):
+            yield
+
+    def scratch(self) -> Path:
+        path = self.root / f".{self.model_key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        path.mkdir(parents=True)
+        return path
+
+    def store(self, fingerprint: str, files: Path, scores: dict[str, Any]) -> None:
+        """`files` (lm-eval's, for this TASK) and `scores` become the entry (renamed into place: complete or absent)."""
+        (files / SCORES).write_text(json_text(scores, indent=2, sort_keys=True) + "\n")
+        target = self.entry(fingerprint)
+        if target.exists():
+            shutil.rmtree(target)
+        files.rename(target)
+
+
+# ------------------------------------------------------------------------------------- python -m ds_exp.evaluate
+
+
+def run(plan: Plan) -> int:
+    """Score what `plan` says (a checkpoint exported first) and print the table."""
+    hf_logging.disable_progress_bar()
+    if plan.checkpoint is not None:
+        assert plan.cfg is not None  # a checkpoint's run config rebuilds its model
+        print(f"ds_exp: exporting {plan.checkpoint} to {plan.model_dir} first", file=sys.stderr)
+        run_dir = run_dir_of(plan.checkpoint)
+        export_checkpoint(plan.checkpoint, run_dir, plan.cfg, plan.model_dir, adapter=False, dtype=None)
+    device = plan.harness.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    settings = settings_of(plan.harness, plan.cfg.eval if plan.cfg else None, template_of(plan.model_dir), device)
+    data = plan.cfg.data if plan.cfg is not None else DataConfig(name="synthetic")  # the embedded task's defaults
+    what = f"{plan.model_dir} and its base model" if plan.base else str(plan.model_dir)
+    asked = f"prompts in the {settings.template} template" if settings.applied else "lm-eval's own prompts"
+    print(f"ds_exp: scoring {what} on {', '.join(s.given for s in plan.specs)} ({asked}, {device})", file=sys.stderr)
+    evaluation = evaluate(
+        plan.model_dir,
+        plan.specs,
+        settings,
+        out_dir=plan.out_dir,
+        cache_dir=data_cache_dir(data.cache_dir),
+        builtin=BuiltinSettings(data.synthetic, plan.harness.lengths(data.max_seq_len)),
+        base_cfg=plan.cfg if plan.base else None,
+        title=str(plan.model_dir),
+    )
+    print(table(evaluation.record))
+    cached = " (the base model's scores from the cache)" if plan.base and not evaluation.base_scored else ""
+    print(f"ds_exp: scores in {plan.out_dir / HARNESS_JSON}{cached}, chart harness.png, lm-eval's samples beside")
+    return 0
+
+
+def template_of(model_dir: Path) -> str | None:
+    """How the model is asked: the run's template (its export says it), else the tokenizer's chat template, else
+    lm-eval's own prompts (a model from elsewhere, trained on none)."""
+    recorded = (read_metadata(model_dir).get("generation") or {}).get("template")
+    if recorded is not None:
+        return str(recorded)
+    return "chat_template" if has_chat_template(AutoTokenizer.from_pretrained(str(model_dir))) else None

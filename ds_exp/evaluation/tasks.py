@@ -29,7 +29,6 @@ from ds_exp.data.synthetic import COLORS, NOUNS, WORDS, generate, make_example
 
 SYNTHETIC = "ds_exp_synthetic"
 PASSKEY = "ds_exp_passkey"
-BUILTIN = (SYNTHETIC, PASSKEY)
 SYNTHETIC_QUESTIONS = 200
 PASSKEYS_PER_LENGTH = 20
 VERSION = 1  # of the generated files: a change here makes new cache directories

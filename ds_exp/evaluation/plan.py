@@ -1,6 +1,6 @@
 """What `python -m ds_exp.evaluate` scores, how and where, decided from its command line before anything heavy (no
-torch): the target (a run directory, an export or model directory, a checkpoint), the tasks (ds_exp/launch/
-harness_checks.py), the options over the run's eval.harness, the output directory. Every refusal is one line."""
+torch): the target (a run directory, an export or model directory, a checkpoint), the tasks (checks.py), the options
+over the run's eval.harness, the output directory. Every refusal is one line."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_exp.config.eval_schema import HarnessConfig
 from ds_exp.config.schema import Config
 from ds_exp.core.errors import ConfigError, RunFailed
+from ds_exp.evaluation.checks import TaskSpec, device_problems, resolve_tasks
+from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.exports.checks import check_target, find_checkpoint, run_dir_of
 from ds_exp.exports.on_disk import (
     ADAPTER_CONFIG,
@@ -22,9 +23,10 @@ from ds_exp.exports.on_disk import (
     run_config,
     step_export_dir,
 )
-from ds_exp.launch.harness_checks import TaskSpec, resolve_tasks, setting_problems
 from ds_exp.launch.storage import check_writable
 from ds_exp.resume.store import COMPLETE_MARKER
+
+FEW = "give a number of questions >= 1, a fraction in (0, 1), or leave it out"
 
 
 @dataclass
@@ -43,13 +45,12 @@ class Plan:
 def make_plan(args: argparse.Namespace) -> Plan:
     run_dir, model_dir, checkpoint, cfg, pair = _target(args.target)
     harness = _options(args, cfg)
-    problems = setting_problems(harness.limit, harness.num_fewshot, harness.batch_size, harness.device, "--")
-    lengths = tuple(int(n) for n in harness.passkey_lengths) or (int(cfg.data.max_seq_len) if cfg else 512,)
+    problems = [] if harness.limit is None or harness.limit > 0 else [f"--limit={harness.limit}: {FEW}"]
+    problems += device_problems(harness.device, "--device")  # --batch-size, --num-fewshot: parsed in their range
+    lengths = harness.lengths(cfg.data.max_seq_len if cfg else 512)
     specs, more = resolve_tasks(list(args.tasks), lengths, key="TASK")
-    problems += more
-    if problems:
-        raise ConfigError(problems)
-    harness.passkey_lengths = list(lengths)
+    if problems + more:
+        raise ConfigError(problems + more)
     if args.output:
         out_dir = Path(args.output).expanduser()
     elif run_dir is not None:

@@ -152,5 +152,7 @@ def staged(target: Path) -> Iterator[Path]:
         raise
 
 
-def write_record(directory: Path, record: dict[str, Any]) -> None:
+def write_record(directory: Path, record: dict[str, Any], title: str) -> None:
+    """harness.json and its chart."""
     write_json_atomic(directory / HARNESS_JSON, record)
+    chart(record, directory / CHART, title)

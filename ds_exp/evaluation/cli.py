@@ -1,16 +1,18 @@
-"""The command line of `python -m ds_exp.evaluate TARGET TASK [TASK ...]`. Everything it can refuse is refused first
-(plan.py), one line each and before torch is imported or a model loaded (nothing is written then); the work itself
-(run.py) is imported after."""
+"""Did the fine-tune help? `python -m ds_exp.evaluate TARGET TASK [TASK ...]`: lm-evaluation-harness scores of a
+run's final export beside its base model's (TARGET a run directory), or of one model (an export, any Hugging Face
+model directory, or a checkpoint, exported first as `python -m ds_exp.export` does). Everything it can refuse is
+refused first (plan.py), one line each and before torch is imported or a model loaded (nothing is written then); the
+work itself (harness.run, as a run's eval.harness scores) is imported after."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from ds_exp.evaluation.plan import make_plan
 from ds_exp.launch.console import entry_point
 from ds_exp.launch.flags import FlagParser, number, path_text, whole
 from ds_exp.launch.run_logging import hold_library_logs
-from ds_exp.tools.evaluate.plan import make_plan
 
 EPILOG = """examples:
   python -m ds_exp.evaluate outputs/default/<date_time> ds_exp_synthetic     the run's base and final export
@@ -59,6 +61,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _evaluate(argv: list[str]) -> int:
     plan = make_plan(parser().parse_args(argv))
-    from ds_exp.tools.evaluate.run import run  # torch, transformers, lm-eval: past every refusal
+    from ds_exp.evaluation.harness import run  # torch, transformers, lm-eval: past every refusal
 
     return run(plan)
