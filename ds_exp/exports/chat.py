@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
-from ds_exp.core.errors import ConfigError
+from ds_exp.core.errors import ConfigError, first_line
 from ds_exp.core.files import json_text
 from ds_exp.data.templates import has_chat_template, render_conversation
 from ds_exp.exports.on_disk import read_metadata
@@ -40,6 +40,14 @@ class Chat:
         hf_logging.disable_progress_bar()
         device = pick_device(args.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        generation = read_metadata(model_dir).get("generation") or {}
+        self.template = choose_template(args.template, generation.get("template"), self.tokenizer)
+        if self.template == "chat_template" and not has_chat_template(self.tokenizer):
+            raise ConfigError(
+                f"--template chat_template: the tokenizer in {model_dir} has no chat template; use --template auto "
+                "(the run's own), dschat or raw"
+            )
+        self.render([("user", "Hello")])  # a template that cannot render a first turn is said now, not per prompt
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
         bad = not_finite(model.state_dict())
         if bad:
@@ -50,8 +58,6 @@ class Chat:
         # transformers 5 types PreTrainedModel.to through a wrapper whose first parameter is the model itself
         self.model = model.to(device).eval()  # type: ignore[arg-type]
         self.context, self.notes = context, notes or sys.stderr
-        generation = read_metadata(model_dir).get("generation") or {}
-        self.template = choose_template(args.template, generation.get("template"), self.tokenizer)
         self.stop_ids = list(generation.get("stop_token_ids") or []) or self._default_stops()
         self.sampling = Sampling(args.temperature, args.top_p, args.top_k, None)
         self.max_new_tokens = int(args.max_new_tokens)
@@ -64,8 +70,18 @@ class Chat:
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         return [int(i) for i in (eos if isinstance(eos, list) else [eos])] if eos is not None else []
 
+    def render(self, turns: list[tuple[str, str]]) -> tuple[str, bool]:
+        """The conversation as the model is asked it; a chat template that raises is one line naming the fix."""
+        try:
+            return render_conversation(turns, self.template, self.tokenizer)
+        except Exception as err:  # jinja's TemplateError, or whatever a template's own raise_exception says
+            raise ConfigError(
+                f"the tokenizer's chat template failed on this conversation ({type(err).__name__}: {first_line(err)}); "
+                "use --template dschat or raw, or fix the template in tokenizer_config.json"
+            ) from None
+
     def answer(self, turns: list[tuple[str, str]], streamer: BaseStreamer | None = None) -> str:
-        text, add_special = render_conversation(turns, self.template, self.tokenizer)
+        text, add_special = self.render(turns)
         ids = self.tokenizer(text, add_special_tokens=add_special, return_tensors="pt")["input_ids"]
         room = self.context - self.max_new_tokens if self.context is not None else None
         if room is not None and ids.shape[1] > room:  # past its positions a model fails (or crawls): cut the oldest

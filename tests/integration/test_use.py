@@ -413,6 +413,21 @@ def test_chat_cuts_what_the_positions_cannot_hold_skips_a_line_not_utf8_and_refu
         assert chat_main([str(tmp_path / "nan")]) == 2
         err = capsys.readouterr().err
         assert f"{tmp_path / 'nan'}: the weights are not finite (NaN or inf) in" in err and "Traceback" not in err
+
+        # issue 39 §6: a chat template asked of a tokenizer without one, and a template that raises: one line each
+        piped(f"{PROMPT}\n".encode())
+        assert chat_main([str(zero0.run_dir / "hf_model-step2"), "--template", "chat_template"]) == 2
+        err = capsys.readouterr().err
+        assert "--template chat_template: the tokenizer in" in err and "has no chat template" in err
+        shutil.copytree(zero0.run_dir / "hf_model-step2", tmp_path / "raising")
+        broken = AutoTokenizer.from_pretrained(tmp_path / "raising")
+        broken.chat_template = "{{ raise_exception('only system turns') }}"
+        broken.save_pretrained(tmp_path / "raising")
+        piped(f"{PROMPT}\n".encode())
+        assert chat_main([str(tmp_path / "raising"), "--template", "chat_template"]) == 2
+        err = capsys.readouterr().err
+        assert "the tokenizer's chat template failed on this conversation" in err and "only system turns" in err
+        assert "Traceback" not in err
     finally:
         sys.stdin = saved
 
