@@ -30,7 +30,7 @@ from typing import Any
 from ds_exp.config.schema import Config
 
 # Every feature, in the order its checks are said and its hooks run.
-FEATURE_PACKAGES: tuple[str, ...] = ()
+FEATURE_PACKAGES: tuple[str, ...] = ("ds_exp.preference",)
 
 
 @dataclass(frozen=True)

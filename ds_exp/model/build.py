@@ -97,9 +97,12 @@ class BuiltModel:
         return self.attention in TAKES_BOUNDARIES and self.mpu is None
 
 
-def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
+def build_model(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any], auto_class: Any = AutoModelForCausalLM
+) -> BuiltModel:
     """The model to train. At ZeRO-3, transformers builds it inside deepspeed.zero.Init (each rank holds only
-    its shard) because an HfDeepSpeedConfig for the final DeepSpeed config is alive during construction."""
+    its shard) because an HfDeepSpeedConfig for the final DeepSpeed config is alive during construction.
+    `auto_class`: the objective's (a reward model is an AutoModelForSequenceClassification)."""
     config = build_model_config(cfg, tokenizer)
     if cfg.model.gradient_checkpointing:
         config.use_cache = False
@@ -115,7 +118,7 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
     extra = {"attn_implementation": attention} if attention else {}
     torch.manual_seed(cfg.train.seed)
     if cfg.model.name_or_path is None:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+        model = auto_class.from_config(config, dtype=torch.float32, **extra)
     else:
         # a large checkpoint takes a while (transformers' own bar is off: ds_exp/runtime/rank_logging.py)
         log.info("loading the weights of %s ...", cfg.model.name_or_path)
@@ -123,7 +126,7 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         if cfg.lora.dim > 0 and cfg.lora.quantize:  # QLoRA (validation refuses it without CUDA and bitsandbytes)
             loading = quantized_loading(cfg.lora.quantize, _compute_dtype(ds_config))
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = auto_class.from_pretrained(
                 cfg.model.name_or_path,
                 config=config,
                 trust_remote_code=cfg.model.trust_remote_code,

@@ -7,6 +7,9 @@ its hooks are built, and the run as it stands at that point.
     after_export   an export was written (rank 0 wrote it; every rank calls, ordered after the export's barrier)
     after_run      the run is over and its engine released: work on what it left (scoring an export), never failing
                    the completed run
+
+A feature may also say what the run's steps optimize (`objective`: ds_exp.train.step.Objective, SFT's unless one
+does), asked before setup: the data the run trains on, its loss, its evaluation and its metric lines follow it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from ds_exp.config.features import features, load
 from ds_exp.config.schema import Config
 from ds_exp.train.session import Session
+from ds_exp.train.step import SFT, Objective
 from ds_exp.train.workload import Workload
 
 
@@ -35,6 +39,9 @@ class FeatureHooks:
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
+
+    def objective(self) -> Objective | None:
+        return None
 
     def after_setup(self, run: Run) -> None:
         return None
@@ -63,6 +70,10 @@ class RunHooks:
             if feature.hooks is not None and feature.active(settings):
                 built.append(load(feature.hooks)(settings))
         return cls(built)
+
+    def objective(self) -> Objective:
+        """The objective of the first feature that has one, else SFT's."""
+        return next((o for o in (hook.objective() for hook in self.hooks) if o is not None), SFT)
 
     def after_setup(self, run: Run) -> None:
         for hook in self.hooks:

@@ -53,7 +53,6 @@ from ds_exp.resume.store import TrainState, read_marker
 from ds_exp.resume.trajectory import trajectory_of
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.runtime.signals import StopRequested
-from ds_exp.train.collate import make_collator
 from ds_exp.train.disk_space import check_disk_space
 from ds_exp.train.evaluate import Generations
 from ds_exp.train.exports import RunExports
@@ -65,6 +64,7 @@ from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.resuming import resume, resume_plan
 from ds_exp.train.session import Session, training_line
+from ds_exp.train.step import SFT, Objective
 from ds_exp.train.workload import Workload
 
 log = logging.getLogger("ds_exp.train")
@@ -78,7 +78,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
         work: Workload | None = None
         try:
             session.start()
-            work = setup(cfg, session)
+            work = setup(cfg, session, hooks.objective())
             hooks.after_setup(Run(session, work))
             start = resume(cfg, session, work)
             train(cfg, session, work, start, hooks)
@@ -93,14 +93,14 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
 
-def setup(cfg: Config, session: Session) -> Workload:
+def setup(cfg: Config, session: Session, objective: Objective = SFT) -> Workload:
     """Everything the loop uses, as named steps in the order that fails cheapest first: the ranks' layout, then the
     model's config before the data (a checkpoint transformers cannot read fails before tokenizing), the data before
     the plan (its steps count the examples), the checkpoint to resume from before the weights (deepspeed.initialize
     reads whether it loads through the universal format), the disk before the engine."""
     sp = parallel_layout(cfg, session)
     tokenizer, model_config = read_model_config(cfg, session, sp)
-    data = tokenized_data(cfg, session, tokenizer, model_config)
+    data = tokenized_data(cfg, session, tokenizer, model_config, objective)
     plan = plan_run(
         cfg,
         world_size=session.world,
@@ -114,7 +114,7 @@ def setup(cfg: Config, session: Session) -> Workload:
     settings = settings_of(cfg, session.world, plan.ds_config, session.precision)
     resume_from, universal = resume_plan(cfg, session, settings)
     ds_config = final_ds_config(cfg, session, plan, universal)
-    built = build_model(cfg, tokenizer, ds_config)
+    built = build_model(cfg, tokenizer, ds_config, objective.model_class)
     base = built_base(cfg, built.model, zero3=ds_config["zero_optimization"]["stage"] == 3, checkpoint=resume_from)
     parameters, trainable = record_model(cfg, session, built, plan, ds_config)
     needed = checkpoint_bytes(trainable, session.precision, optimizer_state(cfg, accelerator=session.accelerator))
@@ -127,7 +127,7 @@ def setup(cfg: Config, session: Session) -> Workload:
         tokenizer=tokenizer,
         data=data,
         # under sequence parallelism every row splits into N equal slices, and position_ids carry the causality
-        collator=make_collator(
+        collator=objective.collator(
             tokenizer,
             pad_to_multiple_of=sp.size if sp.enabled else None,
             isolate_packed=bool(cfg.data.packing),
@@ -156,6 +156,7 @@ def setup(cfg: Config, session: Session) -> Workload:
         checkpoint_bytes=needed,
         base=base,
         sp=sp,
+        objective=objective,
     )
 
 
@@ -187,10 +188,14 @@ def read_model_config(
 
 
 def tokenized_data(
-    cfg: Config, session: Session, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig
+    cfg: Config,
+    session: Session,
+    tokenizer: PreTrainedTokenizerBase,
+    model_config: PretrainedConfig,
+    objective: Objective = SFT,
 ) -> SFTData:
     """The training and eval sets, tokenized (or read from the cache); the generation prompts checked to fit."""
-    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed, pairs=objective.pairs)
     file_log.info("data statistics: %s", data.stats)  # the console has the pipeline's sentence
     if session.is_main and len(data.eval) == 0:
         log.warning(no_eval_note(cfg.data))
@@ -272,7 +277,8 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState, hook
         progress.last_save_step = start.step  # that checkpoint exists: it is never written again
     session.state.steps = start.step
     # a resumed window's sums are over all ranks: rank 0 carries them, so the reduction counts them once
-    carried = (start.window_loss_sum, start.window_label_tokens) if session.is_main else (0.0, 0.0)
+    window = (start.window_loss_sum, start.window_label_tokens, *start.window_sums)
+    carried = window if session.is_main else (0.0,) * len(window)
     metrics = Metrics(
         metrics_log,
         trackers,
@@ -280,9 +286,10 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState, hook
         world_size=session.world,
         peak_flops=work.peak_flops,
         carried=carried,
+        objective=work.objective,
     )
     generations = Generations(
-        _prompts(cfg),
+        _prompts(cfg) if work.objective.generates else [],  # a reward model completes nothing
         tokenizer=work.tokenizer,
         template=first_template(work.data.stats),
         max_new_tokens=int(cfg.eval.max_new_tokens),

@@ -15,6 +15,7 @@ from ds_exp.model.engine import MetricSchedule
 from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.train.collate import SFTCollator
 from ds_exp.train.flops import FlopsModel
+from ds_exp.train.step import SFT, Objective
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Workload:
     # loaded through DeepSpeed's universal format: its layout changed (ds_exp/checkpoint/universal.py)
     universal: bool = False
     sp: SequenceParallel = SequenceParallel(1)  # noqa: RUF009 (frozen) this rank's sequence-parallel group place
+    objective: Objective = SFT  # what the steps optimize (ds_exp.train.step.Objective; a feature's, or SFT's)
 
     @property
     def zero_stage(self) -> int:

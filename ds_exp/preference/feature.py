@@ -1,0 +1,33 @@
+"""Preference tuning's entry (ds_exp/config/features.py): on for objective=dpo or reward."""
+
+from __future__ import annotations
+
+from ds_exp.config.features import Feature
+from ds_exp.config.schema import Config, as_dict
+from ds_exp.data.cache import hash_key
+from ds_exp.preference.checks import preference_problems
+from ds_exp.preference.settings import PreferenceSettings
+
+
+def settings_of(cfg: Config) -> PreferenceSettings:
+    identity = {"model": as_dict(cfg)["model"], "seed": cfg.train.seed, "precision": str(cfg.precision.dtype)}
+    return PreferenceSettings(
+        objective=cfg.objective,
+        data=cfg.data,
+        lora_dim=int(cfg.lora.dim),
+        sequence_parallel_size=int(cfg.dist.sequence_parallel_size),
+        fused_loss=cfg.model.fused_loss,
+        tiled_loss=bool(cfg.model.tiled_loss),
+        model_key=hash_key(identity),
+        model_path=cfg.model.name_or_path,
+    )
+
+
+FEATURE = Feature(
+    name="preference",
+    summary="preference tuning (DeepSpeed-Chat step 2): DPO on chosen/rejected pairs, and reward models",
+    settings=settings_of,
+    active=lambda settings: settings.name != "sft",
+    problems=preference_problems,
+    hooks="ds_exp.preference.hooks:PreferenceHooks",
+)
