@@ -210,7 +210,9 @@ def run_estimate(
     )
     sp = int(getattr(cfg.dist, "sequence_parallel_size", 1) or 1)
     tiling = plan_tiling(cfg, hidden=facts["hidden"], vocab=facts["vocab"])
-    micro = int(cfg.train.micro_batch_size)
+    # preference pairs (objective=dpo, reward) are two rows each; DPO's reference adds no weights (LoRA's adapters
+    # off, or log-probabilities computed before training) and its no-grad forward keeps no activations
+    micro = int(cfg.train.micro_batch_size) * (1 if str(plain(cfg.objective.name)) == "sft" else 2)
     tokens = micro * tokens_per_rank(cfg.data.max_seq_len, sp)
     attention = str(cfg.model.attn_implementation or "sdpa")
     fast = decide(cfg, accelerator, int(cfg.zero.stage))

@@ -62,7 +62,8 @@ def _logps(work: Workload, pairs: datasets.Dataset, micro: int) -> np.ndarray:
     with torch.no_grad():
         for start in range(0, len(pairs), micro):
             rows = range(start, min(start + micro, len(pairs)))
-            batch = collator([pairs[i] for i in rows])
+            columns = pairs[rows.start : rows.stop]  # one read of the Arrow table, not one per row
+            batch = collator([dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)])
             inputs = {k: batch[k].to(engine.device) for k in ("input_ids", "attention_mask")}
             logps, _ = sequence_logps(engine(**inputs, use_cache=False).logits, batch["labels"].to(engine.device))
             out[rows.start : rows.stop] = logps.view(-1, 2).double().cpu().numpy()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 PREFIX = "harness"
+PREFERENCE = ("reward_accuracy", "reward_margin")  # final_eval of objective=dpo / reward (ds_exp/preference/)
 
 
 def harness_cells(summary: dict[str, Any]) -> dict[str, Any]:
@@ -27,8 +28,10 @@ def harness_damaged(summary: dict[str, Any]) -> bool:
 
 
 def report_columns(fixed: list[str], rows: list[dict[str, Any]]) -> list[str]:
-    """The fixed columns, then every harness column a row has (sorted), before the error columns at the end."""
-    found = sorted({key for row in rows for key in row if key.startswith(f"{PREFIX}.")})
+    """The fixed columns, then preference tuning's and every harness column a row has (sorted), before the error
+    columns at the end."""
+    found = [name for name in PREFERENCE if any(name in row for row in rows)]
+    found += sorted({key for row in rows for key in row if key.startswith(f"{PREFIX}.")})
     if not found:
         return fixed
     at = fixed.index("wall_time_s")

@@ -23,7 +23,7 @@ import yaml
 from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
-from ds_exp.sweeps.harness_columns import harness_cells, harness_damaged, report_columns
+from ds_exp.sweeps.harness_columns import PREFERENCE, harness_cells, harness_damaged, report_columns
 from ds_exp.sweeps.report_plot import plot
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
@@ -158,6 +158,7 @@ def _fill_from_summary(row: dict[str, Any], summary: dict[str, Any]) -> None:
         error_kind=summary.get("error_kind"),
         error=summary.get("error"),
         **harness_cells(summary),  # harness.<task>.<metric>: eval.harness's scores
+        **{name: final[name] for name in PREFERENCE if name in final},  # preference tuning's final_eval
     )
 
 
