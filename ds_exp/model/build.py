@@ -86,6 +86,7 @@ class BuiltModel:
     loss: HeadLoss | None = None
     attention: str | None = None  # the attention implementation (None: transformers' default)
     fast: FastPath = NO_FAST_PATH  # what the fast path applied
+    auto_class: Any = AutoModelForCausalLM  # what transformers built it as (and the export reloads it as)
 
     def fast_path_record(self) -> dict[str, Any]:
         """What of the fast path the model uses (ds_exp/config/fast_path.py), for summary.json."""
@@ -102,8 +103,12 @@ def build_model(
 ) -> BuiltModel:
     """The model to train. At ZeRO-3, transformers builds it inside deepspeed.zero.Init (each rank holds only
     its shard) because an HfDeepSpeedConfig for the final DeepSpeed config is alive during construction.
-    `auto_class`: the objective's (a reward model is an AutoModelForSequenceClassification)."""
+    `auto_class`: the objective's (a reward model is an AutoModelForSequenceClassification: one score, read at the
+    last token before padding)."""
     config = build_model_config(cfg, tokenizer)
+    if auto_class is not AutoModelForCausalLM:
+        config.num_labels = 1
+        config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if cfg.model.gradient_checkpointing:
         config.use_cache = False
     zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
@@ -202,4 +207,5 @@ def build_model(
         loss=loss,
         attention=attention,
         fast=fast,
+        auto_class=auto_class,
     )

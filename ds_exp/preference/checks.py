@@ -37,6 +37,11 @@ def preference_problems(run: PreferenceSettings, facts: CheckFacts) -> list[str]
             "objective.reference=adapters_off needs LoRA adapters to turn off (lora.dim=0); set lora.dim (e.g. 16) or "
             "objective.reference=precomputed"
         )
+    if name == "reward" and run.lora_dim > 0 and "score" not in run.lora_modules_to_save:
+        problems.append(
+            "objective=reward with LoRA: the reward head (score) must train whole beside the adapters; add it: "
+            "lora.modules_to_save=[score]"
+        )
     return problems + pair_problems(run.data, name)
 
 

@@ -15,6 +15,7 @@ def settings_of(cfg: Config) -> PreferenceSettings:
         objective=cfg.objective,
         data=cfg.data,
         lora_dim=int(cfg.lora.dim),
+        lora_modules_to_save=tuple(cfg.lora.modules_to_save),
         sequence_parallel_size=int(cfg.dist.sequence_parallel_size),
         fused_loss=cfg.model.fused_loss,
         tiled_loss=bool(cfg.model.tiled_loss),

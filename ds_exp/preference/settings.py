@@ -48,6 +48,7 @@ class PreferenceSettings:
     objective: ObjectiveConfig
     data: DataConfig
     lora_dim: int = 0
+    lora_modules_to_save: tuple[str, ...] = ()
     sequence_parallel_size: int = 1
     fused_loss: object = "auto"
     tiled_loss: bool = False

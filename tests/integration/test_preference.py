@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.training import train_here
+from tests.training import FAST, assert_close, launch, train_here
 
 STEPS, MICRO, ACCUM, SEED = 5, 2, 2, 1234
 COMMON = [
@@ -139,3 +139,33 @@ def test_dpo_steps_match_trls_dpotrainer(tmp_path, cache_dir, compose_cfg, lora)
     # the weights move: every step after the first is compared away from the start (rewards 0, loss log 2)
     assert max(abs(line["reward_margin"]) for line in lines[1:]) > 1e-2
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
+
+
+# The same DPO run (its reference precomputed: under ZeRO-3 every rank's forward is collective) at every ZeRO stage on
+# two ranks, and on one rank accumulating the same global batch; a resume from step 3 continues its losses.
+DPO_RUN = ["objective=dpo", *FAST, "train.micro_batch_size=2", "train.save_every=3"]
+
+
+@pytest.mark.slow
+def test_dpo_losses_equal_across_zero_stages_and_ranks_and_resume_exactly(tmp_path, cache_dir):
+    one = train_here(tmp_path / "one", *DPO_RUN, "train.gradient_accumulation_steps=2", cache_dir=cache_dir)
+    assert one.ok, one.explain()
+    reference = one.losses
+    assert len(reference) == 8 and reference[0] == pytest.approx(0.693147, abs=1e-5)  # policy = reference at step 1
+    assert one.records("train")[-1]["reward_accuracy"] > 0.5
+    for stage in range(4):
+        run = launch(
+            tmp_path / f"stage{stage}", *DPO_RUN, f"zero=stage{stage}", launcher="ranks", nproc=2, cache_dir=cache_dir
+        )
+        assert run.ok, run.explain()
+        assert_close(run.losses, reference)
+        assert run.summary["final_eval"]["reward_accuracy"] == pytest.approx(
+            one.summary["final_eval"]["reward_accuracy"]
+        )
+    step3 = one.run_dir / "checkpoints" / "step3"
+    again = train_here(
+        tmp_path / "resumed", *DPO_RUN, "train.gradient_accumulation_steps=2", f"resume={step3}", cache_dir=cache_dir
+    )
+    assert again.ok, again.explain()
+    assert [r["step"] for r in again.records("train")] == [4, 5, 6, 7, 8]
+    assert again.losses == pytest.approx(reference[3:], rel=1e-6, abs=1e-7)
