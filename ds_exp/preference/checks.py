@@ -3,11 +3,41 @@ the fix. Light: no torch, no deepspeed; the rows are read with ds_exp.data's own
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ds_exp.config.features import CheckFacts
 from ds_exp.config.schema import DataConfig, plain
 from ds_exp.data.formats import resolve_format
 from ds_exp.data.sources import located_rows
-from ds_exp.preference.settings import PreferenceSettings
+from ds_exp.preference.settings import ObjectiveConfig
+
+
+@dataclass(frozen=True)
+class PreferenceSettings:
+    """What preference tuning reads of a run: its objective and the keys of other sections it depends on."""
+
+    objective: ObjectiveConfig
+    data: DataConfig
+    lora_dim: int = 0
+    lora_modules_to_save: tuple[str, ...] = ()
+    sequence_parallel_size: int = 1
+    fused_loss: object = "auto"
+    tiled_loss: bool = False
+    model_key: str = ""  # the starting model as configured (its section, the seed, the precision)
+    model_path: str | None = None  # model.name_or_path: its files are part of the reference's key
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.objective.name, "value", self.objective.name))
+
+    @property
+    def reference(self) -> str:
+        """Where DPO's reference log-probabilities come from (auto decided)."""
+        chosen = str(getattr(self.objective.reference, "value", self.objective.reference))
+        if chosen == "auto":
+            return "adapters_off" if self.lora_dim > 0 else "precomputed"
+        return chosen
+
 
 PAIRS_FIX = "give prompt/chosen/rejected rows (DeepSpeed-Chat's layout) or train with objective=sft"
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from ds_exp.config.features import Feature
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.data.cache import hash_key
-from ds_exp.preference.checks import preference_problems
-from ds_exp.preference.settings import PreferenceSettings
+from ds_exp.preference.checks import PreferenceSettings, preference_problems
 
 
 def settings_of(cfg: Config) -> PreferenceSettings:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
+from ds_exp.preference.checks import PreferenceSettings
 from ds_exp.preference.objectives import DPO, Reward
 from ds_exp.preference.reference import precompute_reference
-from ds_exp.preference.settings import PreferenceSettings
 from ds_exp.train.hooks import FeatureHooks, Run
 from ds_exp.train.step import Objective
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification
 
-from ds_exp.preference.settings import PreferenceSettings
+from ds_exp.preference.checks import PreferenceSettings
 from ds_exp.train.collate import SFTCollator
 from ds_exp.train.step import IGNORE_INDEX, Batch, BatchLoss, BatchResult, Objective, next_token_targets
 

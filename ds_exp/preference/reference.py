@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from ds_exp.data.cache import hash_key, path_fingerprint
 from ds_exp.data.formats import expand
+from ds_exp.preference.checks import PreferenceSettings
 from ds_exp.preference.objectives import PairCollator, sequence_logps
-from ds_exp.preference.settings import PreferenceSettings
 from ds_exp.train.workload import Workload
 
 log = logging.getLogger(__name__)

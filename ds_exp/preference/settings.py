@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from ds_exp.config.fields import Range, above, setting
-
-if TYPE_CHECKING:
-    from ds_exp.config.schema import DataConfig  # the schema imports this module
 
 
 class ObjectiveName(str, Enum):
@@ -39,30 +35,3 @@ class ObjectiveConfig:
     )
     loss_type: LossType = LossType.sigmoid
     reference: Reference = Reference.auto
-
-
-@dataclass(frozen=True)
-class PreferenceSettings:
-    """What preference tuning reads of a run: its objective and the keys of other sections it depends on."""
-
-    objective: ObjectiveConfig
-    data: DataConfig
-    lora_dim: int = 0
-    lora_modules_to_save: tuple[str, ...] = ()
-    sequence_parallel_size: int = 1
-    fused_loss: object = "auto"
-    tiled_loss: bool = False
-    model_key: str = ""  # the starting model as configured (its section, the seed, the precision)
-    model_path: str | None = None  # model.name_or_path: its files are part of the reference's key
-
-    @property
-    def name(self) -> str:
-        return str(getattr(self.objective.name, "value", self.objective.name))
-
-    @property
-    def reference(self) -> str:
-        """Where DPO's reference log-probabilities come from (auto decided)."""
-        chosen = str(getattr(self.objective.reference, "value", self.objective.reference))
-        if chosen == "auto":
-            return "adapters_off" if self.lora_dim > 0 else "precomputed"
-        return chosen
