@@ -51,6 +51,7 @@ class Feature:
     active: Callable[[Any], bool]  # on for this run (given its settings): only then is its heavy work imported
     problems: Callable[[Any, CheckFacts], list[str]] | None = None  # light checks of its settings, one line each
     hooks: str | None = None  # "module:Class": its FeatureHooks (ds_exp/train/hooks.py), built with its settings
+    plan: Callable[[Any], list[str]] | None = None  # what a dry run says of it, when it is on (one line each)
 
 
 @cache
@@ -66,6 +67,16 @@ def feature_problems(cfg: Config, facts: CheckFacts) -> list[str]:
         if feature.problems is not None:
             problems += feature.problems(feature.settings(cfg), facts)
     return problems
+
+
+def plan_notes(cfg: Config) -> list[str]:
+    """What the dry run says of the features this run turns on."""
+    notes: list[str] = []
+    for feature in features():
+        settings = feature.settings(cfg)
+        if feature.plan is not None and feature.active(settings):
+            notes += feature.plan(settings)
+    return notes
 
 
 def load(dotted: str) -> Any:

@@ -23,6 +23,16 @@ def settings_of(cfg: Config) -> PreferenceSettings:
     )
 
 
+def plan(settings: PreferenceSettings) -> list[str]:
+    reference = {
+        "adapters_off": "the same weights with the LoRA adapters off (no second copy, a no-grad forward)",
+        "precomputed": "log-probabilities of the starting model, computed once before training and cached beside "
+        "the tokenized data (16 bytes a pair; no weights held while training)",
+    }
+    said = f"objective={settings.name}: each pair is two rows (the activations above count both)"
+    return [said + (f"; DPO's reference: {reference[settings.reference]}" if settings.name == "dpo" else "")]
+
+
 FEATURE = Feature(
     name="preference",
     summary="preference tuning (DeepSpeed-Chat step 2): DPO on chosen/rejected pairs, and reward models",
@@ -30,4 +40,5 @@ FEATURE = Feature(
     active=lambda settings: settings.name != "sft",
     problems=preference_problems,
     hooks="ds_exp.preference.hooks:PreferenceHooks",
+    plan=plan,
 )
