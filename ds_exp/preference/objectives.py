@@ -33,7 +33,7 @@ class PairCollator(SFTCollator):
 
     rows_per_example = 2
 
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:  # type: ignore[override]
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rows = [
             {"input_ids": f[f"{side}_input_ids"], "labels": f[f"{side}_labels"]}
             for f in features
@@ -81,7 +81,10 @@ class PairObjective(Objective):
         has = (labels[:, 1:] != IGNORE_INDEX).any(-1)
         return has[0::2] & has[1::2]
 
-    def pair_result(self, losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, valid: torch.Tensor):  # type: ignore[no-untyped-def]
+    def pair_result(
+        self, losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, valid: torch.Tensor
+    ) -> BatchResult:
+        """The summed loss of the pairs that count, their number, and their rewards' and right rankings' sums."""
         v = valid.to(losses.dtype)
         with torch.no_grad():
             sums = [(chosen * v).sum(), (rejected * v).sum(), ((chosen > rejected).to(v.dtype) * v).sum()]
