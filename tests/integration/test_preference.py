@@ -169,3 +169,42 @@ def test_dpo_losses_equal_across_zero_stages_and_ranks_and_resume_exactly(tmp_pa
     assert again.ok, again.explain()
     assert [r["step"] for r in again.records("train")] == [4, 5, 6, 7, 8]
     assert again.losses == pytest.approx(reference[3:], rel=1e-6, abs=1e-7)
+
+
+# The embedded task's rows carry a wrong answer (rejected: its first word or digit changed): DPO and a reward model
+# learn to rank the right one higher on held-out pairs, starting from the default (random) model. The reward model's
+# export reloads with transformers and scores the held-out pairs as the run's final evaluation did.
+LEARN = ["train.save_final_checkpoint=false", "train.max_steps=150", "train.eval_every=150", "train.log_every=50"]
+OBJECTIVES = {
+    "dpo": ["objective=dpo", "objective.beta=0.5", "optimizer.lr=2e-3", "train.export=false"],
+    "reward": ["objective=reward", "optimizer.lr=3e-3"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dpo", "reward"])
+def test_preferences_of_the_embedded_task_are_learned(tmp_path, cache_dir, compose_cfg, name):
+    from transformers import AutoModelForSequenceClassification
+
+    from ds_exp.data.pipeline import prepare_sft_data
+    from ds_exp.model.tokenizer import load_tokenizer
+    from ds_exp.preference.objectives import PairCollator
+
+    overrides = [*LEARN, "data.synthetic.num_train=2400", *OBJECTIVES[name]]
+    run = train_here(tmp_path / "run", *overrides, cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    summary = run.summary
+    assert summary["initial_eval"]["reward_accuracy"] <= 0.6  # no better than chance before (DPO: every reward 0)
+    assert summary["final_eval"]["reward_accuracy"] >= 0.9, summary["final_eval"]
+    assert summary["final_eval"]["reward_margin"] > 0
+    assert (run.run_dir / "plots" / "loss.png").is_file()
+    if name == "reward":
+        model = AutoModelForSequenceClassification.from_pretrained(run.run_dir / "hf_model").eval()
+        cfg = compose_cfg(*overrides, f"data.cache_dir={cache_dir}")
+        tokenizer = load_tokenizer(cfg.model, cfg.data)
+        held_out = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed, pairs=True).eval
+        batch = PairCollator(model.config.pad_token_id)(list(held_out))
+        with torch.no_grad():
+            scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        accuracy = float((scores[0::2] > scores[1::2]).float().mean())
+        assert accuracy == pytest.approx(summary["final_eval"]["reward_accuracy"])
