@@ -160,10 +160,12 @@ def write_summary(state: RunState, peaks: list[int | None]) -> dict[str, Any]:
 def final_line(summary: dict[str, Any]) -> str:
     """What the console says at the end of a completed run: the time apart (a first run's minute of compiling is
     not its training), the evaluation before and after, and where it all is."""
-    before, after = (_perplexity(summary[k]) for k in ("initial_eval", "final_eval"))
+    evals = [summary[k] or {} for k in ("initial_eval", "final_eval")]
+    name = "reward_accuracy" if any("reward_accuracy" in e for e in evals) else "perplexity"  # preference tuning's
+    before, after = (f"{e[name]:.3f}" if name in e else "n/a" for e in evals)
     return (
         f"ds_exp: {summary['status']} {summary['steps']} steps in {time_parts(summary['time_s'])}; "
-        f"eval perplexity {before} -> {after}; run directory {shown_path(summary['run_dir'])}"
+        f"eval {name.replace('_', ' ')} {before} -> {after}; run directory {shown_path(summary['run_dir'])}"
     )
 
 
@@ -194,10 +196,6 @@ def shown_path(path: str | Path) -> str:
         return str(Path(path).absolute().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
-
-
-def _perplexity(result: dict[str, float] | None) -> str:
-    return f"{result['perplexity']:.3f}" if result else "n/a"
 
 
 def hydra_overrides() -> list[str]:

@@ -164,8 +164,9 @@ class Checkpointer:
         self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
         self.needed_bytes, self.identity, self.extra = needed_bytes, identity, extra
 
-    def save(self, progress: Position, window: tuple[float, float], initial_eval: dict[str, float] | None) -> Path:
-        """Collective. `progress`: step, epoch, step_in_epoch; `window`: the open metric window's sums over ranks.
+    def save(self, progress: Position, window: tuple[float, ...], initial_eval: dict[str, float] | None) -> Path:
+        """Collective. `progress`: step, epoch, step_in_epoch; `window`: the open metric window's sums over ranks
+        (loss, label tokens, the objective's).
         A save that fails for lack of room or rights is one message, and leaves no incomplete checkpoint."""
         state = TrainState(
             step=progress.step,
@@ -173,6 +174,7 @@ class Checkpointer:
             step_in_epoch=progress.step_in_epoch,
             window_loss_sum=window[0],
             window_label_tokens=window[1],
+            window_sums=list(window[2:]),
             initial_eval=initial_eval,
             **self.identity,
         )

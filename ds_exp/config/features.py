@@ -35,6 +35,7 @@ FEATURE_PACKAGES: tuple[str, ...] = (
     "ds_exp.fast_path",
     "ds_exp.sequence_parallel",
     "ds_exp.long_context",
+    "ds_exp.preference",
     "ds_exp.exports",
     "ds_exp.evaluation",
 )
@@ -63,6 +64,7 @@ class Feature:
     # (settings, objective, key): an optuna study's objective that names a number of this feature's summary.json
     # (harness.<task>.<metric>) is one its runs will report, one line per problem
     objective_problems: Callable[[Any, str, str], list[str]] | None = None
+    plan: Callable[[Any], list[str]] | None = None  # what a dry run says of it, when it is on (one line each)
 
 
 @cache
@@ -89,6 +91,16 @@ def objective_problems(cfg: Config, objective: str, key: str) -> list[str]:
     """An objective none of the core's summary numbers (ds_exp/sweeps/optuna_study.py), as the features check it."""
     checks = [(f.objective_problems, f.settings(cfg)) for f in features() if f.objective_problems is not None]
     return [problem for check, settings in checks for problem in check(settings, objective, key)]
+
+
+def plan_notes(cfg: Config) -> list[str]:
+    """What the dry run says of the features this run turns on."""
+    notes: list[str] = []
+    for feature in features():
+        settings = feature.settings(cfg)
+        if feature.plan is not None and feature.active(settings):
+            notes += feature.plan(settings)
+    return notes
 
 
 def load(dotted: str) -> Any:

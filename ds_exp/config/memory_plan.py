@@ -209,7 +209,9 @@ def run_estimate(
     )
     long_context = LongContextSettings.of(cfg)
     sp, tiling = long_context.sequence_parallel, long_context.plan(hidden=facts["hidden"], vocab=facts["vocab"])
-    micro = int(cfg.train.micro_batch_size)
+    # preference pairs (objective=dpo, reward) are two rows each; DPO's reference adds no weights (LoRA's adapters
+    # off, or log-probabilities computed before training) and its no-grad forward keeps no activations
+    micro = int(cfg.train.micro_batch_size) * (1 if str(plain(cfg.objective.name)) == "sft" else 2)
     tokens = micro * long_context.tokens
     attention = str(cfg.model.attn_implementation or "sdpa")
     fast = FastPathSettings.of(cfg).decide(accelerator, int(cfg.zero.stage))

@@ -33,6 +33,7 @@ from ds_exp.config.trackers import LoggerConfig
 from ds_exp.core.errors import ConfigError
 from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.exports.settings import ExportSettings
+from ds_exp.preference.settings import ObjectiveConfig
 
 
 def plain(value: object) -> Any:
@@ -368,6 +369,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)  # the trackers' settings: ds_exp/config/trackers.py
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # sft | dpo | reward: ds_exp/preference/
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     experiment_name: str = "default"
     dry_run: bool = False

@@ -85,6 +85,18 @@ class Encoder:
     train_on_prompt: bool
     specials: tuple[str, ...] = ()  # the tokenizer's special tokens as text (templates.special_strings)
     progress_file: str | None = None  # touched after each batch (any process of the map): see the module docstring
+    pairs: bool = False  # preference pairs: chosen_* and rejected_* columns (ds_exp/preference/)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """What the map reads of Rows."""
+        return (*COLUMNS, "rejected") if self.pairs else COLUMNS
+
+    @property
+    def token_columns(self) -> tuple[str, ...]:
+        if self.pairs:
+            return tuple(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("input_ids", "labels"))
+        return ("input_ids", "labels")
 
     def render(self, template: str, roles: Sequence[str], contents: Sequence[str]) -> tuple[str, list[Span]]:
         """(full text, label character spans) of one row."""
@@ -95,8 +107,23 @@ class Encoder:
         return render_chat(self.tokenizer, roles, contents, self.specials)
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        templates = batch["template"]
-        rendered = [self.render(*row) for row in zip(templates, batch["roles"], batch["contents"], strict=True)]
+        out = self.encode(batch["template"], batch["roles"], batch["contents"])
+        if self.pairs:  # the same conversation twice, ending once on the chosen answer and once on the rejected one
+            rejected = [[*c[:-1], r] for c, r in zip(batch["contents"], batch["rejected"], strict=True)]
+            other = self.encode(batch["template"], batch["roles"], rejected)
+            out = {
+                **{f"chosen_{k}": out[k] for k in ("input_ids", "labels")},
+                **{f"rejected_{k}": other[k] for k in ("input_ids", "labels")},
+                "truncated": [a or b for a, b in zip(out["truncated"], other["truncated"], strict=True)],
+                "keep": [a and b for a, b in zip(out["keep"], other["keep"], strict=True)],
+            }
+        if self.progress_file is not None:
+            with contextlib.suppress(OSError):  # a sign of life only
+                os.utime(self.progress_file)
+        return out
+
+    def encode(self, templates: list[str], roles: list[list[str]], contents: list[list[str]]) -> dict[str, list[Any]]:
+        rendered = [self.render(*row) for row in zip(templates, roles, contents, strict=True)]
         names = ("input_ids", "labels", "truncated", "keep")
         out: dict[str, list[Any]] = {name: [None] * len(rendered) for name in names}
         # chat templates carry their own bos; DeepSpeed-Chat's text relies on the tokenizer adding it
@@ -132,9 +159,6 @@ class Encoder:
                 out["labels"][i] = labels
                 out["truncated"][i] = truncated
                 out["keep"][i] = labels.count(IGNORE_INDEX) < len(labels)
-        if self.progress_file is not None:
-            with contextlib.suppress(OSError):  # a sign of life only
-                os.utime(self.progress_file)
         return out
 
     def _slow_ranges(self, text: str, spans: list[Span], n: int, add_special: bool) -> list[tuple[int, int]]:
@@ -165,13 +189,12 @@ def encode(
     tokens stream to an Arrow file there, batch by batch (`rows_per_batch`), instead of staying in memory."""
     features = datasets.Features(
         {
-            "input_ids": datasets.List(datasets.Value("int32")),
-            "labels": datasets.List(datasets.Value("int32")),
+            **{name: datasets.List(datasets.Value("int32")) for name in encoder.token_columns},
             "truncated": datasets.Value("bool"),
             "keep": datasets.Value("bool"),
         }
     )
-    raw = datasets.Dataset.from_dict({name: getattr(rows, name) for name in COLUMNS})
+    raw = datasets.Dataset.from_dict({name: getattr(rows, name) for name in encoder.columns})
     procs = pick_num_proc(num_proc, len(raw))
     rows_at_once = rows_per_batch(encoder.max_seq_len)
     progress = Path(work_dir or tempfile.gettempdir()) / f".progress-{desc}-{os.getpid()}"
@@ -186,7 +209,7 @@ def encode(
                 writer_batch_size=rows_at_once,
                 cache_file_name=str(work_dir / f"encoded-{desc}.arrow") if work_dir is not None else None,
                 num_proc=procs if procs > 1 else None,
-                remove_columns=list(COLUMNS),
+                remove_columns=list(encoder.columns),
                 features=features,
                 load_from_cache_file=False,
                 new_fingerprint=f"ds_exp-encode-{desc}",  # skips hashing the tokenizer; our own cache keys the result

@@ -270,14 +270,29 @@ def _row_error(data: DataConfig, problem: str, roles: list[str], contents: list[
     return DataError(f"{problem} (turns: {', '.join(roles)}); {fix}")
 
 
-def _empty() -> datasets.Dataset:
-    features = datasets.Features({k: datasets.List(datasets.Value("int32")) for k in ("input_ids", "labels")})
-    return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
+def _empty(columns: tuple[str, ...]) -> datasets.Dataset:
+    features = datasets.Features({k: datasets.List(datasets.Value("int32")) for k in columns})
+    return datasets.Dataset.from_dict({k: [] for k in columns}, features=features)
 
 
-def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> SFTData:
+def _unpaired(data: DataConfig, rows: Rows) -> DataError | None:
+    """A row without a rejected answer where pairs are trained on (a hub source, read only now), named."""
+    i = next((i for i, r in enumerate(rows.rejected) if r is None or not r.strip()), None)
+    if i is None:
+        return None
+    for src, key, _ in _sources(data):
+        where = find_row(src, key, rows.roles[i], rows.contents[i]) if src is not None else None
+        if where is not None:
+            return DataError(f"{key}: {where}: no rejected answer; pairs are trained on: add one or remove the row")
+    return DataError("a row has no rejected answer; pairs are trained on: add one or remove the row")
+
+
+def prepare_sft_data(
+    data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int, pairs: bool = False
+) -> SFTData:
     """Tokenized train/eval sets, from the cache when the same settings were built before; `seed` (train.seed)
-    picks the phase split, the eval carve-out and the blend order.
+    picks the phase split, the eval carve-out and the blend order. With `pairs` (preference tuning) each row is
+    encoded twice, ending on its chosen and on its rejected answer (chosen_* and rejected_* columns).
 
     Safe to call from every rank (and every job of a sweep) at once: one process builds, the rest wait on
     the lock and load the result. Raises DataError (one line per problem) on bad input.
@@ -289,7 +304,9 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
     template = resolve_template(configured, tokenizer)
     eot = end_of_conversation(data.end_of_conversation_token, tokenizer)
     material = cache_material(data, seed, tokenizer, template, eot)
-    key = f"sft-{hash_key(material)}"
+    if pairs:
+        material["pairs"] = True
+    key = f"{'pairs' if pairs else 'sft'}-{hash_key(material)}"
     max_seq_len = int(data.max_seq_len)
 
     def build(tmp: Path) -> dict[str, Any]:
@@ -298,7 +315,12 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
             raw.set_template(source_template(configured, template, raw))
         train_rows, eval_rows, per_source = split_and_blend(raws, data, seed)
         in_train = repeated_rows(train_rows, eval_rows)
-        encoder = Encoder(tokenizer, eot, max_seq_len, bool(data.train_on_prompt), special_strings(tokenizer))
+        unpaired = _unpaired(data, train_rows) or _unpaired(data, eval_rows) if pairs else None
+        if unpaired is not None:
+            raise unpaired
+        encoder = Encoder(
+            tokenizer, eot, max_seq_len, bool(data.train_on_prompt), special_strings(tokenizer), pairs=pairs
+        )
         num_proc = data.num_proc
         work = tmp / "work"  # tokens stream through Arrow files here, not memory; removed once saved
         work.mkdir()
@@ -307,7 +329,7 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
             if len(eval_rows):
                 evals, eval_counts = encode(eval_rows, encoder, num_proc=num_proc, desc="eval", work_dir=work)
             else:
-                evals, eval_counts = _empty(), {"truncated": 0, "dropped": 0}
+                evals, eval_counts = _empty(encoder.token_columns), {"truncated": 0, "dropped": 0}
         except RowError as err:
             raise _row_error(data, *err.args) from None
         if len(train) == 0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -315,17 +315,22 @@ def load_source(src: DataSource, key: str) -> RawSource:
     return raw
 
 
-def find_row(src: DataSource, key: str, roles: list[str], contents: list[str]) -> str | None:
-    """Where a row with these turns is in a source (read again: only for an error message), or None."""
+def located_rows(src: DataSource, key: str) -> Iterator[tuple[Rows, list[str]]]:
+    """Each split's rows of a source with where each one is (read again: for a message or a row check)."""
     fields = source_fields(src)
     train_table, eval_table, label = _load_tables(src, key, _text_columns(fields))
     for table in (train_table, eval_table):
-        if table is None:
-            continue
-        parsed, fields.layout = _parse(table, fields, key, label, locate=True)
-        for j, (r, c) in enumerate(zip(parsed.rows.roles, parsed.rows.contents, strict=True)):
-            if r == roles and c == contents and parsed.where is not None:
-                return parsed.where[j]
+        if table is not None:
+            parsed, fields.layout = _parse(table, fields, key, label, locate=True)
+            yield parsed.rows, parsed.where or []
+
+
+def find_row(src: DataSource, key: str, roles: list[str], contents: list[str]) -> str | None:
+    """Where a row with these turns is in a source (read again: only for an error message), or None."""
+    for rows, where in located_rows(src, key):
+        for j, (r, c) in enumerate(zip(rows.roles, rows.contents, strict=True)):
+            if r == roles and c == contents:
+                return where[j]
     return None
 
 

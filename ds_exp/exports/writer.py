@@ -100,6 +100,7 @@ class ExportSpec:
     stop_token_ids: tuple[int, ...] = ()  # where the run's generations stop
     origin: dict[str, Any] | None = None  # where the weights come from (a run and its step, or a checkpoint)
     dtype_key: str = "train.export_dtype"  # how the user chose `dtype` (python -m ds_exp.export: --dtype)
+    auto_class: Any = AutoModelForCausalLM  # what the model is (a reward model: AutoModelForSequenceClassification)
 
 
 def export_spec(model: ModelConfig, built: BuiltModel, precision: str, **more: Any) -> ExportSpec:
@@ -115,6 +116,7 @@ def export_spec(model: ModelConfig, built: BuiltModel, precision: str, **more: A
         lora=built.lora,
         precision=precision,
         trust_remote_code=bool(model.trust_remote_code),
+        auto_class=built.auto_class,
         **more,
     )
 
@@ -335,10 +337,10 @@ def _base_model(spec: ExportSpec) -> PreTrainedModel:
     """A CPU fp32 copy of the model with the trained (padded) vocabulary: the base checkpoint's weights when there
     is one, else a fresh build from the config (every weight then comes from the engine)."""
     if spec.base_path is None:
-        return AutoModelForCausalLM.from_config(spec.model_config, dtype=torch.float32)
+        return spec.auto_class.from_config(spec.model_config, dtype=torch.float32)
     config = copy.deepcopy(spec.model_config)
     _text_config(config).vocab_size = spec.base_rows  # the checkpoint's shape; padded again below
-    model = AutoModelForCausalLM.from_pretrained(
+    model = spec.auto_class.from_pretrained(
         spec.base_path, config=config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
     )
     padded = _text_config(spec.model_config).vocab_size

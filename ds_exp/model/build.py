@@ -71,14 +71,24 @@ def build_model(
     tokenizer: PreTrainedTokenizerBase,
     ds_config: dict[str, Any],
     hooks: Sequence[object] | None = None,
+    auto_class: Any = AutoModelForCausalLM,
 ) -> BuiltModel:
     """The model to train. At ZeRO-3, transformers builds it inside deepspeed.zero.Init (each rank holds only
     its shard) because an HfDeepSpeedConfig for the final DeepSpeed config is alive during construction. `hooks`:
-    the features' (None: those of the features cfg turns on); those that are ModelHooks act at the build's points."""
+    the features' (None: those of the features cfg turns on); those that are ModelHooks act at the build's points.
+    `auto_class`: the objective's (a reward model is an AutoModelForSequenceClassification: one score, read at the
+    last token before padding)."""
     points = [hook for hook in (feature_hooks(cfg) if hooks is None else hooks) if isinstance(hook, ModelHooks)]
     build = ModelBuild(
-        config=build_model_config(cfg, tokenizer), ds_config=ds_config, attention=cfg.model.attn_implementation
+        config=build_model_config(cfg, tokenizer),
+        ds_config=ds_config,
+        attention=cfg.model.attn_implementation,
+        auto_class=auto_class,
     )
+    if auto_class is not AutoModelForCausalLM:
+        build.config.num_labels = 1
+        pad = tokenizer.pad_token_id
+        build.config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
     if cfg.model.gradient_checkpointing:
         build.config.use_cache = False
     zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
@@ -88,7 +98,7 @@ def build_model(
     extra = {"attn_implementation": build.attention} if build.attention else {}
     torch.manual_seed(cfg.train.seed)
     if cfg.model.name_or_path is None:
-        model = AutoModelForCausalLM.from_config(build.config, dtype=torch.float32, **extra)
+        model = auto_class.from_config(build.config, dtype=torch.float32, **extra)
     else:
         # a large checkpoint takes a while (transformers' own bar is off: ds_exp/runtime/rank_logging.py)
         log.info("loading the weights of %s ...", cfg.model.name_or_path)
@@ -96,7 +106,7 @@ def build_model(
         if cfg.lora.dim > 0 and cfg.lora.quantize:  # QLoRA (validation refuses it without CUDA and bitsandbytes)
             loading = quantized_loading(cfg.lora.quantize, _compute_dtype(ds_config))
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = auto_class.from_pretrained(
                 cfg.model.name_or_path,
                 config=build.config,
                 trust_remote_code=cfg.model.trust_remote_code,

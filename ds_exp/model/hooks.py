@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from peft import PeftModel
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ds_exp.model.head_loss import HeadLoss
 
@@ -39,6 +39,7 @@ class ModelBuild:
     loss: HeadLoss | None = None  # the loss computed inside lm_head (fused or tiled); None: from the full logits
     inputs: Callable[[Batch], dict[str, Any]] | None = None  # model inputs read off each host batch (a varlen kernel's)
     fast_path: dict[str, Any] = field(default_factory=dict)  # what of the fast path the model uses (summary.json)
+    auto_class: Any = AutoModelForCausalLM  # what transformers builds it as, and the export reloads it as (reward)
 
 
 class ModelHooks:

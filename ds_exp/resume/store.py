@@ -32,6 +32,7 @@ class TrainState:
     # metric line covers the same steps as an uninterrupted run's (summed over ranks)
     window_loss_sum: float = 0.0
     window_label_tokens: float = 0.0
+    window_sums: list[float] = field(default_factory=list)  # the objective's more sums (ds_exp.train.step.Objective)
     initial_eval: dict[str, float] | None = None  # the run's first evaluation, for its summary after a resume
     # what the run's course depends on (ds_exp.resume.trajectory): a resume says what changed, or refuses
     trajectory: dict[str, Any] | None = None

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 SCORES = "harness"  # summary.json's lm-eval scores (ds_exp/evaluation/): task -> metric -> value
+PREFERENCE = ("reward_accuracy", "reward_margin")  # final_eval of objective=dpo / reward (ds_exp/preference/)
 PLAN_FILE = "autotune.json"  # an autotune sweep's plan (ds_exp/tools/autotune.py): candidates, estimates, verdicts
 
 COLUMNS = [
@@ -164,6 +165,7 @@ def _fill_from_summary(row: dict[str, Any], summary: dict[str, Any]) -> None:
         restarts=summary.get("restarts"),
         error_kind=summary.get("error_kind"),
         error=summary.get("error"),
+        **{name: final[name] for name in PREFERENCE if name in final},  # preference tuning's final_eval
     )
     scores = summary.get(SCORES) or {}  # a column harness.<task>.<metric> per score (the optuna objective's name)
     row.update({f"{SCORES}.{task}.{m}": value for task, metrics in scores.items() for m, value in metrics.items()})
@@ -191,7 +193,8 @@ def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[st
     for row in rows:
         if row["status"] == "damaged" or " is damaged: " in (row["error"] or ""):
             print(f"ds_exp: warning: job {row['job']}: {row['error']}; the report says so in its row", file=sys.stderr)
-    scored = sorted({key for row in rows for key in row if key.startswith(f"{SCORES}.")})
+    scored = [name for name in PREFERENCE if any(name in row for row in rows)]
+    scored += sorted({key for row in rows for key in row if key.startswith(f"{SCORES}.")})
     at = COLUMNS.index("wall_time_s")  # the scores' columns after the fixed ones, before the error columns
     columns = [*COLUMNS[:at], *scored, *COLUMNS[at:]]
     with (sweep_dir / "report.csv").open("w", newline="") as fh:

@@ -80,6 +80,8 @@ def _final_eval(summary: dict[str, Any]) -> str:
     if not isinstance(final, dict) or final.get("eval_loss") is None:
         return "-"
     loss = f"loss {final['eval_loss']:.4f}"
+    if final.get("reward_accuracy") is not None:  # preference tuning
+        return f"{loss}, accuracy {final['reward_accuracy']:.3f}"
     return f"{loss}, ppl {final['perplexity']:.3f}" if final.get("perplexity") is not None else loss
 
 

@@ -25,7 +25,7 @@ STUDY_FILE = "study.json"
 STUDY_PLOT = "study.png"  # the objective against each searched parameter (ds_exp/sweeps/study_plot.py)
 # Numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py,
 # ds_exp/train/evaluate.py).
-EVAL_METRICS = ("eval_loss", "perplexity")
+EVAL_METRICS = ("eval_loss", "perplexity", "reward_accuracy", "reward_margin")  # the last two: objective=dpo, reward
 RUN_METRICS = ("train_loss", "tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "wall_time_s")
 OBJECTIVES = tuple(f"final_eval.{m}" for m in EVAL_METRICS) + RUN_METRICS
 ABANDONED = "the sweep that ran it ended before it did"

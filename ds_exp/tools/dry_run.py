@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ds_exp.config.ds_config import get_path, replaced_by_config_file
+from ds_exp.config.features import plan_notes
 from ds_exp.config.memory_plan import (
     estimate_model_states,
     human_bytes,
@@ -66,7 +67,7 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         run_dir=run_dir,
     )
     ds_config = plan.ds_config
-    notes = [*replaced_by_config_file(cfg, plan.facts), *max_seq_len_notes(cfg)]
+    notes = [*replaced_by_config_file(cfg, plan.facts), *max_seq_len_notes(cfg), *plan_notes(cfg)]
     if from_arch:
         notes.insert(0, arch_note(cfg))
     stage = int(get_path(ds_config, "zero_optimization.stage"))

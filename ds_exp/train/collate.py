@@ -19,6 +19,8 @@ class SFTCollator:
     sequence parallelism takes causality from them (ds_exp/sequence_parallel/).
     """
 
+    rows_per_example = 1  # rows of a batch one example makes (a preference pair makes two)
+
     def __init__(
         self,
         pad_token_id: int,

@@ -21,7 +21,7 @@ from ds_exp.artifacts.tracking import Trackers
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.train.collate import SFTCollator
 from ds_exp.train.generate import GREEDY, Sampling, generate, write_generations
-from ds_exp.train.step import IGNORE_INDEX, Batch, BatchLoss, Ranks, batch_loss
+from ds_exp.train.step import IGNORE_INDEX, SFT, Batch, BatchLoss, Objective, Ranks
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +37,18 @@ def evaluate(
     ranks: Ranks = Ranks(),  # noqa: B008 (frozen)
     shard: Callable[[Batch], Batch] | None = None,
     loss: BatchLoss | None = None,
+    objective: Objective = SFT,
 ) -> dict[str, float]:
     """Collective. Ranks with fewer examples run masked batches, so that ZeRO-3's collective forwards stay in step.
     Under sequence parallelism the rows are split by data-parallel rank and every batch has exactly `micro_batch`
     rows (DeepSpeed's Ulysses attention is built for one batch size): the last is filled with rows that count
-    nothing. `shard` and `loss` are the step's (ds_exp.train.step)."""
+    nothing. `shard` and `loss` are the step's (ds_exp.train.step); `objective` says what the sums mean."""
     if ranks.enabled:
         rank, world = ranks.dp_rank, ranks.dp_size
     mine = list(range(rank, len(eval_set), world))
     batches = math.ceil(math.ceil(len(eval_set) / world) / micro_batch)
     loss_sum = tokens = 0.0
+    sums = [0.0] * len(objective.sums)
     engine.eval()
     with torch.no_grad():
         for i in range(batches):
@@ -55,17 +57,17 @@ def evaluate(
             if ranks.enabled:
                 rows = rows + [rows[0]] * (micro_batch - len(rows))
             batch = collator([eval_set[j] for j in rows])
-            batch["labels"][len(chunk) :] = IGNORE_INDEX  # filler rows
+            batch["labels"][len(chunk) * collator.rows_per_example :] = IGNORE_INDEX  # filler rows
             if shard is not None:
                 batch = shard(batch)
             batch = {k: v.to(engine.device) for k, v in batch.items()}
-            summed, count = batch_loss(loss, engine, batch)
+            summed, count, more = objective.loss(engine, batch, loss)
             loss_sum += float(summed)
             tokens += float(count)  # a slice's: summed over the group, the rows' own
+            sums = [total + float(value) for total, value in zip(sums, more, strict=True)]
     engine.train()
-    loss_sum, tokens = all_reduce_sum([loss_sum, tokens], engine.device)
-    eval_loss = loss_sum / max(tokens, 1.0)
-    return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 700.0)), "eval_tokens": tokens}
+    loss_sum, tokens, *sums = all_reduce_sum([loss_sum, tokens, *sums], engine.device)
+    return objective.evaluation(loss_sum, tokens, sums)
 
 
 class Generations:

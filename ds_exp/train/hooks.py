@@ -19,6 +19,9 @@ its hooks are built, and the run as it stands at that point.
 
 A hooks class may also act while the model is built (ds_exp/model/hooks.py's ModelHooks): the recipe hands the hooks
 to build_model.
+
+A feature may also say what the run's steps optimize (`objective`: ds_exp.train.step.Objective, SFT's unless one
+does), asked before setup: the data the run trains on, its loss, its evaluation and its metric lines follow it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ds_exp.config.features import feature_hooks
 from ds_exp.config.schema import Config
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.session import Session
+from ds_exp.train.step import SFT, Objective
 from ds_exp.train.workload import Workload
 
 
@@ -67,6 +71,9 @@ class FeatureHooks:
         self, run: Run, start_step: int, total_steps: int, parameters: int, trainable: int
     ) -> dict[Path, tuple[int, str]]:
         return {}
+
+    def objective(self) -> Objective | None:
+        return None
 
     def after_setup(self, run: Run) -> None:
         return None
@@ -119,6 +126,10 @@ class RunHooks:
     @property
     def merged_exports(self) -> bool:
         return any(hook.merged_exports for hook in self.hooks)
+
+    def objective(self) -> Objective:
+        """The objective of the first feature that has one, else SFT's."""
+        return next((o for o in (hook.objective() for hook in self.hooks) if o is not None), SFT)
 
     def after_setup(self, run: Run) -> None:
         for hook in self.hooks:

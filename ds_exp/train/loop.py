@@ -73,6 +73,7 @@ class Loop:
             shard=built.shard,
             loss=built.loss,
             inputs=built.inputs,
+            objective=work.objective,
         )
         self.schedule = str(plain(work.schedule_name))
         self.eval_every = eval_interval(train_cfg, work.steps_per_epoch, work.total_steps)  # 0: after each epoch
@@ -185,12 +186,15 @@ class Loop:
             ranks=work.ranks,
             shard=work.built.shard,
             loss=work.built.loss,
+            objective=work.objective,
         )
         if work.metric_scheduler is not None and self.schedule == "reduce_lr_on_plateau":
             work.metric_scheduler.step(result["eval_loss"])
         record = {"type": "eval", "step": progress.step, "epoch": progress.epoch, **result}
-        self.metrics.record(record, {"eval/loss": result["eval_loss"], "eval/perplexity": result["perplexity"]})
-        log.info("eval at step %d: loss %.5f perplexity %.3f", progress.step, result["eval_loss"], result["perplexity"])
+        shown = {name: result[name] for name in work.objective.shown}
+        self.metrics.record(record, {"eval/loss": result["eval_loss"], **{f"eval/{k}": v for k, v in shown.items()}})
+        said = " ".join(f"{name} {value:.3f}" for name, value in shown.items())
+        log.info("eval at step %d: loss %.5f %s", progress.step, result["eval_loss"], said)
         self.loss_plot.draw()
         self.session.state.final_eval = result  # the last so far
         if self.eval_cfg.every_eval and progress.step not in (0, work.total_steps):

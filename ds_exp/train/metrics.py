@@ -26,7 +26,7 @@ from ds_exp.artifacts.summary import duration
 from ds_exp.artifacts.tracking import MetricsLog, Trackers
 from ds_exp.launch.run_logging import STEP_LOGGER, on_terminal
 from ds_exp.runtime.process_group import all_reduce_sum
-from ds_exp.train.step import StepResult
+from ds_exp.train.step import SFT, Objective, StepResult
 
 log = logging.getLogger(__name__)
 step_log = logging.getLogger(STEP_LOGGER)
@@ -45,6 +45,7 @@ class Window:
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
     flops_row_attention: float = 0.0  # torchtitan's / llm-foundry's count (ds_exp.train.flops)
+    sums: list[torch.Tensor | float] = field(default_factory=list)  # the objective's more sums (Objective.sums)
 
 
 @dataclass
@@ -119,18 +120,25 @@ class Metrics:
         device: torch.device,
         world_size: int,
         peak_flops: float | None,
-        carried: tuple[float, float] = (0.0, 0.0),
+        carried: tuple[float, ...] = (0.0, 0.0),  # loss sum, label tokens, the objective's sums
+        objective: Objective = SFT,
     ) -> None:
         self.metrics_log, self.wandb = metrics_log, wandb
         self.bar: tqdm | _NoBar = _NoBar()
         self.device, self.world_size, self.peak_flops = device, world_size, peak_flops
-        self.window = Window(*carried)  # a resumed window's sums (over all ranks: rank 0 alone carries them)
+        self.objective = objective
+        # a resumed window's sums (over all ranks: rank 0 alone carries them)
+        self.window = self.new_window(carried[0], carried[1], list(carried[2:]))
         self.pending: PendingLine | None = None
         self.totals = Totals()
         self.skips_said = 0  # skipped steps the log has warned about
         self.shown: dict[str, str] = {}  # what the bar shows besides its count: loss, lr, tok_s, mfu
         self.loss_step = 0  # the step whose loss the bar shows
         self.plain: PlainProgress | None = None  # the bar's lines when the console is not a terminal
+
+    def new_window(self, loss_sum: float = 0.0, labels: float = 0.0, sums: list[float] | None = None) -> Window:
+        carried: list[torch.Tensor | float] = list(sums or [0.0] * len(self.objective.sums))
+        return Window(loss_sum, labels, sums=carried)
 
     def show_progress(self, total: int, initial: int, enabled: bool) -> None:
         """The progress of the training steps (rank 0), from here on: a bar on a terminal, plain lines elsewhere."""
@@ -168,6 +176,7 @@ class Metrics:
         window.samples += result.samples
         window.flops += result.flops
         window.flops_row_attention += result.flops_row_attention
+        window.sums = [total + value for total, value in zip(window.sums, result.sums, strict=True)]
         window.steps += 1
         self.totals.seconds += seconds
         self.totals.skipped_steps += not result.applied
@@ -177,7 +186,8 @@ class Metrics:
         """Close the window that ends here (`fields`: the line's step, epoch, lr, ...) and open the next."""
         self.write()
         window, now = self.window, time.perf_counter()
-        self.window = Window(started=now)
+        self.window = self.new_window()
+        self.window.started = now
         sums = torch.tensor(
             [
                 float(window.loss_sum),
@@ -186,6 +196,7 @@ class Metrics:
                 window.samples,
                 window.flops,
                 window.flops_row_attention,
+                *map(float, window.sums),
             ],
             dtype=torch.float64,
             device=self.device,
@@ -205,7 +216,7 @@ class Metrics:
         if pending is None:
             return
         pending.work.wait()
-        loss_sum, labels, inputs, samples, flops, row_flops = pending.sums.tolist()
+        loss_sum, labels, inputs, samples, flops, row_flops, *sums = pending.sums.tolist()
         totals = self.totals
         totals.tokens += inputs
         totals.samples += samples
@@ -215,6 +226,7 @@ class Metrics:
         record = {
             **pending.record,
             "loss": loss,
+            **self.objective.line(sums, labels),
             "tokens_per_s": inputs / pending.elapsed,
             "tokens_per_s_per_device": inputs / pending.elapsed / self.world_size,
             "samples_per_s": samples / pending.elapsed,
@@ -250,12 +262,14 @@ class Metrics:
         self.metrics_log.write(record)
         self.wandb.log(wandb_values, step=record["step"])
 
-    def carry(self) -> tuple[float, float]:
-        """Collective: the open window's loss sum and label tokens over all ranks, for a checkpoint, so that a
-        resumed run's next line covers the same steps as an uninterrupted run's."""
+    def carry(self) -> tuple[float, ...]:
+        """Collective: the open window's loss sum, label tokens and the objective's sums over all ranks, for a
+        checkpoint, so that a resumed run's next line covers the same steps as an uninterrupted run's."""
         self.write()
-        loss_sum, labels = all_reduce_sum([float(self.window.loss_sum), self.window.label_tokens], self.device)
-        return loss_sum, labels
+        window = self.window
+        return tuple(
+            all_reduce_sum([float(window.loss_sum), window.label_tokens, *map(float, window.sums)], self.device)
+        )
 
     def mfu(self, flops: float, seconds: float) -> float | None:
         """Model FLOPs utilization over all ranks; None where the device's peak is unknown (CPUs)."""

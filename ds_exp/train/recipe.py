@@ -48,7 +48,6 @@ from ds_exp.resume.store import TrainState, read_marker
 from ds_exp.resume.trajectory import trajectory_of
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.runtime.signals import StopRequested
-from ds_exp.train.collate import make_collator
 from ds_exp.train.disk_space import check_disk_space
 from ds_exp.train.evaluate import Generations
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
@@ -58,7 +57,7 @@ from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.resuming import resume, resume_plan
 from ds_exp.train.session import Session, training_line
-from ds_exp.train.step import Ranks
+from ds_exp.train.step import SFT, Objective, Ranks
 from ds_exp.train.workload import Workload
 
 log = logging.getLogger("ds_exp.train")
@@ -92,11 +91,13 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
     model's config before the data (a checkpoint transformers cannot read fails before tokenizing), the data before
     the plan (its steps count the examples), the checkpoint to resume from before the weights (deepspeed.initialize
     reads whether it loads through the universal format), the disk before the engine. The features act at their
-    points (ds_exp/train/hooks.py, and while the model is built: ds_exp/model/hooks.py)."""
+    points (ds_exp/train/hooks.py, and while the model is built: ds_exp/model/hooks.py); the objective (SFT's, or a
+    feature's: ds_exp/preference/) decides the data, the model's class, the collator and the loss."""
+    objective = hooks.objective()
     ranks = parallel_layout(cfg, session)
     tokenizer, model_config = read_model_config(cfg, session)
     hooks.after_model_config(Run(session, hooks), model_config)
-    data = tokenized_data(cfg, session, tokenizer, model_config)
+    data = tokenized_data(cfg, session, tokenizer, model_config, objective)
     plan = plan_run(
         cfg,
         world_size=session.world,
@@ -110,7 +111,7 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
     settings = settings_of(cfg, session.world, plan.ds_config, session.precision)
     resume_from, universal = resume_plan(cfg, session, settings)
     ds_config = final_ds_config(cfg, session, plan, universal)
-    built = build_model(cfg, tokenizer, ds_config, hooks.hooks)
+    built = build_model(cfg, tokenizer, ds_config, hooks.hooks, objective.model_class)
     base = built_base(cfg, built.model, zero3=ds_config["zero_optimization"]["stage"] == 3, checkpoint=resume_from)
     parameters, trainable = record_model(cfg, session, built, plan, ds_config)
     needed = checkpoint_bytes(trainable, session.precision, optimizer_state(cfg, accelerator=session.accelerator))
@@ -123,7 +124,7 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
         tokenizer=tokenizer,
         data=data,
         # under sequence parallelism every row splits into N equal slices, and position_ids carry the causality
-        collator=make_collator(
+        collator=objective.collator(
             tokenizer,
             pad_to_multiple_of=ranks.size if ranks.enabled else None,
             isolate_packed=bool(cfg.data.packing),
@@ -152,6 +153,7 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
         checkpoint_bytes=needed,
         base=base,
         ranks=ranks,
+        objective=objective,
     )
 
 
@@ -176,10 +178,14 @@ def read_model_config(cfg: Config, session: Session) -> tuple[PreTrainedTokenize
 
 
 def tokenized_data(
-    cfg: Config, session: Session, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig
+    cfg: Config,
+    session: Session,
+    tokenizer: PreTrainedTokenizerBase,
+    model_config: PretrainedConfig,
+    objective: Objective = SFT,
 ) -> SFTData:
     """The training and eval sets, tokenized (or read from the cache); the generation prompts checked to fit."""
-    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
+    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed, pairs=objective.pairs)
     file_log.info("data statistics: %s", data.stats)  # the console has the pipeline's sentence
     if session.is_main and len(data.eval) == 0:
         log.warning(no_eval_note(cfg.data))
@@ -263,7 +269,8 @@ def train(cfg: Config, run: Run, start: TrainState) -> None:
         progress.last_save_step = start.step  # that checkpoint exists: it is never written again
     session.state.steps = start.step
     # a resumed window's sums are over all ranks: rank 0 carries them, so the reduction counts them once
-    carried = (start.window_loss_sum, start.window_label_tokens) if session.is_main else (0.0, 0.0)
+    window = (start.window_loss_sum, start.window_label_tokens, *start.window_sums)
+    carried = window if session.is_main else (0.0,) * len(window)
     metrics = Metrics(
         metrics_log,
         trackers,
@@ -271,9 +278,10 @@ def train(cfg: Config, run: Run, start: TrainState) -> None:
         world_size=session.world,
         peak_flops=work.peak_flops,
         carried=carried,
+        objective=work.objective,
     )
     generations = Generations(
-        _prompts(cfg),
+        _prompts(cfg) if work.objective.generates else [],  # a reward model completes nothing
         tokenizer=work.tokenizer,
         template=first_template(work.data.stats),
         max_new_tokens=int(cfg.eval.max_new_tokens),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,12 +21,14 @@ import torch.nn.functional as F
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from ds_exp.config.batch import data_parallel_size
 from ds_exp.core import compat
 from ds_exp.core.errors import RunFailed
 from ds_exp.model.head_loss import IGNORE_INDEX
 from ds_exp.model.hooks import Batch
+from ds_exp.train.collate import SFTCollator, make_collator
 from ds_exp.train.flops import FlopsModel, sum_squared_lengths
 
 
@@ -105,6 +107,50 @@ def label_tokens(batch: Batch) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
+BatchResult = tuple[torch.Tensor, torch.Tensor | int, list[torch.Tensor]]  # (summed loss, its count, more sums)
+
+
+class Objective:
+    """What a run's steps optimize: the one interface through which the step, the evaluation
+    (ds_exp/train/evaluate.py) and the metric lines (ds_exp/train/metrics.py) reach the loss. This one is supervised
+    fine-tuning's summed next-token loss over label tokens; a feature supplies another through its hooks
+    (FeatureHooks.objective: ds_exp/preference/ for DPO and reward models). A batch's loss is a sum with the count
+    it is averaged over (label tokens, pairs), and any more sums the objective reports (summed over ranks with the
+    loss, then turned into a line's numbers)."""
+
+    name = "sft"
+    pairs = False  # trains on preference pairs: the data pipeline's chosen_* / rejected_* columns
+    sums: tuple[str, ...] = ()  # the names of the more sums a batch reports
+    shown: tuple[str, ...] = ("perplexity",)  # what an evaluation's log line and trackers say beside its loss
+    generates = True  # eval.prompts are completed at evaluations (a causal LM)
+    model_class: Any = AutoModelForCausalLM  # what transformers builds and the export reloads
+
+    def collator(self, tokenizer: PreTrainedTokenizerBase, **options: Any) -> SFTCollator:
+        return make_collator(tokenizer, **options)
+
+    def units(self, batch: Batch) -> int:
+        """What the step's loss is averaged over, counted on the host batch: label tokens."""
+        return label_tokens(batch)
+
+    def loss(
+        self, engine: torch.nn.Module, batch: Batch, head: BatchLoss | None, boundaries: dict[str, Any] | None = None
+    ) -> BatchResult:
+        summed, count = batch_loss(head, engine, batch, boundaries)
+        return summed, count, []
+
+    def line(self, sums: list[float], count: float) -> dict[str, float]:
+        """A train line's numbers besides its loss, from the window's sums over ranks."""
+        return {}
+
+    def evaluation(self, loss_sum: float, count: float, sums: list[float]) -> dict[str, float]:
+        """An evaluation's result from its sums over ranks (summary.json's initial_eval / final_eval)."""
+        eval_loss = loss_sum / max(count, 1.0)
+        return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 700.0)), "eval_tokens": count}
+
+
+SFT = Objective()
+
+
 @dataclass(frozen=True)
 class Ranks:
     """This rank's place: `size` ranks train each row together (sequence parallelism: dist.sequence_parallel_size),
@@ -156,6 +202,7 @@ class StepResult:
     flops: float  # model FLOPs of this rank's batches (ds_exp.train.flops: ds_exp's count)
     applied: bool  # False when the fp16 loss scaler skipped the update (gradient overflow)
     flops_row_attention: float = 0.0  # the same in torchtitan's / llm-foundry's count (6 N + 12 L d s per token)
+    sums: list[torch.Tensor | float] = field(default_factory=list)  # the objective's more sums (Objective.sums)
 
 
 class Fp16LossScale:
@@ -199,6 +246,7 @@ class TrainStep:
         shard: Callable[[Batch], Batch] | None = None,
         loss: BatchLoss | None = None,
         inputs: Callable[[Batch], dict[str, Any]] | None = None,
+        objective: Objective = SFT,
     ) -> None:
         """`shard`: this rank's part of a batch (sequence parallelism's); `inputs`: model inputs read off each host
         batch (a varlen kernel's example boundaries); both from the model build (ds_exp/model/hooks.py)."""
@@ -207,6 +255,7 @@ class TrainStep:
         self.flops = flops
         self.ranks, self.shard, self.inputs = ranks, shard, inputs
         self.loss = loss  # None: from the full logits (logits_loss); the fused or the tiled loss
+        self.objective = objective
         # undoes DeepSpeed's mean over data-parallel ranks (it sums over a sequence-parallel group), and where it
         # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat/) that too
         self.rank_scale = world_size // ranks.size * compat.sequence_parallel_gradient_factor(engine, ranks.size)
@@ -226,7 +275,7 @@ class TrainStep:
         # reading the previous step's loss here costs nothing: that step has finished on every device by now
         previous = float(previous_loss) if previous_loss is not None else 0.0
         # a sequence-parallel group's rows are counted once, by one of its ranks, from the whole rows
-        labels = [label_tokens(b) if ranks.counts_rows else 0 for b in batches]
+        labels = [self.objective.units(b) if ranks.counts_rows else 0 for b in batches]
         reduced = torch.tensor(
             [float(sum(labels)), float(stop_requested), float(not math.isfinite(previous)), previous],
             dtype=torch.float64,
@@ -235,6 +284,7 @@ class TrainStep:
         pending = dist.all_reduce(reduced, async_op=True)
         votes: StepVotes | None = None
         loss_sum: torch.Tensor | float = 0.0
+        sums: list[torch.Tensor | float] = [0.0] * len(self.objective.sums)
         tokens = samples = flops = row_flops = 0.0
         for batch in batches:
             if ranks.counts_rows:
@@ -248,7 +298,7 @@ class TrainStep:
             examples = self.inputs(batch) if self.inputs is not None else {}  # from the host's position ids
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             examples = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in examples.items()}
-            summed, _ = batch_loss(self.loss, engine, batch, examples)
+            summed, _, more = self.objective.loss(engine, batch, self.loss, examples)
             if votes is None:
                 pending.wait()
                 votes = StepVotes(*reduced.tolist())
@@ -256,6 +306,7 @@ class TrainStep:
                     raise RunFailed(
                         "a training batch holds no label tokens: check data.max_seq_len and data.train_on_prompt"
                     )
+            sums = [total + value.detach() for total, value in zip(sums, more, strict=True)]
             loss = summed * (scale / votes.global_label_tokens)
             if self.fp16_loss_scale is not None:
                 loss.register_hook(self.fp16_loss_scale)
@@ -264,4 +315,4 @@ class TrainStep:
             loss_sum = loss_sum + summed.detach()
         assert votes is not None
         applied = engine.was_step_applied()
-        return StepResult(votes, loss_sum, sum(labels), tokens, int(samples), flops, applied, row_flops)
+        return StepResult(votes, loss_sum, sum(labels), tokens, int(samples), flops, applied, row_flops, sums)

@@ -14,7 +14,7 @@ from ds_exp.model.build import BuiltModel
 from ds_exp.model.engine import MetricSchedule
 from ds_exp.train.collate import SFTCollator
 from ds_exp.train.flops import FlopsModel
-from ds_exp.train.step import Ranks
+from ds_exp.train.step import SFT, Objective, Ranks
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class Workload:
     # loaded through DeepSpeed's universal format: its layout changed (ds_exp/checkpoint/universal.py)
     universal: bool = False
     ranks: Ranks = Ranks()  # noqa: RUF009 (frozen) this rank's place: its sequence-parallel group, its data-parallel rank
+    objective: Objective = SFT  # what the steps optimize (ds_exp.train.step.Objective; a feature's, or SFT's)
 
     @property
     def zero_stage(self) -> int:

@@ -29,6 +29,7 @@ REAL_MODEL = "$HOME/.cache/ds_exp/test_models/smollm2-135m-instruct-v1-tf5"  # w
 # a command that is refused on purpose here: its fragment of the message, and why
 REFUSED_HERE = {
     "resume=outputs/long/checkpoints/step400": "no such checkpoint: the run before it trained nothing here",
+    "model.name_or_path=outputs/sft/hf_model": "no such model: the SFT run before it trained nothing here",
 }
 
 CHAT_ROW = {"messages": [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5."}]}
@@ -36,8 +37,8 @@ FILES: dict[str, str | bytes] = {
     "data/sft.jsonl": jsonl(*[CHAT_ROW] * 40),
     "data/a.jsonl": jsonl(*[CHAT_ROW] * 40),
     "data/b.csv": "q,chosen\n" + "".join(f"What is {i} plus 1?,{i + 1}.\n" for i in range(40)),
-    "data/train.json": json.dumps([{"prompt": " Human: Hi? Assistant:", "chosen": " Hello."}] * 40),
-    "data/eval.json": json.dumps([{"prompt": " Human: Hi? Assistant:", "chosen": " Hello."}] * 8),
+    "data/train.json": json.dumps([{"prompt": " Human: Hi? Assistant:", "chosen": " Hello.", "rejected": " Go."}] * 40),
+    "data/eval.json": json.dumps([{"prompt": " Human: Hi? Assistant:", "chosen": " Hello.", "rejected": " Go."}] * 8),
 }
 # how many ranks each launcher line starts (the in-process run sees them as an env launch of that world size)
 RANKS = [
