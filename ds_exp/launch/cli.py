@@ -211,6 +211,7 @@ def main() -> int:
     if wants_help(sys.argv[1:]):  # ds_exp's help from conf/'s comments (Hydra's own: --hydra-help)
         print_help(sys.argv[1:])
     sys.argv[1:] = prepare_overrides(sys.argv[1:])
+    compat.raise_hydra_errors()  # a bad override is told by the boundary, as every other refusal
     with stop_before_start():  # a rank stopped by its launcher before its run starts leaves nothing, quietly
         hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(HydraTask())()
     return 0

@@ -33,6 +33,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ds_exp.config.config_files import check_config_files
+from ds_exp.config.override_checks import composition_problem
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.resolvers import register_resolvers
@@ -275,7 +276,7 @@ def compose_command_line(overrides: list[str], config_dirs: list[str]) -> DictCo
         try:
             return compose(config_name="config", overrides=[*overrides, *search], return_hydra_config=True)
         except HydraException as err:
-            raise ConfigError(f"the command line does not compose: {redact_text(str(err))}") from None
+            raise ConfigError(f"the command line does not compose: {redact_text(composition_problem(err))}") from None
 
 
 def render_body(plan: Plan) -> str:

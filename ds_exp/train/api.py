@@ -49,7 +49,7 @@ from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ds_exp.config.override_checks import quote_one_value_lists
+from ds_exp.config.override_checks import composition_problem, quote_one_value_lists
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.secrets import redact_text, register_secrets
 from ds_exp.core import compat
@@ -77,7 +77,7 @@ def train(overrides: Sequence[str] = ()) -> dict[str, Any]:
     except (HydraException, OmegaConfBaseException) as err:  # a key or value Hydra refused while composing
         if full_error():
             raise
-        raise ConfigError(_told_lines(err)) from None
+        raise ConfigError(redact_text(composition_problem(err))) from None
 
 
 def _arguments(overrides: Sequence[str]) -> list[str]:
@@ -168,11 +168,3 @@ def _told(err: DsExpError) -> DsExpError:
     if isinstance(err, ConfigError):
         err.problems = [redact_text(p) for p in err.problems]
     return err.with_traceback(None)
-
-
-def _told_lines(err: Exception) -> list[str]:
-    """Hydra's message and OmegaConf's behind it, as the command line prints them (ds_exp.launch.console)."""
-    lines = [*str(err).splitlines()]
-    if isinstance(err.__cause__, OmegaConfBaseException):
-        lines += str(err.__cause__).splitlines()
-    return [redact_text(line) for line in lines if line.strip()] or [type(err).__name__]
