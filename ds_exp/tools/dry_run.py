@@ -28,7 +28,6 @@ from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
 from ds_exp.config.secrets import redact
 from ds_exp.core.files import write_json_atomic
-from ds_exp.data.pipeline import count_train_examples
 from ds_exp.launch.environment import detect_launch
 from ds_exp.launch.hub import plans_from_arch
 from ds_exp.model.architecture import (
@@ -44,7 +43,7 @@ from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.runtime.device import resolved_precision
 
 
-def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def make_plan(cfg: Config, run_dir: Path, train_examples: int) -> dict[str, Any]:
     launch = detect_launch(cfg.dist)
     accelerator = detect_accelerator()
     precision = resolved_precision(cfg.precision.dtype, accelerator)
@@ -60,7 +59,7 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     plan = plan_run(
         cfg,
         world_size=launch.world_size,
-        train_examples=count_train_examples(cfg.data),
+        train_examples=train_examples,
         hidden_size=hidden,
         precision=precision,
         run_dir=run_dir,
@@ -126,8 +125,9 @@ def arch_note(cfg: Config) -> str:
     )
 
 
-def dry_run(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    plan = make_plan(cfg, run_dir)
+def dry_run(cfg: Config, run_dir: Path, train_examples: int) -> dict[str, Any]:
+    """`train_examples`: what the data holds (ds_exp.data.pipeline.count_train_examples, read before heavy work)."""
+    plan = make_plan(cfg, run_dir, train_examples)
     if detect_launch(cfg.dist).is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run_dir / "ds_config.json", redact(plan["ds_config"]))

@@ -14,7 +14,15 @@ from hydra.core.global_hydra import GlobalHydra
 from ds_exp import DsExpError, train
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch import cli, lock
-from tests.bad_inputs import CASES, LAUNCH_VARIABLES, REFUSED_BY_THE_RUN, Case, _tripwire, prepare
+from tests.bad_inputs import (
+    CASES,
+    LAUNCH_VARIABLES,
+    REFUSED_BY_THE_RUN,
+    Case,
+    _tripwire,
+    prepare,
+    run_case_in_process,
+)
 
 
 def one_case_per_kind() -> list[Case]:
@@ -53,6 +61,19 @@ def test_the_api_refuses_what_the_command_line_refuses_with_its_message(case, he
     assert not list(here.rglob("summary.json")) and not (here / "run" / ".hydra").exists()
 
 
+@pytest.mark.parametrize("case_id", ["unknown option", "a key ds_exp no longer has", "conversation without an answer"])
+def test_a_refusal_is_one_line_on_the_command_line_and_that_line_in_python(case_id, here):
+    """Hydra's refusal (zero=stage5), a removed key, a bad data row (issue 41 §3): the command line prints
+    `ds_exp: error: TEXT` alone and exits 2; the API's DsExpError is TEXT, word for word."""
+    case = next(case for case in CASES if case.id == case_id)
+    command_line = run_case_in_process(case, here)
+    args, env = prepare(case, here)
+    os.environ.update(env)
+    with _tripwire(cli), pytest.raises(DsExpError) as refused:
+        train(args)
+    assert (command_line.returncode, command_line.stderr) == (2, f"ds_exp: error: {refused.value}\n")
+
+
 def test_the_api_says_what_it_takes_and_keeps_secrets_out_of_its_messages(here, monkeypatch):
     with pytest.raises(ConfigError, match=r"train\(\) takes a list of overrides, e.g. train\(\['lora.dim=8'\]\)"):
         train("lora.dim=8")  # type: ignore[arg-type]
@@ -63,7 +84,8 @@ def test_the_api_says_what_it_takes_and_keeps_secrets_out_of_its_messages(here, 
     with pytest.raises(ConfigError) as unknown:
         train(["trian.max_steps=3", "my_service_token=hunter2-7f3a9c"])
     assert str(unknown.value) == (
-        "trian.max_steps: ds_exp's config has no key trian; did you mean train? `python -m ds_exp --help` lists the keys"
+        "trian.max_steps: ds_exp's config has no key trian; did you mean train? "
+        "`python -m ds_exp --help` lists the keys"
     )
     with pytest.raises(ConfigError) as secret:
         train(["my_service_token=hunter2-7f3a9c"])

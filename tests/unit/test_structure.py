@@ -43,7 +43,9 @@ IMPORTED_WHERE_USED = {
     "first call, not with every module of the package",
     "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",
     "psutil": "only for autotune's host-memory budget",
-    "ds_exp.data.pipeline": "autotune: datasets reserves ~1 GB of address space, first it starves a memory limit",
+    "ds_exp.data.pipeline": "where data is read: the CLI's job, past validation (datasets takes seconds to import, "
+    "which --help and --cfg job do without); autotune: datasets reserves ~1 GB of address space, first it starves a "
+    "memory limit",
     "ds_exp.train.recipe": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.use.export": "python -m ds_exp.export: --help and every refusal answer before torch is imported",
