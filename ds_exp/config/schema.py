@@ -295,8 +295,8 @@ class TrainConfig:
     gradient_clipping: float = setting(1.0, range=at_least(0, " (0 = no clipping)"))
     seed: int = setting(1234, range=SEED)
     log_every: int = setting(
-        10, range=at_least(1)
-    )  # optimizer steps between metric lines (and DeepSpeed's steps_per_print)
+        0, range=at_least(0, " (0 = about 50 metric lines a run)")
+    )  # optimizer steps between metric lines (and DeepSpeed's steps_per_print); 0: ds_config.log_interval
     eval_every: int = setting(0, range=at_least(0))  # 0 = only before training, after each epoch and at the end
     max_evals: int = setting(
         5, range=at_least(1)

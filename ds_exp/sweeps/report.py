@@ -24,7 +24,7 @@ from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
 from ds_exp.sweeps.harness_columns import harness_cells, harness_damaged, report_columns
-from ds_exp.sweeps.report_plot import plot
+from ds_exp.sweeps.report_plot import plot, train_curve
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[st
     extra = tuned + (f"\n{study}" if study else "")
     (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{extra}")
     if rows:
-        plot(rows, sweep_dir / "report.png", sweep_dir)
+        plot(rows, sweep_dir / "report.png", sweep_dir, [train_curve(d) for d in found])
     print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}{extra}")
     return rows
 
