@@ -60,7 +60,6 @@ from ds_exp.launch.environment import launched_with_several_ranks
 from ds_exp.launch.lock import release_run_dir
 from ds_exp.launch.run_dir import check_run_start
 from ds_exp.launch.run_logging import hold_library_logs
-from ds_exp.runtime.process_group import release_process_groups
 
 # what a launch exports for torch.distributed's env:// rendezvous (ds_exp.launch.environment.export_launch_env)
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -134,6 +133,9 @@ def _train(args: list[str]) -> dict[str, Any]:
 @contextmanager
 def _as_it_was() -> Iterator[None]:
     """The process as it was before the run: no process group of the run's, the logging and launch variables."""
+    # it imports DeepSpeed, which logs on import: here, once hold_library_logs keeps that for the run's log file
+    from ds_exp.runtime.process_group import release_process_groups
+
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     launch = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra
@@ -23,6 +25,7 @@ from tests.bad_inputs import (
     prepare,
     run_case_in_process,
 )
+from tests.training import user_env
 
 
 def one_case_per_kind() -> list[Case]:
@@ -95,3 +98,13 @@ def test_the_api_says_what_it_takes_and_keeps_secrets_out_of_its_messages(here, 
     with pytest.raises(ConfigError, match=r"train\(\) runs one rank in this process, and this one was launched"):
         train([])
     assert not (here / "outputs").exists()  # nothing of any of them
+
+
+def test_the_apis_first_call_leaves_deepspeeds_import_notice_to_the_log(tmp_path):
+    """DeepSpeed logs "Setting accelerator to CPU" when it is imported; the API's first call imports it once the
+    run's logging holds such records for its log file: a notebook sees only what ds_exp says (issue 41 §10)."""
+    code = "from ds_exp import DsExpError, train\ntry:\n    train(['zero=stage9'])\n"
+    code += "except DsExpError as err:\n    print(err)\n"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=user_env(), capture_output=True, text=True)
+    assert (out.stdout, out.stderr) == ("zero=stage9: zero has no option stage9; its options: stage0, stage1, stage2, "
+                                        "stage3\n", ""), out.stderr  # fmt: skip

@@ -39,6 +39,8 @@ IMPORTED_WHERE_USED = {
     "matplotlib": "only where a picture is drawn: a run's plots/loss.png, the sweep report's, the study's, the "
     "harness chart (its import costs a second and logs on first use)",
     "optuna.visualization": "the study's picture (ds_exp/sweeps/study_plot.py): imports matplotlib's pyplot",
+    "ds_exp.runtime.process_group": "the Python API: DeepSpeed, which it imports, logs on import; imported once "
+    "hold_library_logs keeps that for the run's log file (not on the user's console)",
     "ds_exp.train.api": "the callable package ds_exp.train (from ds_exp import train): the training stack loads on the "
     "first call, not with every module of the package",
     "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",
