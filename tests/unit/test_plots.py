@@ -170,6 +170,12 @@ def test_a_study_plots_its_objective_against_each_searched_parameter(tmp_path):
         study.tell(trial, value)
     write_study(sweep, study, identity, 3)
     assert (sweep / STUDY_PLOT).read_bytes().startswith(PNG)
+    # trial 0 is drawn in a blue that shows on the grey, not in Blues' first colour, white (issue 41 §10)
+    import matplotlib
+    from matplotlib.image import imread
+
+    pixels, white_blue = imread(sweep / STUDY_PLOT)[..., :3], matplotlib.colormaps["Blues"](0.0)[:3]
+    assert not (abs(pixels - white_blue) < 0.01).all(axis=-1).any()
     assert f"]({STUDY_PLOT})" in (study_section(sweep) or "")
     panel = judged_by(write_report(sweep), sweep)  # the report's picture is judged by the study's objective
     assert (panel.title, panel.values, panel.lower_is_better) == ("tokens_per_s (maximize)", [900.0, 1200.0, 1000.0],
