@@ -81,6 +81,9 @@ def test_the_final_line_says_compile_load_and_train_apart(tmp_path, monkeypatch)
         r"\d+\.\d s\); eval perplexity n/a -> n/a; run directory run$",
         line,
     ), line
+    # a resume: the steps this attempt trained, which its time is of, not the earlier attempt's too
+    summary.update(steps=250, start_step=200)
+    assert final_line(summary).startswith("ds_exp: completed 50 steps (201-250, resumed at step 200) in 3m ")
     warm = {"total": 21.0, "compile": 0.2, "load": 5.0, "train": 14.0, "evaluate_and_save": 1.8}
     assert time_parts(warm) == "21.0 s (load 5.0 s, train 14.0 s, evaluate and save 1.8 s)"
 
