@@ -113,6 +113,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+PLAN, DRY_RUN = "plan.json", "dry run"  # what dry_run=true leaves instead of summary.json (ds_exp/tools/dry_run.py)
+
+
 def job_row(job_dir: Path) -> dict[str, Any]:
     """The job's row; a damaged overrides.yaml or summary.json is named in the row (status "damaged"), and the
     rest of the report still comes out."""
@@ -124,7 +127,9 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     except Damaged as err:
         damaged.append(str(err))
     summary_file = job_dir / "summary.json"
-    if not summary_file.is_file():
+    if not summary_file.is_file() and (job_dir / PLAN).is_file():
+        row.update(status=DRY_RUN)  # planned (plan.json, ds_config.json), not trained: nothing failed
+    elif not summary_file.is_file():
         row.update(status="no summary", error=f"{summary_file} missing: the job never reached training or was killed")
     else:
         try:
