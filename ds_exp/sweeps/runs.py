@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if is_sweep(args.directory):  # its report, as at the end of the sweep
         rows = write_report(args.directory)
-        return 0 if all(row["status"] == RunStatus.COMPLETED for row in rows) else 1
+        return 0 if all(row["status"] in (RunStatus.COMPLETED, DRY_RUN) for row in rows) else 1
     runs = find_runs(args.directory)
     if not runs:
         print(
