@@ -126,7 +126,7 @@ def completed(eval_loss: float | None, tokens_per_s: float) -> dict:
     }
 
 
-def test_the_sweep_report_plots_eval_loss_per_job_labelled_by_what_differs(tmp_path):
+def test_the_sweep_report_plots_eval_loss_per_job_labelled_by_what_differs(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     job(sweep, 0, ["optimizer.lr=0.0006646813937221444", "zero=stage2", "train.max_steps=8"], completed(3.5, 900.0))
     job(sweep, 1, ["optimizer.lr=3e-4", "zero=stage3", "train.max_steps=8"], completed(3.2, 800.0))
@@ -136,6 +136,14 @@ def test_the_sweep_report_plots_eval_loss_per_job_labelled_by_what_differs(tmp_p
         lines(sweep / str(number) / "metrics.jsonl", *train, {"type": "eval", "step": 3, "eval_loss": 1.0})
     rows = write_report(sweep)
     assert (sweep / "report.png").read_bytes().startswith(PNG)
+    # the console's table: the picture's columns, fit for a terminal; every column stays in report.csv (§9)
+    assert capsys.readouterr().out.splitlines()[1:5] == [
+        "job  status     eval loss  tokens/s  peak MiB/rank  overrides that differ",
+        "0    completed  3.5        900       1024           optimizer.lr=0.0006647 zero=stage2",
+        "1    completed  3.2        800       1024           optimizer.lr=3e-4 zero=stage3",
+        "2    failed                                         optimizer.lr=1e-2 zero=stage3  (oom)",
+    ]
+    assert len((sweep / "report.csv").read_text().splitlines()[0].split(",")) >= 18
     # the jobs' train loss curves overlaid below the bars (issue 41 §2): a diverged step is a gap
     assert train_curve(sweep / "0") == [(1, 6.0), (2, 4.0), (3, 3.5)] and train_curve(sweep / "2")[1][1] != 6.0
     plot(rows, tmp_path / "bars.png", sweep)  # without the curves
