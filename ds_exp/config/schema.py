@@ -137,6 +137,8 @@ class ModelConfig:
         None, range=at_least(1, ", or null to derive it")
     )  # tokens per chunk; null = about 256 MiB of fp32 logits per chunk
     activation_offload: bool = False  # checkpointed layer inputs kept in host memory (needs gradient_checkpointing)
+    lora_scope: str | None = None  # LoRA's scope when lora.module_name is null (a vision-language model's language
+    # model, not its vision tower); null = lora's own default (ds_exp/config/lora_checks.py scope_of)
 
 
 @dataclass
