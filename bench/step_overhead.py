@@ -41,7 +41,7 @@ def worker(stage: int, pairs: int, out: Path, cache: Path) -> None:
     from ds_exp.checkpoint.checkpointer import Checkpointer
     from ds_exp.resume.store import TrainState
     from ds_exp.train.evaluate import Generations
-    from ds_exp.train.hooks import RunHooks
+    from ds_exp.train.hooks import Run, RunHooks
     from ds_exp.train.loop import Loop, Progress
     from ds_exp.train.metrics import Metrics
     from ds_exp.train.recipe import setup
@@ -80,9 +80,8 @@ def worker(stage: int, pairs: int, out: Path, cache: Path) -> None:
         generations = Generations(
             [], tokenizer=work.tokenizer, template="dschat", max_new_tokens=1, stop_ids=[], path=run_dir / "g.jsonl"
         )
-        loop = Loop(
-            cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, Progress(0, 0, 0), RunHooks([])
-        )
+        run = Run(session, RunHooks([]), work, metrics=metrics)
+        loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, Progress(0, 0, 0), run)
         sampler = ResumableDistributedSampler(
             len(work.data.train), rank=session.rank, world_size=session.world, seed=0, shuffle=True, drop_last=True
         )

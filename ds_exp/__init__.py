@@ -7,7 +7,7 @@ The packages are the layers; each imports only from the layers below it (tests/u
     runtime -> model -> checkpoint -> artifacts -> train -> tools          heavy
 
 Entry points: `python -m ds_exp` (launch/cli.py), `python -m ds_exp.parity`, `ds_exp.report`, `ds_exp.universal`,
-`ds_exp.export` and `ds_exp.chat` (tools/use/); in Python, `from ds_exp import train; summary = train([...])`
+`ds_exp.export` and `ds_exp.chat` (exports/); in Python, `from ds_exp import train; summary = train([...])`
 (the callable package ds_exp.train: train/api.py), whose errors are `ds_exp.DsExpError`.
 Nothing heavy is imported here, and importing ds_exp changes nothing of the process (no import hook, no patch of a
 library): `--help`, `--cfg job` and config validation never import torch or deepspeed.

@@ -614,7 +614,7 @@ CASES: list[Case] = [
             + bytes(16),
         },
     ),
-    # --- long context (ds_exp/model/tiling.py, model.rope_scaling)
+    # --- long context (ds_exp/long_context/, model.rope_scaling)
     Case(
         "activation offload without checkpointing",
         "combination",
@@ -1174,6 +1174,13 @@ CASES: list[Case] = [
         "path",
         ("model.tokenizer=/dev/zero",),
         ("model.tokenizer=/dev/zero is not a directory", "tokenizer (or model) directory"),
+    ),
+    Case(
+        "data cache a link planted in a shared directory",
+        "path",
+        ("data.cache_dir={tmp}/planted",),
+        ("data.cache_dir=", "planted is a symbolic link", "does not follow links"),
+        links={"planted": "{tmp}"},
     ),
     Case(
         "a path name longer than a file system allows",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ds_exp.checkpoint import universal
 from ds_exp.checkpoint.universal import conversion_status, convert_here, require_complete
+from ds_exp.config.command_line import shell_word
 from ds_exp.core.errors import ResumeError
 from ds_exp.launch.console import entry_point
 from ds_exp.launch.flags import FlagParser, path, whole
@@ -38,7 +39,7 @@ def _name_one(path: Path, holder: Path, tags: list[str]) -> Path:
     shown = ", ".join(tags[:8]) + (" ..." if len(tags) > 8 else "")
     raise ResumeError(
         f"{path} is {'a checkpoints directory' if holder == path else 'a run directory'}, not one checkpoint: it "
-        f"holds {shown}; convert one of them, e.g. python -m ds_exp.universal {holder / tags[-1]}"
+        f"holds {shown}; convert one of them, e.g. python -m ds_exp.universal {shell_word(str(holder / tags[-1]))}"
     )
 
 

@@ -8,7 +8,8 @@ fast path, preference tuning): one package `ds_exp/<name>/` holding
 * `feature.py`: its entry, `FEATURE`, light: its name, how it reads its settings from the config, when it is on, its
   checks, and the dotted name of its hooks;
 * its heavy work (scoring, writing, the loss), imported only when the feature is on, and its hooks into the recipe
-  at named points (ds_exp/train/hooks.py: after setup, at each checkpoint, after each export, after the run);
+  at named points (ds_exp/train/hooks.py: after setup, at each checkpoint, after each export, after the run) and
+  into the model build (ds_exp/model/hooks.py: before the weights, after them, after LoRA's wrap);
 * its command, if it has one, behind the shared error boundary (ds_exp/launch/console.py's `entry_point`).
 
 The shared layers never import a feature package, bar its `settings` module (the schema types the feature's section
@@ -30,17 +31,25 @@ from typing import Any
 from ds_exp.config.schema import Config
 
 # Every feature, in the order its checks are said and its hooks run.
-FEATURE_PACKAGES: tuple[str, ...] = ()
+FEATURE_PACKAGES: tuple[str, ...] = (
+    "ds_exp.fast_path",
+    "ds_exp.sequence_parallel",
+    "ds_exp.long_context",
+    "ds_exp.exports",
+    "ds_exp.evaluation",
+)
 
 
 @dataclass(frozen=True)
 class CheckFacts:
-    """What a feature's checks may know beside its settings: the launch and the merged DeepSpeed config."""
+    """What a feature's checks may know beside its settings: the launch, the merged DeepSpeed config and what the
+    optimizer sets in it."""
 
     world_size: int
     accelerator: str
     ds_config: dict[str, Any] = field(default_factory=dict)  # {} where it could not be built (said on its own)
     run_dir: Path | None = None
+    optimizer_keys: frozenset[str] = frozenset()  # the DeepSpeed keys the optimizer needs set (its entry's)
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,10 @@ class Feature:
     settings: Callable[[Config], Any]  # its own settings: its section of the config (or a view of its keys)
     active: Callable[[Any], bool]  # on for this run (given its settings): only then is its heavy work imported
     problems: Callable[[Any, CheckFacts], list[str]] | None = None  # light checks of its settings, one line each
-    hooks: str | None = None  # "module:Class": its FeatureHooks (ds_exp/train/hooks.py), built with its settings
+    hooks: str | None = None  # "module:Class": its FeatureHooks (and ModelHooks: model/hooks.py), given its settings
+    # (settings, objective, key): an optuna study's objective that names a number of this feature's summary.json
+    # (harness.<task>.<metric>) is one its runs will report, one line per problem
+    objective_problems: Callable[[Any, str, str], list[str]] | None = None
 
 
 @cache
@@ -66,6 +78,17 @@ def feature_problems(cfg: Config, facts: CheckFacts) -> list[str]:
         if feature.problems is not None:
             problems += feature.problems(feature.settings(cfg), facts)
     return problems
+
+
+def feature_hooks(cfg: Config) -> list[Any]:
+    """The hooks of every feature cfg turns on, each built with its own settings, in FEATURE_PACKAGES' order."""
+    return [load(f.hooks)(s) for f in features() if f.hooks is not None and f.active(s := f.settings(cfg))]
+
+
+def objective_problems(cfg: Config, objective: str, key: str) -> list[str]:
+    """An objective none of the core's summary numbers (ds_exp/sweeps/optuna_study.py), as the features check it."""
+    checks = [(f.objective_problems, f.settings(cfg)) for f in features() if f.objective_problems is not None]
+    return [problem for check, settings in checks for problem in check(settings, objective, key)]
 
 
 def load(dotted: str) -> Any:

@@ -1,5 +1,5 @@
-"""Byte accounting, in one place: per-rank memory of model states, what a checkpoint and an export take on disk,
-and the peak measured.
+"""Byte accounting, in one place: per-rank memory of model states, what a checkpoint takes on disk (an export:
+ds_exp/exports/on_disk.py), and the peak measured.
 
 Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
 paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 4 of fp32 master weights +
@@ -19,11 +19,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from ds_exp.config.export_schema import merges
-from ds_exp.config.fast_path import decide
-from ds_exp.config.long_context import plan_tiling, tokens_per_rank
 from ds_exp.config.optimizers import OPTIMIZERS, entry_of
 from ds_exp.config.schema import Config, plain
+from ds_exp.fast_path.settings import FastPathSettings
+from ds_exp.long_context.settings import LongContextSettings
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class LongContext:
-    """The knobs that change activation memory beyond batch and length (ds_exp/model/tiling.py)."""
+    """The knobs that change activation memory beyond batch and length (ds_exp/long_context/)."""
 
     checkpointing: bool = False
     sequence_parallel: int = 1  # Ulysses: each rank holds 1/N of every sequence
@@ -208,12 +207,12 @@ def run_estimate(
         offload_param=str(plain(cfg.offload.param)),
         state=optimizer_state(cfg, facts, accelerator),
     )
-    sp = int(getattr(cfg.dist, "sequence_parallel_size", 1) or 1)
-    tiling = plan_tiling(cfg, hidden=facts["hidden"], vocab=facts["vocab"])
+    long_context = LongContextSettings.of(cfg)
+    sp, tiling = long_context.sequence_parallel, long_context.plan(hidden=facts["hidden"], vocab=facts["vocab"])
     micro = int(cfg.train.micro_batch_size)
-    tokens = micro * tokens_per_rank(cfg.data.max_seq_len, sp)
+    tokens = micro * long_context.tokens
     attention = str(cfg.model.attn_implementation or "sdpa")
-    fast = decide(cfg, accelerator, int(cfg.zero.stage))
+    fast = FastPathSettings.of(cfg).decide(accelerator, int(cfg.zero.stage))
     knobs = LongContext(
         fused_loss=fast.fused_loss,
         checkpointing=bool(cfg.model.gradient_checkpointing),
@@ -253,7 +252,7 @@ def run_estimate(
 
 def varlen_attention(attention: str, accelerator: str, precision: str) -> bool:
     """Whether packed rows run on a varlen kernel, which reads the examples' boundaries instead of a length x length
-    mask: flash-attn's, torch's (model.attn_implementation=auto picks one on CUDA in 16 bits: model/attention.py)."""
+    mask: flash-attn's, torch's (model.attn_implementation=auto picks one on CUDA in 16 bits: ds_exp/fast_path/)."""
     auto = attention == "auto" and accelerator == "cuda" and precision != "fp32"
     return attention.startswith("flash") or attention == "torch_varlen" or auto
 
@@ -289,22 +288,3 @@ def checkpoint_bytes(trainable: int, precision: str, state: OptimizerState = Opt
     come from the model the run started from (ds_exp/checkpoint/frozen.py)."""
     weight = 4 if precision == "fp32" else 2
     return trainable * (weight + 4) + state.bytes(trainable)
-
-
-def export_bytes(parameters: int, precision: str) -> int:
-    """A whole model exported (LoRA merged) in the training dtype."""
-    return parameters * (4 if precision == "fp32" else 2)
-
-
-def adapter_bytes(trainable: int) -> int:
-    """A LoRA adapter exported alone: what trains, in fp32 (PEFT's files, as trained)."""
-    return trainable * 4
-
-
-def one_export_bytes(cfg: Config, parameters: int, trainable: int, precision: str, *, final: bool) -> int:
-    """What one export of the run writes (the final one, or a step export): the model, or with LoRA the adapter
-    plus the merged model where train.export_merged asks for it."""
-    lora = int(cfg.lora.dim)
-    adapter = adapter_bytes(trainable) if lora > 0 else 0
-    merged = merges(cfg.train.export_merged, lora, final=final)
-    return adapter + (export_bytes(parameters, precision) if merged else 0)

@@ -229,6 +229,22 @@ def max_new_tokens_problems(cfg: Config) -> list[str]:
     ]
 
 
+# what a model that changes its logits after lm_head calls it (a loss computed from lm_head's output would skip it)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def logits_changed_after_head(settings: dict[str, Any] | None) -> str | None:
+    """The config key by which a model transforms its logits after lm_head (the tiled and the fused loss skip it)."""
+    if not settings:
+        return None
+    for scope in (settings, settings.get("text_config") or {}):
+        for key in LOGIT_TRANSFORMS:
+            value = scope.get(key) if isinstance(scope, dict) else None
+            if value not in (None, 0, 0.0, 1, 1.0, False):
+                return f"{key}={value}"
+    return None
+
+
 def rope_scaling_override(scaling: dict[str, Any]) -> str:
     """model.rope_scaling as the command line override that sets it."""
     return "model.rope_scaling={" + ",".join(f"{k}:{v}" for k, v in scaling.items()) + "}"

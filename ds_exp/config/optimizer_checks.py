@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ds_exp.config.ds_config import MISSING, get_path, is_zero_stage, optimizer_needs
-from ds_exp.config.fast_path import toggle
 from ds_exp.config.optimizers import OPTIMIZERS, OptimizerEntry, Owner, entry_of
 from ds_exp.config.resolvers import AUTO
 from ds_exp.config.schema import Config, plain
+from ds_exp.fast_path.settings import toggle
 
 FLOAT32_MAX = 3.4028234663852886e38
 HOST_OFFLOAD = ("cpu", "nvme")

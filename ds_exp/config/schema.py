@@ -15,8 +15,6 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
-from ds_exp.config.eval_schema import EvalConfig
-from ds_exp.config.export_schema import ExportDtype, ExportMerged
 from ds_exp.config.fields import (
     FRACTION,
     MAX_SYNTHETIC_ROWS,
@@ -33,6 +31,8 @@ from ds_exp.config.optimizers import OPTIMIZERS, register_optimizer_settings
 from ds_exp.config.secrets import hide_secrets_when_composing
 from ds_exp.config.trackers import LoggerConfig
 from ds_exp.core.errors import ConfigError
+from ds_exp.evaluation.settings import HarnessConfig
+from ds_exp.exports.settings import ExportSettings
 
 
 def plain(value: object) -> Any:
@@ -118,17 +118,17 @@ class ModelConfig:
     vocab_multiple: int = setting(
         8, range=Range(1, 65536, fix=" (1 = no padding; the embedding is padded to a multiple of it)")
     )  # pad the embedding matrix to a multiple of this
-    attn_implementation: str | None = "auto"  # null = transformers' default; auto: ds_exp/model/attention.py
+    attn_implementation: str | None = "auto"  # null = transformers' default; auto: ds_exp/fast_path/attention.py
     liger_kernel: Any = setting(
-        "auto", checked_by="ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
-    )  # Liger's RMSNorm, SwiGLU, RoPE: auto | true | false (ds_exp/config/fast_path.py)
+        "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
+    )  # Liger's RMSNorm, SwiGLU, RoPE: auto | true | false (ds_exp/fast_path/)
     fused_loss: Any = setting(
-        "auto", checked_by="ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
+        "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
     )  # Liger's fused linear cross-entropy, no full logits tensor: auto | true | false
     rope_scaling: Any = setting(
-        None, checked_by="ds_exp.config.long_context.rope_scaling_problems"
+        None, checked_by="ds_exp.long_context.checks.rope_scaling_problems"
     )  # transformers' rope_scaling dict (rope_type, factor, ...); Any: a dict merges into null
-    tiled_mlp: bool = False  # long context (ds_exp/model/tiling.py): MLPs over sequence tiles, recomputed in backward
+    tiled_mlp: bool = False  # long context (ds_exp/long_context/): MLPs over sequence tiles, recomputed in backward
     tiled_mlp_shards: int | None = setting(
         None, range=at_least(1, ", or null to derive it")
     )  # tiles per MLP call; null = ceil(tokens per row / hidden size)
@@ -285,7 +285,7 @@ class SchedulerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ExportSettings):  # train.export*: ds_exp/exports/settings.py
     micro_batch_size: int = setting(16, range=at_least(1))  # per device
     eval_micro_batch_size: int | None = setting(None, range=at_least(1, " or null"))  # null = micro_batch_size
     gradient_accumulation_steps: int = setting(1, range=at_least(1))
@@ -308,18 +308,10 @@ class TrainConfig:
     keep_last: int = setting(2, range=at_least(0))  # checkpoints kept
     save_final_checkpoint: bool = True
     checkpoint_dir: str = "checkpoints"  # relative to the run directory
-    export: bool = True
-    export_dir: str = "hf_model"  # relative to the run directory
-    export_merged: ExportMerged = ExportMerged.end  # with LoRA: which exports hold the merged model (the adapter: all)
-    export_every: int = setting(
-        0, range=at_least(0)
-    )  # optimizer steps between exports <export_dir>-step<N>; 0 = only the final export
-    export_keep_last: int = setting(2, range=at_least(0))  # step exports kept (this run's newest); 0 = all
-    export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/artifacts/export.py)
     allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
     max_bad_steps: int = setting(10, range=at_least(0))  # consecutive non-finite losses before giving up
     compile: Any = setting(
-        "auto", checked_by="ds_exp.config.fast_path.fast_path_problems (auto, true or false)"
+        "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
     )  # torch.compile of each decoder layer: auto (CUDA at ZeRO 0-2) | true | false
     peak_tflops: float | None = setting(
         None, range=above(0, ", or null for the GPU's own")
@@ -334,7 +326,9 @@ class DistConfig:
     master_port: int = setting(29500, range=Range(1, 65535, fix=" (a TCP port, e.g. 29500)"))
     # Ulysses sequence parallelism (DeepSpeed's ALST): N ranks train each sample together, sharded along the
     # sequence; world size = data-parallel x N, global batch = micro x accumulation x data-parallel
-    sequence_parallel_size: int = setting(1, range=at_least(1, " (1 = off)"))
+    sequence_parallel_size: int = setting(
+        1, range=at_least(1, " (1 = off; N > 1 shards every sample's sequence over N ranks)")
+    )  # ds_exp/sequence_parallel/
 
 
 @dataclass
@@ -343,6 +337,23 @@ class DeepSpeedSection:
     config: dict[str, Any] = setting(
         factory=dict, checked_by="ds_exp.config.ds_config (built from the groups; a user's file is DeepSpeed's to read)"
     )  # built from the groups by interpolation
+
+
+@dataclass
+class EvalConfig:
+    prompts: list[str] = field(default_factory=list)  # completed at the first and the last evaluation
+    prompts_file: str | None = None  # more prompts: one per line, or JSON lines with a "prompt" field
+    max_new_tokens: int = setting(64, range=Range(1, MAX_TOKENS))
+    every_eval: bool = False  # also at every evaluation in between
+    temperature: float = setting(0.0, range=at_least(0, " (0 = greedy, e.g. 0.7 to sample)"))  # 0 = greedy; > 0 samples
+    top_p: float = setting(
+        1.0, range=Range(0, 1, low_open=True, fix=" (1 = off)")
+    )  # nucleus sampling: the smallest set of tokens holding this much probability; 1 = off
+    top_k: int = setting(0, range=at_least(0, " (0 = off)"))  # sample among the k likeliest tokens; 0 = off
+    seed: int = setting(
+        1234, range=SEED
+    )  # seeds each generation's sampling (training's random state is left as it was)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval scores of the export: ds_exp/evaluation/
 
 
 @dataclass

@@ -7,16 +7,24 @@
 * webhook URLs, whose path is the credential: `hooks.slack.com/services/T../B../XXXX`, `discord.com/api/webhooks/
   ID/TOKEN`, any `.../webhook(s)/...`: the path after it; and a path segment named like a credential,
   `https://host/token/VALUE`, `https://api.telegram.org/botID:TOKEN/...`: what follows;
-* the well-known token formats that say what they are (`ghp_...`, `github_pat_...`, `hf_...`, `sk-...`,
-  `xoxb-...`, `AKIA...`): the whole token.
+* the token formats that say what they are, found by detect-secrets' typed plugins (Yelp's maintained detectors:
+  AWS access keys, JWTs, private key blocks, GitHub, GitLab, Stripe, PyPI, npm, OpenAI, Slack, SendGrid, Twilio,
+  Discord, Mailchimp, ...), and ds_exp's own patterns for what those plugins miss (`_OWN_TOKENS`: Hugging Face
+  `hf_...`, Google `ya29.`/`AIza...`, npm `npm_...`, Slack app tokens `xapp-...`, an `Authorization: Bearer/Basic`
+  value, an AWS secret access key, a private key's whole block): the whole token. detect-secrets' entropy and keyword
+  plugins are not used: they flag hashes and ids (names are ds_exp/config/secret_names.py's).
 
-A local path is not a URL: `/data/token/x.jsonl` and `hf_model/` keep their text. Import-light: standard library.
+A local path is not a URL: `/data/token/x.jsonl` and `hf_model/` keep their text. Light: the standard library, and
+detect-secrets (loaded on the first text long enough to hold a token: its package imports requests, 0.2 s).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import re
-from typing import NamedTuple
+from collections import Counter
+from typing import Any, NamedTuple
 
 from ds_exp.config.secret_names import is_secret_name
 
@@ -43,13 +51,69 @@ _URL = re.compile(r"\b(?:https?|wss?)://(?P<host>[^\s/?#'\"]{1,256})(?P<path>/[^
 _TELEGRAM_BOT = re.compile(r"^bot\d+:[A-Za-z0-9_-]{20,}$")
 # path segments named like credentials that name a place, not the value after them: /oauth/authorize, /auth/login
 _PLACES = frozenset({"auth", "oauth", "authorization", "session", "sessions", "credentials", "signature", "cookie"})
-_KNOWN_TOKENS = re.compile(
+# What detect-secrets' typed plugins (1.5) miss, checked against them in tests/unit/test_secrets.py
+_OWN_TOKENS = re.compile(
     r"(?<![A-Za-z0-9_-])(?P<secret>"
-    r"gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{40,}|glpat-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{30,}"
-    r"|sk-(?:proj-|ant-)?(?=[A-Za-z_-]*[0-9])[A-Za-z0-9_-]{20,}|xox[abposr]-[A-Za-z0-9-]{10,}|(?:AKIA|ASIA)[0-9A-Z]{16}"
-    r"|AIza[0-9A-Za-z_-]{35}"
+    r"hf_[A-Za-z0-9]{30,}|glpat-[A-Za-z0-9_-]{20,}|github_pat_[A-Za-z0-9_]{40,}"
+    r"|sk-(?:proj-|ant-)?(?=[A-Za-z_-]*[0-9])[A-Za-z0-9_-]{20,}|xox[abposr]-[A-Za-z0-9-]{10,}|xapp-\d-[A-Za-z0-9-]{20,}"
+    r"|AIza[0-9A-Za-z_-]{35}|ya29\.[0-9A-Za-z_-]{20,}|npm_[A-Za-z0-9]{36,}"
     r")(?![A-Za-z0-9_-])"
 )
+# an HTTP Authorization value (a header pasted into a config or an error): the credential after its scheme
+_AUTHORIZATION = re.compile(r"\b(?:Bearer|Basic|Token)\s+(?P<secret>[A-Za-z0-9._~+/-]{8,}=*)")
+# a whole private key block: detect-secrets finds its BEGIN line; the key is everything to its END line
+_PRIVATE_KEY = re.compile(
+    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----|\Z)", re.S
+)
+# an AWS secret access key: 40 characters of base64, random (an identifier or a path of words is not)
+_AWS_SECRET = re.compile(r"(?<![A-Za-z0-9/+=])(?P<secret>[A-Za-z0-9/+]{40})(?![A-Za-z0-9/+=])")
+_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~+/=")
+_MIN_TOKEN = 16  # no typed token is shorter: shorter texts are not scanned by detect-secrets
+# detect-secrets' plugins that judge by entropy, keyword or address rather than a token's own format
+_UNTYPED_PLUGINS = frozenset({"Base64HighEntropyString", "HexHighEntropyString", "KeywordDetector", "IPPublicDetector"})
+
+
+@functools.cache
+def _typed_plugins() -> tuple[Any, ...]:
+    """detect-secrets' plugins that know a token by its format, each once."""
+    from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+
+    plugins: list[Any] = list(get_mapping_from_secret_type_to_class().values())  # detect-secrets has no types
+    return tuple(cls() for cls in plugins if cls.__name__ not in _UNTYPED_PLUGINS)
+
+
+def _token_spans(text: str, own: list[Span]) -> list[Span]:
+    """Tokens that say what they are: ds_exp's own patterns, and detect-secrets' typed plugins where they find what
+    `own` (ds_exp's finer rules: a webhook keeps its host, a URL its user and host) has not."""
+    spans = [Span(m.start(), m.end(), "a token of a well-known service") for m in _OWN_TOKENS.finditer(text)]
+    spans += [Span(*m.span("secret"), "an Authorization header's credential") for m in _AUTHORIZATION.finditer(text)]
+    spans += [Span(m.start(), m.end(), "a private key") for m in _PRIVATE_KEY.finditer(text)]
+    spans += [Span(*m.span("secret"), "an AWS secret access key") for m in _AWS_SECRET.finditer(text) if _random(m[0])]
+    if len(text) < _MIN_TOKEN:
+        return spans
+    for plugin in _typed_plugins():
+        for regex in plugin.denylist:
+            for match in regex.finditer(text):
+                # a plugin's group is the secret where it is one (AWS's 40 characters after "aws...="), not where it
+                # is the token's prefix (GitHub's `(ghp|gho|...)_`)
+                groups = [match.span(g) for g in range(1, regex.groups + 1) if match.group(g)]
+                start, end = max(groups, key=lambda s: s[1] - s[0], default=(0, 0))
+                if end - start < 8:
+                    start, end = match.span()
+                while end < len(text) and text[end] in _TOKEN_CHARS:  # JWT's pattern stops lazily before the signature
+                    end += 1
+                if not any(s.start < end and start < s.end for s in own):
+                    spans.append(Span(start, end, f"a {plugin.secret_type}"))
+    return spans
+
+
+def _random(token: str) -> bool:
+    """Mixed case and digits, and the entropy of random base64 (about 5 bits a character over 40; words and paths
+    stay under 4.3)."""
+    if not (any(c.isdigit() for c in token) and any(c.islower() for c in token) and any(c.isupper() for c in token)):
+        return False
+    counts = Counter(token)
+    return -sum(n / len(token) * math.log2(n / len(token)) for n in counts.values()) > 4.3
 
 
 def _field_is_secret(name: str) -> bool:
@@ -100,7 +164,7 @@ def secret_spans(text: str) -> list[Span]:
                     value_start, value_end = value_start + 1, value_end - 1
                 if value_end > value_start:
                     spans.append(Span(value_start, value_end, f"a {match.group('name').strip()}= field"))
-    spans += [Span(m.start(), m.end(), "a token of a well-known service") for m in _KNOWN_TOKENS.finditer(text)]
+    spans += _token_spans(text, spans)
     # an interpolation names a value, it does not hold one (`pg://bob:${oc.env:PW}@host`); a mask hides it already
     spans = [span for span in spans if not _not_a_secret(text[span.start : span.end])]
     return _merged(spans)

@@ -14,7 +14,6 @@ from typing import Any
 from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, samples_per_rank
 from ds_exp.config.ds_config import RunFacts, get_path, is_zero_stage, load_config_file, resolve_ds_config
 from ds_exp.config.fields import MAX_TIMEOUT_MINUTES
-from ds_exp.config.long_context import long_context_problems
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
     arch_problems,
@@ -35,8 +34,6 @@ from ds_exp.config.sampling import sampling_problems
 from ds_exp.config.schedule_kwargs import scheduler_kwargs_problems
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.shapes import shape_problems
-from ds_exp.config.sp_checks import sequence_parallel_problems, zero_problems
-from ds_exp.config.speed_checks import speed_feature_problems
 from ds_exp.config.trackers import logger_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.user_paths import special_file_problem
@@ -280,7 +277,7 @@ def config_problems(
     shapes = shape_problems(cfg)
     if shapes:  # values the checks below would trip over (a dict where a number goes, a path too long to probe)
         return shapes, {}
-    problems = _model_problems(cfg) + speed_feature_problems(cfg, accelerator) + _value_problems(cfg, world_size)
+    problems = _model_problems(cfg) + _value_problems(cfg, world_size)
     problems += [problem] if (problem := experiment_name_problem(cfg.experiment_name)) else []
     problems += (
         _precision_problems(cfg, accelerator)
@@ -288,9 +285,7 @@ def config_problems(
         + _eval_problems(cfg)
         + output_path_problems(cfg, run_dir)
     )
-    problems += sequence_parallel_problems(cfg, world_size) + lora_problems(cfg, accelerator)
-    problems += logger_problems(cfg.logger, dry_run=cfg.dry_run)
-    problems += long_context_problems(cfg)
+    problems += lora_problems(cfg, accelerator) + logger_problems(cfg.logger, dry_run=cfg.dry_run)
     problems += [p for p in scheduler_kwargs_problems(cfg) if not said_already(key_of(p), problems)]
     ds: dict[str, Any] = {}
     try:
@@ -299,10 +294,8 @@ def config_problems(
     except ConfigError as err:
         problems += err.problems
     if ds:
-        problems += (
-            _zero_and_offload_problems(cfg, ds)
-            + placement_problems(cfg, ds, accelerator, lambda path, value, key: _setting(cfg, path, value, key))
-            + zero_problems(cfg, ds)
+        problems += _zero_and_offload_problems(cfg, ds) + placement_problems(
+            cfg, ds, accelerator, lambda path, value, key: _setting(cfg, path, value, key)
         )
     # every number finite, within 64 bits and within its declared range (a key's own check above says more)
     return problems + numbers_problems(cfg, problems), ds

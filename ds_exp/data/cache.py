@@ -26,7 +26,9 @@ from typing import IO, Any, TypeVar
 
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.secrets import redact_text
+from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import json_text
+from ds_exp.core.private_files import UnsafePath, cache_entry, private_dir
 from ds_exp.core.waits import WaitGaveUp, announced_wait, duration
 
 log = logging.getLogger(__name__)
@@ -172,10 +174,8 @@ def disk_full_message(err: BaseException, cache_dir: Path) -> str | None:
 
 
 def read_meta(directory: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((directory / META).read_text())
-    except (OSError, ValueError):
-        return None
+    """The entry's meta.json when it is what cached_build writes (else a miss: built again)."""
+    return cache_entry(directory / META, {"key": str, "created": str, "stats": dict})
 
 
 def cached_build(
@@ -190,11 +190,14 @@ def cached_build(
     A complete directory that fails to load (files deleted by hand, disk trouble) is rebuilt once.
     """
     final = cache_dir / key
+    try:  # the user's own directory, never a link or another's (a shared machine: ds_exp/core/private_files.py)
+        private_dir(cache_dir)
+    except UnsafePath as err:
+        raise ConfigError(f"data.cache_dir={err}") from err  # the message starts with the path
     meta = read_meta(final)
     if meta is not None:  # fast path, no lock: a directory named <key> is complete by construction
         with contextlib.suppress(Exception):
             return load(final), meta, True, final
-    cache_dir.mkdir(parents=True, exist_ok=True)
     with file_lock(cache_dir / f"{key}.lock"):
         meta = read_meta(final)
         if meta is not None:

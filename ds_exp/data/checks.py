@@ -6,10 +6,13 @@ minutes later on a compute node.
 
 from __future__ import annotations
 
+import os
+
 from omegaconf import MISSING
 
 from ds_exp.config.paths import data_cache_dir, not_a_directory
 from ds_exp.config.schema import DataConfig, DataSource, path_not_set, plain
+from ds_exp.core.private_files import UnsafePath, check_own
 from ds_exp.core.user_paths import special_file_problem
 from ds_exp.data.conversations import LAYOUTS
 from ds_exp.data.formats import FILE_FORMATS, expand, resolve_format
@@ -84,6 +87,11 @@ def data_config_problems(data: DataConfig) -> list[str]:
             f"data.cache_dir={data_cache_dir(cache_dir)}{where} is a file, not a directory; point data.cache_dir at "
             "a directory"
         )
+    elif os.path.lexists(cache := data_cache_dir(cache_dir)):
+        try:  # a shared machine: never a link, nor another user's directory (ds_exp/core/private_files.py)
+            check_own(cache, directory=True)
+        except UnsafePath as err:
+            problems.append(f"data.cache_dir={err}")  # the message starts with the path
     for i, src in enumerate(data.sources):
         problems += source_problems(src, f"data.sources[{i}]")
     for i, src in enumerate(data.sft_only_sources):

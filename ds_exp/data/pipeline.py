@@ -87,6 +87,12 @@ def plan_counts(
     return share - carve, 0, carve
 
 
+def repeated_rows(train: Rows, evals: Rows) -> int:
+    """How many eval rows are, turn for turn, a train row too (an eval.json that repeats train.json)."""
+    seen = {(tuple(r), tuple(c)) for r, c in zip(train.roles, train.contents, strict=True)}
+    return sum((tuple(r), tuple(c)) in seen for r, c in zip(evals.roles, evals.contents, strict=True))
+
+
 def _rng(seed: int, *tags: int) -> np.random.Generator:
     return np.random.default_rng([seed % 2**32, *tags])
 
@@ -286,6 +292,7 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
         for raw, _ in raws:
             raw.set_template(source_template(configured, template, raw))
         train_rows, eval_rows, per_source = split_and_blend(raws, data, seed)
+        in_train = repeated_rows(train_rows, eval_rows)
         encoder = Encoder(tokenizer, eot, max_seq_len, bool(data.train_on_prompt), special_strings(tokenizer))
         num_proc = data.num_proc
         work = tmp / "work"  # tokens stream through Arrow files here, not memory; removed once saved
@@ -309,6 +316,7 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
             "num_truncated_eval": eval_counts["truncated"],
             "num_dropped_no_labels": train_counts["dropped"] + eval_counts["dropped"],
             "num_filtered_rows": sum(p["filtered"] for p in per_source),
+            "num_eval_in_train": in_train,
             "per_source": per_source,
             "template": "+".join(dict.fromkeys(raw.template for raw, _ in raws)),
         }
@@ -354,6 +362,15 @@ def prepare_sft_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, se
             "%d examples had no answer token left within data.max_seq_len=%d and were dropped",
             stats["num_dropped_no_labels"],
             max_seq_len,
+        )
+    if stats.get("num_eval_in_train"):
+        repeated, evals_n = stats["num_eval_in_train"], stats["num_eval"]
+        log.warning(
+            "%d of the %d eval examples are also train examples%s: their eval loss measures recall of what was "
+            "trained, not generalisation; hold out rows the training data does not have",
+            repeated,
+            evals_n,
+            " (the eval set repeats the training data)" if repeated == evals_n else "",
         )
     left = left_for_later_phases(
         parse_data_split(data.data_split),

@@ -28,6 +28,7 @@ import datetime
 import functools
 import hashlib
 import os
+import re
 import select
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from hydra.errors import HydraException
 from ds_exp.config.override_checks import composition_problem
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
+from ds_exp.core.private_files import UnsafePath, open_private, private_dir, remove_own
 from ds_exp.launch.environment import launched_with_several_ranks
 
 P = ParamSpec("P")
@@ -138,23 +140,27 @@ def first_to_say(text: str) -> bool:
     alone). The ranks a launcher started on one machine share their parent process (torchrun's agent, the
     deepspeed launcher's, mpirun's daemon, slurmstepd) and /tmp: the first to create <tmp>/ds_exp-<uid>/said/
     <parent's pid and start time>-<digest of text> says it, the others stay quiet. Ranks on other machines say it
-    there (once per machine). Anything in the way (no /proc, a directory that cannot be written) says it."""
+    there (once per machine). Anything in the way (no /proc, a directory that cannot be written, or one that is not
+    ds_exp's own: ds_exp/core/private_files.py) says it: a claim never silences an error."""
     if not launched_with_several_ranks():
         return True
     launch = _launcher_process()
     if launch is None:
         return True
-    folder = Path(tempfile.gettempdir()) / f"ds_exp-{os.getuid()}" / "said"
+    root = Path(tempfile.gettempdir()) / f"ds_exp-{os.getuid()}"
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _forget_old_claims(folder)
-        os.close(os.open(folder / f"{launch}-{digest}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        folder = private_dir(root / "said", root=root)
+        remove_own(folder, _CLAIM, older_than_s=_SAID_KEEP_S)
+        os.close(open_private(folder / f"{launch}-{digest}", os.O_WRONLY | os.O_CREAT | os.O_EXCL))
     except FileExistsError:
         return False
-    except OSError:
+    except (OSError, UnsafePath):
         return True
     return True
+
+
+_CLAIM = re.compile(r"\d+-\d+-[0-9a-f]{16}")  # <launcher's pid>-<its start time>-<digest>: what first_to_say makes
 
 
 def _launcher_process() -> str | None:
@@ -166,16 +172,6 @@ def _launcher_process() -> str | None:
         return None
     fields = stat.rpartition(")")[2].split()  # after the command's name, which may hold spaces
     return f"{parent}-{fields[19]}" if len(fields) > 19 else None
-
-
-def _forget_old_claims(folder: Path) -> None:
-    now = datetime.datetime.now().timestamp()
-    for claim in folder.iterdir():
-        try:
-            if now - claim.stat().st_mtime > _SAID_KEEP_S:
-                claim.unlink()
-        except OSError:  # another rank removed it first
-            continue
 
 
 def report_unexpected(err: BaseException, what: str, log: Path | None = None, after: str = "") -> None:
@@ -209,14 +205,15 @@ def keep_traceback(err: BaseException, text: str, log: Path | None) -> Path | No
             return log
         except OSError:
             pass
-    for folder in (error_dir(), Path(tempfile.gettempdir()) / f"ds_exp-errors-{os.getuid()}"):
+    fallback = Path(tempfile.gettempdir()) / f"ds_exp-errors-{os.getuid()}"
+    for folder, root in ((error_dir(), error_dir().parent), (fallback, fallback)):
         path = folder / f"{_running[0]}-{now:%Y%m%d-%H%M%S-%f}-{os.getpid()}.log"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            private_dir(folder, root=root)
+            with os.fdopen(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as out:
                 out.write(text)
             return path
-        except OSError:
+        except (OSError, UnsafePath):
             continue
     return None
 

@@ -34,6 +34,7 @@ from types import FrameType
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from ds_exp.config.command_line import command, override
 from ds_exp.config.place_checks import chdir_problems, experiment_name_problem
 from ds_exp.config.schema import Config, to_config
 from ds_exp.core.errors import ConfigError, Refused
@@ -117,7 +118,8 @@ def nothing_to_resume(new_dir: Path, checkpoint_subdir: str, shown: int = 3) -> 
         if found:
             summary = read_summary(candidate) or {}
             status = f", {summary['status']}" if summary.get("status") else ""
-            runs.append(f"python -m ds_exp hydra.run.dir={_shown(candidate)} resume=auto   # {found[-1].name}{status}")
+            again = command("python -m ds_exp", override("hydra.run.dir", _shown(candidate)), "resume=auto")
+            runs.append(f"{again}   # {found[-1].name}{status}")
         if len(runs) == shown:
             break
     head = (

@@ -1,6 +1,6 @@
 """Everything checked before heavy work, in one call: the config's values and combinations (ds_exp.config.validate),
-the data config (ds_exp.data.checks) and the lm-eval tasks to score (ds_exp.launch.harness_checks), for the world
-size and accelerator of this launch."""
+the data config (ds_exp.data.checks) and every feature's checks (ds_exp.config.features: the lm-eval tasks to score,
+...), for the world size and accelerator of this launch."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ds_exp.config.ds_config import optimizer_needs
 from ds_exp.config.features import CheckFacts, feature_problems
 from ds_exp.config.file_overrides import check_overrides_obeyed
 from ds_exp.config.place_checks import chdir_problems
@@ -20,7 +21,6 @@ from ds_exp.config.validate import config_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.data.checks import data_config_problems
 from ds_exp.launch.environment import detect_launch
-from ds_exp.launch.harness_checks import harness_problems
 
 
 def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
@@ -34,8 +34,8 @@ def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None =
     problems, ds = config_problems(cfg, accelerator=accelerator, world_size=world, run_dir=run_dir)
     # the data keys' ranges are also in ds_exp.config.ranges (every numeric key has one): each said once
     problems += [line for line in data_config_problems(cfg.data) if not said_already(key_of(line), problems)]
-    problems += harness_problems(cfg)  # eval.harness: lm-eval's tasks, before any model is loaded
-    problems += feature_problems(cfg, CheckFacts(world, accelerator, ds, run_dir))  # each with its own settings
+    needs = frozenset(path for path, *_ in optimizer_needs(cfg, ds)) if ds else frozenset()
+    problems += feature_problems(cfg, CheckFacts(world, accelerator, ds, run_dir, needs))  # each its own settings
     if problems:
         raise ConfigError(problems)
     return ds

@@ -123,7 +123,7 @@ def build_engine(
     mpu: ModuleType | None = None,
 ) -> TrainingEngine:
     """`config_file`: deepspeed.config_file (named in its problems); `mpu`: DeepSpeed's sequence-parallel groups
-    (ds_exp/model/sequence_parallel.py), or None."""
+    (ds_exp/sequence_parallel/), or None."""
     groups = parameter_groups(model, optimizer_cfg.weight_decay, list(optimizer_cfg.no_decay))
     if "optimizer" in ds_config:  # DeepSpeed builds it inside initialize (its op compiled first, with a notice)
         optimizer = None

@@ -1,8 +1,8 @@
 """A loss computed inside the output layer's own call: the logits of the whole batch never exist at once.
 
 Both ways ds_exp computes the loss without a full tokens x vocabulary logits tensor work this way: the tiled loss
-(model.tiled_loss: the logits in checkpointed chunks, ds_exp/model/tiling.py) and the fused loss (model.fused_loss:
-Liger's fused linear cross-entropy, ds_exp/model/fused_loss.py). While a HeadLoss is asked for a batch's loss, the
+(model.tiled_loss: the logits in checkpointed chunks, ds_exp/long_context/) and the fused loss (model.fused_loss:
+Liger's fused linear cross-entropy, ds_exp/fast_path/). While a HeadLoss is asked for a batch's loss, the
 output layer's forward computes the loss of the labels handed to it from the final hidden states, and the model
 returns that scalar where its logits would be. Running inside the output layer's call is what makes it right under
 ZeRO-3: DeepSpeed gathers a module's parameters in a hook before its forward and releases them after, so the weight is

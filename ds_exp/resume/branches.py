@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.command_line import override
 from ds_exp.core.files import write_text_atomic
 from ds_exp.resume.store import (
     BRANCHES,
@@ -117,7 +118,8 @@ class SetAside:
             )
         if self.branch is not None and self.checkpoints:
             text += (
-                f"; to go back to it: resume={self.branch / self.checkpoints[-1]} hydra.run.dir={run_dir} (this "
+                f"; to go back to it: {override('resume', self.branch / self.checkpoints[-1])} "
+                f"{override('hydra.run.dir', run_dir)} (this "
                 "trajectory's checkpoints are then set aside in turn); python -m ds_exp.export exports any of them"
             )
         return text
@@ -128,7 +130,7 @@ def set_aside_branch(checkpoint_dir: Path, resumed_from: Path, run_dir: Path, ex
     that are not on the resumed trajectory (a step past the one resumed from, or all of them when it came from
     another directory) form an abandoned branch, moved with their conversions into branches/<time>-resumed-at-step
     <N>/. Incomplete ones past the step go with them when there is a branch, and so do `exports`, the Hugging Face
-    exports made on it (ds_exp.launch.exports.exports_off_trajectory tells them), into its exports/ folder. Without
+    exports made on it (ds_exp.exports.on_disk.exports_off_trajectory tells them), into its exports/ folder. Without
     a branch (a resume after a kill past the newest checkpoint continues the same trajectory) nothing moves.
     `latest` is pointed at the newest complete checkpoint left (removed if none)."""
     step = _step_of(resumed_from)

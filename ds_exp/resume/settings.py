@@ -17,12 +17,14 @@ change. Light: no torch, no deepspeed.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ds_exp.config.lora_checks import scope_of
 from ds_exp.config.optimizers import OPTIMIZERS
-from ds_exp.config.schema import Config, plain, plain_tree
+from ds_exp.config.schema import Config, ModelConfig, plain, plain_tree
+from ds_exp.config.secrets import redact
 from ds_exp.core.errors import ResumeError
 from ds_exp.resume.store import read_marker
 
@@ -36,6 +38,13 @@ _WHY = {
 }
 # the layout: a change is followed by a conversion to DeepSpeed's universal checkpoint format
 LAYOUT = ("world_size", "zero_stage", "offload")
+
+
+def model_section(model: ModelConfig) -> dict[str, Any]:
+    """The `model` section as plain JSON values (credentials blanked): what each checkpoint records of the model it
+    trained (TrainState.model_config), which its export (`python -m ds_exp.export`) rebuilds."""
+    found = redact(plain_tree(asdict(model)))
+    return found if isinstance(found, dict) else {}
 
 
 def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precision: str | None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from torch.utils.file_baton import FileBaton
 
 from ds_exp.core import compat
 from ds_exp.core.errors import RunFailed
+from ds_exp.core.private_files import check_own, open_private
 from ds_exp.core.waits import announce, announced_wait
 
 HOLDER_SUFFIX = ".holder"
@@ -46,7 +47,8 @@ class BuildLockBroken(RunFailed):
 
 def _take(holder_path: str) -> IO[str] | None:
     """The holder file, flocked by this process; None while another process holds it."""
-    handle = open(holder_path, "a+")  # noqa: SIM115  # held past this function, closed by _let_go
+    # held past this function, closed by _let_go; never through a link planted there (ds_exp/core/private_files.py)
+    handle = os.fdopen(open_private(Path(holder_path), os.O_RDWR | os.O_CREAT | os.O_APPEND), "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -97,8 +99,10 @@ def _left_behind(lock: str) -> bool:
 
 
 def _remove_leftover(lock: str) -> None:
-    """Remove a lock file no live process holds (the caller holds the flock), and say so."""
+    """Remove a lock file no live process holds (the caller holds the flock), and say so: only a regular file of
+    this user's (a link, or another user's file, is refused in one line instead)."""
     with contextlib.suppress(FileNotFoundError):
+        check_own(Path(lock), directory=False)
         os.remove(lock)
     announce(
         f"{lock} was left by a build that was killed (no process holds it): removed, and the op is built again",

@@ -1,5 +1,5 @@
 """Sweeps as Hydra runs them: each job composed and validated before launch (jobs), the sweep's Hydra callbacks
-(callbacks), the sweep report (report, its picture report_plot; its lm-eval score columns: harness_columns), the
+(callbacks), the sweep report (report, its picture report_plot; a column per lm-eval score it finds), the
 listing of a tree of runs (runs), and the optuna study sweeper (optuna_study, search_space, study_files, study_plot,
 study_trials).
 

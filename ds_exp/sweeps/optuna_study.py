@@ -34,13 +34,14 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from ds_exp.config.features import objective_problems
 from ds_exp.config.file_overrides import IgnoredOverride
+from ds_exp.config.schema import to_config
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.compat import optuna_trial_of
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.core.waits import announced
 from ds_exp.launch.console import report_user_error
-from ds_exp.launch.harness_checks import objective_problems
 from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.jobs import check_job, job_dir_of
 from ds_exp.sweeps.search_space import SearchSpace, parse_search_space, probe_overrides
@@ -151,9 +152,10 @@ class StudySweeper(Sweeper):
                 "'zero=stage2,stage3' on the command line, or hydra.sweeper.params"
             )
         self.check_composes(space)
-        problems = objective_problems(self.objective, *self.harness_tasks(), key="hydra.sweeper.objective")
-        if problems:  # harness.<task>.<metric>: a number the trials' lm-eval scores hold
-            raise ConfigError(problems)
+        if self.objective not in OBJECTIVES:  # a feature's number (harness.<task>.<metric>): the trials must report it
+            problems = objective_problems(to_config(self.config), self.objective, key="hydra.sweeper.objective")
+            if problems:
+                raise ConfigError(problems)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         storage = self.storage or f"sqlite:///{sweep_dir.resolve() / DB_FILE}"
         check_storage(storage)  # before the sweep directory is made: a missing driver is a message, not a traceback
@@ -255,13 +257,6 @@ class StudySweeper(Sweeper):
                 )
         if problems:
             raise ConfigError(list(dict.fromkeys(problems)))
-
-    def harness_tasks(self) -> tuple[list[str], tuple[int, ...]]:
-        """The trials' eval.harness.tasks and ds_exp_passkey's lengths (as the command line fixes them)."""
-        assert self.config is not None
-        harness = self.config.eval.harness
-        lengths = tuple(int(n) for n in harness.passkey_lengths) or (int(self.config.data.max_seq_len),)
-        return [str(task) for task in harness.tasks], lengths
 
     def compose(self, overrides: list[str]) -> DictConfig:
         assert self.hydra_context is not None and self.config is not None

@@ -23,13 +23,13 @@ import yaml
 from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
-from ds_exp.sweeps.harness_columns import harness_cells, harness_damaged, report_columns
 from ds_exp.sweeps.report_plot import plot, train_curve, varying_overrides
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+SCORES = "harness"  # summary.json's lm-eval scores (ds_exp/evaluation/): task -> metric -> value
 PLAN_FILE = "autotune.json"  # an autotune sweep's plan (ds_exp/tools/autotune.py): candidates, estimates, verdicts
 
 COLUMNS = [
@@ -103,7 +103,7 @@ def read_job_summary(path: Path) -> dict[str, Any]:
     final = summary.get("final_eval") or {}
     if not isinstance(final, dict) or (final.get("perplexity") is not None and not _is_number(final["perplexity"])):
         wrong.append("final_eval")
-    wrong += ["harness"] if harness_damaged(summary) else []
+    wrong += [SCORES] if summary.get(SCORES) is not None and not _scores(summary[SCORES]) else []
     if wrong:
         raise Damaged(f"{path} is damaged: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not numbers")
     return summary
@@ -114,6 +114,13 @@ def _is_number(value: object) -> bool:
 
 
 PLAN, DRY_RUN = "plan.json", "dry run"  # what dry_run=true leaves instead of summary.json (ds_exp/tools/dry_run.py)
+
+
+def _scores(scores: object) -> bool:
+    """summary.json's `harness` as a run writes it (eval.harness): task -> metric -> number or null."""
+    if not isinstance(scores, dict) or not all(isinstance(metrics, dict) for metrics in scores.values()):
+        return False
+    return all(v is None or _is_number(v) for metrics in scores.values() for v in metrics.values())
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
@@ -162,8 +169,9 @@ def _fill_from_summary(row: dict[str, Any], summary: dict[str, Any]) -> None:
         restarts=summary.get("restarts"),
         error_kind=summary.get("error_kind"),
         error=summary.get("error"),
-        **harness_cells(summary),  # harness.<task>.<metric>: eval.harness's scores
     )
+    scores = summary.get(SCORES) or {}  # a column harness.<task>.<metric> per score (the optuna objective's name)
+    row.update({f"{SCORES}.{task}.{m}": value for task, metrics in scores.items() for m, value in metrics.items()})
 
 
 def _cell(value: object) -> str:
@@ -188,7 +196,9 @@ def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[st
     for row in rows:
         if row["status"] == "damaged" or " is damaged: " in (row["error"] or ""):
             print(f"ds_exp: warning: job {row['job']}: {row['error']}; the report says so in its row", file=sys.stderr)
-    columns = report_columns(COLUMNS, rows)  # a harness.<task>.<metric> column per score the jobs report
+    scored = sorted({key for row in rows for key in row if key.startswith(f"{SCORES}.")})
+    at = COLUMNS.index("wall_time_s")  # the scores' columns after the fixed ones, before the error columns
+    columns = [*COLUMNS[:at], *scored, *COLUMNS[at:]]
     with (sweep_dir / "report.csv").open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from ds_exp.config.ds_config import get_path, replaced_by_config_file
-from ds_exp.config.fast_path import decide
 from ds_exp.config.memory_plan import (
     estimate_model_states,
     human_bytes,
@@ -29,6 +28,7 @@ from ds_exp.config.schema import Config
 from ds_exp.config.secrets import redact
 from ds_exp.core.files import write_json_atomic
 from ds_exp.data.pipeline import count_train_examples
+from ds_exp.fast_path.settings import FastPathSettings
 from ds_exp.launch.environment import detect_launch
 from ds_exp.launch.hub import plans_from_arch
 from ds_exp.model.architecture import (
@@ -82,7 +82,7 @@ def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> 
         state=optimizer_state(cfg, shapes, accelerator),
     )
     per_rank = run_estimate(cfg, shapes, world_size=launch.world_size, precision=precision, accelerator=accelerator)
-    fast = decide(cfg, accelerator, stage)
+    fast = FastPathSettings.of(cfg).decide(accelerator, stage)
     planned = None
     if accelerator == "cuda":  # the planner's micro batch and checkpointing for this GPU's memory
         device = torch.cuda.get_device_properties(0).total_memory

@@ -1,8 +1,9 @@
-"""A training run, top to bottom: the recipe (recipe: setup -> resume -> train -> export), the session that owns its
+"""A training run, top to bottom: the recipe (recipe: setup -> resume -> train, the features at named points: hooks),
+the session that owns its
 lifecycle and failures (session), everything setup builds (workload), batches (collate, sampler), the loop
 (loop), one optimizer step (step), metric lines (metrics, flops), evaluation and generation (evaluate, generate),
-where a run starts (resuming: the checkpoint it continues, or step 0), the lm-eval scores of its exports
-(harness), and the Python API that runs it in this process (api).
+where a run starts (resuming: the checkpoint it continues, or step 0), the features' named points (hooks), and
+the Python API that runs it in this process (api).
 
 The package is also that API: `from ds_exp import train; summary = train(["lora.dim=64"])`. A function and a
 package cannot both be `ds_exp.train`, and the package must stay one (`import ds_exp.train.recipe`, and every tool

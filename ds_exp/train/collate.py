@@ -16,7 +16,7 @@ class SFTCollator:
     Packed examples carry position_ids; with isolate_packed=True the batch gets them instead of an
     attention_mask, and transformers then keeps each packed example's attention to itself.
     With position_ids=True every batch carries position_ids (0, 1, 2, ... for an unpacked row, pads counting on):
-    sequence parallelism takes causality from them (ds_exp/model/sequence_parallel.py).
+    sequence parallelism takes causality from them (ds_exp/sequence_parallel/).
     """
 
     def __init__(

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds_exp.artifacts.export import check_target
-from ds_exp.config.memory_plan import one_export_bytes
 from ds_exp.config.schema import Config, TrainConfig
 from ds_exp.core.errors import RunFailed
 from ds_exp.launch.run_dir import completed_at
 from ds_exp.launch.storage import check_free_space
 from ds_exp.runtime.process_group import broadcast
-from ds_exp.train.exports import check_step_export_targets, planned_step_exports, step_export_needs
+from ds_exp.train.hooks import Run, RunHooks
 from ds_exp.train.session import Session
 
 
@@ -35,10 +33,10 @@ def check_disk_space(
     start_step: int = 0,
     total_steps: int = 0,
 ) -> None:
-    """Collective: rank 0 checks that what the run will write (a checkpoint, the exports) fits on its disk (and that
-    the export would replace nothing that is not an export); every rank obeys. `checkpoint_size`: one checkpoint
-    (what trains: ds_exp.config.memory_plan.checkpoint_bytes); with LoRA an export is the adapter (`trainable`
-    weights, default all) and the merged model where train.export_merged asks for it. A resume counts only what is
+    """Collective: rank 0 checks that what the run will write (a checkpoint, what the features plan: the exports)
+    fits on its disk (and that the features' targets may be replaced); every rank obeys. `checkpoint_size`: one
+    checkpoint (what trains: ds_exp.config.memory_plan.checkpoint_bytes); `parameters` and `trainable` (default
+    all) size the features' writes (their hooks' planned_writes: ds_exp/train/hooks.py). A resume counts only what is
     still to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
     trainable = parameters if trainable is None else trainable
     train_cfg, verdict = cfg.train, None
@@ -49,20 +47,12 @@ def check_disk_space(
         if saves_a_checkpoint(train_cfg, start_step, total_steps):
             path = session.run_dir / train_cfg.checkpoint_dir
             needs[path], keys[path] = checkpoint_size, "train.checkpoint_dir"
-        if train_cfg.export:
-            path = session.run_dir / train_cfg.export_dir
-            size = one_export_bytes(cfg, parameters, trainable, session.precision, final=True)
-            needs[path], keys[path] = size, "train.export_dir"
-        planned = planned_step_exports(cfg, session.run_dir, start_step, total_steps)
-        if planned:
-            each = one_export_bytes(cfg, parameters, trainable, session.precision, final=False)
-            needs[planned[0]] = step_export_needs(cfg, planned, each)
-            keys[planned[0]] = "train.export_every"
         try:
+            hooks = RunHooks.of(cfg)
+            planned = hooks.planned_writes(Run(session, hooks), start_step, total_steps, parameters, trainable)
+            for path, (size, key) in planned.items():
+                needs[path], keys[path] = size, key
             check_free_space(needs, keys)
-            check_step_export_targets(planned)
-            if train_cfg.export:
-                check_target(session.run_dir / train_cfg.export_dir)  # fail now, not after the training
         except RunFailed as err:
             verdict = str(err)
     verdict = broadcast(verdict)

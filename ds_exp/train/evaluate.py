@@ -2,13 +2,14 @@
 
 Perplexity is exp(summed eval token loss / eval label tokens), reduced over ranks: not an average of per-batch
 averages, so it does not depend on the batch size or the number of ranks. Under sequence parallelism each rank sums
-the token losses of its slice of the rows (ds_exp/model/sequence_parallel.py): the same sums.
+the token losses of its slice of the rows (ds_exp/sequence_parallel/): the same sums.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,11 +18,10 @@ from deepspeed import DeepSpeedEngine
 from transformers import PreTrainedTokenizerBase
 
 from ds_exp.artifacts.tracking import Trackers
-from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.train.collate import SFTCollator
 from ds_exp.train.generate import GREEDY, Sampling, generate, write_generations
-from ds_exp.train.step import IGNORE_INDEX, BatchLoss, batch_loss
+from ds_exp.train.step import IGNORE_INDEX, Batch, BatchLoss, Ranks, batch_loss
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +34,16 @@ def evaluate(
     micro_batch: int,
     rank: int,
     world: int,
-    sp: SequenceParallel | None = None,
+    ranks: Ranks = Ranks(),  # noqa: B008 (frozen)
+    shard: Callable[[Batch], Batch] | None = None,
     loss: BatchLoss | None = None,
 ) -> dict[str, float]:
     """Collective. Ranks with fewer examples run masked batches, so that ZeRO-3's collective forwards stay in step.
     Under sequence parallelism the rows are split by data-parallel rank and every batch has exactly `micro_batch`
     rows (DeepSpeed's Ulysses attention is built for one batch size): the last is filled with rows that count
-    nothing. `loss` is the step's (ds_exp.train.step.batch_loss)."""
-    sp = sp or SequenceParallel()
-    if sp.enabled:
-        rank, world = sp.dp_rank, sp.dp_size
+    nothing. `shard` and `loss` are the step's (ds_exp.train.step)."""
+    if ranks.enabled:
+        rank, world = ranks.dp_rank, ranks.dp_size
     mine = list(range(rank, len(eval_set), world))
     batches = math.ceil(math.ceil(len(eval_set) / world) / micro_batch)
     loss_sum = tokens = 0.0
@@ -52,12 +52,12 @@ def evaluate(
         for i in range(batches):
             chunk = mine[i * micro_batch : (i + 1) * micro_batch]
             rows = chunk or [0]
-            if sp.enabled:
+            if ranks.enabled:
                 rows = rows + [rows[0]] * (micro_batch - len(rows))
             batch = collator([eval_set[j] for j in rows])
             batch["labels"][len(chunk) :] = IGNORE_INDEX  # filler rows
-            if sp.enabled:
-                batch = sp.shard(batch)
+            if shard is not None:
+                batch = shard(batch)
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             summed, count = batch_loss(loss, engine, batch)
             loss_sum += float(summed)

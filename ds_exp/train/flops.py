@@ -7,7 +7,7 @@ Model FLOPs of one training token (PaLM's accounting, recomputation not counted)
 * attention scores, two ways:
   - ds_exp's count (`mfu`, `tflops_per_device`): 12 L d n per token of an example of n tokens (Q K^T and A V, forward
     and backward), so a batch costs 12 L d sum(n_i^2) over its examples: the attention each example needs, which is
-    what a varlen kernel computes over packed rows (ds_exp/model/attention.py). For short packed examples this is
+    what a varlen kernel computes over packed rows (ds_exp/fast_path/attention.py). For short packed examples this is
     close to 6 N alone.
   - torchtitan's and llm-foundry's count (`mfu_with_attention`): 6 N + 12 L d s per token, s the row length, every
     token counted over its whole row whatever the examples in it: their published MFU figures use it.

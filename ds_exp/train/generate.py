@@ -27,7 +27,6 @@ from ds_exp.config.schema import EvalConfig
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import append_json_line
 from ds_exp.data.templates import render_prompt
-from ds_exp.model.sequence_parallel import paused
 
 
 @dataclass(frozen=True)
@@ -166,7 +165,7 @@ def generate(
     model = engine.module
     completions: list[str] = []
     engine.eval()
-    with torch.no_grad(), paused(), seeded(sampling, engine.device):
+    with torch.no_grad(), seeded(sampling, engine.device):  # sequence parallelism's model generates unsharded
         for prompt in prompts:
             text, add_special = render_prompt(prompt, template, tokenizer)
             ids = tokenizer(text, add_special_tokens=add_special, return_tensors="pt")["input_ids"].to(engine.device)

@@ -2,11 +2,23 @@
 turns on. The recipe calls each point once, in its order; every feature that is on gets its own settings, given when
 its hooks are built, and the run as it stands at that point.
 
-    after_setup    the engine is built, nothing trained yet
-    at_checkpoint  a checkpoint was saved, complete (every rank)
-    after_export   an export was written (rank 0 wrote it; every rank calls, ordered after the export's barrier)
-    after_run      the run is over and its engine released: work on what it left (scoring an export), never failing
-                   the completed run
+    after_model_config  the tokenizer and the model's config are read (no data, no weights): what only the launch
+                        and the model's config can refuse
+    planned_writes      before the engine (rank 0): {path: (bytes, key)} it will write, for the disk check
+    after_setup         the engine is built, nothing trained yet
+    on_branch           a resume abandons a branch (rank 0): the feature's files made on it, set aside with it
+    after_step          an optimizer step and what train.* asks after it (evaluation, checkpoint) are done
+    at_checkpoint       a checkpoint was saved, complete (every rank)
+    after_train         training is over, its final checkpoint saved, the engine still held (every rank)
+    after_export        an export was written (rank 0 wrote it; every rank calls, ordered after the export's barrier),
+                        called through Run.hooks by the feature that wrote it (ds_exp/exports/)
+    after_release       the engine is released, whether the run completed or failed: undo what the feature changed in
+                        the process, for a later run in it
+    after_run           the run is over and its engine released: work on what it left (scoring an export), never
+                        failing the completed run
+
+A hooks class may also act while the model is built (ds_exp/model/hooks.py's ModelHooks): the recipe hands the hooks
+to build_model.
 """
 
 from __future__ import annotations
@@ -15,8 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.features import features, load
+from transformers import PretrainedConfig
+
+from ds_exp.config.features import feature_hooks
 from ds_exp.config.schema import Config
+from ds_exp.train.metrics import Metrics
 from ds_exp.train.session import Session
 from ds_exp.train.workload import Workload
 
@@ -27,7 +42,10 @@ class Run:
     released, what setup built."""
 
     session: Session
+    hooks: RunHooks  # every feature's: the one that exports calls their after_export
     work: Workload | None = None
+    run_id: str | None = None  # once started or resumed: the run's identity (ds_exp.resume.store.TrainState.run_id)
+    metrics: Metrics | None = None  # while training: the step's metric line, written before long work
 
 
 class FeatureHooks:
@@ -36,13 +54,39 @@ class FeatureHooks:
     def __init__(self, settings: Any) -> None:
         self.settings = settings
 
+    @property
+    def merged_exports(self) -> bool:
+        """The step exports (train.export_every) must hold the merged model, not only a LoRA adapter: after_export
+        reads it."""
+        return False
+
+    def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
+        return None
+
+    def planned_writes(
+        self, run: Run, start_step: int, total_steps: int, parameters: int, trainable: int
+    ) -> dict[Path, tuple[int, str]]:
+        return {}
+
     def after_setup(self, run: Run) -> None:
+        return None
+
+    def on_branch(self, run: Run, step: int, *, same_directory: bool) -> list[Path]:
+        return []
+
+    def after_step(self, run: Run, step: int) -> None:
         return None
 
     def at_checkpoint(self, run: Run, step: int, path: Path) -> None:
         return None
 
+    def after_train(self, run: Run) -> None:
+        return None
+
     def after_export(self, run: Run, export: Path, step: int, *, final: bool) -> None:
+        return None
+
+    def after_release(self, run: Run) -> None:
         return None
 
     def after_run(self, run: Run) -> None:
@@ -57,24 +101,51 @@ class RunHooks:
 
     @classmethod
     def of(cls, cfg: Config) -> RunHooks:
-        built = []
-        for feature in features():
-            settings = feature.settings(cfg)
-            if feature.hooks is not None and feature.active(settings):
-                built.append(load(feature.hooks)(settings))
-        return cls(built)
+        return cls(feature_hooks(cfg))
+
+    def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
+        for hook in self.hooks:
+            hook.after_model_config(run, model_config)
+
+    def planned_writes(
+        self, run: Run, start_step: int, total_steps: int, parameters: int, trainable: int
+    ) -> dict[Path, tuple[int, str]]:
+        return {
+            path: need
+            for hook in self.hooks
+            for path, need in hook.planned_writes(run, start_step, total_steps, parameters, trainable).items()
+        }
+
+    @property
+    def merged_exports(self) -> bool:
+        return any(hook.merged_exports for hook in self.hooks)
 
     def after_setup(self, run: Run) -> None:
         for hook in self.hooks:
             hook.after_setup(run)
 
+    def on_branch(self, run: Run, step: int, *, same_directory: bool) -> list[Path]:
+        return [path for hook in self.hooks for path in hook.on_branch(run, step, same_directory=same_directory)]
+
+    def after_step(self, run: Run, step: int) -> None:
+        for hook in self.hooks:
+            hook.after_step(run, step)
+
     def at_checkpoint(self, run: Run, step: int, path: Path) -> None:
         for hook in self.hooks:
             hook.at_checkpoint(run, step, path)
 
+    def after_train(self, run: Run) -> None:
+        for hook in self.hooks:
+            hook.after_train(run)
+
     def after_export(self, run: Run, export: Path, step: int, *, final: bool) -> None:
         for hook in self.hooks:
             hook.after_export(run, export, step, final=final)
+
+    def after_release(self, run: Run) -> None:
+        for hook in self.hooks:
+            hook.after_release(run)
 
     def after_run(self, run: Run) -> None:
         for hook in self.hooks:

@@ -27,8 +27,7 @@ from ds_exp.runtime.memory import peak_memory_bytes
 from ds_exp.runtime.process_group import all_reduce_sum
 from ds_exp.runtime.signals import StopRequested
 from ds_exp.train.evaluate import Generations, evaluate
-from ds_exp.train.exports import RunExports
-from ds_exp.train.hooks import Run, RunHooks
+from ds_exp.train.hooks import Run
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.sampler import ResumableDistributedSampler
 from ds_exp.train.session import Session
@@ -58,13 +57,12 @@ class Loop:
         checkpoints: Checkpointer,
         generations: Generations,
         progress: Progress,
-        hooks: RunHooks,
-        exports: RunExports | None = None,  # train.export_every's exports
+        run: Run,  # as the features' hooks see it (ds_exp/train/hooks.py): after each step, at each checkpoint
     ) -> None:
         self.train_cfg, self.eval_cfg = train_cfg, eval_cfg
         self.session, self.work, self.metrics = session, work, metrics
         self.checkpoints, self.generations, self.progress = checkpoints, generations, progress
-        self.exports, self.hooks = exports, hooks
+        self.for_hooks, self.hooks = run, run.hooks
         self.loss_plot = LossPlot(session.run_dir, enabled=session.is_main)  # plots/loss.png at each evaluation
         self.engine = work.engine
         built = work.built
@@ -72,9 +70,10 @@ class Loop:
             work.engine,
             world_size=session.world,
             flops=work.flops,
-            sp=work.sp,
+            ranks=work.ranks,
+            shard=built.shard,
             loss=built.loss,
-            boundaries=built.takes_example_boundaries,
+            inputs=built.inputs,
         )
         self.schedule = str(plain(work.schedule_name))
         self.eval_every = eval_interval(train_cfg, work.steps_per_epoch, work.total_steps)  # 0: after each epoch
@@ -88,14 +87,14 @@ class Loop:
     def run(self) -> None:
         """From progress.step to the last step; then nothing is pending (the last metric line is written)."""
         train_cfg, work, progress = self.train_cfg, self.work, self.progress
-        micro, accum, sp = train_cfg.micro_batch_size, train_cfg.gradient_accumulation_steps, work.sp
+        micro, accum, ranks = train_cfg.micro_batch_size, train_cfg.gradient_accumulation_steps, work.ranks
         # sharded by data-parallel rank: the ranks of a sequence-parallel group draw the same rows (and split them)
         sampler = ResumableDistributedSampler(
-            len(work.data.train), rank=sp.dp_rank, world_size=sp.dp_size, seed=train_cfg.seed, drop_last=True
+            len(work.data.train), rank=ranks.dp_rank, world_size=ranks.dp_size, seed=train_cfg.seed, drop_last=True
         )
         while progress.step < work.total_steps:
             sampler.set_epoch(progress.epoch)
-            sampler.set_start(progress.step_in_epoch * micro * accum * sp.dp_size)  # counted over all ranks
+            sampler.set_start(progress.step_in_epoch * micro * accum * ranks.dp_size)  # counted over all ranks
             loader = iter(
                 DataLoader(work.data.train, batch_size=micro, sampler=sampler, collate_fn=work.collator, drop_last=True)
             )
@@ -134,8 +133,7 @@ class Loop:
             self.evaluate()
         if train_cfg.save_every and progress.step % train_cfg.save_every == 0:
             self.save()
-        if train_cfg.export_every and progress.step % train_cfg.export_every == 0:
-            self.export()
+        self.hooks.after_step(self.for_hooks, progress.step)  # a step export (ds_exp/exports/), ...
         if result.votes.stop:
             if progress.last_save_step != progress.step:
                 self.save()
@@ -186,7 +184,8 @@ class Loop:
             micro_batch=self.train_cfg.eval_micro_batch_size or self.train_cfg.micro_batch_size,
             rank=self.session.rank,
             world=self.session.world,
-            sp=work.sp,
+            ranks=work.ranks,
+            shard=work.built.shard,
             loss=work.built.loss,
         )
         if work.metric_scheduler is not None and self.schedule == "reduce_lr_on_plateau":
@@ -220,13 +219,6 @@ class Loop:
             raise Diverged(diverged_message(found, self.progress.step, consequence, self.last_good_checkpoint()))
         self.finite_at = self.progress.step
 
-    def export(self) -> None:
-        """Collective: a step export (the last step has the final export). Weights that are not finite are never
-        exported: export_hf finds them and the run fails as diverged."""
-        if self.exports is not None and self.progress.step < self.work.total_steps:
-            self.metrics.write()  # the step's line first: the export takes a while
-            self.exports.at_step(self.progress.step)
-
     def save(self) -> None:
         """Collective checkpoint, with the open metric window's sums over ranks (see Metrics.carry). Weights that
         are not finite are never saved: resume=auto would continue them."""
@@ -236,7 +228,7 @@ class Loop:
         path = self.checkpoints.save(self.progress, self.metrics.carry(), self.session.state.initial_eval)
         self.progress.last_save_step = self.progress.step
         self.session.state.checkpoint = str(path)
-        self.hooks.at_checkpoint(Run(self.session, self.work), step, path)
+        self.hooks.at_checkpoint(self.for_hooks, step, path)
 
 
 def current_lr(engine: DeepSpeedEngine) -> float:

@@ -3,13 +3,12 @@
     hooks = RunHooks.of(cfg)                   # the features this run turns on, each given its own settings
     with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/train/session.py
         session.start()
-        work = setup(cfg, session)             # named steps: model config, data, plan, resume point, model, engine
-        hooks.after_setup(...)                 # the features' named points: ds_exp/train/hooks.py
-        start = resume(cfg, session, work)     # the checkpoint's state, or a fresh start: ds_exp/train/resuming.py
-        train(cfg, session, work, start, hooks)  # the loop, evaluations, generations, checkpoints (at_checkpoint)
-        RunExports(...).final()                # a Hugging Face model with the base model's identity
-        score_final_export(cfg, session)       # eval.harness: lm-eval scores, base beside (its own status)
-        hooks.after_run(...)                   # the features' work on what the run left
+        run.work = setup(cfg, session, hooks)  # named steps: model config, data, plan, resume point, model, engine
+        hooks.after_setup(run)                 # the features' named points (ds_exp/train/hooks.py), run: Run(...)
+        start = resume(cfg, session, run.work, hooks)  # the checkpoint's state, or a fresh start (train/resuming.py)
+        train(cfg, run, start)                 # the loop, evaluations, generations, checkpoints, step exports
+        hooks.after_train(run)                 # the final export (ds_exp/exports/), then each after_export
+        hooks.after_run(run)                   # the features' work on what the run left (lm-eval scores: its status)
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
 label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
@@ -34,21 +33,17 @@ from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import RunPlan, plan_run
 from ds_exp.config.schema import Config, plain
 from ds_exp.config.secrets import redact, register_secrets
-from ds_exp.config.sp_checks import sequence_parallel_problems
 from ds_exp.core import compat
-from ds_exp.core.errors import ConfigError
 from ds_exp.core.files import write_json_atomic
 from ds_exp.data.checks import no_eval_note
 from ds_exp.data.pipeline import SFTData, prepare_sft_data
 from ds_exp.data.templates import first_template
-from ds_exp.launch.exports import model_section
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.model.architecture import build_model_config, check_lora, hidden_size_of
 from ds_exp.model.build import BuiltModel, build_model
 from ds_exp.model.engine import TrainingEngine, build_engine, check_deepspeed_config, parameter_groups, release_engine
-from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, unregister
 from ds_exp.model.tokenizer import load_tokenizer
-from ds_exp.resume.settings import settings_of
+from ds_exp.resume.settings import model_section, settings_of
 from ds_exp.resume.store import TrainState, read_marker
 from ds_exp.resume.trajectory import trajectory_of
 from ds_exp.runtime.process_group import all_reduce_sum
@@ -56,15 +51,14 @@ from ds_exp.runtime.signals import StopRequested
 from ds_exp.train.collate import make_collator
 from ds_exp.train.disk_space import check_disk_space
 from ds_exp.train.evaluate import Generations
-from ds_exp.train.exports import RunExports
 from ds_exp.train.flops import device_name, flops_model, numel, peak_flops
 from ds_exp.train.generate import Sampling, check_generation_room, load_prompts, stop_token_ids
-from ds_exp.train.harness import score_final_export
 from ds_exp.train.hooks import Run, RunHooks
 from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.resuming import resume, resume_plan
 from ds_exp.train.session import Session, training_line
+from ds_exp.train.step import Ranks
 from ds_exp.train.workload import Workload
 
 log = logging.getLogger("ds_exp.train")
@@ -75,31 +69,33 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train under whatever launcher started this process; write metrics, summary, checkpoints and export."""
     hooks = RunHooks.of(cfg)  # the features this run turns on, each with its own settings (ds_exp/config/features.py)
     with Session(cfg, run_dir) as session:
-        work: Workload | None = None
+        run = Run(session, hooks)
         try:
             session.start()
-            work = setup(cfg, session)
-            hooks.after_setup(Run(session, work))
-            start = resume(cfg, session, work)
-            train(cfg, session, work, start, hooks)
-            RunExports(cfg, session, work, start.run_id).final()
+            run.work = setup(cfg, session, hooks)
+            hooks.after_setup(run)
+            start = resume(cfg, session, run.work, hooks)
+            run.run_id = start.run_id
+            train(cfg, run, start)
+            hooks.after_train(run)
         finally:
-            if work is not None:
-                release_engine(work.engine)  # its memory and hooks, before a later job of this process
-            unregister()  # transformers' attention table as it was, for a later job of this process
-        work = None  # the model and optimizer state go before lm-eval loads the export
-        score_final_export(cfg, session)  # rank 0, once the engine is released; never fails the completed run
-        hooks.after_run(Run(session))
+            if run.work is not None:
+                release_engine(run.work.engine)  # its memory and hooks, before a later job of this process
+            hooks.after_release(run)
+        run.work = None  # the model and optimizer state go before a feature loads the export (lm-eval)
+        hooks.after_run(run)  # once the engine is released (lm-eval scores); never fails the completed run
     return {k: v for k, v in asdict(session.state).items() if k != "run_dir"}
 
 
-def setup(cfg: Config, session: Session) -> Workload:
+def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
     """Everything the loop uses, as named steps in the order that fails cheapest first: the ranks' layout, then the
     model's config before the data (a checkpoint transformers cannot read fails before tokenizing), the data before
     the plan (its steps count the examples), the checkpoint to resume from before the weights (deepspeed.initialize
-    reads whether it loads through the universal format), the disk before the engine."""
-    sp = parallel_layout(cfg, session)
-    tokenizer, model_config = read_model_config(cfg, session, sp)
+    reads whether it loads through the universal format), the disk before the engine. The features act at their
+    points (ds_exp/train/hooks.py, and while the model is built: ds_exp/model/hooks.py)."""
+    ranks = parallel_layout(cfg, session)
+    tokenizer, model_config = read_model_config(cfg, session)
+    hooks.after_model_config(Run(session, hooks), model_config)
     data = tokenized_data(cfg, session, tokenizer, model_config)
     plan = plan_run(
         cfg,
@@ -110,11 +106,11 @@ def setup(cfg: Config, session: Session) -> Workload:
         run_dir=session.run_dir,
     )
     if session.is_main:
-        log.info(training_line(cfg, plan.ds_config, session.precision, plan.data_parallel_size, sp.size))
+        log.info(training_line(cfg, plan.ds_config, session.precision, plan.data_parallel_size, ranks.size))
     settings = settings_of(cfg, session.world, plan.ds_config, session.precision)
     resume_from, universal = resume_plan(cfg, session, settings)
     ds_config = final_ds_config(cfg, session, plan, universal)
-    built = build_model(cfg, tokenizer, ds_config)
+    built = build_model(cfg, tokenizer, ds_config, hooks.hooks)
     base = built_base(cfg, built.model, zero3=ds_config["zero_optimization"]["stage"] == 3, checkpoint=resume_from)
     parameters, trainable = record_model(cfg, session, built, plan, ds_config)
     needed = checkpoint_bytes(trainable, session.precision, optimizer_state(cfg, accelerator=session.accelerator))
@@ -129,9 +125,9 @@ def setup(cfg: Config, session: Session) -> Workload:
         # under sequence parallelism every row splits into N equal slices, and position_ids carry the causality
         collator=make_collator(
             tokenizer,
-            pad_to_multiple_of=sp.size if sp.enabled else None,
+            pad_to_multiple_of=ranks.size if ranks.enabled else None,
             isolate_packed=bool(cfg.data.packing),
-            position_ids=sp.enabled,
+            position_ids=ranks.enabled,
         ),
         total_steps=plan.total_steps,
         steps_per_epoch=plan.steps_per_epoch,
@@ -155,33 +151,26 @@ def setup(cfg: Config, session: Session) -> Workload:
         peak_flops=session.state.peak_flops,
         checkpoint_bytes=needed,
         base=base,
-        sp=sp,
+        ranks=ranks,
     )
 
 
-def parallel_layout(cfg: Config, session: Session) -> SequenceParallel:
-    """This rank's sequence-parallel group, checked again with the world the group has (submitit: known here)."""
-    problems = sequence_parallel_problems(cfg, session.world)
-    if problems:
-        raise ConfigError(problems)
-    sp = SequenceParallel.of(session.rank, session.world, cfg.dist.sequence_parallel_size)
+def parallel_layout(cfg: Config, session: Session) -> Ranks:
+    """This rank's place: its sequence-parallel group (checked with the world it has by the feature's hooks)."""
+    ranks = Ranks.of(session.rank, session.world, cfg.dist.sequence_parallel_size)
     # the ranks that draw different samples: every step's global batch is micro x accumulation x dp
-    session.state.data_parallel_size, session.state.sequence_parallel_size = sp.dp_size, sp.size
-    return sp
+    session.state.data_parallel_size, session.state.sequence_parallel_size = ranks.dp_size, ranks.size
+    return ranks
 
 
-def read_model_config(
-    cfg: Config, session: Session, sp: SequenceParallel
-) -> tuple[PreTrainedTokenizerBase, PretrainedConfig]:
-    """The tokenizer and the model's config (no weights), and what they can refuse: a hub model's heads under
-    sequence parallelism, lora.* against the model's layers."""
+def read_model_config(cfg: Config, session: Session) -> tuple[PreTrainedTokenizerBase, PretrainedConfig]:
+    """The tokenizer and the model's config (no weights), and what they can refuse: lora.* against the model's
+    layers."""
     if session.is_main:
         for note in max_seq_len_notes(cfg):
             log.warning(note)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     model_config = build_model_config(cfg, tokenizer)
-    if sp.enabled:
-        check_heads(model_config, sp.size)
     check_lora(cfg, model_config)
     return tokenizer, model_config
 
@@ -242,7 +231,7 @@ def training_engine(
     cfg: Config, session: Session, built: BuiltModel, ds_config: dict[str, Any], plan: RunPlan
 ) -> TrainingEngine:
     """deepspeed.initialize with the optimizer and the schedule (the decoder layers were compiled at build where the
-    fast path asks: ds_exp/model/compile.py)."""
+    fast path asks: ds_exp/fast_path/)."""
     engine = build_engine(
         built.model,
         ds_config,
@@ -259,13 +248,15 @@ def training_engine(
     groups = engine.deepspeed_engine.optimizer.param_groups
     peak = [float(g.get("initial_lr", g["lr"])) for g in groups]  # the schedule's base: optimizer.lr
     file_log.info("learning rate per parameter group: peak %s, step 1 %s", peak, [float(g["lr"]) for g in groups])
-    session.state.fast_path = built.fast_path_record()
+    session.state.fast_path = built.fast_path
     return engine
 
 
-def train(cfg: Config, session: Session, work: Workload, start: TrainState, hooks: RunHooks) -> None:
+def train(cfg: Config, run: Run, start: TrainState) -> None:
     """Evaluate and generate before the first step, run the loop, evaluate and generate after the last, and
     save the final checkpoint."""
+    session, work = run.session, run.work
+    assert work is not None
     metrics_log, trackers = session.open_sinks(start)
     progress = Progress(start.step, start.epoch, start.step_in_epoch)
     if start.step > 0:
@@ -303,13 +294,13 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState, hook
             "trackers": trackers.ids(),  # each tracker's run id: a resume continues the same tracker runs
             "settings": work.settings,
             "trajectory": work.trajectory,
-            "model_config": model_section(cfg),  # what an export of the checkpoint rebuilds the model with
+            "model_config": model_section(cfg.model),  # what an export of the checkpoint rebuilds the model with
             "base": work.base,  # the frozen weights it leaves out
         },
         extra=_stage0_names(cfg, work),
     )
-    exports = RunExports(cfg, session, work, start.run_id)
-    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, hooks, exports)
+    run.metrics = metrics
+    loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, run)
     session.ready()
     try:
         if cfg.train.eval_at_start and progress.step == 0:
@@ -341,7 +332,7 @@ def train(cfg: Config, session: Session, work: Workload, start: TrainState, hook
         state.train_samples, state.train_flops = totals.samples, totals.flops
         state.skipped_steps, state.train_loss = totals.skipped_steps, totals.last_loss
         state.train_flops_row_attention = totals.flops_row_attention
-        if work.built.fast.compile:
+        if work.built.fast_path.get("compile"):
             state.compile_s = compat.compile_seconds()  # torch.compile's own timers: not in train_seconds' speed
 
 

@@ -14,7 +14,6 @@ from typing import Any
 from ds_exp.checkpoint.checkpointer import load_checkpoint
 from ds_exp.checkpoint.universal import load_state
 from ds_exp.config.schema import Config
-from ds_exp.launch.exports import exports_off_trajectory
 from ds_exp.launch.run_dir import completed_at, set_aside_attempt
 from ds_exp.model.engine import lr_at, parameter_groups
 from ds_exp.resume import trajectory
@@ -22,6 +21,7 @@ from ds_exp.resume.branches import is_same_run, set_aside_branch
 from ds_exp.resume.settings import check_resume, layout_changes, needs_universal, sequence_parallel_change
 from ds_exp.resume.store import TrainState, find_resume_checkpoint, read_marker, resume_wanted
 from ds_exp.runtime.process_group import broadcast
+from ds_exp.train.hooks import Run, RunHooks
 from ds_exp.train.session import NothingToDo, Session
 from ds_exp.train.workload import Workload
 
@@ -48,7 +48,7 @@ def resume_plan(cfg: Config, session: Session, settings: dict[str, Any]) -> tupl
     return tag_dir, needs_universal(saved, settings)
 
 
-def resume(cfg: Config, session: Session, work: Workload) -> TrainState:
+def resume(cfg: Config, session: Session, work: Workload, hooks: RunHooks) -> TrainState:
     """The state to start from: a checkpoint's (resume=auto / <path>), or step 0. A submitit job that SLURM
     requeued runs again in the same directory, so it continues whenever there is something to continue."""
     run_dir, tag_dir = session.run_dir, work.resume_from
@@ -82,20 +82,20 @@ def resume(cfg: Config, session: Session, work: Workload) -> TrainState:
                 state.step,
                 work.total_steps,
             )
-    return continue_trajectory(cfg, session, state, tag_dir)
+    return continue_trajectory(cfg, session, state, tag_dir, hooks)
 
 
-def continue_trajectory(cfg: Config, session: Session, state: TrainState, tag_dir: Path) -> TrainState:
+def continue_trajectory(cfg: Config, session: Session, state: TrainState, tag_dir: Path, hooks: RunHooks) -> TrainState:
     """Collective, once the resume is loaded and accepted: the checkpoint directory's checkpoints that are not on the
-    resumed trajectory are set aside as a branch (ds_exp.resume.branches.set_aside_branch), and the state gets this
-    attempt's identity: a new branch, and a new run_id when the checkpoint is another run directory's (its files are
-    never this run's to rotate)."""
+    resumed trajectory are set aside as a branch (ds_exp.resume.branches.set_aside_branch) with the files the
+    features made on it (their on_branch: the exports), and the state gets this attempt's identity: a new branch,
+    and a new run_id when the checkpoint is another run directory's (its files are never this run's to rotate)."""
     run_dir, checkpoint_dir = session.run_dir, session.run_dir / cfg.train.checkpoint_dir
     decided = None
     if session.is_main:
         here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
-        exports = exports_off_trajectory(run_dir / cfg.train.export_dir, run_dir, state.step, same_directory=here)
-        aside = set_aside_branch(checkpoint_dir, tag_dir, run_dir, exports)
+        made_on_it = hooks.on_branch(Run(session, hooks), state.step, same_directory=here)
+        aside = set_aside_branch(checkpoint_dir, tag_dir, run_dir, made_on_it)
         if aside.branch is not None:
             log.warning("resume: %s", aside.message(tag_dir, run_dir, here))
         same_run = state.run_id is not None and is_same_run(tag_dir, run_dir, checkpoint_dir)

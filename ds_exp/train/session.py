@@ -30,6 +30,7 @@ from hydra.types import RunMode
 
 from ds_exp.artifacts.summary import EVERY_RANK_ENDS, RunState, final_line, write_summary
 from ds_exp.artifacts.tracking import MetricsLog, Trackers, drop_lines_after
+from ds_exp.config.command_line import command, override
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
@@ -307,14 +308,14 @@ class Session:
     def continue_command(self) -> str:
         """The command that continues this run, to paste (the README's): its launcher, the run directory and what
         to continue from; the directory remembers the rest of the run's config (ds_exp.launch.run_config)."""
-        return f"{relaunch_command(self.launch)} hydra.run.dir={self.run_dir} {self.continue_with()}"
+        return command(relaunch_command(self.launch), override("hydra.run.dir", self.run_dir), self.continue_with())
 
     def continue_with(self) -> str:
         """The resume override that continues what was interrupted: the checkpoint this attempt resumed from until it
         wrote one of its own (it may lie in another directory, or be older than this directory's newest, or be
         converted when the stop came), then the newest complete checkpoint of this directory."""
         if self.state.checkpoint is None and self.resume_source is not None:
-            return f"resume={self.resume_source}"
+            return override("resume", self.resume_source)
         return "resume=auto"
 
     def finish(self, outcome: Outcome) -> None:

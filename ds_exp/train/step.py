@@ -3,8 +3,8 @@
 The loss of a step is the sum of token losses over the whole global batch divided by its number of label tokens:
 it does not depend on how the batch is split over ranks and micro batches, and padding never counts. DeepSpeed
 averages gradients over data-parallel ranks and micro batches; the step undoes that average and divides by the global
-count. Under sequence parallelism (ds_exp/model/sequence_parallel.py) each rank sums the token losses of its slice of
-the rows and DeepSpeed sums the gradients of a group's slices: the same loss, the same gradients. In fp16 at ZeRO
+count. Under sequence parallelism (ds_exp/sequence_parallel/) each rank sums the token losses of its slice of the rows
+and DeepSpeed sums the gradients of a group's slices: the same loss, the same gradients. In fp16 at ZeRO
 stage 0 the step applies the loss scale DeepSpeed leaves out (Fp16LossScale).
 """
 
@@ -22,15 +22,12 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
+from ds_exp.config.batch import data_parallel_size
 from ds_exp.core import compat
 from ds_exp.core.errors import RunFailed
-from ds_exp.model.attention import example_boundaries
-from ds_exp.model.sequence_parallel import SequenceParallel
+from ds_exp.model.head_loss import IGNORE_INDEX
+from ds_exp.model.hooks import Batch
 from ds_exp.train.flops import FlopsModel, sum_squared_lengths
-
-IGNORE_INDEX = -100  # labels that never count (torch cross_entropy's ignore_index)
-
-Batch = dict[str, torch.Tensor]  # a collated batch (ds_exp.train.collate.SFTCollator), on the host or the device
 
 
 def next_token_targets(batch: Batch) -> torch.Tensor:
@@ -82,7 +79,7 @@ def batch_loss(
     loss: BatchLoss | None, engine: torch.nn.Module, batch: Batch, boundaries: dict[str, Any] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's summed token loss and label tokens through `loss` (None: the full logits'). `boundaries`: a packed
-    batch's examples for a varlen attention (ds_exp.model.attention.example_boundaries)."""
+    batch's examples for a varlen attention (ds_exp.fast_path.attention.example_boundaries)."""
     return (loss or logits_loss)(engine, {**model_inputs(batch), **(boundaries or {})}, next_token_targets(batch))
 
 
@@ -106,6 +103,34 @@ def input_tokens(batch: Batch) -> float:
 
 def label_tokens(batch: Batch) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This rank's place: `size` ranks train each row together (sequence parallelism: dist.sequence_parallel_size),
+    `rank` is its place among them (DeepSpeed's groups are contiguous), and the data-parallel ranks draw different
+    rows."""
+
+    size: int = 1
+    rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, size: int) -> Ranks:
+        size = max(int(size), 1)
+        return cls(size=size, rank=rank % size, dp_rank=rank // size, dp_size=data_parallel_size(world_size, size))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rows are split over ranks (sequence parallelism)."""
+        return self.size > 1
+
+    @property
+    def counts_rows(self) -> bool:
+        """Whether this rank counts its group's rows (samples, tokens, label tokens): one rank per group does, so
+        sums over all ranks count every row once."""
+        return self.rank == 0
 
 
 @dataclass(frozen=True)
@@ -170,20 +195,21 @@ class TrainStep:
         *,
         world_size: int,
         flops: FlopsModel,
-        sp: SequenceParallel | None = None,
+        ranks: Ranks = Ranks(),
+        shard: Callable[[Batch], Batch] | None = None,
         loss: BatchLoss | None = None,
-        boundaries: bool = False,
+        inputs: Callable[[Batch], dict[str, Any]] | None = None,
     ) -> None:
-        """`boundaries`: hand packed batches' example boundaries to the attention (a varlen kernel's)."""
+        """`shard`: this rank's part of a batch (sequence parallelism's); `inputs`: model inputs read off each host
+        batch (a varlen kernel's example boundaries); both from the model build (ds_exp/model/hooks.py)."""
         self.engine = engine
         self.world_size = world_size
         self.flops = flops
-        self.sp = sp or SequenceParallel()
+        self.ranks, self.shard, self.inputs = ranks, shard, inputs
         self.loss = loss  # None: from the full logits (logits_loss); the fused or the tiled loss
-        self.boundaries = boundaries and not self.sp.enabled  # sequence parallelism runs each document on its own
         # undoes DeepSpeed's mean over data-parallel ranks (it sums over a sequence-parallel group), and where it
         # divides by the whole world instead (ZeRO-3 under sequence parallelism: ds_exp/core/compat/) that too
-        self.rank_scale = world_size // self.sp.size * compat.sequence_parallel_gradient_factor(engine, self.sp.size)
+        self.rank_scale = world_size // ranks.size * compat.sequence_parallel_gradient_factor(engine, ranks.size)
         self.fp16_loss_scale = Fp16LossScale(engine) if Fp16LossScale.needed(engine) else None
 
     def __call__(
@@ -195,12 +221,12 @@ class TrainStep:
         over the global batch, at no cost). It is started before the first forward and awaited before the first
         backward, so its latency hides behind the forward, and every rank gets the same votes after the same
         step."""
-        engine, device, sp = self.engine, self.engine.device, self.sp
+        engine, device, ranks = self.engine, self.engine.device, self.ranks
         scale = self.rank_scale * len(batches)  # undoes DeepSpeed's mean over ranks and micro batches
         # reading the previous step's loss here costs nothing: that step has finished on every device by now
         previous = float(previous_loss) if previous_loss is not None else 0.0
         # a sequence-parallel group's rows are counted once, by one of its ranks, from the whole rows
-        labels = [label_tokens(b) if sp.counts_rows else 0 for b in batches]
+        labels = [label_tokens(b) if ranks.counts_rows else 0 for b in batches]
         reduced = torch.tensor(
             [float(sum(labels)), float(stop_requested), float(not math.isfinite(previous)), previous],
             dtype=torch.float64,
@@ -211,15 +237,15 @@ class TrainStep:
         loss_sum: torch.Tensor | float = 0.0
         tokens = samples = flops = row_flops = 0.0
         for batch in batches:
-            if sp.counts_rows:
+            if ranks.counts_rows:
                 batch_tokens = input_tokens(batch)
                 tokens += batch_tokens
                 samples += batch["input_ids"].size(0)
                 flops += self.flops.per_batch(batch_tokens, sum_squared_lengths(batch))
                 row_flops += self.flops.per_batch_row_attention(batch_tokens, batch["input_ids"].size(1))
-            if sp.enabled:
-                batch = sp.shard(batch)
-            examples = example_boundaries(batch) if self.boundaries else {}  # from the host's position ids
+            if self.shard is not None:
+                batch = self.shard(batch)
+            examples = self.inputs(batch) if self.inputs is not None else {}  # from the host's position ids
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             examples = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in examples.items()}
             summed, _ = batch_loss(self.loss, engine, batch, examples)

@@ -12,9 +12,9 @@ from transformers import PreTrainedTokenizerBase
 from ds_exp.data.pipeline import SFTData
 from ds_exp.model.build import BuiltModel
 from ds_exp.model.engine import MetricSchedule
-from ds_exp.model.sequence_parallel import SequenceParallel
 from ds_exp.train.collate import SFTCollator
 from ds_exp.train.flops import FlopsModel
+from ds_exp.train.step import Ranks
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Workload:
     resume_from: Path | None = None  # the checkpoint this run continues (ds_exp.train.recipe.resume_plan)
     # loaded through DeepSpeed's universal format: its layout changed (ds_exp/checkpoint/universal.py)
     universal: bool = False
-    sp: SequenceParallel = SequenceParallel(1)  # noqa: RUF009 (frozen) this rank's sequence-parallel group place
+    ranks: Ranks = Ranks()  # noqa: RUF009 (frozen) this rank's place: its sequence-parallel group, its data-parallel rank
 
     @property
     def zero_stage(self) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_exp.config.fast_path import liger_installed
+from ds_exp.fast_path.settings import liger_installed
 from ds_exp.model.build import build_model
 from ds_exp.model.engine import release_engine
 from ds_exp.model.tokenizer import load_tokenizer
@@ -69,7 +69,7 @@ def test_the_fused_loss_trains_like_the_plain_loss_at_zero3(compose_cfg, one_ran
     lora = ("lora.dim=4", "lora.modules_to_save=[lm_head]")  # adapters in the layers, lm_head trained whole
     plain, _ = train(compose_cfg, one_rank, 3, *lora, "model.fused_loss=false")
     fused, built = train(compose_cfg, one_rank, 3, *lora, "model.fused_loss=true")
-    assert built.fast.fused_loss
+    assert built.fast_path["fused_loss"]
     assert_close(fused, plain, rel=1e-5)
     assert fused[-1] < fused[0]
     # what a loss computed outside the output layer's call would have read

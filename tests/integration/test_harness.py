@@ -90,9 +90,9 @@ def test_the_rebuilt_base_is_the_runs_step_0_model(default_run, tmp_path):
     set is the one the run measured at step 0, before training."""
     from transformers import AutoModelForCausalLM
 
-    from ds_exp.artifacts.harness_base import base_model_dir
     from ds_exp.data.pipeline import prepare_sft_data
-    from ds_exp.launch.exports import run_config
+    from ds_exp.evaluation.harness import base_model_dir
+    from ds_exp.exports.on_disk import run_config
     from ds_exp.model.tokenizer import load_tokenizer
 
     run_dir = default_run.run_dir
@@ -114,7 +114,7 @@ def test_the_rebuilt_base_is_the_runs_step_0_model(default_run, tmp_path):
 
 
 def test_evaluate_a_run_directory_takes_the_base_from_the_cache(default_run, capsys):
-    from ds_exp.tools.evaluate.cli import main
+    from ds_exp.evaluation.cli import main
 
     run_dir = default_run.run_dir
     before = json.loads((run_dir / "eval" / "harness.json").read_text())
@@ -129,7 +129,7 @@ def test_evaluate_a_run_directory_takes_the_base_from_the_cache(default_run, cap
 
 
 def test_a_checkpoint_is_exported_then_scored_alone(default_run):
-    from ds_exp.tools.evaluate.cli import main
+    from ds_exp.evaluation.cli import main
 
     run_dir = default_run.run_dir
     assert main([str(run_dir / "checkpoints" / "step250"), TASK, "--limit", "20", "--no-template"]) == 0
@@ -140,7 +140,7 @@ def test_a_checkpoint_is_exported_then_scored_alone(default_run):
 
 def test_ctrl_c_during_an_evaluation_leaves_the_run_as_it_was(default_run, tmp_path):
     """KeyboardInterrupt (what Ctrl-C raises) while lm-eval renders the questions: exit 130, nothing written."""
-    from ds_exp.tools.evaluate.cli import main
+    from ds_exp.evaluation.cli import main
 
     interrupted = task_yaml(tmp_path, "interrupted", "raise KeyboardInterrupt")
     before = listing(default_run.run_dir)
@@ -166,9 +166,9 @@ def task_yaml(directory: Path, name: str, when_asked: str) -> Path:
 def test_the_base_is_scored_once_for_a_sweep_of_four_jobs(default_run, tmp_path):
     """Four jobs of a sweep over one base model (lora.dim and the learning rate swept; their exports differ): the
     first scores the base model, the other three read the cache."""
-    from ds_exp.artifacts.harness import HarnessSettings, builtin_of, evaluate
-    from ds_exp.launch.exports import run_config
-    from ds_exp.launch.harness_checks import resolve_tasks
+    from ds_exp.evaluation.checks import resolve_tasks
+    from ds_exp.evaluation.harness import HarnessSettings, builtin_of, evaluate
+    from ds_exp.exports.on_disk import run_config
 
     run_dir = default_run.run_dir
     cfg = run_config(run_dir)
@@ -225,7 +225,7 @@ def test_smollm2_scores_are_lm_evals_own_with_and_without_its_chat_template(smol
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from ds_exp.tools.evaluate.cli import main
+    from ds_exp.evaluation.cli import main
 
     task_yaml = qa_task(tmp_path)
     lm = HFLM(pretrained=str(smollm2_dir), dtype="auto", batch_size=4, device="cpu")  # lm-eval's own, as its CLI

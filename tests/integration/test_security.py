@@ -77,7 +77,20 @@ BY_SHAPE = [
     f"+logger.apitoken={NAME_APITOKEN}",
     f"+logger.literal_pat={LITERAL_DOLLAR}",
 ]
-SHAPE_SECRETS = [SHAPE_URL_PW, SHAPE_HOOK, SHAPE_ACCOUNT_KEY, PLACE_ENV_SET, NAME_APITOKEN, LITERAL_DOLLAR, FILE_URL_PW]
+# issue 39 §2: token formats under innocent keys, found by detect-secrets' plugins or ds_exp's own patterns
+TOKENS = {
+    "jwt": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJjaS10ZXN0In0.c2lnbmF0dXJlLTRmOGIzYzFkOWUyYTdiNmM1ZDBl",
+    "stripe": "sk_live_51Hx8dQ2eZvKYlo2Cq9e3Rt7u",
+    "google": "ya29.a0AfH6SMBx3Kc9dBQ7kQeXm1JNdD0sVUvJ",
+    "npm": "npm_Zq1w2e3r4t5y6u7i8o9p0aSdFgHjKlZxCvBnM1",
+    "slack": "xapp-1-A0123456789-1234567890123-0f9e8d7c6b5a4f3e2d1c",
+    "aws": "Kq7mN2pR9sT4vW8xY3zA6bC1dE5fG0hJ+/LoUiYt",
+    "bearer": "0b7e3f1a9c2d4e5f6a7b8c9d0e1f",
+}
+BY_SHAPE += [f"+logger.mlflow.tags.{name}={value}" for name, value in TOKENS.items() if name != "bearer"]
+BY_SHAPE += [f"+logger.mlflow.tags.auth='Authorization: Bearer {TOKENS['bearer']}'"]
+SHAPE_SECRETS = [SHAPE_URL_PW, SHAPE_HOOK, SHAPE_ACCOUNT_KEY, PLACE_ENV_SET, NAME_APITOKEN, LITERAL_DOLLAR]
+SHAPE_SECRETS += [*TOKENS.values(), FILE_URL_PW]
 # ... and one by its shape, in a block DeepSpeed logs whole at start-up (its comet monitor's settings)
 LEAKY_SHAPES = f"deepspeed: {{config: {{comet: {{project: 'mysql://me:{FILE_URL_PW}@db.example/x'}}}}}}\n"
 

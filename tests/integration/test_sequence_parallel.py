@@ -14,18 +14,21 @@ import pytest
 import torch
 
 from ds_exp.config.ds_config import RunFacts, resolve_ds_config
-from ds_exp.config.fast_path import liger_installed
-from ds_exp.config.sp_checks import sequence_parallel_problems, zero_problems
+from ds_exp.config.features import CheckFacts
+from ds_exp.config.ranges import range_problems
 from ds_exp.core.errors import ConfigError
-from ds_exp.model.sequence_parallel import SequenceParallel, check_heads, isolate_documents
+from ds_exp.fast_path.settings import liger_installed
+from ds_exp.sequence_parallel.checks import sequence_parallel_problems, zero_problems
+from ds_exp.sequence_parallel.settings import SequenceParallelSettings
+from ds_exp.sequence_parallel.ulysses import SequenceShard, check_heads, isolate_documents
 from ds_exp.train.collate import SFTCollator
-from ds_exp.train.step import IGNORE_INDEX, loss_labels, token_loss_sum
+from ds_exp.train.step import IGNORE_INDEX, Ranks, loss_labels, token_loss_sum
 
 # ---------------------------------------------------------------------------------------------- in this process
 
 
 def test_each_rank_keeps_its_slice_and_the_labels_its_tokens_predict():
-    assert SequenceParallel.of(rank=3, world_size=4, size=2) == SequenceParallel(size=2, rank=1, dp_rank=1, dp_size=2)
+    assert Ranks.of(rank=3, world_size=4, size=2) == Ranks(size=2, rank=1, dp_rank=1, dp_size=2)
     collate = SFTCollator(pad_token_id=0, pad_to_multiple_of=2, position_ids=True)
     full = collate(
         [
@@ -36,7 +39,7 @@ def test_each_rank_keeps_its_slice_and_the_labels_its_tokens_predict():
     assert full["input_ids"].shape == (2, 6)  # 5 tokens, padded to a multiple of N, never refused
     assert full["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5]] * 2  # pads count on: behind every real token
     assert full["attention_mask"][1].tolist() == [1, 1, 1, 0, 0, 0]  # kept on the host: tokens are counted from it
-    slices = [SequenceParallel.of(rank, 2, 2).shard(full) for rank in (0, 1)]
+    slices = [SequenceShard(size=2, rank=rank)(full) for rank in (0, 1)]
     assert all(set(s) == {"input_ids", "position_ids", "shift_labels"} for s in slices)
     joined = {k: torch.cat([s[k] for s in slices], dim=1) for k in slices[0]}
     assert torch.equal(joined["input_ids"], full["input_ids"])
@@ -103,11 +106,20 @@ def test_what_sequence_parallelism_cannot_run_is_said_before_heavy_work(compose_
             group, name = key.split("__")
             setattr(getattr(cfg, group), name, value)
         ds = {"zero_optimization": {"stage": stage, "reduce_scatter": reduce_scatter}}
-        return "\n".join(sequence_parallel_problems(cfg, world) + zero_problems(cfg, ds))
+        settings = SequenceParallelSettings.of(cfg)
+        return "\n".join(
+            sequence_parallel_problems(settings, world) + zero_problems(settings, CheckFacts(world, "cpu", ds))
+        )
 
     assert problems() == ""
     assert problems(data__packing=True, model__attn_implementation="sdpa") == ""
-    assert "must be >= 1" in problems(n=0)
+    assert problems(n=0) == ""  # below 1: its field's range says it, once
+    below = copy.deepcopy(base)
+    below.dist.sequence_parallel_size = 0
+    assert (
+        "dist.sequence_parallel_size",
+        "dist.sequence_parallel_size=0: must be >= 1 (1 = off; N > 1 shards every sample's sequence over N ranks)",
+    ) in range_problems(below)
     assert "does not divide the world size 4" in problems(n=3)
     kv = problems(n=4, model__arch={**base.model.arch, "num_attention_heads": 12, "num_key_value_heads": 3})
     assert "model's 3 key/value heads (model.arch) do not divide one another" in kv
@@ -116,7 +128,7 @@ def test_what_sequence_parallelism_cannot_run_is_said_before_heavy_work(compose_
     assert "train.eval_micro_batch_size=null" in problems(train__eval_micro_batch_size=2)
     assert "leave zero.reduce_scatter unset" in problems(stage=3, reduce_scatter=False)
     assert problems(stage=3) == ""  # DeepSpeed's default (on): its factor is compensated (ds_exp/core/compat/)
-    monkeypatch.setattr("ds_exp.config.sp_checks.importlib.metadata.version", lambda name: "0.16.9")
+    monkeypatch.setattr("ds_exp.sequence_parallel.checks.importlib.metadata.version", lambda name: "0.16.9")
     assert "this is DeepSpeed 0.16.9: pip install -U 'deepspeed>=0.17'" in problems()
     # a hub model's heads are checked once its config is loaded, before its data and weights
     smollm2 = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3)

@@ -1,4 +1,4 @@
-"""Long-context knobs (ds_exp/model/tiling.py): each one on gives the losses of the run with it off, and does what it is
+"""Long-context knobs (ds_exp/long_context/): each one on gives the losses of the run with it off, and does what it is
 for (the full logits never exist, MLP intermediates exist one tile at a time, checkpointed layer inputs go through
 the offload); at ZeRO-3 on 2 ranks with every knob on, a real run follows the plain run's losses step by step."""
 
@@ -147,7 +147,7 @@ def test_an_mlp_runs_exactly_its_tiles_whatever_the_length():
     (ZeRO-3 gathers the MLP's weights per tile; torch.chunk(9 tokens, 4) would give 3)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from ds_exp.model.tiling import tile_mlps
+    from ds_exp.long_context.tiling import tile_mlps
 
     class MLP(torch.nn.Module):
         def __init__(self) -> None:

@@ -150,8 +150,13 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(
     monkeypatch.setenv("MY_SERVICE_TOKEN", SECRET)
     register_secrets(environ={"MY_SERVICE_TOKEN": SECRET})
     tag = f"+logger.mlflow.tags.db=postgresql://bob:{TAG_PASSWORD}@db.example.com/x"  # a secret by its shape
+    jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJtbGZsb3cifQ.bWxmbG93LXRhZy1zaWduYXR1cmUtOWQ0ZQ"  # a token by its format
     cfg = compose_cfg(
-        "logger=mlflow", "experiment_name=trackers", "logger.wandb.api_key=${oc.env:MY_SERVICE_TOKEN}", tag
+        "logger=mlflow",
+        "experiment_name=trackers",
+        "logger.wandb.api_key=${oc.env:MY_SERVICE_TOKEN}",
+        tag,
+        f"+logger.mlflow.tags.session={jwt}",
     )
     (tmp_path / "outputs").mkdir()
     shutil.copy(migrated_mlflow_db, tmp_path / "outputs" / "mlflow.db")
@@ -171,6 +176,7 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(
         == run.data.params["logger.mlflow.tags.db"]
         == "postgresql://bob:<redacted>@db.example.com/x"
     )
+    assert run.data.tags["session"] == run.data.params["logger.mlflow.tags.session"] == "<redacted>"
 
     resumed_cfg = compose_cfg("logger=mlflow", "experiment_name=trackers", "train.max_steps=6")
     resumed = MlflowRun(resumed_cfg, tmp_path, run_id=first.run_id, start_step=3)

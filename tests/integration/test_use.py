@@ -28,7 +28,7 @@ PROMPT = "repeat the words: apple cat dog"
 
 
 def export(*args: str) -> int:
-    from ds_exp.tools.use.cli import export_main
+    from ds_exp.exports.cli import export_main
 
     return export_main([str(a) for a in args])
 
@@ -45,15 +45,15 @@ def same_export(ours: Path, runs: Path, weights: str = "model.safetensors") -> N
 
 
 def chat_args(**given: object) -> argparse.Namespace:
-    from ds_exp.tools.use.cli import chat_parser
+    from ds_exp.exports.cli import chat_parser
 
     return argparse.Namespace(**{**vars(chat_parser().parse_args(["x"])), **given})
 
 
 def ask(model_dir: Path, prompts: list[str], **given: object) -> list[str]:
     """python -m ds_exp.chat MODEL_DIR < prompts, in this process."""
-    from ds_exp.launch.exports import model_dir_of
-    from ds_exp.tools.use.chat import chat
+    from ds_exp.exports.chat import chat
+    from ds_exp.exports.checks import model_dir_of
 
     out, stdin = io.StringIO(), io.StringIO("\n".join(prompts) + "\n")
     assert chat(model_dir_of(str(model_dir)), chat_args(jsonl=True, **given), stdin=stdin, stdout=out) == 0
@@ -112,18 +112,17 @@ def _one_rank(tmp_path: Path) -> Iterator[None]:
 
 def test_step_exports_are_checked_before_training_and_rotation_removes_only_this_runs(compose_cfg, tmp_path):
     from ds_exp.core.errors import RunFailed
-    from ds_exp.launch.exports import rotated_step_exports
+    from ds_exp.exports.on_disk import planned_step_exports, rotated_step_exports
     from ds_exp.train.disk_space import check_disk_space
-    from ds_exp.train.exports import planned_step_exports
 
     cfg = compose_cfg("train.export_every=2", "train.export_keep_last=1")
     run_dir = tmp_path / "run"
-    assert [p.name for p in planned_step_exports(cfg, run_dir, 0, 8)] == [
+    assert [p.name for p in planned_step_exports(cfg.train, run_dir, 0, 8)] == [
         "hf_model-step2",
         "hf_model-step4",
         "hf_model-step6",
     ]
-    assert [p.name for p in planned_step_exports(cfg, run_dir, 5, 8)] == ["hf_model-step6"]
+    assert [p.name for p in planned_step_exports(cfg.train, run_dir, 5, 8)] == ["hf_model-step6"]
     (run_dir / "hf_model-step4").mkdir(parents=True)
     (run_dir / "hf_model-step4" / "notes.txt").write_text("not ds_exp's")
     session = SimpleNamespace(is_main=True, run_dir=run_dir, precision="fp32")
@@ -265,7 +264,7 @@ def test_an_empty_answer_gets_one_hint(zero0, tmp_path, capsys):
     and what to try."""
     from safetensors.torch import save_file
 
-    from ds_exp.tools.use.chat import empty_answer_hint
+    from ds_exp.exports.chat import empty_answer_hint
 
     mute = tmp_path / "mute"
     shutil.copytree(zero0.run_dir / "hf_model-step2", mute)
@@ -283,7 +282,7 @@ def test_an_empty_answer_gets_one_hint(zero0, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_chat_on_a_terminal_is_a_conversation(zero0, monkeypatch, capsys):
-    from ds_exp.tools.use import chat as chat_module
+    from ds_exp.exports import chat as chat_module
 
     said: list[list[tuple[str, str]]] = []
     answer = chat_module.Chat.answer
@@ -327,7 +326,7 @@ def test_an_abandoned_branch_takes_its_exports_along_and_its_checkpoints_export_
     beyond fp16's range is refused, nothing written."""
     from omegaconf import OmegaConf
 
-    from ds_exp.launch.exports import exports_off_trajectory
+    from ds_exp.exports.on_disk import exports_off_trajectory
     from ds_exp.resume.branches import set_aside_branch
     from ds_exp.resume.store import read_marker
 
@@ -375,7 +374,7 @@ def test_chat_cuts_what_the_positions_cannot_hold_skips_a_line_not_utf8_and_refu
     from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
     from ds_exp.config.paths import embedded_tokenizer_dir
-    from ds_exp.tools.use.cli import chat_main
+    from ds_exp.exports.cli import chat_main
 
     def piped(data: bytes) -> None:
         sys.stdin = io.TextIOWrapper(io.BytesIO(data))
@@ -414,6 +413,21 @@ def test_chat_cuts_what_the_positions_cannot_hold_skips_a_line_not_utf8_and_refu
         assert chat_main([str(tmp_path / "nan")]) == 2
         err = capsys.readouterr().err
         assert f"{tmp_path / 'nan'}: the weights are not finite (NaN or inf) in" in err and "Traceback" not in err
+
+        # issue 39 §6: a chat template asked of a tokenizer without one, and a template that raises: one line each
+        piped(f"{PROMPT}\n".encode())
+        assert chat_main([str(zero0.run_dir / "hf_model-step2"), "--template", "chat_template"]) == 2
+        err = capsys.readouterr().err
+        assert "--template chat_template: the tokenizer in" in err and "has no chat template" in err
+        shutil.copytree(zero0.run_dir / "hf_model-step2", tmp_path / "raising")
+        broken = AutoTokenizer.from_pretrained(tmp_path / "raising")
+        broken.chat_template = "{{ raise_exception('only system turns') }}"
+        broken.save_pretrained(tmp_path / "raising")
+        piped(f"{PROMPT}\n".encode())
+        assert chat_main([str(tmp_path / "raising"), "--template", "chat_template"]) == 2
+        err = capsys.readouterr().err
+        assert "the tokenizer's chat template failed on this conversation" in err and "only system turns" in err
+        assert "Traceback" not in err
     finally:
         sys.stdin = saved
 
@@ -443,7 +457,12 @@ def test_export_of_a_zero3_checkpoint_on_two_ranks_in_bf16(tmp_path_factory, cac
 
 
 @pytest.mark.slow
-def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(tmp_path_factory, cache_dir, tmp_path, compose_cfg):
+def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(
+    tmp_path_factory, cache_dir, tmp_path, compose_cfg, capsys
+):
+    """Issue 41 §8: the command writes what the run's own export of that step holds, the adapter always and the
+    merged model where the run's train.export_merged puts one (or --merged asks for it)."""
+    from omegaconf import OmegaConf
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -465,12 +484,29 @@ def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(tmp_path_fac
     step1 = run.run_dir / "checkpoints" / "step1"
     assert export(step1, tmp_path / "merged") == 0
     same_export(tmp_path / "merged", run.run_dir / "hf_model-step1")
+    adapter_file = "adapter_model.safetensors"
+    same_export(tmp_path / "merged_adapter", run.run_dir / "hf_model-step1_adapter", adapter_file)
     assert export(step1, tmp_path / "adapter", "--adapter") == 0
     same_export(tmp_path / "adapter", run.run_dir / "hf_model-step1_adapter", "adapter_model.safetensors")
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
     assert export(step1, "--adapter") == 0  # by default beside the run's: the run's own of that step is replaced
     origin = json.loads((run.run_dir / "hf_model-step1_adapter" / "ds_exp_export.json").read_text())["origin"]
     assert origin["written_by"] == "python -m ds_exp.export" and origin["step"] == 1
+    # a later attempt of the run asks for the default, train.export_merged=end: the merged model at its last step only
+    later = OmegaConf.load(run.run_dir / ".hydra" / "config.yaml")
+    later.train.export_merged = "end"
+    (run.run_dir / ".hydra" / "resume-2030-01-01_00-00-00").mkdir()
+    OmegaConf.save(later, run.run_dir / ".hydra" / "resume-2030-01-01_00-00-00" / "config.yaml")
+    capsys.readouterr()
+    assert export(step1, tmp_path / "rule") == 0
+    assert not (tmp_path / "rule").exists()
+    same_export(tmp_path / "rule_adapter", run.run_dir / "hf_model-step1_adapter", adapter_file)
+    assert "no merged model at step 1 (train.export_merged=end): --merged adds it" in capsys.readouterr().out
+    assert export(step1, tmp_path / "asked", "--merged") == 0
+    same_export(tmp_path / "asked", run.run_dir / "hf_model-step1")
+    assert (tmp_path / "asked_adapter" / adapter_file).is_file()
+    assert export(run.run_dir / "checkpoints" / "step2", tmp_path / "last") == 0  # the last step: the final export's
+    assert (tmp_path / "last" / "model.safetensors").is_file() and (tmp_path / "last_adapter" / adapter_file).is_file()
     # reloaded as users do: the merged model, and the adapter on its base (the seeded tiny model, rebuilt)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     cfg = compose_cfg()
@@ -486,7 +522,7 @@ def test_chat_renders_a_real_chat_template_turn_by_turn(smollm2_dir):
     from transformers import AutoTokenizer
 
     from ds_exp.data.templates import render_conversation, render_prompt
-    from ds_exp.tools.use.chat import choose_template
+    from ds_exp.exports.chat import choose_template
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     assert choose_template("auto", None, tokenizer) == "chat_template"  # an export from elsewhere

@@ -134,7 +134,7 @@ def test_liger_kernels_and_the_fused_loss_compute_what_torch_does(compose_cfg):
 
     plain = tiny_on_gpu(compose_cfg, *PLAIN)
     fast = tiny_on_gpu(compose_cfg, "model.attn_implementation=null")
-    assert fast.fast.liger_kernel and fast.fast.fused_loss
+    assert fast.fast_path["liger_kernel"] and fast.fast_path["fused_loss"]
     fast.model.load_state_dict(plain.model.state_dict())
     ids = torch.randint(5, 200, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
@@ -154,7 +154,7 @@ def test_liger_kernels_and_the_fused_loss_compute_what_torch_does(compose_cfg):
 def test_a_varlen_attention_keeps_packed_examples_apart_on_the_gpu(compose_cfg, attention):
     """Rows of several packed examples, more than one row per batch (where transformers' flash path alone would let
     the examples of a row attend to each other)."""
-    from ds_exp.model.attention import example_boundaries, torch_varlen_works
+    from ds_exp.fast_path.attention import example_boundaries, torch_varlen_works
 
     if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash-attn is not installed")

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ds_exp.artifacts.export import TOKENIZER_FILES
+from ds_exp.exports.writer import TOKENIZER_FILES
 from tests.integration.test_harness import qa_task
 from tests.training import launch
 
@@ -209,7 +209,7 @@ def test_lora_at_zero2_keeps_the_base_weights_exact(tmp_path, smollm2_dir, dscha
     said = refused.proc.stderr
     assert refused.proc.returncode != 0 and "Traceback" not in said, refused.explain()
     assert f"resume: {step4} holds only what trains, and the frozen base weights it continues are not" in said
-    from ds_exp.tools.use.cli import export_main
+    from ds_exp.exports.cli import export_main
 
     assert export_main([str(step4), str(tmp_path / "export")]) == 2
     err = capsys.readouterr().err

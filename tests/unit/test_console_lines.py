@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import shlex
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds_exp.artifacts.summary import RunState, final_line, time_parts
+from ds_exp.config.command_line import command, override
 from ds_exp.launch.console import first_to_say
 from ds_exp.launch.environment import LaunchInfo
 from ds_exp.launch.help import RECIPES
 from ds_exp.launch.run_dir import nothing_to_resume
 from ds_exp.launch.run_logging import ConsoleFormatter
+from ds_exp.resume.store import COMPLETE_MARKER
 from ds_exp.sweeps import runs
 from ds_exp.train.metrics import PlainProgress
 from ds_exp.train.session import RELAUNCH, relaunch_command, training_line
@@ -48,6 +54,50 @@ def test_an_error_every_rank_hits_is_said_once(monkeypatch, tmp_path):
     assert said == [True, False, False]
     assert first_to_say("ds_exp: error: rank 2's own")  # another message still prints
     assert len(list(tmp_path.glob("ds_exp-*/said/*"))) == 2
+
+
+@pytest.mark.parametrize("planted", ["said is a link", "root is a link", "said is a file", "root is another's"])
+def test_a_claim_folder_planted_by_someone_else_is_never_followed_nor_silences_an_error(planted, monkeypatch, tmp_path):
+    """Issue 39 §1: with <tmp>/ds_exp-<uid>/said (or <tmp>/ds_exp-<uid>) a link to a user's project, a failing run
+    deleted every file older than a day there; with `said` a plain file no rank printed the error at all."""
+    tmp, project = tmp_path / "tmp", tmp_path / "project"
+    tmp.mkdir()
+    project.mkdir()
+    old = project / "thesis.tex"
+    old.write_text("years of work")
+    os.utime(old, (1, 1))  # older than a day: what the claims' clean-up removes
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    root = tmp / f"ds_exp-{os.getuid()}"
+    if planted == "root is a link":
+        root.symlink_to(project)
+    else:
+        root.mkdir(mode=0o700)
+        if planted == "said is a link":
+            (root / "said").symlink_to(project)
+        elif planted == "said is a file":
+            (root / "said").write_text("")
+        else:
+            os.chmod(root, 0o777)  # what another user's directory is to this one: writable by others
+    assert first_to_say("ds_exp: error: data.sources[0]: no such file") is True  # every rank says it
+    assert old.read_text() == "years of work" and sorted(p.name for p in project.iterdir()) == ["thesis.tex"]
+
+
+def test_the_claims_clean_up_removes_only_old_claims_it_made(monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    folder = tmp_path / f"ds_exp-{os.getuid()}" / "said"
+    folder.mkdir(parents=True, mode=0o700)
+    os.chmod(folder.parent, 0o700)
+    mine, other = folder / f"12-34-{'a' * 16}", folder / "notes.txt"
+    for path in (mine, other):
+        path.write_text("")
+        os.utime(path, (1, 1))
+    assert first_to_say("ds_exp: error: x")
+    assert not mine.exists() and other.exists()
 
 
 def test_a_piped_run_says_its_progress_each_tenth_and_each_minute(monkeypatch):
@@ -187,3 +237,45 @@ def test_the_readme_and_help_give_the_default_runs_time_the_console_gives():
     total = re.match(r"ds_exp: completed 250 steps in (\d+m \d+s|\d+\.\d s) \(", final)
     assert total, final
     assert said == helped and abs(seconds(total[1]) - seconds(said)) <= 0.05 * seconds(said), (said, helped, final)
+
+
+# issue 39 §5: every command ds_exp prints is pasted as it is; these are the directory names people make
+HOSTILE_NAMES = [
+    "my run", "a,b", "it's", 'say "hi"', "cost$HOME", "x=y", "[1,2]", "{a:1}", "back\\slash", "tab\there",
+    "étude 2026", "${oc.env:HOME}", "~user", "-starts-with-dash", "semi;colon", "a&b", "paren(1)", "star*",
+]  # fmt: skip
+
+
+def pasted(printed: str) -> dict[str, str]:
+    """What a shell, then Hydra, make of a printed command's overrides: key -> value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    words = shlex.split(printed)
+    overrides = [w for w in words if "=" in w and not w.startswith("-")]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return {o.key_or_group: o.value() for o in parsed}
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_a_printed_override_parses_back_to_its_value(name):
+    assert pasted(command("python -m ds_exp", override("hydra.run.dir", f"outputs/{name}"), "resume=auto")) == {
+        "hydra.run.dir": f"outputs/{name}",
+        "resume": "auto",
+    }
+
+
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_any_printable_value_survives_the_shell_and_hydra(value):
+    assert pasted(command("python -m ds_exp", override("resume", value))) == {"resume": value}
+
+
+def test_the_runs_resume_auto_can_continue_are_printed_to_paste(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    experiment = tmp_path / "outputs" / "default"
+    run = experiment / "2026-01-03 my run,2"
+    (run / "checkpoints" / "step4").mkdir(parents=True)
+    (run / "checkpoints" / "step4" / COMPLETE_MARKER).write_text('{"step": 4}')
+    said = nothing_to_resume(experiment / "2026-01-04_10-00-00", "checkpoints")
+    line = next(line.strip() for line in said.splitlines() if line.strip().startswith("python -m ds_exp"))
+    assert pasted(line.split("   #")[0]) == {"hydra.run.dir": "outputs/default/2026-01-03 my run,2", "resume": "auto"}

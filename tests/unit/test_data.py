@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -1378,3 +1379,34 @@ def test_an_empty_eval_split_is_refused_with_its_fixes(tmp_path):
     assert "e.jsonl holds no eval rows; add eval rows to it, or remove data.sources.0.eval_path" in _read_error(
         train, eval_path=str(evals)
     )
+
+
+def test_eval_rows_that_repeat_train_rows_are_counted_and_said(tmp_path, tok, caplog):
+    """Issue 39 §6: an eval.json equal to train.json (or eval rows copied from train) measures recall: said."""
+    train = write_jsonl(tmp_path / "train.jsonl", rows(40))
+    same = make_cfg(tmp_path, sources=[{"path": str(train), "eval_path": str(train)}])
+    with caplog.at_level(logging.WARNING, logger="ds_exp"):
+        data = prepare_sft_data(same.data, tok, seed=same.train.seed)
+    assert data.stats["num_eval_in_train"] == len(data.eval) == 40
+    assert "40 of the 40 eval examples are also train examples (the eval set repeats the training data)" in caplog.text
+    partly = write_jsonl(tmp_path / "eval.jsonl", rows(3) + rows(5, tag="held-out"))
+    cfg = make_cfg(tmp_path, sources=[{"path": str(train), "eval_path": str(partly)}])
+    assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["num_eval_in_train"] == 3
+    apart = make_cfg(tmp_path, sources=[{"path": str(train)}], eval_fraction=0.1)  # carved out: never repeated
+    assert prepare_sft_data(apart.data, tok, seed=apart.train.seed).stats["num_eval_in_train"] == 0
+
+
+@pytest.mark.parametrize(
+    "entry", ['{"format": 1, "acc": 0.5}', "[1, 2]", '{"key": "x", "created": 1, "stats": {}}', "{"]
+)
+def test_a_cache_entry_of_another_shape_is_a_miss_built_again(entry, tmp_path, tok, caplog):
+    """Issue 39 §3: a cache entry ds_exp did not write (another shape, cut short) is rebuilt and said, never a crash."""
+    cfg = make_cfg(tmp_path)
+    first = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
+    meta = Path(first.stats["cache_path"]) / "meta.json"
+    meta.write_text(entry)
+    with caplog.at_level(logging.WARNING, logger="ds_exp"):
+        again = prepare_sft_data(cfg.data, tok, seed=cfg.train.seed)
+    assert not again.stats["cache_hit"] and len(again.train) == len(first.train)
+    assert f"cache entry {meta} is not what ds_exp writes" in caplog.text
+    assert prepare_sft_data(cfg.data, tok, seed=cfg.train.seed).stats["cache_hit"]

@@ -146,7 +146,7 @@ def test_weights_that_are_not_finite_are_never_saved(one_rank):
 
 
 def test_an_export_of_weights_that_are_not_finite_writes_nothing(one_rank, tmp_path):
-    from ds_exp.artifacts.export import export_hf
+    from ds_exp.exports.writer import export_hf
 
     engine = engine_with(torch.tensor([[1.0, NAN], [0.0, 1.0]]))
     with pytest.raises(Diverged, match=r"the weights are not finite \(NaN or inf\) in weight: .*nothing was exported"):
@@ -156,8 +156,8 @@ def test_an_export_of_weights_that_are_not_finite_writes_nothing(one_rank, tmp_p
 
 def test_weights_a_dtype_cannot_hold_are_refused_or_written_in_one_that_can():
     """The finiteness check runs on what is written: 7e4 is finite in fp32 and inf in fp16 (largest 65504)."""
-    from ds_exp.artifacts.export import fitting_dtype
     from ds_exp.core.errors import RunFailed
+    from ds_exp.exports.writer import fitting_dtype
 
     model = torch.nn.Linear(2, 2)
     with torch.no_grad():

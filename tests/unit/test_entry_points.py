@@ -178,7 +178,7 @@ def test_each_way_a_command_ends_is_one_message(how, module, name, tmp_path, mon
 
 QUIET_PIPE = """
 import json, os, runpy, sys, warnings
-from ds_exp.tools.use.cli import chat_main
+from ds_exp.exports.cli import chat_main
 
 def run(module, *argv):
     read, write = os.pipe()

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_exp.config.fast_path import FastPath, decide, fast_path_problems, liger_installed
 from ds_exp.core.errors import ConfigError
-from ds_exp.model.attention import TORCH_VARLEN, example_boundaries
+from ds_exp.fast_path.attention import TORCH_VARLEN, example_boundaries
+from ds_exp.fast_path.checks import fast_path_problems as settings_problems
+from ds_exp.fast_path.settings import FastPath, FastPathSettings, liger_installed
 from ds_exp.model.build import build_model
 from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.train.flops import FlopsModel
@@ -25,6 +26,14 @@ needs_liger = pytest.mark.skipif(not liger_installed(), reason="liger-kernel is 
 def built(compose_cfg, *overrides: str):
     cfg = compose_cfg("precision=fp32", f"train.micro_batch_size={ROWS}", f"data.max_seq_len={LENGTH}", *overrides)
     return build_model(cfg, load_tokenizer(cfg.model, cfg.data), {"zero_optimization": {"stage": 0}})
+
+
+def fast_path_problems(cfg, accelerator: str) -> list[str]:
+    return settings_problems(FastPathSettings.of(cfg), accelerator)
+
+
+def decide(cfg, accelerator: str, zero_stage: int) -> FastPath:
+    return FastPathSettings.of(cfg).decide(accelerator, zero_stage)
 
 
 def labelled_batch(seed: int) -> dict[str, torch.Tensor]:
@@ -73,7 +82,7 @@ def test_auto_is_the_fast_path_on_cuda_and_the_plain_path_on_cpus(compose_cfg):
     assert decide(compose_cfg("model.fused_loss=true"), "cpu", 0).fused_loss  # asked for: validation said if it runs
     off = compose_cfg("model.liger_kernel=false", "model.fused_loss=false", "train.compile=false")
     assert decide(off, "cuda", 0) == FastPath(liger_kernel=False, fused_loss=False, compile=False)
-    assert built(compose_cfg).fast_path_record() == {
+    assert built(compose_cfg).fast_path == {
         "attention": "sdpa",
         "liger_kernel": False,
         "fused_loss": False,
@@ -105,7 +114,7 @@ def test_the_fused_loss_equals_the_plain_loss(compose_cfg, overrides):
     in the decoder layers with lm_head trained whole (PEFT's copy of it is the weight the fused loss takes)."""
     plain = built(compose_cfg, *overrides, "model.fused_loss=false")
     fused = built(compose_cfg, *overrides, "model.fused_loss=true")
-    assert fused.fast.fused_loss and fused.loss is not None
+    assert fused.fast_path["fused_loss"] and fused.loss is not None
     fused.model.load_state_dict(plain.model.state_dict())  # LoRA's adapters start random: the same ones
     batch = labelled_batch(0)
     loss, grads = loss_and_grads(plain, batch)
@@ -124,7 +133,7 @@ def test_the_fused_loss_needs_one_output_weight(compose_cfg):
     lora_on_head = ("lora.dim=4", "lora.module_name=e")  # every Linear layer, lm_head too
     with pytest.raises(ConfigError, match=r"model\.fused_loss=true: the output layer carries LoRA adapters"):
         built(compose_cfg, *lora_on_head, "model.fused_loss=true")
-    from ds_exp.model.fused_loss import apply_fused_loss
+    from ds_exp.fast_path.fused_loss import apply_fused_loss
 
     model = built(compose_cfg, *lora_on_head, "model.fused_loss=false").model
     assert apply_fused_loss(model, "llama", asked=False) is None  # auto: the plain loss, said in the log
@@ -148,7 +157,7 @@ def test_packed_examples_see_only_themselves(compose_cfg, attention):
     """A packed row's logits of each example equal that example's alone (sdpa: transformers' mask from the position
     ids; torch_varlen: the examples' boundaries; eager attention over the rows as one sequence would mix them)."""
     model_built = built(compose_cfg, f"model.attn_implementation={attention}")
-    assert model_built.takes_example_boundaries == (attention == TORCH_VARLEN)  # the step hands them over then
+    assert (model_built.inputs is example_boundaries) == (attention == TORCH_VARLEN)  # the step hands them over
     model = model_built.model.eval()
     batch, examples = packed_rows()
     boundaries = example_boundaries(batch)
@@ -179,7 +188,7 @@ def test_compiled_decoder_layers_compute_what_eager_ones_do(compose_cfg):
     from torch._dynamo.utils import counters
 
     from ds_exp.core import compat
-    from ds_exp.model.compile import compile_decoder_layers
+    from ds_exp.fast_path.compile import compile_decoder_layers
 
     plain = built(compose_cfg)
     compiled = built(compose_cfg)

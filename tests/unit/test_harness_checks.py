@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from ds_exp.config.schema import SyntheticDataConfig
-from ds_exp.data.harness_tasks import BuiltinSettings, write_builtin_tasks
 from ds_exp.data.synthetic import generate
-from ds_exp.launch.harness_checks import objective_problems, resolve_tasks
+from ds_exp.evaluation.checks import objective_problems, resolve_tasks
+from ds_exp.evaluation.tasks import BuiltinSettings, write_builtin_tasks
 from tests.training import user_env
 from tests.unit.test_use_refusals import make_run
 
@@ -169,7 +169,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize(("args", "expected", "setup"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
 def test_evaluate_refuses_in_one_line_and_writes_nothing(args, expected, setup, tmp_path, capsys, monkeypatch):
-    from ds_exp.tools.evaluate.cli import main
+    from ds_exp.evaluation.cli import main
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     run, model = make_run(tmp_path), _export(tmp_path)
@@ -188,7 +188,7 @@ def test_evaluate_refuses_in_one_line_and_writes_nothing(args, expected, setup, 
 def test_evaluate_answers_help_and_refusals_without_torch(tmp_path):
     code = (
         "import sys\n"
-        "from ds_exp.tools.evaluate.cli import main\n"
+        "from ds_exp.evaluation.cli import main\n"
         f"codes = [main([{str(tmp_path)!r}, 'ds_exp_synthetic']), main([{str(tmp_path / 'x')!r}, 'x'])]\n"
         "print(codes, sorted(m for m in ('torch', 'deepspeed', 'transformers', 'lm_eval') if m in sys.modules))\n"
     )

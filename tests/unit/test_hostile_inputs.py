@@ -409,7 +409,7 @@ def test_the_schedule_kwargs_are_what_transformers_takes():
 def test_the_attention_names_are_what_transformers_has():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ds_exp.config.speed_checks import ATTENTION_IMPLEMENTATIONS
+    from ds_exp.fast_path.checks import ATTENTION_IMPLEMENTATIONS
 
     assert {*ALL_ATTENTION_FUNCTIONS.keys(), "eager"} <= set(ATTENTION_IMPLEMENTATIONS)
 
@@ -422,7 +422,7 @@ def test_the_rope_fields_are_what_transformers_reads():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import logger
 
-    from ds_exp.config.long_context import ROPE_FIELDS
+    from ds_exp.long_context.checks import ROPE_FIELDS
 
     class Said(logging.Handler):  # transformers' loggers do not propagate to pytest's caplog
         def __init__(self) -> None:
@@ -501,12 +501,12 @@ def commands() -> dict[str, str]:
 
 # the heavy work of each command, replaced by a tripwire: (module, attribute). A command added later must say it.
 HEAVY_WORK = {
-    "ds_exp.export": ("ds_exp.tools.use.export", "export_checkpoint"),
-    "ds_exp.chat": ("ds_exp.tools.use.chat", "chat"),
+    "ds_exp.export": ("ds_exp.exports.writer", "export_checkpoint"),
+    "ds_exp.chat": ("ds_exp.exports.chat", "chat"),
     "ds_exp.universal": ("ds_exp.checkpoint.universal_cli", "convert_here"),
     "ds_exp.parity": ("ds_exp.tools.parity.cli", "run"),
     "ds_exp.report": ("ds_exp.sweeps.runs", "write_report"),  # a sweep's report; listing runs only reads
-    "ds_exp.evaluate": ("ds_exp.tools.evaluate.run", "run"),
+    "ds_exp.evaluate": ("ds_exp.evaluation.harness", "run"),
 }
 
 
@@ -544,7 +544,7 @@ def tripwires() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as mp:
         for module, attribute in HEAVY_WORK.values():
-            if module not in sys.modules and module.startswith(("ds_exp.tools.use.", "ds_exp.tools.evaluate.run")):
+            if module not in sys.modules and module.startswith(("ds_exp.exports.", "ds_exp.evaluation.harness")):
                 mp.setitem(sys.modules, module, types.ModuleType(module))
             mp.setattr(importlib.import_module(module), attribute, tripped, raising=False)
         yield

@@ -209,7 +209,7 @@ def test_lora_options_export_and_resume_exactly(tmp_path, cache_dir, compose_cfg
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
     # its ZeRO-3 checkpoint holds only what trains (the base: rebuilt); exported, it is the run's own export
-    from ds_exp.tools.use.cli import export_main
+    from ds_exp.exports.cli import export_main
 
     step6 = resumed.run_dir / "checkpoints" / "step6"
     assert export_main([str(step6), str(tmp_path / "m6")]) == 0

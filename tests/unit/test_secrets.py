@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import itertools
 import os
+from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -17,6 +19,8 @@ from ds_exp.config.secret_names import is_secret_name
 from ds_exp.config.secret_shapes import is_reference, redact_shapes
 from ds_exp.config.secrets import REDACTED, hide_secret_overrides, redact_text, register_secrets
 from ds_exp.core.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------- names
 
@@ -55,6 +59,11 @@ def test_a_name_is_a_credential_however_it_is_spelt(words, secret):
 
 # ---------------------------------------------------------------- shapes
 
+JWT = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c"
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+SSH_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5v\n-----END OPENSSH PRIVATE KEY-----"
+PYPI_TOKEN = "pypi-AgEIcHlwaS5vcmcCJGE4ZmQ0ZjRmLTg4YjgtNDAwNC1hYTM5LTU0MTc3ZjQzNzcxNQACJXsicGVybWlzc2lvbnMiOiAidXNlciJ9"
+
 SHAPES = [
     # (text, what stays of it)
     ("postgresql://bob:hunter2@db.example.com:5432/x", "postgresql://bob:<R>@db.example.com:5432/x"),
@@ -91,12 +100,28 @@ SHAPES = [
     ("ghp_abcdefghijklmnopqrstuvwxyz0123456789", "<R>"),
     ("hf_abcdefghijklmnopqrstuvwxyzABCDEFGH", "<R>"),
     ("connecting with api_key='sk-x1' and max_tokens=5", "connecting with api_key='<R>' and max_tokens=5"),
+    # issue 39 §2: the shapes that passed in clear, found by detect-secrets' typed plugins or ds_exp's own patterns
+    (f"token {JWT} expires", "token <R> expires"),
+    (f"aws_secret_access_key={AWS_SECRET}", "aws_secret_access_key=<R>"),
+    (AWS_SECRET, "<R>"),  # under an innocent key, by its shape alone
+    ("Authorization: Bearer 0b7e3f1a9c2d4e5f6a7b8c9d", "Authorization: Bearer <R>"),
+    ("Authorization: Basic dXNlcjpodW50ZXIyMDI2", "Authorization: Basic <R>"),
+    (f"key: {SSH_KEY} (deploy)", "key: <R> (deploy)"),
+    ("sk_live_4eC39HqLyjWDarjtT1zdp7dc", "<R>"),
+    (f"{PYPI_TOKEN}", "<R>"),
+    ("ya29.a0AfH6SMBx3Kc9dBQ7kQeXm1JNdD0sVUvJqQJW9z2", "<R>"),
+    ("npm_abcdefghijklmnopqrstuvwxyz0123456789", "<R>"),
+    ("xapp-1-A0123456789-1234567890123-abcdef0123456789abcdef", "<R>"),
 ]
 NOT_SHAPES = [
     "https://example.com/oauth/authorize", "/data/token/x.jsonl", "s3://bucket/key/file.jsonl", "hf_model",
     "http://localhost:5000", "https://huggingface.co/org/model/resolve/main/tokenizer.json", "sk-learn-experiment-run",
     "postgresql://bob:${oc.env:PW}@h/x", "outputs/default/2026-01-01_00-00-00", "train.max_steps=8 lora.dim=64",
     "key_value_heads=8", "Data Source=server;Initial Catalog=db;User ID=u", "sqlite:///outputs/optuna.db",
+    # ids and digests that are no credential: a sha256, a cache key, a 40-character path of words, a git commit
+    "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", "sft-15fe7e2d48ee52002c7a",
+    "Models/Llama/CheckpointsFinal/Step1000aa", "b449bc0e964c1aa845cec7a7095d048b21bb730a",
+    "outputs/default/2026-11-26_18-40-55/checkpoints/step250", "Bearer of good news",
 ]  # fmt: skip
 
 
@@ -107,6 +132,21 @@ def test_a_value_holding_a_credential_by_its_shape_keeps_only_the_rest(text, kep
 
 def test_what_only_looks_like_a_credential_is_left_alone():
     assert [text for text in NOT_SHAPES if redact_shapes(text, "<R>") != text] == []
+
+
+def _leaves(node: object) -> list[object]:
+    if isinstance(node, dict):
+        return [leaf for key, value in node.items() for leaf in (key, *_leaves(value))]
+    if isinstance(node, list):
+        return [leaf for value in node for leaf in _leaves(value)]
+    return [node]
+
+
+def test_no_value_of_ds_exps_own_config_files_looks_like_a_credential():
+    """Every value conf/ and the README's commands hold is left alone: the detectors must not blank a run's settings."""
+    texts = [str(value) for p in conf_dir().rglob("*.yaml") for value in _leaves(yaml.safe_load(p.read_text()))]
+    texts += [line for line in (REPO / "README.md").read_text().splitlines() if "python -m ds_exp" in line]
+    assert [text for text in texts if redact_shapes(text, "<R>") != text] == []
 
 
 PASSWORDS = ["hunter2", "p@ss:w0rd", "a%2Fb%40c", "${not}an{interp}", "x" * 40, "Zz9-_.~!*"]

@@ -45,15 +45,17 @@ IMPORTED_WHERE_USED = {
     "first call, not with every module of the package",
     "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",
     "psutil": "only for autotune's host-memory budget",
+    "detect_secrets": "its package imports requests (0.2 s): loaded on the first text long enough to hold a token, "
+    "never by --help",
     "ds_exp.data.pipeline": "where data is read: the CLI's job, past validation (datasets takes seconds to import, "
     "which --help and --cfg job do without); autotune: datasets reserves ~1 GB of address space, first it starves a "
     "memory limit",
     "ds_exp.train.recipe": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
-    "ds_exp.tools.use.export": "python -m ds_exp.export: --help and every refusal answer before torch is imported",
-    "ds_exp.tools.use.chat": "python -m ds_exp.chat: --help and every refusal answer before torch is imported",
-    "ds_exp.artifacts.harness": "imports lm-eval, an optional extra: only with eval.harness.tasks / ds_exp.evaluate",
-    "ds_exp.tools.evaluate.run": "python -m ds_exp.evaluate: --help and every refusal answer before torch is imported",
+    "ds_exp.exports.writer": "python -m ds_exp.export: --help and every refusal answer before torch is imported",
+    "ds_exp.exports.chat": "python -m ds_exp.chat: --help and every refusal answer before torch is imported",
+    "ds_exp.evaluation.harness": "imports lm-eval, an optional extra: only where tasks are scored (eval.harness.tasks, "
+    "python -m ds_exp.evaluate, whose --help and every refusal answer before torch is imported)",
 }
 # uses (not mentions) of other libraries' private names that ds_exp relies on
 PRIVATE = re.compile(

@@ -150,8 +150,8 @@ def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, 
     .hf_model.tmp left, and an earlier export in its place untouched."""
     from transformers import AutoModelForCausalLM
 
-    from ds_exp.artifacts.export import ExportSpec, write_export
     from ds_exp.core.errors import RunFailed
+    from ds_exp.exports.writer import ExportSpec, write_export
     from ds_exp.model.architecture import build_model_config
     from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
 
@@ -242,18 +242,21 @@ def test_a_lora_run_plans_checkpoints_of_what_trains_and_exports_of_its_adapter(
     """Issue 35 §4 (a LoRA run of SmolLM2-135M took 1.6 GB): a checkpoint holds what trains (weights, fp32 master and
     two Adam moments), never the frozen base; every export writes the adapter (fp32) and the merged model only where
     train.export_merged asks for it: by default in the final export alone. Without LoRA an export is the model."""
-    from ds_exp.config.memory_plan import checkpoint_bytes, one_export_bytes
+    from ds_exp.config.memory_plan import checkpoint_bytes
+    from ds_exp.exports.on_disk import one_export_bytes
 
     parameters, trainable = 134_515_008, 921_600  # SmolLM2-135M, rank 8 on its attention
     assert checkpoint_bytes(trainable, "bf16") == trainable * (2 + 12) < 13 * 2**20
     sizes = {}
     for merged in ("end", "every", "none"):
         cfg = compose_cfg("lora.dim=8", f"train.export_merged={merged}")
-        sizes[merged] = [one_export_bytes(cfg, parameters, trainable, "bf16", final=f) for f in (True, False)]
+        sizes[merged] = [
+            one_export_bytes(cfg.train, cfg.lora.dim, parameters, trainable, "bf16", final=f) for f in (True, False)
+        ]
     model, adapter = parameters * 2, trainable * 4
     assert sizes == {"end": [model + adapter, adapter], "every": [model + adapter] * 2, "none": [adapter, adapter]}
     full = compose_cfg("train.export_merged=none")  # no LoRA: nothing to leave out
-    assert one_export_bytes(full, parameters, parameters, "bf16", final=False) == model
+    assert one_export_bytes(full.train, full.lora.dim, parameters, parameters, "bf16", final=False) == model
 
 
 def _schedule() -> torch.optim.lr_scheduler.LambdaLR:

@@ -186,7 +186,7 @@ def listing(root: Path) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_a_bad_use_gets_one_message(case: Case, tmp_path: Path, capsys, monkeypatch):
     """In this process (the entry points' main functions; the process boundary is the next test's)."""
-    from ds_exp.tools.use.cli import chat_main, export_main
+    from ds_exp.exports.cli import chat_main, export_main
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     args = prepare(case, tmp_path)
@@ -218,7 +218,7 @@ def test_help_and_refusals_never_import_torch(tmp_path: Path):
     assert proc.returncode == 2 and proc.stderr.startswith("ds_exp: error: ") and "Traceback" not in proc.stderr
     code = (
         "import sys\n"
-        "from ds_exp.tools.use.cli import chat_main, export_main\n"
+        "from ds_exp.exports.cli import chat_main, export_main\n"
         f"codes = [export_main([{str(run / 'checkpoints' / 'step3')!r}]), chat_main([{str(run)!r}])]\n"
         "print(codes, sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))\n"
     )
@@ -234,7 +234,7 @@ def test_the_examples_of_help_name_run_directories_as_runs_lay_them_out():
     hydra.run.dir lays it out (experiment_name default), not a layout of an older ds_exp."""
     import re
 
-    from ds_exp.tools.use.cli import chat_parser, export_parser
+    from ds_exp.exports.cli import chat_parser, export_parser
 
     run_dir = str(OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml"))["hydra"]["run"]["dir"])
     pattern = re.escape(run_dir)

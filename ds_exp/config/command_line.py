@@ -1,0 +1,60 @@
+"""Commands ds_exp prints for a person to paste (`continue it with: ...`, the runs `resume=auto` can continue, the
+branch a resume set aside): each argument quoted twice, for Hydra's override grammar (a value holding a space, a
+comma, a quote, `$`, brackets or `=` is quoted, or Hydra reads a sweep, an interpolation or a list) and then for the
+shell. Every printed command is built here; tests/unit/test_console_lines.py parses what it prints back, through
+shlex and Hydra's own parser, to the values it was given. Light: hydra's parser only.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shlex
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
+_SHELL_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./~-]+")  # what the shell takes as one word, unquoted
+_IN_DOUBLE_QUOTES = re.compile(r'[^"$`\\!]*')  # what double quotes keep literally
+
+
+@functools.cache
+def _parser() -> OverridesParser:
+    return OverridesParser.create()
+
+
+def _hydra_reads(arg: str) -> object:
+    try:
+        return _parser().parse_overrides([arg])[0].value()
+    except HydraException:
+        return None
+
+
+def override(key: str, value: object) -> str:
+    """`key=value` as one argument a shell and then Hydra read back to `key` and exactly `value` (as text)."""
+    text = str(value)
+    arg = f"{key}={text}"
+    if _hydra_reads(arg) != text:  # Hydra would read a sweep, a list, a number, an interpolation...: quote it
+        arg = f"{key}='{_escaped(text)}'"
+    return shell_word(arg)
+
+
+def _escaped(text: str) -> str:
+    """`text` inside Hydra's single quotes: a quote escaped, and the backslashes before a quote or the closing one
+    doubled (elsewhere Hydra keeps a backslash as it is)."""
+    return re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text)
+
+
+def shell_word(arg: str) -> str:
+    """`arg` as one shell word: bare where it can be, in double quotes where they keep it literally, else shlex's."""
+    if _SHELL_SAFE.fullmatch(arg):
+        return arg
+    if _IN_DOUBLE_QUOTES.fullmatch(arg):
+        return f'"{arg}"'
+    return shlex.quote(arg)
+
+
+def command(program: str, *args: str) -> str:
+    """`program` (as typed: `python -m ds_exp`, `torchrun --nproc_per_node 2 -m ds_exp`) followed by `args`, each
+    already an argument built by `override` or `shell_word`."""
+    return " ".join([program, *args])

@@ -1,0 +1,348 @@
+"""What the evaluation refuses before any model is loaded, one line each (reached from validation through
+FEATURE.problems, from an optuna study through FEATURE.objective_problems, and from `python -m ds_exp.evaluate`):
+eval.harness's combinations with the exports, lm-eval itself missing, an unknown task, a task YAML lm-eval rejects,
+its data files missing, a task whose data only the Hugging Face hub has (and the hub cannot be reached, or
+HF_HUB_OFFLINE is set), and an objective `harness.<task>.<metric>` no task reports. eval.harness's numbers are
+checked by the ranges beside their fields (settings.py). Light: lm-eval's task loader imports datasets, never torch;
+lm-eval is an optional extra, imported where it is used (only when tasks are given).
+
+What a task is (`TaskSpec`): a built-in (tasks.py), a name in lm-eval's registry, or a YAML file. Its result names
+and metrics are told from its config, as harness.json and summary.json name them: a metric under lm-eval's filter
+`none` (or a task's only filter) by its own name (`acc`), else `<metric>/<filter>`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import glob
+import importlib.metadata
+import importlib.util
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ds_exp.config.features import CheckFacts
+from ds_exp.config.model_checks import looks_like_local_path
+from ds_exp.config.paths import user_cache_dir
+from ds_exp.core.errors import first_line
+from ds_exp.core.files import write_json_atomic
+from ds_exp.data.cache import hash_key, path_fingerprint
+from ds_exp.evaluation.settings import Scoring
+from ds_exp.evaluation.tasks import PASSKEY, SYNTHETIC
+from ds_exp.launch.hub import hub_address, hub_cache, offline, unreachable
+
+INSTALL = 'pip install -e ".[eval]" (or pip install lm-eval)'
+LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # datasets' loaders of local files
+DEFAULT_METRICS = {  # lm-eval's metrics for a task that names none (lm_eval.api.registry's defaults)
+    "multiple_choice": ("acc", "acc_norm"),
+    "loglikelihood": ("perplexity", "acc"),
+    "loglikelihood_rolling": ("word_perplexity", "byte_perplexity", "bits_per_byte"),
+    "generate_until": ("exact_match",),
+}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One TASK as given, resolved: what lm-eval is asked (`name`, or the YAML `path`) and the numbers it reports."""
+
+    given: str
+    name: str  # lm-eval's task or group name
+    kind: str  # builtin | registry | file
+    path: str | None = None  # the task's YAML file (a file, or the registry's entry)
+    metrics: dict[str, tuple[str, ...]] = field(default_factory=dict)  # result name -> metric names
+    fingerprint: str = ""  # what the base model's score cache keys it by
+
+    @property
+    def request(self) -> str:
+        """What lm-eval's TaskManager.load is given."""
+        return self.path if self.kind == "file" and self.path else self.name
+
+
+def problems(scoring: Scoring, facts: CheckFacts) -> list[str]:
+    """eval.harness's tasks and their combinations with the exports, one line per problem (FEATURE.problems)."""
+    harness = scoring.harness
+    found: list[str] = []
+    if harness.every_save and scoring.export_every <= 0:
+        found.append(
+            "eval.harness.every_save=true scores the exports of train.export_every, which is 0: set "
+            "train.export_every=N (exports every N steps), or eval.harness.every_save=false"
+        )
+    if harness.every_save and not harness.tasks:
+        found.append("eval.harness.every_save=true without eval.harness.tasks: name the tasks to score")
+    if not harness.tasks:
+        return found
+    if not scoring.export:
+        found.append(
+            "eval.harness.tasks scores the run's final export, which train.export=false leaves out: set "
+            "train.export=true, or score a checkpoint later with python -m ds_exp.evaluate"
+        )
+    found += device_problems(harness.device, "eval.harness.device")
+    return found + resolve_tasks(list(harness.tasks), scoring.lengths, key="eval.harness.tasks")[1]
+
+
+def device_problems(device: str, key: str) -> list[str]:
+    """The device lm-eval runs on (eval.harness.device, or the command's --device)."""
+    if str(device) in ("auto", "cpu", "cuda") or str(device).startswith("cuda:"):
+        return []
+    return [f"{key}={device}: use auto, cpu, cuda or cuda:N"]
+
+
+def resolve_tasks(given: list[str], lengths: tuple[int, ...], *, key: str) -> tuple[list[TaskSpec], list[str]]:
+    """(what each TASK is, the problems: one line each, naming `key`)."""
+    if not given:
+        return [], []
+    if importlib.util.find_spec("lm_eval") is None:
+        return [], [f"{key}: lm-evaluation-harness is not installed; {INSTALL}"]
+    specs: list[TaskSpec] = []
+    problems: list[str] = []
+    for task in given:
+        try:
+            spec = _resolve(str(task), lengths)
+        except TaskProblem as err:
+            problems.append(f"{key}: {task}: {err}")
+            continue
+        if any(s.name == spec.name for s in specs):
+            problems.append(f"{key}: {task}: the task {spec.name} is named twice; name it once")
+        specs.append(spec)
+    return specs, problems
+
+
+class TaskProblem(Exception):
+    """Why one TASK cannot be scored here (the message, without the task's name)."""
+
+
+def _resolve(task: str, lengths: tuple[int, ...]) -> TaskSpec:
+    if task == SYNTHETIC:
+        return TaskSpec(task, task, "builtin", metrics={SYNTHETIC: ("acc",)}, fingerprint=task)
+    if task == PASSKEY:
+        metrics: dict[str, tuple[str, ...]] = {PASSKEY: ("exact_match",)}
+        metrics |= {f"{PASSKEY}_{n}": ("exact_match",) for n in lengths}
+        return TaskSpec(task, task, "builtin", metrics=metrics, fingerprint=f"{task}{list(lengths)}")
+    if task.endswith((".yaml", ".yml")) or looks_like_local_path(task):
+        return _file_task(task)
+    return _registry_task(task)
+
+
+def _file_task(task: str) -> TaskSpec:
+    path = Path(task).expanduser()
+    if not path.is_file():
+        raise TaskProblem(f"no such task YAML file ({path.absolute()}); give an lm-eval task name or a YAML file")
+    cfg = _read_yaml(path)
+    name = cfg.get("task") if isinstance(cfg.get("task"), str) else cfg.get("group")
+    if not isinstance(name, str):
+        raise TaskProblem("not an lm-eval task YAML: it names no `task` (or `group`); see lm-eval's task guide")
+    data = _data_problem(cfg)
+    if data:
+        raise TaskProblem(data)
+    _check_loads(path, group="group" in cfg)
+    material = {"yaml": path_fingerprint(path), "data": [path_fingerprint(p) for p in _data_files(cfg)]}
+    metrics = {name: _metric_names(cfg)} if "group" not in cfg else {str(cfg["group"]): _aggregate_names(cfg)}
+    return TaskSpec(task, name, "file", str(path.resolve()), metrics, hash_key(material))
+
+
+def _registry_task(task: str) -> TaskSpec:
+    index = registry_index()
+    entry = index.get(task)
+    if entry is None:
+        close = difflib.get_close_matches(task, list(index), n=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise TaskProblem(
+            f"lm-eval knows no such task or group; {hint}`lm-eval ls tasks` lists its own, or give a task YAML file"
+        )
+    metrics: dict[str, tuple[str, ...]] = {}
+    for name, cfg in _leaves(task, index, set()):
+        problem = _data_problem(cfg)
+        if problem:
+            raise TaskProblem(f"{f'its task {name}: ' if name != task else ''}{problem}")
+        metrics[name] = _metric_names(cfg) if "group" not in cfg else _aggregate_names(cfg)
+    return TaskSpec(task, task, "registry", entry[1], metrics, hash_key([task, entry[1]]))
+
+
+def _leaves(name: str, index: dict[str, list[Any]], seen: set[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(name, config) of a registry entry and everything it runs (a group's tasks, a tag's)."""
+    if name in seen:
+        return
+    seen.add(name)
+    kind, path, members = index[name]
+    if kind == "TAG":
+        for member in members:
+            yield from _leaves(member, index, seen)
+        return
+    cfg = _read_yaml(Path(path)) if path else {}
+    yield name, cfg
+    if kind == "GROUP":
+        for member in cfg.get("task") or []:
+            member_name = member if isinstance(member, str) else (member or {}).get("task")
+            if isinstance(member_name, str) and member_name in index:
+                yield from _leaves(member_name, index, seen)
+
+
+# ---------------------------------------------------------------------------------------------------- the data
+
+
+def _data_files(cfg: dict[str, Any]) -> list[Path]:
+    files = ((cfg.get("dataset_kwargs") or {}).get("data_files")) or []
+    values = files.values() if isinstance(files, dict) else [files]
+    flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+    return [Path(str(f)).expanduser() for f in flat if "://" not in str(f)]
+
+
+def _data_problem(cfg: dict[str, Any]) -> str | None:
+    """Why the task's data cannot be read here: a data file missing, or a hub dataset out of reach."""
+    source = cfg.get("dataset_path")
+    if not isinstance(source, str) or not source or "group" in cfg:
+        return None
+    if source in LOCAL_LOADERS:
+        missing = [str(p.absolute()) for p in _data_files(cfg) if not p.exists() and not glob.glob(str(p))]
+        if missing:
+            return f"its data file {missing[0]} is missing (dataset_kwargs.data_files); fix the path or create it"
+        return None
+    if looks_like_local_path(source):
+        return None if Path(source).expanduser().exists() else f"its dataset_path {source} does not exist"
+    return _hub_problem(source)
+
+
+def datasets_cache() -> Path:
+    """datasets' cache folder, by its own rules (HF_DATASETS_CACHE, HF_HOME/datasets, XDG_CACHE_HOME)."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"]).expanduser()
+    default_home = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface"
+    return Path(os.environ.get("HF_HOME", default_home)).expanduser() / "datasets"
+
+
+def dataset_cached(repo_id: str) -> bool:
+    """The hub dataset was downloaded here before (datasets' own cache, or the hub's snapshots)."""
+    snapshots = hub_cache() / f"datasets--{repo_id.replace('/', '--')}" / "snapshots"
+    return (datasets_cache() / repo_id.replace("/", "___")).is_dir() or (
+        snapshots.is_dir() and any(p.is_dir() and any(p.iterdir()) for p in snapshots.iterdir())
+    )
+
+
+@functools.cache
+def _hub_away() -> str | None:
+    """Why the hub cannot be reached from here (HF_HUB_OFFLINE, or no connection), once per process."""
+    if offline():
+        return "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set"
+    host, port, what = hub_address()
+    why = unreachable(host, port)
+    return None if why is None else f"the hub cannot be reached from here ({what}: {why})"
+
+
+def _hub_problem(dataset: str) -> str | None:
+    if dataset_cached(dataset):
+        return None
+    away = _hub_away()
+    if away is None:
+        return None
+    return (
+        f"its data is the Hugging Face hub dataset {dataset}, {away}, and it is not in the local datasets cache "
+        f"({datasets_cache()}); give a task YAML whose data are local files (dataset_path: json, "
+        "dataset_kwargs.data_files), or run where the hub can be reached once"
+    )
+
+
+# ------------------------------------------------------------------------------------------ lm-eval's own loaders
+
+
+@functools.cache
+def _loads(path: str, stamp: str, group: bool) -> str | None:
+    """What lm-eval says when it builds the task from this YAML (its data read too), or None when it can."""
+    from lm_eval.tasks import TaskManager
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # datasets' progress bars while it reads the data
+            TaskManager(include_defaults=group).load([path])
+    except Exception as err:
+        return f"{type(err).__name__}: {first_line(err)}"
+    return None
+
+
+def _check_loads(path: Path, *, group: bool) -> None:
+    error = _loads(str(path.resolve()), hash_key(path_fingerprint(path)), group)
+    if error is not None:
+        raise TaskProblem(f"lm-eval rejects this task YAML ({error}); fix it (lm-eval's docs/task_guide.md)")
+
+
+class _TaskLoader(yaml.SafeLoader):
+    """lm-eval's task YAML: `!function module.name` is kept as its text (nothing of it is imported here)."""
+
+
+_TaskLoader.add_constructor("!function", lambda loader, node: str(loader.construct_scalar(node)))
+
+
+def _read_yaml(path: Path, seen: frozenset[Path] = frozenset()) -> dict[str, Any]:
+    """A task YAML as lm-eval reads it: `include`d files first, its own keys over them."""
+    try:
+        cfg = yaml.load(path.read_text(), Loader=_TaskLoader)  # a SafeLoader with one tag added
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise TaskProblem(f"not a YAML file lm-eval can read ({first_line(err)})") from None
+    if not isinstance(cfg, dict):
+        raise TaskProblem(f"not an lm-eval task YAML: it holds a {type(cfg).__name__}, not a mapping")
+    includes = cfg.pop("include", None)
+    merged: dict[str, Any] = {}
+    for include in includes if isinstance(includes, list) else [includes] if includes else []:
+        target = (path.parent / str(include)).resolve()
+        if target in seen:
+            raise TaskProblem(f"its include {include} includes itself")
+        merged.update({k: v for k, v in _read_yaml(target, seen | {target}).items() if k != "task_list"})
+    return {**merged, **cfg}
+
+
+def _metric_names(cfg: dict[str, Any]) -> tuple[str, ...]:
+    listed = [m.get("metric") for m in cfg.get("metric_list") or [] if isinstance(m, dict)]
+    metrics = [m for m in listed if isinstance(m, str)] or list(DEFAULT_METRICS.get(str(cfg.get("output_type")), ()))
+    filters = [f.get("name") for f in cfg.get("filter_list") or [] if isinstance(f, dict)] or ["none"]
+    if len(filters) == 1:
+        return tuple(metrics)
+    return tuple(m if f == "none" else f"{m}/{f}" for m in metrics for f in filters)
+
+
+def _aggregate_names(cfg: dict[str, Any]) -> tuple[str, ...]:
+    listed = [m for m in cfg.get("aggregate_metric_list") or [] if isinstance(m, dict)]
+    return tuple(str(m["metric"]) for m in listed if isinstance(m.get("metric"), str))
+
+
+@functools.cache
+def registry_index() -> dict[str, list[Any]]:
+    """lm-eval's task registry by name: [kind, YAML path, a tag's task names]. lm-eval builds it by reading its
+    ~15000 YAML files (seconds); it is kept in ~/.cache/ds_exp per lm-eval installation."""
+    spec = importlib.util.find_spec("lm_eval")
+    tasks_dir = Path(str(spec.origin if spec else "")).parent / "tasks"
+    saved = user_cache_dir() / f"lm_eval_tasks-{importlib.metadata.version('lm_eval')}-{hash_key(str(tasks_dir))}.json"
+    with contextlib.suppress(OSError, ValueError):
+        found = json.loads(saved.read_text())
+        if isinstance(found, dict) and found:
+            return found
+    from lm_eval.tasks import TaskManager  # only to build the index (its import alone takes seconds)
+
+    index = {
+        name: [entry.kind.name, str(entry.yaml_path) if entry.yaml_path else None, sorted(entry.tags)]
+        for name, entry in TaskManager().task_index.items()
+    }
+    with contextlib.suppress(OSError):
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(saved, index)
+    return index
+
+
+def objective_problems(objective: str, tasks: list[str], lengths: tuple[int, ...], key: str) -> list[str]:
+    """An objective `harness.<task>.<metric>` (an optuna study's) names a number the runs' scores will hold."""
+    if not objective.startswith("harness."):
+        return []
+    if not tasks:
+        return [f"{key}={objective}: the runs score no lm-eval task; set eval.harness.tasks=[...] for every trial"]
+    specs, problems = resolve_tasks(tasks, lengths, key="eval.harness.tasks")
+    if problems:
+        return problems
+    reported = [f"harness.{name}.{m}" for spec in specs for name, metrics in spec.metrics.items() for m in metrics]
+    if objective in reported:
+        return []
+    return [f"{key}={objective}: the runs' lm-eval scores hold no such number; choose one of {', '.join(reported)}"]
