@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from optuna.trial import TrialState
 
 from ds_exp.core.errors import first_line
@@ -41,7 +42,6 @@ def _slice_png(study: Study, objective: str) -> bytes:
     if mpl_log.getEffectiveLevel() < logging.WARNING:
         mpl_log.setLevel(logging.WARNING)
     import matplotlib
-    import numpy as np
 
     matplotlib.use("Agg")  # the sweeper's own process: nothing is shown, the picture is a file
     import matplotlib.pyplot as plt
