@@ -157,6 +157,7 @@ def figure(curves: Curves, title: str) -> Figure:
     loss_axis.set_xlabel("optimizer step")
     loss_axis.set_ylabel("loss")
     loss_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    loss_axis.margins(y=0.1)  # room for an evaluation's label above its point
     loss_axis.grid(alpha=0.3)
     if curves.lr:
         lr_axis = loss_axis.twinx()
