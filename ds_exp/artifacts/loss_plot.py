@@ -21,11 +21,14 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ds_exp.core.errors import first_line
 from ds_exp.core.files import no_room, write_bytes_atomic
 from ds_exp.launch.run_logging import FILE_LOGGER
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 log = logging.getLogger(__name__)
 file_log = logging.getLogger(FILE_LOGGER)
@@ -117,44 +120,71 @@ class LossPlot:
 
 
 def render(curves: Curves, title: str) -> bytes:
-    """The PNG: loss on the left axis, learning rate on the right."""
+    """The PNG of `figure`."""
+    out = io.BytesIO()
+    figure(curves, title).savefig(out, format="png")
+    return out.getvalue()
+
+
+def figure(curves: Curves, title: str) -> Figure:
+    """Loss on the left axis, learning rate on the right (from 0: a constant rate is a flat line at its value, not
+    the middle of an axis around it). A short series is drawn as points (two evaluations joined by a line would
+    draw a trend nobody measured), an evaluation with its value beside it."""
     # matplotlib is imported by the first picture (a second of import; the run's console filter keeps its
     # first-use log lines in the log file), not by every import of the training stack
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(8, 4.5), dpi=100)
-    FigureCanvasAgg(figure)
-    loss_axis = figure.add_subplot()
+    drawing = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(drawing)
+    loss_axis = drawing.add_subplot()
     lines = []
     if curves.train:
         steps, values = zip(*curves.train, strict=True)
-        lines += loss_axis.plot(steps, values, color="tab:blue", linewidth=1.2, label="train loss", **_dots(steps))
+        lines += loss_axis.plot(steps, values, color="tab:blue", linewidth=1.2, label="train loss", **_style(steps))
     if curves.eval:
         steps, values = zip(*curves.eval, strict=True)
-        lines += loss_axis.plot(steps, values, "o-", color="tab:orange", markersize=4, label="eval loss")
+        lines += loss_axis.plot(steps, values, color="tab:orange", label="eval loss", **_style(steps, size=6))
+        if len(steps) <= EVAL_LABELS:
+            last = max(steps)
+            for step, value in curves.eval:  # the last one's to its left: the axis ends there
+                if math.isfinite(value):
+                    right = step < last or step == 0
+                    loss_axis.annotate(f"{value:.3f}", (step, value), xytext=(6 if right else -6, 6),
+                                       textcoords="offset points", ha="left" if right else "right",
+                                       color="tab:orange", fontsize=8)  # fmt: skip
     loss_axis.set_xlabel("optimizer step")
     loss_axis.set_ylabel("loss")
     loss_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    loss_axis.margins(y=0.1)  # room for an evaluation's label above its point
     loss_axis.grid(alpha=0.3)
     if curves.lr:
         lr_axis = loss_axis.twinx()
         steps, values = zip(*curves.lr, strict=True)
-        lines += lr_axis.plot(steps, values, "--", color="tab:gray", linewidth=1, label="learning rate", **_dots(steps))
+        lr_style = {"color": "tab:gray", "linewidth": 1, "linestyle": "--", **_style(steps)}
+        lines += lr_axis.plot(steps, values, label="learning rate", **lr_style)
+        peak = max((v for v in values if math.isfinite(v)), default=0.0)
+        lr_axis.set_ylim(0, peak * 1.08 if peak > 0 else 1)
         lr_axis.set_ylabel("learning rate")
         lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    if lines:
-        loss_axis.legend(lines, [str(line.get_label()) for line in lines], loc="upper right", fontsize=9)
+    if lines:  # above the axes, where it hides no point
+        labels = [str(line.get_label()) for line in lines]
+        loss_axis.legend(lines, labels, loc="lower left", bbox_to_anchor=(0, 1), ncol=3, frameon=False, fontsize=9)
     else:
         loss_axis.text(0.5, 0.5, "no metric line yet", ha="center", va="center", transform=loss_axis.transAxes)
-    loss_axis.set_title(title, fontsize=10)
-    figure.subplots_adjust(left=0.09, right=0.88, top=0.92, bottom=0.12)
-    out = io.BytesIO()
-    figure.savefig(out, format="png")
-    return out.getvalue()
+    drawing.suptitle(title, fontsize=10)
+    drawing.subplots_adjust(left=0.09, right=0.88, top=0.86, bottom=0.12)
+    return drawing
 
 
-def _dots(steps: tuple[int, ...]) -> dict[str, Any]:
-    """Markers on a line of few points (a short run's metric lines): one point alone draws no line."""
-    return {"marker": "o", "markersize": 3} if len(steps) < 30 else {}
+EVAL_LABELS = 8  # evaluations up to this many are labelled with their loss
+FEW_POINTS = 30  # a series of fewer points shows each one
+
+
+def _style(steps: tuple[int, ...], size: float = 3) -> dict[str, Any]:
+    """Points alone for a series of one or two (a line through two points is a trend nobody measured), points on
+    the line for a short one, the line alone for a long one."""
+    if len(steps) <= 2:
+        return {"marker": "o", "markersize": size + 1, "linestyle": "none"}
+    return {"marker": "o", "markersize": size} if len(steps) < FEW_POINTS else {}

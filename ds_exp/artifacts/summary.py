@@ -63,6 +63,7 @@ class RunState:
     checkpoint: str | None = None
     export_dir: str | None = None
     resumed_from: str | None = None
+    start_step: int = 0  # the step this attempt started from (a resume's checkpoint's; 0: from the start)
     log_file: str | None = None
     # eval.harness: lm-eval's scores of the final export (task -> metric -> value; the base's beside), and how that
     # evaluation ended (completed | failed | interrupted): its own status, a failure never fails the run
@@ -140,6 +141,7 @@ class RunState:
             "checkpoint": self.checkpoint,
             "export_dir": self.export_dir,
             "resumed_from": self.resumed_from,
+            "start_step": self.start_step,
             "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0),  # SLURM requeues of this job so far
             "log_file": self.log_file,
             "harness": self.harness,
@@ -158,13 +160,16 @@ def write_summary(state: RunState, peaks: list[int | None]) -> dict[str, Any]:
 
 
 def final_line(summary: dict[str, Any]) -> str:
-    """What the console says at the end of a completed run: the time apart (a first run's minute of compiling is
-    not its training), the evaluation before and after, and where it all is."""
+    """What the console says at the end of a completed run: the steps this attempt trained (a resume's from its
+    checkpoint on: the time is this attempt's), the time apart (a first run's minute of compiling is not its
+    training), the evaluation before and after (preference tuning's: its reward accuracy), and where it all is."""
     evals = [summary[k] or {} for k in ("initial_eval", "final_eval")]
-    name = "reward_accuracy" if any("reward_accuracy" in e for e in evals) else "perplexity"  # preference tuning's
+    name = "reward_accuracy" if any("reward_accuracy" in e for e in evals) else "perplexity"
     before, after = (f"{e[name]:.3f}" if name in e else "n/a" for e in evals)
+    steps, start = summary["steps"] or 0, summary.get("start_step") or 0
+    done = f"{steps - start} steps ({start + 1}-{steps}, resumed at step {start})" if start else f"{steps} steps"
     return (
-        f"ds_exp: {summary['status']} {summary['steps']} steps in {time_parts(summary['time_s'])}; "
+        f"ds_exp: {summary['status']} {done} in {time_parts(summary['time_s'])}; "
         f"eval {name.replace('_', ' ')} {before} -> {after}; run directory {shown_path(summary['run_dir'])}"
     )
 

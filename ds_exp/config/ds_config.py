@@ -23,7 +23,7 @@ from typing import Any
 from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, global_batch_size
 from ds_exp.config.optimizers import entry_for_deepspeed_type, entry_of
 from ds_exp.config.resolvers import AUTO
-from ds_exp.config.schema import Config, plain
+from ds_exp.config.schema import Config, TrainConfig, plain
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.user_paths import special_file_problem
 
@@ -58,6 +58,15 @@ class Expectation:
     path: str
     value: object
     source: str  # the ds_exp setting it comes from, for messages
+
+
+LOG_POINTS = 50  # metric lines a run writes unless train.log_every says otherwise: a curve, even of 10 steps
+
+
+def log_interval(train: TrainConfig, total_steps: int) -> int:
+    """Optimizer steps between metric lines (DeepSpeed's steps_per_print): train.log_every when set, else the run's
+    steps / LOG_POINTS (every step of a run of up to 50 steps, every 5th of the default 250)."""
+    return int(train.log_every) or max(1, round(total_steps / LOG_POINTS))
 
 
 def strip_none(value: object) -> Any:
@@ -328,6 +337,9 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
         # overlapping the reduction with the backward pass only pays where there is communication to hide; alone,
         # its side stream and buffers are pure cost (an H100 probe, 1 GPU, ZeRO-2: 266 ms a step with it, 206 without)
         set_path(ds, "zero_optimization.overlap_comm", facts.world_size > 1)
+
+    if get_path(ds, "steps_per_print") == AUTO and facts.total_steps is not None:  # a file's own value is cosmetic
+        set_path(ds, "steps_per_print", log_interval(cfg.train, facts.total_steps))
 
     if get_path(ds, "csv_monitor.output_path") == AUTO and facts.run_dir is not None:
         set_path(ds, "csv_monitor.output_path", str(Path(facts.run_dir) / "ds_monitor"))

@@ -22,11 +22,14 @@ _NEEDS_LORA: dict[str, object] = {
 }
 
 
-def scope_of(lora: LoraConfig) -> str | None:
-    """The substring every adapted layer's name contains: lora.module_name, else `layers.` unless lora.target_modules
-    names the layers (then the whole model)."""
+def scope_of(lora: LoraConfig, model_scope: str | None = None) -> str | None:
+    """The substring every adapted layer's name contains: lora.module_name, else the model's own (`model_scope`,
+    model.lora_scope: a vision-language model's language model), else `layers.` unless lora.target_modules names
+    the layers (then the whole model)."""
     if lora.module_name is not None:
         return str(lora.module_name)
+    if model_scope:
+        return model_scope
     return DEFAULT_SCOPE if lora.target_modules is None else None
 
 

@@ -8,6 +8,9 @@
   the key is not in the schema.
 * A setting of another optimizer (`optimizer=sgd optimizer.betas=[0.9,0.99]`): one message naming the optimizers
   that have it, instead of OmegaConf's "Key 'betas' not in 'OptimizerConfig'" and Hydra's advice to add it with `+`.
+* Hydra's own refusals (an unknown option, key or value while composing, an override it cannot parse): one line in
+  ds_exp's words (`composition_problem`), what the command line prints after "ds_exp: error:" and the Python API's
+  ConfigError holds, instead of Hydra's lines with its search path and OmegaConf's diagnostics.
 * A value that is itself a comma-separated list (`data.data_split=10,0,0`, DeepSpeed-Chat's spelling): Hydra reads
   it as a sweep over 10, 0 and 0 ("Ambiguous value" without -m; three nonsense jobs with it). The command line is
   quoted for Hydra before it parses it (`quote_one_value_lists`), so the value is the one the user wrote.
@@ -15,12 +18,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ds_exp.config.optimizers import OPTIMIZERS
 from ds_exp.core.compat import before_overrides
@@ -120,3 +126,40 @@ def quote_one_value_lists(args: list[str]) -> list[str]:
             arg = f"{match.group(1)}{match.group(2)}='{match.group(3)}'"
         quoted.append(arg)
     return quoted
+
+
+# OmegaConf's diagnostics under its message: where the key is, not what is wrong with it
+_DIAGNOSTICS = re.compile(r"^\s*(full_key:|reference_type=|object_type=)")
+
+
+def composition_problem(err: Exception) -> str:
+    """Hydra's refusal of the command line (a HydraException, with OmegaConf's behind it) as one line: the override,
+    what is wrong and the choices there are."""
+    cause = err.__cause__
+    missing = err.missing_cfg_file if isinstance(err, MissingConfigException) else None
+    if isinstance(err, MissingConfigException) and err.options and missing and "/" in missing:
+        group, _, name = missing.rpartition("/")
+        return f"{group}={name}: {group} has no option {name}; its options: {', '.join(err.options)}"
+    if isinstance(err, OverrideParseException):
+        detail = [line for line in _lines(err) if not line.startswith(("Error parsing override", "See https://"))]
+        return f"{err.override}: not an override Hydra can parse ({'; '.join(detail)}); key=value, group=option"
+    if isinstance(cause, OmegaConfBaseException) and cause.full_key and str(err).startswith("Could not override"):
+        given = re.search(r"Could not override '([^']+)'", str(err))
+        parent, _, key = str(cause.full_key).rpartition(".")
+        owner = cause.object_type
+        names = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+        close = difflib.get_close_matches(str(key), names, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+        where = f"`python -m ds_exp --help {parent.split('.')[0]}`" if parent else "`python -m ds_exp --help`"
+        return (
+            f"{given.group(1) if given else cause.full_key}: ds_exp's config has no key {cause.full_key}; {hint}"
+            f"{where} lists the keys"
+        )
+    if isinstance(cause, ValidationError) and str(err).startswith("Error merging override "):
+        return f"{str(err).removeprefix('Error merging override ')}: {_lines(cause)[0]}"
+    lines = _lines(err) + (_lines(cause) if isinstance(cause, OmegaConfBaseException) else [])
+    return "; ".join(line.rstrip(".") for line in lines) or type(err).__name__
+
+
+def _lines(err: BaseException) -> list[str]:
+    return [line.strip() for line in str(err).splitlines() if line.strip() and not _DIAGNOSTICS.match(line)]

@@ -138,6 +138,8 @@ class ModelConfig:
         None, range=at_least(1, ", or null to derive it")
     )  # tokens per chunk; null = about 256 MiB of fp32 logits per chunk
     activation_offload: bool = False  # checkpointed layer inputs kept in host memory (needs gradient_checkpointing)
+    lora_scope: str | None = None  # LoRA's scope when lora.module_name is null (a vision-language model's language
+    # model, not its vision tower); null = lora's own default (ds_exp/config/lora_checks.py scope_of)
 
 
 @dataclass
@@ -296,8 +298,8 @@ class TrainConfig(ExportSettings):  # train.export*: ds_exp/exports/settings.py
     gradient_clipping: float = setting(1.0, range=at_least(0, " (0 = no clipping)"))
     seed: int = setting(1234, range=SEED)
     log_every: int = setting(
-        10, range=at_least(1)
-    )  # optimizer steps between metric lines (and DeepSpeed's steps_per_print)
+        0, range=at_least(0, " (0 = about 50 metric lines a run)")
+    )  # optimizer steps between metric lines (and DeepSpeed's steps_per_print); 0: ds_config.log_interval
     eval_every: int = setting(0, range=at_least(0))  # 0 = only before training, after each epoch and at the end
     max_evals: int = setting(
         5, range=at_least(1)

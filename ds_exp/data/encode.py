@@ -17,7 +17,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -182,6 +182,23 @@ def pick_num_proc(num_proc: int | None, num_rows: int) -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+BAR_MIN_ROWS = 10_000  # a smaller set tokenizes in about a second: no bar (announce_while speaks after 10 s)
+
+
+@contextlib.contextmanager
+def without_bars(quiet: bool = True) -> Iterator[None]:
+    """datasets' progress bars off for the while, when `quiet`: a bar that fills in a blink is a line of noise
+    between ds_exp's own on the terminal."""
+    was_disabled = datasets.are_progress_bars_disabled()
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if quiet and not was_disabled:
+            datasets.enable_progress_bars()
+
+
 def encode(
     rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str, work_dir: Path | None = None
 ) -> tuple[datasets.Dataset, dict[str, int]]:
@@ -201,7 +218,10 @@ def encode(
     progress.touch()
     encoder = replace(encoder, progress_file=str(progress))
     try:
-        with announce_while(f"tokenizing {desc} ({len(rows)} rows)", idle_s=_idle(progress), detail=_longest(rows)):
+        with (
+            announce_while(f"tokenizing {desc} ({len(rows)} rows)", idle_s=_idle(progress), detail=_longest(rows)),
+            without_bars(len(rows) < BAR_MIN_ROWS),
+        ):
             ds = raw.map(
                 encoder,
                 batched=True,

@@ -23,7 +23,7 @@ from ds_exp.config.schema import DataConfig, DataSource, plain
 from ds_exp.core.errors import DataError
 from ds_exp.data.cache import cached_build, disk_full_message, hash_key, path_fingerprint
 from ds_exp.data.checks import data_config_problems
-from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack
+from ds_exp.data.encode import Encoder, encode, end_of_conversation, pack, without_bars
 from ds_exp.data.formats import expand, resolve_format
 from ds_exp.data.sources import RawSource, Rows, find_row, load_source, synthetic_source
 from ds_exp.data.splits import eval_carve_count, left_for_later_phases, parse_data_split, phase1_count, shown_split
@@ -168,13 +168,8 @@ def count_train_examples(data: DataConfig) -> int:
 
 def save_quietly(ds: datasets.Dataset, path: Path, **options: Any) -> None:
     """save_to_disk without datasets' "Saving the dataset" bar: the tokenizing bars said what is happening."""
-    was_disabled = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
+    with without_bars():
         ds.save_to_disk(str(path), **options)
-    finally:
-        if not was_disabled:
-            datasets.enable_progress_bars()
 
 
 def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:

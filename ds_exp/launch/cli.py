@@ -93,12 +93,17 @@ def run_job(composed: DictConfig) -> dict[str, Any]:
 
 
 def _run_job(composed: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Typed once, validated, then planned (dry_run=true) or trained. Heavy imports happen only past validation."""
+    """Typed once, validated (the data's rows too), then planned (dry_run=true) or trained. Heavy imports happen only
+    past validation."""
     # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    from ds_exp.data.pipeline import count_train_examples
+
     try:
         cfg = validate_job(composed, overrides, run_dir=run_dir)
         check_hub(cfg)  # a hub id with no hub to reach: one message now, not transformers' retries
+        # the data's rows read and checked (a bad row is its file:line) before torch and DeepSpeed take their seconds
+        train_examples = count_train_examples(cfg.data)
     except DsExpError:
         if HydraConfig.initialized() and not in_multirun():
             hydra_cfg = HydraConfig.get()
@@ -110,7 +115,7 @@ def _run_job(composed: DictConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.dry_run:
         from ds_exp.tools.dry_run import dry_run
 
-        return dry_run(cfg, run_dir)
+        return dry_run(cfg, run_dir, train_examples)
     from ds_exp.train.recipe import recipe_main
 
     return recipe_main(cfg, run_dir)
@@ -211,6 +216,7 @@ def main() -> int:
     if wants_help(sys.argv[1:]):  # ds_exp's help from conf/'s comments (Hydra's own: --hydra-help)
         print_help(sys.argv[1:])
     sys.argv[1:] = prepare_overrides(sys.argv[1:])
+    compat.raise_hydra_errors()  # a bad override is told by the boundary, as every other refusal
     with stop_before_start():  # a rank stopped by its launcher before its run starts leaves nothing, quietly
         hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")(HydraTask())()
     return 0

@@ -17,7 +17,8 @@ launcher started on one machine agree through a file named by their launcher's p
 first of them creates (`first_to_say`); a rank's own error, another message, still prints.
 
 No registered secret (ds_exp.config.secrets) reaches the console or the traceback's file. A Hydra callback, which
-Hydra would let fail with a warning, stops the process through `exit_on_error`; the Hydra task of `python -m
+Hydra would let fail with a warning, stops the process through `exit_on_error`; Hydra's refusals of the command line
+reach the boundary (ds_exp.core.compat.raise_hydra_errors) and are told as ds_exp's own; the Hydra task of `python -m
 ds_exp` reports through `report_error` with its run's log (ds_exp/launch/cli.py).
 """
 
@@ -36,9 +37,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, ParamSpec, TypeVar
 
-from hydra.errors import CompactHydraException
-from omegaconf.errors import OmegaConfBaseException
+from hydra.errors import HydraException
 
+from ds_exp.config.override_checks import composition_problem
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.core.private_files import UnsafePath, open_private, private_dir, remove_own
@@ -104,29 +105,25 @@ def run_command(name: str, work: Callable[[], int | None]) -> int:
 
 
 def report_error(err: Exception, log: Path | None = None, what: str | None = None, after: str = "") -> int:
-    """`err` as a person reads it, on stderr; returns the exit status. A DsExpError is its message; anything else
-    one line naming `what` failed (default: the command) and the file that keeps its traceback: `log` (the run's
-    log) when given, else a new file in the user's cache."""
-    if isinstance(err, (DsExpError, CompactHydraException)):
+    """`err` as a person reads it, on stderr; returns the exit status. A DsExpError is its message (Hydra's refusal of
+    the command line is a ConfigError in ds_exp's words); anything else one line naming `what` failed (default: the
+    command) and the file that keeps its traceback: `log` (the run's log) when given, else a new file in the user's
+    cache."""
+    if isinstance(err, (DsExpError, HydraException)):
         if full_error():
             sys.stderr.write(redact_text("".join(traceback.format_exception(err))))
-        if isinstance(err, CompactHydraException):  # Hydra's own (a bad override), re-raised under a debugger
-            report_hydra_error(err)
-            return 1
-        report_user_error(err, traceback_hint=not isinstance(err, ConfigError))  # a bad value: nothing behind it
-        return err.exit_code
+        told = err if isinstance(err, DsExpError) else ConfigError(composition_problem(err))
+        report_user_error(told)
+        return told.exit_code
     report_unexpected(err, what or _running[0], log, after)
     return 1
 
 
-def report_user_error(err: DsExpError, traceback_hint: bool = True) -> None:
-    """The message on stderr: its first line after "ds_exp: error:", the rest indented; no traceback, and no
-    registered secret (ds_exp.config.secrets)."""
+def report_user_error(err: DsExpError) -> None:
+    """The message on stderr: its first line after "ds_exp: error:", the rest indented; no traceback (the message is
+    the whole story; HYDRA_FULL_ERROR=1 shows the traceback), and no registered secret (ds_exp.config.secrets)."""
     lines = redact_text(str(err)).splitlines() or [type(err).__name__]
-    shown = [f"ds_exp: error: {lines[0]}", *(f"  {line}" for line in lines[1:])]
-    if traceback_hint and not full_error():
-        shown.append("  (set HYDRA_FULL_ERROR=1 for the full traceback)")
-    say(shown)
+    say([f"ds_exp: error: {lines[0]}", *(f"  {line}" for line in lines[1:])])
 
 
 def say(lines: list[str]) -> None:
@@ -175,15 +172,6 @@ def _launcher_process() -> str | None:
         return None
     fields = stat.rpartition(")")[2].split()  # after the command's name, which may hold spaces
     return f"{parent}-{fields[19]}" if len(fields) > 19 else None
-
-
-def report_hydra_error(err: CompactHydraException) -> None:
-    """Hydra's message for its own errors, as its run_and_report prints it (when it does not re-raise them: it does
-    under HYDRA_FULL_ERROR=1 and whenever a trace function is set, as debuggers and coverage tools do)."""
-    lines = [redact_text(str(err))]
-    if isinstance(err.__cause__, OmegaConfBaseException):
-        lines.append(redact_text(str(err.__cause__)))
-    say(lines)
 
 
 def report_unexpected(err: BaseException, what: str, log: Path | None = None, after: str = "") -> None:

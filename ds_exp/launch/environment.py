@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import overload
 
 from ds_exp.config.schema import DistConfig, plain
+from ds_exp.core.errors import ConfigError
 from ds_exp.launch.rendezvous import free_port
 from ds_exp.launch.slurm_nodes import slurm_hostnames
 
@@ -97,7 +98,13 @@ def detect_launch(dist_cfg: DistConfig | None = None) -> LaunchInfo:
         # order puts rank 0 there) and a port derived from the job id, so every rank computes the same pair.
         import submitit  # only inside a submitit job: every other launch starts without its import time
 
-        job_env = submitit.JobEnvironment()
+        try:
+            job_env = submitit.JobEnvironment()
+        except RuntimeError:  # not a job submitit started: submitit finds no environment of its own
+            raise ConfigError(
+                "dist.launcher=submitit, but this process is not a job submitit started; leave dist.launcher=auto, "
+                "or sweep with hydra/launcher=slurm (or local), which starts its jobs through submitit"
+            ) from None
         master = _first_slurm_host()
         # submitit's local executor sets no SLURM variables: its own job id keeps concurrent jobs apart there
         job_id = env.get("SLURM_JOB_ID") or job_env.job_id

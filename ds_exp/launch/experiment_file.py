@@ -18,6 +18,7 @@ named `experiment` gets one (`my_exp.yaml` -> `experiment/my_exp.yaml`, run with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import os
 import re
@@ -33,6 +34,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ds_exp.config.config_files import check_config_files
+from ds_exp.config.override_checks import composition_problem
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.resolvers import register_resolvers
@@ -253,9 +255,23 @@ def _value_at(cfg: DictConfig, key: str) -> dict[str, Any]:
     for depth in range(1, len(parts)):
         parent = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False)
         if isinstance(parent, ListConfig):  # YAML cannot set one item of a list: the list goes in whole
-            return {".".join(parts[:depth]): _plain(parent)}
+            return {".".join(parts[:depth]): [_without_defaults(item) for item in parent]}
     # from the parent, unresolved: `${oc.env:KEY}` is written as such, never as what it resolves to here
-    return {key: _plain(parent)[parts[-1]]}
+    value = _plain(parent)[parts[-1]]
+    if isinstance(value, list) and isinstance(parent, DictConfig):  # a whole list given (data.sources=[...])
+        return {key: [_without_defaults(item) for item in parent[parts[-1]]]}
+    return {key: value}
+
+
+def _without_defaults(item: object) -> Any:
+    """A list's item as the file writes it: a typed one (a data source) with only what differs from its type's
+    defaults (its path, not the 11 fields of DataSource), which the file's config is filled with again."""
+    kind = OmegaConf.get_type(item) if isinstance(item, DictConfig) else None
+    written = _plain(item)
+    if not (isinstance(kind, type) and dataclasses.is_dataclass(kind) and isinstance(written, dict)):
+        return written
+    defaults = _plain(OmegaConf.structured(kind))
+    return {key: value for key, value in written.items() if key not in defaults or value != defaults[key]}
 
 
 def _plain(value: object) -> Any:
@@ -275,7 +291,7 @@ def compose_command_line(overrides: list[str], config_dirs: list[str]) -> DictCo
         try:
             return compose(config_name="config", overrides=[*overrides, *search], return_hydra_config=True)
         except HydraException as err:
-            raise ConfigError(f"the command line does not compose: {redact_text(str(err))}") from None
+            raise ConfigError(f"the command line does not compose: {redact_text(composition_problem(err))}") from None
 
 
 def render_body(plan: Plan) -> str:

@@ -55,13 +55,14 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def release_run_dir(run_dir: Path, *, refused: bool = False) -> None:
-    """Let the lock go; a refused start also removes the lock file if it created it, and the directories it made
-    if they are empty (nothing of it stays)."""
+    """Let the lock go and remove its file, which only a live run needs (one another process opened meanwhile is
+    refused or tries again: see the inode check below); a refused start also removes the directories it made if
+    they are empty (nothing of it stays). A lock file this process did not make stays after a refused start."""
     entry = _locks.pop(run_dir.absolute(), None)
     if entry is not None:
         handle, created, made = entry
-        if refused and created:
-            (run_dir.absolute() / LOCK).unlink(missing_ok=True)  # while still held: see the inode check above
+        if created or not refused:
+            (run_dir.absolute() / LOCK).unlink(missing_ok=True)  # while still held
         handle.close()  # closing the file releases the lock
         if refused:
             _remove_made(run_dir.absolute(), made)

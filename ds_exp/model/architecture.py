@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch.hub import plans_from_arch
-from ds_exp.model.lora import count_with_lora, lora_spec
+from ds_exp.model.lora import adapted_by_part, count_with_lora, lora_spec
 from ds_exp.model.tokenizer import load_tokenizer
 
 
@@ -151,6 +151,7 @@ class ParameterCounts:
     total: int  # of the base model
     trainable: int  # what the optimizer updates (adapters only with lora.only_optimize)
     lora_targets: tuple[str, ...]
+    lora_parts: dict[str, int] = field(default_factory=dict)  # adapted layers per tower (lora.adapted_by_part)
 
 
 def count_parameters(cfg: Config, config: PretrainedConfig) -> ParameterCounts:
@@ -160,9 +161,9 @@ def count_parameters(cfg: Config, config: PretrainedConfig) -> ParameterCounts:
     total = sum(p.numel() for p in model.parameters())
     if cfg.lora.dim <= 0:
         return ParameterCounts(total, total, ())
-    spec = lora_spec(cfg.lora, model)  # a ConfigError names what lora.* matches nothing of
+    spec = lora_spec(cfg.lora, model, cfg.model.lora_scope)  # a ConfigError names what lora.* matches nothing of
     total, trainable = count_with_lora(model, spec)
-    return ParameterCounts(total, trainable, spec.targets)
+    return ParameterCounts(total, trainable, spec.targets, adapted_by_part(model, spec.targets))
 
 
 def check_lora(cfg: Config, config: PretrainedConfig) -> None:
@@ -171,7 +172,7 @@ def check_lora(cfg: Config, config: PretrainedConfig) -> None:
     if cfg.lora.dim > 0:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
-        lora_spec(cfg.lora, model)
+        lora_spec(cfg.lora, model, cfg.model.lora_scope)
 
 
 def base_vocab_size(cfg: Config, tokenizer: PreTrainedTokenizerBase | None, checkpoint_rows: int) -> int:

@@ -129,7 +129,7 @@ def build_model(
         build.config = model.config
     lora = None
     if cfg.lora.dim > 0:
-        lora = lora_spec(cfg.lora, model)
+        lora = lora_spec(cfg.lora, model, cfg.model.lora_scope)
         for saved, other in tied_elsewhere(model, lora.modules_to_save):
             log.info("lora.modules_to_save: %s shares its weights with %s; it is trained as its own copy", saved, other)
         if lora.quantize:

@@ -56,17 +56,23 @@ def _output_layer(model: torch.nn.Module) -> str | None:
     return next((name for name, module in model.named_modules() if module is output), None) if output else None
 
 
-def lora_target_names(model: torch.nn.Module, lora_cfg: schema.LoraConfig) -> list[str]:
-    """Full names of the linear layers that get adapters; a ConfigError (one line per problem) names the model's
-    linear layers when a setting matches none."""
+def lora_target_names(model: torch.nn.Module, lora_cfg: schema.LoraConfig, model_scope: str | None) -> list[str]:
+    """Full names of the linear layers that get adapters (`model_scope`: model.lora_scope); a ConfigError (one line
+    per problem) names the model's linear layers when a setting matches none."""
     linears = linear_layers(model)
-    scope = scope_of(lora_cfg)
+    scope = scope_of(lora_cfg, model_scope)
     in_scope = [name for name in linears if scope is None or scope in name]
     targets = lora_cfg.target_modules
     if not in_scope:
         scopes = sorted({name.rsplit(".", 1)[0] + "." for name in linears if "." in name})
         example = ", ".join(scopes[:8]) + (" ..." if len(scopes) > 8 else "")
-        hint = "" if lora_cfg.module_name is not None else " (the default scope when lora.target_modules is null)"
+        hint = (
+            ""
+            if lora_cfg.module_name is not None
+            else " (model.lora_scope, this model's own scope)"
+            if model_scope
+            else " (the default scope when lora.target_modules is null)"
+        )
         raise ConfigError(
             f"lora.module_name={scope}{hint} matches no Linear layer of this model; Linear layers live under: "
             f"{example} (e.g. lora.module_name=layers., or name them with lora.target_modules=[...])"
@@ -197,9 +203,26 @@ class LoraSpec:
         }
 
 
-def lora_spec(lora_cfg: schema.LoraConfig, model: torch.nn.Module) -> LoraSpec:
-    """The adapters lora.* asks for on `model` (a ConfigError names what matches nothing)."""
-    targets = lora_target_names(model, lora_cfg)
+def adapted_by_part(model: torch.nn.Module, targets: tuple[str, ...]) -> dict[str, int]:
+    """Adapted layers in each part of a model made of several (a vision-language model's language model and vision
+    tower), a part being the first two components of its Linear layers' names (model.language_model); {} for a
+    model of one part (the output layer aside)."""
+    output = _output_layer(model)
+    parts = dict.fromkeys(".".join(name.split(".")[:2]) for name in linear_layers(model) if name != output)
+    if len(parts) < 2:
+        return {}
+    counts = dict.fromkeys(parts, 0)
+    for name in targets:
+        part = ".".join(name.split(".")[:2])
+        if part in counts:
+            counts[part] += 1
+    return counts
+
+
+def lora_spec(lora_cfg: schema.LoraConfig, model: torch.nn.Module, model_scope: str | None = None) -> LoraSpec:
+    """The adapters lora.* asks for on `model`, whose own scope is `model_scope` (model.lora_scope); a ConfigError
+    names what matches nothing."""
+    targets = lora_target_names(model, lora_cfg, model_scope)
     saved = modules_to_save_names(model, lora_cfg, targets)
     return LoraSpec(
         dim=int(lora_cfg.dim),

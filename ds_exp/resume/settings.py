@@ -75,7 +75,7 @@ def lora_settings(cfg: Config) -> dict[str, Any]:
     found: dict[str, Any] = {
         "dim": int(lora.dim),
         "alpha": float(lora.alpha if lora.alpha is not None else lora.dim),
-        "module_name": scope_of(lora),  # the scope in effect (`layers.` unless target_modules names the layers)
+        "module_name": scope_of(lora, cfg.model.lora_scope),  # the scope in effect (`layers.` unless said otherwise)
         "only_optimize": bool(lora.only_optimize),
     }
     extra = {

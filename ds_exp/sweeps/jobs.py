@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from ds_exp.config.override_checks import composition_problem
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError
 from ds_exp.launch.run_config import continue_run_config, keep_job_config, resume_note, task_overrides
@@ -80,7 +82,9 @@ def check_job(
                 resumed_jobs[job_dir.absolute()] = (cfg, note)
     except DsExpError as err:
         return None, [f"job [{' '.join(overrides)}]: {line}" for line in str(err).splitlines()]
-    except Exception as err:  # composition errors (unknown option, wrong type) from Hydra / OmegaConf
+    except HydraException as err:  # composition errors (unknown option, wrong type) from Hydra / OmegaConf
+        return None, [f"job [{' '.join(overrides)}]: {composition_problem(err)}"]
+    except Exception as err:
         return None, [f"job [{' '.join(overrides)}]: {err}".splitlines()[0]]
     return cfg, []
 

@@ -137,7 +137,7 @@ class StudySweeper(Sweeper):
         try:
             return self.run_study(arguments)
         except DsExpError as err:
-            report_user_error(err, traceback_hint=False)
+            report_user_error(err)
             raise SystemExit(err.exit_code) from None
 
     # ------------------------------------------------------------------------------------------ the study

@@ -23,7 +23,7 @@ import yaml
 from ds_exp.config.file_overrides import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
-from ds_exp.sweeps.report_plot import plot
+from ds_exp.sweeps.report_plot import plot, train_curve, varying_overrides
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 if TYPE_CHECKING:
@@ -114,6 +114,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+PLAN, DRY_RUN = "plan.json", "dry run"  # what dry_run=true leaves instead of summary.json (ds_exp/tools/dry_run.py)
+
+
 def _scores(scores: object) -> bool:
     """summary.json's `harness` as a run writes it (eval.harness): task -> metric -> number or null."""
     if not isinstance(scores, dict) or not all(isinstance(metrics, dict) for metrics in scores.values()):
@@ -132,7 +135,9 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     except Damaged as err:
         damaged.append(str(err))
     summary_file = job_dir / "summary.json"
-    if not summary_file.is_file():
+    if not summary_file.is_file() and (job_dir / PLAN).is_file():
+        row.update(status=DRY_RUN)  # planned (plan.json, ds_config.json), not trained: nothing failed
+    elif not summary_file.is_file():
         row.update(status="no summary", error=f"{summary_file} missing: the job never reached training or was killed")
     else:
         try:
@@ -208,9 +213,35 @@ def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[st
     extra = tuned + (f"\n{study}" if study else "")
     (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{extra}")
     if rows:
-        plot(rows, sweep_dir / "report.png", sweep_dir)
-    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}):\n{table}{extra}")
+        plot(rows, sweep_dir / "report.png", sweep_dir, [train_curve(d) for d in found])
+    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}; every column: report.csv):\n{console_table(rows)}\n{extra}")
     return rows
+
+
+# what the console shows of each job: the picture's columns (report.md and report.csv have every one)
+CONSOLE = {"job": "job", "status": "status", "eval_loss": "eval loss", "tokens_per_s": "tokens/s",
+           "peak_memory_mib": "peak MiB/rank", "overrides": "overrides that differ"}  # fmt: skip
+
+
+def console_table(rows: list[dict[str, Any]]) -> str:
+    """The jobs as aligned columns a terminal holds: the ones the picture shows, the overrides that differ last (a
+    failed job's error after them); the rest stay in report.csv and report.md."""
+    columns = dict(CONSOLE)
+    if not any(row.get("eval_loss") is not None for row in rows):  # no eval set: the train loss, as the picture
+        columns = {("train_loss" if key == "eval_loss" else key): name.replace("eval", "train") for key, name in
+                   columns.items()}  # fmt: skip
+    cells = [
+        {**{key: _cell(row.get(key)) for key in columns}, "overrides": varying}
+        for row, varying in zip(rows, varying_overrides(rows), strict=True)
+    ]
+    for cell, row in zip(cells, rows, strict=True):
+        if row["status"] != RunStatus.COMPLETED and row.get("error"):
+            cell["overrides"] += f"  ({str(row['error']).splitlines()[0][:80]})"
+    keys = list(columns)
+    widths = {key: max([len(columns[key]), *(len(cell[key]) for cell in cells)]) for key in keys[:-1]}
+    lines = ["  ".join(columns[key].ljust(widths.get(key, 0)) for key in keys)]
+    lines += ["  ".join(cell[key].ljust(widths.get(key, 0)) for key in keys) for cell in cells]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _section(make: Callable[..., str | None], sweep_dir: Path, *args: list[dict[str, Any]]) -> str:

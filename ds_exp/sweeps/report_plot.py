@@ -1,7 +1,8 @@
 """The sweep report's picture, report.png (ds_exp/sweeps/report.py): one row per job, named by the overrides that
 differ between the jobs, with what the sweep is judged by (an optuna study's objective, else the final eval loss,
 else the train loss), its speed (tokens/s over all ranks) and its peak memory per rank. The best job is green; a
-job that did not complete says how it ended in place of its bars.
+job that did not complete says how it ended in place of its bars. Below them, the jobs' train loss curves on one
+axis (from each job's metrics.jsonl), in the colours of the jobs' labels: how they got there, not only where.
 
 Drawn on matplotlib's Agg canvas without pyplot (no global figure state) and written whole (ds_exp/core/files.py).
 """
@@ -9,6 +10,7 @@ Drawn on matplotlib's Agg canvas without pyplot (no global figure state) and wri
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import textwrap
@@ -75,8 +77,32 @@ def _number(value: object) -> float | None:
     return float(value) if finite else None  # type: ignore[arg-type]
 
 
-def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Path | None = None) -> None:
-    """report.png of `rows` (the sweep report's rows); `sweep_dir`: where an optuna study's record is."""
+Curve = list[tuple[int, float]]  # (optimizer step, train loss)
+
+
+def train_curve(job_dir: Path) -> Curve:
+    """A job's train loss by step, from its metrics.jsonl (empty without one; a line that is not JSON is skipped)."""
+    try:
+        text = (job_dir / "metrics.jsonl").read_text(errors="replace")
+    except OSError:
+        return []
+    curve = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("type") == "train" and isinstance(record.get("step"), int):
+            loss = _number(record.get("loss"))
+            curve.append((record["step"], math.nan if loss is None else loss))
+    return curve
+
+
+def plot(
+    rows: list[dict[str, Any]], path: Path, sweep_dir: Path | None = None, curves: list[Curve] | None = None
+) -> None:
+    """report.png of `rows` (the sweep report's rows); `sweep_dir`: where an optuna study's record is; `curves`: each
+    job's train loss curve (train_curve), overlaid below the bars."""
     # matplotlib's INFO lines ("generated new fontManager" on its first use) would reach the sweep's console
     # through Hydra's root handler: its warnings and errors still do
     mpl_log = logging.getLogger("matplotlib")
@@ -91,17 +117,29 @@ def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Path | None = None) 
         Panel("peak memory per rank (MiB)", [_number(row.get("peak_memory_mib")) for row in rows], None),
     ]
     labels = job_labels(rows)
-    height = max(3.0, 0.2 + 0.32 * sum(label.count("\n") + 1.6 for label in labels))
-    figure = Figure(figsize=(15, height), dpi=100)
+    bars_height = max(3.0, 0.2 + 0.32 * sum(label.count("\n") + 1.6 for label in labels))
+    drawn = [curve for curve in curves or [] if curve]
+    figure = Figure(figsize=(15, bars_height + (4.0 if drawn else 0)), dpi=100)
     FigureCanvasAgg(figure)
-    axes = figure.subplots(1, len(panels), sharey=True)
+    top: Any = figure
+    bottom: Any = None
+    if drawn:
+        parts: Any = figure.subfigures(2, 1, height_ratios=[bars_height, 4.0])  # matplotlib's stubs: one or an array
+        top, bottom = parts
+    axes = top.subplots(1, len(panels), sharey=True)
     positions = list(range(len(rows)))
     for ax, panel in zip(axes, panels, strict=True):
         _bars(ax, panel, rows, positions)
     axes[0].set_yticks(positions, labels, fontsize=8)
     axes[0].invert_yaxis()  # job 0 on top, as in the report's table
-    figure.suptitle(f"ds_exp sweep: {len(rows)} jobs (green: best; red: did not complete)", fontsize=11)
-    figure.tight_layout()
+    if bottom is not None and curves is not None:
+        _curves(bottom.subplots(), curves, varying_overrides(rows), rows)
+    top.suptitle(f"ds_exp sweep: {len(rows)} jobs (green: best; red: did not complete)", fontsize=11)
+    if bottom is None:
+        figure.tight_layout()
+    else:
+        top.subplots_adjust(left=0.2, right=0.98, top=1 - 0.55 / bars_height, bottom=0.4 / bars_height, wspace=0.15)
+        bottom.subplots_adjust(left=0.2, right=0.98, top=0.92, bottom=0.14)
     out = io.BytesIO()
     figure.savefig(out, format="png", dpi=100)
     write_bytes_atomic(path, out.getvalue())
@@ -120,6 +158,19 @@ def _bars(ax: Any, panel: Panel, rows: list[dict[str, Any]], positions: list[int
     ax.set_title(panel.title, fontsize=9)
     ax.margins(x=0.18)
     ax.grid(axis="x", alpha=0.3)
+
+
+def _curves(ax: Any, curves: list[Curve], varying: list[str], rows: list[dict[str, Any]]) -> None:
+    """Every job's train loss by step on one axis, a line per job named as its bars are."""
+    for curve, label, row in zip(curves, varying, rows, strict=True):
+        if curve:
+            steps, losses = zip(*curve, strict=True)
+            style = {"marker": "o", "markersize": 3} if len(steps) < 30 else {}
+            ax.plot(steps, losses, linewidth=1.2, label=f"{row['job']}: {label}"[:60], **style)
+    ax.set_title("train loss by optimizer step", fontsize=9)
+    ax.set_xlabel("optimizer step", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right", ncol=1 + len(rows) // 10)
 
 
 def _shown(value: float | None) -> str:

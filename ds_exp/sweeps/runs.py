@@ -4,9 +4,10 @@
     python -m ds_exp.report outputs/multirun/default/<time>   a sweep: its report (ds_exp/sweeps/report.py)
 
 A run is a directory where Hydra saved `.hydra/overrides.yaml`: a single run or a sweep's job. Each line says its
-status (summary.json's; `running` while a live process holds its lock; `no summary` when it was killed before
-writing one), its steps out of its total, its final evaluation and its overrides. Nothing is written: a listing
-reads only. A sweep directory given itself gets its sweep report written, as at the end of the sweep.
+status (summary.json's; `running` while a live process holds its lock; `dry run` for a plan, dry_run=true; `no
+summary` when it was killed before writing one), its steps out of its total, its final evaluation and its
+overrides. Nothing is written: a listing reads only. A sweep directory given itself gets its sweep report
+written, as at the end of the sweep.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import entry_point
 from ds_exp.launch.flags import FlagParser, path
 from ds_exp.launch.lock import live_holder
-from ds_exp.sweeps.report import Damaged, job_dirs, read_job_summary, read_overrides, write_report
+from ds_exp.sweeps.report import DRY_RUN, PLAN, Damaged, job_dirs, read_job_summary, read_overrides, write_report
 
 # What a run holds that is not another run: never looked into (a checkpoint directory alone can hold thousands)
 _NOT_RUNS = {".hydra", "checkpoints", "logs", "wandb", "tensorboard", "mlartifacts", "attempts", "plots"}
@@ -55,7 +56,8 @@ def run_line(run_dir: Path, root: Path) -> dict[str, str]:
     path = run_dir / "summary.json"
     if not path.is_file():
         holder = live_holder(run_dir)
-        row["status"] = f"running ({holder})" if holder else "no summary (killed, or never started)"
+        never = DRY_RUN if (run_dir / PLAN).is_file() else "no summary (killed, or never started)"
+        row["status"] = f"running ({holder})" if holder else never
         return row
     try:
         summary = read_job_summary(path)
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if is_sweep(args.directory):  # its report, as at the end of the sweep
         rows = write_report(args.directory)
-        return 0 if all(row["status"] == RunStatus.COMPLETED for row in rows) else 1
+        return 0 if all(row["status"] in (RunStatus.COMPLETED, DRY_RUN) for row in rows) else 1
     runs = find_runs(args.directory)
     if not runs:
         print(

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from optuna.trial import TrialState
 
 from ds_exp.core.errors import first_line
@@ -44,7 +45,9 @@ def _slice_png(study: Study, objective: str) -> bytes:
 
     matplotlib.use("Agg")  # the sweeper's own process: nothing is shown, the picture is a file
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.collections import PathCollection
+    from matplotlib.colors import ListedColormap
+    from matplotlib.ticker import MaxNLocator, NullFormatter
     from optuna.visualization.matplotlib import plot_slice
 
     with warnings.catch_warnings(), plt.rc_context():  # plot_slice sets pyplot's ggplot style: not for later plots
@@ -58,6 +61,13 @@ def _slice_png(study: Study, objective: str) -> bytes:
             figure.suptitle(title, fontsize=11)
             if len(axes) == 1:
                 axes[0].set_title("")  # plot_slice's "Slice Plot": the title above says what it is
+            # plot_slice colours trial 0 white (Blues' first colour) on ggplot's grey: Blues from its mid-light blue on
+            trials = ListedColormap(matplotlib.colormaps["Blues"](np.linspace(0.4, 1.0, 256)))
+            for points in (c for ax in figure.axes for c in ax.collections if isinstance(c, PathCollection)):
+                points.set_cmap(trials)
+                points.set_edgecolor("0.25")
+            for colorbar in figure.axes[len(axes) :]:  # trial numbers, not 0.5 of a trial
+                colorbar.yaxis.set_major_locator(MaxNLocator(integer=True))
             for ax in axes:
                 ax.tick_params(axis="x", labelrotation=30)
                 if ax.get_xscale() == "log":  # a log-scaled parameter (optimizer.lr): decades only, no crowding

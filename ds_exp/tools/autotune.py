@@ -32,6 +32,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
+from ds_exp.config.ds_config import log_interval
 from ds_exp.config.file_overrides import IgnoredOverride
 from ds_exp.config.memory_plan import human_bytes, run_estimate
 from ds_exp.config.plan import RunPlan, plan_run
@@ -219,7 +220,8 @@ class Autotune(Sweeper):
         the metric lines after its warm-up step (report.probe_speed): a line closes every train.log_every steps,
         and the first one holds the warm-up, so a probe needs more steps than that. (train.max_steps=-1: the
         epoch's steps, known only once the data is read; the report says so if they are too few.)"""
-        steps, every = int(cfg.train.max_steps), int(cfg.train.log_every)
+        steps = int(cfg.train.max_steps)
+        every = log_interval(cfg.train, steps)
         if steps == -1 or steps > max(every, WARMUP_STEPS):
             return None
         return (

@@ -45,7 +45,7 @@ from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.runtime.device import resolved_precision
 
 
-def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> dict[str, Any]:
     launch = detect_launch(cfg.dist)
     accelerator = detect_accelerator()
     precision = resolved_precision(cfg.precision.dtype, accelerator)
@@ -61,7 +61,7 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     plan = plan_run(
         cfg,
         world_size=launch.world_size,
-        train_examples=count_train_examples(cfg.data),
+        train_examples=count_train_examples(cfg.data) if train_examples is None else train_examples,
         hidden_size=hidden,
         precision=precision,
         run_dir=run_dir,
@@ -105,6 +105,7 @@ def make_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "parameters": counts.total,
         "trainable_parameters": counts.trainable,
         "lora_targets": len(counts.lora_targets),
+        "lora_targets_by_part": counts.lora_parts,  # a vision-language model: how many in each tower
         "train_examples": plan.train_examples,
         "global_batch_size": plan.global_batch_size,
         "total_steps": plan.total_steps,
@@ -127,8 +128,10 @@ def arch_note(cfg: Config) -> str:
     )
 
 
-def dry_run(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    plan = make_plan(cfg, run_dir)
+def dry_run(cfg: Config, run_dir: Path, train_examples: int | None = None) -> dict[str, Any]:
+    """`train_examples`: what the data holds, when the caller counted it before heavy work (the CLI); else counted
+    here (ds_exp.data.pipeline.count_train_examples)."""
+    plan = make_plan(cfg, run_dir, train_examples)
     if detect_launch(cfg.dist).is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run_dir / "ds_config.json", redact(plan["ds_config"]))
@@ -154,7 +157,7 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
         )
         + ")",
         f"  params     {plan['parameters']:,} total, {plan['trainable_parameters']:,} trainable"
-        + (f" ({plan['lora_targets']} LoRA layers)" if plan["lora_targets"] else ""),
+        + (f" ({plan['lora_targets']} LoRA layers{_by_part(plan)})" if plan["lora_targets"] else ""),
         f"  data       {plan['train_examples']:,} train examples, global batch {plan['global_batch_size']}, "
         f"{plan['total_steps']:,} optimizer steps",
         f"  ZeRO {plan['zero_stage']}     per rank: params {human_bytes(mem['params_bytes'])}, grads "
@@ -173,6 +176,12 @@ def format_plan(plan: dict[str, Any], run_dir: Path) -> str:
             f"model.gradient_checkpointing={str(checkpointing).lower()}"
         )
     return "\n".join(lines)
+
+
+def _by_part(plan: dict[str, Any]) -> str:
+    """`: 238 in model.language_model, 0 in model.vision_tower` for a model of several towers."""
+    parts = plan.get("lora_targets_by_part") or {}
+    return ": " + ", ".join(f"{count} in {part}" for part, count in parts.items()) if parts else ""
 
 
 def _on(value: object) -> str:

@@ -49,7 +49,7 @@ from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from ds_exp.config.override_checks import quote_one_value_lists
+from ds_exp.config.override_checks import composition_problem, quote_one_value_lists
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.secrets import redact_text, register_secrets
 from ds_exp.core import compat
@@ -60,7 +60,6 @@ from ds_exp.launch.environment import launched_with_several_ranks
 from ds_exp.launch.lock import release_run_dir
 from ds_exp.launch.run_dir import check_run_start
 from ds_exp.launch.run_logging import hold_library_logs
-from ds_exp.runtime.process_group import release_process_groups
 
 # what a launch exports for torch.distributed's env:// rendezvous (ds_exp.launch.environment.export_launch_env)
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -77,7 +76,7 @@ def train(overrides: Sequence[str] = ()) -> dict[str, Any]:
     except (HydraException, OmegaConfBaseException) as err:  # a key or value Hydra refused while composing
         if full_error():
             raise
-        raise ConfigError(_told_lines(err)) from None
+        raise ConfigError(redact_text(composition_problem(err))) from None
 
 
 def _arguments(overrides: Sequence[str]) -> list[str]:
@@ -134,6 +133,9 @@ def _train(args: list[str]) -> dict[str, Any]:
 @contextmanager
 def _as_it_was() -> Iterator[None]:
     """The process as it was before the run: no process group of the run's, the logging and launch variables."""
+    # it imports DeepSpeed, which logs on import: here, once hold_library_logs keeps that for the run's log file
+    from ds_exp.runtime.process_group import release_process_groups
+
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     launch = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
@@ -168,11 +170,3 @@ def _told(err: DsExpError) -> DsExpError:
     if isinstance(err, ConfigError):
         err.problems = [redact_text(p) for p in err.problems]
     return err.with_traceback(None)
-
-
-def _told_lines(err: Exception) -> list[str]:
-    """Hydra's message and OmegaConf's behind it, as the command line prints them (ds_exp.launch.console)."""
-    lines = [*str(err).splitlines()]
-    if isinstance(err.__cause__, OmegaConfBaseException):
-        lines += str(err.__cause__).splitlines()
-    return [redact_text(line) for line in lines if line.strip()] or [type(err).__name__]

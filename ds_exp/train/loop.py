@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from ds_exp.artifacts.loss_plot import LossPlot
 from ds_exp.checkpoint.checkpointer import Checkpointer
+from ds_exp.config.ds_config import log_interval
 from ds_exp.config.plan import eval_interval
 from ds_exp.config.schema import EvalConfig, TrainConfig, plain
 from ds_exp.core.errors import Diverged
@@ -77,6 +78,7 @@ class Loop:
         )
         self.schedule = str(plain(work.schedule_name))
         self.eval_every = eval_interval(train_cfg, work.steps_per_epoch, work.total_steps)  # 0: after each epoch
+        self.log_every = log_interval(train_cfg, work.total_steps)
         self.bad_steps = 0
         self.last_loss: torch.Tensor | float | None = None
         self.last_labels = 0.0  # the last step's label tokens over the global batch
@@ -126,7 +128,7 @@ class Loop:
             self.report_non_finite(progress.step - 1)
         if self.work.metric_scheduler is not None and self.schedule == "greedy":
             self.work.metric_scheduler.step(self.global_loss(result))
-        if progress.step % train_cfg.log_every == 0 or progress.step == self.work.total_steps:
+        if progress.step % self.log_every == 0 or progress.step == self.work.total_steps:
             self.metrics.close(self.line_fields())
         if self.eval_every and progress.step % self.eval_every == 0:
             self.evaluate()

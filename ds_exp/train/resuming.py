@@ -69,6 +69,7 @@ def resume(cfg: Config, session: Session, work: Workload, hooks: RunHooks) -> Tr
         if session.is_main:
             log.warning("resume: %s", change)
     session.state.resumed_from, session.state.initial_eval = str(tag_dir), state.initial_eval
+    session.state.start_step = state.step
     if state.step >= work.total_steps:
         # a checkpoint at the last step is not a finished run: one killed just after saving it, or resumed with
         # a train.max_steps lowered to it, still owes its final evaluation, export and summary

@@ -29,7 +29,7 @@ class OptunaSweeper(Sweeper):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         missing = STUDY.missing_package("hydra/sweeper")
         if missing is not None:  # before Hydra launches anything; its instantiate would wrap an exception
-            report_user_error(ConfigError(missing), traceback_hint=False)
+            report_user_error(ConfigError(missing))
             raise SystemExit(ConfigError.exit_code)
         return STUDY.load_builder()(*args, **kwargs)
 

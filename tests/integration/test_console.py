@@ -159,17 +159,20 @@ def test_a_refusal_every_rank_hits_is_one_line(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-def test_tokenizing_shows_its_bar_and_not_the_saving_one(tmp_path, capfd, compose_cfg):
-    """The data pipeline's bars say what it does (tokenizing); datasets' "Saving the dataset" is not one."""
+def test_tokenizing_shows_a_bar_for_a_large_set_only_and_not_the_saving_one(tmp_path, capfd, compose_cfg, monkeypatch):
+    """The data pipeline's bars say what it does (tokenizing) where that takes a while; a set that tokenizes in a
+    blink (the default's 200 eval rows) draws no bar between ds_exp's lines; datasets' "Saving the dataset" never."""
+    from ds_exp.data import encode
     from ds_exp.data.pipeline import prepare_sft_data
     from ds_exp.model.tokenizer import load_tokenizer
 
+    monkeypatch.setattr(encode, "BAR_MIN_ROWS", 30)  # 40 train rows "large", 8 eval rows small
     cfg = compose_cfg("data.synthetic.num_train=40", "data.synthetic.num_eval=8", f"data.cache_dir={tmp_path}")
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     data = prepare_sft_data(cfg.data, tokenizer, seed=0)
     assert not data.stats["cache_hit"]
     err = capfd.readouterr().err
-    assert "Tokenizing train" in err and "Saving the dataset" not in err
+    assert "Tokenizing train" in err and "Tokenizing eval" not in err and "Saving the dataset" not in err
 
 
 def test_the_sweep_plot_keeps_matplotlib_off_the_console(tmp_path):

@@ -43,7 +43,7 @@ FILES: dict[str, str | bytes] = {
 # how many ranks each launcher line starts (the in-process run sees them as an env launch of that world size)
 RANKS = [
     re.compile(r"^launchers/(?:torchrun|deepspeed|mpirun)\.sh (\d+) (.*)$"),
-    re.compile(r"^torchrun --nproc_per_node (\d+) -m ds_exp(.*)$"),
+    re.compile(r"^(?:python -m ds_exp.tools.)?torchrun --nproc_per_node (\d+) -m ds_exp(.*)$"),
     re.compile(r"^deepspeed --num_gpus (\d+) --module ds_exp(.*)$"),
     re.compile(r"^mpirun -np (\d+) .*?python -m ds_exp(.*)$"),
 ]

@@ -157,6 +157,9 @@ def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path, cache_dir):
     assert again.ok, again.explain()
     assert again.summary["resumed_from"].endswith("step4")
     assert [r["step"] for r in again.records("train")][-4:] == [5, 6, 7, 8]
+    # the final line counts this attempt's steps, which its time is of (issue 41 §10)
+    final = again.proc.stdout.splitlines()[-1]
+    assert final.startswith("ds_exp: completed 4 steps (5-8, resumed at step 4) in "), final
 
 
 def test_resume_from_a_directory_without_checkpoints_is_an_error(tmp_path, cache_dir):

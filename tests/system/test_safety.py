@@ -348,7 +348,7 @@ def test_a_finished_run_whose_lock_is_a_directory_is_refused_and_changes_nothing
 
     run_dir = tmp_path / "run"
     shutil.copytree(finished.run_dir, run_dir)
-    (run_dir / ".ds_exp.lock").unlink()
+    assert not (run_dir / ".ds_exp.lock").exists()  # the run ended: its lock file went with it
     (run_dir / ".ds_exp.lock").mkdir()
     before = checksums(run_dir)
     again = launch(run_dir, *SAVED, "resume=auto", "train.max_steps=12", cache_dir=cache_dir, cwd=tmp_path)

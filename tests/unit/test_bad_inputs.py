@@ -12,8 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.bad_inputs import CASES, REAL_PATH, REFUSED_BY_THE_RUN, Case, message_of, run_case, run_case_in_process
-from tests.training import REPO
+from tests.bad_inputs import (
+    CASES,
+    REAL_PATH,
+    REFUSED_BY_THE_RUN,
+    Case,
+    message_of,
+    prepare,
+    run_case,
+    run_case_in_process,
+)
+from tests.training import REPO, user_env
+from tests.zygote import run_python
 
 KINDS = {"config value", "combination", "path", "DeepSpeed JSON", "data row", "launch", "sweep"}
 
@@ -72,3 +82,14 @@ def attempts_left(case: Case, tmp: Path) -> list[str]:
     given = {Path(name).parts[0] for name in case.files} | {Path(name).parts[0] for name in case.links}
     found = {p.parent for pattern in (".hydra", ".ds_exp.lock") for p in tmp.rglob(pattern)}
     return sorted(str(d.relative_to(tmp)) for d in found if d.relative_to(tmp).parts[0] not in given)
+
+
+def test_a_bad_data_row_is_refused_before_torch_and_deepspeed_load(tmp_path):
+    """The data's rows are read with the config's checks (issue 41 §5): a bad row is refused in seconds, where the
+    imports of torch, DeepSpeed and transformers took a minute under load before it."""
+    args, env = prepare(next(case for case in CASES if case.id == "conversation without an answer"), tmp_path)
+    proc = run_python(["-X", "importtime", "-m", "ds_exp", *args], cwd=tmp_path, env={**user_env(), **env}, fresh=True)
+    imported = {line.rpartition("|")[2].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and said[-1].startswith("ds_exp: error: data.sources[0]: "), said
+    assert "datasets" in imported and not imported & {"torch", "deepspeed", "transformers"}

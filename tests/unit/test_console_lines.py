@@ -131,6 +131,9 @@ def test_the_final_line_says_compile_load_and_train_apart(tmp_path, monkeypatch)
         r"\d+\.\d s\); eval perplexity n/a -> n/a; run directory run$",
         line,
     ), line
+    # a resume: the steps this attempt trained, which its time is of, not the earlier attempt's too
+    summary.update(steps=250, start_step=200)
+    assert final_line(summary).startswith("ds_exp: completed 50 steps (201-250, resumed at step 200) in 3m ")
     warm = {"total": 21.0, "compile": 0.2, "load": 5.0, "train": 14.0, "evaluate_and_save": 1.8}
     assert time_parts(warm) == "21.0 s (load 5.0 s, train 14.0 s, evaluate and save 1.8 s)"
 
@@ -183,7 +186,7 @@ def test_resume_auto_without_a_run_directory_names_the_runs_that_can_continue(tm
 
 def test_report_lists_the_runs_of_a_tree_apart(tmp_path, capsys):
     """`python -m ds_exp.report outputs/`: each run (single runs and sweep jobs) with its status, steps, final eval
-    and overrides; one killed before its summary says so; nothing is written."""
+    and overrides; one killed before its summary says so, a dry run that it is one; nothing is written."""
 
     def run(path: str, overrides: list[str], summary: dict | None) -> None:
         (tmp_path / path / ".hydra").mkdir(parents=True)
@@ -196,6 +199,8 @@ def test_report_lists_the_runs_of_a_tree_apart(tmp_path, capsys):
     run("default/2026-01-01_10-00-00", [], done)
     run("default/2026-01-01_11-00-00", ["lora.dim=8"], {"status": "stopped", "steps": 40, "total_steps": 250})
     run("default/2026-01-01_12-00-00", ["zero=stage3"], None)
+    run("default/2026-01-01_13-00-00", ["dry_run=true"], None)
+    (tmp_path / "default/2026-01-01_13-00-00/plan.json").write_text("{}")  # what a dry run leaves
     run("multirun/default/2026-01-02_10-00-00/0", ["zero=stage2"], done)
     before = sorted(tmp_path.rglob("*"))
     assert runs.main([str(tmp_path)]) == 0
@@ -206,10 +211,11 @@ def test_report_lists_the_runs_of_a_tree_apart(tmp_path, capsys):
         ["default/2026-01-01_10-00-00", "completed", "250/250"],
         ["default/2026-01-01_11-00-00", "stopped", "40/250"],
         ["default/2026-01-01_12-00-00", "no", "summary"],
+        ["default/2026-01-01_13-00-00", "dry", "run"],
         ["multirun/default/2026-01-02_10-00-00/0", "completed", "250/250"],
     ]
     assert lines[1].endswith("loss 1.3590, ppl 3.893  (defaults)") and lines[2].endswith("lora.dim=8")
-    assert lines[4].endswith("zero=stage2")
+    assert lines[5].endswith("zero=stage2")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert runs.main([str(empty)]) == 2

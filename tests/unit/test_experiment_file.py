@@ -127,8 +127,9 @@ def test_the_written_file_composes_to_the_command_lines_config(args, tmp_path, m
             assert {f"override /{key}": option} in body["defaults"]
     if "eval" in body:  # values are YAML: a list is a list, the quoted string plain
         assert body["eval"]["prompts"] == ["hello world", "a, b"] and body["data"]["data_split"] == "10,0,0"
-    if "experiment=dschat_step1" in args:  # an item of a list: the whole list, as composed
-        assert body["data"]["sources"][0]["path"] == "/data/dschat" and body["data"]["sources"][0]["format"] == "dschat"
+    if "experiment=dschat_step1" in args:  # an item of a list: the whole list, each item what differs from a source's
+        # defaults (issue 41 §10: not DataSource's 11 fields)
+        assert body["data"]["sources"] == [{"path": "/data/dschat", "format": "dschat", "layout": "prompt_chosen"}]
 
 
 def test_sweeps_go_under_hydra_sweeper_params(tmp_path, monkeypatch, capsys):

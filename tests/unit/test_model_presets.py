@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ds_exp.config.model_checks import arch_problems
 from ds_exp.config.paths import conf_dir
@@ -45,6 +46,12 @@ PUBLISHED: dict[str, int | str] = {
     "smollm2-360m": 361_821_120,
     "smollm2-1.7b": 1_711_376_384,
 }
+# presets of a vision-language model (a vision tower beside the language model, as AutoModelForCausalLM loads it)
+VISION_LANGUAGE = [
+    preset
+    for preset in PRESETS
+    if "vision_config" in (yaml.safe_load((conf_dir() / "model" / f"{preset}.yaml").read_text())["arch"] or {})
+]
 # Qwen3's cards give the count without the embedding (and the output layer where it is not tied) too: finer
 PUBLISHED_NON_EMBEDDING = {"qwen3-0.6b": "0.44B", "qwen3-1.7b": "1.4B", "qwen3-4b": "3.6B", "qwen3-8b": "6.95B"}
 
@@ -106,3 +113,21 @@ def test_the_readme_lists_every_model_preset():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     listed = set(re.findall(r"^\| `model=([\w.-]+)`", readme, flags=re.M))
     assert listed == set(PRESETS) - POINTED_BY_HAND, sorted(listed ^ (set(PRESETS) - POINTED_BY_HAND))
+
+
+@pytest.mark.parametrize("preset", VISION_LANGUAGE)
+def test_a_vision_language_preset_adapts_its_language_model_and_the_dry_run_says_so(
+    preset, compose_cfg, no_hub, tmp_path, capsys
+):
+    """(issue 41 §7) Text rows train the language model: LoRA's default scope there (model.lora_scope), not in the
+    vision tower too (gemma-3-4b's SigLIP: 162 adapters more); the dry run counts the adapted layers of each tower,
+    and lora.module_name=layers. still adapts both when asked."""
+    plan = dry_run(compose_cfg(f"model={preset}", "lora.dim=8", "dry_run=true"), tmp_path / "run")
+    parts = plan["lora_targets_by_part"]
+    vision, language = ([part for part in parts if kind in part] for kind in ("vision", "language"))
+    assert vision and language and sum(parts.values()) == plan["lora_targets"], parts
+    assert all(parts[part] == 0 for part in vision) and all(parts[part] > 0 for part in language), parts
+    shown = capsys.readouterr().out
+    assert f"({plan['lora_targets']} LoRA layers: " in shown and f"0 in {vision[0]}" in shown, shown
+    both = dry_run(compose_cfg(f"model={preset}", "lora.dim=8", "lora.module_name=layers.", "dry_run=true"), tmp_path)
+    assert all(count > 0 for count in both["lora_targets_by_part"].values()), both["lora_targets_by_part"]

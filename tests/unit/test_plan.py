@@ -7,6 +7,7 @@ import pytest
 
 from bench.memory_probe import prepare
 from ds_exp.config.plan import plan_run
+from ds_exp.data.pipeline import count_train_examples
 from ds_exp.tools.autotune import Autotune
 from ds_exp.tools.dry_run import make_plan
 
@@ -33,7 +34,7 @@ def sequence_parallel(compose_cfg, cache_dir, monkeypatch):
 
 def test_every_caller_plans_a_sequence_parallel_run_alike(sequence_parallel, tmp_path):
     cfg = sequence_parallel
-    dry = make_plan(cfg, tmp_path)  # the dry run
+    dry = make_plan(cfg, tmp_path, count_train_examples(cfg.data))  # the dry run, with what the CLI counted
     # the recipe's inputs: the tokenized set, the model config's hidden size (the bench makes them the same way)
     _, data, bench = prepare(cfg, WORLD, dry["precision"], str(tmp_path))
     recipe = plan_run(

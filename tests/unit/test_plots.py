@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from pathlib import Path
 
 import optuna
+import pytest
 import yaml
 
-from ds_exp.artifacts.loss_plot import PLOT, LossPlot
+from ds_exp.artifacts.loss_plot import PLOT, Curves, LossPlot, figure
+from ds_exp.config.ds_config import log_interval
 from ds_exp.sweeps.report import write_report
-from ds_exp.sweeps.report_plot import judged_by, varying_overrides
+from ds_exp.sweeps.report_plot import judged_by, plot, train_curve, varying_overrides
 from ds_exp.sweeps.study_files import STUDY_PLOT, study_section
 from ds_exp.sweeps.study_trials import write_study
 
@@ -75,6 +78,33 @@ def test_the_loss_plot_draws_what_metrics_jsonl_holds(tmp_path, caplog):
     assert not list(broken.glob("plots*.tmp")) and not list(broken.rglob(".*.tmp"))
 
 
+def test_a_short_run_draws_a_curve_its_evaluations_as_points_and_an_honest_lr_axis(compose_cfg):
+    """(issue 41 §2) A 10-step run logs every step (about 50 lines a run unless train.log_every is set), so its
+    picture is a curve, not a lone dot; its two evaluations are points with their values, not a diagonal; a
+    constant learning rate is a flat line on an axis from 0, not the middle of one from -0.04 to 0.04."""
+    train = compose_cfg().train
+    assert (log_interval(train, 10), log_interval(train, 250), log_interval(train, 1000)) == (1, 5, 20)
+    assert log_interval(compose_cfg("train.log_every=10").train, 12) == 10
+    curves = Curves()
+    for step in range(1, 11):
+        curves.add({"type": "train", "step": step, "loss": 3 - step / 10, "lr": 2e-5})
+    for step, loss in ((0, 3.2), (10, 2.1)):
+        curves.add({"type": "eval", "step": step, "eval_loss": loss})
+    loss_axis, lr_axis = figure(curves, "run").axes
+    train_line, eval_points = loss_axis.get_lines()
+    assert (train_line.get_marker(), train_line.get_linestyle()) == ("o", "-")  # each of 10 points, on its line
+    assert (eval_points.get_marker(), eval_points.get_linestyle()) == ("o", "None")
+    assert [text.get_text() for text in loss_axis.texts] == ["3.200", "2.100"]
+    assert lr_axis.get_ylim() == pytest.approx((0, 2e-5 * 1.08))
+    long = Curves(train=[(step, 1.0) for step in range(1, 51)])  # the default run's 50 lines: a line alone
+    (line,) = figure(long, "run").axes[0].get_lines()
+    assert (line.get_marker(), line.get_linestyle()) == ("None", "-")
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    return struct.unpack(">II", path.read_bytes()[16:24])  # the IHDR chunk: width, height
+
+
 def job(sweep: Path, number: int, overrides: list[str], summary: dict | None) -> Path:
     directory = sweep / str(number)
     (directory / ".hydra").mkdir(parents=True)
@@ -96,13 +126,28 @@ def completed(eval_loss: float | None, tokens_per_s: float) -> dict:
     }
 
 
-def test_the_sweep_report_plots_eval_loss_per_job_labelled_by_what_differs(tmp_path):
+def test_the_sweep_report_plots_eval_loss_per_job_labelled_by_what_differs(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     job(sweep, 0, ["optimizer.lr=0.0006646813937221444", "zero=stage2", "train.max_steps=8"], completed(3.5, 900.0))
     job(sweep, 1, ["optimizer.lr=3e-4", "zero=stage3", "train.max_steps=8"], completed(3.2, 800.0))
     job(sweep, 2, ["optimizer.lr=1e-2", "zero=stage3", "train.max_steps=8"], {"status": "failed", "error": "oom"})
+    for number, losses in enumerate(([6.0, 4.0, 3.5], [6.0, 5.0, 3.2], [6.0, None])):
+        train = [{"type": "train", "step": step, "loss": loss} for step, loss in enumerate(losses, 1)]
+        lines(sweep / str(number) / "metrics.jsonl", *train, {"type": "eval", "step": 3, "eval_loss": 1.0})
     rows = write_report(sweep)
     assert (sweep / "report.png").read_bytes().startswith(PNG)
+    # the console's table: the picture's columns, fit for a terminal; every column stays in report.csv (§9)
+    assert capsys.readouterr().out.splitlines()[1:5] == [
+        "job  status     eval loss  tokens/s  peak MiB/rank  overrides that differ",
+        "0    completed  3.5        900       1024           optimizer.lr=0.0006647 zero=stage2",
+        "1    completed  3.2        800       1024           optimizer.lr=3e-4 zero=stage3",
+        "2    failed                                         optimizer.lr=1e-2 zero=stage3  (oom)",
+    ]
+    assert len((sweep / "report.csv").read_text().splitlines()[0].split(",")) >= 18
+    # the jobs' train loss curves overlaid below the bars (issue 41 §2): a diverged step is a gap
+    assert train_curve(sweep / "0") == [(1, 6.0), (2, 4.0), (3, 3.5)] and train_curve(sweep / "2")[1][1] != 6.0
+    plot(rows, tmp_path / "bars.png", sweep)  # without the curves
+    assert png_size(sweep / "report.png")[1] >= png_size(tmp_path / "bars.png")[1] + 350
     assert [r["eval_loss"] for r in rows] == [3.5, 3.2, None]  # the report's own column too
     # only the overrides that differ, a drawn number to 4 digits: labels a person reads
     assert varying_overrides(rows) == ["optimizer.lr=0.0006647 zero=stage2", "optimizer.lr=3e-4 zero=stage3",
@@ -133,6 +178,12 @@ def test_a_study_plots_its_objective_against_each_searched_parameter(tmp_path):
         study.tell(trial, value)
     write_study(sweep, study, identity, 3)
     assert (sweep / STUDY_PLOT).read_bytes().startswith(PNG)
+    # trial 0 is drawn in a blue that shows on the grey, not in Blues' first colour, white (issue 41 §10)
+    import matplotlib
+    from matplotlib.image import imread
+
+    pixels, white_blue = imread(sweep / STUDY_PLOT)[..., :3], matplotlib.colormaps["Blues"](0.0)[:3]
+    assert not (abs(pixels - white_blue) < 0.01).all(axis=-1).any()
     assert f"]({STUDY_PLOT})" in (study_section(sweep) or "")
     panel = judged_by(write_report(sweep), sweep)  # the report's picture is judged by the study's objective
     assert (panel.title, panel.values, panel.lower_is_better) == ("tokens_per_s (maximize)", [900.0, 1200.0, 1000.0],

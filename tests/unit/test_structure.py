@@ -39,13 +39,17 @@ IMPORTED_WHERE_USED = {
     "matplotlib": "only where a picture is drawn: a run's plots/loss.png, the sweep report's, the study's, the "
     "harness chart (its import costs a second and logs on first use)",
     "optuna.visualization": "the study's picture (ds_exp/sweeps/study_plot.py): imports matplotlib's pyplot",
+    "ds_exp.runtime.process_group": "the Python API: DeepSpeed, which it imports, logs on import; imported once "
+    "hold_library_logs keeps that for the run's log file (not on the user's console)",
     "ds_exp.train.api": "the callable package ds_exp.train (from ds_exp import train): the training stack loads on the "
     "first call, not with every module of the package",
     "lm_eval": "optional extra (pip install -e .[eval]): only where lm-eval tasks are checked or scored",
     "psutil": "only for autotune's host-memory budget",
     "detect_secrets": "its package imports requests (0.2 s): loaded on the first text long enough to hold a token, "
     "never by --help",
-    "ds_exp.data.pipeline": "autotune: datasets reserves ~1 GB of address space, first it starves a memory limit",
+    "ds_exp.data.pipeline": "where data is read: the CLI's job, past validation (datasets takes seconds to import, "
+    "which --help and --cfg job do without); autotune: datasets reserves ~1 GB of address space, first it starves a "
+    "memory limit",
     "ds_exp.train.recipe": "the CLI's one upward import (see UPWARD)",
     "ds_exp.tools.dry_run": "the CLI's one upward import (see UPWARD)",
     "ds_exp.exports.writer": "python -m ds_exp.export: --help and every refusal answer before torch is imported",

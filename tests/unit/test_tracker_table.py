@@ -128,3 +128,25 @@ def test_a_package_left_out_of_the_install_is_one_line_naming_its_extra(tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("ds_exp: error: "), proc.stderr
     assert sorted([lines[0].removeprefix("ds_exp: error: "), *lines[1:]]) == sorted(expected), proc.stderr
+
+
+def test_an_mlflow_run_says_how_to_look_at_it_and_what_to_install_for_that(monkeypatch):
+    """`.[mlflow]` logs through mlflow-skinny, whose `mlflow ui` fails with flask's ImportError: the run's line
+    names the command, and `pip install mlflow` first where only the extra is installed (issue 41 §6)."""
+    import importlib.metadata
+
+    from ds_exp.artifacts.trackers.mlflow import viewer_line
+
+    def only(installed: set[str]):
+        def distribution(name: str) -> object:
+            if name not in installed:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return object()
+
+        return distribution
+
+    store = "sqlite:////home/me/outputs/mlflow.db"
+    monkeypatch.setattr(importlib.metadata, "distribution", only({"mlflow-skinny"}))
+    assert viewer_line(store) == f"; to look at it: pip install mlflow, then mlflow ui --backend-store-uri {store}"
+    monkeypatch.setattr(importlib.metadata, "distribution", only({"mlflow-skinny", "mlflow"}))
+    assert viewer_line(store) == f"; to look at it: mlflow ui --backend-store-uri {store}"

@@ -5,7 +5,8 @@ multirun in one process never share one.
   directory the run was launched from (Hydra's runtime.cwd, where outputs/ holds every run, sweep and study of
   the project), with artifacts in outputs/mlartifacts: every run of the project in one store, comparable side by
   side (MLflow's experiments keep experiment_name apart). `mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db`
-  there shows them (the UI is in the full `mlflow` package; mlflow-skinny logs only). MLflow 3 refuses its old
+  there shows them (the UI is in the full `mlflow` package; mlflow-skinny logs only): the run's `mlflow:` line
+  says so (viewer_line). MLflow 3 refuses its old
   ./mlruns file store unless MLFLOW_ALLOW_FILE_STORE=true.
 * Runs at once (a sweep's jobs, two terminals): a SQLite store is opened by one process at a time (`store_opened`:
   MLflow creates its tables on first use, and two processes doing that at once fail); then SQLite's own locking
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.metadata
 import logging
 import os
 import re
@@ -137,6 +139,17 @@ def flatten(tree: object, prefix: str = "") -> dict[str, str]:
     return {_KEY_CHARS.sub("_", prefix)[:MAX_KEY]: value[:MAX_PARAM_VALUE]}
 
 
+def viewer_line(store: str) -> str:
+    """How to look at a local store's runs: MLflow's UI, which only the full `mlflow` package serves (the extra's
+    mlflow-skinny logs; its `mlflow ui` fails with an ImportError of flask)."""
+    try:
+        importlib.metadata.distribution("mlflow")
+        install = ""
+    except importlib.metadata.PackageNotFoundError:
+        install = "pip install mlflow, then "
+    return f"; to look at it: {install}mlflow ui --backend-store-uri {store}"
+
+
 class _ToRunLog(logging.Handler):
     """MLflow's and alembic's chatter (database migrations, ...) goes to the rank's log file, not the console."""
 
@@ -188,7 +201,7 @@ class MlflowRun(Tracker):
                 f"logger.mlflow: MLflow refused the tracking store {shown} ({first}); fix "
                 "logger.mlflow.tracking_uri (null = the project's outputs/mlflow.db), or logger.mlflow.enabled=false"
             ) from err
-        log.info("mlflow: run %s in %s", self.run_id, shown)
+        log.info("mlflow: run %s in %s%s", self.run_id, shown, "" if remote else viewer_line(shown))
 
     def _experiment(self, name: str, default_store: Path | None) -> str:
         """The experiment's id, created when missing (the project's store keeps its artifacts beside it)."""

@@ -22,7 +22,13 @@ from ds_exp.core.compat.deepspeed import (
     skip_op,
     zero3_full_state_dict,
 )
-from ds_exp.core.compat.hydra import basic_sweep_jobs, before_overrides, hydra_job_callbacks, on_compose
+from ds_exp.core.compat.hydra import (
+    basic_sweep_jobs,
+    before_overrides,
+    hydra_job_callbacks,
+    on_compose,
+    raise_hydra_errors,
+)
 from ds_exp.core.compat.liger_kernel import apply_liger_kernels
 from ds_exp.core.compat.optuna import optuna_trial_of
 from ds_exp.core.compat.submitit import submitit_requeue_signal
@@ -49,6 +55,7 @@ __all__ = [
     "op_loaded",
     "op_prebuilt",
     "optuna_trial_of",
+    "raise_hydra_errors",
     "read_checkpoints_weights_only",
     "reinit_module",
     "release_sequence_parallel_groups",

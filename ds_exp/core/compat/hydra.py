@@ -107,6 +107,22 @@ def before_overrides(hook: Any) -> None:
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign]
 
 
+def raise_hydra_errors() -> None:
+    """Let Hydra's errors reach the command's error boundary (ds_exp/launch/console.py), which tells them in ds_exp's
+    format (`ds_exp: error: ...`, exit 2), instead of Hydra printing them with its search path and its
+    HYDRA_FULL_ERROR footer and exiting 1. hydra-core 1.3.2-1.3.8: `hydra._internal.utils.run_and_report`, through
+    which `_run_hydra` runs the app, --cfg and a sweep (it raises already under a debugger). If it moves, Hydra's
+    own text comes back (tests/unit/test_bad_inputs.py)."""
+    from hydra._internal import utils
+
+    check_version()
+    utils.run_and_report = _run_and_raise
+
+
+def _run_and_raise(func: Any) -> Any:
+    return func()
+
+
 def hydra_job_callbacks(config: Any) -> Any:
     """The callbacks of a composed config (hydra.callbacks) as hydra.core.utils.run_job calls them (on_job_start,
     on_job_end): ds_exp.train runs its job as Hydra's run mode does (ds_exp/train/api.py).

@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ds_exp.config.batch import data_parallel_size, global_batch_size
 from ds_exp.config.model_checks import model_settings
+from ds_exp.config.override_checks import composition_problem
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, as_dict, register_configs, to_config
@@ -185,16 +186,8 @@ def compose_side(side: Side, forced: list[str]) -> list[str]:
     except DsExpError as err:
         return [f"side {side.name}: {line}" for line in str(err).splitlines()]
     except (HydraException, OmegaConfBaseException) as err:  # unknown key or option, wrong type
-        return [f"side {side.name}: {_composition_message(err)}"]
+        return [f"side {side.name}: {composition_problem(err)}"]
     return []
-
-
-def _composition_message(err: BaseException) -> str:
-    """Hydra's message, with the cause it wraps ("Error merging override zero.stage=three" says no more)."""
-    lines = [first_line(err)]
-    if err.__cause__ is not None and str(err.__cause__):
-        lines.append(first_line(err.__cause__))
-    return ": ".join(lines)
 
 
 def _flat(tree: Any, prefix: str) -> dict[str, Any]:
