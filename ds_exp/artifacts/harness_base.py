@@ -92,7 +92,7 @@ def scored_in_place(cfg: Config, tuned_dir: Path) -> Path | None:
     meta = read_metadata(tuned_dir)
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     rows = int(getattr(config.get_text_config(), "vocab_size", 0) or 0)
-    same = meta.get("vocab_size") == rows and meta.get("dtype") == checkpoint_dtype(cfg)
+    same = meta.get("vocab_size") == rows and meta.get("dtype") == checkpoint_dtype(cfg.model)
     return Path(path).expanduser() if same else None
 
 

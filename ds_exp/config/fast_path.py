@@ -111,4 +111,4 @@ def fast_path_problems(cfg: Config, accelerator: str) -> list[str]:
 
 
 def _logit_transform(cfg: Config) -> str | None:
-    return logits_changed_after_head(model_settings(cfg))
+    return logits_changed_after_head(model_settings(cfg.model))

@@ -129,7 +129,7 @@ def rope_scaling_problems(cfg: Config) -> list[str]:
     problems = rope_field_problems(str(rope_type), scaling)
     if problems:
         return problems
-    settings = model_settings(cfg) or {}
+    settings = model_settings(cfg.model) or {}
     found = position_limit(settings) if settings else None
     if found is not None and found[2] == "learned":
         return [
@@ -186,7 +186,7 @@ def tiling_problems(cfg: Config) -> list[str]:
             "memory, and checkpointing is off: add model.gradient_checkpointing=true"
         )
     if model.tiled_loss:
-        transform = logits_changed_after_head(model_settings(cfg))
+        transform = logits_changed_after_head(model_settings(cfg.model))
         if transform is not None:
             problems.append(
                 f"model.tiled_loss=true: this model changes its logits after lm_head ({transform}), which a loss "

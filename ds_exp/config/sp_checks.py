@@ -106,7 +106,7 @@ def sequence_parallel_problems(cfg: Config, world_size: int | None) -> list[str]
             f"built for one batch size (train.micro_batch_size={train.micro_batch_size}) and evaluation runs through "
             "it; set train.eval_micro_batch_size=null"
         )
-    settings = model_settings(cfg)
+    settings = model_settings(cfg.model)
     if settings:
         text = text_settings(settings)
         where = "model.arch" if cfg.model.name_or_path is None else "its config.json"
@@ -122,7 +122,9 @@ def zero_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
     n = sp_size(cfg)
     zero = ds.get("zero_optimization") or {}
     # an optimizer that needs it off (Muon) has its own line: ds_exp/config/optimizer_checks.py
-    optimizer_set_it = any(path == "zero_optimization.reduce_scatter" for path, *_ in optimizer_needs(cfg, ds))
+    optimizer_set_it = any(
+        path == "zero_optimization.reduce_scatter" for path, *_ in optimizer_needs(cfg.optimizer, ds)
+    )
     if n > 1 and zero.get("stage") == 3 and zero.get("reduce_scatter") is False and not optimizer_set_it:
         return [
             f"zero.reduce_scatter=false with dist.sequence_parallel_size={n} at ZeRO-3: DeepSpeed 0.19.8 averages "

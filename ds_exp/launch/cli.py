@@ -98,7 +98,9 @@ def _run_job(composed: DictConfig, run_dir: Path) -> dict[str, Any]:
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     try:
         cfg = validate_job(composed, overrides, run_dir=run_dir)
-        check_hub(cfg)  # a hub id with no hub to reach: one message now, not transformers' retries
+        check_hub(
+            cfg.model, dry_run=cfg.dry_run
+        )  # a hub id with no hub to reach: one message now, not transformers' retries
     except DsExpError:
         if HydraConfig.initialized() and not in_multirun():
             hydra_cfg = HydraConfig.get()

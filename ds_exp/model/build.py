@@ -100,7 +100,7 @@ class BuiltModel:
 def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict[str, Any]) -> BuiltModel:
     """The model to train. At ZeRO-3, transformers builds it inside deepspeed.zero.Init (each rank holds only
     its shard) because an HfDeepSpeedConfig for the final DeepSpeed config is alive during construction."""
-    config = build_model_config(cfg, tokenizer)
+    config = build_model_config(cfg.model, tokenizer)
     if cfg.model.gradient_checkpointing:
         config.use_cache = False
     zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
@@ -193,8 +193,8 @@ def build_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, ds_config: dict
         lora=lora,
         hf_ds_config=hf_ds_config,
         base_rows=base_rows,
-        base_dtype=checkpoint_dtype(cfg),
-        vocab_size=base_vocab_size(cfg, tokenizer, base_rows),
+        base_dtype=checkpoint_dtype(cfg.model),
+        vocab_size=base_vocab_size(cfg.model, tokenizer, base_rows),
         mpu=mpu,
         loss=loss,
         attention=attention,

@@ -51,11 +51,11 @@ def check_disk_space(
             needs[path], keys[path] = checkpoint_size, "train.checkpoint_dir"
         if train_cfg.export:
             path = session.run_dir / train_cfg.export_dir
-            size = one_export_bytes(cfg, parameters, trainable, session.precision, final=True)
+            size = one_export_bytes(train_cfg, cfg.lora, parameters, trainable, session.precision, final=True)
             needs[path], keys[path] = size, "train.export_dir"
         planned = planned_step_exports(cfg, session.run_dir, start_step, total_steps)
         if planned:
-            each = one_export_bytes(cfg, parameters, trainable, session.precision, final=False)
+            each = one_export_bytes(train_cfg, cfg.lora, parameters, trainable, session.precision, final=False)
             needs[planned[0]] = step_export_needs(cfg, planned, each)
             keys[planned[0]] = "train.export_every"
         try:

@@ -80,7 +80,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             session.start()
             work = setup(cfg, session)
             hooks.after_setup(Run(session, work))
-            start = resume(cfg, session, work)
+            start = resume(cfg.resume, cfg.train, cfg.optimizer, session, work)
             train(cfg, session, work, start, hooks)
             RunExports(cfg, session, work, start.run_id).final()
         finally:
@@ -110,14 +110,19 @@ def setup(cfg: Config, session: Session) -> Workload:
         run_dir=session.run_dir,
     )
     if session.is_main:
-        log.info(training_line(cfg, plan.ds_config, session.precision, plan.data_parallel_size, sp.size))
+        log.info(training_line(cfg.lora, plan.ds_config, session.precision, plan.data_parallel_size, sp.size))
     settings = settings_of(cfg, session.world, plan.ds_config, session.precision)
-    resume_from, universal = resume_plan(cfg, session, settings)
+    resume_from, universal = resume_plan(cfg.resume, cfg.train, session, settings)
     ds_config = final_ds_config(cfg, session, plan, universal)
     built = build_model(cfg, tokenizer, ds_config)
-    base = built_base(cfg, built.model, zero3=ds_config["zero_optimization"]["stage"] == 3, checkpoint=resume_from)
+    zero3 = ds_config["zero_optimization"]["stage"] == 3
+    base = built_base(cfg.model, cfg.train.seed, built.model, zero3=zero3, checkpoint=resume_from)
     parameters, trainable = record_model(cfg, session, built, plan, ds_config)
-    needed = checkpoint_bytes(trainable, session.precision, optimizer_state(cfg, accelerator=session.accelerator))
+    needed = checkpoint_bytes(
+        trainable,
+        session.precision,
+        optimizer_state(cfg.optimizer, cfg.offload, cfg.lora, accelerator=session.accelerator),
+    )
     start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
     check_disk_space(
         cfg, session, needed, parameters, trainable=trainable, start_step=start_step, total_steps=plan.total_steps
@@ -141,7 +146,9 @@ def setup(cfg: Config, session: Session) -> Workload:
         resume_from=resume_from,
         universal=universal,
         trajectory=trajectory_of(
-            cfg,
+            cfg.train,
+            cfg.scheduler,
+            cfg.optimizer.lr,
             total_steps=plan.total_steps,
             warmup_steps=plan.warmup_steps,
             world_size=plan.data_parallel_size,
@@ -176,13 +183,13 @@ def read_model_config(
     """The tokenizer and the model's config (no weights), and what they can refuse: a hub model's heads under
     sequence parallelism, lora.* against the model's layers."""
     if session.is_main:
-        for note in max_seq_len_notes(cfg):
+        for note in max_seq_len_notes(cfg.model, cfg.data.max_seq_len):
             log.warning(note)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
-    model_config = build_model_config(cfg, tokenizer)
+    model_config = build_model_config(cfg.model, tokenizer)
     if sp.enabled:
         check_heads(model_config, sp.size)
-    check_lora(cfg, model_config)
+    check_lora(cfg.model, cfg.lora, model_config)
     return tokenizer, model_config
 
 
@@ -203,7 +210,7 @@ def final_ds_config(cfg: Config, session: Session, plan: RunPlan, universal: boo
     needs one; its secrets registered (DeepSpeed logs its config), checked, written to <run dir>/ds_config.json."""
     ds_config = ds_config_for_load(plan.ds_config) if universal else plan.ds_config
     if session.is_main:
-        for note in replaced_by_config_file(cfg, plan.facts):
+        for note in replaced_by_config_file(cfg.deepspeed.config_file, cfg.optimizer, cfg.scheduler, plan.total_steps):
             log.warning(note)
     register_secrets(ds_config)  # a user's DeepSpeed JSON may hold keys (comet.api_key)
     check_deepspeed_config(ds_config, cfg.deepspeed.config_file)

@@ -157,7 +157,7 @@ def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, 
 
     cfg = compose_cfg()
     tokenizer = load_tokenizer(cfg.model, cfg.data)
-    config = build_model_config(cfg, tokenizer)
+    config = build_model_config(cfg.model, tokenizer)
     model = AutoModelForCausalLM.from_config(config)
     spec = ExportSpec(
         config, None, "float32", config.vocab_size, len(tokenizer), tokenizer_source(cfg.model), None, "fp32", "auto"
@@ -249,11 +249,13 @@ def test_a_lora_run_plans_checkpoints_of_what_trains_and_exports_of_its_adapter(
     sizes = {}
     for merged in ("end", "every", "none"):
         cfg = compose_cfg("lora.dim=8", f"train.export_merged={merged}")
-        sizes[merged] = [one_export_bytes(cfg, parameters, trainable, "bf16", final=f) for f in (True, False)]
+        sizes[merged] = [
+            one_export_bytes(cfg.train, cfg.lora, parameters, trainable, "bf16", final=f) for f in (True, False)
+        ]
     model, adapter = parameters * 2, trainable * 4
     assert sizes == {"end": [model + adapter, adapter], "every": [model + adapter] * 2, "none": [adapter, adapter]}
     full = compose_cfg("train.export_merged=none")  # no LoRA: nothing to leave out
-    assert one_export_bytes(full, parameters, parameters, "bf16", final=False) == model
+    assert one_export_bytes(full.train, full.lora, parameters, parameters, "bf16", final=False) == model
 
 
 def _schedule() -> torch.optim.lr_scheduler.LambdaLR:
