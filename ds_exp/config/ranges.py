@@ -93,7 +93,7 @@ def range_problems(node: object, prefix: str = "") -> list[tuple[str, str]]:
         items = value if isinstance(value, (list, tuple)) else [value]
         bad = [item for item in items if item is not None and allowed.problem(key, item)]
         if bad and isinstance(value, (list, tuple)):
-            problems.append((key, f"{key}={list(value)}: each {allowed.why(bad[0]).removeprefix('must be ')}"))
+            problems.append((key, f"{key}={list(value)}: each item {allowed.why(bad[0])}"))
         elif bad:
             problems.append((key, f"{key}={value}: {allowed.why(value)}"))
     return problems
