@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_exp.config.paths import conf_dir
+from ds_exp.config.ranges import RANGES  # the schema's (no torch): the command line imports it anyway
 
 HELP_FLAGS = ("--help", "-h")
 # Hydra's groups that ds_exp adds options to; Hydra's own default option is `basic`
@@ -189,8 +190,6 @@ def _width() -> int:
 
 
 def knob_line(key: str, value: str, doc: str, indent: str = "  ") -> list[str]:
-    from ds_exp.config.ranges import RANGES  # the schema (no torch): imported by the command line already
-
     left = f"{indent}{key}={value}" if value else f"{indent}{key}"
     if key in RANGES and doc:
         doc += f" ({RANGES[key].said().removeprefix('must be ')})"

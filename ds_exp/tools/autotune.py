@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.ds_config import IgnoredOverride
 from ds_exp.config.memory_plan import human_bytes, run_estimate
-from ds_exp.config.plan import plan_run
+from ds_exp.config.plan import RunPlan, plan_run
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, TrainConfig
 from ds_exp.config.secrets import redact_text
@@ -188,8 +188,7 @@ class Autotune(Sweeper):
             return {**candidate, "verdict": "not_applicable", "reason": self._refusals[0]}
         # per-rank bytes as the dry run counts them (ds_exp/config/memory_plan.py): model states plus one micro
         # batch's activations; on a CPU offloaded states live in the same memory, so they count too
-        precision = resolved_precision(cfg.precision.dtype, accelerator)
-        facts = self.model_facts(cfg)
+        facts, precision = self.model_facts(cfg), resolved_precision(cfg.precision.dtype, accelerator)
         estimate = run_estimate(cfg, facts, world_size=world, precision=precision, accelerator=accelerator)
         candidate.update(estimate)
         if estimate["estimate_bytes"] > budget:
@@ -198,24 +197,8 @@ class Autotune(Sweeper):
                 reason=f"estimated {human_bytes(estimate['estimate_bytes'])} per rank > budget {human_bytes(budget)}",
             )
             return candidate
-        # last, as it counts the training set: the probe's plan as its run makes it (plan_run), so that what its setup
-        # would refuse (fewer examples than one global batch, a warmup longer than the run, a DeepSpeed file that
-        # disagrees) is refused before anything is launched. datasets is imported here, not at the top: it reserves
-        # ~1 GB of address space, which left none for transformers in a sweep under a memory limit (ulimit -v)
-        from ds_exp.data.pipeline import count_train_examples
-
-        key = repr(cfg.data)
-        try:
-            if key not in self._examples:
-                self._examples[key] = count_train_examples(cfg.data)
-            plan_run(
-                cfg,
-                world_size=world,
-                train_examples=self._examples[key],
-                hidden_size=facts["hidden"] or None,
-                precision=precision,
-                run_dir=Path(self.config.hydra.sweep.dir),
-            )
+        try:  # last: it counts the training set
+            self.plan(cfg, world, accelerator, Path(self.config.hydra.sweep.dir))
         except DsExpError as err:
             return {**candidate, "verdict": "not_applicable", "reason": first_line(err)}
         self._composed[tuple(overrides)] = composed
@@ -249,6 +232,26 @@ class Autotune(Sweeper):
         )
 
     # ------------------------------------------------------------------------------------ memory and budget
+    def plan(self, cfg: Config, world: int, accelerator: str, sweep_dir: Path) -> RunPlan:
+        """The probe's plan as its run makes it (ds_exp.config.plan.plan_run, as the recipe and the dry run): what
+        its setup would refuse (fewer examples than one global batch, a warmup longer than the probe's steps, a
+        DeepSpeed file that disagrees) is refused before anything is launched."""
+        # here, not at the top: datasets (pyarrow.dataset) reserves ~1 GB of address space on import, and imported
+        # before the model stack it left none for transformers in a sweep under a memory limit (ulimit -d / -v)
+        from ds_exp.data.pipeline import count_train_examples
+
+        key = repr(cfg.data)
+        if key not in self._examples:
+            self._examples[key] = count_train_examples(cfg.data)
+        return plan_run(
+            cfg,
+            world_size=world,
+            train_examples=self._examples[key],
+            hidden_size=self.model_facts(cfg)["hidden"] or None,
+            precision=resolved_precision(cfg.precision.dtype, accelerator),
+            run_dir=sweep_dir,
+        )
+
     def model_facts(self, cfg: Config) -> dict[str, int]:
         """Parameter counts and shapes, from the model's config on the meta device (no weights), once per model."""
         key = repr((cfg.model, cfg.lora, cfg.data.end_of_conversation_token))  # dataclasses: every field shown
