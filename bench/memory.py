@@ -83,7 +83,7 @@ def deepspeed_estimates(overrides: tuple[str, ...]) -> dict[str, Any]:
 
     cfg = compose(*overrides)
     model = AutoModelForCausalLM.from_config(
-        build_model_config(cfg, load_tokenizer(cfg.model, cfg.data)), dtype=torch.float32
+        build_model_config(cfg.model, load_tokenizer(cfg.model, cfg.data)), dtype=torch.float32
     )
     printed = {}
     for stage, estimator in (

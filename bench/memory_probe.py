@@ -155,7 +155,7 @@ def prepare(cfg: Any, world: int, precision: str, out_dir: str) -> tuple[Any, An
 
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed)
-    hidden = hidden_size_of(build_model_config(cfg, tokenizer))
+    hidden = hidden_size_of(build_model_config(cfg.model, tokenizer))
     plan = plan_run(
         cfg, world_size=world, train_examples=len(data.train), hidden_size=hidden, precision=precision, run_dir=out_dir
     )

@@ -39,7 +39,7 @@ def planned_state(name: str) -> int:
 
     cfg = compose(f"optimizer={name}")
     facts = model_facts(cfg)
-    return optimizer_state(cfg, facts, "cpu").bytes(facts["trainable"])
+    return optimizer_state(cfg.optimizer, cfg.offload, cfg.lora, facts, "cpu").bytes(facts["trainable"])
 
 
 def lion_parity() -> dict[str, Any]:

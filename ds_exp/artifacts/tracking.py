@@ -19,11 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ds_exp.artifacts.trackers.base import Tracker
+from ds_exp.artifacts.trackers.base import TrackedRun, Tracker
 from ds_exp.config.memory_plan import human_bytes
-from ds_exp.config.schema import Config
 from ds_exp.config.secrets import redact_text
-from ds_exp.config.trackers import active_trackers
+from ds_exp.config.trackers import LoggerConfig, active_trackers
 from ds_exp.core.errors import RunFailed, first_line
 from ds_exp.core.files import append_whole, disk_free_bytes, json_text, no_room, same_disk, write_text_atomic
 from ds_exp.core.status import RunStatus
@@ -99,18 +98,19 @@ class Trackers:
     """Every tracker of the run behind one interface: what the metric lines, evaluations and checkpoints use. Rank 0
     builds the trackers its settings turn on, in the table's order; the other ranks none."""
 
-    def __init__(self, cfg: Config, run_dir: Path, *, enabled: bool, start: TrainState) -> None:
-        self.run_dir = run_dir
+    def __init__(self, logger: LoggerConfig, run: TrackedRun, *, enabled: bool, start: TrainState) -> None:
+        self.run_dir = run.run_dir
         self.continued = dict(start.trackers)  # kept for a resume even by an attempt that turned a tracker off
         self.built: dict[str, Tracker] = {}  # by the key of its run id in a marker (the trackers that have one)
         self.all: list[Tracker] = []  # those still written to
         if not enabled:
             return
         try:  # any refusal closes those already open
-            for entry in active_trackers(cfg.logger):
+            for entry in active_trackers(logger):
                 build = entry.load_builder()
                 key = entry.run_id_key
-                tracker = build(cfg, run_dir, run_id=self.continued.get(key) if key else None, start_step=start.step)
+                run_id = self.continued.get(key) if key else None
+                tracker = build(entry.settings_of(logger), run, run_id=run_id, start_step=start.step)
                 self.all.append(tracker)
                 if key:
                     self.built[key] = tracker

@@ -25,7 +25,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import ModelConfig
 from ds_exp.core.errors import ResumeError
 from ds_exp.core.waits import announce_while
 from ds_exp.resume.store import read_marker
@@ -62,12 +62,19 @@ def base_identity(model: torch.nn.Module, *, zero3: bool, source: str) -> dict[s
 
 
 def built_base(
-    cfg: Config, model: torch.nn.Module, *, zero3: bool, checkpoint: Path | None, what: str = "resume"
+    model_cfg: ModelConfig,
+    seed: int,
+    model: torch.nn.Module,
+    *,
+    zero3: bool,
+    checkpoint: Path | None,
+    what: str = "resume",
 ) -> dict[str, Any] | None:
-    """Collective: the identity of the frozen weights of `model` as the run's config built them (None when every
-    weight trains), which the run's checkpoints record. Continuing `checkpoint` (a resume, an export: `what`) with
-    other frozen weights than it was trained on is refused here (ResumeError), before anything is loaded."""
-    source = cfg.model.name_or_path or f"model.arch, initialised from train.seed={cfg.train.seed}"
+    """Collective: the identity of the frozen weights of `model` as `model_cfg` built them (from model.arch: with
+    train.seed, `seed`; None when every weight trains), which the run's checkpoints record. Continuing `checkpoint`
+    (a resume, an export: `what`) with other frozen weights than it was trained on is refused here (ResumeError),
+    before anything is loaded."""
+    source = model_cfg.name_or_path or f"model.arch, initialised from train.seed={seed}"
     base = base_identity(model, zero3=zero3, source=source)
     if checkpoint is not None:
         problem = base_change(read_marker(checkpoint).get("base"), base, checkpoint, what=what)

@@ -9,6 +9,9 @@ Precedence, in one place:
    be "auto" or agree with that setting. Every disagreement is reported at once, suggesting "auto".
 4. "auto" is filled from ds_exp's settings and from what only the run knows (world size, the model's hidden
    size, total steps). Config validation passes `partial=True`: the run-time ones stay "auto" there.
+
+An explicit override the file would silently win over is refused before the run (`check_overrides_obeyed`,
+IgnoredOverride), each named with what to do instead.
 """
 
 from __future__ import annotations
@@ -16,14 +19,20 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
 from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, global_batch_size
+from ds_exp.config.optimizer_settings import OptimizerConfig
 from ds_exp.config.optimizers import entry_for_deepspeed_type, entry_of
+from ds_exp.config.paths import conf_dir
 from ds_exp.config.resolvers import AUTO
-from ds_exp.config.schema import Config, TrainConfig, plain
+from ds_exp.config.schema import Config, DeepSpeedSection, SchedulerConfig, TrainConfig, plain
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.user_paths import special_file_problem
 
@@ -133,49 +142,47 @@ def load_config_file(path: str) -> dict[str, Any]:
     return loaded
 
 
-def replaced_by_config_file(cfg: Config, facts: RunFacts) -> list[str]:
-    """One line for each of ds_exp's own settings that a user's DeepSpeed file replaces: an "optimizer" block
-    (DeepSpeed builds that optimizer) and a "scheduler" block (its schedule, not scheduler.name's)."""
-    if not cfg.deepspeed.config_file:
+def replaced_by_config_file(
+    file_name: str | None, opt: OptimizerConfig, sched: SchedulerConfig, total_steps: int | None
+) -> list[str]:
+    """One line for each of ds_exp's own settings that a user's DeepSpeed file (deepspeed.config_file) replaces: an
+    "optimizer" block (DeepSpeed builds that optimizer) and a "scheduler" block (its schedule, not scheduler.name's)."""
+    if not file_name:
         return []
-    file = load_config_file(cfg.deepspeed.config_file)
-    key = f"deepspeed.config_file={cfg.deepspeed.config_file}"
+    file = load_config_file(file_name)
+    key = f"deepspeed.config_file={file_name}"
     notes = []
     if isinstance(file.get("optimizer"), dict):
+        impl = getattr(opt, "impl", None)
         notes.append(
             f"{key} brings its own optimizer ({file['optimizer'].get('type')}): DeepSpeed builds it, not ds_exp's "
-            f"optimizer={cfg.optimizer.name}{_impl_of(cfg)}; remove the block to use ds_exp's"
+            f"optimizer={opt.name}{'' if impl is None else f' (optimizer.impl={plain(impl)})'}; remove the block to "
+            "use ds_exp's"
         )
     if isinstance(file.get("scheduler"), dict):
-        warmup = _effective_warmup(cfg, facts.total_steps)
+        warmup = _effective_warmup(sched, total_steps)
         notes.append(
             f"{key} brings its own scheduler ({file['scheduler'].get('type')}): it replaces ds_exp's "
-            f"{plain(cfg.scheduler.name)} schedule; its warmup comes from scheduler.warmup_steps / warmup_ratio "
+            f"{plain(sched.name)} schedule; its warmup comes from scheduler.warmup_steps / warmup_ratio "
             f"({max(warmup or 0, 1)} steps); remove the block to use ds_exp's schedule"
         )
     return notes
 
 
-def _impl_of(cfg: Config) -> str:
-    impl = getattr(cfg.optimizer, "impl", None)
-    return "" if impl is None else f" (optimizer.impl={plain(impl)})"
-
-
-def groups_ds_config(cfg: Config) -> dict[str, Any]:
+def groups_ds_config(section: DeepSpeedSection) -> dict[str, Any]:
     """The DeepSpeed config as composed from the groups (resolved by to_config), nulls dropped."""
-    return strip_none(copy.deepcopy(cfg.deepspeed.config))
+    return strip_none(copy.deepcopy(section.config))
 
 
-def merged_ds_config(cfg: Config) -> dict[str, Any]:
+def merged_ds_config(section: DeepSpeedSection) -> dict[str, Any]:
     """Groups, then the user's file over them (steps 1-2 of the module docstring); nothing filled yet."""
-    base = groups_ds_config(cfg)
-    if cfg.deepspeed.config_file:
-        return deep_merge(base, load_config_file(cfg.deepspeed.config_file))
+    base = groups_ds_config(section)
+    if section.config_file:
+        return deep_merge(base, load_config_file(section.config_file))
     return base
 
 
-def _effective_warmup(cfg: Config, total_steps: int | None) -> int | None:
-    sched = cfg.scheduler
+def _effective_warmup(sched: SchedulerConfig, total_steps: int | None) -> int | None:
     if sched.warmup_steps > 0:
         return int(sched.warmup_steps)
     if sched.warmup_ratio > 0:
@@ -183,10 +190,11 @@ def _effective_warmup(cfg: Config, total_steps: int | None) -> int | None:
     return 0
 
 
-def expected_values(cfg: Config, facts: RunFacts) -> list[Expectation]:
+def expected_values(
+    train: TrainConfig, opt: OptimizerConfig, sched: SchedulerConfig, facts: RunFacts
+) -> list[Expectation]:
     """Keys that mirror a ds_exp setting (Hugging Face's "auto" table): "auto" is filled with them, anything else
     must agree."""
-    train, opt, sched = cfg.train, cfg.optimizer, cfg.scheduler
     out = [
         Expectation("train_micro_batch_size_per_gpu", train.micro_batch_size, "train.micro_batch_size"),
         Expectation(
@@ -197,7 +205,7 @@ def expected_values(cfg: Config, facts: RunFacts) -> list[Expectation]:
     entry = entry_of(opt)  # an unknown one is reported by validation
     for argument, (value, source) in (entry.values(opt) if entry else {}).items():
         out.append(Expectation(f"optimizer.params.{argument}", value, source))
-    sp = int(cfg.dist.sequence_parallel_size)
+    sp = facts.sequence_parallel_size
     # DeepSpeed reads it where it has no mpu (transformers' ZeRO-3 HfDeepSpeedConfig): its batch check divides by it
     out.append(Expectation("sequence_parallel_size", sp, "dist.sequence_parallel_size"))
     if facts.world_size is not None:
@@ -224,7 +232,7 @@ def expected_values(cfg: Config, facts: RunFacts) -> list[Expectation]:
     out.append(Expectation("scheduler.params.warmup_max_lr", float(opt.lr), "optimizer.lr"))
     if facts.total_steps is not None:
         out.append(Expectation("scheduler.params.total_num_steps", facts.total_steps, "the computed training steps"))
-    warmup = _effective_warmup(cfg, facts.total_steps)
+    warmup = _effective_warmup(sched, facts.total_steps)
     if warmup is not None:
         # DeepSpeed's schedulers reject 0 warmup steps; one step from warmup_min_lr is the nearest they allow
         out.append(
@@ -260,21 +268,21 @@ def find_auto(tree: object, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")] if tree == AUTO else []
 
 
-def optimizer_needs(cfg: Config, ds: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
+def optimizer_needs(opt: OptimizerConfig, ds: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
     """The DeepSpeed keys the optimizer needs at the config's ZeRO stage (its entry's deepspeed_settings):
     (path, needed value, the value set or MISSING, why). The optimizer DeepSpeed builds from a user's "optimizer"
     block is its type's entry, not optimizer.name's."""
     block = ds.get("optimizer")
-    entry = entry_for_deepspeed_type(block.get("type")) if isinstance(block, dict) else entry_of(cfg.optimizer)
+    entry = entry_for_deepspeed_type(block.get("type")) if isinstance(block, dict) else entry_of(opt)
     if entry is None:
         return []
     stage = get_path(ds, "zero_optimization.stage")
     return [(path, value, get_path(ds, path), why) for path, (value, why) in entry.deepspeed_settings(stage).items()]
 
 
-def _fill_optimizer_needs(cfg: Config, ds: dict[str, Any]) -> None:
+def _fill_optimizer_needs(opt: OptimizerConfig, ds: dict[str, Any]) -> None:
     """Set what the optimizer needs where nothing set it (a value set otherwise is validation's to refuse)."""
-    for path, value, current, _ in optimizer_needs(cfg, ds):
+    for path, value, current, _ in optimizer_needs(opt, ds):
         if current is MISSING or current is None or current == AUTO:
             if "." in path:
                 ds.setdefault(path.split(".", 1)[0], {})
@@ -284,7 +292,7 @@ def _fill_optimizer_needs(cfg: Config, ds: dict[str, Any]) -> None:
 def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) -> dict[str, Any]:
     """Merge, check and fill. Unless `partial` (validation, before the run knows its facts), the result has
     no "auto" left, or a ConfigError names the keys."""
-    ds = merged_ds_config(cfg)
+    ds = merged_ds_config(cfg.deepspeed)
 
     fp16_on, bf16_on = get_path(ds, "fp16.enabled"), get_path(ds, "bf16.enabled")
     if fp16_on is True and bf16_on is True:
@@ -301,7 +309,7 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
             raise ConfigError(global_batch_mismatch(cfg.train, facts.world_size, sp))
 
     mismatches = []
-    for exp in expected_values(cfg, facts):
+    for exp in expected_values(cfg.train, cfg.optimizer, cfg.scheduler, facts):
         current = get_path(ds, exp.path)
         if current is MISSING:
             continue  # e.g. no scheduler block: nothing to fill
@@ -322,7 +330,7 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
         )
 
     stage = get_path(ds, "zero_optimization.stage")
-    _fill_optimizer_needs(cfg, ds)
+    _fill_optimizer_needs(cfg.optimizer, ds)
     if stage is not MISSING and stage != 3:
         # stage-3 knobs mean nothing below stage 3; drop the ones still waiting to be filled
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
@@ -356,3 +364,164 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
             )
             raise ConfigError(f'"auto" could not be filled for {", ".join(left)}: {hint}')
     return ds
+
+
+# ------------------------------------------------------------------ overrides the user's file would win over
+
+
+class IgnoredOverride(ConfigError):
+    """An override given explicitly (on the command line, or as a sweep's value) that the run would not obey,
+    because deepspeed.config_file replaces what it sets."""
+
+
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
+# With its own "optimizer" block DeepSpeed builds the optimizer from the file: ds_exp's choice of it is not used,
+# and a hyperparameter the block leaves out is DeepSpeed's default. ("auto" ones and weight_decay, which each
+# parameter group carries, are obeyed.)
+_OPTIMIZER_BLOCK_REPLACES = ("optimizer", "optimizer.impl", "optimizer.name")
+
+
+def _optimizer_params(opt: OptimizerConfig) -> dict[str, str]:
+    """ds_exp's optimizer settings that reach DeepSpeed as a block's params: optimizer.<key> -> the param."""
+    entry = entry_of(opt)
+    arguments = entry.arguments.items() if entry else ()
+    return {f"optimizer.{k}": argument for argument, k in arguments if isinstance(k, str) and k != "weight_decay"}
+
+
+# With its own "scheduler" block the schedule is the file's; only its warmup may come from ds_exp ("auto").
+_SCHEDULER_BLOCK_REPLACES = ("scheduler", "scheduler.name", "scheduler.kwargs")
+_SCHEDULER_WARMUP = ("scheduler.warmup_steps", "scheduler.warmup_ratio")
+# DeepSpeed keys fed by a ds_exp setting that means more than them: train.log_every sets ds_exp's metric lines too
+_COSMETIC = {"steps_per_print"}
+
+
+def override_key(override: str) -> str:
+    """The config key of a Hydra override (`+a.b=1`, `~a.b`, `group=option`, `group@pkg=option` -> a.b / group)."""
+    key = override.split("=", 1)[0].lstrip("+~").strip()
+    return key.split("@", 1)[0]
+
+
+def _leaves(tree: object, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(tree, dict) and tree:
+        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{prefix}{k}.")]
+    return [(prefix.rstrip("."), tree)]
+
+
+def _sources(unresolved: object, path: str) -> set[str]:
+    """The ds_exp keys the groups' value at `path` of deepspeed.config comes from (conf/config.yaml interpolates
+    them: `stage: ${zero.stage}`), plus the key that sets it directly (deepspeed.config.<path>)."""
+    keys = {f"deepspeed.config.{path}"}
+    node = unresolved
+    for part in path.split("."):
+        if isinstance(node, str):
+            break
+        if not isinstance(node, dict) or part not in node:
+            return keys
+        node = node[part]
+    for value in [leaf for _, leaf in _leaves(node)]:
+        if isinstance(value, str):
+            keys |= set(_REFERENCE.findall(value))
+    return keys
+
+
+def _feeds(key: str, sources: set[str]) -> bool:
+    """Whether an override of `key` sets one of `sources`. A group's option (`zero=stage1`) sets many keys, and a
+    user's file tuning one of them (a bucket size) is the file's normal use; the option is beaten only where the
+    file changes what tells the group's options apart (zero: stage; offload: the devices)."""
+    group_keys = _distinguishing_keys(key)
+    if group_keys is not None:
+        return any(source in group_keys for source in sources)
+    return any(source == key or source.startswith(key + ".") for source in sources)
+
+
+_GROUP_KEYS: dict[str, set[str] | None] = {}
+
+
+def _distinguishing_keys(group: str) -> set[str] | None:
+    """For a config group of conf/ (None for any other key): its keys that every option sets, to values that are
+    not all the same."""
+    if group not in _GROUP_KEYS:
+        folder = conf_dir() / group
+        options = sorted(folder.glob("*.yaml")) if "." not in group and folder.is_dir() else []
+        if not options:
+            _GROUP_KEYS[group] = None
+        else:
+            trees = [yaml.safe_load(option.read_text()) or {} for option in options]
+            leaves = [dict(_leaves({k: v for k, v in tree.items() if k != "defaults"})) for tree in trees]
+            common = set.intersection(*(set(leaf) for leaf in leaves))
+            _GROUP_KEYS[group] = {
+                f"{group}.{key}" for key in common if len({json.dumps(leaf[key]) for leaf in leaves}) > 1
+            }
+    return _GROUP_KEYS[group]
+
+
+def check_overrides_obeyed(composed: DictConfig, cfg: Config, overrides: list[str]) -> None:
+    """IgnoredOverride naming each explicit override that deepspeed.config_file silently wins over, so that the run
+    would not do what it says: a DeepSpeed-only key the file sets to another value (the file wins for those, by
+    design), or ds_exp's optimizer / schedule choices where the file brings its own block. Keys ds_exp mirrors (batch
+    sizes, lr, precision...) are not here: a file that disagrees on them is an error of resolve_ds_config already.
+    `composed` is the composed config before typing (the interpolations say which ds_exp key feeds which
+    DeepSpeed key); `overrides` are the run's own (the command line's, or a sweep job's)."""
+    if not cfg.deepspeed.config_file or not overrides:
+        return
+    file = load_config_file(cfg.deepspeed.config_file)
+    where = f"deepspeed.config_file={cfg.deepspeed.config_file}"
+    unresolved = OmegaConf.to_container(composed.deepspeed.config, resolve=False)
+    groups = groups_ds_config(cfg.deepspeed)
+    facts = RunFacts(world_size=1, total_steps=1, warmup_steps=0, precision="fp32")
+    # keys that mirror a ds_exp setting agree with it, or are an error already
+    mirrored = {e.path for e in expected_values(cfg.train, cfg.optimizer, cfg.scheduler, facts)}
+    replaced: list[tuple[str, Any, set[str]]] = []  # (DeepSpeed key, the file's value, the ds_exp keys it beats)
+    for block, value in file.items():
+        if block in ("optimizer", "scheduler"):
+            continue  # blocks of their own: below
+        for path, file_value in _leaves({block: value}):
+            if file_value == AUTO or path in mirrored or path in _COSMETIC:
+                continue
+            ours = get_path(groups, path)  # a subtree where the file puts a value: the file replaces all of it
+            if ours is MISSING or file_value == {}:  # nothing of ds_exp's there; an empty block merges nothing
+                continue
+            if not same_value(ours, file_value):
+                replaced.append((path, file_value, _sources(unresolved, path)))
+    problems = []
+    for override in overrides:
+        key = override_key(override)
+        if not key or key.startswith(("hydra.", "hydra/")) or key == "deepspeed.config_file":
+            continue
+        beaten = [(path, value) for path, value, sources in replaced if _feeds(key, sources)]
+        if beaten:
+            sets = ", ".join(f"{path}={json.dumps(value)}" for path, value in beaten)
+            problems.append(
+                f"{override} would not be used: {where} sets {sets}, and the file wins over ds_exp's settings for "
+                f"DeepSpeed's own keys; drop {override}, or remove {', '.join(p for p, _ in beaten)} from the file"
+            )
+        why = _replacing_block(file, key, cfg.optimizer, cfg.scheduler)
+        if why:
+            problems.append(f"{override} would not be used: {where} {why}")
+    if problems:
+        raise IgnoredOverride(problems)
+
+
+def _replacing_block(file: dict[str, Any], key: str, opt: OptimizerConfig, sched: SchedulerConfig) -> str | None:
+    """Why the file's "optimizer" / "scheduler" block means `key` is not used, with the fix; or None."""
+    for block, replaces, owner, params_of in (
+        ("optimizer", _OPTIMIZER_BLOCK_REPLACES, opt.owner, _optimizer_params(opt)),
+        ("scheduler", _SCHEDULER_BLOCK_REPLACES, sched.owner, dict.fromkeys(_SCHEDULER_WARMUP, "warmup_num_steps")),
+    ):
+        found = file.get(block)
+        if not isinstance(found, dict):
+            continue
+        given = found.get("params")
+        params: dict[str, Any] = given if isinstance(given, dict) else {}
+        if key in replaces or (key == f"{block}.owner" and plain(owner) == "ds_exp"):
+            return (
+                f"brings its own {block} block ({found.get('type')}), which replaces ds_exp's; drop {key}, or remove "
+                f"the file's {block} block"
+            )
+        if key in params_of and params_of[key] not in params:
+            name = params_of[key]
+            return (
+                f"brings its own {block} block ({found.get('type')}) whose params have no {name}, so DeepSpeed's "
+                f'default is used; add "{name}": "auto" to them (ds_exp fills it from {key})'
+            )
+    return None

@@ -20,11 +20,13 @@ SEED_MAX = 2**32 - 1  # numpy's seeds (np.random.seed) are 32-bit, the narrowest
 MAX_TOKENS = 2**31 - 1  # tokens of a row: more than any model has positions
 MAX_SYNTHETIC_ROWS = 10_000_000  # the embedded task is generated in this process, row by row
 MAX_TIMEOUT_MINUTES = 525_600  # a year: torch's deadline (now + timeout, in nanoseconds) overflows near 1.5e8
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: a number past it is inf in every tensor it reaches
 
 
 @dataclass(frozen=True)
 class Range:
-    """Where a number may lie: [low, high], either end open or absent. `fix` follows the range in the message."""
+    """Where a number may lie: [low, high], either end open or absent. `fix` follows the range in the message. An
+    absent end is float32's: every number of the config may reach a tensor, where a larger one is inf."""
 
     low: float | None = None
     high: float | None = None
@@ -33,9 +35,10 @@ class Range:
     fix: str = ""
 
     def holds(self, value: float) -> bool:
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return self._past_float32(value) is None and not (
+            (self.low is not None and (value <= self.low if self.low_open else value < self.low))
+            or (self.high is not None and (value >= self.high if self.high_open else value > self.high))
+        )
 
     def said(self) -> str:
         if self.high is None:
@@ -49,12 +52,21 @@ class Range:
             f"{')' if self.high_open else ']'}"
         )
 
+    def why(self, value: float) -> str:
+        """What is wrong with `value`, which the range does not hold (said after `KEY=VALUE: `)."""
+        return self._past_float32(value) or f"{self.said()}{self.fix}"
+
+    def _past_float32(self, value: float) -> str | None:
+        if self.high is None and value > FLOAT32_MAX:
+            return f"must be at most {FLOAT32_MAX:.4g}, the largest float32 number"
+        if self.low is None and value < -FLOAT32_MAX:
+            return f"must be at least {-FLOAT32_MAX:.4g}, the lowest float32 number"
+        return None
+
     def problem(self, key: str, value: object) -> str | None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             return None  # a type Hydra refused, or a non-finite number (said by number_problems)
-        if self.holds(value):
-            return None
-        return f"{key}={value}: {self.said()}{self.fix}"
+        return None if self.holds(value) else f"{key}={value}: {self.why(value)}"
 
 
 def _number(value: float | None) -> str:
@@ -100,9 +112,8 @@ class Spec:
             return f"give {kind}{', auto' if self.auto else ''}{' or null' if self.null else ''}"
         if not math.isfinite(value):
             return "must be a finite number"
-        if self.range is not None and not self.range.holds(value):
-            return f"{self.range.said()}{self.range.fix}"
-        return None
+        allowed = self.range or Range()  # no range: float32's
+        return None if allowed.holds(value) else allowed.why(value)
 
 
 def _word(value: object) -> str:

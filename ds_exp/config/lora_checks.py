@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 import re
 
-from ds_exp.config.schema import Config, LoraConfig
+from ds_exp.config.schema import LoraConfig
 
 ALL_LINEAR = "all-linear"
 DEFAULT_SCOPE = "layers."
@@ -57,9 +57,9 @@ def _target_problems(targets: object) -> list[str]:
     return []
 
 
-def lora_problems(cfg: Config, accelerator: str) -> list[str]:
-    """One line per problem of lora.* that needs no model."""
-    lora, problems = cfg.lora, []
+def lora_problems(lora: LoraConfig, accelerator: str, *, name_or_path: str | None, zero_stage: int) -> list[str]:
+    """One line per problem of lora.* that needs no model (QLoRA's: with the model it loads and the ZeRO stage)."""
+    problems: list[str] = []
     if lora.dim <= 0:
         given = [key for key, off in _NEEDS_LORA.items() if getattr(lora, key) != off]
         if given:
@@ -78,13 +78,13 @@ def lora_problems(cfg: Config, accelerator: str) -> list[str]:
     if not all(isinstance(name, str) and name for name in saved):
         problems.append(f"lora.modules_to_save={saved!r}: give module names, e.g. [lm_head]")
     if lora.quantize is not None:
-        problems += _quantize_problems(cfg, accelerator)
+        problems += _quantize_problems(lora, accelerator, name_or_path, zero_stage)
     return problems
 
 
-def _quantize_problems(cfg: Config, accelerator: str) -> list[str]:
+def _quantize_problems(lora: LoraConfig, accelerator: str, name_or_path: str | None, zero_stage: int) -> list[str]:
     """QLoRA: the frozen base loaded in 4 or 8 bits by bitsandbytes, which runs on CUDA GPUs."""
-    lora, key = cfg.lora, f"lora.quantize={cfg.lora.quantize}"
+    key = f"lora.quantize={lora.quantize}"
     if lora.quantize not in QUANTIZE:
         return [f"{key}: give 4bit, 8bit or null (no quantization)"]
     if accelerator != "cuda":
@@ -95,10 +95,10 @@ def _quantize_problems(cfg: Config, accelerator: str) -> list[str]:
     if importlib.util.find_spec("bitsandbytes") is None:
         return [f"{key}: the bitsandbytes package is not installed: pip install bitsandbytes, or lora.quantize=null"]
     problems = []
-    if cfg.model.name_or_path is None:
+    if name_or_path is None:
         problems.append(f"{key}: quantization loads a checkpoint; set model.name_or_path (the tiny model has none)")
     if not lora.only_optimize:
         problems.append(f"{key}: a quantized base cannot be trained; set lora.only_optimize=true")
-    if cfg.zero.stage == 3:
+    if zero_stage == 3:
         problems.append(f"{key}: not with ZeRO-3 (partitioning 4/8-bit weights is not supported here); use zero=stage2")
     return problems

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from ds_exp.config.optimizer_settings import OptimizerConfig
 from ds_exp.config.optimizers import OPTIMIZERS, entry_of
-from ds_exp.config.schema import Config, plain
+from ds_exp.config.schema import Config, LoraConfig, OffloadConfig, plain
 from ds_exp.fast_path.settings import FastPathSettings
 from ds_exp.long_context.settings import LongContextSettings
 
@@ -39,20 +40,26 @@ class OptimizerState:
         return round(trainable * self.per_param + aux * (self.aux_per_param - self.per_param))
 
 
-def optimizer_state(cfg: Config, facts: dict[str, int] | None = None, accelerator: str = "cuda") -> OptimizerState:
-    """The state of the optimizer the config builds on `accelerator`, for a model with `facts`
-    (ds_exp.model.architecture's model_facts: the embedding's share where an auxiliary optimizer takes it; None:
-    the larger of the two amounts for every parameter, an upper bound)."""
-    entry = entry_of(cfg.optimizer) or OPTIMIZERS["adamw"]
-    offload = str(plain(cfg.offload.optimizer)) != "none"
-    impl = entry.impl_for(cfg.optimizer, offload=offload, accelerator=accelerator)
-    per_param = float(entry.state_bytes(cfg.optimizer, impl))
+def optimizer_state(
+    opt: OptimizerConfig,
+    offload: OffloadConfig,
+    lora: LoraConfig,
+    facts: dict[str, int] | None = None,
+    accelerator: str = "cuda",
+) -> OptimizerState:
+    """The state of the optimizer `opt` builds on `accelerator` (with its offload, and LoRA), for a model with
+    `facts` (ds_exp.model.architecture's model_facts: the embedding's share where an auxiliary optimizer takes it;
+    None: the larger of the two amounts for every parameter, an upper bound)."""
+    entry = entry_of(opt) or OPTIMIZERS["adamw"]
+    offloaded = str(plain(offload.optimizer)) != "none"
+    impl = entry.impl_for(opt, offload=offloaded, accelerator=accelerator)
+    per_param = float(entry.state_bytes(opt, impl))
     if entry.aux_state_bytes is None:
         return OptimizerState(per_param)
     if facts is None:
         return OptimizerState(max(per_param, entry.aux_state_bytes))
     aux = 0
-    if int(cfg.lora.dim) == 0:  # what DeepSpeed hands the auxiliary AdamW: embeddings, the head, vectors
+    if int(lora.dim) == 0:  # what DeepSpeed hands the auxiliary AdamW: embeddings, the head, vectors
         embeddings = facts["vocab"] * facts["hidden"] * (1 if facts.get("tied") else 2)
         aux = embeddings + (2 * facts["layers"] + 1) * facts["hidden"]
     return OptimizerState(per_param, aux, float(entry.aux_state_bytes))
@@ -205,7 +212,7 @@ def run_estimate(
         precision=precision,
         offload_optimizer=str(plain(cfg.offload.optimizer)),
         offload_param=str(plain(cfg.offload.param)),
-        state=optimizer_state(cfg, facts, accelerator),
+        state=optimizer_state(cfg.optimizer, cfg.offload, cfg.lora, facts, accelerator),
     )
     long_context = LongContextSettings.of(cfg)
     sp, tiling = long_context.sequence_parallel, long_context.plan(hidden=facts["hidden"], vocab=facts["vocab"])

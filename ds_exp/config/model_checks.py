@@ -13,7 +13,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from ds_exp.config.schema import Config, ModelConfig
+from ds_exp.config.schema import EvalConfig, ModelConfig
 from ds_exp.core.errors import ConfigError
 
 WEIGHT_FILES = (
@@ -143,29 +143,29 @@ def weights_problem(directory: Path, shown: str, key: str | None = None) -> str 
     return None
 
 
-def local_model_problems(cfg: Config) -> list[str]:
+def local_model_problems(model: ModelConfig, *, dry_run: bool) -> list[str]:
     """A local model.name_or_path: config.json parses, and (unless it is a dry run) the weights are complete."""
-    directory = local_checkpoint(cfg.model)
+    directory = local_checkpoint(model)
     if directory is None or not (directory / "config.json").is_file():
         return []
-    _, problem = read_config_json(directory, str(cfg.model.name_or_path))
+    _, problem = read_config_json(directory, str(model.name_or_path))
     if problem is not None:
         return [problem]
-    if cfg.dry_run:  # a dry run reads the config only: planning a model whose weights are elsewhere is fine
+    if dry_run:  # a dry run reads the config only: planning a model whose weights are elsewhere is fine
         return []
-    problem = weights_problem(directory, str(cfg.model.name_or_path))
+    problem = weights_problem(directory, str(model.name_or_path))
     return [problem] if problem else []
 
 
 # ----------------------------------------------------------------------------------------------- positions
 
 
-def model_settings(cfg: Config) -> dict[str, Any] | None:
+def model_settings(model: ModelConfig) -> dict[str, Any] | None:
     """The model's config as a dict: its config.json, or model.arch; None when neither is readable here."""
-    if cfg.model.name_or_path is None:
-        return dict(cfg.model.arch) if cfg.model.arch is not None else None
-    directory = local_checkpoint(cfg.model)
-    return read_config_json(directory, cfg.model.name_or_path)[0] if directory is not None else None
+    if model.name_or_path is None:
+        return dict(model.arch) if model.arch is not None else None
+    directory = local_checkpoint(model)
+    return read_config_json(directory, model.name_or_path)[0] if directory is not None else None
 
 
 def position_limit(settings: dict[str, Any]) -> tuple[str, int, str] | None:
@@ -188,11 +188,10 @@ def position_limit(settings: dict[str, Any]) -> tuple[str, int, str] | None:
     return key, limit, "unknown"
 
 
-def _beyond(cfg: Config) -> tuple[int, str, int, str, str] | None:
+def _beyond(model: ModelConfig, max_seq_len: int) -> tuple[int, str, int, str, str] | None:
     """(max_seq_len, key, limit, kind, model_type) when data.max_seq_len is beyond the model's positions."""
-    settings = model_settings(cfg)
-    max_seq_len = cfg.data.max_seq_len
-    if not settings or not isinstance(max_seq_len, int):
+    settings = model_settings(model)
+    if not settings:
         return None
     found = position_limit(settings)
     if found is None or max_seq_len <= found[1]:
@@ -200,9 +199,9 @@ def _beyond(cfg: Config) -> tuple[int, str, int, str, str] | None:
     return max_seq_len, found[0], found[1], found[2], str(settings.get("model_type") or "?")
 
 
-def max_seq_len_problems(cfg: Config) -> list[str]:
+def max_seq_len_problems(model: ModelConfig, max_seq_len: int) -> list[str]:
     """An error for a model with a learned position table shorter than data.max_seq_len."""
-    beyond = _beyond(cfg)
+    beyond = _beyond(model, max_seq_len)
     if beyond is None or beyond[3] != "learned":
         return []
     n, key, limit, _, model_type = beyond
@@ -212,18 +211,18 @@ def max_seq_len_problems(cfg: Config) -> list[str]:
     ]
 
 
-def max_new_tokens_problems(cfg: Config) -> list[str]:
+def max_new_tokens_problems(model: ModelConfig, eval_cfg: EvalConfig) -> list[str]:
     """eval.max_new_tokens alone at or past a learned position table leaves no room for any prompt (each prompt
     is measured once the tokenizer is loaded: ds_exp.train.generate.check_generation_room)."""
-    settings = model_settings(cfg)
-    if not (cfg.eval.prompts or cfg.eval.prompts_file) or not settings:
+    settings = model_settings(model)
+    if not (eval_cfg.prompts or eval_cfg.prompts_file) or not settings:
         return []
     found = position_limit(settings)
-    if found is None or found[2] != "learned" or cfg.eval.max_new_tokens < found[1]:
+    if found is None or found[2] != "learned" or eval_cfg.max_new_tokens < found[1]:
         return []
     key, limit, _ = found
     return [
-        f"eval.max_new_tokens={cfg.eval.max_new_tokens} leaves no room for a prompt within the model's {limit} "
+        f"eval.max_new_tokens={eval_cfg.max_new_tokens} leaves no room for a prompt within the model's {limit} "
         f"positions ({settings.get('model_type')}, {key}={limit}: a learned table of absolute positions, generating "
         f"past it fails): set eval.max_new_tokens below {limit}, e.g. {min(64, limit // 2)}"
     ]
@@ -260,14 +259,14 @@ def scaled_positions(scaling: dict[str, Any] | None, limit: int) -> int | None:
     return int(float(scaling["factor"]) * base)
 
 
-def max_seq_len_notes(cfg: Config) -> list[str]:
+def max_seq_len_notes(model: ModelConfig, max_seq_len: int) -> list[str]:
     """Warnings (not errors) for rotary or unknown position encodings run past the trained context (or past what
     model.rope_scaling stretches it to)."""
-    beyond = _beyond(cfg)
+    beyond = _beyond(model, max_seq_len)
     if beyond is None or beyond[3] == "learned":
         return []
     n, key, limit, kind, model_type = beyond
-    scaling = dict(cfg.model.rope_scaling or {})
+    scaling = dict(model.rope_scaling or {})
     if kind == "rope":
         stretched = scaled_positions(scaling, limit)
         if scaling and (stretched is None or n <= stretched):
@@ -319,13 +318,13 @@ def _divisors(n: int) -> str:
     return ", ".join(map(str, found[:8])) + (", ..." if len(found) > 8 else "")
 
 
-def arch_problems(cfg: Config) -> list[str]:
+def arch_problems(model: ModelConfig) -> list[str]:
     """model.arch (a model built from a config) holds an architecture transformers can build and run: every size
     a whole number > 0, the hidden size split evenly over the heads, key/value heads that divide the heads, an even
     rotary head dimension, finite epsilons and dropouts in [0, 1]. Told here, not as a ZeroDivisionError or a
     shape mismatch in the first forward pass (transformers validates only some of these, per model family)."""
-    arch = cfg.model.arch
-    if cfg.model.name_or_path is not None or arch is None:
+    arch = model.arch
+    if model.name_or_path is not None or arch is None:
         return []
     problems = []
     if not arch.get("model_type"):

@@ -6,17 +6,17 @@ ds_exp/config/optimizers.py. Light: no torch, no deepspeed, nothing of the optim
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from typing import Any
 
 from ds_exp.config.ds_config import MISSING, get_path, is_zero_stage, optimizer_needs
+from ds_exp.config.fields import FLOAT32_MAX
+from ds_exp.config.optimizer_settings import OptimizerConfig
 from ds_exp.config.optimizers import OPTIMIZERS, OptimizerEntry, Owner, entry_of
 from ds_exp.config.resolvers import AUTO
-from ds_exp.config.schema import Config, plain
+from ds_exp.config.schema import plain
 from ds_exp.fast_path.settings import toggle
 
-FLOAT32_MAX = 3.4028234663852886e38
 HOST_OFFLOAD = ("cpu", "nvme")
 GROUP_KEYS = {"zero_optimization.reduce_scatter": "zero.reduce_scatter"}  # DeepSpeed key -> the setting that sets it
 # how a message names a DeepSpeed value: (its path, its value, the ds_exp setting that sets it) -> "key=value"
@@ -27,9 +27,8 @@ def _plain_where(path: str, value: object, group_key: str) -> str:
     return f"{group_key}={json.dumps(value) if isinstance(value, bool) else value}"
 
 
-def settings_problems(cfg: Config) -> list[str]:
-    """The optimizer's own settings: one line per problem."""
-    opt = cfg.optimizer
+def settings_problems(opt: OptimizerConfig) -> list[str]:
+    """The optimizer's own settings, each within its range already: one line per problem."""
     entry = OPTIMIZERS.get(str(opt.name))
     if entry is None:
         names = ", ".join(OPTIMIZERS)
@@ -39,11 +38,11 @@ def settings_problems(cfg: Config) -> list[str]:
             f"optimizer.name={opt.name} does not match the optimizer's settings ({type(opt).__name__}): choose the "
             f"optimizer with optimizer={opt.name}, which brings its settings, rather than setting optimizer.name"
         ]
-    problems = opt.problems()  # its own values (ds_exp/config/optimizer_settings.py)
+    problems = opt.problems()  # what its ranges cannot say (ds_exp/config/optimizer_settings.py)
     owner = Owner(plain(opt.owner))
     if owner not in entry.owners:
         problems.append(_owner_problem(entry, owner))
-    return problems + _learning_rate_problems(cfg)
+    return problems + _learning_rate_problems(opt)
 
 
 def _owner_problem(entry: OptimizerEntry, owner: Owner) -> str:
@@ -58,16 +57,15 @@ def _owner_problem(entry: OptimizerEntry, owner: Owner) -> str:
     )
 
 
-def _learning_rate_problems(cfg: Config) -> list[str]:
+def _learning_rate_problems(opt: OptimizerConfig) -> list[str]:
     """An Adam-style first update divides the learning rate by (1 - beta1) (bias correction): beyond float32's range
     the optimizer cannot even compute it (a RuntimeError in the first step), nor a weight decay factor lr x decay.
     Smaller but absurd rates diverge, which the run reports itself."""
-    opt = cfg.optimizer
     betas = list(getattr(opt, "betas", [0.0, 0.0]))
-    if not (math.isfinite(opt.lr) and opt.lr > 0 and len(betas) == 2 and 0 <= betas[0] < 1):
+    if len(betas) != 2:  # said by its settings
         return []
     first_step = opt.lr / (1 - betas[0])
-    decay = opt.lr * opt.weight_decay if math.isfinite(opt.weight_decay) else 0.0
+    decay = opt.lr * opt.weight_decay
     if first_step <= FLOAT32_MAX and decay <= FLOAT32_MAX:
         return []
     what = (
@@ -81,11 +79,18 @@ def _learning_rate_problems(cfg: Config) -> list[str]:
     ]
 
 
-def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where: Where = _plain_where) -> list[str]:
+def placement_problems(
+    opt: OptimizerConfig,
+    ds: dict[str, Any],
+    accelerator: str,
+    *,
+    sequence_parallel_size: int,
+    compile: object,
+    where: Where = _plain_where,
+) -> list[str]:
     """Where the optimizer runs, against the merged DeepSpeed config `ds` (a user's file included; `where` names a
     value from it): its ZeRO stages, offload, device, implementation, gradient clipping, and the DeepSpeed keys it
-    needs. Nothing for an optimizer the settings checks refuse."""
-    opt = cfg.optimizer
+    needs, with dist.sequence_parallel_size and train.compile. Nothing for an optimizer the settings checks refuse."""
     entry = entry_of(opt)
     if entry is None:  # refused by settings_problems
         return []
@@ -113,7 +118,7 @@ def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where:
             f"optimizer={entry.name} with {what}: {entry.offload_note}; use offload=none, or optimizer=adamw"
         )
     if Owner(plain(opt.owner)) is Owner.ds_exp:
-        problems += _impl_problems(cfg, entry, offload, accelerator, where)
+        problems += _impl_problems(opt, entry, offload, accelerator, where)
     elif entry.deepspeed_cuda and accelerator != "cuda" and offload not in HOST_OFFLOAD:
         problems.append(
             f"optimizer={entry.name} with optimizer.owner=deepspeed: DeepSpeed builds its CUDA kernel for it (or its "
@@ -126,20 +131,20 @@ def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where:
             f"optimizer={entry.name} at ZeRO stage {stage} with {what}: {entry.clip_note}; set "
             "train.gradient_clipping=0, or use zero=stage0"
         )
-    sp = int(cfg.dist.sequence_parallel_size)
+    sp = sequence_parallel_size
     if stage == 3 and sp > 1 and entry.zero3_settings.get("zero_optimization.reduce_scatter", (True,))[0] is False:
         problems.append(
             f"optimizer={entry.name} at ZeRO stage 3 with dist.sequence_parallel_size={sp}: it needs "
             "zero.reduce_scatter off at ZeRO-3, where DeepSpeed 0.19.8 averages sequence-parallel gradients "
             "inexactly (ds_exp/core/compat/deepspeed.py); use zero=stage2 or lower with sequence parallelism"
         )
-    if entry.compiled_update and accelerator == "cpu" and toggle(cfg.train.compile) is True:  # auto: off on CPUs
+    if entry.compiled_update and accelerator == "cpu" and toggle(compile) is True:  # auto: off on CPUs
         problems.append(
             f"train.compile=true with optimizer={entry.name} on a CPU: ds_exp runs its update eagerly there "
             "(DeepSpeed's torch.compile'd update takes 10-30 s to compile per matrix shape on a CPU), which leaves "
             "torch.compile off for the run; set train.compile=false"
         )
-    for path, value, current, why in optimizer_needs(cfg, ds):
+    for path, value, current, why in optimizer_needs(opt, ds):
         if current not in (MISSING, None, AUTO) and current != value:
             setting = where(path, current, GROUP_KEYS.get(path, f"deepspeed.config.{path}"))
             problems.append(
@@ -149,8 +154,10 @@ def placement_problems(cfg: Config, ds: dict[str, Any], accelerator: str, where:
     return problems
 
 
-def _impl_problems(cfg: Config, entry: OptimizerEntry, offload: object, accelerator: str, where: Where) -> list[str]:
-    impl = str(plain(getattr(cfg.optimizer, "impl", "auto")))
+def _impl_problems(
+    opt: OptimizerConfig, entry: OptimizerEntry, offload: object, accelerator: str, where: Where
+) -> list[str]:
+    impl = str(plain(getattr(opt, "impl", "auto")))
     if not entry.impls or impl == "auto":
         return []
     if impl not in entry.impls:

@@ -1,8 +1,8 @@
 """The optimizers, one table: each entry owns its facts, and everything else reads them (ds_exp/config/components.py).
 
 An entry says what `optimizer=<name>` builds and how (its library class by dotted path, or DeepSpeed's optimizer
-type when DeepSpeed builds it), its typed settings (ds_exp/config/optimizer_settings.py, which check their own
-values; conf/optimizer/<name>.yaml merges into them), the bytes of state it keeps per parameter (the memory
+type when DeepSpeed builds it), its typed settings (ds_exp/config/optimizer_settings.py, each number's range beside
+it; conf/optimizer/<name>.yaml merges into them), the bytes of state it keeps per parameter (the memory
 planner, autotune and the dry run), and where it runs: the ZeRO stages, optimizer offload, DeepSpeed's universal
 checkpoints, the device and the package it needs. The checks that combine an entry
 with the rest of the config are ds_exp/config/optimizer_checks.py's; the building is ds_exp/model/optimizers.py's.

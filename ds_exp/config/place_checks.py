@@ -30,9 +30,12 @@ def experiment_name_problem(name: object) -> str | None:
 _DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".gz", ".txt")
 
 
-def _relative_paths(cfg: Config) -> list[tuple[str, str]]:
-    """(key, value) of every path setting given relative to the working directory (the run's outputs,
-    train.checkpoint_dir and train.export_dir, are relative to the run directory whatever it is)."""
+def chdir_problems(cfg: Config, chdir: bool) -> list[str]:
+    """hydra.job.chdir=true runs the job inside its run directory: every path setting given relative to the working
+    directory would be taken from there (the run's outputs, train.checkpoint_dir and train.export_dir, are relative
+    to the run directory whatever it is)."""
+    if not chdir:
+        return []
     given: list[tuple[str, str | None]] = [
         ("model.name_or_path", cfg.model.name_or_path),
         ("model.tokenizer", cfg.model.tokenizer),
@@ -46,22 +49,16 @@ def _relative_paths(cfg: Config) -> list[tuple[str, str]]:
     for group in ("sources", "sft_only_sources"):
         for n, source in enumerate(getattr(cfg.data, group)):
             given += [(f"data.{group}[{n}].path", source.path), (f"data.{group}[{n}].eval_path", source.eval_path)]
-    out = []
+    moved = []
     for key, value in given:
         if not value or value.startswith(("/", "~")):
             continue
         may_be_a_hub_id = key.startswith(("model.", "data.sources", "data.sft_only_sources"))
         if not may_be_a_hub_id or looks_like_local_path(value) or value.endswith(_DATA_SUFFIXES):
-            out.append((key, value))
+            moved.append((key, value))
     uri = cfg.logger.mlflow.tracking_uri or ""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):  # sqlite:///relative.db
-        out.append(("logger.mlflow.tracking_uri", uri))
-    return out
-
-
-def chdir_problems(cfg: Config, chdir: bool) -> list[str]:
-    """hydra.job.chdir=true runs the job inside its run directory: every relative path would be taken from there."""
-    moved = _relative_paths(cfg) if chdir else []
+        moved.append(("logger.mlflow.tracking_uri", uri))
     if not moved:
         return []
     return [

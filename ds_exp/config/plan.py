@@ -32,7 +32,7 @@ class RunPlan:
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
-    facts: RunFacts  # what resolve_ds_config was told (replaced_by_config_file reads them too)
+    facts: RunFacts  # what resolve_ds_config was told
     ds_config: dict[str, Any]  # "auto" filled; a resume through the universal format changes it (recipe)
 
     @property

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 from ds_exp.config.fields import CHECKED_BY, INT64_MAX, RANGE, Range, rule, walk_fields
 from ds_exp.config.optimizers import OPTIMIZERS
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, ZeroConfig
 
 
 def _declared(kind: str) -> dict[str, Any]:
@@ -38,9 +37,10 @@ _ZERO_SIZES = tuple(key.removeprefix("zero.") for key, check in FREE_FORM.items(
 _SKIPPED = ("model.arch", "deepspeed")  # model.arch: checked with the architecture; a DeepSpeed file: DeepSpeed's
 
 
-def number_problems(cfg: Config) -> list[tuple[str, str]]:
-    """(key, line) for every number of the config that is not finite, or an integer beyond 64 bits: nan and inf
-    parse as floats and nothing in a run means either, and torch, numpy and DeepSpeed overflow past 64 bits."""
+def number_problems(node: object, prefix: str = "") -> list[tuple[str, str]]:
+    """(key, line) for every number of a settings tree (the config, or one of its sections named by `prefix`) that is
+    not finite, or an integer beyond 64 bits: nan and inf parse as floats and nothing in a run means either, and
+    torch, numpy and DeepSpeed overflow past 64 bits."""
     problems: list[tuple[str, str]] = []
 
     def walk(value: object, key: str) -> None:
@@ -62,7 +62,7 @@ def number_problems(cfg: Config) -> list[tuple[str, str]]:
         elif _beyond_64_bits(value):
             problems.append((key, f"{key}={value}: too large; whole numbers go up to 2^63 - 1 ({INT64_MAX})"))
 
-    walk(cfg, "")
+    walk(node, prefix.rstrip("."))
     return problems
 
 
@@ -74,31 +74,33 @@ def _beyond_64_bits(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX
 
 
-def lookup(cfg: Config, key: str) -> Any:
-    """The value of a dotted key; None where the config has no such key (a setting of another optimizer)."""
-    value: Any = cfg
+def lookup(node: object, key: str) -> Any:
+    """The value of a dotted key below `node`; None where it has no such key (a setting of another optimizer)."""
+    value: Any = node
     for part in key.split("."):
         value = getattr(value, part, None)
     return value
 
 
-def range_problems(cfg: Config) -> list[tuple[str, str]]:
-    """(key, line) for every declared key whose value lies outside its range (None: a null the key allows)."""
+def range_problems(node: object, prefix: str = "") -> list[tuple[str, str]]:
+    """(key, line) for every declared key below `node` (the config, or the section `prefix` names: "data.") whose
+    value lies outside its range (None: a null the key allows)."""
     problems: list[tuple[str, str]] = []
     for key, allowed in RANGES.items():
-        value = lookup(cfg, key)
+        if not key.startswith(prefix):
+            continue
+        value = lookup(node, key.removeprefix(prefix))
         items = value if isinstance(value, (list, tuple)) else [value]
-        bad = [problem for item in items if item is not None and (problem := allowed.problem(key, item))]
+        bad = [item for item in items if item is not None and allowed.problem(key, item)]
         if bad and isinstance(value, (list, tuple)):
-            problems.append((key, f"{key}={list(value)}: each {allowed.said().removeprefix('must be ')}"))
+            problems.append((key, f"{key}={list(value)}: each item {allowed.why(bad[0])}"))
         elif bad:
-            problems.append((key, bad[0]))
-    return problems + zero_value_problems(cfg)
+            problems.append((key, f"{key}={value}: {allowed.why(value)}"))
+    return problems
 
 
-def zero_value_problems(cfg: Config) -> list[tuple[str, str]]:
+def zero_value_problems(zero: ZeroConfig) -> list[tuple[str, str]]:
     """The zero.* values the schema types Any (a number or auto): what DeepSpeed's schema would refuse later."""
-    zero = cfg.zero
     problems: list[tuple[str, str]] = []
     overlap = zero.overlap_comm
     if overlap is not None and overlap not in (True, False, "auto"):
@@ -115,24 +117,3 @@ def _whole_at_least_zero(value: Any) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
     return float(value).is_integer() and 0 <= value <= INT64_MAX
-
-
-def key_of(line: str) -> str:
-    """The key a problem line starts with (`train.seed=-1: ...` -> train.seed)."""
-    match = re.match(r"[\w.\[\]-]*", line)
-    return match.group() if match else ""
-
-
-def said_already(key: str, problems: list[str]) -> bool:
-    """A line about `key` is among `problems` (each line starts with the key, then `=`, ` ` or `:`)."""
-    return any(line.startswith((f"{key}=", f"{key} ", f"{key}:", f"{key}[")) for line in problems)
-
-
-def numbers_problems(cfg: Config, said: list[str]) -> list[str]:
-    """Every line of number_problems and range_problems whose key the other checks (`said`) have not named: a
-    key's own check says more than its range."""
-    lines: list[str] = []
-    for key, line in number_problems(cfg) + range_problems(cfg):
-        if not said_already(key, said + lines):
-            lines.append(line)
-    return lines

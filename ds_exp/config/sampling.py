@@ -1,26 +1,23 @@
 """How generation samples: the options shared by generation during training (eval.temperature, eval.top_p,
-eval.top_k) and `python -m ds_exp.chat` (--temperature, --top-p, --top-k), checked the same way."""
+eval.top_k) and `python -m ds_exp.chat` (--temperature, --top-p, --top-k), checked the same way: each within the range
+its eval.* field declares, and no top_p / top_k with greedy decoding, which would be silently ignored."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+
+from ds_exp.config.ranges import RANGES
 
 
 def sampling_problems(temperature: float, top_p: float, top_k: int, key: Callable[[str], str]) -> list[str]:
     """The sampling options of generation (eval.*, and python -m ds_exp.chat's --temperature ...): one line each.
-    `key` names an option as the user gave it. top_p / top_k with greedy decoding would be silently ignored."""
+    `key` names an option as the user gave it."""
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     problems = [
-        f"{key(name)}={value}: must be a finite number"
-        for name, value in (("temperature", temperature), ("top_p", top_p))
-        if not math.isfinite(value)
+        f"{key(name)}={value}: {RANGES[f'eval.{name}'].why(value)}"
+        for name, value in given.items()
+        if not RANGES[f"eval.{name}"].holds(value)
     ]
-    if temperature < 0:
-        problems.append(f"{key('temperature')}={temperature}: must be >= 0 (0 = greedy, e.g. 0.7 to sample)")
-    if math.isfinite(top_p) and not 0 < top_p <= 1:
-        problems.append(f"{key('top_p')}={top_p}: must be in (0, 1] (1 = off)")
-    if top_k < 0:
-        problems.append(f"{key('top_k')}={top_k}: must be >= 0 (0 = off)")
     if temperature == 0 and not problems and (top_p != 1 or top_k != 0):
         which = key("top_p") if top_p != 1 else key("top_k")
         problems.append(

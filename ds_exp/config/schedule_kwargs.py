@@ -7,7 +7,7 @@ schedule takes; tests/unit/test_hostile_inputs.py checks it against the installe
 from __future__ import annotations
 
 from ds_exp.config.fields import FRACTION, Range, Spec, above, at_least
-from ds_exp.config.schema import Config, plain
+from ds_exp.config.schema import SchedulerConfig, plain
 
 _STEPS = Spec(whole=True, range=at_least(0))
 _CYCLES = Spec(range=above(0, " (0.5 = half a cosine wave)"))
@@ -72,10 +72,9 @@ _PASSED = {
 }
 
 
-def scheduler_kwargs_problems(cfg: Config) -> list[str]:
-    """One line per scheduler.kwargs entry its schedule does not take, or takes with another type or range. Only
-    for the schedules ds_exp builds (scheduler.owner=ds_exp); DeepSpeed's own take no kwargs from here."""
-    sched = cfg.scheduler
+def scheduler_kwargs_problems(sched: SchedulerConfig) -> list[tuple[str, str]]:
+    """(key, line) for each scheduler.kwargs entry its schedule does not take, or takes with another type or range.
+    Only for the schedules ds_exp builds (scheduler.owner=ds_exp); DeepSpeed's own take no kwargs from here."""
     if plain(sched.owner) != "ds_exp" or not sched.kwargs:
         return []
     name = str(plain(sched.name))
@@ -84,29 +83,29 @@ def scheduler_kwargs_problems(cfg: Config) -> list[str]:
     for key, value in sched.kwargs.items():
         given = f"scheduler.kwargs.{key}={_shown(value)}"
         if key in _PASSED:
-            problems.append(f"{given}: ds_exp sets {key} itself from {_PASSED[key]}; remove it from scheduler.kwargs")
+            line = f"{given}: ds_exp sets {key} itself from {_PASSED[key]}; remove it from scheduler.kwargs"
         elif key not in takes:
             known = ", ".join(takes) if takes else "none"
-            problems.append(
+            line = (
                 f"{given}: scheduler.name={name} takes no {key} (its kwargs: {known}); remove it or pick the "
                 "schedule that takes it"
             )
         elif (problem := takes[key].problem(value)) is not None:
-            problems.append(f"{given}: {problem}")
+            line = f"{given}: {problem}"
+        else:
+            continue
+        problems.append((f"scheduler.kwargs.{key}", line))
     if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
         floors = [k for k in ("min_lr", "min_lr_rate") if sched.kwargs.get(k) is not None]
         if len(floors) != 1:
             problems.append(
-                f"scheduler.name={name} needs exactly one of scheduler.kwargs.min_lr and scheduler.kwargs.min_lr_rate "
-                f"(the floor the rate decays to; {'both are' if floors else 'neither is'} set), e.g. "
-                "scheduler.kwargs.min_lr_rate=0.1"
+                (
+                    "scheduler.kwargs",
+                    f"scheduler.name={name} needs exactly one of scheduler.kwargs.min_lr and "
+                    f"scheduler.kwargs.min_lr_rate (the floor the rate decays to; "
+                    f"{'both are' if floors else 'neither is'} set), e.g. scheduler.kwargs.min_lr_rate=0.1",
+                )
             )
-    lr_end = sched.kwargs.get("lr_end")
-    if name == "polynomial" and isinstance(lr_end, (int, float)) and lr_end >= cfg.optimizer.lr > 0:
-        problems.append(
-            f"scheduler.kwargs.lr_end={lr_end}: the polynomial schedule decays from optimizer.lr={cfg.optimizer.lr} "
-            "down to lr_end, so it must be smaller than optimizer.lr"
-        )
     return problems
 
 

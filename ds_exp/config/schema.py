@@ -160,7 +160,7 @@ class DataSource:
 @dataclass
 class SyntheticDataConfig:
     num_train: int = setting(
-        4000, range=Range(1, MAX_SYNTHETIC_ROWS, fix=" (for more, train on your own data: data=local)")
+        4000, range=Range(1, MAX_SYNTHETIC_ROWS, fix=" (or train on your own data: data=local)")
     )  # train rows of the embedded task (before data_split)
     num_eval: int = setting(
         200, range=Range(0, MAX_SYNTHETIC_ROWS, fix=" (0 = no eval set)")
@@ -323,7 +323,14 @@ class TrainConfig(ExportSettings):  # train.export*: ds_exp/exports/settings.py
 class DistConfig:
     launcher: Launcher = Launcher.auto
     backend: Backend = Backend.auto
-    timeout_minutes: int = setting(30, range=Range(1, MAX_TIMEOUT_MINUTES, fix=" (a year; the default is 30)"))
+    timeout_minutes: int = setting(
+        30,
+        range=Range(
+            1,
+            MAX_TIMEOUT_MINUTES,
+            fix=" (a year; torch counts the timeout in nanoseconds and longer ones overflow); the default is 30",
+        ),
+    )
     master_port: int = setting(29500, range=Range(1, 65535, fix=" (a TCP port, e.g. 29500)"))
     # Ulysses sequence parallelism (DeepSpeed's ALST): N ranks train each sample together, sharded along the
     # sequence; world size = data-parallel x N, global batch = micro x accumulation x data-parallel

@@ -11,7 +11,6 @@ import typing
 from typing import Any
 
 from ds_exp.config.output_paths import NAME_MAX
-from ds_exp.config.schema import Config
 
 PATH_MAX = 4096  # bytes per path on Linux
 # the schema's keys that hold a path (any other string is taken as one when it holds a separator)
@@ -21,10 +20,11 @@ PATH_KEYS = frozenset(
 )
 
 
-def shape_problems(cfg: Config) -> list[str]:
-    """One line per list item of the wrong type and per path-shaped value no file system can hold."""
+def shape_problems(node: object, prefix: str = "") -> list[str]:
+    """One line per list item of the wrong type and per path-shaped value no file system can hold, in a settings
+    tree: the config, or a section of it (its keys after `prefix`)."""
     problems: list[str] = []
-    _walk(cfg, "", problems)
+    _walk(node, prefix, problems)
     return problems
 
 

@@ -1,7 +1,9 @@
-"""Semantic checks of a composed config: combinations, ranges and paths the typed schema cannot express.
+"""Semantic checks of a composed config: ranges, combinations and paths the typed schema cannot express.
 
-Runs before anything heavy (no torch, no deepspeed): every problem found becomes one line naming the key
-and the fix, all reported together in one ConfigError.
+Runs before anything heavy (no torch, no deepspeed): every problem found becomes one line naming the key and the fix,
+all reported together in one ConfigError. Each value's own problems come first (`value_problems`: its shape, a
+number not finite or outside the range its field declares); the checks that combine values run only once every
+value is valid, so they neither trip over a bad one nor say it a second time.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from typing import Any
 
 from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, samples_per_rank
 from ds_exp.config.ds_config import RunFacts, get_path, is_zero_stage, load_config_file, resolve_ds_config
-from ds_exp.config.fields import MAX_TIMEOUT_MINUTES
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
     arch_problems,
@@ -28,11 +29,19 @@ from ds_exp.config.paths import not_a_directory
 from ds_exp.config.place_checks import experiment_name_problem
 from ds_exp.config.plan import decay_problem
 from ds_exp.config.precision import decide_precision, supports_bf16, supports_fp16
-from ds_exp.config.ranges import key_of, numbers_problems, said_already
+from ds_exp.config.ranges import number_problems, range_problems, zero_value_problems
 from ds_exp.config.resolvers import DEEPSPEED_SCHEDULERS
 from ds_exp.config.sampling import sampling_problems
 from ds_exp.config.schedule_kwargs import scheduler_kwargs_problems
-from ds_exp.config.schema import Config, plain
+from ds_exp.config.schema import (
+    Config,
+    EvalConfig,
+    ModelConfig,
+    PrecisionConfig,
+    SchedulerConfig,
+    TrainConfig,
+    plain,
+)
 from ds_exp.config.shapes import shape_problems
 from ds_exp.config.trackers import logger_problems
 from ds_exp.core.errors import ConfigError
@@ -42,9 +51,8 @@ from ds_exp.core.user_paths import special_file_problem
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
-def _model_problems(cfg: Config) -> list[str]:
+def _model_path_problems(model: ModelConfig) -> list[str]:
     problems = []
-    model = cfg.model
     if model.name_or_path is None and model.arch is None:
         problems.append(
             "model.name_or_path is not set and the model has no `arch`: give model.name_or_path=<local dir or "
@@ -71,19 +79,12 @@ def _model_problems(cfg: Config) -> list[str]:
                 f"model.tokenizer={value} {what}: point it at a Hugging Face tokenizer (or model) directory, a hub "
                 "id, or null for the model's own"
             )
-    return (
-        problems
-        + arch_problems(cfg)
-        + local_model_problems(cfg)
-        + max_seq_len_problems(cfg)
-        + max_new_tokens_problems(cfg)
-    )
+    return problems
 
 
-def _file_setting(cfg: Config, path: str) -> str | None:
-    """The user's DeepSpeed file when it sets `path` (the file wins over the groups there), else None: messages
-    then name the file and its key, not the group override that did not set the value."""
-    file = cfg.deepspeed.config_file
+def _file_setting(file: str | None, path: str) -> str | None:
+    """The user's DeepSpeed file (deepspeed.config_file) when it sets `path` (the file wins over the groups there),
+    else None: messages then name the file and its key, not the group override that did not set the value."""
     if not file:
         return None
     try:
@@ -96,16 +97,16 @@ def _file_setting(cfg: Config, path: str) -> str | None:
 _UNSET = object()
 
 
-def _setting(cfg: Config, path: str, value: object, group_key: str) -> str:
+def _setting(file: str | None, path: str, value: object, group_key: str) -> str:
     """How a message names where a DeepSpeed value came from: the file and its key, or the ds_exp setting."""
     shown = json.dumps(value) if isinstance(value, bool) else value  # as the override is written: true, not True
-    return _in_file(path, value, _file_setting(cfg, path)) or f"{group_key}={shown}"
+    return _in_file(path, value, _file_setting(file, path)) or f"{group_key}={shown}"
 
 
-def _zero_and_offload_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
+def _zero_and_offload_problems(file: str | None, ds: dict[str, Any]) -> list[str]:
     """ZeRO stage and offload fit together; a value from the user's DeepSpeed file is named with its file and key."""
     stage = get_path(ds, "zero_optimization.stage", None)
-    stage_file = _file_setting(cfg, "zero_optimization.stage")
+    stage_file = _file_setting(file, "zero_optimization.stage")
     if not is_zero_stage(stage):
         if stage_file is not None:
             return [
@@ -121,7 +122,7 @@ def _zero_and_offload_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
         needs_stage3 = kind == "param"
         if dev not in ("cpu", "nvme") or stage in ((3,) if needs_stage3 else (1, 2, 3)):
             continue
-        offload_file = _file_setting(cfg, f"zero_optimization.offload_{kind}.device")
+        offload_file = _file_setting(file, f"zero_optimization.offload_{kind}.device")
         what = _in_file(f"zero_optimization.offload_{kind}.device", dev, offload_file) or f"offload.{kind}={dev}"
         same = stage_file is not None and stage_file == offload_file
         got = f"got stage {stage}"
@@ -143,7 +144,7 @@ def _zero_and_offload_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
         if devices[kind] != "nvme":
             continue
         nvme_path = get_path(ds, f"zero_optimization.offload_{kind}.nvme_path", None)
-        device_file = _file_setting(cfg, f"zero_optimization.offload_{kind}.device")
+        device_file = _file_setting(file, f"zero_optimization.offload_{kind}.device")
         if not nvme_path:
             problems.append(
                 f"{_in_file(f'zero_optimization.offload_{kind}.device', 'nvme', device_file)} needs a directory: "
@@ -157,7 +158,7 @@ def _zero_and_offload_problems(cfg: Config, ds: dict[str, Any]) -> list[str]:
         if in_the_way is None:
             continue
         where = "" if in_the_way == Path(str(nvme_path)).expanduser() else f": {in_the_way}"
-        path_file = _file_setting(cfg, f"zero_optimization.offload_{kind}.nvme_path")
+        path_file = _file_setting(file, f"zero_optimization.offload_{kind}.nvme_path")
         problem = (
             f"{_in_file(f'zero_optimization.offload_{kind}.nvme_path', nvme_path, path_file)}{where} is a file, not "
             "a directory; point it at a directory on a local NVMe drive"
@@ -175,19 +176,8 @@ def _in_file(path: str, value: object, file: str | None) -> str:
     return f'"{path}": {json.dumps(value)} in deepspeed.config_file={file}' if file else ""
 
 
-def _value_problems(cfg: Config, world: int) -> list[str]:
+def _schedule_problems(sched: SchedulerConfig, train: TrainConfig, lr: float) -> list[str]:
     problems = []
-    train, sched, lora = cfg.train, cfg.scheduler, cfg.lora
-    if lora.dim < 0:
-        problems.append(f"lora.dim={lora.dim}: must be >= 0 (0 turns LoRA off, e.g. lora.dim=64 turns it on)")
-    if lora.dim > 0:
-        if lora.alpha is not None and lora.alpha <= 0:
-            problems.append(f"lora.alpha={lora.alpha}: must be > 0, or null for alpha = dim")
-        if not 0 <= lora.dropout < 1:
-            problems.append(f"lora.dropout={lora.dropout}: must be in [0, 1)")
-    problems += settings_problems(cfg)  # the optimizer's own (its entry in ds_exp/config/optimizers.py)
-    if not 0 <= sched.warmup_ratio < 1:
-        problems.append(f"scheduler.warmup_ratio={sched.warmup_ratio}: must be in [0, 1)")
     if sched.warmup_steps > 0 and sched.warmup_ratio > 0:
         problems.append("scheduler.warmup_steps and scheduler.warmup_ratio are both set: keep one, set the other to 0")
     if plain(sched.owner) == "deepspeed" and plain(sched.name) not in DEEPSPEED_SCHEDULERS:
@@ -195,39 +185,39 @@ def _value_problems(cfg: Config, world: int) -> list[str]:
             f"scheduler.name={plain(sched.name)} has no DeepSpeed equivalent: use scheduler.owner=ds_exp, or one of "
             f"{', '.join(DEEPSPEED_SCHEDULERS)} with scheduler.owner=deepspeed"
         )
-    if train.max_steps == 0 or train.max_steps < -1:
-        problems.append(
-            f"train.max_steps={train.max_steps}: give a positive number of steps, or -1 to use train.epochs"
-        )
+    if train.max_steps == 0:
+        problems.append("train.max_steps=0: give a positive number of steps, or -1 to use train.epochs")
     elif train.max_steps > 0 and sched.warmup_steps <= train.max_steps:  # else the run start says it, data known
         warmup = int(sched.warmup_steps) or math.ceil(train.max_steps * sched.warmup_ratio)
         problems += filter(None, [decay_problem(sched, train.max_steps, warmup)])
-    global_batch = train.global_batch_size
-    per_rank = samples_per_rank(train)
-    if global_batch != "auto":
-        if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
-            problems.append(f"train.global_batch_size={global_batch}: give a positive integer or auto")
-        elif per_rank >= 1 and global_batch % per_rank:
-            problems.append(
-                f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size x "
-                f"train.gradient_accumulation_steps = {per_rank}: the batch arithmetic cannot hold; use auto"
-            )
-        elif per_rank >= 1:
-            sp = int(cfg.dist.sequence_parallel_size)
-            if sp >= 1 and world % sp == 0 and global_batch != per_rank * data_parallel_size(world, sp):
-                problems.append(global_batch_mismatch(cfg.train, world, sp))
-    if not 1 <= cfg.dist.timeout_minutes <= MAX_TIMEOUT_MINUTES:
+    lr_end = sched.kwargs.get("lr_end")
+    if plain(sched.name) == "polynomial" and plain(sched.owner) == "ds_exp" and lr_end is not None and lr_end >= lr:
         problems.append(
-            f"dist.timeout_minutes={cfg.dist.timeout_minutes}: must be >= 1 and at most {MAX_TIMEOUT_MINUTES} (a "
-            "year; torch counts the timeout in nanoseconds and longer ones overflow); the default is 30"
+            f"scheduler.kwargs.lr_end={lr_end}: the polynomial schedule decays from optimizer.lr={lr} down to lr_end, "
+            "so it must be smaller than optimizer.lr"
         )
-    if not 1 <= cfg.dist.master_port <= 65535:
-        problems.append(f"dist.master_port={cfg.dist.master_port}: a TCP port is from 1 to 65535 (e.g. 29500)")
     return problems
 
 
-def _precision_problems(cfg: Config, accelerator: str) -> list[str]:
-    dtype = plain(cfg.precision.dtype)
+def _global_batch_problems(train: TrainConfig, world: int, sp: int) -> list[str]:
+    global_batch = train.global_batch_size
+    if global_batch == "auto":
+        return []
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        return [f"train.global_batch_size={global_batch}: give a positive integer or auto"]
+    per_rank = samples_per_rank(train)
+    if global_batch % per_rank:
+        return [
+            f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size x "
+            f"train.gradient_accumulation_steps = {per_rank}: the batch arithmetic cannot hold; use auto"
+        ]
+    if world % sp == 0 and global_batch != per_rank * data_parallel_size(world, sp):
+        return [global_batch_mismatch(train, world, sp)]
+    return []
+
+
+def _precision_problems(precision: PrecisionConfig, accelerator: str) -> list[str]:
+    dtype = plain(precision.dtype)
     if dtype == "fp16" and not supports_fp16(accelerator):
         return [
             f'precision=fp16: the {accelerator} accelerator cannot train in fp16 (DeepSpeed: "Type fp16 is not '
@@ -238,34 +228,47 @@ def _precision_problems(cfg: Config, accelerator: str) -> list[str]:
     return []
 
 
-def _eval_problems(cfg: Config) -> list[str]:
-    sampling = sampling_problems(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.top_k, key=lambda name: f"eval.{name}")
-    problems = [line for line in sampling if "must be a finite number" not in line]  # said by number_problems
-    if cfg.eval.max_new_tokens < 1:
-        problems.append(f"eval.max_new_tokens={cfg.eval.max_new_tokens}: must be >= 1")
-    if cfg.eval.prompts_file and (special := special_file_problem("eval.prompts_file", cfg.eval.prompts_file)):
+def _eval_problems(eval_cfg: EvalConfig) -> list[str]:
+    problems = sampling_problems(eval_cfg.temperature, eval_cfg.top_p, eval_cfg.top_k, key=lambda name: f"eval.{name}")
+    prompts_file = eval_cfg.prompts_file
+    if prompts_file and (special := special_file_problem("eval.prompts_file", prompts_file)):
         problems.append(special)
-    elif cfg.eval.prompts_file and not Path(cfg.eval.prompts_file).expanduser().is_file():
-        problems.append(
-            f"eval.prompts_file={cfg.eval.prompts_file}: file not found; give a text file with one prompt per line"
-        )
+    elif prompts_file and not Path(prompts_file).expanduser().is_file():
+        problems.append(f"eval.prompts_file={prompts_file}: file not found; give a text file with one prompt per line")
     return problems
 
 
-def _resume_problems(cfg: Config) -> list[str]:
-    if cfg.resume in (None, "auto"):
+def _resume_problems(resume: str | None) -> list[str]:
+    if resume in (None, "auto"):
         return []
-    if not cfg.resume.strip():
+    if not resume.strip():
         return ["resume is empty: give a run's checkpoints directory, resume=auto, or null to start fresh"]
-    path = Path(cfg.resume).expanduser()
+    path = Path(resume).expanduser()
     if not path.exists():
-        return [f"resume={cfg.resume}: no such checkpoint directory; give a run's checkpoints directory or resume=auto"]
+        return [f"resume={resume}: no such checkpoint directory; give a run's checkpoints directory or resume=auto"]
     if not path.is_dir():  # a file, a FIFO, a device: nothing a checkpoint is
         return [
-            f"resume={cfg.resume} is not a directory; give a run's checkpoints directory, one step<N> of it, or "
-            "resume=auto"
+            f"resume={resume} is not a directory; give a run's checkpoints directory, one step<N> of it, or resume=auto"
         ]
     return []
+
+
+def value_problems(cfg: Config) -> list[str]:
+    """Each value's own problems, before any check that combines values: a shape no check can look at (then nothing
+    else), else one line per key: a number not finite or past 64 bits, outside the range its field declares, a zero.*
+    size or a scheduler.kwargs entry that is no such value (the first of these said for a key)."""
+    shapes = shape_problems(cfg)
+    if shapes:
+        return shapes
+    first: dict[str, str] = {}
+    for key, line in [
+        *number_problems(cfg),
+        *range_problems(cfg),
+        *zero_value_problems(cfg.zero),
+        *scheduler_kwargs_problems(cfg.scheduler),
+    ]:
+        first.setdefault(key, line)
+    return list(first.values())
 
 
 def config_problems(
@@ -273,29 +276,44 @@ def config_problems(
 ) -> tuple[list[str], dict[str, Any]]:
     """Every problem of the config's values and combinations (one line each), and the merged DeepSpeed config
     (run-time "auto" kept; {} when it cannot be built). `world_size`: the launch's (for the global batch);
-    `run_dir`, when known, places the output directories that are given as absolute paths."""
-    shapes = shape_problems(cfg)
-    if shapes:  # values the checks below would trip over (a dict where a number goes, a path too long to probe)
-        return shapes, {}
-    problems = _model_problems(cfg) + _value_problems(cfg, world_size)
+    `run_dir`, when known, places the output directories that are given as absolute paths. The combinations are
+    checked only once every value is valid (value_problems)."""
+    values = value_problems(cfg)
+    if values:
+        return values, {}
+    model, file, sp = cfg.model, cfg.deepspeed.config_file, cfg.dist.sequence_parallel_size
+    problems = (
+        _model_path_problems(model)
+        + arch_problems(model)
+        + local_model_problems(model, dry_run=cfg.dry_run)
+        + max_seq_len_problems(model, cfg.data.max_seq_len)
+        + max_new_tokens_problems(model, cfg.eval)
+        + settings_problems(cfg.optimizer)
+        + _schedule_problems(cfg.scheduler, cfg.train, cfg.optimizer.lr)
+        + _global_batch_problems(cfg.train, world_size, sp)
+    )
     problems += [problem] if (problem := experiment_name_problem(cfg.experiment_name)) else []
     problems += (
-        _precision_problems(cfg, accelerator)
-        + _resume_problems(cfg)
-        + _eval_problems(cfg)
+        _precision_problems(cfg.precision, accelerator)
+        + _resume_problems(cfg.resume)
+        + _eval_problems(cfg.eval)
         + output_path_problems(cfg, run_dir)
     )
-    problems += lora_problems(cfg, accelerator) + logger_problems(cfg.logger, dry_run=cfg.dry_run)
-    problems += [p for p in scheduler_kwargs_problems(cfg) if not said_already(key_of(p), problems)]
+    problems += lora_problems(cfg.lora, accelerator, name_or_path=model.name_or_path, zero_stage=cfg.zero.stage)
+    problems += logger_problems(cfg.logger, dry_run=cfg.dry_run)
     ds: dict[str, Any] = {}
     try:
         precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))
-        ds = resolve_ds_config(cfg, RunFacts(precision=precision), partial=True)
+        ds = resolve_ds_config(cfg, RunFacts(precision=precision, sequence_parallel_size=sp), partial=True)
     except ConfigError as err:
         problems += err.problems
     if ds:
-        problems += _zero_and_offload_problems(cfg, ds) + placement_problems(
-            cfg, ds, accelerator, lambda path, value, key: _setting(cfg, path, value, key)
+        problems += _zero_and_offload_problems(file, ds) + placement_problems(
+            cfg.optimizer,
+            ds,
+            accelerator,
+            sequence_parallel_size=sp,
+            compile=cfg.train.compile,
+            where=lambda path, value, key: _setting(file, path, value, key),
         )
-    # every number finite, within 64 bits and within its declared range (a key's own check above says more)
-    return problems + numbers_problems(cfg, problems), ds
+    return problems, ds

@@ -11,6 +11,7 @@ import os
 from omegaconf import MISSING
 
 from ds_exp.config.paths import data_cache_dir, not_a_directory
+from ds_exp.config.ranges import range_problems
 from ds_exp.config.schema import DataConfig, DataSource, path_not_set, plain
 from ds_exp.core.private_files import UnsafePath, check_own
 from ds_exp.core.user_paths import special_file_problem
@@ -55,29 +56,18 @@ def source_problems(src: DataSource, key: str) -> list[str]:
 
 
 def data_config_problems(data: DataConfig) -> list[str]:
-    """Problems of the data settings, one line each; empty when they look usable."""
-    problems: list[str] = []
-    max_seq_len = data.max_seq_len
-    if not isinstance(max_seq_len, int) or max_seq_len <= 0:
-        problems.append(f"data.max_seq_len={max_seq_len}: must be a positive integer, e.g. 512")
+    """Problems of the data settings, one line each (its numbers: each outside the range its field declares); empty
+    when they look usable."""
+    problems = [line for _, line in range_problems(data, "data.")]
     try:
         parse_data_split(data.data_split)
     except ValueError as err:
         problems.append(f"data.data_split={data.data_split}: {err}")
-    frac = data.eval_fraction
-    if not isinstance(frac, (int, float)) or not 0 <= frac < 1:
-        problems.append(f"data.eval_fraction={frac}: must be in [0, 1), e.g. 0.05")
     template = plain(data.template)
     if template not in TEMPLATES:
         problems.append(f"data.template={template}: use one of {', '.join(TEMPLATES)}")
     if data.end_of_conversation_token is not None and not data.end_of_conversation_token:
         problems.append("data.end_of_conversation_token is empty; set null to use the tokenizer's eos")
-    num_proc = data.num_proc
-    if num_proc is not None and (not isinstance(num_proc, int) or num_proc < 1):
-        problems.append(f"data.num_proc={num_proc}: must be >= 1, or null to decide from the data size")
-    max_eval = data.max_eval_examples
-    if max_eval is not None and (not isinstance(max_eval, int) or max_eval < 1):
-        problems.append(f"data.max_eval_examples={max_eval}: must be >= 1, or null for all")
     cache_dir = data.cache_dir
     if cache_dir is not None and not cache_dir:
         problems.append("data.cache_dir is empty; set a directory for the tokenized cache, or null for your own")
@@ -96,12 +86,6 @@ def data_config_problems(data: DataConfig) -> list[str]:
         problems += source_problems(src, f"data.sources[{i}]")
     for i, src in enumerate(data.sft_only_sources):
         problems += source_problems(src, f"data.sft_only_sources[{i}]")
-    if not data.sources and not data.sft_only_sources:
-        num_train, num_eval = data.synthetic.num_train, data.synthetic.num_eval
-        if not isinstance(num_train, int) or num_train < 1:
-            problems.append(f"data.synthetic.num_train={num_train}: must be >= 1 (or set data.sources)")
-        if not isinstance(num_eval, int) or num_eval < 0:
-            problems.append(f"data.synthetic.num_eval={num_eval}: must be >= 0")
     return problems
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import re
 
+from ds_exp.config.fields import FLOAT32_MAX
+
 SPELLINGS = "data.data_split=10,0,0 (every row to SFT) or data.data_split=2,4,4 (DeepSpeed-Chat's three phases)"
 _BRACKETS = re.compile(r"^\s*[\[(](.*)[\])]\s*$")
 
@@ -42,8 +44,8 @@ def parse_data_split(value: object) -> tuple[float, float, float]:
             numbers.append(float(part))
         except ValueError:
             raise ValueError(f"proportions must be numbers, got {part!r}; write {SPELLINGS}") from None
-    if any(not math.isfinite(v) or v < 0 for v in numbers):
-        raise ValueError(f"proportions must be finite and non-negative; write {SPELLINGS}")
+    if any(not 0 <= v <= FLOAT32_MAX for v in numbers):  # nan and inf too; their sum must be finite
+        raise ValueError(f"proportions must be numbers from 0 to {FLOAT32_MAX:.4g}; write {SPELLINGS}")
     if numbers[0] <= 0:
         raise ValueError(f"phase 1 (SFT) gets nothing: its proportion must be > 0; write {SPELLINGS}")
     return numbers[0], numbers[1], numbers[2]

@@ -446,7 +446,7 @@ def base_model_dir(cfg: Config, tuned_dir: Path, scratch: Path) -> Iterator[Path
     if path is not None and Path(path).expanduser().is_dir():  # the checkpoint itself, when the export kept its
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)  # vocabulary, dtype
         rows = int(getattr(config.get_text_config(), "vocab_size", 0) or 0)
-        if meta.get("vocab_size") == rows and meta.get("dtype") == checkpoint_dtype(cfg):
+        if meta.get("vocab_size") == rows and meta.get("dtype") == checkpoint_dtype(cfg.model):
             yield Path(path).expanduser()
             return
     generation = meta.get("generation") or {}

@@ -416,7 +416,8 @@ def export_checkpoint(
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     ds_config = {"zero_optimization": {"stage": 0}, **{k: {"enabled": precision == k} for k in ("bf16", "fp16")}}
     built = build_model(cfg, tokenizer, ds_config)
-    built_base(cfg, built.model, zero3=False, checkpoint=tag_dir, what="export")  # the frozen weights it left out
+    # the frozen weights it left out
+    built_base(cfg.model, cfg.train.seed, built.model, zero3=False, checkpoint=tag_dir, what="export")
     dtype_of_training = getattr(torch, DTYPES[precision])
     state = read_weights(tag_dir, dtype_of_training)
     try:

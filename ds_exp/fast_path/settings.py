@@ -59,7 +59,7 @@ class FastPathSettings:
     @classmethod
     def of(cls, cfg: Config) -> FastPathSettings:
         model = cfg.model
-        transform = logits_changed_after_head(model_settings(cfg))
+        transform = logits_changed_after_head(model_settings(cfg.model))
         sp = int(getattr(cfg.dist, "sequence_parallel_size", 1) or 1)
         return cls(model.attn_implementation, model.liger_kernel, model.fused_loss, cfg.train.compile, sp, transform)
 

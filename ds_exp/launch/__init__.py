@@ -1,5 +1,5 @@
 """Starting a process, before anything heavy: the command line and its Hydra entry (cli), how the process was
-launched (environment; SLURM node lists: slurm_nodes), everything checked before heavy work (validation), the
+launched (environment), everything checked before heavy work (validation), the
 run directory's guards and its lock (run_dir, lock, callbacks: the single run's Hydra callback), per-rank log
 files (run_logging), every command's error boundary (console), files written whole (files) and disk checks
 (storage).

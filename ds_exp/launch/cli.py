@@ -101,7 +101,7 @@ def _run_job(composed: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     try:
         cfg = validate_job(composed, overrides, run_dir=run_dir)
-        check_hub(cfg)  # a hub id with no hub to reach: one message now, not transformers' retries
+        check_hub(cfg.model, dry_run=cfg.dry_run)  # no hub to reach: one message now, not transformers' retries
         # the data's rows read and checked (a bad row is its file:line) before torch and DeepSpeed take their seconds
         train_examples = count_train_examples(cfg.data)
     except DsExpError:

@@ -35,15 +35,18 @@ def whole(low: int | None = None, high: int | None = None, fix: str = "") -> Cal
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if not allowed.holds(value):
-            raise argparse.ArgumentTypeError(f"{value} {allowed.said()}{allowed.fix}")
+            raise argparse.ArgumentTypeError(f"{value} {allowed.why(value)}")
         return value
 
     parse.__name__ = "whole number"  # argparse names the type by it in its messages
     return parse
 
 
-def number(allowed: Range | None = None) -> Callable[[str], float]:
-    """A finite number, within `allowed` when given."""
+ANY_NUMBER = Range()  # float32's range: a flag's number reaches a tensor
+
+
+def number(allowed: Range = ANY_NUMBER) -> Callable[[str], float]:
+    """A finite number within `allowed` (float32's range when not given)."""
 
     def parse(text: str) -> float:
         try:
@@ -52,8 +55,8 @@ def number(allowed: Range | None = None) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text} is not a finite number")
-        if allowed is not None and not allowed.holds(value):
-            raise argparse.ArgumentTypeError(f"{value:g} {allowed.said()}{allowed.fix}")
+        if not allowed.holds(value):
+            raise argparse.ArgumentTypeError(f"{value:g} {allowed.why(value)}")
         return value
 
     parse.__name__ = "number"

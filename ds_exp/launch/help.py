@@ -7,6 +7,7 @@ This reads the YAML files as text instead: `key: value  # comment` lines, the co
 leading comment (what the option is), list items (`- path: ???  # ...`) and indented comment lines that continue
 the comment above. That is all conf/ uses (tests/unit/test_config.py keeps every knob commented), it takes milliseconds,
 and it reads the same files at run time, so the help cannot fall out of step with the config (bench/help_time.py).
+A number's range follows its comment, read from its field (ds_exp/config/ranges.py), as validation reads it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_exp.config.paths import conf_dir
+from ds_exp.config.ranges import RANGES  # the schema's (no torch): the command line imports it anyway
 
 HELP_FLAGS = ("--help", "-h")
 # Hydra's groups that ds_exp adds options to; Hydra's own default option is `basic`
@@ -189,6 +191,8 @@ def _width() -> int:
 
 def knob_line(key: str, value: str, doc: str, indent: str = "  ") -> list[str]:
     left = f"{indent}{key}={value}" if value else f"{indent}{key}"
+    if key in RANGES and doc:
+        doc += f" ({RANGES[key].said().removeprefix('must be ')})"
     if not doc:
         return [left]
     room = _width() - _KEY_WIDTH - 1

@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ds_exp.config.model_checks import looks_like_local_path
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import ModelConfig
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch.environment import launch_rank_from_env
 
@@ -32,10 +32,10 @@ OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 _TRUE = ("1", "true", "yes", "on")
 
 
-def hub_ids(cfg: Config) -> list[tuple[str, str]]:
+def hub_ids(model: ModelConfig) -> list[tuple[str, str]]:
     """(key, id) of the model settings that name a hub repository."""
     out = []
-    for key, value in (("model.name_or_path", cfg.model.name_or_path), ("model.tokenizer", cfg.model.tokenizer)):
+    for key, value in (("model.name_or_path", model.name_or_path), ("model.tokenizer", model.tokenizer)):
         if value and not looks_like_local_path(str(value)) and (key, value) not in out:
             out.append((key, str(value)))
     return out
@@ -104,20 +104,18 @@ def unreachable(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str |
     return result[0] if result else f"no answer in {timeout:g} s"
 
 
-def plans_from_arch(cfg: Config) -> bool:
+def plans_from_arch(model: ModelConfig, *, dry_run: bool) -> bool:
     """A dry run of a model that is not on this machine (a hub id not in the local cache) whose preset carries its
     published architecture (model.arch, conf/model/*.yaml): planned from those numbers, nothing downloaded, no
     tokenizer read (ds_exp.tools.dry_run says so in its notes)."""
-    ids = hub_ids(cfg)
-    return bool(cfg.dry_run and cfg.model.arch and cfg.model.name_or_path and ids) and not all(
-        cached(repo) for _, repo in ids
-    )
+    ids = hub_ids(model)
+    return bool(dry_run and model.arch and model.name_or_path and ids) and not all(cached(repo) for _, repo in ids)
 
 
-def check_hub(cfg: Config) -> None:
+def check_hub(model: ModelConfig, *, dry_run: bool) -> None:
     """Raise ConfigError for hub ids that cannot be loaded here; load cached ones offline when the hub is away."""
-    ids = hub_ids(cfg)
-    if not ids or plans_from_arch(cfg):  # a dry run that needs no file of the model
+    ids = hub_ids(model)
+    if not ids or plans_from_arch(model, dry_run=dry_run):  # a dry run that needs no file of the model
         return
     missing = [(key, repo) for key, repo in ids if not cached(repo)]
     settings = offline_settings()

@@ -61,7 +61,7 @@ from ds_exp.launch.run_config import (
     task_overrides,
 )
 from ds_exp.launch.storage import check_writable
-from ds_exp.resume.preflight import check_resume_target
+from ds_exp.resume.settings import check_resume_target
 from ds_exp.resume.store import complete_checkpoints
 
 # Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
@@ -100,7 +100,17 @@ def check_run_start(config: DictConfig) -> None:
     else:
         lock_run_dir(run_dir)  # first: a live run in this directory is the reason to name
     try:
-        _check_existing_run(config, cfg, run_dir, holds_a_run(run_dir, cfg.train.checkpoint_dir))
+        found = holds_a_run(run_dir, cfg.train.checkpoint_dir)
+        if found is not None and cfg.resume is None:
+            raise ConfigError(
+                f"hydra.run.dir={run_dir} already holds a run ({found}); nothing was changed. Continue it with "
+                "resume=auto, or start a new run in another directory (leave hydra.run.dir unset for a fresh one)"
+            )
+        if found is not None:
+            check_resume_target(cfg, run_dir, detect_launch(cfg.dist).world_size)
+            if (run_dir / ".hydra").is_dir() and config.hydra.output_subdir == ".hydra":
+                with read_write(config.hydra), open_dict(config.hydra):  # the first attempt's config stays as it was
+                    config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
     except BaseException:
         release_run_dir(run_dir, refused=True)
         raise
@@ -173,20 +183,6 @@ def check_not_inside_a_live_dir(directory: Path, key: str) -> None:
             "was changed. A job of that sweep may be about to write there: use a directory outside it, or wait for "
             "it to end"
         )
-
-
-def _check_existing_run(config: DictConfig, cfg: Config, run_dir: Path, found: str | None) -> None:
-    if found is None:
-        return
-    if cfg.resume is None:
-        raise ConfigError(
-            f"hydra.run.dir={run_dir} already holds a run ({found}); nothing was changed. Continue it with "
-            "resume=auto, or start a new run in another directory (leave hydra.run.dir unset for a fresh one)"
-        )
-    check_resume_target(cfg, run_dir, detect_launch(cfg.dist).world_size)
-    if (run_dir / ".hydra").is_dir() and config.hydra.output_subdir == ".hydra":
-        with read_write(config.hydra), open_dict(config.hydra):  # the first attempt's config stays as it was
-            config.hydra.output_subdir = f".hydra/resume-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
 
 
 # What a run writes into its directory before its first training step (Hydra's .hydra/ and job log aside): the

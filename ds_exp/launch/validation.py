@@ -9,15 +9,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_exp.config.ds_config import optimizer_needs
+from ds_exp.config.ds_config import check_overrides_obeyed, optimizer_needs
 from ds_exp.config.features import CheckFacts, feature_problems
-from ds_exp.config.file_overrides import check_overrides_obeyed
 from ds_exp.config.place_checks import chdir_problems
 from ds_exp.config.precision import detect_accelerator
-from ds_exp.config.ranges import key_of, said_already
 from ds_exp.config.schema import Config, to_config
-from ds_exp.config.shapes import shape_problems
-from ds_exp.config.validate import config_problems
+from ds_exp.config.validate import config_problems, value_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.data.checks import data_config_problems
 from ds_exp.launch.environment import detect_launch
@@ -26,15 +23,14 @@ from ds_exp.launch.environment import detect_launch
 def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
     """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept).
     `run_dir`, when known, places the output directories that are given as absolute paths."""
-    shapes = shape_problems(cfg)  # before the data checks, which would trip over them too
-    if shapes:
-        raise ConfigError(shapes)
+    values = value_problems(cfg)  # each value's own problems first: the checks below combine only valid ones
+    if values:
+        raise ConfigError(values)
     world = detect_launch(cfg.dist).world_size
     accelerator = accelerator or detect_accelerator()
     problems, ds = config_problems(cfg, accelerator=accelerator, world_size=world, run_dir=run_dir)
-    # the data keys' ranges are also in ds_exp.config.ranges (every numeric key has one): each said once
-    problems += [line for line in data_config_problems(cfg.data) if not said_already(key_of(line), problems)]
-    needs = frozenset(path for path, *_ in optimizer_needs(cfg, ds)) if ds else frozenset()
+    problems += data_config_problems(cfg.data)
+    needs = frozenset(path for path, *_ in optimizer_needs(cfg.optimizer, ds)) if ds else frozenset()
     problems += feature_problems(cfg, CheckFacts(world, accelerator, ds, run_dir, needs))  # each its own settings
     if problems:
         raise ConfigError(problems)

@@ -46,7 +46,7 @@ class LongContextSettings:
         sp = int(getattr(cfg.dist, "sequence_parallel_size", 1) or 1)
         rows = max(int(train.micro_batch_size), int(train.eval_micro_batch_size or 0))
         return cls(
-            m.rope_scaling, *tiling, m.gradient_checkpointing, cfg.data.max_seq_len, sp, rows, model_settings(cfg)
+            m.rope_scaling, *tiling, m.gradient_checkpointing, cfg.data.max_seq_len, sp, rows, model_settings(cfg.model)
         )
 
     @property

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from ds_exp.config.model_checks import checkpoint_error
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, LoraConfig, ModelConfig
 from ds_exp.core.errors import ConfigError
 from ds_exp.launch.hub import plans_from_arch
 from ds_exp.model.lora import adapted_by_part, count_with_lora, lora_spec
@@ -27,14 +27,14 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def config_from_arch(cfg: Config, tokenizer_len: int) -> PretrainedConfig:
+def config_from_arch(model: ModelConfig, tokenizer_len: int) -> PretrainedConfig:
     """model.arch as a transformers config, its vocabulary at least the tokenizer's (0: as published)."""
-    arch = dict(cfg.model.arch or {})
+    arch = dict(model.arch or {})
     model_type = arch.pop("model_type", None)
     if model_type is None:
         raise ConfigError("model.arch.model_type is missing: name the architecture, e.g. model.arch.model_type=llama")
     nested = isinstance(arch.get("text_config"), dict)  # a vision-language model: the vocabulary is its text's
-    vocab = padded_vocab_size(tokenizer_len, int(arch.pop("vocab_size", 0) or 0), cfg.model.vocab_multiple)
+    vocab = padded_vocab_size(tokenizer_len, int(arch.pop("vocab_size", 0) or 0), model.vocab_multiple)
     try:
         config = AutoConfig.for_model(model_type, **arch, **({} if nested else {"vocab_size": vocab}))
     except Exception as err:  # transformers' own checks of a family (strict dataclass validators, ValueError)
@@ -44,27 +44,26 @@ def config_from_arch(cfg: Config, tokenizer_len: int) -> PretrainedConfig:
             "model.arch values it names"
         ) from err
     text = text_config(config)
-    text.vocab_size = padded_vocab_size(tokenizer_len, int(text.vocab_size or 0), cfg.model.vocab_multiple)
+    text.vocab_size = padded_vocab_size(tokenizer_len, int(text.vocab_size or 0), model.vocab_multiple)
     if not text.vocab_size:
         raise ConfigError(
-            f"model.arch.vocab_size is missing: the dry run of {cfg.model.name_or_path} (not on this machine) plans "
+            f"model.arch.vocab_size is missing: the dry run of {model.name_or_path} (not on this machine) plans "
             "from model.arch; give the vocab_size of its config.json"
         )
     return config
 
 
-def build_model_config(cfg: Config, tokenizer: PreTrainedTokenizerBase | None) -> PretrainedConfig:
+def build_model_config(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None) -> PretrainedConfig:
     """The transformers config of the model to train, vocabulary already sized for the tokenizer. Without a
     tokenizer: a dry run planned from model.arch, the published architecture of a model not on this machine
     (ds_exp.launch.hub.plans_from_arch)."""
-    model_cfg = cfg.model
     if model_cfg.name_or_path is None or tokenizer is None:
-        config = config_from_arch(cfg, len(tokenizer) if tokenizer is not None else 0)
+        config = config_from_arch(model_cfg, len(tokenizer) if tokenizer is not None else 0)
     else:
         try:
             config = AutoConfig.from_pretrained(model_cfg.name_or_path, trust_remote_code=model_cfg.trust_remote_code)
         except (OSError, ValueError, KeyError) as err:
-            mapped = checkpoint_error(cfg.model, err)
+            mapped = checkpoint_error(model_cfg, err)
             if mapped is None:
                 raise
             raise mapped from err
@@ -105,12 +104,13 @@ def apply_rope_scaling(config: PretrainedConfig, scaling: dict[str, Any]) -> Non
 
 def model_facts(cfg: Config) -> dict[str, int]:
     """Parameter counts and the shapes the memory estimate needs, from the model's config on the meta device (no
-    weights read)."""
-    tokenizer = None if plans_from_arch(cfg) else load_tokenizer(cfg.model, cfg.data)
-    config = build_model_config(cfg, tokenizer)
+    weights read): what the model, its data's tokenizer, LoRA and a dry run make of the run's model."""
+    model = cfg.model
+    tokenizer = None if plans_from_arch(model, dry_run=cfg.dry_run) else load_tokenizer(model, cfg.data)
+    config = build_model_config(model, tokenizer)
     text = text_config(config)
-    text.vocab_size = padded_vocab_size(len(tokenizer or ()), text.vocab_size, cfg.model.vocab_multiple)
-    counts = count_parameters(cfg, config)
+    text.vocab_size = padded_vocab_size(len(tokenizer or ()), text.vocab_size, model.vocab_multiple)
+    counts = count_parameters(model, cfg.lora, config)
     hidden = int(hidden_size_of(config) or 0)
     intermediate = getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None)
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
@@ -154,41 +154,41 @@ class ParameterCounts:
     lora_parts: dict[str, int] = field(default_factory=dict)  # adapted layers per tower (lora.adapted_by_part)
 
 
-def count_parameters(cfg: Config, config: PretrainedConfig) -> ParameterCounts:
+def count_parameters(model_cfg: ModelConfig, lora: LoraConfig, config: PretrainedConfig) -> ParameterCounts:
     """Exact counts from a model built on the meta device: no memory, no weights read."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
     total = sum(p.numel() for p in model.parameters())
-    if cfg.lora.dim <= 0:
+    if lora.dim <= 0:
         return ParameterCounts(total, total, ())
-    spec = lora_spec(cfg.lora, model, cfg.model.lora_scope)  # a ConfigError names what lora.* matches nothing of
+    spec = lora_spec(lora, model, model_cfg.lora_scope)  # a ConfigError names what lora.* matches nothing of
     total, trainable = count_with_lora(model, spec)
     return ParameterCounts(total, trainable, spec.targets, adapted_by_part(model, spec.targets))
 
 
-def check_lora(cfg: Config, config: PretrainedConfig) -> None:
+def check_lora(model_cfg: ModelConfig, lora: LoraConfig, config: PretrainedConfig) -> None:
     """lora.* against the model's layers, on the meta device, before the data and the weights are loaded: one
     message naming the model's Linear layers when a target or a module to save matches nothing."""
-    if cfg.lora.dim > 0:
+    if lora.dim > 0:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
-        lora_spec(cfg.lora, model, cfg.model.lora_scope)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+        lora_spec(lora, model, model_cfg.lora_scope)
 
 
-def base_vocab_size(cfg: Config, tokenizer: PreTrainedTokenizerBase | None, checkpoint_rows: int) -> int:
+def base_vocab_size(model: ModelConfig, tokenizer: PreTrainedTokenizerBase | None, checkpoint_rows: int) -> int:
     """The vocabulary an export keeps (model.vocab_multiple's padding rows trimmed): the tokenizer's size, or the
     base's own if larger (the checkpoint's embedding rows; model.arch.vocab_size for a model built from a config,
     whose config is padded already)."""
-    own = checkpoint_rows if cfg.model.name_or_path else int((cfg.model.arch or {}).get("vocab_size") or 0)
+    own = checkpoint_rows if model.name_or_path else int((model.arch or {}).get("vocab_size") or 0)
     return max(len(tokenizer or ()), own)
 
 
-def checkpoint_dtype(cfg: Config) -> str:
+def checkpoint_dtype(model: ModelConfig) -> str:
     """The dtype a checkpoint's weights are stored in, from its config.json (float32 when unsaid or built)."""
-    if cfg.model.name_or_path is None:
+    if model.name_or_path is None:
         return "float32"
 
-    config = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    config = AutoConfig.from_pretrained(model.name_or_path, trust_remote_code=model.trust_remote_code)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
     return name if name in ("float32", "bfloat16", "float16") else "float32"

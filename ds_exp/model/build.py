@@ -80,7 +80,7 @@ def build_model(
     last token before padding)."""
     points = [hook for hook in (feature_hooks(cfg) if hooks is None else hooks) if isinstance(hook, ModelHooks)]
     build = ModelBuild(
-        config=build_model_config(cfg, tokenizer),
+        config=build_model_config(cfg.model, tokenizer),
         ds_config=ds_config,
         attention=cfg.model.attn_implementation,
         auto_class=auto_class,
@@ -148,6 +148,6 @@ def build_model(
         lora=lora,
         hf_ds_config=hf_ds_config,
         base_rows=base_rows,
-        base_dtype=checkpoint_dtype(cfg),
-        vocab_size=base_vocab_size(cfg, tokenizer, base_rows),
+        base_dtype=checkpoint_dtype(cfg.model),
+        vocab_size=base_vocab_size(cfg.model, tokenizer, base_rows),
     )

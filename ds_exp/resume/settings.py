@@ -10,7 +10,7 @@ batch, micro x accumulation x world / N, must stay: ds_exp/resume/trajectory.py)
 (the universal path) with sequence parallelism on either side: refused (see universal_problem).
 A changed world size, ZeRO stage or offload (the layout) is followed by converting the checkpoint once into
 DeepSpeed's universal format (ds_exp/checkpoint/universal.py); a resume with any other of them changed is refused before
-anything is written (Hydra's callback calls `check_resume` before the run directory is touched), naming each
+anything is written (Hydra's callback calls `check_resume_target` before the run directory is touched), naming each
 change. Light: no torch, no deepspeed.
 """
 
@@ -21,12 +21,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.batch import data_parallel_size, global_batch_size
+from ds_exp.config.ds_config import merged_ds_config
 from ds_exp.config.lora_checks import scope_of
 from ds_exp.config.optimizers import OPTIMIZERS
-from ds_exp.config.schema import Config, ModelConfig, plain, plain_tree
+from ds_exp.config.precision import decide_precision, detect_accelerator, supports_bf16
+from ds_exp.config.schema import Config, LoraConfig, ModelConfig, plain_tree
 from ds_exp.config.secrets import redact
 from ds_exp.core.errors import ResumeError
-from ds_exp.resume.store import read_marker
+from ds_exp.resume.store import find_resume_checkpoint, read_marker
+from ds_exp.resume.trajectory import check
 
 # setting -> why a checkpoint cannot be loaded with another value
 _WHY = {
@@ -50,7 +54,7 @@ def model_section(model: ModelConfig) -> dict[str, Any]:
 def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precision: str | None) -> dict[str, Any]:
     """The settings a checkpoint depends on (see the module docstring), as plain JSON values."""
     model = cfg.model.name_or_path or plain_tree(cfg.model.arch)
-    lora = lora_settings(cfg) if cfg.lora.dim > 0 else None
+    lora = lora_settings(cfg.lora, cfg.model.lora_scope) if cfg.lora.dim > 0 else None
     zero = ds_config.get("zero_optimization", {})
     return {
         "model": model,
@@ -68,14 +72,13 @@ def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precisi
     }
 
 
-def lora_settings(cfg: Config) -> dict[str, Any]:
+def lora_settings(lora: LoraConfig, model_scope: str | None = None) -> dict[str, Any]:
     """What LoRA's checkpoint depends on. The settings added after the first four are recorded only when they are
     not at their defaults, so a checkpoint written before they existed compares equal under the defaults."""
-    lora = cfg.lora
     found: dict[str, Any] = {
         "dim": int(lora.dim),
         "alpha": float(lora.alpha if lora.alpha is not None else lora.dim),
-        "module_name": scope_of(lora, cfg.model.lora_scope),  # the scope in effect (`layers.` unless said otherwise)
+        "module_name": scope_of(lora, model_scope),  # the scope in effect (`layers.` unless said otherwise)
         "only_optimize": bool(lora.only_optimize),
     }
     extra = {
@@ -183,8 +186,8 @@ def _show(value: Any) -> str:
     return json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)
 
 
-def check_resume(cfg: Config, tag_dir: Path, current: dict[str, Any]) -> None:
-    """Refuse to continue from `tag_dir` when a setting it depends on changed."""
+def check_resume(resume: str | None, tag_dir: Path, current: dict[str, Any]) -> None:
+    """Refuse to continue from `tag_dir` (what `resume` names) when a setting it depends on changed."""
     saved = read_marker(tag_dir).get("settings") or {}
     found = changes(saved, current)
     for problem in (universal_problem(saved, current), optimizer_universal_problem(saved, current)):
@@ -194,10 +197,28 @@ def check_resume(cfg: Config, tag_dir: Path, current: dict[str, Any]) -> None:
         raise ResumeError(
             "\n".join(
                 [
-                    f"resume={plain(cfg.resume)}: {tag_dir} was written with other settings, so it cannot be loaded:",
+                    f"resume={resume}: {tag_dir} was written with other settings, so it cannot be loaded:",
                     *(f"- {line}" for line in found),
                     "fix: resume with the settings it was written with, or start a new run in a new directory "
                     "(hydra.run.dir=...) without resume",
                 ]
             )
+        )
+
+
+def check_resume_target(cfg: Config, run_dir: Path, world: int) -> None:
+    """The checkpoint `resume` names exists, is complete and was written with this run's settings and global batch
+    (`world`: the world size this launch has; ds_exp.resume.trajectory checks the rest of its course once the data
+    are known)."""
+    tag_dir = find_resume_checkpoint(cfg.resume, run_dir, cfg.train.checkpoint_dir)
+    if tag_dir is None:
+        return
+    accelerator = detect_accelerator()
+    precision = decide_precision(cfg.precision.dtype, accelerator, supports_bf16(accelerator))
+    check_resume(cfg.resume, tag_dir, settings_of(cfg, world, merged_ds_config(cfg.deepspeed), precision))
+    saved = read_marker(tag_dir).get("trajectory")
+    if saved:
+        batch = global_batch_size(cfg.train, data_parallel_size(world, int(cfg.dist.sequence_parallel_size)))
+        check(
+            cfg.resume, {"global_batch": saved.get("global_batch")}, {"global_batch": batch, "data": None}, 0, tag_dir
         )

@@ -18,18 +18,27 @@ from pathlib import Path
 
 from ds_exp.config.batch import global_batch_size
 from ds_exp.config.plan import scheduler_kwargs
-from ds_exp.config.schema import Config, plain
+from ds_exp.config.schema import SchedulerConfig, TrainConfig, plain
 from ds_exp.core.errors import ResumeError
 
 
-def trajectory_of(cfg: Config, *, total_steps: int, warmup_steps: int, world_size: int, data_key: str) -> dict:
-    """What the course of this run depends on (JSON values; recorded in each checkpoint). `world_size`: the ranks
-    that draw different samples (the data-parallel size, ds_exp.config.batch.data_parallel_size)."""
-    train, sched = cfg.train, cfg.scheduler
+def trajectory_of(
+    train: TrainConfig,
+    sched: SchedulerConfig,
+    lr: float,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    world_size: int,
+    data_key: str,
+) -> dict:
+    """What the course of this run depends on (JSON values; recorded in each checkpoint): its length, warmup,
+    learning rate (optimizer.lr), schedule, global batch and data. `world_size`: the ranks that draw different
+    samples (the data-parallel size, ds_exp.config.batch.data_parallel_size)."""
     return {
         "total_steps": total_steps,
         "warmup_steps": warmup_steps,
-        "lr": float(cfg.optimizer.lr),
+        "lr": float(lr),
         "scheduler": str(plain(sched.name)),
         "scheduler_kwargs": scheduler_kwargs(sched, total_steps, warmup_steps),  # as the schedule gets them
         "scheduler_owner": str(plain(sched.owner)),
@@ -87,9 +96,10 @@ def _complete(trajectory: dict) -> bool:
 
 
 def check(
-    cfg: Config, saved: dict | None, current: dict, step: int, tag_dir: Path, lr_at: LrAt | None = None
+    resume: str | None, saved: dict | None, current: dict, step: int, tag_dir: Path, lr_at: LrAt | None = None
 ) -> list[str]:
-    """Raise ResumeError for what cannot change; return the lines that say what the resume changes."""
+    """Raise ResumeError for what cannot change (of `tag_dir`, which `resume` names); return the lines that say what
+    the resume changes."""
     if not saved:
         return []  # written before checkpoints recorded their trajectory
     said, refused = changes(saved, current, step, lr_at)
@@ -97,7 +107,7 @@ def check(
         raise ResumeError(
             "\n".join(
                 [
-                    f"resume={plain(cfg.resume)}: {tag_dir} cannot be continued with these settings:",
+                    f"resume={resume}: {tag_dir} cannot be continued with these settings:",
                     *(f"- {line}" for line in refused),
                 ]
             )

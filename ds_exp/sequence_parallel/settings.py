@@ -24,4 +24,4 @@ class SequenceParallelSettings:
         model, train = cfg.model, cfg.train
         keys = (cfg.dist.sequence_parallel_size, model.attn_implementation, cfg.data.packing, train.micro_batch_size)
         where = "model.arch" if model.name_or_path is None else "its config.json"
-        return cls(*keys, train.eval_micro_batch_size, model_settings(cfg), where)
+        return cls(*keys, train.eval_micro_batch_size, model_settings(cfg.model), where)

@@ -34,33 +34,40 @@ from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from ds_exp.config.ds_config import IgnoredOverride
 from ds_exp.config.features import objective_problems
-from ds_exp.config.file_overrides import IgnoredOverride
 from ds_exp.config.schema import to_config
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.compat import optuna_trial_of
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
+from ds_exp.core.files import write_json_atomic
+from ds_exp.core.status import CONTINUABLE, RunStatus
 from ds_exp.core.waits import announced
 from ds_exp.launch.console import report_user_error
+from ds_exp.launch.lock import live_holder
+from ds_exp.launch.run_dir import read_summary
 from ds_exp.launch.validation import validate_job
 from ds_exp.sweeps.jobs import check_job, job_dir_of
 from ds_exp.sweeps.search_space import SearchSpace, parse_search_space, probe_overrides
 from ds_exp.sweeps.study_files import (
     ABANDONED,
     OBJECTIVES,
+    STUDY_FILE,
     check_study_dir,
+    command_line,
     numbers_in,
     outcome,
     shown_storage,
 )
-from ds_exp.sweeps.study_trials import abandoned_trials, finished, write_study
+from ds_exp.sweeps.study_plot import plot_study
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from hydra.plugins.launcher import Launcher
+    from optuna import Study
     from optuna.samplers import BaseSampler
-    from optuna.trial import Trial
+    from optuna.trial import FrozenTrial, Trial
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +293,7 @@ class StudySweeper(Sweeper):
         OmegaConf.save(self.config, target)
 
     def settle_abandoned(self, study: optuna.Study, sweep_dir: Path) -> list[Trial]:
-        """Trials an earlier run of this study left RUNNING (study_trials.abandoned_trials): a stopped or interrupted
+        """Trials an earlier run of this study left RUNNING (abandoned_trials): a stopped or interrupted
         one goes on (the same trial number and values, resume=auto in its directory: from its checkpoint), one that
         completed is recorded as it ended, the rest as failed. Returns the trials continued."""
         continued = []
@@ -391,3 +398,59 @@ class StudySweeper(Sweeper):
         reason = next((line[:300] for line in (error or "").splitlines() if line.strip()), "no value")
         shown = f"{self.objective}={value:.6g}" if value is not None else reason
         print(f"ds_exp: trial {trial.number} {state.name.lower()}: {shown}")
+
+
+# ------------------------------------------------------------ the study's trials across sessions, and study.json
+
+
+def write_study(sweep_dir: Path, study: Study, identity: dict[str, Any], n_trials: int) -> None:
+    """study.json: the study's settings and every trial, for the sweep report (study_section); study.png beside."""
+    trials: list[dict[str, Any]] = []
+    for trial in study.get_trials(deepcopy=False):
+        attrs = trial.user_attrs
+        trials.append(
+            {
+                "number": trial.number,
+                "state": trial.state.name,
+                "value": trial.value,
+                "params": trial.params,
+                "overrides": attrs.get("overrides"),
+                "job_dir": attrs.get("job_dir"),
+                "world_size": attrs.get("world_size"),
+                "error": attrs.get("error") or (ABANDONED if trial.state == TrialState.FAIL else None),
+            }
+        )
+    best = None
+    if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        best = next(t for t in trials if t["number"] == study.best_trial.number)
+        best = {**best, "command": command_line(best["overrides"] or [], best["world_size"])}
+    write_json_atomic(sweep_dir / STUDY_FILE, {**identity, "n_trials": n_trials, "trials": trials, "best": best})
+    plot_study(sweep_dir, study, identity["objective"])
+
+
+def finished(study: Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
+
+
+def abandoned_trials(study: Study, sweep_dir: Path) -> list[tuple[FrozenTrial, str]]:
+    """Trials of this directory still RUNNING: they belong to a sweep that ended before they did. Each with what
+    the re-run does with it: "continue" (its run was stopped or interrupted: the same trial goes on from its
+    checkpoint, resume=auto in its own directory), "tell" (its run completed after all, e.g. continued by hand:
+    recorded as it ended), "live" (its run still holds its directory's lock, e.g. a SLURM job that outlived the
+    sweep: left RUNNING) or "fail" (killed: recorded as failed, its directory left as it is)."""
+    found = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if trial.user_attrs.get("sweep_dir") != str(sweep_dir):
+            continue
+        job_dir = trial.user_attrs.get("job_dir")
+        summary = read_summary(Path(job_dir)) if job_dir else None
+        status = (summary or {}).get("status")
+        if job_dir and live_holder(Path(job_dir)) is not None:
+            found.append((trial, "live"))
+        elif status in CONTINUABLE and trial.user_attrs.get("overrides") is not None:
+            found.append((trial, "continue"))
+        elif status in (RunStatus.COMPLETED, RunStatus.FAILED):
+            found.append((trial, "tell"))
+        else:
+            found.append((trial, "fail"))
+    return found

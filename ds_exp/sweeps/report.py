@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ds_exp.config.file_overrides import override_key
+from ds_exp.config.ds_config import override_key
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.status import RunStatus
 from ds_exp.sweeps.report_plot import plot, train_curve, varying_overrides

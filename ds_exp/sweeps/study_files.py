@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ds_exp.config.file_overrides import override_key
+from ds_exp.config.ds_config import override_key
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.core.errors import ConfigError
 from ds_exp.core.status import RunStatus

@@ -32,12 +32,11 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from ds_exp.config.ds_config import log_interval
-from ds_exp.config.file_overrides import IgnoredOverride
+from ds_exp.config.ds_config import IgnoredOverride, log_interval
 from ds_exp.config.memory_plan import human_bytes, run_estimate
 from ds_exp.config.plan import RunPlan, plan_run
 from ds_exp.config.precision import detect_accelerator
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, TrainConfig
 from ds_exp.config.secrets import redact_text
 from ds_exp.core import compat
 from ds_exp.core.errors import DsExpError, first_line
@@ -182,12 +181,15 @@ class Autotune(Sweeper):
             return {**candidate, "verdict": "not_applicable", "reason": first_line(err)}
         except Exception as err:  # an unknown option or a wrong type: the user's typo, not a candidate to skip
             fail([f"experiment=autotune: job [{' '.join(overrides)}]: {first_line(err)}"])
-        unmeasurable = self.cannot_measure(cfg)
+        unmeasurable = self.cannot_measure(cfg.train)
         if unmeasurable and unmeasurable not in self._refusals:
             self._refusals.append(unmeasurable)
         if self._refusals:  # the sweep is refused: no need to estimate (which loads the model's config)
             return {**candidate, "verdict": "not_applicable", "reason": self._refusals[0]}
-        estimate = self.estimate(cfg, world, accelerator)
+        # per-rank bytes as the dry run counts them (ds_exp/config/memory_plan.py): model states plus one micro
+        # batch's activations; on a CPU offloaded states live in the same memory, so they count too
+        facts, precision = self.model_facts(cfg), resolved_precision(cfg.precision.dtype, accelerator)
+        estimate = run_estimate(cfg, facts, world_size=world, precision=precision, accelerator=accelerator)
         candidate.update(estimate)
         if estimate["estimate_bytes"] > budget:
             candidate.update(
@@ -215,13 +217,13 @@ class Autotune(Sweeper):
             fail(problems)
 
     @staticmethod
-    def cannot_measure(cfg: Config) -> str | None:
+    def cannot_measure(train: TrainConfig) -> str | None:
         """Why a probe with these settings would time nothing (None: it can be timed). Its speed is the median of
         the metric lines after its warm-up step (report.probe_speed): a line closes every train.log_every steps,
         and the first one holds the warm-up, so a probe needs more steps than that. (train.max_steps=-1: the
         epoch's steps, known only once the data is read; the report says so if they are too few.)"""
-        steps = int(cfg.train.max_steps)
-        every = log_interval(cfg.train, steps)
+        steps = int(train.max_steps)
+        every = log_interval(train, steps)
         if steps == -1 or steps > max(every, WARMUP_STEPS):
             return None
         return (
@@ -231,13 +233,6 @@ class Autotune(Sweeper):
         )
 
     # ------------------------------------------------------------------------------------ memory and budget
-    def estimate(self, cfg: Config, world: int, accelerator: str) -> dict[str, int]:
-        """Per-rank bytes: model states (ds_exp/config/memory_plan.py, as the dry run) plus one micro batch's
-        activations at data.max_seq_len, with sequence parallelism and the long-context knobs. On a CPU offloaded
-        states live in the same memory, so they count too."""
-        precision = resolved_precision(cfg.precision.dtype, accelerator)
-        return run_estimate(cfg, self.model_facts(cfg), world_size=world, precision=precision, accelerator=accelerator)
-
     def plan(self, cfg: Config, world: int, accelerator: str, sweep_dir: Path) -> RunPlan:
         """The probe's plan as its run makes it (ds_exp.config.plan.plan_run, as the recipe and the dry run): what
         its setup would refuse (fewer examples than one global batch, a warmup longer than the probe's steps, a

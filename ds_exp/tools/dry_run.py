@@ -25,7 +25,7 @@ from ds_exp.config.memory_plan import (
 from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.plan import plan_run
 from ds_exp.config.precision import detect_accelerator
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, ModelConfig
 from ds_exp.config.secrets import redact
 from ds_exp.core.files import write_json_atomic
 from ds_exp.data.pipeline import count_train_examples
@@ -49,15 +49,16 @@ def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> 
     launch = detect_launch(cfg.dist)
     accelerator = detect_accelerator()
     precision = resolved_precision(cfg.precision.dtype, accelerator)
-    from_arch = plans_from_arch(cfg)  # a preset's model that is not here: its published architecture
+    # a preset's model that is not here: its published architecture
+    from_arch = plans_from_arch(cfg.model, dry_run=cfg.dry_run)
     tokenizer = None if from_arch else load_tokenizer(cfg.model, cfg.data)
-    model_config = build_model_config(cfg, tokenizer)
+    model_config = build_model_config(cfg.model, tokenizer)
     hidden = hidden_size_of(model_config)
     text = text_config(model_config)
-    base_vocab = base_vocab_size(cfg, tokenizer, text.vocab_size)  # what the export keeps
+    base_vocab = base_vocab_size(cfg.model, tokenizer, text.vocab_size)  # what the export keeps
     padded = padded_vocab_size(len(tokenizer or ()), text.vocab_size, cfg.model.vocab_multiple)
     text.vocab_size = padded
-    counts = count_parameters(cfg, model_config)
+    counts = count_parameters(cfg.model, cfg.lora, model_config)
     plan = plan_run(
         cfg,
         world_size=launch.world_size,
@@ -67,9 +68,13 @@ def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> 
         run_dir=run_dir,
     )
     ds_config = plan.ds_config
-    notes = [*replaced_by_config_file(cfg, plan.facts), *max_seq_len_notes(cfg), *plan_notes(cfg)]
+    notes = [
+        *replaced_by_config_file(cfg.deepspeed.config_file, cfg.optimizer, cfg.scheduler, plan.total_steps),
+        *max_seq_len_notes(cfg.model, cfg.data.max_seq_len),
+        *plan_notes(cfg),
+    ]
     if from_arch:
-        notes.insert(0, arch_note(cfg))
+        notes.insert(0, arch_note(cfg.model))
     stage = int(get_path(ds_config, "zero_optimization.stage"))
     shapes = model_facts(cfg)
     memory = estimate_model_states(
@@ -80,7 +85,7 @@ def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> 
         precision=precision,
         offload_optimizer=str(get_path(ds_config, "zero_optimization.offload_optimizer.device", "none")),
         offload_param=str(get_path(ds_config, "zero_optimization.offload_param.device", "none")),
-        state=optimizer_state(cfg, shapes, accelerator),
+        state=optimizer_state(cfg.optimizer, cfg.offload, cfg.lora, shapes, accelerator),
     )
     per_rank = run_estimate(cfg, shapes, world_size=launch.world_size, precision=precision, accelerator=accelerator)
     fast = FastPathSettings.of(cfg).decide(accelerator, stage)
@@ -120,10 +125,10 @@ def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> 
     }
 
 
-def arch_note(cfg: Config) -> str:
+def arch_note(model: ModelConfig) -> str:
     return (
-        f"planned from model.arch, the published architecture model={cfg.model.name} carries: "
-        f"{cfg.model.name_or_path} is not on this machine, and nothing was downloaded (its tokenizer was not read: "
+        f"planned from model.arch, the published architecture model={model.name} carries: "
+        f"{model.name_or_path} is not on this machine, and nothing was downloaded (its tokenizer was not read: "
         "the vocabulary is model.arch's vocab_size)"
     )
 

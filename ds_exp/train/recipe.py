@@ -73,7 +73,7 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
             session.start()
             run.work = setup(cfg, session, hooks)
             hooks.after_setup(run)
-            start = resume(cfg, session, run.work, hooks)
+            start = resume(cfg.resume, cfg.train, cfg.optimizer, session, run.work, hooks)
             run.run_id = start.run_id
             train(cfg, run, start)
             hooks.after_train(run)
@@ -107,14 +107,19 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
         run_dir=session.run_dir,
     )
     if session.is_main:
-        log.info(training_line(cfg, plan.ds_config, session.precision, plan.data_parallel_size, ranks.size))
+        log.info(training_line(cfg.lora, plan.ds_config, session.precision, plan.data_parallel_size, ranks.size))
     settings = settings_of(cfg, session.world, plan.ds_config, session.precision)
-    resume_from, universal = resume_plan(cfg, session, settings)
+    resume_from, universal = resume_plan(cfg.resume, cfg.train, session, settings)
     ds_config = final_ds_config(cfg, session, plan, universal)
     built = build_model(cfg, tokenizer, ds_config, hooks.hooks, objective.model_class)
-    base = built_base(cfg, built.model, zero3=ds_config["zero_optimization"]["stage"] == 3, checkpoint=resume_from)
+    zero3 = ds_config["zero_optimization"]["stage"] == 3
+    base = built_base(cfg.model, cfg.train.seed, built.model, zero3=zero3, checkpoint=resume_from)
     parameters, trainable = record_model(cfg, session, built, plan, ds_config)
-    needed = checkpoint_bytes(trainable, session.precision, optimizer_state(cfg, accelerator=session.accelerator))
+    needed = checkpoint_bytes(
+        trainable,
+        session.precision,
+        optimizer_state(cfg.optimizer, cfg.offload, cfg.lora, accelerator=session.accelerator),
+    )
     start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
     check_disk_space(
         cfg, session, needed, parameters, trainable=trainable, start_step=start_step, total_steps=plan.total_steps
@@ -138,7 +143,9 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
         resume_from=resume_from,
         universal=universal,
         trajectory=trajectory_of(
-            cfg,
+            cfg.train,
+            cfg.scheduler,
+            cfg.optimizer.lr,
             total_steps=plan.total_steps,
             warmup_steps=plan.warmup_steps,
             world_size=plan.data_parallel_size,
@@ -169,11 +176,11 @@ def read_model_config(cfg: Config, session: Session) -> tuple[PreTrainedTokenize
     """The tokenizer and the model's config (no weights), and what they can refuse: lora.* against the model's
     layers."""
     if session.is_main:
-        for note in max_seq_len_notes(cfg):
+        for note in max_seq_len_notes(cfg.model, cfg.data.max_seq_len):
             log.warning(note)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
-    model_config = build_model_config(cfg, tokenizer)
-    check_lora(cfg, model_config)
+    model_config = build_model_config(cfg.model, tokenizer)
+    check_lora(cfg.model, cfg.lora, model_config)
     return tokenizer, model_config
 
 
@@ -198,7 +205,7 @@ def final_ds_config(cfg: Config, session: Session, plan: RunPlan, universal: boo
     needs one; its secrets registered (DeepSpeed logs its config), checked, written to <run dir>/ds_config.json."""
     ds_config = ds_config_for_load(plan.ds_config) if universal else plan.ds_config
     if session.is_main:
-        for note in replaced_by_config_file(cfg, plan.facts):
+        for note in replaced_by_config_file(cfg.deepspeed.config_file, cfg.optimizer, cfg.scheduler, plan.total_steps):
             log.warning(note)
     register_secrets(ds_config)  # a user's DeepSpeed JSON may hold keys (comet.api_key)
     check_deepspeed_config(ds_config, cfg.deepspeed.config_file)

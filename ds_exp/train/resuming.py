@@ -13,7 +13,8 @@ from typing import Any
 
 from ds_exp.checkpoint.checkpointer import load_checkpoint
 from ds_exp.checkpoint.universal import load_state
-from ds_exp.config.schema import Config
+from ds_exp.config.optimizer_settings import OptimizerConfig
+from ds_exp.config.schema import TrainConfig
 from ds_exp.launch.run_dir import completed_at, set_aside_attempt
 from ds_exp.model.engine import lr_at, parameter_groups
 from ds_exp.resume import trajectory
@@ -28,15 +29,17 @@ from ds_exp.train.workload import Workload
 log = logging.getLogger("ds_exp.train")
 
 
-def resume_plan(cfg: Config, session: Session, settings: dict[str, Any]) -> tuple[Path | None, bool]:
+def resume_plan(
+    resume: str | None, train: TrainConfig, session: Session, settings: dict[str, Any]
+) -> tuple[Path | None, bool]:
     """The checkpoint to continue from (None: a fresh start), and whether its layout (world size, ZeRO stage,
     offload) changed so that it is loaded through DeepSpeed's universal format. Decided before the engine exists,
     since deepspeed.initialize reads that choice; other changed settings are refused here."""
-    wanted = resume_wanted(cfg.resume, session.launch.launcher)
-    tag_dir = find_resume_checkpoint(wanted, session.run_dir, cfg.train.checkpoint_dir)
+    wanted = resume_wanted(resume, session.launch.launcher)
+    tag_dir = find_resume_checkpoint(wanted, session.run_dir, train.checkpoint_dir)
     if tag_dir is None:
         return None, False
-    check_resume(cfg, tag_dir, settings)  # also where Hydra's callback did not run (submitit)
+    check_resume(resume, tag_dir, settings)  # also where Hydra's callback did not run (submitit)
     saved = read_marker(tag_dir).get("settings") or {}
     if session.is_main:
         for line in layout_changes(saved, settings):
@@ -48,24 +51,26 @@ def resume_plan(cfg: Config, session: Session, settings: dict[str, Any]) -> tupl
     return tag_dir, needs_universal(saved, settings)
 
 
-def resume(cfg: Config, session: Session, work: Workload, hooks: RunHooks) -> TrainState:
-    """The state to start from: a checkpoint's (resume=auto / <path>), or step 0. A submitit job that SLURM
+def resume(
+    wanted: str | None, train: TrainConfig, opt: OptimizerConfig, session: Session, work: Workload, hooks: RunHooks
+) -> TrainState:
+    """The state to start from: a checkpoint's (`wanted`: resume=auto / <path>), or step 0. A submitit job that SLURM
     requeued runs again in the same directory, so it continues whenever there is something to continue."""
     run_dir, tag_dir = session.run_dir, work.resume_from
     if tag_dir is None:
-        if resume_wanted(cfg.resume, session.launch.launcher) is not None and session.is_main:
+        if resume_wanted(wanted, session.launch.launcher) is not None and session.is_main:
             moved = set_aside_attempt(run_dir)  # an attempt that left no checkpoint: start over beside it
             if moved is not None:
                 log.warning("no complete checkpoint to resume from: starting over; the earlier attempt is in %s", moved)
             else:  # said, so that a resume that finds nothing never looks like one that did
-                log.info("resume=auto: no complete checkpoint in %s: a fresh start", run_dir / cfg.train.checkpoint_dir)
+                log.info("resume=auto: no complete checkpoint in %s: a fresh start", run_dir / train.checkpoint_dir)
         run_id, branch = broadcast((_new_run_id(), _new_run_id()))
         return TrainState(run_id=run_id, branch=branch, run_dir=str(run_dir.resolve()))
     if work.universal:
-        state = TrainState(**_load_universal(cfg, session, work, tag_dir))
+        state = TrainState(**_load_universal(train.seed, opt, session, work, tag_dir))
     else:
         state = load_checkpoint(work.engine, tag_dir, rank=session.rank)
-    for change in trajectory.check(cfg, state.trajectory, work.trajectory, state.step, tag_dir, lr_at):
+    for change in trajectory.check(wanted, state.trajectory, work.trajectory, state.step, tag_dir, lr_at):
         if session.is_main:
             log.warning("resume: %s", change)
     session.state.resumed_from, session.state.initial_eval = str(tag_dir), state.initial_eval
@@ -82,15 +87,17 @@ def resume(cfg: Config, session: Session, work: Workload, hooks: RunHooks) -> Tr
                 state.step,
                 work.total_steps,
             )
-    return continue_trajectory(cfg, session, state, tag_dir, hooks)
+    return continue_trajectory(train, session, state, tag_dir, hooks)
 
 
-def continue_trajectory(cfg: Config, session: Session, state: TrainState, tag_dir: Path, hooks: RunHooks) -> TrainState:
+def continue_trajectory(
+    train: TrainConfig, session: Session, state: TrainState, tag_dir: Path, hooks: RunHooks
+) -> TrainState:
     """Collective, once the resume is loaded and accepted: the checkpoint directory's checkpoints that are not on the
     resumed trajectory are set aside as a branch (ds_exp.resume.branches.set_aside_branch) with the files the
     features made on it (their on_branch: the exports), and the state gets this attempt's identity: a new branch,
     and a new run_id when the checkpoint is another run directory's (its files are never this run's to rotate)."""
-    run_dir, checkpoint_dir = session.run_dir, session.run_dir / cfg.train.checkpoint_dir
+    run_dir, checkpoint_dir = session.run_dir, session.run_dir / train.checkpoint_dir
     decided = None
     if session.is_main:
         here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
@@ -104,16 +111,16 @@ def continue_trajectory(cfg: Config, session: Session, state: TrainState, tag_di
     return TrainState(**{**state.as_dict(), "run_id": run_id, "branch": branch, "run_dir": str(run_dir.resolve())})
 
 
-def _load_universal(cfg: Config, session: Session, work: Workload, tag_dir: Path) -> dict[str, Any]:
+def _load_universal(seed: int, opt: OptimizerConfig, session: Session, work: Workload, tag_dir: Path) -> dict[str, Any]:
     model = work.built.model
     return load_state(
         work.engine,
         tag_dir,
         rank=session.rank,
         world_size=session.world,
-        seed=cfg.train.seed,
+        seed=seed,
         model=model,
-        groups=parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay)),
+        groups=parameter_groups(model, opt.weight_decay, list(opt.no_decay)),
     )
 
 

@@ -29,10 +29,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from ds_exp.artifacts.summary import EVERY_RANK_ENDS, RunState, final_line, write_summary
+from ds_exp.artifacts.trackers.base import TrackedRun
 from ds_exp.artifacts.tracking import MetricsLog, Trackers, drop_lines_after
 from ds_exp.config.command_line import command, override
 from ds_exp.config.precision import detect_accelerator
-from ds_exp.config.schema import Config, as_dict
+from ds_exp.config.schema import Config, LoraConfig, as_dict
 from ds_exp.config.secrets import redact_text, register_secrets
 from ds_exp.core.errors import ConfigError, Diverged, DsExpError, Refused, RunFailed, first_line
 from ds_exp.core.files import no_room
@@ -95,7 +96,7 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def training_line(cfg: Config, ds_config: dict[str, Any], precision: str, dp: int, sp: int) -> str:
+def training_line(lora: LoraConfig, ds_config: dict[str, Any], precision: str, dp: int, sp: int) -> str:
     """What the run trains with, as DeepSpeed is given it (a user's DeepSpeed file included): the ZeRO stage,
     precision, offload, sequence parallelism and LoRA; the console's line after the launch's, so that a user sees
     that they got what they asked for."""
@@ -110,7 +111,6 @@ def training_line(cfg: Config, ds_config: dict[str, Any], precision: str, dp: in
     parts.append(f"offload {' and '.join(offloaded)}" if offloaded else "no offload")
     if sp > 1:
         parts.append(f"sequence parallel {sp} (each sample over {sp} ranks) x data parallel {dp}")
-    lora = cfg.lora
     if lora.dim:
         kinds = [name for name, on in (("DoRA", lora.use_dora), ("rsLoRA", lora.use_rslora)) if on]
         if lora.quantize:
@@ -199,7 +199,8 @@ class Session:
     def open_sinks(self, start: TrainState) -> tuple[MetricsLog, Trackers]:
         """metrics.jsonl and the trackers (rank 0 writes them all). `start`: the TrainState the run continues from,
         whose tracker run ids (wandb, MLflow) a resumed run continues."""
-        trackers = Trackers(self.cfg, self.run_dir, enabled=self.is_main, start=start)
+        run = TrackedRun.of(self.cfg, self.run_dir)
+        trackers = Trackers(self.cfg.logger, run, enabled=self.is_main, start=start)
         self.sinks.append(trackers)
         start_step = int(getattr(start, "step", 0) or 0)  # a resume: the lines past it are of a killed attempt
         metrics_log = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main, start_step=start_step)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ds_exp.checkpoint import universal, universal_cli
+from ds_exp.checkpoint import universal
 from ds_exp.checkpoint.checkpointer import save
 from ds_exp.core.errors import ResumeError, RunFailed
 from ds_exp.resume.branches import set_aside_branch
@@ -208,7 +208,7 @@ def test_the_universal_command_line_says_what_is_wrong_in_one_line(tmp_path, cap
         str(ckpts / "step6"): "is not a complete checkpoint (it has no ds_exp_complete.json",
     }
     for arg, expected in cases.items():
-        assert universal_cli.main([arg]) == 2
+        assert universal.main([arg]) == 2
         err = capsys.readouterr().err
         assert err.startswith("ds_exp.universal: error: ") and expected in err and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in ckpts.iterdir()) == ["step2", "step4", "step6"]

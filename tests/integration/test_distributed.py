@@ -13,8 +13,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from ds_exp.config.schema import DistConfig
-from ds_exp.launch.environment import choose_backend, detect_launch, export_launch_env, launched_with_several_ranks
-from ds_exp.launch.slurm_nodes import parse_slurm_nodelist
+from ds_exp.launch.environment import (
+    choose_backend,
+    detect_launch,
+    export_launch_env,
+    launched_with_several_ranks,
+    parse_slurm_nodelist,
+)
 from ds_exp.runtime.peers import lost_ranks
 from tests.training import REPO, free_port
 

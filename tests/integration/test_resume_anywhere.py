@@ -26,9 +26,9 @@ from ds_exp.checkpoint.universal import (
     conversion_status,
     convert_here,
     is_converted,
+    main,
     universal_dir,
 )
-from ds_exp.checkpoint.universal_cli import main
 from ds_exp.core.errors import ResumeError
 from ds_exp.resume.store import read_marker
 from tests.training import FAST, Run, assert_close, free_port, launch, user_env

@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ds_exp.artifacts import tracking
+from ds_exp.artifacts.trackers.base import TrackedRun
 from ds_exp.config.paths import conf_dir
 from ds_exp.launch.lock import release_run_dir
 from ds_exp.launch.run_config import (
@@ -95,9 +96,9 @@ def test_a_resume_drops_the_killed_attempts_lines_past_its_checkpoint(tmp_path, 
     fake_wandb.Settings = lambda **kwargs: kwargs
     monkeypatch.setattr(wandb_tracker, "wandb", fake_wandb)
     cfg = compose_cfg("logger=wandb", "logger.wandb.mode=offline")
-    wandb_tracker.WandbRun(cfg, tmp_path, run_id="run123", start_step=10)
+    wandb_tracker.WandbRun(cfg.logger.wandb, TrackedRun.of(cfg, tmp_path), run_id="run123", start_step=10)
     assert seen["resume_from"] == "run123?_step=10" and "resume" not in seen
-    wandb_tracker.WandbRun(cfg, tmp_path, run_id=None, start_step=0)
+    wandb_tracker.WandbRun(cfg.logger.wandb, TrackedRun.of(cfg, tmp_path), run_id=None, start_step=0)
     assert seen["resume"] == "allow"
 
 

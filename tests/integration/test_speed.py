@@ -74,7 +74,7 @@ def test_flops_count_the_weights_that_multiply(compose_cfg):
 
     for tied in (True, False):
         cfg = compose_cfg(f"model.arch.tie_word_embeddings={tied}")
-        config = build_model_config(cfg, load_tokenizer(cfg.model, cfg.data))
+        config = build_model_config(cfg.model, load_tokenizer(cfg.model, cfg.data))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         total = sum(p.numel() for p in model.parameters())

@@ -251,7 +251,7 @@ def test_rope_scaling_reaches_the_model_config(compose_cfg):
     from ds_exp.model.architecture import build_model_config
 
     cfg = compose_cfg("model.rope_scaling={rope_type:yarn,factor:4.0,original_max_position_embeddings:512}")
-    config = build_model_config(cfg, load_tokenizer(cfg.model, cfg.data))
+    config = build_model_config(cfg.model, load_tokenizer(cfg.model, cfg.data))
     assert config.rope_parameters == {
         "rope_type": "yarn",
         "factor": 4.0,
@@ -260,7 +260,7 @@ def test_rope_scaling_reaches_the_model_config(compose_cfg):
     }
     broken = compose_cfg("model.rope_scaling={rope_type:llama3,factor:8.0}")  # llama3 needs more keys
     with pytest.raises(ConfigError, match=r"model.rope_scaling=\{rope_type:llama3,factor:8.0\}: Missing required keys"):
-        build_model_config(broken, load_tokenizer(broken.model, broken.data))
+        build_model_config(broken.model, load_tokenizer(broken.model, broken.data))
 
 
 def test_the_planner_counts_length_sequence_parallelism_and_each_knob(compose_cfg, tmp_path):

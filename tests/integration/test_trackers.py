@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_exp.artifacts.trackers.base import Tracker
+from ds_exp.artifacts.trackers.base import TrackedRun, Tracker
 from ds_exp.artifacts.tracking import Trackers
 from ds_exp.config.trackers import TRACKERS, logger_problems
 from ds_exp.core import waits
@@ -96,11 +96,11 @@ def test_a_resumed_tensorboard_run_shows_each_step_once(compose_cfg, tmp_path):
     from ds_exp.artifacts.trackers.tensorboard import TensorBoardRun
 
     cfg = compose_cfg("logger=tensorboard")
-    killed = TensorBoardRun(cfg, tmp_path, run_id=None, start_step=0)
+    killed = TensorBoardRun(cfg.logger.tensorboard, TrackedRun.of(cfg, tmp_path), run_id=None, start_step=0)
     for step in range(1, 6):
         killed.log({"train/loss": float(step), "train/note": "text is not a scalar"}, step)
     killed.writer.close()  # what the killed attempt left on disk (tensorboardX's flush() does not drain its queue)
-    resumed = TensorBoardRun(cfg, tmp_path, run_id=None, start_step=3)
+    resumed = TensorBoardRun(cfg.logger.tensorboard, TrackedRun.of(cfg, tmp_path), run_id=None, start_step=3)
     for step in range(4, 7):
         resumed.log({"train/loss": 10.0 * step}, step)
     resumed.table("eval/generations", [{"prompt": "a|b", "completion": "c"}], 6)
@@ -108,7 +108,7 @@ def test_a_resumed_tensorboard_run_shows_each_step_once(compose_cfg, tmp_path):
     resumed.close(RunStatus.COMPLETED)
     shown = scalars(tmp_path / "tensorboard", "train/loss")
     assert shown == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
-    other_rank = Trackers(cfg, tmp_path / "rank1", enabled=False, start=TrainState())
+    other_rank = Trackers(cfg.logger, TrackedRun.of(cfg, tmp_path / "rank1"), enabled=False, start=TrainState())
     other_rank.log({"train/loss": 1.0}, 1)
     other_rank.close(RunStatus.COMPLETED, {"status": "completed"})
     assert not (tmp_path / "rank1").exists()
@@ -127,7 +127,7 @@ def test_every_tracker_of_the_table_builds_writes_and_ends(
     shutil.copy(migrated_mlflow_db, tmp_path / "outputs" / "mlflow.db")  # used by logger=mlflow only
     entry = TRACKERS[name]
     cfg = compose_cfg(f"logger={name}")
-    trackers = Trackers(cfg, tmp_path, enabled=True, start=TrainState())
+    trackers = Trackers(cfg.logger, TrackedRun.of(cfg, tmp_path), enabled=True, start=TrainState())
     (tracker,) = trackers.all
     assert isinstance(tracker, Tracker) and type(tracker) is entry.load_builder()
     trackers.log({"train/loss": 2.5, "train/note": "not a number"}, 1)
@@ -160,7 +160,7 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(
     )
     (tmp_path / "outputs").mkdir()
     shutil.copy(migrated_mlflow_db, tmp_path / "outputs" / "mlflow.db")
-    first = MlflowRun(cfg, tmp_path, run_id=None, start_step=0)
+    first = MlflowRun(cfg.logger.mlflow, TrackedRun.of(cfg, tmp_path), run_id=None, start_step=0)
     for step in (1, 2, 3):
         first.log({"train/loss": 1.0 / step, "train/mfu": None}, step)
     first.table("eval/generations", [{"prompt": "p", "completion": "c"}], 3)
@@ -179,7 +179,9 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(
     assert run.data.tags["session"] == run.data.params["logger.mlflow.tags.session"] == "<redacted>"
 
     resumed_cfg = compose_cfg("logger=mlflow", "experiment_name=trackers", "train.max_steps=6")
-    resumed = MlflowRun(resumed_cfg, tmp_path, run_id=first.run_id, start_step=3)
+    resumed = MlflowRun(
+        resumed_cfg.logger.mlflow, TrackedRun.of(resumed_cfg, tmp_path), run_id=first.run_id, start_step=3
+    )
     assert resumed.run_id == first.run_id
     for step in (4, 5, 6):
         resumed.log({"train/loss": 1.0 / step}, step)
@@ -195,19 +197,23 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(
     assert files_holding(tmp_path, [SECRET, TAG_PASSWORD]) == {}
 
     # a hard kill after the checkpoint at step 5 (steps 6 logged twice): said in a tag, as MLflow cannot delete
-    again = MlflowRun(resumed_cfg, tmp_path, run_id=first.run_id, start_step=5)
+    again = MlflowRun(
+        resumed_cfg.logger.mlflow, TrackedRun.of(resumed_cfg, tmp_path), run_id=first.run_id, start_step=5
+    )
     again.log({"train/loss": 0.5}, 6)
     again.close(RunStatus.COMPLETED)
     (run,) = mlflow_runs(uri)
     assert "steps 6..6 come from an attempt killed" in run.data.tags["ds_exp.resumed_at_step_5"]
 
-    other_rank = Trackers(cfg, tmp_path / "rank1", enabled=False, start=TrainState(trackers={"mlflow": "x"}))
+    other_rank = Trackers(
+        cfg.logger, TrackedRun.of(cfg, tmp_path / "rank1"), enabled=False, start=TrainState(trackers={"mlflow": "x"})
+    )
     assert other_rank.all == [] and other_rank.ids() == {"mlflow": "x"}  # kept for the checkpoints it writes
     assert not (tmp_path / "rank1").exists()
 
     bogus = compose_cfg("logger=mlflow", "logger.mlflow.tracking_uri=bogus://x")
     with pytest.raises(RunFailed, match=r"logger.mlflow: MLflow refused the tracking store bogus://x \(.*unsupported"):
-        MlflowRun(bogus, tmp_path, run_id=None, start_step=0)
+        MlflowRun(bogus.logger.mlflow, TrackedRun.of(bogus, tmp_path), run_id=None, start_step=0)
 
     # a server gone after the run's checks (nothing listens on 127.0.0.1:9): seconds, announced, not MLflow's 246 s
     # of retries; a password too short to be registered as a secret is still not shown (issue 31 §3)
@@ -215,7 +221,7 @@ def test_an_mlflow_run_continues_with_each_step_once_and_no_secret(
     gone = compose_cfg("logger=mlflow", "logger.mlflow.tracking_uri=http://ds:pw@127.0.0.1:9")
     started = time.monotonic()
     with pytest.raises(RunFailed) as refused:
-        MlflowRun(gone, tmp_path, run_id=None, start_step=0)
+        MlflowRun(gone.logger.mlflow, TrackedRun.of(gone, tmp_path), run_id=None, start_step=0)
     assert time.monotonic() - started < 30
     assert str(refused.value).startswith("logger.mlflow: MLflow refused the tracking store http://ds:***@127.0.0.1:9")
     assert "ds:pw@" not in str(refused.value)
@@ -241,7 +247,12 @@ def test_runs_that_open_the_projects_mlflow_store_at_once_each_log_to_it(compose
 
     def run(name: str) -> None:
         go.wait()
-        tracker = MlflowRun(cfg, tmp_path / "outputs" / "multirun" / "together" / name, run_id=None, start_step=0)
+        tracker = MlflowRun(
+            cfg.logger.mlflow,
+            TrackedRun.of(cfg, tmp_path / "outputs" / "multirun" / "together" / name),
+            run_id=None,
+            start_step=0,
+        )
         for step in range(1, 11):
             tracker.log({"train/loss": 1.0 / step}, step)
         tracker.artifact("summary.json", {"status": "completed", "steps": 10})

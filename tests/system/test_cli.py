@@ -25,15 +25,15 @@ def _json_file(tmp_path: Path, name: str, text: str) -> str:
 
 BAD_VALUES = [
     # (overrides, what the message must say)
-    (["zero.stage=7"], "zero.stage=7: ZeRO stage must be 0, 1, 2 or 3"),
+    (["zero.stage=7"], "zero.stage=7: must be from 0 to 3 (zero=stage0 ... zero=stage3)"),
     (["zero=stage2", "offload=cpu_all"], "offload.param=cpu needs ZeRO stage 3 (got stage 2)"),
     (["offload=cpu"], "offload.optimizer=cpu needs ZeRO stage 1, 2 or 3 (got stage 0)"),
     (["zero=stage3", "offload=nvme"], "offload.optimizer=nvme needs a directory: set offload.nvme_path="),
     (["precision=fp16"], "precision=fp16: the cpu accelerator cannot train in fp16"),
     (["lora.dim=-1"], "lora.dim=-1: must be >= 0"),
     (["train.global_batch_size=30", "train.micro_batch_size=4"], "not a multiple of train.micro_batch_size"),
-    (["optimizer.lr=0"], "optimizer.lr=0.0: the learning rate must be > 0"),
-    (["optimizer.lr=-1e-4"], "optimizer.lr=-0.0001: the learning rate must be > 0"),
+    (["optimizer.lr=0"], "optimizer.lr=0.0: must be > 0 (the learning rate"),
+    (["optimizer.lr=-1e-4"], "optimizer.lr=-0.0001: must be > 0 (the learning rate"),
     (["model=local"], "model.name_or_path is not set and the model has no `arch`: give model.name_or_path="),
     (["model=local", "model.name_or_path=/no/such/model"], "model.name_or_path=/no/such/model: directory not found"),
     (["deepspeed.config_file=/no/such.json"], "deepspeed.config_file=/no/such.json: file not found"),

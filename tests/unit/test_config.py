@@ -155,13 +155,13 @@ def test_a_file_that_brings_its_own_optimizer_and_scheduler_says_so(compose_cfg,
 
     cfg = compose_cfg(f"deepspeed.config_file={_hf_style_file(tmp_path)}", "scheduler.warmup_steps=5")
     facts = RunFacts(world_size=1, hidden_size=64, total_steps=50, precision="fp32", run_dir=str(tmp_path))
-    optimizer, scheduler = replaced_by_config_file(cfg, facts)
+    optimizer, scheduler = replaced_by_config_file(cfg.deepspeed.config_file, cfg.optimizer, cfg.scheduler, 50)
     assert "brings its own optimizer (AdamW)" in optimizer and "optimizer.impl=auto" in optimizer
     assert "brings its own scheduler (WarmupDecayLR): it replaces ds_exp's cosine schedule" in scheduler
     assert "(5 steps)" in scheduler
     # and the warmup it runs is ds_exp's own setting
     assert resolve_ds_config(cfg, facts)["scheduler"]["params"]["warmup_num_steps"] == 5
-    assert replaced_by_config_file(compose_cfg(), facts) == []
+    assert replaced_by_config_file(None, cfg.optimizer, cfg.scheduler, 50) == []
 
 
 def test_warmup_ratio_uses_total_steps(compose_cfg):
@@ -428,7 +428,7 @@ def test_max_seq_len_beyond_a_rotary_context_is_a_warning(compose_cfg, tmp_path)
     llama = _checkpoint(tmp_path / "llama", LLAMA)
     cfg = compose_cfg("model=local", f"model.name_or_path={llama}", "data.max_seq_len=256")
     validate(cfg, accelerator="cpu")
-    assert max_seq_len_notes(cfg) == [
+    assert max_seq_len_notes(cfg.model, cfg.data.max_seq_len) == [
         "data.max_seq_len=256 is beyond the model's trained context (max_position_embeddings=128): rotary position "
         "embeddings run past it, but quality usually drops there; set data.max_seq_len=128, or extend the context "
         "with model.rope_scaling={rope_type:yarn,factor:2.0,original_max_position_embeddings:128}"
@@ -441,23 +441,29 @@ def test_max_seq_len_beyond_a_rotary_context_is_a_warning(compose_cfg, tmp_path)
         "model.rope_scaling={rope_type:yarn,factor:2.0,original_max_position_embeddings:128}",
     )
     validate(scaled, accelerator="cpu")
-    assert max_seq_len_notes(scaled) == []
+    assert max_seq_len_notes(scaled.model, scaled.data.max_seq_len) == []
     short = compose_cfg(
         "model=local",
         f"model.name_or_path={llama}",
         "data.max_seq_len=1000",
         "model.rope_scaling={rope_type:linear,factor:4}",
     )
-    assert max_seq_len_notes(short) == [
+    assert max_seq_len_notes(short.model, short.data.max_seq_len) == [
         "data.max_seq_len=1000 is beyond the 512 positions model.rope_scaling={rope_type:linear,factor:4} stretches "
         "the trained context (max_position_embeddings=128) to; raise its factor to 8.0 or more"
     ]
     tiny = compose_cfg()  # the embedded default: llama, 512 positions
     validate(tiny, accelerator="cpu")
-    assert max_seq_len_notes(tiny) == [] and tiny.data.max_seq_len <= tiny.model.arch["max_position_embeddings"]
-    assert "(max_position_embeddings=512)" in max_seq_len_notes(compose_cfg("data.max_seq_len=1024"))[0]
+    assert (
+        max_seq_len_notes(tiny.model, tiny.data.max_seq_len) == []
+        and tiny.data.max_seq_len <= tiny.model.arch["max_position_embeddings"]
+    )
+    assert "(max_position_embeddings=512)" in max_seq_len_notes(tiny.model, 1024)[0]
     hub = compose_cfg("model=opt-1.3b", "data.max_seq_len=100000")  # a hub id: no local config.json to read
-    assert max_seq_len_problems(hub) == [] and max_seq_len_notes(hub) == []
+    assert (
+        max_seq_len_problems(hub.model, hub.data.max_seq_len) == []
+        and max_seq_len_notes(hub.model, hub.data.max_seq_len) == []
+    )
 
 
 def test_a_broken_config_json_is_reported_in_validation(compose_cfg, tmp_path):
@@ -566,7 +572,7 @@ def test_checkpoint_errors_at_load_are_one_message(compose_cfg, tmp_path):
         load_tokenizer(cfg.model, cfg.data)
     base = compose_cfg()
     with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
-        build_model_config(cfg, load_tokenizer(base.model, base.data))
+        build_model_config(cfg.model, load_tokenizer(base.model, base.data))
 
 
 # What a model built from model.arch must hold (ds_exp/config/model_checks.py arch_problems), and numbers every run
@@ -583,8 +589,9 @@ ARCH_AND_NUMBERS = [
     ({"model.arch.rms_norm_eps": 0.0}, "model.arch.rms_norm_eps=0.0: must be > 0"),
     ({"model.arch.attention_dropout": 1.5}, "model.arch.attention_dropout=1.5: a probability, must be in [0, 1]"),
     ({"model.arch.model_type": None}, "model.arch.model_type is missing"),
-    ({"dist.timeout_minutes": 2 * 10**15}, "dist.timeout_minutes=2000000000000000: must be >= 1 and at most 525600"),
-    ({"dist.master_port": 99999}, "dist.master_port=99999: a TCP port is from 1 to 65535"),
+    ({"dist.timeout_minutes": 2 * 10**15}, "dist.timeout_minutes=2000000000000000: must be from 1 to 525600 (a year;"),
+    ({"dist.master_port": 99999}, "dist.master_port=99999: must be from 1 to 65535 (a TCP port"),
+    ({"optimizer.weight_decay": 1e39}, "optimizer.weight_decay=1e+39: must be at most 3.403e+38, the largest float32"),
     ({"optimizer.lr": 3e38}, "optimizer.lr=3e+38: AdamW's first step lr / (1 - beta1) = 3e+39 is beyond the largest"),
     ({"optimizer.lr": 1e37, "optimizer.weight_decay": 100.0}, "optimizer.lr=1e+37: the weight decay factor lr x "),
     ({"optimizer.lr": math.nan}, "optimizer.lr=nan: must be a finite number"),
@@ -701,7 +708,7 @@ def test_an_override_the_users_deepspeed_file_wins_over_is_named_and_tuning_is_n
     file), but the file tuning a knob of a chosen group (a bucket size under zero=stage1) is its normal use."""
     from hydra import compose, initialize_config_dir
 
-    from ds_exp.config.file_overrides import overrides_replaced_by_file
+    from ds_exp.config.ds_config import IgnoredOverride, check_overrides_obeyed
     from ds_exp.config.paths import conf_dir
     from ds_exp.config.schema import to_config
 
@@ -710,10 +717,11 @@ def test_an_override_the_users_deepspeed_file_wins_over_is_named_and_tuning_is_n
         path.write_text(json.dumps(file))
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             composed = compose(config_name="config", overrides=[*overrides, f"deepspeed.config_file={path}"])
-        return [
-            line.split(" would not be used")[0]
-            for line in overrides_replaced_by_file(composed, to_config(composed), list(overrides))
-        ]
+        try:
+            check_overrides_obeyed(composed, to_config(composed), list(overrides))
+        except IgnoredOverride as err:
+            return [line.split(" would not be used")[0] for line in err.problems]
+        return []
 
     zero3 = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8}, "steps_per_print": 100}
     assert beaten(zero3, "zero=stage1", "zero.reduce_bucket_size=1000", "train.log_every=1") == [

@@ -141,12 +141,12 @@ def test_the_final_line_says_compile_load_and_train_apart(tmp_path, monkeypatch)
 def test_the_training_line_says_what_the_user_asked_for(compose_cfg):
     cfg = compose_cfg("lora.dim=16", "lora.use_dora=true", "lora.use_rslora=true", "lora.alpha=32")
     ds_config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {}}}
-    assert training_line(cfg, ds_config, "bf16", dp=1, sp=2) == (
+    assert training_line(cfg.lora, ds_config, "bf16", dp=1, sp=2) == (
         "training: ZeRO stage 3, bf16, offload optimizer states to cpu, sequence parallel 2 (each sample over 2 "
         "ranks) x data parallel 1, LoRA rank 16, alpha 32 with DoRA and rsLoRA"
     )
     plain = {"zero_optimization": {"stage": 0}}
-    assert training_line(compose_cfg(), plain, "fp32", dp=1, sp=1) == (
+    assert training_line(compose_cfg().lora, plain, "fp32", dp=1, sp=1) == (
         "training: ZeRO stage 0, fp32, no offload, every parameter trained (lora.dim=0)"
     )
 

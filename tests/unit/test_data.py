@@ -294,7 +294,8 @@ NOT_A_SPLIT = [
     ([True, 0, 0], "must be numbers, got True"),
     ([[1], 0, 0], "must be numbers, got [1]"),
     ("0,5,5", "phase 1 (SFT) gets nothing"),
-    ("1,-1,0", "non-negative"),
+    ("1,-1,0", "numbers from 0 to 3.403e+38"),
+    ("1e308,1e308,1e308", "numbers from 0 to 3.403e+38"),  # their sum would be inf
 ]
 
 

@@ -161,6 +161,7 @@ NUMBER_TEXTS = [
     "inf",
     "-inf",
     "1e308",
+    "1e39",  # past float32's largest: a tensor would hold inf
     "-1e-320",
     str(INT64_MAX + 1),
     str(10**30),
@@ -190,7 +191,8 @@ def hostile_values(kind: Any, places: dict[str, str]) -> st.SearchStrategy[str]:
         return st.sampled_from(["[]", "[nan]", "[1,-1]", f"[{10**30}]", "abc", "[{a:1}]", "[null]", "['']"])
     if base is dict:
         return st.sampled_from(["{}", "abc", "{x:1}", "{x:nan}", "[]", "null"])
-    return st.one_of(st.sampled_from([*NUMBER_TEXTS, "auto", "true", "{}", "[]", "{a:1}", "null"]), paths)
+    any_values = [*NUMBER_TEXTS, "auto", "true", "{}", "[]", "{a:1}", "null", "[1e308,1e308,1e308]"]
+    return st.one_of(st.sampled_from(any_values), paths)
 
 
 Drawn = tuple[str, list[str]]  # (the composition the overrides go on: default | local, the overrides)
@@ -291,7 +293,7 @@ def verdict(base: DictConfig, overrides: list[str], run_dir: Path) -> Verdict:
         return Verdict("composition", str(err).splitlines()[0])
     try:
         typed = validate_job(cfg, overrides, run_dir=run_dir)
-        check_hub(typed)
+        check_hub(typed.model, dry_run=typed.dry_run)
     except DsExpError as err:
         return Verdict("refused", str(err))
     return Verdict("accepted")
@@ -308,6 +310,8 @@ def must_refuse(overrides: list[str]) -> str | None:
             text in ("/dev/zero", "/dev/null") or text.endswith("/fifo")
         ):
             return "a device or a FIFO where a directory goes"
+    if "1e308" in final.get("data.data_split", ""):
+        return "proportions whose sum no float holds"
     key, _, text = overrides[-1].lstrip("+").partition("=")
     if key.startswith("scheduler.kwargs."):
         name = overrides[0].partition("=")[2]
@@ -503,7 +507,7 @@ def commands() -> dict[str, str]:
 HEAVY_WORK = {
     "ds_exp.export": ("ds_exp.exports.writer", "export_checkpoint"),
     "ds_exp.chat": ("ds_exp.exports.chat", "chat"),
-    "ds_exp.universal": ("ds_exp.checkpoint.universal_cli", "convert_here"),
+    "ds_exp.universal": ("ds_exp.checkpoint.universal", "convert_here"),
     "ds_exp.parity": ("ds_exp.tools.parity.cli", "run"),
     "ds_exp.report": ("ds_exp.sweeps.runs", "write_report"),  # a sweep's report; listing runs only reads
     "ds_exp.evaluate": ("ds_exp.evaluation.harness", "run"),

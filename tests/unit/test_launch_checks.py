@@ -41,7 +41,7 @@ def test_a_hub_id_with_no_hub_to_reach_is_one_message_at_once(no_hub, compose_cf
     cfg = compose_cfg("model.name_or_path=meta-llama/Llama-2-7b-hf")
     started = time.perf_counter()
     with pytest.raises(ConfigError) as err:
-        hub.check_hub(cfg)
+        hub.check_hub(cfg.model, dry_run=cfg.dry_run)
     assert time.perf_counter() - started < hub.PROBE_TIMEOUT_S
     message = str(err.value)
     assert "model.name_or_path=meta-llama/Llama-2-7b-hf is a Hugging Face hub id" in message
@@ -55,7 +55,7 @@ def test_a_cached_hub_id_loads_offline_when_the_hub_is_away(no_hub, compose_cfg,
     (snapshot / "config.json").write_text("{}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # restored after the test (check_hub sets it to 1)
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    hub.check_hub(compose_cfg("model.name_or_path=org/cached"))
+    hub.check_hub(compose_cfg("model.name_or_path=org/cached").model, dry_run=False)
     assert os.environ.get("HF_HUB_OFFLINE") == "1"  # transformers then reads the cache without retrying
 
 
@@ -64,7 +64,7 @@ def test_offline_mode_refuses_an_uncached_hub_id_without_probing(no_hub, compose
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hub, "unreachable", lambda *a, **k: pytest.fail("probed the hub in offline mode"))
     with pytest.raises(ConfigError) as err:
-        hub.check_hub(compose_cfg("model.tokenizer=org/tok"))
+        hub.check_hub(compose_cfg("model.tokenizer=org/tok").model, dry_run=False)
     assert "model.tokenizer=org/tok is a Hugging Face hub id, HF_HUB_OFFLINE=1 is set (the hub is not asked)" in str(
         err.value
     )
@@ -74,7 +74,7 @@ def test_offline_mode_refuses_an_uncached_hub_id_without_probing(no_hub, compose
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     with pytest.raises(ConfigError) as err:
-        hub.check_hub(compose_cfg("model.tokenizer=org/tok"))
+        hub.check_hub(compose_cfg("model.tokenizer=org/tok").model, dry_run=False)
     assert "HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 are set" in str(err.value)
     assert f"({tmp_path / 'hf_home' / 'hub'}, from HF_HOME)" in str(err.value)
     assert str(err.value).endswith("or unset HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE")
@@ -85,11 +85,11 @@ def test_a_reachable_hub_and_local_models_are_left_alone(no_hub, compose_cfg, mo
         server.bind(("127.0.0.1", 0))
         server.listen()
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
-        hub.check_hub(compose_cfg("model.name_or_path=org/not-cached"))
+        hub.check_hub(compose_cfg("model.name_or_path=org/not-cached").model, dry_run=False)
     assert "HF_HUB_OFFLINE" not in os.environ
     monkeypatch.setattr(hub, "unreachable", lambda *a, **k: pytest.fail("probed the hub for a local model"))
-    hub.check_hub(compose_cfg())  # the tiny model: built here
-    hub.check_hub(compose_cfg(f"model.name_or_path={tmp_path}"))  # a directory
+    hub.check_hub(compose_cfg().model, dry_run=False)  # the tiny model: built here
+    hub.check_hub(compose_cfg(f"model.name_or_path={tmp_path}").model, dry_run=False)  # a directory
 
 
 # ------------------------------------------------------------------------------------------------ SLURM
@@ -139,7 +139,9 @@ def test_warmup_stable_decay_fits_its_decay_to_the_run(compose_cfg):
     for extra, warmup in (([], 0), (["scheduler.warmup_ratio=0.1"], 4)):
         cfg = compose_cfg("scheduler=warmup_stable_decay", "train.max_steps=40", *extra)
         assert warmup_steps(cfg.scheduler, 40) == warmup
-        trajectory = trajectory_of(cfg, total_steps=40, warmup_steps=warmup, world_size=1, data_key="d")
+        trajectory = trajectory_of(
+            cfg.train, cfg.scheduler, cfg.optimizer.lr, total_steps=40, warmup_steps=warmup, world_size=1, data_key="d"
+        )
         assert trajectory["scheduler_kwargs"]["num_decay_steps"] == round(40 * WSD_DECAY_FRACTION)
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         schedule = get_scheduler(

@@ -27,7 +27,7 @@ def tiny(compose_cfg, *overrides: str, meta: bool = True):
     from ds_exp.model.tokenizer import load_tokenizer
 
     cfg = compose_cfg(*overrides)
-    config = build_model_config(cfg, load_tokenizer(cfg.model, cfg.data))
+    config = build_model_config(cfg.model, load_tokenizer(cfg.model, cfg.data))
     with torch.device("meta" if meta else "cpu"):
         return AutoModelForCausalLM.from_config(config), cfg
 
@@ -80,7 +80,7 @@ def test_a_lora_setting_that_matches_nothing_names_the_models_layers(compose_cfg
     cfg = compose_cfg("lora.dim=4", *overrides)
 
     with pytest.raises(ConfigError) as err:
-        check_lora(cfg, build_model_config(cfg, load_tokenizer(cfg.model, cfg.data)))
+        check_lora(cfg.model, cfg.lora, build_model_config(cfg.model, load_tokenizer(cfg.model, cfg.data)))
     for fragment in fragments:
         assert fragment in str(err.value), str(err.value)
     assert len(err.value.problems) == 1, err.value.problems
@@ -106,7 +106,7 @@ def test_the_dry_runs_counts_are_the_wrapped_models(compose_cfg, overrides):
     built = build_model(cfg, load_tokenizer(cfg.model, cfg.data), {"zero_optimization": {"stage": 0}})
     total = sum(p.numel() for p in built.model.parameters())
     trainable = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
-    counts = count_parameters(cfg, built.config)
+    counts = count_parameters(cfg.model, cfg.lora, built.config)
     assert (counts.total, counts.trainable) == (total, trainable)
 
 
@@ -125,7 +125,7 @@ def test_dora_and_rslora_reach_peft(compose_cfg):
 def test_checkpoints_depend_on_every_lora_option(compose_cfg):
     """A resume with any LoRA option changed is refused (ds_exp/resume/settings.py); a checkpoint written before the
     options existed (four keys) still matches the defaults."""
-    base = lora_settings(compose_cfg("lora.dim=8"))
+    base = lora_settings(compose_cfg("lora.dim=8").lora)
     assert base == {"dim": 8, "alpha": 8.0, "module_name": "layers.", "only_optimize": True}
     for override in [
         "lora.target_modules=[q_proj]",
@@ -134,7 +134,7 @@ def test_checkpoints_depend_on_every_lora_option(compose_cfg):
         "lora.use_rslora=true",
         "lora.module_name=layers.0.",
     ]:
-        found = changes({"lora": base}, {"lora": lora_settings(compose_cfg("lora.dim=8", override))})
+        found = changes({"lora": base}, {"lora": lora_settings(compose_cfg("lora.dim=8", override).lora)})
         assert len(found) == 1 and found[0].startswith("lora: "), (override, found)
 
 
@@ -172,7 +172,8 @@ def test_lora_settings_are_refused_before_anything_loads(
         return (object() if has_bnb else None) if name == "bitsandbytes" else real(name, *args)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    problems = lora_problems(compose_cfg(*overrides), accelerator)
+    cfg = compose_cfg(*overrides)
+    problems = lora_problems(cfg.lora, accelerator, name_or_path=cfg.model.name_or_path, zero_stage=cfg.zero.stage)
     assert any(fragment in p for p in problems), problems
 
 

@@ -84,10 +84,10 @@ def test_every_model_preset_composes_and_the_dry_run_plans_it_without_the_hub(
     arch = cfg.model.arch
     assert arch, f"conf/model/{preset}.yaml carries no arch: a dry run could not plan it without the model"
     # the architecture passes ds_exp's own checks of one (sizes, heads that divide, even rotary head dimensions)
-    assert arch_problems(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=None))) == []
+    assert arch_problems(dataclasses.replace(cfg.model, name_or_path=None)) == []
     if preset not in BUILT_HERE:
-        assert plans_from_arch(cfg), "a hub model that is not here: planned from its arch"
-        check_hub(cfg)  # a dry run that needs no file of the model is not refused
+        assert plans_from_arch(cfg.model, dry_run=cfg.dry_run), "a hub model that is not here: planned from its arch"
+        check_hub(cfg.model, dry_run=cfg.dry_run)  # a dry run that needs no file of the model is not refused
     plan = dry_run(cfg, tmp_path / "run")
     shown = capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["parameters"] == plan["parameters"]

@@ -14,10 +14,10 @@ import yaml
 
 from ds_exp.artifacts.loss_plot import PLOT, Curves, LossPlot, figure
 from ds_exp.config.ds_config import log_interval
+from ds_exp.sweeps.optuna_study import write_study
 from ds_exp.sweeps.report import write_report
 from ds_exp.sweeps.report_plot import judged_by, plot, train_curve, varying_overrides
 from ds_exp.sweeps.study_files import STUDY_PLOT, study_section
-from ds_exp.sweeps.study_trials import write_study
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_exp.artifacts.trackers.base import TrackedRun
 from ds_exp.artifacts.tracking import Trackers
 from ds_exp.config.trackers import TRACKERS, LoggerConfig
 from ds_exp.core.status import RunStatus
@@ -72,7 +73,8 @@ def test_a_marker_keeps_the_trackers_run_ids_as_one_mapping_and_old_markers_stil
     assert TrainState(**{**old, "mlflow_run_id": None}).trackers == {"wandb": "wandb-7f3a"}  # a run without MLflow
 
     # resumed with TensorBoard only: nothing to continue there, and the others' ids stay for the next checkpoints
-    trackers = Trackers(compose_cfg("logger=tensorboard"), tmp_path, enabled=True, start=state)
+    cfg = compose_cfg("logger=tensorboard")
+    trackers = Trackers(cfg.logger, TrackedRun.of(cfg, tmp_path), enabled=True, start=state)
     assert [t.name for t in trackers.all] == ["TensorBoard"]
     assert trackers.ids() == {"mlflow": "5d1c0e", "wandb": "wandb-7f3a"}
     trackers.close(RunStatus.COMPLETED)

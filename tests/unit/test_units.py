@@ -157,7 +157,7 @@ def test_an_export_that_fills_the_disk_leaves_nothing_half_written(mount_tmpfs, 
 
     cfg = compose_cfg()
     tokenizer = load_tokenizer(cfg.model, cfg.data)
-    config = build_model_config(cfg, tokenizer)
+    config = build_model_config(cfg.model, tokenizer)
     model = AutoModelForCausalLM.from_config(config)
     spec = ExportSpec(
         config, None, "float32", config.vocab_size, len(tokenizer), tokenizer_source(cfg.model), None, "fp32", "auto"

@@ -5,24 +5,51 @@ tracker's records, said once; a full disk under the run directory stops the run.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import Config, as_dict, plain
 from ds_exp.core.status import RunStatus
 
 
+@dataclass(frozen=True)
+class TrackedRun:
+    """What every tracker records of the run beside its own settings (logger.<name>), taken from the config once."""
+
+    run_dir: Path
+    experiment: str  # experiment_name: wandb's group and MLflow's experiment, unless their settings name one
+    params: dict[str, Any]  # the whole config as plain values; each tracker blanks the credentials as it logs them
+    zero_stage: int
+    precision: str  # precision.dtype as written
+    model: str  # model.name
+    model_path: str  # model.name_or_path, or model.name for a model built here
+
+    @classmethod
+    def of(cls, cfg: Config, run_dir: Path) -> TrackedRun:
+        model = cfg.model
+        return cls(
+            run_dir,
+            experiment=cfg.experiment_name,
+            params=as_dict(cfg),
+            zero_stage=int(cfg.zero.stage),
+            precision=str(plain(cfg.precision.dtype)),
+            model=model.name,
+            model_path=model.name_or_path or model.name,
+        )
+
+
 class Tracker(abc.ABC):
-    """One tracker's run. Built with the run's config, its directory, the run id a checkpoint kept for it (a resume
-    continues that run) and the step training starts from (what an attempt killed past it logged is set aside or
-    said, as each store allows)."""
+    """One tracker's run. Built with its settings (logger.<name>), what it records of the run, the run id a
+    checkpoint kept for it (a resume continues that run) and the step training starts from (what an attempt killed
+    past it logged is set aside or said, as each store allows)."""
 
     name: ClassVar[str]  # as people read it in messages: "wandb", "TensorBoard", "MLflow"
     store: Path | None = None  # where it writes on this machine (a full disk there is told apart); None: a server
     run_id: str | None = None  # what a checkpoint keeps so a resume continues the run; None: nothing to continue
 
     @abc.abstractmethod
-    def __init__(self, cfg: Config, run_dir: Path, *, run_id: str | None, start_step: int) -> None: ...
+    def __init__(self, settings: Any, run: TrackedRun, *, run_id: str | None, start_step: int) -> None: ...
 
     @property
     def location(self) -> str:

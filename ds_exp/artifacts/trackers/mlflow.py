@@ -43,10 +43,9 @@ from hydra.utils import get_original_cwd
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
-from ds_exp.artifacts.trackers.base import Tracker
-from ds_exp.config.schema import Config, as_dict, plain
+from ds_exp.artifacts.trackers.base import TrackedRun, Tracker
 from ds_exp.config.secrets import redact, redact_text, register_secrets
-from ds_exp.config.trackers import without_passwords
+from ds_exp.config.trackers import MlflowConfig, without_passwords
 from ds_exp.core.errors import RunFailed, first_line
 from ds_exp.core.files import json_text
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
@@ -169,11 +168,10 @@ class MlflowRun(Tracker):
 
     name = "MLflow"
 
-    def __init__(self, cfg: Config, run_dir: Path, *, run_id: str | None, start_step: int) -> None:
+    def __init__(self, settings: MlflowConfig, run: TrackedRun, *, run_id: str | None, start_step: int) -> None:
         self.client: Any = None
         self.run_id = run_id
         self.store = None  # the store's file on this machine (a SQLite database), None for a server
-        settings = cfg.logger.mlflow
         self.uri = settings.tracking_uri or default_tracking_uri()
         if self.uri.startswith("sqlite:///"):
             self.store = Path(self.uri.removeprefix("sqlite:///").split("?")[0]).expanduser()
@@ -188,13 +186,13 @@ class MlflowRun(Tracker):
             waiting = announced(f"the MLflow server {shown}", bound=bound) if remote else contextlib.nullcontext()
             with short_http_waits(), waiting, store_opened(self.store):
                 self.client = mlflow.MlflowClient(tracking_uri=self.uri)
-                name = settings.experiment or cfg.experiment_name
+                name = settings.experiment or run.experiment
                 experiment = self._experiment(name, None if settings.tracking_uri else self.store)
                 self.run_id = self._continue(run_id, start_step) if run_id else None
                 if self.run_id is None:
-                    self.run_id = self._create(cfg, run_dir, experiment)
+                    self.run_id = self._create(settings, run, experiment)
                 else:
-                    self._log_changed_params(cfg, start_step)
+                    self._log_changed_params(run.params, start_step)
         except MlflowException as err:
             first = without_passwords(first_line(err))
             raise RunFailed(
@@ -217,18 +215,19 @@ class MlflowRun(Tracker):
                 raise
             return str(found.experiment_id)
 
-    def _create(self, cfg: Config, run_dir: Path, experiment: str) -> str:
-        settings = cfg.logger.mlflow
+    def _create(self, settings: MlflowConfig, run: TrackedRun, experiment: str) -> str:
         tags = {
-            "zero_stage": str(cfg.zero.stage),
-            "precision": str(plain(cfg.precision.dtype)),
-            "model": cfg.model.name_or_path or cfg.model.name,
-            "ds_exp.run_dir": str(run_dir),
+            "zero_stage": str(run.zero_stage),
+            "precision": run.precision,
+            "model": run.model_path,
+            "ds_exp.run_dir": str(run.run_dir),
             **{str(k): redact_text(str(v)) for k, v in settings.tags.items()},  # a secret by its shape
         }
-        run = self.client.create_run(experiment, run_name=settings.run_name or default_run_name(run_dir), tags=tags)
-        run_id = str(run.info.run_id)
-        params = [Param(k, v) for k, v in flatten(redact(as_dict(cfg))).items()]
+        created = self.client.create_run(
+            experiment, run_name=settings.run_name or default_run_name(run.run_dir), tags=tags
+        )
+        run_id = str(created.info.run_id)
+        params = [Param(k, v) for k, v in flatten(redact(run.params)).items()]
         for start in range(0, len(params), BATCH):
             self.client.log_batch(run_id, params=params[start : start + BATCH])
         return run_id
@@ -257,11 +256,11 @@ class MlflowRun(Tracker):
             log.warning("mlflow: run %s: %s", run_id, note)
         return run_id
 
-    def _log_changed_params(self, cfg: Config, start_step: int) -> None:
+    def _log_changed_params(self, params: dict[str, Any], start_step: int) -> None:
         """Params are immutable in MLflow: new keys are logged, changed values are told in one tag."""
         assert self.run_id is not None
         before = self.client.get_run(self.run_id).data.params
-        now = flatten(redact(as_dict(cfg)))
+        now = flatten(redact(params))
         new = [Param(k, v) for k, v in now.items() if k not in before]
         for start in range(0, len(new), BATCH):
             self.client.log_batch(self.run_id, params=new[start : start + BATCH])

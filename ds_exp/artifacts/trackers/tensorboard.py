@@ -25,9 +25,9 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.summary import scalar, text
 
-from ds_exp.artifacts.trackers.base import Tracker
-from ds_exp.config.schema import Config, as_dict
+from ds_exp.artifacts.trackers.base import TrackedRun, Tracker
 from ds_exp.config.secrets import redact
+from ds_exp.config.trackers import TensorBoardConfig
 from ds_exp.core.files import append_whole, json_text
 from ds_exp.core.status import RunStatus
 
@@ -94,17 +94,16 @@ class TensorBoardRun(Tracker):
 
     name = "TensorBoard"
 
-    def __init__(self, cfg: Config, run_dir: Path, *, run_id: str | None, start_step: int) -> None:
+    def __init__(self, settings: TensorBoardConfig, run: TrackedRun, *, run_id: str | None, start_step: int) -> None:
         self.last_step = start_step
-        settings = cfg.logger.tensorboard
-        self.dir = self.store = Path(settings.dir).expanduser() if settings.dir else run_dir / "tensorboard"
+        self.dir = self.store = Path(settings.dir).expanduser() if settings.dir else run.run_dir / "tensorboard"
         # a file per attempt, named by the second and the host: the suffix keeps two attempts within one second
         # apart and in order
         self.events: EventFile | None = EventFile(self.dir, f".step{start_step:09d}.{os.getpid()}")
         if start_step:
             self.events.purge_from(start_step + 1)
         else:
-            self.events.text("config", f"```\n{json_text(redact(as_dict(cfg)), indent=2)}\n```", 0)
+            self.events.text("config", f"```\n{json_text(redact(run.params), indent=2)}\n```", 0)
 
     @property
     def writer(self) -> EventFile | None:

@@ -17,10 +17,10 @@ from typing import Any
 import wandb
 
 from ds_exp.artifacts.summary import shown_path
-from ds_exp.artifacts.trackers.base import Tracker
-from ds_exp.config.schema import Config, as_dict, plain
+from ds_exp.artifacts.trackers.base import TrackedRun, Tracker
+from ds_exp.config.schema import plain
 from ds_exp.config.secrets import redact, redact_text
-from ds_exp.config.trackers import WANDB_DEFAULT_URL, without_passwords
+from ds_exp.config.trackers import WANDB_DEFAULT_URL, WandbConfig, without_passwords
 from ds_exp.core.files import disk_free_bytes
 from ds_exp.core.status import RESUMABLE_ENDS, RunStatus
 from ds_exp.core.waits import announced
@@ -35,14 +35,9 @@ class WandbRun(Tracker):
     name = "wandb"
     finish_bound = "it waits until the data is uploaded; Ctrl-C leaves the rest to `wandb sync` (the run's wandb/)"
 
-    def __init__(self, cfg: Config, run_dir: Path, *, run_id: str | None, start_step: int) -> None:
-        wandb_cfg = cfg.logger.wandb
+    def __init__(self, wandb_cfg: WandbConfig, run: TrackedRun, *, run_id: str | None, start_step: int) -> None:
         mode = plain(wandb_cfg.mode)
-        tags = [
-            f"zero{cfg.zero.stage}",
-            str(plain(cfg.precision.dtype)),
-            cfg.model.name,
-        ]
+        tags = [f"zero{run.zero_stage}", run.precision, run.model]
         # from the checkpoint's step: wandb's rewind sets aside what a killed attempt logged past it, as
         # metrics.jsonl does (wandb >= 0.17.1; its "resume" would keep those steps and drop the resumed ones)
         resuming: dict[str, Any] = (
@@ -57,14 +52,14 @@ class WandbRun(Tracker):
             self.run: Any = wandb.init(
                 project=wandb_cfg.project,
                 entity=wandb_cfg.entity,
-                group=wandb_cfg.group or cfg.experiment_name,
-                name=wandb_cfg.name or run_dir.name,
+                group=wandb_cfg.group or run.experiment,
+                name=wandb_cfg.name or run.run_dir.name,
                 tags=[*tags, *map(redact_text, wandb_cfg.tags)],  # a tag may hold a secret by its shape
-                dir=str(wandb_cfg.dir or run_dir),
+                dir=str(wandb_cfg.dir or run.run_dir),
                 mode=mode,
                 id=run_id,  # set when resuming: the same wandb run continues
                 **resuming,
-                config=redact(as_dict(cfg)),
+                config=redact(run.params),
                 # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
                 # ~/.netrc); an offline run writes it nowhere (tests/integration/test_security.py). silent: wandb's
                 # own lines (its banner, and 34 lines of run history after ds_exp's last line) stay off the

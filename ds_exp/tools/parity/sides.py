@@ -296,7 +296,7 @@ def dropout_notes(a: Side, b: Side) -> list[str]:
     notes = []
     for side in (a, b):
         assert side.cfg is not None
-        settings = model_settings(side.cfg) or {}
+        settings = model_settings(side.cfg.model) or {}
         dropouts = {
             k: v
             for k, v in settings.items()
