@@ -17,7 +17,7 @@ from typing import Any
 
 from ds_exp.artifacts.tracking import MetricsLog, Trackers
 from ds_exp.config.paths import data_cache_dir
-from ds_exp.core.errors import first_line
+from ds_exp.core.errors import DsExpError, first_line
 from ds_exp.evaluation.checks import Scoring, resolve_tasks
 from ds_exp.evaluation.report import few_questions, flat, table, tracker_metrics
 from ds_exp.exports.on_disk import read_metadata
@@ -99,7 +99,8 @@ class HarnessHooks(FeatureHooks):
             )
         except (Exception, KeyboardInterrupt) as err:
             interrupted = isinstance(err, (KeyboardInterrupt, StopRequested))
-            why = f"{'interrupted' if interrupted else 'failed'}: {type(err).__name__}: {first_line(err)}"
+            said = first_line(err) if isinstance(err, DsExpError) else f"{type(err).__name__}: {first_line(err)}"
+            why = f"{'interrupted' if interrupted else 'failed'}: {said}"
             file_log.error("lm-eval scores of %s %s", export_dir, why, exc_info=err)
             log.error(
                 "lm-eval scores of %s %s; the run itself is unaffected: python -m ds_exp.evaluate %s %s scores it",
