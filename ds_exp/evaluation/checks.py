@@ -39,7 +39,7 @@ from ds_exp.core.errors import first_line
 from ds_exp.core.files import write_json_atomic
 from ds_exp.core.private_files import UnsafePath, cache_entry, private_dir
 from ds_exp.data.cache import hash_key, path_fingerprint
-from ds_exp.evaluation.fit import Asked, Fit, ModelFit, loaded_problems, passkey_problems, run_model_fit
+from ds_exp.evaluation.fit import Asked, ModelFit, loaded_problems, passkey_problems, run_model_fit
 from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.evaluation.tasks import PASSKEY, SYNTHETIC
 from ds_exp.launch.hub import hub_address, hub_cache, offline, unreachable
@@ -125,24 +125,23 @@ def device_problems(device: str, key: str, accelerator: str) -> list[str]:
 
 def task_problems(
     specs: list[TaskSpec], model: ModelFit | None, asked: Asked, lengths: tuple[int, ...]
-) -> tuple[list[str], Fit]:
+) -> tuple[list[str], int]:
     """The tasks whose rows can be read here (task YAML files, whose data lm-eval loaded while they were resolved,
     and the built-ins) against the model, before any weight loads; lm-eval's registry tasks are checked when they
-    are scored (their data may be the hub's)."""
+    are scored (their data may be the hub's). (The problems, the bytes lm-eval will write.)"""
     found: list[str] = []
-    fit = Fit()
+    size = 0
     for spec in specs:
         if spec.kind == "builtin" and spec.name == PASSKEY and model is not None:
             found += passkey_problems(lengths, model, asked)
         if spec.kind != "file" or spec.path is None:
             continue
-        loaded = _loads(spec.path, hash_key(path_fingerprint(Path(spec.path))), False)
+        path = Path(spec.path)  # loaded as it was resolved (a group's with lm-eval's registry)
+        loaded = _loads(spec.path, hash_key(path_fingerprint(path)), "group" in _read_yaml(path))
         if isinstance(loaded, dict):
-            more, part = loaded_problems(spec.given, loaded, model, asked, key=asked.key("tasks"), run_code=False)
-            found += more
-            fit.questions.update(part.questions)
-            fit.requests, fit.bytes = fit.requests + part.requests, fit.bytes + part.bytes
-    return found, fit
+            more, written = loaded_problems(spec.given, loaded, model, asked, key=asked.key("tasks"), run_code=False)
+            found, size = found + more, size + written
+    return found, size
 
 
 def resolve_tasks(given: list[str], lengths: tuple[int, ...], *, key: str) -> tuple[list[TaskSpec], list[str]]:

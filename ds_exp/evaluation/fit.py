@@ -4,8 +4,8 @@ itself again with the export's own tokenizer, every task's rows loaded by lm-eva
 line each naming the task, its data file and row: a group with no tasks, a split with no questions, rows without
 a field a prompt reads (lm-eval would ask "Question: None"), a prompt or a choice longer than the model's positions
 (lm-eval asserts on a choice, and cuts the beginning of a prompt off: a passkey scored 0.0), more few-shot examples
-than the task has. What it finds besides (`Fit`): the questions each score will rest on, the requests, and about how
-much lm-eval will write. Light: lm-eval's task objects and the `tokenizers` library, never torch.
+than the task has. What lm-eval will write is estimated too (the room on the disk is checked). Light: lm-eval's task
+objects and the `tokenizers` library, never torch.
 
 Lengths are lower bounds, so a refusal is certain: the question and its longest answer in tokens, each few-shot
 example counted as the shortest of the task's, the template's markup left out. Prompts made by a task's own code
@@ -24,7 +24,6 @@ from typing import Any
 import jinja2.meta
 from tokenizers import Tokenizer
 
-from ds_exp.config.model_checks import scaled_positions
 from ds_exp.config.paths import embedded_tokenizer_dir
 from ds_exp.config.schema import ModelConfig
 from ds_exp.core.errors import ConfigError, RunFailed, first_line
@@ -47,15 +46,6 @@ class ModelFit:
     shown: str  # names the model in a refusal
     positions: int
     count: Count | None = None  # None: lengths are not measured (no tokenizer.json to read lightly)
-
-
-@dataclass
-class Fit:
-    """What the tasks come to on this model: questions per task (after --limit), requests, bytes lm-eval writes."""
-
-    questions: dict[str, int] = field(default_factory=dict)
-    requests: int = 0
-    bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,8 +113,7 @@ def run_model_fit(model: ModelConfig) -> ModelFit | None:
     config = dict(model.arch or {}) if local is None else _read_json(local / "config.json")
     if not config:
         return None
-    positions = positions_of(config)
-    positions = scaled_positions(model.rope_scaling, positions) or positions if model.rope_scaling else positions
+    positions = positions_of(config)  # model.rope_scaling leaves them: lm-eval cuts prompts at them all the same
     tokenizer = Path(model.tokenizer).expanduser() if model.tokenizer else local or embedded_tokenizer_dir()
     shown = f"model {model.name}" + (f" ({model.name_or_path})" if model.name_or_path else "")
     return ModelFit(shown, positions, light_count(tokenizer))
@@ -151,23 +140,23 @@ def passkey_problems(lengths: Sequence[int], model: ModelFit, asked: Asked) -> l
 
 def loaded_problems(
     given: str, loaded: dict[str, Any], model: ModelFit | None, asked: Asked, *, key: str, run_code: bool
-) -> tuple[list[str], Fit]:
-    """What lm-eval's TaskManager.load made of TASK `given` (its leaf tasks, its groups), checked against `model`.
-    A refusal names the task within a group (or a YAML file's task when it is not the one named)."""
+) -> tuple[list[str], int]:
+    """What lm-eval's TaskManager.load made of TASK `given` (its leaf tasks, its groups), checked against `model`:
+    (the problems, the bytes lm-eval's files of it will take). A refusal names the task within a group (or a YAML
+    file's task when it is not the one named)."""
     names = [*(loaded.get("tasks") or {}), *(loaded.get("group_map") or {})]
-    found: list[str] = []
-    fit = Fit()
-    for group, members in (loaded.get("group_map") or {}).items():
-        if not members:
-            found.append(f"{key}: {given}: its group {group} holds no tasks; name its tasks under `task:`")
+    found = [
+        f"{key}: {given}: its group {group} holds no tasks; name its tasks under `task:`"
+        for group, members in (loaded.get("group_map") or {}).items()
+        if not members
+    ]
+    size = 0
     for name, task in (loaded.get("tasks") or {}).items():
         prefix = f"{key}: {given}: " + (f"its task {name}: " if len(names) > 1 or name not in given else "")
-        problems, questions, requests, size = _task_problems(task, model, asked, run_code)
+        problems, written = _task_problems(task, model, asked, run_code)
         found += [prefix + problem for problem in problems]
-        fit.questions[name] = questions
-        fit.requests += requests
-        fit.bytes += size
-    return found, fit
+        size += written
+    return found, size
 
 
 class _Rows:
@@ -209,12 +198,12 @@ def _reads(setting: object, features: Sequence[str]) -> set[str]:
 SETTINGS = ("doc_to_text", "doc_to_target", "doc_to_choice")
 
 
-def _task_problems(task: Any, model: ModelFit | None, asked: Asked, run_code: bool) -> tuple[list[str], int, int, int]:
-    """(problems, questions scored, requests, bytes lm-eval writes) of one leaf task."""
+def _task_problems(task: Any, model: ModelFit | None, asked: Asked, run_code: bool) -> tuple[list[str], int]:
+    """(problems, bytes lm-eval writes) of one leaf task."""
     config, rows = task.config, _Rows(task)
     docs = list(task.eval_docs)
     if not docs:
-        return [f"its {rows.split} split holds no questions; give it rows"], 0, 0, 0
+        return [f"its {rows.split} split holds no questions; give it rows"], 0
     scored = docs[: questions_of(asked.limit, len(docs))]
     features = list(getattr(task, "features", None) or (docs[0].keys() if isinstance(docs[0], dict) else ()))
     found: list[str] = []
@@ -238,16 +227,15 @@ def _task_problems(task: Any, model: ModelFit | None, asked: Asked, run_code: bo
         )
     measured = _render(task, scored, rows, run_code)
     if isinstance(measured, str):
-        return [*found, measured], len(scored), 0, 0
+        return [*found, measured], 0
     texts, answers = measured or ([json.dumps(doc, default=str) for doc in scored], [[] for _ in scored])
-    requests = sum(max(len(a), 1) for a in answers)
     size = sum(
         len(json.dumps(doc, default=str)) + (shots + 1) * len(t) * max(len(a), 1) + 400
         for doc, t, a in zip(scored, texts, answers, strict=True)
     )
     if model is not None and model.count is not None and not found:
         found += _length_problems(task, texts, answers, shots, model, rows)
-    return found, len(scored), requests, size
+    return found, size
 
 
 def _shots(task: Any, asked: Asked) -> int:

@@ -55,7 +55,7 @@ from ds_exp.core.private_files import UnsafePath, cache_entry, check_own, privat
 from ds_exp.data.cache import disk_full, file_lock, hash_key, path_fingerprint
 from ds_exp.data.templates import has_chat_template
 from ds_exp.evaluation.checks import TaskSpec
-from ds_exp.evaluation.fit import CLI_KEYS, Asked, Fit, ModelFit, check_room, loaded_problems, positions_of
+from ds_exp.evaluation.fit import CLI_KEYS, Asked, ModelFit, check_room, loaded_problems, positions_of
 from ds_exp.evaluation.plan import Plan
 from ds_exp.evaluation.report import HARNESS_JSON, few_questions, harness_record, staged, table, write_record
 from ds_exp.evaluation.settings import HarnessConfig
@@ -298,11 +298,11 @@ def score(
     return scores
 
 
-def redact_files(directory: Path) -> None:
-    """lm-eval's files through ds_exp's one redaction (ds_exp.config.secrets.redact), before anything reads them:
-    its results copy each task's config (a token in dataset_kwargs), its samples each question. A file with nothing
-    to blank is left as lm-eval wrote it."""
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+def redact_files(where: Path) -> None:
+    """lm-eval's files (those under `where`, or that file) through ds_exp's one redaction (ds_exp.config.secrets
+    .redact), before anything reads them: its results copy each task's config (a token in dataset_kwargs), its
+    samples each question. A file with nothing to blank is left as lm-eval wrote it."""
+    for path in [where] if where.is_file() else sorted(p for p in where.rglob("*") if p.is_file()):
         text = path.read_text(errors="replace")
         if path.suffix in (".json", ".jsonl"):
             one = path.suffix == ".json"
@@ -388,8 +388,8 @@ def evaluate(
             if base_cfg is not None:  # checked now: the user's own directory (ds_exp/core/private_files.py)
                 identity = base_identity(base_cfg.model, base_cfg.train.seed, tuned_dir)
                 cache = BaseCache(cache_dir, identity, settings.material())
-            fit = judged(tuned_dir, tokenizer, keyed, settings, manager)  # before any weight loads
-            check_room(out_dir, settings.keys.get("output", "hydra.run.dir"), fit.bytes * (2 if cache else 1))
+            size = judged(tuned_dir, tokenizer, keyed, settings, manager)  # before any weight loads
+            check_room(out_dir, settings.keys.get("output", "hydra.run.dir"), size * (2 if cache else 1))
             timing = {"tasks_s": time.perf_counter() - started}
             lm = load_model(tuned_dir, settings)
             tuned = score(lm, keyed, settings, manager, scratch / "tuned", "the tuned model" if cache else "")
@@ -420,24 +420,24 @@ def evaluate(
 
 def judged(
     tuned_dir: Path, tokenizer: Any, specs: Sequence[TaskSpec], settings: HarnessSettings, manager: TaskManager
-) -> Fit:
+) -> int:
     """Every TASK, its rows loaded by lm-eval, against the export's positions and tokenizer (fit.py), before any
-    weight loads: one line per problem (ConfigError)."""
+    weight loads: one line per problem (ConfigError); else the bytes lm-eval will write."""
     config = AutoConfig.from_pretrained(str(tuned_dir)).to_dict()
     positions = positions_of(config, {"model_max_length": getattr(tokenizer, "model_max_length", None)})
-    model = ModelFit(str(tuned_dir), positions, lambda texts: [len(i) for i in tokenizer(texts)["input_ids"]])
+    counted = lambda texts: [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]  # noqa: E731
+    model = ModelFit(str(tuned_dir), positions, counted)
     asked = Asked(settings.questions, settings.num_fewshot, settings.keys)
     problems: list[str] = []
-    fit = Fit()
+    size = 0
     for spec in specs:
         with library_stdout(stderr=True):  # datasets' bars, lm-eval's notices: the log's
             loaded = dict(manager.load([spec.request]))
-        more, part = loaded_problems(spec.given, loaded, model, asked, key=asked.key("tasks"), run_code=True)
-        problems += more
-        fit.requests, fit.bytes = fit.requests + part.requests, fit.bytes + part.bytes
+        more, written = loaded_problems(spec.given, loaded, model, asked, key=asked.key("tasks"), run_code=True)
+        problems, size = problems + more, size + written
     if problems:
         raise ConfigError(problems)
-    return fit
+    return size
 
 
 def base_scores(

@@ -54,7 +54,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if problems + more:
         raise ConfigError(problems + more)
     model = model_dir_fit(model_dir) if checkpoint is None or cfg is None else run_model_fit(cfg.model)
-    more, fit = task_problems(specs, model, Asked(harness.limit, harness.num_fewshot, CLI_KEYS), lengths)
+    more, size = task_problems(specs, model, Asked(harness.limit, harness.num_fewshot, CLI_KEYS), lengths)
     if more:
         raise ConfigError(more)
     if args.output:
@@ -65,7 +65,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         out_dir = model_dir.with_name(f"{model_dir.name}-eval")
     check_writable(out_dir, "--output")
     base = bool(pair and not args.no_base)
-    check_room(out_dir, "--output", fit.bytes * (2 if base else 1))
+    check_room(out_dir, "--output", size * (2 if base else 1))
     return Plan(model_dir, specs, harness, cfg, out_dir, base, checkpoint)
 
 

@@ -178,6 +178,7 @@ def _tasks(root: Path) -> None:
     mc_task(root, "long", [{"question": "pick", "choices": ["word " * 100, "b"], "answer": 0}])
     unasked = [{"q": f"{i}?", "choices": ["a", "b"], "answer": 0} for i in range(3)]
     mc_task(root, "unasked", [QUESTIONS[0], *unasked], text="Question: {{question}}\nAnswer:")
+    mc_task(root, "misnamed", unasked, text="Question: {{question}}\nAnswer:")
     mc_task(root, "broken", [QUESTIONS[0], '{"question": "2+2?", "choices": ["4"'])
     (root / "empty.yaml").write_text("group: empty\ntask: []\n")
 
@@ -219,6 +220,12 @@ REFUSALS = [
         ["{model}", "ds_exp_passkey", "--passkey-lengths", "4096"],
         "--passkey-lengths: ds_exp_passkey's prompts of 4096 tokens are beyond the 64 positions of {tmp}/model",
         None,
+    ),
+    (
+        "a field no row has",
+        ["{model}", "{tmp}/misnamed.yaml"],
+        "TASK: {tmp}/misnamed.yaml: no row of {tmp}/misnamed.jsonl has the field question, which its doc_to_text reads",
+        _tasks,
     ),
     (
         "a data row that is not JSON",

@@ -139,3 +139,22 @@ def test_a_base_score_of_another_shape_is_a_miss_scored_again_and_said_once(tmp_
     os.chown(tmp_path / "cache" / "harness-base", 4242, -1)
     with pytest.raises(ConfigError, match=r"harness-base belongs to another user \(uid 4242\)"):
         BaseCache(tmp_path / "cache", {"model": "m"}, {})
+
+
+def test_on_a_terminal_the_scoring_draws_a_bar(monkeypatch):
+    """A terminal gets a bar (tqdm's, on the console), not the plain lines of a pipe."""
+    import io
+
+    from ds_exp.evaluation import harness
+
+    console = io.StringIO()
+    monkeypatch.setattr(harness, "on_terminal", lambda: True)
+    monkeypatch.setattr("sys.stderr", console)
+    progress = harness.Progress("scoring qa (the base model)")
+    progress.start(40)
+    for _ in range(5):
+        progress.advance(8)
+    progress.done()
+    progress.close()
+    drawn = console.getvalue()
+    assert "scoring qa (the base model): 100%|" in drawn and "40/40" in drawn and "ds_exp: " not in drawn, drawn
