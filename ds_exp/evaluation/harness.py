@@ -200,16 +200,22 @@ class RenderedLM(HFLM):
 
 
 class Progress:
-    """Requests scored of the total while lm-eval scores one TASK on one model: a bar on a terminal, plain lines
-    when piped (at every tenth and at least once a minute, as training's: PlainProgress), on the console as it was
-    before lm-eval's own output (its bars too) was taken for the log (library_stdout)."""
+    """Requests scored of the total while lm-eval scores one TASK on one model: a bar on a terminal (stderr, as
+    training's), plain lines when piped (at every tenth and at least once a minute: PlainProgress) where ds_exp's
+    console lines go (a run's stdout, the command's stderr); on the console as it was before lm-eval's own output
+    (its bars too) was taken for the log (library_stdout)."""
 
     def __init__(self, what: str) -> None:
         self.what, self.terminal = what, on_terminal()
-        try:  # the console's descriptor itself: library_stdout points descriptor 2 at the log while lm-eval runs
-            self.console: TextIO = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
-        except (AttributeError, OSError, ValueError):  # a stream without one (a test's capture) is left as it is
-            self.console = sys.stderr
+        handlers = [*logging.getLogger("ds_exp").handlers, *logging.getLogger().handlers]
+        said = [
+            h for h in handlers if isinstance(h, logging.StreamHandler) and isinstance(h.formatter, ConsoleFormatter)
+        ]
+        stream: TextIO = sys.stderr if self.terminal or not said else said[0].stream
+        # a copy of the console's descriptor: library_stdout points descriptors 1 and 2 at the log while lm-eval runs
+        self.console, self.own = stream, False
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # none (a test's capture): the stream itself
+            self.console, self.own = os.fdopen(os.dup(stream.fileno()), "w", buffering=1), True
         self.bar: tqdm | None = None
         self.plain: PlainProgress | None = None
         self.count = 0
@@ -242,7 +248,7 @@ class Progress:
         print(redact_text(line), file=self.console, flush=True)
 
     def close(self) -> None:
-        if self.console is not sys.stderr:
+        if self.own:
             self.console.close()
 
 
