@@ -1125,6 +1125,68 @@ CASES: list[Case] = [
         ),
         ("hydra.sweeper.objective=harness.ds_exp_synthetic.f1: the runs' lm-eval scores hold no such number",),
     ),
+    # --- issue 39 §4: what lm-eval cannot judge, refused before any model loads (it failed after the training, or
+    # was scored silently: "Question: None", a passkey cut off to 0.0); the task, its file and row named
+    Case(
+        "lm-eval choice longer than the model",
+        "data row",
+        ("eval.harness.tasks=[qa.yaml]",),
+        ("eval.harness.tasks: qa.yaml: row 1 of qa.jsonl: an answer of", "longer than the 512 positions of model tiny"),
+        files={
+            "qa.yaml": HARNESS_TASK,
+            "qa.jsonl": jsonl({"question": "pick", "choices": ["word " * 600, "a"], "answer": 0}),
+        },
+    ),
+    Case(
+        "lm-eval group with no tasks",
+        "path",
+        ("eval.harness.tasks=[group.yaml]",),
+        ("eval.harness.tasks: group.yaml: its group mine holds no tasks; name its tasks under `task:`",),
+        files={"group.yaml": "group: mine\ntask: []\n"},
+    ),
+    Case(
+        "lm-eval on CUDA on a machine without",
+        "combination",
+        ("eval.harness.tasks=[ds_exp_synthetic]", "eval.harness.device=cuda"),
+        ("eval.harness.device=cuda: this machine has no CUDA device", "use cpu or auto"),
+        env={"DS_ACCELERATOR": "cpu"},
+    ),
+    Case(
+        "more few-shot examples than the task has",
+        "combination",
+        ("eval.harness.tasks=[qa.yaml]", "eval.harness.num_fewshot=100"),
+        ("eval.harness.tasks: qa.yaml: eval.harness.num_fewshot=100 few-shot examples, but the task has 20", "give at"),
+        files={
+            "qa.yaml": HARNESS_TASK,
+            "qa.jsonl": jsonl(*[{"question": f"{i}?", "choices": ["a", "b"], "answer": 0} for i in range(20)]),
+        },
+    ),
+    Case(
+        "task rows without the field the prompt reads",
+        "data row",
+        ("eval.harness.tasks=[qa.yaml]",),
+        ("eval.harness.tasks: qa.yaml: rows 2, 3 of qa.jsonl (2 of 3 questions) have no field question", "doc_to_text"),
+        files={
+            "qa.yaml": HARNESS_TASK.replace("doc_to_text: question", 'doc_to_text: "Question: {{question}}\\nAnswer:"'),
+            "qa.jsonl": jsonl(
+                {"question": "2+2?", "choices": ["4", "5"], "answer": 0},
+                *[{"q": "?", "choices": ["a", "b"], "answer": 0}] * 2,
+            ),
+        },
+    ),
+    Case(
+        "passkey longer than the model",
+        "combination",
+        ("eval.harness.tasks=[ds_exp_passkey]", "eval.harness.passkey_lengths=[4096]"),
+        ("eval.harness.passkey_lengths: ds_exp_passkey's prompts of 4096 tokens are beyond the 512 positions", "give"),
+    ),
+    Case(
+        "task data row not JSON",
+        "data row",
+        ("eval.harness.tasks=[qa.yaml]",),
+        ("eval.harness.tasks: qa.yaml: its data file qa.jsonl cannot be read: line 2 is not valid JSON",),
+        files={"qa.yaml": HARNESS_TASK, "qa.jsonl": HARNESS_ROWS + '{"question": "3+3?", "choices": ["6"\n'},
+    ),
     # --- issue 31 §2/§9: values the typed schema cannot reach, numbers past 64 bits, shapes, paths, flex attention
     Case(
         "flex attention on a CPU under sequence parallelism",

@@ -23,7 +23,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +91,12 @@ log = logging.getLogger("ds_exp.cache")
 _said_misses: set[Path] = set()
 
 
-def cache_entry(path: Path, fields: Mapping[str, type | tuple[type, ...]]) -> dict[str, Any] | None:
+def cache_entry(
+    path: Path, fields: Mapping[str, type | tuple[type, ...]], valid: Callable[[dict[str, Any]], bool] | None = None
+) -> dict[str, Any] | None:
     """The JSON object of a cache entry when it is what ds_exp writes: an object holding each of `fields` with a
-    value of its type; None when it is missing, and None, said once per entry, when it is anything else (it is then
-    built again over it)."""
+    value of its type (and, with `valid`, inside them what it says); None when it is missing, and None, said once
+    per entry, when it is anything else (it is then built again over it)."""
     try:
         entry = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -105,9 +107,9 @@ def cache_entry(path: Path, fields: Mapping[str, type | tuple[type, ...]]) -> di
         wrong = [
             key for key, kind in fields.items() if not isinstance(entry, dict) or not isinstance(entry.get(key), kind)
         ]
-        if not wrong:
+        if not wrong and (valid is None or valid(entry)):
             return entry
-        why = f"{', '.join(wrong)} missing or of another type"
+        why = f"{', '.join(wrong)} missing or of another type" if wrong else "its contents are of another shape"
     if path not in _said_misses:
         _said_misses.add(path)
         log.warning("cache entry %s is not what ds_exp writes (%s): built again", path, why)

@@ -4,19 +4,26 @@ through lm-eval's own Python API (pip install -e ".[eval]"), after training or a
 Settings: `eval.harness.*` (conf/eval/default.yaml's `harness`; settings.py's HarnessConfig, which types the schema's
 EvalConfig.harness, each number's range beside it): tasks, every_save, template, base, limit, num_fewshot,
 batch_size, device, passkey_lengths. On when eval.harness.tasks names a task. The feature is handed `Scoring`
-(feature.py): eval.harness, ds_exp_passkey's lengths (data.max_seq_len by default), train.export, train.export_every.
+(checks.py, built by feature.py): eval.harness, ds_exp_passkey's lengths (data.max_seq_len by default),
+train.export, train.export_every, and the model section (what the tasks are checked against).
 
-* `settings.py`, `feature.py` (light): HarnessConfig and Scoring; FEATURE: its settings, when it is on, its checks,
-  its objectives, its hooks.
+* `settings.py`, `feature.py` (light): HarnessConfig; FEATURE: its settings, when it is on, its checks, its
+  objectives, its hooks.
 * `checks.py` (light): refused before any model is loaded, one line each (FEATURE.problems): eval.harness against
-  the exports (every_save without train.export_every, tasks without train.export), the device, lm-eval missing, an
-  unknown task, a task YAML lm-eval rejects, its data files missing, a hub dataset out of reach; and an optuna
-  objective `harness.<task>.<metric>` no task reports (FEATURE.objective_problems).
+  the exports (every_save without train.export_every, tasks without train.export), the device (one this machine
+  has), lm-eval missing, an unknown task, a task YAML lm-eval rejects (its data file and row named), its data files
+  missing, a hub dataset out of reach, the tasks against the model (fit.py); and an optuna objective
+  `harness.<task>.<metric>` no task reports (FEATURE.objective_problems).
+* `fit.py` (light): one checker of a task against a model, before any weight loads, for validation, the command's
+  plan and the scoring alike: rows without the fields a prompt reads, prompts and choices beyond the model's
+  positions (in tokens), few-shot examples the task lacks, a group of no tasks, the room lm-eval's files need; the
+  questions each score rests on.
 * `tasks.py`: ds_exp's own tasks, offline: `ds_exp_synthetic` (multiple choice drawn from the embedded task) and
   `ds_exp_passkey` (a passkey in filler text at a chosen length), task YAMLs and data generated into the data cache.
 * `harness.py` (heavy, imported only where tasks are scored): the scoring (simple_evaluate on an HFLM of the export,
-  prompts in the run's template), the base model (its checkpoint, or its init rebuilt from train.seed, exported as
-  the run exports) and its scores' cache (one entry per model, task and settings), and the command's work.
+  prompts in the run's template, progress on the console, lm-eval's files redacted as they are written), the base
+  model (its checkpoint, or its init rebuilt from train.seed, exported as the run exports) and its scores' cache
+  (one entry per model, task and settings; the user's own directory, every entry checked), and the command's work.
 * `report.py`: harness.json, the console table, the bar chart of base against tuned, the numbers summary.json and
   the trackers keep, and the directory an evaluation is written into (earlier ones set aside).
 * `hooks.py`: HarnessHooks at the recipe's named points (ds_exp/train/hooks.py): `after_run` scores the final export

@@ -22,6 +22,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +33,14 @@ import yaml
 from ds_exp.config.features import CheckFacts
 from ds_exp.config.model_checks import looks_like_local_path
 from ds_exp.config.paths import user_cache_dir
+from ds_exp.config.schema import ModelConfig
+from ds_exp.config.secrets import register_secrets
 from ds_exp.core.errors import first_line
 from ds_exp.core.files import write_json_atomic
+from ds_exp.core.private_files import UnsafePath, cache_entry, private_dir
 from ds_exp.data.cache import hash_key, path_fingerprint
-from ds_exp.evaluation.settings import Scoring
+from ds_exp.evaluation.fit import Asked, ModelFit, loaded_problems, passkey_problems, run_model_fit
+from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.evaluation.tasks import PASSKEY, SYNTHETIC
 from ds_exp.launch.hub import hub_address, hub_cache, offline, unreachable
 
@@ -47,6 +52,17 @@ DEFAULT_METRICS = {  # lm-eval's metrics for a task that names none (lm_eval.api
     "loglikelihood_rolling": ("word_perplexity", "byte_perplexity", "bits_per_byte"),
     "generate_until": ("exact_match",),
 }
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What the feature is handed (feature.py builds it): eval.harness, and what it reads of the run around it."""
+
+    harness: HarnessConfig
+    lengths: tuple[int, ...]  # ds_exp_passkey's (HarnessConfig.lengths)
+    export: bool = True  # train.export: the final export, which the run's scores are of
+    export_every: int = 0  # train.export_every: the step exports eval.harness.every_save scores
+    model: ModelConfig | None = None  # the model the tasks are checked against (its positions, its tokenizer)
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,8 @@ class TaskSpec:
 
 
 def problems(scoring: Scoring, facts: CheckFacts) -> list[str]:
-    """eval.harness's tasks and their combinations with the exports, one line per problem (FEATURE.problems)."""
+    """eval.harness's tasks and their combinations with the exports, and the tasks against the run's model, one line
+    per problem (FEATURE.problems)."""
     harness = scoring.harness
     found: list[str] = []
     if harness.every_save and scoring.export_every <= 0:
@@ -84,15 +101,47 @@ def problems(scoring: Scoring, facts: CheckFacts) -> list[str]:
             "eval.harness.tasks scores the run's final export, which train.export=false leaves out: set "
             "train.export=true, or score a checkpoint later with python -m ds_exp.evaluate"
         )
-    found += device_problems(harness.device, "eval.harness.device")
-    return found + resolve_tasks(list(harness.tasks), scoring.lengths, key="eval.harness.tasks")[1]
+    found += device_problems(harness.device, "eval.harness.device", facts.accelerator)
+    specs, more = resolve_tasks(list(harness.tasks), scoring.lengths, key="eval.harness.tasks")
+    if more or scoring.model is None:
+        return found + more
+    model = run_model_fit(scoring.model)
+    return found + task_problems(specs, model, Asked(harness.limit, harness.num_fewshot), scoring.lengths)[0]
 
 
-def device_problems(device: str, key: str) -> list[str]:
-    """The device lm-eval runs on (eval.harness.device, or the command's --device)."""
-    if str(device) in ("auto", "cpu", "cuda") or str(device).startswith("cuda:"):
-        return []
-    return [f"{key}={device}: use auto, cpu, cuda or cuda:N"]
+def device_problems(device: str, key: str, accelerator: str) -> list[str]:
+    """The device lm-eval runs on (eval.harness.device, or the command's --device), on this machine."""
+    device = str(device)
+    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        return [f"{key}={device}: use auto, cpu, cuda or cuda:N"]
+    if device.startswith("cuda") and accelerator != "cuda":
+        return [f"{key}={device}: this machine has no CUDA device (the accelerator is {accelerator}); use cpu or auto"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = len(visible.split(",")) if visible else len(glob.glob("/dev/nvidia[0-9]*"))
+    if device.startswith("cuda:") and count and int(device[5:]) >= count:
+        return [f"{key}={device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; give one"]
+    return []
+
+
+def task_problems(
+    specs: list[TaskSpec], model: ModelFit | None, asked: Asked, lengths: tuple[int, ...]
+) -> tuple[list[str], int]:
+    """The tasks whose rows can be read here (task YAML files, whose data lm-eval loaded while they were resolved,
+    and the built-ins) against the model, before any weight loads; lm-eval's registry tasks are checked when they
+    are scored (their data may be the hub's). (The problems, the bytes lm-eval will write.)"""
+    found: list[str] = []
+    size = 0
+    for spec in specs:
+        if spec.kind == "builtin" and spec.name == PASSKEY and model is not None:
+            found += passkey_problems(lengths, model, asked)
+        if spec.kind != "file" or spec.path is None:
+            continue
+        path = Path(spec.path)  # loaded as it was resolved (a group's with lm-eval's registry)
+        loaded = _loads(spec.path, hash_key(path_fingerprint(path)), "group" in _read_yaml(path))
+        if isinstance(loaded, dict):
+            more, written = loaded_problems(spec.given, loaded, model, asked, key=asked.key("tasks"), run_code=False)
+            found, size = found + more, size + written
+    return found, size
 
 
 def resolve_tasks(given: list[str], lengths: tuple[int, ...], *, key: str) -> tuple[list[TaskSpec], list[str]]:
@@ -136,9 +185,12 @@ def _file_task(task: str) -> TaskSpec:
     if not path.is_file():
         raise TaskProblem(f"no such task YAML file ({path.absolute()}); give an lm-eval task name or a YAML file")
     cfg = _read_yaml(path)
+    register_secrets(cfg)  # a token in its dataset_kwargs: blanked wherever lm-eval copies it (files, logs)
     name = cfg.get("task") if isinstance(cfg.get("task"), str) else cfg.get("group")
     if not isinstance(name, str):
         raise TaskProblem("not an lm-eval task YAML: it names no `task` (or `group`); see lm-eval's task guide")
+    if "group" in cfg and not cfg.get("task"):  # lm-eval divides by its tasks' sizes: ZeroDivisionError
+        raise TaskProblem(f"its group {name} holds no tasks; name its tasks under `task:`")
     data = _data_problem(cfg)
     if data:
         raise TaskProblem(data)
@@ -253,22 +305,64 @@ def _hub_problem(dataset: str) -> str | None:
 
 
 @functools.cache
-def _loads(path: str, stamp: str, group: bool) -> str | None:
-    """What lm-eval says when it builds the task from this YAML (its data read too), or None when it can."""
+def _loads(path: str, stamp: str, group: bool) -> dict[str, Any] | str:
+    """What lm-eval's TaskManager makes of this YAML (its data read too), or what it says when it cannot."""
     from lm_eval.tasks import TaskManager
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # datasets' progress bars while it reads the data
-            TaskManager(include_defaults=group).load([path])
+            return dict(TaskManager(include_defaults=group).load([path]))
     except Exception as err:
-        return f"{type(err).__name__}: {first_line(err)}"
+        return _load_error(Path(path), err)
+
+
+def _load_error(path: Path, err: Exception) -> str:
+    """lm-eval's failure to build a task, said with the data file and row at fault where they can be found."""
+    cfg = _read_yaml(path)
+    if type(err).__name__ == "UndefinedError":  # a template's field that no row has
+        field_name = str(err).split("'")[1] if str(err).count("'") >= 2 else str(err)
+        settings = [k for k in ("doc_to_text", "doc_to_target", "doc_to_choice") if field_name in str(cfg.get(k))]
+        files = ", ".join(str(f) for f in _data_files(cfg)) or "its data"
+        return (
+            f"no row of {files} has the field {field_name}, which its {' and '.join(settings) or 'template'} reads; "
+            "fix the field's name in the task YAML or in the data"
+        )
+    for data_file in _data_files(cfg):
+        bad = _bad_row(data_file)
+        if bad is not None:
+            return f"its data file {data_file} cannot be read: {bad}; fix that row"
+    error = f"{type(err).__name__}: {first_line(err)}"
+    return f"lm-eval rejects this task YAML ({error}); fix it (lm-eval's docs/task_guide.md)"
+
+
+def _bad_row(path: Path) -> str | None:
+    """The first line of a JSON-lines data file that is not a JSON object (datasets says only that one failed)."""
+    if path.suffix not in (".jsonl", ".json") or not path.is_file():
+        return None
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        return first_line(err)
+    if path.suffix == ".json" and text.lstrip()[:1] in ("[", "{"):
+        try:
+            json.loads(text)
+        except ValueError as err:
+            return f"it is not valid JSON ({first_line(err)})"
+        return None
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except ValueError as err:
+            return f"line {number} is not valid JSON ({first_line(err)})"
+        if not isinstance(row, dict):
+            return f"line {number} holds a JSON {type(row).__name__}, not an object"
     return None
 
 
 def _check_loads(path: Path, *, group: bool) -> None:
-    error = _loads(str(path.resolve()), hash_key(path_fingerprint(path)), group)
-    if error is not None:
-        raise TaskProblem(f"lm-eval rejects this task YAML ({error}); fix it (lm-eval's docs/task_guide.md)")
+    loaded = _loads(str(path.resolve()), hash_key(path_fingerprint(path)), group)
+    if isinstance(loaded, str):
+        raise TaskProblem(loaded)
 
 
 class _TaskLoader(yaml.SafeLoader):
@@ -310,17 +404,33 @@ def _aggregate_names(cfg: dict[str, Any]) -> tuple[str, ...]:
     return tuple(str(m["metric"]) for m in listed if isinstance(m.get("metric"), str))
 
 
+def _an_index(found: dict[str, Any]) -> bool:
+    return bool(found["tasks"]) and all(
+        isinstance(v, list)
+        and len(v) == 3
+        and isinstance(v[0], str)
+        and isinstance(v[1], (str, type(None)))
+        and isinstance(v[2], list)
+        for v in found["tasks"].values()
+    )
+
+
 @functools.cache
 def registry_index() -> dict[str, list[Any]]:
     """lm-eval's task registry by name: [kind, YAML path, a tag's task names]. lm-eval builds it by reading its
-    ~15000 YAML files (seconds); it is kept in ~/.cache/ds_exp per lm-eval installation."""
+    ~15000 YAML files (seconds); it is kept in ~/.cache/ds_exp per lm-eval installation, checked, not trusted
+    (ds_exp/core/private_files.py: the user's own directory, an entry of another shape built again)."""
     spec = importlib.util.find_spec("lm_eval")
     tasks_dir = Path(str(spec.origin if spec else "")).parent / "tasks"
-    saved = user_cache_dir() / f"lm_eval_tasks-{importlib.metadata.version('lm_eval')}-{hash_key(str(tasks_dir))}.json"
-    with contextlib.suppress(OSError, ValueError):
-        found = json.loads(saved.read_text())
-        if isinstance(found, dict) and found:
-            return found
+    version = importlib.metadata.version("lm_eval")
+    try:
+        folder = private_dir(user_cache_dir())
+    except UnsafePath as err:
+        raise TaskProblem(f"lm-eval's task index cannot be kept: {err}") from None
+    saved = folder / f"lm_eval_tasks-{version}-{hash_key(str(tasks_dir))}.json"
+    found = cache_entry(saved, {"format": int, "tasks": dict}, valid=_an_index)
+    if found is not None:
+        return dict(found["tasks"])
     from lm_eval.tasks import TaskManager  # only to build the index (its import alone takes seconds)
 
     index = {
@@ -328,8 +438,7 @@ def registry_index() -> dict[str, list[Any]]:
         for name, entry in TaskManager().task_index.items()
     }
     with contextlib.suppress(OSError):
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(saved, index)
+        write_json_atomic(saved, {"format": 1, "tasks": index})
     return index
 
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from ds_exp.config.features import Feature
-from ds_exp.evaluation.checks import objective_problems, problems
-from ds_exp.evaluation.settings import Scoring
+from ds_exp.evaluation.checks import Scoring, objective_problems, problems
 
 FEATURE = Feature(
     name="evaluation",
     summary="lm-evaluation-harness scores of the run's export beside its base model's (eval.harness)",
     settings=lambda cfg: Scoring(
-        cfg.eval.harness, cfg.eval.harness.lengths(cfg.data.max_seq_len), cfg.train.export, cfg.train.export_every
+        cfg.eval.harness,
+        cfg.eval.harness.lengths(cfg.data.max_seq_len),
+        cfg.train.export,
+        cfg.train.export_every,
+        cfg.model,
     ),
     active=lambda scoring: bool(scoring.harness.tasks),
     problems=problems,

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import lm_eval
 import numpy as np
@@ -42,27 +42,33 @@ from lm_eval.api.instance import Instance
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
+from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from ds_exp.config.paths import data_cache_dir
 from ds_exp.config.schema import Config, DataConfig, EvalConfig, ModelConfig
-from ds_exp.core.files import json_text
-from ds_exp.data.cache import file_lock, hash_key, path_fingerprint
+from ds_exp.config.secrets import redact, redact_text
+from ds_exp.core.errors import ConfigError, RunFailed
+from ds_exp.core.files import json_text, write_text_atomic
+from ds_exp.core.private_files import UnsafePath, cache_entry, check_own, private_dir
+from ds_exp.data.cache import disk_full, file_lock, hash_key, path_fingerprint
 from ds_exp.data.templates import has_chat_template
 from ds_exp.evaluation.checks import TaskSpec
+from ds_exp.evaluation.fit import CLI_KEYS, Asked, ModelFit, check_room, loaded_problems, positions_of
 from ds_exp.evaluation.plan import Plan
-from ds_exp.evaluation.report import HARNESS_JSON, harness_record, staged, table, write_record
+from ds_exp.evaluation.report import HARNESS_JSON, few_questions, harness_record, staged, table, write_record
 from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.evaluation.tasks import BuiltinSettings, write_builtin_tasks
 from ds_exp.exports.checks import run_dir_of
 from ds_exp.exports.on_disk import read_metadata
 from ds_exp.exports.writer import DTYPES, TOKENIZER_FILES, export_checkpoint, export_spec, write_export
-from ds_exp.launch.run_logging import FILE_LOGGER, LIBRARY_LOGGER
+from ds_exp.launch.run_logging import FILE_LOGGER, LIBRARY_LOGGER, ConsoleFormatter, on_terminal
 from ds_exp.model.architecture import checkpoint_dtype
 from ds_exp.model.build import build_model
 from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.runtime.rank_logging import library_stdout
+from ds_exp.train.metrics import PlainProgress
 
 log = logging.getLogger(__name__)
 file_log = logging.getLogger(FILE_LOGGER)
@@ -83,6 +89,7 @@ class HarnessSettings:
     batch_size: int = 8
     device: str = "cpu"
     gen_kwargs: dict[str, Any] | None = None  # the run's sampling for generation tasks; None: each task's (greedy)
+    keys: dict[str, str] = field(default_factory=dict)  # what a refusal names (fit.Asked): the command's flags
 
     @property
     def applied(self) -> bool:
@@ -111,13 +118,25 @@ class TaskScores:
 
     values: dict[str, dict[str, float | None]] = field(default_factory=dict)
     stderr: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    questions: dict[str, int] = field(default_factory=dict)  # result name -> the questions its score rests on
 
     def as_json(self) -> dict[str, Any]:
-        return {"values": self.values, "stderr": self.stderr}
+        return {"values": self.values, "stderr": self.stderr, "questions": self.questions}
 
     @classmethod
     def of(cls, record: dict[str, Any]) -> TaskScores:
-        return cls(dict(record["values"]), dict(record["stderr"]))
+        return cls(dict(record["values"]), dict(record["stderr"]), dict(record["questions"]))
+
+    @staticmethod
+    def valid(record: dict[str, Any]) -> bool:
+        """A cache entry's shape: what as_json writes (another is a miss: private_files.cache_entry)."""
+        numbers = all(
+            isinstance(record[side].get(task), dict)
+            and all(isinstance(v, (int, float, type(None))) for v in record[side][task].values())
+            for side in ("values", "stderr")
+            for task in record["values"]
+        )
+        return numbers and all(isinstance(n, int) for n in record["questions"].values())
 
 
 class RenderedLM(HFLM):
@@ -129,6 +148,36 @@ class RenderedLM(HFLM):
     def __init__(self, *args: Any, template: str | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.template = template
+        self.progress: Progress | None = None  # the requests of the task being scored, on the console
+
+    def _counted(self, requests: list[Instance], score: Any) -> Any:
+        if self.progress is None:
+            return score()
+        self.progress.start(len(requests))
+        try:
+            return score()
+        finally:
+            self.progress.done()
+
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return list(self._counted(requests, lambda: super(RenderedLM, self).loglikelihood(requests, disable_tqdm)))
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        return list(
+            self._counted(requests, lambda: super(RenderedLM, self).loglikelihood_rolling(requests, disable_tqdm))
+        )
+
+    def _model_call(self, inps: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logits = super()._model_call(inps, *args, **kwargs)
+        if self.progress is not None:
+            self.progress.advance(int(inps.shape[0]))  # one row of a batch per request (a context's group: fewer)
+        return logits
+
+    def _model_generate(self, context: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = super()._model_generate(context, *args, **kwargs)
+        if self.progress is not None:
+            self.progress.advance(int(context.shape[0]))
+        return out
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.template != "dschat":
@@ -147,7 +196,60 @@ class RenderedLM(HFLM):
             for request in requests:
                 context, *rest = request.arguments
                 request.arguments = (str(context).rstrip(" "), *rest)
-        return list(super().generate_until(requests, disable_tqdm=disable_tqdm))
+        return list(self._counted(requests, lambda: super(RenderedLM, self).generate_until(requests, disable_tqdm)))
+
+
+class Progress:
+    """Requests scored of the total while lm-eval scores one TASK on one model: a bar on a terminal (stderr, as
+    training's), plain lines when piped (at every tenth and at least once a minute: PlainProgress) where ds_exp's
+    console lines go (a run's stdout, the command's stderr); on the console as it was before lm-eval's own output
+    (its bars too) was taken for the log (library_stdout)."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.terminal = what, on_terminal()
+        handlers = [*logging.getLogger("ds_exp").handlers, *logging.getLogger().handlers]
+        said = [
+            h for h in handlers if isinstance(h, logging.StreamHandler) and isinstance(h.formatter, ConsoleFormatter)
+        ]
+        stream: TextIO = sys.stderr if self.terminal or not said else said[0].stream
+        # a copy of the console's descriptor: library_stdout points descriptors 1 and 2 at the log while lm-eval runs
+        self.console, self.own = stream, False
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # none (a test's capture): the stream itself
+            self.console, self.own = os.fdopen(os.dup(stream.fileno()), "w", buffering=1), True
+        self.bar: tqdm | None = None
+        self.plain: PlainProgress | None = None
+        self.count = 0
+
+    def start(self, total: int) -> None:
+        self.count = 0
+        if self.terminal:
+            self.bar = tqdm(total=total, desc=self.what, unit="req", file=self.console, dynamic_ncols=True)
+        else:
+            self.plain = PlainProgress(total, 0)
+
+    def advance(self, n: int) -> None:
+        self.count += n
+        if self.bar is not None:
+            self.bar.update(min(n, self.bar.total - self.bar.n))
+        elif self.plain is not None and self.plain.due(min(self.count, self.plain.total)):
+            self._say(min(self.count, self.plain.total))
+
+    def done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.bar.total - self.bar.n)
+            self.bar.close()
+        elif self.plain is not None and self.plain.said_tenth < 10:
+            self._say(self.plain.total)
+        self.bar = self.plain = None
+
+    def _say(self, count: int) -> None:
+        assert self.plain is not None
+        line = f"ds_exp: {self.what}: requests {self.plain.progress(count)}{self.plain.left(count)}"
+        print(redact_text(line), file=self.console, flush=True)
+
+    def close(self) -> None:
+        if self.own:
+            self.console.close()
 
 
 def load_model(model_dir: Path, settings: HarnessSettings, *, tokenizer_dir: Path | None = None) -> RenderedLM:
@@ -165,13 +267,20 @@ def load_model(model_dir: Path, settings: HarnessSettings, *, tokenizer_dir: Pat
 
 
 def score(
-    lm: RenderedLM, specs: Sequence[TaskSpec], settings: HarnessSettings, manager: TaskManager, out_dir: Path
+    lm: RenderedLM,
+    specs: Sequence[TaskSpec],
+    settings: HarnessSettings,
+    manager: TaskManager,
+    out_dir: Path,
+    model: str = "",
 ) -> dict[str, TaskScores]:
-    """Each TASK's scores (by its given name), lm-eval's files for it in out_dir/<task>/."""
+    """Each TASK's scores (by its given name), lm-eval's files for it in out_dir/<task>/ (redacted as they are
+    written: a token a task YAML holds is in them, ds_exp.config.secrets)."""
     scores = {}
     for spec in specs:
         tracker = EvaluationTracker(output_path=str(out_dir / spec.name / "results.json"))
-        with library_stdout(stderr=True):
+        lm.progress = Progress(f"scoring {spec.name}" + (f" ({model})" if model else ""))
+        with contextlib.closing(lm.progress), library_stdout(stderr=True):
             results = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=[spec.request],
@@ -189,15 +298,39 @@ def score(
             tracker.save_results_aggregated(results=results, samples=samples)
             for task in samples:
                 tracker.save_results_samples(task_name=task, samples=samples[task])
-        scores[spec.given] = scores_of(results["results"])
+        redact_files(out_dir / spec.name)
+        scores[spec.given] = scores_of(results)
         file_log.info("lm-eval %s: %s", spec.given, scores[spec.given].values)
     return scores
 
 
-def scores_of(results: dict[str, dict[str, Any]]) -> TaskScores:
+def redact_files(where: Path) -> None:
+    """lm-eval's files (those under `where`, or that file) through ds_exp's one redaction (ds_exp.config.secrets
+    .redact), before anything reads them: its results copy each task's config (a token in dataset_kwargs), its
+    samples each question. A file with nothing to blank is left as lm-eval wrote it."""
+    for path in [where] if where.is_file() else sorted(p for p in where.rglob("*") if p.is_file()):
+        text = path.read_text(errors="replace")
+        if path.suffix in (".json", ".jsonl"):
+            one = path.suffix == ".json"
+            rows = [json.loads(text)] if one else [json.loads(line) for line in text.splitlines() if line.strip()]
+            blanked = [redact(row) for row in rows]
+            if blanked != rows:
+                lines = [json.dumps(row, indent=2 if one else None, ensure_ascii=False) for row in blanked]
+                write_text_atomic(path, "\n".join(lines) + "\n")
+        elif (done := "".join(redact_text(line) for line in text.splitlines(keepends=True))) != text:
+            write_text_atomic(path, done)
+
+
+def scores_of(found: dict[str, Any]) -> TaskScores:
     """lm-eval's results ({"acc,none": 0.9, "acc_stderr,none": 0.02, ...} per task) as harness.json names them: a
-    metric under the filter `none`, or its only filter, by its own name; else `<metric>/<filter>`."""
+    metric under the filter `none`, or its only filter, by its own name; else `<metric>/<filter>`; and the questions
+    each rests on (a group's: its tasks')."""
     out = TaskScores()
+    results: dict[str, dict[str, Any]] = found["results"]
+    counted = {task: int(n.get("effective", 0)) for task, n in (found.get("n-samples") or {}).items()}
+    groups: dict[str, list[str]] = found.get("group_subtasks") or {}
+    for task in results:
+        out.questions[task] = counted.get(task, sum(counted.get(t, 0) for t in groups.get(task, ())))
     for task, values in results.items():
         keyed = [(str(k).split(",", 1), v) for k, v in values.items() if "," in str(k)]
         filters: dict[str, set[str]] = {}
@@ -244,28 +377,73 @@ def evaluate(
     """Score the export `tuned_dir` (and with `base_cfg`, the run's config, its base model) on every TASK; write
     harness.json, the chart and lm-eval's files into `out_dir`. Training's random state is left as it was."""
     hf_logging.disable_progress_bar()  # loading and writing shards: ds_exp says what it does instead
-    with _random_state_kept(), staged(out_dir) as scratch, _lm_eval_log(scratch / "lm_eval.log"):
-        started = time.perf_counter()
-        builtin_dir = _builtin_tasks(specs, tuned_dir, cache_dir, builtin)
-        registry = any(spec.kind == "registry" for spec in specs)  # lm-eval's registry takes seconds to read
-        manager = TaskManager(include_defaults=registry, include_path=str(builtin_dir) if builtin_dir else None)
-        keyed = [_keyed(spec, builtin_dir) for spec in specs]
-        timing = {"tasks_s": time.perf_counter() - started}
-        tuned = score(load_model(tuned_dir, settings), keyed, settings, manager, scratch / "tuned")
-        timing["tuned_s"] = time.perf_counter() - started - timing["tasks_s"]
-        base: dict[str, TaskScores] | None = None
-        scored: list[str] = []
-        if base_cfg is not None:
-            identity = base_identity(base_cfg.model, base_cfg.train.seed, tuned_dir)
-            cache = BaseCache(cache_dir, identity, settings.material())
-            base, scored = base_scores(base_cfg, tuned_dir, keyed, settings, manager, cache, scratch / "base")
-            timing["base_s"] = time.perf_counter() - started - timing["tasks_s"] - timing["tuned_s"]
-        shown = {"tasks": [spec.given for spec in specs], **settings.material()}
-        record = harness_record(_pairs(tuned, keyed), _pairs(base, keyed) if base else None, shown)
-        record["settings"].update(model=str(tuned_dir), base_scored=scored if base_cfg is not None else None)
-        record["timing"] = timing  # seconds: the built-in tasks' files, the tuned model, the base (or its cache)
-        write_record(scratch, record, title)
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{settings.keys.get('device', 'eval.harness.device')}={settings.device}: torch sees no "
+            "CUDA device here; use cpu or auto"
+        )
+    try:
+        with _random_state_kept(), staged(out_dir) as scratch, _lm_eval_log(scratch / "lm_eval.log"):
+            started = time.perf_counter()
+            tokenizer = AutoTokenizer.from_pretrained(str(tuned_dir))
+            builtin_dir = _builtin_tasks(specs, tokenizer, tuned_dir, cache_dir, builtin)
+            registry = any(spec.kind == "registry" for spec in specs)  # lm-eval's registry takes seconds to read
+            manager = TaskManager(include_defaults=registry, include_path=str(builtin_dir) if builtin_dir else None)
+            keyed = [_keyed(spec, builtin_dir) for spec in specs]
+            cache = None
+            if base_cfg is not None:  # checked now: the user's own directory (ds_exp/core/private_files.py)
+                identity = base_identity(base_cfg.model, base_cfg.train.seed, tuned_dir)
+                cache = BaseCache(cache_dir, identity, settings.material())
+            size = judged(tuned_dir, tokenizer, keyed, settings, manager)  # before any weight loads
+            check_room(out_dir, settings.keys.get("output", "hydra.run.dir"), size * (2 if cache else 1))
+            timing = {"tasks_s": time.perf_counter() - started}
+            lm = load_model(tuned_dir, settings)
+            tuned = score(lm, keyed, settings, manager, scratch / "tuned", "the tuned model" if cache else "")
+            del lm
+            timing["tuned_s"] = time.perf_counter() - started - timing["tasks_s"]
+            base: dict[str, TaskScores] | None = None
+            scored: list[str] = []
+            if base_cfg is not None and cache is not None:
+                base, scored = base_scores(base_cfg, tuned_dir, keyed, settings, manager, cache, scratch / "base")
+                timing["base_s"] = time.perf_counter() - started - timing["tasks_s"] - timing["tuned_s"]
+            shown = {"tasks": [spec.given for spec in specs], **settings.material()}
+            record = harness_record(_pairs(tuned, keyed), _pairs(base, keyed) if base else None, shown)
+            record["settings"].update(model=str(tuned_dir), base_scored=scored if base_cfg is not None else None)
+            record["questions"] = {task: n for spec in keyed for task, n in tuned[spec.given].questions.items()}
+            record["timing"] = timing  # seconds: the built-in tasks' files, the tuned model, the base (or its cache)
+            write_record(scratch, record, title)
+        redact_files(out_dir / "lm_eval.log")  # what lm-eval logged (its records are blanked as they are made)
+    except OSError as err:
+        code = disk_full(err)
+        if code is None:
+            raise
+        raise RunFailed(
+            f"{out_dir}: the disk filled up while the evaluation wrote its files ({os.strerror(code)}); nothing of "
+            "it was kept: free some space and score again"
+        ) from err
     return Evaluation(record, scored)
+
+
+def judged(
+    tuned_dir: Path, tokenizer: Any, specs: Sequence[TaskSpec], settings: HarnessSettings, manager: TaskManager
+) -> int:
+    """Every TASK, its rows loaded by lm-eval, against the export's positions and tokenizer (fit.py), before any
+    weight loads: one line per problem (ConfigError); else the bytes lm-eval will write."""
+    config = AutoConfig.from_pretrained(str(tuned_dir)).to_dict()
+    positions = positions_of(config, {"model_max_length": getattr(tokenizer, "model_max_length", None)})
+    counted = lambda texts: [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]  # noqa: E731
+    model = ModelFit(str(tuned_dir), positions, counted)
+    asked = Asked(settings.questions, settings.num_fewshot, settings.keys)
+    problems: list[str] = []
+    size = 0
+    for spec in specs:
+        with library_stdout(stderr=True):  # datasets' bars, lm-eval's notices: the log's
+            loaded = dict(manager.load([spec.request]))
+        more, written = loaded_problems(spec.given, loaded, model, asked, key=asked.key("tasks"), run_code=True)
+        problems, size = problems + more, size + written
+    if problems:
+        raise ConfigError(problems)
+    return size
 
 
 def base_scores(
@@ -293,7 +471,7 @@ def base_scores(
                     log.info("the base model (%s, train.seed=%d): scoring %s", how, cfg.train.seed, names)
                     with base_model_dir(cfg, tuned_dir, scratch) as base_dir:
                         lm = load_model(base_dir, settings, tokenizer_dir=tuned_dir)
-                        scores = score(lm, missing, settings, manager, scratch / "files")
+                        scores = score(lm, missing, settings, manager, scratch / "files", "the base model")
                         del lm
                     for spec in missing:
                         cache.store(spec.fingerprint, scratch / "files" / spec.name, scores[spec.given].as_json())
@@ -325,12 +503,11 @@ def _keyed(spec: TaskSpec, builtin_dir: Path | None) -> TaskSpec:
 
 
 def _builtin_tasks(
-    specs: Sequence[TaskSpec], tuned_dir: Path, cache_dir: Path, builtin: BuiltinSettings
+    specs: Sequence[TaskSpec], tokenizer: Any, tuned_dir: Path, cache_dir: Path, builtin: BuiltinSettings
 ) -> Path | None:
     names = [spec.name for spec in specs if spec.kind == "builtin"]
     if not names:
         return None
-    tokenizer = AutoTokenizer.from_pretrained(str(tuned_dir))
     settings = dataclasses.replace(builtin, tokenizer_id=hash_key(_tokenizer_files(tuned_dir)))
     return write_builtin_tasks(names, cache_dir, settings, lambda text: len(tokenizer(text)["input_ids"]))
 
@@ -369,10 +546,15 @@ def _lm_eval_log(path: Path) -> Iterator[None]:
 
 
 def settings_of(
-    harness: HarnessConfig, sampling: EvalConfig | None, template: str | None, device: str
+    harness: HarnessConfig,
+    sampling: EvalConfig | None,
+    template: str | None,
+    device: str,
+    keys: dict[str, str] | None = None,
 ) -> HarnessSettings:
     """eval.harness's settings for an export asked in `template` (the run's: its export's metadata says it) on
-    `device`; generation tasks sample as the run's generations did (`sampling`: eval.*, greedy by default)."""
+    `device`; generation tasks sample as the run's generations did (`sampling`: eval.*, greedy by default); `keys`:
+    the command's names of what a run calls eval.harness.<name>, for its refusals."""
     gen_kwargs = None
     if sampling is not None and sampling.temperature > 0:
         gen_kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
@@ -384,6 +566,7 @@ def settings_of(
         batch_size=int(harness.batch_size),
         device=device,
         gen_kwargs=gen_kwargs,
+        keys=dict(keys or {}),
     )
 
 
@@ -477,10 +660,16 @@ def base_model_dir(cfg: Config, tuned_dir: Path, scratch: Path) -> Iterator[Path
 
 class BaseCache:
     """The base model's scores under <data.cache_dir>/harness-base/: <model>-<task and settings>/ holds
-    scores.json and lm-eval's files for that TASK. An entry is complete once its directory has its name."""
+    scores.json and lm-eval's files for that TASK. An entry is complete once its directory has its name. The
+    directories are the user's own (ds_exp/core/private_files.py: never a link, nor another's), and an entry is
+    checked, not trusted: one of another shape is a miss, said once and scored again."""
 
     def __init__(self, cache_dir: Path, identity: dict[str, Any], settings: dict[str, Any]) -> None:
         self.root = cache_dir / CACHE
+        try:
+            private_dir(self.root, root=cache_dir)
+        except UnsafePath as err:
+            raise ConfigError(f"data.cache_dir={err}") from None  # the message starts with the path
         self.model_key = hash_key(identity)
         self.settings = settings
 
@@ -488,16 +677,12 @@ class BaseCache:
         return self.root / f"{self.model_key}-{hash_key([fingerprint, self.settings])}"
 
     def read(self, fingerprint: str) -> dict[str, Any] | None:
-        try:
-            found = json.loads((self.entry(fingerprint) / SCORES).read_text())
-        except (OSError, ValueError):
-            return None
-        return found if isinstance(found, dict) else None
+        shape = {"values": dict, "stderr": dict, "questions": dict}
+        return cache_entry(self.entry(fingerprint) / SCORES, shape, valid=TaskScores.valid)
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
         """One process scores a base model at a time (the jobs of a sweep started together wait, then read)."""
-        self.root.mkdir(parents=True, exist_ok=True)
         with file_lock(self.root / f"{self.model_key}.lock"):
             yield
 
@@ -510,7 +695,11 @@ class BaseCache:
         """`files` (lm-eval's, for this TASK) and `scores` become the entry (renamed into place: complete or absent)."""
         (files / SCORES).write_text(json_text(scores, indent=2, sort_keys=True) + "\n")
         target = self.entry(fingerprint)
-        if target.exists():
+        if target.exists() or target.is_symlink():  # an entry that was a miss: ds_exp's own directory, replaced
+            try:
+                check_own(target, directory=True)
+            except UnsafePath as err:
+                raise ConfigError(f"data.cache_dir={err}") from None
             shutil.rmtree(target)
         files.rename(target)
 
@@ -518,8 +707,31 @@ class BaseCache:
 # ------------------------------------------------------------------------------------- python -m ds_exp.evaluate
 
 
+@contextlib.contextmanager
+def _said_on_the_console() -> Iterator[None]:
+    """What the evaluation does, and ds_exp's warnings (a cache entry built again), on the command's console as a
+    run's lines (`ds_exp: ...`); the rest (the base model's build and export) and the libraries' in lm_eval.log."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(ConsoleFormatter())
+    handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name == __name__)
+    ours = logging.getLogger("ds_exp")
+    level = ours.level
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        ours.removeHandler(handler)
+        ours.setLevel(level)
+
+
 def run(plan: Plan) -> int:
     """Score what `plan` says (a checkpoint exported first) and print the table."""
+    with _said_on_the_console():
+        return _run(plan)
+
+
+def _run(plan: Plan) -> int:
     hf_logging.disable_progress_bar()
     if plan.checkpoint is not None:
         assert plan.cfg is not None  # a checkpoint's run config rebuilds its model
@@ -529,11 +741,14 @@ def run(plan: Plan) -> int:
     device = plan.harness.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    settings = settings_of(plan.harness, plan.cfg.eval if plan.cfg else None, template_of(plan.model_dir), device)
+    sampling = plan.cfg.eval if plan.cfg else None
+    keys = {**CLI_KEYS, "output": "--output", "device": "--device"}
+    settings = settings_of(plan.harness, sampling, template_of(plan.model_dir), device, keys)
     data = plan.cfg.data if plan.cfg is not None else DataConfig(name="synthetic")  # the embedded task's defaults
     what = f"{plan.model_dir} and its base model" if plan.base else str(plan.model_dir)
     asked = f"prompts in the {settings.template} template" if settings.applied else "lm-eval's own prompts"
-    print(f"ds_exp: scoring {what} on {', '.join(s.given for s in plan.specs)} ({asked}, {device})", file=sys.stderr)
+    tasks = ", ".join(s.given for s in plan.specs)
+    print(redact_text(f"ds_exp: scoring {what} on {tasks} ({asked}, {device})"), file=sys.stderr)
     evaluation = evaluate(
         plan.model_dir,
         plan.specs,
@@ -544,7 +759,9 @@ def run(plan: Plan) -> int:
         base_cfg=plan.cfg if plan.base else None,
         title=str(plan.model_dir),
     )
-    print(table(evaluation.record))
+    print(redact_text(table(evaluation.record)))
+    for line in few_questions(evaluation.record, "--limit"):
+        print(redact_text(f"ds_exp: warning: {line}"), file=sys.stderr)
     cached = " (the base model's scores from the cache)" if plan.base and not evaluation.base_scored else ""
     print(f"ds_exp: scores in {plan.out_dir / HARNESS_JSON}{cached}, chart harness.png, lm-eval's samples beside")
     return 0

@@ -17,10 +17,9 @@ from typing import Any
 
 from ds_exp.artifacts.tracking import MetricsLog, Trackers
 from ds_exp.config.paths import data_cache_dir
-from ds_exp.core.errors import first_line
-from ds_exp.evaluation.checks import resolve_tasks
-from ds_exp.evaluation.report import flat, table, tracker_metrics
-from ds_exp.evaluation.settings import Scoring
+from ds_exp.core.errors import DsExpError, first_line
+from ds_exp.evaluation.checks import Scoring, resolve_tasks
+from ds_exp.evaluation.report import few_questions, flat, table, tracker_metrics
 from ds_exp.exports.on_disk import read_metadata
 from ds_exp.launch.run_logging import FILE_LOGGER
 from ds_exp.runtime.signals import StopRequested
@@ -57,6 +56,8 @@ class HarnessHooks(FeatureHooks):
         base_scored = record["settings"].get("base_scored")
         cached = "" if not harness.base or base_scored else " (the base model's scores from the cache)"
         log.info("lm-eval scores of %s%s:\n%s", export_dir, cached, table(record))
+        for line in few_questions(record, "eval.harness.limit"):
+            log.warning("%s", line)
 
     def after_export(self, run: Run, export: Path, step: int, *, final: bool) -> None:
         """eval.harness.every_save: rank 0 scores a step export (the tuned model alone) into RUN_DIR/eval/<export>/;
@@ -98,7 +99,8 @@ class HarnessHooks(FeatureHooks):
             )
         except (Exception, KeyboardInterrupt) as err:
             interrupted = isinstance(err, (KeyboardInterrupt, StopRequested))
-            why = f"{'interrupted' if interrupted else 'failed'}: {type(err).__name__}: {first_line(err)}"
+            said = first_line(err) if isinstance(err, DsExpError) else f"{type(err).__name__}: {first_line(err)}"
+            why = f"{'interrupted' if interrupted else 'failed'}: {said}"
             file_log.error("lm-eval scores of %s %s", export_dir, why, exc_info=err)
             log.error(
                 "lm-eval scores of %s %s; the run itself is unaffected: python -m ds_exp.evaluate %s %s scores it",

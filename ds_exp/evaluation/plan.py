@@ -9,9 +9,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config
 from ds_exp.core.errors import ConfigError, RunFailed
-from ds_exp.evaluation.checks import TaskSpec, device_problems, resolve_tasks
+from ds_exp.evaluation.checks import TaskSpec, device_problems, resolve_tasks, task_problems
+from ds_exp.evaluation.fit import CLI_KEYS, Asked, check_room, model_dir_fit, run_model_fit
 from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.exports.checks import check_target, find_checkpoint, run_dir_of
 from ds_exp.exports.on_disk import (
@@ -46,11 +48,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
     run_dir, model_dir, checkpoint, cfg, pair = _target(args.target)
     harness = _options(args, cfg)
     problems = [] if harness.limit is None or harness.limit > 0 else [f"--limit={harness.limit}: {FEW}"]
-    problems += device_problems(harness.device, "--device")  # --batch-size, --num-fewshot: parsed in their range
-    lengths = harness.lengths(cfg.data.max_seq_len if cfg else 512)
+    problems += device_problems(harness.device, "--device", detect_accelerator())  # --batch-size, --num-fewshot:
+    lengths = harness.lengths(cfg.data.max_seq_len if cfg else 512)  # parsed in their range
     specs, more = resolve_tasks(list(args.tasks), lengths, key="TASK")
     if problems + more:
         raise ConfigError(problems + more)
+    model = model_dir_fit(model_dir) if checkpoint is None or cfg is None else run_model_fit(cfg.model)
+    more, size = task_problems(specs, model, Asked(harness.limit, harness.num_fewshot, CLI_KEYS), lengths)
+    if more:
+        raise ConfigError(more)
     if args.output:
         out_dir = Path(args.output).expanduser()
     elif run_dir is not None:
@@ -58,7 +64,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     else:
         out_dir = model_dir.with_name(f"{model_dir.name}-eval")
     check_writable(out_dir, "--output")
-    return Plan(model_dir, specs, harness, cfg, out_dir, bool(pair and not args.no_base), checkpoint)
+    base = bool(pair and not args.no_base)
+    check_room(out_dir, "--output", size * (2 if base else 1))
+    return Plan(model_dir, specs, harness, cfg, out_dir, base, checkpoint)
 
 
 def _options(args: argparse.Namespace, cfg: Config | None) -> HarnessConfig:

@@ -22,7 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ds_exp.config.secrets import redact
 from ds_exp.core.files import write_json_atomic
+from ds_exp.evaluation.fit import FEW_QUESTIONS
 
 HARNESS_JSON = "harness.json"
 CHART = "harness.png"
@@ -74,19 +76,32 @@ def _cell(value: float | None, signed: bool = False) -> str:
 
 
 def table(record: dict[str, Any]) -> str:
-    """The console's table: task, metric, base, tuned, difference, stderr (of the tuned value)."""
-    rows = [("task", "metric", "base", "tuned", "difference", "stderr")]
+    """The console's table: task, metric, base, tuned, difference, stderr (of the tuned value), and the questions
+    the scores rest on."""
+    rows = [("task", "metric", "base", "tuned", "difference", "stderr", "questions")]
+    questions = record.get("questions") or {}
     for task, metrics in record["tasks"].items():
         for metric, entry in metrics.items():
             base, tuned = entry.get("base"), entry.get("tuned")
             diff = tuned - base if base is not None and tuned is not None else None
-            rows.append((task, metric, _cell(base), _cell(tuned), _cell(diff, signed=True), _cell(entry["stderr"])))
+            shown = (_cell(base), _cell(tuned), _cell(diff, signed=True), _cell(entry["stderr"]))
+            rows.append((task, metric, *shown, str(questions.get(task, "-"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
         cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def few_questions(record: dict[str, Any], limit_key: str) -> list[str]:
+    """A warning for each score that rests on so few questions that a difference is mostly chance."""
+    return [
+        f"{task}'s scores rest on {n} question{'s' if n != 1 else ''}: too few to tell a model from another (chance "
+        f"alone moves them by more than the difference); score more of them ({limit_key}, or all)"
+        for task, n in (record.get("questions") or {}).items()
+        if n < FEW_QUESTIONS
+    ]
 
 
 def chart(record: dict[str, Any], path: Path, title: str) -> None:
@@ -154,5 +169,5 @@ def staged(target: Path) -> Iterator[Path]:
 
 def write_record(directory: Path, record: dict[str, Any], title: str) -> None:
     """harness.json and its chart."""
-    write_json_atomic(directory / HARNESS_JSON, record)
+    write_json_atomic(directory / HARNESS_JSON, redact(record))
     chart(record, directory / CHART, title)

@@ -1,6 +1,5 @@
 """The settings of the lm-evaluation-harness scores (eval.harness, conf/eval/default.yaml's `harness`): the schema's
-EvalConfig types its `harness` with HarnessConfig, each number's range beside it. `Scoring` is what the feature is
-handed (feature.py builds it): eval.harness and the few keys of the run it reads. Light: the standard library and
+EvalConfig types its `harness` with HarnessConfig, each number's range beside it. Light: the standard library and
 ds_exp.config.fields only (the schema imports this module)."""
 
 from __future__ import annotations
@@ -31,13 +30,3 @@ class HarnessConfig:
     def lengths(self, max_seq_len: int) -> tuple[int, ...]:
         """ds_exp_passkey's prompt lengths: passkey_lengths, else the length the run trained for."""
         return tuple(int(n) for n in self.passkey_lengths) or (int(max_seq_len),)
-
-
-@dataclass(frozen=True)
-class Scoring:
-    """What the feature is handed: eval.harness, and what it reads of the run around it."""
-
-    harness: HarnessConfig
-    lengths: tuple[int, ...]  # ds_exp_passkey's (HarnessConfig.lengths)
-    export: bool = True  # train.export: the final export, which the run's scores are of
-    export_every: int = 0  # train.export_every: the step exports eval.harness.every_save scores

@@ -97,16 +97,24 @@ class PlainProgress:
         return self.tenth(step) > self.said_tenth or time.perf_counter() - self.said_at >= self.every_s
 
     def line(self, step: int, shown: dict[str, str]) -> str:
-        self.said_at, self.said_tenth = time.perf_counter(), self.tenth(step)
         values = [f"loss {shown['loss']}"] if "loss" in shown else []
         values += [f"lr {shown['lr']}"] if "lr" in shown else []
         values += [f"{shown['tok_s']} tokens/s"] if "tok_s" in shown else []
         values += [f"MFU {shown['mfu']}"] if "mfu" in shown else []
+        return f"step {self.progress(step)}: {', '.join(values) or 'running'}{self.left(step)}"
+
+    def progress(self, step: int) -> str:
+        """`50/250 (20%)`, said now: the next line is due a tenth of the run, or every_s, later."""
+        self.said_at, self.said_tenth = time.perf_counter(), self.tenth(step)
+        return f"{step}/{self.total} ({100 * step // max(self.total, 1)}%)"
+
+    def left(self, step: int) -> str:
+        """`; about 1m 40s left` at the pace since the start ("" when too soon to tell, or done)."""
         done = step - self.initial
-        left = (self.said_at - self.started) / done * (self.total - step) if done > 0 and step < self.total else 0.0
-        eta = f"; about {duration(left)} left" if left >= 1 else ""
-        percent = 100 * step // max(self.total, 1)
-        return f"step {step}/{self.total} ({percent}%): {', '.join(values) or 'running'}{eta}"
+        if done <= 0 or step >= self.total:
+            return ""
+        left = (time.perf_counter() - self.started) / done * (self.total - step)
+        return f"; about {duration(left)} left" if left >= 1 else ""
 
 
 class Metrics:

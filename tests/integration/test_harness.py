@@ -62,6 +62,12 @@ def test_the_default_run_learns_and_scores_well_above_its_base(default_run):
     assert (run_dir / "eval" / "harness.png").stat().st_size > 10_000
     step = json.loads((run_dir / "eval" / "hf_model-step125" / "harness.json").read_text())["tasks"][TASK]["acc"]
     assert set(step) == {"tuned", "stderr"}  # every_save: the export of step 125, tuned alone
+    # issue 41 §4: piped, the console says the scoring's progress (200 questions of 4 choices) with ds_exp's lines,
+    # lm-eval's bars are not on it
+    said = default_run.proc.stdout
+    for model in (f"{TASK}:", f"{TASK} (the tuned model):", f"{TASK} (the base model):"):
+        assert f"ds_exp: scoring {model} requests 800/800 (100%)" in said, default_run.explain()
+    assert "difference  stderr  questions" in said and "Running loglikelihood" not in said + default_run.proc.stderr
 
     # the same numbers in metrics.jsonl and in every tracker: a curve over steps (125, 250), the base at the end
     key = f"harness/{TASK}/acc"

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +21,7 @@ from ds_exp.config.schema import SyntheticDataConfig
 from ds_exp.data.synthetic import generate
 from ds_exp.evaluation.checks import objective_problems, resolve_tasks
 from ds_exp.evaluation.tasks import BuiltinSettings, write_builtin_tasks
-from tests.training import user_env
+from tests.training import REPO, user_env
 from tests.unit.test_use_refusals import make_run
 
 SYNTHETIC = SyntheticDataConfig(num_train=400)
@@ -144,14 +146,41 @@ def test_a_study_maximizing_a_harness_score_picks_the_best_trial(tmp_path):
 
 
 def _export(root: Path) -> Path:
+    """A model directory the refusals look at: a small Llama's config (64 positions) and the embedded tokenizer (no
+    weights: everything here is refused before any would load)."""
     (root / "model").mkdir()
-    (root / "model" / "config.json").write_text("{}")
+    (root / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
+    shutil.copy(REPO / "ds_exp" / "assets" / "tokenizer" / "tokenizer.json", root / "model")
     return root / "model"
 
 
 def _adapter(root: Path) -> None:
     (root / "adapter").mkdir()
     (root / "adapter" / "adapter_config.json").write_text("{}")
+
+
+def mc_task(root: Path, name: str, rows: list[object], text: str = "question", task: str | None = None) -> None:
+    """A multiple-choice task YAML in lm-eval's format (its data a JSON-lines file beside it)."""
+    (root / f"{name}.jsonl").write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    (root / f"{name}.yaml").write_text(
+        f"task: {task or name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / name}.jsonl\n"
+        f"test_split: test\noutput_type: multiple_choice\ndoc_to_text: {json.dumps(text)}\n"
+        "doc_to_choice: choices\ndoc_to_target: answer\n"
+    )
+
+
+QUESTIONS = [{"question": f"{i}+{i}?", "choices": [str(2 * i), str(2 * i + 1)], "answer": 0} for i in range(20)]
+
+
+def _tasks(root: Path) -> None:
+    """The issue-39 §4 cases, each a task file: what lm-eval failed on after loading, or scored silently."""
+    mc_task(root, "qa", QUESTIONS)
+    mc_task(root, "long", [{"question": "pick", "choices": ["word " * 100, "b"], "answer": 0}])
+    unasked = [{"q": f"{i}?", "choices": ["a", "b"], "answer": 0} for i in range(3)]
+    mc_task(root, "unasked", [QUESTIONS[0], *unasked], text="Question: {{question}}\nAnswer:")
+    mc_task(root, "misnamed", unasked, text="Question: {{question}}\nAnswer:")
+    mc_task(root, "broken", [QUESTIONS[0], '{"question": "2+2?", "choices": ["4"'])
+    (root / "empty.yaml").write_text("group: empty\ntask: []\n")
 
 
 REFUSALS = [
@@ -164,6 +193,46 @@ REFUSALS = [
     ("a limit of 0", ["{model}", "ds_exp_synthetic", "--limit", "0"], "--limit=0.0: give a number", None),
     ("an unknown device", ["{model}", "ds_exp_synthetic", "--device", "tpu"], "--device=tpu: use auto, cpu", None),
     ("passkey lengths", ["{model}", "ds_exp_passkey", "--passkey-lengths", "1k"], "--passkey-lengths=1k: give", None),
+    # issue 39 §4: what failed after minutes of loading (AssertionError, ZeroDivisionError, torch's CUDA, random's
+    # "Sample larger than population"), or was scored silently ("Question: None", a passkey cut off: 0.0)
+    (
+        "a choice longer than the model",
+        ["{model}", "{tmp}/long.yaml"],
+        "TASK: {tmp}/long.yaml: row 1 of {tmp}/long.jsonl: an answer of 101 tokens is longer than the 64 positions",
+        _tasks,
+    ),
+    ("a group with no tasks", ["{model}", "{tmp}/empty.yaml"], "its group empty holds no tasks", _tasks),
+    ("cuda on a CPU machine", ["{model}", "{tmp}/qa.yaml", "--device", "cuda"], "--device=cuda: this machine", _tasks),
+    (
+        "more few-shot examples than questions",
+        ["{model}", "{tmp}/qa.yaml", "--num-fewshot", "100"],
+        "TASK: {tmp}/qa.yaml: --num-fewshot=100 few-shot examples, but the task has 20 to draw them from",
+        _tasks,
+    ),
+    (
+        "rows without the field the prompt reads",
+        ["{model}", "{tmp}/unasked.yaml"],
+        "rows 2, 3, 4 of {tmp}/unasked.jsonl (3 of 4 questions) have no field question, which its doc_to_text reads",
+        _tasks,
+    ),
+    (
+        "a passkey longer than the model",
+        ["{model}", "ds_exp_passkey", "--passkey-lengths", "4096"],
+        "--passkey-lengths: ds_exp_passkey's prompts of 4096 tokens are beyond the 64 positions of {tmp}/model",
+        None,
+    ),
+    (
+        "a field no row has",
+        ["{model}", "{tmp}/misnamed.yaml"],
+        "TASK: {tmp}/misnamed.yaml: no row of {tmp}/misnamed.jsonl has the field question, which its doc_to_text reads",
+        _tasks,
+    ),
+    (
+        "a data row that is not JSON",
+        ["{model}", "{tmp}/broken.yaml"],
+        "{tmp}/broken.yaml: its data file {tmp}/broken.jsonl cannot be read: line 2 is not valid JSON",
+        _tasks,
+    ),
 ]
 
 
@@ -172,6 +241,7 @@ def test_evaluate_refuses_in_one_line_and_writes_nothing(args, expected, setup, 
     from ds_exp.evaluation.cli import main
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # a CPU machine, even where a GPU is
     run, model = make_run(tmp_path), _export(tmp_path)
     (tmp_path / "empty").mkdir()
     if setup is not None:
@@ -185,6 +255,19 @@ def test_evaluate_refuses_in_one_line_and_writes_nothing(args, expected, setup, 
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
+def test_evaluate_refuses_a_full_disk_before_loading(tmp_path, mount_tmpfs, capsys):
+    """Issue 39 §4: a full disk under --output ended in `failed unexpectedly (OSError: No space left on device)`
+    after the model was scored."""
+    from ds_exp.evaluation.cli import main
+
+    disk = mount_tmpfs("16k")
+    _tasks(tmp_path)
+    assert main([str(_export(tmp_path)), str(tmp_path / "qa.yaml"), "--output", str(disk / "scores")]) == 2
+    err = capsys.readouterr().err
+    assert f"ds_exp: error: not enough disk space for --output={disk / 'scores'}: 16.00 KiB free" in err, err
+    assert "point --output at a larger disk" in err and not list(disk.iterdir())
+
+
 def test_evaluate_answers_help_and_refusals_without_torch(tmp_path):
     code = (
         "import sys\n"
@@ -196,3 +279,46 @@ def test_evaluate_answers_help_and_refusals_without_torch(tmp_path):
     assert proc.stdout.strip() == "[2, 2] []", proc.stdout + proc.stderr
     shown = subprocess.run([sys.executable, "-m", "ds_exp.evaluate", "--help"], env=user_env(), capture_output=True)
     assert shown.returncode == 0 and b"ds_exp_passkey" in shown.stdout
+
+
+def test_lm_evals_task_index_cache_is_checked_not_trusted(tmp_path, monkeypatch, caplog):
+    """Issue 39 §1/§3: the index ds_exp keeps of lm-eval's registry (~/.cache/ds_exp) is read through one check: an
+    entry of another shape is built again and said once (it was a TypeError in every later run); the directory is
+    made owner-only, and a link planted in its place is refused in one line."""
+    import lm_eval.tasks
+
+    from ds_exp.evaluation import checks
+
+    built = []
+
+    class Registry:  # lm-eval's TaskManager, as far as the index is read (its real one reads ~15000 YAML files)
+        def __init__(self) -> None:
+            built.append(1)
+            kind = type("Kind", (), {"name": "TASK"})
+            self.task_index = {"arc_easy": type("Entry", (), {"kind": kind, "yaml_path": "/a.yaml", "tags": set()})}
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Registry)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    checks.registry_index.cache_clear()
+    assert checks.registry_index() == {"arc_easy": ["TASK", "/a.yaml", []]} and len(built) == 1
+    (saved,) = (tmp_path / "xdg" / "ds_exp").glob("lm_eval_tasks-*.json")
+    assert (tmp_path / "xdg" / "ds_exp").stat().st_mode & 0o777 == 0o700
+    checks.registry_index.cache_clear()
+    assert checks.registry_index() == {"arc_easy": ["TASK", "/a.yaml", []]} and len(built) == 1  # read back
+    saved.write_text(json.dumps({"format": 1, "tasks": {"arc_easy": 5}}))
+    for _ in range(2):
+        checks.registry_index.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="ds_exp.cache"):
+            assert checks.registry_index()["arc_easy"] == ["TASK", "/a.yaml", []]
+    assert len(built) == 2 and [r.getMessage().endswith("built again") for r in caplog.records] == [True]
+
+    (tmp_path / "xdg").rename(tmp_path / "elsewhere")
+    (tmp_path / "xdg").mkdir()
+    (tmp_path / "xdg" / "ds_exp").symlink_to(tmp_path / "elsewhere" / "ds_exp")
+    checks.registry_index.cache_clear()
+    _, problems = resolve_tasks(["arc_easy"], (64,), key="TASK")
+    assert problems == [
+        f"TASK: arc_easy: lm-eval's task index cannot be kept: {tmp_path}/xdg/ds_exp is a symbolic "
+        "link; ds_exp does not follow links there: remove it and run again"
+    ]
+    checks.registry_index.cache_clear()
