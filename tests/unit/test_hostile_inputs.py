@@ -479,12 +479,9 @@ def test_the_cheap_tier_is_the_cli_path(data, composed, places, offline_hub):
             return
         assert outcome.returncode != 0, output[-3000:]
         lines = [line for line in outcome.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
-        if cheap.how == "composition":  # Hydra's own message
-            assert lines and "ds_exp: error" not in outcome.stderr, output[-3000:]
-        else:
-            assert lines[0].startswith("ds_exp: error: ") and all(line.startswith("  ") for line in lines[1:]), output
-            if cheap.how == "refused":
-                assert lines[0].removeprefix("ds_exp: error: ") == cheap.message.splitlines()[0], output
+        assert lines[0].startswith("ds_exp: error: ") and all(line.startswith("  ") for line in lines[1:]), output
+        if cheap.how == "refused":  # (a composition error is Hydra's, said in ds_exp's one format: issue 41 §3)
+            assert lines[0].removeprefix("ds_exp: error: ") == cheap.message.splitlines()[0], output
         assert listing(tmp) == [], f"a refusal left {listing(tmp)}"
 
 
