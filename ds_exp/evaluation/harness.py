@@ -315,7 +315,7 @@ def redact_files(where: Path) -> None:
             rows = [json.loads(text)] if one else [json.loads(line) for line in text.splitlines() if line.strip()]
             blanked = [redact(row) for row in rows]
             if blanked != rows:
-                lines = [json.dumps(row, indent=2 if one else None, ensure_ascii=False) for row in blanked]
+                lines = [json_text(row, indent=2 if one else None, ensure_ascii=False) for row in blanked]
                 write_text_atomic(path, "\n".join(lines) + "\n")
         elif (done := "".join(redact_text(line) for line in text.splitlines(keepends=True))) != text:
             write_text_atomic(path, done)

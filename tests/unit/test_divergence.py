@@ -88,6 +88,7 @@ def test_no_module_writes_json_past_the_strict_writer():
         "data/cache.py",
         "resume/settings.py",
         "checkpoint/universal.py",
+        "evaluation/fit.py",  # a row's length, measured
     }
     found = set()
     for path in package.rglob("*.py"):
