@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.console import PROGRESS, readme_console, shape
+from tests.console import MACHINE_STATE, PROGRESS, readme_console, shape
 from tests.training import FAST, REPO, Run, assert_close, launch, multirun, report_rows, train_here, user_env
 from tests.wandb_files import history
 
@@ -373,7 +373,7 @@ def test_the_default_run_piped_prints_the_readmes_lines(tmp_path, cache_dir):
     lines = run.proc.stdout.splitlines()
     progress = [line for line in lines if PROGRESS.match(line)]
     assert [int(line.split()[2].split("/")[0]) for line in progress] == list(range(25, 251, 25)), progress
-    extra = ("ds_exp: compiling ", "Tokenizing ", "train: ")  # a first run's compile, the terminal's bars
+    extra = (*MACHINE_STATE, "Tokenizing ", "train: ")  # a first run's compile, the terminal's bars
     said = [shape(line) for line in lines if not PROGRESS.match(line) and not line.startswith(extra)]
     assert said == [shape(line) for line in readme_console() if not line.startswith(extra)], run.proc.stdout
     times = summary["time_s"]  # the final line's parts, kept (issue 35 §6)
