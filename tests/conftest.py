@@ -29,6 +29,7 @@ if detect_accelerator() != "cuda":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TIERS_BEYOND_QUICK = ("integration", "system")  # tests/<tier>/: real engines, whole commands, clusters
+HEAVIEST_FIRST = {"system": 0, "integration": 1}  # then tests/unit/ (pytest_collection_modifyitems)
 
 # The DeepSpeed ops the tests' runs compile on first use (ds_exp.runtime.ops): every CPU rank's shared-memory
 # collectives, and CPU Adam (optimizer offload).
@@ -83,7 +84,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests that share a module-scoped fixture (the runs a module compares against) run in one worker too:
     each worker builds a module fixture of its own, so tests dealt to both workers ran those runs twice. (What is
     cheap to build, a tokenizer or a data file, is session-scoped instead: each worker builds it once, and the tests
-    that use it stay free to go to either worker.)"""
+    that use it stay free to go to either worker.)
+
+    The tiers run heaviest first: tests/system/, tests/integration/, then the short tests of tests/unit/. xdist deals
+    the groups first (most tests first), then the other tests in this order, to whichever worker is free: a long
+    test dealt last kept one worker busy while the other had nothing left (the real model's fine-tunes came last
+    of all), and short ones dealt last fill the gaps instead."""
+    items.sort(key=lambda item: HEAVIEST_FIRST.get(Path(str(item.fspath)).parent.name, len(HEAVIEST_FIRST)))
     for item in items:
         if Path(str(item.fspath)).parent.name in TIERS_BEYOND_QUICK:
             item.add_marker(pytest.mark.slow)
