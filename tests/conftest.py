@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +29,48 @@ if detect_accelerator() != "cuda":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TIERS_BEYOND_QUICK = ("integration", "system")  # tests/<tier>/: real engines, whole commands, clusters
+HEAVIEST_FIRST = {"system": 0, "integration": 1}  # then tests/unit/ (pytest_collection_modifyitems)
+
+# The DeepSpeed ops the tests' runs compile on first use (ds_exp.runtime.ops): every CPU rank's shared-memory
+# collectives, and CPU Adam (optimizer offload).
+OPS_THE_RUNS_BUILD = ("SHM_COMM", "CPU_ADAM")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which registers "dsession" where workers will start
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, build the DeepSpeed ops the runs need once, in the controller, before the workers start.
+
+    On a machine whose torch extension cache is empty, the first run of each worker compiles them: two workers
+    at once made one compile and the other wait on its lock, saying so on the console ("ds_exp: waiting for the
+    build of deepspeed_shm_comm in another process ..."), the minute the build takes twice over on the clock.
+    Built here, every run finds them built. One process per op (both cores), through ds_exp's own ensure_built
+    (its notice, its lock, its message on failure: the runs that need a failed op then fail on it themselves).
+    Without workers (`-n 0`) nothing races: the first run that needs an op builds it. The quick tier trains no
+    engine: nothing to build."""
+    if not config.pluginmanager.has_plugin("dsession") or config.option.markexpr.strip() == "not slow":
+        return
+    from tests.training import user_env
+
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():  # its notices: seen
+        builds = [
+            # stdout: DeepSpeed's import-time banner ("Setting accelerator to CPU"), each time; stderr: ds_exp's
+            subprocess.Popen([sys.executable, "-c", BUILD_OP, op], env=user_env(), stdout=subprocess.DEVNULL)
+            for op in OPS_THE_RUNS_BUILD
+        ]
+        for proc in builds:
+            proc.wait()
+
+
+BUILD_OP = """
+import sys
+from ds_exp.core.errors import DsExpError
+from ds_exp.runtime import ops
+try:
+    ops.ensure_built(getattr(ops, sys.argv[1]), announce=True)
+except DsExpError as error:  # the runs that need it fail on it, each with this message
+    print(f"ds_exp: error: {error}", file=sys.stderr)
+"""
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the tests' ids
@@ -40,7 +84,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests that share a module-scoped fixture (the runs a module compares against) run in one worker too:
     each worker builds a module fixture of its own, so tests dealt to both workers ran those runs twice. (What is
     cheap to build, a tokenizer or a data file, is session-scoped instead: each worker builds it once, and the tests
-    that use it stay free to go to either worker.)"""
+    that use it stay free to go to either worker.)
+
+    The tiers run heaviest first: tests/system/, tests/integration/, then the short tests of tests/unit/. xdist deals
+    the groups first (most tests first), then the other tests in this order, to whichever worker is free: a long
+    test dealt last kept one worker busy while the other had nothing left (the real model's fine-tunes came last
+    of all), and short ones dealt last fill the gaps instead."""
+    items.sort(key=lambda item: HEAVIEST_FIRST.get(Path(str(item.fspath)).parent.name, len(HEAVIEST_FIRST)))
     for item in items:
         if Path(str(item.fspath)).parent.name in TIERS_BEYOND_QUICK:
             item.add_marker(pytest.mark.slow)

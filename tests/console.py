@@ -72,6 +72,9 @@ def rendered(text: str) -> list[str]:
     return lines
 
 
+# What a run says about what this machine had ready, not about the run: a DeepSpeed op compiled on its first use, by
+# this run or by another process it waits for (the test session builds them before its workers start: conftest.py).
+MACHINE_STATE = ("ds_exp: compiling ", "ds_exp: waiting for the build of ")
 PROGRESS = re.compile(r"^ds_exp: step \d+/\d+ \(\d+%\): ")  # a piped run's plain progress line
 
 

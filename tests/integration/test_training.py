@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.console import PROGRESS, readme_console, shape
+from tests.console import MACHINE_STATE, PROGRESS, readme_console, shape
 from tests.training import FAST, REPO, Run, assert_close, launch, multirun, report_rows, train_here, user_env
 from tests.wandb_files import history
 
@@ -123,7 +123,7 @@ def test_the_python_api_runs_the_recipe_here_as_the_command_line_does(tmp_path, 
 
 
 def test_world_size_equivalence(tmp_path, cache_dir):
-    one = launch(tmp_path / "one", *FAST, cache_dir=cache_dir)
+    one = train_here(tmp_path / "one", *FAST, cache_dir=cache_dir)
     two = launch(tmp_path / "two", *FAST, "train.micro_batch_size=2", launcher="ranks", nproc=2, cache_dir=cache_dir)
     assert one.ok, one.explain()
     assert two.ok, two.explain()
@@ -149,11 +149,11 @@ def test_resume_continues_exactly(tmp_path, cache_dir):
 
 def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path, cache_dir):
     common = [*FAST, "train.save_every=4", "train.save_final_checkpoint=false", "train.max_steps=4"]
-    first = launch(tmp_path / "run", *common, cache_dir=cache_dir)
+    first = train_here(tmp_path / "run", *common, cache_dir=cache_dir)
     assert first.ok, first.explain()
     # a torn save: the directory of a later step without the completeness marker must be ignored
     (first.run_dir / "checkpoints" / "step6").mkdir()
-    again = launch(tmp_path / "run", *FAST, "train.save_every=4", "resume=auto", cache_dir=cache_dir)
+    again = train_here(tmp_path / "run", *FAST, "train.save_every=4", "resume=auto", cache_dir=cache_dir)
     assert again.ok, again.explain()
     assert again.summary["resumed_from"].endswith("step4")
     assert [r["step"] for r in again.records("train")][-4:] == [5, 6, 7, 8]
@@ -165,7 +165,7 @@ def test_resume_auto_picks_the_newest_complete_checkpoint(tmp_path, cache_dir):
 def test_resume_from_a_directory_without_checkpoints_is_an_error(tmp_path, cache_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
-    run = launch(tmp_path / "run", *FAST, f"resume={empty}", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *FAST, f"resume={empty}", cache_dir=cache_dir)
     assert run.proc.returncode != 0
     assert f"resume={empty}: no complete checkpoint in {empty}" in run.proc.stderr
     assert "Traceback" not in run.proc.stderr
@@ -376,7 +376,7 @@ def test_the_default_run_piped_prints_the_readmes_lines(tmp_path, cache_dir):
     lines = run.proc.stdout.splitlines()
     progress = [line for line in lines if PROGRESS.match(line)]
     assert [int(line.split()[2].split("/")[0]) for line in progress] == list(range(25, 251, 25)), progress
-    extra = ("ds_exp: compiling ", "Tokenizing ", "train: ")  # a first run's compile, the terminal's bars
+    extra = (*MACHINE_STATE, "Tokenizing ", "train: ")  # a first run's compile, the terminal's bars
     said = [shape(line) for line in lines if not PROGRESS.match(line) and not line.startswith(extra)]
     assert said == [shape(line) for line in readme_console() if not line.startswith(extra)], run.proc.stdout
     times = summary["time_s"]  # the final line's parts, kept (issue 35 §6)
@@ -385,8 +385,8 @@ def test_the_default_run_piped_prints_the_readmes_lines(tmp_path, cache_dir):
 
 
 def test_gradient_checkpointing_with_lora_gives_the_same_losses(tmp_path, cache_dir):
-    plain = launch(tmp_path / "plain", *FAST, "lora.dim=8", cache_dir=cache_dir)
-    checkpointed = launch(
+    plain = train_here(tmp_path / "plain", *FAST, "lora.dim=8", cache_dir=cache_dir)
+    checkpointed = train_here(
         tmp_path / "ckpt", *FAST, "lora.dim=8", "model.gradient_checkpointing=true", cache_dir=cache_dir
     )
     assert plain.ok, plain.explain()
@@ -395,8 +395,8 @@ def test_gradient_checkpointing_with_lora_gives_the_same_losses(tmp_path, cache_
 
 
 def test_optimizer_offload_uses_cpu_adam_with_the_same_losses(tmp_path, cache_dir):
-    reference = launch(tmp_path / "ref", *FAST, "zero=stage2", cache_dir=cache_dir)
-    offloaded = launch(tmp_path / "off", *FAST, "zero=stage2", "offload=cpu", cache_dir=cache_dir)
+    reference = train_here(tmp_path / "ref", *FAST, "zero=stage2", cache_dir=cache_dir)
+    offloaded = train_here(tmp_path / "off", *FAST, "zero=stage2", "offload=cpu", cache_dir=cache_dir)
     assert reference.ok, reference.explain()
     assert offloaded.ok, offloaded.explain()
     assert "DeepSpeedCPUAdam" in (offloaded.run_dir / "logs" / "rank0.log").read_text()
@@ -404,7 +404,7 @@ def test_optimizer_offload_uses_cpu_adam_with_the_same_losses(tmp_path, cache_di
 
 
 def test_lora_scope_that_matches_nothing_lists_the_candidates(tmp_path, cache_dir):
-    run = launch(tmp_path / "run", *FAST, "lora.dim=8", "lora.module_name=decoder.layers.", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *FAST, "lora.dim=8", "lora.module_name=decoder.layers.", cache_dir=cache_dir)
     assert run.proc.returncode == 2
     assert "lora.module_name=decoder.layers. matches no Linear layer" in run.proc.stderr
     assert "model.layers.0.self_attn." in run.proc.stderr
@@ -525,7 +525,7 @@ def test_deepspeed_can_own_optimizer_and_scheduler(tmp_path, cache_dir):
     # torch_adam: DeepSpeed's AdamW on torch's kernel; its FusedAdam takes minutes to compile on a CPU (CI timed out)
     torch_adam = tmp_path / "torch_adam.json"
     torch_adam.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}))
-    run = launch(
+    run = train_here(
         tmp_path / "run",
         *FAST,
         f"deepspeed.config_file={torch_adam}",
@@ -544,7 +544,7 @@ def test_deepspeed_can_own_optimizer_and_scheduler(tmp_path, cache_dir):
 
 
 def test_packed_training_learns(tmp_path, cache_dir):
-    run = launch(tmp_path / "run", *FAST, "data.packing=true", "train.eval_at_start=true", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *FAST, "data.packing=true", "train.eval_at_start=true", cache_dir=cache_dir)
     assert run.ok, run.explain()
     evals = run.records("eval")
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]

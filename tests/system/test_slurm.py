@@ -56,9 +56,12 @@ def losses(job_dir):
 
 
 def test_zero_sweep_on_slurm_with_two_tasks_per_job(slurm, tmp_path):
+    """Two jobs, the stages furthest apart (nothing partitioned; everything): what this proves is SLURM's part,
+    each job one 2-task run and the sweep's report of them; the four stages' equal losses on 2 ranks are
+    test_training's zero_runs (each job here: two fresh interpreters, ~20 s of CI's 2 cores)."""
     proc, sweep_dir = sweep(
         tmp_path,
-        "zero=stage0,stage1,stage2,stage3",
+        "zero=stage0,stage3",
         "hydra/launcher=slurm",
         "hydra.launcher.tasks_per_node=2",
         "hydra.launcher.timeout_min=15",
@@ -66,9 +69,9 @@ def test_zero_sweep_on_slurm_with_two_tasks_per_job(slurm, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = report_rows(sweep_dir)
     assert [(r["zero_stage"], r["status"], r["world_size"]) for r in rows] == [
-        (str(stage), "completed", "2") for stage in range(4)
+        (str(stage), "completed", "2") for stage in (0, 3)
     ]
-    for job in range(4):
+    for job in range(2):
         logs = sorted(p.name for p in (sweep_dir / str(job) / "logs").iterdir())
         assert logs == ["rank0.log", "rank1.log"]
         assert "launch submitit: rank 1 of 2" in (sweep_dir / str(job) / "logs" / "rank1.log").read_text()

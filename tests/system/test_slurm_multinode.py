@@ -169,42 +169,41 @@ def test_sbatch_script_runs_one_job_over_two_nodes(cluster_env, tmp_path):
     assert ranks[0][2] != ranks[1][2], ranks  # the two ranks ran on different hosts
 
 
-def sweep(cwd: Path, env: dict[str, str], name: str, nodes: int, tasks_per_node: int) -> Path:
-    sweep_dir = cwd / name
+SWEPT_RUN = [*FAST, "train.max_steps=4"]
+
+
+def test_sweep_jobs_span_two_nodes_and_match_one_node_runs(cluster_env, tmp_path):
+    """Each job of a sweep is one run over both nodes, and trains as the same run's 2 ranks on one host do (those
+    forked here: a one-node SLURM job adds nothing that test_slurm.py does not prove)."""
+    two_nodes = tmp_path / "two_nodes"
     proc = multirun(
-        cwd,
-        sweep_dir,
+        tmp_path,
+        two_nodes,
         "zero=stage2,stage3",
         "hydra/launcher=slurm",
-        f"hydra.launcher.nodes={nodes}",
-        f"hydra.launcher.tasks_per_node={tasks_per_node}",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.tasks_per_node=1",
         "hydra.launcher.timeout_min=15",
-        *FAST,
-        "train.max_steps=4",
-        f"data.cache_dir={cwd / 'cache'}",
-        env=env,
+        *SWEPT_RUN,
+        f"data.cache_dir={tmp_path / 'cache'}",
+        env=cluster_env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = report_rows(sweep_dir)
+    rows = report_rows(two_nodes)
     assert [(r["zero_stage"], r["status"], r["world_size"]) for r in rows] == [
         ("2", "completed", "2"),
         ("3", "completed", "2"),
     ]
-    return sweep_dir
-
-
-def test_sweep_jobs_span_two_nodes_and_match_one_node_runs(cluster_env, tmp_path):
-    two_nodes = sweep(tmp_path, cluster_env, "two_nodes", nodes=2, tasks_per_node=1)
-    one_node = sweep(tmp_path, cluster_env, "one_node", nodes=1, tasks_per_node=2)
-    for job in ("0", "1"):
+    for job, stage in (("0", "stage2"), ("1", "stage3")):
         spread = launch_lines(two_nodes / job)
         assert sorted(spread) == [0, 1] and {launcher for launcher, _, _ in spread.values()} == {"submitit"}
         assert spread[0][2] != spread[1][2], spread  # each job is one run whose ranks are on different nodes
-        packed = launch_lines(one_node / job)
-        assert packed[0][2] == packed[1][2], packed
-        a, b = losses(two_nodes / job), losses(one_node / job)
-        assert len(a) == len(b) == 4
-        assert_close(a, b, rel=1e-5)
+        run_dir, cache = tmp_path / f"one_node_{stage}", tmp_path / "cache"
+        one_node = launch(run_dir, *SWEPT_RUN, f"zero={stage}", launcher="ranks", nproc=2, cache_dir=cache)
+        assert one_node.ok, one_node.explain()
+        a = losses(two_nodes / job)
+        assert len(a) == len(one_node.losses) == 4
+        assert_close(a, one_node.losses, rel=1e-5)
 
 
 # Checkpoints every 20 steps, a metric line every 5: killed after step 45, a resume starts from step40. The run is
