@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import datasets
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
@@ -35,6 +34,8 @@ from ds_exp.data.textfiles import (
 )
 
 if TYPE_CHECKING:
+    import datasets
+
     from ds_exp.config.schema import DataSource, SyntheticDataConfig
 
 log = logging.getLogger(__name__)
@@ -251,6 +252,8 @@ def _load_tables(src: DataSource, key: str, fields: list[str]) -> tuple[_Table, 
             return train, None, str(local)
         fix = f"add eval rows to it, delete it, or set {_hint(key)}.eval_split=null to {_CARVE}"
         return train, _with_rows(_read_file(eval_file, "json", key, fields), key, str(eval_file), fix), str(local)
+    import datasets  # only for save_to_disk directories and the hub: row checks of local files stay light
+
     if fmt == "arrow":
         try:
             loaded = datasets.load_from_disk(str(local))

@@ -97,10 +97,10 @@ def _run_job(composed: DictConfig, run_dir: Path) -> dict[str, Any]:
     past validation."""
     # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    from ds_exp.data.pipeline import count_train_examples
-
     try:
         cfg = validate_job(composed, overrides, run_dir=run_dir)
+        from ds_exp.data.pipeline import count_train_examples  # datasets: only for a config that holds
+
         check_hub(cfg.model, dry_run=cfg.dry_run)  # no hub to reach: one message now, not transformers' retries
         # the data's rows read and checked (a bad row is its file:line) before torch and DeepSpeed take their seconds
         train_examples = count_train_examples(cfg.data)

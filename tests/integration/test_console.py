@@ -167,7 +167,11 @@ def test_tokenizing_shows_a_bar_for_a_large_set_only_and_not_the_saving_one(tmp_
     from ds_exp.data.pipeline import prepare_sft_data
     from ds_exp.model.tokenizer import load_tokenizer
 
+    import datasets
+
     monkeypatch.setattr(encode, "BAR_MIN_ROWS", 30)  # 40 train rows "large", 8 eval rows small
+    # as in a fresh process: an in-process run earlier in this worker, logging off a terminal, turned bars off
+    datasets.enable_progress_bars()
     cfg = compose_cfg("data.synthetic.num_train=40", "data.synthetic.num_eval=8", f"data.cache_dir={tmp_path}")
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     data = prepare_sft_data(cfg.data, tokenizer, seed=0)

@@ -216,9 +216,12 @@ def test_long_context_settings_are_checked_before_the_run(compose_cfg, tmp_path)
             validate(compose_cfg(*overrides), accelerator="cpu")
         return info.value.problems
 
+    # values first: a combination is judged once every value holds
     assert problems("model.activation_offload=true", "model.tiled_mlp_shards=0", "model.tiled_loss_tokens=-1") == [
         "model.tiled_mlp_shards=0: must be >= 1, or null to derive it",
         "model.tiled_loss_tokens=-1: must be >= 1, or null to derive it",
+    ]
+    assert problems("model.activation_offload=true") == [
         "model.activation_offload=true keeps what activation checkpointing saves (each layer's input) in host "
         "memory, and checkpointing is off: add model.gradient_checkpointing=true",
     ]
