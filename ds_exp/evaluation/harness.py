@@ -570,8 +570,8 @@ def settings_of(
     )
 
 
-def builtin_of(cfg: Config) -> BuiltinSettings:
-    return BuiltinSettings(cfg.data.synthetic, cfg.eval.harness.lengths(cfg.data.max_seq_len))
+def builtin_of(data: DataConfig, harness: HarnessConfig) -> BuiltinSettings:
+    return BuiltinSettings(data.synthetic, harness.lengths(data.max_seq_len))
 
 
 def _tokenizer_files(model_dir: Path) -> dict[str, Any]:
@@ -755,7 +755,7 @@ def _run(plan: Plan) -> int:
         settings,
         out_dir=plan.out_dir,
         cache_dir=data_cache_dir(data.cache_dir),
-        builtin=BuiltinSettings(data.synthetic, plan.harness.lengths(data.max_seq_len)),
+        builtin=builtin_of(data, plan.harness),
         base_cfg=plan.cfg if plan.base else None,
         title=str(plan.model_dir),
     )

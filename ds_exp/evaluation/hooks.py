@@ -93,7 +93,7 @@ class HarnessHooks(FeatureHooks):
                 settings_of(harness, cfg.eval, template, device),
                 out_dir=out_dir,
                 cache_dir=data_cache_dir(cfg.data.cache_dir),
-                builtin=builtin_of(cfg),
+                builtin=builtin_of(cfg.data, harness),
                 base_cfg=cfg if base else None,
                 title=f"{session.run_dir.name}: {export_dir.name}",
             )

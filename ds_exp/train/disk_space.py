@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds_exp.config.schema import Config, TrainConfig
+from ds_exp.config.schema import TrainConfig
 from ds_exp.core.errors import RunFailed
 from ds_exp.launch.run_dir import completed_at
 from ds_exp.launch.storage import check_free_space
@@ -24,7 +24,8 @@ def saves_a_checkpoint(train_cfg: TrainConfig, start_step: int, total_steps: int
 
 
 def check_disk_space(
-    cfg: Config,
+    train_cfg: TrainConfig,
+    hooks: RunHooks,
     session: Session,
     checkpoint_size: int,
     parameters: int,
@@ -39,7 +40,7 @@ def check_disk_space(
     all) size the features' writes (their hooks' planned_writes: ds_exp/train/hooks.py). A resume counts only what is
     still to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
     trainable = parameters if trainable is None else trainable
-    train_cfg, verdict = cfg.train, None
+    verdict = None
     finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step
     if session.is_main and not finished:
         needs: dict[Path, int] = {}
@@ -48,7 +49,6 @@ def check_disk_space(
             path = session.run_dir / train_cfg.checkpoint_dir
             needs[path], keys[path] = checkpoint_size, "train.checkpoint_dir"
         try:
-            hooks = RunHooks.of(cfg)
             planned = hooks.planned_writes(Run(session, hooks), start_step, total_steps, parameters, trainable)
             for path, (size, key) in planned.items():
                 needs[path], keys[path] = size, key

@@ -32,8 +32,6 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from ds_exp.config.features import feature_hooks
-from ds_exp.config.schema import Config
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.session import Session
 from ds_exp.train.step import SFT, Objective
@@ -105,10 +103,6 @@ class RunHooks:
 
     def __init__(self, hooks: list[FeatureHooks]) -> None:
         self.hooks = hooks
-
-    @classmethod
-    def of(cls, cfg: Config) -> RunHooks:
-        return cls(feature_hooks(cfg))
 
     def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
         for hook in self.hooks:
