@@ -1,11 +1,7 @@
-"""The run's lm-eval scores at the recipe's named points: after the run (the final export, its base beside, rank 0,
-once the engine is released) into RUN_DIR/eval/, and with eval.harness.every_save after each step export (the tuned
-model: a curve over steps) into RUN_DIR/eval/<export>/. The numbers go to summary.json (`harness`, `harness_base`),
-metrics.jsonl and every tracker. The other ranks wait for rank 0 at the run's end (within dist.timeout_minutes).
-
-A failure of an evaluation never turns the completed training into a failed run, nor touches its checkpoints or
-export: summary.json's `harness_status` says failed (with `harness_error`) or interrupted (a stop signal or Ctrl-C
-during it ends the evaluation at once), and `python -m ds_exp.evaluate RUN_DIR TASK...` scores it again later.
+"""The run's lm-eval scores at the recipe's named points: after the run (rank 0, the final export and its base) into
+RUN_DIR/eval/, and with eval.harness.every_save after each step export into RUN_DIR/eval/<export>/. A failure never
+fails the completed run: summary.json's `harness_status` says failed or interrupted (a stop signal or Ctrl-C ends the
+evaluation at once), and `python -m ds_exp.evaluate RUN_DIR TASK...` scores it later.
 """
 
 from __future__ import annotations

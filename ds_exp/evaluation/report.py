@@ -1,15 +1,11 @@
-"""What an lm-eval scoring leaves for people and tools: harness.json, the console table, the bar chart of base
-against tuned, the numbers summary.json and the trackers keep, and the directory they are written into.
+"""What an lm-eval scoring leaves: harness.json, the console table, the chart, the numbers summary.json and the
+trackers keep, and the directory they are written into.
 
     RUN_DIR/eval/harness.json      {"tasks": {"<task>": {"<metric>": {"base": x, "tuned": y, "stderr": s}}},
                                     "settings": {...}}   (one model: {"tuned": y, "stderr": s} only)
     RUN_DIR/eval/harness.png       base against tuned, per task and metric
-    RUN_DIR/eval/tuned/<TASK>/     lm-eval's own files: results_<date>.json, samples_<task>_<date>.jsonl
-    RUN_DIR/eval/base/<TASK>/      the same for the base model (copied from the cache when it was scored before)
-    RUN_DIR/eval/<export>/         one model's evaluation (an export of train.export_every, any export or checkpoint)
-
-An evaluation is written into a scratch directory beside, and moved into place once complete; what an earlier
-evaluation left there is set aside under earlier/<time>/ (nothing is lost), and an interrupted one leaves nothing.
+    RUN_DIR/eval/{tuned,base}/<TASK>/  lm-eval's own files (the base's copied from the cache)
+    RUN_DIR/eval/<export>/         one model's evaluation (a step export, any export or checkpoint)
 """
 
 from __future__ import annotations
@@ -141,9 +137,9 @@ def chart(record: dict[str, Any], path: Path, title: str) -> None:
 
 @contextlib.contextmanager
 def staged(target: Path) -> Iterator[Path]:
-    """A scratch directory for one evaluation, its files moved into `target` when the block completes (those of an
-    earlier evaluation there set aside under earlier/<time>/); nothing is left of an evaluation that fails or is
-    interrupted (not even `target`, when it made it)."""
+    """A scratch directory for one evaluation, moved into `target` when the block completes (an earlier one's files
+    set aside under earlier/<time>/); nothing is left of one that fails or is interrupted."""
+
     made = [p for p in (target.parent, target) if not p.exists()]
     target.mkdir(parents=True, exist_ok=True)
     scratch = target / f".staging-{time.strftime('%Y%m%d-%H%M%S')}-{id(target):x}"

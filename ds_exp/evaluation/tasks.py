@@ -1,15 +1,10 @@
-"""ds_exp's own lm-evaluation-harness tasks, offline: task YAML files in lm-eval's format and their data (local
-JSON lines, `dataset_path: json`), generated from a seed into the data cache (one directory per settings, as the
-tokenized data: ds_exp/data/cache.py).
+"""ds_exp's own lm-evaluation-harness tasks, offline: YAML files and local JSON lines generated from a seed into the
+data cache (one directory per settings, ds_exp/data/cache.py). Pure Python: the tokenizer is handed in.
 
-* `ds_exp_synthetic`: multiple choice drawn from the embedded SFT task (ds_exp/data/synthetic.py), prompts never
-  trained on: the answer and three near misses (the words in the other order, one word or digit off, the other
-  colours of the context). Chance is 25%; the default run scores near 100% after training.
-* `ds_exp_passkey`: a five-digit passkey hidden at a random depth in filler text, prompts of about N tokens each
-  (eval.harness.passkey_lengths; [] = data.max_seq_len, the length the run trained for); the answer is generated
-  greedily and its first number compared (exact match). One subtask per length, `ds_exp_passkey_<N>`, in a group.
-
-Pure Python and yaml: the tokenizer that measures passkey prompts is handed in (`count_tokens`).
+* `ds_exp_synthetic`: multiple choice from the embedded SFT task (ds_exp/data/synthetic.py), prompts never trained
+  on, the answer beside three near misses. Chance is 25%; the default run scores near 100% after training.
+* `ds_exp_passkey`: a five-digit passkey at a random depth in filler text, prompts of about N tokens
+  (eval.harness.passkey_lengths), answered greedily, its first number an exact match; `ds_exp_passkey_<N>` per length.
 """
 
 from __future__ import annotations

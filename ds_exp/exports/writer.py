@@ -412,7 +412,7 @@ def export_checkpoint(
     marker = read_marker(tag_dir)
     settings = marker.get("settings") or {}
     precision = str(settings.get("precision") or "fp32")
-    cfg = _in_one_process(cfg)
+    cfg = rebuild_config(cfg)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     ds_config = {"zero_optimization": {"stage": 0}, **{k: {"enabled": precision == k} for k in ("bf16", "fp16")}}
     built = build_model(cfg, tokenizer, ds_config)
@@ -455,9 +455,10 @@ def export_checkpoint(
     write_export(state, trained, spec, tokenizer, target, adapter_only=adapter, **beside)
 
 
-def _in_one_process(cfg: Config) -> Config:
-    """The run's config for a rebuild in this process: no sequence-parallel groups (their attention wrapper needs
-    the ranks; the weights do not depend on it), no GPU kernels patched in."""
+def rebuild_config(cfg: Config, *, base: bool = False) -> Config:
+    """The run's config for a rebuild in this process (none of it changes a weight): no sequence-parallel groups
+    (their attention needs the ranks), no GPU kernels or compiled layers; with `base`, the base model alone: no
+    LoRA (the identity at start), no gradient checkpointing or long-context tiling."""
     cfg = dataclasses.replace(cfg)
     sp = int(cfg.dist.sequence_parallel_size)
     cfg.dist = dataclasses.replace(cfg.dist, sequence_parallel_size=1)
@@ -467,6 +468,10 @@ def _in_one_process(cfg: Config) -> Config:
         model["attn_implementation"] = None  # flash-attention needs a GPU; the weights do not depend on it
     if sp > 1 and model.get("attn_implementation", cfg.model.attn_implementation) is None:
         model["attn_implementation"] = "sdpa"  # what the run's model was built with (ds_exp.model.build)
+    if base:
+        cfg.lora = dataclasses.replace(cfg.lora, dim=0, quantize=None)
+        off = ("gradient_checkpointing", "tiled_mlp", "tiled_loss", "activation_offload")
+        model |= dict.fromkeys(off, False)
     cfg.model = dataclasses.replace(cfg.model, **model)
     return cfg
 

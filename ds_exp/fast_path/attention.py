@@ -1,25 +1,14 @@
 """The attention kernel a run uses (model.attn_implementation), and packed rows on it.
 
-`auto` picks, on CUDA with 16-bit weights: flash_attention_2 where flash-attn is installed, else `torch_varlen`
-(PyTorch's own flash kernel for variable-length sequences, torch.nn.attention.varlen: no package to install), else
-transformers' default (sdpa); off CUDA, transformers' default. Under sequence parallelism DeepSpeed's Ulysses wraps the
-attention and runs each packed document on its own (ds_exp/sequence_parallel/): auto stays with flash-attn or
-sdpa there.
+`auto` picks, on CUDA in 16 bits: flash_attention_2 where flash-attn is installed, else `torch_varlen` (torch's own
+varlen flash kernel, registered here), else sdpa; off CUDA, transformers' default. Under sequence parallelism auto
+stays with flash-attn or sdpa (DeepSpeed's Ulysses wraps it: ds_exp/sequence_parallel/).
 
-Packed rows (data.packing=true) carry position_ids that restart at each example and no attention mask (the step calls
-the model with use_cache=False: with a cache transformers ignores the position ids). What each attention does with them
-in transformers 5.24:
-- sdpa (and eager): transformers builds a block-diagonal causal mask of each row from the position ids
-  (masking_utils.find_packed_sequence_indices): the examples stay apart, but every row's full length x length scores are
-  computed (SDPA with a mask runs its memory-efficient kernel, never the flash one).
-- flash_attention_2/3: transformers runs the variable-length kernel from position ids only for a batch of ONE row
-  (modeling_flash_attention_utils._is_packed_sequence); with more rows it runs plain causal attention over each row,
-  and packed examples would attend to each other. ds_exp hands it the example boundaries of the whole micro batch
-  instead (`example_boundaries`: transformers' cu_seq_lens_q/k and max_length_q/k), from the host's position ids.
-- torch_varlen (registered here): the same boundaries to torch's varlen kernel; a batch without them (unpacked rows,
-  generation) goes to sdpa with its mask.
-Either varlen kernel computes each example's own causal attention and nothing across examples: the attention FLOPs
-ds_exp/train/flops.py counts (12 L d sum(n_i^2)).
+Packed rows carry position_ids that restart at each example and no mask. In transformers 5.24, sdpa and eager build
+a block-diagonal mask from them (full length x length scores); flash_attention_2/3 run the varlen kernel from
+position ids only for a batch of ONE row, so ds_exp hands them the whole micro batch's example boundaries
+(`example_boundaries`: cu_seq_lens_q/k, max_length_q/k); torch_varlen takes the same, and a batch without them goes
+to sdpa. A varlen kernel computes each example's own causal attention: the FLOPs ds_exp/train/flops.py counts.
 """
 
 from __future__ import annotations

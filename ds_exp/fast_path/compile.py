@@ -1,15 +1,8 @@
-"""train.compile: torch.compile of each decoder layer (regional compilation), the layers' hooks left outside.
-
-Every decoder layer of a model is the same code with other weights, and torch.compile treats a module's parameters
-as inputs (Dynamo inlines nn.Modules, torch >= 2.5): one compiled graph serves all of them, so compile time is one
-layer's, whatever the depth (a whole-model compile traces every layer and the loss around them). Each layer's
-`forward` is replaced by its compiled self; the module's call, with the hooks DeepSpeed and PEFT register on it and
-transformers' activation checkpoint around it, stays eager. The loss (ds_exp/model/head_loss.py: Liger's fused kernel
-or chunks), the embedding and the final norm stay eager too. Compile time is reported on its own (summary.json's
-compile_s: torch.compile's own timers) instead of disappearing into the first step.
-
-Decided by ds_exp/fast_path/settings.py: auto compiles on CUDA at ZeRO stages 0-2. At ZeRO-3 DeepSpeed gathers each
-submodule's parameters in hooks inside the layer's forward; each is a graph break, so auto leaves ZeRO-3 eager.
+"""train.compile: torch.compile of each decoder layer (regional compilation). The layers are one code with other
+weights (Dynamo treats parameters as inputs): one graph serves all, so compile time is one layer's. Each layer's
+`forward` is replaced; its call, with DeepSpeed's and PEFT's hooks and the activation checkpoint around it, stays
+eager, as do the loss, the embedding and the final norm. summary.json's compile_s reports the compile time apart.
+auto compiles on CUDA at ZeRO 0-2 (settings.py): ZeRO-3's gathers inside the forward would break the graph.
 """
 
 from __future__ import annotations

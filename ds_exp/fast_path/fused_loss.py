@@ -1,19 +1,10 @@
-"""model.fused_loss: the loss through Liger's fused linear cross-entropy, without a full logits tensor.
-
-Liger's kernel takes the final hidden states, the output layer's weight and the targets, and computes the logits and
-their cross-entropy chunk by chunk, with the gradients of the hidden states and of the weight worked out in the same
-pass: no tokens x vocabulary tensor is kept (the logits and their fp32 copy are the largest activations of a model
-with a large vocabulary), and the loss and the gradients are the plain path's within rounding. ds_exp calls it with
-reduction="sum" over the labelled tokens of this rank's batch, the sum the step divides by the global batch's label
-tokens (ds_exp/train/step.py): the loss stays exact however the batch is split, and Liger scales both gradients by
-the incoming one in backward (the step's 1 / global label tokens, the world and micro-batch factors).
-
-It runs inside the output layer's own call (ds_exp/model/head_loss.py): under ZeRO-3 the weight is gathered there.
-The output layer it needs is a plain Linear: the model's own, or the trained copy PEFT keeps for
-lora.modules_to_save; one that carries LoRA adapters (lora.* targeting lm_head) has no single weight, and the fused
-loss is then left off (auto) or refused (true). Under sequence parallelism each rank's slice goes through it with its
-shifted labels, as with the plain loss; with model.tiled_loss as well, the fused loss is the one used (Liger already
-works in chunks of tokens). On a CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1, tests).
+"""model.fused_loss: the loss through Liger's fused linear cross-entropy, without a full logits tensor (the largest
+activation of a large vocabulary): logits, cross-entropy and both gradients chunk by chunk in one pass. Called with
+reduction="sum" over this rank's labelled tokens, the sum the step divides by the global label tokens
+(ds_exp/train/step.py), so the loss stays exact. It runs inside the output layer's call (ds_exp/model/head_loss.py;
+gathered there under ZeRO-3), on a plain Linear: the model's own or PEFT's modules_to_save copy; one carrying LoRA
+adapters has no single weight (left off under auto, refused under true). With model.tiled_loss it is the one used.
+On a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1, tests).
 """
 
 from __future__ import annotations
