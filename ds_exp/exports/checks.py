@@ -1,8 +1,5 @@
-"""What an export or a chat refuses before torch is imported, each in one line naming the key (or argument) and the
-fix: a target that is not an earlier export (an export replaces nothing else) or inside the checkpoint directory,
-and what `python -m ds_exp.export` / `python -m ds_exp.chat` are pointed at (a checkpoint, found in a run directory,
-its checkpoints directory or named by its step<N> tag, or set aside in a branch; a model directory, its weights and
-its positions). Light: no torch."""
+"""What an export or a chat refuses before torch, one line each: a target that is not an earlier export or lies in
+the checkpoint directory, and what the commands are pointed at (a checkpoint, a run or model directory)."""
 
 from __future__ import annotations
 
@@ -32,9 +29,8 @@ def check_target(
 
 
 def check_outside_checkpoints(target: Path, checkpoint_dir: Path, key: str) -> None:
-    """An export never goes inside a checkpoint directory: saves, rotation, resume and branch set-asides own what is
-    there (an export named step<N> would pass for a checkpoint, one named step<N>.universal be deleted with it). The
-    one place inside it that takes exports is a set-aside branch's exports/ folder, which nothing rotates."""
+    """An export never goes inside a checkpoint directory (an export named step<N> would pass for a checkpoint),
+    except into a set-aside branch's exports/ folder, which nothing rotates."""
     real, checkpoints = Path(os.path.realpath(target)), Path(os.path.realpath(checkpoint_dir))
     if not real.is_relative_to(checkpoints):
         return
@@ -116,9 +112,8 @@ def model_dir_of(given: str) -> Path:
 
 
 def model_settings_of(model_dir: Path, given: str) -> dict[str, Any]:
-    """The config.json of the model `python -m ds_exp.chat` talks to, once its weights are known to be whole: one
-    message for a config.json that is not JSON, no weights, or weights cut short (an export whose save never
-    finished, a copy interrupted), before transformers is imported."""
+    """The config.json of the model `python -m ds_exp.chat` talks to, its weights checked whole (an export whose
+    save never finished, a copy interrupted), before transformers is imported."""
     settings, problem = read_config_json(model_dir, given, key=given)
     if problem is None and settings is not None:
         if not any((model_dir / name).is_file() for name in WEIGHT_FILES):
@@ -134,9 +129,9 @@ def model_settings_of(model_dir: Path, given: str) -> dict[str, Any]:
 
 
 def context_of(settings: dict[str, Any]) -> tuple[int, str] | None:
-    """(positions, what they are) of a model's config.json: the tokens a prompt and its answer share. A learned
-    position table ends there (past it, an IndexError); a rotary model was trained to there, stretched by its
-    rope scaling's factor when it has one. None when nothing limits them (ALiBi, relative positions)."""
+    """(positions, what they are) of a model's config.json: the tokens a prompt and its answer share (a rotary
+    model's stretched by its rope scaling). None when nothing limits them (ALiBi, relative positions)."""
+
     found = position_limit(settings)
     if found is None:
         return None

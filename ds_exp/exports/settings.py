@@ -1,5 +1,4 @@
-"""The exports' settings: the train.export* keys (conf/train/default.yaml) stay where users type them, in `train`,
-through ExportSettings, which ds_exp/config/schema.py's TrainConfig mixes in. Light."""
+"""The exports' settings: train.export* stay in `train` through ExportSettings, which TrainConfig mixes in. Light."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""A diverged run is a failed run: whether what a run would keep (a checkpoint, the export, its final numbers) is
-finite, decided the same way on every rank.
-
-train.max_bad_steps lets a run go on through steps whose loss was not finite (the fp16 loss scaler skips their
-updates); what the run ends with decides its status. Weights that are no longer finite never become finite again
-(every forward of them is NaN), so a checkpoint of them is never saved and they are never exported: the run stops
-as `diverged` (summary.json, exit status 3) and its newest checkpoint stays the last one with finite weights.
+"""A diverged run is a failed run: whether what a run would keep is finite, decided alike on every rank. Steps with a
+non-finite loss may pass (train.max_bad_steps); weights no longer finite never recover, so they are never saved nor
+exported: the run stops as `diverged` (exit status 3), its newest checkpoint the last with finite weights.
 """
 
 from __future__ import annotations
@@ -41,10 +37,10 @@ def non_finite_end(
     *,
     last_step_overflowed: bool = False,
 ) -> list[str]:
-    """Collective: what of the run's end state is not finite (the same list on every rank): the last step's loss
-    (this rank's sum; None when the process trained no step), its gradients (`last_step_overflowed`: the ZeRO
-    optimizer skipped its update for a non-finite gradient, outside fp16 where the loss scaler does that on
-    purpose), the final evaluation (already reduced over ranks), the weights."""
+    """Collective: what of the run's end state is not finite, alike on every rank: the last step's loss, its
+    gradients (`last_step_overflowed`: ZeRO skipped its update, outside fp16's loss scaling), the final evaluation,
+    the weights."""
+
     loss_bad = last_loss is not None and not bool(torch.isfinite(torch.as_tensor(last_loss)).all())
     flags = [float(loss_bad), float(last_step_overflowed), float(not local_weights_finite(engine))]
     loss_votes, grad_votes, weight_votes = all_reduce_sum(flags, engine.device)

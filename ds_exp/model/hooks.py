@@ -1,6 +1,6 @@
-"""The model build's named points where features act (ds_exp/config/features.py: a feature's hooks class may act at
-these beside the recipe's, ds_exp/train/hooks.py). build_model calls each point once, in its order, on the hooks of
-every feature the run turns on (in FEATURE_PACKAGES' order), with the build as it stands:
+"""The model build's named points where features act, beside the recipe's (ds_exp/train/hooks.py); build_model calls
+each once, in order, on every active feature's hooks, with the build as it stands:
+
 
     before_weights  the model's config is read, no weights: the attention is chosen (the fast path decides auto) or
                     wrapped (sequence parallelism registers DeepSpeed's Ulysses and hands back its groups, the mpu)

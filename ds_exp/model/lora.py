@@ -1,15 +1,7 @@
-"""LoRA through PEFT: which layers get adapters, what else is trained whole, and the wrapping.
-
-Two ways to name the adapted layers, which combine:
-* `lora.module_name` (DeepSpeed-Chat's lora_module_name): a scope, every Linear layer whose full name contains it;
-* `lora.target_modules` (PEFT's target_modules): name suffixes (a list), a regular expression matched against the
-  whole name (a string), or `all-linear` (every Linear layer but the output layer).
-With both, a layer must be in the scope and match the targets. With neither, the scope is `layers.` (the decoder
-blocks of Llama, Mistral, Qwen, OPT, ...). `lora.modules_to_save` names modules trained whole beside the adapters
-(PEFT's meaning: a module whose name ends with an entry), `lora.use_dora` / `lora.use_rslora` are PEFT's DoRA and
-rsLoRA, `lora.quantize` loads the frozen base in 4 or 8 bits through bitsandbytes (QLoRA; CUDA only).
-The names are resolved here, once, to full module names: what PEFT wraps, what the dry run counts and what a
-message lists are the same layers.
+"""LoRA through PEFT: which layers get adapters, what else is trained whole, and the wrapping. `lora.module_name` (a
+scope: Linear layers whose name contains it; `layers.` by default) and `lora.target_modules` (name suffixes, a regex
+of the whole name, or `all-linear`) combine; `lora.modules_to_save` names modules trained whole. The names resolve
+here, once, to full module names: what PEFT wraps, the dry run counts and a message lists are the same layers.
 """
 
 from __future__ import annotations
@@ -204,9 +196,8 @@ class LoraSpec:
 
 
 def adapted_by_part(model: torch.nn.Module, targets: tuple[str, ...]) -> dict[str, int]:
-    """Adapted layers in each part of a model made of several (a vision-language model's language model and vision
-    tower), a part being the first two components of its Linear layers' names (model.language_model); {} for a
-    model of one part (the output layer aside)."""
+    """Adapted layers per part of a model of several (a vision-language model's towers: the first two components of
+    the names); {} for a model of one part."""
     output = _output_layer(model)
     parts = dict.fromkeys(".".join(name.split(".")[:2]) for name in linear_layers(model) if name != output)
     if len(parts) < 2:
@@ -238,10 +229,8 @@ def lora_spec(lora_cfg: schema.LoraConfig, model: torch.nn.Module, model_scope: 
 
 
 def count_with_lora(model: torch.nn.Module, spec: LoraSpec) -> tuple[int, int]:
-    """(parameters, trainable parameters) of `model` once wrapped by `wrap_lora(model, spec)`, without wrapping it
-    (PEFT takes seconds on a 7B meta model): A and B of each target (r x (in + out)), DoRA's magnitude (out), one
-    copy of each saved module beside its frozen original (an original tied to a module outside the list, such as
-    a tied embedding, stays as trainable as that module is)."""
+    """(parameters, trainable) of `model` once wrap_lora wraps it, without wrapping (seconds on a 7B meta model):
+    A and B of each target, DoRA's magnitude, a copy of each saved module beside its frozen original."""
     base = {id(p): p.numel() for p in model.parameters()}
     adapters = 0
     for name in spec.targets:
@@ -307,8 +296,9 @@ def merge_lora(model: PeftModel) -> PreTrainedModel:
 
 
 def quantized_loading(quantize: str, compute_dtype: torch.dtype) -> dict[str, Any]:
-    """from_pretrained's arguments for a base loaded in 4 bits (NF4, double quantization, QLoRA's recipe) or 8 bits
-    by bitsandbytes, onto this rank's GPU. UNTESTED here (no CUDA machine): validation refuses it elsewhere."""
+    """from_pretrained's arguments for a base loaded by bitsandbytes in 4 bits (NF4, QLoRA's recipe) or 8, on this
+    rank's GPU. UNTESTED here (no CUDA machine): validation refuses it elsewhere."""
+
     if quantize == "4bit":
         config = BitsAndBytesConfig(
             load_in_4bit=True,

@@ -1,8 +1,5 @@
-"""The optimizer ds_exp builds (optimizer.owner=ds_exp), from its entry in ds_exp/config/optimizers.py: the
-implementation it picks (optimizer.impl, auto decided by offload and the accelerator), the DeepSpeed op that needs
-compiling first, and the library class loaded by its dotted path with the entry's keyword arguments. An optimizer
-DeepSpeed builds (an "optimizer" block: optimizer.owner=deepspeed, muon, a user's file) is built inside
-deepspeed.initialize: `deepspeed_op` is what it compiles there, `prepare_deepspeed_optimizer` what ds_exp does first."""
+"""The optimizer ds_exp builds from its entry in ds_exp/config/optimizers.py (the implementation optimizer.impl picks,
+its DeepSpeed op compiled first); for one DeepSpeed builds (an "optimizer" block), what ds_exp does first."""
 
 from __future__ import annotations
 
@@ -58,10 +55,10 @@ def deepspeed_op(ds_config: dict[str, Any]) -> ops.Op | None:
 
 
 def prepare_deepspeed_optimizer(ds_config: dict[str, Any], accelerator: str) -> None:
-    """What comes before DeepSpeed builds the optimizer of its config: the op it compiles, built first with a
-    notice. On a CPU, DeepSpeed's Muon runs eagerly: its update is torch.compile'd, which compiles C++ for 10-30 s
-    at the first step and again for each new matrix shape there, for kernels too small to gain from it (the
-    stance is the process's until release_engine; validation refuses train.compile=true with it)."""
+    """Before DeepSpeed builds its config's optimizer: the op it compiles, built first with a notice. On a CPU,
+    DeepSpeed's Muon runs eagerly (compiling its update costs 10-30 s per matrix shape for no gain), until
+    release_engine."""
+
     op = deepspeed_op(ds_config)
     if op is not None:
         ops.ensure_built(op, announce=_is_rank0())

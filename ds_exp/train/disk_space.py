@@ -1,5 +1,4 @@
-"""Before training: what the run will write (checkpoints, exports) fits on its disk, checked by rank 0 and obeyed by
-every rank."""
+"""Before training: what the run will write fits on its disk, checked by rank 0 and obeyed by every rank."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from ds_exp.train.session import Session
 
 
 def saves_a_checkpoint(train_cfg: TrainConfig, start_step: int, total_steps: int) -> bool:
-    """Whether a run from `start_step` to `total_steps` writes a checkpoint (a stop signal aside): the final one,
-    or one at a multiple of train.save_every still ahead."""
+    """Whether a run from `start_step` to `total_steps` writes a checkpoint (the final one, or a save_every one)."""
     if start_step >= total_steps:
         return False
     every = train_cfg.save_every
@@ -34,11 +32,10 @@ def check_disk_space(
     start_step: int = 0,
     total_steps: int = 0,
 ) -> None:
-    """Collective: rank 0 checks that what the run will write (a checkpoint, what the features plan: the exports)
-    fits on its disk (and that the features' targets may be replaced); every rank obeys. `checkpoint_size`: one
-    checkpoint (what trains: ds_exp.config.memory_plan.checkpoint_bytes); `parameters` and `trainable` (default
-    all) size the features' writes (their hooks' planned_writes: ds_exp/train/hooks.py). A resume counts only what is
-    still to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
+    """Collective: rank 0 checks that a checkpoint (`checkpoint_size`) and the features' planned writes (sized by
+    `parameters` and `trainable`) fit on its disk; every rank obeys. A resume counts only what is still to be
+    written (for a run complete already, nothing)."""
+
     trainable = parameters if trainable is None else trainable
     verdict = None
     finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step

@@ -97,12 +97,11 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
 
 def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
-    """Everything the loop uses, as named steps in the order that fails cheapest first: the ranks' layout, then the
-    model's config before the data (a checkpoint transformers cannot read fails before tokenizing), the data before
-    the plan (its steps count the examples), the checkpoint to resume from before the weights (deepspeed.initialize
-    reads whether it loads through the universal format), the disk before the engine. The features act at their
-    points (ds_exp/train/hooks.py, and while the model is built: ds_exp/model/hooks.py); the objective (SFT's, or a
-    feature's: ds_exp/preference/) decides the data, the model's class, the collator and the loss."""
+    """Everything the loop uses, as named steps in the order that fails cheapest first: the model's config before
+    the data, the data before the plan (its steps count the examples), the checkpoint to resume from before the
+    weights (deepspeed.initialize reads whether it loads the universal format), the disk before the engine. The
+    objective (SFT's, or a feature's: ds_exp/preference/) decides the data, the model's class, the collator and the
+    loss."""
     objective = hooks.objective()
     ranks = parallel_layout(session, cfg.dist.sequence_parallel_size)
     tokenizer, model_config = read_model_config(cfg.model, cfg.data, cfg.lora, session)
@@ -277,8 +276,7 @@ def training_engine(
     ds_config: dict[str, Any],
     plan: RunPlan,
 ) -> TrainingEngine:
-    """deepspeed.initialize with the optimizer and the schedule (the decoder layers were compiled at build where the
-    fast path asks: ds_exp/fast_path/)."""
+    """deepspeed.initialize with the optimizer and the schedule."""
     engine = build_engine(
         built.model,
         ds_config,
@@ -386,8 +384,9 @@ def train(cfg: Config, run: Run, start: TrainState) -> None:
 
 
 def _stage0_names(optimizer: OptimizerConfig, work: Workload) -> dict[str, Any] | None:
-    """A ZeRO-0 checkpoint's optimizer state is indexed by number: the parameter names of each index, recorded so that
-    `python -m ds_exp.universal` can convert it without building the model (ZeRO 1-3 record their own)."""
+    """A ZeRO-0 checkpoint's optimizer state is indexed by number: its parameter names, for `python -m
+    ds_exp.universal` (ZeRO 1-3 record their own)."""
+
     if work.zero_stage != 0:
         return None
 
