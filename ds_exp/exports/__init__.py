@@ -1,16 +1,9 @@
 """Exports and chat: what a run trained, in Hugging Face format, and a conversation with it.
 
-Owns the run's exports: the final one (train.export_dir) and with train.export_every one every N steps beside it
-(<export_dir>-step<N>, this run's newest train.export_keep_last kept), each with the base model's identity and
-ds_exp_export.json saying how it was made; with LoRA the adapter (<export_dir>_adapter) and the merged model where
-train.export_merged puts one. `python -m ds_exp.export CHECKPOINT [DIR]` writes the same from any complete
-checkpoint; `python -m ds_exp.chat DIR` answers as the run's generations did.
-
-Settings: train.export* (ExportSettings, mixed into TrainConfig); a run's exports also read model, lora and
-data.end_of_conversation_token (feature.py's RunExportSettings). Hooks: planned_writes (room and targets, before the
-engine), on_branch (a resume's abandoned exports), after_step (a step export, then rotation), after_train (the final
-export); each export then calls every feature's after_export.
-
-Modules: light: settings, feature, checks (refusals before torch), on_disk (exports on disk, rotation, a run's
-config), cli (both commands); heavy: writer (the export, from the engine or a checkpoint), run (the hooks), chat.
+The final export (train.export_dir), one every train.export_every steps (<export_dir>-step<N>, the newest
+train.export_keep_last kept), with LoRA the adapter and the merged model; each with ds_exp_export.json saying how it
+was made. `python -m ds_exp.export CHECKPOINT [DIR]` writes the same from a checkpoint; `python -m ds_exp.chat DIR`
+answers as the run's generations did. Settings: train.export* (ExportSettings, mixed into TrainConfig). Hooks:
+planned_writes, on_branch, after_step, after_train; each export then calls every feature's after_export.
+Light: settings, feature, checks, on_disk, cli; heavy: writer, run (the hooks), chat.
 """

@@ -1,15 +1,10 @@
 """Export the trained model in Hugging Face format (safetensors, config, tokenizer) with the base model's identity.
 
-Rank 0 gathers the full weights (ZeRO-3: layer by layer) into a CPU copy, merges LoRA in fp32, and saves into a
-temporary directory renamed into place when complete. The export keeps the base's vocabulary (model.vocab_multiple's
-rows trimmed), its precision (weights training never changed re-read exactly from the base checkpoint; stored in its
-dtype, or the training precision where every base weight trained), its tokenizer files and generation config.
-ds_exp_export.json says which dtype and why, how the run asked the model (template, stop tokens) and the origin.
-With LoRA the adapter goes beside (<export_dir>_adapter), the merged model where train.export_merged asks.
-
-`export_checkpoint` (`python -m ds_exp.export`) writes the same from a checkpoint in one CPU process: the model
-rebuilt from the run's config, the checkpoint's weights loaded (ZeRO-3: zero_to_fp32's masters rounded to the
-training precision, as the engine's were), a LoRA run's frozen base checked to be the one it trained on.
+Rank 0 gathers the full weights (ZeRO-3: layer by layer) to the CPU, merges LoRA in fp32, and writes a temporary
+directory renamed into place when complete. The export keeps the base's vocabulary, tokenizer, generation config and
+precision (weights training never changed re-read from the base checkpoint); ds_exp_export.json says which dtype and
+why, the template and stop tokens, the origin. `export_checkpoint` (`python -m ds_exp.export`) writes the same from
+a checkpoint in one CPU process, the model rebuilt from the run's config.
 """
 
 from __future__ import annotations

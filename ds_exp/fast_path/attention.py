@@ -1,14 +1,9 @@
 """The attention kernel a run uses (model.attn_implementation), and packed rows on it.
 
-`auto` picks, on CUDA in 16 bits: flash_attention_2 where flash-attn is installed, else `torch_varlen` (torch's own
-varlen flash kernel, registered here), else sdpa; off CUDA, transformers' default. Under sequence parallelism auto
-stays with flash-attn or sdpa (DeepSpeed's Ulysses wraps it: ds_exp/sequence_parallel/).
-
-Packed rows carry position_ids that restart at each example and no mask. In transformers 5.24, sdpa and eager build
-a block-diagonal mask from them (full length x length scores); flash_attention_2/3 run the varlen kernel from
-position ids only for a batch of ONE row, so ds_exp hands them the whole micro batch's example boundaries
-(`example_boundaries`: cu_seq_lens_q/k, max_length_q/k); torch_varlen takes the same, and a batch without them goes
-to sdpa. A varlen kernel computes each example's own causal attention: the FLOPs ds_exp/train/flops.py counts.
+`auto` on CUDA in 16 bits: flash_attention_2 where flash-attn is installed, else `torch_varlen` (torch's varlen flash
+kernel, registered here), else sdpa; off CUDA, transformers' default. Packed rows carry restarting position_ids and
+no mask; flash_attention_2/3 run varlen from position ids only for a batch of one row, so ds_exp hands them the micro
+batch's example boundaries (`example_boundaries`), and each example gets its own causal attention.
 """
 
 from __future__ import annotations

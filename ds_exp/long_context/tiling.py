@@ -1,15 +1,10 @@
-"""Long-context compute on the built model (DeepSpeed's ALST tiling, computed here for ZeRO and the exact step):
+"""Long-context compute on the built model (DeepSpeed's ALST tiling, redone here for ZeRO and the exact step).
 
-* tiled MLP: each decoder MLP runs over a fixed number of sequence slices, each under its own non-reentrant
-  checkpoint. Not DeepSpeed's TiledMLP: ZeRO-3 gathers the weights per slice, so every rank must cut exactly as many
-  (`tensor_split`; `torch.chunk` returns fewer for some lengths), and one backward pass accumulates each gradient
-  once (no `ds_grad_is_ready` bookkeeping). Position-wise MLPs only.
-* tiled loss: lm_head and the cross-entropy in checkpointed chunks of tokens, inside lm_head's own call (gathered
-  once under ZeRO-3), returning the summed token loss and label count the step's exact reduction expects. Not
-  DeepSpeed's TiledFusedLogitsLoss, which scales gradients by its own loss scale, not ds_exp's.
-* activation offload: what checkpointed layers keep (their inputs) saved in pinned host memory through
-  `torch.autograd.graph.save_on_cpu` around the decoder's forward (transformers' own offload pins memory even
-  without CUDA).
+Tiled MLP: each decoder MLP over a fixed number of slices, each under a non-reentrant checkpoint; unlike DeepSpeed's
+TiledMLP every rank cuts exactly as many (ZeRO-3 gathers per slice; `torch.chunk` returns fewer for some lengths).
+Tiled loss: lm_head and the cross-entropy in checkpointed chunks inside lm_head's call, returning the summed loss
+and label count the exact step expects (DeepSpeed's TiledFusedLogitsLoss applies its own loss scale). Activation
+offload: checkpointed layers' inputs saved in pinned host memory (`torch.autograd.graph.save_on_cpu`).
 """
 
 from __future__ import annotations

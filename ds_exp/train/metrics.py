@@ -1,14 +1,9 @@
-"""The run's metric lines, as one object: `add` each step's sums, `close` a window every train.log_every steps,
-`write` its line once the sums over ranks arrive; to metrics.jsonl, wandb, the progress bar and the step log.
+"""The run's metric lines: `add` each step's sums, `close` a window every train.log_every steps, `write` its line once
+the sums over ranks arrive; to metrics.jsonl, the trackers, the progress bar and the step log.
 
-The progress bar is drawn on a terminal only. Piped into a file or another program (a CI log, `| tee`), a bar's
-frames would be hundreds of carriage-return updates on one line: there rank 0 writes a plain progress line instead,
-at every tenth of the run and at least once a minute (`PlainProgress`).
-
-A window's sums (loss, label and input tokens, samples, model FLOPs) are this rank's until the window closes; then
-one all-reduce sums them over ranks. It is started when the window closes and awaited at the next step (or before
-anything else is logged or saved), so no rank waits for the slower one to write a line, and the next window starts
-at once: the cost of a line is counted in the step time of the steps after it.
+The bar is drawn on a terminal only; piped, rank 0 writes a plain line at every tenth of the run and at least once a
+minute (`PlainProgress`). A window's all-reduce starts when it closes and is awaited at the next step, so no rank
+waits on another to write a line.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """An MLflow run on rank 0 through MlflowClient (no global active run: a multirun's jobs never share one).
 
-* Where: logger.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the project's store outputs/mlflow.db in the
-  directory the run was launched from (artifacts in outputs/mlartifacts), every run of the project side by side;
-  the run's `mlflow:` line says how to look at it. A SQLite store is opened by one process at a time
-  (`store_opened`), then SQLite's locking keeps writers apart.
-* What: the experiment (logger.mlflow.experiment or experiment_name), the run name (the run directory under
-  outputs/), the whole config as params (credentials blanked), metrics by step, generations and summary.json as
-  artifacts, the end as FINISHED, KILLED (resumable) or FAILED. A resume continues the same run; changed params are
-  told in a tag (MLflow's never change).
-* A server gone away costs seconds, not MLflow's 246 s of retries (SHORT_HTTP); its errors never show a password.
+Where: logger.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else outputs/mlflow.db (artifacts in
+outputs/mlartifacts) in the launch directory; a SQLite store is opened by one process at a time (`store_opened`).
+What: the config as params (credentials blanked), metrics by step, generations and summary.json as artifacts, the end
+as FINISHED, KILLED (resumable) or FAILED; a resume continues the same run. A server gone away costs seconds, not
+MLflow's 246 s of retries (SHORT_HTTP), and its errors never show a password.
 """
 
 from __future__ import annotations
