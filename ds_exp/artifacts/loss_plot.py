@@ -1,8 +1,6 @@
-"""plots/loss.png: a picture of a run without a tracker (issue 35 §3): train and eval loss by step, the learning rate
-on a second axis, from metrics.jsonl (a resumed run's whole course). Rank 0 draws it after each evaluation and at the
-end however the run ended, written whole. Kept cheap: only new lines are read, Agg without pyplot (a notebook's state
-is left alone), and a picture due sooner than 50 times the last one's duration is skipped (at most 2% of a run). A
-picture that fails costs the picture, said once, never the run.
+"""plots/loss.png for a run without a tracker: train and eval loss and the learning rate by step from metrics.jsonl,
+drawn by rank 0 after each evaluation and at the end. Cheap: only new lines read, Agg without pyplot, skipped when
+due sooner than 50 times the last one's duration. A failure costs the picture, said once, never the run.
 """
 
 from __future__ import annotations

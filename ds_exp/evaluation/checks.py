@@ -1,10 +1,7 @@
-"""What the evaluation refuses before any model loads, one line each (FEATURE.problems, FEATURE.objective_problems,
-`python -m ds_exp.evaluate`): eval.harness against the exports, lm-eval missing, an unknown task, a task YAML lm-eval
-rejects, its data files missing or only on an unreachable hub, an objective `harness.<task>.<metric>` no task
-reports. Light: lm-eval's task loader imports datasets, never torch; lm-eval is imported only when tasks are given.
-
-A task (`TaskSpec`) is a built-in (tasks.py), an lm-eval registry name or a YAML file; its metrics are named from its
-config as harness.json names them (`acc` under the filter `none` or a task's only filter, else `<metric>/<filter>`).
+"""What the evaluation refuses before any model loads, one line each: eval.harness against the exports, lm-eval
+missing, unknown or rejected tasks, data files missing or out of reach, an objective no task reports. Light (lm-eval's
+loader imports datasets, never torch). A `TaskSpec` is a built-in, a registry name or a YAML file; its metrics are
+named as harness.json names them (`acc`, or `<metric>/<filter>` when a task has several filters).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Can the model be judged on the task? One checker before any weight loads, for validation and the command's plan
-(tokenizer.json through `tokenizers`) and the scoring (the export's tokenizer). Refused, one line each naming the
-task, data file and row: a group with no tasks, a split with no questions, rows without a field a prompt reads
-("Question: None"), a prompt or choice beyond the model's positions (lm-eval cuts a prompt's beginning off), more
-few-shot examples than the task has; the disk room lm-eval's files need. Light: never torch.
-
-Lengths are lower bounds, so a refusal is certain (few-shot examples counted at the task's shortest, the template's
-markup left out). Prompts made by a task's own code (`!function`) are measured only in the scoring.
+"""Can the model be judged on the task? One light checker (never torch) before any weight loads, for validation, the
+command and the scoring: a group with no tasks, a split with no questions, rows without a field a prompt reads, a
+prompt beyond the model's positions, too few few-shot examples, the disk room lm-eval's files need; one line each.
+Lengths are lower bounds, so a refusal is certain; prompts made by a task's own code are measured only in scoring.
 """
 
 from __future__ import annotations

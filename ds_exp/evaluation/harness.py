@@ -1,13 +1,9 @@
-"""lm-evaluation-harness scores of exported models through lm-eval's own Python API (none of its scoring redone):
-each model an HFLM of its directory, each TASK one simple_evaluate call, lm-eval's EvaluationTracker writing its own
-files. Prompts are rendered as the run trained (`RenderedLM`: dschat markup, the tokenizer's chat template, or with
-the template off lm-eval's own).
+"""lm-evaluation-harness scores of exported models through lm-eval's own API (none of its scoring redone): an HFLM of
+each model, one simple_evaluate per TASK, prompts rendered as the run trained (`RenderedLM`).
 
-The base model is what the run's config builds before training: the checkpoint, or for a model built from a config
-its init rebuilt from train.seed (init_weights_by_name: the run's step-0 model at any ZeRO stage and world size),
-exported as the run exports (the tuned export's vocabulary, dtype, tokenizer). Its scores are cached under
-data.cache_dir per (model, TASK, settings), written whole under a lock: a sweep over one base scores it once.
-lm-eval is an optional extra: this module is imported only where tasks are scored.
+The base model is what the run's config builds before training: the checkpoint, or its init rebuilt from train.seed,
+exported as the run exports. Its scores are cached under data.cache_dir per (model, TASK, settings), written whole
+under a lock, so a sweep over one base scores it once. Imported only where tasks are scored (lm-eval is optional).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The run's lm-eval scores at the recipe's named points: after the run (rank 0, the final export and its base) into
-RUN_DIR/eval/, and with eval.harness.every_save after each step export into RUN_DIR/eval/<export>/. A failure never
-fails the completed run: summary.json's `harness_status` says failed or interrupted (a stop signal or Ctrl-C ends the
-evaluation at once), and `python -m ds_exp.evaluate RUN_DIR TASK...` scores it later.
+"""The run's lm-eval scores: after the run (rank 0, the final export and its base) and with eval.harness.every_save
+after each step export. A failure never fails the completed run: summary.json's `harness_status` says so, and
+`python -m ds_exp.evaluate RUN_DIR TASK...` scores it later.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""What an lm-eval scoring leaves: harness.json, the console table, the chart, the numbers summary.json and the
-trackers keep, and the directory they are written into.
-
-    RUN_DIR/eval/harness.json      {"tasks": {"<task>": {"<metric>": {"base": x, "tuned": y, "stderr": s}}},
-                                    "settings": {...}}   (one model: {"tuned": y, "stderr": s} only)
-    RUN_DIR/eval/harness.png       base against tuned, per task and metric
-    RUN_DIR/eval/{tuned,base}/<TASK>/  lm-eval's own files (the base's copied from the cache)
-    RUN_DIR/eval/<export>/         one model's evaluation (a step export, any export or checkpoint)
+"""What an lm-eval scoring leaves: RUN_DIR/eval/harness.json ({"tasks": {task: {metric: {"base", "tuned", "stderr"}}},
+"settings"}), harness.png (base against tuned), lm-eval's files under {tuned,base}/<TASK>/ (one model's evaluation:
+eval/<export>/), the console table and the numbers summary.json and the trackers keep.
 """
 
 from __future__ import annotations

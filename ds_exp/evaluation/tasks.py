@@ -1,10 +1,6 @@
-"""ds_exp's own lm-evaluation-harness tasks, offline: YAML files and local JSON lines generated from a seed into the
-data cache (one directory per settings, ds_exp/data/cache.py). Pure Python: the tokenizer is handed in.
-
-* `ds_exp_synthetic`: multiple choice from the embedded SFT task (ds_exp/data/synthetic.py), prompts never trained
-  on, the answer beside three near misses. Chance is 25%; the default run scores near 100% after training.
-* `ds_exp_passkey`: a five-digit passkey at a random depth in filler text, prompts of about N tokens
-  (eval.harness.passkey_lengths), answered greedily, its first number an exact match; `ds_exp_passkey_<N>` per length.
+"""ds_exp's offline lm-eval tasks, YAML and JSON lines generated from a seed into the data cache (pure Python).
+`ds_exp_synthetic`: multiple choice from the embedded SFT task, never trained on (chance 25%). `ds_exp_passkey`: a
+five-digit passkey hidden in filler of about N tokens (eval.harness.passkey_lengths), `ds_exp_passkey_<N>` per length.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""train.compile: torch.compile of each decoder layer (regional compilation). The layers are one code with other
-weights (Dynamo treats parameters as inputs): one graph serves all, so compile time is one layer's. Each layer's
-`forward` is replaced; its call, with DeepSpeed's and PEFT's hooks and the activation checkpoint around it, stays
-eager, as do the loss, the embedding and the final norm. summary.json's compile_s reports the compile time apart.
-auto compiles on CUDA at ZeRO 0-2 (settings.py): ZeRO-3's gathers inside the forward would break the graph.
+"""train.compile: torch.compile of each decoder layer's forward (regional: one graph for all layers, one layer's
+compile time); hooks, checkpoints, loss and embeddings stay eager. auto compiles on CUDA at ZeRO 0-2 only: ZeRO-3's
+gathers inside the forward would break the graph.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""model.fused_loss: the loss through Liger's fused linear cross-entropy, without a full logits tensor (the largest
-activation of a large vocabulary): logits, cross-entropy and both gradients chunk by chunk in one pass. Called with
-reduction="sum" over this rank's labelled tokens, the sum the step divides by the global label tokens
-(ds_exp/train/step.py), so the loss stays exact. It runs inside the output layer's call (ds_exp/model/head_loss.py;
-gathered there under ZeRO-3), on a plain Linear: the model's own or PEFT's modules_to_save copy; one carrying LoRA
-adapters has no single weight (left off under auto, refused under true). With model.tiled_loss it is the one used.
-On a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1, tests).
+"""model.fused_loss: Liger's fused linear cross-entropy, without the full logits tensor. Summed over this rank's label
+tokens (the exact step divides by the global count), inside the output layer's call (ds_exp/model/head_loss.py), on
+a plain Linear: one carrying LoRA adapters has no single weight (left off under auto, refused under true). It wins
+over model.tiled_loss. On a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1, tests).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""A diverged run is a failed run: whether what a run would keep is finite, decided alike on every rank. Steps with a
-non-finite loss may pass (train.max_bad_steps); weights no longer finite never recover, so they are never saved nor
-exported: the run stops as `diverged` (exit status 3), its newest checkpoint the last with finite weights.
-"""
+"""A diverged run is a failed run. Non-finite losses may pass (train.max_bad_steps); non-finite weights never recover,
+so they are never saved nor exported: the run stops as `diverged` (exit 3), decided alike on every rank."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""A loss computed inside the output layer's own call, so the whole batch's logits never exist at once: the tiled
-loss (ds_exp/long_context/) and the fused loss (ds_exp/fast_path/). The output layer's forward computes the loss of
-the labels handed to it and the model returns that scalar where its logits would be. Inside that call ZeRO-3 holds
-the weight whole (TRL's fused loss read a released, empty weight outside it: huggingface/trl#3368, #4544). Both
-return the per-rank summed token loss (fp32) and label count, as token_loss_sum does from full logits.
+"""A loss computed inside the output layer's call, so the batch's logits never exist at once (the tiled and the fused
+loss). Inside that call ZeRO-3 holds the weight whole (TRL read a released one outside: huggingface/trl#3368). Both
+return the summed token loss (fp32) and label count, as token_loss_sum does from full logits.
 """
 
 from __future__ import annotations

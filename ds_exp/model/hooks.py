@@ -1,13 +1,8 @@
-"""The model build's named points where features act, beside the recipe's (ds_exp/train/hooks.py); build_model calls
-each once, in order, on every active feature's hooks, with the build as it stands:
+"""The model build's named points where features act (beside the recipe's, ds_exp/train/hooks.py), called in order:
 
-
-    before_weights  the model's config is read, no weights: the attention is chosen (the fast path decides auto) or
-                    wrapped (sequence parallelism registers DeepSpeed's Ulysses and hands back its groups, the mpu)
-    after_weights   the weights are loaded (or initialised); the vocabulary not yet padded, no LoRA: kernels that
-                    patch the model's modules (Liger's)
-    after_wrap      LoRA and gradient checkpointing are on: checks of the final model, the loss computed inside
-                    lm_head (fused, or tiled), tiled MLPs, activation offload, compiled decoder layers
+before_weights  the config is read, no weights: the attention chosen or wrapped (Ulysses hands back its mpu)
+after_weights   the weights are loaded, no LoRA yet: kernels that patch the model's modules (Liger's)
+after_wrap      LoRA and checkpointing are on: final checks, the loss inside lm_head, tiling, offload, compile
 """
 
 from __future__ import annotations

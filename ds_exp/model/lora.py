@@ -1,8 +1,5 @@
-"""LoRA through PEFT: which layers get adapters, what else is trained whole, and the wrapping. `lora.module_name` (a
-scope: Linear layers whose name contains it; `layers.` by default) and `lora.target_modules` (name suffixes, a regex
-of the whole name, or `all-linear`) combine; `lora.modules_to_save` names modules trained whole. The names resolve
-here, once, to full module names: what PEFT wraps, the dry run counts and a message lists are the same layers.
-"""
+"""LoRA through PEFT. `lora.module_name` (a scope), `lora.target_modules` (suffixes, a regex, or `all-linear`) and
+`lora.modules_to_save` resolve here, once, to full module names: PEFT, the dry run and messages name the same layers."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Ulysses at the model build's points. The world is dp x N ranks in contiguous groups (a rank's place in its group
-is rank % N, its data-parallel rank rank // N). DeepSpeed's `UlyssesSPAttentionHF` makes the groups (the mpu) and
-wraps the attention to all-to-all from sequence shards to head shards; ZeRO sums a group's gradients. The data path
-is ds_exp's (DeepSpeed's loader adapter cannot be resumed): every rank of a group draws and collates the same rows
-and `SequenceShard` keeps its slice, labels shifted on the whole row first. Each rank sums its slice's token losses
-over the global batch's label tokens (train/step.py): exact. Packed rows attend per document
-(`isolate_documents`); generation runs unsharded (one token per decode step: nothing to shard)."""
+"""Ulysses at the model build's points. The world is dp x N ranks in contiguous groups; DeepSpeed's
+`UlyssesSPAttentionHF` makes the groups (the mpu) and all-to-alls sequence shards to head shards. The data path is
+ds_exp's (resumable): a group's ranks draw the same rows and `SequenceShard` keeps each rank's slice, labels shifted
+on the whole row first. Packed rows attend per document (`isolate_documents`); generation runs unsharded.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Evaluation: exact perplexity over the whole eval set, and generations of eval.prompts (greedy by default).
-
-Perplexity is exp(summed eval token loss / eval label tokens), reduced over ranks: not an average of per-batch
-averages, so it does not depend on the batch size or the number of ranks. Under sequence parallelism each rank sums
-the token losses of its slice of the rows (ds_exp/sequence_parallel/): the same sums.
-"""
+"""Evaluation: exact perplexity over the whole eval set (exp(summed token loss / label tokens) over ranks, whatever the
+batch size or world), and generations of eval.prompts."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Model FLOPs and the accelerator's peak, for MFU (model FLOP/s per device / its dense peak), PaLM's accounting:
-* matrix multiplies: 4 N + 2 N_trainable per token (6 N for a full fine-tune), N the weights that multiply (the
-  input embedding only when tied to the output layer);
-* attention, two counts: ds_exp's (`mfu`) 12 L d sum(n_i^2) over a batch's examples, what a varlen kernel computes
-  over packed rows; torchtitan's and llm-foundry's (`mfu_with_attention`) 12 L d s per token over its whole row.
+"""Model FLOPs and the accelerator's peak, for MFU (PaLM's accounting): 4 N + 2 N_trainable per token for the matrix
+multiplies; attention 12 L d sum(n_i^2) over a batch's examples (`mfu`), or 12 L d s per token over the row
+(`mfu_with_attention`, torchtitan's and llm-foundry's count).
 """
 
 from __future__ import annotations

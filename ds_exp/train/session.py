@@ -1,8 +1,6 @@
-"""A run as one process sees it, and the one place its failures are handled. `Session` (a context manager, like
-lightning-hydra-template's task_wrapper) installs the stop signals; `start()` joins the process group and starts the
-rank's log; the run fills `session.state` (summary.json's) and opens its sinks (metrics.jsonl, trackers); leaving,
-however the run ended, maps the outcome to a status and one message, writes summary.json, closes the sinks and leaves
-the process group as a multirun's next job needs it.
+"""A run as one process sees it, and the one place its failures are handled: `Session` installs the stop signals,
+joins the process group, starts the log, holds summary.json's state and the sinks; leaving, however the run ended,
+maps the outcome to a status and one message, writes summary.json and releases what a multirun's next job needs.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """One optimizer step: the forward passes, the exact loss, the backward passes, and the votes every rank casts.
 
-The loss of a step is the sum of token losses over the whole global batch divided by its number of label tokens:
-it does not depend on how the batch is split over ranks and micro batches, and padding never counts. DeepSpeed
-averages gradients over data-parallel ranks and micro batches; the step undoes that average and divides by the global
-count. Under sequence parallelism (ds_exp/sequence_parallel/) each rank sums the token losses of its slice of the rows
-and DeepSpeed sums the gradients of a group's slices: the same loss, the same gradients. In fp16 at ZeRO
-stage 0 the step applies the loss scale DeepSpeed leaves out (Fp16LossScale).
+A step's loss is the summed token loss over the whole global batch divided by its label tokens, whatever the split
+over ranks and micro batches; the step undoes DeepSpeed's average over them. Under sequence parallelism each rank
+sums its slice's token losses and DeepSpeed sums a group's gradients: the same loss. In fp16 at ZeRO stage 0 the
+step applies the loss scale DeepSpeed leaves out (Fp16LossScale).
 """
 
 from __future__ import annotations

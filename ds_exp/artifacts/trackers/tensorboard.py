@@ -1,8 +1,6 @@
-"""TensorBoard event files on rank 0 in logger.tensorboard.dir, else <run dir>/tensorboard: scalars by step,
-generations as Markdown tables, the config and summary.json as text. A resume from step S writes TensorBoard's purge
-event at S + 1, hiding what a killed attempt wrote past it. The records are tensorboardX's protos written here in the
-caller's thread: SummaryWriter's writer thread dies at the first write error (a full disk) and its next calls block
-forever; here the error is raised to the caller, and no record is left cut short.
+"""TensorBoard event files on rank 0 (logger.tensorboard.dir, else <run dir>/tensorboard); a resume from step S purges
+what a killed attempt wrote past it. tensorboardX's protos are written here in the caller's thread: SummaryWriter's
+thread dies at the first write error (a full disk) and blocks forever; here the error reaches the caller.
 """
 
 from __future__ import annotations
