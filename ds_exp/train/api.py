@@ -138,8 +138,7 @@ def _as_it_was() -> Iterator[None]:
 
 
 def _stopped(err: BaseException) -> BaseException:
-    """A stop asked with Ctrl-C ends the command line with exit status 130 (ds_exp.runtime.signals): in Python it is
-    the KeyboardInterrupt the interrupt means (the run has said how to continue)."""
+    """A Ctrl-C stop exits the command line with 130 (runtime.signals): in Python, the KeyboardInterrupt."""
     if isinstance(err, SystemExit) and err.code == 128 + signal.SIGINT:
         return KeyboardInterrupt()
     return err

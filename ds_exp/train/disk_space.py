@@ -32,9 +32,8 @@ def check_disk_space(
     start_step: int = 0,
     total_steps: int = 0,
 ) -> None:
-    """Collective: rank 0 checks that a checkpoint (`checkpoint_size`) and the features' planned writes (sized by
-    `parameters` and `trainable`) fit on its disk; every rank obeys. A resume counts only what is still to be
-    written (for a run complete already, nothing)."""
+    """Collective: rank 0 checks that a checkpoint and the features' planned writes fit on its disk; every rank obeys.
+    A resume counts only what is still to be written."""
 
     trainable = parameters if trainable is None else trainable
     verdict = None

@@ -35,10 +35,8 @@ def evaluate(
     loss: BatchLoss | None = None,
     objective: Objective = SFT,
 ) -> dict[str, float]:
-    """Collective. Ranks with fewer examples run masked batches, so that ZeRO-3's collective forwards stay in step.
-    Under sequence parallelism the rows are split by data-parallel rank and every batch has exactly `micro_batch`
-    rows (DeepSpeed's Ulysses attention is built for one batch size): the last is filled with rows that count
-    nothing. `shard` and `loss` are the step's (ds_exp.train.step); `objective` says what the sums mean."""
+    """Collective. Ranks with fewer examples run masked batches, so ZeRO-3's collective forwards stay in step; under
+    sequence parallelism every batch has exactly `micro_batch` rows (Ulysses is built for one batch size)."""
     if ranks.enabled:
         rank, world = ranks.dp_rank, ranks.dp_size
     mine = list(range(rank, len(eval_set), world))
@@ -67,8 +65,7 @@ def evaluate(
 
 
 class Generations:
-    """eval.prompts completed with the run's template, greedily or as eval.temperature asks (collective at ZeRO-3;
-    ds_exp/train/generate.py), written by rank 0 to generations.jsonl, the log and wandb."""
+    """eval.prompts completed in the run's template (ds_exp/train/generate.py), written by rank 0."""
 
     def __init__(
         self,

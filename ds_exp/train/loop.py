@@ -169,8 +169,7 @@ class Loop:
         return loss_sum / max(labels, 1.0)
 
     def evaluate(self) -> dict[str, float]:
-        """Collective: perplexity over the eval set, written after the pending metric line; generations too when
-        eval.every_eval asks for them."""
+        """Collective: perplexity over the eval set; generations too when eval.every_eval asks."""
         progress, work = self.progress, self.work
         self.metrics.write()  # keeps metrics.jsonl in step order
         progress.last_eval_step = progress.step
@@ -209,8 +208,7 @@ class Loop:
         return self.session.state.checkpoint or self.session.state.resumed_from
 
     def check_end(self) -> None:
-        """Collective, after the last step and its evaluation: a run ending with a non-finite loss, evaluation or
-        weights is diverged, before anything of it is kept."""
+        """Collective: a run ending with a non-finite loss, evaluation or weights is diverged, before it is kept."""
         overflowed = not self.last_applied and self.session.precision != "fp16"  # fp16: the loss scaler's skip
         found = non_finite_end(
             self.engine, self.last_loss, self.session.state.final_eval, last_step_overflowed=overflowed

@@ -77,8 +77,7 @@ class _NoBar:
 
 
 class PlainProgress:
-    """The bar's news as plain lines, for a console that is not a terminal: `step 50/250 (20%): loss 2.4377, lr
-    9.05e-04, 975 tokens/s; about 1m 40s left`, at every tenth of the run and at least every `every_s` seconds."""
+    """The bar's news as plain lines where the console is no terminal: every tenth of the run and every `every_s`."""
 
     def __init__(self, total: int, initial: int, every_s: float = 60.0) -> None:
         self.total, self.initial, self.every_s = total, initial, every_s
@@ -155,8 +154,7 @@ class Metrics:
         self.bar.close()
 
     def show_step_loss(self, step: int, loss: float) -> None:
-        """The loss of optimizer step `step` (over the global batch) on the bar: drawn at once the first time, so
-        that the bar has a loss from its first step, then with the bar's next refresh (no extra console output)."""
+        """The loss of optimizer step `step` on the bar: at once the first time, then with the bar's next refresh."""
         first = not self.loss_step
         self.loss_step = step
         self.show(refresh=first, loss=f"{loss:.4f}")
@@ -266,8 +264,7 @@ class Metrics:
         self.wandb.log(wandb_values, step=record["step"])
 
     def carry(self) -> tuple[float, ...]:
-        """Collective: the open window's loss sum, label tokens and the objective's sums over all ranks, for a
-        checkpoint, so that a resumed run's next line covers the same steps as an uninterrupted run's."""
+        """Collective: the open window's sums over all ranks, for a checkpoint: a resumed run's next line is alike."""
         self.write()
         window = self.window
         return tuple(

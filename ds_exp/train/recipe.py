@@ -97,11 +97,9 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
 
 def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
-    """Everything the loop uses, as named steps in the order that fails cheapest first: the model's config before
-    the data, the data before the plan (its steps count the examples), the checkpoint to resume from before the
-    weights (deepspeed.initialize reads whether it loads the universal format), the disk before the engine. The
-    objective (SFT's, or a feature's: ds_exp/preference/) decides the data, the model's class, the collator and the
-    loss."""
+    """Everything the loop uses, as named steps, cheapest failure first: the model's config, the data, the plan, the
+    checkpoint to resume from (deepspeed.initialize reads its format), the disk, the engine. The objective (SFT's or a
+    feature's) decides the data, the model's class, the collator and the loss."""
     objective = hooks.objective()
     ranks = parallel_layout(session, cfg.dist.sequence_parallel_size)
     tokenizer, model_config = read_model_config(cfg.model, cfg.data, cfg.lora, session)
@@ -192,8 +190,7 @@ def parallel_layout(session: Session, sequence_parallel_size: int) -> Ranks:
 def read_model_config(
     model: ModelConfig, data: DataConfig, lora: LoraConfig, session: Session
 ) -> tuple[PreTrainedTokenizerBase, PretrainedConfig]:
-    """The tokenizer and the model's config (no weights), and what they can refuse: lora.* against the model's
-    layers."""
+    """The tokenizer and the model's config (no weights), lora.* checked against the model's layers."""
     if session.is_main:
         for note in max_seq_len_notes(model, data.max_seq_len):
             log.warning(note)
@@ -222,8 +219,7 @@ def final_ds_config(
     plan: RunPlan,
     universal: bool,
 ) -> dict[str, Any]:
-    """The DeepSpeed config deepspeed.initialize gets: the plan's, set to load a universal checkpoint where the resume
-    needs one; its secrets registered (DeepSpeed logs its config), checked, written to <run dir>/ds_config.json."""
+    """The plan's DeepSpeed config (loading a universal checkpoint where the resume needs one), checked and written."""
     ds_config = ds_config_for_load(plan.ds_config) if universal else plan.ds_config
     if session.is_main:
         for note in replaced_by_config_file(config_file, optimizer, scheduler, plan.total_steps):
@@ -298,8 +294,7 @@ def training_engine(
 
 
 def train(cfg: Config, run: Run, start: TrainState) -> None:
-    """Evaluate and generate before the first step, run the loop, evaluate and generate after the last, and
-    save the final checkpoint."""
+    """Evaluate and generate around the loop, and save the final checkpoint."""
     session, work = run.session, run.work
     assert work is not None
     metrics_log, trackers = session.open_sinks(start)
@@ -384,8 +379,7 @@ def train(cfg: Config, run: Run, start: TrainState) -> None:
 
 
 def _stage0_names(optimizer: OptimizerConfig, work: Workload) -> dict[str, Any] | None:
-    """A ZeRO-0 checkpoint's optimizer state is indexed by number: its parameter names, for `python -m
-    ds_exp.universal` (ZeRO 1-3 record their own)."""
+    """A ZeRO-0 optimizer state is indexed by number: its parameter names, for `python -m ds_exp.universal`."""
 
     if work.zero_stage != 0:
         return None

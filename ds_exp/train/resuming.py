@@ -30,8 +30,7 @@ log = logging.getLogger("ds_exp.train")
 def resume_plan(
     resume: str | None, train: TrainConfig, session: Session, settings: dict[str, Any]
 ) -> tuple[Path | None, bool]:
-    """The checkpoint to continue from (None: a fresh start), and whether its layout changed so that it loads through
-    DeepSpeed's universal format; other changed settings are refused here."""
+    """The checkpoint to continue from (None: fresh), and whether it loads through DeepSpeed's universal format."""
     wanted = resume_wanted(resume, session.launch.launcher)
     tag_dir = find_resume_checkpoint(wanted, session.run_dir, train.checkpoint_dir)
     if tag_dir is None:
@@ -89,9 +88,8 @@ def resume(
 def continue_trajectory(
     train: TrainConfig, session: Session, state: TrainState, tag_dir: Path, hooks: RunHooks
 ) -> TrainState:
-    """Collective, once the resume is accepted: checkpoints off the resumed trajectory are set aside as a branch with
-    the features' files made on it (on_branch), and the state gets a new branch (and a new run_id when the
-    checkpoint is another run directory's: its files are never this run's to rotate)."""
+    """Collective, once the resume is accepted: checkpoints off the resumed trajectory are set aside as a branch
+    (with the features' files: on_branch); another directory's checkpoint also gives a new run_id."""
 
     run_dir, checkpoint_dir = session.run_dir, session.run_dir / train.checkpoint_dir
     decided = None

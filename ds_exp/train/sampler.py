@@ -15,9 +15,8 @@ def _mix(seed: int, epoch: int) -> int:
 
 
 class ResumableDistributedSampler(Sampler[int]):
-    """Rank r yields positions r, r+W, r+2W, ... of one permutation of (seed, epoch) (W = world size). After
-    `set_epoch(e)`, `set_start(n)` skips the epoch's first n samples over all ranks, `skip(n)` this rank's first n.
-    drop_last=False pads by repeating from the start: every rank yields the same count."""
+    """Rank r yields positions r, r+W, ... of one permutation of (seed, epoch); `set_start(n)` skips an epoch's first n
+    samples over all ranks, `skip(n)` this rank's. drop_last=False pads by repeating: every rank yields as many."""
 
     def __init__(
         self,

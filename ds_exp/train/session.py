@@ -53,8 +53,7 @@ _runs_started = [0]  # sessions this process has started
 
 
 def run_started() -> float:
-    """When the run began for its user: the process's start for its first run (imports and checks are load time),
-    the session's for a later job of a multirun."""
+    """When the run began for its user: the process's start for its first run, the session's for a later job."""
     _runs_started[0] += 1
     if _runs_started[0] == 1:
         try:
@@ -298,8 +297,7 @@ class Session:
         return command(relaunch_command(self.launch), override("hydra.run.dir", self.run_dir), self.continue_with())
 
     def continue_with(self) -> str:
-        """The resume override: the checkpoint this attempt resumed from until it wrote one of its own (it may lie
-        elsewhere, or be older than this directory's newest), then resume=auto."""
+        """The resume override: the checkpoint this attempt resumed from until it wrote its own, then resume=auto."""
         if self.state.checkpoint is None and self.resume_source is not None:
             return override("resume", self.resume_source)
         return "resume=auto"
