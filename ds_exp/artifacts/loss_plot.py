@@ -170,8 +170,7 @@ FEW_POINTS = 30  # a series of fewer points shows each one
 
 
 def _style(steps: tuple[int, ...], size: float = 3) -> dict[str, Any]:
-    """Points alone for a series of one or two (a line through two points is a trend nobody measured), points on
-    the line for a short one, the line alone for a long one."""
+    """Points alone for one or two (a line through two is a trend nobody measured), else a line (dotted if short)."""
     if len(steps) <= 2:
         return {"marker": "o", "markersize": size + 1, "linestyle": "none"}
     return {"marker": "o", "markersize": size} if len(steps) < FEW_POINTS else {}

@@ -76,8 +76,7 @@ class RunState:
         return amount / self.train_seconds if self.train_seconds else None
 
     def times(self, total: float) -> dict[str, float]:
-        """Where the run's wall time went, adding up to the total: compiling DeepSpeed's ops, loading, training (the
-        optimizer steps), evaluating and saving."""
+        """Where the run's wall time went, adding up to the total: ops, loading, training, evaluating, saving."""
         ready = self.ready_seconds if self.ready_seconds is not None else total
         return {
             "total": total,
@@ -159,8 +158,7 @@ def write_summary(state: RunState, peaks: list[int | None]) -> dict[str, Any]:
 
 
 def final_line(summary: dict[str, Any]) -> str:
-    """The console's last line of a completed run: the steps this attempt trained, its time apart, the evaluation
-    before and after (preference tuning's reward accuracy), and where it all is."""
+    """The console's last line of a completed run: steps, time, the evaluation before and after, and where it all is."""
     evals = [summary[k] or {} for k in ("initial_eval", "final_eval")]
     name = "reward_accuracy" if any("reward_accuracy" in e for e in evals) else "perplexity"
     before, after = (f"{e[name]:.3f}" if name in e else "n/a" for e in evals)

@@ -29,8 +29,7 @@ __all__ = ["MetricsLog", "Trackers", "drop_lines_after"]
 
 
 class MetricsLog:
-    """<run dir>/metrics.jsonl, a JSON object per line (rank 0). A line that cannot be written stops the run with one
-    message, leaving no line cut short."""
+    """<run dir>/metrics.jsonl (rank 0); a line that cannot be written stops the run, none cut short."""
 
     def __init__(self, path: Path, enabled: bool, start_step: int = 0) -> None:
         self.path = path
@@ -66,8 +65,7 @@ def write_failure_message(path: Path, err: OSError | BaseException, step: object
 
 
 def drop_lines_after(path: Path, step: int) -> Path | None:
-    """A resume from `step`: the lines a killed attempt wrote past it move from `path` to attempts/<time>/<name>
-    beside it (returned), so `path` holds one line per step of the course the run followed."""
+    """A resume from `step`: lines a killed attempt wrote past it move to attempts/<time>/<name> beside (returned)."""
     if not path.is_file():
         return None
     keep: list[str] = []
@@ -125,8 +123,7 @@ class Trackers:
             self._guarded(tracker, step, functools.partial(tracker.table, key, rows, step))
 
     def _guarded(self, tracker: Tracker, step: int, call: Callable[[], None]) -> None:
-        """A tracker whose store fails mid-run costs its records from here, said once, never the training; a full
-        disk under the run directory stops the run (metrics.jsonl would fail on it too)."""
+        """A failing tracker store costs its records, said once, never the training; a full disk stops the run."""
         try:
             call()
         except Exception as err:
@@ -146,8 +143,7 @@ class Trackers:
             )
 
     def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
-        """Each tracker gets summary.json and ends, however the others fare: one failing never hides the run's own
-        outcome (a full disk the failed run said already goes to the log)."""
+        """Each tracker gets summary.json and ends, however the others fare: none hides the run's outcome."""
 
         for tracker in self.all:
             calls = [functools.partial(tracker.artifact, "summary.json", summary)] if summary is not None else []

@@ -59,15 +59,13 @@ def planned_step_exports(settings: ExportSettings, run_dir: Path, start_step: in
 def one_export_bytes(
     settings: ExportSettings, lora_dim: int, parameters: int, trainable: int, precision: str, *, final: bool
 ) -> int:
-    """What one export of the run writes (the final one, or a step export): the model in the training dtype, or with
-    LoRA the adapter plus the merged model where train.export_merged asks for it."""
+    """What one export of the run writes: the model in the training dtype, or the adapter (and merged model)."""
     adapter = trainable * 4 if lora_dim > 0 else 0  # what trains, in fp32 (PEFT's files, as trained)
     return adapter + (parameters * (4 if precision == "fp32" else 2) if settings.merges(lora_dim, final=final) else 0)
 
 
 def step_exports(export_dir: Path) -> list[tuple[int, Path]]:
-    """(step, <export_dir>-step<N>) of the step exports beside `export_dir`, oldest first (a LoRA run's may hold
-    only the adapter beside)."""
+    """(step, <export_dir>-step<N>) of the step exports beside `export_dir`, oldest first."""
     pattern = re.compile(rf"^{re.escape(export_dir.name)}-step(\d+)(_adapter)?$")
     if not export_dir.parent.is_dir():
         return []
@@ -80,8 +78,7 @@ def step_exports(export_dir: Path) -> list[tuple[int, Path]]:
 
 
 def rotated_step_exports(export_dir: Path, run_id: str | None, keep_last: int) -> list[Path]:
-    """The step exports rotation removes: this run's (their metadata names it) beyond the newest `keep_last`
-    (0 keeps all), each with its adapter sibling. Exports of other runs, and `python -m ds_exp.export`'s, stay."""
+    """This run's step exports beyond the newest `keep_last` (0 keeps all), with adapters; others' stay."""
     if keep_last <= 0 or run_id is None:
         return []
     mine = []
@@ -94,9 +91,8 @@ def rotated_step_exports(export_dir: Path, run_id: str | None, keep_last: int) -
 
 
 def exports_off_trajectory(export_dir: Path, run_dir: Path, step: int, *, same_directory: bool) -> list[Path]:
-    """The exports of this run directory (their metadata says) beside `export_dir` on the branch a resume from
-    `step` abandons: those past `step`, or all when the checkpoint is another directory's; adapters too. Left there,
-    the new branch's exports of the same steps would replace them."""
+    """This run directory's exports a resume from `step` abandons (past `step`, or all for another directory's
+    checkpoint), adapters too: left there, the new branch's exports would replace them."""
     found = []
     for path in [export_dir, *(p for _, p in step_exports(export_dir))]:
         for candidate in (path, adapter_dir(path)):
@@ -111,8 +107,7 @@ def exports_off_trajectory(export_dir: Path, run_dir: Path, step: int, *, same_d
 
 
 def default_export_dir(export_dir: Path, tag_dir: Path, step: int) -> Path:
-    """Where `python -m ds_exp.export` puts `tag_dir`'s export without a DIR: <export_dir>-step<N>, or for a
-    checkpoint of an abandoned branch, beside that branch's own exports."""
+    """`python -m ds_exp.export`'s default: <export_dir>-step<N>, or beside an abandoned branch's own exports."""
     branch = tag_dir.parent
     if branch.parent.name == BRANCHES:
         return branch / BRANCH_EXPORTS / f"{export_dir.name}-step{step}"
@@ -143,9 +138,8 @@ def train_section(run_dir: Path) -> dict[str, Any]:
 
 
 def run_config(run_dir: Path, tag_dir: Path | None = None) -> Config:
-    """The run's composed config, typed; with `tag_dir`, with the `model` section that checkpoint recorded (a later
-    attempt may have changed it). Relative paths are taken from where the run was launched; hidden secrets
-    (${oc.env:DS_EXP_SECRET_...}) are dropped: their variables are gone."""
+    """The run's composed config, typed; with `tag_dir`, that checkpoint's `model` section. Relative paths from the
+    launch directory; hidden secrets are dropped (their variables are gone)."""
 
     config_file, hydra_file = _config_files(run_dir)
     recorded = read_marker(tag_dir).get("model_config") if tag_dir is not None else None

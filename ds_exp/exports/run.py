@@ -34,8 +34,7 @@ class ExportHooks(FeatureHooks):
     def planned_writes(
         self, run: Run, start_step: int, total_steps: int, parameters: int, trainable: int
     ) -> dict[Path, tuple[int, str]]:
-        """The final export and the step exports at their most (train.export_keep_last, plus the one being written);
-        a target that is not an earlier export is refused now, not after the training."""
+        """The final and step exports at their most; a target not an earlier export is refused now."""
         export, lora, session = self.settings.export, self.settings.lora.dim, run.session
         planned = planned_step_exports(export, session.run_dir, start_step, total_steps)
         for path in planned:
@@ -85,8 +84,7 @@ class ExportHooks(FeatureHooks):
             run.hooks.after_export(run, written, state.steps, final=True)
 
     def _export(self, run: Run, target: Path, step: int, *, merged: bool) -> Path:
-        """Collective: `target` written (with LoRA the adapter beside, always; the merged model with `merged`); the
-        directory that holds the model."""
+        """Collective: `target` written (with LoRA the adapter beside; merged with `merged`); the model's dir."""
 
         work, session, settings = run.work, run.session, self.settings
         assert work is not None

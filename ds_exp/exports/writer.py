@@ -125,8 +125,7 @@ def not_finite(state: dict[str, torch.Tensor]) -> str | None:
 
 
 def beyond_dtype(model: torch.nn.Module, dtype_name: str) -> tuple[str, float] | None:
-    """(name, largest magnitude) of the first tensor that is not finite once cast to `dtype_name` (fp16 holds at
-    most 65504); None when all are."""
+    """(name, largest magnitude) of the first tensor not finite once cast to `dtype_name`; None when all are."""
     dtype = getattr(torch, dtype_name)
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and tensor.dtype != dtype and not bool(torch.isfinite(tensor.to(dtype)).all()):
@@ -135,8 +134,7 @@ def beyond_dtype(model: torch.nn.Module, dtype_name: str) -> tuple[str, float] |
 
 
 def fitting_dtype(model: torch.nn.Module, spec: ExportSpec, dtype_name: str, why: str) -> tuple[str, str]:
-    """(dtype, why): `dtype_name` when every weight stays finite in it; else float32 under auto, said in `why`; a
-    dtype the user asked for is refused (RunFailed)."""
+    """(dtype, why): `dtype_name` if every weight fits, else float32 under auto; an asked dtype is refused."""
     found = beyond_dtype(model, dtype_name)
     if found is None:
         return dtype_name, why
@@ -178,8 +176,7 @@ def export_hf(
     save_adapter: bool,
     merged: bool = True,
 ) -> Path | None:
-    """Collective; rank 0 writes `export_dir` (with LoRA: the adapter beside with `save_adapter`, the merged model
-    only with `merged`). Weights that are not finite are never exported (Diverged on every rank)."""
+    """Collective; rank 0 writes `export_dir`. Non-finite weights are never exported (Diverged on every rank)."""
     state = gather_full_state_dict(engine, zero_stage)
     bad = broadcast(not_finite(state) if state is not None else None)
     if bad:
@@ -209,9 +206,7 @@ def write_export(
     adapter_only: bool = False,
     merged: bool = True,
 ) -> None:
-    """One process: `state` (the full state dict; `trained`: what training changed) written to `export_dir`, or with
-    `adapter_only` the LoRA adapter alone. With LoRA, `save_adapter` writes the adapter beside, and `merged` False
-    leaves the merged model out."""
+    """One process: the full `state` (`trained`: what training changed) written to `export_dir`, or the adapter."""
     merged = merged or spec.lora is None  # without LoRA the export is the model
     unset_hf_deepspeed_config()  # the CPU copy below must be a plain, unpartitioned model
     base = _base_model(spec)
@@ -347,8 +342,7 @@ def _text_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 def _save_tokenizer(spec: ExportSpec, tokenizer: PreTrainedTokenizerBase, directory: Path) -> str:
-    """The base tokenizer's files copied byte for byte when the run used it unchanged; saved anew when it added
-    tokens (a pad or end-of-conversation token)."""
+    """The base tokenizer's files copied byte for byte if the run used it unchanged; else saved anew."""
     source = Path(spec.tokenizer_source)
     files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
     if files:
@@ -384,8 +378,7 @@ def _replace(src: Path, dst: Path) -> None:
 def export_checkpoint(
     tag_dir: Path, run_dir: Path, cfg: Config, target: Path, *, dtype: str | None, adapter: bool, **beside: bool
 ) -> None:
-    """Export the complete checkpoint `tag_dir` of the run in `run_dir` (its config `cfg`) to `target` (`adapter`:
-    the LoRA adapter alone; `beside`: write_export's save_adapter and merged)."""
+    """Export the complete checkpoint `tag_dir` of the run in `run_dir` to `target` (`beside`: write_export's)."""
     hf_logging.disable_progress_bar()
     marker = read_marker(tag_dir)
     settings = marker.get("settings") or {}
@@ -434,9 +427,8 @@ def export_checkpoint(
 
 
 def rebuild_config(cfg: Config, *, base: bool = False) -> Config:
-    """The run's config for a rebuild in this process (none of it changes a weight): no sequence-parallel groups
-    (their attention needs the ranks), no GPU kernels or compiled layers; with `base`, the base model alone: no
-    LoRA (the identity at start), no gradient checkpointing or long-context tiling."""
+    """The run's config for a rebuild in this process: no sequence parallelism, GPU kernels or compiled layers; with
+    `base`, no LoRA, gradient checkpointing or tiling. None of it changes a weight."""
     cfg = dataclasses.replace(cfg)
     sp = int(cfg.dist.sequence_parallel_size)
     cfg.dist = dataclasses.replace(cfg.dist, sequence_parallel_size=1)
@@ -474,8 +466,7 @@ def read_weights(tag_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def run_template(data: DataConfig, marker: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> str:
-    """The template the run asked its model with: its tokenized data's (named by the checkpoint's trajectory), else
-    data.template as the tokenizer decides it."""
+    """The template the run asked its model in: its tokenized data's, else data.template for the tokenizer."""
 
     key = (marker.get("trajectory") or {}).get("data")
     meta = read_meta(data_cache_dir(data.cache_dir) / str(key)) if key else None

@@ -27,9 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def init_weights_by_name(model: PreTrainedModel, seed: int, *, zero3: bool) -> None:
-    """Random init from the seed and each module's name only: the model's own `_init_weights` rerun per module from
-    a generator seeded by (seed, name), so every ZeRO stage starts from the same model (zero.Init draws in another
-    order). At stage 3 each module's parameters are gathered for the moment."""
+    """Random init from the seed and each module's name only (`_init_weights` per module, seeded by (seed, name)), so
+    every ZeRO stage starts from the same model; at stage 3 each module is gathered for the moment."""
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         if not params:
@@ -69,9 +68,8 @@ def build_model(
     hooks: Sequence[object] | None = None,
     auto_class: Any = AutoModelForCausalLM,
 ) -> BuiltModel:
-    """The model to train (at ZeRO-3 inside deepspeed.zero.Init: an HfDeepSpeedConfig is alive). `hooks`: the
-    features' (None: those cfg turns on), the ModelHooks acting at the build's points; `auto_class`: the objective's
-    (a reward model's AutoModelForSequenceClassification)."""
+    """The model to train (ZeRO-3: inside deepspeed.zero.Init). `hooks`: the features' ModelHooks (None: those cfg turns
+    on); `auto_class`: the objective's."""
 
     points = [hook for hook in (feature_hooks(cfg) if hooks is None else hooks) if isinstance(hook, ModelHooks)]
     build = ModelBuild(

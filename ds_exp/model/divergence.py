@@ -14,8 +14,7 @@ from ds_exp.runtime.process_group import all_reduce_sum
 
 
 def local_weights_finite(engine: DeepSpeedEngine) -> bool:
-    """Whether this rank's part of the weights is finite (ZeRO-3: its partition; else the whole module). One
-    device sync, at the end."""
+    """Whether this rank's part of the weights is finite (one device sync)."""
     bad: torch.Tensor | None = None
     for shard in compat.local_weight_shards(engine):
         if shard.numel():
@@ -35,9 +34,7 @@ def non_finite_end(
     *,
     last_step_overflowed: bool = False,
 ) -> list[str]:
-    """Collective: what of the run's end state is not finite, alike on every rank: the last step's loss, its
-    gradients (`last_step_overflowed`: ZeRO skipped its update, outside fp16's loss scaling), the final evaluation,
-    the weights."""
+    """Collective: what of the run's end state is not finite (last loss, its gradients, final evaluation, weights)."""
 
     loss_bad = last_loss is not None and not bool(torch.isfinite(torch.as_tensor(last_loss)).all())
     flags = [float(loss_bad), float(last_step_overflowed), float(not local_weights_finite(engine))]
@@ -55,8 +52,7 @@ def non_finite_end(
 
 
 def check_weights_finite(engine: DeepSpeedEngine, step: int, consequence: str, last_good: str | None) -> None:
-    """Collective: Diverged on every rank when any rank's weights are not finite, before they are written (a
-    checkpoint); `consequence` says what was not written."""
+    """Collective: Diverged on every rank when any rank's weights are not finite, before they are written."""
     (votes,) = all_reduce_sum([float(not local_weights_finite(engine))], engine.device)
     if votes:
         raise Diverged(diverged_message(["the weights"], step, consequence, last_good))

@@ -47,8 +47,7 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, no_decay: list
 
 
 class MetricSchedule(Protocol):
-    """A schedule the loop steps with a metric (METRIC_SCHEDULES): torch's ReduceLROnPlateau, or transformers'
-    GreedyLR (not an LRScheduler)."""
+    """A schedule the loop steps with a metric: ReduceLROnPlateau, or transformers' GreedyLR (not an LRScheduler)."""
 
     def step(self, metrics: float) -> None: ...
 
@@ -66,8 +65,7 @@ def build_scheduler(
 
 
 def check_deepspeed_config(ds_config: dict[str, Any], config_file: str | None) -> None:
-    """DeepSpeed's own schema reads the zero_optimization block now: a misspelt key in a user's JSON is one message
-    before the model is built, not a pydantic traceback after it."""
+    """DeepSpeed's schema reads zero_optimization now: a misspelt key is one message, not a pydantic traceback later."""
     try:
         DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
     except ValidationError as err:
@@ -105,8 +103,7 @@ def build_engine(
     accelerator: str,
     mpu: ModuleType | None = None,
 ) -> TrainingEngine:
-    """`config_file`: deepspeed.config_file (named in its problems); `mpu`: DeepSpeed's sequence-parallel groups
-    (ds_exp/sequence_parallel/), or None."""
+    """`config_file`: deepspeed.config_file (named in its problems); `mpu`: sequence parallelism's groups, or None."""
     groups = parameter_groups(model, optimizer_cfg.weight_decay, list(optimizer_cfg.no_decay))
     if "optimizer" in ds_config:  # DeepSpeed builds it inside initialize (its op compiled first, with a notice)
         optimizer = None
@@ -146,8 +143,7 @@ def build_engine(
 
 
 def release_engine(engine: DeepSpeedEngine) -> None:
-    """Let a finished run's engine go with its model, optimizer state and hooks, for a multirun's next job and a clean
-    exit. Best effort: a failure here never hides how the run ended."""
+    """Let a finished run's engine go (for a multirun's next job); best effort: never hides how the run ended."""
     try:
         if dist.is_initialized():  # DeepSpeed's destroy asks for the rank
             with library_stdout():

@@ -20,8 +20,7 @@ HeadCompute = Callable[[Callable[..., torch.Tensor], torch.nn.Module, torch.Tens
 
 
 class HeadLoss:
-    """Per-rank (summed token loss, label tokens) of a batch, computed by `compute` inside `head`'s call; called as
-    the step calls the default loss. `knob` names the setting in messages."""
+    """Per-rank (summed token loss, label tokens) computed by `compute` inside `head`'s call."""
 
     def __init__(self, head: torch.nn.Module, compute: HeadCompute, model_type: str, knob: str) -> None:
         self.head, self.compute, self.model_type, self.knob = head, compute, model_type, knob

@@ -23,8 +23,7 @@ Batch = dict[str, torch.Tensor]  # a collated batch (ds_exp.train.collate.SFTCol
 
 @dataclass(kw_only=True)
 class ModelBuild:
-    """What the points read and set: the run's side of the model (the step reads it from ds_exp.model.build's
-    BuiltModel)."""
+    """What the points read and set: the run's side of the model (the step reads it from BuiltModel)."""
 
     config: PretrainedConfig  # the model's config (its vocabulary padded once after_weights has run)
     ds_config: dict[str, Any]  # what deepspeed.initialize gets

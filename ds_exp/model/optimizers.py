@@ -44,8 +44,7 @@ def deepspeed_entry(ds_config: dict[str, Any]) -> OptimizerEntry | None:
 
 
 def deepspeed_op(ds_config: dict[str, Any]) -> ops.Op | None:
-    """The op DeepSpeed compiles for the config's "optimizer" block: its CPU Adam / CPU Lion under optimizer
-    offload, else its FusedAdam / FusedLion, unless the block asks for torch's Adam ("torch_adam": true)."""
+    """The op DeepSpeed compiles for the "optimizer" block: CPU Adam/Lion under offload, else FusedAdam/FusedLion."""
     entry = deepspeed_entry(ds_config)
     if entry is None or not entry.impls or (ds_config["optimizer"].get("params") or {}).get("torch_adam"):
         return None
@@ -55,9 +54,8 @@ def deepspeed_op(ds_config: dict[str, Any]) -> ops.Op | None:
 
 
 def prepare_deepspeed_optimizer(ds_config: dict[str, Any], accelerator: str) -> None:
-    """Before DeepSpeed builds its config's optimizer: the op it compiles, built first with a notice. On a CPU,
-    DeepSpeed's Muon runs eagerly (compiling its update costs 10-30 s per matrix shape for no gain), until
-    release_engine."""
+    """The op DeepSpeed will compile, built first with a notice; on a CPU, Muon runs eagerly until release_engine
+    (compiling its update costs 10-30 s per matrix shape)."""
 
     op = deepspeed_op(ds_config)
     if op is not None:

@@ -38,8 +38,7 @@ class TrackedRun:
 
 
 class Tracker(abc.ABC):
-    """One tracker's run, built with its settings, the run, the run id a checkpoint kept (a resume continues it) and
-    the step training starts from (what a killed attempt logged past it is set aside or said)."""
+    """One tracker's run: its settings, the run, the run id a checkpoint kept, the start step."""
 
     name: ClassVar[str]  # as people read it in messages: "wandb", "TensorBoard", "MLflow"
     store: Path | None = None  # where it writes on this machine (a full disk there is told apart); None: a server
@@ -55,8 +54,7 @@ class Tracker(abc.ABC):
 
     @abc.abstractmethod
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """A metric line (`train/*`, `eval/*`) at an optimizer step; values that are not numbers are the tracker's to
-        keep or skip."""
+        """A metric line at an optimizer step; values that are not numbers are the tracker's to keep or skip."""
 
     @abc.abstractmethod
     def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:

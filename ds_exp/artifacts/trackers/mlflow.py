@@ -75,8 +75,7 @@ def default_tracking_uri() -> str:
 
 
 def default_run_name(run_dir: Path) -> str:
-    """The run directory under the project's outputs/ (`multirun/default/<time>/0`: a sweep's jobs stay apart);
-    elsewhere its name."""
+    """The run directory under outputs/ (a sweep's jobs stay apart); elsewhere its name."""
     try:
         return str(run_dir.resolve().relative_to(project_outputs()))
     except ValueError:
@@ -85,8 +84,7 @@ def default_run_name(run_dir: Path) -> str:
 
 @contextlib.contextmanager
 def store_opened(store: Path | None) -> Iterator[None]:
-    """One process at a time opens a SQLite store (an flock on <store>.lock): MLflow creates its tables on a client's
-    first call, and two processes doing that at once fail ("duplicate column name", mlflow 3.17)."""
+    """One process at a time opens a SQLite store (flock): two creating MLflow's tables at once fail (mlflow 3.17)."""
     if store is None:
         yield
         return
@@ -280,8 +278,7 @@ class MlflowRun(Tracker):
                 self.client.log_dict(self.run_id, redact(document), name)
 
     def close(self, status: RunStatus) -> None:
-        """The status as a tag, and the run ended; each call tried whatever the one before did, the first failure
-        raised after."""
+        """The status as a tag, and the run ended; every call tried, the first failure raised after."""
 
         if self.client is None:
             return
