@@ -118,8 +118,7 @@ def device_problems(device: str, key: str, accelerator: str) -> list[str]:
 def task_problems(
     specs: list[TaskSpec], model: ModelFit | None, asked: Asked, lengths: tuple[int, ...]
 ) -> tuple[list[str], int]:
-    """(problems, bytes lm-eval will write) of the tasks whose rows are here (YAML files, built-ins) against the
-    model; registry tasks are checked when scored (their data may be the hub's)."""
+    """(problems, bytes lm-eval will write) of the local tasks against the model; registry tasks, when scored."""
     found: list[str] = []
     size = 0
     for spec in specs:
@@ -408,8 +407,8 @@ def _an_index(found: dict[str, Any]) -> bool:
 
 @functools.cache
 def registry_index() -> dict[str, list[Any]]:
-    """lm-eval's task registry by name: [kind, YAML path, a tag's task names]. Reading its ~15000 YAML files takes
-    seconds, so it is kept in ~/.cache/ds_exp per lm-eval installation, checked, not trusted (core/private_files.py)."""
+    """lm-eval's task registry by name: [kind, YAML path, a tag's tasks]. Reading it takes seconds, so it is cached in
+    ~/.cache/ds_exp per lm-eval installation, checked, not trusted."""
 
     spec = importlib.util.find_spec("lm_eval")
     tasks_dir = Path(str(spec.origin if spec else "")).parent / "tasks"

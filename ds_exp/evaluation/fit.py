@@ -99,8 +99,7 @@ def model_dir_fit(directory: Path) -> ModelFit:
 
 
 def run_model_fit(model: ModelConfig) -> ModelFit | None:
-    """The model a run trains, from model.arch or its checkpoint's config.json, and its tokenizer; None where its
-    config is not on this machine (a hub id)."""
+    """The run's model (model.arch or its checkpoint's config.json) and tokenizer; None when not on this machine."""
 
     local = Path(model.name_or_path).expanduser() if model.name_or_path else None
     config = dict(model.arch or {}) if local is None else _read_json(local / "config.json")
@@ -134,8 +133,7 @@ def passkey_problems(lengths: Sequence[int], model: ModelFit, asked: Asked) -> l
 def loaded_problems(
     given: str, loaded: dict[str, Any], model: ModelFit | None, asked: Asked, *, key: str, run_code: bool
 ) -> tuple[list[str], int]:
-    """(problems, bytes of lm-eval's files) of what TaskManager.load made of TASK `given`, against `model`; a refusal
-    names the task within a group."""
+    """(problems, bytes of lm-eval's files) of what TaskManager.load made of TASK `given`, against `model`."""
     names = [*(loaded.get("tasks") or {}), *(loaded.get("group_map") or {})]
     found = [
         f"{key}: {given}: its group {group} holds no tasks; name its tasks under `task:`"
@@ -239,8 +237,8 @@ def _shots(task: Any, asked: Asked) -> int:
 
 
 def _render(task: Any, docs: list[Any], rows: _Rows, run_code: bool) -> tuple[list[str], list[list[str]]] | str | None:
-    """(each question's text, its answers: the choices, the target, or none for a generation) as lm-eval renders
-    them; a problem naming the row where a setting fails; None where the task's own code would have to run."""
+    """(each question's text, its answers) as lm-eval renders them, or a problem naming the row; None where the task's
+    own code would have to run."""
     config = task.config
     if not run_code and any(callable(getattr(config, s, None)) for s in SETTINGS):
         return None

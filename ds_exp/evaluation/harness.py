@@ -129,9 +129,8 @@ class TaskScores:
 
 
 class RenderedLM(HFLM):
-    """lm-eval's HFLM, asking in the run's template. dschat is rendered as the run trained on it: " Human: {question}
-    Assistant: {answer}", the space before the answer moved by lm-eval into the continuation, and stripped before
-    generating (the model writes it, as in training). chat_template: the tokenizer's own, as HFLM applies it."""
+    """lm-eval's HFLM asking in the run's template: dschat as the run trained on it (" Human: {q} Assistant: {a}", the
+    space before the answer stripped before generating: the model writes it); chat_template as HFLM applies it."""
 
     def __init__(self, *args: Any, template: str | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -188,8 +187,8 @@ class RenderedLM(HFLM):
 
 
 class Progress:
-    """Requests scored while lm-eval scores one TASK: a bar on a terminal, plain lines when piped (PlainProgress)
-    where ds_exp's console lines go; written to the console as it was before library_stdout took lm-eval's output."""
+    """Requests scored while lm-eval scores one TASK: a bar on a terminal, plain lines when piped, on the console as it
+    was before library_stdout took lm-eval's output."""
 
     def __init__(self, what: str) -> None:
         self.what, self.terminal = what, on_terminal()
@@ -290,8 +289,8 @@ def score(
 
 
 def redact_files(where: Path) -> None:
-    """lm-eval's files (under `where`, or that file) through ds_exp's redaction: its results copy each task's config
-    (a token in dataset_kwargs). A file with nothing to blank is left as lm-eval wrote it."""
+    """lm-eval's files (under `where`, or that file) redacted: its results copy each task's config (a token in
+    dataset_kwargs). A file with nothing to blank is left as written."""
     for path in [where] if where.is_file() else sorted(p for p in where.rglob("*") if p.is_file()):
         text = path.read_text(errors="replace")
         if path.suffix in (".json", ".jsonl"):
@@ -306,8 +305,8 @@ def redact_files(where: Path) -> None:
 
 
 def scores_of(found: dict[str, Any]) -> TaskScores:
-    """lm-eval's results ({"acc,none": 0.9, "acc_stderr,none": 0.02, ...}) as harness.json names them: a metric under
-    the filter `none` or its only filter by its own name, else `<metric>/<filter>`; and the questions each rests on."""
+    """lm-eval's results ({"acc,none": 0.9, ...}) as harness.json names them (`<metric>`, or `<metric>/<filter>` when a
+    metric has several filters), and the questions each rests on."""
     out = TaskScores()
     results: dict[str, dict[str, Any]] = found["results"]
     counted = {task: int(n.get("effective", 0)) for task, n in (found.get("n-samples") or {}).items()}
@@ -357,8 +356,7 @@ def evaluate(
     base_cfg: Config | None,
     title: str,
 ) -> Evaluation:
-    """Score the export `tuned_dir` (and with `base_cfg` its base model) on every TASK into `out_dir`. Training's
-    random state is left as it was."""
+    """Score `tuned_dir` (with `base_cfg`, its base too) on every TASK into `out_dir`; training's random state kept."""
     hf_logging.disable_progress_bar()  # loading and writing shards: ds_exp says what it does instead
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(
@@ -410,8 +408,7 @@ def evaluate(
 def judged(
     tuned_dir: Path, tokenizer: Any, specs: Sequence[TaskSpec], settings: HarnessSettings, manager: TaskManager
 ) -> int:
-    """Every TASK's rows against the export's positions and tokenizer (fit.py), before any weight loads: one line per
-    problem (ConfigError); else the bytes lm-eval will write."""
+    """Every TASK's rows against the export (fit.py) before any weight loads: ConfigError, else lm-eval's bytes."""
     config = AutoConfig.from_pretrained(str(tuned_dir)).to_dict()
     positions = positions_of(config, {"model_max_length": getattr(tokenizer, "model_max_length", None)})
     counted = lambda texts: [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]  # noqa: E731
@@ -438,8 +435,8 @@ def base_scores(
     cache: BaseCache,
     out_dir: Path,
 ) -> tuple[dict[str, TaskScores], list[str]]:
-    """(the base model's scores by TASK, the TASKs scored now): cached, else scored (one process at a time) and
-    cached; lm-eval's files of each TASK copied into out_dir/<task>/."""
+    """(the base model's scores by TASK, the TASKs scored now): cached, else scored under a lock and cached; lm-eval's
+    files copied into out_dir/<task>/."""
     found = {spec.given: cache.read(spec.fingerprint) for spec in specs}
     scored: list[str] = []
     if any(v is None for v in found.values()):
@@ -534,8 +531,7 @@ def settings_of(
     device: str,
     keys: dict[str, str] | None = None,
 ) -> HarnessSettings:
-    """eval.harness for an export asked in `template` on `device`; generation tasks sample as the run's generations
-    did (`sampling`: eval.*); `keys`: the command's names of eval.harness.<name>, for its refusals."""
+    """eval.harness for an export in `template` on `device`, sampling as the run's generations; `keys` for refusals."""
     gen_kwargs = None
     if sampling is not None and sampling.temperature > 0:
         gen_kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
@@ -563,8 +559,7 @@ def _tokenizer_files(model_dir: Path) -> dict[str, Any]:
 
 
 def base_identity(model: ModelConfig, seed: int, tuned_dir: Path) -> dict[str, Any]:
-    """What the base model's scores depend on: how it is built (model.arch and `seed`, or the checkpoint's files),
-    the tuned export's tokenizer and dtype."""
+    """What the base model's scores depend on: how it is built, the tuned export's tokenizer and dtype."""
     if model.name_or_path is None:
         built: dict[str, Any] = {
             "arch": model.arch,
@@ -620,9 +615,8 @@ def base_model_dir(cfg: Config, tuned_dir: Path, scratch: Path) -> Iterator[Path
 
 
 class BaseCache:
-    """The base model's scores under <data.cache_dir>/harness-base/<model>-<task and settings>/ (scores.json and
-    lm-eval's files), complete once renamed into place; the user's own directories (core/private_files.py), each
-    entry checked, not trusted: one of another shape is a miss, said once and scored again."""
+    """The base model's scores under <data.cache_dir>/harness-base/<model>-<key>/, complete once renamed into place;
+    each entry checked, not trusted (another shape is a miss, said once and scored again)."""
 
     def __init__(self, cache_dir: Path, identity: dict[str, Any], settings: dict[str, Any]) -> None:
         self.root = cache_dir / CACHE

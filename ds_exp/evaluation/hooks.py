@@ -55,8 +55,7 @@ class HarnessHooks(FeatureHooks):
             log.warning("%s", line)
 
     def after_export(self, run: Run, export: Path, step: int, *, final: bool) -> None:
-        """eval.harness.every_save: rank 0 scores a step export (the tuned model alone) into RUN_DIR/eval/<export>/;
-        the final export is scored after the run."""
+        """eval.harness.every_save: rank 0 scores a step export alone into RUN_DIR/eval/<export>/."""
         session = run.session
         if final or not (self.settings.harness.every_save and session.is_main):
             return

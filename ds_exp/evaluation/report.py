@@ -40,8 +40,7 @@ def harness_record(
 
 
 def flat(record: dict[str, Any], side: str) -> dict[str, dict[str, float | None]]:
-    """summary.json's `harness` (side tuned) or `harness_base`: task -> metric -> value (objective
-    harness.<task>.<metric>)."""
+    """summary.json's `harness` or `harness_base`: task -> metric -> value (objective harness.<task>.<metric>)."""
     return {
         task: {metric: entry.get(side) for metric, entry in metrics.items()}
         for task, metrics in record["tasks"].items()
@@ -67,8 +66,7 @@ def _cell(value: float | None, signed: bool = False) -> str:
 
 
 def table(record: dict[str, Any]) -> str:
-    """The console's table: task, metric, base, tuned, difference, stderr (of the tuned value), and the questions
-    the scores rest on."""
+    """The console's table: task, metric, base, tuned, difference, stderr, and the questions the scores rest on."""
     rows = [("task", "metric", "base", "tuned", "difference", "stderr", "questions")]
     questions = record.get("questions") or {}
     for task, metrics in record["tasks"].items():
@@ -132,8 +130,8 @@ def chart(record: dict[str, Any], path: Path, title: str) -> None:
 
 @contextlib.contextmanager
 def staged(target: Path) -> Iterator[Path]:
-    """A scratch directory for one evaluation, moved into `target` when the block completes (an earlier one's files
-    set aside under earlier/<time>/); nothing is left of one that fails or is interrupted."""
+    """A scratch directory moved into `target` when the block completes (an earlier one's files set aside under
+    earlier/<time>/); nothing is left of one that fails."""
 
     made = [p for p in (target.parent, target) if not p.exists()]
     target.mkdir(parents=True, exist_ok=True)

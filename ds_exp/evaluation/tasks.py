@@ -125,8 +125,7 @@ def passkey_task(name: str) -> dict[str, Any]:
 
 
 def synthetic_questions(count: int, synthetic: SyntheticDataConfig) -> list[dict[str, Any]]:
-    """`count` multiple-choice questions from the embedded task's generator, none of whose prompts the run trained
-    on: {"question", "choices" (4), "answer" (the index of the right one)}."""
+    """`count` questions from the embedded task's generator, never trained on: {"question", "choices" (4), "answer"}."""
     train, _ = generate(synthetic.num_train, 0, synthetic.seed)
     seen = {row["prompt"] for row in train}
     rng = random.Random(f"ds_exp-harness-synthetic-{synthetic.seed}")
@@ -175,8 +174,7 @@ def _one_off(answer: str, pool: Sequence[str], rng: random.Random) -> str:
 
 
 def passkey_rows(length: int, count: int, seed: int, count_tokens: Callable[[str], int]) -> list[dict[str, Any]]:
-    """`count` prompts of about `length` tokens (as `count_tokens` measures them, 16 left for the template and the
-    answer), each hiding a five-digit passkey at a random depth."""
+    """`count` prompts of about `length` tokens (16 left for template and answer), each hiding a five-digit passkey."""
     rng = random.Random(f"ds_exp-harness-passkey-{seed}-{length}")
     rows = []
     for _ in range(count):

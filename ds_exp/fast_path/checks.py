@@ -26,8 +26,7 @@ ATTENTION_IMPLEMENTATIONS = (
 
 
 def attention_problems(attention: str | None, accelerator: str) -> list[str]:
-    """An attention implementation transformers has (its names, 4.50-5.24), ds_exp's auto, or a hub kernel; and what
-    the one asked for needs."""
+    """An attention transformers has, ds_exp's auto, or a hub kernel; and what the one asked for needs."""
     if attention in ("flash_attention_2", "flash_attention_3"):
         package = "flash_attn" if attention == "flash_attention_2" else "flash_attn_interface"
         if accelerator != "cuda":

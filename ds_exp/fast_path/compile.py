@@ -10,8 +10,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """Replace the forward of each decoder layer (transformers' GradientCheckpointingLayer: the repeated blocks of a
-    causal LM) with torch.compile of it; returns how many (0: none found)."""
+    """Each decoder layer's forward replaced with torch.compile of it; returns how many (0: none found)."""
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend)

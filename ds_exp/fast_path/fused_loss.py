@@ -21,8 +21,7 @@ KNOB = "model.fused_loss"
 
 
 def output_linear(model: PreTrainedModel | PeftModel) -> torch.nn.Linear | None:
-    """The Linear whose weight the fused loss multiplies by: the output layer, or PEFT's trained copy of it; None
-    where it carries LoRA adapters (or is not a Linear)."""
+    """The Linear the fused loss multiplies by (the output layer or PEFT's trained copy); None with LoRA on it."""
     head = model.get_output_embeddings()
     copies = getattr(head, "modules_to_save", None)  # PEFT's ModulesToSaveWrapper
     if copies is not None and getattr(head, "active_adapter", None) in copies:
@@ -33,8 +32,7 @@ def output_linear(model: PreTrainedModel | PeftModel) -> torch.nn.Linear | None:
 def fused_loss_sum(
     _forward: Callable[..., torch.Tensor], head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
-    """sum over labelled tokens of cross_entropy(hidden @ weight.T + bias, targets), fp32, through Liger's kernel.
-    A trained weight's gradient is accumulated in fp32 (Liger adds it up chunk by chunk)."""
+    """Summed cross-entropy over labelled tokens (fp32) through Liger's kernel; a trained weight's gradient in fp32."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     weight: torch.Tensor = head.weight  # type: ignore[assignment]  # a Linear's
@@ -52,8 +50,7 @@ def fused_loss_sum(
 
 
 def apply_fused_loss(model: PreTrainedModel | PeftModel, model_type: str, *, asked: bool) -> HeadLoss | None:
-    """The fused loss on the built model (after LoRA), or None where the output layer has no single weight: a
-    ConfigError when the fused loss was asked for (model.fused_loss=true), a log line under auto."""
+    """The fused loss on the built model, or None where the output layer has no single weight (refused under true)."""
     head = output_linear(model)
     if head is None:
         why = "the output layer carries LoRA adapters (or is not a Linear layer): it has no single weight"

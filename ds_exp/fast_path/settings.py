@@ -31,8 +31,7 @@ def liger_installed() -> bool:
 
 
 def triton_interpreted() -> bool:
-    """Triton's interpreter (TRITON_INTERPRET=1) runs Liger's fused loss on the host: slow, for tests on CPUs. Its
-    RMSNorm and SwiGLU kernels do not run there (liger-kernel 0.8.5, triton 3.9)."""
+    """Triton's interpreter (TRITON_INTERPRET=1) runs the fused loss on the host (tests); not Liger's other kernels."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

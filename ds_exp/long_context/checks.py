@@ -54,8 +54,7 @@ def long_context_problems(settings: LongContextSettings) -> list[str]:
 
 
 def rope_scaling_problems(settings: LongContextSettings) -> list[str]:
-    """model.rope_scaling: a rotary model, a type transformers has, a factor that stretches (transformers checks
-    the rest of the keys when it builds the config)."""
+    """model.rope_scaling: a rotary model, a known type, a factor that stretches (transformers checks the rest)."""
     scaling = settings.rope_scaling
     if not scaling:
         return []
@@ -111,8 +110,7 @@ def rope_field_problems(rope_type: str, scaling: dict[str, Any]) -> list[str]:
 
 
 def tiling_problems(settings: LongContextSettings) -> list[str]:
-    """The tiling knobs (ds_exp/long_context/tiling.py): no more tiles than tokens, offload of something checkpointing
-    keeps, a loss the model computes from lm_head's output as is."""
+    """The tiling knobs: no more tiles than tokens, offload of what checkpointing keeps, a loss from lm_head."""
     problems = []
     tokens, shards, n = settings.tokens, settings.tiled_mlp_shards, settings.sequence_parallel
     if settings.tiled_mlp and shards is not None and shards > tokens >= 1:

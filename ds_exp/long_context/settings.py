@@ -24,8 +24,7 @@ class TilingPlan:
 
 @dataclass(frozen=True)
 class LongContextSettings:
-    """The model.* keys where users type them (their ranges beside them in ds_exp/config/schema.py's ModelConfig), and
-    what the plan and the checks read of the rest."""
+    """The model.* keys where users type them (ranges in ModelConfig), and what the plan and checks read of the rest."""
 
     rope_scaling: Any = None
     tiled_mlp: bool = False

@@ -36,8 +36,7 @@ KNOB = "model.tiled_loss=true"
 
 
 def tile_mlps(model: torch.nn.Module, shards: int, model_type: str) -> int:
-    """Make every decoder MLP of `model` (the `mlp` module of each GradientCheckpointingLayer) compute over `shards`
-    sequence slices; returns how many were tiled."""
+    """Every decoder layer's `mlp` computed over `shards` sequence slices; returns how many were tiled."""
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     mlps = [mlp for m in layers if isinstance(mlp := getattr(m, "mlp", None), torch.nn.Module)]
     if not mlps:
@@ -100,11 +99,9 @@ def chunked_loss_sum(
 
 
 def offload_saved_activations(model: Any) -> None:
-    """Everything the decoder's forward saves for backward outside the checkpointed layers goes to host memory
-    through `torch.autograd.graph.save_on_cpu` (pinned where CUDA is): with gradient checkpointing that is each
-    layer's input (checkpoint saves it as an input of its own; the layers' insides are recomputed, never saved)
-    and the final norm's. Wrapping the decoder's forward, a public attribute, instead of transformers' checkpoint
-    function (set by the private `_set_gradient_checkpointing`) keeps every other activation where it was."""
+    """What the decoder's forward saves outside the checkpointed layers (each layer's input, the final norm's) goes to
+    host memory (`save_on_cpu`, pinned where CUDA is). Wrapping the decoder's public forward, not transformers'
+    private checkpoint function, keeps every other activation where it was."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT too
     decoder = base.get_decoder()
     decoder.forward = _Offloaded(decoder.forward)

@@ -19,8 +19,7 @@ ISOLATING_PACKED = (None, "auto", "sdpa", "flash_attention_2", "flash_attention_
 
 
 def head_problems(n: int, heads: object, kv_heads: object, where: str) -> list[str]:
-    """Attention heads must split over the N ranks (Ulysses moves whole heads); key/value heads either split too, or
-    divide N (DeepSpeed then replicates each over N / kv ranks)."""
+    """Heads must split over the N ranks (Ulysses moves whole heads); key/value heads split too, or divide N."""
     key = f"dist.sequence_parallel_size={n}"
     if not isinstance(heads, int) or heads < 1:
         return []
