@@ -227,9 +227,6 @@ def _leaves(name: str, index: dict[str, list[Any]], seen: set[str]) -> Iterator[
                 yield from _leaves(member_name, index, seen)
 
 
-# ---------------------------------------------------------------------------------------------------- the data
-
-
 def _data_files(cfg: dict[str, Any]) -> list[Path]:
     files = ((cfg.get("dataset_kwargs") or {}).get("data_files")) or []
     values = files.values() if isinstance(files, dict) else [files]
@@ -289,9 +286,6 @@ def _hub_problem(dataset: str) -> str | None:
         f"({datasets_cache()}); give a task YAML whose data are local files (dataset_path: json, "
         "dataset_kwargs.data_files), or run where the hub can be reached once"
     )
-
-
-# ------------------------------------------------------------------------------------------ lm-eval's own loaders
 
 
 @functools.cache

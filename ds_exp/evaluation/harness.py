@@ -336,9 +336,6 @@ def _number(value: Any) -> float | None:
         return None
 
 
-# ------------------------------------------------------------------------------------------- a whole evaluation
-
-
 @dataclass
 class Evaluation:
     record: dict[str, Any]  # harness.json
@@ -555,9 +552,6 @@ def _tokenizer_files(model_dir: Path) -> dict[str, Any]:
     return {name: path_fingerprint(model_dir / name) for name in TOKENIZER_FILES if (model_dir / name).is_file()}
 
 
-# ---------------------------------------------------------------------------------------------- the base model
-
-
 def base_identity(model: ModelConfig, seed: int, tuned_dir: Path) -> dict[str, Any]:
     """What the base model's scores depend on: how it is built, the tuned export's tokenizer and dtype."""
     if model.name_or_path is None:
@@ -656,9 +650,6 @@ class BaseCache:
                 raise ConfigError(f"data.cache_dir={err}") from None
             shutil.rmtree(target)
         files.rename(target)
-
-
-# ------------------------------------------------------------------------------------- python -m ds_exp.evaluate
 
 
 @contextlib.contextmanager

@@ -121,9 +121,6 @@ def passkey_task(name: str) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------------------------- the questions
-
-
 def synthetic_questions(count: int, synthetic: SyntheticDataConfig) -> list[dict[str, Any]]:
     """`count` questions from the embedded task's generator, never trained on: {"question", "choices" (4), "answer"}."""
     train, _ = generate(synthetic.num_train, 0, synthetic.seed)

@@ -114,9 +114,6 @@ def default_export_dir(export_dir: Path, tag_dir: Path, step: int) -> Path:
     return step_export_dir(export_dir, step)
 
 
-# ------------------------------------------------------------------------------ a run's config, from its directory
-
-
 def checkpoint_step(tag_dir: Path) -> int:
     return int(read_marker(tag_dir)["step"])
 

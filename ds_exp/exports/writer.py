@@ -372,9 +372,6 @@ def _replace(src: Path, dst: Path) -> None:
     src.rename(dst)
 
 
-# ------------------------------------------------------------------- python -m ds_exp.export: from a checkpoint
-
-
 def export_checkpoint(
     tag_dir: Path, run_dir: Path, cfg: Config, target: Path, *, dtype: str | None, adapter: bool, **beside: bool
 ) -> None:

@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 KNOB = "model.tiled_loss=true"
 
 
-# ------------------------------------------------------------------------------------------------ tiled MLP
-
-
 def tile_mlps(model: torch.nn.Module, shards: int, model_type: str) -> int:
     """Every decoder layer's `mlp` computed over `shards` sequence slices; returns how many were tiled."""
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -71,9 +68,6 @@ class _TiledForward:
         return torch.cat(outputs, dim=-2)
 
 
-# ------------------------------------------------------------------------------------------------ tiled loss
-
-
 def chunked_loss_sum(
     head_forward: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, chunks: int
 ) -> torch.Tensor:
@@ -93,9 +87,6 @@ def chunked_loss_sum(
         else:
             total = total + piece_loss(h, y)
     return total
-
-
-# ------------------------------------------------------------------------------------------ activation offload
 
 
 def offload_saved_activations(model: Any) -> None:

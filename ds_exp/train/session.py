@@ -201,7 +201,6 @@ class Session:
         """Training can begin (data, weights, engine and checkpoint are loaded): the end of the run's load time."""
         self.state.ready_seconds = time.time() - self.state.started
 
-    # ------------------------------------------------------------------------------------------- the end
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         outcome = self.outcome(exc)
         self.signals.restore()
