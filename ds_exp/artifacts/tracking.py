@@ -1,5 +1,4 @@
-"""Where metric lines go on rank 0: metrics.jsonl and the trackers (ds_exp.config.trackers.TRACKERS, any number at
-once), each a trackers.base.Tracker imported only when on, behind `Trackers`' one `log`, `table` and `close`."""
+"""Where metric lines go on rank 0: metrics.jsonl and the trackers, each imported only when on, behind `Trackers`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""`python -m ds_exp.evaluate TARGET TASK [TASK ...]`: lm-eval scores of a run's final export beside its base model's,
-or of one model (an export, a model directory, a checkpoint exported first). Every refusal comes first (plan.py),
-before torch is imported; the work (harness.run) after."""
+"""`python -m ds_exp.evaluate TARGET TASK [TASK ...]`: every refusal first (plan.py), before torch; the work
+(harness.run) after."""
 
 from __future__ import annotations
 

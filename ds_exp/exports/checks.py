@@ -1,5 +1,5 @@
-"""What an export or a chat refuses before torch, one line each: a target that is not an earlier export or lies in
-the checkpoint directory, and what the commands are pointed at (a checkpoint, a run or model directory)."""
+"""What an export or a chat refuses before torch, one line each: a target that is not an earlier export or lies in the
+checkpoint directory, and what the commands are pointed at."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Exports on disk, without torch: which directories are ds_exp's exports (the only ones an export replaces), where
-step exports go, their size, rotation and the branch a resume sets aside, and a run's config from its directory."""
+"""Exports on disk, without torch: which directories are ds_exp's exports, where step exports go, their size,
+rotation and branches, and a run's config from its directory."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What the fast path refuses before the model is loaded (not as an ImportError or a NotImplementedError after it):
-an attention transformers does not have, or whose package or GPU is missing, and a knob that is not auto, true or
-false, or asked for where it cannot run. Light: packages are found, never imported."""
+"""What the fast path refuses before the model loads (light: packages found, never imported): an unknown attention,
+a missing package or GPU, a knob asked for where it cannot run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The fast path's settings, a view of its keys, and each knob decided for the machine. Light: packages are looked
-for, never imported."""
+"""The fast path's settings and each knob decided for the machine. Light: packages are looked for, never imported."""
 
 from __future__ import annotations
 

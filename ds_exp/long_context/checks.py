@@ -1,6 +1,5 @@
-"""What long context refuses before anything heavy: model.rope_scaling against transformers' fields and the model's
-position encoding, and the tiling knobs against each other and the model's logits (their counts' ranges are their
-fields'). Light."""
+"""What long context refuses before anything heavy (light): model.rope_scaling against transformers and the model,
+and the tiling knobs against each other and the model's logits."""
 
 from __future__ import annotations
 

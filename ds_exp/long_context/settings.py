@@ -1,5 +1,4 @@
-"""Long context's settings, a view of its model.* keys, and the plan of slices and chunks: light, so that the checks
-and the memory planner read them before anything heavy runs."""
+"""Long context's settings and the plan of slices and chunks: light, for the checks and the memory planner."""
 
 from __future__ import annotations
 

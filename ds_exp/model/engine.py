@@ -1,5 +1,4 @@
-"""Optimizer, LR scheduler and the DeepSpeed engine: DeepSpeed builds an optimizer or scheduler its config has a
-block for (optimizer.owner=deepspeed, or a user's config file); otherwise ds_exp does."""
+"""Optimizer, LR scheduler and engine: DeepSpeed builds what its config has a block for, ds_exp the rest."""
 
 from __future__ import annotations
 

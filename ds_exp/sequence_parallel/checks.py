@@ -1,6 +1,5 @@
-"""Checks of dist.sequence_parallel_size before anything heavy: light, no torch, no deepspeed. The model's heads are
-read from model.arch or a local config.json; a hub model's are checked once its config is loaded
-(ds_exp.sequence_parallel.ulysses.check_heads), still before data and weights. The size's range is its field's."""
+"""Checks of dist.sequence_parallel_size before anything heavy (light). A hub model's heads are checked once its
+config is loaded (ulysses.check_heads), still before data and weights."""
 
 from __future__ import annotations
 

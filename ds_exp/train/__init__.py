@@ -1,9 +1,7 @@
-"""A training run: the recipe (setup -> resume -> train; the features at the named points of hooks), the session
-that owns its lifecycle and failures, what setup builds (workload), batches (collate, sampler), the loop, one step
-(step), metric lines (metrics, flops), evaluation and generation, where a run starts (resuming), the Python API (api).
-
-The package is also that API (`from ds_exp import train; train(["lora.dim=64"])`): it must stay a package for dotted
-names (`import ds_exp.train.recipe`, Hydra, mock), so it is made callable, importing ds_exp.train.api on first call.
+"""A training run: the recipe (setup -> resume -> train, features at the named points of hooks), the session, the
+workload, batches (collate, sampler), the loop, one step, metric lines, evaluation and generation, resuming, and the
+Python API (api). The package is that API too: made callable, it imports ds_exp.train.api on first call, and stays a
+package for dotted names (`import ds_exp.train.recipe`, Hydra, mock).
 
 Layer 10, heavy. May import every layer below it.
 """

@@ -1,7 +1,5 @@
-"""Completions of `eval.prompts` in the run's template (DeepSpeed-Chat's prompt_eval.py): greedy unless
-eval.temperature > 0, sampled in a forked random state so training draws what it would have (a resume stays exact).
-At ZeRO-3 all ranks generate together (synced_gpus); at stages 0-2 rank 0 alone.
-"""
+"""Completions of `eval.prompts` in the run's template, greedy unless eval.temperature > 0 (sampled in a forked random
+state: a resume stays exact). At ZeRO-3 all ranks generate together (synced_gpus); else rank 0 alone."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The training loop: optimizer steps over the epochs, and what train.* asks after each (metric lines, evaluations,
-checkpoints, the stop vote). The data order is a function of (seed, epoch) and the position in the epoch counted
-over all ranks, so a resumed run draws exactly the batches an uninterrupted run would.
-"""
+"""The training loop: optimizer steps and what train.* asks after each. The data order is a function of (seed, epoch)
+and the position in the epoch over all ranks, so a resumed run draws exactly an uninterrupted run's batches."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Where a run starts: the checkpoint it continues, decided before the engine (`resume_plan`: deepspeed.initialize
-reads whether it loads the universal format), then loaded and placed on the run's trajectory (`resume`), or step 0.
-The rules of what may change across a resume are ds_exp.resume's."""
+"""Where a run starts: the checkpoint it continues, decided before the engine (`resume_plan`), then loaded and placed on
+the run's trajectory (`resume`), or step 0. What may change across a resume is ds_exp.resume's rule."""
 
 from __future__ import annotations
 
