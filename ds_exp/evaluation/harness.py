@@ -502,12 +502,17 @@ def _random_state_kept() -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
-@contextlib.contextmanager
-def _lm_eval_log(path: Path) -> Iterator[None]:
+def _lm_eval_log(path: Path) -> contextlib.AbstractContextManager[None]:
     """What lm-eval says (its logger, and what it prints: library_stdout) also goes to `path`."""
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    loggers = [logging.getLogger(name) for name in (LIBRARY_LOGGER, FILE_LOGGER, "lm_eval")]
+    return _handled(handler, LIBRARY_LOGGER, FILE_LOGGER, "lm_eval")
+
+
+@contextlib.contextmanager
+def _handled(handler: logging.Handler, *names: str) -> Iterator[None]:
+    """`handler` on the loggers `names` (at INFO at least) inside the block, then closed."""
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.addHandler(handler)
@@ -652,21 +657,12 @@ class BaseCache:
         files.rename(target)
 
 
-@contextlib.contextmanager
-def _said_on_the_console() -> Iterator[None]:
+def _said_on_the_console() -> contextlib.AbstractContextManager[None]:
     """The evaluation's lines and ds_exp's warnings on the command's console; the rest in lm_eval.log."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(ConsoleFormatter())
     handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name == __name__)
-    ours = logging.getLogger("ds_exp")
-    level = ours.level
-    ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        ours.removeHandler(handler)
-        ours.setLevel(level)
+    return _handled(handler, "ds_exp")
 
 
 def run(plan: Plan) -> int:

@@ -41,6 +41,7 @@ from ds_exp.data.templates import first_template, resolve_template
 from ds_exp.exports.checks import check_target
 from ds_exp.exports.on_disk import METADATA, adapter_dir
 from ds_exp.launch.storage import export_failure_message
+from ds_exp.model.architecture import text_config
 from ds_exp.model.build import BuiltModel, build_model
 from ds_exp.model.lora import LoraSpec, merge_lora, wrap_lora
 from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
@@ -313,11 +314,11 @@ def _base_model(spec: ExportSpec) -> PreTrainedModel:
     if spec.base_path is None:
         return spec.auto_class.from_config(spec.model_config, dtype=torch.float32)
     config = copy.deepcopy(spec.model_config)
-    _text_config(config).vocab_size = spec.base_rows  # the checkpoint's shape; padded again below
+    text_config(config).vocab_size = spec.base_rows  # the checkpoint's shape; padded again below
     model = spec.auto_class.from_pretrained(
         spec.base_path, config=config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
     )
-    padded = _text_config(spec.model_config).vocab_size
+    padded = text_config(spec.model_config).vocab_size
     if model.get_input_embeddings().num_embeddings != padded:
         model.resize_token_embeddings(padded)
     return model
@@ -335,10 +336,6 @@ def _copy_added_rows(model: Any, state: dict[str, torch.Tensor], spec: ExportSpe
         if trained_value is not None:
             with torch.no_grad():
                 module.weight[spec.base_rows : spec.vocab_size] = trained_value[spec.base_rows : spec.vocab_size]
-
-
-def _text_config(config: PretrainedConfig) -> PretrainedConfig:
-    return getattr(config, "text_config", None) or config
 
 
 def _save_tokenizer(spec: ExportSpec, tokenizer: PreTrainedTokenizerBase, directory: Path) -> str:
