@@ -304,7 +304,8 @@ def _save(
     model.config.dtype = dtype_name
     model.save_pretrained(str(tmp), safe_serialization=True)
     tokenizer_note = _save_tokenizer(spec, tokenizer, tmp)
-    _copy_generation_config(spec, tmp)
+    if spec.base_path is not None and (Path(spec.base_path) / "generation_config.json").is_file():
+        shutil.copy2(Path(spec.base_path) / "generation_config.json", tmp / "generation_config.json")
     (tmp / METADATA).write_text(json_text({**metadata, "tokenizer": tokenizer_note}, indent=2) + "\n")
     _replace(tmp, export_dir)
 
@@ -350,11 +351,6 @@ def _save_tokenizer(spec: ExportSpec, tokenizer: PreTrainedTokenizerBase, direct
             return f"copied from {source}"
     tokenizer.save_pretrained(str(directory))
     return "saved by ds_exp: the run added tokens to the base tokenizer"
-
-
-def _copy_generation_config(spec: ExportSpec, directory: Path) -> None:
-    if spec.base_path is not None and (Path(spec.base_path) / "generation_config.json").is_file():
-        shutil.copy2(Path(spec.base_path) / "generation_config.json", directory / "generation_config.json")
 
 
 def _is_tied_copy(model: PreTrainedModel | PeftModel, key: str) -> bool:

@@ -23,10 +23,6 @@ def local_weights_finite(engine: DeepSpeedEngine) -> bool:
     return bad is None or not bool(bad)
 
 
-def is_finite_number(value: object) -> bool:
-    return not isinstance(value, float) or math.isfinite(value)
-
-
 def non_finite_end(
     engine: DeepSpeedEngine,
     last_loss: torch.Tensor | float | None,
@@ -44,7 +40,7 @@ def non_finite_end(
         found.append("the last step's loss")
     if grad_votes:
         found.append("the last step's gradients (its update was skipped)")
-    if final_eval and not all(is_finite_number(v) for v in final_eval.values()):
+    if final_eval and not all(not isinstance(v, float) or math.isfinite(v) for v in final_eval.values()):
         found.append("the final evaluation")
     if weight_votes:
         found.append("the weights")

@@ -60,13 +60,9 @@ def prepare_deepspeed_optimizer(ds_config: dict[str, Any], accelerator: str) -> 
     op = deepspeed_op(ds_config)
     if op is not None:
         ops.ensure_built(op, announce=_is_rank0())
-    if muon_runs_eagerly(ds_config, accelerator):
-        torch.compiler.set_stance("force_eager")
-
-
-def muon_runs_eagerly(ds_config: dict[str, Any], accelerator: str) -> bool:
     entry = deepspeed_entry(ds_config)
-    return entry is not None and entry.compiled_update and accelerator == "cpu"
+    if entry is not None and entry.compiled_update and accelerator == "cpu":
+        torch.compiler.set_stance("force_eager")
 
 
 def _is_rank0() -> bool:

@@ -134,13 +134,6 @@ class _ToRunLog(logging.Handler):
         logging.getLogger(FILE_LOGGER).handle(record)
 
 
-def _quiet_library_loggers() -> None:
-    for name in ("mlflow", "alembic"):
-        library = logging.getLogger(name)
-        library.handlers = [_ToRunLog()]
-        library.propagate = False
-
-
 class MlflowRun(Tracker):
     """See the module docstring."""
 
@@ -156,7 +149,8 @@ class MlflowRun(Tracker):
         password = urlsplit(self.uri).password
         if password:  # a server's basic auth in the URI: never in a log line or a param
             register_secrets({"password": password})
-        _quiet_library_loggers()
+        for library in map(logging.getLogger, ("mlflow", "alembic")):
+            library.handlers, library.propagate = [_ToRunLog()], False
         shown = without_passwords(self.uri)
         try:
             remote = urlsplit(self.uri).scheme in ("http", "https")
