@@ -235,6 +235,7 @@ class Session:
             file_log.error("run refused", exc_info=exc)
             self.refused = True
             return Outcome(RunStatus.UNCHANGED, f"{type(exc).__name__}: {exc}", exc)
+        where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
         stopped = self.signals.behind(exc)  # a library may turn the stop into an error of its own
         if stopped is not None:
             where = (
@@ -247,7 +248,6 @@ class Session:
             return Outcome(stopped.status, f"{stopped}; {where}")
         if is_out_of_memory(exc):  # a message that says what to change; an autotune sweep records it and goes on
             first = first_line(exc)
-            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
             error = (
                 f"out of memory at {where} ({first}): lower train.micro_batch_size, set "
                 "model.gradient_checkpointing=true, or use a higher zero stage or offload "
@@ -258,7 +258,6 @@ class Session:
             return Outcome(RunStatus.FAILED, error, RunFailed(error))
         reason = no_room(exc) if not isinstance(exc, DsExpError) else None
         if reason is not None:  # a full disk under any write (generations.jsonl, a data cache, ...): one message
-            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
             path = getattr(exc, "filename", None) or "a file of the run"
             error = (
                 f"could not write {path} ({reason}), so the run stopped at {where}; its complete checkpoints are as "
@@ -276,7 +275,6 @@ class Session:
             # a rank died or was killed: the others learn it from their next collective and leave at once
             mark_lost_peer()
             first = first_line(exc)
-            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
             lost = lost_ranks(str(exc), self.hosts, self.rank, self.world)
             error = (
                 f"lost contact with {lost} at {where} ({first}): it died or was killed, see the other ranks' "
