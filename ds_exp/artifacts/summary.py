@@ -191,7 +191,6 @@ def duration(seconds: float) -> str:
 
 def shown_path(path: str | Path) -> str:
     """A path as the console shows it: relative to the working directory when inside it, else as it is."""
-
     try:
         return str(Path(path).absolute().relative_to(Path.cwd()))
     except ValueError:

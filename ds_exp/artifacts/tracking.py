@@ -143,7 +143,6 @@ class Trackers:
 
     def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
         """Each tracker gets summary.json and ends, however the others fare: none hides the run's outcome."""
-
         for tracker in self.all:
             calls = [functools.partial(tracker.artifact, "summary.json", summary)] if summary is not None else []
             failed: list[Exception] = []

@@ -100,7 +100,6 @@ def model_dir_fit(directory: Path) -> ModelFit:
 
 def run_model_fit(model: ModelConfig) -> ModelFit | None:
     """The run's model (model.arch or its checkpoint's config.json) and tokenizer; None when not on this machine."""
-
     local = Path(model.name_or_path).expanduser() if model.name_or_path else None
     config = dict(model.arch or {}) if local is None else _read_json(local / "config.json")
     if not config:

@@ -709,7 +709,6 @@ def _run(plan: Plan) -> int:
 
 def template_of(model_dir: Path) -> str | None:
     """The run's template (its export says it), else the tokenizer's chat template, else lm-eval's own prompts."""
-
     recorded = (read_metadata(model_dir).get("generation") or {}).get("template")
     if recorded is not None:
         return str(recorded)

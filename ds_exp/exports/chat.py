@@ -174,7 +174,6 @@ def chat(
     notes: TextIO | None = None,
 ) -> int:
     """Exit status 0; 1 when a line of a piped standard input was not answered (not UTF-8 text)."""
-
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if args.seed is not None:
         torch.manual_seed(args.seed)  # once: the answers that follow draw in order, as a run's generations do

@@ -125,7 +125,6 @@ def model_settings_of(model_dir: Path, given: str) -> dict[str, Any]:
 
 def context_of(settings: dict[str, Any]) -> tuple[int, str] | None:
     """(positions, what they are) a prompt and its answer share, from config.json; None when nothing limits them."""
-
     found = position_limit(settings)
     if found is None:
         return None

@@ -85,7 +85,6 @@ class ExportHooks(FeatureHooks):
 
     def _export(self, run: Run, target: Path, step: int, *, merged: bool) -> Path:
         """Collective: `target` written (with LoRA the adapter beside; merged with `merged`); the model's dir."""
-
         work, session, settings = run.work, run.session, self.settings
         assert work is not None
         spec = export_spec(

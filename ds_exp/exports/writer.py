@@ -457,7 +457,6 @@ def read_weights(tag_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def run_template(data: DataConfig, marker: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> str:
     """The template the run asked its model in: its tokenized data's, else data.template for the tokenizer."""
-
     key = (marker.get("trajectory") or {}).get("data")
     meta = read_meta(data_cache_dir(data.cache_dir) / str(key)) if key else None
     stats = (meta or {}).get("stats") or {}

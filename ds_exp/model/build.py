@@ -70,7 +70,6 @@ def build_model(
 ) -> BuiltModel:
     """The model to train (ZeRO-3: inside deepspeed.zero.Init). `hooks`: the features' ModelHooks (None: those cfg turns
     on); `auto_class`: the objective's."""
-
     points = [hook for hook in (feature_hooks(cfg) if hooks is None else hooks) if isinstance(hook, ModelHooks)]
     build = ModelBuild(
         config=build_model_config(cfg.model, tokenizer),

@@ -31,7 +31,6 @@ def non_finite_end(
     last_step_overflowed: bool = False,
 ) -> list[str]:
     """Collective: what of the run's end state is not finite (last loss, its gradients, final evaluation, weights)."""
-
     loss_bad = last_loss is not None and not bool(torch.isfinite(torch.as_tensor(last_loss)).all())
     flags = [float(loss_bad), float(last_step_overflowed), float(not local_weights_finite(engine))]
     loss_votes, grad_votes, weight_votes = all_reduce_sum(flags, engine.device)

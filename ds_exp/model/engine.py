@@ -164,7 +164,6 @@ def describe_optimizer(optimizer: torch.optim.Optimizer | None, ds_config: dict[
 
 def lr_at(trajectory: dict, step: int) -> float | None:
     """The learning rate of the step after `step` under `trajectory` (None for DeepSpeed's or a metric's schedule)."""
-
     if trajectory.get("scheduler_owner") != "ds_exp" or trajectory["scheduler"] in ("reduce_lr_on_plateau", "greedy"):
         return None
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=trajectory["lr"])

@@ -285,7 +285,6 @@ def merge_lora(model: PeftModel) -> PreTrainedModel:
 
 def quantized_loading(quantize: str, compute_dtype: torch.dtype) -> dict[str, Any]:
     """from_pretrained's arguments for a bitsandbytes 4-bit (NF4) or 8-bit base on this rank's GPU; UNTESTED."""
-
     if quantize == "4bit":
         config = BitsAndBytesConfig(
             load_in_4bit=True,

@@ -34,7 +34,6 @@ def check_disk_space(
 ) -> None:
     """Collective: rank 0 checks that a checkpoint and the features' planned writes fit on its disk; every rank obeys.
     A resume counts only what is still to be written."""
-
     trainable = parameters if trainable is None else trainable
     verdict = None
     finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step

@@ -101,7 +101,6 @@ def numel(param: torch.Tensor) -> int:
 
 def sum_squared_lengths(batch: dict[str, torch.Tensor]) -> float:
     """sum(n_i^2) over a host batch's sequences: rows of an attention mask, or packed examples (position_ids)."""
-
     mask = batch.get("attention_mask")
     if mask is not None:
         return float((mask.sum(dim=1).double() ** 2).sum())

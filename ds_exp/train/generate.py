@@ -145,7 +145,6 @@ def generate(
     sampling: Sampling = GREEDY,
 ) -> list[str] | None:
     """Collective at ZeRO-3, rank 0 only otherwise (every rank seeds alike). The completions on rank 0, else None."""
-
     zero3 = engine.zero_optimization_stage() == 3
     rank = dist.get_rank()
     if rank != 0 and not zero3:

@@ -51,7 +51,6 @@ class FeatureHooks:
     @property
     def merged_exports(self) -> bool:
         """The step exports must hold the merged model, not only a LoRA adapter: after_export reads it."""
-
         return False
 
     def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:

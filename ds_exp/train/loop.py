@@ -234,7 +234,6 @@ def current_lr(engine: DeepSpeedEngine) -> float:
 
 def loss_scale(engine: DeepSpeedEngine) -> float | None:
     """The fp16 loss scaler's scale (cur_scale, or ZeRO's loss_scale)."""
-
     for name in ("cur_scale", "loss_scale"):
         value = getattr(engine.optimizer, name, None)
         if isinstance(value, (int, float)):

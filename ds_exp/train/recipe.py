@@ -380,7 +380,6 @@ def train(cfg: Config, run: Run, start: TrainState) -> None:
 
 def _stage0_names(optimizer: OptimizerConfig, work: Workload) -> dict[str, Any] | None:
     """A ZeRO-0 optimizer state is indexed by number: its parameter names, for `python -m ds_exp.universal`."""
-
     if work.zero_stage != 0:
         return None
 

@@ -89,7 +89,6 @@ def continue_trajectory(
 ) -> TrainState:
     """Collective, once the resume is accepted: checkpoints off the resumed trajectory are set aside as a branch
     (with the features' files: on_branch); another directory's checkpoint also gives a new run_id."""
-
     run_dir, checkpoint_dir = session.run_dir, session.run_dir / train.checkpoint_dir
     decided = None
     if session.is_main:

@@ -329,7 +329,6 @@ class Session:
 
     def summary_not_written(self, outcome: Outcome, err: OSError) -> None:
         """summary.json could not be written: the run's message says so, or one line when there is none."""
-
         path = self.run_dir / "summary.json"
         earlier = "; the one there is an earlier attempt's" if path.exists() else ""
         note = f"{path} was not written ({no_room(err) or err.strerror or first_line(err)}){earlier}"

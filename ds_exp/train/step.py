@@ -41,7 +41,6 @@ def token_loss_sum(
     logits: torch.Tensor, labels: torch.Tensor | None = None, *, shift_labels: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over label tokens (fp32), and their count; `shift_labels` are shifted already."""
-
     # Shift the labels, not the logits: slicing the logits would copy them (batch x length x vocabulary) and
     # scatter their gradient back; the padded last position is ignored like any other masked token.
     if shift_labels is not None:

@@ -273,7 +273,6 @@ class MlflowRun(Tracker):
 
     def close(self, status: RunStatus) -> None:
         """The status as a tag, and the run ended; every call tried, the first failure raised after."""
-
         if self.client is None:
             return
         client, self.client = self.client, None
