@@ -109,7 +109,6 @@ class LossPlot:
 
 
 def render(curves: Curves, title: str) -> bytes:
-    """The PNG of `figure`."""
     out = io.BytesIO()
     figure(curves, title).savefig(out, format="png")
     return out.getvalue()

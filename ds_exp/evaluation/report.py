@@ -156,6 +156,5 @@ def staged(target: Path) -> Iterator[Path]:
 
 
 def write_record(directory: Path, record: dict[str, Any], title: str) -> None:
-    """harness.json and its chart."""
     write_json_atomic(directory / HARNESS_JSON, redact(record))
     chart(record, directory / CHART, title)

@@ -135,8 +135,6 @@ class _ToRunLog(logging.Handler):
 
 
 class MlflowRun(Tracker):
-    """See the module docstring."""
-
     name = "MLflow"
 
     def __init__(self, settings: MlflowConfig, run: TrackedRun, *, run_id: str | None, start_step: int) -> None:

@@ -26,8 +26,6 @@ FULL = 4096  # bytes free under which a disk counts as full (less than a page: n
 
 
 class WandbRun(Tracker):
-    """See the module docstring."""
-
     name = "wandb"
     finish_bound = "it waits until the data is uploaded; Ctrl-C leaves the rest to `wandb sync` (the run's wandb/)"
 
