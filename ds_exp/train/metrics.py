@@ -91,10 +91,8 @@ class PlainProgress:
         return self.tenth(step) > self.said_tenth or time.perf_counter() - self.said_at >= self.every_s
 
     def line(self, step: int, shown: dict[str, str]) -> str:
-        values = [f"loss {shown['loss']}"] if "loss" in shown else []
-        values += [f"lr {shown['lr']}"] if "lr" in shown else []
-        values += [f"{shown['tok_s']} tokens/s"] if "tok_s" in shown else []
-        values += [f"MFU {shown['mfu']}"] if "mfu" in shown else []
+        said = (("loss", "loss {}"), ("lr", "lr {}"), ("tok_s", "{} tokens/s"), ("mfu", "MFU {}"))
+        values = [form.format(shown[key]) for key, form in said if key in shown]
         return f"step {self.progress(step)}: {', '.join(values) or 'running'}{self.left(step)}"
 
     def progress(self, step: int) -> str:
