@@ -1,15 +1,6 @@
-"""plots/loss.png: a picture of a run without a tracker or a viewer (issue 35 §3).
-
-Train loss and eval loss by optimizer step, the learning rate on a second axis, drawn from what metrics.jsonl holds
-(so a resumed run's picture is its whole course). Rank 0 draws it after each evaluation and once more at the end of
-the run, however it ended (a diverged run's curve is the one worth seeing), and writes it whole
-(ds_exp/core/files.py): a viewer never sees half a PNG. Kept cheap: each picture reads only the lines appended
-since the one before, and draws on matplotlib's Agg canvas without pyplot (no global figure state: a notebook's
-own plots and backend are left alone). A picture takes about 0.06 s of CPU (0.25 s at 100,000 points); on the tiny
-model an evaluation takes as long, so an evaluation that comes sooner after the last picture than 50 times what
-that one took is not drawn (the end always is, unless no line came since the last picture): pictures never take
-more than 2% of a run. A picture that cannot
-be drawn or written costs the picture, said once, never the run: metrics.jsonl has every line.
+"""plots/loss.png for a run without a tracker: train and eval loss and the learning rate by step from metrics.jsonl,
+drawn by rank 0 after each evaluation and at the end. Cheap: only new lines read, Agg without pyplot, skipped when
+due sooner than 50 times the last one's duration. A failure costs the picture, said once, never the run.
 """
 
 from __future__ import annotations
@@ -75,8 +66,7 @@ class LossPlot:
         self.next_at = 0.0  # time.perf_counter() before which an evaluation's picture is skipped
 
     def draw(self, final: bool = False) -> None:
-        """The picture of what metrics.jsonl holds now, unless it holds nothing new (the end, right after the last
-        evaluation's picture); an evaluation's (not `final`) only when it is due."""
+        """The picture of metrics.jsonl now, unless nothing is new; an evaluation's (not `final`) only when due."""
         started = time.perf_counter()
         if not self.enabled or (started < self.next_at and not final):
             return
@@ -99,8 +89,7 @@ class LossPlot:
         file_log.info("%s drawn in %.3f s", self.path, took)
 
     def read_new_lines(self) -> None:
-        """The lines metrics.jsonl gained since the last picture; all of them again when it was rewritten shorter
-        (a resume sets aside the lines past its checkpoint)."""
+        """The lines metrics.jsonl gained since the last picture; all again when a resume rewrote it shorter."""
         if not self.metrics.is_file():
             return
         with self.metrics.open("rb") as file:
@@ -120,18 +109,15 @@ class LossPlot:
 
 
 def render(curves: Curves, title: str) -> bytes:
-    """The PNG of `figure`."""
     out = io.BytesIO()
     figure(curves, title).savefig(out, format="png")
     return out.getvalue()
 
 
 def figure(curves: Curves, title: str) -> Figure:
-    """Loss on the left axis, learning rate on the right (from 0: a constant rate is a flat line at its value, not
-    the middle of an axis around it). A short series is drawn as points (two evaluations joined by a line would
-    draw a trend nobody measured), an evaluation with its value beside it."""
-    # matplotlib is imported by the first picture (a second of import; the run's console filter keeps its
-    # first-use log lines in the log file), not by every import of the training stack
+    """Loss on the left axis, learning rate on the right from 0; a short series as points, evaluations labelled."""
+    # imported by the first picture (a second), not by every import of the training stack
+
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -183,8 +169,7 @@ FEW_POINTS = 30  # a series of fewer points shows each one
 
 
 def _style(steps: tuple[int, ...], size: float = 3) -> dict[str, Any]:
-    """Points alone for a series of one or two (a line through two points is a trend nobody measured), points on
-    the line for a short one, the line alone for a long one."""
+    """Points alone for one or two (a line through two is a trend nobody measured), else a line (dotted if short)."""
     if len(steps) <= 2:
         return {"marker": "o", "markersize": size + 1, "linestyle": "none"}
     return {"marker": "o", "markersize": size} if len(steps) < FEW_POINTS else {}

@@ -76,9 +76,7 @@ class RunState:
         return amount / self.train_seconds if self.train_seconds else None
 
     def times(self, total: float) -> dict[str, float]:
-        """Where the run's wall time went: compiling DeepSpeed's ops (once per machine), loading (the process
-        group, data, model, engine and checkpoint), training (the optimizer steps), and evaluating and saving
-        (evaluations, generations, checkpoints, exports), which add up to the total."""
+        """Where the run's wall time went, adding up to the total: ops, loading, training, evaluating, saving."""
         ready = self.ready_seconds if self.ready_seconds is not None else total
         return {
             "total": total,
@@ -160,9 +158,7 @@ def write_summary(state: RunState, peaks: list[int | None]) -> dict[str, Any]:
 
 
 def final_line(summary: dict[str, Any]) -> str:
-    """What the console says at the end of a completed run: the steps this attempt trained (a resume's from its
-    checkpoint on: the time is this attempt's), the time apart (a first run's minute of compiling is not its
-    training), the evaluation before and after (preference tuning's: its reward accuracy), and where it all is."""
+    """The console's last line of a completed run: steps, time, the evaluation before and after, and where it all is."""
     evals = [summary[k] or {} for k in ("initial_eval", "final_eval")]
     name = "reward_accuracy" if any("reward_accuracy" in e for e in evals) else "perplexity"
     before, after = (f"{e[name]:.3f}" if name in e else "n/a" for e in evals)
@@ -175,8 +171,7 @@ def final_line(summary: dict[str, Any]) -> str:
 
 
 def time_parts(times: dict[str, float]) -> str:
-    """`2m 39s (compile 1m 05s, load 8.1 s, train 80.3 s, evaluate and save 5.4 s)`; compiling only when it took a
-    second or more (a built op loads from torch's cache in well under one)."""
+    """`2m 39s (compile 1m 05s, load 8.1 s, train 80.3 s, evaluate and save 5.4 s)`; compile only from a second."""
     parts = [f"compile {duration(times['compile'])}"] if times["compile"] >= 1 else []
     parts += [f"load {duration(times['load'])}", f"train {duration(times['train'])}"]
     parts.append(f"evaluate and save {duration(times['evaluate_and_save'])}")
@@ -195,8 +190,7 @@ def duration(seconds: float) -> str:
 
 
 def shown_path(path: str | Path) -> str:
-    """A path as the console shows it: relative to the working directory when it is inside it (what a person
-    pastes into the next command), else as it is."""
+    """A path as the console shows it: relative to the working directory when inside it, else as it is."""
     try:
         return str(Path(path).absolute().relative_to(Path.cwd()))
     except ValueError:

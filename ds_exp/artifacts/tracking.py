@@ -1,10 +1,4 @@
-"""Where metric lines go: metrics.jsonl and the trackers (rank 0 only; a no-op on the other ranks).
-
-The trackers are the entries of ds_exp.config.trackers.TRACKERS (wandb, TensorBoard, MLflow), any number at once:
-`logger=[wandb,tensorboard,mlflow]`; each is a ds_exp.artifacts.trackers.base.Tracker in a module of its own,
-imported only when the run turns it on. `Trackers` is what the loop sees: one `log`, `table` and `close` for all
-of them.
-"""
+"""Where metric lines go on rank 0: metrics.jsonl and the trackers, each imported only when on, behind `Trackers`."""
 
 from __future__ import annotations
 
@@ -34,8 +28,7 @@ __all__ = ["MetricsLog", "Trackers", "drop_lines_after"]
 
 
 class MetricsLog:
-    """One JSON object per line in <run dir>/metrics.jsonl (rank 0 writes; other ranks hold a disabled log). A line
-    that cannot be written (a full disk) stops the run with one message, and leaves no line cut short behind."""
+    """<run dir>/metrics.jsonl (rank 0); a line that cannot be written stops the run, none cut short."""
 
     def __init__(self, path: Path, enabled: bool, start_step: int = 0) -> None:
         self.path = path
@@ -71,9 +64,7 @@ def write_failure_message(path: Path, err: OSError | BaseException, step: object
 
 
 def drop_lines_after(path: Path, step: int) -> Path | None:
-    """A run resumed from the checkpoint at `step`: the lines an earlier attempt wrote past it (it was killed after
-    that checkpoint) leave `path`, so that it holds one line per step of the course the run followed. They are
-    kept, not lost: moved to attempts/<time>/<name> beside it (returned)."""
+    """A resume from `step`: lines a killed attempt wrote past it move to attempts/<time>/<name> beside (returned)."""
     if not path.is_file():
         return None
     keep: list[str] = []
@@ -95,8 +86,7 @@ def drop_lines_after(path: Path, step: int) -> Path | None:
 
 
 class Trackers:
-    """Every tracker of the run behind one interface: what the metric lines, evaluations and checkpoints use. Rank 0
-    builds the trackers its settings turn on, in the table's order; the other ranks none."""
+    """Every tracker of the run behind one interface; rank 0 builds those its settings turn on, the others none."""
 
     def __init__(self, logger: LoggerConfig, run: TrackedRun, *, enabled: bool, start: TrainState) -> None:
         self.run_dir = run.run_dir
@@ -132,9 +122,7 @@ class Trackers:
             self._guarded(tracker, step, functools.partial(tracker.table, key, rows, step))
 
     def _guarded(self, tracker: Tracker, step: int, call: Callable[[], None]) -> None:
-        """A tracker whose store fails mid-run (a server gone, its own disk full) costs its records from here, never
-        the training: said once, and it is not written to again. A full disk under the run directory stops the run
-        with one message: metrics.jsonl and the next checkpoint would fail on it too."""
+        """A failing tracker store costs its records, said once, never the training; a full disk stops the run."""
         try:
             call()
         except Exception as err:
@@ -154,9 +142,7 @@ class Trackers:
             )
 
     def close(self, status: RunStatus, summary: dict[str, Any] | None = None) -> None:
-        """Each tracker gets summary.json and ends, however the others fare and whether or not its summary could be
-        written: one failing never hides the run's own outcome. On a full disk under the run directory a failed run
-        has said so already: the trackers' part goes to the log."""
+        """Each tracker gets summary.json and ends, however the others fare: none hides the run's outcome."""
         for tracker in self.all:
             calls = [functools.partial(tracker.artifact, "summary.json", summary)] if summary is not None else []
             failed: list[Exception] = []

@@ -1,14 +1,7 @@
-"""What the evaluation refuses before any model is loaded, one line each (reached from validation through
-FEATURE.problems, from an optuna study through FEATURE.objective_problems, and from `python -m ds_exp.evaluate`):
-eval.harness's combinations with the exports, lm-eval itself missing, an unknown task, a task YAML lm-eval rejects,
-its data files missing, a task whose data only the Hugging Face hub has (and the hub cannot be reached, or
-HF_HUB_OFFLINE is set), and an objective `harness.<task>.<metric>` no task reports. eval.harness's numbers are
-checked by the ranges beside their fields (settings.py). Light: lm-eval's task loader imports datasets, never torch;
-lm-eval is an optional extra, imported where it is used (only when tasks are given).
-
-What a task is (`TaskSpec`): a built-in (tasks.py), a name in lm-eval's registry, or a YAML file. Its result names
-and metrics are told from its config, as harness.json and summary.json name them: a metric under lm-eval's filter
-`none` (or a task's only filter) by its own name (`acc`), else `<metric>/<filter>`.
+"""What the evaluation refuses before any model loads, one line each: eval.harness against the exports, lm-eval
+missing, unknown or rejected tasks, data files missing or out of reach, an objective no task reports. Light (lm-eval's
+loader imports datasets, never torch). A `TaskSpec` is a built-in, a registry name or a YAML file; its metrics are
+named as harness.json names them (`acc`, or `<metric>/<filter>` when a task has several filters).
 """
 
 from __future__ import annotations
@@ -83,8 +76,7 @@ class TaskSpec:
 
 
 def problems(scoring: Scoring, facts: CheckFacts) -> list[str]:
-    """eval.harness's tasks and their combinations with the exports, and the tasks against the run's model, one line
-    per problem (FEATURE.problems)."""
+    """eval.harness with the exports, and its tasks against the run's model (FEATURE.problems)."""
     harness = scoring.harness
     found: list[str] = []
     if harness.every_save and scoring.export_every <= 0:
@@ -126,9 +118,7 @@ def device_problems(device: str, key: str, accelerator: str) -> list[str]:
 def task_problems(
     specs: list[TaskSpec], model: ModelFit | None, asked: Asked, lengths: tuple[int, ...]
 ) -> tuple[list[str], int]:
-    """The tasks whose rows can be read here (task YAML files, whose data lm-eval loaded while they were resolved,
-    and the built-ins) against the model, before any weight loads; lm-eval's registry tasks are checked when they
-    are scored (their data may be the hub's). (The problems, the bytes lm-eval will write.)"""
+    """(problems, bytes lm-eval will write) of the local tasks against the model; registry tasks, when scored."""
     found: list[str] = []
     size = 0
     for spec in specs:
@@ -237,9 +227,6 @@ def _leaves(name: str, index: dict[str, list[Any]], seen: set[str]) -> Iterator[
                 yield from _leaves(member_name, index, seen)
 
 
-# ---------------------------------------------------------------------------------------------------- the data
-
-
 def _data_files(cfg: dict[str, Any]) -> list[Path]:
     files = ((cfg.get("dataset_kwargs") or {}).get("data_files")) or []
     values = files.values() if isinstance(files, dict) else [files]
@@ -299,9 +286,6 @@ def _hub_problem(dataset: str) -> str | None:
         f"({datasets_cache()}); give a task YAML whose data are local files (dataset_path: json, "
         "dataset_kwargs.data_files), or run where the hub can be reached once"
     )
-
-
-# ------------------------------------------------------------------------------------------ lm-eval's own loaders
 
 
 @functools.cache
@@ -417,9 +401,8 @@ def _an_index(found: dict[str, Any]) -> bool:
 
 @functools.cache
 def registry_index() -> dict[str, list[Any]]:
-    """lm-eval's task registry by name: [kind, YAML path, a tag's task names]. lm-eval builds it by reading its
-    ~15000 YAML files (seconds); it is kept in ~/.cache/ds_exp per lm-eval installation, checked, not trusted
-    (ds_exp/core/private_files.py: the user's own directory, an entry of another shape built again)."""
+    """lm-eval's task registry by name: [kind, YAML path, a tag's tasks]. Reading it takes seconds, so it is cached in
+    ~/.cache/ds_exp per lm-eval installation, checked, not trusted."""
     spec = importlib.util.find_spec("lm_eval")
     tasks_dir = Path(str(spec.origin if spec else "")).parent / "tasks"
     version = importlib.metadata.version("lm_eval")

@@ -1,8 +1,5 @@
-"""Did the fine-tune help? `python -m ds_exp.evaluate TARGET TASK [TASK ...]`: lm-evaluation-harness scores of a
-run's final export beside its base model's (TARGET a run directory), or of one model (an export, any Hugging Face
-model directory, or a checkpoint, exported first as `python -m ds_exp.export` does). Everything it can refuse is
-refused first (plan.py), one line each and before torch is imported or a model loaded (nothing is written then); the
-work itself (harness.run, as a run's eval.harness scores) is imported after."""
+"""`python -m ds_exp.evaluate TARGET TASK [TASK ...]`: every refusal first (plan.py), before torch; the work
+(harness.run) after."""
 
 from __future__ import annotations
 

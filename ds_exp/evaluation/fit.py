@@ -1,15 +1,7 @@
-"""Can the model be judged on the task? Checked before any weight loads, by one checker both entry points use (a
-run's validation and `python -m ds_exp.evaluate`'s plan with the light tokenizer of tokenizer.json; the scoring
-itself again with the export's own tokenizer, every task's rows loaded by lm-eval, before the weights). Refused, one
-line each naming the task, its data file and row: a group with no tasks, a split with no questions, rows without
-a field a prompt reads (lm-eval would ask "Question: None"), a prompt or a choice longer than the model's positions
-(lm-eval asserts on a choice, and cuts the beginning of a prompt off: a passkey scored 0.0), more few-shot examples
-than the task has. What lm-eval will write is estimated too (the room on the disk is checked). Light: lm-eval's task
-objects and the `tokenizers` library, never torch.
-
-Lengths are lower bounds, so a refusal is certain: the question and its longest answer in tokens, each few-shot
-example counted as the shortest of the task's, the template's markup left out. Prompts made by a task's own code
-(`!function`) are measured only where that code runs anyway (the scoring), never in validation.
+"""Can the model be judged on the task? One light checker (never torch) before any weight loads, for validation, the
+command and the scoring: a group with no tasks, a split with no questions, rows without a field a prompt reads, a
+prompt beyond the model's positions, too few few-shot examples, the disk room lm-eval's files need; one line each.
+Lengths are lower bounds, so a refusal is certain; prompts made by a task's own code are measured only in scoring.
 """
 
 from __future__ import annotations
@@ -107,8 +99,7 @@ def model_dir_fit(directory: Path) -> ModelFit:
 
 
 def run_model_fit(model: ModelConfig) -> ModelFit | None:
-    """The model a run trains, as its export will be: model.arch or its checkpoint's config.json (positions
-    stretched by model.rope_scaling), and its tokenizer; None where its config is not on this machine (a hub id)."""
+    """The run's model (model.arch or its checkpoint's config.json) and tokenizer; None when not on this machine."""
     local = Path(model.name_or_path).expanduser() if model.name_or_path else None
     config = dict(model.arch or {}) if local is None else _read_json(local / "config.json")
     if not config:
@@ -141,9 +132,7 @@ def passkey_problems(lengths: Sequence[int], model: ModelFit, asked: Asked) -> l
 def loaded_problems(
     given: str, loaded: dict[str, Any], model: ModelFit | None, asked: Asked, *, key: str, run_code: bool
 ) -> tuple[list[str], int]:
-    """What lm-eval's TaskManager.load made of TASK `given` (its leaf tasks, its groups), checked against `model`:
-    (the problems, the bytes lm-eval's files of it will take). A refusal names the task within a group (or a YAML
-    file's task when it is not the one named)."""
+    """(problems, bytes of lm-eval's files) of what TaskManager.load made of TASK `given`, against `model`."""
     names = [*(loaded.get("tasks") or {}), *(loaded.get("group_map") or {})]
     found = [
         f"{key}: {given}: its group {group} holds no tasks; name its tasks under `task:`"
@@ -247,8 +236,8 @@ def _shots(task: Any, asked: Asked) -> int:
 
 
 def _render(task: Any, docs: list[Any], rows: _Rows, run_code: bool) -> tuple[list[str], list[list[str]]] | str | None:
-    """(each question's text, its answers: the choices, the target, or none for a generation) as lm-eval renders
-    them; a problem naming the row where a setting fails; None where the task's own code would have to run."""
+    """(each question's text, its answers) as lm-eval renders them, or a problem naming the row; None where the task's
+    own code would have to run."""
     config = task.config
     if not run_code and any(callable(getattr(config, s, None)) for s in SETTINGS):
         return None

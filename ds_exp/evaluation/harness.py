@@ -1,20 +1,9 @@
-"""lm-evaluation-harness scores of exported models, through lm-eval's own Python API (nothing of its scoring is
-redone here): each model is an HFLM of its directory (weights, tokenizer and dtype as exported), each TASK one
-lm_eval.simple_evaluate call on it with the tasks of a TaskManager (the built-ins of tasks.py, YAML files, lm-eval's
-registry), and lm-eval's EvaluationTracker writes its own files (results_<date>.json, samples_<task>_<date>.jsonl).
-Prompts are rendered as the run trained (`RenderedLM`): the run's dschat markup, or the tokenizer's chat template
-(lm-eval's apply_chat_template), or with the template off (or the run's raw template) lm-eval's own prompts.
+"""lm-evaluation-harness scores of exported models through lm-eval's own API (none of its scoring redone): an HFLM of
+each model, one simple_evaluate per TASK, prompts rendered as the run trained (`RenderedLM`).
 
-The base model is scored the same way: what the run's config builds before training (ds_exp.model.build, the run's
-own call), the pretrained checkpoint or, for a model built from its config, its initialization rebuilt from
-train.seed (init_weights_by_name draws every module's weights from (train.seed, its name) alone: the run's step-0
-model at any ZeRO stage and world size; tests/integration/test_harness.py checks its perplexity), exported as the run
-exports (the tuned export's vocabulary, dtype and tokenizer) into a scratch directory; a checkpoint the export kept
-as it was is scored in place. Its scores are cached under data.cache_dir, one entry per (model, TASK, settings),
-written whole under a lock: a sweep of 20 jobs over one base model scores it once, and a rerun not at all.
-
-lm-eval is an optional extra: this module imports it, and is itself imported only where tasks are scored (a run's
-hooks.py; `run`, `python -m ds_exp.evaluate`'s work).
+The base model is what the run's config builds before training: the checkpoint, or its init rebuilt from train.seed,
+exported as the run exports. Its scores are cached under data.cache_dir per (model, TASK, settings), written whole
+under a lock, so a sweep over one base scores it once. Imported only where tasks are scored (lm-eval is optional).
 """
 
 from __future__ import annotations
@@ -62,7 +51,7 @@ from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.evaluation.tasks import BuiltinSettings, write_builtin_tasks
 from ds_exp.exports.checks import run_dir_of
 from ds_exp.exports.on_disk import read_metadata
-from ds_exp.exports.writer import DTYPES, TOKENIZER_FILES, export_checkpoint, export_spec, write_export
+from ds_exp.exports.writer import DTYPES, TOKENIZER_FILES, export_checkpoint, export_spec, rebuild_config, write_export
 from ds_exp.launch.run_logging import FILE_LOGGER, LIBRARY_LOGGER, ConsoleFormatter, on_terminal
 from ds_exp.model.architecture import checkpoint_dtype
 from ds_exp.model.build import build_model
@@ -140,10 +129,8 @@ class TaskScores:
 
 
 class RenderedLM(HFLM):
-    """lm-eval's HFLM, asking in the run's template. dschat (no chat template in the tokenizer) is rendered as the run
-    trained on it: " Human: {question} Assistant: {answer}", the space before the answer left at the end of the
-    context, which lm-eval moves into the continuation (the answer's tokens are the ones trained on), and stripped
-    before generating (the model writes it, as in training). chat_template: the tokenizer's own, as HFLM applies it."""
+    """lm-eval's HFLM asking in the run's template: dschat as the run trained on it (" Human: {q} Assistant: {a}", the
+    space before the answer stripped before generating: the model writes it); chat_template as HFLM applies it."""
 
     def __init__(self, *args: Any, template: str | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -200,10 +187,8 @@ class RenderedLM(HFLM):
 
 
 class Progress:
-    """Requests scored of the total while lm-eval scores one TASK on one model: a bar on a terminal (stderr, as
-    training's), plain lines when piped (at every tenth and at least once a minute: PlainProgress) where ds_exp's
-    console lines go (a run's stdout, the command's stderr); on the console as it was before lm-eval's own output
-    (its bars too) was taken for the log (library_stdout)."""
+    """Requests scored while lm-eval scores one TASK: a bar on a terminal, plain lines when piped, on the console as it
+    was before library_stdout took lm-eval's output."""
 
     def __init__(self, what: str) -> None:
         self.what, self.terminal = what, on_terminal()
@@ -274,8 +259,7 @@ def score(
     out_dir: Path,
     model: str = "",
 ) -> dict[str, TaskScores]:
-    """Each TASK's scores (by its given name), lm-eval's files for it in out_dir/<task>/ (redacted as they are
-    written: a token a task YAML holds is in them, ds_exp.config.secrets)."""
+    """Each TASK's scores (by its given name), lm-eval's files for it in out_dir/<task>/, redacted."""
     scores = {}
     for spec in specs:
         tracker = EvaluationTracker(output_path=str(out_dir / spec.name / "results.json"))
@@ -305,9 +289,8 @@ def score(
 
 
 def redact_files(where: Path) -> None:
-    """lm-eval's files (those under `where`, or that file) through ds_exp's one redaction (ds_exp.config.secrets
-    .redact), before anything reads them: its results copy each task's config (a token in dataset_kwargs), its
-    samples each question. A file with nothing to blank is left as lm-eval wrote it."""
+    """lm-eval's files (under `where`, or that file) redacted: its results copy each task's config (a token in
+    dataset_kwargs). A file with nothing to blank is left as written."""
     for path in [where] if where.is_file() else sorted(p for p in where.rglob("*") if p.is_file()):
         text = path.read_text(errors="replace")
         if path.suffix in (".json", ".jsonl"):
@@ -322,9 +305,8 @@ def redact_files(where: Path) -> None:
 
 
 def scores_of(found: dict[str, Any]) -> TaskScores:
-    """lm-eval's results ({"acc,none": 0.9, "acc_stderr,none": 0.02, ...} per task) as harness.json names them: a
-    metric under the filter `none`, or its only filter, by its own name; else `<metric>/<filter>`; and the questions
-    each rests on (a group's: its tasks')."""
+    """lm-eval's results ({"acc,none": 0.9, ...}) as harness.json names them (`<metric>`, or `<metric>/<filter>` when a
+    metric has several filters), and the questions each rests on."""
     out = TaskScores()
     results: dict[str, dict[str, Any]] = found["results"]
     counted = {task: int(n.get("effective", 0)) for task, n in (found.get("n-samples") or {}).items()}
@@ -354,9 +336,6 @@ def _number(value: Any) -> float | None:
         return None
 
 
-# ------------------------------------------------------------------------------------------- a whole evaluation
-
-
 @dataclass
 class Evaluation:
     record: dict[str, Any]  # harness.json
@@ -374,8 +353,7 @@ def evaluate(
     base_cfg: Config | None,
     title: str,
 ) -> Evaluation:
-    """Score the export `tuned_dir` (and with `base_cfg`, the run's config, its base model) on every TASK; write
-    harness.json, the chart and lm-eval's files into `out_dir`. Training's random state is left as it was."""
+    """Score `tuned_dir` (with `base_cfg`, its base too) on every TASK into `out_dir`; training's random state kept."""
     hf_logging.disable_progress_bar()  # loading and writing shards: ds_exp says what it does instead
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(
@@ -427,8 +405,7 @@ def evaluate(
 def judged(
     tuned_dir: Path, tokenizer: Any, specs: Sequence[TaskSpec], settings: HarnessSettings, manager: TaskManager
 ) -> int:
-    """Every TASK, its rows loaded by lm-eval, against the export's positions and tokenizer (fit.py), before any
-    weight loads: one line per problem (ConfigError); else the bytes lm-eval will write."""
+    """Every TASK's rows against the export (fit.py) before any weight loads: ConfigError, else lm-eval's bytes."""
     config = AutoConfig.from_pretrained(str(tuned_dir)).to_dict()
     positions = positions_of(config, {"model_max_length": getattr(tokenizer, "model_max_length", None)})
     counted = lambda texts: [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]  # noqa: E731
@@ -455,8 +432,8 @@ def base_scores(
     cache: BaseCache,
     out_dir: Path,
 ) -> tuple[dict[str, TaskScores], list[str]]:
-    """(the base model's scores by TASK, the TASKs scored now): from the cache where it has them, else scored (one
-    process at a time) and cached; lm-eval's files of each TASK copied into out_dir/<task>/."""
+    """(the base model's scores by TASK, the TASKs scored now): cached, else scored under a lock and cached; lm-eval's
+    files copied into out_dir/<task>/."""
     found = {spec.given: cache.read(spec.fingerprint) for spec in specs}
     scored: list[str] = []
     if any(v is None for v in found.values()):
@@ -514,7 +491,7 @@ def _builtin_tasks(
 
 @contextlib.contextmanager
 def _random_state_kept() -> Iterator[None]:
-    """lm-eval seeds Python's, numpy's and torch's generators (and the base's rebuild torch's): put back after."""
+    """lm-eval seeds Python's, numpy's and torch's generators (the base's rebuild torch's): put back after."""
     python, numpy_state = random.getstate(), np.random.get_state()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
@@ -525,13 +502,17 @@ def _random_state_kept() -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
-@contextlib.contextmanager
-def _lm_eval_log(path: Path) -> Iterator[None]:
-    """What lm-eval says (its logger, and what it prints: ds_exp.runtime.rank_logging.library_stdout) also goes to
-    `path`, beside its files."""
+def _lm_eval_log(path: Path) -> contextlib.AbstractContextManager[None]:
+    """What lm-eval says (its logger, and what it prints: library_stdout) also goes to `path`."""
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    loggers = [logging.getLogger(name) for name in (LIBRARY_LOGGER, FILE_LOGGER, "lm_eval")]
+    return _handled(handler, LIBRARY_LOGGER, FILE_LOGGER, "lm_eval")
+
+
+@contextlib.contextmanager
+def _handled(handler: logging.Handler, *names: str) -> Iterator[None]:
+    """`handler` on the loggers `names` (at INFO at least) inside the block, then closed."""
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.addHandler(handler)
@@ -552,9 +533,7 @@ def settings_of(
     device: str,
     keys: dict[str, str] | None = None,
 ) -> HarnessSettings:
-    """eval.harness's settings for an export asked in `template` (the run's: its export's metadata says it) on
-    `device`; generation tasks sample as the run's generations did (`sampling`: eval.*, greedy by default); `keys`:
-    the command's names of what a run calls eval.harness.<name>, for its refusals."""
+    """eval.harness for an export in `template` on `device`, sampling as the run's generations; `keys` for refusals."""
     gen_kwargs = None
     if sampling is not None and sampling.temperature > 0:
         gen_kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
@@ -570,20 +549,16 @@ def settings_of(
     )
 
 
-def builtin_of(cfg: Config) -> BuiltinSettings:
-    return BuiltinSettings(cfg.data.synthetic, cfg.eval.harness.lengths(cfg.data.max_seq_len))
+def builtin_of(data: DataConfig, harness: HarnessConfig) -> BuiltinSettings:
+    return BuiltinSettings(data.synthetic, harness.lengths(data.max_seq_len))
 
 
 def _tokenizer_files(model_dir: Path) -> dict[str, Any]:
     return {name: path_fingerprint(model_dir / name) for name in TOKENIZER_FILES if (model_dir / name).is_file()}
 
 
-# ---------------------------------------------------------------------------------------------- the base model
-
-
 def base_identity(model: ModelConfig, seed: int, tuned_dir: Path) -> dict[str, Any]:
-    """What the base model's scores depend on: how it is built (from model.arch and train.seed `seed`, or the
-    checkpoint's files), the tokenizer and dtype the tuned export has."""
+    """What the base model's scores depend on: how it is built, the tuned export's tokenizer and dtype."""
     if model.name_or_path is None:
         built: dict[str, Any] = {
             "arch": model.arch,
@@ -601,29 +576,9 @@ def base_identity(model: ModelConfig, seed: int, tuned_dir: Path) -> dict[str, A
     return {"model": built, "tokenizer": _tokenizer_files(tuned_dir), "dtype": read_metadata(tuned_dir).get("dtype")}
 
 
-def _for_rebuild(cfg: Config) -> Config:
-    """The run's config for the base alone, in this process: no LoRA (its adapters start as the identity), no
-    sequence-parallel groups, no GPU kernels, no long-context tiling (none of them changes a weight)."""
-    cfg = dataclasses.replace(cfg)
-    cfg.lora = dataclasses.replace(cfg.lora, dim=0, quantize=None)
-    cfg.dist = dataclasses.replace(cfg.dist, sequence_parallel_size=1)
-    attention = None if cfg.model.attn_implementation == "auto" else cfg.model.attn_implementation
-    cfg.model = dataclasses.replace(
-        cfg.model,
-        liger_kernel=False,
-        attn_implementation=attention,
-        gradient_checkpointing=False,
-        tiled_mlp=False,
-        tiled_loss=False,
-        activation_offload=False,
-    )
-    return cfg
-
-
 @contextlib.contextmanager
 def base_model_dir(cfg: Config, tuned_dir: Path, scratch: Path) -> Iterator[Path]:
-    """A directory lm-eval loads the base model from: the checkpoint itself, or an export of the rebuilt model
-    written under `scratch` (removed after)."""
+    """The base model's directory: the checkpoint itself, or an export of the rebuilt model under `scratch`."""
     meta = read_metadata(tuned_dir)
     path = cfg.model.name_or_path
     if path is not None and Path(path).expanduser().is_dir():  # the checkpoint itself, when the export kept its
@@ -633,7 +588,7 @@ def base_model_dir(cfg: Config, tuned_dir: Path, scratch: Path) -> Iterator[Path
             yield Path(path).expanduser()
             return
     generation = meta.get("generation") or {}
-    rebuilt = _for_rebuild(cfg)
+    rebuilt = rebuild_config(cfg, base=True)
     tokenizer = load_tokenizer(rebuilt.model, rebuilt.data)
     built = build_model(rebuilt, tokenizer, {"zero_optimization": {"stage": 0}})
     state = dict(built.model.state_dict())
@@ -659,10 +614,8 @@ def base_model_dir(cfg: Config, tuned_dir: Path, scratch: Path) -> Iterator[Path
 
 
 class BaseCache:
-    """The base model's scores under <data.cache_dir>/harness-base/: <model>-<task and settings>/ holds
-    scores.json and lm-eval's files for that TASK. An entry is complete once its directory has its name. The
-    directories are the user's own (ds_exp/core/private_files.py: never a link, nor another's), and an entry is
-    checked, not trusted: one of another shape is a miss, said once and scored again."""
+    """The base model's scores under <data.cache_dir>/harness-base/<model>-<key>/, complete once renamed into place;
+    each entry checked, not trusted (another shape is a miss, said once and scored again)."""
 
     def __init__(self, cache_dir: Path, identity: dict[str, Any], settings: dict[str, Any]) -> None:
         self.root = cache_dir / CACHE
@@ -692,7 +645,7 @@ class BaseCache:
         return path
 
     def store(self, fingerprint: str, files: Path, scores: dict[str, Any]) -> None:
-        """`files` (lm-eval's, for this TASK) and `scores` become the entry (renamed into place: complete or absent)."""
+        """`files` (lm-eval's, for this TASK) and `scores` become the entry, renamed into place."""
         (files / SCORES).write_text(json_text(scores, indent=2, sort_keys=True) + "\n")
         target = self.entry(fingerprint)
         if target.exists() or target.is_symlink():  # an entry that was a miss: ds_exp's own directory, replaced
@@ -704,25 +657,12 @@ class BaseCache:
         files.rename(target)
 
 
-# ------------------------------------------------------------------------------------- python -m ds_exp.evaluate
-
-
-@contextlib.contextmanager
-def _said_on_the_console() -> Iterator[None]:
-    """What the evaluation does, and ds_exp's warnings (a cache entry built again), on the command's console as a
-    run's lines (`ds_exp: ...`); the rest (the base model's build and export) and the libraries' in lm_eval.log."""
+def _said_on_the_console() -> contextlib.AbstractContextManager[None]:
+    """The evaluation's lines and ds_exp's warnings on the command's console; the rest in lm_eval.log."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(ConsoleFormatter())
     handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name == __name__)
-    ours = logging.getLogger("ds_exp")
-    level = ours.level
-    ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        ours.removeHandler(handler)
-        ours.setLevel(level)
+    return _handled(handler, "ds_exp")
 
 
 def run(plan: Plan) -> int:
@@ -755,7 +695,7 @@ def _run(plan: Plan) -> int:
         settings,
         out_dir=plan.out_dir,
         cache_dir=data_cache_dir(data.cache_dir),
-        builtin=BuiltinSettings(data.synthetic, plan.harness.lengths(data.max_seq_len)),
+        builtin=builtin_of(data, plan.harness),
         base_cfg=plan.cfg if plan.base else None,
         title=str(plan.model_dir),
     )
@@ -768,8 +708,7 @@ def _run(plan: Plan) -> int:
 
 
 def template_of(model_dir: Path) -> str | None:
-    """How the model is asked: the run's template (its export says it), else the tokenizer's chat template, else
-    lm-eval's own prompts (a model from elsewhere, trained on none)."""
+    """The run's template (its export says it), else the tokenizer's chat template, else lm-eval's own prompts."""
     recorded = (read_metadata(model_dir).get("generation") or {}).get("template")
     if recorded is not None:
         return str(recorded)

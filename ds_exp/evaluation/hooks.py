@@ -1,11 +1,6 @@
-"""The run's lm-eval scores at the recipe's named points: after the run (the final export, its base beside, rank 0,
-once the engine is released) into RUN_DIR/eval/, and with eval.harness.every_save after each step export (the tuned
-model: a curve over steps) into RUN_DIR/eval/<export>/. The numbers go to summary.json (`harness`, `harness_base`),
-metrics.jsonl and every tracker. The other ranks wait for rank 0 at the run's end (within dist.timeout_minutes).
-
-A failure of an evaluation never turns the completed training into a failed run, nor touches its checkpoints or
-export: summary.json's `harness_status` says failed (with `harness_error`) or interrupted (a stop signal or Ctrl-C
-during it ends the evaluation at once), and `python -m ds_exp.evaluate RUN_DIR TASK...` scores it again later.
+"""The run's lm-eval scores: after the run (rank 0, the final export and its base) and with eval.harness.every_save
+after each step export. A failure never fails the completed run: summary.json's `harness_status` says so, and
+`python -m ds_exp.evaluate RUN_DIR TASK...` scores it later.
 """
 
 from __future__ import annotations
@@ -60,8 +55,7 @@ class HarnessHooks(FeatureHooks):
             log.warning("%s", line)
 
     def after_export(self, run: Run, export: Path, step: int, *, final: bool) -> None:
-        """eval.harness.every_save: rank 0 scores a step export (the tuned model alone) into RUN_DIR/eval/<export>/;
-        the final export is scored after the run."""
+        """eval.harness.every_save: rank 0 scores a step export alone into RUN_DIR/eval/<export>/."""
         session = run.session
         if final or not (self.settings.harness.every_save and session.is_main):
             return
@@ -93,7 +87,7 @@ class HarnessHooks(FeatureHooks):
                 settings_of(harness, cfg.eval, template, device),
                 out_dir=out_dir,
                 cache_dir=data_cache_dir(cfg.data.cache_dir),
-                builtin=builtin_of(cfg),
+                builtin=builtin_of(cfg.data, harness),
                 base_cfg=cfg if base else None,
                 title=f"{session.run_dir.name}: {export_dir.name}",
             )

@@ -1,6 +1,5 @@
-"""What `python -m ds_exp.evaluate` scores, how and where, decided from its command line before anything heavy (no
-torch): the target (a run directory, an export or model directory, a checkpoint), the tasks (checks.py), the options
-over the run's eval.harness, the output directory. Every refusal is one line."""
+"""What `python -m ds_exp.evaluate` scores, how and where, decided before torch: the target (a run directory, an
+export or model directory, a checkpoint), the tasks, the options over the run's eval.harness, the output directory."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""What an lm-eval scoring leaves for people and tools: harness.json, the console table, the bar chart of base
-against tuned, the numbers summary.json and the trackers keep, and the directory they are written into.
-
-    RUN_DIR/eval/harness.json      {"tasks": {"<task>": {"<metric>": {"base": x, "tuned": y, "stderr": s}}},
-                                    "settings": {...}}   (one model: {"tuned": y, "stderr": s} only)
-    RUN_DIR/eval/harness.png       base against tuned, per task and metric
-    RUN_DIR/eval/tuned/<TASK>/     lm-eval's own files: results_<date>.json, samples_<task>_<date>.jsonl
-    RUN_DIR/eval/base/<TASK>/      the same for the base model (copied from the cache when it was scored before)
-    RUN_DIR/eval/<export>/         one model's evaluation (an export of train.export_every, any export or checkpoint)
-
-An evaluation is written into a scratch directory beside, and moved into place once complete; what an earlier
-evaluation left there is set aside under earlier/<time>/ (nothing is lost), and an interrupted one leaves nothing.
+"""What an lm-eval scoring leaves: RUN_DIR/eval/harness.json ({"tasks": {task: {metric: {"base", "tuned", "stderr"}}},
+"settings"}), harness.png (base against tuned), lm-eval's files under {tuned,base}/<TASK>/ (one model's evaluation:
+eval/<export>/), the console table and the numbers summary.json and the trackers keep.
 """
 
 from __future__ import annotations
@@ -49,8 +40,7 @@ def harness_record(
 
 
 def flat(record: dict[str, Any], side: str) -> dict[str, dict[str, float | None]]:
-    """summary.json's `harness` (side tuned) or `harness_base`: task -> metric -> value (objective
-    harness.<task>.<metric>)."""
+    """summary.json's `harness` or `harness_base`: task -> metric -> value (objective harness.<task>.<metric>)."""
     return {
         task: {metric: entry.get(side) for metric, entry in metrics.items()}
         for task, metrics in record["tasks"].items()
@@ -76,8 +66,7 @@ def _cell(value: float | None, signed: bool = False) -> str:
 
 
 def table(record: dict[str, Any]) -> str:
-    """The console's table: task, metric, base, tuned, difference, stderr (of the tuned value), and the questions
-    the scores rest on."""
+    """The console's table: task, metric, base, tuned, difference, stderr, and the questions the scores rest on."""
     rows = [("task", "metric", "base", "tuned", "difference", "stderr", "questions")]
     questions = record.get("questions") or {}
     for task, metrics in record["tasks"].items():
@@ -141,9 +130,8 @@ def chart(record: dict[str, Any], path: Path, title: str) -> None:
 
 @contextlib.contextmanager
 def staged(target: Path) -> Iterator[Path]:
-    """A scratch directory for one evaluation, its files moved into `target` when the block completes (those of an
-    earlier evaluation there set aside under earlier/<time>/); nothing is left of an evaluation that fails or is
-    interrupted (not even `target`, when it made it)."""
+    """A scratch directory moved into `target` when the block completes (an earlier one's files set aside under
+    earlier/<time>/); nothing is left of one that fails."""
     made = [p for p in (target.parent, target) if not p.exists()]
     target.mkdir(parents=True, exist_ok=True)
     scratch = target / f".staging-{time.strftime('%Y%m%d-%H%M%S')}-{id(target):x}"
@@ -168,6 +156,5 @@ def staged(target: Path) -> Iterator[Path]:
 
 
 def write_record(directory: Path, record: dict[str, Any], title: str) -> None:
-    """harness.json and its chart."""
     write_json_atomic(directory / HARNESS_JSON, redact(record))
     chart(record, directory / CHART, title)

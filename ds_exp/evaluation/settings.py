@@ -1,6 +1,4 @@
-"""The settings of the lm-evaluation-harness scores (eval.harness, conf/eval/default.yaml's `harness`): the schema's
-EvalConfig types its `harness` with HarnessConfig, each number's range beside it. Light: the standard library and
-ds_exp.config.fields only (the schema imports this module)."""
+"""eval.harness's settings (conf/eval/default.yaml's `harness`), typing the schema's EvalConfig.harness. Light."""
 
 from __future__ import annotations
 

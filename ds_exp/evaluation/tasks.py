@@ -1,15 +1,6 @@
-"""ds_exp's own lm-evaluation-harness tasks, offline: task YAML files in lm-eval's format and their data (local
-JSON lines, `dataset_path: json`), generated from a seed into the data cache (one directory per settings, as the
-tokenized data: ds_exp/data/cache.py).
-
-* `ds_exp_synthetic`: multiple choice drawn from the embedded SFT task (ds_exp/data/synthetic.py), prompts never
-  trained on: the answer and three near misses (the words in the other order, one word or digit off, the other
-  colours of the context). Chance is 25%; the default run scores near 100% after training.
-* `ds_exp_passkey`: a five-digit passkey hidden at a random depth in filler text, prompts of about N tokens each
-  (eval.harness.passkey_lengths; [] = data.max_seq_len, the length the run trained for); the answer is generated
-  greedily and its first number compared (exact match). One subtask per length, `ds_exp_passkey_<N>`, in a group.
-
-Pure Python and yaml: the tokenizer that measures passkey prompts is handed in (`count_tokens`).
+"""ds_exp's offline lm-eval tasks, YAML and JSON lines generated from a seed into the data cache (pure Python).
+`ds_exp_synthetic`: multiple choice from the embedded SFT task, never trained on (chance 25%). `ds_exp_passkey`: a
+five-digit passkey hidden in filler of about N tokens (eval.harness.passkey_lengths), `ds_exp_passkey_<N>` per length.
 """
 
 from __future__ import annotations
@@ -130,12 +121,8 @@ def passkey_task(name: str) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------------------------- the questions
-
-
 def synthetic_questions(count: int, synthetic: SyntheticDataConfig) -> list[dict[str, Any]]:
-    """`count` multiple-choice questions from the embedded task's generator, none of whose prompts the run trained
-    on: {"question", "choices" (4), "answer" (the index of the right one)}."""
+    """`count` questions from the embedded task's generator, never trained on: {"question", "choices" (4), "answer"}."""
     train, _ = generate(synthetic.num_train, 0, synthetic.seed)
     seen = {row["prompt"] for row in train}
     rng = random.Random(f"ds_exp-harness-synthetic-{synthetic.seed}")
@@ -184,8 +171,7 @@ def _one_off(answer: str, pool: Sequence[str], rng: random.Random) -> str:
 
 
 def passkey_rows(length: int, count: int, seed: int, count_tokens: Callable[[str], int]) -> list[dict[str, Any]]:
-    """`count` prompts of about `length` tokens (as `count_tokens` measures them, 16 left for the template and the
-    answer), each hiding a five-digit passkey at a random depth."""
+    """`count` prompts of about `length` tokens (16 left for template and answer), each hiding a five-digit passkey."""
     rng = random.Random(f"ds_exp-harness-passkey-{seed}-{length}")
     rows = []
     for _ in range(count):

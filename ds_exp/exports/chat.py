@@ -1,13 +1,6 @@
-"""`python -m ds_exp.chat`'s work: an exported model answers as it did during its run.
-
-The prompt is rendered with the template the run trained with (the export's ds_exp_export.json records it, with the
-tokens where its generations stopped: for rows that carried their own " Human: ... Assistant:" markup, that markup;
-ds_exp.data.templates.first_template), else the tokenizer's chat template, else DeepSpeed-Chat's text; generation
-is the run's own call (ds_exp/train/generate.py's options, greedy unless --temperature > 0), so a greedy answer to
-an eval.prompts prompt is the one the run wrote to generations.jsonl at that step. On a terminal it is a
-conversation (each answer streamed; /reset forgets it, /exit or Ctrl-D ends it); otherwise every line of standard
-input is one prompt on its own, answered in order. The first empty answer gets a hint on stderr: why it may be empty
-and what to try.
+"""`python -m ds_exp.chat`: an export answers as it did in its run, in the template its ds_exp_export.json records
+(else the tokenizer's, else DeepSpeed-Chat's), through the run's generate call. A conversation on a terminal, else
+one answer per line of standard input.
 """
 
 from __future__ import annotations
@@ -35,8 +28,7 @@ class Chat:
     def __init__(
         self, model_dir: Path, args: argparse.Namespace, context: int | None = None, notes: TextIO | None = None
     ) -> None:
-        """`context`: the positions a prompt and its answer share (ds_exp.exports.checks.context_of), None for no
-        limit; `notes`: where a prompt cut short is said."""
+        """`context`: the positions a prompt and its answer share (checks.context_of); `notes`: where a cut is said."""
         hf_logging.disable_progress_bar()
         device = pick_device(args.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -136,8 +128,7 @@ def choose_template(asked: str, recorded: str | None, tokenizer: PreTrainedToken
 
 
 def pick_device(asked: str) -> torch.device:
-    """--device as torch names it (auto: cuda when there is one), refused in one message when this machine has no
-    such device (its form was checked before torch was imported: ds_exp/exports/cli.py)."""
+    """--device as torch names it (auto: cuda when there is one); refused when this machine has no such device."""
     if asked == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(asked)
@@ -154,8 +145,7 @@ def pick_device(asked: str) -> torch.device:
 
 
 def prompts(stdin: TextIO, notes: TextIO) -> Iterator[str | None]:
-    """The lines of a piped standard input, each one prompt; None for a line that is not UTF-8 text (said on
-    `notes`, with its number), so that the answers of the others still come, in order."""
+    """The lines of a piped standard input; None for a line that is not UTF-8 text (said on `notes`)."""
     reconfigure = getattr(stdin, "reconfigure", None)
     if reconfigure is not None:  # undecodable bytes arrive as surrogates, told apart below, instead of an error
         reconfigure(encoding="utf-8", errors="surrogateescape")
@@ -183,8 +173,7 @@ def chat(
     context: int | None = None,
     notes: TextIO | None = None,
 ) -> int:
-    """Exit status 0; 1 when a line of a piped standard input was not answered (not UTF-8 text). `stdin`, `stdout`:
-    the process's own unless given."""
+    """Exit status 0; 1 when a line of a piped standard input was not answered (not UTF-8 text)."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if args.seed is not None:
         torch.manual_seed(args.seed)  # once: the answers that follow draw in order, as a run's generations do

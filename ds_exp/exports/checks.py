@@ -1,8 +1,5 @@
-"""What an export or a chat refuses before torch is imported, each in one line naming the key (or argument) and the
-fix: a target that is not an earlier export (an export replaces nothing else) or inside the checkpoint directory,
-and what `python -m ds_exp.export` / `python -m ds_exp.chat` are pointed at (a checkpoint, found in a run directory,
-its checkpoints directory or named by its step<N> tag, or set aside in a branch; a model directory, its weights and
-its positions). Light: no torch."""
+"""What an export or a chat refuses before torch, one line each: a target that is not an earlier export or lies in the
+checkpoint directory, and what the commands are pointed at."""
 
 from __future__ import annotations
 
@@ -24,17 +21,14 @@ def check_target(
     fix: str = "move it away or point train.export_dir elsewhere",
     adapter: bool = True,
 ) -> None:
-    """An export replaces `export_dir` (and with `adapter` its _adapter sibling) only when it is an earlier export:
-    whatever else is there is not ds_exp's to delete."""
+    """An export replaces `export_dir` (with `adapter`: its _adapter sibling too) only when it is an earlier export."""
     for path in (export_dir, adapter_dir(export_dir)) if adapter else (export_dir,):
         if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not is_export(path))):
             raise RunFailed(f"{key}: {path} exists and is not an export of a ds_exp run, so it is not replaced; {fix}")
 
 
 def check_outside_checkpoints(target: Path, checkpoint_dir: Path, key: str) -> None:
-    """An export never goes inside a checkpoint directory: saves, rotation, resume and branch set-asides own what is
-    there (an export named step<N> would pass for a checkpoint, one named step<N>.universal be deleted with it). The
-    one place inside it that takes exports is a set-aside branch's exports/ folder, which nothing rotates."""
+    """Never inside a checkpoint directory (it would pass for a checkpoint), except a set-aside branch's exports/."""
     real, checkpoints = Path(os.path.realpath(target)), Path(os.path.realpath(checkpoint_dir))
     if not real.is_relative_to(checkpoints):
         return
@@ -48,8 +42,7 @@ def check_outside_checkpoints(target: Path, checkpoint_dir: Path, key: str) -> N
 
 
 def find_checkpoint(given: str) -> Path:
-    """A complete checkpoint: `given` itself (a step<N> tag), or the newest complete one in `given` (a checkpoints
-    directory) or under its run's checkpoint directory (a run directory). One message when there is none."""
+    """A complete checkpoint: `given`, or the newest in a checkpoints or run directory; else one message."""
     path = Path(given).expanduser()
     if not path.exists():
         raise ConfigError(f"{given}: no such directory; give a run directory, its checkpoints directory or a step<N>")
@@ -77,8 +70,7 @@ def find_checkpoint(given: str) -> Path:
 
 
 def run_dir_of(tag_dir: Path) -> Path:
-    """The run directory whose train.checkpoint_dir holds `tag_dir`, directly or in a branch set aside there
-    (branches/<branch>/): its composed config rebuilds the model."""
+    """The run directory whose train.checkpoint_dir holds `tag_dir` (directly or in a set-aside branch)."""
     holder = tag_dir.resolve().parent
     for parent in tag_dir.resolve().parents:
         if (parent / RUN_CONFIG).is_file():
@@ -116,9 +108,7 @@ def model_dir_of(given: str) -> Path:
 
 
 def model_settings_of(model_dir: Path, given: str) -> dict[str, Any]:
-    """The config.json of the model `python -m ds_exp.chat` talks to, once its weights are known to be whole: one
-    message for a config.json that is not JSON, no weights, or weights cut short (an export whose save never
-    finished, a copy interrupted), before transformers is imported."""
+    """The config.json of the model `python -m ds_exp.chat` talks to, its weights checked whole, before transformers."""
     settings, problem = read_config_json(model_dir, given, key=given)
     if problem is None and settings is not None:
         if not any((model_dir / name).is_file() for name in WEIGHT_FILES):
@@ -134,9 +124,7 @@ def model_settings_of(model_dir: Path, given: str) -> dict[str, Any]:
 
 
 def context_of(settings: dict[str, Any]) -> tuple[int, str] | None:
-    """(positions, what they are) of a model's config.json: the tokens a prompt and its answer share. A learned
-    position table ends there (past it, an IndexError); a rotary model was trained to there, stretched by its
-    rope scaling's factor when it has one. None when nothing limits them (ALiBi, relative positions)."""
+    """(positions, what they are) a prompt and its answer share, from config.json; None when nothing limits them."""
     found = position_limit(settings)
     if found is None:
         return None

@@ -1,7 +1,5 @@
-"""The command lines of `python -m ds_exp.export` and `python -m ds_exp.chat`. Everything they can refuse without
-torch is refused here, in one message each and before torch is imported; the work itself (writer.py, chat.py) is
-imported after, and refuses in one message what only torch can tell (a --device this machine lacks, weights that
-are not finite, weights a dtype cannot hold)."""
+"""`python -m ds_exp.export` and `python -m ds_exp.chat`: what they can refuse without torch is refused here; the
+work (writer.py, chat.py) is imported after, and refuses what only torch can tell (a missing device, bad weights)."""
 
 from __future__ import annotations
 

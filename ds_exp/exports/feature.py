@@ -11,8 +11,7 @@ from ds_exp.exports.settings import ExportSettings
 
 @dataclass(frozen=True)
 class RunExportSettings:
-    """What a run's exports read: the train.export* keys (`train` is an ExportSettings), and of the model they
-    write its section (base checkpoint, tokenizer), LoRA's and the token that ends an answer."""
+    """What a run's exports read: train.export* (`train`), the model and LoRA sections, the end-of-answer token."""
 
     export: ExportSettings
     model: ModelConfig

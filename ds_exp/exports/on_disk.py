@@ -1,8 +1,5 @@
-"""Exports on disk, told without torch: which directories are ds_exp's exports (the only ones an export may replace)
-and what their ds_exp_export.json says, where the exports made during training go, what they take on disk and which
-of them rotation removes, which a resume from an older checkpoint sets aside with its branch, and a run's composed
-config as `python -m ds_exp.export` rebuilds its model with it (with the model section the checkpoint was trained
-with). Light: no torch."""
+"""Exports on disk, without torch: which directories are ds_exp's exports, where step exports go, their size,
+rotation and branches, and a run's config from its directory."""
 
 from __future__ import annotations
 
@@ -62,15 +59,13 @@ def planned_step_exports(settings: ExportSettings, run_dir: Path, start_step: in
 def one_export_bytes(
     settings: ExportSettings, lora_dim: int, parameters: int, trainable: int, precision: str, *, final: bool
 ) -> int:
-    """What one export of the run writes (the final one, or a step export): the model in the training dtype, or with
-    LoRA the adapter plus the merged model where train.export_merged asks for it."""
+    """What one export of the run writes: the model in the training dtype, or the adapter (and merged model)."""
     adapter = trainable * 4 if lora_dim > 0 else 0  # what trains, in fp32 (PEFT's files, as trained)
     return adapter + (parameters * (4 if precision == "fp32" else 2) if settings.merges(lora_dim, final=final) else 0)
 
 
 def step_exports(export_dir: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of the step exports beside `export_dir`, oldest first; the directory of the merged model
-    (<export_dir>-step<N>), which a LoRA run's step export may leave out, writing only its adapter beside it."""
+    """(step, <export_dir>-step<N>) of the step exports beside `export_dir`, oldest first."""
     pattern = re.compile(rf"^{re.escape(export_dir.name)}-step(\d+)(_adapter)?$")
     if not export_dir.parent.is_dir():
         return []
@@ -83,8 +78,7 @@ def step_exports(export_dir: Path) -> list[tuple[int, Path]]:
 
 
 def rotated_step_exports(export_dir: Path, run_id: str | None, keep_last: int) -> list[Path]:
-    """The step exports rotation removes: this run's (their metadata names it) beyond the newest `keep_last`
-    (0 keeps all), each with its adapter sibling. Exports of other runs, and `python -m ds_exp.export`'s, stay."""
+    """This run's step exports beyond the newest `keep_last` (0 keeps all), with adapters; others' stay."""
     if keep_last <= 0 or run_id is None:
         return []
     mine = []
@@ -97,10 +91,8 @@ def rotated_step_exports(export_dir: Path, run_id: str | None, keep_last: int) -
 
 
 def exports_off_trajectory(export_dir: Path, run_dir: Path, step: int, *, same_directory: bool) -> list[Path]:
-    """The exports beside `export_dir` made on the branch a resume from the checkpoint at `step` abandons: the run's
-    own and `python -m ds_exp.export`'s (their metadata names the run directory and the step) past `step`, or all of
-    this run directory's when the resume comes from another directory's checkpoint (`same_directory` False); each
-    with its adapter sibling. Left where they are, the new branch's exports of the same steps would replace them."""
+    """This run directory's exports a resume from `step` abandons (past `step`, or all for another directory's
+    checkpoint), adapters too: left there, the new branch's exports would replace them."""
     found = []
     for path in [export_dir, *(p for _, p in step_exports(export_dir))]:
         for candidate in (path, adapter_dir(path)):
@@ -115,17 +107,11 @@ def exports_off_trajectory(export_dir: Path, run_dir: Path, step: int, *, same_d
 
 
 def default_export_dir(export_dir: Path, tag_dir: Path, step: int) -> Path:
-    """Where `python -m ds_exp.export` puts the export of `tag_dir` without a DIR (`export_dir`: the run's
-    <run dir>/<train.export_dir>): beside it, <export_dir>-step<N>, or for a checkpoint set aside with an abandoned
-    branch (<checkpoints>/branches/<branch>/), beside that branch's own exports (the trajectory in charge has exports
-    of its own at the same steps)."""
+    """`python -m ds_exp.export`'s default: <export_dir>-step<N>, or beside an abandoned branch's own exports."""
     branch = tag_dir.parent
     if branch.parent.name == BRANCHES:
         return branch / BRANCH_EXPORTS / f"{export_dir.name}-step{step}"
     return step_export_dir(export_dir, step)
-
-
-# ------------------------------------------------------------------------------ a run's config, from its directory
 
 
 def checkpoint_step(tag_dir: Path) -> int:
@@ -139,8 +125,7 @@ def _config_files(run_dir: Path) -> tuple[Path, Path]:
 
 
 def train_section(run_dir: Path) -> dict[str, Any]:
-    """The `train` section of the run's latest config as written, uninterpolated; {} where it cannot be read (a
-    damaged file: run_config says it in words)."""
+    """The `train` section of the run's latest config, uninterpolated; {} where it cannot be read."""
     try:
         raw = OmegaConf.to_container(OmegaConf.load(_config_files(run_dir)[0]), resolve=False)
     except Exception:
@@ -150,10 +135,8 @@ def train_section(run_dir: Path) -> dict[str, Any]:
 
 
 def run_config(run_dir: Path, tag_dir: Path | None = None) -> Config:
-    """The run's composed config, typed; with `tag_dir`, with the `model` section that checkpoint was trained with
-    (a later attempt may have changed model.rope_scaling, ...; a checkpoint of an older ds_exp records none, and the
-    run's latest config stands). Relative paths are taken from where the run was launched; secrets hidden as
-    ${oc.env:DS_EXP_SECRET_...} are dropped (nothing here needs them, and their variables are gone)."""
+    """The run's composed config, typed; with `tag_dir`, that checkpoint's `model` section. Relative paths from the
+    launch directory; hidden secrets are dropped (their variables are gone)."""
     config_file, hydra_file = _config_files(run_dir)
     recorded = read_marker(tag_dir).get("model_config") if tag_dir is not None else None
     try:

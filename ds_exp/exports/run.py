@@ -1,6 +1,4 @@
-"""The run's exports at the recipe's named points (ds_exp/train/hooks.py): what they will write, counted before the
-engine; a step export after each train.export_every-th step, then rotation; the final export once training is over;
-each followed by every feature's after_export; and the exports a resume's abandoned branch takes along."""
+"""The run's exports at the recipe's named points (ds_exp/train/hooks.py; the package docstring lists them)."""
 
 from __future__ import annotations
 
@@ -36,9 +34,7 @@ class ExportHooks(FeatureHooks):
     def planned_writes(
         self, run: Run, start_step: int, total_steps: int, parameters: int, trainable: int
     ) -> dict[Path, tuple[int, str]]:
-        """The final export and the step exports at their most (train.export_keep_last of them, plus the one being
-        written); a target that is not an earlier export is refused now, not after the training (and checked again
-        when written)."""
+        """The final and step exports at their most; a target not an earlier export is refused now."""
         export, lora, session = self.settings.export, self.settings.lora.dim, run.session
         planned = planned_step_exports(export, session.run_dir, start_step, total_steps)
         for path in planned:
@@ -88,8 +84,7 @@ class ExportHooks(FeatureHooks):
             run.hooks.after_export(run, written, state.steps, final=True)
 
     def _export(self, run: Run, target: Path, step: int, *, merged: bool) -> Path:
-        """Collective: `target` written (with LoRA the adapter beside it, always: it is small; the merged model in
-        it with `merged`); the directory that holds the model (the adapter's when only it is written)."""
+        """Collective: `target` written (with LoRA the adapter beside; merged with `merged`); the model's dir."""
         work, session, settings = run.work, run.session, self.settings
         assert work is not None
         spec = export_spec(

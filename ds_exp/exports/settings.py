@@ -1,5 +1,4 @@
-"""The exports' settings: the train.export* keys (conf/train/default.yaml) stay where users type them, in `train`,
-through ExportSettings, which ds_exp/config/schema.py's TrainConfig mixes in. Light."""
+"""The exports' settings: train.export* stay in `train` through ExportSettings, which TrainConfig mixes in. Light."""
 
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ class ExportSettings:
     export_dtype: ExportDtype = ExportDtype.auto  # auto = the base checkpoint's (see ds_exp/exports/writer.py)
 
     def merges(self, lora_dim: int, *, final: bool) -> bool:
-        """Whether an export (the final one, or a step export) holds the merged model: always without LoRA; with it,
-        as train.export_merged says (the adapter is in every export)."""
+        """Whether an export holds the merged model: always without LoRA; with it, as train.export_merged says."""
         asked = str(getattr(self.export_merged, "value", self.export_merged))
         return lora_dim <= 0 or asked == "every" or (final and asked == "end")

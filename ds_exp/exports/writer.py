@@ -1,24 +1,10 @@
-"""Export the trained model in Hugging Face format (safetensors + config + tokenizer), with the base model's identity.
+"""Export the trained model in Hugging Face format (safetensors, config, tokenizer) with the base model's identity.
 
-The full weights are gathered on rank 0 (ZeRO-3: layer by layer, by DeepSpeed) into a CPU copy of the model, LoRA
-is merged into the base weights in fp32, and the result is saved into a temporary directory renamed into place only
-when complete. What the export keeps of the base model:
-* its vocabulary: the rows model.vocab_multiple added for speed are trimmed, so model and tokenizer agree;
-* its precision: weights training never changed (the frozen base of a LoRA run) are re-read from the base
-  checkpoint, exact, instead of the copies the engine rounded to bf16/fp16; the export is stored in the base
-  checkpoint's dtype, or in the training precision where training changed every base weight (a full fine-tune in
-  bf16 has nothing more precise to give). `ds_exp_export.json` beside the weights says which and why;
-* its tokenizer files, copied as they are when training did not change the tokenizer; its generation config.
-The metadata also says how the run asked the model (its template and stop tokens, for `python -m ds_exp.chat`) and
-where the weights come from (origin: the run and step, or the checkpoint `python -m ds_exp.export` read).
-With LoRA every export writes the adapter alone beside it (<export_dir>_adapter: a few MB), and the merged model
-where train.export_merged asks for it (by default in the final export only; `python -m ds_exp.export --merged`: its
-export too), or with `python -m ds_exp.export --adapter` the adapter alone in DIR.
-
-`python -m ds_exp.export` writes the same from a checkpoint (`export_checkpoint`), in one process on the CPU without
-DeepSpeed's engine: the model rebuilt as the run's config builds it, the checkpoint's weights loaded into it (ZeRO
-0-2: rank 0's model states; ZeRO-3: zero_to_fp32's fp32 masters rounded to the training precision, as the engine's
-were), a LoRA checkpoint's frozen base the one rebuilt, checked to be the one it trained on (checkpoint/frozen.py).
+Rank 0 gathers the full weights (ZeRO-3: layer by layer) to the CPU, merges LoRA in fp32, and writes a temporary
+directory renamed into place when complete. The export keeps the base's vocabulary, tokenizer, generation config and
+precision (weights training never changed re-read from the base checkpoint); ds_exp_export.json says which dtype and
+why, the template and stop tokens, the origin. `export_checkpoint` (`python -m ds_exp.export`) writes the same from
+a checkpoint in one CPU process, the model rebuilt from the run's config.
 """
 
 from __future__ import annotations
@@ -55,6 +41,7 @@ from ds_exp.data.templates import first_template, resolve_template
 from ds_exp.exports.checks import check_target
 from ds_exp.exports.on_disk import METADATA, adapter_dir
 from ds_exp.launch.storage import export_failure_message
+from ds_exp.model.architecture import text_config
 from ds_exp.model.build import BuiltModel, build_model
 from ds_exp.model.lora import LoraSpec, merge_lora, wrap_lora
 from ds_exp.model.tokenizer import load_tokenizer, tokenizer_source
@@ -104,8 +91,7 @@ class ExportSpec:
 
 
 def export_spec(model: ModelConfig, built: BuiltModel, precision: str, **more: Any) -> ExportSpec:
-    """The spec of an export of `built` (a ds_exp.model.BuiltModel), as `model` (the run's model section) built it.
-    `more`: the dtype (train.export_dtype), template, stop_token_ids and origin."""
+    """The spec of an export of `built`, as `model` built it; `more`: dtype, template, stop_token_ids, origin."""
     return ExportSpec(
         model_config=built.config,
         base_path=model.name_or_path,
@@ -133,16 +119,14 @@ def gather_full_state_dict(engine: DeepSpeedEngine, zero_stage: int) -> dict[str
 
 
 def not_finite(state: dict[str, torch.Tensor]) -> str | None:
-    """ "the weights are not finite (NaN or inf) in <the first tensors that hold one>"; None when every floating-point
-    tensor of `state` is finite."""
+    """Which tensors of `state` are not finite, as a message; None when all are."""
     bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     more = f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""
     return f"the weights are not finite (NaN or inf) in {', '.join(bad[:3])}{more}" if bad else None
 
 
 def beyond_dtype(model: torch.nn.Module, dtype_name: str) -> tuple[str, float] | None:
-    """The first floating-point tensor of `model` (its name, its largest magnitude) that is not finite once cast to
-    `dtype_name`, as it would be written (fp16 holds at most 65504: larger weights become inf); None when all are."""
+    """(name, largest magnitude) of the first tensor not finite once cast to `dtype_name`; None when all are."""
     dtype = getattr(torch, dtype_name)
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and tensor.dtype != dtype and not bool(torch.isfinite(tensor.to(dtype)).all()):
@@ -151,8 +135,7 @@ def beyond_dtype(model: torch.nn.Module, dtype_name: str) -> tuple[str, float] |
 
 
 def fitting_dtype(model: torch.nn.Module, spec: ExportSpec, dtype_name: str, why: str) -> tuple[str, str]:
-    """(dtype, why) the export is written in: `dtype_name` when every weight stays finite in it; else, when the
-    dtype was chosen by ds_exp (auto), float32, said in `why`; one the user asked for is refused (RunFailed)."""
+    """(dtype, why): `dtype_name` if every weight fits, else float32 under auto; an asked dtype is refused."""
     found = beyond_dtype(model, dtype_name)
     if found is None:
         return dtype_name, why
@@ -194,9 +177,7 @@ def export_hf(
     save_adapter: bool,
     merged: bool = True,
 ) -> Path | None:
-    """Collective; rank 0 writes `export_dir` (with LoRA: `export_dir`_adapter with `save_adapter`, and the merged
-    model in `export_dir` only with `merged`). Weights that are not finite are never exported (Diverged on every
-    rank; nothing is written)."""
+    """Collective; rank 0 writes `export_dir`. Non-finite weights are never exported (Diverged on every rank)."""
     state = gather_full_state_dict(engine, zero_stage)
     bad = broadcast(not_finite(state) if state is not None else None)
     if bad:
@@ -226,10 +207,7 @@ def write_export(
     adapter_only: bool = False,
     merged: bool = True,
 ) -> None:
-    """One process: `state` (the trained model's full state dict; `trained`: the names training changed) written
-    to `export_dir` in Hugging Face format, or with `adapter_only` the LoRA adapter alone in PEFT's. With LoRA,
-    `save_adapter` also writes the adapter beside (<export_dir>_adapter), and `merged` False leaves the merged
-    model out (the adapter alone, beside)."""
+    """One process: the full `state` (`trained`: what training changed) written to `export_dir`, or the adapter."""
     merged = merged or spec.lora is None  # without LoRA the export is the model
     unset_hf_deepspeed_config()  # the CPU copy below must be a plain, unpartitioned model
     base = _base_model(spec)
@@ -284,8 +262,7 @@ def write_export(
 
 
 def state_bytes(model: torch.nn.Module, dtype_name: str) -> int:
-    """About what the exported weights take on disk in `dtype_name` (a tied tensor once; LoRA's adapters, merged
-    into their layers, not at all)."""
+    """About what the exported weights take on disk in `dtype_name` (LoRA's adapters merged away)."""
     size = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
     merged_away = ("lora_", ".original_module.")  # adapters, and the originals of modules trained whole
     return sum(p.numel() for name, p in model.named_parameters() if not any(m in name for m in merged_away)) * size
@@ -317,8 +294,7 @@ def _save(
     dtype_name: str,
     metadata: dict[str, Any],
 ) -> None:
-    """Write the export into `tmp`, then move it into place. A LoRA model comes merged (in fp32: the base weights
-    plus the adapters' delta, rounded once below)."""
+    """Write the export into `tmp`, then move it into place (a LoRA model comes merged in fp32, rounded once here)."""
     if model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)  # drop the padding rows: model and tokenizer agree
     # checked on what is written: cast to the export's dtype, every weight must still be finite
@@ -328,30 +304,29 @@ def _save(
     model.config.dtype = dtype_name
     model.save_pretrained(str(tmp), safe_serialization=True)
     tokenizer_note = _save_tokenizer(spec, tokenizer, tmp)
-    _copy_generation_config(spec, tmp)
+    if spec.base_path is not None and (Path(spec.base_path) / "generation_config.json").is_file():
+        shutil.copy2(Path(spec.base_path) / "generation_config.json", tmp / "generation_config.json")
     (tmp / METADATA).write_text(json_text({**metadata, "tokenizer": tokenizer_note}, indent=2) + "\n")
     _replace(tmp, export_dir)
 
 
 def _base_model(spec: ExportSpec) -> PreTrainedModel:
-    """A CPU fp32 copy of the model with the trained (padded) vocabulary: the base checkpoint's weights when there
-    is one, else a fresh build from the config (every weight then comes from the engine)."""
+    """A CPU fp32 copy of the model with the padded vocabulary: the base checkpoint's weights, or a fresh build."""
     if spec.base_path is None:
         return spec.auto_class.from_config(spec.model_config, dtype=torch.float32)
     config = copy.deepcopy(spec.model_config)
-    _text_config(config).vocab_size = spec.base_rows  # the checkpoint's shape; padded again below
+    text_config(config).vocab_size = spec.base_rows  # the checkpoint's shape; padded again below
     model = spec.auto_class.from_pretrained(
         spec.base_path, config=config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
     )
-    padded = _text_config(spec.model_config).vocab_size
+    padded = text_config(spec.model_config).vocab_size
     if model.get_input_embeddings().num_embeddings != padded:
         model.resize_token_embeddings(padded)
     return model
 
 
 def _copy_added_rows(model: Any, state: dict[str, torch.Tensor], spec: ExportSpec) -> None:
-    """Embedding rows of tokens the run added are not in the base checkpoint: take them from the engine (they
-    were never trained with a frozen embedding, but they are what the run used)."""
+    """Embedding rows of tokens the run added are not in the base checkpoint: the engine's, as the run used them."""
     if spec.base_path is None or spec.vocab_size <= spec.base_rows:
         return
     names = {id(param): name for name, param in model.named_parameters()}
@@ -364,13 +339,8 @@ def _copy_added_rows(model: Any, state: dict[str, torch.Tensor], spec: ExportSpe
                 module.weight[spec.base_rows : spec.vocab_size] = trained_value[spec.base_rows : spec.vocab_size]
 
 
-def _text_config(config: PretrainedConfig) -> PretrainedConfig:
-    return getattr(config, "text_config", None) or config
-
-
 def _save_tokenizer(spec: ExportSpec, tokenizer: PreTrainedTokenizerBase, directory: Path) -> str:
-    """Copy the base tokenizer's files byte for byte when the run used it unchanged (the export and its base then
-    share one tokenizer); save it anew when the run added tokens (a pad or end-of-conversation token)."""
+    """The base tokenizer's files copied byte for byte if the run used it unchanged; else saved anew."""
     source = Path(spec.tokenizer_source)
     files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
     if files:
@@ -381,11 +351,6 @@ def _save_tokenizer(spec: ExportSpec, tokenizer: PreTrainedTokenizerBase, direct
             return f"copied from {source}"
     tokenizer.save_pretrained(str(directory))
     return "saved by ds_exp: the run added tokens to the base tokenizer"
-
-
-def _copy_generation_config(spec: ExportSpec, directory: Path) -> None:
-    if spec.base_path is not None and (Path(spec.base_path) / "generation_config.json").is_file():
-        shutil.copy2(Path(spec.base_path) / "generation_config.json", directory / "generation_config.json")
 
 
 def _is_tied_copy(model: PreTrainedModel | PeftModel, key: str) -> bool:
@@ -400,19 +365,15 @@ def _replace(src: Path, dst: Path) -> None:
     src.rename(dst)
 
 
-# ------------------------------------------------------------------- python -m ds_exp.export: from a checkpoint
-
-
 def export_checkpoint(
     tag_dir: Path, run_dir: Path, cfg: Config, target: Path, *, dtype: str | None, adapter: bool, **beside: bool
 ) -> None:
-    """Export the complete checkpoint `tag_dir` of the run in `run_dir` (composed config `cfg`) to `target` (with
-    `adapter`: the LoRA adapter alone; `beside`: write_export's save_adapter and merged)."""
+    """Export the complete checkpoint `tag_dir` of the run in `run_dir` to `target` (`beside`: write_export's)."""
     hf_logging.disable_progress_bar()
     marker = read_marker(tag_dir)
     settings = marker.get("settings") or {}
     precision = str(settings.get("precision") or "fp32")
-    cfg = _in_one_process(cfg)
+    cfg = rebuild_config(cfg)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     ds_config = {"zero_optimization": {"stage": 0}, **{k: {"enabled": precision == k} for k in ("bf16", "fp16")}}
     built = build_model(cfg, tokenizer, ds_config)
@@ -455,9 +416,9 @@ def export_checkpoint(
     write_export(state, trained, spec, tokenizer, target, adapter_only=adapter, **beside)
 
 
-def _in_one_process(cfg: Config) -> Config:
-    """The run's config for a rebuild in this process: no sequence-parallel groups (their attention wrapper needs
-    the ranks; the weights do not depend on it), no GPU kernels patched in."""
+def rebuild_config(cfg: Config, *, base: bool = False) -> Config:
+    """The run's config for a rebuild in this process: no sequence parallelism, GPU kernels or compiled layers; with
+    `base`, no LoRA, gradient checkpointing or tiling. None of it changes a weight."""
     cfg = dataclasses.replace(cfg)
     sp = int(cfg.dist.sequence_parallel_size)
     cfg.dist = dataclasses.replace(cfg.dist, sequence_parallel_size=1)
@@ -467,6 +428,10 @@ def _in_one_process(cfg: Config) -> Config:
         model["attn_implementation"] = None  # flash-attention needs a GPU; the weights do not depend on it
     if sp > 1 and model.get("attn_implementation", cfg.model.attn_implementation) is None:
         model["attn_implementation"] = "sdpa"  # what the run's model was built with (ds_exp.model.build)
+    if base:
+        cfg.lora = dataclasses.replace(cfg.lora, dim=0, quantize=None)
+        off = ("gradient_checkpointing", "tiled_mlp", "tiled_loss", "activation_offload")
+        model |= dict.fromkeys(off, False)
     cfg.model = dataclasses.replace(cfg.model, **model)
     return cfg
 
@@ -491,8 +456,7 @@ def read_weights(tag_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def run_template(data: DataConfig, marker: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> str:
-    """The template the run asked its model with: the run's tokenized data says it (data.cache_dir, named by the
-    checkpoint's trajectory); without it, data.template as the tokenizer decides it."""
+    """The template the run asked its model in: its tokenized data's, else data.template for the tokenizer."""
     key = (marker.get("trajectory") or {}).get("data")
     meta = read_meta(data_cache_dir(data.cache_dir) / str(key)) if key else None
     stats = (meta or {}).get("stats") or {}

@@ -1,25 +1,9 @@
 """The attention kernel a run uses (model.attn_implementation), and packed rows on it.
 
-`auto` picks, on CUDA with 16-bit weights: flash_attention_2 where flash-attn is installed, else `torch_varlen`
-(PyTorch's own flash kernel for variable-length sequences, torch.nn.attention.varlen: no package to install), else
-transformers' default (sdpa); off CUDA, transformers' default. Under sequence parallelism DeepSpeed's Ulysses wraps the
-attention and runs each packed document on its own (ds_exp/sequence_parallel/): auto stays with flash-attn or
-sdpa there.
-
-Packed rows (data.packing=true) carry position_ids that restart at each example and no attention mask (the step calls
-the model with use_cache=False: with a cache transformers ignores the position ids). What each attention does with them
-in transformers 5.24:
-- sdpa (and eager): transformers builds a block-diagonal causal mask of each row from the position ids
-  (masking_utils.find_packed_sequence_indices): the examples stay apart, but every row's full length x length scores are
-  computed (SDPA with a mask runs its memory-efficient kernel, never the flash one).
-- flash_attention_2/3: transformers runs the variable-length kernel from position ids only for a batch of ONE row
-  (modeling_flash_attention_utils._is_packed_sequence); with more rows it runs plain causal attention over each row,
-  and packed examples would attend to each other. ds_exp hands it the example boundaries of the whole micro batch
-  instead (`example_boundaries`: transformers' cu_seq_lens_q/k and max_length_q/k), from the host's position ids.
-- torch_varlen (registered here): the same boundaries to torch's varlen kernel; a batch without them (unpacked rows,
-  generation) goes to sdpa with its mask.
-Either varlen kernel computes each example's own causal attention and nothing across examples: the attention FLOPs
-ds_exp/train/flops.py counts (12 L d sum(n_i^2)).
+`auto` on CUDA in 16 bits: flash_attention_2 where flash-attn is installed, else `torch_varlen` (torch's varlen flash
+kernel, registered here), else sdpa; off CUDA, transformers' default. Packed rows carry restarting position_ids and
+no mask; flash_attention_2/3 run varlen from position ids only for a batch of one row, so ds_exp hands them the micro
+batch's example boundaries (`example_boundaries`), and each example gets its own causal attention.
 """
 
 from __future__ import annotations
@@ -55,9 +39,8 @@ def torch_varlen_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """A transformers attention function: query [rows, heads, length, head size], key and value with their key/value
-    heads; returns [rows, length, heads, head size]. With the boundaries of the packed examples (`cu_seq_lens_q`,
-    `max_length_q`) every example attends causally to itself through torch's varlen kernel; without them, sdpa."""
+    """A transformers attention function: with the packed examples' boundaries (`cu_seq_lens_q`, `max_length_q`) each
+    example attends causally to itself through torch's varlen kernel; without them, sdpa."""
     boundaries = kwargs.get("cu_seq_lens_q")
     if boundaries is None or query.size(2) == 1 or (dropout and module.training):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -74,10 +57,9 @@ AttentionMaskInterface.register(TORCH_VARLEN, sdpa_mask)  # the mask of a batch 
 def varlen_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: torch.Tensor, longest: int, scale: float | None
 ) -> torch.Tensor:
-    """Causal attention of each example on its own: q [tokens, heads, size], k and v with their key/value heads,
-    `boundaries` where each example starts (int32, the total last). On CUDA torch's varlen kernel (a prototype whose
-    keywords changed: torch 2.13 takes window_size=(-1, 0) for causal and enable_gqa, earlier ones is_causal; key/value
-    heads are repeated for one without enable_gqa); elsewhere the same, one example at a time through SDPA (tests)."""
+    """Causal attention of each example on its own (`boundaries`: int32 starts, the total last). On CUDA torch's varlen
+    kernel (a prototype: torch 2.13 takes window_size=(-1, 0) and enable_gqa, earlier is_causal, key/value heads then
+    repeated); elsewhere one example at a time through SDPA (tests)."""
     if q.device.type != "cuda":
         gqa = k.size(1) != q.size(1)
         pieces = []
@@ -119,8 +101,7 @@ def attn_implementation(requested: str | None, ds_config: dict[str, Any], sequen
 
 
 def torch_varlen_works() -> bool:
-    """torch's varlen kernel, tried once on this GPU (forward and backward of two short examples): a torch without it,
-    or a GPU it does not support, leaves auto with sdpa."""
+    """torch's varlen kernel tried once on this GPU; a torch or GPU without it leaves auto with sdpa."""
     try:
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         q, k, v = (torch.randn(8, 2, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
@@ -134,10 +115,8 @@ def torch_varlen_works() -> bool:
 
 
 def example_boundaries(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """The packed examples of a host batch (position ids, no attention mask) as a varlen kernel takes them: where each
-    starts in the flattened micro batch (`cu_seq_lens_q/k`, int32) and the longest (`max_length_q/k`); {} for a batch
-    that is not packed. A row's pad tail continues its last example's positions and stays with it, as the mask of the
-    other implementations has it."""
+    """A packed host batch's examples as a varlen kernel takes them (`cu_seq_lens_q/k`, `max_length_q/k`); {} when not
+    packed. A row's pad tail stays with its last example, as the other implementations' mask has it."""
     positions = batch.get("position_ids")
     if positions is None or "attention_mask" in batch:
         return {}

@@ -1,6 +1,5 @@
-"""What the fast path refuses before the model is loaded (not as an ImportError or a NotImplementedError after it):
-an attention transformers does not have, or whose package or GPU is missing, and a knob that is not auto, true or
-false, or asked for where it cannot run. Light: packages are found, never imported."""
+"""What the fast path refuses before the model loads (light: packages found, never imported): an unknown attention,
+a missing package or GPU, a knob asked for where it cannot run."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ ATTENTION_IMPLEMENTATIONS = (
 
 
 def attention_problems(attention: str | None, accelerator: str) -> list[str]:
-    """An attention implementation transformers has (its names, 4.50-5.24), ds_exp's auto, or a hub kernel; and what
-    the one asked for needs."""
+    """An attention transformers has, ds_exp's auto, or a hub kernel; and what the one asked for needs."""
     if attention in ("flash_attention_2", "flash_attention_3"):
         package = "flash_attn" if attention == "flash_attention_2" else "flash_attn_interface"
         if accelerator != "cuda":

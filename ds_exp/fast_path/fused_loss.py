@@ -1,19 +1,7 @@
-"""model.fused_loss: the loss through Liger's fused linear cross-entropy, without a full logits tensor.
-
-Liger's kernel takes the final hidden states, the output layer's weight and the targets, and computes the logits and
-their cross-entropy chunk by chunk, with the gradients of the hidden states and of the weight worked out in the same
-pass: no tokens x vocabulary tensor is kept (the logits and their fp32 copy are the largest activations of a model
-with a large vocabulary), and the loss and the gradients are the plain path's within rounding. ds_exp calls it with
-reduction="sum" over the labelled tokens of this rank's batch, the sum the step divides by the global batch's label
-tokens (ds_exp/train/step.py): the loss stays exact however the batch is split, and Liger scales both gradients by
-the incoming one in backward (the step's 1 / global label tokens, the world and micro-batch factors).
-
-It runs inside the output layer's own call (ds_exp/model/head_loss.py): under ZeRO-3 the weight is gathered there.
-The output layer it needs is a plain Linear: the model's own, or the trained copy PEFT keeps for
-lora.modules_to_save; one that carries LoRA adapters (lora.* targeting lm_head) has no single weight, and the fused
-loss is then left off (auto) or refused (true). Under sequence parallelism each rank's slice goes through it with its
-shifted labels, as with the plain loss; with model.tiled_loss as well, the fused loss is the one used (Liger already
-works in chunks of tokens). On a CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1, tests).
+"""model.fused_loss: Liger's fused linear cross-entropy, without the full logits tensor. Summed over this rank's label
+tokens (the exact step divides by the global count), inside the output layer's call (ds_exp/model/head_loss.py), on
+a plain Linear: one carrying LoRA adapters has no single weight (left off under auto, refused under true). It wins
+over model.tiled_loss. On a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1, tests).
 """
 
 from __future__ import annotations
@@ -33,8 +21,7 @@ KNOB = "model.fused_loss"
 
 
 def output_linear(model: PreTrainedModel | PeftModel) -> torch.nn.Linear | None:
-    """The Linear whose weight the fused loss multiplies by: the output layer, or PEFT's trained copy of it; None
-    where it carries LoRA adapters (or is not a Linear)."""
+    """The Linear the fused loss multiplies by (the output layer or PEFT's trained copy); None with LoRA on it."""
     head = model.get_output_embeddings()
     copies = getattr(head, "modules_to_save", None)  # PEFT's ModulesToSaveWrapper
     if copies is not None and getattr(head, "active_adapter", None) in copies:
@@ -45,8 +32,7 @@ def output_linear(model: PreTrainedModel | PeftModel) -> torch.nn.Linear | None:
 def fused_loss_sum(
     _forward: Callable[..., torch.Tensor], head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
-    """sum over labelled tokens of cross_entropy(hidden @ weight.T + bias, targets), fp32, through Liger's kernel.
-    A trained weight's gradient is accumulated in fp32 (Liger adds it up chunk by chunk)."""
+    """Summed cross-entropy over labelled tokens (fp32) through Liger's kernel; a trained weight's gradient in fp32."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     weight: torch.Tensor = head.weight  # type: ignore[assignment]  # a Linear's
@@ -64,8 +50,7 @@ def fused_loss_sum(
 
 
 def apply_fused_loss(model: PreTrainedModel | PeftModel, model_type: str, *, asked: bool) -> HeadLoss | None:
-    """The fused loss on the built model (after LoRA), or None where the output layer has no single weight: a
-    ConfigError when the fused loss was asked for (model.fused_loss=true), a log line under auto."""
+    """The fused loss on the built model, or None where the output layer has no single weight (refused under true)."""
     head = output_linear(model)
     if head is None:
         why = "the output layer carries LoRA adapters (or is not a Linear layer): it has no single weight"

@@ -1,5 +1,4 @@
-"""The fast path's settings, a view of its keys, and each knob decided for the machine. Light: packages are looked
-for, never imported."""
+"""The fast path's settings and each knob decided for the machine. Light: packages are looked for, never imported."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ def liger_installed() -> bool:
 
 
 def triton_interpreted() -> bool:
-    """Triton's interpreter (TRITON_INTERPRET=1) runs Liger's fused loss on the host: slow, for tests on CPUs. Its
-    RMSNorm and SwiGLU kernels do not run there (liger-kernel 0.8.5, triton 3.9)."""
+    """Triton's interpreter (TRITON_INTERPRET=1) runs the fused loss on the host (tests); not Liger's other kernels."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

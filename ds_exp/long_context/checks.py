@@ -1,6 +1,5 @@
-"""What long context refuses before anything heavy: model.rope_scaling against transformers' fields and the model's
-position encoding, and the tiling knobs against each other and the model's logits (their counts' ranges are their
-fields'). Light."""
+"""What long context refuses before anything heavy (light): model.rope_scaling against transformers and the model,
+and the tiling knobs against each other and the model's logits."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def long_context_problems(settings: LongContextSettings) -> list[str]:
 
 
 def rope_scaling_problems(settings: LongContextSettings) -> list[str]:
-    """model.rope_scaling: a rotary model, a type transformers has, a factor that stretches (transformers checks
-    the rest of the keys when it builds the config)."""
+    """model.rope_scaling: a rotary model, a known type, a factor that stretches (transformers checks the rest)."""
     scaling = settings.rope_scaling
     if not scaling:
         return []
@@ -111,8 +109,7 @@ def rope_field_problems(rope_type: str, scaling: dict[str, Any]) -> list[str]:
 
 
 def tiling_problems(settings: LongContextSettings) -> list[str]:
-    """The tiling knobs (ds_exp/long_context/tiling.py): no more tiles than tokens, offload of something checkpointing
-    keeps, a loss the model computes from lm_head's output as is."""
+    """The tiling knobs: no more tiles than tokens, offload of what checkpointing keeps, a loss from lm_head."""
     problems = []
     tokens, shards, n = settings.tokens, settings.tiled_mlp_shards, settings.sequence_parallel
     if settings.tiled_mlp and shards is not None and shards > tokens >= 1:

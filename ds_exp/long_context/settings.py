@@ -1,5 +1,4 @@
-"""Long context's settings, a view of its model.* keys, and the plan of slices and chunks: light, so that the checks
-and the memory planner read them before anything heavy runs."""
+"""Long context's settings and the plan of slices and chunks: light, for the checks and the memory planner."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class TilingPlan:
 
 @dataclass(frozen=True)
 class LongContextSettings:
-    """The model.* keys where users type them (their ranges beside them in ds_exp/config/schema.py's ModelConfig), and
-    what the plan and the checks read of the rest."""
+    """The model.* keys where users type them (ranges in ModelConfig), and what the plan and checks read of the rest."""
 
     rope_scaling: Any = None
     tiled_mlp: bool = False

@@ -1,5 +1,11 @@
-"""Long-context compute on the built model: tiled MLPs, a tiled loss, activation offload (the package's docstring
-says what each does and why it is computed this way)."""
+"""Long-context compute on the built model (DeepSpeed's ALST tiling, redone here for ZeRO and the exact step).
+
+Tiled MLP: each decoder MLP over a fixed number of slices, each under a non-reentrant checkpoint; unlike DeepSpeed's
+TiledMLP every rank cuts exactly as many (ZeRO-3 gathers per slice; `torch.chunk` returns fewer for some lengths).
+Tiled loss: lm_head and the cross-entropy in checkpointed chunks inside lm_head's call, returning the summed loss
+and label count the exact step expects (DeepSpeed's TiledFusedLogitsLoss applies its own loss scale). Activation
+offload: checkpointed layers' inputs saved in pinned host memory (`torch.autograd.graph.save_on_cpu`).
+"""
 
 from __future__ import annotations
 
@@ -26,12 +32,8 @@ log = logging.getLogger(__name__)
 KNOB = "model.tiled_loss=true"
 
 
-# ------------------------------------------------------------------------------------------------ tiled MLP
-
-
 def tile_mlps(model: torch.nn.Module, shards: int, model_type: str) -> int:
-    """Make every decoder MLP of `model` (the `mlp` module of each GradientCheckpointingLayer) compute over `shards`
-    sequence slices; returns how many were tiled."""
+    """Every decoder layer's `mlp` computed over `shards` sequence slices; returns how many were tiled."""
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     mlps = [mlp for m in layers if isinstance(mlp := getattr(m, "mlp", None), torch.nn.Module)]
     if not mlps:
@@ -66,9 +68,6 @@ class _TiledForward:
         return torch.cat(outputs, dim=-2)
 
 
-# ------------------------------------------------------------------------------------------------ tiled loss
-
-
 def chunked_loss_sum(
     head_forward: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, chunks: int
 ) -> torch.Tensor:
@@ -90,15 +89,10 @@ def chunked_loss_sum(
     return total
 
 
-# ------------------------------------------------------------------------------------------ activation offload
-
-
 def offload_saved_activations(model: Any) -> None:
-    """Everything the decoder's forward saves for backward outside the checkpointed layers goes to host memory
-    through `torch.autograd.graph.save_on_cpu` (pinned where CUDA is): with gradient checkpointing that is each
-    layer's input (checkpoint saves it as an input of its own; the layers' insides are recomputed, never saved)
-    and the final norm's. Wrapping the decoder's forward, a public attribute, instead of transformers' checkpoint
-    function (set by the private `_set_gradient_checkpointing`) keeps every other activation where it was."""
+    """What the decoder's forward saves outside the checkpointed layers (each layer's input, the final norm's) goes to
+    host memory (`save_on_cpu`, pinned where CUDA is). Wrapping the decoder's public forward, not transformers'
+    private checkpoint function, keeps every other activation where it was."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT too
     decoder = base.get_decoder()
     decoder.forward = _Offloaded(decoder.forward)

@@ -54,9 +54,7 @@ def config_from_arch(model: ModelConfig, tokenizer_len: int) -> PretrainedConfig
 
 
 def build_model_config(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None) -> PretrainedConfig:
-    """The transformers config of the model to train, vocabulary already sized for the tokenizer. Without a
-    tokenizer: a dry run planned from model.arch, the published architecture of a model not on this machine
-    (ds_exp.launch.hub.plans_from_arch)."""
+    """The transformers config of the model to train, vocabulary sized for the tokenizer (None: a dry run's)."""
     if model_cfg.name_or_path is None or tokenizer is None:
         config = config_from_arch(model_cfg, len(tokenizer) if tokenizer is not None else 0)
     else:
@@ -81,8 +79,7 @@ def build_model_config(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBas
 
 
 def apply_rope_scaling(config: PretrainedConfig, scaling: dict[str, Any]) -> None:
-    """model.rope_scaling merged into the config's rotary parameters (transformers 5 calls them rope_parameters and
-    keeps rope_theta there), then checked by transformers' own validation."""
+    """model.rope_scaling merged into the config's rope_parameters, then checked by transformers' own validation."""
     shown = "model.rope_scaling={" + ",".join(f"{k}:{v}" for k, v in scaling.items()) + "}"
     current = getattr(config, "rope_parameters", None)
     if not isinstance(current, dict):
@@ -103,8 +100,7 @@ def apply_rope_scaling(config: PretrainedConfig, scaling: dict[str, Any]) -> Non
 
 
 def model_facts(cfg: Config) -> dict[str, int]:
-    """Parameter counts and the shapes the memory estimate needs, from the model's config on the meta device (no
-    weights read): what the model, its data's tokenizer, LoRA and a dry run make of the run's model."""
+    """Parameter counts and the shapes the memory estimate needs, from the config on the meta device."""
     model = cfg.model
     tokenizer = None if plans_from_arch(model, dry_run=cfg.dry_run) else load_tokenizer(model, cfg.data)
     config = build_model_config(model, tokenizer)
@@ -167,8 +163,7 @@ def count_parameters(model_cfg: ModelConfig, lora: LoraConfig, config: Pretraine
 
 
 def check_lora(model_cfg: ModelConfig, lora: LoraConfig, config: PretrainedConfig) -> None:
-    """lora.* against the model's layers, on the meta device, before the data and the weights are loaded: one
-    message naming the model's Linear layers when a target or a module to save matches nothing."""
+    """lora.* against the model's layers on the meta device, before data and weights: one message naming its Linears."""
     if lora.dim > 0:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
@@ -176,9 +171,7 @@ def check_lora(model_cfg: ModelConfig, lora: LoraConfig, config: PretrainedConfi
 
 
 def base_vocab_size(model: ModelConfig, tokenizer: PreTrainedTokenizerBase | None, checkpoint_rows: int) -> int:
-    """The vocabulary an export keeps (model.vocab_multiple's padding rows trimmed): the tokenizer's size, or the
-    base's own if larger (the checkpoint's embedding rows; model.arch.vocab_size for a model built from a config,
-    whose config is padded already)."""
+    """The vocabulary an export keeps (padding rows trimmed): the tokenizer's size, or the base's own if larger."""
     own = checkpoint_rows if model.name_or_path else int((model.arch or {}).get("vocab_size") or 0)
     return max(len(tokenizer or ()), own)
 

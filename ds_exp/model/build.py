@@ -27,13 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def init_weights_by_name(model: PreTrainedModel, seed: int, *, zero3: bool) -> None:
-    """Random init that depends only on the seed and each module's name, never on the ZeRO stage.
-
-    Under deepspeed.zero.Init the order in which random numbers are drawn differs from a plain build, so the
-    same seed would give different weights at stage 3. Re-running the model's own `_init_weights` module by
-    module, each from a generator seeded by (seed, module name), makes every stage start from the same model.
-    At stage 3 each module's parameters are gathered for the moment (one module at a time).
-    """
+    """Random init from the seed and each module's name only (`_init_weights` per module, seeded by (seed, name)), so
+    every ZeRO stage starts from the same model; at stage 3 each module is gathered for the moment."""
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         if not params:
@@ -73,11 +68,8 @@ def build_model(
     hooks: Sequence[object] | None = None,
     auto_class: Any = AutoModelForCausalLM,
 ) -> BuiltModel:
-    """The model to train. At ZeRO-3, transformers builds it inside deepspeed.zero.Init (each rank holds only
-    its shard) because an HfDeepSpeedConfig for the final DeepSpeed config is alive during construction. `hooks`:
-    the features' (None: those of the features cfg turns on); those that are ModelHooks act at the build's points.
-    `auto_class`: the objective's (a reward model is an AutoModelForSequenceClassification: one score, read at the
-    last token before padding)."""
+    """The model to train (ZeRO-3: inside deepspeed.zero.Init). `hooks`: the features' ModelHooks (None: those cfg turns
+    on); `auto_class`: the objective's."""
     points = [hook for hook in (feature_hooks(cfg) if hooks is None else hooks) if isinstance(hook, ModelHooks)]
     build = ModelBuild(
         config=build_model_config(cfg.model, tokenizer),

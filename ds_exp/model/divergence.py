@@ -1,11 +1,5 @@
-"""A diverged run is a failed run: whether what a run would keep (a checkpoint, the export, its final numbers) is
-finite, decided the same way on every rank.
-
-train.max_bad_steps lets a run go on through steps whose loss was not finite (the fp16 loss scaler skips their
-updates); what the run ends with decides its status. Weights that are no longer finite never become finite again
-(every forward of them is NaN), so a checkpoint of them is never saved and they are never exported: the run stops
-as `diverged` (summary.json, exit status 3) and its newest checkpoint stays the last one with finite weights.
-"""
+"""A diverged run is a failed run. Non-finite losses may pass (train.max_bad_steps); non-finite weights never recover,
+so they are never saved nor exported: the run stops as `diverged` (exit 3), decided alike on every rank."""
 
 from __future__ import annotations
 
@@ -20,18 +14,13 @@ from ds_exp.runtime.process_group import all_reduce_sum
 
 
 def local_weights_finite(engine: DeepSpeedEngine) -> bool:
-    """Whether this rank's part of the weights is finite (ZeRO-3: its partition; else the whole module). One
-    device sync, at the end."""
+    """Whether this rank's part of the weights is finite (one device sync)."""
     bad: torch.Tensor | None = None
     for shard in compat.local_weight_shards(engine):
         if shard.numel():
             flag = ~torch.isfinite(shard).all()
             bad = flag if bad is None else bad | flag
     return bad is None or not bool(bad)
-
-
-def is_finite_number(value: object) -> bool:
-    return not isinstance(value, float) or math.isfinite(value)
 
 
 def non_finite_end(
@@ -41,10 +30,7 @@ def non_finite_end(
     *,
     last_step_overflowed: bool = False,
 ) -> list[str]:
-    """Collective: what of the run's end state is not finite (the same list on every rank): the last step's loss
-    (this rank's sum; None when the process trained no step), its gradients (`last_step_overflowed`: the ZeRO
-    optimizer skipped its update for a non-finite gradient, outside fp16 where the loss scaler does that on
-    purpose), the final evaluation (already reduced over ranks), the weights."""
+    """Collective: what of the run's end state is not finite (last loss, its gradients, final evaluation, weights)."""
     loss_bad = last_loss is not None and not bool(torch.isfinite(torch.as_tensor(last_loss)).all())
     flags = [float(loss_bad), float(last_step_overflowed), float(not local_weights_finite(engine))]
     loss_votes, grad_votes, weight_votes = all_reduce_sum(flags, engine.device)
@@ -53,7 +39,7 @@ def non_finite_end(
         found.append("the last step's loss")
     if grad_votes:
         found.append("the last step's gradients (its update was skipped)")
-    if final_eval and not all(is_finite_number(v) for v in final_eval.values()):
+    if final_eval and not all(not isinstance(v, float) or math.isfinite(v) for v in final_eval.values()):
         found.append("the final evaluation")
     if weight_votes:
         found.append("the weights")
@@ -61,8 +47,7 @@ def non_finite_end(
 
 
 def check_weights_finite(engine: DeepSpeedEngine, step: int, consequence: str, last_good: str | None) -> None:
-    """Collective: Diverged on every rank when any rank's weights are not finite, before they are written (a
-    checkpoint); `consequence` says what was not written."""
+    """Collective: Diverged on every rank when any rank's weights are not finite, before they are written."""
     (votes,) = all_reduce_sum([float(not local_weights_finite(engine))], engine.device)
     if votes:
         raise Diverged(diverged_message(["the weights"], step, consequence, last_good))

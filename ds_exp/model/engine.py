@@ -1,8 +1,4 @@
-"""Optimizer, LR scheduler and the DeepSpeed engine.
-
-Who builds the optimizer and the scheduler follows the DeepSpeed config: an "optimizer" / "scheduler" block
-there (optimizer.owner=deepspeed, or a user's config file) means DeepSpeed builds it; otherwise ds_exp does.
-"""
+"""Optimizer, LR scheduler and engine: DeepSpeed builds what its config has a block for, ds_exp the rest."""
 
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
-from torch.optim.lr_scheduler import LRScheduler
 from transformers import get_scheduler
 
 from ds_exp.config.optimizer_settings import OptimizerConfig
@@ -51,28 +46,14 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, no_decay: list
 
 
 class MetricSchedule(Protocol):
-    """A schedule the loop steps with a metric (METRIC_SCHEDULES): torch's ReduceLROnPlateau, or transformers'
-    GreedyLR (not an LRScheduler)."""
+    """A schedule the loop steps with a metric: ReduceLROnPlateau, or transformers' GreedyLR (not an LRScheduler)."""
 
     def step(self, metrics: float) -> None: ...
 
 
 def build_scheduler(
     sched: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int
-) -> LRScheduler:
-    """A schedule stepped every optimizer step (by DeepSpeed)."""
-    return _transformers_scheduler(sched, optimizer, total_steps, warmup_steps)
-
-
-def build_metric_scheduler(
-    sched: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int
-) -> MetricSchedule:
-    return _transformers_scheduler(sched, optimizer, total_steps, warmup_steps)
-
-
-def _transformers_scheduler(
-    sched: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int
-) -> Any:  # get_scheduler is unannotated: an LRScheduler, or a GreedyLR
+) -> Any:  # an LRScheduler stepped by DeepSpeed, or a MetricSchedule (METRIC_SCHEDULES); get_scheduler's unannotated
     return get_scheduler(
         plain(sched.name),
         optimizer,
@@ -83,8 +64,7 @@ def _transformers_scheduler(
 
 
 def check_deepspeed_config(ds_config: dict[str, Any], config_file: str | None) -> None:
-    """Let DeepSpeed's own schema read the zero_optimization block now (it rejects unknown keys), so a misspelt key
-    in a user's JSON is one message before the model is built, not a pydantic traceback after it."""
+    """DeepSpeed's schema reads zero_optimization now: a misspelt key is one message, not a pydantic traceback later."""
     try:
         DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
     except ValidationError as err:
@@ -122,8 +102,7 @@ def build_engine(
     accelerator: str,
     mpu: ModuleType | None = None,
 ) -> TrainingEngine:
-    """`config_file`: deepspeed.config_file (named in its problems); `mpu`: DeepSpeed's sequence-parallel groups
-    (ds_exp/sequence_parallel/), or None."""
+    """`config_file`: deepspeed.config_file (named in its problems); `mpu`: sequence parallelism's groups, or None."""
     groups = parameter_groups(model, optimizer_cfg.weight_decay, list(optimizer_cfg.no_decay))
     if "optimizer" in ds_config:  # DeepSpeed builds it inside initialize (its op compiled first, with a notice)
         optimizer = None
@@ -163,9 +142,7 @@ def build_engine(
 
 
 def release_engine(engine: DeepSpeedEngine) -> None:
-    """Let a finished run's engine go with its model, optimizer state and hooks: the next job of a multirun in this
-    process starts without them, and at exit the process groups it held are freed while the interpreter is whole
-    (ds_exp/runtime/process_group.py). Best effort: a failure here never hides how the run ended."""
+    """Let a finished run's engine go (for a multirun's next job); best effort: never hides how the run ended."""
     try:
         if dist.is_initialized():  # DeepSpeed's destroy asks for the rank
             with library_stdout():
@@ -186,8 +163,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer | None, ds_config: dict[
 
 
 def lr_at(trajectory: dict, step: int) -> float | None:
-    """The learning rate the optimizer step after `step` uses under `trajectory` (None when ds_exp cannot compute
-    it here: a schedule DeepSpeed owns, or one driven by a metric)."""
+    """The learning rate of the step after `step` under `trajectory` (None for DeepSpeed's or a metric's schedule)."""
     if trajectory.get("scheduler_owner") != "ds_exp" or trajectory["scheduler"] in ("reduce_lr_on_plateau", "greedy"):
         return None
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=trajectory["lr"])
@@ -199,3 +175,6 @@ def lr_at(trajectory: dict, step: int) -> float | None:
         scheduler_specific_kwargs=trajectory["scheduler_kwargs"] or None,
     )
     return float(trajectory["lr"] * schedule.lr_lambdas[0](step))
+
+
+build_metric_scheduler = build_scheduler  # the loop steps it with a metric (plateau, greedy)

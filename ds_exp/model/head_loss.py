@@ -1,16 +1,6 @@
-"""A loss computed inside the output layer's own call: the logits of the whole batch never exist at once.
-
-Both ways ds_exp computes the loss without a full tokens x vocabulary logits tensor work this way: the tiled loss
-(model.tiled_loss: the logits in checkpointed chunks, ds_exp/long_context/) and the fused loss (model.fused_loss:
-Liger's fused linear cross-entropy, ds_exp/fast_path/). While a HeadLoss is asked for a batch's loss, the
-output layer's forward computes the loss of the labels handed to it from the final hidden states, and the model
-returns that scalar where its logits would be. Running inside the output layer's call is what makes it right under
-ZeRO-3: DeepSpeed gathers a module's parameters in a hook before its forward and releases them after, so the weight is
-whole exactly there (TRL found the fused loss reading a released, empty weight where it was called outside that call:
-huggingface/trl#3368, #4544).
-
-Both return the per-rank sum of token losses (fp32) and the label count, what ds_exp.train.step.token_loss_sum computes
-from full logits, so the step's exact reduction over the global batch is unchanged.
+"""A loss computed inside the output layer's call, so the batch's logits never exist at once (the tiled and the fused
+loss). Inside that call ZeRO-3 holds the weight whole (TRL read a released one outside: huggingface/trl#3368). Both
+return the summed token loss (fp32) and label count, as token_loss_sum does from full logits.
 """
 
 from __future__ import annotations
@@ -30,10 +20,7 @@ HeadCompute = Callable[[Callable[..., torch.Tensor], torch.nn.Module, torch.Tens
 
 
 class HeadLoss:
-    """Per-rank (summed token loss, label tokens) of a batch, computed by `compute` inside `head`'s call.
-
-    Called as the step calls the default loss (ds_exp.train.step.batch_loss): `loss(engine, inputs, targets)`.
-    `knob` names the setting in messages (model.tiled_loss=true, model.fused_loss)."""
+    """Per-rank (summed token loss, label tokens) computed by `compute` inside `head`'s call."""
 
     def __init__(self, head: torch.nn.Module, compute: HeadCompute, model_type: str, knob: str) -> None:
         self.head, self.compute, self.model_type, self.knob = head, compute, model_type, knob

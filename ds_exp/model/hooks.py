@@ -1,13 +1,8 @@
-"""The model build's named points where features act (ds_exp/config/features.py: a feature's hooks class may act at
-these beside the recipe's, ds_exp/train/hooks.py). build_model calls each point once, in its order, on the hooks of
-every feature the run turns on (in FEATURE_PACKAGES' order), with the build as it stands:
+"""The model build's named points where features act (beside the recipe's, ds_exp/train/hooks.py), called in order:
 
-    before_weights  the model's config is read, no weights: the attention is chosen (the fast path decides auto) or
-                    wrapped (sequence parallelism registers DeepSpeed's Ulysses and hands back its groups, the mpu)
-    after_weights   the weights are loaded (or initialised); the vocabulary not yet padded, no LoRA: kernels that
-                    patch the model's modules (Liger's)
-    after_wrap      LoRA and gradient checkpointing are on: checks of the final model, the loss computed inside
-                    lm_head (fused, or tiled), tiled MLPs, activation offload, compiled decoder layers
+before_weights  the config is read, no weights: the attention chosen or wrapped (Ulysses hands back its mpu)
+after_weights   the weights are loaded, no LoRA yet: kernels that patch the model's modules (Liger's)
+after_wrap      LoRA and checkpointing are on: final checks, the loss inside lm_head, tiling, offload, compile
 """
 
 from __future__ import annotations
@@ -28,8 +23,7 @@ Batch = dict[str, torch.Tensor]  # a collated batch (ds_exp.train.collate.SFTCol
 
 @dataclass(kw_only=True)
 class ModelBuild:
-    """What the points read and set: the run's side of the model (the step reads it from ds_exp.model.build's
-    BuiltModel)."""
+    """What the points read and set: the run's side of the model (the step reads it from BuiltModel)."""
 
     config: PretrainedConfig  # the model's config (its vocabulary padded once after_weights has run)
     ds_config: dict[str, Any]  # what deepspeed.initialize gets

@@ -1,7 +1,5 @@
-"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), in torch: what `optimizer=lion` builds
-where DeepSpeed's two Lions do not run without a compiled op of their own (a CPU accelerator without optimizer
-offload: DeepSpeed's CPU Lion compiles for about a minute first, and its FusedLion is CUDA only). The same update
-as theirs: p <- p (1 - lr wd) - lr sign(beta1 m + (1 - beta1) g), then m <- beta2 m + (1 - beta2) g."""
+"""Lion (Chen et al. 2023) in torch, for a CPU without optimizer offload (DeepSpeed's Lions need a compiled op):
+p <- p (1 - lr wd) - lr sign(beta1 m + (1 - beta1) g), then m <- beta2 m + (1 - beta2) g, as theirs."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""LoRA through PEFT: which layers get adapters, what else is trained whole, and the wrapping.
-
-Two ways to name the adapted layers, which combine:
-* `lora.module_name` (DeepSpeed-Chat's lora_module_name): a scope, every Linear layer whose full name contains it;
-* `lora.target_modules` (PEFT's target_modules): name suffixes (a list), a regular expression matched against the
-  whole name (a string), or `all-linear` (every Linear layer but the output layer).
-With both, a layer must be in the scope and match the targets. With neither, the scope is `layers.` (the decoder
-blocks of Llama, Mistral, Qwen, OPT, ...). `lora.modules_to_save` names modules trained whole beside the adapters
-(PEFT's meaning: a module whose name ends with an entry), `lora.use_dora` / `lora.use_rslora` are PEFT's DoRA and
-rsLoRA, `lora.quantize` loads the frozen base in 4 or 8 bits through bitsandbytes (QLoRA; CUDA only).
-The names are resolved here, once, to full module names: what PEFT wraps, what the dry run counts and what a
-message lists are the same layers.
-"""
+"""LoRA through PEFT. `lora.module_name` (a scope), `lora.target_modules` (suffixes, a regex, or `all-linear`) and
+`lora.modules_to_save` resolve here, once, to full module names: PEFT, the dry run and messages name the same layers."""
 
 from __future__ import annotations
 
@@ -57,8 +46,7 @@ def _output_layer(model: torch.nn.Module) -> str | None:
 
 
 def lora_target_names(model: torch.nn.Module, lora_cfg: schema.LoraConfig, model_scope: str | None) -> list[str]:
-    """Full names of the linear layers that get adapters (`model_scope`: model.lora_scope); a ConfigError (one line
-    per problem) names the model's linear layers when a setting matches none."""
+    """Full names of the linear layers that get adapters; one line per setting matching none."""
     linears = linear_layers(model)
     scope = scope_of(lora_cfg, model_scope)
     in_scope = [name for name in linears if scope is None or scope in name]
@@ -120,8 +108,7 @@ def lora_target_names(model: torch.nn.Module, lora_cfg: schema.LoraConfig, model
 
 
 def modules_to_save_names(model: torch.nn.Module, lora_cfg: schema.LoraConfig, targets: list[str]) -> list[str]:
-    """Full names of the modules trained whole (PEFT's modules_to_save: the name ends with an entry); one line per
-    entry that matches nothing or names a module that holds adapters."""
+    """Full names of the modules trained whole; a line per entry matching nothing or holding adapters."""
     wanted = list(lora_cfg.modules_to_save or [])
     if not wanted:
         return []
@@ -154,8 +141,7 @@ def modules_to_save_names(model: torch.nn.Module, lora_cfg: schema.LoraConfig, t
 
 
 def tied_elsewhere(model: torch.nn.Module, names: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(saved module, module outside the list) pairs that share weights (tie_word_embeddings): PEFT trains the saved
-    one as its own copy, so the two come apart (and the export unties them)."""
+    """(saved module, module outside the list) pairs sharing weights: PEFT trains the saved one as its own copy."""
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for param in module.parameters(recurse=False):
@@ -204,9 +190,7 @@ class LoraSpec:
 
 
 def adapted_by_part(model: torch.nn.Module, targets: tuple[str, ...]) -> dict[str, int]:
-    """Adapted layers in each part of a model made of several (a vision-language model's language model and vision
-    tower), a part being the first two components of its Linear layers' names (model.language_model); {} for a
-    model of one part (the output layer aside)."""
+    """Adapted layers per part of a model of several (the first two components of the names); {} for one part."""
     output = _output_layer(model)
     parts = dict.fromkeys(".".join(name.split(".")[:2]) for name in linear_layers(model) if name != output)
     if len(parts) < 2:
@@ -220,8 +204,7 @@ def adapted_by_part(model: torch.nn.Module, targets: tuple[str, ...]) -> dict[st
 
 
 def lora_spec(lora_cfg: schema.LoraConfig, model: torch.nn.Module, model_scope: str | None = None) -> LoraSpec:
-    """The adapters lora.* asks for on `model`, whose own scope is `model_scope` (model.lora_scope); a ConfigError
-    names what matches nothing."""
+    """The adapters lora.* asks for on `model` (scope `model_scope`); a ConfigError names what matches nothing."""
     targets = lora_target_names(model, lora_cfg, model_scope)
     saved = modules_to_save_names(model, lora_cfg, targets)
     return LoraSpec(
@@ -238,10 +221,7 @@ def lora_spec(lora_cfg: schema.LoraConfig, model: torch.nn.Module, model_scope: 
 
 
 def count_with_lora(model: torch.nn.Module, spec: LoraSpec) -> tuple[int, int]:
-    """(parameters, trainable parameters) of `model` once wrapped by `wrap_lora(model, spec)`, without wrapping it
-    (PEFT takes seconds on a 7B meta model): A and B of each target (r x (in + out)), DoRA's magnitude (out), one
-    copy of each saved module beside its frozen original (an original tied to a module outside the list, such as
-    a tied embedding, stays as trainable as that module is)."""
+    """(parameters, trainable) of `model` once wrap_lora wraps it, counted without wrapping."""
     base = {id(p): p.numel() for p in model.parameters()}
     adapters = 0
     for name in spec.targets:
@@ -265,8 +245,7 @@ def in_out_features(module: torch.nn.Module) -> tuple[int, int]:
 
 
 def wrap_lora(model: PreTrainedModel, spec: LoraSpec) -> PeftModel:
-    """PEFT LoRA on exactly the listed layers: W x + scaling B(A(dropout(x))), B = 0 at start (DoRA: a learned
-    magnitude per output row on top); the modules to save are trained as copies beside the frozen originals."""
+    """PEFT LoRA on exactly the listed layers (B = 0 at start); the modules to save trained as copies."""
     modules = dict(model.named_modules())
     peft_config = LoraConfig(
         r=spec.dim,
@@ -296,9 +275,7 @@ def wrap_lora(model: PreTrainedModel, spec: LoraSpec) -> PeftModel:
 
 
 def merge_lora(model: PeftModel) -> PreTrainedModel:
-    """The plain model with the adapters merged into their layers (DoRA's magnitude included) and the saved modules'
-    trained copies in place of the originals. A saved module that was tied (lm_head) stays untied: PEFT sets
-    tie_word_embeddings=False, as the trained copies differ."""
+    """The plain model, adapters merged, saved modules' copies in place (a tied lm_head stays untied)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*no longer tied after merging.*")
         merged = model.merge_and_unload()
@@ -307,8 +284,7 @@ def merge_lora(model: PeftModel) -> PreTrainedModel:
 
 
 def quantized_loading(quantize: str, compute_dtype: torch.dtype) -> dict[str, Any]:
-    """from_pretrained's arguments for a base loaded in 4 bits (NF4, double quantization, QLoRA's recipe) or 8 bits
-    by bitsandbytes, onto this rank's GPU. UNTESTED here (no CUDA machine): validation refuses it elsewhere."""
+    """from_pretrained's arguments for a bitsandbytes 4-bit (NF4) or 8-bit base on this rank's GPU; UNTESTED."""
     if quantize == "4bit":
         config = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -322,6 +298,5 @@ def quantized_loading(quantize: str, compute_dtype: torch.dtype) -> dict[str, An
 
 
 def prepare_quantized(model: PreTrainedModel) -> PreTrainedModel:
-    """PEFT's preparation of a k-bit base (norms in fp32, frozen base); gradient checkpointing is set up later by
-    build_model, as for any model."""
+    """PEFT's preparation of a k-bit base (norms in fp32, frozen); build_model sets up gradient checkpointing later."""
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

@@ -1,8 +1,5 @@
-"""The optimizer ds_exp builds (optimizer.owner=ds_exp), from its entry in ds_exp/config/optimizers.py: the
-implementation it picks (optimizer.impl, auto decided by offload and the accelerator), the DeepSpeed op that needs
-compiling first, and the library class loaded by its dotted path with the entry's keyword arguments. An optimizer
-DeepSpeed builds (an "optimizer" block: optimizer.owner=deepspeed, muon, a user's file) is built inside
-deepspeed.initialize: `deepspeed_op` is what it compiles there, `prepare_deepspeed_optimizer` what ds_exp does first."""
+"""The optimizer ds_exp builds from its entry in ds_exp/config/optimizers.py (the implementation optimizer.impl picks,
+its DeepSpeed op compiled first); for one DeepSpeed builds (an "optimizer" block), what ds_exp does first."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ def deepspeed_entry(ds_config: dict[str, Any]) -> OptimizerEntry | None:
 
 
 def deepspeed_op(ds_config: dict[str, Any]) -> ops.Op | None:
-    """The op DeepSpeed compiles for the config's "optimizer" block: its CPU Adam / CPU Lion under optimizer
-    offload, else its FusedAdam / FusedLion, unless the block asks for torch's Adam ("torch_adam": true)."""
+    """The op DeepSpeed compiles for the "optimizer" block: CPU Adam/Lion under offload, else FusedAdam/FusedLion."""
     entry = deepspeed_entry(ds_config)
     if entry is None or not entry.impls or (ds_config["optimizer"].get("params") or {}).get("torch_adam"):
         return None
@@ -58,20 +54,14 @@ def deepspeed_op(ds_config: dict[str, Any]) -> ops.Op | None:
 
 
 def prepare_deepspeed_optimizer(ds_config: dict[str, Any], accelerator: str) -> None:
-    """What comes before DeepSpeed builds the optimizer of its config: the op it compiles, built first with a
-    notice. On a CPU, DeepSpeed's Muon runs eagerly: its update is torch.compile'd, which compiles C++ for 10-30 s
-    at the first step and again for each new matrix shape there, for kernels too small to gain from it (the
-    stance is the process's until release_engine; validation refuses train.compile=true with it)."""
+    """The op DeepSpeed will compile, built first with a notice; on a CPU, Muon runs eagerly until release_engine
+    (compiling its update costs 10-30 s per matrix shape)."""
     op = deepspeed_op(ds_config)
     if op is not None:
         ops.ensure_built(op, announce=_is_rank0())
-    if muon_runs_eagerly(ds_config, accelerator):
-        torch.compiler.set_stance("force_eager")
-
-
-def muon_runs_eagerly(ds_config: dict[str, Any], accelerator: str) -> bool:
     entry = deepspeed_entry(ds_config)
-    return entry is not None and entry.compiled_update and accelerator == "cpu"
+    if entry is not None and entry.compiled_update and accelerator == "cpu":
+        torch.compiler.set_stance("force_eager")
 
 
 def _is_rank0() -> bool:

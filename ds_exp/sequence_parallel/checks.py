@@ -1,6 +1,5 @@
-"""Checks of dist.sequence_parallel_size before anything heavy: light, no torch, no deepspeed. The model's heads are
-read from model.arch or a local config.json; a hub model's are checked once its config is loaded
-(ds_exp.sequence_parallel.ulysses.check_heads), still before data and weights. The size's range is its field's."""
+"""Checks of dist.sequence_parallel_size before anything heavy (light). A hub model's heads are checked once its
+config is loaded (ulysses.check_heads), still before data and weights."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ ISOLATING_PACKED = (None, "auto", "sdpa", "flash_attention_2", "flash_attention_
 
 
 def head_problems(n: int, heads: object, kv_heads: object, where: str) -> list[str]:
-    """Attention heads must split over the N ranks (Ulysses moves whole heads); key/value heads either split too, or
-    divide N (DeepSpeed then replicates each over N / kv ranks)."""
+    """Heads must split over the N ranks (Ulysses moves whole heads); key/value heads split too, or divide N."""
     key = f"dist.sequence_parallel_size={n}"
     if not isinstance(heads, int) or heads < 1:
         return []

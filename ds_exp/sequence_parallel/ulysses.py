@@ -1,5 +1,8 @@
-"""DeepSpeed's Ulysses attention registered with transformers, each batch's slice, and the hooks that do both at the
-model build's points (the package's docstring says how the parts fit)."""
+"""Ulysses at the model build's points. The world is dp x N ranks in contiguous groups; DeepSpeed's
+`UlyssesSPAttentionHF` makes the groups (the mpu) and all-to-alls sequence shards to head shards. The data path is
+ds_exp's (resumable): a group's ranks draw the same rows and `SequenceShard` keeps each rank's slice, labels shifted
+on the whole row first. Packed rows attend per document (`isolate_documents`); generation runs unsharded.
+"""
 
 from __future__ import annotations
 
@@ -32,16 +35,14 @@ AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 @dataclass(frozen=True)
 class SequenceShard:
-    """This rank's slice of each collated batch: `size` ranks train each row together, `rank` is its place among
-    them (rank % size: DeepSpeed's groups are contiguous)."""
+    """This rank's slice of each collated batch (its place: rank % size; DeepSpeed's groups are contiguous)."""
 
     size: int
     rank: int
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`shift_labels` (the label each position predicts, from the whole row) and every [rows, length] tensor cut
-        along the sequence (every rank of the group holds the same batch). The attention mask is dropped: DeepSpeed's
-        wrapper takes causality from position_ids, and right padding sits behind every real token."""
+        """`shift_labels` from the whole row, and every [rows, length] tensor cut along the sequence. No mask:
+        DeepSpeed's wrapper takes causality from position_ids, and right padding sits behind every real token."""
         width = batch["input_ids"].size(1)
         if width % self.size:
             raise ValueError(f"a batch of length {width} does not split over {self.size} ranks (collate to a multiple)")
@@ -63,10 +64,8 @@ def check_heads(config: PretrainedConfig, size: int) -> None:
 
 
 def isolate_documents(core: AttentionFunction) -> AttentionFunction:
-    """`core` (a transformers attention function) run per document where a row's position_ids restart: equal to a
-    block-diagonal causal mask, without building one. Under Ulysses the position_ids in kwargs are the whole row's
-    (DeepSpeed gathers them), and no mask reaches the core function, so plain sdpa would let packed documents attend
-    to each other; flash attention reads documents from position_ids only for one row per batch."""
+    """`core` run per document where a row's position_ids restart (a block-diagonal causal mask, never built): under
+    Ulysses no mask reaches the core, so plain sdpa would let packed documents attend to each other."""
 
     def attention(
         module: torch.nn.Module,
@@ -107,8 +106,7 @@ def isolate_documents(core: AttentionFunction) -> AttentionFunction:
 
 
 class _Registration:
-    """What `register` changed in transformers' attention table, so generation can step around it and a later run of
-    this process can start clean."""
+    """What `register` changed in transformers' attention table, for generation and a later run to undo."""
 
     def __init__(self, key: str, original: AttentionFunction, sharded: AttentionFunction) -> None:
         self.key, self.original, self.sharded = key, original, sharded
@@ -122,8 +120,7 @@ _registered: _Registration | None = None
 
 
 def register(model_config: PretrainedConfig, attention: str, size: int, micro_batch_size: int) -> ModuleType:
-    """Collective (makes the groups): DeepSpeed's Ulysses attention for `attention` (an ALL_ATTENTION_FUNCTIONS key,
-    never eager), before the model is built as DeepSpeed asks. Returns the mpu for deepspeed.initialize."""
+    """Collective: DeepSpeed's Ulysses attention for `attention`, before the model is built; returns the mpu."""
     global _registered
 
     unregister()
@@ -147,8 +144,7 @@ def register(model_config: PretrainedConfig, attention: str, size: int, micro_ba
 
 
 def unregister() -> None:
-    """The attention table as it was, and DeepSpeed's group references released: a later run in this process (a
-    multirun) registers afresh."""
+    """The attention table as it was and DeepSpeed's groups released, so a later run registers afresh."""
     global _registered
     if _registered is None:
         return

@@ -1,32 +1,13 @@
-"""The Python API, for notebooks and scripts (issue 35 §9):
+"""The Python API: `from ds_exp import train; summary = train(["zero=stage3", "lora.dim=64"])` runs what
+`python -m ds_exp zero=stage3 lora.dim=64` does, in this process on one rank (gloo on the CPU, or the one GPU): the
+same composition, run directory, checks and recipe, one argument per item (no shell quoting). It returns what the
+run wrote to summary.json (a dry run: its plan).
 
-    from ds_exp import train
-    summary = train(["zero=stage3", "lora.dim=64"])      # what `python -m ds_exp zero=stage3 lora.dim=64` does
-
-Each item is one argument of the command line (no shell quoting: `"data.data_split=10,0,0"` is one value). The run
-is the command line's, in this process: Hydra composes ds_exp's conf/ with the same resolvers, schema and hidden
-secrets (ds_exp.launch.cli.prepare_overrides), the run directory is checked and made as the command line's
-(outputs/<experiment_name>/<time>/ with its .hydra/ and ds_exp.log; ds_exp.launch.run_dir.check_run_start), the
-same checks validate it (ds_exp.launch.validation, through cli.run_job), and the recipe (ds_exp/train/recipe.py)
-trains it on one rank: gloo on the CPU, or the one GPU. It returns what the run wrote to summary.json (a dry run,
-dry_run=true: its plan).
-
-Whatever ds_exp explains raises a DsExpError (ds_exp.core.errors, also `ds_exp.DsExpError`) whose str() is the
-message the command line prints after "ds_exp: error:", secrets blanked: a bad value, key or combination
-(ConfigError, Hydra's own composition errors included), data that cannot feed training (DataError), a run directory
-or resume that is refused (Refused), a run that failed (RunFailed: diverged, out of memory...). As on the command
-line it comes without the traceback behind it unless HYDRA_FULL_ERROR=1; an unexpected error (a bug) is raised as
-it is. A stop asked with Ctrl-C saves a checkpoint, says how to continue, then raises KeyboardInterrupt.
-
-A call leaves the process as it found it, so calls follow one another (and other code of the process goes on): the
-run releases its engine (as a multirun's job does), the process group it started is destroyed with DeepSpeed's
-references to it (ds_exp.runtime.process_group.release_process_groups; a group that was up before the call is left
-up), Hydra's global state is put back, and the logging handlers, captured warnings and launch variables the run
-set are taken away.
-
-`ds_exp.train` is at once the package of the training run and this function: the package is callable
-(ds_exp/train/__init__.py), so `from ds_exp import train` and `import ds_exp.train.recipe` both keep working. Typed
-code may import the function itself: `from ds_exp.train.api import train`.
+Whatever ds_exp explains raises a DsExpError (ds_exp.core.errors) whose str() is the command line's message, without
+the traceback unless HYDRA_FULL_ERROR=1; a bug is raised as it is. Ctrl-C saves a checkpoint, then raises
+KeyboardInterrupt. A call leaves the process as it found it (engine, process group it started, Hydra's global state,
+logging handlers, launch variables), so calls follow one another. The package ds_exp.train is callable
+(ds_exp/train/__init__.py); typed code imports `from ds_exp.train.api import train`.
 """
 
 from __future__ import annotations
@@ -157,8 +138,7 @@ def _as_it_was() -> Iterator[None]:
 
 
 def _stopped(err: BaseException) -> BaseException:
-    """A stop asked with Ctrl-C ends the command line with exit status 130 (ds_exp.runtime.signals): in Python it is
-    the KeyboardInterrupt the interrupt means (the run has said how to continue)."""
+    """A Ctrl-C stop exits the command line with 130 (runtime.signals): in Python, the KeyboardInterrupt."""
     if isinstance(err, SystemExit) and err.code == 128 + signal.SIGINT:
         return KeyboardInterrupt()
     return err

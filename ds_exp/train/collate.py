@@ -11,13 +11,9 @@ IGNORE_INDEX = -100
 class SFTCollator:
     """Pads to the longest sequence of the batch (rounded up to pad_to_multiple_of).
 
-    Pads are found by position (beyond each example's length), never by comparing with pad_token_id, so a
-    tokenizer whose pad is its eos still trains on the real eos at the end of every answer.
-    Packed examples carry position_ids; with isolate_packed=True the batch gets them instead of an
-    attention_mask, and transformers then keeps each packed example's attention to itself.
-    With position_ids=True every batch carries position_ids (0, 1, 2, ... for an unpacked row, pads counting on):
-    sequence parallelism takes causality from them (ds_exp/sequence_parallel/).
-    """
+    Pads are found by position, never by pad_token_id, so a tokenizer whose pad is its eos still trains on the real eos.
+    Packed examples carry position_ids; with isolate_packed=True the batch gets them instead of an attention_mask, so
+    each packed example attends to itself. position_ids=True puts them on every batch (for sequence parallelism)."""
 
     rows_per_example = 1  # rows of a batch one example makes (a preference pair makes two)
 

@@ -1,11 +1,10 @@
-"""Before training: what the run will write (checkpoints, exports) fits on its disk, checked by rank 0 and obeyed by
-every rank."""
+"""Before training: what the run will write fits on its disk, checked by rank 0 and obeyed by every rank."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ds_exp.config.schema import Config, TrainConfig
+from ds_exp.config.schema import TrainConfig
 from ds_exp.core.errors import RunFailed
 from ds_exp.launch.run_dir import completed_at
 from ds_exp.launch.storage import check_free_space
@@ -15,8 +14,7 @@ from ds_exp.train.session import Session
 
 
 def saves_a_checkpoint(train_cfg: TrainConfig, start_step: int, total_steps: int) -> bool:
-    """Whether a run from `start_step` to `total_steps` writes a checkpoint (a stop signal aside): the final one,
-    or one at a multiple of train.save_every still ahead."""
+    """Whether a run from `start_step` to `total_steps` writes a checkpoint (the final one, or a save_every one)."""
     if start_step >= total_steps:
         return False
     every = train_cfg.save_every
@@ -24,7 +22,8 @@ def saves_a_checkpoint(train_cfg: TrainConfig, start_step: int, total_steps: int
 
 
 def check_disk_space(
-    cfg: Config,
+    train_cfg: TrainConfig,
+    hooks: RunHooks,
     session: Session,
     checkpoint_size: int,
     parameters: int,
@@ -33,13 +32,10 @@ def check_disk_space(
     start_step: int = 0,
     total_steps: int = 0,
 ) -> None:
-    """Collective: rank 0 checks that what the run will write (a checkpoint, what the features plan: the exports)
-    fits on its disk (and that the features' targets may be replaced); every rank obeys. `checkpoint_size`: one
-    checkpoint (what trains: ds_exp.config.memory_plan.checkpoint_bytes); `parameters` and `trainable` (default
-    all) size the features' writes (their hooks' planned_writes: ds_exp/train/hooks.py). A resume counts only what is
-    still to be written: from a checkpoint at the last step no checkpoint, and for a run complete already nothing."""
+    """Collective: rank 0 checks that a checkpoint and the features' planned writes fit on its disk; every rank obeys.
+    A resume counts only what is still to be written."""
     trainable = parameters if trainable is None else trainable
-    train_cfg, verdict = cfg.train, None
+    verdict = None
     finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step
     if session.is_main and not finished:
         needs: dict[Path, int] = {}
@@ -48,7 +44,6 @@ def check_disk_space(
             path = session.run_dir / train_cfg.checkpoint_dir
             needs[path], keys[path] = checkpoint_size, "train.checkpoint_dir"
         try:
-            hooks = RunHooks.of(cfg)
             planned = hooks.planned_writes(Run(session, hooks), start_step, total_steps, parameters, trainable)
             for path, (size, key) in planned.items():
                 needs[path], keys[path] = size, key

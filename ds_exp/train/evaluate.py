@@ -1,9 +1,5 @@
-"""Evaluation: exact perplexity over the whole eval set, and generations of eval.prompts (greedy by default).
-
-Perplexity is exp(summed eval token loss / eval label tokens), reduced over ranks: not an average of per-batch
-averages, so it does not depend on the batch size or the number of ranks. Under sequence parallelism each rank sums
-the token losses of its slice of the rows (ds_exp/sequence_parallel/): the same sums.
-"""
+"""Evaluation: exact perplexity over the whole eval set (exp(summed token loss / label tokens) over ranks, whatever the
+batch size or world), and generations of eval.prompts."""
 
 from __future__ import annotations
 
@@ -39,10 +35,8 @@ def evaluate(
     loss: BatchLoss | None = None,
     objective: Objective = SFT,
 ) -> dict[str, float]:
-    """Collective. Ranks with fewer examples run masked batches, so that ZeRO-3's collective forwards stay in step.
-    Under sequence parallelism the rows are split by data-parallel rank and every batch has exactly `micro_batch`
-    rows (DeepSpeed's Ulysses attention is built for one batch size): the last is filled with rows that count
-    nothing. `shard` and `loss` are the step's (ds_exp.train.step); `objective` says what the sums mean."""
+    """Collective. Ranks with fewer examples run masked batches, so ZeRO-3's collective forwards stay in step; under
+    sequence parallelism every batch has exactly `micro_batch` rows (Ulysses is built for one batch size)."""
     if ranks.enabled:
         rank, world = ranks.dp_rank, ranks.dp_size
     mine = list(range(rank, len(eval_set), world))
@@ -71,8 +65,7 @@ def evaluate(
 
 
 class Generations:
-    """eval.prompts completed with the run's template, greedily or as eval.temperature asks (collective at ZeRO-3;
-    ds_exp/train/generate.py), written by rank 0 to generations.jsonl, the log and wandb."""
+    """eval.prompts completed in the run's template (ds_exp/train/generate.py), written by rank 0."""
 
     def __init__(
         self,

@@ -1,17 +1,6 @@
-"""Model FLOPs and the accelerator's peak, for model FLOPs utilization (MFU), in two counts.
-
-Model FLOPs of one training token (PaLM's accounting, recomputation not counted):
-* matrix multiplies: 2 N forward + 2 N backward to the activations + 2 N_trainable for the weight gradients, where
-  N counts the weights that multiply (the input embedding is a lookup and only counts when it is tied to the
-  output layer). A full fine-tune gives the familiar 6 N; LoRA with a frozen base about 4 N.
-* attention scores, two ways:
-  - ds_exp's count (`mfu`, `tflops_per_device`): 12 L d n per token of an example of n tokens (Q K^T and A V, forward
-    and backward), so a batch costs 12 L d sum(n_i^2) over its examples: the attention each example needs, which is
-    what a varlen kernel computes over packed rows (ds_exp/fast_path/attention.py). For short packed examples this is
-    close to 6 N alone.
-  - torchtitan's and llm-foundry's count (`mfu_with_attention`): 6 N + 12 L d s per token, s the row length, every
-    token counted over its whole row whatever the examples in it: their published MFU figures use it.
-MFU = model FLOP/s per device / the device's dense peak for the training precision.
+"""Model FLOPs and the accelerator's peak, for MFU (PaLM's accounting): 4 N + 2 N_trainable per token for the matrix
+multiplies; attention 12 L d sum(n_i^2) over a batch's examples (`mfu`), or 12 L d s per token over the row
+(`mfu_with_attention`, torchtitan's and llm-foundry's count).
 """
 
 from __future__ import annotations
@@ -56,8 +45,7 @@ def device_name(accelerator: str) -> str | None:
 
 
 def peak_flops(name: str | None, precision: str, override_tflops: float | None = None) -> float | None:
-    """FLOP/s per device: the override when given, else the table's entry for this device and precision (None
-    when unknown, e.g. on CPUs: MFU is then not reported)."""
+    """FLOP/s per device: the override, else the table's entry (None when unknown: no MFU)."""
     if override_tflops:
         return float(override_tflops) * 1e12
     if not name:
@@ -112,8 +100,7 @@ def numel(param: torch.Tensor) -> int:
 
 
 def sum_squared_lengths(batch: dict[str, torch.Tensor]) -> float:
-    """sum(n_i^2) over the sequences of a host batch: rows of an attention mask, or the examples of packed rows
-    (position_ids restart at 0 for each; a packed row's short pad tail counts with its last example)."""
+    """sum(n_i^2) over a host batch's sequences: rows of an attention mask, or packed examples (position_ids)."""
     mask = batch.get("attention_mask")
     if mask is not None:
         return float((mask.sum(dim=1).double() ** 2).sum())

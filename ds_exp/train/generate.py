@@ -1,12 +1,5 @@
-"""Look at what the model says: completions of `eval.prompts` (DeepSpeed-Chat's prompt_eval.py, in the run), greedy
-unless eval.temperature > 0 (then sampled with eval.top_p / eval.top_k, seeded by eval.seed in a forked random
-state, so that generating never changes what training draws next: a resumed run stays exact).
-
-Prompts are rendered with the template the run trains with, so the model is asked the way it is taught. Under
-ZeRO-3 every forward is a collective: all ranks generate the same prompts together (transformers' synced_gpus
-keeps them in step until the longest is done); at stages 0-2 rank 0 generates alone. Under sequence parallelism
-generation runs unsharded (each rank holds the whole prompt: a decode step has one token to split).
-"""
+"""Completions of `eval.prompts` in the run's template, greedy unless eval.temperature > 0 (sampled in a forked random
+state: a resume stays exact). At ZeRO-3 all ranks generate together (synced_gpus); else rank 0 alone."""
 
 from __future__ import annotations
 
@@ -31,8 +24,7 @@ from ds_exp.data.templates import render_prompt
 
 @dataclass(frozen=True)
 class Sampling:
-    """How completions are drawn: greedy when temperature is 0 (the default), else sampled. The same options as
-    `python -m ds_exp.chat`, checked by ds_exp.config.sampling."""
+    """Greedy when temperature is 0 (the default), else sampled; `python -m ds_exp.chat`'s options too."""
 
     temperature: float = 0.0
     top_p: float = 1.0  # 1 = off
@@ -48,8 +40,7 @@ class Sampling:
         return self.temperature == 0
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """For transformers' generate: every option explicit, so a model's generation_config.json (SmolLM2's
-        top_p, transformers' default top_k=50) never samples what was asked greedily, nor narrows a sample."""
+        """Every option explicit, so a model's generation_config.json never changes what was asked."""
         if self.greedy:
             return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
@@ -73,13 +64,12 @@ def seeded(sampling: Sampling, device: torch.device | str) -> Iterator[None]:
 
 
 def load_prompts(eval_cfg: EvalConfig) -> list[str]:
-    """eval.prompts, then the lines of eval.prompts_file (a text file, one prompt per line, or JSON lines with a
-    "prompt" field)."""
+    """eval.prompts, then eval.prompts_file's lines (plain text, or JSON lines with a "prompt" field)."""
     return [prompt for _, prompt in labelled_prompts(eval_cfg)]
 
 
 def labelled_prompts(eval_cfg: EvalConfig) -> list[tuple[str, str]]:
-    """(where it comes from, for messages: eval.prompts[i] or eval.prompts_file=<path>:<line>; the prompt)."""
+    """(where it comes from, as messages name it; the prompt)."""
     prompts = [(f"eval.prompts[{i}]", str(p)) for i, p in enumerate(eval_cfg.prompts or [])]
     if eval_cfg.prompts_file:
         path = Path(eval_cfg.prompts_file).expanduser()
@@ -107,9 +97,8 @@ def labelled_prompts(eval_cfg: EvalConfig) -> list[tuple[str, str]]:
 def check_generation_room(
     eval_cfg: EvalConfig, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, template: str
 ) -> None:
-    """Every prompt, rendered as the run asks it, plus eval.max_new_tokens fits the positions of a model that learned
-    a table of absolute positions (OPT, GPT-2, ...): past its end generation fails with an IndexError, after
-    training. Checked before training; rotary models run past their context and are not limited here."""
+    """Every rendered prompt plus eval.max_new_tokens fits a learned position table (OPT, GPT-2: past it an
+    IndexError, after training); rotary models run past their context."""
     found = position_limit(model_config.to_dict())
     if found is None or found[2] != "learned":
         return
@@ -136,8 +125,7 @@ def check_generation_room(
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, end_of_conversation: str | None) -> list[int]:
-    """Where a completion ends: the eos, and the end-of-conversation token the run trains with when it is one
-    token of its own."""
+    """Where a completion ends: the eos, and the end-of-conversation token when it is one token."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if end_of_conversation:
         eot = tokenizer(end_of_conversation, add_special_tokens=False)["input_ids"]
@@ -156,8 +144,7 @@ def generate(
     stop_ids: list[int],
     sampling: Sampling = GREEDY,
 ) -> list[str] | None:
-    """Collective at ZeRO-3 (every rank calls it), rank 0 only otherwise. The completions on rank 0, else None.
-    Every rank seeds the same: under ZeRO-3 they sample alike."""
+    """Collective at ZeRO-3, rank 0 only otherwise (every rank seeds alike). The completions on rank 0, else None."""
     zero3 = engine.zero_optimization_stage() == 3
     rank = dist.get_rank()
     if rank != 0 and not zero3:

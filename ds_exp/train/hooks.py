@@ -1,27 +1,19 @@
-"""The recipe's named points where features act (ds_exp/config/features.py), and the hooks of the features a run
-turns on. The recipe calls each point once, in its order; every feature that is on gets its own settings, given when
-its hooks are built, and the run as it stands at that point.
+"""The recipe's named points where features act (ds_exp/config/features.py). The recipe calls each once, in order,
+on the hooks of every feature that is on (each built with its own settings), with the run as it stands:
 
-    after_model_config  the tokenizer and the model's config are read (no data, no weights): what only the launch
-                        and the model's config can refuse
+    after_model_config  the tokenizer and the model's config are read (no data, no weights)
     planned_writes      before the engine (rank 0): {path: (bytes, key)} it will write, for the disk check
     after_setup         the engine is built, nothing trained yet
     on_branch           a resume abandons a branch (rank 0): the feature's files made on it, set aside with it
     after_step          an optimizer step and what train.* asks after it (evaluation, checkpoint) are done
     at_checkpoint       a checkpoint was saved, complete (every rank)
     after_train         training is over, its final checkpoint saved, the engine still held (every rank)
-    after_export        an export was written (rank 0 wrote it; every rank calls, ordered after the export's barrier),
-                        called through Run.hooks by the feature that wrote it (ds_exp/exports/)
-    after_release       the engine is released, whether the run completed or failed: undo what the feature changed in
-                        the process, for a later run in it
-    after_run           the run is over and its engine released: work on what it left (scoring an export), never
-                        failing the completed run
+    after_export        an export was written (every rank, after the export's barrier), called by the exports
+    after_release       the engine is released, however the run ended: undo what the feature changed in the process
+    after_run           the run is over: work on what it left (scoring an export), never failing the completed run
 
-A hooks class may also act while the model is built (ds_exp/model/hooks.py's ModelHooks): the recipe hands the hooks
-to build_model.
-
-A feature may also say what the run's steps optimize (`objective`: ds_exp.train.step.Objective, SFT's unless one
-does), asked before setup: the data the run trains on, its loss, its evaluation and its metric lines follow it.
+A hooks class may also act while the model is built (ds_exp/model/hooks.py's ModelHooks), and say what the steps
+optimize (`objective`: ds_exp.train.step.Objective, SFT's unless one does), asked before setup.
 """
 
 from __future__ import annotations
@@ -32,8 +24,6 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from ds_exp.config.features import feature_hooks
-from ds_exp.config.schema import Config
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.session import Session
 from ds_exp.train.step import SFT, Objective
@@ -60,8 +50,7 @@ class FeatureHooks:
 
     @property
     def merged_exports(self) -> bool:
-        """The step exports (train.export_every) must hold the merged model, not only a LoRA adapter: after_export
-        reads it."""
+        """The step exports must hold the merged model, not only a LoRA adapter: after_export reads it."""
         return False
 
     def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
@@ -105,10 +94,6 @@ class RunHooks:
 
     def __init__(self, hooks: list[FeatureHooks]) -> None:
         self.hooks = hooks
-
-    @classmethod
-    def of(cls, cfg: Config) -> RunHooks:
-        return cls(feature_hooks(cfg))
 
     def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
         for hook in self.hooks:

@@ -1,9 +1,5 @@
-"""The training loop: optimizer steps over the epochs, and what follows a step as train.* asks for it (metric
-lines, evaluations, checkpoints, the stop vote). It receives every object it uses; ds_exp/train/recipe.py builds them.
-
-Every optimizer step consumes one global batch; the data order is a function of (seed, epoch) and the position in
-the epoch counted over all ranks, so a resumed run draws exactly the batches an uninterrupted run would.
-"""
+"""The training loop: optimizer steps and what train.* asks after each. The data order is a function of (seed, epoch)
+and the position in the epoch over all ranks, so a resumed run draws exactly an uninterrupted run's batches."""
 
 from __future__ import annotations
 
@@ -171,8 +167,7 @@ class Loop:
         return loss_sum / max(labels, 1.0)
 
     def evaluate(self) -> dict[str, float]:
-        """Collective: perplexity over the eval set, written after the pending metric line; generations too when
-        eval.every_eval asks for them."""
+        """Collective: perplexity over the eval set; generations too when eval.every_eval asks."""
         progress, work = self.progress, self.work
         self.metrics.write()  # keeps metrics.jsonl in step order
         progress.last_eval_step = progress.step
@@ -211,9 +206,7 @@ class Loop:
         return self.session.state.checkpoint or self.session.state.resumed_from
 
     def check_end(self) -> None:
-        """Collective, after the last step and its evaluation: a run that ends with a non-finite loss, evaluation or
-        weights is diverged (whatever train.max_bad_steps let it through on the way), before anything of it is
-        kept (the final generations, checkpoint and export)."""
+        """Collective: a run ending with a non-finite loss, evaluation or weights is diverged, before it is kept."""
         overflowed = not self.last_applied and self.session.precision != "fp16"  # fp16: the loss scaler's skip
         found = non_finite_end(
             self.engine, self.last_loss, self.session.state.final_eval, last_step_overflowed=overflowed
@@ -224,8 +217,7 @@ class Loop:
         self.finite_at = self.progress.step
 
     def save(self) -> None:
-        """Collective checkpoint, with the open metric window's sums over ranks (see Metrics.carry). Weights that
-        are not finite are never saved: resume=auto would continue them."""
+        """Collective checkpoint with the open metric window's sums (Metrics.carry); weights not finite never saved."""
         step = self.progress.step
         if self.finite_at != step:
             check_weights_finite(self.engine, step, f"did not save checkpoint step{step}", self.last_good_checkpoint())
@@ -241,8 +233,7 @@ def current_lr(engine: DeepSpeedEngine) -> float:
 
 
 def loss_scale(engine: DeepSpeedEngine) -> float | None:
-    """The fp16 loss scaler's current scale: DeepSpeed's fp16 optimizers call it cur_scale, its ZeRO optimizers
-    loss_scale."""
+    """The fp16 loss scaler's scale (cur_scale, or ZeRO's loss_scale)."""
     for name in ("cur_scale", "loss_scale"):
         value = getattr(engine.optimizer, name, None)
         if isinstance(value, (int, float)):

@@ -1,14 +1,9 @@
-"""The run's metric lines, as one object: `add` each step's sums, `close` a window every train.log_every steps,
-`write` its line once the sums over ranks arrive; to metrics.jsonl, wandb, the progress bar and the step log.
+"""The run's metric lines: `add` each step's sums, `close` a window every train.log_every steps, `write` its line once
+the sums over ranks arrive; to metrics.jsonl, the trackers, the progress bar and the step log.
 
-The progress bar is drawn on a terminal only. Piped into a file or another program (a CI log, `| tee`), a bar's
-frames would be hundreds of carriage-return updates on one line: there rank 0 writes a plain progress line instead,
-at every tenth of the run and at least once a minute (`PlainProgress`).
-
-A window's sums (loss, label and input tokens, samples, model FLOPs) are this rank's until the window closes; then
-one all-reduce sums them over ranks. It is started when the window closes and awaited at the next step (or before
-anything else is logged or saved), so no rank waits for the slower one to write a line, and the next window starts
-at once: the cost of a line is counted in the step time of the steps after it.
+The bar is drawn on a terminal only; piped, rank 0 writes a plain line at every tenth of the run and at least once a
+minute (`PlainProgress`). A window's all-reduce starts when it closes and is awaited at the next step, so no rank
+waits on another to write a line.
 """
 
 from __future__ import annotations
@@ -82,8 +77,7 @@ class _NoBar:
 
 
 class PlainProgress:
-    """The bar's news as plain lines, for a console that is not a terminal: `step 50/250 (20%): loss 2.4377, lr
-    9.05e-04, 975 tokens/s; about 1m 40s left`, at every tenth of the run and at least every `every_s` seconds."""
+    """The bar's news as plain lines where the console is no terminal: every tenth of the run and every `every_s`."""
 
     def __init__(self, total: int, initial: int, every_s: float = 60.0) -> None:
         self.total, self.initial, self.every_s = total, initial, every_s
@@ -97,10 +91,8 @@ class PlainProgress:
         return self.tenth(step) > self.said_tenth or time.perf_counter() - self.said_at >= self.every_s
 
     def line(self, step: int, shown: dict[str, str]) -> str:
-        values = [f"loss {shown['loss']}"] if "loss" in shown else []
-        values += [f"lr {shown['lr']}"] if "lr" in shown else []
-        values += [f"{shown['tok_s']} tokens/s"] if "tok_s" in shown else []
-        values += [f"MFU {shown['mfu']}"] if "mfu" in shown else []
+        said = (("loss", "loss {}"), ("lr", "lr {}"), ("tok_s", "{} tokens/s"), ("mfu", "MFU {}"))
+        values = [form.format(shown[key]) for key, form in said if key in shown]
         return f"step {self.progress(step)}: {', '.join(values) or 'running'}{self.left(step)}"
 
     def progress(self, step: int) -> str:
@@ -160,8 +152,7 @@ class Metrics:
         self.bar.close()
 
     def show_step_loss(self, step: int, loss: float) -> None:
-        """The loss of optimizer step `step` (over the global batch) on the bar: drawn at once the first time, so
-        that the bar has a loss from its first step, then with the bar's next refresh (no extra console output)."""
+        """The loss of optimizer step `step` on the bar: at once the first time, then with the bar's next refresh."""
         first = not self.loss_step
         self.loss_step = step
         self.show(refresh=first, loss=f"{loss:.4f}")
@@ -271,8 +262,7 @@ class Metrics:
         self.wandb.log(wandb_values, step=record["step"])
 
     def carry(self) -> tuple[float, ...]:
-        """Collective: the open window's loss sum, label tokens and the objective's sums over all ranks, for a
-        checkpoint, so that a resumed run's next line covers the same steps as an uninterrupted run's."""
+        """Collective: the open window's sums over all ranks, for a checkpoint: a resumed run's next line is alike."""
         self.write()
         window = self.window
         return tuple(

@@ -1,6 +1,6 @@
 """The supervised fine-tuning recipe (DeepSpeed-Chat step 1's main.py, readable and exact), top to bottom:
 
-    hooks = RunHooks.of(cfg)                   # the features this run turns on, each given its own settings
+    hooks = RunHooks(feature_hooks(cfg))       # the features this run turns on, each given its own settings
     with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/train/session.py
         session.start()
         run.work = setup(cfg, session, hooks)  # named steps: model config, data, plan, resume point, model, engine
@@ -28,10 +28,20 @@ from ds_exp.checkpoint.checkpointer import Checkpointer
 from ds_exp.checkpoint.frozen import built_base
 from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, param_names
 from ds_exp.config.ds_config import replaced_by_config_file
+from ds_exp.config.features import feature_hooks
 from ds_exp.config.memory_plan import checkpoint_bytes, optimizer_state
 from ds_exp.config.model_checks import max_seq_len_notes
+from ds_exp.config.optimizer_settings import OptimizerConfig
 from ds_exp.config.plan import RunPlan, plan_run
-from ds_exp.config.schema import Config, plain
+from ds_exp.config.schema import (
+    Config,
+    DataConfig,
+    LoraConfig,
+    ModelConfig,
+    SchedulerConfig,
+    TrainConfig,
+    plain,
+)
 from ds_exp.config.secrets import redact, register_secrets
 from ds_exp.core import compat
 from ds_exp.core.files import write_json_atomic
@@ -57,7 +67,7 @@ from ds_exp.train.loop import Loop, Progress
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.resuming import resume, resume_plan
 from ds_exp.train.session import Session, training_line
-from ds_exp.train.step import SFT, Objective, Ranks
+from ds_exp.train.step import Objective, Ranks
 from ds_exp.train.workload import Workload
 
 log = logging.getLogger("ds_exp.train")
@@ -66,7 +76,7 @@ file_log = logging.getLogger(FILE_LOGGER)
 
 def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train under whatever launcher started this process; write metrics, summary, checkpoints and export."""
-    hooks = RunHooks.of(cfg)  # the features this run turns on, each with its own settings (ds_exp/config/features.py)
+    hooks = RunHooks(feature_hooks(cfg))  # the features this run turns on, each with its own settings
     with Session(cfg, run_dir) as session:
         run = Run(session, hooks)
         try:
@@ -87,17 +97,15 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
 
 def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
-    """Everything the loop uses, as named steps in the order that fails cheapest first: the ranks' layout, then the
-    model's config before the data (a checkpoint transformers cannot read fails before tokenizing), the data before
-    the plan (its steps count the examples), the checkpoint to resume from before the weights (deepspeed.initialize
-    reads whether it loads through the universal format), the disk before the engine. The features act at their
-    points (ds_exp/train/hooks.py, and while the model is built: ds_exp/model/hooks.py); the objective (SFT's, or a
-    feature's: ds_exp/preference/) decides the data, the model's class, the collator and the loss."""
+    """Everything the loop uses, as named steps, cheapest failure first: the model's config, the data, the plan, the
+    checkpoint to resume from (deepspeed.initialize reads its format), the disk, the engine. The objective (SFT's or a
+    feature's) decides the data, the model's class, the collator and the loss."""
     objective = hooks.objective()
-    ranks = parallel_layout(cfg, session)
-    tokenizer, model_config = read_model_config(cfg, session)
+    ranks = parallel_layout(session, cfg.dist.sequence_parallel_size)
+    tokenizer, model_config = read_model_config(cfg.model, cfg.data, cfg.lora, session)
     hooks.after_model_config(Run(session, hooks), model_config)
-    data = tokenized_data(cfg, session, tokenizer, model_config, objective)
+    data = tokenized_data(cfg.data, cfg.train.seed, session, tokenizer, objective)
+    check_generation_room(cfg.eval, model_config, tokenizer, first_template(data.stats))  # the prompts fit
     plan = plan_run(
         cfg,
         world_size=session.world,
@@ -110,11 +118,11 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
         log.info(training_line(cfg.lora, plan.ds_config, session.precision, plan.data_parallel_size, ranks.size))
     settings = settings_of(cfg, session.world, plan.ds_config, session.precision)
     resume_from, universal = resume_plan(cfg.resume, cfg.train, session, settings)
-    ds_config = final_ds_config(cfg, session, plan, universal)
+    ds_config = final_ds_config(cfg.deepspeed.config_file, cfg.optimizer, cfg.scheduler, session, plan, universal)
     built = build_model(cfg, tokenizer, ds_config, hooks.hooks, objective.model_class)
     zero3 = ds_config["zero_optimization"]["stage"] == 3
     base = built_base(cfg.model, cfg.train.seed, built.model, zero3=zero3, checkpoint=resume_from)
-    parameters, trainable = record_model(cfg, session, built, plan, ds_config)
+    parameters, trainable = record_model(cfg.model, cfg.train, cfg.optimizer.lr, session, built, plan, ds_config)
     needed = checkpoint_bytes(
         trainable,
         session.precision,
@@ -122,9 +130,16 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
     )
     start_step = int(read_marker(resume_from).get("step", 0)) if resume_from is not None else 0
     check_disk_space(
-        cfg, session, needed, parameters, trainable=trainable, start_step=start_step, total_steps=plan.total_steps
+        cfg.train,
+        hooks,
+        session,
+        needed,
+        parameters,
+        trainable=trainable,
+        start_step=start_step,
+        total_steps=plan.total_steps,
     )
-    engine = training_engine(cfg, session, built, ds_config, plan)
+    engine = training_engine(cfg.optimizer, cfg.scheduler, cfg.deepspeed.config_file, session, built, ds_config, plan)
     return Workload(
         tokenizer=tokenizer,
         data=data,
@@ -164,58 +179,66 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
     )
 
 
-def parallel_layout(cfg: Config, session: Session) -> Ranks:
+def parallel_layout(session: Session, sequence_parallel_size: int) -> Ranks:
     """This rank's place: its sequence-parallel group (checked with the world it has by the feature's hooks)."""
-    ranks = Ranks.of(session.rank, session.world, cfg.dist.sequence_parallel_size)
+    ranks = Ranks.of(session.rank, session.world, sequence_parallel_size)
     # the ranks that draw different samples: every step's global batch is micro x accumulation x dp
     session.state.data_parallel_size, session.state.sequence_parallel_size = ranks.dp_size, ranks.size
     return ranks
 
 
-def read_model_config(cfg: Config, session: Session) -> tuple[PreTrainedTokenizerBase, PretrainedConfig]:
-    """The tokenizer and the model's config (no weights), and what they can refuse: lora.* against the model's
-    layers."""
+def read_model_config(
+    model: ModelConfig, data: DataConfig, lora: LoraConfig, session: Session
+) -> tuple[PreTrainedTokenizerBase, PretrainedConfig]:
+    """The tokenizer and the model's config (no weights), lora.* checked against the model's layers."""
     if session.is_main:
-        for note in max_seq_len_notes(cfg.model, cfg.data.max_seq_len):
+        for note in max_seq_len_notes(model, data.max_seq_len):
             log.warning(note)
-    tokenizer = load_tokenizer(cfg.model, cfg.data)
-    model_config = build_model_config(cfg.model, tokenizer)
-    check_lora(cfg.model, cfg.lora, model_config)
+    tokenizer = load_tokenizer(model, data)
+    model_config = build_model_config(model, tokenizer)
+    check_lora(model, lora, model_config)
     return tokenizer, model_config
 
 
 def tokenized_data(
-    cfg: Config,
-    session: Session,
-    tokenizer: PreTrainedTokenizerBase,
-    model_config: PretrainedConfig,
-    objective: Objective = SFT,
+    data_cfg: DataConfig, seed: int, session: Session, tokenizer: PreTrainedTokenizerBase, objective: Objective
 ) -> SFTData:
-    """The training and eval sets, tokenized (or read from the cache); the generation prompts checked to fit."""
-    data = prepare_sft_data(cfg.data, tokenizer, seed=cfg.train.seed, pairs=objective.pairs)
+    """The training and eval sets, tokenized (or read from the cache)."""
+    data = prepare_sft_data(data_cfg, tokenizer, seed=seed, pairs=objective.pairs)
     file_log.info("data statistics: %s", data.stats)  # the console has the pipeline's sentence
     if session.is_main and len(data.eval) == 0:
-        log.warning(no_eval_note(cfg.data))
-    check_generation_room(cfg.eval, model_config, tokenizer, first_template(data.stats))
+        log.warning(no_eval_note(data_cfg))
     return data
 
 
-def final_ds_config(cfg: Config, session: Session, plan: RunPlan, universal: bool) -> dict[str, Any]:
-    """The DeepSpeed config deepspeed.initialize gets: the plan's, set to load a universal checkpoint where the resume
-    needs one; its secrets registered (DeepSpeed logs its config), checked, written to <run dir>/ds_config.json."""
+def final_ds_config(
+    config_file: str | None,
+    optimizer: OptimizerConfig,
+    scheduler: SchedulerConfig,
+    session: Session,
+    plan: RunPlan,
+    universal: bool,
+) -> dict[str, Any]:
+    """The plan's DeepSpeed config (loading a universal checkpoint where the resume needs one), checked and written."""
     ds_config = ds_config_for_load(plan.ds_config) if universal else plan.ds_config
     if session.is_main:
-        for note in replaced_by_config_file(cfg.deepspeed.config_file, cfg.optimizer, cfg.scheduler, plan.total_steps):
+        for note in replaced_by_config_file(config_file, optimizer, scheduler, plan.total_steps):
             log.warning(note)
     register_secrets(ds_config)  # a user's DeepSpeed JSON may hold keys (comet.api_key)
-    check_deepspeed_config(ds_config, cfg.deepspeed.config_file)
+    check_deepspeed_config(ds_config, config_file)
     if session.is_main:
         write_json_atomic(session.run_dir / "ds_config.json", redact(ds_config))
     return ds_config
 
 
 def record_model(
-    cfg: Config, session: Session, built: BuiltModel, plan: RunPlan, ds_config: dict[str, Any]
+    model: ModelConfig,
+    train_cfg: TrainConfig,
+    lr: float,
+    session: Session,
+    built: BuiltModel,
+    plan: RunPlan,
+    ds_config: dict[str, Any],
 ) -> tuple[int, int]:
     """(parameters, trainable), logged, and what the run's summary.json says of the model and the plan."""
     parameters = sum(numel(p) for p in built.model.parameters())
@@ -223,34 +246,39 @@ def record_model(
     lora = built.lora
     log.info(
         "model: %s, %s parameters, %s trainable (%.2f%%)%s",
-        cfg.model.name_or_path or f"{cfg.model.name} (built from model.arch)",
+        model.name_or_path or f"{model.name} (built from model.arch)",
         f"{parameters:,}",
         f"{trainable:,}",
         100.0 * trainable / max(parameters, 1),
         f", LoRA rank {lora.dim} on {len(lora.targets)} layers" if lora else "",
     )
     state = session.state
-    state.model = cfg.model.name_or_path or cfg.model.name
-    state.lora_dim, state.parameters, state.trainable_parameters = cfg.lora.dim, parameters, trainable
+    state.model = model.name_or_path or model.name
+    state.lora_dim, state.parameters, state.trainable_parameters = lora.dim if lora else 0, parameters, trainable
     state.total_steps, state.zero_stage = plan.total_steps, int(ds_config["zero_optimization"]["stage"])
     state.train_examples, state.global_batch_size = plan.train_examples, int(ds_config["train_batch_size"])
-    state.peak_lr = float(ds_config.get("optimizer", {}).get("params", {}).get("lr", cfg.optimizer.lr))  # the top
+    state.peak_lr = float(ds_config.get("optimizer", {}).get("params", {}).get("lr", lr))  # the top
     state.device = device_name(session.accelerator)
-    state.peak_flops = peak_flops(state.device, session.precision, cfg.train.peak_tflops)
+    state.peak_flops = peak_flops(state.device, session.precision, train_cfg.peak_tflops)
     return parameters, trainable
 
 
 def training_engine(
-    cfg: Config, session: Session, built: BuiltModel, ds_config: dict[str, Any], plan: RunPlan
+    optimizer: OptimizerConfig,
+    scheduler: SchedulerConfig,
+    config_file: str | None,
+    session: Session,
+    built: BuiltModel,
+    ds_config: dict[str, Any],
+    plan: RunPlan,
 ) -> TrainingEngine:
-    """deepspeed.initialize with the optimizer and the schedule (the decoder layers were compiled at build where the
-    fast path asks: ds_exp/fast_path/)."""
+    """deepspeed.initialize with the optimizer and the schedule."""
     engine = build_engine(
         built.model,
         ds_config,
-        optimizer_cfg=cfg.optimizer,
-        scheduler_cfg=cfg.scheduler,
-        config_file=cfg.deepspeed.config_file,
+        optimizer_cfg=optimizer,
+        scheduler_cfg=scheduler,
+        config_file=config_file,
         total_steps=plan.total_steps,
         warmup_steps=plan.warmup_steps,
         accelerator=session.accelerator,
@@ -266,8 +294,7 @@ def training_engine(
 
 
 def train(cfg: Config, run: Run, start: TrainState) -> None:
-    """Evaluate and generate before the first step, run the loop, evaluate and generate after the last, and
-    save the final checkpoint."""
+    """Evaluate and generate around the loop, and save the final checkpoint."""
     session, work = run.session, run.work
     assert work is not None
     metrics_log, trackers = session.open_sinks(start)
@@ -288,11 +315,11 @@ def train(cfg: Config, run: Run, start: TrainState) -> None:
         objective=work.objective,
     )
     generations = Generations(
-        _prompts(cfg) if work.objective.generates else [],  # a reward model completes nothing
+        load_prompts(cfg.eval) if work.objective.generates else [],  # a reward model completes nothing
         tokenizer=work.tokenizer,
         template=first_template(work.data.stats),
         max_new_tokens=int(cfg.eval.max_new_tokens),
-        stop_ids=_stop_ids(cfg, work.tokenizer),
+        stop_ids=stop_token_ids(work.tokenizer, cfg.data.end_of_conversation_token),
         path=session.run_dir / "generations.jsonl",
         sampling=Sampling.of(cfg.eval),
     )
@@ -312,7 +339,7 @@ def train(cfg: Config, run: Run, start: TrainState) -> None:
             "model_config": model_section(cfg.model),  # what an export of the checkpoint rebuilds the model with
             "base": work.base,  # the frozen weights it leaves out
         },
-        extra=_stage0_names(cfg, work),
+        extra=_stage0_names(cfg.optimizer, work),
     )
     run.metrics = metrics
     loop = Loop(cfg.train, cfg.eval, session, work, metrics, checkpoints, generations, progress, run)
@@ -351,20 +378,11 @@ def train(cfg: Config, run: Run, start: TrainState) -> None:
             state.compile_s = compat.compile_seconds()  # torch.compile's own timers: not in train_seconds' speed
 
 
-def _stage0_names(cfg: Config, work: Workload) -> dict[str, Any] | None:
-    """A ZeRO-0 checkpoint's optimizer state is indexed by number: the parameter names of each index, recorded so that
-    `python -m ds_exp.universal` can convert it without building the model (ZeRO 1-3 record their own)."""
+def _stage0_names(optimizer: OptimizerConfig, work: Workload) -> dict[str, Any] | None:
+    """A ZeRO-0 optimizer state is indexed by number: its parameter names, for `python -m ds_exp.universal`."""
     if work.zero_stage != 0:
         return None
 
     model = work.built.model
-    groups = parameter_groups(model, cfg.optimizer.weight_decay, list(cfg.optimizer.no_decay))
+    groups = parameter_groups(model, optimizer.weight_decay, list(optimizer.no_decay))
     return {PARAM_NAMES_KEY: param_names(model, groups)}
-
-
-def _prompts(cfg: Config) -> list[str]:
-    return load_prompts(cfg.eval)
-
-
-def _stop_ids(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    return stop_token_ids(tokenizer, cfg.data.end_of_conversation_token)

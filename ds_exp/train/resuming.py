@@ -1,8 +1,5 @@
-"""Where a run starts: the checkpoint it continues from, decided before the engine exists (`resume_plan`:
-deepspeed.initialize reads whether it loads through DeepSpeed's universal format), then loaded into the engine and
-placed on the run's trajectory (`resume`), or a fresh start at step 0. Which checkpoint `resume` names, and that a
-submitit job continues its own directory, is ds_exp.resume.store.resume_wanted's rule; what may change across a
-resume is ds_exp.resume's (settings, trajectory). Steps of the recipe (ds_exp/train/recipe.py)."""
+"""Where a run starts: the checkpoint it continues, decided before the engine (`resume_plan`), then loaded and placed on
+the run's trajectory (`resume`), or step 0. What may change across a resume is ds_exp.resume's rule."""
 
 from __future__ import annotations
 
@@ -32,9 +29,7 @@ log = logging.getLogger("ds_exp.train")
 def resume_plan(
     resume: str | None, train: TrainConfig, session: Session, settings: dict[str, Any]
 ) -> tuple[Path | None, bool]:
-    """The checkpoint to continue from (None: a fresh start), and whether its layout (world size, ZeRO stage,
-    offload) changed so that it is loaded through DeepSpeed's universal format. Decided before the engine exists,
-    since deepspeed.initialize reads that choice; other changed settings are refused here."""
+    """The checkpoint to continue from (None: fresh), and whether it loads through DeepSpeed's universal format."""
     wanted = resume_wanted(resume, session.launch.launcher)
     tag_dir = find_resume_checkpoint(wanted, session.run_dir, train.checkpoint_dir)
     if tag_dir is None:
@@ -54,8 +49,7 @@ def resume_plan(
 def resume(
     wanted: str | None, train: TrainConfig, opt: OptimizerConfig, session: Session, work: Workload, hooks: RunHooks
 ) -> TrainState:
-    """The state to start from: a checkpoint's (`wanted`: resume=auto / <path>), or step 0. A submitit job that SLURM
-    requeued runs again in the same directory, so it continues whenever there is something to continue."""
+    """The state to start from: a checkpoint's (`wanted`: resume=auto / <path>), or step 0."""
     run_dir, tag_dir = session.run_dir, work.resume_from
     if tag_dir is None:
         if resume_wanted(wanted, session.launch.launcher) is not None and session.is_main:
@@ -93,10 +87,8 @@ def resume(
 def continue_trajectory(
     train: TrainConfig, session: Session, state: TrainState, tag_dir: Path, hooks: RunHooks
 ) -> TrainState:
-    """Collective, once the resume is loaded and accepted: the checkpoint directory's checkpoints that are not on the
-    resumed trajectory are set aside as a branch (ds_exp.resume.branches.set_aside_branch) with the files the
-    features made on it (their on_branch: the exports), and the state gets this attempt's identity: a new branch,
-    and a new run_id when the checkpoint is another run directory's (its files are never this run's to rotate)."""
+    """Collective, once the resume is accepted: checkpoints off the resumed trajectory are set aside as a branch
+    (with the features' files: on_branch); another directory's checkpoint also gives a new run_id."""
     run_dir, checkpoint_dir = session.run_dir, session.run_dir / train.checkpoint_dir
     decided = None
     if session.is_main:

@@ -15,14 +15,8 @@ def _mix(seed: int, epoch: int) -> int:
 
 
 class ResumableDistributedSampler(Sampler[int]):
-    """Rank r yields positions r, r+W, r+2W, ... of one global permutation (W = world size).
-
-    The permutation depends on (seed, epoch) only, so every rank computes the same one without talking.
-    Resume: after `set_epoch(e)`, `set_start(n)` skips the first n samples of the epoch consumed by all
-    ranks together (world-size independent), `skip(n)` the first n this rank consumed (n x W in all).
-    `set_epoch` clears the start, so call it first. drop_last=False pads by repeating from the start so
-    all ranks yield the same count (collectives stay in step).
-    """
+    """Rank r yields positions r, r+W, ... of one permutation of (seed, epoch); `set_start(n)` skips an epoch's first n
+    samples over all ranks, `skip(n)` this rank's. drop_last=False pads by repeating: every rank yields as many."""
 
     def __init__(
         self,

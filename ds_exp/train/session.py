@@ -1,13 +1,6 @@
-"""A run as one process sees it, and the one place its failures are handled.
-
-`Session` is a context manager (like lightning-hydra-template's task_wrapper):
-* entering installs the stop signals; `start()` joins the process group, learns rank 0's run directory,
-  starts the rank's log file and says how the run was launched;
-* the run fills `session.state` (ds_exp.artifacts.summary.RunState) as it gets there, and opens its sinks through
-  `open_sinks` (metrics.jsonl and the trackers: wandb, TensorBoard, MLflow);
-* leaving, however the run ended, maps the outcome to a status and one message, writes summary.json (rank 0),
-  closes the sinks and the log file, and leaves the process group as the next job of a multirun needs it.
-  A stop on a signal then exits with the signal's code (or hands over to submitit's requeue).
+"""A run as one process sees it, and the one place its failures are handled: `Session` installs the stop signals,
+joins the process group, starts the log, holds summary.json's state and the sinks; leaving, however the run ended,
+maps the outcome to a status and one message, writes summary.json and releases what a multirun's next job needs.
 """
 
 from __future__ import annotations
@@ -60,8 +53,7 @@ _runs_started = [0]  # sessions this process has started
 
 
 def run_started() -> float:
-    """When the run began as its user waited for it: the process's own start for its first run (the imports, Hydra
-    and the checks are part of its load time), the session's for a later job of a multirun in the same process."""
+    """When the run began for its user: the process's start for its first run, the session's for a later job."""
     _runs_started[0] += 1
     if _runs_started[0] == 1:
         try:
@@ -75,8 +67,7 @@ RELAUNCH = "DS_EXP_RELAUNCH"  # how a launchers/*.sh script is run again for thi
 
 
 def relaunch_command(launch: LaunchInfo) -> str:
-    """How this launch starts ds_exp again: as a launchers/ script was typed (its DS_EXP_RELAUNCH), else the
-    launcher's own command for the same number of ranks, else `python -m ds_exp`."""
+    """How this launch starts ds_exp again: the launchers/ script as typed, else the launcher's own command."""
     if os.environ.get(RELAUNCH):
         return os.environ[RELAUNCH]
     if launch.world_size == 1:
@@ -97,9 +88,7 @@ def in_multirun() -> bool:
 
 
 def training_line(lora: LoraConfig, ds_config: dict[str, Any], precision: str, dp: int, sp: int) -> str:
-    """What the run trains with, as DeepSpeed is given it (a user's DeepSpeed file included): the ZeRO stage,
-    precision, offload, sequence parallelism and LoRA; the console's line after the launch's, so that a user sees
-    that they got what they asked for."""
+    """The console's line of what the run trains with, as DeepSpeed is given it (a user's DeepSpeed file included)."""
     zero = ds_config.get("zero_optimization") or {}
     parts = [f"ZeRO stage {zero.get('stage', 0)}", precision]
     offloaded = []
@@ -197,8 +186,7 @@ class Session:
         )
 
     def open_sinks(self, start: TrainState) -> tuple[MetricsLog, Trackers]:
-        """metrics.jsonl and the trackers (rank 0 writes them all). `start`: the TrainState the run continues from,
-        whose tracker run ids (wandb, MLflow) a resumed run continues."""
+        """metrics.jsonl and the trackers (rank 0 writes them), continuing `start`'s tracker runs on a resume."""
         run = TrackedRun.of(self.cfg, self.run_dir)
         trackers = Trackers(self.cfg.logger, run, enabled=self.is_main, start=start)
         self.sinks.append(trackers)
@@ -213,7 +201,6 @@ class Session:
         """Training can begin (data, weights, engine and checkpoint are loaded): the end of the run's load time."""
         self.state.ready_seconds = time.time() - self.state.started
 
-    # ------------------------------------------------------------------------------------------- the end
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         outcome = self.outcome(exc)
         self.signals.restore()
@@ -242,14 +229,13 @@ class Session:
             self.refused = not self.sinks and not in_multirun()
             return Outcome(RunStatus.UNCHANGED, f"{type(exc).__name__}: {exc}", exc)
         if isinstance(exc, DsExpError) and not self.sinks and not in_multirun():
-            # refused in setup, before any training (a LoRA target that matches nothing, a row that cannot be
-            # read, an export_dir that is not an export): like a refusal at validation it leaves nothing, so that
-            # typos leave no stubs of runs under outputs/; its message says what to change. Every rank raises it
-            # (the same checks of the same config). A sweep's job keeps its summary.json "failed": the sweep
-            # report and an optuna study read it.
+            # refused in setup, before any training (a LoRA target that matches nothing): like a refusal at
+            # validation it leaves nothing, so typos leave no stubs under outputs/. A sweep's job keeps its
+            # summary.json "failed": the sweep report reads it.
             file_log.error("run refused", exc_info=exc)
             self.refused = True
             return Outcome(RunStatus.UNCHANGED, f"{type(exc).__name__}: {exc}", exc)
+        where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
         stopped = self.signals.behind(exc)  # a library may turn the stop into an error of its own
         if stopped is not None:
             where = (
@@ -262,7 +248,6 @@ class Session:
             return Outcome(stopped.status, f"{stopped}; {where}")
         if is_out_of_memory(exc):  # a message that says what to change; an autotune sweep records it and goes on
             first = first_line(exc)
-            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
             error = (
                 f"out of memory at {where} ({first}): lower train.micro_batch_size, set "
                 "model.gradient_checkpointing=true, or use a higher zero stage or offload "
@@ -273,7 +258,6 @@ class Session:
             return Outcome(RunStatus.FAILED, error, RunFailed(error))
         reason = no_room(exc) if not isinstance(exc, DsExpError) else None
         if reason is not None:  # a full disk under any write (generations.jsonl, a data cache, ...): one message
-            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
             path = getattr(exc, "filename", None) or "a file of the run"
             error = (
                 f"could not write {path} ({reason}), so the run stopped at {where}; its complete checkpoints are as "
@@ -291,7 +275,6 @@ class Session:
             # a rank died or was killed: the others learn it from their next collective and leave at once
             mark_lost_peer()
             first = first_line(exc)
-            where = f"step {self.state.steps}" if self.state.steps is not None else "setup"
             lost = lost_ranks(str(exc), self.hosts, self.rank, self.world)
             error = (
                 f"lost contact with {lost} at {where} ({first}): it died or was killed, see the other ranks' "
@@ -307,14 +290,11 @@ class Session:
         return Outcome(RunStatus.FAILED, f"{type(exc).__name__}: {exc}", exc)
 
     def continue_command(self) -> str:
-        """The command that continues this run, to paste (the README's): its launcher, the run directory and what
-        to continue from; the directory remembers the rest of the run's config (ds_exp.launch.run_config)."""
+        """The command that continues this run, to paste: its launcher, the run directory and the resume."""
         return command(relaunch_command(self.launch), override("hydra.run.dir", self.run_dir), self.continue_with())
 
     def continue_with(self) -> str:
-        """The resume override that continues what was interrupted: the checkpoint this attempt resumed from until it
-        wrote one of its own (it may lie in another directory, or be older than this directory's newest, or be
-        converted when the stop came), then the newest complete checkpoint of this directory."""
+        """The resume override: the checkpoint this attempt resumed from until it wrote its own, then resume=auto."""
         if self.state.checkpoint is None and self.resume_source is not None:
             return override("resume", self.resume_source)
         return "resume=auto"
@@ -348,8 +328,7 @@ class Session:
             print(final_line(summary), flush=True)  # the last line: after the trackers' own (wandb's) and the barrier
 
     def summary_not_written(self, outcome: Outcome, err: OSError) -> None:
-        """summary.json could not be written (no .tmp of it is left): the run's message says so, or one line when
-        there is none; an earlier attempt's summary.json is named as such."""
+        """summary.json could not be written: the run's message says so, or one line when there is none."""
         path = self.run_dir / "summary.json"
         earlier = "; the one there is an earlier attempt's" if path.exists() else ""
         note = f"{path} was not written ({no_room(err) or err.strerror or first_line(err)}){earlier}"

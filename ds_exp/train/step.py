@@ -1,11 +1,9 @@
 """One optimizer step: the forward passes, the exact loss, the backward passes, and the votes every rank casts.
 
-The loss of a step is the sum of token losses over the whole global batch divided by its number of label tokens:
-it does not depend on how the batch is split over ranks and micro batches, and padding never counts. DeepSpeed
-averages gradients over data-parallel ranks and micro batches; the step undoes that average and divides by the global
-count. Under sequence parallelism (ds_exp/sequence_parallel/) each rank sums the token losses of its slice of the rows
-and DeepSpeed sums the gradients of a group's slices: the same loss, the same gradients. In fp16 at ZeRO
-stage 0 the step applies the loss scale DeepSpeed leaves out (Fp16LossScale).
+A step's loss is the summed token loss over the whole global batch divided by its label tokens, whatever the split
+over ranks and micro batches; the step undoes DeepSpeed's average over them. Under sequence parallelism each rank
+sums its slice's token losses and DeepSpeed sums a group's gradients: the same loss. In fp16 at ZeRO stage 0 the
+step applies the loss scale DeepSpeed leaves out (Fp16LossScale).
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ from ds_exp.train.flops import FlopsModel, sum_squared_lengths
 
 
 def next_token_targets(batch: Batch) -> torch.Tensor:
-    """The label each position is scored on: position t on labels[t + 1], the last position on none. A
-    sequence-parallel slice carries them shifted already (its last position predicts the next slice's first token)."""
+    """The label each position is scored on (labels[t + 1]); a sequence-parallel slice carries them shifted already."""
     if "shift_labels" in batch:
         return batch["shift_labels"]
     return F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
@@ -43,10 +40,7 @@ def next_token_targets(batch: Batch) -> torch.Tensor:
 def token_loss_sum(
     logits: torch.Tensor, labels: torch.Tensor | None = None, *, shift_labels: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy over label tokens (fp32), and how many there were. `labels` are aligned with
-    the inputs (shifted here); `shift_labels` are shifted already: a sequence-parallel slice's, whose last position
-    predicts the next slice's first token (see loss_labels)."""
-
+    """Summed next-token cross-entropy over label tokens (fp32), and their count; `shift_labels` are shifted already."""
     # Shift the labels, not the logits: slicing the logits would copy them (batch x length x vocabulary) and
     # scatter their gradient back; the padded last position is ignored like any other masked token.
     if shift_labels is not None:
@@ -71,8 +65,7 @@ BatchLoss = Callable[[torch.nn.Module, dict[str, Any], torch.Tensor], tuple[torc
 def logits_loss(
     engine: torch.nn.Module, inputs: dict[str, Any], targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed token loss and label tokens from the model's full logits (the plain path; model.fused_loss and
-    model.tiled_loss compute the same without them: ds_exp/model/head_loss.py)."""
+    """The summed token loss and label tokens from the full logits (the fused and tiled losses: model/head_loss.py)."""
     out = engine(**inputs, use_cache=False)
     return token_loss_sum(out.logits, shift_labels=targets)
 
@@ -80,8 +73,7 @@ def logits_loss(
 def batch_loss(
     loss: BatchLoss | None, engine: torch.nn.Module, batch: Batch, boundaries: dict[str, Any] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's summed token loss and label tokens through `loss` (None: the full logits'). `boundaries`: a packed
-    batch's examples for a varlen attention (ds_exp.fast_path.attention.example_boundaries)."""
+    """A batch's summed token loss and label tokens; `boundaries`: a packed batch's examples for a varlen attention."""
     return (loss or logits_loss)(engine, {**model_inputs(batch), **(boundaries or {})}, next_token_targets(batch))
 
 
@@ -111,12 +103,9 @@ BatchResult = tuple[torch.Tensor, torch.Tensor | int, list[torch.Tensor]]  # (su
 
 
 class Objective:
-    """What a run's steps optimize: the one interface through which the step, the evaluation
-    (ds_exp/train/evaluate.py) and the metric lines (ds_exp/train/metrics.py) reach the loss. This one is supervised
-    fine-tuning's summed next-token loss over label tokens; a feature supplies another through its hooks
-    (FeatureHooks.objective: ds_exp/preference/ for DPO and reward models). A batch's loss is a sum with the count
-    it is averaged over (label tokens, pairs), and any more sums the objective reports (summed over ranks with the
-    loss, then turned into a line's numbers)."""
+    """What a run's steps optimize, for the step, the evaluation and the metric lines: here SFT's summed next-token loss
+    over label tokens; a feature supplies another (FeatureHooks.objective). A batch's loss is a sum, the count it is
+    averaged over, and the objective's more sums."""
 
     name = "sft"
     pairs = False  # trains on preference pairs: the data pipeline's chosen_* / rejected_* columns
@@ -153,9 +142,7 @@ SFT = Objective()
 
 @dataclass(frozen=True)
 class Ranks:
-    """This rank's place: `size` ranks train each row together (sequence parallelism: dist.sequence_parallel_size),
-    `rank` is its place among them (DeepSpeed's groups are contiguous), and the data-parallel ranks draw different
-    rows."""
+    """This rank's place: `size` ranks train each row together (sequence parallelism), `rank` its place among them."""
 
     size: int = 1
     rank: int = 0
@@ -174,8 +161,7 @@ class Ranks:
 
     @property
     def counts_rows(self) -> bool:
-        """Whether this rank counts its group's rows (samples, tokens, label tokens): one rank per group does, so
-        sums over all ranks count every row once."""
+        """One rank per group counts its rows, so sums over all ranks count every row once."""
         return self.rank == 0
 
 
@@ -206,14 +192,11 @@ class StepResult:
 
 
 class Fp16LossScale:
-    """A hook on the loss that multiplies its gradient by the fp16 loss scale where DeepSpeed does not.
+    """Multiplies the loss's gradient by the fp16 loss scale where DeepSpeed does not.
 
-    DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393, open): at ZeRO stage 0 its fp16 optimizers (FP16_Optimizer,
-    FP16_UnfusedOptimizer) are not ZeROOptimizers, the only kind `engine.backward` scales the loss for, yet their
-    step() divides the gradients by the scale: every update ~65536 times too small, small gradients flushed to zero
-    in fp16, and no overflow ever seen (found on an H200, bench/results/gpu_check.json). The hook reads the gradient
-    DeepSpeed sends into the loss at the first backward with a scale other than 1 (one device sync, once) and scales
-    from then on only if DeepSpeed did not: a DeepSpeed that fixes this is left alone."""
+    DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393): at ZeRO stage 0 `engine.backward` does not scale the loss for its
+    fp16 optimizers, yet their step() unscales: updates ~65536 times too small. The hook checks the first scaled
+    backward's gradient (one sync) and scales only if DeepSpeed did not, so a fixed DeepSpeed is left alone."""
 
     def __init__(self, engine: DeepSpeedEngine) -> None:
         self.optimizer = engine.optimizer
@@ -248,8 +231,7 @@ class TrainStep:
         inputs: Callable[[Batch], dict[str, Any]] | None = None,
         objective: Objective = SFT,
     ) -> None:
-        """`shard`: this rank's part of a batch (sequence parallelism's); `inputs`: model inputs read off each host
-        batch (a varlen kernel's example boundaries); both from the model build (ds_exp/model/hooks.py)."""
+        """`shard`: this rank's part of a batch; `inputs`: model inputs read off each host batch (model/hooks.py)."""
         self.engine = engine
         self.world_size = world_size
         self.flops = flops
@@ -264,12 +246,9 @@ class TrainStep:
     def __call__(
         self, batches: list[Batch], *, stop_requested: bool, previous_loss: torch.Tensor | float | None
     ) -> StepResult:
-        """One step over `batches` (this rank's micro batches). The step's only collective of its own sums the
-        label tokens of the global batch (the loss is divided by them), this rank's stop vote, whether its
-        previous step's loss was non-finite, and that loss's sum (with the previous step's label tokens: its loss
-        over the global batch, at no cost). It is started before the first forward and awaited before the first
-        backward, so its latency hides behind the forward, and every rank gets the same votes after the same
-        step."""
+        """One step over this rank's micro batches. Its one collective (global label tokens, stop vote, a non-finite
+        previous loss, that loss's sum) starts before the first forward and is awaited before the first backward: its
+        latency hides behind the forward, and every rank gets the same votes."""
         engine, device, ranks = self.engine, self.engine.device, self.ranks
         scale = self.rank_scale * len(batches)  # undoes DeepSpeed's mean over ranks and micro batches
         # reading the previous step's loss here costs nothing: that step has finished on every device by now

@@ -192,7 +192,7 @@ def test_the_base_is_scored_once_for_a_sweep_of_four_jobs(default_run, tmp_path)
             settings,
             out_dir=tmp_path / str(job) / "eval",
             cache_dir=tmp_path / "cache",
-            builtin=builtin_of(cfg),
+            builtin=builtin_of(cfg.data, cfg.eval.harness),
             base_cfg=job_cfg,
             title=f"job {job}",
         )

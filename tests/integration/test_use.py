@@ -111,11 +111,14 @@ def _one_rank(tmp_path: Path) -> Iterator[None]:
 
 
 def test_step_exports_are_checked_before_training_and_rotation_removes_only_this_runs(compose_cfg, tmp_path):
+    from ds_exp.config.features import feature_hooks
     from ds_exp.core.errors import RunFailed
     from ds_exp.exports.on_disk import planned_step_exports, rotated_step_exports
     from ds_exp.train.disk_space import check_disk_space
+    from ds_exp.train.hooks import RunHooks
 
     cfg = compose_cfg("train.export_every=2", "train.export_keep_last=1")
+    hooks = RunHooks(feature_hooks(cfg))
     run_dir = tmp_path / "run"
     assert [p.name for p in planned_step_exports(cfg.train, run_dir, 0, 8)] == [
         "hf_model-step2",
@@ -128,9 +131,11 @@ def test_step_exports_are_checked_before_training_and_rotation_removes_only_this
     session = SimpleNamespace(is_main=True, run_dir=run_dir, precision="fp32")
     with _one_rank(tmp_path):
         with pytest.raises(RunFailed) as info:
-            check_disk_space(cfg, session, 1, 1, start_step=0, total_steps=8)
+            check_disk_space(cfg.train, hooks, session, 1, 1, start_step=0, total_steps=8)
         assert f"train.export_every: {run_dir / 'hf_model-step4'} exists and is not an export" in str(info.value)
-        check_disk_space(cfg, session, 1, 1, start_step=4, total_steps=8)  # step 4 is behind a resume from it
+        check_disk_space(
+            cfg.train, hooks, session, 1, 1, start_step=4, total_steps=8
+        )  # step 4 is behind a resume from it
 
     def made(at: int, **origin: object) -> Path:
         path = tmp_path / "exports" / f"hf_model-step{at}"

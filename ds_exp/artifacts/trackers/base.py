@@ -1,6 +1,4 @@
-"""What every tracker is: a run in a tracking store, opened on rank 0 by ds_exp.artifacts.tracking.Trackers (only for
-a tracker the run turns on: ds_exp.config.trackers.TRACKERS), which guards each call: a store that fails costs its
-tracker's records, said once; a full disk under the run directory stops the run."""
+"""What every tracker is: a run in a tracking store, opened on rank 0 by tracking.Trackers, which guards each call."""
 
 from __future__ import annotations
 
@@ -40,9 +38,7 @@ class TrackedRun:
 
 
 class Tracker(abc.ABC):
-    """One tracker's run. Built with its settings (logger.<name>), what it records of the run, the run id a
-    checkpoint kept for it (a resume continues that run) and the step training starts from (what an attempt killed
-    past it logged is set aside or said, as each store allows)."""
+    """One tracker's run: its settings, the run, the run id a checkpoint kept, the start step."""
 
     name: ClassVar[str]  # as people read it in messages: "wandb", "TensorBoard", "MLflow"
     store: Path | None = None  # where it writes on this machine (a full disk there is told apart); None: a server
@@ -58,8 +54,7 @@ class Tracker(abc.ABC):
 
     @abc.abstractmethod
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """A metric line (`train/*`, `eval/*`) at an optimizer step; values that are not numbers are the tracker's to
-        keep or skip."""
+        """A metric line at an optimizer step; values that are not numbers are the tracker's to keep or skip."""
 
     @abc.abstractmethod
     def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:

@@ -1,26 +1,10 @@
-"""An MLflow run on rank 0 (logger.mlflow.enabled), through MlflowClient: no global active run, so the jobs of a
-multirun in one process never share one.
+"""An MLflow run on rank 0 through MlflowClient (no global active run: a multirun's jobs never share one).
 
-* Where: logger.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the project's store: outputs/mlflow.db in the
-  directory the run was launched from (Hydra's runtime.cwd, where outputs/ holds every run, sweep and study of
-  the project), with artifacts in outputs/mlartifacts: every run of the project in one store, comparable side by
-  side (MLflow's experiments keep experiment_name apart). `mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db`
-  there shows them (the UI is in the full `mlflow` package; mlflow-skinny logs only): the run's `mlflow:` line
-  says so (viewer_line). MLflow 3 refuses its old
-  ./mlruns file store unless MLFLOW_ALLOW_FILE_STORE=true.
-* Runs at once (a sweep's jobs, two terminals): a SQLite store is opened by one process at a time (`store_opened`:
-  MLflow creates its tables on first use, and two processes doing that at once fail); then SQLite's own locking
-  keeps its writers apart.
-* What: experiment = logger.mlflow.experiment or experiment_name; run name = logger.mlflow.run_name or the run
-  directory as a path under outputs/ (a sweep's job `multirun/default/<time>/0`, not `0`); params = the whole
-  config, flattened, credentials blanked (ds_exp.config.secrets.redact); metrics at every metric line, by
-  optimizer step; generations and summary.json as artifacts; the end as the run's status (FINISHED, KILLED for a
-  stop that can be resumed, FAILED).
-* A resume continues the same MLflow run (its id is kept in each checkpoint's marker, like wandb's): steps after
-  the checkpoint are logged once; params the resume changed are told in a tag, as MLflow's params never change.
-* A server that does not answer: refused before the run builds anything (ds_exp.config.trackers); one that
-  goes away later costs seconds, not MLflow's 246 s of retries (SHORT_HTTP), and opening the run is announced
-  while it waits (ds_exp.core.waits). Its error text never shows the URI's password.
+Where: logger.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else outputs/mlflow.db (artifacts in
+outputs/mlartifacts) in the launch directory; a SQLite store is opened by one process at a time (`store_opened`).
+What: the config as params (credentials blanked), metrics by step, generations and summary.json as artifacts, the end
+as FINISHED, KILLED (resumable) or FAILED; a resume continues the same run. A server gone away costs seconds, not
+MLflow's 246 s of retries (SHORT_HTTP), and its errors never show a password.
 """
 
 from __future__ import annotations
@@ -62,9 +46,8 @@ STORE_WAIT_S = 600.0  # another run opening the same SQLite store: its tables ta
 _KEY_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow allows in a param, metric or tag name
 
 
-# MLflow's HTTP client retries a request 7 times, its backoff doubling up to 120 s (246 s before an error for a
-# server that went away; each request may also wait 120 s for an answer). ds_exp's calls retry twice (about 6 s)
-# and wait 20 s for an answer, unless the user set these themselves; read by MLflow at each request.
+# MLflow retries a request 7 times (246 s for a server gone away, 120 s per answer); ds_exp's calls retry twice and
+# wait 20 s, unless the user set these; read by MLflow at each request.
 SHORT_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
 
@@ -92,8 +75,7 @@ def default_tracking_uri() -> str:
 
 
 def default_run_name(run_dir: Path) -> str:
-    """The run directory under the project's outputs/ (`default/2026-11-26_18-23-47`, `multirun/default/<time>/0`,
-    `optuna/<study>/3`): a sweep's jobs (0, 1, ...) stay apart in the project's one store; elsewhere its name."""
+    """The run directory under outputs/ (a sweep's jobs stay apart); elsewhere its name."""
     try:
         return str(run_dir.resolve().relative_to(project_outputs()))
     except ValueError:
@@ -102,10 +84,7 @@ def default_run_name(run_dir: Path) -> str:
 
 @contextlib.contextmanager
 def store_opened(store: Path | None) -> Iterator[None]:
-    """One process at a time opens a SQLite store (an flock on <store>.lock): MLflow creates its tables (and migrates
-    older ones) on a client's first call, and two processes doing that at once fail ("duplicate column name", mlflow
-    3.17, three runs opening a new store together); once they exist, three runs logging 200 steps at once each
-    found SQLite's own locking enough. Waited on as every wait is (ds_exp/core/waits.py)."""
+    """One process at a time opens a SQLite store (flock): two creating MLflow's tables at once fail (mlflow 3.17)."""
     if store is None:
         yield
         return
@@ -139,8 +118,7 @@ def flatten(tree: object, prefix: str = "") -> dict[str, str]:
 
 
 def viewer_line(store: str) -> str:
-    """How to look at a local store's runs: MLflow's UI, which only the full `mlflow` package serves (the extra's
-    mlflow-skinny logs; its `mlflow ui` fails with an ImportError of flask)."""
+    """How to look at a local store's runs: MLflow's UI, which only the full `mlflow` package serves (not -skinny)."""
     try:
         importlib.metadata.distribution("mlflow")
         install = ""
@@ -156,16 +134,7 @@ class _ToRunLog(logging.Handler):
         logging.getLogger(FILE_LOGGER).handle(record)
 
 
-def _quiet_library_loggers() -> None:
-    for name in ("mlflow", "alembic"):
-        library = logging.getLogger(name)
-        library.handlers = [_ToRunLog()]
-        library.propagate = False
-
-
 class MlflowRun(Tracker):
-    """See the module docstring."""
-
     name = "MLflow"
 
     def __init__(self, settings: MlflowConfig, run: TrackedRun, *, run_id: str | None, start_step: int) -> None:
@@ -178,7 +147,8 @@ class MlflowRun(Tracker):
         password = urlsplit(self.uri).password
         if password:  # a server's basic auth in the URI: never in a log line or a param
             register_secrets({"password": password})
-        _quiet_library_loggers()
+        for library in map(logging.getLogger, ("mlflow", "alembic")):
+            library.handlers, library.propagate = [_ToRunLog()], False
         shown = without_passwords(self.uri)
         try:
             remote = urlsplit(self.uri).scheme in ("http", "https")
@@ -300,8 +270,7 @@ class MlflowRun(Tracker):
                 self.client.log_dict(self.run_id, redact(document), name)
 
     def close(self, status: RunStatus) -> None:
-        """The status as a tag, and the run ended as FINISHED, KILLED (a stop that can be resumed) or FAILED; each
-        tried whatever the one before did, the first failure raised after."""
+        """The status as a tag, and the run ended; every call tried, the first failure raised after."""
         if self.client is None:
             return
         client, self.client = self.client, None

@@ -1,14 +1,6 @@
-"""TensorBoard event files on rank 0 (logger.tensorboard.enabled), in logger.tensorboard.dir, else
-<run dir>/tensorboard: scalar metrics by step, generations as Markdown tables, the config and summary.json as text.
-
-A resume from the checkpoint at step S writes TensorBoard's purge event at S + 1: TensorBoard then hides what an
-attempt killed after that checkpoint wrote past it, so each step is shown once, as the resumed run logged it.
-
-The events are tensorboardX's (its summaries and Event protos), written here in the caller's thread, each record
-handed to the operating system at once. tensorboardX's SummaryWriter writes through a queue to a thread that dies at
-the first write error (a full disk, with a traceback on stderr); its next add_* calls then fill the queue and block
-forever, and so does its close. Here a write error is raised to the caller (ds_exp.artifacts.tracking.Trackers
-decides what it costs), and the file is cut back to its last whole record.
+"""TensorBoard event files on rank 0 (logger.tensorboard.dir, else <run dir>/tensorboard); a resume from step S purges
+what a killed attempt wrote past it. tensorboardX's protos are written here in the caller's thread: SummaryWriter's
+thread dies at the first write error (a full disk) and blocks forever; here the error reaches the caller.
 """
 
 from __future__ import annotations
@@ -52,8 +44,7 @@ class EventFile:
         self.add(Event(summary=text(key, value)), step)
 
     def purge_from(self, step: int) -> None:
-        """TensorBoard hides the steps from `step` on that earlier files hold (a restart, as SummaryWriter's
-        purge_step says it)."""
+        """TensorBoard hides the steps from `step` on that earlier files hold (SummaryWriter's purge_step)."""
         self.add(Event(session_log=SessionLog(status=SessionLog.START)), step)
 
     def add(self, event: Event, step: int | None = None) -> None:
@@ -97,8 +88,8 @@ class TensorBoardRun(Tracker):
     def __init__(self, settings: TensorBoardConfig, run: TrackedRun, *, run_id: str | None, start_step: int) -> None:
         self.last_step = start_step
         self.dir = self.store = Path(settings.dir).expanduser() if settings.dir else run.run_dir / "tensorboard"
-        # a file per attempt, named by the second and the host: the suffix keeps two attempts within one second
-        # apart and in order
+        # a file per attempt: the suffix keeps two attempts within one second apart and in order
+
         self.events: EventFile | None = EventFile(self.dir, f".step{start_step:09d}.{os.getpid()}")
         if start_step:
             self.events.purge_from(start_step + 1)

@@ -1,9 +1,5 @@
-"""Weights & Biases on rank 0 (logger.wandb.mode online or offline; an offline run's files go to `wandb sync`).
-
-A resume continues the checkpoint's wandb run, rewound to the checkpoint's step: what a killed attempt logged past
-it is set aside by wandb, as metrics.jsonl does. An online run's server is checked before the run builds anything
-(ds_exp.config.trackers), and each wait on it is announced (ds_exp.core.waits).
-"""
+"""Weights & Biases on rank 0 (logger.wandb.mode online or offline). A resume continues the checkpoint's wandb run,
+rewound to its step; each wait on an online server is announced (ds_exp.core.waits)."""
 
 from __future__ import annotations
 
@@ -30,20 +26,16 @@ FULL = 4096  # bytes free under which a disk counts as full (less than a page: n
 
 
 class WandbRun(Tracker):
-    """See the module docstring."""
-
     name = "wandb"
     finish_bound = "it waits until the data is uploaded; Ctrl-C leaves the rest to `wandb sync` (the run's wandb/)"
 
     def __init__(self, wandb_cfg: WandbConfig, run: TrackedRun, *, run_id: str | None, start_step: int) -> None:
         mode = plain(wandb_cfg.mode)
         tags = [f"zero{run.zero_stage}", run.precision, run.model]
-        # from the checkpoint's step: wandb's rewind sets aside what a killed attempt logged past it, as
-        # metrics.jsonl does (wandb >= 0.17.1; its "resume" would keep those steps and drop the resumed ones)
+        # wandb's rewind (>= 0.17.1) sets aside what a killed attempt logged past the checkpoint ("resume" would not)
         resuming: dict[str, Any] = (
             {"resume_from": f"{run_id}?_step={start_step}"} if run_id and start_step else {"resume": "allow"}
         )
-        # online: a server (checked before the run built anything, ds_exp.config.trackers); said while it waits
         self.online = mode == "online"
         self.server = without_passwords(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL)
         bound = "wandb gives up after its init_timeout, 90 s unless set"
@@ -60,10 +52,8 @@ class WandbRun(Tracker):
                 id=run_id,  # set when resuming: the same wandb run continues
                 **resuming,
                 config=redact(run.params),
-                # logger.wandb.api_key goes to wandb's settings, not its config (else wandb reads WANDB_API_KEY or
-                # ~/.netrc); an offline run writes it nowhere (tests/integration/test_security.py). silent: wandb's
-                # own lines (its banner, and 34 lines of run history after ds_exp's last line) stay off the
-                # console; the line below says where the run is
+                # the api_key to wandb's settings, not its config; silent: wandb's banner and history stay off the
+                # console (the line below says where the run is)
                 settings=wandb.Settings(silent=True, api_key=wandb_cfg.api_key or None),
             )
         self.run_id = self.run.id
@@ -79,8 +69,7 @@ class WandbRun(Tracker):
             self._check_room()
 
     def _check_room(self) -> None:
-        """wandb's service process writes the run's files and loses what a full disk refuses without a word: the
-        disk is looked at instead (a statvfs per metric line)."""
+        """wandb's service loses what a full disk refuses without a word: the disk is looked at instead."""
         if self.store is not None and disk_free_bytes(self.store) < FULL:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.store))
 
@@ -99,9 +88,7 @@ class WandbRun(Tracker):
         if self.run is not None:
             run, self.run = self.run, None
             run.summary["status"] = status
-            # online: wandb uploads what is left and waits for its server (as long as it takes, unless
-            # finish_timeout is set): said while it does
-            waiting = (
+            waiting = (  # online: wandb uploads what is left, waiting on its server as long as it takes
                 announced(f"wandb's server to take the run's last data ({self.server})", bound=self.finish_bound)
                 if self.online
                 else contextlib.nullcontext()
