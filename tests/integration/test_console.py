@@ -163,11 +163,11 @@ def test_a_refusal_every_rank_hits_is_one_line(tmp_path):
 def test_tokenizing_shows_a_bar_for_a_large_set_only_and_not_the_saving_one(tmp_path, capfd, compose_cfg, monkeypatch):
     """The data pipeline's bars say what it does (tokenizing) where that takes a while; a set that tokenizes in a
     blink (the default's 200 eval rows) draws no bar between ds_exp's lines; datasets' "Saving the dataset" never."""
+    import datasets
+
     from ds_exp.data import encode
     from ds_exp.data.pipeline import prepare_sft_data
     from ds_exp.model.tokenizer import load_tokenizer
-
-    import datasets
 
     monkeypatch.setattr(encode, "BAR_MIN_ROWS", 30)  # 40 train rows "large", 8 eval rows small
     # as in a fresh process: an in-process run earlier in this worker, logging off a terminal, turned bars off
