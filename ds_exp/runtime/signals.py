@@ -23,6 +23,7 @@ import os
 import signal
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -80,6 +81,12 @@ class StopSignals:
 
     def install(self) -> None:
         self.pid = os.getpid()
+        if threading.current_thread() is not threading.main_thread():  # Python handles signals there only
+            log.warning(
+                "this run is not on the process's main thread, where Python handles signals (ds_exp.train called "
+                "from a thread, e.g. asyncio.to_thread): a stop signal (Ctrl-C, SIGTERM) saves no checkpoint for it"
+            )
+            return
         for signum in self.watched():
             self._previous[signum] = signal.signal(signum, self._handle)
 

@@ -222,7 +222,7 @@ def test_report_lists_the_runs_of_a_tree_apart(tmp_path, capsys):
             str(tmp_path / "multirun/default/2026-01-02_10-00-00/1/summary.json"),
         ],
     ]
-    assert lines[6].split()[3:] == "is damaged: final_eval.eval_loss is not a number zero=stage3".split()
+    assert lines[6].split()[3:] == ["is", "damaged:", "final_eval.eval_loss", "is", "not", "a", "number", "zero=stage3"]
     assert lines[1].endswith("loss 1.3590, ppl 3.893  (defaults)") and lines[2].endswith("lora.dim=8")
     assert lines[5].endswith("zero=stage2")
     empty = tmp_path / "empty"
