@@ -1,7 +1,3 @@
-"""DeepSpeed checkpoints with an engine: saving (complete only once marked), rotation and loading (checkpointer),
-what a checkpoint leaves out (frozen: LoRA's base, taken from the model the run started from, checked to be the same),
-and resume anywhere: a checkpoint whose layout changed converted to DeepSpeed's universal format (conversion, in
-its own process) and loaded from it (universal). What is on disk and what may change is ds_exp.resume's.
-
-Layer 8, heavy. May import: the light layers, ds_exp.runtime, ds_exp.model.
-"""
+"""DeepSpeed checkpoints with an engine: saving and rotation (checkpointer), the frozen weights a checkpoint leaves out
+(frozen), resume after a layout change through DeepSpeed's universal format (conversion, universal). What is on disk and
+what may change is ds_exp.resume's. Layer 8, heavy. May import: the light layers, ds_exp.runtime, ds_exp.model."""
