@@ -1,6 +1,5 @@
-"""How the process was launched, read from the environment only (no torch): launcher, rank, world size,
-rendezvous address (a SLURM node list's first host: `slurm_hostnames`); inconsistent launcher variables; the backend
-and CPU threads a rank should use."""
+"""How the process was launched, from the environment only (no torch): launcher, rank, world size, rendezvous address;
+inconsistent launcher variables; the backend and CPU threads a rank should use."""
 
 from __future__ import annotations
 
@@ -234,11 +233,8 @@ def choose_backend(requested: str, accelerator: str) -> str:
 
 
 def cpu_threads_per_rank(launch: LaunchInfo) -> int | None:
-    """Intra-op threads for one rank when nobody chose: the CPUs SLURM gave the task, else this node's cores
-    shared by its ranks. None when OMP_NUM_THREADS is set (torchrun sets it to 1 itself).
-
-    Without it every rank starts one thread per core, and on CPU the ranks of a node fight over the cores
-    (seen here: 2 ranks under SLURM trained 4x slower than under torchrun)."""
+    """Intra-op threads for one rank when nobody chose (None when OMP_NUM_THREADS is set): the CPUs SLURM gave the task,
+    else the node's cores shared by its ranks. Without it CPU ranks fight over the cores (4x slower, seen here)."""
     if "OMP_NUM_THREADS" in os.environ:
         return None
     per_task = _int_env("SLURM_CPUS_PER_TASK")
@@ -251,12 +247,8 @@ def cpu_threads_per_rank(launch: LaunchInfo) -> int | None:
 
 
 def slurm_hostnames(nodelist: str) -> list[str]:
-    """The hosts of a SLURM node list (`node[1-3,5],gpu7`), in SLURM's order: the first is where rank 0 runs.
-
-    No library has a public function for this (submitit's `_parse_node_list` is private: not used), so SLURM's own
-    `scontrol show hostnames` expands it; where scontrol is missing or cannot answer, `parse_slurm_nodelist` does.
-    If either goes wrong, a SLURM launch without MASTER_ADDR rendezvouses at the wrong host
-    (tests/system/test_slurm_multinode.py, tests/integration/test_distributed.py)."""
+    """The hosts of a SLURM node list (`node[1-3,5],gpu7`) in SLURM's order, the first being rank 0's: by `scontrol show
+    hostnames`, else parse_slurm_nodelist (submitit's parser is private)."""
     scontrol = shutil.which("scontrol")
     conf = os.environ.get("SLURM_CONF")
     if scontrol and not (conf and not os.path.exists(conf)):  # a missing SLURM_CONF: scontrol retries for 60 s
@@ -272,8 +264,8 @@ def slurm_hostnames(nodelist: str) -> list[str]:
 
 
 def parse_slurm_nodelist(nodelist: str) -> list[str]:
-    """SLURM's host list syntax: comma-separated names, each with bracketed ranges expanded in order, zero padding
-    kept (`gpu[08-10],cpu1,rack[1-2]-n[1,3]`). Raises ValueError on unbalanced or malformed brackets."""
+    """SLURM's host list syntax, brackets expanded in order, zero padding kept (`gpu[08-10],rack[1-2]-n[1,3]`);
+    ValueError on malformed brackets."""
     groups, depth, start = [], 0, 0
     for pos, char in enumerate(nodelist):
         depth += {"[": 1, "]": -1}.get(char, 0)

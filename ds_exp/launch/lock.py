@@ -23,9 +23,8 @@ _sweep_locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}
 
 
 def lock_run_dir(run_dir: Path, *, key: str = "hydra.run.dir") -> None:
-    """Hold <run dir>/.ds_exp.lock (an exclusive flock) until release_run_dir or the process's end. A second process
-    that finds it held stops at once, naming the holder (claim_run_dir writes who that is, once a run goes ahead);
-    a lock left by a killed process is released by the kernel with it, so a stale lock never blocks anyone."""
+    """Hold <run dir>/.ds_exp.lock (an exclusive flock) until release_run_dir or the process's end: a second process
+    stops at once, naming the holder; the kernel releases a killed process's lock, so a stale one never blocks."""
     run_dir = run_dir.absolute()
     if run_dir in _locks:
         return
@@ -55,9 +54,8 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def release_run_dir(run_dir: Path, *, refused: bool = False) -> None:
-    """Let the lock go and remove its file, which only a live run needs (one another process opened meanwhile is
-    refused or tries again: see the inode check below); a refused start also removes the directories it made if
-    they are empty (nothing of it stays). A lock file this process did not make stays after a refused start."""
+    """Let the lock go and remove its file (one opened meanwhile is caught by the inode check); a refused start also
+    removes the directories it made if empty. A lock file this process did not make stays after a refused start."""
     entry = _locks.pop(run_dir.absolute(), None)
     if entry is not None:
         handle, created, made = entry
@@ -77,8 +75,8 @@ def _lock_error(run_dir: Path, key: str, detail: str, fix: str) -> Refused:
 
 
 def _not_a_lock_file(path: Path, run_dir: Path, key: str) -> Refused | None:
-    """Why the thing at `path` cannot be ds_exp's lock file (None: it is a regular file, or nothing is there). A link
-    is never followed: ds_exp makes the lock a plain file, so a link there was put by someone else."""
+    """Why the thing at `path` cannot be ds_exp's lock file (None: a regular file, or nothing); a link is never
+    followed."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -123,8 +121,8 @@ def _os_error(err: OSError, path: Path, run_dir: Path, key: str) -> Refused:
 
 
 def _open_and_lock(run_dir: Path, key: str, what: str) -> tuple[TextIO, bool]:
-    """(the open lock file, whether this call made it), locked exclusively. Every way that fails is one Refused
-    naming the path and the fix; the loop is bounded (a dangling link once made it spin forever)."""
+    """(the open lock file, whether this call made it), locked exclusively; each failure one Refused. The loop is
+    bounded."""
     path = run_dir / LOCK
     for _ in range(_ATTEMPTS):
         problem = _not_a_lock_file(path, run_dir, key)
@@ -178,10 +176,8 @@ def _write_holder(handle: TextIO) -> None:
 
 
 def lock_sweep_dir(sweep_dir: Path) -> None:
-    """One live sweep per sweep directory: <sweep dir>/.ds_exp.lock, held by the process that runs the sweep
-    (its sweeper, which launches the jobs) until it ends. Taken before the sweep directory is checked, so two
-    sweeps started together cannot both find it free. Jobs lock their own run directories (Session.start), so
-    submitit's jobs, which run elsewhere, and a requeued job resuming its directory are not blocked by it."""
+    """One live sweep per sweep directory, its lock held by the sweeper until it ends, taken before the directory is
+    checked. Jobs lock their own run directories, so submitit's jobs and a requeued job are not blocked by it."""
     sweep_dir = sweep_dir.absolute()
     if sweep_dir in _sweep_locks:
         return
@@ -202,8 +198,7 @@ def claim_sweep_dir(sweep_dir: Path) -> None:
 
 
 def release_sweep_dir(sweep_dir: Path) -> None:
-    """Let the sweep's lock go (refused, or at the process's end): the lock file goes if this process made it, and
-    so do the directories it made if they are empty (a sweep refused after its checks leaves no trace)."""
+    """Let the sweep's lock go: its file and the empty directories this process made go too."""
     entry = _sweep_locks.pop(sweep_dir.absolute(), None)
     if entry is None:
         return
@@ -238,8 +233,7 @@ def _remove_made(directory: Path, made: Path | None) -> None:
 
 
 def live_holder(directory: Path) -> str | None:
-    """Who holds <directory>/.ds_exp.lock, if another live process does (None: nobody, or only this process).
-    Only looks: takes a shared lock for an instant and lets it go."""
+    """Who holds <directory>/.ds_exp.lock, if another live process does; only looks (a shared lock for an instant)."""
     directory = directory.absolute()
     if directory in _locks or directory in _sweep_locks:
         return None
@@ -260,8 +254,7 @@ def live_holder(directory: Path) -> str | None:
 
 
 def live_ancestor(run_dir: Path) -> tuple[Path, str] | None:
-    """The nearest directory above `run_dir` that a live ds_exp run or sweep holds (its lock), with the holder: a run
-    started inside a live sweep's directory could take a job's directory before the job gets there."""
+    """The nearest directory above `run_dir` a live ds_exp run or sweep holds, with the holder."""
     for parent in run_dir.absolute().parents:
         holder = live_holder(parent)
         if holder is not None:

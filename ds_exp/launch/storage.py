@@ -1,11 +1,5 @@
-"""Where a run writes, checked before any heavy work: directories that can be written, and room on the disk.
-
-* `check_writable` runs before Hydra creates the run (or sweep) directory (ds_exp.launch.run_dir's callback), so
-  an unwritable `hydra.run.dir` gets one message instead of Hydra's traceback.
-* `check_free_space` runs once the model is built and before the first step: one checkpoint plus the export
-  must fit on the disk that holds them. A disk that fills up later is caught when a save fails
-  (`save_failure_message`): the checkpoint is never marked complete, so resume never picks it.
-"""
+"""Where a run writes, checked before any heavy work: writable directories (before Hydra makes them), room for one
+checkpoint plus the export (before the first step); a disk that fills later fails a save, never marked complete."""
 
 from __future__ import annotations
 
@@ -30,8 +24,8 @@ RUN_FILES_MARGIN = 200
 
 
 def check_path_length(path: Path, key: str, margin: int = RUN_FILES_MARGIN) -> None:
-    """Every component of `path` within the file system's NAME_MAX, and the path plus the files a run writes inside
-    it within PATH_MAX: said now, not as ENAMETOOLONG from Hydra's mkdir or in the middle of a checkpoint."""
+    """Each component of `path` within NAME_MAX and the run's files within PATH_MAX: said now, not as ENAMETOOLONG
+    later."""
     path = path.absolute()
     existing = Path(path.anchor)
     for part in path.parts[1:]:  # the deepest ancestor that exists (Path.exists raises on a name too long)
@@ -95,9 +89,8 @@ def _free_bytes(path: Path) -> int:
 
 
 def export_failure_message(exc: BaseException, export_dir: Path, needed: int) -> str | None:
-    """A person's message for an export that failed for lack of room or rights; None for other failures.
-    safetensors reports a full disk as its own error ("StorageFull"), so, as for checkpoints, a failure with less
-    room left than the weights need counts as a full disk whatever its type."""
+    """A person's message for an export that failed for lack of room or rights, else None; safetensors reports a full
+    disk its own way, so a failure with less room than the weights need counts as a full disk."""
     reason = _no_room(exc, export_dir, needed)
     if reason is None:
         return None
@@ -120,9 +113,8 @@ def _no_room(exc: BaseException, path: Path, needed: int) -> str | None:
 
 
 def save_failure_message(exc: BaseException, tag_dir: Path, needed: int) -> str | None:
-    """A person's message for a save that failed for lack of room or rights; None for other failures.
-    torch.save reports a full disk as a RuntimeError of its zip writer ("unexpected pos ..."), so a failure
-    with less room left than a checkpoint needs counts as a full disk whatever its type."""
+    """A person's message for a save that failed for lack of room or rights, else None; torch.save reports a full disk
+    as a zip writer's RuntimeError, so a failure with less room than a checkpoint needs counts as a full disk."""
     free = _free_bytes(_existing_ancestor(tag_dir))
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
         reason = os.strerror(exc.errno)
