@@ -1,12 +1,6 @@
-"""Hydra callbacks of a sweep (registered in conf/config.yaml under hydra.callbacks).
-
-* `ValidateSweep`: before anything is launched or queued, locks and checks the sweep directory (one live sweep
-  per directory), then composes and validates every job of the sweep, so one bad combination fails the sweep at
-  once with the job's overrides named.
-* `SweepReport`: after the last job, writes the sweep report (ds_exp/sweeps/report.py) of the sweep's own jobs and
-  exits non-zero when a job failed (an autotune sweep: when no probe was timed).
-Whatever either raises stops the sweep (launch.console.exit_on_error): Hydra would only warn and go on.
-"""
+"""A sweep's Hydra callbacks (conf/config.yaml): `ValidateSweep` locks and checks the sweep directory and validates
+every job before anything is launched; `SweepReport` writes the report after the last job and exits non-zero when a job
+failed. Whatever they raise stops the sweep (launch.console.exit_on_error)."""
 
 from __future__ import annotations
 
@@ -34,8 +28,8 @@ from ds_exp.sweeps.study_files import completed_trials, is_study_sweep
 
 
 def check_sweep_start(config: DictConfig) -> None:
-    """Before a sweep: writable, locked for this sweep's life (one live sweep per directory), not inside another
-    live run's or sweep's directory, and not an earlier sweep's directory (unless its jobs are resumed)."""
+    """Before a sweep: writable, locked for its life, not inside a live run's or sweep's directory, not an earlier
+    sweep's (unless its jobs are resumed)."""
     name_problem = experiment_name_problem(config.get("experiment_name"))
     if name_problem is not None:  # the sweep directory is named by it: it may lie outside outputs/
         raise ConfigError(name_problem)
@@ -63,8 +57,7 @@ SLURM_COMMANDS = ("sbatch", "srun")  # submitit submits with sbatch, and its SLU
 
 
 def check_slurm_commands(config: DictConfig) -> None:
-    """hydra/launcher=slurm on a machine without SLURM's commands: one message before anything is submitted or
-    written (submitit's own is a traceback ending in `Could not detect "srun"`)."""
+    """hydra/launcher=slurm without SLURM's commands: one message before anything is submitted."""
     if not str(OmegaConf.select(config, "hydra.launcher._target_", default="")).endswith(".SlurmLauncher"):
         return
     missing = [name for name in SLURM_COMMANDS if shutil.which(name) is None]

@@ -1,12 +1,6 @@
-"""Sweep report: one row per job of a multirun, printed and written as CSV, Markdown and a PNG plot (report_plot).
-
-    python -m ds_exp.report <sweep dir>     (ds_exp/sweeps/runs.py: any other directory of runs is listed)
-
-Runs by itself at the end of every multirun (the `SweepReport` callback in conf/config.yaml). A job that
-failed shows its error; a job that left no summary.json (killed, never started) says so. An autotune sweep
-(experiment=autotune, ds_exp/tools/autotune.py) adds its ranking: every candidate with its verdict, the probes ranked by
-tokens/s, the recommended one and the command line that trains with it.
-"""
+"""Sweep report (`python -m ds_exp.report <sweep dir>`, and by itself at the end of every multirun): one row per job,
+printed and written as CSV, Markdown and a picture (report_plot), a failed job with its error. An autotune sweep adds
+its ranking: every candidate's verdict, the probes by tokens/s, and the command that trains the best."""
 
 from __future__ import annotations
 
@@ -108,8 +102,8 @@ def _numbers(values: object) -> bool:
 
 
 class Summary:
-    """A job's summary.json as the report reads it: every value is checked for its type where it is read, so a file
-    cut short, edited or another program's is Damaged, said in its job's row, and never fails the report."""
+    """A job's summary.json, every value type-checked where read: a damaged file is said in its row, never fails the
+    report."""
 
     def __init__(self, path: Path) -> None:
         data = _read(path, json.loads, "JSON")
@@ -140,8 +134,7 @@ PLAN, DRY_RUN = "plan.json", "dry run"  # what dry_run=true leaves instead of su
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
-    """The job's row; a damaged overrides.yaml or summary.json is named in the row (status "damaged"), and the
-    rest of the report still comes out."""
+    """The job's row; a damaged overrides.yaml or summary.json is named in it (status "damaged")."""
     row: dict[str, Any] = dict.fromkeys(COLUMNS)
     row.update(job=job_dir.name)
     damaged = []
@@ -214,9 +207,8 @@ def _csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[str, Any]]:
-    """The report of the sweep's jobs: `own` (the job directories the sweep launched, ds_exp.sweeps.jobs.own_job_dirs),
-    or every job the directory holds when that is not known (python -m ds_exp.report). Printed even where its files
-    cannot be written (a read-only sweep directory: said in one line)."""
+    """The report of `own` (the jobs the sweep launched), else of every job the directory holds; printed even where its
+    files cannot be written (said in one line)."""
     found = job_dirs(sweep_dir) if own is None else sorted(own, key=_job_key)
     rows = [job_row(d) for d in found]
     for row in rows:
@@ -249,8 +241,8 @@ CONSOLE = {"job": "job", "status": "status", "eval_loss": "eval loss", "tokens_p
 
 
 def console_table(rows: list[dict[str, Any]]) -> str:
-    """The jobs as aligned columns a terminal holds: the ones the picture shows, the overrides that differ last (a
-    failed job's error after them); the rest stay in report.csv and report.md."""
+    """The jobs as aligned columns a terminal holds (a failed job's error last); the rest stay in report.csv and
+    report.md."""
     columns = dict(CONSOLE)
     if not any(row.get("eval_loss") is not None for row in rows):  # no eval set: the train loss, as the picture
         columns = {("train_loss" if key == "eval_loss" else key): name.replace("eval", "train") for key, name in
@@ -270,8 +262,7 @@ def console_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _section(make: Callable[..., str | None], sweep_dir: Path, *args: Any) -> str:
-    """A section of the report from its own record (autotune's plan, the study's record); a damaged record leaves
-    the section out with a line that names it, and the job table still comes out."""
+    """A section from its own record; a damaged record costs the section (said in one line), never the job table."""
     try:
         return make(sweep_dir, *args) or ""
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as err:
@@ -288,8 +279,8 @@ NOT_TIMED = f"no metric line after its {WARMUP_STEPS} warm-up step(s); give the 
 
 
 def probe_speed(job_dir: Path) -> tuple[float | None, float | None]:
-    """Median tokens/s and MFU of a probe's metric lines whose window (the steps since the line before) starts
-    after its warm-up step (None where none was written)."""
+    """Median tokens/s and MFU of a probe's metric lines whose window starts after its warm-up step (None where
+    none)."""
     path = job_dir / "metrics.jsonl"
     lines = [_json_line(line) for line in path.read_text(errors="replace").splitlines()] if path.is_file() else []
     train = [r for r in lines if r.get("type") == "train" and _is_number(r.get("step"))]
@@ -351,8 +342,8 @@ def autotune_rows(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str,
 
 
 def train_command(plan: dict[str, Any], overrides: list[str]) -> str:
-    """The command line that trains with a probe's configuration: its overrides minus the probe's own keys and the
-    probe session's (SESSION_KEYS); through the same submitit launcher (a one-job sweep) when the probes ran there."""
+    """The command that trains with a probe's configuration: its overrides minus the probe's own keys and SESSION_KEYS,
+    through the same submitit launcher when the probes ran there."""
     left_out = set(plan["probe_keys"]) | set(SESSION_KEYS)
     kept = [o for o in overrides if override_key(o) not in left_out]
     launcher = plan.get("launcher_overrides") or []

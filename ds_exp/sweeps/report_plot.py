@@ -1,11 +1,6 @@
-"""The sweep report's picture, report.png (ds_exp/sweeps/report.py): one row per job, named by the overrides that
-differ between the jobs, with what the sweep is judged by (an optuna study's objective, else the final eval loss,
-else the train loss), its speed (tokens/s over all ranks) and its peak memory per rank. The best job is green; a
-job that did not complete says how it ended in place of its bars. Below them, the jobs' train loss curves on one
-axis (from each job's metrics.jsonl), in the colours of the jobs' labels: how they got there, not only where.
-
-Drawn on matplotlib's Agg canvas without pyplot (no global figure state) and written whole (ds_exp/core/files.py).
-"""
+"""report.png: a row per job (named by the overrides that differ) with what the sweep is judged by, its tokens/s and
+peak memory per rank, the best green, a job that did not complete saying how it ended; below, the train loss curves.
+Drawn without pyplot (no global state), written whole."""
 
 from __future__ import annotations
 
@@ -58,8 +53,7 @@ def job_labels(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def judged_by(rows: list[dict[str, Any]], sweep_dir: Path | None) -> Panel:
-    """What the sweep is judged by: an optuna study's objective (its value per trial's job), else the final eval
-    loss, else (no job has an eval set) the train loss."""
+    """An optuna study's objective, else the final eval loss, else the train loss."""
     try:
         study = study_values(sweep_dir) if sweep_dir is not None else None
     except (ValueError, KeyError, TypeError, OSError):
@@ -99,8 +93,7 @@ def train_curve(job_dir: Path) -> Curve:
 
 
 def figure(rows: list[dict[str, Any]], sweep_dir: Path | None = None, curves: list[Curve] | None = None) -> Any:
-    """The picture of `rows` (the sweep report's rows); `sweep_dir`: where an optuna study's record is; `curves`: each
-    job's train loss curve (train_curve), overlaid below the bars."""
+    """The picture of the report's `rows`; `sweep_dir`: where a study's record is; `curves`: each job's train loss."""
     # matplotlib's INFO lines ("generated new fontManager" on its first use) would reach the sweep's console
     # through Hydra's root handler: its warnings and errors still do
     mpl_log = logging.getLogger("matplotlib")
@@ -155,8 +148,8 @@ def plot(
 
 
 def _bars(ax: Any, panel: Panel, rows: list[dict[str, Any]], positions: list[int]) -> None:
-    """One panel: a bar per job with its value. The best of the jobs that completed is green (a diverged or failed
-    job is never ranked, however fast it went), one that did not complete red, saying why where it has no value."""
+    """A bar per job. The best of the completed jobs is green (a diverged or failed job is never ranked), one that did
+    not complete red, saying why where it has no value."""
     done = [row["status"] == RunStatus.COMPLETED for row in rows]
     known = [v for v, ok in zip(panel.values, done, strict=True) if v is not None and ok]
     best = None if panel.lower_is_better is None or not known else (min if panel.lower_is_better else max)(known)

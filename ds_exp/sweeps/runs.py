@@ -1,14 +1,8 @@
 """`python -m ds_exp.report DIR`: the runs under DIR, one line each, so that a person can tell them apart.
 
-    python -m ds_exp.report outputs/                       every run and sweep job below outputs/
-    python -m ds_exp.report outputs/multirun/default/<time>   a sweep: its report (ds_exp/sweeps/report.py)
-
-A run is a directory where Hydra saved `.hydra/overrides.yaml`: a single run or a sweep's job. Each line says its
-status (summary.json's; `running` while a live process holds its lock; `dry run` for a plan, dry_run=true; `no
-summary` when it was killed before writing one), its steps out of its total, its final evaluation and its
-overrides. Nothing is written: a listing reads only. A sweep directory given itself gets its sweep report
-written, as at the end of the sweep.
-"""
+A run is a directory holding `.hydra/overrides.yaml`; its line says its status (`running` while a live process holds
+its lock, `dry run`, `no summary` when killed early), its steps, final evaluation and overrides. A listing only reads;
+a sweep directory given itself gets its sweep report written (ds_exp/sweeps/report.py)."""
 
 from __future__ import annotations
 

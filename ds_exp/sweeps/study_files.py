@@ -158,8 +158,8 @@ def command_line(overrides: list[str], world_size: int | None) -> str:
 
 
 def study_section(sweep_dir: Path) -> str | None:
-    """The sweep report's part for an optuna study (None for other sweeps): every trial, and the best one with the
-    command that trains its config again."""
+    """The report's part for an optuna study (None for other sweeps): every trial, the best with the command that
+    retrains it."""
     record = sweep_dir / STUDY_FILE
     if not record.is_file():
         return None
@@ -199,8 +199,8 @@ def study_section(sweep_dir: Path) -> str | None:
 
 
 def study_values(sweep_dir: Path) -> tuple[str, str, dict[str, float | None]] | None:
-    """An optuna study's objective, its direction and each trial's value by the name of its job's directory (None for
-    other sweeps): what the sweep report's picture shows per job."""
+    """An optuna study's objective, direction and each trial's value by its job directory's name (None for other
+    sweeps)."""
     record = sweep_dir / STUDY_FILE
     if not record.is_file():
         return None
