@@ -1,20 +1,9 @@
-"""`experiment=autotune`: which configuration fits this model and world size, and which is fastest.
-
-    python -m ds_exp -m experiment=autotune [model=... data=... hydra/launcher=slurm ...]
-
-`Autotune` (`hydra/sweeper=autotune`, named in hydra_plugins/ds_exp_autotune, chosen by the experiment) expands
-the grid of hydra.sweeper.params and the command line's sweeps the way Hydra's basic sweeper does, then sorts the
-candidates before anything is launched: a combination the config validation refuses (e.g. offload at ZeRO-0) is
-"not applicable", one whose estimated memory per rank (model states from ds_exp/config/memory_plan.py, as the dry run
-computes them, plus activations) exceeds the memory budget is "ruled out", one the run's plan refuses (its steps and
-DeepSpeed config, ds_exp/config/plan.py, as the recipe makes them) is "not applicable"; the rest are launched as
-short probes through the configured launcher (one SLURM job each with hydra/launcher=slurm). The verdicts go to
-<sweep dir>/autotune.json; the sweep report (ds_exp/sweeps/report.py) ranks the probes and prints the command line
-of the recommended one.
-
-A custom sweeper, not Hydra's basic one plus a callback: a callback cannot drop single jobs from a cartesian
-product, and launching a job only for it to decline would still queue it on SLURM.
-"""
+"""`python -m ds_exp -m experiment=autotune [model=... hydra/launcher=slurm ...]`: which configuration fits this model
+and world size, and which is fastest. `Autotune` (hydra/sweeper=autotune) expands the grid as Hydra's basic sweeper
+does, then sorts the candidates before anything is launched: refused by validation or by the run's plan: "not
+applicable"; estimated memory per rank over the budget: "ruled out"; the rest run as short probes through the configured
+launcher. Verdicts go to <sweep dir>/autotune.json; the sweep report ranks the probes. A sweeper, not a callback: a
+callback cannot drop single jobs, and a job launched only to decline would still queue on SLURM."""
 
 from __future__ import annotations
 
@@ -218,10 +207,8 @@ class Autotune(Sweeper):
 
     @staticmethod
     def cannot_measure(train: TrainConfig) -> str | None:
-        """Why a probe with these settings would time nothing (None: it can be timed). Its speed is the median of
-        the metric lines after its warm-up step (report.probe_speed): a line closes every train.log_every steps,
-        and the first one holds the warm-up, so a probe needs more steps than that. (train.max_steps=-1: the
-        epoch's steps, known only once the data is read; the report says so if they are too few.)"""
+        """Why a probe would time nothing (None: it can be timed): its speed is the median of the metric lines after the
+        first (the warm-up), one every train.log_every steps, so it needs more steps than that."""
         steps = int(train.max_steps)
         every = log_interval(train, steps)
         if steps == -1 or steps > max(every, WARMUP_STEPS):
@@ -234,9 +221,7 @@ class Autotune(Sweeper):
 
     # ------------------------------------------------------------------------------------ memory and budget
     def plan(self, cfg: Config, world: int, accelerator: str, sweep_dir: Path) -> RunPlan:
-        """The probe's plan as its run makes it (ds_exp.config.plan.plan_run, as the recipe and the dry run): what
-        its setup would refuse (fewer examples than one global batch, a warmup longer than the probe's steps, a
-        DeepSpeed file that disagrees) is refused before anything is launched."""
+        """The probe's plan as its run makes it: what its setup would refuse is refused before anything is launched."""
         # here, not at the top: datasets (pyarrow.dataset) reserves ~1 GB of address space on import, and imported
         # before the model stack it left none for transformers in a sweep under a memory limit (ulimit -d / -v)
         from ds_exp.data.pipeline import count_train_examples
@@ -279,8 +264,8 @@ class Autotune(Sweeper):
         return "cuda" if gpus else detect_accelerator()
 
     def default_budget(self, accelerator: str) -> tuple[int, str]:
-        """What each rank has: the GPU's memory on CUDA; on a CPU the job's memory (hydra.launcher.mem_gb) or
-        the memory available now, shared by the ranks of a node."""
+        """Each rank's memory: the GPU's on CUDA; on a CPU hydra.launcher.mem_gb or what is available now, shared by a
+        node's ranks."""
         launcher = self.launcher_config()
         per_node = int(launcher.get("tasks_per_node") or 1) if self.is_submitit() else 1
         if accelerator == "cuda":

@@ -65,8 +65,8 @@ def logged(record: dict[str, Any], key: str) -> float | None:
 
 
 def compare(a: SideRun, b: SideRun, steps: int, tol: Tolerance) -> list[Row]:
-    """One row per step; a step either side did not log fails, and so does a value that is not finite on either
-    side (or on both: two diverged runs do not agree)."""
+    """One row per step; a step either side did not log fails, and so does a non-finite value on either side (or
+    both)."""
     rows = []
     train_a, train_b = a.train, b.train
     for step in range(1, steps + 1):
@@ -111,8 +111,8 @@ def table(rows: list[Row], tol: Tolerance) -> str:
 
 
 def verdict(rows: list[Row], tol: Tolerance, diverged: Sequence[str] = ()) -> str:
-    """One sentence: within tolerance, or the first step that is not and why. `diverged`: the sides whose run
-    ended diverged (ds_exp.model.divergence), which fails the comparison whatever the rows say."""
+    """One sentence: within tolerance, or the first step that is not and why; a diverged side fails it whatever the rows
+    say."""
     bad = [r for r in rows if not r.ok]
     if not bad and diverged:
         return (

@@ -1,5 +1,5 @@
-"""Each side is a real ds_exp run, launched as users launch it: `python -m ds_exp ...` for one process,
-`python -m torch.distributed.run --nproc_per_node N -m ds_exp ...` for N; parity only reads what it wrote."""
+"""Each side is a real ds_exp run launched as users do (`python -m ds_exp`, or torch.distributed.run for N ranks);
+parity only reads what it wrote."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Both sides of a parity check, composed and checked before anything runs (no torch, no deepspeed).
-
-Each side is composed exactly as `python -m ds_exp OVERRIDES` would compose it (Hydra's compose API, ds_exp's
-typed schema and validation, under the side's world size), then the two are compared: a parity check only means
-something when both start from the same weights and draw the same samples at every step.
-"""
+"""Both sides of a parity check, composed as `python -m ds_exp OVERRIDES` would (under each side's world size) and
+compared before anything runs: parity means something only from the same weights and samples. No torch."""
 
 from __future__ import annotations
 
@@ -164,8 +160,7 @@ def environ(set_to: dict[str, str], *, remove: Sequence[str] = ()) -> Iterator[N
 
 
 def launched_as(ranks: int) -> AbstractContextManager[None]:
-    """The launcher variables of rank 0 of `ranks` processes, while a side is validated (train.global_batch_size
-    is checked against the world size the run will have)."""
+    """Rank 0's launcher variables for `ranks` processes, while a side is validated (its world size counts)."""
     as_rank0 = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks)) if ranks > 1 else {}
     return environ(as_rank0, remove=_LAUNCH_VARS)
 
@@ -249,9 +244,8 @@ def comparability_problems(a: Side, b: Side) -> list[str]:
 
 
 def packing_problems(a: Side, b: Side) -> list[str]:
-    """Packing on one side only: comparable when it joined no two examples (the rows, and so every step's samples,
-    are the same; what differs is how attention keeps examples apart). Tells by building both sides' train sets
-    into the data cache, which the runs then reuse."""
+    """Packing on one side only is comparable when it joined no two examples; told by building both train sets into the
+    data cache, which the runs reuse."""
     assert a.cfg is not None and b.cfg is not None
     if a.cfg.data.packing == b.cfg.data.packing:
         return []
@@ -287,8 +281,8 @@ def _batch_fix(a: Side, b: Side) -> str:
 
 
 def dropout_notes(a: Side, b: Side) -> list[str]:
-    """Dropout draws its masks per rank and per micro batch: where the two sides split the global batch differently,
-    the masks differ and so do the losses, however correct the training is."""
+    """Dropout masks are drawn per rank and micro batch: sides that split the global batch differently differ in
+    loss."""
     assert a.cfg is not None and b.cfg is not None
     split = (a.ranks, a.cfg.train.micro_batch_size), (b.ranks, b.cfg.train.micro_batch_size)
     if split[0] == split[1]:
