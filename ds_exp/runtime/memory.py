@@ -16,8 +16,7 @@ def peak_memory_bytes(accelerator: str) -> int:
 
 
 def is_out_of_memory(exc: BaseException | None) -> bool:
-    """An allocation that failed, anywhere in the exception's chain: torch.OutOfMemoryError (CUDA), the CPU
-    allocator's "can't allocate memory" (a RuntimeError), Python's MemoryError."""
+    """A failed allocation anywhere in the exception's chain: CUDA's, the CPU allocator's RuntimeError, MemoryError."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

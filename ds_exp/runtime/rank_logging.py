@@ -1,13 +1,6 @@
-"""Per-rank log files and a console people can read: rank 0 speaks, other ranks only on error, library chatter
-goes to the log files, and each warning reaches the console at most once.
-
-What reaches rank 0's console: ds_exp's own log lines (each warning once) and, on a terminal only, the progress bars
-ds_exp draws (piped: plain progress lines, ds_exp.train.metrics).
-Everything libraries say goes to logs/rank<N>.log: their loggers (DeepSpeed, transformers, datasets, torch, ...),
-Python warnings, and what they print on stdout around the calls known to print (`library_stdout`). Library errors
-still reach the console. A console line written while a progress bar is drawn clears the bar first and redraws it
-after (`_BarSafeStream`), so the two never share a line.
-"""
+"""Per-rank log files and a readable console: rank 0 speaks (each warning once), other ranks only on error; what
+libraries log, warn or print (`library_stdout`) goes to logs/rank<N>.log, their errors to the console too. A console
+line clears the progress bar and redraws it after (`_BarSafeStream`)."""
 
 from __future__ import annotations
 
@@ -89,8 +82,7 @@ _OWN_FILE = (STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "py.warnings", "DeepSpeed
 
 
 class _OursOnly(logging.Filter):
-    """A console handler on the root logger passes ds_exp's (and Hydra's) records, and errors from anyone: what
-    libraries log through the root (torch, datasets, matplotlib, ...) is for the log file."""
+    """On the root logger's console handler: ds_exp's and Hydra's records, and anyone's errors."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         ours = record.name.split(".")[0] in ("ds_exp", "hydra", "__main__")
@@ -98,9 +90,8 @@ class _OursOnly(logging.Filter):
 
 
 class LogFile(logging.FileHandler):
-    """A run's log file that a full disk stops quietly: its lines end there, instead of logging's traceback on stderr
-    for every line after (Handler.handleError). The run's own message names the full disk: its metric lines and
-    checkpoints are on the same one. Any other error is logging's to report."""
+    """A log file that a full disk stops quietly (not logging's traceback for every line); the run's own message names
+    the full disk."""
 
     def handleError(self, record: logging.LogRecord) -> None:
         err = sys.exc_info()[1]
@@ -121,8 +112,7 @@ def _stops_when_full(handler: logging.Handler) -> None:
 
 
 class _BarSafeStream:
-    """A console stream that clears ds_exp's progress bars before a line and redraws them after it (tqdm.write's
-    way), so that a log line never continues the bar's line on a terminal."""
+    """A console stream that clears ds_exp's progress bars before a line and redraws them after (tqdm.write's way)."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
@@ -141,7 +131,7 @@ class _BarSafeStream:
 
 def setup_run_logging(run_dir: Path, rank: int) -> Path:
     """Every rank logs to <run dir>/logs/rank<N>.log; rank 0 keeps ds_exp's INFO on the console, the others only
-    errors. Libraries' records reach the file through the root logger (those that propagate) or their own."""
+    errors."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"rank{rank}.log"
@@ -206,9 +196,8 @@ def close_run_logging() -> None:
 
 @contextlib.contextmanager
 def library_stdout(stderr: bool = False) -> Iterator[None]:
-    """What libraries print on stdout inside the block goes to the log file (LIBRARY_LOGGER), Python's print and
-    C's printf alike (DeepSpeed's CPU Adam announces itself from C++ on every rank); with `stderr`, what they write
-    there too (lm-eval's progress bars, a subprocess's complaints)."""
+    """Send what libraries print inside the block (print and C's printf alike) to the log file; with `stderr`, that
+    too."""
     printed: list[str] = []
     try:
         with contextlib.ExitStack() as stack:

@@ -1,20 +1,9 @@
-"""Signals that ask a run to stop: every rank saves a checkpoint after the same step, then the run leaves.
-
-* Under submitit (SLURM), the preemption / time-limit signal (SIGUSR2; the launcher preset's
-  `signal_delay_s` says how long before the limit SLURM sends it). Once the checkpoint is complete, rank 0
-  hands over to submitit's own handler, which re-submits the job with the same arguments (so the same job
-  directory) and runs `scontrol requeue`; the requeued job resumes from the checkpoint (`resume=auto`).
-* Under any other launcher, SIGTERM, SIGINT and SIGHUP (the terminal was closed: an ssh session that dropped):
-  save, then exit with 128 + the signal's number. A second SIGINT interrupts at once (KeyboardInterrupt), for a
-  user who cannot wait for the step to end. After SIGHUP the console is gone (writing to a hung-up terminal fails
-  with EIO, which would end the run before its checkpoint): output meant for it goes to /dev/null, and the log
-  file and summary.json say what happened.
-
-During training, handlers only set a flag. The training loop votes on it in an all-reduce it makes anyway at
-every step, so all ranks stop after the same step even though the signal reaches them at different moments.
-Before the first step (tokenization, model build, the first evaluation: minutes, with nothing to save) a signal
-stops the run at once (SLURM's grace period before SIGKILL is short).
-"""
+"""Signals that ask a run to stop: every rank saves a checkpoint after the same step, then the run leaves. Under
+submitit the time-limit signal (SIGUSR2) ends with submitit's handler requeueing the job, which resumes (`resume=auto`);
+elsewhere SIGTERM, SIGINT and SIGHUP exit with 128 + the signal, a second SIGINT at once, and after SIGHUP console
+output goes to /dev/null (a hung-up terminal fails writes with EIO). Handlers only set a flag, voted on in the loop's
+per-step all-reduce so all ranks stop after the same step; before the first step a signal stops at once. Python handles
+signals on the main thread only: elsewhere (ds_exp.train from a thread) none are installed, said."""
 
 from __future__ import annotations
 
@@ -115,8 +104,8 @@ class StopSignals:
         log.warning("caught %s: saving a checkpoint after the current step, then stopping", self.reason)
 
     def behind(self, exc: BaseException) -> StopRequested | None:
-        """The stop behind `exc`: a library that catches the exception a signal raised during setup may raise its
-        own instead (datasets' worker pool raises a TimeoutError from its cleanup)."""
+        """The stop behind `exc`: a library may raise its own exception over a signal's (datasets' pool: a
+        TimeoutError)."""
         seen: BaseException | None = exc
         while seen is not None:
             if isinstance(seen, StopRequested):
@@ -127,8 +116,8 @@ class StopSignals:
         return None
 
     def leave(self, rank: int) -> NoReturn:
-        """Exit after a stop. Under submitit rank 0 requeues the job; the other ranks wait for SLURM to end them
-        (submitit warns that an early exit of a task may bring down rank 0 before it has requeued)."""
+        """Exit after a stop. Under submitit rank 0 requeues the job; the others wait for SLURM to end them (an early
+        exit could bring down rank 0 before it requeued)."""
         assert self.signum is not None
         if not self.under_submitit:
             sys.exit(128 + self.signum)
