@@ -35,7 +35,7 @@ from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.paths import PACKAGE_DIR
 from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError, first_line
-from ds_exp.core.files import json_text
+from ds_exp.core.files import disk_free_bytes, json_text
 from ds_exp.launch.console import entry_point
 from ds_exp.launch.flags import FlagParser, path, whole
 from ds_exp.resume.settings import not_universal
@@ -141,11 +141,6 @@ def space_needed(tag_dir: Path) -> int:
     return int(1.1 * (2 * optim + model if optim else model))
 
 
-def _free_bytes(path: Path) -> int:
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
-
-
 def _no_space(tag_dir: Path, needed: int, free: int) -> ResumeError:
     return ResumeError(
         f"no room to convert {tag_dir} beside it: the conversion needs about {human_bytes(needed)} on the disk of "
@@ -212,7 +207,7 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
             f"not writable ({err.strerror}); copy the checkpoint directory somewhere writable and resume from there"
         ) from None
     try:
-        free = _free_bytes(work)
+        free = disk_free_bytes(work)
         if free < needed:
             raise _no_space(tag_dir, needed, free)
         args = [str(tag_dir), "--out", str(work / "out"), "--workers", str(workers)]
@@ -233,7 +228,7 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
             if proc.returncode == EXIT_REFUSED:
                 raise ResumeError(output.splitlines()[-1])
             if "No space left on device" in output or os.strerror(errno.ENOSPC) in output:
-                raise _no_space(tag_dir, needed, _free_bytes(work) + _size_of(work))
+                raise _no_space(tag_dir, needed, disk_free_bytes(work) + _size_of(work))
             tail = "\n".join(output.splitlines()[-8:])
             raise ResumeError(f"resume: converting {tag_dir} to DeepSpeed's universal format failed:\n{tail}")
         if is_converted(tag_dir):  # another process converted it meanwhile: theirs is as good

@@ -31,6 +31,7 @@ from ds_exp.config.schema import register_configs
 from ds_exp.config.secret_shapes import is_reference, secret_spans
 from ds_exp.config.secrets import ENV_PREFIX, holds_secret, is_env_set_value, is_secret_key, redact_text, secret_inside
 from ds_exp.core.errors import ConfigError, first_line
+from ds_exp.launch.run_config import flat_keys
 from ds_exp.launch.storage import check_writable
 
 if TYPE_CHECKING:
@@ -368,17 +369,7 @@ def _comparable(cfg: DictConfig) -> dict[str, Any]:
         for part in parents:
             node = node.get(part, {})
         node.pop(last, None)
-    flat: dict[str, Any] = {}
-    _flatten(tree, "", flat)
-    return flat
-
-
-def _flatten(node: object, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(node, dict) and node:
-        for key, value in node.items():
-            _flatten(value, f"{prefix}{key}.", out)
-    else:
-        out[prefix.rstrip(".")] = node
+    return flat_keys(tree)
 
 
 def _diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

@@ -73,11 +73,11 @@ def saved_run_config(run_dir: Path) -> Path | None:
     return None
 
 
-def _flat(node: object, prefix: str = "") -> dict[str, Any]:
+def flat_keys(node: object, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(node, dict) and node:
         for key, value in node.items():
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flat_keys(value, f"{prefix}{key}."))
     else:
         out[prefix.rstrip(".")] = node
     return out
@@ -172,8 +172,8 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
             value = value if OmegaConf.is_config(value) else _unresolved(now, whole)
             OmegaConf.update(merged, whole, value, merge=False, force_add=True)
     _keep_secrets_reachable(merged, now)
-    before = _flat(OmegaConf.to_container(saved, resolve=False))
-    after = _flat(OmegaConf.to_container(merged, resolve=False))
+    before = flat_keys(OmegaConf.to_container(saved, resolve=False))
+    after = flat_keys(OmegaConf.to_container(merged, resolve=False))
     lines = [
         f"{key}: {before.get(key, '(unset)')} -> {after.get(key, '(unset)')}"
         for key in sorted(before.keys() | after.keys())
@@ -204,9 +204,9 @@ def _keep_secrets_reachable(merged: DictConfig, now: DictConfig) -> None:
     """A secret of the first attempt's command line was saved as a reference to a DS_EXP_SECRET_* variable of that
     process; where it is gone, this composition's value stands (unset where it gives none; text such as tags must be
     given again)."""
-    given_now = _flat(OmegaConf.to_container(now, resolve=False))  # unresolved: a secret stays a reference
+    given_now = flat_keys(OmegaConf.to_container(now, resolve=False))  # unresolved: a secret stays a reference
     missing: list[str] = []
-    for key, value in _flat(OmegaConf.to_container(merged, resolve=False)).items():
+    for key, value in flat_keys(OmegaConf.to_container(merged, resolve=False)).items():
         gone = [name for name in _SECRET_REF.findall(value) if name not in os.environ] if isinstance(value, str) else []
         if gone:
             try:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.errors import ConfigError, RunFailed
+from ds_exp.core.files import disk_free_bytes
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -74,18 +75,13 @@ def check_free_space(needs: dict[Path, int], keys: dict[Path, str]) -> None:
         first, total, what = per_device.get(device, (path, 0, []))
         per_device[device] = (first, total + size, [*what, names.get(keys[path], keys[path])])
     for path, needed, what in per_device.values():
-        free = _free_bytes(_existing_ancestor(path))
+        free = disk_free_bytes(path)
         if free < needed:
             raise RunFailed(
                 f"not enough disk space for {keys[path]}={path}: {human_bytes(free)} free, {' and '.join(what)} "
                 f"{'need' if len(what) > 1 else 'needs'} about {human_bytes(needed)}; free some space or point "
                 f"{keys[path]} at a larger disk"
             )
-
-
-def _free_bytes(path: Path) -> int:
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
 
 
 def export_failure_message(exc: BaseException, export_dir: Path, needed: int) -> str | None:
@@ -106,7 +102,7 @@ def _no_room(exc: BaseException, path: Path, needed: int) -> str | None:
     text = str(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
         return os.strerror(exc.errno)
-    free = _free_bytes(_existing_ancestor(path))
+    free = disk_free_bytes(path)
     if free < needed or "No space left" in text or "StorageFull" in text:
         return f"the disk is full: {human_bytes(free)} free"
     return None
@@ -115,7 +111,7 @@ def _no_room(exc: BaseException, path: Path, needed: int) -> str | None:
 def save_failure_message(exc: BaseException, tag_dir: Path, needed: int) -> str | None:
     """A person's message for a save that failed for lack of room or rights, else None; torch.save reports a full disk
     as a zip writer's RuntimeError, so a failure with less room than a checkpoint needs counts as a full disk."""
-    free = _free_bytes(_existing_ancestor(tag_dir))
+    free = disk_free_bytes(tag_dir)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
         reason = os.strerror(exc.errno)
     elif free < needed:

@@ -25,6 +25,7 @@ from ds_exp.config.schema import Config, as_dict, register_configs, to_config
 from ds_exp.config.secrets import hide_secret_overrides
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.data.pipeline import prepare_sft_data
+from ds_exp.launch.run_config import flat_keys
 from ds_exp.launch.validation import validate
 from ds_exp.model.tokenizer import load_tokenizer
 
@@ -185,17 +186,8 @@ def compose_side(side: Side, forced: list[str]) -> list[str]:
     return []
 
 
-def _flat(tree: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(tree, dict) and tree:
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flat(value, f"{prefix}.{key}"))
-        return out
-    return {prefix: tree}
-
-
 def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
-    fa, fb = _flat(a, prefix), _flat(b, prefix)
+    fa, fb = flat_keys(a, f"{prefix}."), flat_keys(b, f"{prefix}.")
     return [(key, fa.get(key), fb.get(key)) for key in sorted(set(fa) | set(fb)) if fa.get(key) != fb.get(key)]
 
 
