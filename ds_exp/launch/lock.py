@@ -25,16 +25,21 @@ _sweep_locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}
 def lock_run_dir(run_dir: Path, *, key: str = "hydra.run.dir") -> None:
     """Hold <run dir>/.ds_exp.lock (an exclusive flock) until release_run_dir or the process's end: a second process
     stops at once, naming the holder; the kernel releases a killed process's lock, so a stale one never blocks."""
-    run_dir = run_dir.absolute()
-    if run_dir in _locks:
-        return
-    made = _first_missing(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _take(run_dir.absolute(), _locks, key, "run")
+
+
+def _take(directory: Path, locks: dict[Path, tuple[TextIO, bool, Path | None]], key: str, what: str) -> bool:
+    """Make and lock `directory` into `locks`; False when this process holds it already."""
+    if directory in locks:
+        return False
+    made = _first_missing(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     try:
-        _locks[run_dir] = (*_open_and_lock(run_dir, key, "run"), made)
+        locks[directory] = (*_open_and_lock(directory, key, what), made)
     except BaseException:
-        _remove_made(run_dir, made)
+        _remove_made(directory, made)
         raise
+    return True
 
 
 def made_here(run_dir: Path) -> bool:
@@ -179,18 +184,9 @@ def lock_sweep_dir(sweep_dir: Path) -> None:
     """One live sweep per sweep directory, its lock held by the sweeper until it ends, taken before the directory is
     checked. Jobs lock their own run directories, so submitit's jobs and a requeued job are not blocked by it."""
     sweep_dir = sweep_dir.absolute()
-    if sweep_dir in _sweep_locks:
-        return
-    made = _first_missing(sweep_dir)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        handle, created = _open_and_lock(sweep_dir, "hydra.sweep.dir", "sweep")
-    except BaseException:
-        _remove_made(sweep_dir, made)
-        raise
-    _sweep_locks[sweep_dir] = (handle, created, made)
-    # a sweep refused later (a bad job, a sweeper's own refusal) leaves nothing behind: not even the directory
-    atexit.register(release_sweep_dir, sweep_dir)
+    if _take(sweep_dir, _sweep_locks, "hydra.sweep.dir", "sweep"):
+        # a sweep refused later (a bad job, a sweeper's own refusal) leaves nothing behind: not even the directory
+        atexit.register(release_sweep_dir, sweep_dir)
 
 
 def claim_sweep_dir(sweep_dir: Path) -> None:
