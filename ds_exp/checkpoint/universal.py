@@ -228,7 +228,8 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
             if proc.returncode == EXIT_REFUSED:
                 raise ResumeError(output.splitlines()[-1])
             if "No space left on device" in output or os.strerror(errno.ENOSPC) in output:
-                raise _no_space(tag_dir, needed, disk_free_bytes(work) + _size_of(work))
+                taken = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+                raise _no_space(tag_dir, needed, disk_free_bytes(work) + taken)
             tail = "\n".join(output.splitlines()[-8:])
             raise ResumeError(f"resume: converting {tag_dir} to DeepSpeed's universal format failed:\n{tail}")
         if is_converted(tag_dir):  # another process converted it meanwhile: theirs is as good
@@ -238,10 +239,6 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
-
-
-def _size_of(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def load(engine: DeepSpeedEngine, tag_dir: Path) -> dict[str, Any]:

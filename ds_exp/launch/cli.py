@@ -58,21 +58,10 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     return kept
 
 
-def check_launch_env() -> None:
-    """Inconsistent launcher variables are refused at once: the process would wait for ranks that never come."""
-    problems = launch_env_problems()
-    if problems:
-        raise ConfigError(problems)
-
-
-def run_dir_of_job() -> Path:
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
 def run_job(composed: DictConfig) -> dict[str, Any]:
     """A resuming sweep job runs the config its sweep kept for it, and puts back the earlier .hydra/ files at its
     end."""
-    run_dir = run_dir_of_job()
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     if not (in_multirun() and composed.get("resume") is not None):
         return _run_job(composed, run_dir)
     first_rank = detect_launch().is_main  # a submitit job's ranks all run this: one of them moves files
@@ -208,7 +197,8 @@ def main() -> int:
 
 def prepare_overrides(args: list[str]) -> list[str]:
     """What every way into a run does before Hydra reads its overrides (the command line, ds_exp.train's API)."""
-    check_launch_env()
+    if problems := launch_env_problems():  # else the process would wait for ranks that never come
+        raise ConfigError(problems)
     # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
     args = hide_secret_overrides(args, os.environ)
     check_config_files(args)  # the user's experiment files: one message each, before Hydra reads them

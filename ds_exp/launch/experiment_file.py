@@ -356,7 +356,8 @@ def check_same_config(plan: Plan, text: str) -> None:
 def config_differences(expected: DictConfig, got: DictConfig) -> list[str]:
     """Keys whose values differ between two compositions (Hydra's bookkeeping left out)."""
     a, b = _comparable(expected), _comparable(got)
-    return [f"{key}: {a.get(key)!r} on the command line, {b.get(key)!r} from the file" for key in _diff(a, b)]
+    keys = sorted(key for key in a.keys() | b.keys() if a.get(key, ...) != b.get(key, ...))
+    return [f"{key}: {a.get(key)!r} on the command line, {b.get(key)!r} from the file" for key in keys]
 
 
 def _comparable(cfg: DictConfig) -> dict[str, Any]:
@@ -370,7 +371,3 @@ def _comparable(cfg: DictConfig) -> dict[str, Any]:
             node = node.get(part, {})
         node.pop(last, None)
     return flat_keys(tree)
-
-
-def _diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    return sorted(key for key in a.keys() | b.keys() if a.get(key, ...) != b.get(key, ...))
