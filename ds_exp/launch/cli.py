@@ -59,7 +59,7 @@ def strip_local_rank(argv: list[str]) -> list[str]:
 
 
 def run_job(composed: DictConfig) -> dict[str, Any]:
-    """A resuming sweep job runs the config its sweep kept for it, and puts back the earlier .hydra/ files at its
+    """A resuming sweep job runs the config its sweep kept for it, and puts the earlier .hydra/ files back at its
     end."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if not (in_multirun() and composed.get("resume") is not None):
@@ -75,8 +75,7 @@ def run_job(composed: DictConfig) -> dict[str, Any]:
 
 
 def _run_job(composed: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Typed, validated (the data's rows too), then planned (dry_run=true) or trained: heavy imports only past
-    validation."""
+    """Typed, validated (data rows too), then planned or trained: heavy imports only past validation."""
     # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     from ds_exp.data.pipeline import count_train_examples
@@ -135,8 +134,7 @@ def hydra_task(cfg: DictConfig) -> dict[str, Any]:
 
 
 class HydraTask:
-    """hydra_task as Hydra's launchers get it: a submitit job unpickling it prepares its composition first
-    (`task_in_job`), so credentials are hidden in the job's files too. Hydra names the job from `__module__`."""
+    """hydra_task for Hydra's launchers: a submitit job unpickling it prepares its composition first (`task_in_job`)."""
 
     def __call__(self, cfg: DictConfig) -> dict[str, Any]:
         return hydra_task(cfg)
@@ -152,8 +150,8 @@ def task_in_job() -> Callable[[DictConfig], dict[str, Any]]:
 
 
 def prepare_composition() -> None:
-    """What every composition of ds_exp's config needs, in the process that composes: the resolvers, the schema, config
-    files' credentials hidden, and one message for `data.sources.0.path=X` on a data option without sources."""
+    """What every composition needs in its process: resolvers, schema, config files' credentials hidden, and one message
+    for `data.sources.0.path=X` on a data option without sources."""
     register_resolvers()
     register_configs()
     check_list_items_when_composing()
@@ -169,8 +167,8 @@ def job_log() -> Path | None:
 
 
 def find_own_sweepers() -> None:
-    """Let Hydra find ds_exp's sweepers (hydra_plugins/ds_exp_*) from any directory: an editable install's import hook
-    is invisible to Hydra's plugin scan."""
+    """Let Hydra find hydra_plugins/ds_exp_* from any directory (its plugin scan misses an editable install's import
+    hook)."""
     ours = PACKAGE_DIR.parent / "hydra_plugins"
     if ours.is_dir() and str(ours) not in list(hydra_plugins.__path__):
         hydra_plugins.__path__.append(str(ours))
@@ -178,8 +176,7 @@ def find_own_sweepers() -> None:
 
 @entry_point("ds_exp", exits=True)
 def main() -> int:
-    """`python -m ds_exp ...` inside the error boundary; a status other than 0 ends the process, as Hydra's errors
-    do."""
+    """`python -m ds_exp ...` inside the error boundary; a status other than 0 ends the process."""
     hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
     find_own_sweepers()
     sys.argv = quote_one_value_lists(strip_local_rank(sys.argv))  # data.data_split=10,0,0 is one value, not a sweep

@@ -51,8 +51,7 @@ class Command(Generic[P]):
 
 
 def entry_point(name: str, exits: bool = False) -> Callable[[Callable[P, int | None]], Command[P]]:
-    """The error boundary as a decorator on `def main(argv=None) -> int`; `name` is what an unexpected error's line says
-    failed, and names its traceback's file."""
+    """The error boundary on `def main(argv=None) -> int`; `name` says what failed and names its traceback's file."""
 
     def bound(work: Callable[P, int | None]) -> Command[P]:
         return Command(name, work, exits)
@@ -165,8 +164,8 @@ def traceback_logged(err: BaseException, log_file: str | Path) -> None:
 
 
 def keep_traceback(err: BaseException, text: str, log: Path | None) -> Path | None:
-    """The file that holds the traceback `text`: the log that has it, else `log`, else a new file in the user's cache;
-    None when none can be written."""
+    """The file holding the traceback `text`: a log that has it, else `log`, else a new one in the user's cache; or
+    None."""
     logged = getattr(err, _LOGGED_IN, None)
     if logged:
         return Path(logged)
@@ -212,8 +211,7 @@ def stdout_closed() -> bool:
 
 
 def silence_stdout() -> None:
-    """Point stdout at /dev/null, so nothing buffered raises Python's "Exception ignored ... BrokenPipeError" at
-    exit."""
+    """Point stdout at /dev/null: nothing buffered raises "Exception ignored ... BrokenPipeError" at exit."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, sys.stdout.fileno())

@@ -247,8 +247,8 @@ def cpu_threads_per_rank(launch: LaunchInfo) -> int | None:
 
 
 def slurm_hostnames(nodelist: str) -> list[str]:
-    """The hosts of a SLURM node list (`node[1-3,5],gpu7`) in SLURM's order, the first being rank 0's: by `scontrol show
-    hostnames`, else parse_slurm_nodelist (submitit's parser is private)."""
+    """A SLURM node list's hosts in order (the first is rank 0's): `scontrol show hostnames`, else
+    parse_slurm_nodelist."""
     scontrol = shutil.which("scontrol")
     conf = os.environ.get("SLURM_CONF")
     if scontrol and not (conf and not os.path.exists(conf)):  # a missing SLURM_CONF: scontrol retries for 60 s
@@ -264,8 +264,7 @@ def slurm_hostnames(nodelist: str) -> list[str]:
 
 
 def parse_slurm_nodelist(nodelist: str) -> list[str]:
-    """SLURM's host list syntax, brackets expanded in order, zero padding kept (`gpu[08-10],rack[1-2]-n[1,3]`);
-    ValueError on malformed brackets."""
+    """SLURM's host list syntax (`gpu[08-10],rack[1-2]-n[1,3]`), zero padding kept; ValueError on malformed brackets."""
     groups, depth, start = [], 0, 0
     for pos, char in enumerate(nodelist):
         depth += {"[": 1, "]": -1}.get(char, 0)

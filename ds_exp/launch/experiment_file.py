@@ -47,8 +47,6 @@ _VOLATILE_HYDRA = ("runtime", "overrides", "job", "searchpath", "sweeper.params"
 
 @dataclass
 class Plan:
-    """What the file will hold."""
-
     name: str
     path: Path  # DIR/experiment/NAME.yaml
     overrides: list[str]  # the command line's overrides that compose (no sweeps)
@@ -216,8 +214,8 @@ def plan_file(path_arg: str, args: list[str]) -> Plan:
 
 
 def _secret(override: Override) -> bool:
-    """A secret given literally (an `${oc.env:...}` reference only names one): a credential's key, a value of
-    hydra.job.env_set, or a value holding one by its shape."""
+    """A literal secret (an `${oc.env:...}` reference only names one): by its key, as an env_set value, or by its
+    shape."""
     if override.is_sweep_override():
         return False
     value = override.value()

@@ -95,8 +95,7 @@ def unreachable(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str |
 
 
 def plans_from_arch(model: ModelConfig, *, dry_run: bool) -> bool:
-    """A dry run of an uncached hub model whose preset carries its architecture (model.arch) plans from those
-    numbers."""
+    """A dry run of an uncached hub model whose preset carries model.arch plans from those numbers."""
     ids = hub_ids(model)
     return bool(dry_run and model.arch and model.name_or_path and ids) and not all(cached(repo) for _, repo in ids)
 

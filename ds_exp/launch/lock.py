@@ -23,8 +23,7 @@ _sweep_locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}
 
 
 def lock_run_dir(run_dir: Path, *, key: str = "hydra.run.dir") -> None:
-    """Hold <run dir>/.ds_exp.lock (an exclusive flock) until release_run_dir or the process's end: a second process
-    stops at once, naming the holder; the kernel releases a killed process's lock, so a stale one never blocks."""
+    """Hold <run dir>/.ds_exp.lock (an flock the kernel drops with its process) until release_run_dir or exit."""
     _take(run_dir.absolute(), _locks, key, "run")
 
 
@@ -59,8 +58,8 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def release_run_dir(run_dir: Path, *, refused: bool = False) -> None:
-    """Let the lock go and remove its file (one opened meanwhile is caught by the inode check); a refused start also
-    removes the directories it made if empty. A lock file this process did not make stays after a refused start."""
+    """Let the lock go and remove its file; a refused start removes only what it made (empty directories, its own
+    file)."""
     entry = _locks.pop(run_dir.absolute(), None)
     if entry is not None:
         handle, created, made = entry
@@ -80,7 +79,7 @@ def _lock_error(run_dir: Path, key: str, detail: str, fix: str) -> Refused:
 
 
 def _not_a_lock_file(path: Path, run_dir: Path, key: str) -> Refused | None:
-    """Why the thing at `path` cannot be ds_exp's lock file (None: a regular file, or nothing); a link is never
+    """Why the thing at `path` cannot be ds_exp's lock file (None: a regular file, or nothing); links are never
     followed."""
     try:
         mode = os.lstat(path).st_mode
@@ -126,8 +125,7 @@ def _os_error(err: OSError, path: Path, run_dir: Path, key: str) -> Refused:
 
 
 def _open_and_lock(run_dir: Path, key: str, what: str) -> tuple[TextIO, bool]:
-    """(the open lock file, whether this call made it), locked exclusively; each failure one Refused. The loop is
-    bounded."""
+    """(the open lock file, whether this call made it), locked exclusively; each failure one Refused."""
     path = run_dir / LOCK
     for _ in range(_ATTEMPTS):
         problem = _not_a_lock_file(path, run_dir, key)
@@ -181,8 +179,7 @@ def _write_holder(handle: TextIO) -> None:
 
 
 def lock_sweep_dir(sweep_dir: Path) -> None:
-    """One live sweep per sweep directory, its lock held by the sweeper until it ends, taken before the directory is
-    checked. Jobs lock their own run directories, so submitit's jobs and a requeued job are not blocked by it."""
+    """One live sweep per sweep directory, taken before it is checked; jobs lock their own run directories."""
     sweep_dir = sweep_dir.absolute()
     if _take(sweep_dir, _sweep_locks, "hydra.sweep.dir", "sweep"):
         # a sweep refused later (a bad job, a sweeper's own refusal) leaves nothing behind: not even the directory

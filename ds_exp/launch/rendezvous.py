@@ -34,8 +34,8 @@ def free_port() -> int:
 
 
 def wait_for_rendezvous(start: Callable[[], object], launch: Ranks, timeout_minutes: int) -> None:
-    """Run `start` (the rendezvous) in a helper thread so a blocked one does not hold off Ctrl-C and SIGTERM; the wait
-    is said within seconds on every rank (no log file yet; the missing rank may be rank 0)."""
+    """Run `start` (the rendezvous) in a thread so a blocked one does not hold off Ctrl-C and SIGTERM; the wait is
+    said."""
     where = f"{launch.master_addr}:{launch.master_port}"
     what = (
         f"the {launch.world_size} ranks to meet at {where} (this is rank {launch.rank})"
@@ -65,8 +65,7 @@ _JOINED = re.compile(r"(\d+)/(\d+) clients joined")
 
 
 def rendezvous_failure(exc: BaseException, launch: Ranks, timeout_minutes: int) -> str | None:
-    """torch's C++ error text of a failed rendezvous (a port taken, rank 0 or another rank timing out) as one message
-    naming the variables to fix; None for anything else."""
+    """torch's error text of a failed rendezvous as one message naming the variables to fix; None for anything else."""
     text = " ".join(str(exc).split())
     where = f"{launch.master_addr}:{launch.master_port}"
     if "EADDRINUSE" in text or "address already in use" in text.lower():

@@ -107,7 +107,7 @@ def added_keys(run_dir: Path) -> list[str]:
 
 
 def _with_added_keys(now: DictConfig, saved: DictConfig, run_dir: Path) -> DictConfig:
-    """`now` with the keys the run added (added_keys) that this command line did not, so the saved config merges as
+    """`now` with the keys the run added (added_keys) and this command line did not, so the saved config merges
     typed."""
     target = now.copy()
     for key in added_keys(run_dir):
@@ -187,8 +187,7 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
 
 
 def _unresolved(config: DictConfig, key: str, default: Any = None) -> Any:
-    """`key`'s value as composed, interpolations kept: a secret stays a reference to its variable in the saved
-    config."""
+    """`key`'s value as composed, interpolations kept: a secret stays a reference in the saved config."""
     node: object = OmegaConf.to_container(config, resolve=False)
     for part in key.split("."):
         if isinstance(node, dict) and part in node:
@@ -234,8 +233,8 @@ def resume_note(run_dir: Path, lines: list[str], what: str | None = None) -> str
 
 
 def keep_job_config(job_dir: Path, continued: DictConfig) -> Path:
-    """Before a sweep launches a job that resumes in `job_dir`: keep its .hydra/*.yaml in .hydra/<KEPT_DIR>/ (once) and
-    save `continued` as this attempt's config; returns that directory."""
+    """Before a sweep launches a job resuming in `job_dir`: keep its .hydra/*.yaml aside (once), save `continued` as
+    this attempt's config; returns that directory."""
     hydra_dir = job_dir / ".hydra"
     kept = hydra_dir / KEPT_DIR
     if not kept.is_dir():
@@ -284,8 +283,7 @@ def take_job_config(composed: DictConfig, job_dir: Path, *, first_rank: bool) ->
 
 
 def finish_job_attempt(job_dir: Path) -> None:
-    """At a resumed sweep job's end (its first rank): the .hydra/*.yaml kept before launch go back in place of
-    Hydra's."""
+    """At a resumed sweep job's end (first rank): the .hydra/*.yaml kept before launch go back in place of Hydra's."""
     kept = job_dir / ".hydra" / KEPT_DIR
     if not kept.is_dir():
         return
@@ -296,15 +294,13 @@ def finish_job_attempt(job_dir: Path) -> None:
 
 
 def task_overrides(config: DictConfig) -> list[str]:
-    """hydra.overrides.task unresolved: a secret stays a reference, and a value holding `${` is not read as
-    interpolation."""
+    """hydra.overrides.task unresolved: a secret stays a reference, and `${` in a value is not an interpolation."""
     task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
     return [str(item) for item in task] if isinstance(task, list) else []
 
 
 def named_run_dir(config: DictConfig) -> Path | None:
-    """The run directory the command line named (hydra.run.dir=R), None when Hydra chose it; for a rank > 0 in its
-    placeholder, the first one named (the user's)."""
+    """The run directory the command line named (for a rank > 0, the first one named), None when Hydra chose it."""
     for override in config.hydra.overrides.hydra:
         key, _, value = str(override).lstrip("+").partition("=")
         if key == "hydra.run.dir":

@@ -105,8 +105,7 @@ def check_run_start(config: DictConfig) -> None:
 
 
 def nothing_to_resume(new_dir: Path, checkpoint_subdir: str, shown: int = 3) -> str:
-    """resume=auto in a new directory: where it looked, and the experiment's runs with a complete checkpoint, newest
-    first, each with the command that continues it."""
+    """resume=auto in a new directory: where it looked, and the experiment's resumable runs with their commands."""
     runs = []
     parent = new_dir.parent
     for candidate in sorted(parent.iterdir(), reverse=True) if parent.is_dir() else []:
@@ -140,8 +139,7 @@ def _shown(path: Path) -> str:
 
 
 def _lock_a_fresh_dir(config: DictConfig, run_dir: Path, checkpoint_subdir: str) -> Path:
-    """Lock the directory Hydra chose, or the first free `<date_time>_N` beside it when a run of the same second holds
-    it."""
+    """Lock the directory Hydra chose, or the first free `<date_time>_N` beside it when another run holds it."""
     base = run_dir
     for n in range(1, 1000):
         try:
@@ -212,8 +210,7 @@ def leave_quietly_before_start(signum: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def stop_before_start() -> Iterator[None]:
-    """Around a command of a launch's ranks: a stop signal leaves nothing until the run's session installs its own
-    handlers."""
+    """Around a launch's rank's command: a stop signal leaves nothing until the session installs its own handlers."""
     if not launched_with_several_ranks():
         yield
         return
@@ -271,8 +268,7 @@ _placeholder: str | None = None
 
 
 def rank_placeholder_overrides(args: list[str]) -> list[str]:
-    """Hydra overrides that put ranks > 0 of a launch in a placeholder in /tmp (removed by remove_rank_placeholder):
-    only rank 0's run directory is real; the others learn it once torch.distributed is up."""
+    """Overrides that put ranks > 0 in a placeholder in /tmp: only rank 0's run directory is real."""
     global _placeholder
     if not launched_with_several_ranks():
         return []

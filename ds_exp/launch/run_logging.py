@@ -19,8 +19,7 @@ for _name in (FILE_LOGGER, LIBRARY_LOGGER):
 
 
 class ConsoleFormatter(logging.Formatter):
-    """`ds_exp: <message>`, with `warning: ` or `error: ` from those levels; a library's record names the library;
-    Hydra's lines lose their leading tab."""
+    """`ds_exp: <message>`, `warning: `/`error: ` from those levels, a library's record naming the library."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record).lstrip()
@@ -63,8 +62,7 @@ HELD = _Held()
 
 
 def hold_library_logs() -> None:
-    """Before DeepSpeed is imported: hold its records, warnings and library output for the log file, and silence its
-    compiler probes."""
+    """Before DeepSpeed is imported: hold its records and output for the log file, and silence its compiler probes."""
     logging.captureWarnings(True)
     # FILE_LOGGER too: what a rank other than 0 says while it waits before its log file exists (ds_exp.core.waits)
     for name in ("DeepSpeed", "py.warnings", LIBRARY_LOGGER, FILE_LOGGER):

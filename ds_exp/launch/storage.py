@@ -25,8 +25,7 @@ RUN_FILES_MARGIN = 200
 
 
 def check_path_length(path: Path, key: str, margin: int = RUN_FILES_MARGIN) -> None:
-    """Each component of `path` within NAME_MAX and the run's files within PATH_MAX: said now, not as ENAMETOOLONG
-    later."""
+    """Each component of `path` within NAME_MAX and the run's files within PATH_MAX: said now, not as ENAMETOOLONG."""
     path = path.absolute()
     existing = Path(path.anchor)
     for part in path.parts[1:]:  # the deepest ancestor that exists (Path.exists raises on a name too long)
