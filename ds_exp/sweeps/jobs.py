@@ -57,9 +57,9 @@ def check_job(
     continues: bool = False,
     composed: DictConfig | None = None,
 ) -> tuple[DictConfig | None, list[str]]:
-    """One job composed and validated: (its config, []) or (None, its problems). With its number its directory is
-    checked like a single run's before Hydra writes into it. `continues`: a resuming job continues the config saved
-    there; `composed`: the job as its sweeper composed it already."""
+    """One job composed and validated: (its config, []) or (None, its problems); with its number its directory is
+    checked too. `continues`: a resuming job continues its saved config; `composed`: the job as its sweeper composed
+    it."""
     try:
         cfg = composed if composed is not None else loader.load_sweep_config(config, list(overrides))
         if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it
@@ -84,8 +84,8 @@ def check_job(
 
 
 def _continue_job(cfg: DictConfig, overrides: list[str]) -> str | None:
-    """A job resuming in a directory with a saved config continues it, its overrides applied as changes; what the resume
-    says (None: nothing to continue)."""
+    """A resuming job with a saved config continues it, its overrides as changes; what the resume says (None:
+    nothing)."""
     if cfg.get("resume") is None:
         return None
     job_dir = job_dir_of(cfg)
@@ -107,8 +107,7 @@ def keep_resumed_configs() -> None:
 
 
 def own_job_dirs(config: DictConfig, sweep_dir: Path) -> list[Path] | None:
-    """This sweep's job directories: an optuna study's trials, else what this process launched; None when neither is
-    known."""
+    """This sweep's job directories: a study's trials, else what this process launched; None when neither is known."""
     if is_study_sweep(config) and (sweep_dir / STUDY_FILE).is_file():
         trials = json.loads((sweep_dir / STUDY_FILE).read_text())["trials"]
         return [Path(t["job_dir"]).absolute() for t in trials if t.get("job_dir") and Path(t["job_dir"]).is_dir()]

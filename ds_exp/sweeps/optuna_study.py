@@ -68,8 +68,7 @@ _DRIVER_PACKAGES = {"MySQLdb": "mysqlclient", "psycopg2": "psycopg2-binary", "ps
 
 
 def check_storage(storage: str) -> None:
-    """hydra.sweeper.storage is a URL SQLAlchemy can open with an installed driver (said before the sweep directory is
-    made)."""
+    """hydra.sweeper.storage is a URL SQLAlchemy can open with an installed driver."""
     shown = f"hydra.sweeper.storage={shown_storage(storage)}"
     unset = "or leave hydra.sweeper.storage unset for a SQLite file in the sweep directory"
     try:
@@ -236,8 +235,8 @@ class StudySweeper(Sweeper):
             raise ConfigError(problems)
 
     def check_composes(self, space: SearchSpace) -> None:
-        """The space's corners are composed first: an unknown key or option, or a searched key the runs would not obey,
-        stops the study before anything runs."""
+        """Compose the space's corners first: an unknown key or option, or a searched key the runs ignore, stops the
+        study."""
         problems = []
         for overrides in probe_overrides(space):
             try:
@@ -280,8 +279,7 @@ class StudySweeper(Sweeper):
         OmegaConf.save(self.config, target)
 
     def settle_abandoned(self, study: optuna.Study, sweep_dir: Path) -> list[Trial]:
-        """Trials an earlier run left RUNNING: a stopped one goes on from its checkpoint, a completed one is recorded as
-        it ended, the rest as failed. Returns the trials continued."""
+        """Trials an earlier run left RUNNING: a stopped one goes on, a completed one is recorded, the rest failed."""
         continued = []
         for frozen, what in abandoned_trials(study, sweep_dir):
             trial = optuna_trial_of(study, frozen)
@@ -311,8 +309,8 @@ class StudySweeper(Sweeper):
         *,
         resume: bool = False,
     ) -> list[str]:
-        """Validate each trial once, launch the valid ones, tell the study how each ended; the problems that stop the
-        study. `resume`: trials an earlier run left unfinished, continued in their directories."""
+        """Validate and launch each trial, tell the study how it ended; the problems that stop the study. `resume`:
+        continued."""
         assert self.hydra_context is not None and self.config is not None
         launch: list[tuple[Trial, list[str], Path]] = []
         for trial in trials:
@@ -418,8 +416,7 @@ def finished(study: Study) -> int:
 
 
 def abandoned_trials(study: Study, sweep_dir: Path) -> list[tuple[FrozenTrial, str]]:
-    """This directory's trials still RUNNING, each with what a re-run does: "continue" (stopped: from its checkpoint),
-    "tell" (completed after all), "live" (its run still holds its lock) or "fail" (killed)."""
+    """This directory's RUNNING trials, each with what a re-run does: "continue", "tell", "live" or "fail"."""
     found = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if trial.user_attrs.get("sweep_dir") != str(sweep_dir):

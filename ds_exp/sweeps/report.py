@@ -102,8 +102,7 @@ def _numbers(values: object) -> bool:
 
 
 class Summary:
-    """A job's summary.json, every value type-checked where read: a damaged file is said in its row, never fails the
-    report."""
+    """A job's summary.json, each value type-checked where read: a damaged file costs its row, never the report."""
 
     def __init__(self, path: Path) -> None:
         data = _read(path, json.loads, "JSON")
@@ -207,8 +206,8 @@ def _csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[str, Any]]:
-    """The report of `own` (the jobs the sweep launched), else of every job the directory holds; printed even where its
-    files cannot be written (said in one line)."""
+    """The report of `own` (the jobs the sweep launched), else of every job there; printed even where it cannot be
+    written."""
     found = job_dirs(sweep_dir) if own is None else sorted(own, key=_job_key)
     rows = [job_row(d) for d in found]
     for row in rows:
@@ -241,8 +240,7 @@ CONSOLE = {"job": "job", "status": "status", "eval_loss": "eval loss", "tokens_p
 
 
 def console_table(rows: list[dict[str, Any]]) -> str:
-    """The jobs as aligned columns a terminal holds (a failed job's error last); the rest stay in report.csv and
-    report.md."""
+    """The jobs as aligned columns a terminal holds; the rest stay in report.csv and report.md."""
     columns = dict(CONSOLE)
     if not any(row.get("eval_loss") is not None for row in rows):  # no eval set: the train loss, as the picture
         columns = {("train_loss" if key == "eval_loss" else key): name.replace("eval", "train") for key, name in
@@ -279,8 +277,7 @@ NOT_TIMED = f"no metric line after its {WARMUP_STEPS} warm-up step(s); give the 
 
 
 def probe_speed(job_dir: Path) -> tuple[float | None, float | None]:
-    """Median tokens/s and MFU of a probe's metric lines whose window starts after its warm-up step (None where
-    none)."""
+    """Median tokens/s and MFU of a probe's metric lines after its warm-up step (None where none)."""
     path = job_dir / "metrics.jsonl"
     lines = [_json_line(line) for line in path.read_text(errors="replace").splitlines()] if path.is_file() else []
     train = [r for r in lines if r.get("type") == "train" and _is_number(r.get("step"))]
@@ -342,8 +339,7 @@ def autotune_rows(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str,
 
 
 def train_command(plan: dict[str, Any], overrides: list[str]) -> str:
-    """The command that trains with a probe's configuration: its overrides minus the probe's own keys and SESSION_KEYS,
-    through the same submitit launcher when the probes ran there."""
+    """The command training a probe's configuration: its overrides less the probe's keys, through the same launcher."""
     left_out = set(plan["probe_keys"]) | set(SESSION_KEYS)
     kept = [o for o in overrides if override_key(o) not in left_out]
     launcher = plan.get("launcher_overrides") or []

@@ -148,8 +148,7 @@ def plot(
 
 
 def _bars(ax: Any, panel: Panel, rows: list[dict[str, Any]], positions: list[int]) -> None:
-    """A bar per job. The best of the completed jobs is green (a diverged or failed job is never ranked), one that did
-    not complete red, saying why where it has no value."""
+    """A bar per job: the best completed one green (a diverged or failed job is never ranked), an unfinished one red."""
     done = [row["status"] == RunStatus.COMPLETED for row in rows]
     known = [v for v, ok in zip(panel.values, done, strict=True) if v is not None and ok]
     best = None if panel.lower_is_better is None or not known else (min if panel.lower_is_better else max)(known)

@@ -51,7 +51,7 @@ def override_value(value: CategoricalChoiceType) -> str:
 
 
 def parse_search_space(arguments: list[str], config_loader: ConfigLoader | None = None) -> SearchSpace:
-    """Overrides -> a search space; one ConfigError naming every override that cannot be searched, and how to write
+    """Overrides -> a search space; one ConfigError naming each override that cannot be searched, and how to write
     it."""
     try:
         parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(arguments)
@@ -76,8 +76,7 @@ def parse_search_space(arguments: list[str], config_loader: ConfigLoader | None 
 
 
 def distribution(override: Any) -> Distribution:
-    """One sweep override (a Hydra Override) -> one optuna distribution; ValueError with the fix when it cannot be
-    one."""
+    """One sweep override -> one optuna distribution; ValueError with the fix when it cannot be one."""
     value = override.value()
     tags = set(getattr(value, "tags", set()) or set())
     if tags - TAGS:
@@ -118,8 +117,7 @@ def distribution(override: Any) -> Distribution:
 
 
 def probe_overrides(space: SearchSpace) -> list[list[str]]:
-    """Trials at the space's corners: if one cannot be composed, no trial can, and the study is refused before it
-    starts."""
+    """Trials at the space's corners: if one cannot be composed, no trial can."""
     corners: dict[str, list[CategoricalChoiceType]] = {}
     for key, dist in space.distributions.items():
         corners[key] = list(dist.choices) if isinstance(dist, CategoricalDistribution) else [dist.low, dist.high]

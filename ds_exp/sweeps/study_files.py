@@ -34,7 +34,6 @@ IDENTITY = ("study_name", "storage", "objective", "direction", "search_space", "
 
 
 def is_study_sweep(config: DictConfig) -> bool:
-    """hydra/sweeper=optuna (conf/hydra/sweeper/optuna.yaml)."""
     return str(config.hydra.sweeper.get("_target_", "")).endswith(".OptunaSweeper")
 
 
@@ -158,8 +157,7 @@ def command_line(overrides: list[str], world_size: int | None) -> str:
 
 
 def study_section(sweep_dir: Path) -> str | None:
-    """The report's part for an optuna study (None for other sweeps): every trial, the best with the command that
-    retrains it."""
+    """An optuna study's part of the report (None for other sweeps): every trial, the best with its command."""
     record = sweep_dir / STUDY_FILE
     if not record.is_file():
         return None
@@ -199,8 +197,7 @@ def study_section(sweep_dir: Path) -> str | None:
 
 
 def study_values(sweep_dir: Path) -> tuple[str, str, dict[str, float | None]] | None:
-    """An optuna study's objective, direction and each trial's value by its job directory's name (None for other
-    sweeps)."""
+    """A study's objective, direction and each trial's value by job directory (None for other sweeps)."""
     record = sweep_dir / STUDY_FILE
     if not record.is_file():
         return None

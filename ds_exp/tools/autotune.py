@@ -207,8 +207,7 @@ class Autotune(Sweeper):
 
     @staticmethod
     def cannot_measure(train: TrainConfig) -> str | None:
-        """Why a probe would time nothing (None: it can be timed): its speed is the median of the metric lines after the
-        first (the warm-up), one every train.log_every steps, so it needs more steps than that."""
+        """Why a probe would time nothing: its speed is the median of metric lines after the first (warm-up) one."""
         steps = int(train.max_steps)
         every = log_interval(train, steps)
         if steps == -1 or steps > max(every, WARMUP_STEPS):
@@ -264,8 +263,8 @@ class Autotune(Sweeper):
         return "cuda" if gpus else detect_accelerator()
 
     def default_budget(self, accelerator: str) -> tuple[int, str]:
-        """Each rank's memory: the GPU's on CUDA; on a CPU hydra.launcher.mem_gb or what is available now, shared by a
-        node's ranks."""
+        """Each rank's memory: the GPU's; on a CPU hydra.launcher.mem_gb or what is free now, shared by a node's
+        ranks."""
         launcher = self.launcher_config()
         per_node = int(launcher.get("tasks_per_node") or 1) if self.is_submitit() else 1
         if accelerator == "cuda":

@@ -20,8 +20,7 @@ _NOTICES = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.di
 
 
 def quiet_notices() -> None:
-    """Silence torchrun's agent's notices of each rank's exit and the signals it sends: the ranks' own lines say what
-    matters."""
+    """Silence torchrun's agent's notices of each rank's exit and the signals it sends."""
     for name in list(logging.root.manager.loggerDict):
         if any(name == prefix or name.startswith(f"{prefix}.") for prefix in _NOTICES):
             logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -236,8 +236,7 @@ def comparability_problems(a: Side, b: Side) -> list[str]:
 
 
 def packing_problems(a: Side, b: Side) -> list[str]:
-    """Packing on one side only is comparable when it joined no two examples; told by building both train sets into the
-    data cache, which the runs reuse."""
+    """Packing on one side only compares when it joined no two examples (told by building both train sets, cached)."""
     assert a.cfg is not None and b.cfg is not None
     if a.cfg.data.packing == b.cfg.data.packing:
         return []
@@ -273,8 +272,7 @@ def _batch_fix(a: Side, b: Side) -> str:
 
 
 def dropout_notes(a: Side, b: Side) -> list[str]:
-    """Dropout masks are drawn per rank and micro batch: sides that split the global batch differently differ in
-    loss."""
+    """Dropout masks differ per rank and micro batch: sides splitting the global batch differently differ in loss."""
     assert a.cfg is not None and b.cfg is not None
     split = (a.ranks, a.cfg.train.micro_batch_size), (b.ranks, b.cfg.train.micro_batch_size)
     if split[0] == split[1]:
