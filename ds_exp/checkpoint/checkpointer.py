@@ -153,8 +153,8 @@ class Checkpointer:
         self.needed_bytes, self.identity, self.extra = needed_bytes, identity, extra
 
     def save(self, progress: Position, window: tuple[float, ...], initial_eval: dict[str, float] | None) -> Path:
-        """Collective. `window`: the open metric window's sums over ranks. A save that fails for lack of room or rights
-        is one message and leaves no incomplete checkpoint."""
+        """Collective. `window`: the open metric window's sums; a save failing for room or rights leaves nothing
+        incomplete."""
         state = TrainState(
             step=progress.step,
             epoch=progress.epoch,
@@ -179,8 +179,8 @@ class Checkpointer:
 
 
 def _release_files(exc: BaseException) -> None:
-    """Close the files a failed save left open (its traceback's frames hold torch.save's writer): an open deleted file
-    keeps its space."""
+    """Close the files a failed save left open (its traceback holds torch.save's writer): a deleted open file holds
+    space."""
     seen: BaseException | None = exc
     while seen is not None:
         traceback.clear_frames(seen.__traceback__)
@@ -204,8 +204,7 @@ CHECKPOINT_TYPES = (ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_addre
 
 
 def load_weights_only(engine: DeepSpeedEngine) -> None:
-    """Have DeepSpeed read checkpoints with torch.load(weights_only=True), allowing only CHECKPOINT_TYPES: a resume
-    reads files an earlier process wrote."""
+    """Have DeepSpeed's torch.load use weights_only=True, allowing only CHECKPOINT_TYPES."""
     compat.read_checkpoints_weights_only(engine, list(CHECKPOINT_TYPES))
 
 
@@ -219,8 +218,7 @@ def load_rng_states(tag_dir: Path, rank: int) -> bool:
 
 
 def fast_forward_schedule(scheduler: Steppable, step: int, skipped_steps: int) -> None:
-    """Step a fresh LR scheduler to optimizer step `step` (less fp16's `skipped_steps`): a schedule is recomputed under
-    the run's settings, which a resume may change, not loaded."""
+    """Step a fresh LR scheduler to `step` (less fp16's `skipped_steps`): recomputed, as a resume may change it."""
     with warnings.catch_warnings():  # torch warns that no optimizer step came first: on purpose here
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
         for _ in range(int(step) - int(skipped_steps)):

@@ -38,8 +38,8 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_parent(parent_pid: int, scratch: Path | None) -> None:
-    """Linux only: when the parent dies (SIGKILL included) this one gets SIGTERM, kills its workers, removes `scratch`
-    and exits; what it forks gets SIGKILL."""
+    """Linux only: the parent's death (SIGKILL too) ends this one, its workers and `scratch`; what it forks dies with
+    it."""
     if not sys.platform.startswith("linux"):
         return
 
@@ -66,8 +66,7 @@ def die_with_parent(parent_pid: int, scratch: Path | None) -> None:
 
 
 def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int) -> None:
-    """Write the universal copy of `tag_dir` into `out`, its marker last, with the source's fingerprint from before it
-    was read (a source changed meanwhile leaves the conversion stale)."""
+    """Write the universal copy of `tag_dir` into `out`, its marker last, with the source's fingerprint from before."""
     source = fingerprint(tag_dir)
     with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
         if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1-3 (and DeepSpeed's bf16 optimizer)

@@ -28,8 +28,7 @@ def frozen_names(model: torch.nn.Module) -> set[str]:
 
 
 def base_identity(model: torch.nn.Module, *, zero3: bool, source: str) -> dict[str, Any] | None:
-    """The frozen weights of `model` as built; None when every weight trains. Collective where a process group is up
-    (ZeRO-3 gathers each in turn). `source`: where they come from, for a resume's message."""
+    """The frozen weights of `model` as built (None when all train); collective at ZeRO-3. `source`: for messages."""
     frozen = [(name, param) for name, param in model.named_parameters() if not param.requires_grad]
     if not frozen:
         return None
@@ -58,8 +57,7 @@ def built_base(
     checkpoint: Path | None,
     what: str = "resume",
 ) -> dict[str, Any] | None:
-    """Collective: the identity of the frozen weights as `model_cfg` built them; continuing `checkpoint` (`what`:
-    resume, export) with other ones than it was trained on is refused here, before anything is loaded."""
+    """Collective: the frozen weights' identity as built; continuing `checkpoint` with others is refused here."""
     source = model_cfg.name_or_path or f"model.arch, initialised from train.seed={seed}"
     base = base_identity(model, zero3=zero3, source=source)
     if checkpoint is not None:
@@ -70,8 +68,7 @@ def built_base(
 
 
 def base_change(saved: dict[str, Any] | None, now: dict[str, Any] | None, tag_dir: Path, *, what: str) -> str | None:
-    """Why `tag_dir` (`saved`: its marker's record) cannot be used with the frozen weights built now; None when it
-    can."""
+    """Why `tag_dir` (`saved`: its record) cannot be used with the frozen weights built now; None when it can."""
     if not saved or (now is not None and now.get("sha256") == saved.get("sha256")):
         return None
     then = f"{saved.get('elements', 0):,} weights, SHA-256 {str(saved.get('sha256'))[:16]} (from {saved.get('source')})"
@@ -86,8 +83,7 @@ def base_change(saved: dict[str, Any] | None, now: dict[str, Any] | None, tag_di
 
 @contextlib.contextmanager
 def trained_only(module: torch.nn.Module) -> Iterator[None]:
-    """The module's state without its frozen weights, under every name: DeepSpeed's exclude_frozen_parameters keeps a
-    tied weight's other name (lm_head.weight of a tied embedding)."""
+    """The module's state without its frozen weights under every name (DeepSpeed keeps a tied weight's other name)."""
     frozen = frozen_names(module)
 
     def drop(_: torch.nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
@@ -102,8 +98,7 @@ def trained_only(module: torch.nn.Module) -> Iterator[None]:
 
 
 def load_trained(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
-    """The module's state from a checkpoint (load_checkpoint's custom_load_fn): frozen weights may be missing
-    (base_change checked them); anything else missing or unexpected is refused, as a strict load does."""
+    """A checkpoint's module state (custom_load_fn): frozen weights may be missing, anything else is a strict load's."""
     result = dst.load_state_dict(dict(src), strict=False)
     frozen = frozen_names(dst)
     missing = [key for key in result.missing_keys if key not in frozen]

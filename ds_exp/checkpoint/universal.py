@@ -60,8 +60,7 @@ def universal_dir(tag_dir: Path) -> Path:
 
 
 def fingerprint(tag_dir: Path) -> dict[str, Any]:
-    """What identifies this exact checkpoint, cheaply: (size, mtime in ns) of each file, and a digest over them and the
-    completeness marker's bytes."""
+    """What identifies this checkpoint, cheaply: each file's (size, mtime ns), digested with the completeness marker."""
     files = {
         str(p.relative_to(tag_dir)): [p.stat().st_size, p.stat().st_mtime_ns]
         for p in sorted(tag_dir.rglob("*"))
@@ -150,8 +149,7 @@ def _no_space(tag_dir: Path, needed: int, free: int) -> ResumeError:
 
 
 def ds_config_for_load(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSpeed config to build the engine with: a stage-0 engine cannot load universal checkpoints (DeepSpeed
-    0.19.8), so load() does it without the key."""
+    """The engine's DeepSpeed config; a stage-0 engine cannot load universal checkpoints: load() does it."""
     if not ds_config.get("zero_optimization", {}).get("stage"):
         return ds_config
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
@@ -185,8 +183,7 @@ def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = N
 
 
 def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: int = 2) -> Path:
-    """Build into a temporary sibling in a subprocess (its memory and DeepSpeed's prints stay there), then rename; a
-    stale conversion is replaced, an incomplete checkpoint refused."""
+    """Convert in a subprocess into a temporary sibling, then rename; a stale conversion is replaced."""
     tag_dir = tag_dir.resolve()
     target = universal_dir(tag_dir)
     require_complete(tag_dir)
@@ -242,8 +239,7 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
 
 
 def load(engine: DeepSpeedEngine, tag_dir: Path) -> dict[str, Any]:
-    """Collective: load the converted copy of `tag_dir` into `engine` (built with ds_config_for_load); its client
-    state."""
+    """Collective: the converted copy into `engine` (built with ds_config_for_load); its client state."""
     udir = universal_dir(tag_dir)
     load_weights_only(engine)
     with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
@@ -305,8 +301,8 @@ def load_state(
     model: torch.nn.Module,
     groups: list,
 ) -> dict:
-    """Collective: convert `tag_dir` (once), load it, set the RNG states and fast-forward the LR schedule; its
-    TrainState. `groups`: ds_exp.model.engine.parameter_groups (they name a stage-0 checkpoint's optimizer indices)."""
+    """Collective: convert (once), load, set the RNG states, fast-forward the schedule; the TrainState. `groups`:
+    ds_exp.model.engine.parameter_groups (they name a stage-0 checkpoint's optimizer indices)."""
     if rank == 0:
         warning = compat.check_universal_version()
         if warning:

@@ -27,8 +27,7 @@ def gather_hosts() -> list[tuple[str, list[str]]]:
 
 
 def lost_ranks(error: str, hosts: list[tuple[str, list[str]]], own_rank: int, world: int) -> str:
-    """The rank(s) a backend error points at (`rank 1 (node2)`, else `another rank`): the other one of two, else every
-    rank on the peer address's host."""
+    """The rank(s) a backend error points at: the other of two, else every rank on the peer address's host."""
     others = [rank for rank in range(world) if rank != own_rank]
     named = [host for host, _ in hosts]
     if len(others) != 1:
@@ -43,8 +42,7 @@ def lost_ranks(error: str, hosts: list[tuple[str, list[str]]], own_rank: int, wo
 
 
 def barrier(point: str) -> None:
-    """Collective: wait until every rank reached `point` (for people: "the end of the save of step100"); a long wait is
-    said, and the group's timeout bounds it."""
+    """Collective: wait until every rank reached `point` (said for people when the wait is long)."""
     work = dist.barrier(async_op=True)
     if work is None:
         return

@@ -90,8 +90,7 @@ class _OursOnly(logging.Filter):
 
 
 class LogFile(logging.FileHandler):
-    """A log file that a full disk stops quietly (not logging's traceback for every line); the run's own message names
-    the full disk."""
+    """A log file a full disk stops quietly (not a traceback per line); the run's own message names the full disk."""
 
     def handleError(self, record: logging.LogRecord) -> None:
         err = sys.exc_info()[1]
@@ -130,8 +129,7 @@ class _BarSafeStream:
 
 
 def setup_run_logging(run_dir: Path, rank: int) -> Path:
-    """Every rank logs to <run dir>/logs/rank<N>.log; rank 0 keeps ds_exp's INFO on the console, the others only
-    errors."""
+    """Every rank logs to <run dir>/logs/rank<N>.log; rank 0 keeps ds_exp's INFO on the console, others errors."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"rank{rank}.log"
@@ -196,8 +194,7 @@ def close_run_logging() -> None:
 
 @contextlib.contextmanager
 def library_stdout(stderr: bool = False) -> Iterator[None]:
-    """Send what libraries print inside the block (print and C's printf alike) to the log file; with `stderr`, that
-    too."""
+    """What libraries print (Python or C) inside the block goes to the log file; with `stderr`, that too."""
     printed: list[str] = []
     try:
         with contextlib.ExitStack() as stack:

@@ -104,8 +104,7 @@ class StopSignals:
         log.warning("caught %s: saving a checkpoint after the current step, then stopping", self.reason)
 
     def behind(self, exc: BaseException) -> StopRequested | None:
-        """The stop behind `exc`: a library may raise its own exception over a signal's (datasets' pool: a
-        TimeoutError)."""
+        """The stop behind `exc` (a library may raise its own over a signal's: datasets' pool, a TimeoutError)."""
         seen: BaseException | None = exc
         while seen is not None:
             if isinstance(seen, StopRequested):
@@ -116,8 +115,8 @@ class StopSignals:
         return None
 
     def leave(self, rank: int) -> NoReturn:
-        """Exit after a stop. Under submitit rank 0 requeues the job; the others wait for SLURM to end them (an early
-        exit could bring down rank 0 before it requeued)."""
+        """Exit after a stop; under submitit rank 0 requeues, the others wait for SLURM (an early exit could kill rank
+        0)."""
         assert self.signum is not None
         if not self.under_submitit:
             sys.exit(128 + self.signum)
