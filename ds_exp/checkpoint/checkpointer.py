@@ -1,8 +1,6 @@
-"""DeepSpeed checkpoints with a completeness marker, rotation and resume. A checkpoint is complete only once every rank
-has written it and rank 0 has written <tag>/ds_exp_complete.json; only then does <dir>/latest name it (DeepSpeed's own,
-written too early, is off), so a crash mid-save leaves the previous one in charge. A checkpoint directory holds one
-trajectory: a resume from an older checkpoint moves the later ones (never deletes them) into
-<dir>/branches/<time>-resumed-at-step<N>/ (`set_aside_branch`). Rotation deletes only this run's older checkpoints."""
+"""DeepSpeed checkpoints, complete only once every rank wrote and rank 0 marked them (ds_exp_complete.json; then
+`latest`), so a crash mid-save leaves the previous one in charge. A resume from an older checkpoint moves the later ones
+aside into branches/ (`set_aside_branch`), never deleting them; rotation deletes only this run's older ones."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""`python -m ds_exp.checkpoint.conversion TAG_DIR --out DIR`, the process behind ds_exp.universal: DeepSpeed's
-ds_to_universal (ZeRO 1-3, with --inject_missing_state: ds_exp's models have no Megatron metadata) or ds_exp's own
-stage-0 conversion, then the result made loadable by every stage (DeepSpeed 0.19.8's stage <=2 and stage 3 outputs
-differ in file names, optimizer_state.pt's layout, {"param": tensor} files and step.pt; CPU Adam's int step becomes a
-tensor). Every torch.load reads with weights_only=True. It dies with its --parent-pid (PR_SET_PDEATHSIG), cleaning
---scratch; a refusal is one line on stderr and exit code 3 (universal.EXIT_REFUSED)."""
+"""`python -m ds_exp.checkpoint.conversion TAG_DIR --out DIR`, behind ds_exp.universal: ds_to_universal (ZeRO 1-3) or
+ds_exp's stage-0 conversion, then the layout fixed so every stage loads it (DeepSpeed 0.19.8's stage <=2 and 3 outputs
+differ). torch.load reads weights only; it dies with --parent-pid; a refusal is one line, exit 3 (EXIT_REFUSED)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Resume anywhere (issue 16 §2): continue a checkpoint after the world size, ZeRO stage or offload changed. Rank 0
-converts it once, in a subprocess that dies with its parent, into DeepSpeed's universal format in a temporary sibling
-renamed to <tag>.universal/ once complete (marker last), so a failed conversion leaves nothing trusted; the others wait
-in a broadcast. The marker holds a fingerprint of the source (file names, sizes, mtimes, the completeness marker's
-bytes): a checkpoint rewritten in place is converted again, never wrongly resumed. Stage 0 is converted by
-ds_exp/checkpoint/conversion.py and loaded by ds_exp (DeepSpeed 0.19.8's stage-0 engine skips universal weights). The
-data order needs nothing (the global batch may not change, ds_exp.resume.trajectory); RNG states are this rank's when
-the world size is unchanged, else seeded from (seed, step, rank). Frozen parameters (LoRA's base) are in no optimizer
-state: engines keep them as built, checked against the checkpoint's base (ds_exp/checkpoint/frozen.py)."""
+"""Resume after the world size, ZeRO stage or offload changed (issue 16 §2): rank 0 converts the checkpoint once, in a
+subprocess, into DeepSpeed's universal format beside it (<tag>.universal/, renamed into place once complete), its marker
+holding the source's fingerprint so a checkpoint rewritten in place is converted again, never wrongly resumed. Stage 0
+is converted (conversion.py) and loaded by ds_exp; frozen weights are rebuilt and checked (frozen.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Every command's error boundary, `@entry_point("ds_exp.NAME")` (tests/unit/test_entry_points.py checks each command
-has it): a DsExpError is its message after "ds_exp: error:" and its exit_code; anything else one line naming the file
-that holds its traceback (the run's log, else ~/.cache/ds_exp/errors/), exit 1; HYDRA_FULL_ERROR=1 shows the traceback
-too; Ctrl-C exits 130; a closed stdout (`| head`) exits 141 quietly. The ranks of one launch on one machine print the
-same error once (`first_to_say`). No registered secret reaches the console or the traceback's file."""
+"""Every command's error boundary (`@entry_point`): a DsExpError is its message and exit_code; anything else one line
+naming the file that holds its traceback, exit 1 (HYDRA_FULL_ERROR=1 shows it); Ctrl-C 130; a closed stdout 141. The
+ranks of a launch on one machine print an error once (`first_to_say`); no registered secret is printed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""`python -m ds_exp --write-experiment PATH OVERRIDES...`: a command line saved as the user's own experiment file, run
-with `--config-dir DIR experiment=NAME` (a PATH whose folder is not `experiment/` gets one). Group choices go into its
-defaults list, values as YAML from Hydra's composition, sweeps under hydra.sweeper.params. No credential goes in (those
-given literally are named); the file is written, never over another, only when it composes to the command line's own
+"""`python -m ds_exp --write-experiment PATH OVERRIDES...`: a command line saved as an experiment file (run with
+`--config-dir DIR experiment=NAME`; PATH gets an `experiment/` folder): group choices in its defaults, values as YAML,
+sweeps under hydra.sweeper.params, no credential. Written new, and only when it composes to the command line's
 config."""
 
 from __future__ import annotations

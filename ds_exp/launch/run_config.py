@@ -1,8 +1,7 @@
-"""A run directory remembers its run: `python -m ds_exp hydra.run.dir=R resume=auto [KEY=VALUE ...]` continues R's own
-composed config (its newest attempt's), the overrides given being changes, each named and then applied or refused by the
-resume rules (ds_exp.resume). A sweep job resuming in its own directory does the same: the sweep saves the continued
-config before launch (keep_job_config, as Hydra writes .hydra/ first), the job takes it (take_job_config) and at its end
-puts the earlier files back (finish_job_attempt). Light: no torch, no deepspeed."""
+"""A run directory remembers its run: `hydra.run.dir=R resume=auto [KEY=VALUE ...]` continues R's own config, the
+overrides being named changes the resume rules accept or refuse. A resuming sweep job does the same: the sweep keeps the
+continued config before launch (keep_job_config), the job takes it (take_job_config) and puts the earlier files back at
+its end (finish_job_attempt). Light."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The run directory, checked before Hydra writes into it (CheckRunDir, conf/config.yaml), so that no run overwrites
-another's files: a plain experiment_name, a writable directory, one that holds a run only when `resume` names a usable
-checkpoint of it (ds_exp.resume), resume=auto only in a directory the command line names (else the commands that
-continue the experiment's runs are listed). A resumed run keeps the first attempt's `.hydra/` and saves its own under
-`.hydra/resume-<time>/`. Light: no torch, no deepspeed."""
+"""The run directory, checked before Hydra writes into it (CheckRunDir) so no run overwrites another's: a plain
+experiment_name, writable, holding a run only when `resume` names a usable checkpoint of it, resume=auto only where the
+command line names it. A resume keeps the first `.hydra/` and saves its own under `.hydra/resume-<time>/`. Light."""
 
 from __future__ import annotations
 

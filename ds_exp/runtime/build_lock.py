@@ -1,9 +1,7 @@
-"""torch's extension build lock (`<build dir>/lock`, for every DeepSpeed op compiled or loaded), told live from stale:
-torch polls a leftover file forever, so one build killed mid-way hangs every later run. `HeldBaton` (installed by
-`guard_builds` before ds_exp builds an op and before deepspeed.initialize) holds an flock on `lock.holder` beside it,
-naming itself; the OS drops that when its process dies. The file is live while that flock is held or some process has it
-open (waited on, said, for at most BUILD_LIMIT_S); else stale: removed, said, the op built again (never judged by its
-age: a build may take minutes)."""
+"""torch's extension build lock (`<build dir>/lock`), told live from stale: torch polls a leftover forever, so a build
+killed mid-way would hang every later run. `HeldBaton` also holds an flock on `lock.holder` (the OS drops it with its
+process): the lock is live while that is held or the file is open somewhere (waited on, at most BUILD_LIMIT_S), else
+stale: removed, said, the op built again (never judged by age: a build may take minutes)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Signals that ask a run to stop: every rank saves a checkpoint after the same step, then the run leaves. Under
-submitit the time-limit signal (SIGUSR2) ends with submitit's handler requeueing the job, which resumes (`resume=auto`);
-elsewhere SIGTERM, SIGINT and SIGHUP exit with 128 + the signal, a second SIGINT at once, and after SIGHUP console
-output goes to /dev/null (a hung-up terminal fails writes with EIO). Handlers only set a flag, voted on in the loop's
-per-step all-reduce so all ranks stop after the same step; before the first step a signal stops at once. Python handles
-signals on the main thread only: elsewhere (ds_exp.train from a thread) none are installed, said."""
+"""Signals that ask a run to stop: every rank saves a checkpoint after the same step (the flag is voted on in the loop's
+per-step all-reduce), then leaves: under submitit (SIGUSR2) requeued by submitit's handler; elsewhere (SIGTERM, SIGINT,
+SIGHUP) with 128 + the signal, a second SIGINT at once, console output to /dev/null after SIGHUP (EIO). Before the first
+step a signal stops at once. Off the main thread (ds_exp.train from a thread) none are installed, said."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The `hydra/sweeper=optuna` sweeper, e.g. `python -m ds_exp -m hydra/sweeper=optuna
-'optimizer.lr=tag(log,interval(1e-5,1e-3))' hydra.sweeper.n_trials=20`: a thin sweeper over optuna's ask/tell
-(hydra-optuna-sweeper pins optuna < 3, broken under SQLAlchemy 2). Each trial is one job of the launcher in use,
-validated here once. From its summary.json: a finite objective is COMPLETE, a diverged run PRUNED, anything else FAIL
-(the study goes on). The study lives in the sweep directory (optuna.db), so the same command continues it up to
-`n_trials`, a stopped trial first; study.json records every trial for the report."""
+"""`hydra/sweeper=optuna`: a thin sweeper over optuna's ask/tell (hydra-optuna-sweeper pins optuna < 3, broken under
+SQLAlchemy 2). Each trial is one job, validated here once; a finite objective is COMPLETE, a diverged run PRUNED,
+anything else FAIL. The study lives in the sweep directory (optuna.db): the same command continues it, a stopped trial
+first; study.json records every trial for the report."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""`python -m ds_exp -m experiment=autotune [model=... hydra/launcher=slurm ...]`: which configuration fits this model
-and world size, and which is fastest. `Autotune` (hydra/sweeper=autotune) expands the grid as Hydra's basic sweeper
-does, then sorts the candidates before anything is launched: refused by validation or by the run's plan: "not
-applicable"; estimated memory per rank over the budget: "ruled out"; the rest run as short probes through the configured
-launcher. Verdicts go to <sweep dir>/autotune.json; the sweep report ranks the probes. A sweeper, not a callback: a
-callback cannot drop single jobs, and a job launched only to decline would still queue on SLURM."""
+"""`python -m ds_exp -m experiment=autotune`: which configuration fits and is fastest. The sweeper expands the grid as
+Hydra's basic one, then sorts the candidates before launching: refused by validation or the run's plan: "not
+applicable"; estimated memory over budget: "ruled out"; the rest run as short probes (autotune.json; the report ranks
+them). A sweeper, not a callback: a callback cannot drop jobs, and a declining job would still queue on SLURM."""
 
 from __future__ import annotations
 
