@@ -151,7 +151,7 @@ class Checkpointer:
         self.needed_bytes, self.identity, self.extra = needed_bytes, identity, extra
 
     def save(self, progress: Position, window: tuple[float, ...], initial_eval: dict[str, float] | None) -> Path:
-        """Collective. `window`: the open metric window's sums; a save failing for room or rights leaves nothing
+        """Collective; `window`: the metric window's sums. A save failing for room or rights leaves nothing
         incomplete."""
         state = TrainState(
             step=progress.step,
@@ -177,8 +177,7 @@ class Checkpointer:
 
 
 def _release_files(exc: BaseException) -> None:
-    """Close the files a failed save left open (its traceback holds torch.save's writer): a deleted open file holds
-    space."""
+    """Close the files a failed save left open (its traceback holds them): a deleted open file keeps its space."""
     seen: BaseException | None = exc
     while seen is not None:
         traceback.clear_frames(seen.__traceback__)

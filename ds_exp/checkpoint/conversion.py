@@ -35,8 +35,7 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_parent(parent_pid: int, scratch: Path | None) -> None:
-    """Linux only: the parent's death (SIGKILL too) ends this one, its workers and `scratch`; what it forks dies with
-    it."""
+    """Linux only: the parent's death (SIGKILL too) ends this process, its workers and `scratch`."""
     if not sys.platform.startswith("linux"):
         return
 

@@ -127,8 +127,7 @@ def _alive(pid: int) -> bool:
 
 
 def space_needed(tag_dir: Path) -> int:
-    """About the most the conversion occupies beside `tag_dir`: each optimizer state twice (output and DeepSpeed's
-    fragments) plus the model states, 10% on top (tiny model, ZeRO-2: 14.3 MB peak for 5.9 + 2.0 MB)."""
+    """About the most a conversion occupies: optimizer states twice plus model states, 10% on top (measured)."""
     sizes = {p.name: p.stat().st_size for p in tag_dir.iterdir() if p.is_file()}
     optim = sum(size for name, size in sizes.items() if name.endswith("_optim_states.pt"))
     model = sum(size for name, size in sizes.items() if name.endswith("_model_states.pt"))
@@ -296,8 +295,7 @@ def load_state(
     model: torch.nn.Module,
     groups: list,
 ) -> dict:
-    """Collective: convert (once), load, set the RNG states, fast-forward the schedule; the TrainState. `groups`:
-    ds_exp.model.engine.parameter_groups (they name a stage-0 checkpoint's optimizer indices)."""
+    """Collective: convert (once), load, set RNG states, fast-forward the schedule; its TrainState."""
     if rank == 0:
         warning = compat.check_universal_version()
         if warning:

@@ -59,8 +59,7 @@ def strip_local_rank(argv: list[str]) -> list[str]:
 
 
 def run_job(composed: DictConfig) -> dict[str, Any]:
-    """A resuming sweep job runs the config its sweep kept for it, and puts the earlier .hydra/ files back at its
-    end."""
+    """A resuming sweep job runs the config its sweep kept for it, and puts the earlier .hydra/ files back after."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if not (in_multirun() and composed.get("resume") is not None):
         return _run_job(composed, run_dir)
@@ -150,8 +149,8 @@ def task_in_job() -> Callable[[DictConfig], dict[str, Any]]:
 
 
 def prepare_composition() -> None:
-    """What every composition needs in its process: resolvers, schema, config files' credentials hidden, and one message
-    for `data.sources.0.path=X` on a data option without sources."""
+    """What every composition needs in its process: resolvers, schema, credentials hidden, data-path overrides
+    checked."""
     register_resolvers()
     register_configs()
     check_list_items_when_composing()
@@ -167,8 +166,7 @@ def job_log() -> Path | None:
 
 
 def find_own_sweepers() -> None:
-    """Let Hydra find hydra_plugins/ds_exp_* from any directory (its plugin scan misses an editable install's import
-    hook)."""
+    """Let Hydra find hydra_plugins/ds_exp_* from anywhere (its scan misses an editable install's import hook)."""
     ours = PACKAGE_DIR.parent / "hydra_plugins"
     if ours.is_dir() and str(ours) not in list(hydra_plugins.__path__):
         hydra_plugins.__path__.append(str(ours))

@@ -81,8 +81,8 @@ def run_command(name: str, work: Callable[[], int | None]) -> int:
 
 
 def report_error(err: Exception, log: Path | None = None, what: str | None = None, after: str = "") -> int:
-    """`err` as a person reads it, on stderr; the exit status. Anything but a DsExpError is one line naming `what`
-    failed and the file that keeps its traceback: `log` when given, else a new file in the user's cache."""
+    """`err` on stderr for a person; the exit status. Unexpected: one line naming its traceback's file (`log`, else
+    cache)."""
     if isinstance(err, (DsExpError, HydraException)):
         if full_error():
             sys.stderr.write(redact_text("".join(traceback.format_exception(err))))
@@ -109,9 +109,8 @@ _SAID_KEEP_S = 24 * 3600  # how long a claim is kept (a launcher process id come
 
 
 def first_to_say(text: str) -> bool:
-    """Whether this process is the first of its launch's ranks on this machine to say `text`: the ranks share their
-    parent (the launcher) and /tmp, and the first to create <tmp>/ds_exp-<uid>/said/<parent>-<digest> says it. Anything
-    in the way says it: a claim never silences an error."""
+    """Whether this process is the first of its launch's ranks on this machine to say `text` (a file under /tmp per
+    launcher process and text); anything in the way says it: a claim never silences an error."""
     if not launched_with_several_ranks():
         return True
     launch = _launcher_process()
@@ -162,8 +161,7 @@ def traceback_logged(err: BaseException, log_file: str | Path) -> None:
 
 
 def keep_traceback(err: BaseException, text: str, log: Path | None) -> Path | None:
-    """The file holding the traceback `text`: a log that has it, else `log`, else a new one in the user's cache; or
-    None."""
+    """The file holding the traceback `text`: a log that has it, else `log`, else a new one in the cache; or None."""
     logged = getattr(err, _LOGGED_IN, None)
     if logged:
         return Path(logged)
@@ -218,8 +216,7 @@ def silence_stdout() -> None:
 
 
 def exit_on_error(check: Callable[[], T], what: str, after: str = "nothing was started") -> T:
-    """Run a check that guards files (a Hydra callback's): Hydra 1.3 only warns when a callback raises, so whatever it
-    raises stops the process here, a user error with its message (exit 2), anything else with one line (exit 1)."""
+    """Run a callback's check: Hydra 1.3 only warns when a callback raises, so whatever it raises exits here."""
     try:
         return check()
     except Exception as err:

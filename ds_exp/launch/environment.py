@@ -233,8 +233,7 @@ def choose_backend(requested: str, accelerator: str) -> str:
 
 
 def cpu_threads_per_rank(launch: LaunchInfo) -> int | None:
-    """Intra-op threads for one rank when nobody chose (None when OMP_NUM_THREADS is set): the CPUs SLURM gave the task,
-    else the node's cores shared by its ranks. Without it CPU ranks fight over the cores (4x slower, seen here)."""
+    """Intra-op threads per rank unless OMP_NUM_THREADS is set: SLURM's CPUs per task, else the node's cores shared."""
     if "OMP_NUM_THREADS" in os.environ:
         return None
     per_task = _int_env("SLURM_CPUS_PER_TASK")
@@ -247,8 +246,7 @@ def cpu_threads_per_rank(launch: LaunchInfo) -> int | None:
 
 
 def slurm_hostnames(nodelist: str) -> list[str]:
-    """A SLURM node list's hosts in order (the first is rank 0's): `scontrol show hostnames`, else
-    parse_slurm_nodelist."""
+    """A SLURM node list's hosts in order (first: rank 0's), by `scontrol show hostnames` or parse_slurm_nodelist."""
     scontrol = shutil.which("scontrol")
     conf = os.environ.get("SLURM_CONF")
     if scontrol and not (conf and not os.path.exists(conf)):  # a missing SLURM_CONF: scontrol retries for 60 s

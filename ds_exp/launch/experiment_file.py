@@ -213,8 +213,7 @@ def plan_file(path_arg: str, args: list[str]) -> Plan:
 
 
 def _secret(override: Override) -> bool:
-    """A literal secret (an `${oc.env:...}` reference only names one): by its key, as an env_set value, or by its
-    shape."""
+    """A literal secret (a `${oc.env:...}` only names one): by its key, as an env_set value, or by its shape."""
     if override.is_sweep_override():
         return False
     value = override.value()

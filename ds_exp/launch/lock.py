@@ -58,8 +58,7 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def release_run_dir(run_dir: Path, *, refused: bool = False) -> None:
-    """Let the lock go and remove its file; a refused start removes only what it made (empty directories, its own
-    file)."""
+    """Let the lock go and remove its file; a refused start removes only what it made (its file, empty dirs)."""
     entry = _locks.pop(run_dir.absolute(), None)
     if entry is not None:
         handle, created, made = entry
@@ -79,8 +78,7 @@ def _lock_error(run_dir: Path, key: str, detail: str, fix: str) -> Refused:
 
 
 def _not_a_lock_file(path: Path, run_dir: Path, key: str) -> Refused | None:
-    """Why the thing at `path` cannot be ds_exp's lock file (None: a regular file, or nothing); links are never
-    followed."""
+    """Why the thing at `path` cannot be ds_exp's lock file (None: a regular file, or nothing); never follows links."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

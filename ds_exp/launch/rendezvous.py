@@ -34,8 +34,7 @@ def free_port() -> int:
 
 
 def wait_for_rendezvous(start: Callable[[], object], launch: Ranks, timeout_minutes: int) -> None:
-    """Run `start` (the rendezvous) in a thread so a blocked one does not hold off Ctrl-C and SIGTERM; the wait is
-    said."""
+    """Run `start` (the rendezvous) in a thread so a blocked one does not hold off Ctrl-C and SIGTERM."""
     where = f"{launch.master_addr}:{launch.master_port}"
     what = (
         f"the {launch.world_size} ranks to meet at {where} (this is rank {launch.rank})"

@@ -106,8 +106,7 @@ def added_keys(run_dir: Path) -> list[str]:
 
 
 def _with_added_keys(now: DictConfig, saved: DictConfig, run_dir: Path) -> DictConfig:
-    """`now` with the keys the run added (added_keys) and this command line did not, so the saved config merges
-    typed."""
+    """`now` plus the keys the run added with `+` (added_keys), so the saved config merges into it typed."""
     target = now.copy()
     for key in added_keys(run_dir):
         if _unresolved(target, key, _ABSENT) is _ABSENT and (value := _unresolved(saved, key, _ABSENT)) is not _ABSENT:
@@ -120,8 +119,8 @@ _ABSENT = object()
 
 
 def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str]) -> list[str] | None:
-    """In place: `config`'s task keys become the saved run's, then `overrides` apply again. One line per key now
-    differing from the run's; None (config unchanged) when there is no run yet. A run without its config is refused."""
+    """In place: `config` becomes the saved run's, `overrides` applied again; one line per changed key (None: no
+    run)."""
     path = saved_run_config(run_dir)
     if path is None:
         found = holds_a_run(run_dir, str(OmegaConf.select(config, "train.checkpoint_dir", default="checkpoints")))
@@ -199,9 +198,8 @@ def _unresolved(config: DictConfig, key: str, default: Any = None) -> Any:
 
 
 def _keep_secrets_reachable(merged: DictConfig, now: DictConfig) -> None:
-    """A secret of the first attempt's command line was saved as a reference to a DS_EXP_SECRET_* variable of that
-    process; where it is gone, this composition's value stands (unset where it gives none; text such as tags must be
-    given again)."""
+    """A saved reference to a first attempt's DS_EXP_SECRET_* variable that is gone now takes this composition's
+    value."""
     given_now = flat_keys(OmegaConf.to_container(now, resolve=False))  # unresolved: a secret stays a reference
     missing: list[str] = []
     for key, value in flat_keys(OmegaConf.to_container(merged, resolve=False)).items():
@@ -232,8 +230,7 @@ def resume_note(run_dir: Path, lines: list[str], what: str | None = None) -> str
 
 
 def keep_job_config(job_dir: Path, continued: DictConfig) -> Path:
-    """Before a sweep launches a job resuming in `job_dir`: keep its .hydra/*.yaml aside (once), save `continued` as
-    this attempt's config; returns that directory."""
+    """Before a resuming sweep job launches: keep its .hydra/*.yaml aside, save `continued` as this attempt's config."""
     hydra_dir = job_dir / ".hydra"
     kept = hydra_dir / KEPT_DIR
     if not kept.is_dir():
@@ -257,8 +254,7 @@ def keep_job_config(job_dir: Path, continued: DictConfig) -> Path:
 
 
 def take_job_config(composed: DictConfig, job_dir: Path, *, first_rank: bool) -> bool:
-    """In a sweep job: the config its sweep kept for it replaces Hydra's composition; the first rank copies hydra.yaml
-    and overrides.yaml beside it. False, `composed` unchanged, for a fresh job."""
+    """In a sweep job: the config its sweep kept replaces Hydra's composition (False for a fresh job)."""
     path = saved_run_config(job_dir)
     if not (job_dir / ".hydra" / KEPT_DIR).is_dir() or path is None or not path.parent.name.startswith("resume-"):
         return False

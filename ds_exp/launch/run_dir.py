@@ -61,8 +61,7 @@ def completed_at(run_dir: Path) -> int | None:
 
 
 def check_run_start(config: DictConfig) -> None:
-    """Before a single run: the checks of the module docstring; a resume moves .hydra's output and takes its run's
-    config."""
+    """Before a single run: the module docstring's checks; a resume moves .hydra's output and takes its run's config."""
     name_problem = experiment_name_problem(config.get("experiment_name"))
     if name_problem is not None:  # before its directory is looked at: it may lie outside outputs/
         raise ConfigError(name_problem)
@@ -173,8 +172,7 @@ SETUP_FILES = ("logs", "ds_config.json")
 
 
 def remove_refused_attempt(run_dir: Path, output_subdir: str | None, log_file: str) -> None:
-    """A run refused before any work leaves nothing of its own: a resume's .hydra/resume-<time>/, and a directory this
-    run made goes altogether (only Hydra's, the lock's and the setup's files are in it)."""
+    """A run refused before any work leaves nothing: its resume-<time>/, and a directory it made goes altogether."""
     if output_subdir and output_subdir.startswith(".hydra/resume-"):
         shutil.rmtree(run_dir / output_subdir, ignore_errors=True)
     if not made_here(run_dir):
@@ -192,9 +190,8 @@ def remove_refused_attempt(run_dir: Path, output_subdir: str | None, log_file: s
 
 
 def leave_quietly_before_start(signum: int, frame: FrameType | None) -> None:
-    """A stop signal before the session started: the directories this process made for the run go, and the process exits
-    with 128 + the signal. When one rank is refused its launcher stops the others with SIGTERM, and the refusal must
-    stay the last line."""
+    """A stop signal before the session started: the run's directories this process made go, exit 128 + the signal (a
+    refused rank's launcher SIGTERMs the others, and the refusal must stay the last line)."""
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     subdir, log_file = (hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log") if hydra_cfg else (".hydra", "ds_exp.log")
     for run_dir in made_run_dirs():
@@ -222,9 +219,8 @@ def stop_before_start() -> Iterator[None]:
 
 
 def check_job_dir(cfg: Config, job_dir: Path, sweep_dir: Path, *, runs_here: bool = False) -> None:
-    """A sweep job's directory, checked like a single run's before the job is launched (Hydra writes its .hydra/ first).
-    `runs_here`: the job runs in this process (Hydra's basic launcher), so a resume's checkpoint is checked here too; a
-    submitit job checks it where it runs."""
+    """A sweep job's directory, checked like a single run's before launch. `runs_here`: a basic launcher's job, whose
+    resume checkpoint is checked here too."""
     if job_dir.absolute() == sweep_dir.absolute():
         raise ConfigError(
             f"hydra.sweep.subdir puts the job in the sweep directory itself ({job_dir}); give each job its own "

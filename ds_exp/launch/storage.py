@@ -84,8 +84,7 @@ def check_free_space(needs: dict[Path, int], keys: dict[Path, str]) -> None:
 
 
 def export_failure_message(exc: BaseException, export_dir: Path, needed: int) -> str | None:
-    """A person's message for an export that failed for lack of room or rights, else None; safetensors reports a full
-    disk its own way, so a failure with less room than the weights need counts as a full disk."""
+    """Why an export failed for lack of room or rights (less room than the weights need: full), else None."""
     reason = _no_room(exc, export_dir, needed)
     if reason is None:
         return None
@@ -108,8 +107,7 @@ def _no_room(exc: BaseException, path: Path, needed: int) -> str | None:
 
 
 def save_failure_message(exc: BaseException, tag_dir: Path, needed: int) -> str | None:
-    """A person's message for a save that failed for lack of room or rights, else None; torch.save reports a full disk
-    as a zip writer's RuntimeError, so a failure with less room than a checkpoint needs counts as a full disk."""
+    """Why a save failed for lack of room or rights (less room than a checkpoint needs: full), else None."""
     free = disk_free_bytes(tag_dir)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
         reason = os.strerror(exc.errno)

@@ -20,8 +20,7 @@ from ds_exp.launch.environment import detect_launch
 
 
 def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
-    """Raise one ConfigError listing every problem; the merged DeepSpeed config. `run_dir` places absolute output
-    paths."""
+    """One ConfigError listing every problem, else the merged DeepSpeed config; `run_dir` places absolute outputs."""
     values = value_problems(cfg)  # each value's own problems first: the checks below combine only valid ones
     if values:
         raise ConfigError(values)

@@ -77,8 +77,7 @@ OPS = {op.builder: op for op in (CPU_ADAM, FUSED_ADAM, CPU_LION, FUSED_LION)}
 
 
 def deepspeed_arch_list(value: str | None) -> str | None:
-    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19 can parse it (`major.minor` integers: Hopper's "9.0a" fails, 9.0 runs on
-    the same GPU); None when nothing needs changing."""
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19 parses it (Hopper's "9.0a" fails, 9.0 runs); None if unchanged."""
     if not value:
         return None
     entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]

@@ -114,8 +114,7 @@ def mark_lost_peer() -> None:
 
 
 def release_process_groups() -> None:
-    """Free the groups and their backends before the interpreter shuts down, whose teardown can otherwise abort a
-    finished rank (SIGABRT)."""
+    """Free the groups before interpreter teardown, which could otherwise abort a finished rank (SIGABRT)."""
     if dist.is_initialized() and not _lost_peer:
         dist.destroy_process_group()
         compat.forget_deepspeed_groups(dist.ProcessGroup)

@@ -113,8 +113,7 @@ class StopSignals:
         return None
 
     def leave(self, rank: int) -> NoReturn:
-        """Exit after a stop; under submitit rank 0 requeues, the others wait for SLURM (an early exit could kill rank
-        0)."""
+        """Exit after a stop; under submitit rank 0 requeues, the others wait for SLURM to end them."""
         assert self.signum is not None
         if not self.under_submitit:
             sys.exit(128 + self.signum)

@@ -28,8 +28,7 @@ from ds_exp.sweeps.study_files import completed_trials, is_study_sweep
 
 
 def check_sweep_start(config: DictConfig) -> None:
-    """Before a sweep: writable, locked, not inside a live run's or sweep's directory, not an earlier sweep's (unless
-    resumed)."""
+    """Before a sweep: writable, locked, not in a live run's or sweep's directory, not an earlier sweep's."""
     name_problem = experiment_name_problem(config.get("experiment_name"))
     if name_problem is not None:  # the sweep directory is named by it: it may lie outside outputs/
         raise ConfigError(name_problem)

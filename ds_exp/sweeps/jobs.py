@@ -57,9 +57,8 @@ def check_job(
     continues: bool = False,
     composed: DictConfig | None = None,
 ) -> tuple[DictConfig | None, list[str]]:
-    """One job composed and validated: (its config, []) or (None, its problems); with its number its directory is
-    checked too. `continues`: a resuming job continues its saved config; `composed`: the job as its sweeper composed
-    it."""
+    """One job composed and validated: (its config, []) or (None, its problems), its directory checked with its number.
+    `continues`: a resuming job continues its saved config; `composed`: as its sweeper composed it."""
     try:
         cfg = composed if composed is not None else loader.load_sweep_config(config, list(overrides))
         if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it
@@ -84,8 +83,7 @@ def check_job(
 
 
 def _continue_job(cfg: DictConfig, overrides: list[str]) -> str | None:
-    """A resuming job with a saved config continues it, its overrides as changes; what the resume says (None:
-    nothing)."""
+    """A resuming job with a saved config continues it, its overrides as changes; the resume's note, or None."""
     if cfg.get("resume") is None:
         return None
     job_dir = job_dir_of(cfg)

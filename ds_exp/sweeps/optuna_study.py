@@ -233,8 +233,7 @@ class StudySweeper(Sweeper):
             raise ConfigError(problems)
 
     def check_composes(self, space: SearchSpace) -> None:
-        """Compose the space's corners first: an unknown key or option, or a searched key the runs ignore, stops the
-        study."""
+        """Compose the space's corners first: an unknown key or a searched key the runs ignore stops the study."""
         problems = []
         for overrides in probe_overrides(space):
             try:
@@ -307,8 +306,7 @@ class StudySweeper(Sweeper):
         *,
         resume: bool = False,
     ) -> list[str]:
-        """Validate and launch each trial, tell the study how it ended; the problems that stop the study. `resume`:
-        continued."""
+        """Validate, launch and tell each trial; the problems that stop the study. `resume`: trials continued."""
         assert self.hydra_context is not None and self.config is not None
         launch: list[tuple[Trial, list[str], Path]] = []
         for trial in trials:

@@ -206,8 +206,7 @@ def _csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[str, Any]]:
-    """The report of `own` (the jobs the sweep launched), else of every job there; printed even where it cannot be
-    written."""
+    """The report of `own` (the sweep's jobs), else every job there; printed even where it cannot be written."""
     found = job_dirs(sweep_dir) if own is None else sorted(own, key=_job_key)
     rows = [job_row(d) for d in found]
     for row in rows:

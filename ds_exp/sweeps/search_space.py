@@ -51,8 +51,7 @@ def override_value(value: CategoricalChoiceType) -> str:
 
 
 def parse_search_space(arguments: list[str], config_loader: ConfigLoader | None = None) -> SearchSpace:
-    """Overrides -> a search space; one ConfigError naming each override that cannot be searched, and how to write
-    it."""
+    """Overrides -> a search space; one ConfigError naming each override that cannot be searched, and the fix."""
     try:
         parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(arguments)
     except HydraException as err:

@@ -261,8 +261,7 @@ class Autotune(Sweeper):
         return "cuda" if gpus else detect_accelerator()
 
     def default_budget(self, accelerator: str) -> tuple[int, str]:
-        """Each rank's memory: the GPU's; on a CPU hydra.launcher.mem_gb or what is free now, shared by a node's
-        ranks."""
+        """Each rank's memory: the GPU's; on a CPU mem_gb or what is free now, shared by a node's ranks."""
         launcher = self.launcher_config()
         per_node = int(launcher.get("tasks_per_node") or 1) if self.is_submitit() else 1
         if accelerator == "cuda":
