@@ -45,8 +45,7 @@ from ds_exp.runtime.process_group import broadcast
 log = logging.getLogger(__name__)
 
 
-# Fault injection for the reliability tests: DS_EXP_FAULT=save:<tag>[@<rank>] kills this process (SIGKILL, as
-# the OOM killer or a node failure would) once DeepSpeed has written checkpoint <tag>, before it is complete.
+# reliability tests: DS_EXP_FAULT=save:<tag>[@<rank>] SIGKILLs this process after DeepSpeed wrote <tag>, unmarked
 _FAULT_ENV = "DS_EXP_FAULT"
 
 
@@ -98,8 +97,7 @@ def save(
     if verdict is not None:
         raise RunFailed(verdict)
     client_state = {"ds_exp": state.as_dict(), **(extra or {})}
-    # with frozen weights (LoRA's base) only what trains: the base comes from the model the run started from
-    # (ds_exp.checkpoint.frozen; state.base says which)
+    # frozen weights (LoRA's base) left out: rebuilt from the model the run started from (ds_exp.checkpoint.frozen)
     leave_out = {"exclude_frozen_parameters": True} if state.base is not None else {}
     with trained_only(engine.module) if leave_out else contextlib.nullcontext():
         engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False, **leave_out)
@@ -226,8 +224,7 @@ def load_checkpoint(engine: DeepSpeedEngine, tag_dir: Path, *, rank: int) -> Tra
     """Collective: restores module, optimizer, LR scheduler and this rank's RNG states."""
     load_weights_only(engine)
     try:
-        # the LR schedule is not loaded but fast-forwarded to the step (ds_exp.resume.trajectory): a schedule is a
-        # function of the step, and a resume that changes the run's length or learning rate must take effect
+        # the LR schedule is fast-forwarded, not loaded: a resume may change the run's length or learning rate
         load_path, client_state = engine.load_checkpoint(
             str(tag_dir.parent), tag=tag_dir.name, load_lr_scheduler_states=False, custom_load_fn=load_trained
         )

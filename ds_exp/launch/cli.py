@@ -125,8 +125,7 @@ def hydra_task(cfg: DictConfig) -> dict[str, Any]:
     except Exception as err:
         status = report_error(err, log=job_log(), what="the run")
         if in_multirun():
-            # the other jobs of the sweep go on; the job's summary.json and the sweep report name the failure
-            # (submitit pickles this return value into the sweep directory)
+            # the sweep's other jobs go on; the job's summary.json and the sweep report name the failure
             error = str(err) if isinstance(err, DsExpError) else f"{type(err).__name__}: {first_line(err)}"
             return {"status": getattr(err, "status", RunStatus.FAILED), "error": redact_text(error)}
         sys.exit(status)

@@ -69,8 +69,7 @@ def detect_launch(dist_cfg: DistConfig | None = None) -> LaunchInfo:
     env = os.environ
     port = _int_env("MASTER_PORT", default=default_port)
     if launcher == "single":
-        # alone, nobody needs to find this process: any free port (two single-GPU runs on one machine would
-        # otherwise both take 29500)
+        # alone: any free port (two single-GPU runs on one machine would both take 29500)
         port = _int_env("MASTER_PORT") or free_port()
         return LaunchInfo("single", 0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port)
     if launcher == "env":
@@ -93,11 +92,9 @@ def detect_launch(dist_cfg: DistConfig | None = None) -> LaunchInfo:
         local_world = _int_env("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", default=world)
         return LaunchInfo("mpi", rank, local, world, env.get("MASTER_ADDR", "127.0.0.1"), port, local_world)
     if launcher == "submitit":
-        # JobEnvironment only reads SLURM's variables; unlike submitit.helpers.TorchDistributedEnvironment
-        # .export() it leaves CUDA_VISIBLE_DEVICES alone, so every task still sees all GPUs of its node.
+        # JobEnvironment only reads SLURM's variables, leaving CUDA_VISIBLE_DEVICES alone (unlike .export())
 
-        # The rendezvous comes from SLURM's own variables, as for a plain srun: the step's first node (SLURM's
-        # order puts rank 0 there) and a port derived from the job id, so every rank computes the same pair.
+        # as for a plain srun: the step's first node (rank 0's) and a port from the job id, the same on every rank
         import submitit  # only inside a submitit job: every other launch starts without its import time
 
         try:

@@ -44,8 +44,7 @@ def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
             return name
     checkpoints = run_dir / checkpoint_subdir
     if not checkpoints.resolve().is_relative_to(run_dir.resolve()):
-        # train.checkpoint_dir outside the run directory may be shared by several runs: a fresh run there is
-        # fine, and the checkpointer refuses to overwrite or rotate away another run's checkpoints
+        # a train.checkpoint_dir outside may be shared: the checkpointer never touches another run's checkpoints
         return None
     if checkpoints.is_dir() and any(checkpoints.glob("step*")):
         return f"{checkpoint_subdir}/"

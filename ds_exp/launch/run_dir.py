@@ -49,8 +49,7 @@ from ds_exp.launch.storage import check_writable
 from ds_exp.resume.settings import check_resume_target
 from ds_exp.resume.store import complete_checkpoints
 
-# Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
-# append to: they are moved aside into attempts/<time>/ first.
+# per-attempt files a restart from scratch must not append to: moved aside into attempts/<time>/ first
 ATTEMPT_FILES = ("metrics.jsonl", "generations.jsonl", "summary.json", "plots/loss.png")
 
 
@@ -166,8 +165,7 @@ def check_not_inside_a_live_dir(directory: Path, key: str) -> None:
         )
 
 
-# What a run writes into its directory before its first training step (Hydra's .hydra/ and job log aside): the
-# rank logs and the DeepSpeed config it resolved. A refused run that made its directory takes them with it.
+# what a run writes before its first step besides Hydra's files: a refused run that made its directory removes them
 SETUP_FILES = ("logs", "ds_config.json")
 
 

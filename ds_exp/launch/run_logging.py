@@ -11,8 +11,7 @@ FILE_LOGGER = "ds_exp.file"  # the log file only, never the console (e.g. the tr
 LIBRARY_LOGGER = "ds_exp.library"  # what libraries printed on stdout (captured): the log file only
 LOGGERS = ("ds_exp", STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "DeepSpeed", "py.warnings")
 
-# The file-only loggers never reach the console, not even before the log file exists (Python's last-resort
-# handler would print their tracebacks to stderr): until setup_run_logging adds the file, they drop records.
+# file-only loggers drop records until setup_run_logging adds the file (else Python's last resort prints them)
 for _name in (FILE_LOGGER, LIBRARY_LOGGER):
     logging.getLogger(_name).addHandler(logging.NullHandler())
     logging.getLogger(_name).propagate = False

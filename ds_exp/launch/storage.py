@@ -19,8 +19,7 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-# The longest path a run writes below its directory, with room to spare: a checkpoint's optimizer states, a
-# universal conversion's per-parameter files (long parameter names), .hydra/resume-<time>/overrides.yaml.
+# the longest path a run writes below its directory, with room to spare (a conversion's per-parameter files)
 RUN_FILES_MARGIN = 200
 
 

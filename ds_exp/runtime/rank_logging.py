@@ -170,8 +170,7 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
     # libraries' own progress bars (loading weights, writing shards) never: ds_exp says what it is doing instead
     transformers.utils.logging.disable_progress_bar()
     if rank != 0 or not on_terminal():
-        # tokenizing: rank 0's bar is the console's, on a terminal only (piped, a bar is a line per frame; a long
-        # tokenization is said in plain lines, ds_exp.data.encode)
+        # tokenizing: rank 0's bar, on a terminal only (piped, ds_exp.data.encode says it in plain lines)
         datasets.disable_progress_bars()
     if rank != 0:
         transformers.utils.logging.set_verbosity_error()

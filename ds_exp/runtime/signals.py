@@ -84,8 +84,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self.pid:
-            # a forked worker (tokenization pool, data loader) inherited this handler: it dies as by default, so
-            # that its pool's terminate() can reap it
+            # a forked worker inherited this handler: it dies as by default, for its pool's terminate() to reap
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -132,8 +131,7 @@ def leave_hung_up_terminal() -> None:
     """Point stdout and stderr away from a terminal that hung up (its writes fail with EIO from now on)."""
     for fd in (1, 2):
         try:
-            # a hung-up terminal no longer answers isatty() (its ioctls fail too): any character device but
-            # /dev/null counts. A pipe or a file still works (SIGHUP sent by a person or a script): kept
+            # a hung-up terminal fails isatty() too: any character device but /dev/null goes; pipes and files stay
             mode = os.fstat(fd)
             if not stat.S_ISCHR(mode.st_mode) or os.path.samestat(mode, os.stat(os.devnull)):
                 continue

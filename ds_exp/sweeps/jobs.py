@@ -40,11 +40,9 @@ def job_dir_of(composed: DictConfig) -> Path:
     return Path(str(composed.hydra.sweep.dir)) / str(composed.hydra.sweep.subdir)
 
 
-# The job directories this process's sweep launches (check_job records each job it passes with its number), so
-# that the sweep's report lists its own jobs, not whatever else the directory holds.
+# the job directories this process's sweep launches (check_job records them): the report lists only those
 launched_job_dirs: list[Path] = []
-# The resumed jobs checked so far: job directory -> (its config continued, what the resume says about it); saved for
-# the jobs by keep_resumed_configs once the whole sweep is valid (a refused sweep changes nothing)
+# resumed jobs checked so far: job dir -> (config continued, the resume's note), saved once the whole sweep is valid
 resumed_jobs: dict[Path, tuple[DictConfig, str]] = {}
 
 

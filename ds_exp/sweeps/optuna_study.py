@@ -317,9 +317,7 @@ class StudySweeper(Sweeper):
                 overrides = overrides_of(trial.params)
                 trial.set_user_attr("overrides", overrides)
                 trial.set_user_attr("sweep_dir", str(sweep_dir))
-            # composed and validated once, here, as the basic sweeper's jobs are (ds_exp/sweeps/jobs.py): the ranks
-            # compose the same overrides (floats written exactly) and train with the trial's values; its
-            # directory is checked there too (one that holds another run is left as it is)
+            # validated once, as the basic sweeper's jobs (floats written exactly: every rank composes the same)
             cfg, problems = check_job(self.hydra_context.config_loader, self.config, overrides, trial.number)
             error = f"invalid trial, not launched: {'; '.join(problems)}" if problems else None
             if cfg is not None:

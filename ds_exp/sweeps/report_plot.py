@@ -94,8 +94,7 @@ def train_curve(job_dir: Path) -> Curve:
 
 def figure(rows: list[dict[str, Any]], sweep_dir: Path | None = None, curves: list[Curve] | None = None) -> Any:
     """The picture of the report's `rows`; `sweep_dir`: where a study's record is; `curves`: each job's train loss."""
-    # matplotlib's INFO lines ("generated new fontManager" on its first use) would reach the sweep's console
-    # through Hydra's root handler: its warnings and errors still do
+    # matplotlib's INFO ("generated new fontManager") would reach the sweep's console through Hydra's root handler
     mpl_log = logging.getLogger("matplotlib")
     if mpl_log.getEffectiveLevel() < logging.WARNING:
         mpl_log.setLevel(logging.WARNING)

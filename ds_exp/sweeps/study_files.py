@@ -18,13 +18,11 @@ from ds_exp.core.status import RunStatus
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-# Keys of the probe session itself, never part of the configuration it recommends (resume=auto continues the
-# probes' own directories; a new run of the recommendation starts fresh).
+# the probe session's own keys, never part of the configuration it recommends
 SESSION_KEYS = ("resume", "dry_run", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 STUDY_FILE = "study.json"
 STUDY_PLOT = "study.png"  # the objective against each searched parameter (ds_exp/sweeps/study_plot.py)
-# Numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py,
-# ds_exp/train/evaluate.py).
+# numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py)
 EVAL_METRICS = ("eval_loss", "perplexity", "reward_accuracy", "reward_margin")  # the last two: objective=dpo, reward
 RUN_METRICS = ("train_loss", "tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "wall_time_s")
 OBJECTIVES = tuple(f"final_eval.{m}" for m in EVAL_METRICS) + RUN_METRICS

@@ -173,8 +173,7 @@ class Autotune(Sweeper):
             self._refusals.append(unmeasurable)
         if self._refusals:  # the sweep is refused: no need to estimate (which loads the model's config)
             return {**candidate, "verdict": "not_applicable", "reason": self._refusals[0]}
-        # per-rank bytes as the dry run counts them (ds_exp/config/memory_plan.py): model states plus one micro
-        # batch's activations; on a CPU offloaded states live in the same memory, so they count too
+        # per rank as the dry run counts: model states plus a micro batch's activations (on a CPU, offloaded too)
         facts, precision = self.model_facts(cfg), resolved_precision(cfg.precision.dtype, accelerator)
         estimate = run_estimate(cfg, facts, world_size=world, precision=precision, accelerator=accelerator)
         candidate.update(estimate)
@@ -219,8 +218,7 @@ class Autotune(Sweeper):
     # ------------------------------------------------------------------------------------ memory and budget
     def plan(self, cfg: Config, world: int, accelerator: str, sweep_dir: Path) -> RunPlan:
         """The probe's plan as its run makes it: what its setup would refuse is refused before anything is launched."""
-        # here, not at the top: datasets (pyarrow.dataset) reserves ~1 GB of address space on import, and imported
-        # before the model stack it left none for transformers in a sweep under a memory limit (ulimit -d / -v)
+        # here: datasets reserves ~1 GB of address space on import, none left for transformers under a ulimit
         from ds_exp.data.pipeline import count_train_examples
 
         key = repr(cfg.data)
