@@ -149,8 +149,7 @@ class Checkpointer:
         self.needed_bytes, self.identity, self.extra = needed_bytes, identity, extra
 
     def save(self, progress: Position, window: tuple[float, ...], initial_eval: dict[str, float] | None) -> Path:
-        """Collective; `window`: the metric window's sums. A save failing for room or rights leaves nothing
-        incomplete."""
+        """Collective; `window`: the metric window's sums. A failed save (room, rights) leaves nothing incomplete."""
         state = TrainState(
             step=progress.step,
             epoch=progress.epoch,

@@ -148,8 +148,7 @@ def task_in_job() -> Callable[[DictConfig], dict[str, Any]]:
 
 
 def prepare_composition() -> None:
-    """What every composition needs in its process: resolvers, schema, credentials hidden, data-path overrides
-    checked."""
+    """What every composition needs in its process: resolvers, schema, hidden credentials, data-path checks."""
     register_resolvers()
     register_configs()
     check_list_items_when_composing()

@@ -81,8 +81,7 @@ def run_command(name: str, work: Callable[[], int | None]) -> int:
 
 
 def report_error(err: Exception, log: Path | None = None, what: str | None = None, after: str = "") -> int:
-    """`err` on stderr for a person; the exit status. Unexpected: one line naming its traceback's file (`log`, else
-    cache)."""
+    """`err` on stderr for a person; the exit status. Unexpected: one line naming its traceback's file."""
     if isinstance(err, (DsExpError, HydraException)):
         if full_error():
             sys.stderr.write(redact_text("".join(traceback.format_exception(err))))
@@ -109,8 +108,7 @@ _SAID_KEEP_S = 24 * 3600  # how long a claim is kept (a launcher process id come
 
 
 def first_to_say(text: str) -> bool:
-    """Whether this process is the first of its launch's ranks on this machine to say `text` (a file under /tmp per
-    launcher process and text); anything in the way says it: a claim never silences an error."""
+    """Whether this is the first of its launch's ranks on this machine to say `text` (when in doubt, it is)."""
     if not launched_with_several_ranks():
         return True
     launch = _launcher_process()

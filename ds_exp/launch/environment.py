@@ -92,9 +92,7 @@ def detect_launch(dist_cfg: DistConfig | None = None) -> LaunchInfo:
         local_world = _int_env("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", default=world)
         return LaunchInfo("mpi", rank, local, world, env.get("MASTER_ADDR", "127.0.0.1"), port, local_world)
     if launcher == "submitit":
-        # JobEnvironment only reads SLURM's variables, leaving CUDA_VISIBLE_DEVICES alone (unlike .export())
-
-        # as for a plain srun: the step's first node (rank 0's) and a port from the job id, the same on every rank
+        # JobEnvironment reads SLURM's variables only (not CUDA_VISIBLE_DEVICES); the rendezvous is a plain srun's
         import submitit  # only inside a submitit job: every other launch starts without its import time
 
         try:

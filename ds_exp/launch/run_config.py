@@ -118,8 +118,7 @@ _ABSENT = object()
 
 
 def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str]) -> list[str] | None:
-    """In place: `config` becomes the saved run's, `overrides` applied again; one line per changed key (None: no
-    run)."""
+    """In place: `config` becomes the saved run's, `overrides` applied again; a line per change (None: no run)."""
     path = saved_run_config(run_dir)
     if path is None:
         found = holds_a_run(run_dir, str(OmegaConf.select(config, "train.checkpoint_dir", default="checkpoints")))
@@ -197,8 +196,7 @@ def _unresolved(config: DictConfig, key: str, default: Any = None) -> Any:
 
 
 def _keep_secrets_reachable(merged: DictConfig, now: DictConfig) -> None:
-    """A saved reference to a first attempt's DS_EXP_SECRET_* variable that is gone now takes this composition's
-    value."""
+    """A saved reference to a DS_EXP_SECRET_* variable that is gone now takes this composition's value."""
     given_now = flat_keys(OmegaConf.to_container(now, resolve=False))  # unresolved: a secret stays a reference
     missing: list[str] = []
     for key, value in flat_keys(OmegaConf.to_container(merged, resolve=False)).items():

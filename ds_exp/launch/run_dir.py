@@ -188,8 +188,7 @@ def remove_refused_attempt(run_dir: Path, output_subdir: str | None, log_file: s
 
 
 def leave_quietly_before_start(signum: int, frame: FrameType | None) -> None:
-    """A stop signal before the session started: the run's directories this process made go, exit 128 + the signal (a
-    refused rank's launcher SIGTERMs the others, and the refusal must stay the last line)."""
+    """A stop before the session: the run's directories this process made go, exit 128 + the signal, quietly."""
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     subdir, log_file = (hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log") if hydra_cfg else (".hydra", "ds_exp.log")
     for run_dir in made_run_dirs():
@@ -217,8 +216,7 @@ def stop_before_start() -> Iterator[None]:
 
 
 def check_job_dir(cfg: Config, job_dir: Path, sweep_dir: Path, *, runs_here: bool = False) -> None:
-    """A sweep job's directory, checked like a single run's before launch. `runs_here`: a basic launcher's job, whose
-    resume checkpoint is checked here too."""
+    """A sweep job's directory, checked like a run's before launch (`runs_here`: its resume checkpoint too)."""
     if job_dir.absolute() == sweep_dir.absolute():
         raise ConfigError(
             f"hydra.sweep.subdir puts the job in the sweep directory itself ({job_dir}); give each job its own "

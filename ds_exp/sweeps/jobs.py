@@ -55,8 +55,7 @@ def check_job(
     continues: bool = False,
     composed: DictConfig | None = None,
 ) -> tuple[DictConfig | None, list[str]]:
-    """One job composed and validated: (its config, []) or (None, its problems), its directory checked with its number.
-    `continues`: a resuming job continues its saved config; `composed`: as its sweeper composed it."""
+    """One job composed, validated, its directory checked: (config, []) or (None, problems); see _continue_job."""
     try:
         cfg = composed if composed is not None else loader.load_sweep_config(config, list(overrides))
         if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it

@@ -22,8 +22,6 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_
 
 @dataclass
 class SideRun:
-    """What one side left behind."""
-
     run_dir: Path
     log: Path  # the side's console output (stdout and stderr)
     returncode: int
