@@ -11,7 +11,6 @@ def peak_memory_bytes(accelerator: str) -> int:
     """This process's peak so far: CUDA's allocator on GPUs, the resident set (RSS) elsewhere."""
     if accelerator == "cuda":
         return int(torch.cuda.max_memory_allocated())
-
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 

@@ -24,10 +24,10 @@ from ds_exp.config.memory_plan import human_bytes, run_estimate
 from ds_exp.config.plan import RunPlan, plan_run
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, TrainConfig
-from ds_exp.config.secrets import redact_text
 from ds_exp.core import compat
-from ds_exp.core.errors import DsExpError, first_line
+from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.core.files import write_json_atomic
+from ds_exp.launch.console import report_user_error
 from ds_exp.launch.validation import validate_job
 from ds_exp.model.architecture import model_facts
 from ds_exp.runtime.device import resolved_precision
@@ -52,9 +52,7 @@ def parse_budget(value: object) -> int | None:
 
 def fail(lines: Sequence[str]) -> NoReturn:
     """The sweep stops before anything is written or launched: one message, exit status 2."""
-    print(f"ds_exp: error: {redact_text(lines[0])}", file=sys.stderr)
-    for line in lines[1:]:
-        print(f"  {redact_text(line)}", file=sys.stderr)
+    report_user_error(ConfigError(list(lines)))
     sys.exit(2)
 
 
