@@ -1,6 +1,5 @@
-"""DeepSpeed checkpoints, complete only once every rank wrote and rank 0 marked them (ds_exp_complete.json; then
-`latest`), so a crash mid-save leaves the previous one in charge. A resume from an older checkpoint moves the later ones
-aside into branches/ (`set_aside_branch`), never deleting them; rotation deletes only this run's older ones."""
+"""DeepSpeed checkpoints, complete only once rank 0 marked them (then `latest`): a crash mid-save leaves the previous
+one in charge. A resume from an older one moves the later ones into branches/; rotation deletes only this run's."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""`python -m ds_exp.checkpoint.conversion TAG_DIR --out DIR`, behind ds_exp.universal: ds_to_universal (ZeRO 1-3) or
-ds_exp's stage-0 conversion, then the layout fixed so every stage loads it (DeepSpeed 0.19.8's stage <=2 and 3 outputs
-differ). torch.load reads weights only; it dies with --parent-pid; a refusal is one line, exit 3 (EXIT_REFUSED)."""
+"""`python -m ds_exp.checkpoint.conversion TAG_DIR --out DIR` (behind ds_exp.universal): ds_to_universal or ds_exp's
+stage-0 conversion, the layout fixed for every stage; dies with --parent-pid; a refusal is one line, exit 3."""
 
 from __future__ import annotations
 

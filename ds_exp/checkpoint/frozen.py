@@ -1,7 +1,5 @@
-"""What a checkpoint leaves out: the frozen weights (LoRA's base; DeepSpeed's exclude_frozen_parameters). A resume, a
-universal conversion and an export rebuild them as ds_exp.model.build does, so each checkpoint's marker records their
-identity (`base_identity`: a SHA-256 of each one's name, dtype, shape and values as built) and a rebuilt base that
-differs is refused in one line (`base_change`). A checkpoint that records none holds them itself."""
+"""The frozen weights (LoRA's base) a checkpoint leaves out: rebuilt by a resume, conversion or export, their identity
+(`base_identity`) recorded in each checkpoint and a different rebuilt base refused (`base_change`)."""
 
 from __future__ import annotations
 

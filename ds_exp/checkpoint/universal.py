@@ -1,7 +1,6 @@
-"""Resume after the world size, ZeRO stage or offload changed (issue 16 §2): rank 0 converts the checkpoint once, in a
-subprocess, into DeepSpeed's universal format beside it (<tag>.universal/, renamed into place once complete), its marker
-holding the source's fingerprint so a checkpoint rewritten in place is converted again, never wrongly resumed. Stage 0
-is converted (conversion.py) and loaded by ds_exp; frozen weights are rebuilt and checked (frozen.py)."""
+"""Resume after the world size, ZeRO stage or offload changed: rank 0 converts the checkpoint once, in a subprocess, to
+DeepSpeed's universal format beside it (<tag>.universal/), its marker holding the source's fingerprint so a checkpoint
+rewritten in place is converted again. Stage 0 is converted and loaded by ds_exp."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The one entry point: `python -m ds_exp ...` and the `ds-exp` console script. Module level is light: `--help`, `--cfg
-job` and validation never import torch or deepspeed (run_job does). Importing it patches nothing: `prepare_composition`
-is installed by the processes that compose."""
+"""The one entry point: `python -m ds_exp ...` and the `ds-exp` console script. Module level is light (torch and
+deepspeed only in run_job); importing it patches nothing (`prepare_composition` is installed where composing)."""
 
 from __future__ import annotations
 

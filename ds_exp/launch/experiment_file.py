@@ -1,7 +1,5 @@
-"""`python -m ds_exp --write-experiment PATH OVERRIDES...`: a command line saved as an experiment file (run with
-`--config-dir DIR experiment=NAME`; PATH gets an `experiment/` folder): group choices in its defaults, values as YAML,
-sweeps under hydra.sweeper.params, no credential. Written new, and only when it composes to the command line's
-config."""
+"""`python -m ds_exp --write-experiment PATH OVERRIDES...`: a command line saved as an experiment file (group choices,
+values, sweeps; no credential), written new and only when it composes to the command line's own config."""
 
 from __future__ import annotations
 

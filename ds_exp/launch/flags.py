@@ -1,6 +1,5 @@
-"""The flags of ds_exp's commands (export, chat, parity, universal, report), read alike (issue 31 §2): a refusal is one
-line naming the flag and the fix, and the value types refuse nan, inf, numbers past 64 bits or the flag's range, and
-impossible paths (tests/unit/test_hostile_inputs.py feeds every parser hostile values)."""
+"""The flags of ds_exp's commands, read alike (issue 31 §2): a refusal is one line naming the flag and the fix; the
+types refuse nan, inf, numbers past 64 bits or the range, and impossible paths."""
 
 from __future__ import annotations
 

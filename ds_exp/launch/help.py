@@ -1,6 +1,5 @@
-"""`python -m ds_exp --help [GROUP ...]`: the groups, options and knobs explained by conf/*.yaml's comments, and the
-common recipes. It reads the YAML as text (ms, where Hydra's app help takes ~1.5 s and shows no comment), so the help
-cannot fall out of step with the config; a number's range comes from its field (ds_exp/config/ranges.py)."""
+"""`python -m ds_exp --help [GROUP ...]`: groups, options and knobs explained by conf/*.yaml's comments, read as text
+(ms, not Hydra's ~1.5 s), so the help cannot fall out of step; a number's range comes from its field."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A Hugging Face hub id on a machine that cannot reach the hub: one message at once, instead of transformers' ~50 s of
-retries per file. One short TCP connection (to the hub or its proxy) says whether it can be reached; when it cannot, a
-cached id loads from the cache (HF_HUB_OFFLINE=1 set before huggingface_hub is imported) and another is refused with the
-fix, as it is at once under HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1. huggingface_hub is not imported here."""
+"""A Hugging Face hub id on a machine that cannot reach the hub (one short TCP probe, or HF_HUB_OFFLINE=1 /
+TRANSFORMERS_OFFLINE=1): a cached id loads offline, another is refused at once, not after ~50 s of retries per file."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A run directory remembers its run: `hydra.run.dir=R resume=auto [KEY=VALUE ...]` continues R's own config, the
-overrides being named changes the resume rules accept or refuse. A resuming sweep job does the same: the sweep keeps the
-continued config before launch (keep_job_config), the job takes it (take_job_config) and puts the earlier files back at
-its end (finish_job_attempt). Light."""
+overrides being named changes the resume rules accept or refuse; a resuming sweep job too (keep/take_job_config).
+Light."""
 
 from __future__ import annotations
 

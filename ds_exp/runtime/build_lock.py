@@ -1,7 +1,5 @@
-"""torch's extension build lock (`<build dir>/lock`), told live from stale: torch polls a leftover forever, so a build
-killed mid-way would hang every later run. `HeldBaton` also holds an flock on `lock.holder` (the OS drops it with its
-process): the lock is live while that is held or the file is open somewhere (waited on, at most BUILD_LIMIT_S), else
-stale: removed, said, the op built again (never judged by age: a build may take minutes)."""
+"""torch's extension build lock, told live from stale (torch polls a leftover forever): `HeldBaton` also holds an flock
+the OS drops with its process, so a lock whose holder died is removed, said, and the op built again."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""DeepSpeed ops compiled on first use (CPU Adam and Lion, FusedAdam and FusedLion, CPU ranks' shared-memory
-collectives). `ensure_built` builds one before DeepSpeed asks for it: a compilation is announced, and a failure is one
-message naming the op, what needs it, the cause and the fix (the compiler's output goes to the log)."""
+"""DeepSpeed ops compiled on first use: `ensure_built` builds one before DeepSpeed asks, announcing a compilation; a
+failure is one message naming the op, what needs it, the cause and the fix (the compiler's output is in the log)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Per-rank log files and a readable console: rank 0 speaks (each warning once), other ranks only on error; what
-libraries log, warn or print (`library_stdout`) goes to logs/rank<N>.log, their errors to the console too. A console
-line clears the progress bar and redraws it after (`_BarSafeStream`)."""
+"""Per-rank log files (logs/rank<N>.log: everything libraries log or print) and a readable console: rank 0 speaks, each
+warning once, other ranks only errors; a console line never shares one with a progress bar."""
 
 from __future__ import annotations
 

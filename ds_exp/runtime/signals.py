@@ -1,7 +1,6 @@
-"""Signals that ask a run to stop: every rank saves a checkpoint after the same step (the flag is voted on in the loop's
-per-step all-reduce), then leaves: under submitit (SIGUSR2) requeued by submitit's handler; elsewhere (SIGTERM, SIGINT,
-SIGHUP) with 128 + the signal, a second SIGINT at once, console output to /dev/null after SIGHUP (EIO). Before the first
-step a signal stops at once. Off the main thread (ds_exp.train from a thread) none are installed, said."""
+"""Stop signals: every rank saves a checkpoint after the same step (voted in the loop's all-reduce), then leaves, under
+submitit requeued, elsewhere with 128 + the signal (a second SIGINT at once; after SIGHUP, no console). Before the first
+step a signal stops at once; off the main thread (ds_exp.train from a thread) none are installed, said."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""A sweep's Hydra callbacks (conf/config.yaml): `ValidateSweep` locks and checks the sweep directory and validates
-every job before anything is launched; `SweepReport` writes the report after the last job and exits non-zero when a job
-failed. Whatever they raise stops the sweep (launch.console.exit_on_error)."""
+"""A sweep's Hydra callbacks: `ValidateSweep` checks the directory and every job before launch; `SweepReport` writes the
+report and fails when a job did. Whatever they raise stops the sweep."""
 
 from __future__ import annotations
 

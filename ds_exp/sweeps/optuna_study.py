@@ -1,7 +1,5 @@
-"""`hydra/sweeper=optuna`: a thin sweeper over optuna's ask/tell (hydra-optuna-sweeper pins optuna < 3, broken under
-SQLAlchemy 2). Each trial is one job, validated here once; a finite objective is COMPLETE, a diverged run PRUNED,
-anything else FAIL. The study lives in the sweep directory (optuna.db): the same command continues it, a stopped trial
-first; study.json records every trial for the report."""
+"""`hydra/sweeper=optuna`: a thin sweeper over optuna's ask/tell (hydra-optuna-sweeper pins optuna < 3). Each trial is
+one job validated here; diverged runs are PRUNED, failures FAIL. The same command continues the study (optuna.db)."""
 
 from __future__ import annotations
 

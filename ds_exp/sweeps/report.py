@@ -1,6 +1,5 @@
-"""Sweep report (`python -m ds_exp.report <sweep dir>`, and by itself at the end of every multirun): one row per job,
-printed and written as CSV, Markdown and a picture (report_plot), a failed job with its error. An autotune sweep adds
-its ranking: every candidate's verdict, the probes by tokens/s, and the command that trains the best."""
+"""Sweep report (`python -m ds_exp.report <sweep dir>`, and after every multirun): a row per job, as CSV, Markdown and a
+picture; an autotune sweep adds its ranking and the command that trains the best."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""report.png: a row per job (named by the overrides that differ) with what the sweep is judged by, its tokens/s and
-peak memory per rank, the best green, a job that did not complete saying how it ended; below, the train loss curves.
-Drawn without pyplot (no global state), written whole."""
+"""report.png: a row per job with what the sweep is judged by, its tokens/s and peak memory (the best green, unfinished
+jobs saying why), the train loss curves below; drawn without pyplot, written whole."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""An optuna study's search space from Hydra's override grammar: interval -> FloatDistribution (tag(log,...): log=True),
-tag(int,interval) or range -> IntDistribution, choices/glob/float ranges -> CategoricalDistribution, anything else a
-fixed override. range() stops before its end, as for the basic sweeper. optuna is imported lazily."""
+"""An optuna study's search space from Hydra's override grammar (interval, tag(log|int, ...), range, choices); anything
+else is a fixed override. optuna is imported lazily."""
 
 from __future__ import annotations
 

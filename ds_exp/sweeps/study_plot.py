@@ -1,6 +1,5 @@
-"""study.png beside study.json: optuna's slice plot of the objective against each searched parameter, labelled as the
-command line writes them, redrawn after each batch of trials. A picture that cannot be drawn is said once, never fails
-the study."""
+"""study.png: optuna's slice plot of the objective against each searched parameter, redrawn after each batch of trials;
+a picture that cannot be drawn is said once, never fails the study."""
 
 from __future__ import annotations
 

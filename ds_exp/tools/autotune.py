@@ -1,7 +1,5 @@
-"""`python -m ds_exp -m experiment=autotune`: which configuration fits and is fastest. The sweeper expands the grid as
-Hydra's basic one, then sorts the candidates before launching: refused by validation or the run's plan: "not
-applicable"; estimated memory over budget: "ruled out"; the rest run as short probes (autotune.json; the report ranks
-them). A sweeper, not a callback: a callback cannot drop jobs, and a declining job would still queue on SLURM."""
+"""`python -m ds_exp -m experiment=autotune`: which configuration fits and is fastest. Candidates are sorted before any
+launch ("not applicable", "ruled out" by memory, or a short probe); a sweeper, since a callback cannot drop jobs."""
 
 from __future__ import annotations
 

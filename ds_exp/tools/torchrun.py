@@ -1,6 +1,5 @@
-"""`python -m ds_exp.tools.torchrun` (launchers/torchrun.sh): torchrun, with an end a person reads. The failed rank's
-own message stays the last line (not torchrun's 30-line report) and its exit status is torchrun's; a rank a signal ended
-silently (OOM killer, `kill -9`) gets one line naming it; torchrun's notices go unsaid."""
+"""`python -m ds_exp.tools.torchrun` (launchers/torchrun.sh): torchrun ending on the failed rank's own message and exit
+status, not its 30-line report; a rank a signal ended silently gets one line naming it."""
 
 from __future__ import annotations
 
