@@ -4,7 +4,6 @@ report and fails when a job did. Whatever they raise stops the sweep."""
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.config.place_checks import experiment_name_problem
-from ds_exp.config.secrets import redact_text
-from ds_exp.core.errors import ConfigError
+from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import exit_on_error
 from ds_exp.launch.lock import claim_sweep_dir, lock_sweep_dir, release_sweep_dir
@@ -84,14 +82,10 @@ class ValidateSweep(Callback):
         forget_resumed_jobs()
         for num, overrides in enumerate(jobs):  # numbered as Hydra's basic sweeper numbers them
             problems += check_job(loader, config, overrides, num, continues=True)[1]
-        if problems:
-            print(
-                f"ds_exp: error: the sweep was not started: {len(problems)} problem(s) in its {len(jobs)} jobs",
-                file=sys.stderr,
+        if problems:  # told redacted (a composition error may quote a value)
+            raise ConfigError(
+                [f"the sweep was not started: {len(problems)} problem(s) in its {len(jobs)} jobs", *problems]
             )
-            for line in problems:
-                print(f"  {redact_text(line)}", file=sys.stderr)  # a composition error may quote a value
-            sys.exit(2)
         keep_resumed_configs()  # the resumed jobs' own configs, which Hydra's launch would write over
         print(f"ds_exp: all {len(jobs)} jobs of the sweep are valid")
 
@@ -111,15 +105,12 @@ class SweepReport(Callback):
         if (sweep_dir / PLAN_FILE).is_file():  # probes that fail are results of the autotune sweep, not errors
             problem = autotune_verdict(sweep_dir, rows)
             if problem is not None:
-                print(f"ds_exp: error: autotune: {problem}", file=sys.stderr)
-                sys.exit(1)
+                raise RunFailed(f"autotune: {problem}")
             return
         if is_study_sweep(config):  # a failed trial is part of a search; a study with no completed trial is not
             if not completed_trials(sweep_dir):
-                print("ds_exp: error: no trial of the optuna study completed", file=sys.stderr)
-                sys.exit(1)
+                raise RunFailed("no trial of the optuna study completed")
             return
         failed = [row for row in rows if row["status"] != RunStatus.COMPLETED]
         if failed:
-            print(f"ds_exp: error: {len(failed)} of {len(rows)} sweep jobs did not complete", file=sys.stderr)
-            sys.exit(1)
+            raise RunFailed(f"{len(failed)} of {len(rows)} sweep jobs did not complete")
