@@ -1,8 +1,6 @@
 """`python -m ds_exp.report DIR`: the runs under DIR, one line each, so that a person can tell them apart.
 
-A run is a directory holding `.hydra/overrides.yaml`; its line says its status (`running` while a live process holds
-its lock, `dry run`, `no summary` when killed early), its steps, final evaluation and overrides. A listing only reads;
-a sweep directory given itself gets its sweep report written (ds_exp/sweeps/report.py)."""
+A run is a directory holding `.hydra/overrides.yaml`; a sweep directory gets its sweep report written instead."""
 
 from __future__ import annotations
 
