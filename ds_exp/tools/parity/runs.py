@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.core.status import RunStatus
+from ds_exp.launch.rendezvous import free_port
 from ds_exp.tools.parity.sides import Side
 
 # launcher variables of a process that itself runs under a launcher: the sides start their own
@@ -56,12 +56,6 @@ class SideRun:
         return "\n".join(tail) or f"exit status {self.returncode}, no output"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def command(side: Side, forced: list[str]) -> list[str]:
     args = [*side.overrides, *forced]
     if side.ranks == 1:
@@ -77,7 +71,7 @@ def command(side: Side, forced: list[str]) -> list[str]:
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "ds_exp",
         *args,
