@@ -42,39 +42,26 @@ class _RankFilter(logging.Filter):
 
 
 class _Once(logging.Filter):
-    """The console sees each warning once (Python's warnings and libraries' never reach it: the file has them)."""
+    """Each record once: on the console each warning (by its first line); for Python's warnings every record, file
+    included (torch's deprecations inside DeepSpeed are raised at every step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, level: int = logging.WARNING, first_line: bool = True) -> None:
         super().__init__()
+        self.level, self.first_line = level, first_line
         self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
+        if record.levelno < self.level:
             return True
         message = record.getMessage()
-        key = message.strip().splitlines()[0] if message.strip() else message
+        key = message.strip().splitlines()[0] if self.first_line and message.strip() else message
         if key in self.seen:
             return False
         self.seen.add(key)
         return True
 
 
-class _FirstOnly(logging.Filter):
-    """A warning raised at every step (torch's deprecations inside DeepSpeed) is recorded once, file included."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message in self.seen:
-            return False
-        self.seen.add(message)
-        return True
-
-
-_WARNINGS_ONCE = _FirstOnly()
+_WARNINGS_ONCE = _Once(logging.NOTSET, first_line=False)
 
 # Loggers that do not propagate to the root logger: the log file is attached to each of them.
 _OWN_FILE = (STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "py.warnings", "DeepSpeed", "transformers")
