@@ -48,17 +48,10 @@ log = logging.getLogger(__name__)
 _FAULT_ENV = "DS_EXP_FAULT"
 
 
-def _numpy_state() -> list[Any]:
-    name, keys, *rest = np.random.get_state(legacy=True)  # the legacy tuple: plain values, no dict
-    return [name, np.asarray(keys).tolist(), *rest]
-
-
 def rng_states() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": _numpy_state(),
-        "torch": torch.get_rng_state(),
-    }
+    name, keys, *rest = np.random.get_state(legacy=True)  # the legacy tuple: plain values, no dict
+    numpy_state = [name, np.asarray(keys).tolist(), *rest]
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -16,9 +16,8 @@ from ds_exp.core.errors import Refused
 
 # ------------------------------------------------------------------------------------ one live run per directory
 LOCK = ".ds_exp.lock"
-# run directory -> (the open file this process locks, whether it made it, the outermost directory it made)
+# run / sweep directory -> (the open file this process locks, whether it made it, the outermost directory it made)
 _locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}
-# sweep directory -> (the open lock file, whether this process made it, the outermost directory it made)
 _sweep_locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}
 
 
