@@ -52,12 +52,6 @@ def hub_cache() -> Path:
     return Path(os.environ.get("HF_HOME", default_home)).expanduser() / "hub"
 
 
-def hub_cache_shown() -> str:
-    """The cache folder, and the variable that put it there (HF_HOME set elsewhere moves it)."""
-    source = next((name for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME") if os.environ.get(name)), None)
-    return f"{hub_cache()}, from {source}" if source else str(hub_cache())
-
-
 def cached(repo_id: str) -> bool:
     """A snapshot of the model repository is in the local cache (what an offline load can use)."""
     snapshots = hub_cache() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
@@ -132,7 +126,10 @@ def check_hub(model: ModelConfig, *, dry_run: bool) -> None:
 
 
 def _refusal(key: str, repo: str, why: str, or_else: str) -> str:
+    # the variable that moved the cache is named (HF_HOME set elsewhere)
+    source = next((name for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME") if os.environ.get(name)), None)
+    cache = f"{hub_cache()}, from {source}" if source else str(hub_cache())
     return (
-        f"{key}={repo} is a Hugging Face hub id, {why}, and it is not in the local cache ({hub_cache_shown()}); "
+        f"{key}={repo} is a Hugging Face hub id, {why}, and it is not in the local cache ({cache}); "
         f"download it where there is network (hf download {repo} --local-dir DIR) and give {key}=DIR, or {or_else}"
     )

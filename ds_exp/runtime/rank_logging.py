@@ -90,12 +90,6 @@ class LogFile(logging.FileHandler):
                 stream.close()
 
 
-def _stops_when_full(handler: logging.Handler) -> None:
-    """Hydra's own job log file (<run dir>/<job name>.log, a plain FileHandler) behaves as LogFile."""
-    if type(handler) is logging.FileHandler:
-        handler.__class__ = LogFile
-
-
 class _BarSafeStream:
     """A console stream that clears ds_exp's progress bars before a line and redraws them after (tqdm.write's way)."""
 
@@ -131,7 +125,8 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
         logger.propagate = False  # the console gets these only through the handlers below
     root = logging.getLogger()
     for other in root.handlers:
-        _stops_when_full(other)
+        if type(other) is logging.FileHandler:  # Hydra's job log (<run dir>/<job name>.log) behaves as LogFile
+            other.__class__ = LogFile
     root.addHandler(handler)  # ds_exp's records, and those of every library that propagates (torch, datasets, ...)
     for record in HELD.records:  # what libraries said before the file existed
         handler.handle(record)
