@@ -58,6 +58,22 @@ def local_data(name: str = "sft.jsonl") -> tuple[str, ...]:
     return ("data=local", f"data.sources.0.path={{tmp}}/{name}", "train.max_steps=2")
 
 
+class FailingCallback:
+    """A user's Hydra callback that raises (`+hydra.callbacks.mine._target_=tests.bad_inputs.FailingCallback`, with
+    `+hydra.callbacks.mine.when=on_job_end` to fail once the job has run)."""
+
+    def __init__(self, when: str = "on_job_start") -> None:
+        self.when = when
+
+    def on_job_start(self, **kwargs: Any) -> None:
+        if self.when == "on_job_start":
+            raise ValueError("my check refused this job")
+
+    def on_job_end(self, **kwargs: Any) -> None:
+        if self.when == "on_job_end":
+            raise ValueError("my upload failed")
+
+
 CASES: list[Case] = [
     # --- config values: the typed schema (while Hydra composes) and the semantic checks
     Case("micro batch 0", "config value", ("train.micro_batch_size=0",), ("train.micro_batch_size=0", ">= 1")),

@@ -1,18 +1,5 @@
-"""DeepSpeed checkpoints with a completeness marker, rotation and resume.
-
-`engine.save_checkpoint` writes <dir>/<tag>/. A checkpoint counts as complete only once every rank has
-finished writing and rank 0 has written <tag>/ds_exp_complete.json; only then does rank 0 point <dir>/latest
-at it (DeepSpeed's own `latest`, written before anything is known to be complete, is switched off). Resume
-never picks a directory without the marker, so a crash in the middle of a save leaves the previous checkpoint
-in charge, and `latest` still names it (for tools that read DeepSpeed's layout, such as zero_to_fp32.py).
-A checkpoint of a run with frozen weights (LoRA's base) holds only what trains: ds_exp/checkpoint/frozen.py.
-
-A checkpoint directory holds one trajectory: each checkpoint continues the one before it. A resume from a checkpoint
-older than the directory's newest (or from another directory's) abandons the later ones: `set_aside_branch` moves
-them, never deletes them, into <dir>/branches/<time>-resumed-at-step<N>/ before the run writes anything, so that
-rotation, `latest` and `resume=auto` only ever see the trajectory that ran last, and a later save at the same step
-is a save, not "complete already". Rotation deletes only this run's checkpoints older than the one just written.
-"""
+"""DeepSpeed checkpoints, complete only once rank 0 marked them (then `latest`): a crash mid-save leaves the previous
+one in charge. A resume from an older one moves the later ones into branches/; rotation deletes only this run's."""
 
 from __future__ import annotations
 
@@ -57,22 +44,14 @@ from ds_exp.runtime.process_group import broadcast
 log = logging.getLogger(__name__)
 
 
-# Fault injection for the reliability tests: DS_EXP_FAULT=save:<tag>[@<rank>] kills this process (SIGKILL, as
-# the OOM killer or a node failure would) once DeepSpeed has written checkpoint <tag>, before it is complete.
+# reliability tests: DS_EXP_FAULT=save:<tag>[@<rank>] SIGKILLs this process after DeepSpeed wrote <tag>, unmarked
 _FAULT_ENV = "DS_EXP_FAULT"
 
 
-def _numpy_state() -> list[Any]:
-    name, keys, *rest = np.random.get_state(legacy=True)  # the legacy tuple: plain values, no dict
-    return [name, np.asarray(keys).tolist(), *rest]
-
-
 def rng_states() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": _numpy_state(),
-        "torch": torch.get_rng_state(),
-    }
+    name, keys, *rest = np.random.get_state(legacy=True)  # the legacy tuple: plain values, no dict
+    numpy_state = [name, np.asarray(keys).tolist(), *rest]
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -100,8 +79,7 @@ def save(
     keep_last: int,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: every rank must call it. Returns the tag directory. `extra`: more client state (top-level keys
-    of DeepSpeed's model states file)."""
+    """Collective. Returns the tag directory; `extra`: more top-level keys of DeepSpeed's model states file."""
     tag = tag_for(state.step)
     path = checkpoint_dir / tag
     verdict = save_verdict(checkpoint_dir, path, state) if rank == 0 else None
@@ -111,8 +89,7 @@ def save(
     if verdict is not None:
         raise RunFailed(verdict)
     client_state = {"ds_exp": state.as_dict(), **(extra or {})}
-    # with frozen weights (LoRA's base) only what trains: the base comes from the model the run started from
-    # (ds_exp.checkpoint.frozen; state.base says which)
+    # frozen weights (LoRA's base) left out: rebuilt from the model the run started from (ds_exp.checkpoint.frozen)
     leave_out = {"exclude_frozen_parameters": True} if state.base is not None else {}
     with trained_only(engine.module) if leave_out else contextlib.nullcontext():
         engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False, **leave_out)
@@ -159,15 +136,12 @@ class Checkpointer:
         identity: dict[str, Any],
         extra: dict[str, Any] | None = None,
     ) -> None:
-        """`identity`: what every checkpoint of this run records besides where it stands (TrainState's run_id,
-        branch, run_dir, trackers, settings and trajectory). `extra`: more client state (save())."""
+        """`identity`: what every checkpoint of this run records besides its progress; `extra`: see save()."""
         self.engine, self.directory, self.rank, self.keep_last = engine, directory, rank, keep_last
         self.needed_bytes, self.identity, self.extra = needed_bytes, identity, extra
 
     def save(self, progress: Position, window: tuple[float, ...], initial_eval: dict[str, float] | None) -> Path:
-        """Collective. `progress`: step, epoch, step_in_epoch; `window`: the open metric window's sums over ranks
-        (loss, label tokens, the objective's).
-        A save that fails for lack of room or rights is one message, and leaves no incomplete checkpoint."""
+        """Collective; `window`: the metric window's sums. A failed save (room, rights) leaves nothing incomplete."""
         state = TrainState(
             step=progress.step,
             epoch=progress.epoch,
@@ -192,8 +166,7 @@ class Checkpointer:
 
 
 def _release_files(exc: BaseException) -> None:
-    """Close the files a failed save left open: the frames of its traceback hold torch.save's writer, and a
-    deleted file that is still open keeps its space on the disk."""
+    """Close the files a failed save left open (its traceback holds them): a deleted open file keeps its space."""
     seen: BaseException | None = exc
     while seen is not None:
         traceback.clear_frames(seen.__traceback__)
@@ -217,9 +190,7 @@ CHECKPOINT_TYPES = (ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_addre
 
 
 def load_weights_only(engine: DeepSpeedEngine) -> None:
-    """DeepSpeed reads checkpoint files with torch.load(weights_only=False), which runs whatever a pickle says.
-    A resume reads files an earlier process wrote, so ds_exp has it read them with weights_only=True instead,
-    allowing only CHECKPOINT_TYPES."""
+    """Have DeepSpeed's torch.load use weights_only=True, allowing only CHECKPOINT_TYPES."""
     compat.read_checkpoints_weights_only(engine, list(CHECKPOINT_TYPES))
 
 
@@ -233,10 +204,7 @@ def load_rng_states(tag_dir: Path, rank: int) -> bool:
 
 
 def fast_forward_schedule(scheduler: Steppable, step: int, skipped_steps: int) -> None:
-    """Step a freshly built LR scheduler to where a run at optimizer step `step` has it. A schedule is a function
-    of the step and is recomputed under the run's settings (a resume may change them on purpose, trajectory.py),
-    not loaded; it advanced on every step but the `skipped_steps` fp16's loss scaler skipped. Both resume paths
-    (a checkpoint loaded as it is, and a universal conversion) call this."""
+    """Step a fresh LR scheduler to `step` (less fp16's `skipped_steps`): recomputed, as a resume may change it."""
     with warnings.catch_warnings():  # torch warns that no optimizer step came first: on purpose here
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
         for _ in range(int(step) - int(skipped_steps)):
@@ -247,8 +215,7 @@ def load_checkpoint(engine: DeepSpeedEngine, tag_dir: Path, *, rank: int) -> Tra
     """Collective: restores module, optimizer, LR scheduler and this rank's RNG states."""
     load_weights_only(engine)
     try:
-        # the LR schedule is not loaded but fast-forwarded to the step (ds_exp.resume.trajectory): a schedule is a
-        # function of the step, and a resume that changes the run's length or learning rate must take effect
+        # the LR schedule is fast-forwarded, not loaded: a resume may change the run's length or learning rate
         load_path, client_state = engine.load_checkpoint(
             str(tag_dir.parent), tag=tag_dir.name, load_lr_scheduler_states=False, custom_load_fn=load_trained
         )

@@ -1,21 +1,5 @@
-"""The conversion process behind ds_exp.universal: `python -m ds_exp.checkpoint.conversion TAG_DIR --out DIR`.
-
-Runs DeepSpeed's ds_to_universal (ZeRO 1-3 checkpoints) or converts a stage-0 checkpoint itself, then makes the
-result loadable by every stage. What DeepSpeed 0.19.8 leaves to do (found on CPU, fp32, tiny Llama):
-- ds_to_universal asserts on a missing universal_checkpoint_info (models without Megatron metadata, such as
-  ds_exp's): --inject_missing_state. It rejects stage 0 (no *_optim_states.pt files).
-- Its stage <=2 and stage 3 outputs only load into the same family of stages: a stage-3 engine looks for
-  zero_pp_rank_0_mp_rank_00_model_states.pt and reads optimizer_state.pt["optimizer_state_dict"]["state"][0]
-  ["step"]; a stage 1/2 engine looks for mp_rank_00_model_states.pt, wants ds_version in optimizer_state.pt,
-  {"param": tensor} files (stage 3 writes bare flat tensors) and a step.pt per parameter (stage 3 writes none).
-- DeepSpeed's CPU Adam (offload) keeps the step as an int, which torch's AdamW refuses: stored as a tensor.
-Every torch.load here reads with weights_only=True (ds_exp.core.compat.torch_load_weights_only), the converter's
-included.
-
-Started by ds_exp.universal.convert_here with --parent-pid and --scratch: on Linux it dies with that parent
-(PR_SET_PDEATHSIG: a SIGTERM, on which it kills its worker processes and removes the scratch directory), and every
-process it forks dies with it (SIGKILL). A refusal is one line on stderr and exit code 3 (universal.EXIT_REFUSED).
-"""
+"""`python -m ds_exp.checkpoint.conversion TAG_DIR --out DIR` (behind ds_exp.universal): ds_to_universal or ds_exp's
+stage-0 conversion, the layout fixed for every stage; dies with --parent-pid; a refusal is one line, exit 3."""
 
 from __future__ import annotations
 
@@ -50,8 +34,7 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_parent(parent_pid: int, scratch: Path | None) -> None:
-    """Linux only: when the process that started this one dies, however (SIGKILL included), this one gets SIGTERM,
-    kills its workers, removes `scratch` and exits; the processes it forks get SIGKILL when it dies."""
+    """Linux only: the parent's death (SIGKILL too) ends this process, its workers and `scratch`."""
     if not sys.platform.startswith("linux"):
         return
 
@@ -78,8 +61,7 @@ def die_with_parent(parent_pid: int, scratch: Path | None) -> None:
 
 
 def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int) -> None:
-    """Write the universal copy of `tag_dir` into `out` (a fresh directory), its marker last, with the fingerprint of
-    the source as it was before anything was read (a source that changes meanwhile leaves the conversion stale)."""
+    """Write the universal copy of `tag_dir` into `out`, its marker last, with the source's fingerprint from before."""
     source = fingerprint(tag_dir)
     with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
         if any(tag_dir.glob("*_optim_states.pt")):  # ZeRO 1-3 (and DeepSpeed's bf16 optimizer)
@@ -127,8 +109,7 @@ def build(tag_dir: Path, out: Path, names: list[list[str]] | None, workers: int)
 
 
 def from_stage0(tag_dir: Path, out: Path, names: list[list[str]] | None) -> None:
-    """Rank 0's model states hold the whole torch optimizer state (under bf16/fp16 inside DeepSpeed's unfused
-    optimizer, with its fp32 master copies); `names` says which parameter each of its indices is."""
+    """Rank 0's model states hold the whole torch optimizer state; `names` says which parameter each index is."""
     source = tag_dir / MODEL_STATES[0]
     states = torch.load(source)
     optimizer = states.get("optimizer") or {}

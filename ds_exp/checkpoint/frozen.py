@@ -1,17 +1,5 @@
-"""What a checkpoint leaves out: the frozen weights (LoRA's base). A resume, a universal conversion and an export take
-them from the model the run started from, which must be the same: its identity is recorded in every checkpoint.
-
-A LoRA run's checkpoints hold only what trains (DeepSpeed's exclude_frozen_parameters): the adapters and the modules
-trained whole, their optimizer states and the engine's counters (SmolLM2-135M with rank 8: a few MB instead of the
-525 MB base in every checkpoint). The frozen weights are what ds_exp.model.build builds again: read from
-model.name_or_path, or for a model built from model.arch the seeded init (init_weights_by_name: a function of
-train.seed and the module names, the same at every ZeRO stage; both are settings a resume may not change). What they
-are is checked, not assumed: `base_identity` (their count, elements and a SHA-256 of each one's name, dtype, shape
-and values as built, before the engine casts them) goes into each checkpoint's marker (TrainState.base), and a resume
-or an export whose rebuilt base differs (the model's files changed at the same path, a transformers that initialises
-otherwise) is refused in one line (`base_change`). A checkpoint written before ds_exp left them out holds them and
-records no identity: it loads as it always did.
-"""
+"""The frozen weights (LoRA's base) a checkpoint leaves out: rebuilt by a resume, conversion or export, their identity
+(`base_identity`) recorded in each checkpoint and a different rebuilt base refused (`base_change`)."""
 
 from __future__ import annotations
 
@@ -38,10 +26,7 @@ def frozen_names(model: torch.nn.Module) -> set[str]:
 
 
 def base_identity(model: torch.nn.Module, *, zero3: bool, source: str) -> dict[str, Any] | None:
-    """What the frozen weights of `model` are, as built: None when every weight trains (a checkpoint then holds them
-    all). Collective where a process group is up: at ZeRO-3 each frozen weight is gathered in turn; rank 0 hashes
-    and every rank gets its identity. `source`: where they come from, for the message of a resume that finds
-    another base."""
+    """The frozen weights of `model` as built (None when all train); collective at ZeRO-3. `source`: for messages."""
     frozen = [(name, param) for name, param in model.named_parameters() if not param.requires_grad]
     if not frozen:
         return None
@@ -70,10 +55,7 @@ def built_base(
     checkpoint: Path | None,
     what: str = "resume",
 ) -> dict[str, Any] | None:
-    """Collective: the identity of the frozen weights of `model` as `model_cfg` built them (from model.arch: with
-    train.seed, `seed`; None when every weight trains), which the run's checkpoints record. Continuing `checkpoint`
-    (a resume, an export: `what`) with other frozen weights than it was trained on is refused here (ResumeError),
-    before anything is loaded."""
+    """Collective: the frozen weights' identity as built; continuing `checkpoint` with others is refused here."""
     source = model_cfg.name_or_path or f"model.arch, initialised from train.seed={seed}"
     base = base_identity(model, zero3=zero3, source=source)
     if checkpoint is not None:
@@ -84,9 +66,7 @@ def built_base(
 
 
 def base_change(saved: dict[str, Any] | None, now: dict[str, Any] | None, tag_dir: Path, *, what: str) -> str | None:
-    """Why `tag_dir` cannot be used with the frozen weights built now (`saved`: its marker's record), None when it
-    can: it recorded none (it holds its frozen weights itself), or they are the same. `what`: the command's word
-    (resume, export)."""
+    """Why `tag_dir` (`saved`: its record) cannot be used with the frozen weights built now; None when it can."""
     if not saved or (now is not None and now.get("sha256") == saved.get("sha256")):
         return None
     then = f"{saved.get('elements', 0):,} weights, SHA-256 {str(saved.get('sha256'))[:16]} (from {saved.get('source')})"
@@ -101,9 +81,7 @@ def base_change(saved: dict[str, Any] | None, now: dict[str, Any] | None, tag_di
 
 @contextlib.contextmanager
 def trained_only(module: torch.nn.Module) -> Iterator[None]:
-    """While a checkpoint is saved: the module's state without its frozen weights, under every name. DeepSpeed's
-    exclude_frozen_parameters drops each under the one name named_parameters() gives it and keeps a tied weight's
-    other name (lm_head.weight of a tied embedding: SmolLM2-135M's 28M weights in every checkpoint)."""
+    """The module's state without its frozen weights under every name (DeepSpeed keeps a tied weight's other name)."""
     frozen = frozen_names(module)
 
     def drop(_: torch.nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
@@ -118,9 +96,7 @@ def trained_only(module: torch.nn.Module) -> Iterator[None]:
 
 
 def load_trained(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
-    """The module's state from a checkpoint, as DeepSpeed's load_checkpoint(custom_load_fn=...) calls it: the frozen
-    weights may be left out (they are the ones built: `base_change` checked them); anything else missing or unexpected
-    is refused, as a strict load refuses it."""
+    """A checkpoint's module state (custom_load_fn): frozen weights may be missing, anything else is a strict load's."""
     result = dst.load_state_dict(dict(src), strict=False)
     frozen = frozen_names(dst)
     missing = [key for key in result.missing_keys if key not in frozen]

@@ -1,35 +1,6 @@
-"""Resume anywhere (issue 16 §2): continue a checkpoint after the world size, ZeRO stage or offload changed.
-
-Such a checkpoint is converted once into DeepSpeed's universal format and cached beside it as <tag>.universal/
-(the original is only read), then loaded with the DeepSpeed config key checkpoint.load_universal. Rank 0 converts,
-in a subprocess, into a temporary directory that is renamed only once complete (its marker written last), while
-the other ranks wait in a broadcast: a failed or killed conversion leaves nothing that a later resume trusts. The
-subprocess dies with its parent (PR_SET_PDEATHSIG) and then removes its temporary directory; one left by a process
-killed outright is removed by the next conversion in that directory.
-
-A conversion is valid only for the exact checkpoint it came from: its marker records a fingerprint of the source
-(`fingerprint`: the names, sizes and mtimes in ns of its files, and the bytes of its completeness marker, which
-name the run, branch and step). Reading stat() only costs nothing even for a huge checkpoint, and a checkpoint
-rewritten in place (a resume from an older step of the same run, a copy over it) changes at least the marker's
-bytes or an mtime; a copy that keeps mtimes (cp -a, rsync -a) keeps the conversion valid, one that does not costs a
-reconversion, never a wrong resume. A stale conversion is converted again, with one line saying why. Only complete
-checkpoints (a readable ds_exp_complete.json) are converted.
-
-`python -m ds_exp.universal <run>/checkpoints/step<N>` converts ahead of a resume (`--help`).
-
-Stage 0 has no ZeRO files: its model and torch optimizer states are converted by ds_exp/checkpoint/conversion.py, and a
-stage-0 engine is loaded by ds_exp (DeepSpeed 0.19.8's stage-0 engine skips universal checkpoints' weights). At
-stage 0 on both sides a world-size change needs no conversion: rank 0 saved the whole optimizer state.
-
-The data order needs nothing: the loop starts the sampler at step_in_epoch x global batch samples, counted over
-all ranks, and the global batch may not change (ds_exp.resume.trajectory). The node count needs nothing either: the
-files are named by global rank. The RNG states are this rank's when the world size is unchanged, else seeded from
-(seed, step, rank). Frozen parameters (LoRA's base) are in no optimizer state, and a checkpoint that records its base
-(ds_exp/checkpoint/frozen.py) holds none of them: the conversion has only what trains, and every engine keeps the
-frozen ones as the model was built, checked to be the base the checkpoint was trained on before anything loads. (A
-checkpoint written before ds_exp left them out holds them: ds_to_universal writes their values alone, which no engine
-reads, and a stage-0 conversion leaves them out.)
-"""
+"""Resume after the world size, ZeRO stage or offload changed: rank 0 converts the checkpoint once, in a subprocess, to
+DeepSpeed's universal format beside it (<tag>.universal/), its marker holding the source's fingerprint so a checkpoint
+rewritten in place is converted again. Stage 0 is converted and loaded by ds_exp."""
 
 from __future__ import annotations
 
@@ -58,7 +29,7 @@ from ds_exp.config.memory_plan import human_bytes
 from ds_exp.config.paths import PACKAGE_DIR
 from ds_exp.core import compat
 from ds_exp.core.errors import ResumeError, first_line
-from ds_exp.core.files import json_text
+from ds_exp.core.files import disk_free_bytes, json_text
 from ds_exp.launch.console import entry_point
 from ds_exp.launch.flags import FlagParser, path, whole
 from ds_exp.resume.settings import not_universal
@@ -83,8 +54,7 @@ def universal_dir(tag_dir: Path) -> Path:
 
 
 def fingerprint(tag_dir: Path) -> dict[str, Any]:
-    """What identifies this exact checkpoint, cheaply: (size, mtime in ns) of each file by relative name, and a
-    digest over them and the completeness marker's bytes (see the module docstring)."""
+    """What identifies this checkpoint, cheaply: each file's (size, mtime ns), digested with the completeness marker."""
     files = {
         str(p.relative_to(tag_dir)): [p.stat().st_size, p.stat().st_mtime_ns]
         for p in sorted(tag_dir.rglob("*"))
@@ -130,8 +100,7 @@ def require_complete(tag_dir: Path) -> None:
 
 
 def remove_stale_temporaries(directory: Path) -> None:
-    """Remove .<tag>.universal.tmp-<host>-<pid> directories whose converting process on this host is gone (killed
-    outright); another host's are left alone (their process cannot be seen from here)."""
+    """Remove this host's .<tag>.universal.tmp-<host>-<pid> directories whose process is gone; other hosts' stay."""
     try:
         entries = list(directory.iterdir())
     except OSError:
@@ -157,19 +126,11 @@ def _alive(pid: int) -> bool:
 
 
 def space_needed(tag_dir: Path) -> int:
-    """About the most the conversion of `tag_dir` occupies beside it while it works: for ZeRO 1-3 every optimizer
-    state once in the output and once in DeepSpeed's temporary fragments, plus its copy of the model states (replaced
-    by hard links at the end); at stage 0 the states of the model states file once. 10% on top for what else
-    DeepSpeed writes (tiny model, ZeRO-2: the peak was 14.3 MB for 5.9 MB of optimizer and 2.0 MB of model states)."""
+    """About the most a conversion occupies: optimizer states twice plus model states, 10% on top (measured)."""
     sizes = {p.name: p.stat().st_size for p in tag_dir.iterdir() if p.is_file()}
     optim = sum(size for name, size in sizes.items() if name.endswith("_optim_states.pt"))
     model = sum(size for name, size in sizes.items() if name.endswith("_model_states.pt"))
     return int(1.1 * (2 * optim + model if optim else model))
-
-
-def _free_bytes(path: Path) -> int:
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
 
 
 def _no_space(tag_dir: Path, needed: int, free: int) -> ResumeError:
@@ -181,8 +142,7 @@ def _no_space(tag_dir: Path, needed: int, free: int) -> ResumeError:
 
 
 def ds_config_for_load(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSpeed config to build the engine with (deepspeed.initialize reads the key). A stage-0 engine cannot
-    load universal checkpoints (DeepSpeed 0.19.8 skips the weights, then fails): load() does it without the key."""
+    """The engine's DeepSpeed config; a stage-0 engine cannot load universal checkpoints: load() does it."""
     if not ds_config.get("zero_optimization", {}).get("stage"):
         return ds_config
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
@@ -195,8 +155,7 @@ def param_names(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[li
 
 
 def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = None) -> bool:
-    """Collective and idempotent: rank 0 converts unless a complete conversion is there, every rank learns how
-    it went. True when an earlier conversion was reused."""
+    """Collective and idempotent: rank 0 converts unless a complete conversion is there; True when one was reused."""
     outcome: tuple[bool, str | None] = (False, None)
     if rank == 0:
         reused, stale = conversion_status(tag_dir)
@@ -217,9 +176,7 @@ def convert(tag_dir: Path, *, rank: int, param_names: list[list[str]] | None = N
 
 
 def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: int = 2) -> Path:
-    """Build into a temporary sibling (in a subprocess: its memory, DeepSpeed's prints and worker pool stay there),
-    then rename: a half-done conversion is never mistaken for a complete one. A stale conversion (another state of
-    the checkpoint) is replaced; an incomplete checkpoint is refused."""
+    """Convert in a subprocess into a temporary sibling, then rename; a stale conversion is replaced."""
     tag_dir = tag_dir.resolve()
     target = universal_dir(tag_dir)
     require_complete(tag_dir)
@@ -240,7 +197,7 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
             f"not writable ({err.strerror}); copy the checkpoint directory somewhere writable and resume from there"
         ) from None
     try:
-        free = _free_bytes(work)
+        free = disk_free_bytes(work)
         if free < needed:
             raise _no_space(tag_dir, needed, free)
         args = [str(tag_dir), "--out", str(work / "out"), "--workers", str(workers)]
@@ -261,7 +218,8 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
             if proc.returncode == EXIT_REFUSED:
                 raise ResumeError(output.splitlines()[-1])
             if "No space left on device" in output or os.strerror(errno.ENOSPC) in output:
-                raise _no_space(tag_dir, needed, _free_bytes(work) + _size_of(work))
+                taken = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+                raise _no_space(tag_dir, needed, disk_free_bytes(work) + taken)
             tail = "\n".join(output.splitlines()[-8:])
             raise ResumeError(f"resume: converting {tag_dir} to DeepSpeed's universal format failed:\n{tail}")
         if is_converted(tag_dir):  # another process converted it meanwhile: theirs is as good
@@ -273,14 +231,8 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
     return target
 
 
-def _size_of(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
-
-
 def load(engine: DeepSpeedEngine, tag_dir: Path) -> dict[str, Any]:
-    """Collective: module, optimizer and engine counters from the converted copy of `tag_dir`; returns the client
-    state (ds_exp's TrainState under "ds_exp"). The engine was built with ds_config_for_load. The LR schedule is
-    fast-forwarded by the caller, as for any resume."""
+    """Collective: the converted copy into `engine` (built with ds_config_for_load); its client state."""
     udir = universal_dir(tag_dir)
     load_weights_only(engine)
     with compat.torch_load_weights_only(list(CHECKPOINT_TYPES)):
@@ -323,8 +275,7 @@ def _load_stage0(engine: DeepSpeedEngine, udir: Path) -> dict[str, Any]:
 def restore_rng(
     tag_dir: Path, *, rank: int, world_size: int, saved_world_size: int | None, seed: int, step: int
 ) -> None:
-    """This rank's saved RNG states when the world size is unchanged (exact); otherwise a reproducible seed from
-    (seed, step, rank), since ranks then see other samples anyway (dropout masks differ)."""
+    """This rank's saved RNG states when the world size is unchanged; else a seed from (seed, step, rank)."""
     if world_size == saved_world_size and load_rng_states(tag_dir, rank):
         return
     fresh = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little") >> 1
@@ -343,9 +294,7 @@ def load_state(
     model: torch.nn.Module,
     groups: list,
 ) -> dict:
-    """Collective: convert `tag_dir` (once) and load it into `engine`, set the RNG states and fast-forward the LR
-    schedule; returns the checkpoint's TrainState as a dict. `groups`: the optimizer's parameter groups as
-    ds_exp.model.engine.parameter_groups makes them (they name a stage-0 checkpoint's optimizer indices)."""
+    """Collective: convert (once), load, set RNG states, fast-forward the schedule; its TrainState."""
     if rank == 0:
         warning = compat.check_universal_version()
         if warning:

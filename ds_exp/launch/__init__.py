@@ -1,10 +1,4 @@
-"""Starting a process, before anything heavy: the command line and its Hydra entry (cli), how the process was
-launched (environment), everything checked before heavy work (validation), the
-run directory's guards and its lock (run_dir, lock, callbacks: the single run's Hydra callback), per-rank log
-files (run_logging), every command's error boundary (console), files written whole (files) and disk checks
-(storage).
-
-Layer 4, light: no torch, no deepspeed. May import: ds_exp.core, ds_exp.config, ds_exp.data,
-ds_exp.resume. The one exception is cli.run_job, which imports the training stack (ds_exp.train.recipe,
-ds_exp.tools.dry_run) once validation has passed.
-"""
+"""Starting a process: the command line (cli), the launch (environment), the checks before heavy work (validation), the
+run directory's guards and lock, logs, every command's error boundary (console). Layer 4, light: no torch. May import:
+ds_exp.core, ds_exp.config, ds_exp.data, ds_exp.resume; only cli.run_job imports the training stack, after
+validation."""

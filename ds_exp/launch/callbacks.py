@@ -12,9 +12,7 @@ from ds_exp.launch.run_dir import check_run_start
 
 
 class CheckRunDir(Callback):
-    """Hydra callback: run_dir's checks before Hydra creates the run directory or writes into it (a sweep's
-    directory is checked by ds_exp.sweeps.callbacks.ValidateSweep). Whatever a check raises stops the process
-    (console.exit_on_error): Hydra would only warn and go on."""
+    """Hydra callback: run_dir's checks before Hydra makes the run directory; whatever they raise stops the process."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         exit_on_error(lambda: check_run_start(config), "checking the run directory")

@@ -1,10 +1,5 @@
-"""The one entry point: `python -m ds_exp ...` and the `ds-exp` console script.
-
-Everything imported at module level here is light (Hydra, OmegaConf, our config package): `--help`,
-`--cfg job` and validation never import torch or deepspeed. The training stack is imported inside `run_job`.
-Importing this module patches nothing: what Hydra's compositions need (`prepare_composition`) is installed by the
-processes that compose, main() and a submitit job as it unpickles its task (`HydraTask`).
-"""
+"""The one entry point: `python -m ds_exp ...` and the `ds-exp` console script. Module level is light (torch and
+deepspeed only in run_job); importing it patches nothing (`prepare_composition` is installed where composing)."""
 
 from __future__ import annotations
 
@@ -48,10 +43,7 @@ _LOCAL_RANK_FLAG = re.compile(r"^--local[_-]rank(=(\d+))?$")
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
-    """Drop the `--local_rank=N` / `--local-rank N` the deepspeed launcher appends (Hydra rejects it).
-
-    The value is kept in LOCAL_RANK when the launcher did not export it already.
-    """
+    """Drop the `--local_rank` the deepspeed launcher appends (Hydra rejects it), keeping its value in LOCAL_RANK."""
     kept: list[str] = []
     args = iter(argv)
     for arg in args:
@@ -65,21 +57,9 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     return kept
 
 
-def check_launch_env() -> None:
-    """Inconsistent launcher variables are refused at once: the process would wait for ranks that never come."""
-    problems = launch_env_problems()
-    if problems:
-        raise ConfigError(problems)
-
-
-def run_dir_of_job() -> Path:
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
 def run_job(composed: DictConfig) -> dict[str, Any]:
-    """A sweep job that resumes runs with the config its sweep continued and kept for it (launch.run_config), and
-    at its end puts back the earlier .hydra/ files Hydra wrote over when it launched the job."""
-    run_dir = run_dir_of_job()
+    """A resuming sweep job runs the config its sweep kept for it, and puts the earlier .hydra/ files back after."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     if not (in_multirun() and composed.get("resume") is not None):
         return _run_job(composed, run_dir)
     first_rank = detect_launch().is_main  # a submitit job's ranks all run this: one of them moves files
@@ -93,8 +73,7 @@ def run_job(composed: DictConfig) -> dict[str, Any]:
 
 
 def _run_job(composed: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Typed once, validated (the data's rows too), then planned (dry_run=true) or trained. Heavy imports happen only
-    past validation."""
+    """Typed, validated (data rows too), then planned or trained: heavy imports only past validation."""
     # the run's own overrides (the command line's, or a sweep job's) must be ones it obeys
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     try:
@@ -137,9 +116,7 @@ def in_multirun() -> bool:
 
 
 def hydra_task(cfg: DictConfig) -> dict[str, Any]:
-    """The job's error boundary (ds_exp/launch/console.py), inside Hydra's: a user error is its message, anything
-    else one line naming the run's log that holds its traceback; Hydra's "Error executing job" and its traceback
-    never show (HYDRA_FULL_ERROR=1 shows the traceback)."""
+    """The job's error boundary inside Hydra's: Hydra's "Error executing job" and its traceback never show."""
     # a submitit job gets the command line's secrets as DS_EXP_SECRET_* (never its argv): blank them from here on
     register_secrets(environ=os.environ)
     try:
@@ -147,18 +124,14 @@ def hydra_task(cfg: DictConfig) -> dict[str, Any]:
     except Exception as err:
         status = report_error(err, log=job_log(), what="the run")
         if in_multirun():
-            # the other jobs of the sweep go on; the job's summary.json and the sweep report name the failure
-            # (submitit pickles this return value into the sweep directory)
+            # the sweep's other jobs go on; the job's summary.json and the sweep report name the failure
             error = str(err) if isinstance(err, DsExpError) else f"{type(err).__name__}: {first_line(err)}"
             return {"status": getattr(err, "status", RunStatus.FAILED), "error": redact_text(error)}
         sys.exit(status)
 
 
 class HydraTask:
-    """hydra_task as Hydra's launchers get it. A submitit job unpickles its task, then composes its own config
-    (and saves .hydra/) before the task runs: unpickling this prepares that composition first (`task_in_job`), so a
-    config file's credentials are hidden in the job's files too. Hydra names the job from `__module__`, as it did
-    from the function."""
+    """hydra_task for Hydra's launchers: a submitit job unpickling it prepares its composition first (`task_in_job`)."""
 
     def __call__(self, cfg: DictConfig) -> dict[str, Any]:
         return hydra_task(cfg)
@@ -174,18 +147,14 @@ def task_in_job() -> Callable[[DictConfig], dict[str, Any]]:
 
 
 def prepare_composition() -> None:
-    """What every composition of ds_exp's config needs, installed in the process that composes (before Hydra does:
-    the run's, each sweep job's, a sweeper's trials): the resolvers, the schema, config files' credentials hidden
-    (ds_exp.config.secrets) and `data.sources.0.path=X` on a data option without sources as one message
-    (ds_exp.config.override_checks). Both hooks are ds_exp.core.compat.hydra's, with its version check."""
+    """What every composition needs in its process: resolvers, schema, hidden credentials, data-path checks."""
     register_resolvers()
     register_configs()
     check_list_items_when_composing()
 
 
 def job_log() -> Path | None:
-    """The log Hydra keeps in the run directory (<run dir>/<job name>.log): where the traceback of an unexpected
-    error goes when the run's own log (logs/rank<N>.log, ds_exp/train/session.py) does not hold it."""
+    """Hydra's log in the run directory: an unexpected error's traceback goes there when the run's own log lacks it."""
     if not HydraConfig.initialized():
         return None
     hydra_cfg = HydraConfig.get()
@@ -194,10 +163,7 @@ def job_log() -> Path | None:
 
 
 def find_own_sweepers() -> None:
-    """Let Hydra find ds_exp's sweepers (hydra_plugins/ds_exp_*) from any working directory. An editable install
-    maps ds_exp's packages through an import hook that Hydra's plugin scan (pkgutil over the hydra_plugins
-    namespace) does not see, so `hydra/sweeper=optuna` worked only from the repository; a regular install puts
-    them beside the other plugins and needs nothing."""
+    """Let Hydra find hydra_plugins/ds_exp_* from anywhere (its scan misses an editable install's import hook)."""
     ours = PACKAGE_DIR.parent / "hydra_plugins"
     if ours.is_dir() and str(ours) not in list(hydra_plugins.__path__):
         hydra_plugins.__path__.append(str(ours))
@@ -205,8 +171,7 @@ def find_own_sweepers() -> None:
 
 @entry_point("ds_exp", exits=True)
 def main() -> int:
-    """`python -m ds_exp ...` and the `ds-exp` console script, inside the error boundary (launch/console.py); a
-    status other than 0 ends the process (SystemExit), as Hydra's own errors do."""
+    """`python -m ds_exp ...` inside the error boundary; a status other than 0 ends the process."""
     hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
     find_own_sweepers()
     sys.argv = quote_one_value_lists(strip_local_rank(sys.argv))  # data.data_split=10,0,0 is one value, not a sweep
@@ -224,7 +189,8 @@ def main() -> int:
 
 def prepare_overrides(args: list[str]) -> list[str]:
     """What every way into a run does before Hydra reads its overrides (the command line, ds_exp.train's API)."""
-    check_launch_env()
+    if problems := launch_env_problems():  # else the process would wait for ranks that never come
+        raise ConfigError(problems)
     # before Hydra sees them: secret values move to DS_EXP_SECRET_* variables (see ds_exp/config/secrets.py)
     args = hide_secret_overrides(args, os.environ)
     check_config_files(args)  # the user's experiment files: one message each, before Hydra reads them

@@ -1,26 +1,6 @@
-"""Every command's error boundary: what a person reads when a command cannot go on.
-
-A command's main is bounded by `@entry_point("ds_exp.NAME")` (tests/unit/test_entry_points.py finds every command
-and checks that it is):
-
-* a known problem (DsExpError): one message, its first line after "ds_exp: error:", the rest indented, and its
-  exit_code;
-* anything unexpected: one line saying what failed and which file holds its traceback (the run's log when there
-  is a run, else a new file in the user's cache: ~/.cache/ds_exp/errors/), exit status 1;
-* HYDRA_FULL_ERROR=1: the traceback on the console as well;
-* Ctrl-C: exit status 130 and one short line;
-* standard output closed early (`| head`): quiet, exit status 141 (what a shell reports for a process that SIGPIPE
-  ended), and nothing left for Python to complain about at exit.
-
-Several ranks (torchrun, the deepspeed launcher, mpirun, srun) that hit the same error print it once: the ranks a
-launcher started on one machine agree through a file named by their launcher's process and the message, which the
-first of them creates (`first_to_say`); a rank's own error, another message, still prints.
-
-No registered secret (ds_exp.config.secrets) reaches the console or the traceback's file. A Hydra callback, which
-Hydra would let fail with a warning, stops the process through `exit_on_error`; Hydra's refusals of the command line
-reach the boundary (ds_exp.core.compat.raise_hydra_errors) and are told as ds_exp's own; the Hydra task of `python -m
-ds_exp` reports through `report_error` with its run's log (ds_exp/launch/cli.py).
-"""
+"""Every command's error boundary (`@entry_point`): a DsExpError is its message and exit_code; anything else one line
+naming the file that holds its traceback, exit 1 (HYDRA_FULL_ERROR=1 shows it); Ctrl-C 130; a closed stdout 141. The
+ranks of a launch on one machine print an error once (`first_to_say`); no registered secret is printed."""
 
 from __future__ import annotations
 
@@ -55,8 +35,7 @@ _running = ["ds_exp"]  # the command this process runs: names its traceback file
 
 
 class Command(Generic[P]):
-    """A command's main inside the error boundary: calling it runs `work` and returns the exit status (with
-    `exits`, a status other than 0 ends the process instead, as `python -m ds_exp`'s Hydra main does)."""
+    """A command's main inside the error boundary; with `exits`, a status other than 0 ends the process."""
 
     def __init__(self, name: str, work: Callable[P, int | None], exits: bool = False) -> None:
         self.name, self.work, self.exits = name, work, exits
@@ -70,9 +49,7 @@ class Command(Generic[P]):
 
 
 def entry_point(name: str, exits: bool = False) -> Callable[[Callable[P, int | None]], Command[P]]:
-    """The error boundary as a decorator: `@entry_point("ds_exp.evaluate")` on `def main(argv=None) -> int`, and
-    the command's module ends with `if __name__ == "__main__": sys.exit(main())`. `name` is what the one line of
-    an unexpected error says failed, and names its traceback's file."""
+    """The error boundary on `def main(argv=None) -> int`; `name` says what failed and names its traceback's file."""
 
     def bound(work: Callable[P, int | None]) -> Command[P]:
         return Command(name, work, exits)
@@ -81,8 +58,7 @@ def entry_point(name: str, exits: bool = False) -> Callable[[Callable[P, int | N
 
 
 def run_command(name: str, work: Callable[[], int | None]) -> int:
-    """Run a command's work inside the error boundary; returns its exit status. SystemExit (argparse's usage
-    errors, --help) goes through, once standard output is flushed."""
+    """Run a command's work inside the error boundary; its exit status. SystemExit (argparse) goes through."""
     _running[0] = name
     try:
         try:
@@ -105,10 +81,7 @@ def run_command(name: str, work: Callable[[], int | None]) -> int:
 
 
 def report_error(err: Exception, log: Path | None = None, what: str | None = None, after: str = "") -> int:
-    """`err` as a person reads it, on stderr; returns the exit status. A DsExpError is its message (Hydra's refusal of
-    the command line is a ConfigError in ds_exp's words); anything else one line naming `what` failed (default: the
-    command) and the file that keeps its traceback: `log` (the run's log) when given, else a new file in the user's
-    cache."""
+    """`err` on stderr for a person; the exit status. Unexpected: one line naming its traceback's file."""
     if isinstance(err, (DsExpError, HydraException)):
         if full_error():
             sys.stderr.write(redact_text("".join(traceback.format_exception(err))))
@@ -120,8 +93,7 @@ def report_error(err: Exception, log: Path | None = None, what: str | None = Non
 
 
 def report_user_error(err: DsExpError) -> None:
-    """The message on stderr: its first line after "ds_exp: error:", the rest indented; no traceback (the message is
-    the whole story; HYDRA_FULL_ERROR=1 shows the traceback), and no registered secret (ds_exp.config.secrets)."""
+    """The message on stderr, its first line after "ds_exp: error:", the rest indented; no traceback, no secret."""
     lines = redact_text(str(err)).splitlines() or [type(err).__name__]
     say([f"ds_exp: error: {lines[0]}", *(f"  {line}" for line in lines[1:])])
 
@@ -136,12 +108,7 @@ _SAID_KEEP_S = 24 * 3600  # how long a claim is kept (a launcher process id come
 
 
 def first_to_say(text: str) -> bool:
-    """Whether this process is the first of its launch's ranks on this machine to say `text` (always, when it runs
-    alone). The ranks a launcher started on one machine share their parent process (torchrun's agent, the
-    deepspeed launcher's, mpirun's daemon, slurmstepd) and /tmp: the first to create <tmp>/ds_exp-<uid>/said/
-    <parent's pid and start time>-<digest of text> says it, the others stay quiet. Ranks on other machines say it
-    there (once per machine). Anything in the way (no /proc, a directory that cannot be written, or one that is not
-    ds_exp's own: ds_exp/core/private_files.py) says it: a claim never silences an error."""
+    """Whether this is the first of its launch's ranks on this machine to say `text` (when in doubt, it is)."""
     if not launched_with_several_ranks():
         return True
     launch = _launcher_process()
@@ -192,8 +159,7 @@ def traceback_logged(err: BaseException, log_file: str | Path) -> None:
 
 
 def keep_traceback(err: BaseException, text: str, log: Path | None) -> Path | None:
-    """The file that holds the traceback `text`: the log that has it already, else `log` (appended to), else a new
-    file in the user's cache (or the temporary directory); None when none can be written."""
+    """The file holding the traceback `text`: a log that has it, else `log`, else a new one in the cache; or None."""
     logged = getattr(err, _LOGGED_IN, None)
     if logged:
         return Path(logged)
@@ -239,8 +205,7 @@ def stdout_closed() -> bool:
 
 
 def silence_stdout() -> None:
-    """Point standard output at /dev/null: what is still buffered goes nowhere at exit, instead of Python's
-    "Exception ignored ... BrokenPipeError" (the fix Python's documentation of SIGPIPE gives)."""
+    """Point stdout at /dev/null: nothing buffered raises "Exception ignored ... BrokenPipeError" at exit."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, sys.stdout.fileno())
@@ -249,10 +214,7 @@ def silence_stdout() -> None:
 
 
 def exit_on_error(check: Callable[[], T], what: str, after: str = "nothing was started") -> T:
-    """Run a check that guards files (a Hydra callback's): whatever it raises stops the process. Hydra 1.3 turns
-    an exception raised in a callback into a warning and goes on (`Callbacks._notify`), which would disable the
-    check; so a user error is its one message (exit 2), anything else one line naming `what` failed and where its
-    traceback is (exit 1), and the run never goes ahead."""
+    """Run a callback's check: Hydra 1.3 only warns when a callback raises, so whatever it raises exits here."""
     try:
         return check()
     except Exception as err:

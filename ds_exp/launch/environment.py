@@ -1,6 +1,5 @@
-"""How the process was launched, read from the environment only (no torch): launcher, rank, world size,
-rendezvous address (a SLURM node list's first host: `slurm_hostnames`); inconsistent launcher variables; the backend
-and CPU threads a rank should use."""
+"""How the process was launched, from the environment only (no torch): launcher, rank, world size, rendezvous address;
+inconsistent launcher variables; the backend and CPU threads a rank should use."""
 
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ def detect_launch(dist_cfg: DistConfig | None = None) -> LaunchInfo:
     env = os.environ
     port = _int_env("MASTER_PORT", default=default_port)
     if launcher == "single":
-        # alone, nobody needs to find this process: any free port (two single-GPU runs on one machine would
-        # otherwise both take 29500)
+        # alone: any free port (two single-GPU runs on one machine would both take 29500)
         port = _int_env("MASTER_PORT") or free_port()
         return LaunchInfo("single", 0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port)
     if launcher == "env":
@@ -94,11 +92,7 @@ def detect_launch(dist_cfg: DistConfig | None = None) -> LaunchInfo:
         local_world = _int_env("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", default=world)
         return LaunchInfo("mpi", rank, local, world, env.get("MASTER_ADDR", "127.0.0.1"), port, local_world)
     if launcher == "submitit":
-        # JobEnvironment only reads SLURM's variables; unlike submitit.helpers.TorchDistributedEnvironment
-        # .export() it leaves CUDA_VISIBLE_DEVICES alone, so every task still sees all GPUs of its node.
-
-        # The rendezvous comes from SLURM's own variables, as for a plain srun: the step's first node (SLURM's
-        # order puts rank 0 there) and a port derived from the job id, so every rank computes the same pair.
+        # JobEnvironment reads SLURM's variables only (not CUDA_VISIBLE_DEVICES); the rendezvous is a plain srun's
         import submitit  # only inside a submitit job: every other launch starts without its import time
 
         try:
@@ -234,11 +228,7 @@ def choose_backend(requested: str, accelerator: str) -> str:
 
 
 def cpu_threads_per_rank(launch: LaunchInfo) -> int | None:
-    """Intra-op threads for one rank when nobody chose: the CPUs SLURM gave the task, else this node's cores
-    shared by its ranks. None when OMP_NUM_THREADS is set (torchrun sets it to 1 itself).
-
-    Without it every rank starts one thread per core, and on CPU the ranks of a node fight over the cores
-    (seen here: 2 ranks under SLURM trained 4x slower than under torchrun)."""
+    """Intra-op threads per rank unless OMP_NUM_THREADS is set: SLURM's CPUs per task, else the node's cores shared."""
     if "OMP_NUM_THREADS" in os.environ:
         return None
     per_task = _int_env("SLURM_CPUS_PER_TASK")
@@ -251,12 +241,7 @@ def cpu_threads_per_rank(launch: LaunchInfo) -> int | None:
 
 
 def slurm_hostnames(nodelist: str) -> list[str]:
-    """The hosts of a SLURM node list (`node[1-3,5],gpu7`), in SLURM's order: the first is where rank 0 runs.
-
-    No library has a public function for this (submitit's `_parse_node_list` is private: not used), so SLURM's own
-    `scontrol show hostnames` expands it; where scontrol is missing or cannot answer, `parse_slurm_nodelist` does.
-    If either goes wrong, a SLURM launch without MASTER_ADDR rendezvouses at the wrong host
-    (tests/system/test_slurm_multinode.py, tests/integration/test_distributed.py)."""
+    """A SLURM node list's hosts in order (first: rank 0's), by `scontrol show hostnames` or parse_slurm_nodelist."""
     scontrol = shutil.which("scontrol")
     conf = os.environ.get("SLURM_CONF")
     if scontrol and not (conf and not os.path.exists(conf)):  # a missing SLURM_CONF: scontrol retries for 60 s
@@ -272,8 +257,7 @@ def slurm_hostnames(nodelist: str) -> list[str]:
 
 
 def parse_slurm_nodelist(nodelist: str) -> list[str]:
-    """SLURM's host list syntax: comma-separated names, each with bracketed ranges expanded in order, zero padding
-    kept (`gpu[08-10],cpu1,rack[1-2]-n[1,3]`). Raises ValueError on unbalanced or malformed brackets."""
+    """SLURM's host list syntax (`gpu[08-10],rack[1-2]-n[1,3]`), zero padding kept; ValueError on malformed brackets."""
     groups, depth, start = [], 0, 0
     for pos, char in enumerate(nodelist):
         depth += {"[": 1, "]": -1}.get(char, 0)

@@ -1,19 +1,5 @@
-"""`python -m ds_exp --write-experiment PATH OVERRIDES...`: a command line the user already has, saved as their own
-experiment file (a Hydra config of the `experiment` group), run with `--config-dir DIR experiment=NAME`.
-
-* Group choices (`zero=stage3`, `hydra/launcher=slurm`) go into the file's defaults list; `experiment=PRESET`
-  includes the preset first, so the file builds on it. Values go in as YAML, taken from the config Hydra composes
-  from the command line (so Hydra has already undone its quoting, and a list item set by index writes its list).
-  Sweeps (`key=a,b`, `interval(...)`) go under hydra.sweeper.params, and the file is then run with -m.
-* Credentials never go in: a credential key with a literal value is left out (and named), and nothing is
-  written whose text holds a credential of the environment.
-* Before anything is written, the file is composed as `--config-dir DIR experiment=NAME` would compose it, and
-  compared with the command line's own composition: the file is written only when they are the same config.
-* An existing file is never overwritten (the file is created exclusively).
-
-Hydra finds an experiment NAME of `--config-dir DIR` at DIR/experiment/NAME.yaml: a PATH whose folder is not
-named `experiment` gets one (`my_exp.yaml` -> `experiment/my_exp.yaml`, run with `--config-dir .`).
-"""
+"""`python -m ds_exp --write-experiment PATH OVERRIDES...`: a command line saved as an experiment file (group choices,
+values, sweeps; no credential), written new and only when it composes to the command line's own config."""
 
 from __future__ import annotations
 
@@ -42,6 +28,7 @@ from ds_exp.config.schema import register_configs
 from ds_exp.config.secret_shapes import is_reference, secret_spans
 from ds_exp.config.secrets import ENV_PREFIX, holds_secret, is_env_set_value, is_secret_key, redact_text, secret_inside
 from ds_exp.core.errors import ConfigError, first_line
+from ds_exp.launch.run_config import flat_keys
 from ds_exp.launch.storage import check_writable
 
 if TYPE_CHECKING:
@@ -57,8 +44,6 @@ _VOLATILE_HYDRA = ("runtime", "overrides", "job", "searchpath", "sweeper.params"
 
 @dataclass
 class Plan:
-    """What the file will hold."""
-
     name: str
     path: Path  # DIR/experiment/NAME.yaml
     overrides: list[str]  # the command line's overrides that compose (no sweeps)
@@ -101,8 +86,7 @@ def write_experiment_main(argv: list[str]) -> int:
 
 
 def write_new_file(path: Path, text: str) -> None:
-    """`text` as a new file at `path`, whole or not at all: never over an existing file, and a failure (a read-only
-    or full disk) leaves neither a partial file nor the directories made for it."""
+    """`text` as a new file at `path`, whole or not at all: never over a file, nothing left after a failure."""
     check_writable(path.parent, FLAG)
     made = [p for p in [path.parent, *path.parent.parents] if not p.exists()]
     try:
@@ -227,8 +211,7 @@ def plan_file(path_arg: str, args: list[str]) -> Plan:
 
 
 def _secret(override: Override) -> bool:
-    """A secret given literally (a `${oc.env:...}` reference is kept: it names, it does not hold): under a
-    credential's name, a value of hydra.job.env_set, or a value holding one by its shape (a URL's password)."""
+    """A literal secret (a `${oc.env:...}` only names one): by its key, as an env_set value, or by its shape."""
     if override.is_sweep_override():
         return False
     value = override.value()
@@ -264,8 +247,7 @@ def _value_at(cfg: DictConfig, key: str) -> dict[str, Any]:
 
 
 def _without_defaults(item: object) -> Any:
-    """A list's item as the file writes it: a typed one (a data source) with only what differs from its type's
-    defaults (its path, not the 11 fields of DataSource), which the file's config is filled with again."""
+    """A typed list item (a data source) with only what differs from its type's defaults."""
     kind = OmegaConf.get_type(item) if isinstance(item, DictConfig) else None
     written = _plain(item)
     if not (isinstance(kind, type) and dataclasses.is_dataclass(kind) and isinstance(written, dict)):
@@ -368,7 +350,8 @@ def check_same_config(plan: Plan, text: str) -> None:
 def config_differences(expected: DictConfig, got: DictConfig) -> list[str]:
     """Keys whose values differ between two compositions (Hydra's bookkeeping left out)."""
     a, b = _comparable(expected), _comparable(got)
-    return [f"{key}: {a.get(key)!r} on the command line, {b.get(key)!r} from the file" for key in _diff(a, b)]
+    keys = sorted(key for key in a.keys() | b.keys() if a.get(key, ...) != b.get(key, ...))
+    return [f"{key}: {a.get(key)!r} on the command line, {b.get(key)!r} from the file" for key in keys]
 
 
 def _comparable(cfg: DictConfig) -> dict[str, Any]:
@@ -381,18 +364,4 @@ def _comparable(cfg: DictConfig) -> dict[str, Any]:
         for part in parents:
             node = node.get(part, {})
         node.pop(last, None)
-    flat: dict[str, Any] = {}
-    _flatten(tree, "", flat)
-    return flat
-
-
-def _flatten(node: object, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(node, dict) and node:
-        for key, value in node.items():
-            _flatten(value, f"{prefix}{key}.", out)
-    else:
-        out[prefix.rstrip(".")] = node
-
-
-def _diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    return sorted(key for key in a.keys() | b.keys() if a.get(key, ...) != b.get(key, ...))
+    return flat_keys(tree)

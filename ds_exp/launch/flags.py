@@ -1,8 +1,5 @@
-"""The flags of ds_exp's commands (python -m ds_exp.export, .chat, .parity, .universal, .report), read the same way
-(issue 31 §2): a parser that refuses with one line naming the flag and the fix (argparse prints its usage block
-first), and value types that refuse what no flag means: nan, inf, a whole number past 64 bits, a number out of the
-flag's range, a path no file system can hold (Path.exists raises on it). tests/unit/test_hostile_inputs.py finds
-every command's parser and feeds it hostile values."""
+"""The flags of ds_exp's commands, read alike (issue 31 §2): a refusal is one line naming the flag and the fix; the
+types refuse nan, inf, numbers past 64 bits or the range, and impossible paths."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""`python -m ds_exp --help [GROUP ...]`: the groups, their options and every knob, explained by the comments of
-conf/*.yaml (the one place they are written), and the common recipes.
-
-Hydra's own app help composes the whole config and then lists each group's options through a fresh config
-repository per group (deep copies of ds_exp's structured schema): ~1.5 s for text that holds none of the comments.
-This reads the YAML files as text instead: `key: value  # comment` lines, the comment block above a key, a file's
-leading comment (what the option is), list items (`- path: ???  # ...`) and indented comment lines that continue
-the comment above. That is all conf/ uses (tests/unit/test_config.py keeps every knob commented), it takes milliseconds,
-and it reads the same files at run time, so the help cannot fall out of step with the config (bench/help_time.py).
-A number's range follows its comment, read from its field (ds_exp/config/ranges.py), as validation reads it.
-"""
+"""`python -m ds_exp --help [GROUP ...]`: groups, options and knobs explained by conf/*.yaml's comments, read as text
+(ms, not Hydra's ~1.5 s), so the help cannot fall out of step; a number's range comes from its field."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""A Hugging Face hub id (model.name_or_path / model.tokenizer = `org/name`) on a machine that cannot reach the
-hub: one message at once, instead of transformers' retries (about 50 s of backoff per file, then an error about
-the tokenizer).
-
-Before anything loads: without HF_HUB_OFFLINE, one TCP connection to the hub (or to the HTTPS proxy) with a short
-timeout says whether it can be reached. When it cannot, an id in the local hub cache is loaded from there
-(HF_HUB_OFFLINE=1 is set for this process, before transformers or huggingface_hub are imported), and an id that is
-not cached is refused with the fix. With HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1, as users keep in their shells)
-an id that is not cached is refused at once, naming the variable that is set and the cache folder looked in.
-Reads the environment and the cache folder only: huggingface_hub itself is not imported (it fixes its settings
-from the environment when imported, and the training stack imports it after this check).
-"""
+"""A Hugging Face hub id on a machine that cannot reach the hub (one short TCP probe, or HF_HUB_OFFLINE=1 /
+TRANSFORMERS_OFFLINE=1): a cached id loads offline, another is refused at once, not after ~50 s of retries per file."""
 
 from __future__ import annotations
 
@@ -42,8 +32,7 @@ def hub_ids(model: ModelConfig) -> list[tuple[str, str]]:
 
 
 def offline_settings() -> list[str]:
-    """The variables that keep huggingface_hub offline here, as set (`HF_HUB_OFFLINE=1`): huggingface_hub reads
-    either name."""
+    """The variables that keep huggingface_hub offline here, as set (`HF_HUB_OFFLINE=1`)."""
     return [
         f"{name}={os.environ[name].strip()}"
         for name in OFFLINE_VARIABLES
@@ -61,12 +50,6 @@ def hub_cache() -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     default_home = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface"
     return Path(os.environ.get("HF_HOME", default_home)).expanduser() / "hub"
-
-
-def hub_cache_shown() -> str:
-    """The cache folder, and the variable that put it there (HF_HOME set elsewhere moves it)."""
-    source = next((name for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME") if os.environ.get(name)), None)
-    return f"{hub_cache()}, from {source}" if source else str(hub_cache())
 
 
 def cached(repo_id: str) -> bool:
@@ -87,8 +70,7 @@ def hub_address() -> tuple[str, int, str]:
 
 
 def unreachable(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why (host, port) cannot be reached within `timeout` seconds (a DNS lookup can hang: it runs in a thread);
-    None when a TCP connection opens."""
+    """Why (host, port) cannot be reached within `timeout` seconds (the DNS lookup runs in a thread: it can hang)."""
     result: list[str | None] = []
 
     def probe() -> None:
@@ -105,9 +87,7 @@ def unreachable(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str |
 
 
 def plans_from_arch(model: ModelConfig, *, dry_run: bool) -> bool:
-    """A dry run of a model that is not on this machine (a hub id not in the local cache) whose preset carries its
-    published architecture (model.arch, conf/model/*.yaml): planned from those numbers, nothing downloaded, no
-    tokenizer read (ds_exp.tools.dry_run says so in its notes)."""
+    """A dry run of an uncached hub model whose preset carries model.arch plans from those numbers."""
     ids = hub_ids(model)
     return bool(dry_run and model.arch and model.name_or_path and ids) and not all(cached(repo) for _, repo in ids)
 
@@ -146,7 +126,10 @@ def check_hub(model: ModelConfig, *, dry_run: bool) -> None:
 
 
 def _refusal(key: str, repo: str, why: str, or_else: str) -> str:
+    # the variable that moved the cache is named (HF_HOME set elsewhere)
+    source = next((name for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME") if os.environ.get(name)), None)
+    cache = f"{hub_cache()}, from {source}" if source else str(hub_cache())
     return (
-        f"{key}={repo} is a Hugging Face hub id, {why}, and it is not in the local cache ({hub_cache_shown()}); "
+        f"{key}={repo} is a Hugging Face hub id, {why}, and it is not in the local cache ({cache}); "
         f"download it where there is network (hf download {repo} --local-dir DIR) and give {key}=DIR, or {or_else}"
     )

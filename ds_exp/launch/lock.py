@@ -16,26 +16,28 @@ from ds_exp.core.errors import Refused
 
 # ------------------------------------------------------------------------------------ one live run per directory
 LOCK = ".ds_exp.lock"
-# run directory -> (the open file this process locks, whether it made it, the outermost directory it made)
+# run / sweep directory -> (the open file this process locks, whether it made it, the outermost directory it made)
 _locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}
-# sweep directory -> (the open lock file, whether this process made it, the outermost directory it made)
 _sweep_locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}
 
 
 def lock_run_dir(run_dir: Path, *, key: str = "hydra.run.dir") -> None:
-    """Hold <run dir>/.ds_exp.lock (an exclusive flock) until release_run_dir or the process's end. A second process
-    that finds it held stops at once, naming the holder (claim_run_dir writes who that is, once a run goes ahead);
-    a lock left by a killed process is released by the kernel with it, so a stale lock never blocks anyone."""
-    run_dir = run_dir.absolute()
-    if run_dir in _locks:
-        return
-    made = _first_missing(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Hold <run dir>/.ds_exp.lock (an flock the kernel drops with its process) until release_run_dir or exit."""
+    _take(run_dir.absolute(), _locks, key, "run")
+
+
+def _take(directory: Path, locks: dict[Path, tuple[TextIO, bool, Path | None]], key: str, what: str) -> bool:
+    """Make and lock `directory` into `locks`; False when this process holds it already."""
+    if directory in locks:
+        return False
+    made = _first_missing(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     try:
-        _locks[run_dir] = (*_open_and_lock(run_dir, key, "run"), made)
+        locks[directory] = (*_open_and_lock(directory, key, what), made)
     except BaseException:
-        _remove_made(run_dir, made)
+        _remove_made(directory, made)
         raise
+    return True
 
 
 def made_here(run_dir: Path) -> bool:
@@ -55,9 +57,7 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def release_run_dir(run_dir: Path, *, refused: bool = False) -> None:
-    """Let the lock go and remove its file, which only a live run needs (one another process opened meanwhile is
-    refused or tries again: see the inode check below); a refused start also removes the directories it made if
-    they are empty (nothing of it stays). A lock file this process did not make stays after a refused start."""
+    """Let the lock go and remove its file; a refused start removes only what it made (its file, empty dirs)."""
     entry = _locks.pop(run_dir.absolute(), None)
     if entry is not None:
         handle, created, made = entry
@@ -77,8 +77,7 @@ def _lock_error(run_dir: Path, key: str, detail: str, fix: str) -> Refused:
 
 
 def _not_a_lock_file(path: Path, run_dir: Path, key: str) -> Refused | None:
-    """Why the thing at `path` cannot be ds_exp's lock file (None: it is a regular file, or nothing is there). A link
-    is never followed: ds_exp makes the lock a plain file, so a link there was put by someone else."""
+    """Why the thing at `path` cannot be ds_exp's lock file (None: a regular file, or nothing); never follows links."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -123,8 +122,7 @@ def _os_error(err: OSError, path: Path, run_dir: Path, key: str) -> Refused:
 
 
 def _open_and_lock(run_dir: Path, key: str, what: str) -> tuple[TextIO, bool]:
-    """(the open lock file, whether this call made it), locked exclusively. Every way that fails is one Refused
-    naming the path and the fix; the loop is bounded (a dangling link once made it spin forever)."""
+    """(the open lock file, whether this call made it), locked exclusively; each failure one Refused."""
     path = run_dir / LOCK
     for _ in range(_ATTEMPTS):
         problem = _not_a_lock_file(path, run_dir, key)
@@ -178,23 +176,11 @@ def _write_holder(handle: TextIO) -> None:
 
 
 def lock_sweep_dir(sweep_dir: Path) -> None:
-    """One live sweep per sweep directory: <sweep dir>/.ds_exp.lock, held by the process that runs the sweep
-    (its sweeper, which launches the jobs) until it ends. Taken before the sweep directory is checked, so two
-    sweeps started together cannot both find it free. Jobs lock their own run directories (Session.start), so
-    submitit's jobs, which run elsewhere, and a requeued job resuming its directory are not blocked by it."""
+    """One live sweep per sweep directory, taken before it is checked; jobs lock their own run directories."""
     sweep_dir = sweep_dir.absolute()
-    if sweep_dir in _sweep_locks:
-        return
-    made = _first_missing(sweep_dir)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        handle, created = _open_and_lock(sweep_dir, "hydra.sweep.dir", "sweep")
-    except BaseException:
-        _remove_made(sweep_dir, made)
-        raise
-    _sweep_locks[sweep_dir] = (handle, created, made)
-    # a sweep refused later (a bad job, a sweeper's own refusal) leaves nothing behind: not even the directory
-    atexit.register(release_sweep_dir, sweep_dir)
+    if _take(sweep_dir, _sweep_locks, "hydra.sweep.dir", "sweep"):
+        # a sweep refused later (a bad job, a sweeper's own refusal) leaves nothing behind: not even the directory
+        atexit.register(release_sweep_dir, sweep_dir)
 
 
 def claim_sweep_dir(sweep_dir: Path) -> None:
@@ -202,8 +188,7 @@ def claim_sweep_dir(sweep_dir: Path) -> None:
 
 
 def release_sweep_dir(sweep_dir: Path) -> None:
-    """Let the sweep's lock go (refused, or at the process's end): the lock file goes if this process made it, and
-    so do the directories it made if they are empty (a sweep refused after its checks leaves no trace)."""
+    """Let the sweep's lock go: its file and the empty directories this process made go too."""
     entry = _sweep_locks.pop(sweep_dir.absolute(), None)
     if entry is None:
         return
@@ -238,8 +223,7 @@ def _remove_made(directory: Path, made: Path | None) -> None:
 
 
 def live_holder(directory: Path) -> str | None:
-    """Who holds <directory>/.ds_exp.lock, if another live process does (None: nobody, or only this process).
-    Only looks: takes a shared lock for an instant and lets it go."""
+    """Who holds <directory>/.ds_exp.lock, if another live process does; only looks (a shared lock for an instant)."""
     directory = directory.absolute()
     if directory in _locks or directory in _sweep_locks:
         return None
@@ -260,8 +244,7 @@ def live_holder(directory: Path) -> str | None:
 
 
 def live_ancestor(run_dir: Path) -> tuple[Path, str] | None:
-    """The nearest directory above `run_dir` that a live ds_exp run or sweep holds (its lock), with the holder: a run
-    started inside a live sweep's directory could take a job's directory before the job gets there."""
+    """The nearest directory above `run_dir` a live ds_exp run or sweep holds, with the holder."""
     for parent in run_dir.absolute().parents:
         holder = live_holder(parent)
         if holder is not None:

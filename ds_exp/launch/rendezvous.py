@@ -34,9 +34,7 @@ def free_port() -> int:
 
 
 def wait_for_rendezvous(start: Callable[[], object], launch: Ranks, timeout_minutes: int) -> None:
-    """Run `start` (the rendezvous) in a helper thread while the main thread waits in Python: a blocked rendezvous
-    would otherwise hold off Ctrl-C and SIGTERM until it times out (dist.timeout_minutes). Said within seconds, on
-    every rank: no rank has a log file yet, and the rank that never came may be rank 0 (ds_exp.core.waits)."""
+    """Run `start` (the rendezvous) in a thread so a blocked one does not hold off Ctrl-C and SIGTERM."""
     where = f"{launch.master_addr}:{launch.master_port}"
     what = (
         f"the {launch.world_size} ranks to meet at {where} (this is rank {launch.rank})"
@@ -66,9 +64,7 @@ _JOINED = re.compile(r"(\d+)/(\d+) clients joined")
 
 
 def rendezvous_failure(exc: BaseException, launch: Ranks, timeout_minutes: int) -> str | None:
-    """What went wrong when the ranks tried to meet, as one message naming the variables to fix; None when `exc`
-    is something else. torch says it as a C++ error text: a port already taken, rank 0 timing out while waiting for
-    the others (it knows how many came, not which), or another rank timing out while looking for rank 0."""
+    """torch's error text of a failed rendezvous as one message naming the variables to fix; None for anything else."""
     text = " ".join(str(exc).split())
     where = f"{launch.master_addr}:{launch.master_port}"
     if "EADDRINUSE" in text or "address already in use" in text.lower():

@@ -1,13 +1,6 @@
-"""A run directory remembers its run: `python -m ds_exp hydra.run.dir=R resume=auto [KEY=VALUE ...]` continues
-with R's own composed config (the newest attempt's .hydra/[resume-<time>/]config.yaml), not the defaults; the
-overrides given with it are changes, each named here, and then applied or refused by the resume rules
-(ds_exp.resume.trajectory: length, learning rate, schedule; ds_exp.resume.settings: what the checkpoint's layout
-depends on). A sweep job resuming in its own directory does the same: Hydra writes a job's .hydra/*.yaml before any
-callback or the task can look, so the sweep continues each job's config before launch (ds_exp.sweeps.jobs) and
-saves it as the attempt's, keeping the earlier files aside (keep_job_config); the job takes it (take_job_config)
-and at its end puts the earlier files back (finish_job_attempt), leaving the layout a resumed single run leaves.
-Light: no torch, no deepspeed.
-"""
+"""A run directory remembers its run: `hydra.run.dir=R resume=auto [KEY=VALUE ...]` continues R's own config, the
+overrides being named changes the resume rules accept or refuse; a resuming sweep job too (keep/take_job_config).
+Light."""
 
 from __future__ import annotations
 
@@ -50,8 +43,7 @@ def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
             return name
     checkpoints = run_dir / checkpoint_subdir
     if not checkpoints.resolve().is_relative_to(run_dir.resolve()):
-        # train.checkpoint_dir outside the run directory may be shared by several runs: a fresh run there is
-        # fine, and the checkpointer refuses to overwrite or rotate away another run's checkpoints
+        # a train.checkpoint_dir outside may be shared: the checkpointer never touches another run's checkpoints
         return None
     if checkpoints.is_dir() and any(checkpoints.glob("step*")):
         return f"{checkpoint_subdir}/"
@@ -68,8 +60,7 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
 
 
 def saved_run_config(run_dir: Path) -> Path | None:
-    """The config the run's newest attempt composed: .hydra/resume-<time>/config.yaml (a resume's), else
-    .hydra/config.yaml (the first attempt's, or its copy a sweep kept aside); None when the directory holds none."""
+    """The config the run's newest attempt composed (.hydra/resume-<time>/ or .hydra/); None when there is none."""
     later = sorted((run_dir / ".hydra").glob("resume-*/config.yaml"))
     if later:
         return later[-1]
@@ -79,11 +70,11 @@ def saved_run_config(run_dir: Path) -> Path | None:
     return None
 
 
-def _flat(node: object, prefix: str = "") -> dict[str, Any]:
+def flat_keys(node: object, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(node, dict) and node:
         for key, value in node.items():
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flat_keys(value, f"{prefix}{key}."))
     else:
         out[prefix.rstrip(".")] = node
     return out
@@ -99,8 +90,7 @@ def _changed_key(key: str) -> str:
 
 
 def added_keys(run_dir: Path) -> list[str]:
-    """The keys the run's attempts added to the schema on their command lines (`+logger.gh_pat=...`, `++x=1`), as
-    each attempt's .hydra/[resume-<time>/]overrides.yaml recorded them."""
+    """The keys the run's attempts added with `+`/`++`, as each attempt's overrides.yaml recorded them."""
     keys: list[str] = []
     parser = OverridesParser.create()
     for path in sorted((run_dir / ".hydra").glob("**/overrides.yaml")):
@@ -114,8 +104,7 @@ def added_keys(run_dir: Path) -> list[str]:
 
 
 def _with_added_keys(now: DictConfig, saved: DictConfig, run_dir: Path) -> DictConfig:
-    """`now` with the keys the run added with `+` (added_keys) that this command line did not add again: the saved
-    config merges into it as typed, and those keys are not ones the schema lost."""
+    """`now` plus the keys the run added with `+` (added_keys), so the saved config merges into it typed."""
     target = now.copy()
     for key in added_keys(run_dir):
         if _unresolved(target, key, _ABSENT) is _ABSENT and (value := _unresolved(saved, key, _ABSENT)) is not _ABSENT:
@@ -128,10 +117,7 @@ _ABSENT = object()
 
 
 def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str]) -> list[str] | None:
-    """In place: `config`'s task keys become those of the run saved in `run_dir`, then the `overrides` given now
-    (group choices and values, as Hydra composed them now) are applied again over them. Returns one line per key
-    whose value now differs from the run's; None (and `config` unchanged) when the directory holds no run yet.
-    A directory that holds a run but not its config is refused: the run would go on with the defaults."""
+    """In place: `config` becomes the saved run's, `overrides` applied again; a line per change (None: no run)."""
     path = saved_run_config(run_dir)
     if path is None:
         found = holds_a_run(run_dir, str(OmegaConf.select(config, "train.checkpoint_dir", default="checkpoints")))
@@ -181,8 +167,8 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
             value = value if OmegaConf.is_config(value) else _unresolved(now, whole)
             OmegaConf.update(merged, whole, value, merge=False, force_add=True)
     _keep_secrets_reachable(merged, now)
-    before = _flat(OmegaConf.to_container(saved, resolve=False))
-    after = _flat(OmegaConf.to_container(merged, resolve=False))
+    before = flat_keys(OmegaConf.to_container(saved, resolve=False))
+    after = flat_keys(OmegaConf.to_container(merged, resolve=False))
     lines = [
         f"{key}: {before.get(key, '(unset)')} -> {after.get(key, '(unset)')}"
         for key in sorted(before.keys() | after.keys())
@@ -196,8 +182,7 @@ def continue_run_config(config: DictConfig, run_dir: Path, overrides: list[str])
 
 
 def _unresolved(config: DictConfig, key: str, default: Any = None) -> Any:
-    """`key`'s value in `config` as composed, interpolations left as they are: a secret given now stays the reference
-    to its variable (ds_exp.config.secrets), never its value, in the attempt's saved config."""
+    """`key`'s value as composed, interpolations kept: a secret stays a reference in the saved config."""
     node: object = OmegaConf.to_container(config, resolve=False)
     for part in key.split("."):
         if isinstance(node, dict) and part in node:
@@ -210,12 +195,10 @@ def _unresolved(config: DictConfig, key: str, default: Any = None) -> Any:
 
 
 def _keep_secrets_reachable(merged: DictConfig, now: DictConfig) -> None:
-    """A secret given to the first attempt on its command line was saved as a reference to a variable of that
-    process (DS_EXP_SECRET_*); where that variable is gone now, the value comes from this composition instead
-    (unset where it gives none). A value that cannot be unset (`logger.mlflow.tags.db`: text) must be given again."""
-    given_now = _flat(OmegaConf.to_container(now, resolve=False))  # unresolved: a secret stays a reference
+    """A saved reference to a DS_EXP_SECRET_* variable that is gone now takes this composition's value."""
+    given_now = flat_keys(OmegaConf.to_container(now, resolve=False))  # unresolved: a secret stays a reference
     missing: list[str] = []
-    for key, value in _flat(OmegaConf.to_container(merged, resolve=False)).items():
+    for key, value in flat_keys(OmegaConf.to_container(merged, resolve=False)).items():
         gone = [name for name in _SECRET_REF.findall(value) if name not in os.environ] if isinstance(value, str) else []
         if gone:
             try:
@@ -243,10 +226,7 @@ def resume_note(run_dir: Path, lines: list[str], what: str | None = None) -> str
 
 
 def keep_job_config(job_dir: Path, continued: DictConfig) -> Path:
-    """Before a sweep launches a job that resumes in `job_dir`: the job's .hydra/*.yaml, which Hydra is about to
-    write over, are copied to .hydra/<KEPT_DIR>/ (unless a launch that never finished kept them already: those are
-    the earlier ones), and `continued` (the job's own config with the sweep's changes) is saved as this attempt's,
-    .hydra/resume-<time>/config.yaml. Returns that directory."""
+    """Before a resuming sweep job launches: keep its .hydra/*.yaml aside, save `continued` as this attempt's config."""
     hydra_dir = job_dir / ".hydra"
     kept = hydra_dir / KEPT_DIR
     if not kept.is_dir():
@@ -270,9 +250,7 @@ def keep_job_config(job_dir: Path, continued: DictConfig) -> Path:
 
 
 def take_job_config(composed: DictConfig, job_dir: Path, *, first_rank: bool) -> bool:
-    """In a sweep job: when its sweep kept a config for it (keep_job_config), that config replaces the one Hydra
-    composed again from the defaults; the first rank also copies this attempt's hydra.yaml and overrides.yaml
-    beside it (exports read the launch directory there). False, and `composed` unchanged, for a fresh job."""
+    """In a sweep job: the config its sweep kept replaces Hydra's composition (False for a fresh job)."""
     path = saved_run_config(job_dir)
     if not (job_dir / ".hydra" / KEPT_DIR).is_dir() or path is None or not path.parent.name.startswith("resume-"):
         return False
@@ -296,9 +274,7 @@ def take_job_config(composed: DictConfig, job_dir: Path, *, first_rank: bool) ->
 
 
 def finish_job_attempt(job_dir: Path) -> None:
-    """At the end of a resumed sweep job (its first rank, long after every rank's Hydra wrote .hydra/): the earlier
-    .hydra/*.yaml kept before launch go back in place of those Hydra wrote for this attempt (whose config was not
-    the one the job ran with: that one is in .hydra/resume-<time>/)."""
+    """At a resumed sweep job's end (first rank): the .hydra/*.yaml kept before launch go back in place of Hydra's."""
     kept = job_dir / ".hydra" / KEPT_DIR
     if not kept.is_dir():
         return
@@ -309,17 +285,13 @@ def finish_job_attempt(job_dir: Path) -> None:
 
 
 def task_overrides(config: DictConfig) -> list[str]:
-    """The command line's overrides as Hydra recorded them (hydra.overrides.task), unresolved: a secret stays the
-    reference to its variable (ds_exp.config.secrets), where resolving it would put its value back into an override,
-    and one holding `${` would be read as an interpolation."""
+    """hydra.overrides.task unresolved: a secret stays a reference, and `${` in a value is not an interpolation."""
     task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
     return [str(item) for item in task] if isinstance(task, list) else []
 
 
 def named_run_dir(config: DictConfig) -> Path | None:
-    """The run directory the command line named (hydra.run.dir=R), None when Hydra chose it. A rank > 0 of a
-    torchrun launch runs in a placeholder named after it (launch.run_dir.rank_placeholder_overrides): the first
-    one named is the user's, whose saved config every rank continues from alike."""
+    """The run directory the command line named (for a rank > 0, the first one named), None when Hydra chose it."""
     for override in config.hydra.overrides.hydra:
         key, _, value = str(override).lstrip("+").partition("=")
         if key == "hydra.run.dir":

@@ -1,21 +1,6 @@
-"""The run directory: checked before Hydra writes into it, so that no run overwrites another's files.
-
-`CheckRunDir` (a Hydra callback, conf/config.yaml) runs before Hydra creates the run or sweep directory and
-saves `.hydra/` into it:
-* experiment_name must be a plain name, and hydra.job.chdir=true must not move relative paths
-  (config.place_checks);
-* resume=auto continues the run in the directory the command line names: without hydra.run.dir it would start a
-  new directory where there is nothing to resume, so it is refused, naming where it looked and the command that
-  continues the newest run of the experiment that has a checkpoint (a guess would resume a run the user may not
-  mean: another one's sweep, other overrides);
-* the directory must be writable (storage.check_writable);
-* a directory that already holds a run is refused unless `resume` is given (a fresh run would overwrite its
-  `.hydra/`, summary, export and checkpoints and append to its metrics);
-* `resume` must name a usable checkpoint written with the same settings (ds_exp.resume): a refused resume
-  changes nothing;
-* a resumed run keeps the first attempt's `.hydra/` and saves its own config under `.hydra/resume-<time>/`.
-Light: no torch, no deepspeed.
-"""
+"""The run directory, checked before Hydra writes into it (CheckRunDir) so no run overwrites another's: a plain
+experiment_name, writable, holding a run only when `resume` names a usable checkpoint of it, resume=auto only where the
+command line names it. A resume keeps the first `.hydra/` and saves its own under `.hydra/resume-<time>/`. Light."""
 
 from __future__ import annotations
 
@@ -64,8 +49,7 @@ from ds_exp.launch.storage import check_writable
 from ds_exp.resume.settings import check_resume_target
 from ds_exp.resume.store import complete_checkpoints
 
-# Files a run writes once per attempt that a restart from scratch (resume=auto with no checkpoint yet) must not
-# append to: they are moved aside into attempts/<time>/ first.
+# per-attempt files a restart from scratch must not append to: moved aside into attempts/<time>/ first
 ATTEMPT_FILES = ("metrics.jsonl", "generations.jsonl", "summary.json", "plots/loss.png")
 
 
@@ -76,8 +60,7 @@ def completed_at(run_dir: Path) -> int | None:
 
 
 def check_run_start(config: DictConfig) -> None:
-    """Before a single run: the checks of the module docstring. May move .hydra's output for a resume, and takes
-    R's own config for a resume in a directory R the command line names (launch.run_config)."""
+    """Before a single run: the module docstring's checks; a resume moves .hydra's output and takes its run's config."""
     name_problem = experiment_name_problem(config.get("experiment_name"))
     if name_problem is not None:  # before its directory is looked at: it may lie outside outputs/
         raise ConfigError(name_problem)
@@ -118,9 +101,7 @@ def check_run_start(config: DictConfig) -> None:
 
 
 def nothing_to_resume(new_dir: Path, checkpoint_subdir: str, shown: int = 3) -> str:
-    """resume=auto in the directory Hydra would make for this run (new, so empty): where it looked, and the runs
-    beside it (the experiment's) that have a complete checkpoint, newest first, each with the command that
-    continues it."""
+    """resume=auto in a new directory: where it looked, and the experiment's resumable runs with their commands."""
     runs = []
     parent = new_dir.parent
     for candidate in sorted(parent.iterdir(), reverse=True) if parent.is_dir() else []:
@@ -154,8 +135,7 @@ def _shown(path: Path) -> str:
 
 
 def _lock_a_fresh_dir(config: DictConfig, run_dir: Path, checkpoint_subdir: str) -> Path:
-    """Lock the directory Hydra chose (outputs/<name>/<date_time>), or, when a run started in the same second holds
-    it, the first free `<date_time>_N` beside it; hydra.run.dir then names the one taken."""
+    """Lock the directory Hydra chose, or the first free `<date_time>_N` beside it when another run holds it."""
     base = run_dir
     for n in range(1, 1000):
         try:
@@ -185,16 +165,12 @@ def check_not_inside_a_live_dir(directory: Path, key: str) -> None:
         )
 
 
-# What a run writes into its directory before its first training step (Hydra's .hydra/ and job log aside): the
-# rank logs and the DeepSpeed config it resolved. A refused run that made its directory takes them with it.
+# what a run writes before its first step besides Hydra's files: a refused run that made its directory removes them
 SETUP_FILES = ("logs", "ds_config.json")
 
 
 def remove_refused_attempt(run_dir: Path, output_subdir: str | None, log_file: str) -> None:
-    """A run refused before any work (at validation, or in the session's setup: a LoRA target that matches nothing)
-    leaves nothing of its own (Hydra saved its config and opened its log before the task could look): a resume's
-    .hydra/resume-<time>/; and a directory this run made goes altogether (only what Hydra, the lock and the setup put
-    there is in it), so no stub of a run that never started stays under outputs/."""
+    """A run refused before any work leaves nothing: its resume-<time>/, and a directory it made goes altogether."""
     if output_subdir and output_subdir.startswith(".hydra/resume-"):
         shutil.rmtree(run_dir / output_subdir, ignore_errors=True)
     if not made_here(run_dir):
@@ -212,11 +188,7 @@ def remove_refused_attempt(run_dir: Path, output_subdir: str | None, log_file: s
 
 
 def leave_quietly_before_start(signum: int, frame: FrameType | None) -> None:
-    """A stop signal before the run's session has started (validation, imports): the directories this process made
-    for the run go (Hydra's config and log in them, nothing else was written yet), and the process ends with
-    128 + the signal. Installed for the ranks of a launch with several (`stop_before_start`): when one rank is
-    refused, its launcher stops the others with SIGTERM, often while they are still validating, and the refusal
-    is the last line (Ctrl-C says "interrupted", once for all ranks)."""
+    """A stop before the session: the run's directories this process made go, exit 128 + the signal, quietly."""
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     subdir, log_file = (hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log") if hydra_cfg else (".hydra", "ds_exp.log")
     for run_dir in made_run_dirs():
@@ -230,9 +202,7 @@ def leave_quietly_before_start(signum: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def stop_before_start() -> Iterator[None]:
-    """Around a command of the ranks of a launch with several: a stop signal leaves nothing until the run's session
-    takes the signals over (ds_exp.runtime.signals installs its own, and puts these back at its end); the handlers
-    found are put back when the command ends."""
+    """Around a launch's rank's command: a stop signal leaves nothing until the session installs its own handlers."""
     if not launched_with_several_ranks():
         yield
         return
@@ -246,12 +216,7 @@ def stop_before_start() -> Iterator[None]:
 
 
 def check_job_dir(cfg: Config, job_dir: Path, sweep_dir: Path, *, runs_here: bool = False) -> None:
-    """A sweep job's directory, checked like a single run's before the job is launched (Hydra writes the job's
-    .hydra/ before any callback or the task could look): not the sweep directory itself, not in use by a live run,
-    its lock file usable, and holding no run unless the job resumes it. The sweep's lock (lock_sweep_dir) keeps
-    every other ds_exp sweep, and single runs (check_not_inside_a_live_dir), out until the sweep ends.
-    `runs_here`: the job runs in this process (Hydra's basic launcher), so the checkpoint a resume would load is
-    checked here too, as a single run's is; a submitit job checks it where it runs (its world size, its devices)."""
+    """A sweep job's directory, checked like a run's before launch (`runs_here`: its resume checkpoint too)."""
     if job_dir.absolute() == sweep_dir.absolute():
         raise ConfigError(
             f"hydra.sweep.subdir puts the job in the sweep directory itself ({job_dir}); give each job its own "
@@ -277,8 +242,7 @@ def check_job_dir(cfg: Config, job_dir: Path, sweep_dir: Path, *, runs_here: boo
 
 
 def set_aside_attempt(run_dir: Path) -> Path | None:
-    """Move the per-attempt files of an attempt that left no checkpoint into attempts/<time>/ (a restart from
-    scratch then neither appends to its metrics nor replaces its summary). Returns where they went."""
+    """Move the per-attempt files of an attempt that left no checkpoint into attempts/<time>/; where they went."""
     present = [run_dir / name for name in ATTEMPT_FILES if (run_dir / name).is_file()]
     if not present:
         return None
@@ -294,11 +258,7 @@ _placeholder: str | None = None
 
 
 def rank_placeholder_overrides(args: list[str]) -> list[str]:
-    """Hydra overrides that keep ranks > 0 of a torchrun / deepspeed / mpirun / srun launch out of outputs/.
-
-    Every rank runs Hydra; only rank 0's run directory is real. The others get a placeholder directory in /tmp
-    (removed by remove_rank_placeholder, and at exit) and learn rank 0's directory once torch.distributed is up.
-    """
+    """Overrides that put ranks > 0 in a placeholder in /tmp: only rank 0's run directory is real."""
     global _placeholder
     if not launched_with_several_ranks():
         return []

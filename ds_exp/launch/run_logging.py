@@ -1,13 +1,5 @@
-"""ds_exp's loggers, how the console says their lines, and what libraries say before a rank's log file exists.
-
-The console's lines read `ds_exp: <message>` (`ConsoleFormatter`, conf/hydra/job_logging/ds_exp.yaml): the time,
-level and module of each stay in the log files (<run dir>/ds_exp.log, logs/rank<N>.log), where a person looking for
-them goes; on the console they were 47 characters of every line, wrapped on an 80-column terminal.
-
-Libraries talk before the log file exists (DeepSpeed logs "Setting accelerator to CPU" on import, on every rank):
-`hold_library_logs` (first thing in the CLI) holds those records, and ds_exp.runtime.rank_logging replays them
-into the rank's log file once it exists.
-"""
+"""ds_exp's console lines (`ds_exp: <message>`: time, level and module stay in the log files), and what libraries say
+before a rank's log file exists (held by `hold_library_logs`, replayed there by ds_exp.runtime.rank_logging)."""
 
 from __future__ import annotations
 
@@ -19,17 +11,14 @@ FILE_LOGGER = "ds_exp.file"  # the log file only, never the console (e.g. the tr
 LIBRARY_LOGGER = "ds_exp.library"  # what libraries printed on stdout (captured): the log file only
 LOGGERS = ("ds_exp", STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "DeepSpeed", "py.warnings")
 
-# The file-only loggers never reach the console, not even before the log file exists (Python's last-resort
-# handler would print their tracebacks to stderr): until setup_run_logging adds the file, they drop records.
+# file-only loggers drop records until setup_run_logging adds the file (else Python's last resort prints them)
 for _name in (FILE_LOGGER, LIBRARY_LOGGER):
     logging.getLogger(_name).addHandler(logging.NullHandler())
     logging.getLogger(_name).propagate = False
 
 
 class ConsoleFormatter(logging.Formatter):
-    """A console line: `ds_exp: <message>`, with `warning: ` or `error: ` after it from those levels on (as the
-    messages ds_exp prints itself say them); a library's record (only its errors reach the console) names the
-    library. Hydra's own lines (a sweep's job list) lose their leading tab."""
+    """`ds_exp: <message>`, `warning: `/`error: ` from those levels, a library's record naming the library."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record).lstrip()
@@ -72,8 +61,7 @@ HELD = _Held()
 
 
 def hold_library_logs() -> None:
-    """Before anything imports DeepSpeed: hold its records (and Python warnings, and captured library output) for
-    the log file, and silence the compiler probes DeepSpeed runs at import (setuptools' logger)."""
+    """Before DeepSpeed is imported: hold its records and output for the log file, and silence its compiler probes."""
     logging.captureWarnings(True)
     # FILE_LOGGER too: what a rank other than 0 says while it waits before its log file exists (ds_exp.core.waits)
     for name in ("DeepSpeed", "py.warnings", LIBRARY_LOGGER, FILE_LOGGER):

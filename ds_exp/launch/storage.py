@@ -1,11 +1,5 @@
-"""Where a run writes, checked before any heavy work: directories that can be written, and room on the disk.
-
-* `check_writable` runs before Hydra creates the run (or sweep) directory (ds_exp.launch.run_dir's callback), so
-  an unwritable `hydra.run.dir` gets one message instead of Hydra's traceback.
-* `check_free_space` runs once the model is built and before the first step: one checkpoint plus the export
-  must fit on the disk that holds them. A disk that fills up later is caught when a save fails
-  (`save_failure_message`): the checkpoint is never marked complete, so resume never picks it.
-"""
+"""Where a run writes, checked before any heavy work: writable directories (before Hydra makes them), room for one
+checkpoint plus the export (before the first step); a disk that fills later fails a save, never marked complete."""
 
 from __future__ import annotations
 
@@ -15,6 +9,7 @@ from pathlib import Path
 
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.errors import ConfigError, RunFailed
+from ds_exp.core.files import disk_free_bytes
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -24,14 +19,12 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-# The longest path a run writes below its directory, with room to spare: a checkpoint's optimizer states, a
-# universal conversion's per-parameter files (long parameter names), .hydra/resume-<time>/overrides.yaml.
+# the longest path a run writes below its directory, with room to spare (a conversion's per-parameter files)
 RUN_FILES_MARGIN = 200
 
 
 def check_path_length(path: Path, key: str, margin: int = RUN_FILES_MARGIN) -> None:
-    """Every component of `path` within the file system's NAME_MAX, and the path plus the files a run writes inside
-    it within PATH_MAX: said now, not as ENAMETOOLONG from Hydra's mkdir or in the middle of a checkpoint."""
+    """Each component of `path` within NAME_MAX and the run's files within PATH_MAX: said now, not as ENAMETOOLONG."""
     path = path.absolute()
     existing = Path(path.anchor)
     for part in path.parts[1:]:  # the deepest ancestor that exists (Path.exists raises on a name too long)
@@ -80,7 +73,7 @@ def check_free_space(needs: dict[Path, int], keys: dict[Path, str]) -> None:
         first, total, what = per_device.get(device, (path, 0, []))
         per_device[device] = (first, total + size, [*what, names.get(keys[path], keys[path])])
     for path, needed, what in per_device.values():
-        free = _free_bytes(_existing_ancestor(path))
+        free = disk_free_bytes(path)
         if free < needed:
             raise RunFailed(
                 f"not enough disk space for {keys[path]}={path}: {human_bytes(free)} free, {' and '.join(what)} "
@@ -89,15 +82,8 @@ def check_free_space(needs: dict[Path, int], keys: dict[Path, str]) -> None:
             )
 
 
-def _free_bytes(path: Path) -> int:
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
-
-
 def export_failure_message(exc: BaseException, export_dir: Path, needed: int) -> str | None:
-    """A person's message for an export that failed for lack of room or rights; None for other failures.
-    safetensors reports a full disk as its own error ("StorageFull"), so, as for checkpoints, a failure with less
-    room left than the weights need counts as a full disk whatever its type."""
+    """Why an export failed for lack of room or rights (less room than the weights need: full), else None."""
     reason = _no_room(exc, export_dir, needed)
     if reason is None:
         return None
@@ -113,17 +99,15 @@ def _no_room(exc: BaseException, path: Path, needed: int) -> str | None:
     text = str(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
         return os.strerror(exc.errno)
-    free = _free_bytes(_existing_ancestor(path))
+    free = disk_free_bytes(path)
     if free < needed or "No space left" in text or "StorageFull" in text:
         return f"the disk is full: {human_bytes(free)} free"
     return None
 
 
 def save_failure_message(exc: BaseException, tag_dir: Path, needed: int) -> str | None:
-    """A person's message for a save that failed for lack of room or rights; None for other failures.
-    torch.save reports a full disk as a RuntimeError of its zip writer ("unexpected pos ..."), so a failure
-    with less room left than a checkpoint needs counts as a full disk whatever its type."""
-    free = _free_bytes(_existing_ancestor(tag_dir))
+    """Why a save failed for lack of room or rights (less room than a checkpoint needs: full), else None."""
+    free = disk_free_bytes(tag_dir)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
         reason = os.strerror(exc.errno)
     elif free < needed:

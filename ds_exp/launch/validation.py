@@ -1,6 +1,5 @@
-"""Everything checked before heavy work, in one call: the config's values and combinations (ds_exp.config.validate),
-the data config (ds_exp.data.checks) and every feature's checks (ds_exp.config.features: the lm-eval tasks to score,
-...), for the world size and accelerator of this launch."""
+"""Everything checked before heavy work, in one call: the config's values and combinations, the data config and every
+feature's checks, for this launch's world size and accelerator."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from ds_exp.launch.environment import detect_launch
 
 
 def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
-    """Raise one ConfigError listing every problem; return the merged DeepSpeed config (run-time "auto" kept).
-    `run_dir`, when known, places the output directories that are given as absolute paths."""
+    """One ConfigError listing every problem, else the merged DeepSpeed config; `run_dir` places absolute outputs."""
     values = value_problems(cfg)  # each value's own problems first: the checks below combine only valid ones
     if values:
         raise ConfigError(values)
@@ -38,8 +36,7 @@ def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None =
 
 
 def validate_job(composed: DictConfig, overrides: list[str], run_dir: Path | None = None) -> Config:
-    """A composed run (or sweep job) typed and validated; its own overrides must be ones the run obeys (a DeepSpeed
-    file that silently wins over one is an IgnoredOverride). Raises DsExpError; returns the typed config."""
+    """A composed run or sweep job, typed and validated, its overrides ones the run obeys (else IgnoredOverride)."""
     cfg = to_config(composed)
     moved = chdir_problems(cfg, bool(OmegaConf.select(composed, "hydra.job.chdir", default=False)))
     if moved:  # a sweep's job (a single run was refused before Hydra made its directory: launch.run_dir)

@@ -1,6 +1,2 @@
-"""One process among the ranks of a run: the process group (process_group: rendezvous, collectives, lost peers),
-which rank runs where (peers), stop signals (signals), DeepSpeed's compiled ops (ops) and torch's build lock they
-take (build_lock), memory measured (memory).
-
-Layer 6, heavy (torch, deepspeed). May import: the light layers (core, config, data, resume, launch).
-"""
+"""One process among a run's ranks: process group, peers, stop signals, compiled ops and their build lock, memory. Layer
+6, heavy. May import: the light layers (core, config, data, resume, launch)."""

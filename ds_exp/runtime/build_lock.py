@@ -1,24 +1,5 @@
-"""torch's extension build lock, told live from stale by locks the OS lets go of when their holder dies.
-
-torch compiles every DeepSpeed op (CPU Adam, FusedAdam, the CPU ranks' shared-memory collectives) through
-`torch.utils.cpp_extension`, whose build lock is a file: `<build dir>/lock`, created exclusively before it compiles
-(or merely loads) an op and removed after. A process that finds the file polls, silently and for as long as it
-exists: forever once its holder was killed mid-build (SIGKILL, the OOM killer, a lost node), and every later run
-on the machine then hangs before its first line.
-
-`HeldBaton` is that lock as ds_exp takes it: `guard_builds` installs it (ds_exp.core.compat.use_extension_baton)
-before ds_exp builds an op (ds_exp.runtime.ops) and before deepspeed.initialize, which builds others itself; not at
-import, which would load torch.utils.cpp_extension (and setuptools) into every process for nothing. Beside the
-file, ds_exp holds an flock on `<build dir>/lock.holder` for as long as it holds the file, and writes there who it
-is. The OS drops the flock when its process dies, however it dies, so the lock file is:
-* live while the flock is held (another ds_exp process compiling or loading) or while some process on this machine
-  has the file open (torch keeps it open while it holds it: a program that is not ds_exp, e.g. a plain DeepSpeed
-  script): waited on, announced (ds_exp.core.waits) with who holds it and since when, for at most BUILD_LIMIT_S;
-* stale otherwise: removed, said in one line, and the op built again. Not told by its age: a build may take
-  minutes, and a leftover may be seconds old.
-A build that dies while this process waits for it leaves the op unbuilt: that wait stops with one line (run again;
-the leftover is removed by then).
-"""
+"""torch's extension build lock, told live from stale (torch polls a leftover forever): `HeldBaton` also holds an flock
+the OS drops with its process, so a lock whose holder died is removed, said, and the op built again."""
 
 from __future__ import annotations
 
@@ -72,8 +53,7 @@ def holder_of(holder_path: str) -> str | None:
 
 
 def opened_by(path: str) -> int | None:
-    """A process of this machine that has `path` open (torch's FileBaton keeps its lock file open while it holds
-    it), or None. Reads /proc: processes of other users are not seen without the right to."""
+    """A process of this machine that has `path` open (from /proc: other users' only with the right), or None."""
     target = os.path.realpath(path)
     for fd_dir in Path("/proc").glob("[0-9]*/fd"):
         with contextlib.suppress(OSError):
@@ -88,8 +68,7 @@ RELEASE_GRACE_S = 0.5  # torch's FileBaton.release closes the file, then removes
 
 
 def _left_behind(lock: str) -> bool:
-    """Whether `lock` (whose flock the caller holds) is held by no live process: still there, open nowhere, and
-    still so a moment later (a program that is not ds_exp may be between closing and removing it)."""
+    """Whether `lock` (its flock held by the caller) is open nowhere, still so a moment later."""
     for attempt in range(2):
         if not os.path.exists(lock) or opened_by(lock) is not None:
             return False
@@ -99,8 +78,7 @@ def _left_behind(lock: str) -> bool:
 
 
 def _remove_leftover(lock: str) -> None:
-    """Remove a lock file no live process holds (the caller holds the flock), and say so: only a regular file of
-    this user's (a link, or another user's file, is refused in one line instead)."""
+    """Remove a lock file no live process holds, and say so; a link or another user's file is refused in one line."""
     with contextlib.suppress(FileNotFoundError):
         check_own(Path(lock), directory=False)
         os.remove(lock)

@@ -11,13 +11,11 @@ def peak_memory_bytes(accelerator: str) -> int:
     """This process's peak so far: CUDA's allocator on GPUs, the resident set (RSS) elsewhere."""
     if accelerator == "cuda":
         return int(torch.cuda.max_memory_allocated())
-
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def is_out_of_memory(exc: BaseException | None) -> bool:
-    """An allocation that failed, anywhere in the exception's chain: torch.OutOfMemoryError (CUDA), the CPU
-    allocator's "can't allocate memory" (a RuntimeError), Python's MemoryError."""
+    """A failed allocation anywhere in the exception's chain: CUDA's, the CPU allocator's RuntimeError, MemoryError."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

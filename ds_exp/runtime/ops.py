@@ -1,12 +1,5 @@
-"""DeepSpeed ops compiled on first use (JIT): CPU Adam and Lion, FusedAdam and FusedLion, and the shared-memory
-collectives of CPU ranks.
-
-DeepSpeed builds them deep inside `deepspeed.initialize` / `init_distributed`, where a failed build surfaces as a
-compiler traceback and a slow one as a silent minute. `ensure_built` builds an op before DeepSpeed asks for it
-(DeepSpeed then reuses the loaded module): it says on the console when a compilation is coming, and a failure
-becomes one message naming the op, what needs it, the cause and the fix (the compiler's output goes to the log).
-torch's build lock, which a killed build leaves behind, is ds_exp.runtime.build_lock's (stale ones are removed).
-"""
+"""DeepSpeed ops compiled on first use: `ensure_built` builds one before DeepSpeed asks, announcing a compilation; a
+failure is one message naming the op, what needs it, the cause and the fix (the compiler's output is in the log)."""
 
 from __future__ import annotations
 
@@ -34,8 +27,7 @@ _building = [0.0]  # seconds this process spent building (or loading) ops: a run
 
 
 def build_seconds() -> float:
-    """Seconds this process has spent in `ensure_built` loading ops that were not loaded yet: a compilation's
-    minute (or the wait for another process's), else well under a second (a built op loads from torch's cache)."""
+    """Seconds this process spent in `ensure_built` loading ops not loaded yet (a compilation, or a wait for one)."""
     return _building[0]
 
 
@@ -84,9 +76,7 @@ OPS = {op.builder: op for op in (CPU_ADAM, FUSED_ADAM, CPU_LION, FUSED_LION)}
 
 
 def deepspeed_arch_list(value: str | None) -> str | None:
-    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19's op builder can read it. It parses every entry as `major.minor`
-    integers, so the arch-specific "9.0a" (a common setting on Hopper) fails with `invalid literal for int()`;
-    the generic 9.0 code runs on the same GPU. None when nothing needs changing."""
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19 parses it (Hopper's "9.0a" fails, 9.0 runs); None if unchanged."""
     if not value:
         return None
     entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]

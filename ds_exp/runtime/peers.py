@@ -1,9 +1,5 @@
-"""The other ranks: which rank runs on which host, so that a rank that goes away mid-run can be named, and waiting
-for them at a barrier, said when it takes long.
-
-The backends only say that a connection closed, at best with the peer's address (gloo: `Connection closed by
-peer [10.213.0.12]:41234`); the table gathered at start-up turns that address into ranks and a host name.
-"""
+"""The other ranks: the host of each (gathered at start-up), so that a rank whose connection closed mid-run can be named
+from the peer address the backend gives; barriers, said when they take long."""
 
 from __future__ import annotations
 
@@ -31,10 +27,7 @@ def gather_hosts() -> list[tuple[str, list[str]]]:
 
 
 def lost_ranks(error: str, hosts: list[tuple[str, list[str]]], own_rank: int, world: int) -> str:
-    """The rank(s) a backend error points at, for a message: `rank 1 (node2)`; `another rank` if unknown.
-
-    With two ranks the other one is the lost one; otherwise the peer address in the error picks the ranks on
-    that host (all of them: the backend does not say which process on it went away)."""
+    """The rank(s) a backend error points at: the other of two, else every rank on the peer address's host."""
     others = [rank for rank in range(world) if rank != own_rank]
     named = [host for host, _ in hosts]
     if len(others) != 1:
@@ -49,9 +42,7 @@ def lost_ranks(error: str, hosts: list[tuple[str, list[str]]], own_rank: int, wo
 
 
 def barrier(point: str) -> None:
-    """Collective: wait until every rank reached `point` (what it is, for people: "the end of the save of step100").
-    A wait past a few seconds is said (rank 0 prints, every rank logs: ds_exp.core.waits); the group's timeout bounds
-    it (dist.timeout_minutes, then torch raises and the session names the rank that is gone)."""
+    """Collective: wait until every rank reached `point` (said for people when the wait is long)."""
     work = dist.barrier(async_op=True)
     if work is None:
         return

@@ -1,9 +1,5 @@
-"""How the process was launched, and distributed initialisation.
-
-`detect_launch` reads only the environment (cheap, no torch): it is used by the dry run and by training.
-`export_launch_env` fills RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT where the launcher did
-not, never overwriting what it set; `init_distributed` then hands over to deepspeed.init_distributed.
-"""
+"""How the process was launched (`detect_launch`: the environment only), the launch variables filled where the launcher
+did not set them (`export_launch_env`), and distributed initialisation."""
 
 from __future__ import annotations
 
@@ -118,8 +114,7 @@ def mark_lost_peer() -> None:
 
 
 def release_process_groups() -> None:
-    """At exit: the groups and their backends (gloo's threads) freed before the interpreter shuts down, which
-    otherwise frees them part-way through its own teardown and can abort a completed run's rank (SIGABRT)."""
+    """Free the groups before interpreter teardown, which could otherwise abort a finished rank (SIGABRT)."""
     if dist.is_initialized() and not _lost_peer:
         dist.destroy_process_group()
         compat.forget_deepspeed_groups(dist.ProcessGroup)

@@ -1,13 +1,5 @@
-"""Per-rank log files and a console people can read: rank 0 speaks, other ranks only on error, library chatter
-goes to the log files, and each warning reaches the console at most once.
-
-What reaches rank 0's console: ds_exp's own log lines (each warning once) and, on a terminal only, the progress bars
-ds_exp draws (piped: plain progress lines, ds_exp.train.metrics).
-Everything libraries say goes to logs/rank<N>.log: their loggers (DeepSpeed, transformers, datasets, torch, ...),
-Python warnings, and what they print on stdout around the calls known to print (`library_stdout`). Library errors
-still reach the console. A console line written while a progress bar is drawn clears the bar first and redraws it
-after (`_BarSafeStream`), so the two never share a line.
-"""
+"""Per-rank log files (logs/rank<N>.log: everything libraries log or print) and a readable console: rank 0 speaks, each
+warning once, other ranks only errors; a console line never shares one with a progress bar."""
 
 from __future__ import annotations
 
@@ -50,47 +42,33 @@ class _RankFilter(logging.Filter):
 
 
 class _Once(logging.Filter):
-    """The console sees each warning once (Python's warnings and libraries' never reach it: the file has them)."""
+    """Each record once: on the console each warning (by its first line); for Python's warnings every record, file
+    included (torch's deprecations inside DeepSpeed are raised at every step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, level: int = logging.WARNING, first_line: bool = True) -> None:
         super().__init__()
+        self.level, self.first_line = level, first_line
         self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
+        if record.levelno < self.level:
             return True
         message = record.getMessage()
-        key = message.strip().splitlines()[0] if message.strip() else message
+        key = message.strip().splitlines()[0] if self.first_line and message.strip() else message
         if key in self.seen:
             return False
         self.seen.add(key)
         return True
 
 
-class _FirstOnly(logging.Filter):
-    """A warning raised at every step (torch's deprecations inside DeepSpeed) is recorded once, file included."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message in self.seen:
-            return False
-        self.seen.add(message)
-        return True
-
-
-_WARNINGS_ONCE = _FirstOnly()
+_WARNINGS_ONCE = _Once(logging.NOTSET, first_line=False)
 
 # Loggers that do not propagate to the root logger: the log file is attached to each of them.
 _OWN_FILE = (STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "py.warnings", "DeepSpeed", "transformers")
 
 
 class _OursOnly(logging.Filter):
-    """A console handler on the root logger passes ds_exp's (and Hydra's) records, and errors from anyone: what
-    libraries log through the root (torch, datasets, matplotlib, ...) is for the log file."""
+    """On the root logger's console handler: ds_exp's and Hydra's records, and anyone's errors."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         ours = record.name.split(".")[0] in ("ds_exp", "hydra", "__main__")
@@ -98,9 +76,7 @@ class _OursOnly(logging.Filter):
 
 
 class LogFile(logging.FileHandler):
-    """A run's log file that a full disk stops quietly: its lines end there, instead of logging's traceback on stderr
-    for every line after (Handler.handleError). The run's own message names the full disk: its metric lines and
-    checkpoints are on the same one. Any other error is logging's to report."""
+    """A log file a full disk stops quietly (not a traceback per line); the run's own message names the full disk."""
 
     def handleError(self, record: logging.LogRecord) -> None:
         err = sys.exc_info()[1]
@@ -114,15 +90,8 @@ class LogFile(logging.FileHandler):
                 stream.close()
 
 
-def _stops_when_full(handler: logging.Handler) -> None:
-    """Hydra's own job log file (<run dir>/<job name>.log, a plain FileHandler) behaves as LogFile."""
-    if type(handler) is logging.FileHandler:
-        handler.__class__ = LogFile
-
-
 class _BarSafeStream:
-    """A console stream that clears ds_exp's progress bars before a line and redraws them after it (tqdm.write's
-    way), so that a log line never continues the bar's line on a terminal."""
+    """A console stream that clears ds_exp's progress bars before a line and redraws them after (tqdm.write's way)."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
@@ -140,8 +109,7 @@ class _BarSafeStream:
 
 
 def setup_run_logging(run_dir: Path, rank: int) -> Path:
-    """Every rank logs to <run dir>/logs/rank<N>.log; rank 0 keeps ds_exp's INFO on the console, the others only
-    errors. Libraries' records reach the file through the root logger (those that propagate) or their own."""
+    """Every rank logs to <run dir>/logs/rank<N>.log; rank 0 keeps ds_exp's INFO on the console, others errors."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"rank{rank}.log"
@@ -157,7 +125,8 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
         logger.propagate = False  # the console gets these only through the handlers below
     root = logging.getLogger()
     for other in root.handlers:
-        _stops_when_full(other)
+        if type(other) is logging.FileHandler:  # Hydra's job log (<run dir>/<job name>.log) behaves as LogFile
+            other.__class__ = LogFile
     root.addHandler(handler)  # ds_exp's records, and those of every library that propagates (torch, datasets, ...)
     for record in HELD.records:  # what libraries said before the file existed
         handler.handle(record)
@@ -182,8 +151,7 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
     # libraries' own progress bars (loading weights, writing shards) never: ds_exp says what it is doing instead
     transformers.utils.logging.disable_progress_bar()
     if rank != 0 or not on_terminal():
-        # tokenizing: rank 0's bar is the console's, on a terminal only (piped, a bar is a line per frame; a long
-        # tokenization is said in plain lines, ds_exp.data.encode)
+        # tokenizing: rank 0's bar, on a terminal only (piped, ds_exp.data.encode says it in plain lines)
         datasets.disable_progress_bars()
     if rank != 0:
         transformers.utils.logging.set_verbosity_error()
@@ -206,9 +174,7 @@ def close_run_logging() -> None:
 
 @contextlib.contextmanager
 def library_stdout(stderr: bool = False) -> Iterator[None]:
-    """What libraries print on stdout inside the block goes to the log file (LIBRARY_LOGGER), Python's print and
-    C's printf alike (DeepSpeed's CPU Adam announces itself from C++ on every rank); with `stderr`, what they write
-    there too (lm-eval's progress bars, a subprocess's complaints)."""
+    """What libraries print (Python or C) inside the block goes to the log file; with `stderr`, that too."""
     printed: list[str] = []
     try:
         with contextlib.ExitStack() as stack:

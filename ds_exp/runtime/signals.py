@@ -1,20 +1,6 @@
-"""Signals that ask a run to stop: every rank saves a checkpoint after the same step, then the run leaves.
-
-* Under submitit (SLURM), the preemption / time-limit signal (SIGUSR2; the launcher preset's
-  `signal_delay_s` says how long before the limit SLURM sends it). Once the checkpoint is complete, rank 0
-  hands over to submitit's own handler, which re-submits the job with the same arguments (so the same job
-  directory) and runs `scontrol requeue`; the requeued job resumes from the checkpoint (`resume=auto`).
-* Under any other launcher, SIGTERM, SIGINT and SIGHUP (the terminal was closed: an ssh session that dropped):
-  save, then exit with 128 + the signal's number. A second SIGINT interrupts at once (KeyboardInterrupt), for a
-  user who cannot wait for the step to end. After SIGHUP the console is gone (writing to a hung-up terminal fails
-  with EIO, which would end the run before its checkpoint): output meant for it goes to /dev/null, and the log
-  file and summary.json say what happened.
-
-During training, handlers only set a flag. The training loop votes on it in an all-reduce it makes anyway at
-every step, so all ranks stop after the same step even though the signal reaches them at different moments.
-Before the first step (tokenization, model build, the first evaluation: minutes, with nothing to save) a signal
-stops the run at once (SLURM's grace period before SIGKILL is short).
-"""
+"""Stop signals: every rank saves a checkpoint after the same step (voted in the loop's all-reduce), then leaves, under
+submitit requeued, elsewhere with 128 + the signal (a second SIGINT at once; after SIGHUP, no console). Before the first
+step a signal stops at once; off the main thread (ds_exp.train from a thread) none are installed, said."""
 
 from __future__ import annotations
 
@@ -23,6 +9,7 @@ import os
 import signal
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -80,6 +67,12 @@ class StopSignals:
 
     def install(self) -> None:
         self.pid = os.getpid()
+        if threading.current_thread() is not threading.main_thread():  # Python handles signals there only
+            log.warning(
+                "this run is not on the process's main thread, where Python handles signals (ds_exp.train called "
+                "from a thread, e.g. asyncio.to_thread): a stop signal (Ctrl-C, SIGTERM) saves no checkpoint for it"
+            )
+            return
         for signum in self.watched():
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -90,8 +83,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self.pid:
-            # a forked worker (tokenization pool, data loader) inherited this handler: it dies as by default, so
-            # that its pool's terminate() can reap it
+            # a forked worker inherited this handler: it dies as by default, for its pool's terminate() to reap
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -108,8 +100,7 @@ class StopSignals:
         log.warning("caught %s: saving a checkpoint after the current step, then stopping", self.reason)
 
     def behind(self, exc: BaseException) -> StopRequested | None:
-        """The stop behind `exc`: a library that catches the exception a signal raised during setup may raise its
-        own instead (datasets' worker pool raises a TimeoutError from its cleanup)."""
+        """The stop behind `exc` (a library may raise its own over a signal's: datasets' pool, a TimeoutError)."""
         seen: BaseException | None = exc
         while seen is not None:
             if isinstance(seen, StopRequested):
@@ -120,8 +111,7 @@ class StopSignals:
         return None
 
     def leave(self, rank: int) -> NoReturn:
-        """Exit after a stop. Under submitit rank 0 requeues the job; the other ranks wait for SLURM to end them
-        (submitit warns that an early exit of a task may bring down rank 0 before it has requeued)."""
+        """Exit after a stop; under submitit rank 0 requeues, the others wait for SLURM to end them."""
         assert self.signum is not None
         if not self.under_submitit:
             sys.exit(128 + self.signum)
@@ -140,8 +130,7 @@ def leave_hung_up_terminal() -> None:
     """Point stdout and stderr away from a terminal that hung up (its writes fail with EIO from now on)."""
     for fd in (1, 2):
         try:
-            # a hung-up terminal no longer answers isatty() (its ioctls fail too): any character device but
-            # /dev/null counts. A pipe or a file still works (SIGHUP sent by a person or a script): kept
+            # a hung-up terminal fails isatty() too: any character device but /dev/null goes; pipes and files stay
             mode = os.fstat(fd)
             if not stat.S_ISCHR(mode.st_mode) or os.path.samestat(mode, os.stat(os.devnull)):
                 continue

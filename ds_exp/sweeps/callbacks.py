@@ -1,17 +1,9 @@
-"""Hydra callbacks of a sweep (registered in conf/config.yaml under hydra.callbacks).
-
-* `ValidateSweep`: before anything is launched or queued, locks and checks the sweep directory (one live sweep
-  per directory), then composes and validates every job of the sweep, so one bad combination fails the sweep at
-  once with the job's overrides named.
-* `SweepReport`: after the last job, writes the sweep report (ds_exp/sweeps/report.py) of the sweep's own jobs and
-  exits non-zero when a job failed (an autotune sweep: when no probe was timed).
-Whatever either raises stops the sweep (launch.console.exit_on_error): Hydra would only warn and go on.
-"""
+"""A sweep's Hydra callbacks: `ValidateSweep` checks the directory and every job before launch; `SweepReport` writes the
+report and fails when a job did. Whatever they raise stops the sweep."""
 
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.paths import sweep_job_names
 from ds_exp.config.place_checks import experiment_name_problem
-from ds_exp.config.secrets import redact_text
-from ds_exp.core.errors import ConfigError
+from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import exit_on_error
 from ds_exp.launch.lock import claim_sweep_dir, lock_sweep_dir, release_sweep_dir
@@ -34,8 +25,7 @@ from ds_exp.sweeps.study_files import completed_trials, is_study_sweep
 
 
 def check_sweep_start(config: DictConfig) -> None:
-    """Before a sweep: writable, locked for this sweep's life (one live sweep per directory), not inside another
-    live run's or sweep's directory, and not an earlier sweep's directory (unless its jobs are resumed)."""
+    """Before a sweep: writable, locked, not in a live run's or sweep's directory, not an earlier sweep's."""
     name_problem = experiment_name_problem(config.get("experiment_name"))
     if name_problem is not None:  # the sweep directory is named by it: it may lie outside outputs/
         raise ConfigError(name_problem)
@@ -63,8 +53,7 @@ SLURM_COMMANDS = ("sbatch", "srun")  # submitit submits with sbatch, and its SLU
 
 
 def check_slurm_commands(config: DictConfig) -> None:
-    """hydra/launcher=slurm on a machine without SLURM's commands: one message before anything is submitted or
-    written (submitit's own is a traceback ending in `Could not detect "srun"`)."""
+    """hydra/launcher=slurm without SLURM's commands: one message before anything is submitted."""
     if not str(OmegaConf.select(config, "hydra.launcher._target_", default="")).endswith(".SlurmLauncher"):
         return
     missing = [name for name in SLURM_COMMANDS if shutil.which(name) is None]
@@ -93,14 +82,10 @@ class ValidateSweep(Callback):
         forget_resumed_jobs()
         for num, overrides in enumerate(jobs):  # numbered as Hydra's basic sweeper numbers them
             problems += check_job(loader, config, overrides, num, continues=True)[1]
-        if problems:
-            print(
-                f"ds_exp: error: the sweep was not started: {len(problems)} problem(s) in its {len(jobs)} jobs",
-                file=sys.stderr,
+        if problems:  # told redacted (a composition error may quote a value)
+            raise ConfigError(
+                [f"the sweep was not started: {len(problems)} problem(s) in its {len(jobs)} jobs", *problems]
             )
-            for line in problems:
-                print(f"  {redact_text(line)}", file=sys.stderr)  # a composition error may quote a value
-            sys.exit(2)
         keep_resumed_configs()  # the resumed jobs' own configs, which Hydra's launch would write over
         print(f"ds_exp: all {len(jobs)} jobs of the sweep are valid")
 
@@ -120,15 +105,12 @@ class SweepReport(Callback):
         if (sweep_dir / PLAN_FILE).is_file():  # probes that fail are results of the autotune sweep, not errors
             problem = autotune_verdict(sweep_dir, rows)
             if problem is not None:
-                print(f"ds_exp: error: autotune: {problem}", file=sys.stderr)
-                sys.exit(1)
+                raise RunFailed(f"autotune: {problem}")
             return
         if is_study_sweep(config):  # a failed trial is part of a search; a study with no completed trial is not
             if not completed_trials(sweep_dir):
-                print("ds_exp: error: no trial of the optuna study completed", file=sys.stderr)
-                sys.exit(1)
+                raise RunFailed("no trial of the optuna study completed")
             return
         failed = [row for row in rows if row["status"] != RunStatus.COMPLETED]
         if failed:
-            print(f"ds_exp: error: {len(failed)} of {len(rows)} sweep jobs did not complete", file=sys.stderr)
-            sys.exit(1)
+            raise RunFailed(f"{len(failed)} of {len(rows)} sweep jobs did not complete")

@@ -1,7 +1,5 @@
-"""A sweep's jobs: each one's overrides as Hydra's basic sweeper expands them, and each composed and validated
-once before anything is launched (every sweeper comes here: -m, autotune's candidates, an optuna study's trials).
-A job that resumes in its own directory continues from its own config there, as a single run does
-(launch.run_config); the sweep saves that config for the job once every job has passed (keep_resumed_configs)."""
+"""A sweep's jobs, each composed and validated once before anything is launched (every sweeper comes here); a job
+resuming in its directory continues its own config there, saved for it once every job passed."""
 
 from __future__ import annotations
 
@@ -42,11 +40,9 @@ def job_dir_of(composed: DictConfig) -> Path:
     return Path(str(composed.hydra.sweep.dir)) / str(composed.hydra.sweep.subdir)
 
 
-# The job directories this process's sweep launches (check_job records each job it passes with its number), so
-# that the sweep's report lists its own jobs, not whatever else the directory holds.
+# the job directories this process's sweep launches (check_job records them): the report lists only those
 launched_job_dirs: list[Path] = []
-# The resumed jobs checked so far: job directory -> (its config continued, what the resume says about it); saved for
-# the jobs by keep_resumed_configs once the whole sweep is valid (a refused sweep changes nothing)
+# resumed jobs checked so far: job dir -> (config continued, the resume's note), saved once the whole sweep is valid
 resumed_jobs: dict[Path, tuple[DictConfig, str]] = {}
 
 
@@ -59,13 +55,7 @@ def check_job(
     continues: bool = False,
     composed: DictConfig | None = None,
 ) -> tuple[DictConfig | None, list[str]]:
-    """One job composed and validated once: (its config, []) or (None, the problems, each naming the job).
-    Every sweeper's jobs come here before any is launched (the basic sweeper's all at once, autotune's probes, an
-    optuna study's trials as they are asked for). With its number the job's directory is known, and is checked
-    like a single run's (run_dir.check_job_dir) before Hydra writes the job's .hydra/ into it. `continues` (the
-    basic sweeper's jobs): a job resuming in its directory continues from the config saved there (_continue_job).
-    An optuna study's resumed trials and autotune's probes are composed from their recorded overrides as before;
-    `composed`: the job as its sweeper composed it already from the same overrides (autotune's judge)."""
+    """One job composed, validated, its directory checked: (config, []) or (None, problems); see _continue_job."""
     try:
         cfg = composed if composed is not None else loader.load_sweep_config(config, list(overrides))
         if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it
@@ -90,9 +80,7 @@ def check_job(
 
 
 def _continue_job(cfg: DictConfig, overrides: list[str]) -> str | None:
-    """A job resuming in a directory that saved its config continues from that config, the job's overrides
-    applied again as changes (launch.run_config.continue_run_config), before it is validated and checked.
-    Returns what the resume says (None: not a resume, or nothing saved to continue from)."""
+    """A resuming job with a saved config continues it, its overrides as changes; the resume's note, or None."""
     if cfg.get("resume") is None:
         return None
     job_dir = job_dir_of(cfg)
@@ -106,8 +94,7 @@ def forget_resumed_jobs() -> None:
 
 
 def keep_resumed_configs() -> None:
-    """Once every job of the sweep is valid: each resumed job's config is saved for it, and said (Hydra would write
-    the job's .hydra/ from the defaults and the sweep's overrides: launch.run_config.keep_job_config)."""
+    """Once every job is valid: save (and say) each resumed job's config for it (launch.run_config.keep_job_config)."""
     for job_dir, (cfg, note) in resumed_jobs.items():
         print(f"ds_exp: {note}", file=sys.stderr)
         keep_job_config(job_dir, cfg)
@@ -115,8 +102,7 @@ def keep_resumed_configs() -> None:
 
 
 def own_job_dirs(config: DictConfig, sweep_dir: Path) -> list[Path] | None:
-    """The job directories of this sweep: an optuna study's trials (the study owns its directory, across the runs
-    that continue it), else what this process launched; None (every job found) when neither is known."""
+    """This sweep's job directories: a study's trials, else what this process launched; None when neither is known."""
     if is_study_sweep(config) and (sweep_dir / STUDY_FILE).is_file():
         trials = json.loads((sweep_dir / STUDY_FILE).read_text())["trials"]
         return [Path(t["job_dir"]).absolute() for t in trials if t.get("job_dir") and Path(t["job_dir"]).is_dir()]

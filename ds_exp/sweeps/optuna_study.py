@@ -1,20 +1,5 @@
-"""Hyperparameter search with optuna: the `hydra/sweeper=optuna` sweeper (conf/hydra/sweeper/optuna.yaml).
-
-    python -m ds_exp -m hydra/sweeper=optuna 'optimizer.lr=tag(log,interval(1e-5,1e-3))' hydra.sweeper.n_trials=20
-
-A thin Hydra sweeper over optuna's ask / tell (hydra-optuna-sweeper 1.3.0 pins optuna < 3, whose SQLite storage
-fails under SQLAlchemy 2). Each trial is one job of the launcher in use (the basic one: one process; `local` /
-`slurm`: one submitit job whose tasks are the ranks of one run), composed and validated here once, so every rank
-trains with the trial's values. What a trial scores is read from its summary.json (`objective`):
-* completed with the objective a finite number -> COMPLETE with that value;
-* diverged (train.max_bad_steps non-finite losses in a row, or a non-finite objective) -> PRUNED: the values
-  are bad, and the sampler learns that;
-* anything else (invalid config, a failed or killed run) -> FAIL, with the error recorded; the study goes on.
-The study lives in the sweep directory (outputs/optuna/<study_name>/optuna.db, SQLite), so the same command run
-again continues it up to `n_trials` finished trials; each trial's run directory is named by its trial number. A
-trial the earlier run left stopped (Ctrl-C: it saved a checkpoint) is continued first, with its number and values.
-`study.json` beside it records every trial for the sweep report (ds_exp/sweeps/study_files.py).
-"""
+"""`hydra/sweeper=optuna`: a thin sweeper over optuna's ask/tell (hydra-optuna-sweeper pins optuna < 3). Each trial is
+one job validated here; diverged runs are PRUNED, failures FAIL. The same command continues the study (optuna.db)."""
 
 from __future__ import annotations
 
@@ -79,8 +64,7 @@ _DRIVER_PACKAGES = {"MySQLdb": "mysqlclient", "psycopg2": "psycopg2-binary", "ps
 
 
 def check_storage(storage: str) -> None:
-    """hydra.sweeper.storage is a database URL SQLAlchemy can open with a driver installed here (optuna imports it
-    only when it opens the study, after the sweep directory is made, and says "install appropriate one")."""
+    """hydra.sweeper.storage is a URL SQLAlchemy can open with an installed driver."""
     shown = f"hydra.sweeper.storage={shown_storage(storage)}"
     unset = "or leave hydra.sweeper.storage unset for a SQLite file in the sweep directory"
     try:
@@ -247,9 +231,7 @@ class StudySweeper(Sweeper):
             raise ConfigError(problems)
 
     def check_composes(self, space: SearchSpace) -> None:
-        """The corners of the space are composed first: an unknown key or option (or a float for an integer) would
-        fail every trial, and a searched key the runs would not obey (a DeepSpeed file that sets it) would search
-        nothing, so either stops the study before anything runs. (Other invalid corners are trials that fail.)"""
+        """Compose the space's corners first: an unknown key or a searched key the runs ignore stops the study."""
         problems = []
         for overrides in probe_overrides(space):
             try:
@@ -270,8 +252,7 @@ class StudySweeper(Sweeper):
         return self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
 
     def make_sampler(self, trials_so_far: int) -> BaseSampler | None:
-        """The configured sampler; a seeded one is seeded with seed + the trials so far, so that a continued study
-        does not draw the first invocation's values again."""
+        """The configured sampler, seeded with seed + the trials so far so a continued study draws new values."""
         if not self.sampler_cfg:
             return None
         sampler_cfg = self.sampler_cfg
@@ -293,9 +274,7 @@ class StudySweeper(Sweeper):
         OmegaConf.save(self.config, target)
 
     def settle_abandoned(self, study: optuna.Study, sweep_dir: Path) -> list[Trial]:
-        """Trials an earlier run of this study left RUNNING (abandoned_trials): a stopped or interrupted
-        one goes on (the same trial number and values, resume=auto in its directory: from its checkpoint), one that
-        completed is recorded as it ended, the rest as failed. Returns the trials continued."""
+        """Trials an earlier run left RUNNING: a stopped one goes on, a completed one is recorded, the rest failed."""
         continued = []
         for frozen, what in abandoned_trials(study, sweep_dir):
             trial = optuna_trial_of(study, frozen)
@@ -325,9 +304,7 @@ class StudySweeper(Sweeper):
         *,
         resume: bool = False,
     ) -> list[str]:
-        """Compose and validate each trial once, launch the valid ones, tell the study how each ended. Returns the
-        problems that stop the study (an objective the runs do not report). `resume`: the trials are ones an
-        earlier run left unfinished; each continues in its own directory with its recorded overrides."""
+        """Validate, launch and tell each trial; the problems that stop the study. `resume`: trials continued."""
         assert self.hydra_context is not None and self.config is not None
         launch: list[tuple[Trial, list[str], Path]] = []
         for trial in trials:
@@ -338,9 +315,7 @@ class StudySweeper(Sweeper):
                 overrides = overrides_of(trial.params)
                 trial.set_user_attr("overrides", overrides)
                 trial.set_user_attr("sweep_dir", str(sweep_dir))
-            # composed and validated once, here, as the basic sweeper's jobs are (ds_exp/sweeps/jobs.py): the ranks
-            # compose the same overrides (floats written exactly) and train with the trial's values; its
-            # directory is checked there too (one that holds another run is left as it is)
+            # validated once, as the basic sweeper's jobs (floats written exactly: every rank composes the same)
             cfg, problems = check_job(self.hydra_context.config_loader, self.config, overrides, trial.number)
             error = f"invalid trial, not launched: {'; '.join(problems)}" if problems else None
             if cfg is not None:
@@ -433,11 +408,7 @@ def finished(study: Study) -> int:
 
 
 def abandoned_trials(study: Study, sweep_dir: Path) -> list[tuple[FrozenTrial, str]]:
-    """Trials of this directory still RUNNING: they belong to a sweep that ended before they did. Each with what
-    the re-run does with it: "continue" (its run was stopped or interrupted: the same trial goes on from its
-    checkpoint, resume=auto in its own directory), "tell" (its run completed after all, e.g. continued by hand:
-    recorded as it ended), "live" (its run still holds its directory's lock, e.g. a SLURM job that outlived the
-    sweep: left RUNNING) or "fail" (killed: recorded as failed, its directory left as it is)."""
+    """This directory's RUNNING trials, each with what a re-run does: "continue", "tell", "live" or "fail"."""
     found = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if trial.user_attrs.get("sweep_dir") != str(sweep_dir):

@@ -1,16 +1,10 @@
-"""Sweep report: one row per job of a multirun, printed and written as CSV, Markdown and a PNG plot (report_plot).
-
-    python -m ds_exp.report <sweep dir>     (ds_exp/sweeps/runs.py: any other directory of runs is listed)
-
-Runs by itself at the end of every multirun (the `SweepReport` callback in conf/config.yaml). A job that
-failed shows its error; a job that left no summary.json (killed, never started) says so. An autotune sweep
-(experiment=autotune, ds_exp/tools/autotune.py) adds its ranking: every candidate with its verdict, the probes ranked by
-tokens/s, the recommended one and the command line that trains with it.
-"""
+"""Sweep report (`python -m ds_exp.report <sweep dir>`, and after every multirun): a row per job, as CSV, Markdown and a
+picture; an autotune sweep adds its ranking and the command that trains the best."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import shlex
 import statistics
@@ -22,8 +16,9 @@ import yaml
 
 from ds_exp.config.ds_config import override_key
 from ds_exp.config.memory_plan import human_bytes
+from ds_exp.core.files import write_bytes_atomic
 from ds_exp.core.status import RunStatus
-from ds_exp.sweeps.report_plot import plot, train_curve, varying_overrides
+from ds_exp.sweeps.report_plot import picture, train_curve, varying_overrides
 from ds_exp.sweeps.study_files import SESSION_KEYS, study_section
 
 if TYPE_CHECKING:
@@ -82,9 +77,6 @@ def _read(path: Path, parse: Callable[[str], Any], kind: str) -> Any:
         raise Damaged(f"{path} cannot be read ({err.strerror or err})") from None
 
 
-NUMBERS = ("world_size", "zero_stage", "tokens_per_s", "samples_per_s", "train_loss", "wall_time_s", "restarts")
-
-
 def read_overrides(job_dir: Path) -> list[str]:
     path = job_dir / ".hydra" / "overrides.yaml"
     overrides = _read(path, yaml.safe_load, "YAML") or []
@@ -93,28 +85,8 @@ def read_overrides(job_dir: Path) -> list[str]:
     return overrides
 
 
-def read_job_summary(path: Path) -> dict[str, Any]:
-    summary = _read(path, json.loads, "JSON")
-    if not isinstance(summary, dict):
-        raise Damaged(f"{path} is damaged: a JSON {type(summary).__name__}, not the object a run writes")
-    wrong = [k for k in NUMBERS if summary.get(k) is not None and not _is_number(summary[k])]
-    peaks = summary.get("peak_memory_bytes_per_rank") or []
-    if not isinstance(peaks, list) or not all(p is None or _is_number(p) for p in peaks):
-        wrong.append("peak_memory_bytes_per_rank")
-    final = summary.get("final_eval") or {}
-    if not isinstance(final, dict) or (final.get("perplexity") is not None and not _is_number(final["perplexity"])):
-        wrong.append("final_eval")
-    wrong += [SCORES] if summary.get(SCORES) is not None and not _scores(summary[SCORES]) else []
-    if wrong:
-        raise Damaged(f"{path} is damaged: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not numbers")
-    return summary
-
-
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-PLAN, DRY_RUN = "plan.json", "dry run"  # what dry_run=true leaves instead of summary.json (ds_exp/tools/dry_run.py)
 
 
 def _scores(scores: object) -> bool:
@@ -124,9 +96,43 @@ def _scores(scores: object) -> bool:
     return all(v is None or _is_number(v) for metrics in scores.values() for v in metrics.values())
 
 
+def _numbers(values: object) -> bool:
+    return isinstance(values, list) and all(v is None or _is_number(v) for v in values)
+
+
+class Summary:
+    """A job's summary.json, each value type-checked where read: a damaged file costs its row, never the report."""
+
+    def __init__(self, path: Path) -> None:
+        data = _read(path, json.loads, "JSON")
+        if not isinstance(data, dict):
+            raise Damaged(f"{path} is damaged: a JSON {type(data).__name__}, not the object a run writes")
+        self.path, self.data = path, data
+
+    def get(self, key: str, fits: Callable[[Any], bool], kind: str) -> Any:
+        """The value at the dotted `key` (None where absent), or Damaged naming the key when it is not `kind`."""
+        value: Any = self.data
+        for depth, part in enumerate(key.split(".")):
+            if value is not None and not isinstance(value, dict):
+                raise Damaged(f"{self.path} is damaged: {'.'.join(key.split('.')[:depth])} is not an object")
+            value = None if value is None else value.get(part)
+        if value is not None and not fits(value):
+            raise Damaged(f"{self.path} is damaged: {key} is not {kind}")
+        return value
+
+    def number(self, key: str) -> Any:
+        return self.get(key, _is_number, "a number")
+
+    def text(self, key: str) -> str | None:
+        return self.get(key, lambda value: isinstance(value, str), "text")
+
+
+NUMBERS = ("zero_stage", "tokens_per_s", "samples_per_s", "train_loss", "wall_time_s", "restarts")
+PLAN, DRY_RUN = "plan.json", "dry run"  # what dry_run=true leaves instead of summary.json (ds_exp/tools/dry_run.py)
+
+
 def job_row(job_dir: Path) -> dict[str, Any]:
-    """The job's row; a damaged overrides.yaml or summary.json is named in the row (status "damaged"), and the
-    rest of the report still comes out."""
+    """The job's row; a damaged overrides.yaml or summary.json is named in it (status "damaged")."""
     row: dict[str, Any] = dict.fromkeys(COLUMNS)
     row.update(job=job_dir.name)
     damaged = []
@@ -141,7 +147,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         row.update(status="no summary", error=f"{summary_file} missing: the job never reached training or was killed")
     else:
         try:
-            _fill_from_summary(row, read_job_summary(summary_file))
+            row.update(_summary_cells(Summary(summary_file)))
         except Damaged as err:
             damaged.append(str(err))
     if damaged:  # a damaged overrides.yaml alone keeps the summary's status: the results are there
@@ -150,30 +156,30 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     return row
 
 
-def _fill_from_summary(row: dict[str, Any], summary: dict[str, Any]) -> None:
-    peaks = [p for p in summary.get("peak_memory_bytes_per_rank") or [] if p is not None]
-    final = summary.get("final_eval") or {}
-    row.update(
-        status=summary.get("status"),
-        world_size=summary.get("world_size"),
-        dp=summary.get("data_parallel_size", summary.get("world_size")),  # summaries from before sequence parallelism
-        sp=summary.get("sequence_parallel_size", 1 if summary.get("world_size") is not None else None),
-        zero_stage=summary.get("zero_stage"),
-        tokens_per_s=summary.get("tokens_per_s"),
-        samples_per_s=summary.get("samples_per_s"),
-        peak_memory_mib=max(peaks) / 2**20 if peaks else None,
-        peak_memory_mib_per_rank=" ".join(f"{p / 2**20:.0f}" for p in peaks) or None,
-        train_loss=summary.get("train_loss"),
-        eval_loss=final.get("eval_loss"),
-        perplexity=final.get("perplexity"),
-        wall_time_s=summary.get("wall_time_s"),
-        restarts=summary.get("restarts"),
-        error_kind=summary.get("error_kind"),
-        error=summary.get("error"),
-        **{name: final[name] for name in PREFERENCE if name in final},  # preference tuning's final_eval
-    )
-    scores = summary.get(SCORES) or {}  # a column harness.<task>.<metric> per score (the optuna objective's name)
-    row.update({f"{SCORES}.{task}.{m}": value for task, metrics in scores.items() for m, value in metrics.items()})
+def _summary_cells(summary: Summary) -> dict[str, Any]:
+    per_rank = summary.get("peak_memory_bytes_per_rank", _numbers, "a list of numbers") or []
+    peaks = [p for p in per_rank if p is not None]
+    final = summary.get("final_eval", lambda v: isinstance(v, dict), "an object") or {}
+    world = summary.number("world_size")
+    dp, sp = summary.number("data_parallel_size"), summary.number("sequence_parallel_size")
+    cells = {
+        "status": summary.text("status"),
+        "world_size": world,
+        "dp": world if dp is None else dp,  # summaries from before sequence parallelism
+        "sp": (1 if world is not None else None) if sp is None else sp,
+        "peak_memory_mib": max(peaks) / 2**20 if peaks else None,
+        "peak_memory_mib_per_rank": " ".join(f"{p / 2**20:.0f}" for p in peaks) or None,
+        "eval_loss": summary.number("final_eval.eval_loss"),
+        "perplexity": summary.number("final_eval.perplexity"),
+        "error_kind": summary.text("error_kind"),
+        "error": summary.text("error"),
+        **{key: summary.number(key) for key in NUMBERS},
+        # preference tuning's final_eval (objective=dpo / reward)
+        **{name: summary.number(f"final_eval.{name}") for name in PREFERENCE if name in final},
+    }
+    scores = summary.get(SCORES, _scores, "numbers by task and metric") or {}  # a column per lm-eval score
+    cells.update({f"{SCORES}.{task}.{m}": value for task, metrics in scores.items() for m, value in metrics.items()})
+    return cells
 
 
 def _cell(value: object) -> str:
@@ -190,9 +196,16 @@ def markdown(rows: list[dict[str, Any]], columns: list[str] = COLUMNS) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
 def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[str, Any]]:
-    """The report of the sweep's jobs: `own` (the job directories the sweep launched, ds_exp.sweeps.jobs.own_job_dirs),
-    or every job the directory holds when that is not known (python -m ds_exp.report)."""
+    """The report of `own` (the sweep's jobs), else every job there; printed even where it cannot be written."""
     found = job_dirs(sweep_dir) if own is None else sorted(own, key=_job_key)
     rows = [job_row(d) for d in found]
     for row in rows:
@@ -202,19 +215,20 @@ def write_report(sweep_dir: Path, own: list[Path] | None = None) -> list[dict[st
     scored += sorted({key for row in rows for key in row if key.startswith(f"{SCORES}.")})
     at = COLUMNS.index("wall_time_s")  # the scores' columns after the fixed ones, before the error columns
     columns = [*COLUMNS[:at], *scored, *COLUMNS[at:]]
-    with (sweep_dir / "report.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    table = markdown(rows, columns)
-
-    tuned = _section(autotune_section, sweep_dir, rows)
+    files: dict[str, str | bytes] = {"report.csv": _csv(rows, columns)}
+    tuned = _section(autotune_section, sweep_dir, rows, files)
     study = _section(study_section, sweep_dir)  # an optuna study's trials and its best one (hydra/sweeper=optuna)
     extra = tuned + (f"\n{study}" if study else "")
-    (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n{table}\n![sweep](report.png)\n{extra}")
+    files["report.md"] = f"# Sweep {sweep_dir}\n\n{markdown(rows, columns)}\n![sweep](report.png)\n{extra}"
     if rows:
-        plot(rows, sweep_dir / "report.png", sweep_dir, [train_curve(d) for d in found])
-    print(f"ds_exp sweep report ({sweep_dir / 'report.md'}; every column: report.csv):\n{console_table(rows)}\n{extra}")
+        files["report.png"] = picture(rows, sweep_dir, [train_curve(d) for d in found])
+    where = f"{sweep_dir / 'report.md'}; every column: report.csv"
+    try:
+        for name, content in files.items():
+            write_bytes_atomic(sweep_dir / name, content.encode() if isinstance(content, str) else content)
+    except OSError as err:  # a read-only sweep directory, a full disk: the report is still printed
+        where = f"its files were not written into {sweep_dir}: {err.strerror or err}"
+    print(f"ds_exp sweep report ({where}):\n{console_table(rows)}\n{extra}")
     return rows
 
 
@@ -224,8 +238,7 @@ CONSOLE = {"job": "job", "status": "status", "eval_loss": "eval loss", "tokens_p
 
 
 def console_table(rows: list[dict[str, Any]]) -> str:
-    """The jobs as aligned columns a terminal holds: the ones the picture shows, the overrides that differ last (a
-    failed job's error after them); the rest stay in report.csv and report.md."""
+    """The jobs as aligned columns a terminal holds; the rest stay in report.csv and report.md."""
     columns = dict(CONSOLE)
     if not any(row.get("eval_loss") is not None for row in rows):  # no eval set: the train loss, as the picture
         columns = {("train_loss" if key == "eval_loss" else key): name.replace("eval", "train") for key, name in
@@ -244,9 +257,8 @@ def console_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _section(make: Callable[..., str | None], sweep_dir: Path, *args: list[dict[str, Any]]) -> str:
-    """A section of the report from its own record (autotune's plan, the study's record); a damaged record leaves
-    the section out with a line that names it, and the job table still comes out."""
+def _section(make: Callable[..., str | None], sweep_dir: Path, *args: Any) -> str:
+    """A section from its own record; a damaged record costs the section (said in one line), never the job table."""
     try:
         return make(sweep_dir, *args) or ""
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as err:
@@ -263,8 +275,7 @@ NOT_TIMED = f"no metric line after its {WARMUP_STEPS} warm-up step(s); give the 
 
 
 def probe_speed(job_dir: Path) -> tuple[float | None, float | None]:
-    """Median tokens/s and MFU of a probe's metric lines whose window (the steps since the line before) starts
-    after its warm-up step (None where none was written)."""
+    """Median tokens/s and MFU of a probe's metric lines after its warm-up step (None where none)."""
     path = job_dir / "metrics.jsonl"
     lines = [_json_line(line) for line in path.read_text(errors="replace").splitlines()] if path.is_file() else []
     train = [r for r in lines if r.get("type") == "train" and _is_number(r.get("step"))]
@@ -326,8 +337,7 @@ def autotune_rows(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str,
 
 
 def train_command(plan: dict[str, Any], overrides: list[str]) -> str:
-    """The command line that trains with a probe's configuration: its overrides minus the probe's own keys and the
-    probe session's (SESSION_KEYS); through the same submitit launcher (a one-job sweep) when the probes ran there."""
+    """The command training a probe's configuration: its overrides less the probe's keys, through the same launcher."""
     left_out = set(plan["probe_keys"]) | set(SESSION_KEYS)
     kept = [o for o in overrides if override_key(o) not in left_out]
     launcher = plan.get("launcher_overrides") or []
@@ -335,16 +345,13 @@ def train_command(plan: dict[str, Any], overrides: list[str]) -> str:
     return " ".join(shlex.quote(part) for part in [*head, *kept])
 
 
-def autotune_section(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
-    """The ranking of an autotune sweep (written to autotune.csv and report.md), or "" for other sweeps."""
+def autotune_section(sweep_dir: Path, rows: list[dict[str, Any]], files: dict[str, str | bytes]) -> str:
+    """The ranking of an autotune sweep (for report.md; its CSV added to `files`), or "" for other sweeps."""
     if not (sweep_dir / PLAN_FILE).is_file():
         return ""
     plan = json.loads((sweep_dir / PLAN_FILE).read_text())
     ranked = autotune_rows(sweep_dir, rows)
-    with (sweep_dir / "autotune.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=AUTOTUNE_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(ranked)
+    files["autotune.csv"] = _csv(ranked, AUTOTUNE_COLUMNS)
     columns = [c for c in AUTOTUNE_COLUMNS if c != "mfu" or any(r["mfu"] is not None for r in ranked)]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in ranked]

@@ -1,11 +1,5 @@
-"""The sweep report's picture, report.png (ds_exp/sweeps/report.py): one row per job, named by the overrides that
-differ between the jobs, with what the sweep is judged by (an optuna study's objective, else the final eval loss,
-else the train loss), its speed (tokens/s over all ranks) and its peak memory per rank. The best job is green; a
-job that did not complete says how it ended in place of its bars. Below them, the jobs' train loss curves on one
-axis (from each job's metrics.jsonl), in the colours of the jobs' labels: how they got there, not only where.
-
-Drawn on matplotlib's Agg canvas without pyplot (no global figure state) and written whole (ds_exp/core/files.py).
-"""
+"""report.png: a row per job with what the sweep is judged by, its tokens/s and peak memory (the best green, unfinished
+jobs saying why), the train loss curves below; drawn without pyplot, written whole."""
 
 from __future__ import annotations
 
@@ -58,8 +52,7 @@ def job_labels(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def judged_by(rows: list[dict[str, Any]], sweep_dir: Path | None) -> Panel:
-    """What the sweep is judged by: an optuna study's objective (its value per trial's job), else the final eval
-    loss, else (no job has an eval set) the train loss."""
+    """An optuna study's objective, else the final eval loss, else the train loss."""
     try:
         study = study_values(sweep_dir) if sweep_dir is not None else None
     except (ValueError, KeyError, TypeError, OSError):
@@ -98,13 +91,9 @@ def train_curve(job_dir: Path) -> Curve:
     return curve
 
 
-def plot(
-    rows: list[dict[str, Any]], path: Path, sweep_dir: Path | None = None, curves: list[Curve] | None = None
-) -> None:
-    """report.png of `rows` (the sweep report's rows); `sweep_dir`: where an optuna study's record is; `curves`: each
-    job's train loss curve (train_curve), overlaid below the bars."""
-    # matplotlib's INFO lines ("generated new fontManager" on its first use) would reach the sweep's console
-    # through Hydra's root handler: its warnings and errors still do
+def figure(rows: list[dict[str, Any]], sweep_dir: Path | None = None, curves: list[Curve] | None = None) -> Any:
+    """The picture of the report's `rows`; `sweep_dir`: where a study's record is; `curves`: each job's train loss."""
+    # matplotlib's INFO ("generated new fontManager") would reach the sweep's console through Hydra's root handler
     mpl_log = logging.getLogger("matplotlib")
     if mpl_log.getEffectiveLevel() < logging.WARNING:
         mpl_log.setLevel(logging.WARNING)
@@ -140,21 +129,40 @@ def plot(
     else:
         top.subplots_adjust(left=0.2, right=0.98, top=1 - 0.55 / bars_height, bottom=0.4 / bars_height, wspace=0.15)
         bottom.subplots_adjust(left=0.2, right=0.98, top=0.92, bottom=0.14)
+    return figure
+
+
+def picture(rows: list[dict[str, Any]], sweep_dir: Path | None = None, curves: list[Curve] | None = None) -> bytes:
     out = io.BytesIO()
-    figure.savefig(out, format="png", dpi=100)
-    write_bytes_atomic(path, out.getvalue())
+    figure(rows, sweep_dir, curves).savefig(out, format="png", dpi=100)
+    return out.getvalue()
+
+
+def plot(
+    rows: list[dict[str, Any]], path: Path, sweep_dir: Path | None = None, curves: list[Curve] | None = None
+) -> None:
+    """report.png at `path`, written whole (ds_exp/core/files.py)."""
+    write_bytes_atomic(path, picture(rows, sweep_dir, curves))
 
 
 def _bars(ax: Any, panel: Panel, rows: list[dict[str, Any]], positions: list[int]) -> None:
-    """One panel: a bar per job with its value; the best green, a job without a value says why."""
-    known = [v for v in panel.values if v is not None]
+    """A bar per job: the best completed one green (a diverged or failed job is never ranked), an unfinished one red."""
+    done = [row["status"] == RunStatus.COMPLETED for row in rows]
+    known = [v for v, ok in zip(panel.values, done, strict=True) if v is not None and ok]
     best = None if panel.lower_is_better is None or not known else (min if panel.lower_is_better else max)(known)
-    colors = ["tab:green" if v is not None and v == best else "tab:blue" for v in panel.values]
+    colors = [
+        "tab:red" if not ok else "tab:green" if v is not None and v == best else "tab:blue"
+        for v, ok in zip(panel.values, done, strict=True)
+    ]
     bars = ax.barh(positions, [v or 0.0 for v in panel.values], color=colors)
-    ax.bar_label(bars, [_shown(v) for v in panel.values], fontsize=8, padding=2)
-    for position, value, row in zip(positions, panel.values, rows, strict=True):
-        if value is None and row["status"] != RunStatus.COMPLETED:
-            ax.text(0, position, f" {row.get('error_kind') or row['status']}", color="tab:red", va="center", fontsize=8)
+    why = [row.get("error_kind") or row["status"] for row in rows]
+    shown = [
+        _shown(v) + ("" if ok or v is None else f" ({w})") for v, ok, w in zip(panel.values, done, why, strict=True)
+    ]
+    ax.bar_label(bars, shown, fontsize=8, padding=2)
+    for position, value, ok, said in zip(positions, panel.values, done, why, strict=True):
+        if value is None and not ok:
+            ax.text(0, position, f" {said}", color="tab:red", va="center", fontsize=8)
     ax.set_title(panel.title, fontsize=9)
     ax.margins(x=0.18)
     ax.grid(axis="x", alpha=0.3)

@@ -1,27 +1,18 @@
 """`python -m ds_exp.report DIR`: the runs under DIR, one line each, so that a person can tell them apart.
 
-    python -m ds_exp.report outputs/                       every run and sweep job below outputs/
-    python -m ds_exp.report outputs/multirun/default/<time>   a sweep: its report (ds_exp/sweeps/report.py)
-
-A run is a directory where Hydra saved `.hydra/overrides.yaml`: a single run or a sweep's job. Each line says its
-status (summary.json's; `running` while a live process holds its lock; `dry run` for a plan, dry_run=true; `no
-summary` when it was killed before writing one), its steps out of its total, its final evaluation and its
-overrides. Nothing is written: a listing reads only. A sweep directory given itself gets its sweep report
-written, as at the end of the sweep.
-"""
+A run is a directory holding `.hydra/overrides.yaml`; a sweep directory gets its sweep report written instead."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from ds_exp.core.status import RunStatus
 from ds_exp.launch.console import entry_point
 from ds_exp.launch.flags import FlagParser, path
 from ds_exp.launch.lock import live_holder
-from ds_exp.sweeps.report import DRY_RUN, PLAN, Damaged, job_dirs, read_job_summary, read_overrides, write_report
+from ds_exp.sweeps.report import DRY_RUN, PLAN, Damaged, Summary, job_dirs, read_overrides, write_report
 
 # What a run holds that is not another run: never looked into (a checkpoint directory alone can hold thousands)
 _NOT_RUNS = {".hydra", "checkpoints", "logs", "wandb", "tensorboard", "mlartifacts", "attempts", "plots"}
@@ -39,7 +30,7 @@ def find_runs(root: Path) -> list[Path]:
     found = []
     for folder, subdirs, _ in os.walk(root):
         here = Path(folder)
-        if (here / ".hydra" / "overrides.yaml").is_file():
+        if os.path.isfile(here / ".hydra" / "overrides.yaml"):  # False where it cannot be looked at
             found.append(here)
         subdirs[:] = sorted(d for d in subdirs if d not in _NOT_RUNS and not d.startswith(("hf_model", ".")))
     return sorted(found)
@@ -54,37 +45,38 @@ def run_line(run_dir: Path, root: Path) -> dict[str, str]:
     except Damaged as err:
         row["overrides"] = str(err)
     path = run_dir / "summary.json"
-    if not path.is_file():
+    if not os.path.isfile(path):
         holder = live_holder(run_dir)
         never = DRY_RUN if (run_dir / PLAN).is_file() else "no summary (killed, or never started)"
         row["status"] = f"running ({holder})" if holder else never
         return row
     try:
-        summary = read_job_summary(path)
+        summary = Summary(path)
+        status, error = summary.text("status"), summary.text("error")
+        row.update(status=str(status), steps=_steps(summary), **{"final eval": _final_eval(summary)})
     except Damaged as err:
         row["status"] = f"damaged: {err}"
         return row
-    row.update(status=str(summary.get("status")), steps=_steps(summary), **{"final eval": _final_eval(summary)})
-    if summary.get("status") != RunStatus.COMPLETED and summary.get("error"):
-        row["status"] += f": {str(summary['error']).splitlines()[0][:80]}"
+    if status != RunStatus.COMPLETED and error:
+        row["status"] += f": {error.splitlines()[0][:80]}"
     return row
 
 
-def _steps(summary: dict[str, Any]) -> str:
-    steps, total = summary.get("steps"), summary.get("total_steps")
+def _steps(summary: Summary) -> str:
+    steps, total = summary.number("steps"), summary.number("total_steps")
     if steps is None:
         return "-"
     return f"{steps}/{total}" if total is not None else str(steps)
 
 
-def _final_eval(summary: dict[str, Any]) -> str:
-    final = summary.get("final_eval") or {}
-    if not isinstance(final, dict) or final.get("eval_loss") is None:
+def _final_eval(summary: Summary) -> str:
+    loss = summary.number("final_eval.eval_loss")
+    if loss is None:
         return "-"
-    loss = f"loss {final['eval_loss']:.4f}"
-    if final.get("reward_accuracy") is not None:  # preference tuning
-        return f"{loss}, accuracy {final['reward_accuracy']:.3f}"
-    return f"{loss}, ppl {final['perplexity']:.3f}" if final.get("perplexity") is not None else loss
+    accuracy, perplexity = summary.number("final_eval.reward_accuracy"), summary.number("final_eval.perplexity")
+    if accuracy is not None:  # preference tuning
+        return f"loss {loss:.4f}, accuracy {accuracy:.3f}"
+    return f"loss {loss:.4f}, ppl {perplexity:.3f}" if perplexity is not None else f"loss {loss:.4f}"
 
 
 def listing(rows: list[dict[str, str]]) -> str:

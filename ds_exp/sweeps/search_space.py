@@ -1,14 +1,5 @@
-"""An optuna study's search space from Hydra's override grammar (hydra/sweeper=optuna, ds_exp/sweeps/optuna_study.py).
-
-    optimizer.lr=interval(1e-5,1e-3)            -> FloatDistribution(1e-5, 1e-3)
-    optimizer.lr=tag(log,interval(1e-5,1e-3))   -> FloatDistribution(1e-5, 1e-3, log=True)
-    train.micro_batch_size=tag(int,interval(1,8)) or range(1,9)   -> IntDistribution(1, 8)
-    zero=stage2,stage3 / choice(...) / glob(...) / range over floats / shuffle(...)   -> CategoricalDistribution
-    anything else (key=value, +key=value, ~key)   -> a fixed override every trial gets
-
-Hydra's range() stops before its end, as it does for the basic sweeper. optuna is imported lazily: `--help` and
-config validation stay light.
-"""
+"""An optuna study's search space from Hydra's override grammar (interval, tag(log|int, ...), range, choices); anything
+else is a fixed override. optuna is imported lazily."""
 
 from __future__ import annotations
 
@@ -59,8 +50,7 @@ def override_value(value: CategoricalChoiceType) -> str:
 
 
 def parse_search_space(arguments: list[str], config_loader: ConfigLoader | None = None) -> SearchSpace:
-    """The command line's (and hydra.sweeper.params') overrides -> a search space; one ConfigError naming every
-    override that cannot be searched, and how to write it."""
+    """Overrides -> a search space; one ConfigError naming each override that cannot be searched, and the fix."""
     try:
         parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(arguments)
     except HydraException as err:
@@ -84,8 +74,7 @@ def parse_search_space(arguments: list[str], config_loader: ConfigLoader | None 
 
 
 def distribution(override: Any) -> Distribution:
-    """One sweep override -> one optuna distribution (ValueError with the fix when it cannot be one). `override`: a
-    Hydra Override, typed loosely as its sweep_iterator's elements (any value type) are narrowed by the sweep's kind."""
+    """One sweep override -> one optuna distribution; ValueError with the fix when it cannot be one."""
     value = override.value()
     tags = set(getattr(value, "tags", set()) or set())
     if tags - TAGS:
@@ -126,8 +115,7 @@ def distribution(override: Any) -> Distribution:
 
 
 def probe_overrides(space: SearchSpace) -> list[list[str]]:
-    """Trials at the corners of the space (each choice, each bound): if one of them cannot even be composed (an
-    unknown key or option, a float for an integer), no trial can, and the study is refused before it starts."""
+    """Trials at the space's corners: if one cannot be composed, no trial can."""
     corners: dict[str, list[CategoricalChoiceType]] = {}
     for key, dist in space.distributions.items():
         corners[key] = list(dist.choices) if isinstance(dist, CategoricalDistribution) else [dist.low, dist.high]

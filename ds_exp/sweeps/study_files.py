@@ -18,13 +18,11 @@ from ds_exp.core.status import RunStatus
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-# Keys of the probe session itself, never part of the configuration it recommends (resume=auto continues the
-# probes' own directories; a new run of the recommendation starts fresh).
+# the probe session's own keys, never part of the configuration it recommends
 SESSION_KEYS = ("resume", "dry_run", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 STUDY_FILE = "study.json"
 STUDY_PLOT = "study.png"  # the objective against each searched parameter (ds_exp/sweeps/study_plot.py)
-# Numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py,
-# ds_exp/train/evaluate.py).
+# numbers a run's summary.json reports that a study may optimise (ds_exp/artifacts/summary.py)
 EVAL_METRICS = ("eval_loss", "perplexity", "reward_accuracy", "reward_margin")  # the last two: objective=dpo, reward
 RUN_METRICS = ("train_loss", "tokens_per_s", "tokens_per_s_per_device", "samples_per_s", "mfu", "wall_time_s")
 OBJECTIVES = tuple(f"final_eval.{m}" for m in EVAL_METRICS) + RUN_METRICS
@@ -34,7 +32,6 @@ IDENTITY = ("study_name", "storage", "objective", "direction", "search_space", "
 
 
 def is_study_sweep(config: DictConfig) -> bool:
-    """hydra/sweeper=optuna (conf/hydra/sweeper/optuna.yaml)."""
     return str(config.hydra.sweeper.get("_target_", "")).endswith(".OptunaSweeper")
 
 
@@ -158,8 +155,7 @@ def command_line(overrides: list[str], world_size: int | None) -> str:
 
 
 def study_section(sweep_dir: Path) -> str | None:
-    """The sweep report's part for an optuna study (None for other sweeps): every trial, and the best one with the
-    command that trains its config again."""
+    """An optuna study's part of the report (None for other sweeps): every trial, the best with its command."""
     record = sweep_dir / STUDY_FILE
     if not record.is_file():
         return None
@@ -199,8 +195,7 @@ def study_section(sweep_dir: Path) -> str | None:
 
 
 def study_values(sweep_dir: Path) -> tuple[str, str, dict[str, float | None]] | None:
-    """An optuna study's objective, its direction and each trial's value by the name of its job's directory (None for
-    other sweeps): what the sweep report's picture shows per job."""
+    """A study's objective, direction and each trial's value by job directory (None for other sweeps)."""
     record = sweep_dir / STUDY_FILE
     if not record.is_file():
         return None

@@ -1,9 +1,5 @@
-"""study.png beside study.json: an optuna study's objective against each searched parameter, drawn by optuna's own
-slice plot (optuna.visualization.matplotlib.plot_slice: one panel per parameter, a point per completed trial, its
-colour the trial's number), labelled with the objective's and the parameters' names as the command line writes
-them. Redrawn with study.json after each batch of trials (ds_exp/sweeps/optuna_study.py) and shown in the sweep
-report (ds_exp/sweeps/study_files.py study_section). A picture that cannot be drawn costs the picture, said once,
-never the study."""
+"""study.png: optuna's slice plot of the objective against each searched parameter, redrawn after each batch of trials;
+a picture that cannot be drawn is said once, never fails the study."""
 
 from __future__ import annotations
 

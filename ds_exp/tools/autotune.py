@@ -1,20 +1,5 @@
-"""`experiment=autotune`: which configuration fits this model and world size, and which is fastest.
-
-    python -m ds_exp -m experiment=autotune [model=... data=... hydra/launcher=slurm ...]
-
-`Autotune` (`hydra/sweeper=autotune`, named in hydra_plugins/ds_exp_autotune, chosen by the experiment) expands
-the grid of hydra.sweeper.params and the command line's sweeps the way Hydra's basic sweeper does, then sorts the
-candidates before anything is launched: a combination the config validation refuses (e.g. offload at ZeRO-0) is
-"not applicable", one whose estimated memory per rank (model states from ds_exp/config/memory_plan.py, as the dry run
-computes them, plus activations) exceeds the memory budget is "ruled out", one the run's plan refuses (its steps and
-DeepSpeed config, ds_exp/config/plan.py, as the recipe makes them) is "not applicable"; the rest are launched as
-short probes through the configured launcher (one SLURM job each with hydra/launcher=slurm). The verdicts go to
-<sweep dir>/autotune.json; the sweep report (ds_exp/sweeps/report.py) ranks the probes and prints the command line
-of the recommended one.
-
-A custom sweeper, not Hydra's basic one plus a callback: a callback cannot drop single jobs from a cartesian
-product, and launching a job only for it to decline would still queue it on SLURM.
-"""
+"""`python -m ds_exp -m experiment=autotune`: which configuration fits and is fastest. Candidates are sorted before any
+launch ("not applicable", "ruled out" by memory, or a short probe); a sweeper, since a callback cannot drop jobs."""
 
 from __future__ import annotations
 
@@ -37,10 +22,10 @@ from ds_exp.config.memory_plan import human_bytes, run_estimate
 from ds_exp.config.plan import RunPlan, plan_run
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, TrainConfig
-from ds_exp.config.secrets import redact_text
 from ds_exp.core import compat
-from ds_exp.core.errors import DsExpError, first_line
+from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.core.files import write_json_atomic
+from ds_exp.launch.console import report_user_error
 from ds_exp.launch.validation import validate_job
 from ds_exp.model.architecture import model_facts
 from ds_exp.runtime.device import resolved_precision
@@ -65,9 +50,7 @@ def parse_budget(value: object) -> int | None:
 
 def fail(lines: Sequence[str]) -> NoReturn:
     """The sweep stops before anything is written or launched: one message, exit status 2."""
-    print(f"ds_exp: error: {redact_text(lines[0])}", file=sys.stderr)
-    for line in lines[1:]:
-        print(f"  {redact_text(line)}", file=sys.stderr)
+    report_user_error(ConfigError(list(lines)))
     sys.exit(2)
 
 
@@ -186,8 +169,7 @@ class Autotune(Sweeper):
             self._refusals.append(unmeasurable)
         if self._refusals:  # the sweep is refused: no need to estimate (which loads the model's config)
             return {**candidate, "verdict": "not_applicable", "reason": self._refusals[0]}
-        # per-rank bytes as the dry run counts them (ds_exp/config/memory_plan.py): model states plus one micro
-        # batch's activations; on a CPU offloaded states live in the same memory, so they count too
+        # per rank as the dry run counts: model states plus a micro batch's activations (on a CPU, offloaded too)
         facts, precision = self.model_facts(cfg), resolved_precision(cfg.precision.dtype, accelerator)
         estimate = run_estimate(cfg, facts, world_size=world, precision=precision, accelerator=accelerator)
         candidate.update(estimate)
@@ -218,10 +200,7 @@ class Autotune(Sweeper):
 
     @staticmethod
     def cannot_measure(train: TrainConfig) -> str | None:
-        """Why a probe with these settings would time nothing (None: it can be timed). Its speed is the median of
-        the metric lines after its warm-up step (report.probe_speed): a line closes every train.log_every steps,
-        and the first one holds the warm-up, so a probe needs more steps than that. (train.max_steps=-1: the
-        epoch's steps, known only once the data is read; the report says so if they are too few.)"""
+        """Why a probe would time nothing: its speed is the median of metric lines after the first (warm-up) one."""
         steps = int(train.max_steps)
         every = log_interval(train, steps)
         if steps == -1 or steps > max(every, WARMUP_STEPS):
@@ -234,11 +213,8 @@ class Autotune(Sweeper):
 
     # ------------------------------------------------------------------------------------ memory and budget
     def plan(self, cfg: Config, world: int, accelerator: str, sweep_dir: Path) -> RunPlan:
-        """The probe's plan as its run makes it (ds_exp.config.plan.plan_run, as the recipe and the dry run): what
-        its setup would refuse (fewer examples than one global batch, a warmup longer than the probe's steps, a
-        DeepSpeed file that disagrees) is refused before anything is launched."""
-        # here, not at the top: datasets (pyarrow.dataset) reserves ~1 GB of address space on import, and imported
-        # before the model stack it left none for transformers in a sweep under a memory limit (ulimit -d / -v)
+        """The probe's plan as its run makes it: what its setup would refuse is refused before anything is launched."""
+        # here: datasets reserves ~1 GB of address space on import, none left for transformers under a ulimit
         from ds_exp.data.pipeline import count_train_examples
 
         key = repr(cfg.data)
@@ -279,8 +255,7 @@ class Autotune(Sweeper):
         return "cuda" if gpus else detect_accelerator()
 
     def default_budget(self, accelerator: str) -> tuple[int, str]:
-        """What each rank has: the GPU's memory on CUDA; on a CPU the job's memory (hydra.launcher.mem_gb) or
-        the memory available now, shared by the ranks of a node."""
+        """Each rank's memory: the GPU's; on a CPU mem_gb or what is free now, shared by a node's ranks."""
         launcher = self.launcher_config()
         per_node = int(launcher.get("tasks_per_node") or 1) if self.is_submitit() else 1
         if accelerator == "cuda":

@@ -1,9 +1,5 @@
-"""`dry_run=true`: everything up to building the engine, without weights.
-
-Reads the model's config (not its weights) for the hidden size and the parameter counts, fills "auto",
-estimates per-rank model-state memory, writes the exact DeepSpeed config the engine would receive to
-<run dir>/ds_config.json and a plan to <run dir>/plan.json, prints a short plan, exits 0.
-"""
+"""`dry_run=true`: everything up to building the engine, without weights: the model's config gives the sizes, "auto" is
+filled, per-rank memory estimated; ds_config.json and plan.json are written, a short plan printed."""
 
 from __future__ import annotations
 
@@ -134,8 +130,7 @@ def arch_note(model: ModelConfig) -> str:
 
 
 def dry_run(cfg: Config, run_dir: Path, train_examples: int | None = None) -> dict[str, Any]:
-    """`train_examples`: what the data holds, when the caller counted it before heavy work (the CLI); else counted
-    here (ds_exp.data.pipeline.count_train_examples)."""
+    """`train_examples`: the data's count when the caller has it already; else counted here."""
     plan = make_plan(cfg, run_dir, train_examples)
     if detect_launch(cfg.dist).is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,5 @@
-"""`python -m ds_exp.tools.torchrun` (what launchers/torchrun.sh runs): torch's elastic launcher, torchrun, with an
-end a person reads.
-
-torchrun ends a failed launch with a 30-line report (ChildFailedError's traceback and a table of each rank's exit)
-after the rank that failed first has said why itself: ds_exp's ranks say it on the console, once for all of them
-(ds_exp/launch/console.py). Here that rank's message stays the last line and its exit status is torchrun's (2: a
-refusal, nothing was done; 130, 143: stopped by a signal, with the command that continues). A rank that a signal
-ended without a word (the kernel's out-of-memory killer, `kill -9`) gets one line naming it. torchrun's own notices
-of the launch (the SIGTERM it sends the other ranks, each rank's exit) go unsaid; its arguments are torchrun's.
-"""
+"""`python -m ds_exp.tools.torchrun` (launchers/torchrun.sh): torchrun ending on the failed rank's own message and exit
+status, not its 30-line report; a rank a signal ended silently gets one line naming it."""
 
 from __future__ import annotations
 
@@ -27,8 +19,7 @@ _NOTICES = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.di
 
 
 def quiet_notices() -> None:
-    """torchrun's agent logs every rank's exit (ERROR) and the signals it sends the others (WARNING): the ranks'
-    own lines and the one line below say what matters. Its loggers set their level when created (LOGLEVEL)."""
+    """Silence torchrun's agent's notices of each rank's exit and the signals it sends."""
     for name in list(logging.root.manager.loggerDict):
         if any(name == prefix or name.startswith(f"{prefix}.") for prefix in _NOTICES):
             logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -34,12 +34,12 @@ from ds_exp.config.override_checks import composition_problem, quote_one_value_l
 from ds_exp.config.paths import conf_dir
 from ds_exp.config.secrets import redact_text, register_secrets
 from ds_exp.core import compat
-from ds_exp.core.errors import ConfigError, DsExpError
+from ds_exp.core.errors import ConfigError, DsExpError, RunFailed, first_line
 from ds_exp.launch import cli
 from ds_exp.launch.console import full_error
 from ds_exp.launch.environment import launched_with_several_ranks
 from ds_exp.launch.lock import release_run_dir
-from ds_exp.launch.run_dir import check_run_start
+from ds_exp.launch.run_dir import check_run_start, remove_refused_attempt
 from ds_exp.launch.run_logging import hold_library_logs
 
 # what a launch exports for torch.distributed's env:// rendezvous (ds_exp.launch.environment.export_launch_env)
@@ -63,6 +63,9 @@ def train(overrides: Sequence[str] = ()) -> dict[str, Any]:
 def _arguments(overrides: Sequence[str]) -> list[str]:
     if isinstance(overrides, str):
         raise ConfigError(f"train() takes a list of overrides, e.g. train([{overrides!r}]), not one string")
+    if not isinstance(overrides, Iterable) or isinstance(overrides, Mapping | bytes):
+        what = "None" if overrides is None else f"a {type(overrides).__name__}"
+        raise ConfigError(f"train() takes a list of overrides, e.g. train(['train.max_steps=10']), not {what}")
     args = [str(item) for item in overrides]
     flags = [item for item in args if item.startswith("-")]
     if flags:
@@ -98,9 +101,14 @@ def _train(args: list[str]) -> dict[str, Any]:
                     outcome["error"] = err
 
             loader = GlobalHydra.instance().config_loader()
-            context = HydraContext(config_loader=loader, callbacks=compat.hydra_job_callbacks(config))
+            context = HydraContext(config_loader=loader, callbacks=_job_callbacks(config))
             try:
                 run_hydra_job(task, config, "hydra.run.dir", None, hydra_context=context)
+            except RunFailed as err:  # a user's callback failed (the run's own error, if any, is the one told)
+                if not outcome:  # at the job's start: refused before any work, so nothing of the attempt stays
+                    run_dir = Path(str(config.hydra.runtime.output_dir))
+                    remove_refused_attempt(run_dir, config.hydra.output_subdir, f"{config.hydra.job.name}.log")
+                outcome.setdefault("error", err)
             finally:  # the run let it go (Session.finish), unless it was refused first: the command line's exit would
                 release_run_dir(Path(str(config.hydra.run.dir)))
     if "error" in outcome:
@@ -109,6 +117,23 @@ def _train(args: list[str]) -> dict[str, Any]:
         return dict(outcome["value"])  # the plan (plan.json)
     run_dir = Path(str(config.hydra.runtime.output_dir))  # absolute, the directory taken (hydra.run.dir)
     return dict(json.loads((run_dir / "summary.json").read_text()))
+
+
+def _job_callbacks(config: DictConfig) -> Any:
+    """hydra.callbacks as Hydra's run_job calls them, but one that raises fails the run with its message: Hydra 1.3
+    catches it and only warns, in the run's log (Callbacks._notify)."""
+    callbacks = compat.hydra_job_callbacks(config)
+
+    def notify(function_name: str, reverse: bool = False, **kwargs: Any) -> None:
+        for callback in reversed(callbacks.callbacks) if reverse else callbacks.callbacks:
+            try:
+                getattr(callback, function_name)(**kwargs)
+            except Exception as err:
+                name = f"{type(callback).__module__}.{type(callback).__qualname__}.{function_name}"
+                raise RunFailed(f"the Hydra callback {name} failed: {type(err).__name__}: {first_line(err)}") from err
+
+    callbacks._notify = notify
+    return callbacks
 
 
 @contextmanager

@@ -187,7 +187,7 @@ def test_the_sweep_plot_keeps_matplotlib_off_the_console(tmp_path):
         "import logging, sys\n"
         "from pathlib import Path\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stderr, format='[HYDRA] %(message)s')\n"
-        "from ds_exp.sweeps.report import plot\n"
+        "from ds_exp.sweeps.report_plot import plot\n"
         "row = {'job': '0', 'status': 'completed', 'overrides': 'zero=stage2', 'tokens_per_s': 5.0,"
         " 'peak_memory_mib': 1.0}\n"
         "plot([row], Path(sys.argv[1]))\n"

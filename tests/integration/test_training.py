@@ -94,7 +94,8 @@ def test_the_python_api_runs_the_recipe_here_as_the_command_line_does(tmp_path, 
     """`from ds_exp import train; summary = train([...])` (issue 35 §9): the command line's run directory (.hydra/,
     ds_exp.log, logs/, metrics.jsonl, plots/loss.png drawn at an evaluation and at the end), its summary.json
     returned, and the process as it was: no process group, Hydra's state, logging handlers and launch variables
-    put back, so a second call trains again (another ZeRO stage)."""
+    put back, so a second call trains again (another ZeRO stage, from a thread)."""
+    import asyncio
     import logging
 
     import torch.distributed as dist
@@ -118,8 +119,14 @@ def test_the_python_api_runs_the_recipe_here_as_the_command_line_does(tmp_path, 
     assert len(drawn) >= 2  # the evaluation at step 4, and the end (the one at step 8 may come too soon after)
     assert not dist.is_initialized() and not GlobalHydra.instance().is_initialized()
     assert logging.getLogger().handlers == handlers and "RANK" not in os.environ
-    again = train([*FAST, "train.max_steps=2", "zero=stage2", f"data.cache_dir={cache_dir}", "experiment_name=api"])
+    # off the main thread (a notebook's `await asyncio.to_thread(train, ...)`), where Python takes no signal
+    # handler: the run trains without them, says so, and lets its run directory go (issue 39 §6)
+    second = [*FAST, "train.max_steps=2", "zero=stage2", f"data.cache_dir={cache_dir}", "experiment_name=api2"]
+    again = asyncio.run(asyncio.to_thread(train, second))
     assert (again["status"], again["steps"], again["zero_stage"]) == ("completed", 2, 2)
+    (run_dir,) = (tmp_path / "outputs" / "api2").iterdir()
+    assert "not on the process's main thread" in (run_dir / "ds_exp.log").read_text()
+    assert not (run_dir / ".ds_exp.lock").exists()
 
 
 def test_world_size_equivalence(tmp_path, cache_dir):

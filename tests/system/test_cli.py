@@ -374,7 +374,7 @@ def test_the_sweep_report_names_damaged_job_files_and_reports_the_rest(tmp_path,
     assert rows["1"]["status"] == "damaged" and "summary.json is damaged: not valid JSON (line 1" in rows["1"]["error"]
     assert rows["2"]["status"] == "completed" and "overrides.yaml is damaged: not valid YAML" in rows["2"]["error"]
     assert "summary.json is damaged: a JSON list, not the object a run writes" in rows["3"]["error"]
-    assert "summary.json is damaged: tokens_per_s is not numbers" in rows["4"]["error"]
+    assert "summary.json is damaged: tokens_per_s is not a number" in rows["4"]["error"]
     for job in "1234":
         assert f"ds_exp: warning: job {job}: {tmp_path / job}" in err
     assert "the autotune ranking is left out: a record of it in" in err

@@ -14,7 +14,7 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 
 from ds_exp import DsExpError, train
-from ds_exp.core.errors import ConfigError
+from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.launch import cli, lock
 from tests.bad_inputs import (
     CASES,
@@ -80,6 +80,10 @@ def test_a_refusal_is_one_line_on_the_command_line_and_that_line_in_python(case_
 def test_the_api_says_what_it_takes_and_keeps_secrets_out_of_its_messages(here, monkeypatch):
     with pytest.raises(ConfigError, match=r"train\(\) takes a list of overrides, e.g. train\(\['lora.dim=8'\]\)"):
         train("lora.dim=8")  # type: ignore[arg-type]
+    example = r"takes a list of overrides, e.g. train\(\['train.max_steps=10'\]\)"
+    for wrong, what in ((None, "None"), ({"lora.dim": 8}, "a dict"), (8, "a int")):
+        with pytest.raises(ConfigError, match=rf"{example}, not {what}$"):
+            train(wrong)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"not command-line flags: -m; a sweep \(-m\) .* `python -m ds_exp`"):
         train(["-m", "zero=stage2,stage3"])
     # Hydra's own refusal of a key is a ConfigError with the command line's one line, and a secret's value is never
@@ -108,3 +112,18 @@ def test_the_apis_first_call_leaves_deepspeeds_import_notice_to_the_log(tmp_path
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=user_env(), capture_output=True, text=True)
     assert (out.stdout, out.stderr) == ("zero=stage9: zero has no option stage9; its options: stage0, stage1, stage2, "
                                         "stage3\n", ""), out.stderr  # fmt: skip
+
+
+def test_a_users_hydra_callback_that_raises_fails_the_run_with_its_message(here):
+    """Hydra 1.3 only warns when a callback raises (issue 39 §6): through the API it fails the run. At the job's
+    start nothing of the attempt stays; at its end (a dry run here) the run's directory stays, the lock let go."""
+    mine = "+hydra.callbacks.mine._target_=tests.bad_inputs.FailingCallback"
+    with _tripwire(cli), pytest.raises(RunFailed) as at_start:
+        train([mine, f"hydra.run.dir={here}/first"])
+    assert str(at_start.value) == (
+        "the Hydra callback tests.bad_inputs.FailingCallback.on_job_start failed: ValueError: my check refused this job"
+    )
+    assert not (here / "first").exists()
+    with pytest.raises(RunFailed, match=r"FailingCallback.on_job_end failed: ValueError: my upload failed$"):
+        train([mine, "+hydra.callbacks.mine.when=on_job_end", "dry_run=true", f"hydra.run.dir={here}/second"])
+    assert (here / "second" / "plan.json").is_file() and not (here / "second" / lock.LOCK).exists()

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shlex
+import subprocess
 import time
 
 import pytest
@@ -202,6 +203,8 @@ def test_report_lists_the_runs_of_a_tree_apart(tmp_path, capsys):
     run("default/2026-01-01_13-00-00", ["dry_run=true"], None)
     (tmp_path / "default/2026-01-01_13-00-00/plan.json").write_text("{}")  # what a dry run leaves
     run("multirun/default/2026-01-02_10-00-00/0", ["zero=stage2"], done)
+    # a value of another type (issue 39 §6) costs its run's line, never the listing
+    run("multirun/default/2026-01-02_10-00-00/1", ["zero=stage3"], {**done, "final_eval": {"eval_loss": "1.2"}})
     before = sorted(tmp_path.rglob("*"))
     assert runs.main([str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -213,13 +216,40 @@ def test_report_lists_the_runs_of_a_tree_apart(tmp_path, capsys):
         ["default/2026-01-01_12-00-00", "no", "summary"],
         ["default/2026-01-01_13-00-00", "dry", "run"],
         ["multirun/default/2026-01-02_10-00-00/0", "completed", "250/250"],
+        [
+            "multirun/default/2026-01-02_10-00-00/1",
+            "damaged:",
+            str(tmp_path / "multirun/default/2026-01-02_10-00-00/1/summary.json"),
+        ],
     ]
+    assert lines[6].split()[3:] == ["is", "damaged:", "final_eval.eval_loss", "is", "not", "a", "number", "zero=stage3"]
     assert lines[1].endswith("loss 1.3590, ppl 3.893  (defaults)") and lines[2].endswith("lora.dim=8")
     assert lines[5].endswith("zero=stage2")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert runs.main([str(empty)]) == 2
     assert "holds no ds_exp runs" in capsys.readouterr().err
+
+
+def test_the_report_of_a_read_only_sweep_directory_is_printed(tmp_path, mount_tmpfs, capsys):
+    """(issue 39 §6) Someone else's sweep, or one on a read-only disk: `python -m ds_exp.report DIR` prints its
+    report and says in its heading that its files were not written; no traceback."""
+    sweep = mount_tmpfs("1m")
+    for number, summary in enumerate(({"status": "completed", "tokens_per_s": 9.0}, {"status": "failed"})):
+        (sweep / str(number) / ".hydra").mkdir(parents=True)
+        (sweep / str(number) / ".hydra" / "overrides.yaml").write_text(f"- train.max_steps={number + 2}\n")
+        (sweep / str(number) / "summary.json").write_text(json.dumps(summary))
+    subprocess.run(["mount", "-o", "remount,ro", str(sweep)], check=True)
+    assert runs.main([str(sweep)]) == 1  # a job did not complete
+    out = capsys.readouterr()
+    heading = f"ds_exp sweep report (its files were not written into {sweep}: Read-only file system):"
+    assert out.out.splitlines()[:4] == [
+        heading,
+        "job  status     train loss  tokens/s  peak MiB/rank  overrides that differ",
+        "0    completed              9                        train.max_steps=2",
+        "1    failed                                          train.max_steps=3",
+    ]
+    assert out.err == "" and sorted(p.name for p in sweep.iterdir()) == ["0", "1"]
 
 
 def seconds(duration: str) -> float:

@@ -16,6 +16,7 @@ from ds_exp.artifacts.loss_plot import PLOT, Curves, LossPlot, figure
 from ds_exp.config.ds_config import log_interval
 from ds_exp.sweeps.optuna_study import write_study
 from ds_exp.sweeps.report import write_report
+from ds_exp.sweeps.report_plot import figure as report_figure
 from ds_exp.sweeps.report_plot import judged_by, plot, train_curve, varying_overrides
 from ds_exp.sweeps.study_files import STUDY_PLOT, study_section
 
@@ -157,6 +158,32 @@ def test_the_sweep_report_plots_eval_loss_per_job_labelled_by_what_differs(tmp_p
                                                                   True)  # fmt: skip
     no_eval = [{**r, "eval_loss": None} for r in rows]  # no job has an eval set: the train loss
     assert judged_by(no_eval, None).title == "train loss (lower is better)"
+
+
+def test_a_failed_or_diverged_job_is_never_ranked_in_any_panel(tmp_path):
+    """(issue 39 §6) The fastest job, with the lowest eval loss, diverged: each panel's green is the best job that
+    completed; the diverged job is red in every panel, its values marked with how it ended, and a job that failed
+    before any value says why in place of its bars."""
+    from matplotlib.colors import to_hex
+
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optimizer.lr=1e-4"], completed(3.5, 900.0))
+    job(sweep, 1, ["optimizer.lr=1e-3"], completed(3.2, 800.0))
+    diverged = {**completed(0.5, 5000.0), "status": "diverged", "error_kind": "diverged", "error": "Diverged: nan"}
+    job(sweep, 2, ["optimizer.lr=1"], diverged)
+    job(sweep, 3, ["optimizer.lr=2"], {"status": "failed", "error_kind": "out_of_memory", "error": "OOM"})
+    rows = write_report(sweep)
+    assert (sweep / "report.png").read_bytes().startswith(PNG)
+    axes = report_figure(rows, sweep).axes
+    green, blue, red = (to_hex(name) for name in ("tab:green", "tab:blue", "tab:red"))
+    assert [[to_hex(bar.get_facecolor()) for bar in ax.patches] for ax in axes] == [
+        [blue, green, red, red],  # final eval loss: 3.2 is the best that completed, not the diverged 0.5
+        [green, blue, red, red],  # tokens/s: 900, not the diverged 5000
+        [blue, blue, red, red],  # memory: never ranked
+    ]
+    tokens = axes[1]
+    assert "5000 (diverged)" in [text.get_text() for text in tokens.texts]
+    assert " out_of_memory" in [text.get_text() for text in tokens.texts]
 
 
 def test_a_study_plots_its_objective_against_each_searched_parameter(tmp_path):

@@ -65,8 +65,7 @@ def logged(record: dict[str, Any], key: str) -> float | None:
 
 
 def compare(a: SideRun, b: SideRun, steps: int, tol: Tolerance) -> list[Row]:
-    """One row per step; a step either side did not log fails, and so does a value that is not finite on either
-    side (or on both: two diverged runs do not agree)."""
+    """One row per step; a step a side did not log fails, as does a non-finite value on either side."""
     rows = []
     train_a, train_b = a.train, b.train
     for step in range(1, steps + 1):
@@ -111,8 +110,7 @@ def table(rows: list[Row], tol: Tolerance) -> str:
 
 
 def verdict(rows: list[Row], tol: Tolerance, diverged: Sequence[str] = ()) -> str:
-    """One sentence: within tolerance, or the first step that is not and why. `diverged`: the sides whose run
-    ended diverged (ds_exp.model.divergence), which fails the comparison whatever the rows say."""
+    """One sentence: within tolerance, or the first step that is not and why; a diverged side fails it."""
     bad = [r for r in rows if not r.ok]
     if not bad and diverged:
         return (
@@ -141,8 +139,7 @@ def verdict(rows: list[Row], tol: Tolerance, diverged: Sequence[str] = ()) -> st
 
 
 def _non_finite_words(names: list[str]) -> str:
-    """["loss A", "loss B"] -> "the loss is not finite (NaN or inf) on both sides: both diverged, which is no
-    agreement"."""
+    """["loss A", "loss B"] -> "the loss is not finite (NaN or inf) on both sides: both diverged, ..."."""
     parts = []
     for metric in ("loss", "grad_norm"):
         sides = [name.split()[1] for name in names if name.split()[0] == metric]
@@ -154,7 +151,6 @@ def _non_finite_words(names: list[str]) -> str:
 
 
 def notes(rows: list[Row]) -> list[str]:
-    """What was not compared."""
     for side in ("a", "b"):
         if any(getattr(r, f"grad_norm_{side}") is None for r in rows):
             return [

@@ -1,11 +1,10 @@
-"""Each side is a real ds_exp run, launched as users launch it: `python -m ds_exp ...` for one process,
-`python -m torch.distributed.run --nproc_per_node N -m ds_exp ...` for N; parity only reads what it wrote."""
+"""Each side is a real ds_exp run launched as users do (`python -m ds_exp`, or torch.distributed.run for N ranks);
+parity only reads what it wrote."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.core.status import RunStatus
+from ds_exp.launch.rendezvous import free_port
 from ds_exp.tools.parity.sides import Side
 
 # launcher variables of a process that itself runs under a launcher: the sides start their own
@@ -22,8 +22,6 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_
 
 @dataclass
 class SideRun:
-    """What one side left behind."""
-
     run_dir: Path
     log: Path  # the side's console output (stdout and stderr)
     returncode: int
@@ -58,12 +56,6 @@ class SideRun:
         return "\n".join(tail) or f"exit status {self.returncode}, no output"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def command(side: Side, forced: list[str]) -> list[str]:
     args = [*side.overrides, *forced]
     if side.ranks == 1:
@@ -79,7 +71,7 @@ def command(side: Side, forced: list[str]) -> list[str]:
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "ds_exp",
         *args,

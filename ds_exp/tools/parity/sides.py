@@ -1,9 +1,5 @@
-"""Both sides of a parity check, composed and checked before anything runs (no torch, no deepspeed).
-
-Each side is composed exactly as `python -m ds_exp OVERRIDES` would compose it (Hydra's compose API, ds_exp's
-typed schema and validation, under the side's world size), then the two are compared: a parity check only means
-something when both start from the same weights and draw the same samples at every step.
-"""
+"""Both sides of a parity check, composed as `python -m ds_exp OVERRIDES` would (under each side's world size) and
+compared before anything runs: parity means something only from the same weights and samples. No torch."""
 
 from __future__ import annotations
 
@@ -29,6 +25,7 @@ from ds_exp.config.schema import Config, as_dict, register_configs, to_config
 from ds_exp.config.secrets import hide_secret_overrides
 from ds_exp.core.errors import ConfigError, DsExpError, first_line
 from ds_exp.data.pipeline import prepare_sft_data
+from ds_exp.launch.run_config import flat_keys
 from ds_exp.launch.validation import validate
 from ds_exp.model.tokenizer import load_tokenizer
 
@@ -164,8 +161,7 @@ def environ(set_to: dict[str, str], *, remove: Sequence[str] = ()) -> Iterator[N
 
 
 def launched_as(ranks: int) -> AbstractContextManager[None]:
-    """The launcher variables of rank 0 of `ranks` processes, while a side is validated (train.global_batch_size
-    is checked against the world size the run will have)."""
+    """Rank 0's launcher variables for `ranks` processes, while a side is validated (its world size counts)."""
     as_rank0 = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks)) if ranks > 1 else {}
     return environ(as_rank0, remove=_LAUNCH_VARS)
 
@@ -190,17 +186,8 @@ def compose_side(side: Side, forced: list[str]) -> list[str]:
     return []
 
 
-def _flat(tree: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(tree, dict) and tree:
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flat(value, f"{prefix}.{key}"))
-        return out
-    return {prefix: tree}
-
-
 def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
-    fa, fb = _flat(a, prefix), _flat(b, prefix)
+    fa, fb = flat_keys(a, f"{prefix}."), flat_keys(b, f"{prefix}.")
     return [(key, fa.get(key), fb.get(key)) for key in sorted(set(fa) | set(fb)) if fa.get(key) != fb.get(key)]
 
 
@@ -249,9 +236,7 @@ def comparability_problems(a: Side, b: Side) -> list[str]:
 
 
 def packing_problems(a: Side, b: Side) -> list[str]:
-    """Packing on one side only: comparable when it joined no two examples (the rows, and so every step's samples,
-    are the same; what differs is how attention keeps examples apart). Tells by building both sides' train sets
-    into the data cache, which the runs then reuse."""
+    """Packing on one side only compares when it joined no two examples (told by building both train sets, cached)."""
     assert a.cfg is not None and b.cfg is not None
     if a.cfg.data.packing == b.cfg.data.packing:
         return []
@@ -287,8 +272,7 @@ def _batch_fix(a: Side, b: Side) -> str:
 
 
 def dropout_notes(a: Side, b: Side) -> list[str]:
-    """Dropout draws its masks per rank and per micro batch: where the two sides split the global batch differently,
-    the masks differ and so do the losses, however correct the training is."""
+    """Dropout masks differ per rank and micro batch: sides splitting the global batch differently differ in loss."""
     assert a.cfg is not None and b.cfg is not None
     split = (a.ranks, a.cfg.train.micro_batch_size), (b.ranks, b.cfg.train.micro_batch_size)
     if split[0] == split[1]:
