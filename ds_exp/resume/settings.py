@@ -17,18 +17,20 @@ change. Light: no torch, no deepspeed.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+import os
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from ds_exp.config.batch import data_parallel_size, global_batch_size
 from ds_exp.config.ds_config import merged_ds_config
 from ds_exp.config.lora_checks import scope_of
+from ds_exp.config.model_checks import looks_like_local_path
 from ds_exp.config.optimizers import OPTIMIZERS
 from ds_exp.config.precision import decide_precision, detect_accelerator, supports_bf16
 from ds_exp.config.schema import Config, LoraConfig, ModelConfig, plain_tree
 from ds_exp.config.secrets import redact
-from ds_exp.core.errors import ResumeError
+from ds_exp.core.errors import ConfigError, ResumeError
 from ds_exp.resume.store import find_resume_checkpoint, read_marker
 from ds_exp.resume.trajectory import check
 
@@ -91,16 +93,56 @@ def lora_settings(lora: LoraConfig, model_scope: str | None = None) -> dict[str,
     return {**found, **{key: value for key, value in extra.items() if value not in (None, [], False)}}
 
 
-def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def changes(saved: dict[str, Any], current: dict[str, Any], *, hashed: bool = False) -> list[str]:
     """One line per setting that differs (settings the checkpoint did not record, or that are unknown now, are
-    not compared)."""
+    not compared). A model is a path or hub id, the same however spelled (a trailing slash); with `hashed` (the
+    checkpoint records its frozen base's SHA-256, which the build checks) any place holding that base."""
     lines = []
     for key, why in _WHY.items():
         if key not in saved or (key != "lora" and (saved[key] is None or current.get(key) is None)):
             continue
-        if _norm(saved[key]) != _norm(current[key]):
-            lines.append(f"{key}: {_show(saved[key])} in the checkpoint, {_show(current[key])} now ({why})")
+        before, now = saved[key], current[key]
+        if (
+            key == "model"
+            and isinstance(before, str)
+            and isinstance(now, str)
+            and (hashed or _place(before) == _place(now))
+        ):
+            continue
+        if _norm(before) != _norm(now):
+            lines.append(f"{key}: {_show(before)} in the checkpoint, {_show(now)} now ({why})")
     return lines
+
+
+def _place(name: str) -> str:
+    return os.path.normpath(os.path.expanduser(name))
+
+
+def base_gone(name: str | None) -> bool:
+    """Whether `name` (a model.name_or_path) is a local directory that no longer exists."""
+    return name is not None and looks_like_local_path(name) and not Path(name).expanduser().exists()
+
+
+def moved_base(model: ModelConfig, to: str | None) -> ModelConfig:
+    """For the commands reading a run's saved config (export, evaluate): its `model` section with the base where it
+    is now (`to`: --base DIR; a LoRA checkpoint's frozen weights are checked against its SHA-256 when built);
+    refused in one line when the directory the run recorded is gone and no --base is given."""
+    if to is None:
+        if base_gone(model.name_or_path):
+            raise ConfigError(
+                f"the base model directory is gone: {model.name_or_path} (the run's model.name_or_path) no longer "
+                "exists; give --base DIR, where it is now"
+            )
+        return model
+    if model.name_or_path is None:
+        raise ConfigError("--base: the run built its model from model.arch, without a base directory; leave it out")
+    place = Path(to).expanduser().absolute()
+    if not (place / "config.json").is_file():
+        raise ConfigError(f"--base={to}: no config.json there; give the directory {model.name_or_path} moved to")
+    tokenizer = model.tokenizer
+    if tokenizer is not None and _place(tokenizer) == _place(model.name_or_path):
+        tokenizer = str(place)
+    return replace(model, name_or_path=str(place), tokenizer=tokenizer)
 
 
 def layout_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -188,8 +230,16 @@ def _show(value: Any) -> str:
 
 def check_resume(resume: str | None, tag_dir: Path, current: dict[str, Any]) -> None:
     """Refuse to continue from `tag_dir` (what `resume` names) when a setting it depends on changed."""
-    saved = read_marker(tag_dir).get("settings") or {}
-    found = changes(saved, current)
+    marker = read_marker(tag_dir)
+    saved, hashed = marker.get("settings") or {}, bool((marker.get("base") or {}).get("sha256"))
+    model = saved.get("model")
+    if hashed and isinstance(model, str) and base_gone(model) and _place(model) == _place(str(current.get("model"))):
+        raise ResumeError(
+            f"resume={resume}: the base model directory is gone: {model} (the base {tag_dir} was trained on) no "
+            "longer exists; point model.name_or_path at where it is now (its weights are checked against the "
+            "SHA-256 the checkpoint records)"
+        )
+    found = changes(saved, current, hashed=hashed)
     for problem in (universal_problem(saved, current), optimizer_universal_problem(saved, current)):
         if problem is not None:
             found.append(problem)
