@@ -73,34 +73,30 @@ def features() -> tuple[Feature, ...]:
     return tuple(importlib.import_module(f"{package}.feature").FEATURE for package in FEATURE_PACKAGES)
 
 
-def feature_problems(cfg: Config, facts: CheckFacts) -> list[str]:
+def feature_settings(cfg: Config) -> list[tuple[Feature, Any]]:
+    """Every feature beside its own settings, read from the config once: what the functions below are handed."""
+    return [(feature, feature.settings(cfg)) for feature in features()]
+
+
+def feature_problems(found: list[tuple[Feature, Any]], facts: CheckFacts) -> list[str]:
     """Every feature's checks, each given its own settings."""
-    problems: list[str] = []
-    for feature in features():
-        if feature.problems is not None:
-            problems += feature.problems(feature.settings(cfg), facts)
-    return problems
+    return [line for f, settings in found if f.problems is not None for line in f.problems(settings, facts)]
 
 
-def feature_hooks(cfg: Config) -> list[Any]:
-    """The hooks of every feature cfg turns on, each built with its own settings, in FEATURE_PACKAGES' order."""
-    return [load(f.hooks)(s) for f in features() if f.hooks is not None and f.active(s := f.settings(cfg))]
+def feature_hooks(found: list[tuple[Feature, Any]]) -> list[Any]:
+    """The hooks of every feature that is on, each built with its own settings, in FEATURE_PACKAGES' order."""
+    return [load(f.hooks)(settings) for f, settings in found if f.hooks is not None and f.active(settings)]
 
 
-def objective_problems(cfg: Config, objective: str, key: str) -> list[str]:
+def objective_problems(found: list[tuple[Feature, Any]], objective: str, key: str) -> list[str]:
     """An objective none of the core's summary numbers (ds_exp/sweeps/optuna_study.py), as the features check it."""
-    checks = [(f.objective_problems, f.settings(cfg)) for f in features() if f.objective_problems is not None]
+    checks = [(f.objective_problems, settings) for f, settings in found if f.objective_problems is not None]
     return [problem for check, settings in checks for problem in check(settings, objective, key)]
 
 
-def plan_notes(cfg: Config) -> list[str]:
+def plan_notes(found: list[tuple[Feature, Any]]) -> list[str]:
     """What the dry run says of the features this run turns on."""
-    notes: list[str] = []
-    for feature in features():
-        settings = feature.settings(cfg)
-        if feature.plan is not None and feature.active(settings):
-            notes += feature.plan(settings)
-    return notes
+    return [note for f, settings in found if f.plan is not None and f.active(settings) for note in f.plan(settings)]
 
 
 def load(dotted: str) -> Any:

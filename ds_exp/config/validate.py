@@ -297,7 +297,7 @@ def config_problems(
         _precision_problems(cfg.precision, accelerator)
         + _resume_problems(cfg.resume)
         + _eval_problems(cfg.eval)
-        + output_path_problems(cfg, run_dir)
+        + output_path_problems(cfg.train, run_dir)
     )
     problems += lora_problems(cfg.lora, accelerator, name_or_path=model.name_or_path, zero_stage=cfg.zero.stage)
     problems += logger_problems(cfg.logger, dry_run=cfg.dry_run)

@@ -15,7 +15,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
-from ds_exp.config.features import feature_hooks
+from ds_exp.config.features import feature_hooks, feature_settings
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
 from ds_exp.core import compat
@@ -78,7 +78,8 @@ def build_model(
     the features' (None: those of the features cfg turns on); those that are ModelHooks act at the build's points.
     `auto_class`: the objective's (a reward model is an AutoModelForSequenceClassification: one score, read at the
     last token before padding)."""
-    points = [hook for hook in (feature_hooks(cfg) if hooks is None else hooks) if isinstance(hook, ModelHooks)]
+    found = feature_hooks(feature_settings(cfg)) if hooks is None else hooks
+    points = [hook for hook in found if isinstance(hook, ModelHooks)]
     build = ModelBuild(
         config=build_model_config(cfg.model, tokenizer),
         ds_config=ds_config,

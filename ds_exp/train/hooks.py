@@ -32,7 +32,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from ds_exp.config.features import feature_hooks
+from ds_exp.config.features import feature_hooks, feature_settings
 from ds_exp.config.schema import Config
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.session import Session
@@ -108,7 +108,7 @@ class RunHooks:
 
     @classmethod
     def of(cls, cfg: Config) -> RunHooks:
-        return cls(feature_hooks(cfg))
+        return cls(feature_hooks(feature_settings(cfg)))
 
     def after_model_config(self, run: Run, model_config: PretrainedConfig) -> None:
         for hook in self.hooks:
