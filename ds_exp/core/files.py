@@ -1,9 +1,6 @@
-"""Files written whole or not at all: a reader (a resume, the sweep report, a person) never sees half a file.
-
-Every JSON file ds_exp writes goes through `json_text`: strict JSON (json.dumps(allow_nan=False)), so no file holds
-the bare `NaN` / `Infinity` that JSON parsers other than Python's reject. A non-finite number is written as null
-and named in the object's `non_finite` list (`{"loss": null, "non_finite": ["loss"]}`): the fact is kept, the
-file stays JSON.
+"""Files written whole or not at all. JSON is strict (no bare NaN, which parsers other than Python's reject): a
+non-finite number is written as null and named in the object's `non_finite` list (`{"loss": null, "non_finite":
+["loss"]}`).
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ def finite_tree(payload: object, path: str = "") -> tuple[Any, list[str]]:
 
 
 def json_text(payload: object, *, indent: int | None = None, ensure_ascii: bool = True, sort_keys: bool = False) -> str:
-    """Strict JSON for `payload` (see the module docstring); a dict at the top records its non-finite numbers."""
+    """Strict JSON for `payload`; a dict at the top records its non-finite numbers."""
     clean, bad = finite_tree(payload)
     if bad and isinstance(clean, dict):
         found = clean.get(NON_FINITE)
@@ -79,8 +76,7 @@ def restore_non_finite(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temporary name beside `path`, then rename it into place (atomic on one file system). A write that
-    fails (a full disk) leaves `path` as it was and no temporary file behind."""
+    """Write beside `path`, then rename into place: a failed write leaves `path` as it was and no temporary file."""
     _replace_whole(path, lambda tmp: tmp.write_text(text))
 
 
@@ -109,9 +105,8 @@ def append_json_line(handle: IO[str], record: dict[str, Any], *, ensure_ascii: b
 
 
 def append_whole(file: io.FileIO, data: bytes, path: Path) -> None:
-    """Append `data` to `file` (unbuffered, opened for appending) whole, or not at all: a write that fails (a full
-    disk) cuts the file back to what it held before, and is raised. A buffered file cannot promise that: what a
-    failed write left in its buffer is appended by the next flush or the close, after a line cut short."""
+    """Append `data` to `file` (unbuffered, for appending) whole, or cut the file back and raise: a buffered file
+    would append a failed write's leftovers after a line cut short."""
     size = os.fstat(file.fileno()).st_size
     try:
         view = memoryview(data)

@@ -1,8 +1,5 @@
-"""Every touch of a library's private internals, in one place: a module per library (deepspeed, hydra, torch,
-transformers, liger_kernel, submitit, optuna). Each function says which versions it was checked against and what
-breaks if the internal changes: the list to re-check when a library is upgraded. Each imports the library it
-reaches into where it is called, so light callers stay light; importing this package imports no library and
-patches nothing. Callers use the names below (`from ds_exp.core import compat; compat.op_loaded(...)`)."""
+"""Every touch of a library's private internals, a module per library, each saying the versions it was checked
+against and what breaks if the internal changes. Importing this package imports no library and patches nothing."""
 
 from ds_exp.core.compat.deepspeed import (
     UNIVERSAL_CHECKED,
