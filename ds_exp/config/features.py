@@ -1,22 +1,11 @@
 """The features of ds_exp and the small interface through which the shared layers reach them.
 
-A feature is what a user turns on by name (lm-eval scores, exports and chat, sequence parallelism, long context, the
-fast path, preference tuning): one package `ds_exp/<name>/` holding
-
-* `settings.py`: its settings dataclass (each field with its range beside it: ds_exp/config/fields.py), light;
-* `checks.py`: what is refused before anything heavy runs, light (no torch, no deepspeed);
-* `feature.py`: its entry, `FEATURE`, light: its name, how it reads its settings from the config, when it is on, its
-  checks, and the dotted name of its hooks;
-* its heavy work (scoring, writing, the loss), imported only when the feature is on, and its hooks into the recipe
-  at named points (ds_exp/train/hooks.py: after setup, at each checkpoint, after each export, after the run) and
-  into the model build (ds_exp/model/hooks.py: before the weights, after them, after LoRA's wrap);
-* its command, if it has one, behind the shared error boundary (ds_exp/launch/console.py's `entry_point`).
-
-The shared layers never import a feature package, bar its `settings` module (the schema types the feature's section
-with it, so Hydra refuses a wrong key or type while it composes). They reach a feature through `features()` and this
-interface: validation runs every feature's checks, the recipe runs the hooks of the features that are on, and each is
-handed its own settings, never the whole config. A new feature is one package, its YAML and one line in
-FEATURE_PACKAGES. tests/unit/test_structure.py keeps the rule. Light: no torch, no deepspeed.
+A feature is what a user turns on by name: one package `ds_exp/<name>/` with `settings.py` (its settings, each range
+beside its field), `checks.py` (refusals before heavy work), `feature.py` (`FEATURE`: how it reads its settings, when
+it is on, its checks, the dotted name of its hooks; all three light), its heavy work and hooks (ds_exp/train/hooks.py,
+ds_exp/model/hooks.py), and its command behind ds_exp/launch/console.py's `entry_point`. The shared layers import
+only its `settings` (the schema types its section) and reach it through this interface, handing each feature its own
+settings, never the whole config (tests/unit/test_structure.py keeps the rule). Light: no torch, no deepspeed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Cheap checks of the model's own files, read with json (never transformers, so validation stays light):
-a config.json that parses, weights that are there and complete, and data.max_seq_len within the positions
-the model has (learned position tables fail with an IndexError deep in the forward pass past their end).
+"""Cheap checks of the model's own files, read with json (never transformers): a config.json that parses, weights
+that are complete, and data.max_seq_len within a learned position table (past it: an IndexError deep in forward).
 """
 
 from __future__ import annotations
@@ -212,8 +211,7 @@ def max_seq_len_problems(model: ModelConfig, max_seq_len: int) -> list[str]:
 
 
 def max_new_tokens_problems(model: ModelConfig, eval_cfg: EvalConfig) -> list[str]:
-    """eval.max_new_tokens alone at or past a learned position table leaves no room for any prompt (each prompt
-    is measured once the tokenizer is loaded: ds_exp.train.generate.check_generation_room)."""
+    """eval.max_new_tokens alone at or past a learned position table leaves no room for any prompt."""
     settings = model_settings(model)
     if not (eval_cfg.prompts or eval_cfg.prompts_file) or not settings:
         return []
@@ -319,10 +317,9 @@ def _divisors(n: int) -> str:
 
 
 def arch_problems(model: ModelConfig) -> list[str]:
-    """model.arch (a model built from a config) holds an architecture transformers can build and run: every size
-    a whole number > 0, the hidden size split evenly over the heads, key/value heads that divide the heads, an even
-    rotary head dimension, finite epsilons and dropouts in [0, 1]. Told here, not as a ZeroDivisionError or a
-    shape mismatch in the first forward pass (transformers validates only some of these, per model family)."""
+    """model.arch holds an architecture transformers can build and run (whole sizes > 0, heads that divide the
+    hidden size, key/value heads that divide the heads, an even rotary dimension, finite epsilons, dropouts in
+    [0, 1]): told here, not as a shape mismatch in the first forward pass."""
     arch = model.arch
     if model.name_or_path is not None or arch is None:
         return []

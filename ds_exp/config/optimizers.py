@@ -1,14 +1,7 @@
-"""The optimizers, one table: each entry owns its facts, and everything else reads them (ds_exp/config/components.py).
-
-An entry says what `optimizer=<name>` builds and how (its library class by dotted path, or DeepSpeed's optimizer
-type when DeepSpeed builds it), its typed settings (ds_exp/config/optimizer_settings.py, each number's range beside
-it; conf/optimizer/<name>.yaml merges into them), the bytes of state it keeps per parameter (the memory
-planner, autotune and the dry run), and where it runs: the ZeRO stages, optimizer offload, DeepSpeed's universal
-checkpoints, the device and the package it needs. The checks that combine an entry
-with the rest of the config are ds_exp/config/optimizer_checks.py's; the building is ds_exp/model/optimizers.py's.
-
-Adding an optimizer: a settings dataclass in optimizer_settings.py when it has settings the others lack, one entry
-in OPTIMIZERS, and conf/optimizer/<name>.yaml (docs/architecture.md, "How to add a component"). Light: no torch.
+"""The optimizers, one table: each entry owns its facts (what `optimizer=<name>` builds and how, its typed settings,
+its state bytes per parameter, where it runs: ZeRO stages, offload, universal checkpoints, device, package), and
+everything else reads them. Combined checks: optimizer_checks.py; building: ds_exp/model/optimizers.py. Adding one:
+docs/architecture.md, "How to add a component". Light: no torch.
 """
 
 from __future__ import annotations
