@@ -1,9 +1,6 @@
-"""A setting's rules beside its field: the range of a number (`Range`), the spec of a value in a free-form mapping
-(`Spec`), and `setting()`, which declares a dataclass field of a settings class with them. Every settings class of
-ds_exp (the schema's sections, the optimizers' and the features' settings) declares its numbers with `setting(...,
-range=...)` and its free-form keys with `setting(..., checked_by=...)`; the checks (ds_exp/config/ranges.py), `--help`
-and the hostile-input generator (tests/unit/test_hostile_inputs.py) read them from there. Light: the standard library
-and omegaconf's MISSING only."""
+"""A setting's rules beside its field: a number's range (`Range`), a free-form mapping's value (`Spec`), and
+`setting()`, which declares a settings dataclass field with them; the checks (ranges.py), `--help` and the
+hostile-input generator read them from there. Light: the standard library and omegaconf's MISSING only."""
 
 from __future__ import annotations
 

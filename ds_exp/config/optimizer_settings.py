@@ -1,9 +1,6 @@
-"""The optimizers' typed settings: what conf/optimizer/<name>.yaml carries, one dataclass per kind of optimizer, each
-number's range beside its field (ds_exp/config/fields.py) and `problems` for what a range cannot say (one line each,
-naming the key and the fix). Every optimizer's settings extend
-OptimizerConfig, the type of the config's `optimizer` node; the option's YAML names its class in its defaults list
-(ds_exp/config/optimizers.py registers them), so Hydra refuses a wrong type or another optimizer's key while it
-composes. Which optimizer takes which settings is the table's: ds_exp/config/optimizers.py. Light: no torch."""
+"""The optimizers' typed settings, one dataclass per kind, each number's range beside its field and `problems` for
+what a range cannot say. The option's YAML names its class in its defaults list, so Hydra refuses a wrong type or
+another optimizer's key while it composes. Light: no torch."""
 
 from __future__ import annotations
 
@@ -42,8 +39,8 @@ MOMENTUM = Range(0, 1, high_open=True, fix=" (e.g. 0.9)")
 
 @dataclass
 class OptimizerConfig:
-    """What every optimizer's settings have; each kind's class adds its own (its numbers' ranges beside them, read by
-    ds_exp/config/ranges.py; a subclass that changes a default keeps the range)."""
+    """What every optimizer's settings have; each kind's class adds its own (a subclass that changes a default keeps
+    the range)."""
 
     owner: Owner = Owner.ds_exp
     name: str = MISSING  # the option picked in conf/optimizer (its settings class must match)
