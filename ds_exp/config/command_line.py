@@ -1,8 +1,6 @@
-"""Commands ds_exp prints for a person to paste (`continue it with: ...`, the runs `resume=auto` can continue, the
-branch a resume set aside): each argument quoted twice, for Hydra's override grammar (a value holding a space, a
-comma, a quote, `$`, brackets or `=` is quoted, or Hydra reads a sweep, an interpolation or a list) and then for the
-shell. Every printed command is built here; tests/unit/test_console_lines.py parses what it prints back, through
-shlex and Hydra's own parser, to the values it was given. Light: hydra's parser only.
+"""Commands ds_exp prints for a person to paste, each argument quoted twice: for Hydra's override grammar (or a
+space, comma, `$` or `=` reads as a sweep, an interpolation or a list) and then for the shell.
+tests/unit/test_console_lines.py parses them back. Light: hydra's parser only.
 """
 
 from __future__ import annotations

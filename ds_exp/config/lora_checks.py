@@ -1,6 +1,5 @@
-"""LoRA's settings checked before anything is loaded: types, regular expressions, combinations, and QLoRA's needs
-(a CUDA GPU and bitsandbytes). Which layers the names match is the model's to say: ds_exp/model/lora.py, right
-after the model's config is read. Light: no torch, no deepspeed."""
+"""LoRA's settings checked before anything is loaded: types, regular expressions, combinations, QLoRA's needs.
+Which layers the names match is ds_exp/model/lora.py's to say. Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Where a run writes its checkpoints and its export (train.checkpoint_dir, train.export_dir), checked with the rest
-of the config: inside the run directory unless allowed, never the run directory itself, never one inside the other."""
+"""train.checkpoint_dir and train.export_dir, checked with the rest of the config."""
 
 from __future__ import annotations
 
@@ -12,10 +11,8 @@ NAME_MAX = 255  # bytes per file name on Linux file systems (ext4, xfs, tmpfs, N
 
 
 def output_path_problems(train: TrainConfig, run_dir: Path | None = None) -> list[str]:
-    """Checkpoints and the export stay inside the run directory: rotation deletes in checkpoint_dir, and a run must
-    not write over another run's files. Neither is the run directory itself, and neither holds the other: the export
-    replaces its whole directory, and checkpoints inside it (or it inside them) fail after training, on every
-    resume."""
+    """Checkpoints and the export stay inside the run directory (rotation deletes in checkpoint_dir), are not the run
+    directory itself, and neither holds the other (the export replaces its whole directory)."""
     problems = []
     for key in ("checkpoint_dir", "export_dir"):
         value = str(getattr(train, key))

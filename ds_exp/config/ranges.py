@@ -1,7 +1,5 @@
 """The numbers of the config: every number finite and within 64 bits, and every numeric key within the range its
-field declares (ds_exp/config/fields.py: `setting(..., range=...)` beside the field, the one place a range is
-written). tests/unit/test_hostile_inputs.py walks the schema: a numeric key without a range, or a free-form (Any) key
-without a named check, fails it, so a key added later is covered from the day it is added. Light: no torch."""
+field declares (fields.py, the one place a range is written). Light: no torch."""
 
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ def _declared(kind: str) -> dict[str, Any]:
     return found
 
 
-# Every int and float key's range, read from its field (ds_exp/config/fields.py `setting(..., range=...)`; list items:
-# each item), and every free-form key (Any, a dict of anything) with the check that reads it before anything heavy
-# runs. tests/unit/test_hostile_inputs.py walks the schema: a key with neither fails it.
+# Every numeric key's range and every free-form key's check, read from its field (tests/unit/test_hostile_inputs.py
+# fails a key with neither).
 RANGES: dict[str, Range] = _declared(RANGE)
 FREE_FORM: dict[str, str] = _declared(CHECKED_BY)
 _ZERO_SIZES = tuple(key.removeprefix("zero.") for key, check in FREE_FORM.items() if "whole number" in check)
@@ -38,9 +35,8 @@ _SKIPPED = ("model.arch", "deepspeed")  # model.arch: checked with the architect
 
 
 def number_problems(node: object, prefix: str = "") -> list[tuple[str, str]]:
-    """(key, line) for every number of a settings tree (the config, or one of its sections named by `prefix`) that is
-    not finite, or an integer beyond 64 bits: nan and inf parse as floats and nothing in a run means either, and
-    torch, numpy and DeepSpeed overflow past 64 bits."""
+    """(key, line) for every number of a settings tree (or its section `prefix`) that is not finite, or an integer
+    beyond 64 bits (nothing in a run means nan or inf; torch, numpy and DeepSpeed overflow past 64 bits)."""
     problems: list[tuple[str, str]] = []
 
     def walk(value: object, key: str) -> None:

@@ -1,8 +1,6 @@
-"""scheduler.kwargs checked before anything is built (issue 31 §2): the schema types them `dict[str, Any]` (each
-schedule takes its own), so a name the schedule does not take, a value of the wrong type or out of its range would
-otherwise reach transformers.get_scheduler once the model and the optimizer exist: a TypeError or a ValueError after
-minutes, or (constant, constant_with_warmup: get_scheduler drops their kwargs) silence. SCHEDULE_KWARGS says what each
-schedule takes; tests/unit/test_hostile_inputs.py checks it against the installed transformers. Light."""
+"""scheduler.kwargs checked before anything is built: a name the schedule does not take, a wrong type or a value out
+of range would otherwise reach transformers.get_scheduler after minutes (or be silently dropped). SCHEDULE_KWARGS
+says what each schedule takes; tests/unit/test_hostile_inputs.py checks it against the installed transformers."""
 
 from __future__ import annotations
 
