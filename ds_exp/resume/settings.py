@@ -1,17 +1,10 @@
 """What a checkpoint was written with, and whether this run can continue from it.
 
-Each checkpoint's marker (ds_exp_complete.json) records the settings that fix the shapes and the partitioning of
-what it holds: the model, LoRA (rank, alpha, targets, modules to save, DoRA, rsLoRA, quantization), the vocabulary
-padding, the ZeRO stage, offload, precision, the optimizer (its state) and the world size. DeepSpeed's universal
-format carries Adam's moments only: another optimizer's checkpoint is refused a layout change (not_universal).
-dist.sequence_parallel_size is recorded but is no layout: under Ulysses, ZeRO partitions over all data-parallel x
-sequence-parallel ranks, so a checkpoint's files depend on the world size alone and load under any N (the global
-batch, micro x accumulation x world / N, must stay: ds_exp/resume/trajectory.py). What cannot be done is a layout change
-(the universal path) with sequence parallelism on either side: refused (see universal_problem).
-A changed world size, ZeRO stage or offload (the layout) is followed by converting the checkpoint once into
-DeepSpeed's universal format (ds_exp/checkpoint/universal.py); a resume with any other of them changed is refused before
-anything is written (Hydra's callback calls `check_resume_target` before the run directory is touched), naming each
-change. Light: no torch, no deepspeed.
+Each checkpoint's marker records the settings that fix the shapes and partitioning of what it holds (model, LoRA,
+vocabulary padding, ZeRO stage, offload, precision, optimizer, world size). A changed layout (world size, ZeRO stage,
+offload) is converted once to DeepSpeed's universal format, which carries Adam's moments only and fails under
+sequence parallelism; dist.sequence_parallel_size is no layout (ZeRO partitions over all ranks). Any other change
+is refused before anything is written, naming each change. Light: no torch, no deepspeed.
 """
 
 from __future__ import annotations
@@ -47,8 +40,8 @@ LAYOUT = ("world_size", "zero_stage", "offload")
 
 
 def model_section(model: ModelConfig) -> dict[str, Any]:
-    """The `model` section as plain JSON values (credentials blanked): what each checkpoint records of the model it
-    trained (TrainState.model_config), which its export (`python -m ds_exp.export`) rebuilds."""
+    """The `model` section as plain JSON values (credentials blanked): what each checkpoint records and its export
+    rebuilds."""
     found = redact(plain_tree(asdict(model)))
     return found if isinstance(found, dict) else {}
 
@@ -94,9 +87,8 @@ def lora_settings(lora: LoraConfig, model_scope: str | None = None) -> dict[str,
 
 
 def changes(saved: dict[str, Any], current: dict[str, Any], *, hashed: bool = False) -> list[str]:
-    """One line per setting that differs (settings the checkpoint did not record, or that are unknown now, are
-    not compared). A model is a path or hub id, the same however spelled (a trailing slash); with `hashed` (the
-    checkpoint records its frozen base's SHA-256, which the build checks) any place holding that base."""
+    """One line per setting that differs (unrecorded or unknown ones are not compared). A model is the same however
+    spelled (a trailing slash); with `hashed` (the build checks the frozen base's SHA-256) any place holding it."""
     lines = []
     for key, why in _WHY.items():
         if key not in saved or (key != "lora" and (saved[key] is None or current.get(key) is None)):
@@ -124,9 +116,8 @@ def base_gone(name: str | None) -> bool:
 
 
 def moved_base(model: ModelConfig, to: str | None) -> ModelConfig:
-    """For the commands reading a run's saved config (export, evaluate): its `model` section with the base where it
-    is now (`to`: --base DIR; a LoRA checkpoint's frozen weights are checked against its SHA-256 when built);
-    refused in one line when the directory the run recorded is gone and no --base is given."""
+    """For export and evaluate (they read a run's saved config): its `model` section with the base where it is now
+    (`to`: --base DIR; the build checks the frozen weights' SHA-256); refused when the recorded directory is gone."""
     if to is None:
         if base_gone(model.name_or_path):
             raise ConfigError(
@@ -166,11 +157,9 @@ def sequence_parallel_change(saved: dict[str, Any], current: dict[str, Any]) -> 
 
 
 def universal_problem(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """Why a checkpoint whose layout changed cannot go through the universal format, when sequence parallelism is on
-    at either end: DeepSpeed 0.19.8 takes the sequence-parallel groups for tensor parallelism there (its mpu aliases
-    the model-parallel size to N): a checkpoint written under N > 1 records tensor-parallel degree N with one
-    model file, which ds_to_universal rejects, and the universal loader asks the sequence-parallel mpu for
-    tensor-parallel groups it does not have."""
+    """Why a changed layout cannot go through the universal format with sequence parallelism at either end: DeepSpeed
+    0.19.8 takes the sequence-parallel groups for tensor parallelism (ds_to_universal rejects the checkpoint, the
+    universal loader asks for groups it does not have)."""
     before, now = saved.get("sequence_parallel_size", 1), current.get("sequence_parallel_size", 1)
     if (before == 1 and now == 1) or not needs_universal(saved, current):
         return None
@@ -258,8 +247,7 @@ def check_resume(resume: str | None, tag_dir: Path, current: dict[str, Any]) -> 
 
 def check_resume_target(cfg: Config, run_dir: Path, world: int) -> None:
     """The checkpoint `resume` names exists, is complete and was written with this run's settings and global batch
-    (`world`: the world size this launch has; ds_exp.resume.trajectory checks the rest of its course once the data
-    are known)."""
+    (`world`: this launch's world size; trajectory checks the rest once the data are known)."""
     tag_dir = find_resume_checkpoint(cfg.resume, run_dir, cfg.train.checkpoint_dir)
     if tag_dir is None:
         return

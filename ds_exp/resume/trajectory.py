@@ -1,14 +1,6 @@
-"""What a resume with changed settings does to the run's course, said before it happens.
-
-Each checkpoint records the run's trajectory: the steps its schedule spans, the warmup, the learning rate, the
-schedule, the global batch and the data it draws from. A resume compares them with the run's own:
-* the length (train.max_steps / epochs), the learning rate, the schedule and its warmup may change on purpose
-  (training longer is the common case): the run goes on, the schedule is recomputed at the resumed step (ds_exp
-  fast-forwards it instead of loading it, so the new settings take effect), and one line per change says what it
-  does, e.g. "the cosine schedule is recomputed over 8 steps instead of 4; the learning rate for step 5 is 5.0e-04
-  instead of 0.0e+00";
-* the global batch or the data cannot change: the position in the epoch (counted in samples of this data in this
-  order) would point elsewhere. The resume is refused, with the fix.
+"""What a resume with changed settings does to the run's course, said before it happens. The length, learning rate,
+schedule and warmup may change (the schedule is recomputed at the resumed step, one line per change saying what it
+does); the global batch and the data cannot (the position in the epoch would point elsewhere): refused, with the fix.
 """
 
 from __future__ import annotations
@@ -32,9 +24,8 @@ def trajectory_of(
     world_size: int,
     data_key: str,
 ) -> dict:
-    """What the course of this run depends on (JSON values; recorded in each checkpoint): its length, warmup,
-    learning rate (optimizer.lr), schedule, global batch and data. `world_size`: the ranks that draw different
-    samples (the data-parallel size, ds_exp.config.batch.data_parallel_size)."""
+    """What the course of this run depends on (recorded in each checkpoint): length, warmup, learning rate,
+    schedule, global batch and data. `world_size`: the data-parallel size."""
     return {
         "total_steps": total_steps,
         "warmup_steps": warmup_steps,
