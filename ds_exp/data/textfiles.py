@@ -22,8 +22,7 @@ log = logging.getLogger(__name__)
 
 BOM = "\ufeff"
 _GZIP = b"\x1f\x8b"
-# Leading bytes of files that are not text -> (what the file is, the fix; {name} is the file's name).
-# Each holds bytes that no text file starts with (invalid UTF-8 or control characters): text never matches.
+# Leading bytes of files that are not text (no text file starts with them) -> (what it is, the fix)
 _SIGNATURES: tuple[tuple[bytes, str, str], ...] = (
     (_GZIP, "gzip-compressed", "rename it to {name}.gz (gzip files are read directly)"),
     (b"PK\x03\x04", "a zip archive", "unzip it and point the path at the file inside"),
@@ -114,8 +113,8 @@ def starts_with_bom(path: Path) -> bool:
 
 
 class StrictJSON:
-    """A reusable decoder (one per file: json.loads(s, **kw) builds a new one per call) that remembers every
-    object holding a key twice. `repeated` lists (key, object) of the last document decoded."""
+    """A reusable decoder (json.loads(s, **kw) builds one per call) that remembers every object holding a key twice:
+    `repeated` lists (key, object) of the last document decoded."""
 
     def __init__(self) -> None:
         self.repeated: list[tuple[str, dict[str, Any]]] = []
