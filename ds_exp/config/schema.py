@@ -118,7 +118,7 @@ class ModelConfig:
     disable_dropout: bool = False
     vocab_multiple: int = setting(
         8, range=Range(1, 65536, fix=" (1 = no padding; the embedding is padded to a multiple of it)")
-    )  # pad the embedding matrix to a multiple of this
+    )
     attn_implementation: str | None = "auto"  # null = transformers' default; auto: ds_exp/fast_path/attention.py
     liger_kernel: Any = setting(
         "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
@@ -196,6 +196,9 @@ class DataConfig:
     )  # cap on eval rows (after shuffling); null = all
 
 
+ZERO_SIZE = "ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
+
+
 @dataclass
 class ZeroConfig:
     """DeepSpeed `zero_optimization` keys; null keys are left out of the DeepSpeed config."""
@@ -206,29 +209,15 @@ class ZeroConfig:
     )  # bool, or "auto" (= world size > 1: only where there is communication to hide)
     contiguous_gradients: bool | None = None
     reduce_scatter: bool | None = None
-    reduce_bucket_size: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )  # int or "auto"
+    reduce_bucket_size: Any = setting(None, checked_by=ZERO_SIZE)
     allgather_partitions: bool | None = None
-    allgather_bucket_size: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
+    allgather_bucket_size: Any = setting(None, checked_by=ZERO_SIZE)
     round_robin_gradients: bool | None = None
-    sub_group_size: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
-    stage3_prefetch_bucket_size: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
-    stage3_param_persistence_threshold: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
-    stage3_max_live_parameters: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
-    stage3_max_reuse_distance: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
+    sub_group_size: Any = setting(None, checked_by=ZERO_SIZE)
+    stage3_prefetch_bucket_size: Any = setting(None, checked_by=ZERO_SIZE)
+    stage3_param_persistence_threshold: Any = setting(None, checked_by=ZERO_SIZE)
+    stage3_max_live_parameters: Any = setting(None, checked_by=ZERO_SIZE)
+    stage3_max_reuse_distance: Any = setting(None, checked_by=ZERO_SIZE)
     stage3_gather_16bit_weights_on_model_save: bool | None = None
     memory_efficient_linear: bool | None = None
 
@@ -236,9 +225,7 @@ class ZeroConfig:
 @dataclass
 class PrecisionConfig:
     dtype: Dtype = Dtype.fp32
-    loss_scale: float = setting(
-        0.0, range=at_least(0, " (0 = dynamic loss scaling)")
-    )  # fp16 only; 0 = dynamic loss scaling
+    loss_scale: float = setting(0.0, range=at_least(0, " (0 = dynamic loss scaling)"))  # fp16 only
     initial_scale_power: int = setting(
         16, range=Range(0, 64, fix=" (dynamic loss scaling starts at 2^this; DeepSpeed's is 16)")
     )
@@ -257,9 +244,7 @@ class OffloadConfig:
 
 @dataclass
 class LoraConfig:
-    dim: int = setting(
-        0, range=at_least(0, " (0 turns LoRA off, e.g. lora.dim=64 turns it on)")
-    )  # LoRA rank; 0 = LoRA off
+    dim: int = setting(0, range=at_least(0, " (0 turns LoRA off, e.g. lora.dim=64 turns it on)"))  # LoRA rank
     alpha: float | None = setting(
         None, range=above(0, ", or null for alpha = dim")
     )  # scaling = alpha / dim; null = dim (scaling 1, as DeepSpeed-Chat's lora_scaling=1)
