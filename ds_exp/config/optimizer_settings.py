@@ -82,9 +82,7 @@ class AdafactorConfig(OptimizerConfig):
     beta2_decay: float = setting(-0.8, range=Range(None, 0, fix=" (torch's Adafactor default: -0.8)"))
     eps: float | None = setting(None, range=above(0))  # added to the second moment; null = the dtype's smallest step
     eps_scale: float = setting(1e-3, range=at_least(0))  # the smallest parameter RMS a step is scaled by
-    d: float = setting(
-        1.0, range=at_least(1, " (the clipping threshold of the update's RMS; torch's default 1.0)")
-    )  # clipping threshold of the update's RMS
+    d: float = setting(1.0, range=at_least(1, " (the clipping threshold of the update's RMS; torch's default 1.0)"))
 
 
 @dataclass
@@ -105,8 +103,6 @@ class MuonConfig(OptimizerConfig):
     lr: float = setting(0.02)  # Muon's, for the hidden matrices
     momentum: float = setting(0.95, range=MOMENTUM)
     ns_method: NewtonSchulz = NewtonSchulz.gram
-    adam_lr: float = setting(
-        1e-3, range=above(0, " (the auxiliary AdamW's learning rate)")
-    )  # the auxiliary AdamW's, for embeddings, the head, norms and biases
+    adam_lr: float = setting(1e-3, range=above(0, " (the auxiliary AdamW's learning rate)"))  # embeddings, head, norms
     betas: list[float] = setting(factory=lambda: [0.9, 0.95], range=BETAS)
     eps: float = setting(1e-8, range=above(0))
