@@ -38,8 +38,7 @@ def override(key: str, value: object) -> str:
 
 
 def _escaped(text: str) -> str:
-    """`text` inside Hydra's single quotes: a quote escaped, and the backslashes before a quote or the closing one
-    doubled (elsewhere Hydra keeps a backslash as it is)."""
+    """`text` inside Hydra's single quotes: a quote escaped, backslashes before a quote or the closing one doubled."""
     return re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text)
 
 
@@ -53,6 +52,5 @@ def shell_word(arg: str) -> str:
 
 
 def command(program: str, *args: str) -> str:
-    """`program` (as typed: `python -m ds_exp`, `torchrun --nproc_per_node 2 -m ds_exp`) followed by `args`, each
-    already an argument built by `override` or `shell_word`."""
+    """`program` as typed, followed by `args`, each already built by `override` or `shell_word`."""
     return " ".join([program, *args])

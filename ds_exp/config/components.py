@@ -14,8 +14,7 @@ from typing import Any, TypeVar
 
 @dataclass(frozen=True)
 class Component:
-    """What every component entry knows: its option's name (conf/<group>/<name>.yaml), its builder, and what it
-    needs installed."""
+    """What every component entry knows: its option's name, its builder, and what it needs installed."""
 
     name: str
     builder: str  # "package.module:attribute", imported only when the component is built

@@ -76,8 +76,7 @@ def user_config_dirs(args: Iterable[str]) -> list[Path]:
 
 
 def chosen_configs(args: Iterable[str]) -> list[str]:
-    """The config paths the command line's group choices name: `experiment=mine` -> experiment/mine.yaml (each option
-    of a sweep, `experiment=a,b`)."""
+    """The config paths the command line's group choices name (`experiment=mine` -> experiment/mine.yaml)."""
     chosen: list[str] = []
     for arg in args:
         if arg.startswith("-") or "=" not in arg or "." in arg.split("=", 1)[0]:

@@ -271,8 +271,7 @@ def _fill_optimizer_needs(opt: OptimizerConfig, ds: dict[str, Any]) -> None:
 
 
 def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) -> dict[str, Any]:
-    """Merge, check and fill. Unless `partial` (validation, before the run knows its facts), the result has
-    no "auto" left, or a ConfigError names the keys."""
+    """Merge, check and fill; unless `partial` (validation), no "auto" is left, or a ConfigError names the keys."""
     ds = merged_ds_config(cfg.deepspeed)
 
     fp16_on, bf16_on = get_path(ds, "fp16.enabled"), get_path(ds, "bf16.enabled")
@@ -350,8 +349,7 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
 
 
 class IgnoredOverride(ConfigError):
-    """An override given explicitly (on the command line, or as a sweep's value) that the run would not obey,
-    because deepspeed.config_file replaces what it sets."""
+    """An explicit override the run would not obey, because deepspeed.config_file replaces what it sets."""
 
 
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
@@ -387,8 +385,7 @@ def _leaves(tree: object, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _sources(unresolved: object, path: str) -> set[str]:
-    """The ds_exp keys the groups' value at `path` of deepspeed.config interpolates (`stage: ${zero.stage}`), plus
-    deepspeed.config.<path> itself."""
+    """The ds_exp keys the groups' value at `path` interpolates (`${zero.stage}`), and deepspeed.config.<path>."""
     keys = {f"deepspeed.config.{path}"}
     node = unresolved
     for part in path.split("."):
@@ -416,8 +413,7 @@ _GROUP_KEYS: dict[str, set[str] | None] = {}
 
 
 def _distinguishing_keys(group: str) -> set[str] | None:
-    """For a config group of conf/ (None for any other key): its keys that every option sets, to values that are
-    not all the same."""
+    """A conf/ group's keys that every option sets, to values not all the same (None for any other key)."""
     if group not in _GROUP_KEYS:
         folder = conf_dir() / group
         options = sorted(folder.glob("*.yaml")) if "." not in group and folder.is_dir() else []

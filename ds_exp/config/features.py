@@ -32,8 +32,7 @@ FEATURE_PACKAGES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class CheckFacts:
-    """What a feature's checks may know beside its settings: the launch, the merged DeepSpeed config and what the
-    optimizer sets in it."""
+    """What a feature's checks may know beside its settings: the launch and the merged DeepSpeed config."""
 
     world_size: int
     accelerator: str

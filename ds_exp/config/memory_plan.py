@@ -19,8 +19,8 @@ from ds_exp.long_context.settings import LongContextSettings
 
 @dataclass(frozen=True)
 class OptimizerState:
-    """The optimizer's own fp32 state per trainable parameter (beside the master weights), and the parameters it
-    keeps another amount for (Muon's auxiliary AdamW: embeddings, the head, norms, biases)."""
+    """The optimizer's own fp32 state per trainable parameter, and the parameters it keeps another amount for
+    (Muon's auxiliary AdamW)."""
 
     per_param: float = 8.0  # AdamW's two moments
     aux_params: int = 0
@@ -183,8 +183,7 @@ def estimate_activations(
 def run_estimate(
     cfg: Config, facts: dict[str, int], *, world_size: int, precision: str, accelerator: str
 ) -> dict[str, int]:
-    """Per-rank bytes of a composed config: model states (device, and host where offloaded: on a CPU both count)
-    and one micro batch's activations. `facts`: ds_exp.model.architecture.model_facts."""
+    """Per-rank bytes of a composed config: model states (host too on a CPU) and one micro batch's activations."""
     states = estimate_model_states(
         facts["total"],
         facts["trainable"],
@@ -241,8 +240,7 @@ def run_estimate(
 
 
 def varlen_attention(attention: str, accelerator: str, precision: str) -> bool:
-    """Whether packed rows run on a varlen kernel, which reads the examples' boundaries instead of a length x length
-    mask: flash-attn's, torch's (model.attn_implementation=auto picks one on CUDA in 16 bits: ds_exp/fast_path/)."""
+    """Whether packed rows run on a varlen kernel (flash-attn's, torch's), which needs no length x length mask."""
     auto = attention == "auto" and accelerator == "cuda" and precision != "fp32"
     return attention.startswith("flash") or attention == "torch_varlen" or auto
 
@@ -250,9 +248,8 @@ def varlen_attention(attention: str, accelerator: str, precision: str) -> bool:
 def plan_micro_batch(
     cfg: Config, facts: dict[str, int], device_bytes: int, *, precision: str, world_size: int, use: float = 0.85
 ) -> tuple[int, bool]:
-    """The planner's micro batch and activation checkpointing for a GPU of `device_bytes`: the largest micro batch
-    (16, 8, 4, 2, 1) whose estimate fits `use` of the memory without checkpointing (recomputing costs about a third
-    more compute), else with it; (1, True) when nothing fits (the run then says so itself)."""
+    """The planner's micro batch and checkpointing for a GPU of `device_bytes`: the largest micro batch whose estimate
+    fits `use` of it without checkpointing (a third more compute), else with it; (1, True) when nothing fits."""
     for checkpointing in (False, True):
         for micro in (16, 8, 4, 2, 1):
             train = replace(cfg.train, micro_batch_size=micro)

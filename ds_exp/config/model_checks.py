@@ -71,8 +71,7 @@ def local_checkpoint(model: ModelConfig) -> Path | None:
 
 
 def read_config_json(directory: Path, shown: str, key: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
-    """(config.json as a dict, None) or (None, the problem in one line naming model.name_or_path (or `key`) and the
-    fix)."""
+    """(config.json as a dict, None) or (None, the problem in one line naming model.name_or_path or `key`)."""
     key = key or f"model.name_or_path={shown}"
     try:
         value = json.loads((directory / "config.json").read_bytes().decode("utf-8"))
@@ -112,8 +111,7 @@ def _cut_short(path: Path) -> str | None:
 
 
 def weights_problem(directory: Path, shown: str, key: str | None = None) -> str | None:
-    """One line when the checkpoint's weights are missing or incomplete (what from_pretrained would fail on), naming
-    model.name_or_path (or `key`)."""
+    """One line naming model.name_or_path (or `key`) when the weights are missing or incomplete."""
     key = key or f"model.name_or_path={shown}"
     present = [name for name in WEIGHT_FILES if (directory / name).is_file()]
     if not present:
@@ -248,8 +246,7 @@ def rope_scaling_override(scaling: dict[str, Any]) -> str:
 
 
 def scaled_positions(scaling: dict[str, Any] | None, limit: int) -> int | None:
-    """How many positions model.rope_scaling stretches the trained context to (factor x the original context),
-    None when it does not say (no factor: longrope, dynamic without one)."""
+    """The positions model.rope_scaling stretches the context to (factor x original), None when it has no factor."""
     if not scaling or not isinstance(scaling.get("factor"), (int, float)):
         return None
     original = scaling.get("original_max_position_embeddings")
@@ -258,8 +255,7 @@ def scaled_positions(scaling: dict[str, Any] | None, limit: int) -> int | None:
 
 
 def max_seq_len_notes(model: ModelConfig, max_seq_len: int) -> list[str]:
-    """Warnings (not errors) for rotary or unknown position encodings run past the trained context (or past what
-    model.rope_scaling stretches it to)."""
+    """Warnings for rotary or unknown position encodings run past the trained (or rope_scaling's) context."""
     beyond = _beyond(model, max_seq_len)
     if beyond is None or beyond[3] == "learned":
         return []

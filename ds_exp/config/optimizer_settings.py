@@ -39,8 +39,7 @@ MOMENTUM = Range(0, 1, high_open=True, fix=" (e.g. 0.9)")
 
 @dataclass
 class OptimizerConfig:
-    """What every optimizer's settings have; each kind's class adds its own (a subclass that changes a default keeps
-    the range)."""
+    """What every optimizer's settings have; each kind's class adds its own."""
 
     owner: Owner = Owner.ds_exp
     name: str = MISSING  # the option picked in conf/optimizer (its settings class must match)

@@ -83,8 +83,7 @@ class OptimizerEntry(Component):
         return self.impls[impl] if impl else Impl(self.builder)
 
     def values(self, settings: OptimizerConfig) -> dict[str, tuple[Any, str]]:
-        """Each argument's value from the settings, as JSON values (enums by value, tuples as lists), and the
-        settings it comes from (for messages): keyword -> (value, "optimizer.<key>")."""
+        """Each argument's value from the settings, as JSON values: keyword -> (value, "optimizer.<key>")."""
         out = {}
         for argument, keys in self.arguments.items():
             names = (keys,) if isinstance(keys, str) else keys
@@ -97,8 +96,7 @@ class OptimizerEntry(Component):
         return {k: tuple(v) if isinstance(v, list) else v for k, (v, _) in self.values(settings).items()}
 
     def deepspeed_block(self) -> dict[str, Any]:
-        """The DeepSpeed config's "optimizer" block when DeepSpeed builds it, its values "auto" (filled from the
-        settings by ds_exp/config/ds_config.py)."""
+        """The DeepSpeed config's "optimizer" block when DeepSpeed builds it, its values "auto"."""
         params = {**dict.fromkeys(self.arguments, "auto"), **self.deepspeed_params}
         return {"type": self.deepspeed_type, "params": params}
 
@@ -262,8 +260,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
 
 
 def entry_of(settings: OptimizerConfig) -> OptimizerEntry | None:
-    """The entry whose settings these are (None: an unknown name, or settings of another optimizer, which
-    validation refuses)."""
+    """The entry whose settings these are (None: an unknown name, or another optimizer's settings)."""
     entry = OPTIMIZERS.get(str(settings.name))
     return entry if entry is not None and type(settings) is entry.settings else None
 

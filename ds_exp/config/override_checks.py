@@ -121,8 +121,7 @@ _DIAGNOSTICS = re.compile(r"^\s*(full_key:|reference_type=|object_type=)")
 
 
 def composition_problem(err: Exception) -> str:
-    """Hydra's refusal of the command line (a HydraException, with OmegaConf's behind it) as one line: the override,
-    what is wrong and the choices there are."""
+    """Hydra's refusal of the command line as one line: the override, what is wrong and the choices there are."""
     cause = err.__cause__
     missing = err.missing_cfg_file if isinstance(err, MissingConfigException) else None
     if isinstance(err, MissingConfigException) and err.options and missing and "/" in missing:

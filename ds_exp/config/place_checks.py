@@ -28,8 +28,7 @@ _DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".gz", ".txt"
 
 
 def chdir_problems(cfg: Config, chdir: bool) -> list[str]:
-    """hydra.job.chdir=true runs the job inside its run directory: every path setting given relative to the working
-    directory would be taken from there."""
+    """hydra.job.chdir=true runs the job inside its run directory: relative path settings would be taken from there."""
     if not chdir:
         return []
     given: list[tuple[str, str | None]] = [

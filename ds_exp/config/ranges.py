@@ -13,8 +13,7 @@ from ds_exp.config.schema import Config, ZeroConfig
 
 
 def _declared(kind: str) -> dict[str, Any]:
-    """key -> rule (RANGE or CHECKED_BY) of every field that declares one, across the schema and every optimizer's
-    settings class (a key only one optimizer has is checked on that optimizer's runs: `lookup` finds no other's)."""
+    """key -> rule of every field that declares one, across the schema and every optimizer's settings class."""
     found: dict[str, Any] = {}
     for key, owner, f in walk_fields(Config):
         if (declared := rule(owner, f.name, kind)) is not None:
@@ -79,8 +78,7 @@ def lookup(node: object, key: str) -> Any:
 
 
 def range_problems(node: object, prefix: str = "") -> list[tuple[str, str]]:
-    """(key, line) for every declared key below `node` (the config, or the section `prefix` names: "data.") whose
-    value lies outside its range (None: a null the key allows)."""
+    """(key, line) for every declared key below `node` (or its section `prefix`) whose value is outside its range."""
     problems: list[tuple[str, str]] = []
     for key, allowed in RANGES.items():
         if not key.startswith(prefix):

@@ -57,8 +57,7 @@ DEEPSPEED_SCHEDULERS: dict[str, dict[str, Any]] = {
 
 # Blocks are DictConfig: `OmegaConf.resolve` (`--cfg job --resolve`) cannot store a plain dict in a value node.
 def deepspeed_optimizer(owner: object, name: object) -> DictConfig | None:
-    """The optimizer entry's "optimizer" block when DeepSpeed builds it (an entry without a DeepSpeed type is
-    reported by validation)."""
+    """The optimizer entry's "optimizer" block when DeepSpeed builds it."""
     entry = OPTIMIZERS.get(str(name))
     if plain(owner) != "deepspeed" or entry is None or entry.deepspeed_type is None:
         return None
@@ -71,8 +70,7 @@ def deepspeed_scheduler(owner: object, name: object) -> DictConfig | None:
 
 
 def sequence_parallel_key(size: object) -> int | None:
-    """DeepSpeed's top-level `sequence_parallel_size`, only when sequence parallelism is on: its batch check divides
-    the world size by it."""
+    """DeepSpeed's top-level `sequence_parallel_size`, only when on: its batch check divides the world size by it."""
     return int(size) if isinstance(size, int) and size > 1 else None
 
 

@@ -71,8 +71,7 @@ _PASSED = {
 
 
 def scheduler_kwargs_problems(sched: SchedulerConfig) -> list[tuple[str, str]]:
-    """(key, line) for each scheduler.kwargs entry its schedule does not take, or takes with another type or range.
-    Only for the schedules ds_exp builds (scheduler.owner=ds_exp); DeepSpeed's own take no kwargs from here."""
+    """(key, line) for each scheduler.kwargs entry its schedule does not take, or not with this type or range."""
     if plain(sched.owner) != "ds_exp" or not sched.kwargs:
         return []
     name = str(plain(sched.name))

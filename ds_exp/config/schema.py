@@ -380,15 +380,13 @@ def path_not_set(key: str) -> str:
 
 
 def missing_source_paths(missing_keys: list[str]) -> list[str]:
-    """The source paths among a composed config's mandatory values left unset (`???`), phrased as
-    `source_problems` says them. Typed objects cannot hold an unset value, so this runs before conversion."""
+    """The unset (`???`) source paths among a composed config's missing keys, as `source_problems` says them."""
     matches = (_SOURCE_PATH.fullmatch(key) for key in missing_keys)
     return [path_not_set(m.group(1)) for m in matches if m is not None]
 
 
 def to_config(cfg: Any) -> Config:
-    """The composed config as typed objects, once, at the entry point: interpolations resolved, every group a
-    dataclass of this module, the DeepSpeed config node a plain dict. Hydra's own node is left out."""
+    """The composed config as typed objects, once, at the entry point (Hydra's own node left out)."""
     if "hydra" in cfg:
         cfg = cfg.copy()
         with open_dict(cfg):
