@@ -23,8 +23,7 @@ _FULL_DISK_TEXTS = ("No space left on device", "database or disk is full", "Disk
 
 def finite_tree(payload: object, path: str = "") -> tuple[Any, list[str]]:
     """`payload` as plain JSON values with every non-finite number replaced by None, and the dotted paths of those
-    numbers (`final_eval.perplexity`, `rows.2.loss_a`). Numbers of other libraries (numpy, 0-d tensors) become
-    Python numbers; anything else JSON cannot hold becomes its str() (paths, enums)."""
+    numbers (`final_eval.perplexity`); other libraries' numbers become Python's, anything else its str()."""
     if isinstance(payload, dict):
         out, bad = {}, []
         for key, value in payload.items():
@@ -59,8 +58,7 @@ def json_text(payload: object, *, indent: int | None = None, ensure_ascii: bool 
 
 
 def restore_non_finite(record: dict[str, Any]) -> dict[str, Any]:
-    """A record read back as written: the numbers its `non_finite` list names are NaN again (which of NaN or inf
-    they were is not kept), the list itself gone."""
+    """A record read back as written: the numbers its `non_finite` list names are NaN again, the list gone."""
     names = record.get(NON_FINITE) if isinstance(record, dict) else None
     if not isinstance(names, list):
         return record
@@ -122,8 +120,7 @@ def append_whole(file: io.FileIO, data: bytes, path: Path) -> None:
 
 
 def no_room(err: BaseException) -> str | None:
-    """Why `err` is a write that found no room (a full disk, a quota), in a few words; None for any other error.
-    Follows the chain of causes: libraries re-raise the OSError as their own."""
+    """Why `err` (or a cause in its chain) is a write that found no room, in a few words; None for any other error."""
     seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -41,8 +41,7 @@ def private_dir(path: Path, root: Path | None = None) -> Path:
 
 
 def check_own(path: Path, *, directory: bool) -> None:
-    """Refuse `path` (without following it) unless it is this user's own directory or regular file that nobody else
-    may write."""
+    """Refuse `path` (not followed) unless it is this user's own directory or regular file nobody else may write."""
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         raise UnsafePath(f"{path} is a symbolic link; ds_exp does not follow links there: remove it and run again")
@@ -64,8 +63,7 @@ def open_private(path: Path, flags: int) -> int:
 
 
 def remove_own(folder: Path, name: re.Pattern[str], older_than_s: float = 0.0) -> None:
-    """Delete the files of `folder` that ds_exp made there: regular files of this user whose names match `name`,
-    last written over `older_than_s` ago. Anything else is left alone; one another process removed first is fine."""
+    """Delete this user's regular files in `folder` whose names match `name` older than `older_than_s`; nothing else."""
     now = time.time()
     with os.scandir(folder) as entries:
         for entry in entries:

@@ -17,8 +17,7 @@ _KINDS = (
 
 
 def special_kind(path: str | os.PathLike[str]) -> str | None:
-    """What `path` is when it exists but is neither a regular file nor a directory; None otherwise (a missing
-    path is for the caller's own message)."""
+    """What `path` is when it exists but is neither a regular file nor a directory; None otherwise."""
     try:
         mode = os.stat(Path(path).expanduser()).st_mode  # stat never opens it: a FIFO does not block here
     except (OSError, ValueError):

@@ -158,8 +158,7 @@ def run_announced(
 
 @contextlib.contextmanager
 def announced(what: str, *, bound: str, speak: bool | None = None, notice_s: float | None = None) -> Iterator[None]:
-    """Notices about the wait on `what` while the block runs (from a helper thread): the block's own call is bounded
-    by its library (`bound` says how), so nothing is raised here."""
+    """Notices about the wait on `what` while the block runs; its own call is bounded by its library (`bound`)."""
     wait = Wait(what, limit_s=None, fix="", speak=speak, notice_s=notice_s, bound=bound)
     stop = threading.Event()
 
@@ -217,8 +216,8 @@ def announce_while(
 
 
 def unreachable(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why a TCP connection to (host, port) does not open within `timeout_s` (the name lookup too: it can hang, so
-    the probe runs in a helper thread); None when it opens. Remembered for PROBE_MEMORY_S."""
+    """Why a TCP connection to (host, port) does not open within `timeout_s` (probed in a helper thread: the name
+    lookup can hang); None when it opens. Remembered for PROBE_MEMORY_S."""
     now = time.monotonic()
     known = _probed.get((host, port))
     if known is not None and now - known[0] < PROBE_MEMORY_S:

@@ -75,8 +75,7 @@ def _try_lock(fh: IO[str]) -> bool:
 
 
 def last_write(cache_dir: Path, key: str) -> float | None:
-    """When a build of `key` last wrote into its directory (two levels down: the tokens' Arrow files, the progress
-    file the tokenizer touches after each batch, the saved shards); None before it wrote anything."""
+    """When a build of `key` last wrote into its directory (two levels down); None before it wrote anything."""
     times: list[float] = []
     for build in cache_dir.glob(f".{key}.tmp-*"):
         with contextlib.suppress(OSError):  # the build may finish (and be renamed) while it is looked at

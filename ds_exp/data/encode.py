@@ -44,8 +44,8 @@ def end_of_conversation(eot: str | None, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def label_ranges(offsets: Sequence[tuple[int, int]], spans: Sequence[Span], text_len: int) -> list[tuple[int, int]]:
-    """Token index ranges [lo, hi) whose tokens start inside a label span. Zero-width tokens (a bos or eos the
-    tokenizer adds) go with the token before them: a leading bos is prompt, a trailing eos is label."""
+    """Token index ranges [lo, hi) whose tokens start inside a label span; a zero-width token (bos, eos) goes with
+    the token before it."""
     n = len(offsets)
     if len(spans) == 1 and spans[0][1] >= text_len:  # one answer at the end (prompt/chosen rows): one scan
         start = spans[0][0]
@@ -195,7 +195,7 @@ def encode(
     rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str, work_dir: Path | None = None
 ) -> tuple[datasets.Dataset, dict[str, int]]:
     """A datasets.Dataset with input_ids/labels (int32 lists) and counts: truncated, dropped. With `work_dir` the
-    tokens stream to an Arrow file there, batch by batch (`rows_per_batch`), instead of staying in memory."""
+    tokens stream to an Arrow file there instead of staying in memory."""
     features = datasets.Features(
         {
             **{name: datasets.List(datasets.Value("int32")) for name in encoder.token_columns},

@@ -219,8 +219,7 @@ def _code_hash() -> str:
 def cache_material(
     data: DataConfig, seed: int, tokenizer: PreTrainedTokenizerBase, template: str, eot: str
 ) -> dict[str, Any]:
-    """Everything the tokenized result depends on (per-source templates follow from the template, the tokenizer and
-    the rows, fingerprinted with the sources)."""
+    """Everything the tokenized result depends on."""
     material: dict[str, Any] = {
         "version": CACHE_VERSION,
         "code": _code_hash(),

@@ -29,8 +29,7 @@ def split_parts(value: object) -> list[object]:
 
 
 def parse_data_split(value: object) -> tuple[float, float, float]:
-    """data.data_split in any spelling -> (phase 1, phase 2, phase 3); ValueError saying what is wrong and how to
-    write it."""
+    """data.data_split in any spelling -> (phase 1, phase 2, phase 3); ValueError saying how to write it."""
     parts = split_parts(value)
     if len(parts) != 3:
         raise ValueError(f"expected 3 proportions (phases 1, 2, 3), got {len(parts)}; write {SPELLINGS}")

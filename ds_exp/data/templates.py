@@ -100,8 +100,7 @@ def first_template(stats: dict[str, Any]) -> str:
 
 
 def render_prompt(prompt: str, template: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str, bool]:
-    """A user's prompt as the run's template asks the model (for generation): (text to complete, whether the
-    tokenizer adds its special tokens, as it does when training on that template)."""
+    """A user's prompt as the run's template asks the model: (text to complete, whether to add special tokens)."""
     if template == "chat_template":
         messages = [{"role": "user", "content": prompt}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False  # type: ignore[return-value]  # tokenize=False: a str (hinted as every kind)
@@ -113,8 +112,7 @@ def render_prompt(prompt: str, template: str, tokenizer: PreTrainedTokenizerBase
 def render_conversation(
     turns: Sequence[tuple[str, str]], template: str, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[str, bool]:
-    """A conversation so far, (role, content) turns ending with the user's, as the template asks the model for the
-    next answer (`python -m ds_exp.chat`); one user turn renders exactly as render_prompt."""
+    """A conversation so far (ending with the user's turn) as the template asks the model for the next answer."""
     if len(turns) == 1:
         return render_prompt(turns[0][1], template, tokenizer)
     if template == "chat_template":

@@ -55,8 +55,7 @@ def _what_it_is(path: Path, head: bytes) -> tuple[str, str] | None:
 
 
 def check_not_binary(path: Path, key: str, fmt: str) -> None:
-    """Refuse a file whose first bytes say it is not `fmt` text (a gzip file named .jsonl, Parquet named .csv), and
-    a FIFO or a device before it is opened."""
+    """Refuse a file whose first bytes say it is not `fmt` text (a gzip file named .jsonl), or a FIFO or device."""
     if (special := special_file_problem(key, path)) is not None:
         raise DataError(special)
     with path.open("rb") as fh:

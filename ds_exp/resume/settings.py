@@ -40,8 +40,7 @@ LAYOUT = ("world_size", "zero_stage", "offload")
 
 
 def model_section(model: ModelConfig) -> dict[str, Any]:
-    """The `model` section as plain JSON values (credentials blanked): what each checkpoint records and its export
-    rebuilds."""
+    """The `model` section as plain JSON values (credentials blanked), as each checkpoint records it."""
     found = redact(plain_tree(asdict(model)))
     return found if isinstance(found, dict) else {}
 
@@ -174,8 +173,7 @@ def universal_problem(saved: dict[str, Any], current: dict[str, Any]) -> str | N
 
 
 def not_universal(saved: dict[str, Any]) -> str | None:
-    """Why a checkpoint's optimizer state cannot go through DeepSpeed's universal format (a checkpoint without the
-    setting was written with AdamW, which it can)."""
+    """Why a checkpoint's optimizer state cannot go through DeepSpeed's universal format (unrecorded: AdamW, it can)."""
     name = saved.get("optimizer") or "adamw"
     entry = OPTIMIZERS.get(str(name))
     if entry is None or entry.universal:
@@ -200,8 +198,8 @@ def optimizer_universal_problem(saved: dict[str, Any], current: dict[str, Any]) 
 
 
 def needs_universal(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether the checkpoint must be converted to DeepSpeed's universal format to be loaded with `current`. At
-    ZeRO stage 0 on both sides rank 0 saved the whole optimizer state, which any world size loads as it is."""
+    """Whether the checkpoint must go through DeepSpeed's universal format to load with `current` (not at ZeRO 0 on
+    both sides: rank 0 saved the whole optimizer state)."""
     found = layout_changes(saved, current)
     both_stage0 = saved.get("zero_stage") == 0 and current.get("zero_stage") == 0
     return bool(found) and not (both_stage0 and all(line.startswith("world_size:") for line in found))
@@ -246,8 +244,7 @@ def check_resume(resume: str | None, tag_dir: Path, current: dict[str, Any]) -> 
 
 
 def check_resume_target(cfg: Config, run_dir: Path, world: int) -> None:
-    """The checkpoint `resume` names exists, is complete and was written with this run's settings and global batch
-    (`world`: this launch's world size; trajectory checks the rest once the data are known)."""
+    """The checkpoint `resume` names exists, is complete and was written with this run's settings and global batch."""
     tag_dir = find_resume_checkpoint(cfg.resume, run_dir, cfg.train.checkpoint_dir)
     if tag_dir is None:
         return

@@ -94,8 +94,7 @@ def read_marker(tag_dir: Path) -> dict[str, Any]:
 
 
 def resume_wanted(resume: str | None, launcher: str) -> str | None:
-    """What a run continues from: the `resume` setting as given, except that a submitit job without one continues
-    its own directory (auto): SLURM requeues a preempted job into the same directory."""
+    """What a run continues from: `resume` as given, but auto for a submitit job without one (SLURM requeues it)."""
     if resume is None and launcher == "submitit":
         return "auto"
     return resume

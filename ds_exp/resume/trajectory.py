@@ -42,8 +42,7 @@ LrAt = Callable[[dict, int], "float | None"]  # a trajectory's learning rate aft
 
 
 def changes(saved: dict, current: dict, step: int, lr_at: LrAt | None = None) -> tuple[list[str], list[str]]:
-    """(what the resume changes, what it cannot change) between a checkpoint's trajectory and the run's; with
-    `lr_at`, the change's effect on the next step's learning rate is said too."""
+    """(what the resume changes, what it cannot change); with `lr_at`, also the next step's learning rate."""
     refused = []
     if saved.get("global_batch") not in (None, current["global_batch"]):
         refused.append(
@@ -89,8 +88,7 @@ def _complete(trajectory: dict) -> bool:
 def check(
     resume: str | None, saved: dict | None, current: dict, step: int, tag_dir: Path, lr_at: LrAt | None = None
 ) -> list[str]:
-    """Raise ResumeError for what cannot change (of `tag_dir`, which `resume` names); return the lines that say what
-    the resume changes."""
+    """Raise ResumeError for what cannot change; return the lines that say what the resume changes."""
     if not saved:
         return []  # written before checkpoints recorded their trajectory
     said, refused = changes(saved, current, step, lr_at)

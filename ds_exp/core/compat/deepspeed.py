@@ -25,8 +25,7 @@ def skip_op(builder: Any) -> None:
 
 
 def op_prebuilt(builder: Any) -> bool:
-    """Whether loading this op needs no compilation: installed with DeepSpeed (DS_BUILD_OPS=1), or compiled
-    before into torch's extension directory."""
+    """Whether loading this op needs no compilation: installed with DeepSpeed, or compiled before."""
     from deepspeed.git_version_info import installed_ops
 
     if installed_ops.get(builder.name, False):
@@ -77,8 +76,7 @@ def check_universal_version() -> str | None:
 
 
 def ds_to_universal(input_folder: Path, output_folder: Path, workers: int) -> None:
-    """DeepSpeed's converter in this process; `inject_missing_state`: ds_exp's models lack Megatron's
-    universal_checkpoint_info."""
+    """DeepSpeed's converter in this process (`inject_missing_state`: no Megatron universal_checkpoint_info here)."""
     from deepspeed.checkpoint import ds_to_universal as converter
 
     converter.main(
@@ -122,8 +120,7 @@ def keep_fp32_grad_norm(engine: Any) -> None:
 
 
 def release_sequence_parallel_groups() -> None:
-    """Forget DeepSpeed's sequence-parallel groups (and the mpu it holds), so that the next job of a multirun in
-    this process can register them again (DeepSpeed asserts they were never made)."""
+    """Forget DeepSpeed's sequence-parallel groups (and its mpu), so a multirun's next job can register them again."""
     state = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
     if state is not None:
         state._release_sequence_parallel_groups()

@@ -34,8 +34,7 @@ def check_version() -> None:
 
 
 def basic_sweep_jobs(overrides: list[str]) -> list[list[str]]:
-    """Each job's overrides as Hydra's basic sweeper expands the command line's (no public API lists a sweep's jobs
-    before launching them; tests/system/test_cli.py)."""
+    """Each job's overrides as Hydra's basic sweeper expands them (no public API; tests/system/test_cli.py)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -109,8 +108,7 @@ def _run_and_raise(func: Any) -> Any:
 
 
 def hydra_job_callbacks(config: Any) -> Any:
-    """The callbacks of a composed config (hydra.callbacks) as Hydra's run mode calls them; no public API builds
-    one (tests/unit/test_api.py)."""
+    """The callbacks of a composed config as Hydra's run mode calls them (no public API; tests/unit/test_api.py)."""
     from hydra._internal.callbacks import Callbacks
 
     return Callbacks(config)

@@ -42,8 +42,7 @@ def torch_load_weights_only(allowed: list[Any]) -> Iterator[None]:
 
 
 def compile_seconds() -> float:
-    """Seconds this process spent in torch.compile (Dynamo's frames and the backward graphs it compiled). torch 2.13:
-    `torch._dynamo.utils.calculate_time_spent()["total_wall_time"]`; if it goes, compile time reads 0."""
+    """Seconds this process spent in torch.compile (reads 0 if torch's private counter goes)."""
     import torch._dynamo.utils
 
     return float(torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0))
