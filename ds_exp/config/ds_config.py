@@ -345,9 +345,6 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
     return ds
 
 
-# ------------------------------------------------------------------ overrides the user's file would win over
-
-
 class IgnoredOverride(ConfigError):
     """An explicit override the run would not obey, because deepspeed.config_file replaces what it sets."""
 

@@ -154,9 +154,6 @@ def local_model_problems(model: ModelConfig, *, dry_run: bool) -> list[str]:
     return [problem] if problem else []
 
 
-# ----------------------------------------------------------------------------------------------- positions
-
-
 def model_settings(model: ModelConfig) -> dict[str, Any] | None:
     """The model's config as a dict: its config.json, or model.arch; None when neither is readable here."""
     if model.name_or_path is None:
@@ -282,8 +279,6 @@ def max_seq_len_notes(model: ModelConfig, max_seq_len: int) -> list[str]:
         f"known to ds_exp); if it learned absolute positions, longer inputs fail: set data.max_seq_len={limit}"
     ]
 
-
-# ----------------------------------------------------------------------------------------------- model.arch
 
 # Sizes and counts of an architecture, in the spellings of transformers' model families: whole numbers > 0.
 SIZE_KEYS = frozenset(

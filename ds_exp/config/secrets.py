@@ -131,9 +131,6 @@ def _redact_log_records() -> None:
     logging.setLogRecordFactory(factory)
 
 
-# ------------------------------------------------------------------ the command line
-
-
 def secret_env_name(key: str, prefix: str = ENV_PREFIX) -> str:
     return prefix + re.sub(r"\W+", "_", key).strip("_").upper()
 
@@ -277,14 +274,7 @@ def _refusal(
     return None
 
 
-# ------------------------------------------------------------------ config files
-
 FILE_ENV_PREFIX = ENV_PREFIX + "FILE_"
-
-
-def _not_a_value(text: str) -> bool:
-    """Empty, a reference to another value (one interpolation), or `???` (a mandatory value not given yet)."""
-    return text in ("", "???") or is_reference(text)
 
 
 def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str]) -> None:
@@ -301,7 +291,7 @@ def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str])
             for index, value in enumerate(node):
                 walk(value, [*path, index], secret)
         elif (secret and holds_secret(node)) or is_env_set_value(".".join(map(str, path)), node):
-            if not (isinstance(node, str) and _not_a_value(node)):
+            if not (isinstance(node, str) and (node in ("", "???") or is_reference(node))):  # ???: unset
                 found.append((path, str(node), True))
         elif isinstance(node, str) and secret_spans(node):
             found.append((path, node, False))

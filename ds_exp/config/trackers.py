@@ -47,9 +47,6 @@ class Server(NamedTuple):
     fix: str
 
 
-# ---------------------------------------------------------------------------------------------- the settings
-
-
 class WandbMode(str, Enum):
     online = "online"
     offline = "offline"
@@ -152,9 +149,6 @@ class LoggerConfig:
     deepspeed_monitors: bool = False  # also let DeepSpeed write its csv monitor into the run directory
 
 
-# ------------------------------------------------------------------------------------------------- the table
-
-
 @dataclass(frozen=True)
 class TrackerEntry(Component):
     """A tracker: `builder` is its ds_exp.artifacts.trackers.base.Tracker, built on rank 0 when its settings
@@ -204,9 +198,6 @@ TRACKERS = table(
 def active_trackers(logger: LoggerConfig) -> list[TrackerEntry]:
     """The trackers a run with these settings builds, in the order it builds them."""
     return [entry for entry in TRACKERS.values() if entry.settings_of(logger).active()]
-
-
-# ------------------------------------------------------------------------------------------------ the checks
 
 
 def logger_problems(logger: LoggerConfig, *, dry_run: bool) -> list[str]:

@@ -52,9 +52,6 @@ class SFTData:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-# ----------------------------------------------------------------------------------------------- splits
-
-
 def _sources(data: DataConfig) -> list[tuple[DataSource | None, str, bool]]:
     """(source config or None for synthetic, config key, sft_only) in blend order."""
     listed: list[tuple[DataSource | None, str, bool]] = [
@@ -156,9 +153,6 @@ def count_train_examples(data: DataConfig) -> int:
     return total
 
 
-# ----------------------------------------------------------------------------------------------- cache key
-
-
 def save_quietly(ds: datasets.Dataset, path: Path, **options: Any) -> None:
     """save_to_disk without datasets' "Saving the dataset" bar: the tokenizing bars said what is happening."""
     with without_bars():
@@ -240,9 +234,6 @@ def cache_material(
         syn = data.synthetic
         material["synthetic"] = {"num_train": syn.num_train, "num_eval": syn.num_eval, "seed": syn.seed}
     return material
-
-
-# ----------------------------------------------------------------------------------------------- build
 
 
 def _row_error(data: DataConfig, problem: str, roles: list[str], contents: list[str]) -> DataError:

@@ -89,9 +89,6 @@ def row_markup(raw: RawSource) -> str | None:
     return "dschat" if raw.template == "raw" and raw.num_marked and 2 * raw.num_marked >= raw.num_rows else None
 
 
-# ----------------------------------------------------------------------------------------------- render
-
-
 def first_template(stats: dict[str, Any]) -> str:
     """How the run asks its model a prompt (generation, the export's metadata, chat, evaluate): its first source's
     template; raw rows that carried DeepSpeed-Chat's markers were trained as dschat text, so they get that markup."""

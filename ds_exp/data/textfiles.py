@@ -108,9 +108,6 @@ def starts_with_bom(path: Path) -> bool:
         return False  # the reader reports it
 
 
-# ----------------------------------------------------------------------------------------------- JSON
-
-
 class StrictJSON:
     """A reusable decoder (json.loads(s, **kw) builds one per call) that remembers every object holding a key twice:
     `repeated` lists (key, object) of the last document decoded."""
