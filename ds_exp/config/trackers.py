@@ -18,9 +18,7 @@ from urllib.parse import SplitResult, urlsplit
 from omegaconf import MISSING
 
 from ds_exp.config.components import Component, table
-from ds_exp.config.fields import (
-    setting,
-)
+from ds_exp.config.fields import setting
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.waits import unreachable
 
@@ -33,10 +31,6 @@ def without_passwords(text: str) -> str:
     """`scheme://user:password@host` anywhere in `text` with the password hidden (the user and host stay: they say
     which server), and every registered secret blanked."""
     return redact_text(_PASSWORD_IN_URL.sub(r"\1***@", text))
-
-
-def _file_store_allowed() -> bool:
-    return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in _TRUE
 
 
 class Server(NamedTuple):
@@ -119,7 +113,10 @@ class MlflowConfig:
                     "logger.mlflow.tracking_uri is empty: give a store (sqlite:///path/mlflow.db, http://host:5000) "
                     "or null for the project's outputs/mlflow.db"
                 )
-            elif urlsplit(uri).scheme in ("", "file") and not _file_store_allowed():
+            elif (
+                urlsplit(uri).scheme in ("", "file")
+                and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in _TRUE
+            ):
                 problems.append(
                     f"logger.mlflow.tracking_uri={uri} is MLflow's file store, which MLflow 3 refuses (maintenance "
                     "mode): use a database, e.g. logger.mlflow.tracking_uri=sqlite:////abs/path/mlflow.db, null for "
@@ -209,11 +206,6 @@ def logger_problems(logger: LoggerConfig, *, dry_run: bool) -> list[str]:
     return problems
 
 
-def tracker_servers(logger: LoggerConfig) -> list[Server]:
-    """Each tracker server the run talks to."""
-    return [server for entry in TRACKERS.values() for server in entry.settings_of(logger).servers()]
-
-
 def first_hop(url: SplitResult) -> tuple[str, int, str]:
     """(host, port, how it is reached) of the first connection to `url`: its proxy where one applies."""
     port = url.port or (443 if url.scheme == "https" else 80)
@@ -228,7 +220,7 @@ def tracker_server_problems(logger: LoggerConfig) -> list[str]:
     """One line per tracker server that does not answer a TCP connection within seconds. Every rank checks, so that
     all of them stop."""
     problems = []
-    for key_said, url, fix in tracker_servers(logger):
+    for key_said, url, fix in [server for entry in TRACKERS.values() for server in entry.settings_of(logger).servers()]:
         try:
             host, port, how = first_hop(urlsplit(url))
         except ValueError as err:  # a port that is not a number
