@@ -1,6 +1,5 @@
 """The global batch: micro x accumulation x data-parallel size samples, one per optimizer step. The data-parallel
-size is the world size divided by dist.sequence_parallel_size: a sequence-parallel group trains the same samples.
-"""
+size is the world size divided by dist.sequence_parallel_size: a sequence-parallel group trains the same samples."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@
    `optimizer` / `scheduler` blocks make DeepSpeed own those.
 3. Keys that mirror a ds_exp setting must be "auto" or agree with it; every disagreement is reported at once.
 4. "auto" is filled from ds_exp's settings and what only the run knows (`partial`: validation leaves those).
-An explicit override the file would silently win over is refused before the run (`check_overrides_obeyed`).
-"""
+An explicit override the file would silently win over is refused before the run (`check_overrides_obeyed`)."""
 
 from __future__ import annotations
 

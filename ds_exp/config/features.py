@@ -5,8 +5,7 @@ beside its field), `checks.py` (refusals before heavy work), `feature.py` (`FEAT
 it is on, its checks, the dotted name of its hooks; all three light), its heavy work and hooks (ds_exp/train/hooks.py,
 ds_exp/model/hooks.py), and its command behind ds_exp/launch/console.py's `entry_point`. The shared layers import
 only its `settings` (the schema types its section) and reach it through this interface, handing each feature its own
-settings, never the whole config (tests/unit/test_structure.py keeps the rule). Light: no torch, no deepspeed.
-"""
+settings, never the whole config (tests/unit/test_structure.py keeps the rule). Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 

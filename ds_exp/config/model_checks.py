@@ -1,6 +1,5 @@
 """Cheap checks of the model's own files, read with json (never transformers): a config.json that parses, weights
-that are complete, and data.max_seq_len within a learned position table (past it: an IndexError deep in forward).
-"""
+that are complete, and data.max_seq_len within a learned position table (past it: an IndexError deep in forward)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The optimizers, one table: each entry owns its facts (what `optimizer=<name>` builds and how, its typed settings,
 its state bytes per parameter, where it runs: ZeRO stages, offload, universal checkpoints, device, package), and
 everything else reads them. Combined checks: optimizer_checks.py; building: ds_exp/model/optimizers.py. Adding one:
-docs/architecture.md, "How to add a component". Light: no torch.
-"""
+docs/architecture.md, "How to add a component". Light: no torch."""
 
 from __future__ import annotations
 

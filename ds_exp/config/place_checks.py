@@ -1,6 +1,5 @@
 """Where a run lands, checked before anything is written: experiment_name is a plain name (`../x` put a run outside
-outputs/), and hydra.job.chdir=true does not silently move relative paths. Light: no torch, no deepspeed.
-"""
+outputs/), and hydra.job.chdir=true does not silently move relative paths. Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The run's plan, written once for every caller (the recipe, the dry run, autotune, the benchmarks), so that what
 a dry run or a probe plans is what the run trains with: world -> data-parallel size -> steps -> warmup -> DeepSpeed
 config. Every optimizer step consumes exactly one global batch; an incomplete one at an epoch's end is dropped, so
-the steps do not depend on how the global batch is split over ranks and micro batches.
-"""
+the steps do not depend on how the global batch is split over ranks and micro batches."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Registered with Hydra's ConfigStore as the base of `conf/config.yaml`, so every group YAML merges into a
 typed node: a wrong type, an unknown key or an enum value that does not exist is rejected at composition,
-before any code of ours runs. Semantic checks (combinations, ranges, paths) live in `validate.py`.
-"""
+before any code of ours runs. Semantic checks (combinations, ranges, paths) live in `validate.py`."""
 
 from __future__ import annotations
 

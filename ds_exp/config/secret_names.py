@@ -7,8 +7,7 @@ A name is cut into words (`_ - .`, camelCase, digits) and judged word by word, n
 `pad_token`, `sort_key`, `PWD`); their plurals only after a qualifier (`api_keys`, not `max_tokens`); one word
 running a qualifier and a noun together (`apitoken`, `wandbkey`, not `monkey`, `eostoken`); and a descriptor after
 the credential word makes it about the credential (`password_file`, `api_key_env`). Wrongly calling a name secret
-costs little, missing one leaks it: an unknown qualifier (`acme_token`) counts. No third-party imports.
-"""
+costs little, missing one leaks it: an unknown qualifier (`acme_token`) counts. No third-party imports."""
 
 from __future__ import annotations
 

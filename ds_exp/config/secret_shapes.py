@@ -2,8 +2,7 @@
 string's or query's field named like a credential (`AccountKey=`, `Pwd=`, `&sig=`); a webhook URL's path, or the
 path segment after one named like a credential; and tokens that say what they are (detect-secrets' typed plugins,
 plus `_OWN_TOKENS` for what those miss). Entropy and keyword plugins are not used: they flag hashes and ids. A local
-path is not a URL. Light: detect-secrets loads on the first text long enough to hold a token.
-"""
+path is not a URL. Light: detect-secrets loads on the first text long enough to hold a token."""
 
 from __future__ import annotations
 

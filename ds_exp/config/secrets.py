@@ -5,8 +5,7 @@ A secret is a value under a credential's name (secret_names.py), the part of any
 interpolation. `hide_secret_overrides` (before Hydra parses the command line) and `hide_config_file_secrets` (as
 Hydra composes) move each into a DS_EXP_SECRET_* environment variable and leave `${oc.env:...}` in its place, so
 Hydra saves the interpolation and every process of the run inherits the value; `redact` and `redact_text` blank
-registered values and shaped secrets in what is saved, sent or logged. Import-light: no torch.
-"""
+registered values and shaped secrets in what is saved, sent or logged. Import-light: no torch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """User paths that are not files to read (a FIFO waits forever, a device never ends, a socket), told by os.stat
-before anything opens them: one line naming the setting and the fix. Layer 0: the standard library only.
-"""
+before anything opens them: one line naming the setting and the fix. Layer 0: the standard library only."""
 
 from __future__ import annotations
 

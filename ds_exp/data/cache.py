@@ -1,7 +1,6 @@
 """The tokenized-data cache: `<cache_dir>/<key>/{train,eval}` (Arrow) and `meta.json`, one directory per settings
 hash, built once under an `fcntl` lock. A build goes to a temporary name renamed into place, so `<key>` is always
-complete; the other processes wait on `<key>.lock` and then find it.
-"""
+complete; the other processes wait on `<key>.lock` and then find it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """`data_config_problems`: cheap checks of the data settings before anything heavy, so a sweep fails at submission
-and not minutes later on a compute node.
-"""
+and not minutes later on a compute node."""
 
 from __future__ import annotations
 

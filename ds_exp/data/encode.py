@@ -1,8 +1,7 @@
 """Conversations -> unpadded input_ids and labels, through `datasets.map` with the fast tokenizer: one tokenization
 with offsets maps the template's label spans onto tokens, so boundaries are exact for any tokenizer. A huge row takes
 a fast tokenizer minutes and datasets' bar moves per batch: the Encoder touches a progress file per batch, and while
-none has for NOTICE_S rank 0 says what is being tokenized (ds_exp.core.waits.announce_while).
-"""
+none has for NOTICE_S rank 0 says what is being tokenized (ds_exp.core.waits.announce_while)."""
 
 from __future__ import annotations
 

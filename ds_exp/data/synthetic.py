@@ -1,6 +1,5 @@
 """The embedded SFT task, generated from a seed so the default run needs no download: copying, reversing, key-value
-lookup and sorting digits, mixed evenly, each answer a pure function of its prompt and learnable by a 2-layer model.
-"""
+lookup and sorting digits, mixed evenly, each answer a pure function of its prompt and learnable by a 2-layer model."""
 
 from __future__ import annotations
 

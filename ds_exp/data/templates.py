@@ -4,8 +4,7 @@ raw: the turn contents as given, then the end-of-conversation token (DeepSpeed-C
 dschat: " Human: {user}" and " Assistant: {assistant}" per turn, then that token; chat_template: the tokenizer's,
 rendered turn by turn to find each answer; auto: chat_template when the tokenizer has one, else dschat, raw for
 rows with the markers. Labels are every assistant content plus the end token after it; headers, system prompts and
-user turns never are. No heavy import.
-"""
+user turns never are. No heavy import."""
 
 from __future__ import annotations
 
