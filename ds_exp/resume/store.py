@@ -68,14 +68,7 @@ def tag_for(step: int) -> str:
 
 def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
     """Complete checkpoint directories, oldest first."""
-    if not checkpoint_dir.is_dir():
-        return []
-    found = []
-    for child in checkpoint_dir.iterdir():
-        match = _TAG.match(child.name)
-        if match and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
+    return [tag_dir for tag_dir in step_dirs(checkpoint_dir) if is_complete(tag_dir)]
 
 
 def is_complete(tag_dir: Path) -> bool:
@@ -151,7 +144,7 @@ def not_complete(tag_dir: Path) -> str | None:
         return None
     marker = tag_dir / COMPLETE_MARKER
     why = f"its {COMPLETE_MARKER} is empty or unreadable" if marker.exists() else f"it has no {COMPLETE_MARKER}"
-    others = [c for c in complete_checkpoints(tag_dir.parent) if c != tag_dir and is_complete(c)]
+    others = [c for c in complete_checkpoints(tag_dir.parent) if c != tag_dir]
     fallback = f"; the newest complete checkpoint beside it is {others[-1]}" if others else ""
     return f"{tag_dir} is not a complete checkpoint ({why}: its save was interrupted, or is still running){fallback}"
 
