@@ -25,8 +25,7 @@ def _declared(kind: str) -> dict[str, Any]:
     return found
 
 
-# Every numeric key's range and every free-form key's check, read from its field (tests/unit/test_hostile_inputs.py
-# fails a key with neither).
+# Every numeric key's range and every free-form key's check, read from its field
 RANGES: dict[str, Range] = _declared(RANGE)
 FREE_FORM: dict[str, str] = _declared(CHECKED_BY)
 _ZERO_SIZES = tuple(key.removeprefix("zero.") for key, check in FREE_FORM.items() if "whole number" in check)

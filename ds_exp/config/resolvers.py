@@ -16,19 +16,10 @@ from ds_exp.core.files import json_text
 
 AUTO = "auto"
 
-# transformers schedule -> the DeepSpeed scheduler that computes the same curve, for scheduler.owner=deepspeed.
-# Values left "auto" are filled at run time (see ds_config.expected_values).
+_WARMUP = {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO, "warmup_num_steps": AUTO, "warmup_type": "linear"}
+# transformers schedule -> the DeepSpeed scheduler with the same curve ("auto" values filled at run time)
 DEEPSPEED_SCHEDULERS: dict[str, dict[str, Any]] = {
-    "linear": {
-        "type": "WarmupDecayLR",
-        "params": {
-            "total_num_steps": AUTO,
-            "warmup_min_lr": AUTO,
-            "warmup_max_lr": AUTO,
-            "warmup_num_steps": AUTO,
-            "warmup_type": "linear",
-        },
-    },
+    "linear": {"type": "WarmupDecayLR", "params": {"total_num_steps": AUTO, **_WARMUP}},
     "cosine": {
         "type": "WarmupCosineLR",
         "params": {
@@ -39,19 +30,8 @@ DEEPSPEED_SCHEDULERS: dict[str, dict[str, Any]] = {
             "warmup_type": "linear",
         },
     },
-    "constant_with_warmup": {
-        "type": "WarmupLR",
-        "params": {
-            "warmup_min_lr": AUTO,
-            "warmup_max_lr": AUTO,
-            "warmup_num_steps": AUTO,
-            "warmup_type": "linear",
-        },
-    },
-    "constant": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO, "warmup_num_steps": 1, "warmup_type": "linear"},
-    },
+    "constant_with_warmup": {"type": "WarmupLR", "params": dict(_WARMUP)},
+    "constant": {"type": "WarmupLR", "params": {**_WARMUP, "warmup_num_steps": 1}},
 }
 
 

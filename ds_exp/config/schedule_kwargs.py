@@ -21,8 +21,7 @@ _PLATEAU = {  # torch.optim.lr_scheduler.ReduceLROnPlateau
 }
 _SHAPES = ("linear", "cosine", "1-sqrt")  # warmup_stable_decay's warmup_type and decay_type
 
-# Keyword arguments each schedule of transformers.get_scheduler takes through scheduler_specific_kwargs (beyond
-# optimizer, num_warmup_steps, num_training_steps and last_epoch, which ds_exp passes itself).
+# What each schedule of get_scheduler takes through scheduler_specific_kwargs (beyond what ds_exp passes itself)
 SCHEDULE_KWARGS: dict[str, dict[str, Spec]] = {
     "linear": {},
     "cosine": {"num_cycles": _CYCLES},

@@ -21,8 +21,7 @@ class Span(NamedTuple):
     what: str  # for messages: "a password in a URL", ...
 
 
-# scheme://[user]:password@host: the password may hold "@" (greedy up to the last one before the host)
-# (bounded repeats: a long run of text is scanned in linear time)
+# scheme://[user]:password@host: the password may hold "@"; bounded repeats scan long text in linear time
 _USERINFO = re.compile(
     r"\b[A-Za-z][A-Za-z0-9+.-]{0,30}://[^\s:/?#@'\"]{0,256}:(?P<secret>[^\s/?#'\"]{1,1024})@(?=[^\s@/?#'\"])"
 )

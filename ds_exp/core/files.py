@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 NON_FINITE = "non_finite"
-# How a full disk reads where a library wraps the OSError in its own error (SQLite through SQLAlchemy and MLflow,
-# safetensors, torch's zip writer)
+# A full disk as libraries that wrap the OSError say it (SQLite, safetensors, torch's zip writer)
 _FULL_DISK_TEXTS = ("No space left on device", "database or disk is full", "Disk quota exceeded", "StorageFull")
 
 
