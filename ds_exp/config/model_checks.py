@@ -293,10 +293,6 @@ _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads")
 _PARTIAL_ROTARY = ("partial_rotary_factor", "rotary_pct", "rotary_dim")
 
 
-def _is_size_key(key: str) -> bool:
-    return key in SIZE_KEYS or _SIZE_PATTERN.match(key) is not None
-
-
 def _is_whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -321,7 +317,7 @@ def arch_problems(model: ModelConfig) -> list[str]:
         if key == "vocab_size":
             if value is not None and (not _is_whole(value) or value < 0):
                 problems.append(f"{shown}: must be a whole number >= 0 (0 = the tokenizer's size)")
-        elif _is_size_key(key):
+        elif key in SIZE_KEYS or _SIZE_PATTERN.match(key):
             if value is not None and (not _is_whole(value) or value < 1):
                 problems.append(f"{shown}: must be a whole number > 0 (or null for the architecture's default)")
         elif isinstance(value, float) and not math.isfinite(value):
