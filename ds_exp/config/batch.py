@@ -1,10 +1,5 @@
-"""The global batch: the samples one optimizer step takes, and the ranks they come from.
-
-Every optimizer step consumes exactly one global batch (micro x accumulation x data-parallel size samples). The
-data-parallel size is the world size divided by dist.sequence_parallel_size: the ranks of a sequence-parallel group
-train the same samples together. The DeepSpeed config (train_batch_size), the run's plan, the trajectory of a resume
-and the parity checker all take these formulas from here.
-"""
+"""The global batch: micro x accumulation x data-parallel size samples, one per optimizer step. The data-parallel
+size is the world size divided by dist.sequence_parallel_size: a sequence-parallel group trains the same samples."""
 
 from __future__ import annotations
 
@@ -22,9 +17,7 @@ def samples_per_rank(train: TrainConfig) -> int:
 
 
 def global_batch_size(train: TrainConfig, data_parallel: int) -> int:
-    """The samples of one optimizer step. `data_parallel`: data_parallel_size(), which is the world size without
-    sequence parallelism. The one home of this formula: DeepSpeed's train_batch_size, the trajectory's
-    global_batch, the resume checks and the parity checker all come from it."""
+    """The samples of one optimizer step; `data_parallel`: data_parallel_size(). The one home of this formula."""
     return samples_per_rank(train) * data_parallel
 
 

@@ -1,9 +1,6 @@
-"""Commands ds_exp prints for a person to paste (`continue it with: ...`, the runs `resume=auto` can continue, the
-branch a resume set aside): each argument quoted twice, for Hydra's override grammar (a value holding a space, a
-comma, a quote, `$`, brackets or `=` is quoted, or Hydra reads a sweep, an interpolation or a list) and then for the
-shell. Every printed command is built here; tests/unit/test_console_lines.py parses what it prints back, through
-shlex and Hydra's own parser, to the values it was given. Light: hydra's parser only.
-"""
+"""Commands ds_exp prints for a person to paste, each argument quoted twice: for Hydra's override grammar (or a
+space, comma, `$` or `=` reads as a sweep, an interpolation or a list) and then for the shell.
+tests/unit/test_console_lines.py parses them back. Light: hydra's parser only."""
 
 from __future__ import annotations
 
@@ -40,8 +37,7 @@ def override(key: str, value: object) -> str:
 
 
 def _escaped(text: str) -> str:
-    """`text` inside Hydra's single quotes: a quote escaped, and the backslashes before a quote or the closing one
-    doubled (elsewhere Hydra keeps a backslash as it is)."""
+    """`text` inside Hydra's single quotes: a quote escaped, backslashes before a quote or the closing one doubled."""
     return re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text)
 
 
@@ -55,6 +51,5 @@ def shell_word(arg: str) -> str:
 
 
 def command(program: str, *args: str) -> str:
-    """`program` (as typed: `python -m ds_exp`, `torchrun --nproc_per_node 2 -m ds_exp`) followed by `args`, each
-    already an argument built by `override` or `shell_word`."""
+    """`program` as typed, followed by `args`, each already built by `override` or `shell_word`."""
     return " ".join([program, *args])

@@ -1,12 +1,6 @@
-"""Components: the options users extend (optimizers, trackers), each one entry of a table that owns its facts.
-
-An entry names its heavy builder by dotted path (`package.module:attribute`), so the light layers (validation, the
-planner, `--help`) read the table without importing torch, deepspeed or the component's package; the heavy layers
-load the builder when they build it. An entry's package may be an optional extra: it is looked up (never imported)
-before anything heavy runs, and a missing one is one line naming the extra to install.
-
-Closed knobs (ZeRO stage, precision, offload) stay typed, collected checks in ds_exp/config/validate.py.
-"""
+"""Components: the options users extend (optimizers, trackers), each one entry of a table that owns its facts. An
+entry names its heavy builder by dotted path, so the light layers read the table without importing it; its package
+(maybe an optional extra) is looked up, never imported, and a missing one is one line naming the extra."""
 
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ from typing import Any, TypeVar
 
 @dataclass(frozen=True)
 class Component:
-    """What every component entry knows: its option's name (conf/<group>/<name>.yaml), its builder, and what it
-    needs installed."""
+    """What every component entry knows: its option's name, its builder, and what it needs installed."""
 
     name: str
     builder: str  # "package.module:attribute", imported only when the component is built

@@ -1,16 +1,7 @@
-"""A user's own config files (`--config-dir DIR experiment=NAME`, `hydra.searchpath=[file://DIR]`) checked before
-Hydra reads them, so that a broken file is one message naming it and the fix, as a bad value on the command line is:
-
-* YAML that does not parse, and a key given twice in one mapping: the file, the line and the key;
-* a file of the `experiment` group without `# @package _global_` (Hydra would put its keys under `experiment.`,
-  and the composition fails with "Key 'experiment' not in 'Config'");
-* defaults lists that include each other in a loop (a file that includes itself): the loop, file by file,
-  instead of Python's RecursionError 2,000 lines long.
-
-The files checked are those the command line chooses (`group=option`, a sweep's options too) in the user's
-directories, and what their defaults lists include there; ds_exp's own conf/ is found first by Hydra, as here,
-and is tested. Light: yaml and Hydra's override parser only.
-"""
+"""A user's own config files (`--config-dir DIR experiment=NAME`, `hydra.searchpath`) checked before Hydra reads
+them: YAML that does not parse or repeats a key, an experiment file without `# @package _global_`, and defaults
+lists that include each other in a loop (not a RecursionError 2,000 lines long); one message naming the file and
+the fix. Light: yaml and Hydra's override parser only."""
 
 from __future__ import annotations
 
@@ -84,8 +75,7 @@ def user_config_dirs(args: Iterable[str]) -> list[Path]:
 
 
 def chosen_configs(args: Iterable[str]) -> list[str]:
-    """The config paths the command line's group choices name: `experiment=mine` -> experiment/mine.yaml (each option
-    of a sweep, `experiment=a,b`)."""
+    """The config paths the command line's group choices name (`experiment=mine` -> experiment/mine.yaml)."""
     chosen: list[str] = []
     for arg in args:
         if arg.startswith("-") or "=" not in arg or "." in arg.split("=", 1)[0]:

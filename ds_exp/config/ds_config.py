@@ -1,18 +1,11 @@
 """The DeepSpeed config: groups + optional user JSON, with "auto" filled (Hugging Face's convention).
 
-Precedence, in one place:
-1. `deepspeed.config` (built from the groups by interpolation in conf/config.yaml) is the base.
-2. `deepspeed.config_file`, when given, is merged over it key by key: the file wins for every key that is
-   DeepSpeed's alone (ZeRO stage and buckets, offload, monitors, ...), and its `optimizer` / `scheduler`
-   blocks make DeepSpeed own those.
-3. Keys that mirror a ds_exp setting (batch sizes, clipping, optimizer and scheduler values, precision) must
-   be "auto" or agree with that setting. Every disagreement is reported at once, suggesting "auto".
-4. "auto" is filled from ds_exp's settings and from what only the run knows (world size, the model's hidden
-   size, total steps). Config validation passes `partial=True`: the run-time ones stay "auto" there.
-
-An explicit override the file would silently win over is refused before the run (`check_overrides_obeyed`,
-IgnoredOverride), each named with what to do instead.
-"""
+1. `deepspeed.config` (built from the groups in conf/config.yaml) is the base.
+2. `deepspeed.config_file` is merged over it key by key: the file wins for DeepSpeed's own keys, and its
+   `optimizer` / `scheduler` blocks make DeepSpeed own those.
+3. Keys that mirror a ds_exp setting must be "auto" or agree with it; every disagreement is reported at once.
+4. "auto" is filled from ds_exp's settings and what only the run knows (`partial`: validation leaves those).
+An explicit override the file would silently win over is refused before the run (`check_overrides_obeyed`)."""
 
 from __future__ import annotations
 
@@ -73,8 +66,7 @@ LOG_POINTS = 50  # metric lines a run writes unless train.log_every says otherwi
 
 
 def log_interval(train: TrainConfig, total_steps: int) -> int:
-    """Optimizer steps between metric lines (DeepSpeed's steps_per_print): train.log_every when set, else the run's
-    steps / LOG_POINTS (every step of a run of up to 50 steps, every 5th of the default 250)."""
+    """Optimizer steps between metric lines (and DeepSpeed's steps_per_print): train.log_every, else ~LOG_POINTS."""
     return int(train.log_every) or max(1, round(total_steps / LOG_POINTS))
 
 
@@ -114,14 +106,6 @@ def set_path(tree: dict[str, Any], path: str, value: object) -> None:
     node[leaf] = value
 
 
-def delete_path(tree: dict[str, Any], path: str) -> None:
-    *parents, leaf = path.split(".")
-    node = tree
-    for part in parents:
-        node = node[part]
-    node.pop(leaf, None)
-
-
 def load_config_file(path: str) -> dict[str, Any]:
     file = Path(path).expanduser()
     key = f"deepspeed.config_file={path}"
@@ -145,8 +129,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 def replaced_by_config_file(
     file_name: str | None, opt: OptimizerConfig, sched: SchedulerConfig, total_steps: int | None
 ) -> list[str]:
-    """One line for each of ds_exp's own settings that a user's DeepSpeed file (deepspeed.config_file) replaces: an
-    "optimizer" block (DeepSpeed builds that optimizer) and a "scheduler" block (its schedule, not scheduler.name's)."""
+    """One line for each of ds_exp's settings that deepspeed.config_file's "optimizer" or "scheduler" block replaces."""
     if not file_name:
         return []
     file = load_config_file(file_name)
@@ -193,8 +176,7 @@ def _effective_warmup(sched: SchedulerConfig, total_steps: int | None) -> int | 
 def expected_values(
     train: TrainConfig, opt: OptimizerConfig, sched: SchedulerConfig, facts: RunFacts
 ) -> list[Expectation]:
-    """Keys that mirror a ds_exp setting (Hugging Face's "auto" table): "auto" is filled with them, anything else
-    must agree."""
+    """Keys that mirror a ds_exp setting (Hugging Face's "auto" table): "auto" is filled with them, else must agree."""
     out = [
         Expectation("train_micro_batch_size_per_gpu", train.micro_batch_size, "train.micro_batch_size"),
         Expectation(
@@ -242,8 +224,7 @@ def expected_values(
 
 
 def hidden_size_values(hidden_size: int) -> dict[str, int]:
-    """Fill-only keys (Hugging Face's rules from the hidden size): explicit values are the user's tuning, never a
-    mismatch."""
+    """Fill-only keys (Hugging Face's rules from the hidden size): explicit values are the user's tuning."""
     return {
         "zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
         "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
@@ -269,9 +250,8 @@ def find_auto(tree: object, prefix: str = "") -> list[str]:
 
 
 def optimizer_needs(opt: OptimizerConfig, ds: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
-    """The DeepSpeed keys the optimizer needs at the config's ZeRO stage (its entry's deepspeed_settings):
-    (path, needed value, the value set or MISSING, why). The optimizer DeepSpeed builds from a user's "optimizer"
-    block is its type's entry, not optimizer.name's."""
+    """The DeepSpeed keys the optimizer needs at the config's ZeRO stage: (path, needed value, the value set or
+    MISSING, why). A user's "optimizer" block is its type's entry, not optimizer.name's."""
     block = ds.get("optimizer")
     entry = entry_for_deepspeed_type(block.get("type")) if isinstance(block, dict) else entry_of(opt)
     if entry is None:
@@ -290,8 +270,7 @@ def _fill_optimizer_needs(opt: OptimizerConfig, ds: dict[str, Any]) -> None:
 
 
 def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) -> dict[str, Any]:
-    """Merge, check and fill. Unless `partial` (validation, before the run knows its facts), the result has
-    no "auto" left, or a ConfigError names the keys."""
+    """Merge, check and fill; unless `partial` (validation), no "auto" is left, or a ConfigError names the keys."""
     ds = merged_ds_config(cfg.deepspeed)
 
     fp16_on, bf16_on = get_path(ds, "fp16.enabled"), get_path(ds, "bf16.enabled")
@@ -335,15 +314,14 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
         # stage-3 knobs mean nothing below stage 3; drop the ones still waiting to be filled
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             if get_path(ds, f"zero_optimization.{key}") == AUTO:
-                delete_path(ds, f"zero_optimization.{key}")
+                del ds["zero_optimization"][key]
     if facts.hidden_size is not None:
         for path, value in hidden_size_values(facts.hidden_size).items():
             if get_path(ds, path) == AUTO:
                 set_path(ds, path, value)
 
     if facts.world_size is not None and get_path(ds, "zero_optimization.overlap_comm") == AUTO:
-        # overlapping the reduction with the backward pass only pays where there is communication to hide; alone,
-        # its side stream and buffers are pure cost (an H100 probe, 1 GPU, ZeRO-2: 266 ms a step with it, 206 without)
+        # overlap pays only where there is communication to hide (1 H100, ZeRO-2: 266 ms a step with it, 206 without)
         set_path(ds, "zero_optimization.overlap_comm", facts.world_size > 1)
 
     if get_path(ds, "steps_per_print") == AUTO and facts.total_steps is not None:  # a file's own value is cosmetic
@@ -366,18 +344,13 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
     return ds
 
 
-# ------------------------------------------------------------------ overrides the user's file would win over
-
-
 class IgnoredOverride(ConfigError):
-    """An override given explicitly (on the command line, or as a sweep's value) that the run would not obey,
-    because deepspeed.config_file replaces what it sets."""
+    """An explicit override the run would not obey, because deepspeed.config_file replaces what it sets."""
 
 
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
-# With its own "optimizer" block DeepSpeed builds the optimizer from the file: ds_exp's choice of it is not used,
-# and a hyperparameter the block leaves out is DeepSpeed's default. ("auto" ones and weight_decay, which each
-# parameter group carries, are obeyed.)
+# With its own "optimizer" block DeepSpeed builds the optimizer from the file; a hyperparameter the block leaves out
+# is DeepSpeed's default ("auto" ones and weight_decay, which each parameter group carries, are obeyed)
 _OPTIMIZER_BLOCK_REPLACES = ("optimizer", "optimizer.impl", "optimizer.name")
 
 
@@ -408,8 +381,7 @@ def _leaves(tree: object, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _sources(unresolved: object, path: str) -> set[str]:
-    """The ds_exp keys the groups' value at `path` of deepspeed.config comes from (conf/config.yaml interpolates
-    them: `stage: ${zero.stage}`), plus the key that sets it directly (deepspeed.config.<path>)."""
+    """The ds_exp keys the groups' value at `path` interpolates (`${zero.stage}`), and deepspeed.config.<path>."""
     keys = {f"deepspeed.config.{path}"}
     node = unresolved
     for part in path.split("."):
@@ -425,9 +397,8 @@ def _sources(unresolved: object, path: str) -> set[str]:
 
 
 def _feeds(key: str, sources: set[str]) -> bool:
-    """Whether an override of `key` sets one of `sources`. A group's option (`zero=stage1`) sets many keys, and a
-    user's file tuning one of them (a bucket size) is the file's normal use; the option is beaten only where the
-    file changes what tells the group's options apart (zero: stage; offload: the devices)."""
+    """Whether an override of `key` sets one of `sources`. A group's option (`zero=stage1`) is beaten only where the
+    file changes what tells the group's options apart (zero: stage), not by a file tuning one of its keys."""
     group_keys = _distinguishing_keys(key)
     if group_keys is not None:
         return any(source in group_keys for source in sources)
@@ -438,8 +409,7 @@ _GROUP_KEYS: dict[str, set[str] | None] = {}
 
 
 def _distinguishing_keys(group: str) -> set[str] | None:
-    """For a config group of conf/ (None for any other key): its keys that every option sets, to values that are
-    not all the same."""
+    """A conf/ group's keys that every option sets, to values not all the same (None for any other key)."""
     if group not in _GROUP_KEYS:
         folder = conf_dir() / group
         options = sorted(folder.glob("*.yaml")) if "." not in group and folder.is_dir() else []
@@ -456,12 +426,10 @@ def _distinguishing_keys(group: str) -> set[str] | None:
 
 
 def check_overrides_obeyed(composed: DictConfig, cfg: Config, overrides: list[str]) -> None:
-    """IgnoredOverride naming each explicit override that deepspeed.config_file silently wins over, so that the run
-    would not do what it says: a DeepSpeed-only key the file sets to another value (the file wins for those, by
-    design), or ds_exp's optimizer / schedule choices where the file brings its own block. Keys ds_exp mirrors (batch
-    sizes, lr, precision...) are not here: a file that disagrees on them is an error of resolve_ds_config already.
-    `composed` is the composed config before typing (the interpolations say which ds_exp key feeds which
-    DeepSpeed key); `overrides` are the run's own (the command line's, or a sweep job's)."""
+    """IgnoredOverride naming each explicit override that deepspeed.config_file silently wins over: a DeepSpeed-only
+    key the file sets to another value, or ds_exp's optimizer / schedule choices where the file brings its own block
+    (keys ds_exp mirrors are resolve_ds_config's to refuse). `composed`: the config before typing, whose
+    interpolations say which ds_exp key feeds which DeepSpeed key."""
     if not cfg.deepspeed.config_file or not overrides:
         return
     file = load_config_file(cfg.deepspeed.config_file)

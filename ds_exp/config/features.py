@@ -1,23 +1,11 @@
 """The features of ds_exp and the small interface through which the shared layers reach them.
 
-A feature is what a user turns on by name (lm-eval scores, exports and chat, sequence parallelism, long context, the
-fast path, preference tuning): one package `ds_exp/<name>/` holding
-
-* `settings.py`: its settings dataclass (each field with its range beside it: ds_exp/config/fields.py), light;
-* `checks.py`: what is refused before anything heavy runs, light (no torch, no deepspeed);
-* `feature.py`: its entry, `FEATURE`, light: its name, how it reads its settings from the config, when it is on, its
-  checks, and the dotted name of its hooks;
-* its heavy work (scoring, writing, the loss), imported only when the feature is on, and its hooks into the recipe
-  at named points (ds_exp/train/hooks.py: after setup, at each checkpoint, after each export, after the run) and
-  into the model build (ds_exp/model/hooks.py: before the weights, after them, after LoRA's wrap);
-* its command, if it has one, behind the shared error boundary (ds_exp/launch/console.py's `entry_point`).
-
-The shared layers never import a feature package, bar its `settings` module (the schema types the feature's section
-with it, so Hydra refuses a wrong key or type while it composes). They reach a feature through `features()` and this
-interface: validation runs every feature's checks, the recipe runs the hooks of the features that are on, and each is
-handed its own settings, never the whole config. A new feature is one package, its YAML and one line in
-FEATURE_PACKAGES. tests/unit/test_structure.py keeps the rule. Light: no torch, no deepspeed.
-"""
+A feature is what a user turns on by name: one package `ds_exp/<name>/` with `settings.py` (its settings, each range
+beside its field), `checks.py` (refusals before heavy work), `feature.py` (`FEATURE`: how it reads its settings, when
+it is on, its checks, the dotted name of its hooks; all three light), its heavy work and hooks (ds_exp/train/hooks.py,
+ds_exp/model/hooks.py), and its command behind ds_exp/launch/console.py's `entry_point`. The shared layers import
+only its `settings` (the schema types its section) and reach it through this interface, handing each feature its own
+settings, never the whole config (tests/unit/test_structure.py keeps the rule). Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 
@@ -43,8 +31,7 @@ FEATURE_PACKAGES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class CheckFacts:
-    """What a feature's checks may know beside its settings: the launch, the merged DeepSpeed config and what the
-    optimizer sets in it."""
+    """What a feature's checks may know beside its settings: the launch and the merged DeepSpeed config."""
 
     world_size: int
     accelerator: str
@@ -73,34 +60,30 @@ def features() -> tuple[Feature, ...]:
     return tuple(importlib.import_module(f"{package}.feature").FEATURE for package in FEATURE_PACKAGES)
 
 
-def feature_problems(cfg: Config, facts: CheckFacts) -> list[str]:
+def feature_settings(cfg: Config) -> list[tuple[Feature, Any]]:
+    """Every feature beside its own settings, read from the config once: what the functions below are handed."""
+    return [(feature, feature.settings(cfg)) for feature in features()]
+
+
+def feature_problems(found: list[tuple[Feature, Any]], facts: CheckFacts) -> list[str]:
     """Every feature's checks, each given its own settings."""
-    problems: list[str] = []
-    for feature in features():
-        if feature.problems is not None:
-            problems += feature.problems(feature.settings(cfg), facts)
-    return problems
+    return [line for f, settings in found if f.problems is not None for line in f.problems(settings, facts)]
 
 
-def feature_hooks(cfg: Config) -> list[Any]:
-    """The hooks of every feature cfg turns on, each built with its own settings, in FEATURE_PACKAGES' order."""
-    return [load(f.hooks)(s) for f in features() if f.hooks is not None and f.active(s := f.settings(cfg))]
+def feature_hooks(found: list[tuple[Feature, Any]]) -> list[Any]:
+    """The hooks of every feature that is on, each built with its own settings, in FEATURE_PACKAGES' order."""
+    return [load(f.hooks)(settings) for f, settings in found if f.hooks is not None and f.active(settings)]
 
 
-def objective_problems(cfg: Config, objective: str, key: str) -> list[str]:
+def objective_problems(found: list[tuple[Feature, Any]], objective: str, key: str) -> list[str]:
     """An objective none of the core's summary numbers (ds_exp/sweeps/optuna_study.py), as the features check it."""
-    checks = [(f.objective_problems, f.settings(cfg)) for f in features() if f.objective_problems is not None]
+    checks = [(f.objective_problems, settings) for f, settings in found if f.objective_problems is not None]
     return [problem for check, settings in checks for problem in check(settings, objective, key)]
 
 
-def plan_notes(cfg: Config) -> list[str]:
+def plan_notes(found: list[tuple[Feature, Any]]) -> list[str]:
     """What the dry run says of the features this run turns on."""
-    notes: list[str] = []
-    for feature in features():
-        settings = feature.settings(cfg)
-        if feature.plan is not None and feature.active(settings):
-            notes += feature.plan(settings)
-    return notes
+    return [note for f, settings in found if f.plan is not None and f.active(settings) for note in f.plan(settings)]
 
 
 def load(dotted: str) -> Any:

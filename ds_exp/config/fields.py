@@ -1,9 +1,6 @@
-"""A setting's rules beside its field: the range of a number (`Range`), the spec of a value in a free-form mapping
-(`Spec`), and `setting()`, which declares a dataclass field of a settings class with them. Every settings class of
-ds_exp (the schema's sections, the optimizers' and the features' settings) declares its numbers with `setting(...,
-range=...)` and its free-form keys with `setting(..., checked_by=...)`; the checks (ds_exp/config/ranges.py), `--help`
-and the hostile-input generator (tests/unit/test_hostile_inputs.py) read them from there. Light: the standard library
-and omegaconf's MISSING only."""
+"""A setting's rules beside its field: a number's range (`Range`), a free-form mapping's value (`Spec`), and
+`setting()`, which declares a settings dataclass field with them; the checks (ranges.py), `--help` and the
+hostile-input generator read them from there. Light: the standard library and omegaconf's MISSING only."""
 
 from __future__ import annotations
 
@@ -135,8 +132,8 @@ def setting(
     checked_by: str | None = None,
     factory: Callable[[], Any] | None = None,
 ) -> Any:
-    """A field of a settings dataclass with its rule beside it: a number's `range` (a list of numbers: each item's),
-    or, for a free-form value (typed Any or a dict), the check that reads it (`checked_by`)."""
+    """A settings dataclass field with its rule beside it: a number's `range` (a list's: each item's), or the check
+    of a free-form value (`checked_by`)."""
     metadata: dict[str, Any] = {}
     if range is not None:
         metadata[RANGE] = range
@@ -148,8 +145,7 @@ def setting(
 
 
 def rule(cls: type, name: str, kind: str) -> Any:
-    """The rule (RANGE or CHECKED_BY) of field `name` of `cls`, or of the nearest base class that declares one: a
-    subclass that changes a default (`lr: float = setting(3e-4)`) keeps its base's range."""
+    """The rule of field `name` of `cls` or of its nearest base declaring one (a changed default keeps the range)."""
     for klass in cls.__mro__:
         fields = getattr(klass, "__dataclass_fields__", {})
         if name in fields and kind in fields[name].metadata:
@@ -158,8 +154,7 @@ def rule(cls: type, name: str, kind: str) -> Any:
 
 
 def walk_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, type, dataclasses.Field[Any]]]:
-    """(dotted key, owning class, field) of every leaf field of a settings dataclass, nested sections included (a
-    field whose default is a dataclass is walked into)."""
+    """(dotted key, owning class, field) of every leaf field of a settings dataclass, nested sections included."""
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         nested = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

@@ -1,6 +1,5 @@
-"""LoRA's settings checked before anything is loaded: types, regular expressions, combinations, and QLoRA's needs
-(a CUDA GPU and bitsandbytes). Which layers the names match is the model's to say: ds_exp/model/lora.py, right
-after the model's config is read. Light: no torch, no deepspeed."""
+"""LoRA's settings checked before anything is loaded: types, regular expressions, combinations, QLoRA's needs.
+Which layers the names match is ds_exp/model/lora.py's to say. Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ _NEEDS_LORA: dict[str, object] = {
 
 
 def scope_of(lora: LoraConfig, model_scope: str | None = None) -> str | None:
-    """The substring every adapted layer's name contains: lora.module_name, else the model's own (`model_scope`,
-    model.lora_scope: a vision-language model's language model), else `layers.` unless lora.target_modules names
-    the layers (then the whole model)."""
+    """The substring every adapted layer's name contains: lora.module_name, else `model_scope` (model.lora_scope),
+    else `layers.` unless lora.target_modules names the layers (then the whole model)."""
     if lora.module_name is not None:
         return str(lora.module_name)
     if model_scope:

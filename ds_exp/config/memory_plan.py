@@ -1,19 +1,9 @@
-"""Byte accounting, in one place: per-rank memory of model states, what a checkpoint takes on disk (an export:
-ds_exp/exports/on_disk.py), and the peak measured.
+"""Byte accounting, in one place: per-rank memory of model states and activations, and a checkpoint's size on disk.
 
-Per-rank memory of model states (parameters, gradients, optimizer states) under ZeRO, from the ZeRO
-paper's accounting: with mixed precision, 2 bytes of parameters + 2 of gradients + 4 of fp32 master weights +
-the optimizer's own state per parameter (its entry's state_bytes in ds_exp/config/optimizers.py: Adam's two
-moments 8, Lion's or SGD's momentum 4, Muon's momentum 4 with 8 for what its auxiliary AdamW takes). In fp32
-training: 4 + 4 + the optimizer's state at stage 0, where the torch optimizer updates the model's own weights,
-and + 4 more at stages 1-3, where DeepSpeed keeps an fp32 master partition even in fp32 (measured in
-bench/memory.py for AdamW; each optimizer's state after a real step: tests/unit/test_optimizers.py).
-Stage 1 partitions the optimizer states, stage 2 also
-the gradients, stage 3 also the parameters; offload moves optimizer states (and ZeRO-3 parameters) to host
-memory. Activations are estimated apart (`estimate_activations`: sequence length, sequence parallelism and the
-long-context knobs, checked against measured peaks in bench/long_context.py); communication buckets are not
-included.
-"""
+Model states per parameter follow the ZeRO paper: with mixed precision 2 bytes of parameters + 2 of gradients + 4
+of fp32 master weights + the optimizer's own state (its entry's state_bytes in optimizers.py); in fp32, 4 + 4 + the
+state, + 4 master bytes at stages 1-3 (measured in bench/memory.py). Stage 1 partitions the optimizer states, stage
+2 also the gradients, stage 3 also the parameters; offload moves them to host memory. Buckets are not included."""
 
 from __future__ import annotations
 
@@ -28,8 +18,8 @@ from ds_exp.long_context.settings import LongContextSettings
 
 @dataclass(frozen=True)
 class OptimizerState:
-    """The optimizer's own fp32 state per trainable parameter (beside the master weights), and the parameters it
-    keeps another amount for (Muon's auxiliary AdamW: embeddings, the head, norms, biases)."""
+    """The optimizer's own fp32 state per trainable parameter, and the parameters it keeps another amount for
+    (Muon's auxiliary AdamW)."""
 
     per_param: float = 8.0  # AdamW's two moments
     aux_params: int = 0
@@ -48,8 +38,7 @@ def optimizer_state(
     accelerator: str = "cuda",
 ) -> OptimizerState:
     """The state of the optimizer `opt` builds on `accelerator` (with its offload, and LoRA), for a model with
-    `facts` (ds_exp.model.architecture's model_facts: the embedding's share where an auxiliary optimizer takes it;
-    None: the larger of the two amounts for every parameter, an upper bound)."""
+    `facts` (model_facts; None: the larger of its two amounts for every parameter, an upper bound)."""
     entry = entry_of(opt) or OPTIMIZERS["adamw"]
     offloaded = str(plain(offload.optimizer)) != "none"
     impl = entry.impl_for(opt, offload=offloaded, accelerator=accelerator)
@@ -147,24 +136,15 @@ def estimate_activations(
     accelerator: str = "cuda",
     embedding_trains: bool = False,
 ) -> int:
-    """Peak per-rank activation bytes of one micro batch's forward and backward (per decoder layer as a Llama-style
-    pre-norm block keeps them for backward), checked against measured peaks in bench/long_context.py.
+    """Peak per-rank activation bytes of one micro batch's forward and backward, for a Llama-style pre-norm block
+    (checked against measured peaks in bench/long_context.py).
 
-    Tokens per rank t = micro batch x seq_len / N (sequence parallelism). A layer keeps about 8 x hidden + 3 x
-    key/value width per token for attention (norm input and output, q, k, v before and after rotary, the attention
-    output; SDPA / FlashAttention keep no scores) and 4 x intermediate for the MLP (gate, its activation, up, their
-    product); eager attention also its probabilities (heads x length x length). Checkpointing keeps one hidden per
-    layer (in host memory with offload, on an accelerator) and one layer's full activations while it is
-    recomputed; tiled MLPs keep the MLP's input and hold one tile's intermediates at a time. The logits: whole,
-    t x vocabulary in the training dtype plus the loss's fp32 log-probabilities and their gradient; tiled, the
-    final hidden states and one chunk's. Backward adds a few hidden-sized gradients in flight; sequence
-    parallelism its all-to-all buffers (q, k, v and the output in the heads' layout).
-
-    A trained input embedding adds a phase of its own at the end of backward, when the layers' activations are gone:
-    its gradient is materialised dense (vocabulary x hidden) and added to the one kept, and with tied embeddings
-    autograd holds the output layer's contribution until the two are summed: three such tensors (measured,
-    SmolLM2-135M, tied, 256 tokens checkpointed: 324 MiB, 3 x 108); two untied (not measured on a large vocabulary).
-    It is the peak of short checkpointed runs of real vocabularies."""
+    Per token of a rank (micro batch x seq_len / N), a layer keeps about 8 x hidden + 3 x key/value width for
+    attention and 4 x intermediate for the MLP; eager attention also heads x length x length probabilities.
+    Checkpointing keeps one hidden per layer plus one layer's full activations while it is recomputed; tiled MLPs
+    hold one tile's intermediates. Whole logits cost t x vocabulary plus the loss's fp32 copies; tiled, one chunk's.
+    A trained input embedding adds a late phase of its own: its dense gradient, and with tied embeddings the output
+    layer's too (three vocabulary x hidden tensors, measured on SmolLM2-135M; two untied)."""
     w = 4 if precision == "fp32" else 2
     n = max(int(knobs.sequence_parallel), 1)
     t = micro_batch * -(-seq_len // n)
@@ -202,8 +182,7 @@ def estimate_activations(
 def run_estimate(
     cfg: Config, facts: dict[str, int], *, world_size: int, precision: str, accelerator: str
 ) -> dict[str, int]:
-    """Per-rank bytes of a composed config: model states (device, and host where offloaded: on a CPU both count,
-    it is the same memory) and one micro batch's activations. `facts`: ds_exp.model.architecture.model_facts."""
+    """Per-rank bytes of a composed config: model states (host too on a CPU) and one micro batch's activations."""
     states = estimate_model_states(
         facts["total"],
         facts["trainable"],
@@ -260,8 +239,7 @@ def run_estimate(
 
 
 def varlen_attention(attention: str, accelerator: str, precision: str) -> bool:
-    """Whether packed rows run on a varlen kernel, which reads the examples' boundaries instead of a length x length
-    mask: flash-attn's, torch's (model.attn_implementation=auto picks one on CUDA in 16 bits: ds_exp/fast_path/)."""
+    """Whether packed rows run on a varlen kernel (flash-attn's, torch's), which needs no length x length mask."""
     auto = attention == "auto" and accelerator == "cuda" and precision != "fp32"
     return attention.startswith("flash") or attention == "torch_varlen" or auto
 
@@ -269,9 +247,8 @@ def varlen_attention(attention: str, accelerator: str, precision: str) -> bool:
 def plan_micro_batch(
     cfg: Config, facts: dict[str, int], device_bytes: int, *, precision: str, world_size: int, use: float = 0.85
 ) -> tuple[int, bool]:
-    """The planner's micro batch and activation checkpointing for a GPU of `device_bytes`: the largest micro batch
-    (16, 8, 4, 2, 1) whose estimate fits `use` of the memory without checkpointing (recomputing costs about a third
-    more compute), else with it; (1, True) when nothing fits (the run then says so itself)."""
+    """The planner's micro batch and checkpointing for a GPU of `device_bytes`: the largest micro batch whose estimate
+    fits `use` of it without checkpointing (a third more compute), else with it; (1, True) when nothing fits."""
     for checkpointing in (False, True):
         for micro in (16, 8, 4, 2, 1):
             train = replace(cfg.train, micro_batch_size=micro)
@@ -292,8 +269,7 @@ def human_bytes(n: float) -> str:
 
 
 def checkpoint_bytes(trainable: int, precision: str, state: OptimizerState = OptimizerState()) -> int:
-    """About what one DeepSpeed checkpoint takes: what trains, in the training dtype, plus its fp32 master weights
-    (4 bytes) and the optimizer's state (AdamW's two moments: 8). Frozen weights (LoRA's base) are not in it: they
-    come from the model the run started from (ds_exp/checkpoint/frozen.py)."""
+    """About what one DeepSpeed checkpoint takes: what trains in the training dtype, its fp32 master weights and the
+    optimizer's state. Frozen weights (LoRA's base) are not in it: they come from the model the run started from."""
     weight = 4 if precision == "fp32" else 2
     return trainable * (weight + 4) + state.bytes(trainable)

@@ -1,7 +1,5 @@
-"""Cheap checks of the model's own files, read with json (never transformers, so validation stays light):
-a config.json that parses, weights that are there and complete, and data.max_seq_len within the positions
-the model has (learned position tables fail with an IndexError deep in the forward pass past their end).
-"""
+"""Cheap checks of the model's own files, read with json (never transformers): a config.json that parses, weights
+that are complete, and data.max_seq_len within a learned position table (past it: an IndexError deep in forward)."""
 
 from __future__ import annotations
 
@@ -72,8 +70,7 @@ def local_checkpoint(model: ModelConfig) -> Path | None:
 
 
 def read_config_json(directory: Path, shown: str, key: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
-    """(config.json as a dict, None) or (None, the problem in one line naming model.name_or_path (or `key`) and the
-    fix)."""
+    """(config.json as a dict, None) or (None, the problem in one line naming model.name_or_path or `key`)."""
     key = key or f"model.name_or_path={shown}"
     try:
         value = json.loads((directory / "config.json").read_bytes().decode("utf-8"))
@@ -113,8 +110,7 @@ def _cut_short(path: Path) -> str | None:
 
 
 def weights_problem(directory: Path, shown: str, key: str | None = None) -> str | None:
-    """One line when the checkpoint's weights are missing or incomplete (what from_pretrained would fail on), naming
-    model.name_or_path (or `key`)."""
+    """One line naming model.name_or_path (or `key`) when the weights are missing or incomplete."""
     key = key or f"model.name_or_path={shown}"
     present = [name for name in WEIGHT_FILES if (directory / name).is_file()]
     if not present:
@@ -155,9 +151,6 @@ def local_model_problems(model: ModelConfig, *, dry_run: bool) -> list[str]:
         return []
     problem = weights_problem(directory, str(model.name_or_path))
     return [problem] if problem else []
-
-
-# ----------------------------------------------------------------------------------------------- positions
 
 
 def model_settings(model: ModelConfig) -> dict[str, Any] | None:
@@ -212,8 +205,7 @@ def max_seq_len_problems(model: ModelConfig, max_seq_len: int) -> list[str]:
 
 
 def max_new_tokens_problems(model: ModelConfig, eval_cfg: EvalConfig) -> list[str]:
-    """eval.max_new_tokens alone at or past a learned position table leaves no room for any prompt (each prompt
-    is measured once the tokenizer is loaded: ds_exp.train.generate.check_generation_room)."""
+    """eval.max_new_tokens alone at or past a learned position table leaves no room for any prompt."""
     settings = model_settings(model)
     if not (eval_cfg.prompts or eval_cfg.prompts_file) or not settings:
         return []
@@ -250,8 +242,7 @@ def rope_scaling_override(scaling: dict[str, Any]) -> str:
 
 
 def scaled_positions(scaling: dict[str, Any] | None, limit: int) -> int | None:
-    """How many positions model.rope_scaling stretches the trained context to (factor x the original context),
-    None when it does not say (no factor: longrope, dynamic without one)."""
+    """The positions model.rope_scaling stretches the context to (factor x original), None when it has no factor."""
     if not scaling or not isinstance(scaling.get("factor"), (int, float)):
         return None
     original = scaling.get("original_max_position_embeddings")
@@ -260,8 +251,7 @@ def scaled_positions(scaling: dict[str, Any] | None, limit: int) -> int | None:
 
 
 def max_seq_len_notes(model: ModelConfig, max_seq_len: int) -> list[str]:
-    """Warnings (not errors) for rotary or unknown position encodings run past the trained context (or past what
-    model.rope_scaling stretches it to)."""
+    """Warnings for rotary or unknown position encodings run past the trained (or rope_scaling's) context."""
     beyond = _beyond(model, max_seq_len)
     if beyond is None or beyond[3] == "learned":
         return []
@@ -289,8 +279,6 @@ def max_seq_len_notes(model: ModelConfig, max_seq_len: int) -> list[str]:
     ]
 
 
-# ----------------------------------------------------------------------------------------------- model.arch
-
 # Sizes and counts of an architecture, in the spellings of transformers' model families: whole numbers > 0.
 SIZE_KEYS = frozenset(
     (
@@ -305,10 +293,6 @@ _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads")
 _PARTIAL_ROTARY = ("partial_rotary_factor", "rotary_pct", "rotary_dim")
 
 
-def _is_size_key(key: str) -> bool:
-    return key in SIZE_KEYS or _SIZE_PATTERN.match(key) is not None
-
-
 def _is_whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -319,10 +303,9 @@ def _divisors(n: int) -> str:
 
 
 def arch_problems(model: ModelConfig) -> list[str]:
-    """model.arch (a model built from a config) holds an architecture transformers can build and run: every size
-    a whole number > 0, the hidden size split evenly over the heads, key/value heads that divide the heads, an even
-    rotary head dimension, finite epsilons and dropouts in [0, 1]. Told here, not as a ZeroDivisionError or a
-    shape mismatch in the first forward pass (transformers validates only some of these, per model family)."""
+    """model.arch holds an architecture transformers can build and run (whole sizes > 0, heads that divide the
+    hidden size, key/value heads that divide the heads, an even rotary dimension, finite epsilons, dropouts in
+    [0, 1]): told here, not as a shape mismatch in the first forward pass."""
     arch = model.arch
     if model.name_or_path is not None or arch is None:
         return []
@@ -334,7 +317,7 @@ def arch_problems(model: ModelConfig) -> list[str]:
         if key == "vocab_size":
             if value is not None and (not _is_whole(value) or value < 0):
                 problems.append(f"{shown}: must be a whole number >= 0 (0 = the tokenizer's size)")
-        elif _is_size_key(key):
+        elif key in SIZE_KEYS or _SIZE_PATTERN.match(key):
             if value is not None and (not _is_whole(value) or value < 1):
                 problems.append(f"{shown}: must be a whole number > 0 (or null for the architecture's default)")
         elif isinstance(value, float) and not math.isfinite(value):

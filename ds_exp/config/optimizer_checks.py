@@ -1,7 +1,5 @@
-"""The optimizer's settings checked against the rest of the config before anything is built: its own values (its
-entry's check), who builds it, the package and device it needs, and where it runs (the ZeRO stage, optimizer
-offload, the implementation asked for, what DeepSpeed needs set for it). Every fact comes from its entry in
-ds_exp/config/optimizers.py. Light: no torch, no deepspeed, nothing of the optimizer's package imported."""
+"""The optimizer's settings checked against the rest of the config before anything is built (its values, who builds
+it, package, device, ZeRO stage, offload), every fact from its entry in optimizers.py. Light: no torch."""
 
 from __future__ import annotations
 
@@ -58,9 +56,8 @@ def _owner_problem(entry: OptimizerEntry, owner: Owner) -> str:
 
 
 def _learning_rate_problems(opt: OptimizerConfig) -> list[str]:
-    """An Adam-style first update divides the learning rate by (1 - beta1) (bias correction): beyond float32's range
-    the optimizer cannot even compute it (a RuntimeError in the first step), nor a weight decay factor lr x decay.
-    Smaller but absurd rates diverge, which the run reports itself."""
+    """An Adam-style first update divides the learning rate by (1 - beta1): beyond float32's range the first step
+    fails, as does a weight decay factor lr x decay. Smaller but absurd rates diverge, which the run reports."""
     betas = list(getattr(opt, "betas", [0.0, 0.0]))
     if len(betas) != 2:  # said by its settings
         return []
@@ -88,9 +85,9 @@ def placement_problems(
     compile: object,
     where: Where = _plain_where,
 ) -> list[str]:
-    """Where the optimizer runs, against the merged DeepSpeed config `ds` (a user's file included; `where` names a
-    value from it): its ZeRO stages, offload, device, implementation, gradient clipping, and the DeepSpeed keys it
-    needs, with dist.sequence_parallel_size and train.compile. Nothing for an optimizer the settings checks refuse."""
+    """Where the optimizer runs, against the merged DeepSpeed config `ds` (`where` names a value from a user's
+    file): ZeRO stages, offload, device, implementation, clipping, the DeepSpeed keys it needs, sequence parallelism
+    and train.compile. Nothing for an optimizer the settings checks refuse."""
     entry = entry_of(opt)
     if entry is None:  # refused by settings_problems
         return []

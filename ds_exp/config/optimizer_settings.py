@@ -1,9 +1,6 @@
-"""The optimizers' typed settings: what conf/optimizer/<name>.yaml carries, one dataclass per kind of optimizer, each
-number's range beside its field (ds_exp/config/fields.py) and `problems` for what a range cannot say (one line each,
-naming the key and the fix). Every optimizer's settings extend
-OptimizerConfig, the type of the config's `optimizer` node; the option's YAML names its class in its defaults list
-(ds_exp/config/optimizers.py registers them), so Hydra refuses a wrong type or another optimizer's key while it
-composes. Which optimizer takes which settings is the table's: ds_exp/config/optimizers.py. Light: no torch."""
+"""The optimizers' typed settings, one dataclass per kind, each number's range beside its field and `problems` for
+what a range cannot say. The option's YAML names its class in its defaults list, so Hydra refuses a wrong type or
+another optimizer's key while it composes. Light: no torch."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ MOMENTUM = Range(0, 1, high_open=True, fix=" (e.g. 0.9)")
 
 @dataclass
 class OptimizerConfig:
-    """What every optimizer's settings have; each kind's class adds its own (its numbers' ranges beside them, read by
-    ds_exp/config/ranges.py; a subclass that changes a default keeps the range)."""
+    """What every optimizer's settings have; each kind's class adds its own."""
 
     owner: Owner = Owner.ds_exp
     name: str = MISSING  # the option picked in conf/optimizer (its settings class must match)
@@ -85,9 +81,7 @@ class AdafactorConfig(OptimizerConfig):
     beta2_decay: float = setting(-0.8, range=Range(None, 0, fix=" (torch's Adafactor default: -0.8)"))
     eps: float | None = setting(None, range=above(0))  # added to the second moment; null = the dtype's smallest step
     eps_scale: float = setting(1e-3, range=at_least(0))  # the smallest parameter RMS a step is scaled by
-    d: float = setting(
-        1.0, range=at_least(1, " (the clipping threshold of the update's RMS; torch's default 1.0)")
-    )  # clipping threshold of the update's RMS
+    d: float = setting(1.0, range=at_least(1, " (the clipping threshold of the update's RMS; torch's default 1.0)"))
 
 
 @dataclass
@@ -108,8 +102,6 @@ class MuonConfig(OptimizerConfig):
     lr: float = setting(0.02)  # Muon's, for the hidden matrices
     momentum: float = setting(0.95, range=MOMENTUM)
     ns_method: NewtonSchulz = NewtonSchulz.gram
-    adam_lr: float = setting(
-        1e-3, range=above(0, " (the auxiliary AdamW's learning rate)")
-    )  # the auxiliary AdamW's, for embeddings, the head, norms and biases
+    adam_lr: float = setting(1e-3, range=above(0, " (the auxiliary AdamW's learning rate)"))  # embeddings, head, norms
     betas: list[float] = setting(factory=lambda: [0.9, 0.95], range=BETAS)
     eps: float = setting(1e-8, range=above(0))

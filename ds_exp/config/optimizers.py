@@ -1,15 +1,7 @@
-"""The optimizers, one table: each entry owns its facts, and everything else reads them (ds_exp/config/components.py).
-
-An entry says what `optimizer=<name>` builds and how (its library class by dotted path, or DeepSpeed's optimizer
-type when DeepSpeed builds it), its typed settings (ds_exp/config/optimizer_settings.py, each number's range beside
-it; conf/optimizer/<name>.yaml merges into them), the bytes of state it keeps per parameter (the memory
-planner, autotune and the dry run), and where it runs: the ZeRO stages, optimizer offload, DeepSpeed's universal
-checkpoints, the device and the package it needs. The checks that combine an entry
-with the rest of the config are ds_exp/config/optimizer_checks.py's; the building is ds_exp/model/optimizers.py's.
-
-Adding an optimizer: a settings dataclass in optimizer_settings.py when it has settings the others lack, one entry
-in OPTIMIZERS, and conf/optimizer/<name>.yaml (docs/architecture.md, "How to add a component"). Light: no torch.
-"""
+"""The optimizers, one table: each entry owns its facts (what `optimizer=<name>` builds and how, its typed settings,
+its state bytes per parameter, where it runs: ZeRO stages, offload, universal checkpoints, device, package), and
+everything else reads them. Combined checks: optimizer_checks.py; building: ds_exp/model/optimizers.py. Adding one:
+docs/architecture.md, "How to add a component". Light: no torch."""
 
 from __future__ import annotations
 
@@ -90,8 +82,7 @@ class OptimizerEntry(Component):
         return self.impls[impl] if impl else Impl(self.builder)
 
     def values(self, settings: OptimizerConfig) -> dict[str, tuple[Any, str]]:
-        """Each argument's value from the settings, as JSON values (enums by value, tuples as lists), and the
-        settings it comes from (for messages): keyword -> (value, "optimizer.<key>")."""
+        """Each argument's value from the settings, as JSON values: keyword -> (value, "optimizer.<key>")."""
         out = {}
         for argument, keys in self.arguments.items():
             names = (keys,) if isinstance(keys, str) else keys
@@ -104,8 +95,7 @@ class OptimizerEntry(Component):
         return {k: tuple(v) if isinstance(v, list) else v for k, (v, _) in self.values(settings).items()}
 
     def deepspeed_block(self) -> dict[str, Any]:
-        """The DeepSpeed config's "optimizer" block when DeepSpeed builds it, its values "auto" (filled from the
-        settings by ds_exp/config/ds_config.py)."""
+        """The DeepSpeed config's "optimizer" block when DeepSpeed builds it, its values "auto"."""
         params = {**dict.fromkeys(self.arguments, "auto"), **self.deepspeed_params}
         return {"type": self.deepspeed_type, "params": params}
 
@@ -269,8 +259,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
 
 
 def entry_of(settings: OptimizerConfig) -> OptimizerEntry | None:
-    """The entry whose settings these are (None: an unknown name, or settings of another optimizer, which
-    validation refuses)."""
+    """The entry whose settings these are (None: an unknown name, or another optimizer's settings)."""
     entry = OPTIMIZERS.get(str(settings.name))
     return entry if entry is not None and type(settings) is entry.settings else None
 

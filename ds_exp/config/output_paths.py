@@ -1,24 +1,21 @@
-"""Where a run writes its checkpoints and its export (train.checkpoint_dir, train.export_dir), checked with the rest
-of the config: inside the run directory unless allowed, never the run directory itself, never one inside the other."""
+"""train.checkpoint_dir and train.export_dir, checked with the rest of the config."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from ds_exp.config.schema import Config
+from ds_exp.config.schema import TrainConfig
 
 NAME_MAX = 255  # bytes per file name on Linux file systems (ext4, xfs, tmpfs, NFS)
 
 
-def output_path_problems(cfg: Config, run_dir: Path | None = None) -> list[str]:
-    """Checkpoints and the export stay inside the run directory: rotation deletes in checkpoint_dir, and a run must
-    not write over another run's files. Neither is the run directory itself, and neither holds the other: the export
-    replaces its whole directory, and checkpoints inside it (or it inside them) fail after training, on every
-    resume."""
+def output_path_problems(train: TrainConfig, run_dir: Path | None = None) -> list[str]:
+    """Checkpoints and the export stay inside the run directory (rotation deletes in checkpoint_dir), are not the run
+    directory itself, and neither holds the other (the export replaces its whole directory)."""
     problems = []
     for key in ("checkpoint_dir", "export_dir"):
-        value = str(getattr(cfg.train, key))
+        value = str(getattr(train, key))
         path = Path(value).expanduser()
         long = next((part for part in path.parts if len(os.fsencode(part)) > NAME_MAX), None)
         if long is not None:
@@ -26,18 +23,17 @@ def output_path_problems(cfg: Config, run_dir: Path | None = None) -> list[str]:
                 f"train.{key}: the name {long[:40]}... has {len(os.fsencode(long))} bytes, more than file systems "
                 f"allow ({NAME_MAX}); give a shorter name"
             )
-        elif not cfg.train.allow_outside_run_dir and (not value or path.is_absolute() or ".." in path.parts):
+        elif not train.allow_outside_run_dir and (not value or path.is_absolute() or ".." in path.parts):
             problems.append(
                 f"train.{key}={value}: must be a directory inside the run directory (relative, no '..'), so that "
                 f"no run writes into or deletes from another's; set train.allow_outside_run_dir=true to allow it"
             )
     if problems:
         return problems
-    return _overlapping_outputs(cfg, run_dir)
+    return _overlapping_outputs(train, run_dir)
 
 
-def _overlapping_outputs(cfg: Config, run_dir: Path | None) -> list[str]:
-    train = cfg.train
+def _overlapping_outputs(train: TrainConfig, run_dir: Path | None) -> list[str]:
     base = run_dir.absolute() if run_dir is not None else Path("/<run dir>")  # relative paths compare alike
     paths = {
         key: Path(os.path.normpath(base / Path(str(getattr(train, key))).expanduser()))

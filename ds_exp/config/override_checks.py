@@ -1,20 +1,7 @@
-"""Command-line overrides Hydra would misread.
-
-* An item past the end of a list (`data.sources.0.path=X` where the data option has no sources, as data=synthetic
-  and experiment=dschat_step1 have): one message with the fix, before Hydra applies them and OmegaConf answers
-  "dict is not a subclass of DataSource". Installed on every composition (ds_exp.core.compat.before_overrides) by
-  `check_list_items_when_composing`.
-* A key ds_exp no longer has (`train.export_adapter`): what replaced it (RETIRED), where Hydra would say only that
-  the key is not in the schema.
-* A setting of another optimizer (`optimizer=sgd optimizer.betas=[0.9,0.99]`): one message naming the optimizers
-  that have it, instead of OmegaConf's "Key 'betas' not in 'OptimizerConfig'" and Hydra's advice to add it with `+`.
-* Hydra's own refusals (an unknown option, key or value while composing, an override it cannot parse): one line in
-  ds_exp's words (`composition_problem`), what the command line prints after "ds_exp: error:" and the Python API's
-  ConfigError holds, instead of Hydra's lines with its search path and OmegaConf's diagnostics.
-* A value that is itself a comma-separated list (`data.data_split=10,0,0`, DeepSpeed-Chat's spelling): Hydra reads
-  it as a sweep over 10, 0 and 0 ("Ambiguous value" without -m; three nonsense jobs with it). The command line is
-  quoted for Hydra before it parses it (`quote_one_value_lists`), so the value is the one the user wrote.
-"""
+"""Command-line overrides Hydra would misread, each said in one line with its fix: an item past the end of a list
+(`data.sources.0.path=X` where the option has none), a retired key (RETIRED), another optimizer's setting, Hydra's
+own refusals in ds_exp's words (`composition_problem`), and a value that is itself a comma-separated list
+(`data.data_split=10,0,0`), quoted before Hydra reads it as a sweep (`quote_one_value_lists`)."""
 
 from __future__ import annotations
 
@@ -133,8 +120,7 @@ _DIAGNOSTICS = re.compile(r"^\s*(full_key:|reference_type=|object_type=)")
 
 
 def composition_problem(err: Exception) -> str:
-    """Hydra's refusal of the command line (a HydraException, with OmegaConf's behind it) as one line: the override,
-    what is wrong and the choices there are."""
+    """Hydra's refusal of the command line as one line: the override, what is wrong and the choices there are."""
     cause = err.__cause__
     missing = err.missing_cfg_file if isinstance(err, MissingConfigException) else None
     if isinstance(err, MissingConfigException) and err.options and missing and "/" in missing:

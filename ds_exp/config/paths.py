@@ -25,15 +25,13 @@ def embedded_tokenizer_dir() -> Path:
 
 
 def user_cache_dir() -> Path:
-    """ds_exp's cache of this user, the same from any working directory: $XDG_CACHE_HOME/ds_exp, else
-    ~/.cache/ds_exp (a relative XDG_CACHE_HOME is ignored, as the XDG base directory rules say)."""
+    """ds_exp's cache of this user: $XDG_CACHE_HOME/ds_exp (if absolute), else ~/.cache/ds_exp."""
     xdg = Path(os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "~/.cache"))
     return (xdg if xdg.is_absolute() else Path.home() / ".cache") / "ds_exp"
 
 
 def data_cache_dir(cache_dir: str | None) -> Path:
-    """Where data.cache_dir puts the tokenized data: null = one cache per user (user_cache_dir()/data); a path
-    set by hand with ~ and $VARS expanded (a relative one is taken from the launch directory)."""
+    """Where data.cache_dir puts the tokenized data: null = user_cache_dir()/data; else the path, expanded."""
     if cache_dir is None:
         return user_cache_dir() / "data"
     return Path(os.path.expandvars(os.path.expanduser(cache_dir)))

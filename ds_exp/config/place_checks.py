@@ -1,8 +1,5 @@
-"""Where a run lands, checked before anything is written: experiment_name is a plain name (it names the run's
-directory outputs/<name>/, the sweep directory, the optuna study and the wandb group, so `../x` put a run
-outside outputs/), and hydra.job.chdir=true does not silently move the paths given relative to where the run was
-launched (it runs the job inside its run directory). Light: no torch, no deepspeed.
-"""
+"""Where a run lands, checked before anything is written: experiment_name is a plain name (`../x` put a run outside
+outputs/), and hydra.job.chdir=true does not silently move relative paths. Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ from ds_exp.config.schema import Config
 
 
 def experiment_name_problem(name: object) -> str | None:
-    """experiment_name names directories (outputs/<name>/, the sweep's, the optuna study's) and the wandb group:
-    one plain name, never a path (`../x` put a run outside outputs/)."""
+    """experiment_name names directories and the wandb group: one plain name, never a path."""
     text = str(name)
     if text and text not in (".", "..") and not re.search(r"[/\\\x00-\x1f]", text):
         return None
@@ -31,9 +27,7 @@ _DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".gz", ".txt"
 
 
 def chdir_problems(cfg: Config, chdir: bool) -> list[str]:
-    """hydra.job.chdir=true runs the job inside its run directory: every path setting given relative to the working
-    directory would be taken from there (the run's outputs, train.checkpoint_dir and train.export_dir, are relative
-    to the run directory whatever it is)."""
+    """hydra.job.chdir=true runs the job inside its run directory: relative path settings would be taken from there."""
     if not chdir:
         return []
     given: list[tuple[str, str | None]] = [

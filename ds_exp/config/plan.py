@@ -1,12 +1,7 @@
-"""The run's plan, written once for every caller: world -> data-parallel size -> steps -> warmup -> RunFacts ->
-DeepSpeed config (`plan_run`). The recipe (ds_exp/train/recipe.py setup), the dry run (ds_exp/tools/dry_run.py),
-autotune (ds_exp/tools/autotune.py) and the benchmarks (bench/memory_probe.py) all take it from here, so that what a
-dry run or a probe plans is what the run trains with; and the step arithmetic it is made of.
-
-Every optimizer step consumes exactly one global batch (ds_exp/config/batch.py: micro x accumulation x data-parallel
-size samples); an incomplete global batch at the end of an epoch is dropped, so the step count and the samples of
-each step do not depend on how the global batch is split over ranks and micro batches.
-"""
+"""The run's plan, written once for every caller (the recipe, the dry run, autotune, the benchmarks), so that what
+a dry run or a probe plans is what the run trains with: world -> data-parallel size -> steps -> warmup -> DeepSpeed
+config. Every optimizer step consumes exactly one global batch; an incomplete one at an epoch's end is dropped, so
+the steps do not depend on how the global batch is split over ranks and micro batches."""
 
 from __future__ import annotations
 
@@ -49,10 +44,9 @@ def plan_run(
     precision: str,
     run_dir: str | Path,
 ) -> RunPlan:
-    """The chain every caller shares. `train_examples`: the training set's rows after splits (the recipe's tokenized
-    set, or ds_exp.data.pipeline.count_train_examples before tokenizing); `hidden_size`: the model's (fills the
-    DeepSpeed buckets); `precision`: fp32 | fp16 | bf16, "auto" decided. ConfigError where the run cannot be planned:
-    fewer examples than one global batch, a warmup or decay longer than the run, a DeepSpeed file that disagrees."""
+    """The chain every caller shares. `train_examples`: the training rows after splits; `hidden_size` fills the
+    DeepSpeed buckets; `precision` is decided. ConfigError where the run cannot be planned (fewer examples than one
+    global batch, a warmup longer than the run, a DeepSpeed file that disagrees)."""
     sp = max(int(cfg.dist.sequence_parallel_size), 1)
     dp = data_parallel_size(world_size, sp)
     steps = total_steps(train_examples, cfg.train, dp)
@@ -147,11 +141,9 @@ def decay_problem(scheduler: SchedulerConfig, total: int, warmup: int) -> str | 
 
 
 def eval_interval(train: TrainConfig, per_epoch: int, total: int) -> int:
-    """Optimizer steps between evaluations during training, 0 = at the end of each epoch (the run's last step is
-    always evaluated). train.eval_every when set. With eval_every=0, each epoch's end while that keeps the run
-    within train.max_evals evaluations (the one before training aside, the last one's included); a run of more,
-    shorter epochs (a small data set, or train.max_steps past an epoch) evaluates every ceil(total / max_evals)
-    steps instead, so that a 15-step run on a tiny data set does not spend its time evaluating."""
+    """Optimizer steps between evaluations during training, 0 = at each epoch's end (the last step is always
+    evaluated). train.eval_every when set; else each epoch's end while that keeps the run within train.max_evals,
+    else every ceil(total / max_evals) steps (a 15-step run on a tiny data set does not spend its time evaluating)."""
     if train.eval_every:
         return int(train.eval_every)
     epoch_ends = (total - 1) // max(per_epoch, 1)  # ends of epochs before the last step

@@ -1,7 +1,5 @@
 """The numbers of the config: every number finite and within 64 bits, and every numeric key within the range its
-field declares (ds_exp/config/fields.py: `setting(..., range=...)` beside the field, the one place a range is
-written). tests/unit/test_hostile_inputs.py walks the schema: a numeric key without a range, or a free-form (Any) key
-without a named check, fails it, so a key added later is covered from the day it is added. Light: no torch."""
+field declares (fields.py, the one place a range is written). Light: no torch."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ from ds_exp.config.schema import Config, ZeroConfig
 
 
 def _declared(kind: str) -> dict[str, Any]:
-    """key -> rule (RANGE or CHECKED_BY) of every field that declares one, across the schema and every optimizer's
-    settings class (a key only one optimizer has is checked on that optimizer's runs: `lookup` finds no other's)."""
+    """key -> rule of every field that declares one, across the schema and every optimizer's settings class."""
     found: dict[str, Any] = {}
     for key, owner, f in walk_fields(Config):
         if (declared := rule(owner, f.name, kind)) is not None:
@@ -28,9 +25,7 @@ def _declared(kind: str) -> dict[str, Any]:
     return found
 
 
-# Every int and float key's range, read from its field (ds_exp/config/fields.py `setting(..., range=...)`; list items:
-# each item), and every free-form key (Any, a dict of anything) with the check that reads it before anything heavy
-# runs. tests/unit/test_hostile_inputs.py walks the schema: a key with neither fails it.
+# Every numeric key's range and every free-form key's check, read from its field
 RANGES: dict[str, Range] = _declared(RANGE)
 FREE_FORM: dict[str, str] = _declared(CHECKED_BY)
 _ZERO_SIZES = tuple(key.removeprefix("zero.") for key, check in FREE_FORM.items() if "whole number" in check)
@@ -38,9 +33,8 @@ _SKIPPED = ("model.arch", "deepspeed")  # model.arch: checked with the architect
 
 
 def number_problems(node: object, prefix: str = "") -> list[tuple[str, str]]:
-    """(key, line) for every number of a settings tree (the config, or one of its sections named by `prefix`) that is
-    not finite, or an integer beyond 64 bits: nan and inf parse as floats and nothing in a run means either, and
-    torch, numpy and DeepSpeed overflow past 64 bits."""
+    """(key, line) for every number of a settings tree (or its section `prefix`) that is not finite, or an integer
+    beyond 64 bits (nothing in a run means nan or inf; torch, numpy and DeepSpeed overflow past 64 bits)."""
     problems: list[tuple[str, str]] = []
 
     def walk(value: object, key: str) -> None:
@@ -83,8 +77,7 @@ def lookup(node: object, key: str) -> Any:
 
 
 def range_problems(node: object, prefix: str = "") -> list[tuple[str, str]]:
-    """(key, line) for every declared key below `node` (the config, or the section `prefix` names: "data.") whose
-    value lies outside its range (None: a null the key allows)."""
+    """(key, line) for every declared key below `node` (or its section `prefix`) whose value is outside its range."""
     problems: list[tuple[str, str]] = []
     for key, allowed in RANGES.items():
         if not key.startswith(prefix):

@@ -16,19 +16,10 @@ from ds_exp.core.files import json_text
 
 AUTO = "auto"
 
-# transformers schedule -> the DeepSpeed scheduler that computes the same curve, for scheduler.owner=deepspeed.
-# Values left "auto" are filled at run time (see ds_config.expected_values).
+_WARMUP = {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO, "warmup_num_steps": AUTO, "warmup_type": "linear"}
+# transformers schedule -> the DeepSpeed scheduler with the same curve ("auto" values filled at run time)
 DEEPSPEED_SCHEDULERS: dict[str, dict[str, Any]] = {
-    "linear": {
-        "type": "WarmupDecayLR",
-        "params": {
-            "total_num_steps": AUTO,
-            "warmup_min_lr": AUTO,
-            "warmup_max_lr": AUTO,
-            "warmup_num_steps": AUTO,
-            "warmup_type": "linear",
-        },
-    },
+    "linear": {"type": "WarmupDecayLR", "params": {"total_num_steps": AUTO, **_WARMUP}},
     "cosine": {
         "type": "WarmupCosineLR",
         "params": {
@@ -39,27 +30,14 @@ DEEPSPEED_SCHEDULERS: dict[str, dict[str, Any]] = {
             "warmup_type": "linear",
         },
     },
-    "constant_with_warmup": {
-        "type": "WarmupLR",
-        "params": {
-            "warmup_min_lr": AUTO,
-            "warmup_max_lr": AUTO,
-            "warmup_num_steps": AUTO,
-            "warmup_type": "linear",
-        },
-    },
-    "constant": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": AUTO, "warmup_max_lr": AUTO, "warmup_num_steps": 1, "warmup_type": "linear"},
-    },
+    "constant_with_warmup": {"type": "WarmupLR", "params": dict(_WARMUP)},
+    "constant": {"type": "WarmupLR", "params": {**_WARMUP, "warmup_num_steps": 1}},
 }
 
 
-# Blocks are returned as DictConfig: `OmegaConf.resolve` (used by `--cfg job --resolve`) cannot store a
-# plain dict in a value node.
+# Blocks are DictConfig: `OmegaConf.resolve` (`--cfg job --resolve`) cannot store a plain dict in a value node.
 def deepspeed_optimizer(owner: object, name: object) -> DictConfig | None:
-    """The optimizer entry's "optimizer" block when DeepSpeed builds it (an entry without a DeepSpeed type is
-    reported by validation)."""
+    """The optimizer entry's "optimizer" block when DeepSpeed builds it."""
     entry = OPTIMIZERS.get(str(name))
     if plain(owner) != "deepspeed" or entry is None or entry.deepspeed_type is None:
         return None
@@ -72,8 +50,7 @@ def deepspeed_scheduler(owner: object, name: object) -> DictConfig | None:
 
 
 def sequence_parallel_key(size: object) -> int | None:
-    """DeepSpeed's top-level `sequence_parallel_size`, present only when sequence parallelism is on (null keys are
-    left out): its batch check divides the world size by it."""
+    """DeepSpeed's top-level `sequence_parallel_size`, only when on: its batch check divides the world size by it."""
     return int(size) if isinstance(size, int) and size > 1 else None
 
 
@@ -82,15 +59,10 @@ _SESSION_KEYS = ("resume", "dry_run")
 
 
 def study_name(experiment_name: object, *, _root_: DictConfig) -> str:
-    """hydra.sweeper.study_name by default: the experiment, the searched keys and a digest of the search (what is
-    searched and how, the overrides every trial gets, the objective and its direction), e.g. `default-lr-3f2a9c`.
-    The same command again continues its study (n_trials and the launcher may change); another search in the same
-    project is a study of its own instead of a refused one.
-
-    Read from the sweep's own command line (hydra.overrides.task and hydra.sweeper.params), and kept in the config's
-    resolver cache: each job of the sweep, composed from its own overrides, gets the name its sweep resolved (Hydra
-    copies the sweep config's resolver cache into every job's config, as it does for ${now:...}:
-    ConfigLoader.load_sweep_config). OmegaConf's own use_cache does not take resolvers that read _root_."""
+    """hydra.sweeper.study_name by default: the experiment, the searched keys and a digest of the search, e.g.
+    `default-lr-3f2a9c`: the same command again continues its study, another search is a study of its own. Kept in
+    the resolver cache, which Hydra copies into every job's config (as for ${now:...}), so each job gets its sweep's
+    name; OmegaConf's use_cache does not take resolvers that read _root_."""
     cache = OmegaConf.get_cache(_root_).setdefault("ds_exp.study_name", {})
     if str(experiment_name) not in cache:
         cache[str(experiment_name)] = _study_name(str(experiment_name), _root_.hydra)

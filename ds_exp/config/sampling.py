@@ -1,6 +1,5 @@
-"""How generation samples: the options shared by generation during training (eval.temperature, eval.top_p,
-eval.top_k) and `python -m ds_exp.chat` (--temperature, --top-p, --top-k), checked the same way: each within the range
-its eval.* field declares, and no top_p / top_k with greedy decoding, which would be silently ignored."""
+"""How generation samples (eval.temperature/top_p/top_k and `python -m ds_exp.chat`'s flags), checked alike: each
+within its eval.* field's range, and no top_p / top_k with greedy decoding, which would be silently ignored."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from ds_exp.config.ranges import RANGES
 
 
 def sampling_problems(temperature: float, top_p: float, top_k: int, key: Callable[[str], str]) -> list[str]:
-    """The sampling options of generation (eval.*, and python -m ds_exp.chat's --temperature ...): one line each.
-    `key` names an option as the user gave it."""
+    """The sampling options of generation, one line each; `key` names an option as the user gave it."""
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     problems = [
         f"{key(name)}={value}: {RANGES[f'eval.{name}'].why(value)}"

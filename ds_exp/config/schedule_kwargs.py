@@ -1,8 +1,6 @@
-"""scheduler.kwargs checked before anything is built (issue 31 §2): the schema types them `dict[str, Any]` (each
-schedule takes its own), so a name the schedule does not take, a value of the wrong type or out of its range would
-otherwise reach transformers.get_scheduler once the model and the optimizer exist: a TypeError or a ValueError after
-minutes, or (constant, constant_with_warmup: get_scheduler drops their kwargs) silence. SCHEDULE_KWARGS says what each
-schedule takes; tests/unit/test_hostile_inputs.py checks it against the installed transformers. Light."""
+"""scheduler.kwargs checked before anything is built: a name the schedule does not take, a wrong type or a value out
+of range would otherwise reach transformers.get_scheduler after minutes (or be silently dropped). SCHEDULE_KWARGS
+says what each schedule takes; tests/unit/test_hostile_inputs.py checks it against the installed transformers."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ _PLATEAU = {  # torch.optim.lr_scheduler.ReduceLROnPlateau
 }
 _SHAPES = ("linear", "cosine", "1-sqrt")  # warmup_stable_decay's warmup_type and decay_type
 
-# Keyword arguments each schedule of transformers.get_scheduler takes through scheduler_specific_kwargs (beyond
-# optimizer, num_warmup_steps, num_training_steps and last_epoch, which ds_exp passes itself).
+# What each schedule of get_scheduler takes through scheduler_specific_kwargs (beyond what ds_exp passes itself)
 SCHEDULE_KWARGS: dict[str, dict[str, Spec]] = {
     "linear": {},
     "cosine": {"num_cycles": _CYCLES},
@@ -73,8 +70,7 @@ _PASSED = {
 
 
 def scheduler_kwargs_problems(sched: SchedulerConfig) -> list[tuple[str, str]]:
-    """(key, line) for each scheduler.kwargs entry its schedule does not take, or takes with another type or range.
-    Only for the schedules ds_exp builds (scheduler.owner=ds_exp); DeepSpeed's own take no kwargs from here."""
+    """(key, line) for each scheduler.kwargs entry its schedule does not take, or not with this type or range."""
     if plain(sched.owner) != "ds_exp" or not sched.kwargs:
         return []
     name = str(plain(sched.name))

@@ -2,8 +2,7 @@
 
 Registered with Hydra's ConfigStore as the base of `conf/config.yaml`, so every group YAML merges into a
 typed node: a wrong type, an unknown key or an enum value that does not exist is rejected at composition,
-before any code of ours runs. Semantic checks (combinations, ranges, paths) live in `validate.py`.
-"""
+before any code of ours runs. Semantic checks (combinations, ranges, paths) live in `validate.py`."""
 
 from __future__ import annotations
 
@@ -105,38 +104,33 @@ class PromptTemplate(str, Enum):
     auto = "auto"  # chat_template when the tokenizer has one, else dschat; raw for rows with the markers
 
 
+AUTO_SWITCH = "ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING
     name_or_path: str | None = None  # local directory or hub id; null = build from `arch` (no weights)
-    arch: dict[str, Any] | None = setting(
-        None, checked_by="ds_exp.config.model_checks.arch_problems"
-    )  # config kwargs: built from when name_or_path is null, else dry-run planning
+    # config kwargs: built from when name_or_path is null, else dry-run planning
+    arch: dict[str, Any] | None = setting(None, checked_by="ds_exp.config.model_checks.arch_problems")
     tokenizer: str | None = None  # null = name_or_path, or the tokenizer shipped in ds_exp/assets
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     disable_dropout: bool = False
     vocab_multiple: int = setting(
         8, range=Range(1, 65536, fix=" (1 = no padding; the embedding is padded to a multiple of it)")
-    )  # pad the embedding matrix to a multiple of this
+    )
     attn_implementation: str | None = "auto"  # null = transformers' default; auto: ds_exp/fast_path/attention.py
-    liger_kernel: Any = setting(
-        "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
-    )  # Liger's RMSNorm, SwiGLU, RoPE: auto | true | false (ds_exp/fast_path/)
-    fused_loss: Any = setting(
-        "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
-    )  # Liger's fused linear cross-entropy, no full logits tensor: auto | true | false
-    rope_scaling: Any = setting(
-        None, checked_by="ds_exp.long_context.checks.rope_scaling_problems"
-    )  # transformers' rope_scaling dict (rope_type, factor, ...); Any: a dict merges into null
+    liger_kernel: Any = setting("auto", checked_by=AUTO_SWITCH)  # Liger's RMSNorm, SwiGLU, RoPE (ds_exp/fast_path/)
+    fused_loss: Any = setting("auto", checked_by=AUTO_SWITCH)  # Liger's fused linear cross-entropy: no full logits
+    # transformers' rope_scaling dict (rope_type, factor, ...); Any: a dict merges into null
+    rope_scaling: Any = setting(None, checked_by="ds_exp.long_context.checks.rope_scaling_problems")
     tiled_mlp: bool = False  # long context (ds_exp/long_context/): MLPs over sequence tiles, recomputed in backward
-    tiled_mlp_shards: int | None = setting(
-        None, range=at_least(1, ", or null to derive it")
-    )  # tiles per MLP call; null = ceil(tokens per row / hidden size)
+    # tiles per MLP call; null = ceil(tokens per row / hidden size)
+    tiled_mlp_shards: int | None = setting(None, range=at_least(1, ", or null to derive it"))
     tiled_loss: bool = False  # logits and loss in chunks of tokens: the full tokens x vocabulary logits never exist
-    tiled_loss_tokens: int | None = setting(
-        None, range=at_least(1, ", or null to derive it")
-    )  # tokens per chunk; null = about 256 MiB of fp32 logits per chunk
+    # tokens per chunk; null = about 256 MiB of fp32 logits per chunk
+    tiled_loss_tokens: int | None = setting(None, range=at_least(1, ", or null to derive it"))
     activation_offload: bool = False  # checkpointed layer inputs kept in host memory (needs gradient_checkpointing)
     lora_scope: str | None = None  # LoRA's scope when lora.module_name is null (a vision-language model's language
     # model, not its vision tower); null = lora's own default (ds_exp/config/lora_checks.py scope_of)
@@ -159,12 +153,10 @@ class DataSource:
 
 @dataclass
 class SyntheticDataConfig:
-    num_train: int = setting(
-        4000, range=Range(1, MAX_SYNTHETIC_ROWS, fix=" (or train on your own data: data=local)")
-    )  # train rows of the embedded task (before data_split)
-    num_eval: int = setting(
-        200, range=Range(0, MAX_SYNTHETIC_ROWS, fix=" (0 = no eval set)")
-    )  # eval rows, drawn from a separate stream and never seen in train; 0 = no eval set
+    # train rows of the embedded task (before data_split)
+    num_train: int = setting(4000, range=Range(1, MAX_SYNTHETIC_ROWS, fix=" (or train on your own data: data=local)"))
+    # eval rows, drawn from a separate stream and never seen in train; 0 = no eval set
+    num_eval: int = setting(200, range=Range(0, MAX_SYNTHETIC_ROWS, fix=" (0 = no eval set)"))
     seed: int = setting(0, range=SEED)  # fixes the task's content; train.seed only shuffles and splits it
 
 
@@ -177,23 +169,19 @@ class DataConfig:
     data_split: Any = setting(
         "10,0,0", checked_by="ds_exp.data.checks (ds_exp.data.splits.parse_data_split: any spelling of three numbers)"
     )  # phases 1/2/3 proportions, "2,4,4" or [2,4,4] (Any: OmegaConf has no str | list)
-    eval_fraction: float = setting(
-        0.05, range=Range(0, 1, high_open=True, fix=", e.g. 0.05")
-    )  # of a source's phase-1 share, held out for eval when it has no eval split
-    max_seq_len: int = setting(
-        512, range=Range(1, MAX_TOKENS, fix=", e.g. 512")
-    )  # longer examples are truncated (and counted)
+    eval_fraction: float = setting(0.05, range=Range(0, 1, high_open=True, fix=", e.g. 0.05"))  # of a phase-1 share
+    max_seq_len: int = setting(512, range=Range(1, MAX_TOKENS, fix=", e.g. 512"))  # longer examples are truncated
     template: PromptTemplate = PromptTemplate.dschat  # how a conversation becomes text (docs/data_templates.md)
     end_of_conversation_token: str | None = None  # appended by raw and dschat; null = the eos token
     train_on_prompt: bool = False  # false = prompt tokens get label -100
     packing: bool = False  # concatenate short train examples up to max_seq_len (eval is never packed)
     cache_dir: str | None = None  # tokenized Arrow data; null = one per user: $XDG_CACHE_HOME or ~/.cache, /ds_exp/data
-    num_proc: int | None = setting(
-        None, range=Range(1, 1024, fix=", or null to decide from the data size")
-    )  # tokenization processes; null = 1, or up to 4 for large datasets
-    max_eval_examples: int | None = setting(
-        None, range=at_least(1, ", or null for all")
-    )  # cap on eval rows (after shuffling); null = all
+    # tokenization processes; null = 1, or up to 4 for large datasets
+    num_proc: int | None = setting(None, range=Range(1, 1024, fix=", or null to decide from the data size"))
+    max_eval_examples: int | None = setting(None, range=at_least(1, ", or null for all"))  # after shuffling
+
+
+ZERO_SIZE = "ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
 
 
 @dataclass
@@ -201,34 +189,19 @@ class ZeroConfig:
     """DeepSpeed `zero_optimization` keys; null keys are left out of the DeepSpeed config."""
 
     stage: int = setting(0, range=Range(0, 3, fix=" (zero=stage0 ... zero=stage3)"))
-    overlap_comm: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: true, false or auto"
-    )  # bool, or "auto" (= world size > 1: only where there is communication to hide)
+    # bool, or "auto" (= world size > 1: only where there is communication to hide)
+    overlap_comm: Any = setting(None, checked_by="ds_exp.config.ranges.zero_value_problems: true, false or auto")
     contiguous_gradients: bool | None = None
     reduce_scatter: bool | None = None
-    reduce_bucket_size: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )  # int or "auto"
+    reduce_bucket_size: Any = setting(None, checked_by=ZERO_SIZE)
     allgather_partitions: bool | None = None
-    allgather_bucket_size: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
+    allgather_bucket_size: Any = setting(None, checked_by=ZERO_SIZE)
     round_robin_gradients: bool | None = None
-    sub_group_size: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
-    stage3_prefetch_bucket_size: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
-    stage3_param_persistence_threshold: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
-    stage3_max_live_parameters: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
-    stage3_max_reuse_distance: Any = setting(
-        None, checked_by="ds_exp.config.ranges.zero_value_problems: a whole number >= 0, or auto"
-    )
+    sub_group_size: Any = setting(None, checked_by=ZERO_SIZE)
+    stage3_prefetch_bucket_size: Any = setting(None, checked_by=ZERO_SIZE)
+    stage3_param_persistence_threshold: Any = setting(None, checked_by=ZERO_SIZE)
+    stage3_max_live_parameters: Any = setting(None, checked_by=ZERO_SIZE)
+    stage3_max_reuse_distance: Any = setting(None, checked_by=ZERO_SIZE)
     stage3_gather_16bit_weights_on_model_save: bool | None = None
     memory_efficient_linear: bool | None = None
 
@@ -236,9 +209,7 @@ class ZeroConfig:
 @dataclass
 class PrecisionConfig:
     dtype: Dtype = Dtype.fp32
-    loss_scale: float = setting(
-        0.0, range=at_least(0, " (0 = dynamic loss scaling)")
-    )  # fp16 only; 0 = dynamic loss scaling
+    loss_scale: float = setting(0.0, range=at_least(0, " (0 = dynamic loss scaling)"))  # fp16 only
     initial_scale_power: int = setting(
         16, range=Range(0, 64, fix=" (dynamic loss scaling starts at 2^this; DeepSpeed's is 16)")
     )
@@ -257,12 +228,9 @@ class OffloadConfig:
 
 @dataclass
 class LoraConfig:
-    dim: int = setting(
-        0, range=at_least(0, " (0 turns LoRA off, e.g. lora.dim=64 turns it on)")
-    )  # LoRA rank; 0 = LoRA off
-    alpha: float | None = setting(
-        None, range=above(0, ", or null for alpha = dim")
-    )  # scaling = alpha / dim; null = dim (scaling 1, as DeepSpeed-Chat's lora_scaling=1)
+    dim: int = setting(0, range=at_least(0, " (0 turns LoRA off, e.g. lora.dim=64 turns it on)"))  # LoRA rank
+    # scaling = alpha / dim; null = dim (scaling 1, as DeepSpeed-Chat's lora_scaling=1)
+    alpha: float | None = setting(None, range=above(0, ", or null for alpha = dim"))
     dropout: float = setting(0.0, range=FRACTION)
     # the adapted Linear layers: inside the scope module_name, those target_modules names (ds_exp/model/lora.py)
     module_name: str | None = None
@@ -280,9 +248,8 @@ class SchedulerConfig:
     name: SchedulerName = SchedulerName.cosine
     warmup_steps: int = setting(0, range=at_least(0))
     warmup_ratio: float = setting(0.0, range=FRACTION)  # fraction of the total steps; use either this or warmup_steps
-    kwargs: dict[str, Any] = setting(
-        factory=dict, checked_by="ds_exp.config.schedule_kwargs.scheduler_kwargs_problems"
-    )  # scheduler_specific_kwargs of get_scheduler
+    # scheduler_specific_kwargs of get_scheduler
+    kwargs: dict[str, Any] = setting(factory=dict, checked_by="ds_exp.config.schedule_kwargs.scheduler_kwargs_problems")
 
 
 @dataclass
@@ -290,20 +257,16 @@ class TrainConfig(ExportSettings):  # train.export*: ds_exp/exports/settings.py
     micro_batch_size: int = setting(16, range=at_least(1))  # per device
     eval_micro_batch_size: int | None = setting(None, range=at_least(1, " or null"))  # null = micro_batch_size
     gradient_accumulation_steps: int = setting(1, range=at_least(1))
-    global_batch_size: Any = setting(
-        "auto", checked_by="ds_exp.config.validate (a positive integer or auto)"
-    )  # int or "auto" (= micro x accumulation x world size)
+    # int or "auto" (= micro x accumulation x world size)
+    global_batch_size: Any = setting("auto", checked_by="ds_exp.config.validate (a positive integer or auto)")
     epochs: int = setting(1, range=at_least(1))
     max_steps: int = setting(-1, range=at_least(-1, " (-1 = use train.epochs)"))  # > 0 overrides epochs
     gradient_clipping: float = setting(1.0, range=at_least(0, " (0 = no clipping)"))
     seed: int = setting(1234, range=SEED)
-    log_every: int = setting(
-        0, range=at_least(0, " (0 = about 50 metric lines a run)")
-    )  # optimizer steps between metric lines (and DeepSpeed's steps_per_print); 0: ds_config.log_interval
+    # optimizer steps between metric lines (and DeepSpeed's steps_per_print); 0: ds_config.log_interval
+    log_every: int = setting(0, range=at_least(0, " (0 = about 50 metric lines a run)"))
     eval_every: int = setting(0, range=at_least(0))  # 0 = only before training, after each epoch and at the end
-    max_evals: int = setting(
-        5, range=at_least(1)
-    )  # with eval_every=0: evaluations after the start at most (ds_exp/config/plan.py)
+    max_evals: int = setting(5, range=at_least(1))  # with eval_every=0: evaluations after the start at most
     eval_at_start: bool = True
     save_every: int = setting(0, range=at_least(0))  # 0 = only at the end
     keep_last: int = setting(2, range=at_least(0))  # checkpoints kept
@@ -311,12 +274,8 @@ class TrainConfig(ExportSettings):  # train.export*: ds_exp/exports/settings.py
     checkpoint_dir: str = "checkpoints"  # relative to the run directory
     allow_outside_run_dir: bool = False  # let checkpoint_dir / export_dir point outside the run directory
     max_bad_steps: int = setting(10, range=at_least(0))  # consecutive non-finite losses before giving up
-    compile: Any = setting(
-        "auto", checked_by="ds_exp.fast_path.checks.fast_path_problems (auto, true or false)"
-    )  # torch.compile of each decoder layer: auto (CUDA at ZeRO 0-2) | true | false
-    peak_tflops: float | None = setting(
-        None, range=above(0, ", or null for the GPU's own")
-    )  # per device, for MFU; null = the GPU's dense peak from ds_exp/train/flops.py
+    compile: Any = setting("auto", checked_by=AUTO_SWITCH)  # torch.compile of each decoder layer (auto: CUDA, ZeRO 0-2)
+    peak_tflops: float | None = setting(None, range=above(0, ", or null for the GPU's own"))  # per device, for MFU
 
 
 @dataclass
@@ -354,13 +313,9 @@ class EvalConfig:
     max_new_tokens: int = setting(64, range=Range(1, MAX_TOKENS))
     every_eval: bool = False  # also at every evaluation in between
     temperature: float = setting(0.0, range=at_least(0, " (0 = greedy, e.g. 0.7 to sample)"))  # 0 = greedy; > 0 samples
-    top_p: float = setting(
-        1.0, range=Range(0, 1, low_open=True, fix=" (1 = off)")
-    )  # nucleus sampling: the smallest set of tokens holding this much probability; 1 = off
+    top_p: float = setting(1.0, range=Range(0, 1, low_open=True, fix=" (1 = off)"))  # nucleus sampling
     top_k: int = setting(0, range=at_least(0, " (0 = off)"))  # sample among the k likeliest tokens; 0 = off
-    seed: int = setting(
-        1234, range=SEED
-    )  # seeds each generation's sampling (training's random state is left as it was)
+    seed: int = setting(1234, range=SEED)  # seeds each generation's sampling (training's random state is kept)
     harness: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval scores of the export: ds_exp/evaluation/
 
 
@@ -395,15 +350,13 @@ def path_not_set(key: str) -> str:
 
 
 def missing_source_paths(missing_keys: list[str]) -> list[str]:
-    """The source paths among a composed config's mandatory values left unset (`???`), phrased as
-    `source_problems` says them. Typed objects cannot hold an unset value, so this runs before conversion."""
+    """The unset (`???`) source paths among a composed config's missing keys, as `source_problems` says them."""
     matches = (_SOURCE_PATH.fullmatch(key) for key in missing_keys)
     return [path_not_set(m.group(1)) for m in matches if m is not None]
 
 
 def to_config(cfg: Any) -> Config:
-    """The composed config as typed objects, once, at the entry point: interpolations resolved, every group a
-    dataclass of this module, the DeepSpeed config node a plain dict. Hydra's own node is left out."""
+    """The composed config as typed objects, once, at the entry point (Hydra's own node left out)."""
     if "hydra" in cfg:
         cfg = cfg.copy()
         with open_dict(cfg):

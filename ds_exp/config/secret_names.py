@@ -1,31 +1,13 @@
-"""Which names hold credentials: config keys (`logger.wandb.api_key`, `+logger.gh_pat`), keys of a DeepSpeed JSON
-(`comet.api_key`) and environment variables (`HF_TOKEN`, `SLACK_BOT_TOKEN`).
+"""Which names hold credentials: config keys (`logger.wandb.api_key`), keys of a DeepSpeed JSON (`comet.api_key`)
+and environment variables (`HF_TOKEN`).
 
-A name is cut into words (`_ - .`, camelCase and digits split it: `mlflowTrackingPassword` -> mlflow tracking
-password) and judged by the well-known credential families, word by word, never by substring, so `patience`,
-`path`, `pattern`, `author`, `tokenizer`, `max_new_tokens` are not secrets:
-
-* words that name a credential wherever they stand: secret, password, passwd, passphrase, credential(s), auth,
-  oauth, bearer, cookie, pat, private, signature, dsn, jwt, ... (and words ending in one: `dbpassword`,
-  `clientsecret`, `openaiapikey`);
-* nouns that are credentials only at the end of a name: `key` (`api_key`, `wandb_key`, not `sort_key`,
-  `num_key_value_heads`), `token` (`hf_token`, `slack_bot_token`, not `pad_token`, `end_of_conversation_token`,
-  `token_count`), `session` (`session`, `session_id`, not `DESKTOP_SESSION`), `sig`, `pass`, `pwd` (not `PWD`,
-  the working directory);
-* their plurals only after a word that makes them credentials (QUALIFIERS: `api_keys`, `auth_tokens`,
-  `github_tokens`), never after a count or a vocabulary word (`max_tokens`, `num_tokens`, `special_tokens`,
-  `unexpected_keys`);
-* one word that runs qualifiers and a credential noun together: `apitoken`, `githubtoken`, `hftoken`, `wandbkey`,
-  `apikeys`, `ghpat` (not `monkey`, `hotkey`, `maxtokens`); a single word ending in `token` is a credential unless
-  what precedes it says which vocabulary token it is (`eostoken`);
-* a descriptor after the credential word says the value is about it, not it: `password_file`, `token_path`,
-  `auth_type`, `secret_name`, `api_key_env`, `SSH_AUTH_SOCK` are not secrets.
-
-Wrongly calling a name secret costs little (its value is hidden, the run still sees it); missing one leaks it,
-so an unknown qualifier (`openai_key`, `acme_token`) counts as a credential.
-
-Import-light: no third-party imports.
-"""
+A name is cut into words (`_ - .`, camelCase, digits) and judged word by word, never by substring (`patience`,
+`tokenizer`, `max_new_tokens` are not secrets): words that name a credential anywhere (password, secret, auth, pat,
+...; and words ending in one: `dbpassword`); nouns that are credentials only at the end (`api_key`, `hf_token`, not
+`pad_token`, `sort_key`, `PWD`); their plurals only after a qualifier (`api_keys`, not `max_tokens`); one word
+running a qualifier and a noun together (`apitoken`, `wandbkey`, not `monkey`, `eostoken`); and a descriptor after
+the credential word makes it about the credential (`password_file`, `api_key_env`). Wrongly calling a name secret
+costs little, missing one leaks it: an unknown qualifier (`acme_token`) counts. No third-party imports."""
 
 from __future__ import annotations
 

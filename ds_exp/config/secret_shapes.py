@@ -1,22 +1,8 @@
-"""Which parts of a value are credentials whatever its key is called: what a value's shape gives away.
-
-* a URL's user-info, `scheme://user:PASSWORD@host/...`: the password (the scheme, user and host stay readable);
-* fields of a connection string or a URL's query named like credentials (ds_exp/config/secret_names.py), and the
-  connection-string keywords that are not English (`Pwd`): `AccountKey=`, `Password=`, `pwd=`,
-  `SharedAccessSignature=`, `SharedAccessKey=`, `?sig=`, `&token=`: the field's value;
-* webhook URLs, whose path is the credential: `hooks.slack.com/services/T../B../XXXX`, `discord.com/api/webhooks/
-  ID/TOKEN`, any `.../webhook(s)/...`: the path after it; and a path segment named like a credential,
-  `https://host/token/VALUE`, `https://api.telegram.org/botID:TOKEN/...`: what follows;
-* the token formats that say what they are, found by detect-secrets' typed plugins (Yelp's maintained detectors:
-  AWS access keys, JWTs, private key blocks, GitHub, GitLab, Stripe, PyPI, npm, OpenAI, Slack, SendGrid, Twilio,
-  Discord, Mailchimp, ...), and ds_exp's own patterns for what those plugins miss (`_OWN_TOKENS`: Hugging Face
-  `hf_...`, Google `ya29.`/`AIza...`, npm `npm_...`, Slack app tokens `xapp-...`, an `Authorization: Bearer/Basic`
-  value, an AWS secret access key, a private key's whole block): the whole token. detect-secrets' entropy and keyword
-  plugins are not used: they flag hashes and ids (names are ds_exp/config/secret_names.py's).
-
-A local path is not a URL: `/data/token/x.jsonl` and `hf_model/` keep their text. Light: the standard library, and
-detect-secrets (loaded on the first text long enough to hold a token: its package imports requests, 0.2 s).
-"""
+"""Which parts of a value are credentials whatever its key is called, by their shape: a URL's password; a connection
+string's or query's field named like a credential (`AccountKey=`, `Pwd=`, `&sig=`); a webhook URL's path, or the
+path segment after one named like a credential; and tokens that say what they are (detect-secrets' typed plugins,
+plus `_OWN_TOKENS` for what those miss). Entropy and keyword plugins are not used: they flag hashes and ids. A local
+path is not a URL. Light: detect-secrets loads on the first text long enough to hold a token."""
 
 from __future__ import annotations
 
@@ -35,8 +21,7 @@ class Span(NamedTuple):
     what: str  # for messages: "a password in a URL", ...
 
 
-# scheme://[user]:password@host: the password may hold "@" (greedy up to the last one before the host)
-# (bounded repeats: a long run of text is scanned in linear time)
+# scheme://[user]:password@host: the password may hold "@"; bounded repeats scan long text in linear time
 _USERINFO = re.compile(
     r"\b[A-Za-z][A-Za-z0-9+.-]{0,30}://[^\s:/?#@'\"]{0,256}:(?P<secret>[^\s/?#'\"]{1,1024})@(?=[^\s@/?#'\"])"
 )
@@ -84,7 +69,7 @@ def _typed_plugins() -> tuple[Any, ...]:
 
 def _token_spans(text: str, own: list[Span]) -> list[Span]:
     """Tokens that say what they are: ds_exp's own patterns, and detect-secrets' typed plugins where they find what
-    `own` (ds_exp's finer rules: a webhook keeps its host, a URL its user and host) has not."""
+    `own` (ds_exp's finer rules: a URL keeps its user and host) has not."""
     spans = [Span(m.start(), m.end(), "a token of a well-known service") for m in _OWN_TOKENS.finditer(text)]
     spans += [Span(*m.span("secret"), "an Authorization header's credential") for m in _AUTHORIZATION.finditer(text)]
     spans += [Span(m.start(), m.end(), "a private key") for m in _PRIVATE_KEY.finditer(text)]
@@ -108,8 +93,7 @@ def _token_spans(text: str, own: list[Span]) -> list[Span]:
 
 
 def _random(token: str) -> bool:
-    """Mixed case and digits, and the entropy of random base64 (about 5 bits a character over 40; words and paths
-    stay under 4.3)."""
+    """Mixed case and digits, and the entropy of random base64 (words and paths stay under 4.3 bits a character)."""
     if not (any(c.isdigit() for c in token) and any(c.islower() for c in token) and any(c.isupper() for c in token)):
         return False
     counts = Counter(token)

@@ -1,28 +1,11 @@
 """Secrets given on the command line, in a config file or in the environment never reach a file a run writes.
 
-What is a secret: a value under a credential's name (ds_exp/config/secret_names.py: word families, not a list
-of names); the part of any value whose shape gives it away (ds_exp/config/secret_shapes.py: a URL's password, a
-connection string's AccountKey=, a webhook's path); and every text value of `hydra.job.env_set` (the variables a
-job gets are where credentials go). A secret is taken literally, `${` and all, unless the whole value is one
-interpolation (`${oc.env:WANDB_API_KEY}` names a value, it does not hold one).
-
-* `hide_secret_overrides` runs before Hydra parses the command line. An override whose key looks like a
-  credential, `+logger.wandb.api_key=VALUE`, becomes `+logger.wandb.api_key=${oc.env:DS_EXP_SECRET_LOGGER_
-  WANDB_API_KEY}` and VALUE moves into that environment variable; a value holding a secret by its shape keeps
-  the rest of its text (`'postgresql://bob:${oc.env:DS_EXP_SECRET_..._URI}@db/x'`). Hydra then saves the
-  interpolation, never the value (.hydra/*.yaml, multirun.yaml, submitit's pickles); sys.argv, which wandb
-  records as the run's arguments, no longer holds it; and the environment carries it to every process of the
-  run (torchrun and deepspeed children, submitit's local jobs, SLURM jobs, which get the submitting environment).
-* `hide_config_file_secrets` does the same, as Hydra composes, for literal credentials that config files
-  (conf/, a --config-dir experiment, a preset) put into the config: `${oc.env:DS_EXP_SECRET_FILE_<KEY>}`.
-* `redact` blanks the values of credential keys in configs that are saved or sent (ds_config.json, the
-  wandb config, DeepSpeed's checkpoints), and registered values wherever they stand; `redact_text` blanks every
-  registered value (the command line's, the config files', the config's credentials and those of
-  credential-named environment variables) and every secret found by its shape in text: every log record of the
-  process, error messages (a library's exception that quotes a value).
-
-Import-light (no torch): the CLI calls it before `--help` and `--cfg job`.
-"""
+A secret is a value under a credential's name (secret_names.py), the part of any value whose shape gives it away
+(secret_shapes.py), or a text value of `hydra.job.env_set`; taken literally unless the whole value is one
+interpolation. `hide_secret_overrides` (before Hydra parses the command line) and `hide_config_file_secrets` (as
+Hydra composes) move each into a DS_EXP_SECRET_* environment variable and leave `${oc.env:...}` in its place, so
+Hydra saves the interpolation and every process of the run inherits the value; `redact` and `redact_text` blank
+registered values and shaped secrets in what is saved, sent or logged. Import-light: no torch."""
 
 from __future__ import annotations
 
@@ -51,9 +34,7 @@ _MIN_SECRET_LEN = 6  # shorter values would redact ordinary words
 _secrets: set[str] = set()
 
 
-def is_secret_key(key: object) -> bool:
-    """A credential's name, by the well-known families (ds_exp/secret_names.py)."""
-    return is_secret_name(key)
+is_secret_key = is_secret_name
 
 
 def holds_secret(value: object) -> bool:
@@ -75,7 +56,6 @@ def is_env_set_value(key: str, value: object) -> bool:
 
 
 def secret_parts(text: str) -> list[str]:
-    """The substrings of `text` that are secrets by their shape (ds_exp/config/secret_shapes.py)."""
     return [text[span.start : span.end] for span in secret_spans(text)]
 
 
@@ -126,8 +106,7 @@ _factory_installed = False
 
 
 def _redact_log_records() -> None:
-    """Blank registered secrets in every log record as it is made, whatever logger and handler it goes to
-    (Hydra's job log, the console that submitit and wandb capture, per-rank files), tracebacks included."""
+    """Blank registered secrets in every log record as it is made, whatever logger it goes to, tracebacks included."""
     global _factory_installed
     if _factory_installed:
         return
@@ -149,9 +128,6 @@ def _redact_log_records() -> None:
         return record
 
     logging.setLogRecordFactory(factory)
-
-
-# ------------------------------------------------------------------ the command line
 
 
 def secret_env_name(key: str, prefix: str = ENV_PREFIX) -> str:
@@ -219,12 +195,9 @@ def _quoted(key_text: str, value: str) -> str | None:
 
 
 def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]) -> list[str]:
-    """The command line with every secret value moved into `environ` (see the module's docstring).
-
-    Refused, with a message that does not show the value: a sweep over a secret (`key=a,b`), a secret inside
-    a dict value, `~key=VALUE`, and secrets under `hydra.*` keys other than `hydra.job.env_set.NAME` and
-    `hydra.sweeper.storage` (Hydra writes its own settings out resolved: sbatch files, the sweeper's job overrides).
-    """
+    """The command line with every secret value moved into `environ`. Refused, without showing the value: a sweep
+    over a secret, a secret inside a dict value, `~key=VALUE`, and secrets under `hydra.*` keys other than
+    `hydra.job.env_set.NAME` and `hydra.sweeper.storage` (Hydra writes its own settings out resolved)."""
     out: list[str] = []
     problems: list[str] = []
     variables = _Variables(environ)
@@ -300,23 +273,13 @@ def _refusal(
     return None
 
 
-# ------------------------------------------------------------------ config files
-
 FILE_ENV_PREFIX = ENV_PREFIX + "FILE_"
 
 
-def _not_a_value(text: str) -> bool:
-    """Empty, a reference to another value (one interpolation), or `???` (a mandatory value not given yet)."""
-    return text in ("", "???") or is_reference(text)
-
-
 def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str]) -> None:
-    """Literal secrets that config files put into a composition (conf/, a --config-dir experiment, a preset)
-    become `${oc.env:DS_EXP_SECRET_FILE_<KEY>}` (a secret by its shape: its secret parts only) and their values
-    move into `environ`, as the command line's do. Called on every composition before the command line's
-    overrides apply (ds_exp.core.compat.on_compose), so Hydra saves the interpolation (.hydra/*.yaml before the
-    task runs, multirun.yaml, submitit's pickles, `--cfg job`) and the run resolves the value: every process
-    composes for itself, or inherits the environment of the one that did (submitit, SLURM)."""
+    """Literal secrets that config files put into a composition become `${oc.env:DS_EXP_SECRET_FILE_<KEY>}` (a
+    secret by its shape: its secret parts only), their values moved into `environ`. Runs on every composition before
+    the command line's overrides apply, so Hydra saves only the interpolation."""
     found: list[tuple[list[DictKeyType], str, bool]] = []  # (path, value, whole value)
 
     def walk(node: object, path: list[DictKeyType], secret: bool) -> None:
@@ -327,7 +290,7 @@ def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str])
             for index, value in enumerate(node):
                 walk(value, [*path, index], secret)
         elif (secret and holds_secret(node)) or is_env_set_value(".".join(map(str, path)), node):
-            if not (isinstance(node, str) and _not_a_value(node)):
+            if not (isinstance(node, str) and (node in ("", "???") or is_reference(node))):  # ???: unset
                 found.append((path, str(node), True))
         elif isinstance(node, str) and secret_spans(node):
             found.append((path, node, False))

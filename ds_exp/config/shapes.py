@@ -1,7 +1,6 @@
-"""Values of a shape the other checks cannot even look at (issue 31 §2), found first: a list item of another type than
-the schema says (OmegaConf lets a mapping or a list into a list[float]: `optimizer.betas=[{a:1}]` was a TypeError
-in the DeepSpeed config's arithmetic), and a path whose name is longer than any file system allows (Path.exists
-raises ENAMETOOLONG on it instead of answering). Light: no torch, no deepspeed."""
+"""Values of a shape the other checks cannot even look at, found first: a list item of another type than the schema
+says (OmegaConf lets `optimizer.betas=[{a:1}]` into a list[float]), and a path name longer than any file system allows
+(Path.exists raises ENAMETOOLONG instead of answering). Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 

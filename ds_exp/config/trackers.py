@@ -1,19 +1,8 @@
-"""The trackers before anything runs: their settings (logger.wandb, logger.tensorboard, logger.mlflow; the YAML of
-each is conf/logger/<name>.yaml), what each checks of them, and the table (TRACKERS) whose entries own each
-tracker's facts: its module (by dotted path: nothing of it is imported here), its package and the pip extra that
-installs it, the key of its run id in a checkpoint's marker, and what it logs. Light: no torch, no deepspeed, no
-tracker imported; a package is looked up, never imported.
-
-The checks (`logger_problems`, asked by ds_exp.config.validate): each entry's own settings, the package of every
-tracker a run turns on (one line naming the extra), then the servers they talk to: an MLflow server
-(logger.mlflow.tracking_uri=http...) or wandb's (an online run, WANDB_BASE_URL) that does not answer a TCP
-connection within a few seconds is refused now, instead of after the model, the data and the engine were built,
-and MLflow's client had retried for 246 s. What is shown of a URL never holds its password.
-
-Adding a tracker: its settings dataclass here with `active`, `problems` and `servers`, its field in LoggerConfig,
-its entry in TRACKERS, its YAML, and its module ds_exp/artifacts/trackers/<name>.py (the interface:
-ds_exp/artifacts/trackers/base.py). tests/integration/test_trackers.py builds every entry.
-"""
+"""The trackers before anything runs: their settings (conf/logger/<name>.yaml), their checks, and the table
+(TRACKERS) whose entries own each tracker's facts (its module by dotted path, its package and pip extra, its run id's
+key in a checkpoint's marker). A tracker server that does not answer is refused now, not after the model and engine
+were built (MLflow's client retries for 246 s). Light: no tracker imported; a package is looked up, never imported.
+Adding a tracker: docs/architecture.md; tests/integration/test_trackers.py builds every entry."""
 
 from __future__ import annotations
 
@@ -28,9 +17,7 @@ from urllib.parse import SplitResult, urlsplit
 from omegaconf import MISSING
 
 from ds_exp.config.components import Component, table
-from ds_exp.config.fields import (
-    setting,
-)
+from ds_exp.config.fields import setting
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.waits import unreachable
 
@@ -45,19 +32,12 @@ def without_passwords(text: str) -> str:
     return redact_text(_PASSWORD_IN_URL.sub(r"\1***@", text))
 
 
-def _file_store_allowed() -> bool:
-    return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in _TRUE
-
-
 class Server(NamedTuple):
     """A server a tracker talks to: the setting that names it (as shown: no password), its URL, what to do."""
 
     setting: str
     url: str
     fix: str
-
-
-# ---------------------------------------------------------------------------------------------- the settings
 
 
 class WandbMode(str, Enum):
@@ -132,7 +112,10 @@ class MlflowConfig:
                     "logger.mlflow.tracking_uri is empty: give a store (sqlite:///path/mlflow.db, http://host:5000) "
                     "or null for the project's outputs/mlflow.db"
                 )
-            elif urlsplit(uri).scheme in ("", "file") and not _file_store_allowed():
+            elif (
+                urlsplit(uri).scheme in ("", "file")
+                and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in _TRUE
+            ):
                 problems.append(
                     f"logger.mlflow.tracking_uri={uri} is MLflow's file store, which MLflow 3 refuses (maintenance "
                     "mode): use a database, e.g. logger.mlflow.tracking_uri=sqlite:////abs/path/mlflow.db, null for "
@@ -160,9 +143,6 @@ class LoggerConfig:
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     deepspeed_monitors: bool = False  # also let DeepSpeed write its csv monitor into the run directory
-
-
-# ------------------------------------------------------------------------------------------------- the table
 
 
 @dataclass(frozen=True)
@@ -216,22 +196,13 @@ def active_trackers(logger: LoggerConfig) -> list[TrackerEntry]:
     return [entry for entry in TRACKERS.values() if entry.settings_of(logger).active()]
 
 
-# ------------------------------------------------------------------------------------------------ the checks
-
-
 def logger_problems(logger: LoggerConfig, *, dry_run: bool) -> list[str]:
-    """One line per problem of the trackers' settings and packages, then of their servers (not asked by a dry
-    run, which logs nothing)."""
+    """One line per problem of the trackers' settings and packages, then of their servers (not for a dry run)."""
     problems = [line for entry in TRACKERS.values() for line in entry.settings_of(logger).problems()]
     problems += [line for entry in active_trackers(logger) if (line := entry.missing_package("logger"))]
     if not problems and not dry_run:
         problems += tracker_server_problems(logger)
     return problems
-
-
-def tracker_servers(logger: LoggerConfig) -> list[Server]:
-    """Each tracker server the run talks to."""
-    return [server for entry in TRACKERS.values() for server in entry.settings_of(logger).servers()]
 
 
 def first_hop(url: SplitResult) -> tuple[str, int, str]:
@@ -245,10 +216,10 @@ def first_hop(url: SplitResult) -> tuple[str, int, str]:
 
 
 def tracker_server_problems(logger: LoggerConfig) -> list[str]:
-    """One line per tracker server that does not answer (a TCP connection, a few seconds at most). Every rank
-    checks, so that all of them stop (rank 0 alone would leave the others waiting for it at the rendezvous)."""
+    """One line per tracker server that does not answer a TCP connection within seconds. Every rank checks, so that
+    all of them stop."""
     problems = []
-    for key_said, url, fix in tracker_servers(logger):
+    for key_said, url, fix in [server for entry in TRACKERS.values() for server in entry.settings_of(logger).servers()]:
         try:
             host, port, how = first_hop(urlsplit(url))
         except ValueError as err:  # a port that is not a number

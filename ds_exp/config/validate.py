@@ -1,10 +1,6 @@
-"""Semantic checks of a composed config: ranges, combinations and paths the typed schema cannot express.
-
-Runs before anything heavy (no torch, no deepspeed): every problem found becomes one line naming the key and the fix,
-all reported together in one ConfigError. Each value's own problems come first (`value_problems`: its shape, a
-number not finite or outside the range its field declares); the checks that combine values run only once every
-value is valid, so they neither trip over a bad one nor say it a second time.
-"""
+"""Semantic checks of a composed config, before anything heavy: every problem one line naming the key and the fix,
+all in one ConfigError. Each value's own problems come first; the checks that combine values run only once every
+value is valid, so they neither trip over a bad one nor say it twice."""
 
 from __future__ import annotations
 
@@ -254,9 +250,8 @@ def _resume_problems(resume: str | None) -> list[str]:
 
 
 def value_problems(cfg: Config) -> list[str]:
-    """Each value's own problems, before any check that combines values: a shape no check can look at (then nothing
-    else), else one line per key: a number not finite or past 64 bits, outside the range its field declares, a zero.*
-    size or a scheduler.kwargs entry that is no such value (the first of these said for a key)."""
+    """Each value's own problems: a shape no check can look at (then nothing else), else one line per key (not
+    finite, past 64 bits, outside its field's range, a bad zero.* size or scheduler.kwargs entry)."""
     shapes = shape_problems(cfg)
     if shapes:
         return shapes
@@ -275,9 +270,7 @@ def config_problems(
     cfg: Config, *, accelerator: str, world_size: int, run_dir: Path | None = None
 ) -> tuple[list[str], dict[str, Any]]:
     """Every problem of the config's values and combinations (one line each), and the merged DeepSpeed config
-    (run-time "auto" kept; {} when it cannot be built). `world_size`: the launch's (for the global batch);
-    `run_dir`, when known, places the output directories that are given as absolute paths. The combinations are
-    checked only once every value is valid (value_problems)."""
+    (run-time "auto" kept; {} when it cannot be built). `run_dir`, when known, places absolute output paths."""
     values = value_problems(cfg)
     if values:
         return values, {}
@@ -297,7 +290,7 @@ def config_problems(
         _precision_problems(cfg.precision, accelerator)
         + _resume_problems(cfg.resume)
         + _eval_problems(cfg.eval)
-        + output_path_problems(cfg, run_dir)
+        + output_path_problems(cfg.train, run_dir)
     )
     problems += lora_problems(cfg.lora, accelerator, name_or_path=model.name_or_path, zero_stage=cfg.zero.stage)
     problems += logger_problems(cfg.logger, dry_run=cfg.dry_run)

@@ -38,17 +38,14 @@ class RunFailed(DsExpError):
 
 
 class Diverged(RunFailed):
-    """The losses stopped being finite (train.max_bad_steps in a row), or the run ended with a non-finite loss,
-    evaluation or weights (ds_exp/divergence.py): the settings, not the set-up, are at fault. Its own status in
-    summary.json and its own exit status; an optuna study records such a trial as pruned
-    (ds_exp/sweeps/optuna_study.py)."""
+    """The losses, evaluation or weights stopped being finite: the settings, not the set-up, are at fault (its own
+    status and exit code; an optuna study prunes such a trial)."""
 
     exit_code = 3
     status = RunStatus.DIVERGED
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:
-    """What a one-line message quotes of an exception: its first non-empty line (at most `limit` characters), or
-    its class name when it says nothing (str(err).splitlines()[0] raises IndexError there)."""
+    """An exception's first non-empty line (at most `limit` characters), or its class name when it says nothing."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[0][:limit] if lines else type(err).__name__

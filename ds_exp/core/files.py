@@ -1,10 +1,6 @@
-"""Files written whole or not at all: a reader (a resume, the sweep report, a person) never sees half a file.
-
-Every JSON file ds_exp writes goes through `json_text`: strict JSON (json.dumps(allow_nan=False)), so no file holds
-the bare `NaN` / `Infinity` that JSON parsers other than Python's reject. A non-finite number is written as null
-and named in the object's `non_finite` list (`{"loss": null, "non_finite": ["loss"]}`): the fact is kept, the
-file stays JSON.
-"""
+"""Files written whole or not at all. JSON is strict (no bare NaN, which parsers other than Python's reject): a
+non-finite number is written as null and named in the object's `non_finite` list (`{"loss": null, "non_finite":
+["loss"]}`)."""
 
 from __future__ import annotations
 
@@ -19,15 +15,13 @@ from pathlib import Path
 from typing import IO, Any
 
 NON_FINITE = "non_finite"
-# How a full disk reads where a library wraps the OSError in its own error (SQLite through SQLAlchemy and MLflow,
-# safetensors, torch's zip writer)
+# A full disk as libraries that wrap the OSError say it (SQLite, safetensors, torch's zip writer)
 _FULL_DISK_TEXTS = ("No space left on device", "database or disk is full", "Disk quota exceeded", "StorageFull")
 
 
 def finite_tree(payload: object, path: str = "") -> tuple[Any, list[str]]:
     """`payload` as plain JSON values with every non-finite number replaced by None, and the dotted paths of those
-    numbers (`final_eval.perplexity`, `rows.2.loss_a`). Numbers of other libraries (numpy, 0-d tensors) become
-    Python numbers; anything else JSON cannot hold becomes its str() (paths, enums)."""
+    numbers (`final_eval.perplexity`); other libraries' numbers become Python's, anything else its str()."""
     if isinstance(payload, dict):
         out, bad = {}, []
         for key, value in payload.items():
@@ -52,7 +46,7 @@ def finite_tree(payload: object, path: str = "") -> tuple[Any, list[str]]:
 
 
 def json_text(payload: object, *, indent: int | None = None, ensure_ascii: bool = True, sort_keys: bool = False) -> str:
-    """Strict JSON for `payload` (see the module docstring); a dict at the top records its non-finite numbers."""
+    """Strict JSON for `payload`; a dict at the top records its non-finite numbers."""
     clean, bad = finite_tree(payload)
     if bad and isinstance(clean, dict):
         found = clean.get(NON_FINITE)
@@ -62,8 +56,7 @@ def json_text(payload: object, *, indent: int | None = None, ensure_ascii: bool 
 
 
 def restore_non_finite(record: dict[str, Any]) -> dict[str, Any]:
-    """A record read back as written: the numbers its `non_finite` list names are NaN again (which of NaN or inf
-    they were is not kept), the list itself gone."""
+    """A record read back as written: the numbers its `non_finite` list names are NaN again, the list gone."""
     names = record.get(NON_FINITE) if isinstance(record, dict) else None
     if not isinstance(names, list):
         return record
@@ -79,8 +72,7 @@ def restore_non_finite(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temporary name beside `path`, then rename it into place (atomic on one file system). A write that
-    fails (a full disk) leaves `path` as it was and no temporary file behind."""
+    """Write beside `path`, then rename into place: a failed write leaves `path` as it was and no temporary file."""
     _replace_whole(path, lambda tmp: tmp.write_text(text))
 
 
@@ -109,9 +101,8 @@ def append_json_line(handle: IO[str], record: dict[str, Any], *, ensure_ascii: b
 
 
 def append_whole(file: io.FileIO, data: bytes, path: Path) -> None:
-    """Append `data` to `file` (unbuffered, opened for appending) whole, or not at all: a write that fails (a full
-    disk) cuts the file back to what it held before, and is raised. A buffered file cannot promise that: what a
-    failed write left in its buffer is appended by the next flush or the close, after a line cut short."""
+    """Append `data` to `file` (unbuffered, for appending) whole, or cut the file back and raise: a buffered file
+    would append a failed write's leftovers after a line cut short."""
     size = os.fstat(file.fileno()).st_size
     try:
         view = memoryview(data)
@@ -127,8 +118,7 @@ def append_whole(file: io.FileIO, data: bytes, path: Path) -> None:
 
 
 def no_room(err: BaseException) -> str | None:
-    """Why `err` is a write that found no room (a full disk, a quota), in a few words; None for any other error.
-    Follows the chain of causes: libraries re-raise the OSError as their own."""
+    """Why `err` (or a cause in its chain) is a write that found no room, in a few words; None for any other error."""
     seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):

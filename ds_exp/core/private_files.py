@@ -1,18 +1,8 @@
-"""Files and directories ds_exp keeps outside a run directory, on a machine others share: the say-once claims in
-the temporary directory, the tracebacks of commands without a run, the caches under ~/.cache/ds_exp (tokenized data,
-lm-eval's task index, base-model scores), build locks.
-
-Caches are checked, not trusted: every cache entry is read through `cache_entry`, and one that is not exactly what
-ds_exp writes (another shape, a hand edit, a file cut short) is a miss, said once and built again, never a crash.
-
-Every one goes through here: a directory of ds_exp's is made owner-only (0700), and each component ds_exp makes
-(from its `root`, the first directory that is ds_exp's own, down) is checked with lstat, never followed: a symbolic
-link, something that is not a directory, another user's, or one others may write into, is refused in one line
-(`UnsafePath`) instead of being used. Files are opened with O_NOFOLLOW and created owner-only, and ds_exp deletes
-only what it made and can recognise: a regular file of its own whose name matches what it writes. Callers whose
-bookkeeping it is (the claims) treat a refusal as "could not", never hiding the error the user needs to see.
-Standard library only.
-"""
+"""Files and directories ds_exp keeps outside a run directory, on a machine others share (claims, tracebacks,
+caches, build locks). Each directory is owner-only (0700) and each component checked with lstat, never followed: a
+link, another user's or a group-writable one is refused (`UnsafePath`). Files are opened with O_NOFOLLOW; ds_exp
+deletes only regular files of its own whose names match what it writes. A cache entry that is not exactly what
+ds_exp writes is a miss, said once and built again, never a crash. Standard library only."""
 
 from __future__ import annotations
 
@@ -50,8 +40,7 @@ def private_dir(path: Path, root: Path | None = None) -> Path:
 
 
 def check_own(path: Path, *, directory: bool) -> None:
-    """Refuse `path` (without following it) unless it is this user's own directory or regular file that nobody else
-    may write."""
+    """Refuse `path` (not followed) unless it is this user's own directory or regular file nobody else may write."""
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         raise UnsafePath(f"{path} is a symbolic link; ds_exp does not follow links there: remove it and run again")
@@ -73,8 +62,7 @@ def open_private(path: Path, flags: int) -> int:
 
 
 def remove_own(folder: Path, name: re.Pattern[str], older_than_s: float = 0.0) -> None:
-    """Delete the files of `folder` that ds_exp made there: regular files of this user whose names match `name`,
-    last written over `older_than_s` ago. Anything else is left alone; one another process removed first is fine."""
+    """Delete this user's regular files in `folder` whose names match `name` older than `older_than_s`; nothing else."""
     now = time.time()
     with os.scandir(folder) as entries:
         for entry in entries:
@@ -94,9 +82,8 @@ _said_misses: set[Path] = set()
 def cache_entry(
     path: Path, fields: Mapping[str, type | tuple[type, ...]], valid: Callable[[dict[str, Any]], bool] | None = None
 ) -> dict[str, Any] | None:
-    """The JSON object of a cache entry when it is what ds_exp writes: an object holding each of `fields` with a
-    value of its type (and, with `valid`, inside them what it says); None when it is missing, and None, said once
-    per entry, when it is anything else (it is then built again over it)."""
+    """A cache entry's JSON object when it holds each of `fields` with a value of its type (and passes `valid`);
+    None when missing, and None, said once per entry, when it is anything else (it is then built again)."""
     try:
         entry = json.loads(Path(path).read_text())
     except FileNotFoundError:

@@ -1,11 +1,5 @@
-"""Paths a user gives (data files, a model, a DeepSpeed JSON, a prompts file, ...) that are not files to read: a FIFO
-(opening it waits for a writer, forever when none comes), a device (/dev/zero never ends, a terminal waits for
-input), a socket. Told by what the path is (os.stat follows links: /dev/stdin is whatever stdin is, and a regular
-file redirected there reads fine), before anything opens it: one line naming the setting and the fix.
-
-Every place that reads a path a user gave asks `special_file_problem` first (the config checks, and the readers
-themselves for paths found later, inside a directory). Layer 0: the standard library only.
-"""
+"""User paths that are not files to read (a FIFO waits forever, a device never ends, a socket), told by os.stat
+before anything opens them: one line naming the setting and the fix. Layer 0: the standard library only."""
 
 from __future__ import annotations
 
@@ -22,8 +16,7 @@ _KINDS = (
 
 
 def special_kind(path: str | os.PathLike[str]) -> str | None:
-    """What `path` is when it exists but is neither a regular file nor a directory; None otherwise (a missing
-    path is for the caller's own message)."""
+    """What `path` is when it exists but is neither a regular file nor a directory; None otherwise."""
     try:
         mode = os.stat(Path(path).expanduser()).st_mode  # stat never opens it: a FIFO does not block here
     except (OSError, ValueError):

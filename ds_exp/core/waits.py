@@ -1,20 +1,6 @@
-"""Every wait on something outside the process (a lock another process holds, a tracker's server, a peer rank, a
-compiler another run started) says within NOTICE_S seconds what it waits for and since when, and either ends or
-stops with one line naming what to do. One mechanism for all of them:
-
-* `Wait(what, limit_s=..., fix=...)` for a loop that polls: each `tick()` says the next notice when it is due (the
-  first after NOTICE_S, then at growing intervals) and raises WaitGaveUp past `limit_s`;
-* `announced_wait(what, done, ...)`: polls `done()` until it holds;
-* `run_announced(what, call, ...)`: a blocking call (a rendezvous, a library's connection) in a helper thread while
-  this one announces, and stays free to take Ctrl-C and SIGTERM;
-* `announced(what, bound=...)`: notices from a helper thread while this one blocks in a library call that its own
-  timeout bounds (said in `bound`): for calls that must stay in this thread (a tracker's client);
-* `announce_while(what, ...)`: the same notices for silent work of this process (no limit: it is not waiting);
-* `unreachable(host, port)`: a server asked once with a short timeout, before anything waits on it.
-
-Rank 0 says it on the console (stderr, "ds_exp: ..."); every rank records it in its log file. Layer 0: the standard
-library only.
-"""
+"""Every wait on something outside the process (a lock, a tracker's server, a peer rank, another run's compiler)
+says within NOTICE_S seconds what it waits for and since when, and either ends or stops with one line naming what to
+do: rank 0 on the console, every rank in its log file. Layer 0: the standard library only."""
 
 from __future__ import annotations
 
@@ -47,8 +33,7 @@ class WaitGaveUp(RunFailed):
 
 
 def rank_speaks() -> bool:
-    """Whether this process is rank 0: RANK is exported for every launcher before the first wait on a peer
-    (ds_exp.launch.environment.export_launch_env); a process alone has none."""
+    """Whether this process is rank 0 (RANK is exported for every launcher before the first wait on a peer)."""
     value = os.environ.get("RANK", "0").strip()
     return not value.isdigit() or int(value) == 0
 
@@ -63,8 +48,8 @@ def duration(seconds: float) -> str:
 
 
 class Wait:
-    """See the module docstring. `detail()`, when given, adds what is known now (who holds a lock, how far a build
-    got) to each notice and to the last line."""
+    """A polling loop's wait: `tick()` says each notice when due (at growing intervals), WaitGaveUp past `limit_s`;
+    `detail()` adds what is known now (who holds a lock) to each notice and to the last line."""
 
     def __init__(
         self,
@@ -82,7 +67,6 @@ class Wait:
         self.started = time.monotonic()
         self.since = time.strftime("%H:%M:%S")
         self.next_notice = NOTICE_S if notice_s is None else notice_s
-        self.notices = 0
 
     @property
     def waited(self) -> float:
@@ -107,7 +91,6 @@ class Wait:
             limit = f"; gives up after {duration(self.limit_s)}" if self.limit_s is not None else ""
             limit = f"; {self.bound}" if self.bound else limit  # what bounds it, when that is not this wait's limit
             self.say(f"waiting for {self.what}{self._detail()} since {self.since} ({duration(waited)}{limit})")
-            self.notices += 1
             self.next_notice = waited + min(MAX_INTERVAL_S, max(self.next_notice, 1.0) * (NOTICE_GROWTH - 1))
 
     def say(self, line: str) -> None:
@@ -150,9 +133,8 @@ def run_announced(
     notice_s: float | None = None,
     bound: str | None = None,
 ) -> T:
-    """`call()` in a helper thread while this thread announces the wait (and takes signals between its polls).
-    Whatever `call` raises is raised here. Past `limit_s` the thread is left behind (a daemon) and WaitGaveUp
-    raised: `call` must be something the process can walk away from (a connection, a probe)."""
+    """`call()` in a helper thread while this thread announces the wait and takes signals; its exception is raised
+    here. Past `limit_s` the thread is left behind: `call` must be something the process can walk away from."""
     outcome: dict[str, object] = {}
 
     def run() -> None:
@@ -175,8 +157,7 @@ def run_announced(
 
 @contextlib.contextmanager
 def announced(what: str, *, bound: str, speak: bool | None = None, notice_s: float | None = None) -> Iterator[None]:
-    """Notices about the wait on `what` while the block runs (from a helper thread): the block's own call is bounded
-    by its library (`bound` says how), so nothing is raised here."""
+    """Notices about the wait on `what` while the block runs; its own call is bounded by its library (`bound`)."""
     wait = Wait(what, limit_s=None, fix="", speak=speak, notice_s=notice_s, bound=bound)
     stop = threading.Event()
 
@@ -202,9 +183,8 @@ def announce_while(
     speak: bool | None = None,
     notice_s: float | None = None,
 ) -> Iterator[None]:
-    """Notices about work this process does while the block runs (from a helper thread; no limit: it is working,
-    not waiting). `idle_s()`, when given, is how long the work has shown no sign of progress: notices come only
-    while that grows (a progress bar that moves needs no words beside it)."""
+    """Notices about work this process does while the block runs (no limit: it is working, not waiting); with
+    `idle_s()` (seconds without progress) only while that grows: a moving progress bar needs no words beside it."""
     notice_s = NOTICE_S if notice_s is None else notice_s
     stop = threading.Event()
     started, since = time.monotonic(), time.strftime("%H:%M:%S")
@@ -235,8 +215,8 @@ def announce_while(
 
 
 def unreachable(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why a TCP connection to (host, port) does not open within `timeout_s` (the name lookup too: it can hang, so
-    the probe runs in a helper thread); None when it opens. Remembered for PROBE_MEMORY_S."""
+    """Why a TCP connection to (host, port) does not open within `timeout_s` (probed in a helper thread: the name
+    lookup can hang); None when it opens. Remembered for PROBE_MEMORY_S."""
     now = time.monotonic()
     known = _probed.get((host, port))
     if known is not None and now - known[0] < PROBE_MEMORY_S:

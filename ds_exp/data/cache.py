@@ -1,11 +1,6 @@
-"""The tokenized-data cache: one directory per settings hash, built once under an `fcntl` lock.
-
-Layout: `<cache_dir>/<key>/{train,eval}` (datasets.save_to_disk, Arrow) and `meta.json` (stats and the
-settings that made the key). A build goes to `.<key>.tmp-<pid>-<rand>` and is renamed into place, so a
-directory named `<key>` is always complete. Every process (ranks of a job, or jobs of a sweep started at
-once) takes the lock on `<key>.lock`; the first builds, the others wait (announced: `file_lock`) and then find
-the result.
-"""
+"""The tokenized-data cache: `<cache_dir>/<key>/{train,eval}` (Arrow) and `meta.json`, one directory per settings
+hash, built once under an `fcntl` lock. A build goes to a temporary name renamed into place, so `<key>` is always
+complete; the other processes wait on `<key>.lock` and then find it."""
 
 from __future__ import annotations
 
@@ -79,8 +74,7 @@ def _try_lock(fh: IO[str]) -> bool:
 
 
 def last_write(cache_dir: Path, key: str) -> float | None:
-    """When a build of `key` last wrote into its directory (two levels down: the tokens' Arrow files, the progress
-    file the tokenizer touches after each batch, the saved shards); None before it wrote anything."""
+    """When a build of `key` last wrote into its directory (two levels down); None before it wrote anything."""
     times: list[float] = []
     for build in cache_dir.glob(f".{key}.tmp-*"):
         with contextlib.suppress(OSError):  # the build may finish (and be renamed) while it is looked at
@@ -94,10 +88,8 @@ def last_write(cache_dir: Path, key: str) -> float | None:
 
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive flock on `<cache dir>/<key>.lock`, its holder written in it. Waiting for another process building
-    the same data (another rank, another job of a sweep) is announced with who builds and how recently its build
-    wrote (ds_exp.core.waits); it ends when that process lets go (the OS does when it dies) and stops, in one line,
-    when its build wrote nothing for STALLED_BUILD_S."""
+    """Exclusive flock on `<cache dir>/<key>.lock`, its holder written in it. The wait is announced with who builds
+    and how recently it wrote; it ends when the holder lets go (or dies) and gives up after STALLED_BUILD_S silent."""
     cache_dir, key = path.parent, path.stem
     with path.open("a+") as fh:
         if not _try_lock(fh):
@@ -142,8 +134,7 @@ _FULL_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": er
 
 
 def disk_full(err: BaseException) -> int | None:
-    """ENOSPC or EDQUOT when `err` (or what it wraps) says the disk filled up: datasets and Arrow re-raise
-    the OSError as their own types, sometimes with only its text left."""
+    """ENOSPC or EDQUOT when `err` (or what it wraps: datasets and Arrow re-raise it) says the disk filled up."""
     seen: set[int] = set()
     current: BaseException | None = err
     while current is not None and id(current) not in seen:
@@ -185,10 +176,8 @@ def cached_build(
     load: Callable[[Path], T],
     material: object,
 ) -> tuple[T, dict[str, Any], bool, Path]:
-    """(loaded, meta, cache_hit, path). `build(tmp)` writes into tmp and returns stats; `load(dir)` reads it.
-
-    A complete directory that fails to load (files deleted by hand, disk trouble) is rebuilt once.
-    """
+    """(loaded, meta, cache_hit, path). `build(tmp)` writes into tmp and returns stats; `load(dir)` reads it. A
+    complete directory that fails to load is rebuilt once."""
     final = cache_dir / key
     try:  # the user's own directory, never a link or another's (a shared machine: ds_exp/core/private_files.py)
         private_dir(cache_dir)

@@ -1,8 +1,5 @@
-"""`data_config_problems`: cheap checks of the data settings run before anything heavy is imported (dry run, launch).
-
-Each problem is one line naming the key, what is wrong and the fix, so a sweep fails at submission and not
-minutes later on a compute node.
-"""
+"""`data_config_problems`: cheap checks of the data settings before anything heavy, so a sweep fails at submission
+and not minutes later on a compute node."""
 
 from __future__ import annotations
 
@@ -56,8 +53,7 @@ def source_problems(src: DataSource, key: str) -> list[str]:
 
 
 def data_config_problems(data: DataConfig) -> list[str]:
-    """Problems of the data settings, one line each (its numbers: each outside the range its field declares); empty
-    when they look usable."""
+    """Problems of the data settings, one line each; empty when they look usable."""
     problems = [line for _, line in range_problems(data, "data.")]
     try:
         parse_data_split(data.data_split)

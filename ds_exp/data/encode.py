@@ -1,14 +1,7 @@
-"""Conversations -> unpadded input_ids and labels, through `datasets.map` with the fast tokenizer.
-
-The template (templates.py) gives the text and the character spans that are labels; one tokenization with
-offsets maps them onto tokens (what the model sees at inference), so the boundaries are exact for BPE and
-SentencePiece tokenizers alike and no token is split in two.
-
-A row of millions of characters takes the fast tokenizer a minute or more (it tokenizes the whole text before
-truncating), and datasets' bar moves only when a batch is done: every batch the Encoder finishes touches a progress
-file, and while none has for NOTICE_S rank 0 says what is being tokenized and how long its longest row is
-(ds_exp.core.waits.announce_while), whichever process (num_proc) does the work.
-"""
+"""Conversations -> unpadded input_ids and labels, through `datasets.map` with the fast tokenizer: one tokenization
+with offsets maps the template's label spans onto tokens, so boundaries are exact for any tokenizer. A huge row takes
+a fast tokenizer minutes and datasets' bar moves per batch: the Encoder touches a progress file per batch, and while
+none has for NOTICE_S rank 0 says what is being tokenized (ds_exp.core.waits.announce_while)."""
 
 from __future__ import annotations
 
@@ -38,9 +31,8 @@ log = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # labels that never count in the loss (torch cross_entropy's ignore_index)
 # Below this many rows a process pool costs more than it saves: the fast tokenizer already uses threads.
 PARALLEL_MIN_ROWS = 50_000
-# Rows per map batch (read, tokenized or packed, and written together): up to 1000, fewer for long rows so that
-# one batch holds about this many tokens. Token lists are Python objects (tens of bytes a token), so memory is
-# bounded by a batch, not by the data set: at data.max_seq_len=1M a batch is one row.
+# Rows per map batch: up to 1000, fewer for long rows so that one batch holds about this many tokens (memory is
+# bounded by a batch, not the data set: at data.max_seq_len=1M a batch is one row).
 TOKENS_PER_BATCH = 2**20
 COLUMNS = ("roles", "contents", "template")  # what the map reads from Rows
 
@@ -51,8 +43,8 @@ def end_of_conversation(eot: str | None, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def label_ranges(offsets: Sequence[tuple[int, int]], spans: Sequence[Span], text_len: int) -> list[tuple[int, int]]:
-    """Token index ranges [lo, hi) whose tokens start inside a label span. Zero-width tokens (a bos or eos the
-    tokenizer adds) go with the token before them: a leading bos is prompt, a trailing eos is label."""
+    """Token index ranges [lo, hi) whose tokens start inside a label span; a zero-width token (bos, eos) goes with
+    the token before it."""
     n = len(offsets)
     if len(spans) == 1 and spans[0][1] >= text_len:  # one answer at the end (prompt/chosen rows): one scan
         start = spans[0][0]
@@ -187,8 +179,7 @@ BAR_MIN_ROWS = 10_000  # a smaller set tokenizes in about a second: no bar (anno
 
 @contextlib.contextmanager
 def without_bars(quiet: bool = True) -> Iterator[None]:
-    """datasets' progress bars off for the while, when `quiet`: a bar that fills in a blink is a line of noise
-    between ds_exp's own on the terminal."""
+    """datasets' progress bars off for the while, when `quiet` (a bar that fills in a blink is noise)."""
     was_disabled = datasets.are_progress_bars_disabled()
     if quiet:
         datasets.disable_progress_bars()
@@ -203,7 +194,7 @@ def encode(
     rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str, work_dir: Path | None = None
 ) -> tuple[datasets.Dataset, dict[str, int]]:
     """A datasets.Dataset with input_ids/labels (int32 lists) and counts: truncated, dropped. With `work_dir` the
-    tokens stream to an Arrow file there, batch by batch (`rows_per_batch`), instead of staying in memory."""
+    tokens stream to an Arrow file there instead of staying in memory."""
     features = datasets.Features(
         {
             **{name: datasets.List(datasets.Value("int32")) for name in encoder.token_columns},
@@ -271,13 +262,9 @@ def _longest(rows: Rows) -> Callable[[], str]:
 
 
 def pack(ds: datasets.Dataset, max_seq_len: int, *, work_dir: Path | None = None) -> datasets.Dataset:
-    """Greedily concatenate consecutive examples up to max_seq_len; labels keep each example's masking.
-
-    position_ids restart at 0 for every example, so a trainer that passes them without an attention mask
-    gets per-example causal attention from transformers (it builds block-diagonal masks from them).
-    Streams: a batch of rows is read, packed rows are written (to an Arrow file in `work_dir` when given), and
-    only the row being filled is carried to the next batch.
-    """
+    """Greedily concatenate consecutive examples up to max_seq_len; labels keep each example's masking, and
+    position_ids restart at 0 per example (transformers then attends per example). Streams batch by batch, carrying
+    only the row being filled."""
     features = datasets.Features({k: datasets.List(datasets.Value("int32")) for k in PACKED_COLUMNS})
     rows_at_once = rows_per_batch(max_seq_len)
     return ds.select_columns(["input_ids", "labels"]).map(

@@ -1,10 +1,6 @@
-"""`prepare_sft_data` and `count_train_examples`: sources -> splits -> blend -> tokenize -> cached Arrow.
-
-DeepSpeed-Chat step 1 semantics, minus its defects: each source is cut into phases by `data_split` with a
-seeded permutation and SFT takes phase 1 (sft_only sources are taken whole); a source without an eval split
-gives `eval_fraction` of its SFT share to eval; sources are concatenated and shuffled with the seed. The
-result is Arrow on disk (not a pickle), keyed on everything that changes it, and padding never gets a label.
-"""
+"""`prepare_sft_data` and `count_train_examples`: sources -> splits -> blend -> tokenize -> cached Arrow, as
+DeepSpeed-Chat step 1 does minus its defects: seeded phases by `data_split` (sft_only sources whole), `eval_fraction`
+of a source without an eval split held out, Arrow on disk keyed on everything that changes it, no label on padding."""
 
 from __future__ import annotations
 
@@ -53,9 +49,6 @@ class SFTData:
     train: datasets.Dataset  # input_ids, labels (+ position_ids when packed), unpadded int lists
     eval: datasets.Dataset  # input_ids, labels; may hold 0 rows (eval_fraction=0, no eval splits)
     stats: dict[str, Any] = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------------------------- splits
 
 
 def _sources(data: DataConfig) -> list[tuple[DataSource | None, str, bool]]:
@@ -135,12 +128,8 @@ def split_and_blend(
 
 
 def count_train_examples(data: DataConfig) -> int:
-    """SFT train examples after splits, without tokenizing (files are read; synthetic is arithmetic).
-
-    Exact unless examples are dropped at tokenization (the prompt alone fills max_seq_len) or packing is on,
-    where it is an upper bound: the number of examples before they are packed. The seed only orders rows, so
-    the count does not take it.
-    """
+    """SFT train examples after splits, without tokenizing: exact unless rows are dropped at tokenization, an upper
+    bound with packing. The seed only orders rows, so the count does not take it."""
     problems = data_config_problems(data)
     if problems:
         raise DataError("\n".join(problems))
@@ -161,9 +150,6 @@ def count_train_examples(data: DataConfig) -> int:
             n_train, n_eval = len(raw.train), len(raw.eval) if raw.eval is not None else None
         total += plan_counts(key, n_train, n_eval, sft_only, split, frac)[0]
     return total
-
-
-# ----------------------------------------------------------------------------------------------- cache key
 
 
 def save_quietly(ds: datasets.Dataset, path: Path, **options: Any) -> None:
@@ -226,8 +212,7 @@ def _code_hash() -> str:
 def cache_material(
     data: DataConfig, seed: int, tokenizer: PreTrainedTokenizerBase, template: str, eot: str
 ) -> dict[str, Any]:
-    """Everything the tokenized result depends on. Per-source templates follow from the configured template,
-    its resolution for this tokenizer and the rows (fingerprinted with the sources)."""
+    """Everything the tokenized result depends on."""
     material: dict[str, Any] = {
         "version": CACHE_VERSION,
         "code": _code_hash(),
@@ -248,9 +233,6 @@ def cache_material(
         syn = data.synthetic
         material["synthetic"] = {"num_train": syn.num_train, "num_eval": syn.num_eval, "seed": syn.seed}
     return material
-
-
-# ----------------------------------------------------------------------------------------------- build
 
 
 def _row_error(data: DataConfig, problem: str, roles: list[str], contents: list[str]) -> DataError:
@@ -285,13 +267,9 @@ def _unpaired(data: DataConfig, rows: Rows) -> DataError | None:
 def prepare_sft_data(
     data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int, pairs: bool = False
 ) -> SFTData:
-    """Tokenized train/eval sets, from the cache when the same settings were built before; `seed` (train.seed)
-    picks the phase split, the eval carve-out and the blend order. With `pairs` (preference tuning) each row is
-    encoded twice, ending on its chosen and on its rejected answer (chosen_* and rejected_* columns).
-
-    Safe to call from every rank (and every job of a sweep) at once: one process builds, the rest wait on
-    the lock and load the result. Raises DataError (one line per problem) on bad input.
-    """
+    """Tokenized train/eval sets, from the cache when the same settings were built before; `seed` picks the phase
+    split, the eval carve-out and the blend order; with `pairs` each row is encoded ending on its chosen and on its
+    rejected answer. Safe from every rank and sweep job at once (one builds, the rest wait). DataError on bad input."""
     problems = data_config_problems(data)
     if problems:
         raise DataError("\n".join(problems))

@@ -1,9 +1,6 @@
-"""Split arithmetic shared by the pipeline and `count_train_examples` (which must agree exactly).
-
-data.data_split is DeepSpeed-Chat's --data_split: the proportions of each source given to its phases 1/2/3 (SFT,
-reward model, RLHF). ds_exp trains phase 1 only, so "10,0,0" (the default of every data option) trains on every
-row; "2,4,4" (DeepSpeed-Chat's default) keeps 20% and leaves the rest to phases 2 and 3, and the data line says so.
-"""
+"""Split arithmetic shared by the pipeline and `count_train_examples` (which must agree exactly). data.data_split is
+DeepSpeed-Chat's --data_split (phases 1/2/3); ds_exp trains phase 1, so "10,0,0" trains on every row and "2,4,4"
+keeps 20%, which the data line says."""
 
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ def split_parts(value: object) -> list[object]:
 
 
 def parse_data_split(value: object) -> tuple[float, float, float]:
-    """data.data_split in any spelling -> (phase 1, phase 2, phase 3); ValueError saying what is wrong and how to
-    write it."""
+    """data.data_split in any spelling -> (phase 1, phase 2, phase 3); ValueError saying how to write it."""
     parts = split_parts(value)
     if len(parts) != 3:
         raise ValueError(f"expected 3 proportions (phases 1, 2, 3), got {len(parts)}; write {SPELLINGS}")
@@ -88,8 +84,7 @@ def eval_carve_count(n: int, fraction: float) -> int:
 
 
 def left_for_later_phases(split: tuple[float, float, float], train_rows: int, eval_rows: int) -> str | None:
-    """What the data line adds when the split leaves rows out of SFT (rows of phases 2 and 3); None when it
-    leaves none."""
+    """What the data line adds when the split leaves rows to phases 2 and 3; None when it leaves none."""
     if not train_rows and not eval_rows:
         return None
     left = f"{train_rows:,} train" + (f" and {eval_rows:,} eval" if eval_rows else "")

@@ -1,9 +1,5 @@
-"""The embedded SFT task: prompt/answer pairs generated from a seed, so the default run needs no download.
-
-Four small tasks, mixed evenly, each answer a pure function of its prompt (a perfect model reaches
-perplexity 1 on the answer tokens) and each learnable by a 2-layer attention model: copying, reversing and
-in-context key-value lookup are attention patterns, sorting digits is a small counting job. Pure Python.
-"""
+"""The embedded SFT task, generated from a seed so the default run needs no download: copying, reversing, key-value
+lookup and sorting digits, mixed evenly, each answer a pure function of its prompt and learnable by a 2-layer model."""
 
 from __future__ import annotations
 
@@ -49,10 +45,8 @@ def make_example(rng: random.Random) -> dict[str, str]:
 
 
 def generate(num_train: int, num_eval: int, seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """(train, eval) rows with prompt/chosen/rejected. Separate random streams: num_train does not move eval.
-
-    Eval prompts that also occur in train are skipped so the eval perplexity measures generalization.
-    """
+    """(train, eval) rows with prompt/chosen/rejected, from separate random streams (num_train does not move eval);
+    eval prompts that also occur in train are skipped, so eval perplexity measures generalization."""
     train_rng = random.Random(f"ds_exp-synthetic-train-{seed}")  # str seeds are stable across runs
     train = [make_example(train_rng) for _ in range(num_train)]
     seen = {row["prompt"] for row in train}

@@ -1,21 +1,10 @@
 """Templates: how a conversation becomes one text, and which characters of it are labels.
 
-* raw: the turn contents as given, concatenated, then the end-of-conversation token (DeepSpeed-Chat's rows
-  already hold " Human: ... Assistant:" in the prompt; step 1 trains on prompt + chosen + eot as is).
-* dschat: " Human: {user}" and " Assistant: {assistant}" per turn, system content as given, then the
-  end-of-conversation token after the last assistant turn (DeepSpeed-Chat's own multi-turn text).
-* chat_template: the tokenizer's chat template, rendered turn by turn to find each answer.
-* auto: chat_template when the tokenizer has one, else dschat; raw for a source whose rows carry the markers.
-
-A typed prompt is asked in the form the rows were trained in (`first_template`): raw rows that carried
-DeepSpeed-Chat's markers themselves (`row_markup`) were trained as dschat text, so generation, the export's metadata,
-`python -m ds_exp.chat` and `python -m ds_exp.evaluate` wrap a prompt in that markup; one that carries it already is
-kept as given.
-
-Labels are the assistant contents (every assistant turn), plus the end-of-conversation token (raw, dschat)
-or the end-of-turn token the chat template writes right after each answer (e.g. <|im_end|>). Headers,
-system prompts and user turns never are. Only the tokenizer object is used here: no heavy import.
-"""
+raw: the turn contents as given, then the end-of-conversation token (DeepSpeed-Chat's rows hold their markers);
+dschat: " Human: {user}" and " Assistant: {assistant}" per turn, then that token; chat_template: the tokenizer's,
+rendered turn by turn to find each answer; auto: chat_template when the tokenizer has one, else dschat, raw for
+rows with the markers. Labels are every assistant content plus the end token after it; headers, system prompts and
+user turns never are. No heavy import."""
 
 from __future__ import annotations
 
@@ -59,12 +48,9 @@ def resolve_template(template: PromptTemplate | str, tokenizer: PreTrainedTokeni
 
 
 def source_template(configured: PromptTemplate | str, resolved: str, raw: RawSource) -> str:
-    """The template of one source (a sources.RawSource), given what its rows hold.
-
-    Rows that already carry DeepSpeed-Chat's markers would be wrapped twice by dschat or a chat template:
-    that is an error naming the row, and auto picks raw for them instead. The synthetic task is plain
-    prompt/answer pairs, so raw renders it as DeepSpeed-Chat's text (dschat) would.
-    """
+    """The template of one source (a sources.RawSource), given what its rows hold: rows already carrying
+    DeepSpeed-Chat's markers would be wrapped twice by dschat or a chat template (an error naming the row; auto picks
+    raw for them). The synthetic task's plain pairs render under raw as under dschat."""
     configured = str(getattr(configured, "value", configured))
     marked, total = raw.num_marked, raw.num_rows
     if raw.key == "data.synthetic":
@@ -98,26 +84,19 @@ def source_template(configured: PromptTemplate | str, resolved: str, raw: RawSou
 
 def row_markup(raw: RawSource) -> str | None:
     """The markup a source's rows carry themselves: "dschat" when they go in as given (template raw) and at least
-    half of them hold DeepSpeed-Chat's " Human: ... Assistant:" (what auto picks raw for); None otherwise. Recorded
-    per source in the pipeline's statistics (the data cache keeps them), read by `first_template`."""
+    half hold DeepSpeed-Chat's " Human: ... Assistant:"; None otherwise (recorded in the cached statistics)."""
     return "dschat" if raw.template == "raw" and raw.num_marked and 2 * raw.num_marked >= raw.num_rows else None
 
 
-# ----------------------------------------------------------------------------------------------- render
-
-
 def first_template(stats: dict[str, Any]) -> str:
-    """How the run asks its model a prompt: the template of its (first) source, as generation during training, the
-    export's metadata and so `python -m ds_exp.chat` and `python -m ds_exp.evaluate` render one. Rows that carried
-    DeepSpeed-Chat's markers themselves (template raw) were trained as dschat text, so a typed prompt is wrapped in
-    that markup (statistics of a data cache built before ds_exp recorded it say raw)."""
+    """How the run asks its model a prompt (generation, the export's metadata, chat, evaluate): its first source's
+    template; raw rows that carried DeepSpeed-Chat's markers were trained as dschat text, so they get that markup."""
     sources = stats.get("per_source") or [{}]
     return str(sources[0].get("markup") or str(stats["template"]).split("+")[0])
 
 
 def render_prompt(prompt: str, template: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str, bool]:
-    """A user's prompt as the run's template asks the model (for generation): (text to complete, whether the
-    tokenizer adds its special tokens, as it does when training on that template)."""
+    """A user's prompt as the run's template asks the model: (text to complete, whether to add special tokens)."""
     if template == "chat_template":
         messages = [{"role": "user", "content": prompt}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False  # type: ignore[return-value]  # tokenize=False: a str (hinted as every kind)
@@ -129,8 +108,7 @@ def render_prompt(prompt: str, template: str, tokenizer: PreTrainedTokenizerBase
 def render_conversation(
     turns: Sequence[tuple[str, str]], template: str, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[str, bool]:
-    """A conversation so far, (role, content) turns ending with the user's, as the template asks the model for the
-    next answer (`python -m ds_exp.chat`); one user turn renders exactly as render_prompt."""
+    """A conversation so far (ending with the user's turn) as the template asks the model for the next answer."""
     if len(turns) == 1:
         return render_prompt(turns[0][1], template, tokenizer)
     if template == "chat_template":
@@ -185,12 +163,8 @@ def _render_pieces(pieces: list[tuple[str, str]], roles: Sequence[str], eot: str
 def render_chat(
     tokenizer: PreTrainedTokenizerBase, roles: Sequence[str], contents: Sequence[str], specials: Sequence[str]
 ) -> tuple[str, list[Span]]:
-    """The tokenizer's chat template; spans found by rendering each answer's prefix.
-
-    For assistant turn i, the template's text of turns[:i] with the generation prompt ends where the answer
-    starts (headers and default system prompts before it stay prompt); the answer ends where its content
-    does, plus the special token the template writes right after it (its end of turn, e.g. <|im_end|>).
-    """
+    """The tokenizer's chat template. Assistant turn i starts where turns[:i] rendered with the generation prompt
+    ends, and ends with its content plus the token the template writes right after it (e.g. <|im_end|>)."""
     messages = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
 
     def apply(turns: list[dict[str, str]], generation: bool = False) -> str:

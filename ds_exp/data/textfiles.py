@@ -1,7 +1,6 @@
 """Data files as text: `.gz` read transparently, a UTF-8 byte order mark dropped (and noted once), a binary file
 named like text refused with what it looks like, and JSON objects with a repeated key refused (json keeps the
-last value silently). Pure standard library.
-"""
+last value silently). Pure standard library."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ log = logging.getLogger(__name__)
 
 BOM = "\ufeff"
 _GZIP = b"\x1f\x8b"
-# Leading bytes of files that are not text -> (what the file is, the fix; {name} is the file's name).
-# Each holds bytes that no text file starts with (invalid UTF-8 or control characters): text never matches.
+# Leading bytes of files that are not text (no text file starts with them) -> (what it is, the fix)
 _SIGNATURES: tuple[tuple[bytes, str, str], ...] = (
     (_GZIP, "gzip-compressed", "rename it to {name}.gz (gzip files are read directly)"),
     (b"PK\x03\x04", "a zip archive", "unzip it and point the path at the file inside"),
@@ -56,8 +54,7 @@ def _what_it_is(path: Path, head: bytes) -> tuple[str, str] | None:
 
 
 def check_not_binary(path: Path, key: str, fmt: str) -> None:
-    """Refuse a file whose first bytes say it is not `fmt` text (a gzip file named .jsonl, Parquet named .csv), and
-    a FIFO or a device before it is opened."""
+    """Refuse a file whose first bytes say it is not `fmt` text (a gzip file named .jsonl), or a FIFO or device."""
     if (special := special_file_problem(key, path)) is not None:
         raise DataError(special)
     with path.open("rb") as fh:
@@ -110,12 +107,9 @@ def starts_with_bom(path: Path) -> bool:
         return False  # the reader reports it
 
 
-# ----------------------------------------------------------------------------------------------- JSON
-
-
 class StrictJSON:
-    """A reusable decoder (one per file: json.loads(s, **kw) builds a new one per call) that remembers every
-    object holding a key twice. `repeated` lists (key, object) of the last document decoded."""
+    """A reusable decoder (json.loads(s, **kw) builds one per call) that remembers every object holding a key twice:
+    `repeated` lists (key, object) of the last document decoded."""
 
     def __init__(self) -> None:
         self.repeated: list[tuple[str, dict[str, Any]]] = []

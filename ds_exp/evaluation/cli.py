@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output", type=path_text, help="where the scores go (default RUN_DIR/eval, or RUN_DIR/eval/<export>)"
     )
+    p.add_argument("--base", type=path_text, help="where the run's base model (model.name_or_path) is now, if moved")
     return p
 
 

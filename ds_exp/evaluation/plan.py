@@ -25,6 +25,7 @@ from ds_exp.exports.on_disk import (
     step_export_dir,
 )
 from ds_exp.launch.storage import check_writable
+from ds_exp.resume.settings import moved_base
 from ds_exp.resume.store import COMPLETE_MARKER
 
 FEW = "give a number of questions >= 1, a fraction in (0, 1), or leave it out"
@@ -45,6 +46,10 @@ class Plan:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     run_dir, model_dir, checkpoint, cfg, pair = _target(args.target)
+    if cfg is None and args.base:
+        raise ConfigError(f"--base: {args.target} is not a run's, so it has no base model to find; leave it out")
+    if cfg is not None and (args.base or checkpoint is not None or (pair and not args.no_base)):
+        cfg.model = moved_base(cfg.model, args.base)  # the base is built (an export first, its scores)
     harness = _options(args, cfg)
     problems = [] if harness.limit is None or harness.limit > 0 else [f"--limit={harness.limit}: {FEW}"]
     problems += device_problems(harness.device, "--device", detect_accelerator())  # --batch-size, --num-fewshot:

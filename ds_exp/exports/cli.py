@@ -35,6 +35,7 @@ from ds_exp.launch.console import entry_point
 from ds_exp.launch.flags import SEED, FlagParser, number, path_text, whole
 from ds_exp.launch.run_logging import hold_library_logs
 from ds_exp.launch.storage import check_writable
+from ds_exp.resume.settings import moved_base
 from ds_exp.resume.store import read_marker
 
 # devices a model can be moved to for chat: the CPU, CUDA (ROCm too), Apple's MPS, Intel's XPU, with an index
@@ -102,6 +103,7 @@ def export_parser() -> argparse.ArgumentParser:
         choices=["auto", "fp32", "bf16", "fp16"],
         help="the weights' dtype (default: the run's train.export_dtype; auto = the base checkpoint's)",
     )
+    p.add_argument("--base", type=path_text, help="where the run's base model (model.name_or_path) is now, if moved")
     return p
 
 
@@ -154,6 +156,7 @@ def _export(argv: list[str]) -> int:
     tag_dir = find_checkpoint(args.checkpoint)
     run_dir = run_dir_of(tag_dir)
     cfg = run_config(run_dir, tag_dir)  # with the model section the checkpoint was trained with
+    cfg.model = moved_base(cfg.model, args.base)
     step, marker = checkpoint_step(tag_dir), read_marker(tag_dir)
     settings = marker.get("settings") or {}
     lora = settings.get("lora") if "lora" in settings else (cfg.lora.dim > 0 or None)

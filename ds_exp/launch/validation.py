@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.ds_config import check_overrides_obeyed, optimizer_needs
-from ds_exp.config.features import CheckFacts, feature_problems
+from ds_exp.config.features import CheckFacts, feature_problems, feature_settings
 from ds_exp.config.place_checks import chdir_problems
 from ds_exp.config.precision import detect_accelerator
 from ds_exp.config.schema import Config, to_config
@@ -29,7 +29,8 @@ def validate(cfg: Config, accelerator: str | None = None, run_dir: Path | None =
     problems, ds = config_problems(cfg, accelerator=accelerator, world_size=world, run_dir=run_dir)
     problems += data_config_problems(cfg.data)
     needs = frozenset(path for path, *_ in optimizer_needs(cfg.optimizer, ds)) if ds else frozenset()
-    problems += feature_problems(cfg, CheckFacts(world, accelerator, ds, run_dir, needs))  # each its own settings
+    facts = CheckFacts(world, accelerator, ds, run_dir, needs)
+    problems += feature_problems(feature_settings(cfg), facts)  # each its own settings
     if problems:
         raise ConfigError(problems)
     return ds

@@ -15,7 +15,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
-from ds_exp.config.features import feature_hooks
+from ds_exp.config.features import feature_hooks, feature_settings
 from ds_exp.config.model_checks import checkpoint_error
 from ds_exp.config.schema import Config
 from ds_exp.core import compat
@@ -70,7 +70,9 @@ def build_model(
 ) -> BuiltModel:
     """The model to train (ZeRO-3: inside deepspeed.zero.Init). `hooks`: the features' ModelHooks (None: those cfg turns
     on); `auto_class`: the objective's."""
-    points = [hook for hook in (feature_hooks(cfg) if hooks is None else hooks) if isinstance(hook, ModelHooks)]
+    points = [
+        h for h in (feature_hooks(feature_settings(cfg)) if hooks is None else hooks) if isinstance(h, ModelHooks)
+    ]
     build = ModelBuild(
         config=build_model_config(cfg.model, tokenizer),
         ds_config=ds_config,

@@ -32,10 +32,8 @@ BRANCH_EXPORTS = "exports"  # branches/<branch>/exports/: the Hugging Face expor
 
 
 def save_verdict(checkpoint_dir: Path, path: Path, state: TrainState) -> str | None:
-    """Rank 0, before a save at `path`: "same" when a complete checkpoint there holds exactly these weights (this
-    branch reached this step already); a refusal when it is another run's; None to save. A complete checkpoint of
-    another branch of this run is set aside first (set_aside_branch moved it at the resume already, unless the
-    directory was left so by an older ds_exp)."""
+    """Rank 0, before a save at `path`: "same" when a complete checkpoint there holds exactly these weights; a
+    refusal when it is another run's; None to save (a complete checkpoint of another branch is set aside first)."""
     if not (path / COMPLETE_MARKER).is_file():
         return None
     marker = read_marker(path)
@@ -61,9 +59,8 @@ def save_verdict(checkpoint_dir: Path, path: Path, state: TrainState) -> str | N
 
 
 def rotated(checkpoint_dir: Path, state: TrainState, keep_last: int) -> list[Path]:
-    """The checkpoints rotation deletes after a save at state.step: this run's complete ones older than it, all but
-    the newest keep_last - 1 (so keep_last counts the one just written, which is never among them). Another run's
-    checkpoints (a shared directory) and anything newer are never touched."""
+    """The checkpoints rotation deletes after a save at state.step: this run's complete older ones, all but the
+    newest keep_last - 1 (keep_last counts the one just written). Another run's checkpoints are never touched."""
     if keep_last <= 0:
         return []
     older = [
@@ -85,9 +82,8 @@ def belongs_to(tag_dir: Path, run_dir: Path, marker: dict[str, Any] | None = Non
 
 
 def is_same_run(tag_dir: Path, run_dir: Path, checkpoint_dir: Path) -> bool:
-    """Whether a resume from `tag_dir` continues the run of `run_dir` (else it starts a run of its own, with a new
-    run_id, from another directory's weights): it was written by this run directory, into this checkpoint
-    directory (checkpoints of older ds_exp versions do not record their run directory: where they lie says it)."""
+    """Whether a resume from `tag_dir` continues the run of `run_dir` (else it starts a run of its own): written by
+    this run directory into this checkpoint directory (an older checkpoint records none: where it lies says)."""
     written_by = read_marker(tag_dir).get("run_dir")
     here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
     return here and (written_by is None or written_by == str(run_dir.resolve()))
@@ -126,13 +122,10 @@ class SetAside:
 
 
 def set_aside_branch(checkpoint_dir: Path, resumed_from: Path, run_dir: Path, exports: Sequence[Path] = ()) -> SetAside:
-    """Rank 0, once a resume is decided and loaded, before anything is written: this run directory's checkpoints
-    that are not on the resumed trajectory (a step past the one resumed from, or all of them when it came from
-    another directory) form an abandoned branch, moved with their conversions into branches/<time>-resumed-at-step
-    <N>/. Incomplete ones past the step go with them when there is a branch, and so do `exports`, the Hugging Face
-    exports made on it (ds_exp.exports.on_disk.exports_off_trajectory tells them), into its exports/ folder. Without
-    a branch (a resume after a kill past the newest checkpoint continues the same trajectory) nothing moves.
-    `latest` is pointed at the newest complete checkpoint left (removed if none)."""
+    """Rank 0, once a resume is loaded, before anything is written: this run directory's checkpoints off the resumed
+    trajectory (past its step, or all when it came from another directory), with their conversions, incomplete ones
+    past the step and `exports` made on them, move to branches/<time>-resumed-at-step<N>/. `latest` then points at
+    the newest complete checkpoint left (removed if none)."""
     step = _step_of(resumed_from)
     here = resumed_from.parent.resolve() == checkpoint_dir.resolve()
     off_trajectory = [c for c in step_dirs(checkpoint_dir) if not (here and _step_of(c) <= step)]
@@ -163,8 +156,7 @@ def _move_exports(exports: Sequence[Path], target: Path) -> tuple[list[str], lis
 
 
 def move_branch(checkpoint_dir: Path, tag_dirs: list[Path], step: int) -> Path:
-    """Move `tag_dirs` and their conversions into a new branches/<time>-resumed-at-step<step>/ (renames on one file
-    system: nothing is copied or deleted). Returns that directory."""
+    """Move `tag_dirs` and their conversions into a new branches/<time>-resumed-at-step<step>/ (renames only)."""
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     target = checkpoint_dir / BRANCHES / f"{stamp}-resumed-at-step{step}"
     n = 1

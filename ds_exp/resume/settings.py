@@ -1,34 +1,28 @@
 """What a checkpoint was written with, and whether this run can continue from it.
 
-Each checkpoint's marker (ds_exp_complete.json) records the settings that fix the shapes and the partitioning of
-what it holds: the model, LoRA (rank, alpha, targets, modules to save, DoRA, rsLoRA, quantization), the vocabulary
-padding, the ZeRO stage, offload, precision, the optimizer (its state) and the world size. DeepSpeed's universal
-format carries Adam's moments only: another optimizer's checkpoint is refused a layout change (not_universal).
-dist.sequence_parallel_size is recorded but is no layout: under Ulysses, ZeRO partitions over all data-parallel x
-sequence-parallel ranks, so a checkpoint's files depend on the world size alone and load under any N (the global
-batch, micro x accumulation x world / N, must stay: ds_exp/resume/trajectory.py). What cannot be done is a layout change
-(the universal path) with sequence parallelism on either side: refused (see universal_problem).
-A changed world size, ZeRO stage or offload (the layout) is followed by converting the checkpoint once into
-DeepSpeed's universal format (ds_exp/checkpoint/universal.py); a resume with any other of them changed is refused before
-anything is written (Hydra's callback calls `check_resume_target` before the run directory is touched), naming each
-change. Light: no torch, no deepspeed.
-"""
+Each checkpoint's marker records the settings that fix the shapes and partitioning of what it holds (model, LoRA,
+vocabulary padding, ZeRO stage, offload, precision, optimizer, world size). A changed layout (world size, ZeRO stage,
+offload) is converted once to DeepSpeed's universal format, which carries Adam's moments only and fails under
+sequence parallelism; dist.sequence_parallel_size is no layout (ZeRO partitions over all ranks). Any other change
+is refused before anything is written, naming each change. Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+import os
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from ds_exp.config.batch import data_parallel_size, global_batch_size
 from ds_exp.config.ds_config import merged_ds_config
 from ds_exp.config.lora_checks import scope_of
+from ds_exp.config.model_checks import looks_like_local_path
 from ds_exp.config.optimizers import OPTIMIZERS
 from ds_exp.config.precision import decide_precision, detect_accelerator, supports_bf16
 from ds_exp.config.schema import Config, LoraConfig, ModelConfig, plain_tree
 from ds_exp.config.secrets import redact
-from ds_exp.core.errors import ResumeError
+from ds_exp.core.errors import ConfigError, ResumeError
 from ds_exp.resume.store import find_resume_checkpoint, read_marker
 from ds_exp.resume.trajectory import check
 
@@ -45,8 +39,7 @@ LAYOUT = ("world_size", "zero_stage", "offload")
 
 
 def model_section(model: ModelConfig) -> dict[str, Any]:
-    """The `model` section as plain JSON values (credentials blanked): what each checkpoint records of the model it
-    trained (TrainState.model_config), which its export (`python -m ds_exp.export`) rebuilds."""
+    """The `model` section as plain JSON values (credentials blanked), as each checkpoint records it."""
     found = redact(plain_tree(asdict(model)))
     return found if isinstance(found, dict) else {}
 
@@ -91,16 +84,54 @@ def lora_settings(lora: LoraConfig, model_scope: str | None = None) -> dict[str,
     return {**found, **{key: value for key, value in extra.items() if value not in (None, [], False)}}
 
 
-def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """One line per setting that differs (settings the checkpoint did not record, or that are unknown now, are
-    not compared)."""
+def changes(saved: dict[str, Any], current: dict[str, Any], *, hashed: bool = False) -> list[str]:
+    """One line per setting that differs (unrecorded or unknown ones are not compared). A model is the same however
+    spelled (a trailing slash); with `hashed` (the build checks the frozen base's SHA-256) any place holding it."""
     lines = []
     for key, why in _WHY.items():
         if key not in saved or (key != "lora" and (saved[key] is None or current.get(key) is None)):
             continue
-        if _norm(saved[key]) != _norm(current[key]):
-            lines.append(f"{key}: {_show(saved[key])} in the checkpoint, {_show(current[key])} now ({why})")
+        before, now = saved[key], current[key]
+        if (
+            key == "model"
+            and isinstance(before, str)
+            and isinstance(now, str)
+            and (hashed or _place(before) == _place(now))
+        ):
+            continue
+        if _norm(before) != _norm(now):
+            lines.append(f"{key}: {_show(before)} in the checkpoint, {_show(now)} now ({why})")
     return lines
+
+
+def _place(name: str) -> str:
+    return os.path.normpath(os.path.expanduser(name))
+
+
+def base_gone(name: str | None) -> bool:
+    """Whether `name` (a model.name_or_path) is a local directory that no longer exists."""
+    return name is not None and looks_like_local_path(name) and not Path(name).expanduser().exists()
+
+
+def moved_base(model: ModelConfig, to: str | None) -> ModelConfig:
+    """For export and evaluate (they read a run's saved config): its `model` section with the base where it is now
+    (`to`: --base DIR; the build checks the frozen weights' SHA-256); refused when the recorded directory is gone."""
+    if to is None:
+        if base_gone(model.name_or_path):
+            raise ConfigError(
+                f"the base model directory is gone: {model.name_or_path} (the run's model.name_or_path) no longer "
+                "exists; give --base DIR, where it is now"
+            )
+        return model
+    if model.name_or_path is None:
+        raise ConfigError("--base: the run built its model from model.arch, without a base directory; leave it out")
+    place = Path(to).expanduser().absolute()
+    if not (place / "config.json").is_file():
+        raise ConfigError(f"--base={to}: no config.json there; give the directory {model.name_or_path} moved to")
+    tokenizer = model.tokenizer
+    if tokenizer is not None and _place(tokenizer) == _place(model.name_or_path):
+        tokenizer = str(place)
+    return replace(model, name_or_path=str(place), tokenizer=tokenizer)
 
 
 def layout_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -124,11 +155,9 @@ def sequence_parallel_change(saved: dict[str, Any], current: dict[str, Any]) -> 
 
 
 def universal_problem(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """Why a checkpoint whose layout changed cannot go through the universal format, when sequence parallelism is on
-    at either end: DeepSpeed 0.19.8 takes the sequence-parallel groups for tensor parallelism there (its mpu aliases
-    the model-parallel size to N): a checkpoint written under N > 1 records tensor-parallel degree N with one
-    model file, which ds_to_universal rejects, and the universal loader asks the sequence-parallel mpu for
-    tensor-parallel groups it does not have."""
+    """Why a changed layout cannot go through the universal format with sequence parallelism at either end: DeepSpeed
+    0.19.8 takes the sequence-parallel groups for tensor parallelism (ds_to_universal rejects the checkpoint, the
+    universal loader asks for groups it does not have)."""
     before, now = saved.get("sequence_parallel_size", 1), current.get("sequence_parallel_size", 1)
     if (before == 1 and now == 1) or not needs_universal(saved, current):
         return None
@@ -143,8 +172,7 @@ def universal_problem(saved: dict[str, Any], current: dict[str, Any]) -> str | N
 
 
 def not_universal(saved: dict[str, Any]) -> str | None:
-    """Why a checkpoint's optimizer state cannot go through DeepSpeed's universal format (a checkpoint without the
-    setting was written with AdamW, which it can)."""
+    """Why a checkpoint's optimizer state cannot go through DeepSpeed's universal format (unrecorded: AdamW, it can)."""
     name = saved.get("optimizer") or "adamw"
     entry = OPTIMIZERS.get(str(name))
     if entry is None or entry.universal:
@@ -169,8 +197,8 @@ def optimizer_universal_problem(saved: dict[str, Any], current: dict[str, Any]) 
 
 
 def needs_universal(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether the checkpoint must be converted to DeepSpeed's universal format to be loaded with `current`. At
-    ZeRO stage 0 on both sides rank 0 saved the whole optimizer state, which any world size loads as it is."""
+    """Whether the checkpoint must go through DeepSpeed's universal format to load with `current` (not at ZeRO 0 on
+    both sides: rank 0 saved the whole optimizer state)."""
     found = layout_changes(saved, current)
     both_stage0 = saved.get("zero_stage") == 0 and current.get("zero_stage") == 0
     return bool(found) and not (both_stage0 and all(line.startswith("world_size:") for line in found))
@@ -188,8 +216,16 @@ def _show(value: Any) -> str:
 
 def check_resume(resume: str | None, tag_dir: Path, current: dict[str, Any]) -> None:
     """Refuse to continue from `tag_dir` (what `resume` names) when a setting it depends on changed."""
-    saved = read_marker(tag_dir).get("settings") or {}
-    found = changes(saved, current)
+    marker = read_marker(tag_dir)
+    saved, hashed = marker.get("settings") or {}, bool((marker.get("base") or {}).get("sha256"))
+    model = saved.get("model")
+    if hashed and isinstance(model, str) and base_gone(model) and _place(model) == _place(str(current.get("model"))):
+        raise ResumeError(
+            f"resume={resume}: the base model directory is gone: {model} (the base {tag_dir} was trained on) no "
+            "longer exists; point model.name_or_path at where it is now (its weights are checked against the "
+            "SHA-256 the checkpoint records)"
+        )
+    found = changes(saved, current, hashed=hashed)
     for problem in (universal_problem(saved, current), optimizer_universal_problem(saved, current)):
         if problem is not None:
             found.append(problem)
@@ -207,9 +243,7 @@ def check_resume(resume: str | None, tag_dir: Path, current: dict[str, Any]) -> 
 
 
 def check_resume_target(cfg: Config, run_dir: Path, world: int) -> None:
-    """The checkpoint `resume` names exists, is complete and was written with this run's settings and global batch
-    (`world`: the world size this launch has; ds_exp.resume.trajectory checks the rest of its course once the data
-    are known)."""
+    """The checkpoint `resume` names exists, is complete and was written with this run's settings and global batch."""
     tag_dir = find_resume_checkpoint(cfg.resume, run_dir, cfg.train.checkpoint_dir)
     if tag_dir is None:
         return

@@ -28,32 +28,28 @@ class TrainState:
     step_in_epoch: int = 0  # optimizer steps done within `epoch`
     # each tracker's run id by its table's run_id_key (ds_exp.config.trackers): a resume continues the same runs
     trackers: dict[str, str] = field(default_factory=dict)
-    # the loss sums of the metric window still open when a stop signal came, so that the resumed run's next
-    # metric line covers the same steps as an uninterrupted run's (summed over ranks)
+    # the loss sums of the metric window open at a stop signal, so the resumed run's next metric line covers the
+    # same steps as an uninterrupted run's
     window_loss_sum: float = 0.0
     window_label_tokens: float = 0.0
     window_sums: list[float] = field(default_factory=list)  # the objective's more sums (ds_exp.train.step.Objective)
     initial_eval: dict[str, float] | None = None  # the run's first evaluation, for its summary after a resume
     # what the run's course depends on (ds_exp.resume.trajectory): a resume says what changed, or refuses
     trajectory: dict[str, Any] | None = None
-    # the run that wrote the checkpoint (kept across resumes in its own run directory, a new one when a run continues
-    # another directory's checkpoint): rotation only ever deletes this run's checkpoints
+    # the run that wrote the checkpoint: rotation only ever deletes this run's checkpoints
     run_id: str | None = None
-    # the stretch of the trajectory: a new id each time a process starts training (fresh or resumed), so a
-    # checkpoint at the same step holds the same weights only when its branch is this one
+    # a new id each time a process starts training: a checkpoint at the same step holds the same weights only when
+    # its branch is this one
     branch: str | None = None
     run_dir: str | None = None  # the run directory that wrote it (a checkpoint directory may be shared)
     # what the checkpoint depends on (ds_exp.resume.settings_of): a resume with other values is refused
     settings: dict[str, Any] | None = None
-    # the `model` section of the config that trained the weights (a resume may change model.rope_scaling, ...): its
-    # export (`python -m ds_exp.export`) rebuilds the model with it, not with a later attempt's
+    # the `model` section that trained the weights (a resume may change it): its export rebuilds the model with it
     model_config: dict[str, Any] | None = None
-    # the frozen weights (LoRA's base) the checkpoint leaves out, as they were built (ds_exp.checkpoint.frozen:
-    # tensors, elements, sha256, source): a resume or an export builds them again and continues only on the same ones;
-    # None for a checkpoint that holds every weight
+    # the frozen weights (LoRA's base) the checkpoint leaves out, as built (ds_exp.checkpoint.frozen): a resume or an
+    # export continues only on the same ones; None when the checkpoint holds every weight
     base: dict[str, Any] | None = None
-    # markers written before the trackers' ids were one mapping held one field per tracker: read into `trackers`
-    # (never written again; a tracker added since has only its key in `trackers`)
+    # older markers held one field per tracker: read into `trackers`, never written again
     wandb_run_id: InitVar[str | None] = None
     mlflow_run_id: InitVar[str | None] = None
 
@@ -72,20 +68,12 @@ def tag_for(step: int) -> str:
 
 def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
     """Complete checkpoint directories, oldest first."""
-    if not checkpoint_dir.is_dir():
-        return []
-    found = []
-    for child in checkpoint_dir.iterdir():
-        match = _TAG.match(child.name)
-        if match and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
+    return [tag_dir for tag_dir in step_dirs(checkpoint_dir) if is_complete(tag_dir)]
 
 
 def is_complete(tag_dir: Path) -> bool:
-    """A checkpoint is complete only when its marker is the JSON object ds_exp writes last: an empty, cut-short or
-    edited marker (a file system that lost its last write) says nothing, so the checkpoint counts as incomplete
-    everywhere (resume, rotation, `latest`, a conversion), as if the marker were missing."""
+    """Complete only when its marker is the JSON object ds_exp writes last: an empty, cut-short or edited marker
+    counts as missing everywhere (resume, rotation, `latest`, a conversion)."""
     return bool(read_marker(tag_dir))
 
 
@@ -99,9 +87,7 @@ def read_marker(tag_dir: Path) -> dict[str, Any]:
 
 
 def resume_wanted(resume: str | None, launcher: str) -> str | None:
-    """What a run continues from, the one rule: the `resume` setting as given, except that a submitit job without
-    one continues its own directory (auto): SLURM requeues a preempted or stopped job into the same directory, where
-    it must go on from its last checkpoint rather than start over. `launcher`: ds_exp.launch.environment's."""
+    """What a run continues from: `resume` as given, but auto for a submitit job without one (SLURM requeues it)."""
     if resume is None and launcher == "submitit":
         return "auto"
     return resume
@@ -158,7 +144,7 @@ def not_complete(tag_dir: Path) -> str | None:
         return None
     marker = tag_dir / COMPLETE_MARKER
     why = f"its {COMPLETE_MARKER} is empty or unreadable" if marker.exists() else f"it has no {COMPLETE_MARKER}"
-    others = [c for c in complete_checkpoints(tag_dir.parent) if c != tag_dir and is_complete(c)]
+    others = [c for c in complete_checkpoints(tag_dir.parent) if c != tag_dir]
     fallback = f"; the newest complete checkpoint beside it is {others[-1]}" if others else ""
     return f"{tag_dir} is not a complete checkpoint ({why}: its save was interrupted, or is still running){fallback}"
 

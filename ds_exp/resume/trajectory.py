@@ -1,15 +1,6 @@
-"""What a resume with changed settings does to the run's course, said before it happens.
-
-Each checkpoint records the run's trajectory: the steps its schedule spans, the warmup, the learning rate, the
-schedule, the global batch and the data it draws from. A resume compares them with the run's own:
-* the length (train.max_steps / epochs), the learning rate, the schedule and its warmup may change on purpose
-  (training longer is the common case): the run goes on, the schedule is recomputed at the resumed step (ds_exp
-  fast-forwards it instead of loading it, so the new settings take effect), and one line per change says what it
-  does, e.g. "the cosine schedule is recomputed over 8 steps instead of 4; the learning rate for step 5 is 5.0e-04
-  instead of 0.0e+00";
-* the global batch or the data cannot change: the position in the epoch (counted in samples of this data in this
-  order) would point elsewhere. The resume is refused, with the fix.
-"""
+"""What a resume with changed settings does to the run's course, said before it happens. The length, learning rate,
+schedule and warmup may change (the schedule is recomputed at the resumed step, one line per change saying what it
+does); the global batch and the data cannot (the position in the epoch would point elsewhere): refused, with the fix."""
 
 from __future__ import annotations
 
@@ -32,9 +23,8 @@ def trajectory_of(
     world_size: int,
     data_key: str,
 ) -> dict:
-    """What the course of this run depends on (JSON values; recorded in each checkpoint): its length, warmup,
-    learning rate (optimizer.lr), schedule, global batch and data. `world_size`: the ranks that draw different
-    samples (the data-parallel size, ds_exp.config.batch.data_parallel_size)."""
+    """What the course of this run depends on (recorded in each checkpoint): length, warmup, learning rate,
+    schedule, global batch and data. `world_size`: the data-parallel size."""
     return {
         "total_steps": total_steps,
         "warmup_steps": warmup_steps,
@@ -51,8 +41,7 @@ LrAt = Callable[[dict, int], "float | None"]  # a trajectory's learning rate aft
 
 
 def changes(saved: dict, current: dict, step: int, lr_at: LrAt | None = None) -> tuple[list[str], list[str]]:
-    """(what the resume changes, what it cannot change) between a checkpoint's trajectory and the run's; with
-    `lr_at`, the change's effect on the next step's learning rate is said too."""
+    """(what the resume changes, what it cannot change); with `lr_at`, also the next step's learning rate."""
     refused = []
     if saved.get("global_batch") not in (None, current["global_batch"]):
         refused.append(
@@ -98,8 +87,7 @@ def _complete(trajectory: dict) -> bool:
 def check(
     resume: str | None, saved: dict | None, current: dict, step: int, tag_dir: Path, lr_at: LrAt | None = None
 ) -> list[str]:
-    """Raise ResumeError for what cannot change (of `tag_dir`, which `resume` names); return the lines that say what
-    the resume changes."""
+    """Raise ResumeError for what cannot change; return the lines that say what the resume changes."""
     if not saved:
         return []  # written before checkpoints recorded their trajectory
     said, refused = changes(saved, current, step, lr_at)

@@ -20,7 +20,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from ds_exp.config.ds_config import IgnoredOverride
-from ds_exp.config.features import objective_problems
+from ds_exp.config.features import feature_settings, objective_problems
 from ds_exp.config.schema import to_config
 from ds_exp.config.secrets import redact_text
 from ds_exp.core.compat import optuna_trial_of
@@ -144,7 +144,8 @@ class StudySweeper(Sweeper):
             )
         self.check_composes(space)
         if self.objective not in OBJECTIVES:  # a feature's number (harness.<task>.<metric>): the trials must report it
-            problems = objective_problems(to_config(self.config), self.objective, key="hydra.sweeper.objective")
+            found = feature_settings(to_config(self.config))
+            problems = objective_problems(found, self.objective, key="hydra.sweeper.objective")
             if problems:
                 raise ConfigError(problems)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ds_exp.config.ds_config import get_path, replaced_by_config_file
-from ds_exp.config.features import plan_notes
+from ds_exp.config.features import feature_settings, plan_notes
 from ds_exp.config.memory_plan import (
     estimate_model_states,
     human_bytes,
@@ -67,7 +67,7 @@ def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> 
     notes = [
         *replaced_by_config_file(cfg.deepspeed.config_file, cfg.optimizer, cfg.scheduler, plan.total_steps),
         *max_seq_len_notes(cfg.model, cfg.data.max_seq_len),
-        *plan_notes(cfg),
+        *plan_notes(feature_settings(cfg)),
     ]
     if from_arch:
         notes.insert(0, arch_note(cfg.model))

@@ -1,6 +1,6 @@
 """The supervised fine-tuning recipe (DeepSpeed-Chat step 1's main.py, readable and exact), top to bottom:
 
-    hooks = RunHooks(feature_hooks(cfg))       # the features this run turns on, each given its own settings
+    hooks = RunHooks(feature_hooks(feature_settings(cfg)))  # the features this run turns on, each its own settings
     with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/train/session.py
         session.start()
         run.work = setup(cfg, session, hooks)  # named steps: model config, data, plan, resume point, model, engine
@@ -28,7 +28,7 @@ from ds_exp.checkpoint.checkpointer import Checkpointer
 from ds_exp.checkpoint.frozen import built_base
 from ds_exp.checkpoint.universal import PARAM_NAMES_KEY, ds_config_for_load, param_names
 from ds_exp.config.ds_config import replaced_by_config_file
-from ds_exp.config.features import feature_hooks
+from ds_exp.config.features import feature_hooks, feature_settings
 from ds_exp.config.memory_plan import checkpoint_bytes, optimizer_state
 from ds_exp.config.model_checks import max_seq_len_notes
 from ds_exp.config.optimizer_settings import OptimizerConfig
@@ -76,7 +76,7 @@ file_log = logging.getLogger(FILE_LOGGER)
 
 def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train under whatever launcher started this process; write metrics, summary, checkpoints and export."""
-    hooks = RunHooks(feature_hooks(cfg))  # the features this run turns on, each with its own settings
+    hooks = RunHooks(feature_hooks(feature_settings(cfg)))  # the features this run turns on, each with its own settings
     with Session(cfg, run_dir) as session:
         run = Run(session, hooks)
         try:

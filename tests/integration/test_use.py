@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tests.integration.test_harness import task_yaml
-from tests.training import FAST, launch, user_env
+from tests.training import FAST, launch, train_here, user_env
 
 PROMPT = "repeat the words: apple cat dog"
 
@@ -520,6 +521,57 @@ def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(
     ids = torch.randint(0, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_lora_run_whose_base_moved_is_resumed_exported_and_scored_from_where_it_is_now(tmp_path, cache_dir, capsys):
+    """Issue 39 §6: a LoRA run's base is known by the SHA-256 of its frozen weights, not by its path. Moved (the
+    same bytes), it is named again with model.name_or_path=<new place> (resume) or --base (export, evaluate); where
+    it was is said to be gone, with that fix; another model at the new place is refused."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from ds_exp.core.errors import ConfigError
+    from ds_exp.evaluation.cli import parser
+    from ds_exp.evaluation.plan import make_plan
+    from ds_exp.resume.store import read_marker
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "ds_exp" / "assets" / "tokenizer")
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=len(tokenizer)
+    )
+    for seed, name in ((0, "base"), (1, "other")):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    base, moved, run_dir = tmp_path / "base", tmp_path / "moved", tmp_path / "run"
+    lora = ["model=local", "lora.dim=8", "train.save_every=1"]
+    run = train_here(run_dir, *FAST, *lora, f"model.name_or_path={base}/", "train.max_steps=2", cache_dir=cache_dir)
+    assert run.ok, run.explain()
+    base.rename(moved)
+    step1, step2 = run_dir / "checkpoints" / "step1", run_dir / "checkpoints" / "step2"
+    gone = f"the base model directory is gone: {base}/"
+
+    again = train_here(run_dir, "resume=auto", "train.max_steps=3")
+    assert again.proc.returncode == 2 and gone in again.proc.stderr, again.explain()
+    assert "point model.name_or_path at where it is now" in again.proc.stderr
+    capsys.readouterr()
+    assert export(step1, tmp_path / "e1") == 2
+    assert f"{gone} (the run's model.name_or_path) no longer exists; give --base DIR" in capsys.readouterr().err
+    assert export(step1, tmp_path / "e1", "--base", moved) == 0
+    adapter = json.loads((tmp_path / "e1_adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(moved)
+    with pytest.raises(ConfigError, match=re.escape(gone)):
+        make_plan(parser().parse_args([str(step2), "ds_exp_synthetic"]))
+    plan = make_plan(parser().parse_args([str(step2), "ds_exp_synthetic", "--base", str(moved)]))
+    assert plan.checkpoint == step2 and plan.cfg is not None and plan.cfg.model.name_or_path == str(moved)
+
+    other = train_here(run_dir, "resume=auto", "train.max_steps=3", f"model.name_or_path={tmp_path / 'other'}")
+    assert other.proc.returncode != 0 and "the frozen base weights it continues are not those" in other.proc.stderr
+    assert not (run_dir / "checkpoints" / "step3").exists()
+    again = train_here(run_dir, "resume=auto", "train.max_steps=3", f"model.name_or_path={moved}")
+    assert again.ok, again.explain()
+    assert again.summary["resumed_from"] == str(step2)
+    assert read_marker(run_dir / "checkpoints" / "step3")["settings"]["model"] == str(moved)
 
 
 @pytest.mark.slow  # the SmolLM2 fixture (cached after its first build)

@@ -6,6 +6,7 @@ exported merged and as an adapter that agree, and resumed exactly."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,6 +137,17 @@ def test_checkpoints_depend_on_every_lora_option(compose_cfg):
     ]:
         found = changes({"lora": base}, {"lora": lora_settings(compose_cfg("lora.dim=8", override).lora)})
         assert len(found) == 1 and found[0].startswith("lora: "), (override, found)
+
+
+def test_a_base_model_is_known_by_its_place_however_spelled_or_by_its_hash():
+    """Issue 39 §6: a trailing slash is the same model; another place is another model, unless the checkpoint
+    records its frozen base's SHA-256 (the build checks it then)."""
+    assert changes({"model": "/data/base/"}, {"model": "/data/base"}) == []
+    assert changes({"model": "~/base"}, {"model": str(Path("~/base").expanduser()) + "/"}) == []
+    (line,) = changes({"model": "/data/base"}, {"model": "/elsewhere/base"})
+    assert line == "model: /data/base in the checkpoint, /elsewhere/base now (the weights belong to another model)"
+    assert changes({"model": "/data/base"}, {"model": "/elsewhere/base"}, hashed=True) == []
+    assert len(changes({"model": "/data/base"}, {"model": {"hidden_size": 8}}, hashed=True)) == 1
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,14 @@ def model(root: Path, config: dict | None = None, weights: bool = True) -> None:
         (root / "model" / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
 
 
+def base_gone(root: Path) -> None:
+    """The run trained from a local base model that is not where it was."""
+    config = root / "run" / ".hydra" / "config.yaml"
+    saved = OmegaConf.load(config)
+    saved.model.name_or_path = str(root / "base")
+    OmegaConf.save(saved, config)
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -109,6 +117,20 @@ CASES = [
         lambda tmp: own_export(tmp / "run", 4),
     ),
     Case("--adapter without LoRA", "export", ("{run}", "--adapter"), ("--adapter:", "lora.dim=0", "without --adapter")),
+    Case(
+        "a base model directory that is gone",
+        "export",
+        ("{run}",),
+        ("the base model directory is gone: {tmp}/base (the run's model.name_or_path)", "give --base DIR"),
+        base_gone,
+    ),
+    Case(
+        "--base without a model",
+        "export",
+        ("{run}", "--base", "{tmp}/mine"),
+        ("--base={tmp}/mine: no config.json there; give the directory {tmp}/base moved to",),
+        lambda tmp: (base_gone(tmp), somebodys(tmp)),
+    ),
     Case("chat with no model", "chat", ("{tmp}",), ("not a Hugging Face model directory", "{tmp}: ")),
     Case("chat with an adapter", "chat", ("{tmp}/adapter",), ("is a LoRA adapter", "merged export"), adapter),
     Case("chat with a run not exported", "chat", ("{run}",), ("without an export", "python -m ds_exp.export {run}")),

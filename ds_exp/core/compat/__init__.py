@@ -1,9 +1,7 @@
-"""Every touch of a library's private internals, in one place: a module per library (deepspeed, hydra, torch,
-transformers, liger_kernel, submitit, optuna). Each function says which versions it was checked against and what
-breaks if the internal changes: the list to re-check when a library is upgraded. Each imports the library it
-reaches into where it is called, so light callers stay light; importing this package imports no library and
-patches nothing. Callers use the names below (`from ds_exp.core import compat; compat.op_loaded(...)`)."""
+"""Every touch of a library's private internals, a module per library, each saying the versions it was checked
+against and what breaks if the internal changes. Importing this package imports no library and patches nothing."""
 
+# ruff: noqa: F401  (the names below are this package's interface)
 from ds_exp.core.compat.deepspeed import (
     UNIVERSAL_CHECKED,
     check_universal_version,
@@ -34,35 +32,3 @@ from ds_exp.core.compat.optuna import optuna_trial_of
 from ds_exp.core.compat.submitit import submitit_requeue_signal
 from ds_exp.core.compat.torch import compile_seconds, extension_build_dir, torch_load_weights_only, use_extension_baton
 from ds_exp.core.compat.transformers import reinit_module
-
-__all__ = [
-    "UNIVERSAL_CHECKED",
-    "apply_liger_kernels",
-    "basic_sweep_jobs",
-    "before_overrides",
-    "check_universal_version",
-    "compile_seconds",
-    "ds_to_universal",
-    "extension_build_dir",
-    "fix_zero3_universal_load",
-    "forget_deepspeed_groups",
-    "forget_zero3_module",
-    "hydra_job_callbacks",
-    "import_deepspeed_without_mlflow",
-    "keep_fp32_grad_norm",
-    "local_weight_shards",
-    "on_compose",
-    "op_loaded",
-    "op_prebuilt",
-    "optuna_trial_of",
-    "raise_hydra_errors",
-    "read_checkpoints_weights_only",
-    "reinit_module",
-    "release_sequence_parallel_groups",
-    "sequence_parallel_gradient_factor",
-    "skip_op",
-    "submitit_requeue_signal",
-    "torch_load_weights_only",
-    "use_extension_baton",
-    "zero3_full_state_dict",
-]

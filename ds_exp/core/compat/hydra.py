@@ -1,6 +1,5 @@
 """Hydra's internals ds_exp relies on (hydra-core 1.3.2-1.3.8): a sweep's jobs before launch, and two hooks into
-every composition. The hooks are installed by the processes that compose (ds_exp.launch.cli.prepare_composition:
-main(), a submitit job as it unpickles its task), never by importing a module of ds_exp."""
+every composition, installed by the processes that compose, never by importing a module of ds_exp."""
 
 from __future__ import annotations
 
@@ -35,11 +34,7 @@ def check_version() -> None:
 
 
 def basic_sweep_jobs(overrides: list[str]) -> list[list[str]]:
-    """Each job's overrides as Hydra's basic sweeper expands the command line's (its cartesian product).
-
-    hydra-core 1.3.2-1.3.8: `hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments` (a static
-    method; no public API lists a sweep's jobs before launching them). If it moves, sweeps are no longer validated
-    before launch (tests/system/test_cli.py catches it)."""
+    """Each job's overrides as Hydra's basic sweeper expands them (no public API; tests/system/test_cli.py)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -51,15 +46,9 @@ _COMPOSE_HOOKS: list[Any] = []
 
 
 def on_compose(hook: Any) -> None:
-    """Call `hook(cfg)` on every config Hydra composes in this process, once its config files are merged and
-    before the command line's overrides apply (so before Hydra saves .hydra/*.yaml, before `--cfg job`, before a
-    sweeper or submitit pickles a job's config). Installing the same hook twice is a no-op.
-
-    hydra-core 1.3.2-1.3.8: `hydra._internal.config_loader_impl.ConfigLoaderImpl._compose_config_from_defaults_list`
-    (the one method every composition goes through: the run's, each sweep job's, the compose API's). No public
-    hook sees the config before Hydra writes it: callbacks' on_job_start runs after .hydra/ is saved. If the
-    method moves, this raises at start-up rather than letting config files' secrets reach .hydra/
-    (tests/integration/test_security.py)."""
+    """Call `hook(cfg)` on every config Hydra composes in this process, once its files are merged and before the
+    command line's overrides apply: before Hydra saves .hydra/*.yaml or a sweeper pickles a job (no public hook comes
+    that early; tests/integration/test_security.py). Installing a hook twice is a no-op."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     check_version()
@@ -85,10 +74,8 @@ _OVERRIDE_HOOKS: list[Any] = []
 
 
 def before_overrides(hook: Any) -> None:
-    """Call `hook(overrides, cfg)` (Hydra's parsed Overrides) before Hydra applies the command line's values to a
-    composed config; the hook raises to refuse them. hydra-core 1.3.2-1.3.8: the static
-    `ConfigLoaderImpl._apply_overrides_to_config`, called by every composition (run, sweep job, compose API). If it
-    moves, OmegaConf's "dict is not a subclass of DataSource" comes back (tests/bad_inputs.py catches it)."""
+    """Call `hook(overrides, cfg)` (Hydra's parsed Overrides) before every composition applies the command line's
+    values; the hook raises to refuse them (tests/bad_inputs.py)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     check_version()
@@ -108,11 +95,8 @@ def before_overrides(hook: Any) -> None:
 
 
 def raise_hydra_errors() -> None:
-    """Let Hydra's errors reach the command's error boundary (ds_exp/launch/console.py), which tells them in ds_exp's
-    format (`ds_exp: error: ...`, exit 2), instead of Hydra printing them with its search path and its
-    HYDRA_FULL_ERROR footer and exiting 1. hydra-core 1.3.2-1.3.8: `hydra._internal.utils.run_and_report`, through
-    which `_run_hydra` runs the app, --cfg and a sweep (it raises already under a debugger). If it moves, Hydra's
-    own text comes back (tests/unit/test_bad_inputs.py)."""
+    """Let Hydra's errors reach ds_exp's error boundary (`ds_exp: error: ...`, exit 2) instead of Hydra printing them
+    and exiting 1: `run_and_report` runs the app, --cfg and a sweep (tests/unit/test_bad_inputs.py)."""
     from hydra._internal import utils
 
     check_version()
@@ -124,11 +108,7 @@ def _run_and_raise(func: Any) -> Any:
 
 
 def hydra_job_callbacks(config: Any) -> Any:
-    """The callbacks of a composed config (hydra.callbacks) as hydra.core.utils.run_job calls them (on_job_start,
-    on_job_end): ds_exp.train runs its job as Hydra's run mode does (ds_exp/train/api.py).
-
-    hydra-core 1.3.2-1.3.8: `hydra._internal.callbacks.Callbacks`, what run_job's HydraContext holds (no public API
-    builds one). If it moves, ds_exp.train fails at once (tests/unit/test_api.py)."""
+    """The callbacks of a composed config as Hydra's run mode calls them (no public API; tests/unit/test_api.py)."""
     from hydra._internal.callbacks import Callbacks
 
     return Callbacks(config)

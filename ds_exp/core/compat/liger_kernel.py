@@ -7,10 +7,7 @@ from typing import Any
 
 def apply_liger_kernels(model: Any) -> bool:
     """Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) patched into this model instance; False for a model family Liger
-    has none for. liger-kernel 0.8.5: `liger_kernel.transformers._apply_liger_kernel_to_instance` (exported,
-    underscore-named) patches a built model found by its model_type in `monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN`.
-    Its cross-entropy patches stay off: the fused loss is ds_exp's (ds_exp/fast_path/fused_loss.py). If either moves,
-    the fast path fails at model build with an ImportError naming it."""
+    has none for. Its cross-entropy patches stay off: the fused loss is ds_exp's (ds_exp/fast_path/fused_loss.py)."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 

@@ -6,11 +6,8 @@ from typing import Any
 
 
 def reinit_module(model: Any, module: Any) -> None:
-    """Run the model's own weight initialization on one module again (seeded by the caller).
-
-    transformers 5.23: `PreTrainedModel._init_weights(module)` initializes one module; since 5.0 it skips tensors
-    flagged `_is_hf_initialized`, so the flag is cleared first. If either changes, the tiny model's weights stop
-    depending on the seed alone and the equal-losses-across-ZeRO-stages test fails."""
+    """Run the model's own weight initialization on one module again (seeded by the caller); since transformers 5.0
+    it skips tensors flagged `_is_hf_initialized`, so the flag is cleared first."""
     for param in module.parameters(recurse=False):
         param._is_hf_initialized = False
     model._init_weights(module)
