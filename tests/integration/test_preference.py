@@ -188,12 +188,17 @@ def test_dpo_losses_equal_across_zero_stages_and_ranks_and_resume_exactly(tmp_pa
 # The embedded task's rows carry a wrong answer (rejected: its first word or digit changed). DeepSpeed-Chat's order:
 # the default SFT run, then DPO and a reward model from its export, each ranking the right answer higher on held-out
 # pairs. The reward model's export reloads with transformers and scores them as the run's final evaluation did.
+# DPO's settings are the best of those measured (beta 0.1/0.5/1.0, lr 3e-4..3e-3, cosine/constant, 60-120 steps):
+# held-out accuracy 0.000 (every reward 0 at the start) -> 0.875 at 80 steps, ~0.87 beyond; issue 40's 0.9 is not
+# reached. Reward (the defaults, 60 steps): 0.580 -> 0.710.
 PREFERENCE_STEPS = [
-    "train.max_steps=60",
-    "train.eval_every=60",
     "train.log_every=10",
     "train.save_final_checkpoint=false",
 ]
+SETTINGS = {
+    "dpo": ["objective.beta=0.5", "scheduler=constant", "train.max_steps=80", "train.eval_every=80"],
+    "reward": ["data.synthetic.num_train=1000", "train.max_steps=60", "train.eval_every=60"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -212,14 +217,13 @@ def test_preferences_of_the_embedded_task_are_learned_after_sft(tmp_path, cache_
     from ds_exp.model.tokenizer import load_tokenizer
     from ds_exp.preference.objectives import PairCollator
 
-    rows = ["data.synthetic.num_train=1000"] if name == "reward" else []
-    overrides = ["model=local", f"model.name_or_path={sft_export}", f"objective={name}", *PREFERENCE_STEPS, *rows]
+    overrides = ["model=local", f"model.name_or_path={sft_export}", f"objective={name}", *PREFERENCE_STEPS]
+    overrides += SETTINGS[name]
     run = train_here(tmp_path / "run", *overrides, cache_dir=cache_dir)
     assert run.ok, run.explain()
     summary = run.summary
     assert summary["initial_eval"]["reward_accuracy"] <= 0.6  # DPO: every reward 0; reward: an untrained head
-    # measured: DPO 0.000 -> 0.790, reward 0.580 -> 0.710 (issue 40 asks for 0.9: not reached by these 60 steps)
-    assert summary["final_eval"]["reward_accuracy"] >= {"dpo": 0.75, "reward": 0.65}[name], summary["final_eval"]
+    assert summary["final_eval"]["reward_accuracy"] >= {"dpo": 0.85, "reward": 0.65}[name], summary["final_eval"]
     assert summary["final_eval"]["reward_margin"] > 0
     assert (run.run_dir / "plots" / "loss.png").is_file()
     if name == "reward":
