@@ -5,19 +5,19 @@ within 1e-4 in fp32, with and without LoRA (adapters off as the reference), with
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
 
 from tests.training import FAST, assert_close, launch, train_here
 
-STEPS, MICRO, ACCUM, SEED = 5, 2, 2, 1234
+STEPS, MICRO, ACCUM, SEED, LR = 5, 2, 2, 1234, 1e-2
+# A one-layer 32-wide model, the rows 5 steps draw, and a learning rate that moves it: the same arithmetic as any size.
 COMMON = [
     "objective=dpo",
     "scheduler=constant",
     "train.gradient_clipping=0",
-    "optimizer.lr=1e-3",
+    f"optimizer.lr={LR}",
     f"train.micro_batch_size={MICRO}",
     f"train.gradient_accumulation_steps={ACCUM}",
     f"train.max_steps={STEPS}",
@@ -25,25 +25,46 @@ COMMON = [
     "train.eval_at_start=false",
     "train.export=false",
     "train.save_final_checkpoint=false",
-    "data.synthetic.num_train=64",
-    "data.synthetic.num_eval=8",
+    f"data.synthetic.num_train={STEPS * MICRO * ACCUM}",
+    "data.synthetic.num_eval=0",
     "eval.prompts=[]",
+    "model.arch.hidden_size=32",
+    "model.arch.intermediate_size=64",
+    "model.arch.num_hidden_layers=1",
+    "model.arch.num_attention_heads=2",
+    "model.arch.num_key_value_heads=2",
 ]
+LORA = ["lora.dim=8", "lora.alpha=16"]
 
 
-def trl_side(cfg, pairs, order, tmp_path, lora):
-    """TRL's DPOTrainer on ds_exp's own tokens (its tokenization bypassed), batches in ds_exp's order, starting from
-    the model ds_exp's build gives for the same config (LoRA: the same adapters)."""
+@pytest.fixture(scope="module")
+def trl_dpo(tmp_path_factory, cache_dir):
+    """`run(lora)`: TRL's DPOTrainer on ds_exp's own tokens (its tokenization bypassed), batches in ds_exp's order,
+    starting from the model ds_exp's build gives for the same config (LoRA: the same adapters); its per-step losses
+    and logged lines. What both cases share (TRL's import, the config, the tokenized pairs in order) is made once."""
     from datasets import Dataset
+    from hydra import compose, initialize_config_dir
     from trl import DPOConfig, DPOTrainer
 
+    from ds_exp.config.paths import conf_dir
+    from ds_exp.config.schema import to_config
+    from ds_exp.data.pipeline import prepare_sft_data
     from ds_exp.model.build import build_model
     from ds_exp.model.tokenizer import load_tokenizer
+    from ds_exp.train.sampler import ResumableDistributedSampler
 
-    tokenizer = load_tokenizer(cfg.model, cfg.data)
-    model = build_model(cfg, tokenizer, {"zero_optimization": {"stage": 0}}).model
+    def config(lora: bool):
+        overrides = [*COMMON, *(LORA if lora else []), f"data.cache_dir={cache_dir}"]
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return to_config(compose(config_name="config", overrides=overrides))
+
+    base = config(False)
+    tokenizer = load_tokenizer(base.model, base.data)
+    pairs = prepare_sft_data(base.data, tokenizer, seed=SEED, pairs=True).train
+    sampler = ResumableDistributedSampler(len(pairs), rank=0, world_size=1, seed=SEED, drop_last=True)
+    sampler.set_epoch(0)
     rows = []
-    for i in order:
+    for i in list(sampler)[: STEPS * MICRO * ACCUM]:
         row = pairs[i]
         start = next(j for j, label in enumerate(row["chosen_labels"]) if label != -100)
         prompt = row["chosen_input_ids"][:start]
@@ -55,32 +76,13 @@ def trl_side(cfg, pairs, order, tmp_path, lora):
                 "rejected_ids": row["rejected_input_ids"][start:],
             }
         )
-    logged, losses = [], []
-
-    class Recorded(DPOTrainer):
-        def _prepare_dataset(self, dataset, *args, **kwargs):  # ds_exp's tokens as they are
-            return dataset
-
-        def _get_train_sampler(self, *args, **kwargs):  # ds_exp's order (the rows were put in it)
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-        def compute_loss(self, *args, **kwargs):
-            loss = super().compute_loss(*args, **kwargs)
-            if self.model.training:
-                losses.append(float(loss))
-            return loss
-
-        def log(self, logs, start_time=None):
-            super().log(logs, start_time)
-            if "rewards/chosen" in logs:
-                logged.append(dict(logs))
-
+    dataset = Dataset.from_list(rows)
     args = DPOConfig(
-        output_dir=str(tmp_path / "trl"),
+        output_dir=str(tmp_path_factory.mktemp("trl")),
         per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=ACCUM,
         max_steps=STEPS,
-        learning_rate=1e-3,
+        learning_rate=LR,
         optim="adamw_torch",
         lr_scheduler_type="constant",
         weight_decay=0.0,
@@ -100,31 +102,43 @@ def trl_side(cfg, pairs, order, tmp_path, lora):
         bf16=False,  # TRL's default is bf16 autocast, on CPUs too: fp32 on both sides
         gradient_checkpointing=False,
     )
-    reference = None if lora else copy.deepcopy(model).eval()  # LoRA: TRL turns the adapters off, as ds_exp does
-    trainer = Recorded(model, reference, args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
-    trainer.train()
-    step_losses = [sum(losses[i : i + ACCUM]) / ACCUM for i in range(0, len(losses), ACCUM)]
-    return step_losses, logged
+
+    def run(lora: bool) -> tuple[list[float], list[dict[str, float]]]:
+        logged, losses = [], []
+
+        class Recorded(DPOTrainer):
+            def _prepare_dataset(self, dataset, *args, **kwargs):  # ds_exp's tokens as they are
+                return dataset
+
+            def _get_train_sampler(self, *args, **kwargs):  # ds_exp's order (the rows were put in it)
+                return torch.utils.data.SequentialSampler(self.train_dataset)
+
+            def compute_loss(self, *args, **kwargs):
+                loss = super().compute_loss(*args, **kwargs)
+                if self.model.training:
+                    losses.append(float(loss.detach()))
+                return loss
+
+            def log(self, logs, start_time=None):
+                super().log(logs, start_time)
+                if "rewards/chosen" in logs:
+                    logged.append(dict(logs))
+
+        model = build_model(config(lora), tokenizer, {"zero_optimization": {"stage": 0}}).model
+        reference = None if lora else copy.deepcopy(model).eval()  # LoRA: TRL turns the adapters off, as ds_exp does
+        Recorded(model, reference, args, train_dataset=dataset, processing_class=tokenizer).train()
+        return [sum(losses[i : i + ACCUM]) / ACCUM for i in range(0, len(losses), ACCUM)], logged
+
+    return run
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_dpo_steps_match_trls_dpotrainer(tmp_path, cache_dir, compose_cfg, lora):
-    from ds_exp.data.pipeline import prepare_sft_data
-    from ds_exp.model.tokenizer import load_tokenizer
-    from ds_exp.train.sampler import ResumableDistributedSampler
-
-    overrides = [*COMMON, *(["lora.dim=8", "lora.alpha=16"] if lora else [])]
-    run = train_here(tmp_path / "run", *overrides, cache_dir=cache_dir)
+def test_dpo_steps_match_trls_dpotrainer(tmp_path, cache_dir, trl_dpo, lora):
+    run = train_here(tmp_path / "run", *COMMON, *(LORA if lora else []), cache_dir=cache_dir)
     assert run.ok, run.explain()
     lines = run.records("train")
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
-
-    cfg = compose_cfg(*overrides, f"data.cache_dir={cache_dir}")
-    pairs = prepare_sft_data(cfg.data, load_tokenizer(cfg.model, cfg.data), seed=SEED, pairs=True).train
-    sampler = ResumableDistributedSampler(len(pairs), rank=0, world_size=1, seed=SEED, drop_last=True)
-    sampler.set_epoch(0)
-    order = list(sampler)[: STEPS * MICRO * ACCUM]
-    trl_losses, trl_lines = trl_side(cfg, pairs, order, tmp_path, lora)
+    trl_losses, trl_lines = trl_dpo(lora)
 
     assert len(trl_losses) == len(trl_lines) == STEPS
     for ours, theirs, loss in zip(lines, trl_lines, trl_losses, strict=True):
@@ -137,8 +151,8 @@ def test_dpo_steps_match_trls_dpotrainer(tmp_path, cache_dir, compose_cfg, lora)
         ):
             assert ours[mine] == pytest.approx(theirs[trl], abs=1e-4), (ours["step"], mine, ours, theirs)
     # the weights move: every step after the first is compared away from the start (rewards 0, loss log 2)
-    assert max(abs(line["reward_margin"]) for line in lines[1:]) > 1e-2
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
+    assert max(abs(line[side]) for line in lines[1:] for side in ("rewards_chosen", "rewards_rejected")) > 1e-2, lines
+    assert run.summary["status"] == "completed"
 
 
 # The same DPO run (its reference precomputed: under ZeRO-3 every rank's forward is collective) at every ZeRO stage on
@@ -174,12 +188,17 @@ def test_dpo_losses_equal_across_zero_stages_and_ranks_and_resume_exactly(tmp_pa
 # The embedded task's rows carry a wrong answer (rejected: its first word or digit changed). DeepSpeed-Chat's order:
 # the default SFT run, then DPO and a reward model from its export, each ranking the right answer higher on held-out
 # pairs. The reward model's export reloads with transformers and scores them as the run's final evaluation did.
+# DPO's settings are the best of those measured (beta 0.1/0.5/1.0, lr 3e-4..3e-3, cosine/constant, 60-120 steps):
+# held-out accuracy 0.000 (every reward 0 at the start) -> 0.875 at 80 steps, ~0.87 beyond; issue 40's 0.9 is not
+# reached. Reward (the defaults, 60 steps): 0.580 -> 0.710.
 PREFERENCE_STEPS = [
-    "train.max_steps=60",
-    "train.eval_every=60",
     "train.log_every=10",
     "train.save_final_checkpoint=false",
 ]
+SETTINGS = {
+    "dpo": ["objective.beta=0.5", "scheduler=constant", "train.max_steps=80", "train.eval_every=80"],
+    "reward": ["data.synthetic.num_train=1000", "train.max_steps=60", "train.eval_every=60"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -198,14 +217,13 @@ def test_preferences_of_the_embedded_task_are_learned_after_sft(tmp_path, cache_
     from ds_exp.model.tokenizer import load_tokenizer
     from ds_exp.preference.objectives import PairCollator
 
-    rows = ["data.synthetic.num_train=1000"] if name == "reward" else []
-    overrides = ["model=local", f"model.name_or_path={sft_export}", f"objective={name}", *PREFERENCE_STEPS, *rows]
+    overrides = ["model=local", f"model.name_or_path={sft_export}", f"objective={name}", *PREFERENCE_STEPS]
+    overrides += SETTINGS[name]
     run = train_here(tmp_path / "run", *overrides, cache_dir=cache_dir)
     assert run.ok, run.explain()
     summary = run.summary
     assert summary["initial_eval"]["reward_accuracy"] <= 0.6  # DPO: every reward 0; reward: an untrained head
-    # measured: DPO 0.000 -> 0.790, reward 0.580 -> 0.710 (issue 40 asks for 0.9: not reached by these 60 steps)
-    assert summary["final_eval"]["reward_accuracy"] >= {"dpo": 0.75, "reward": 0.65}[name], summary["final_eval"]
+    assert summary["final_eval"]["reward_accuracy"] >= {"dpo": 0.85, "reward": 0.65}[name], summary["final_eval"]
     assert summary["final_eval"]["reward_margin"] > 0
     assert (run.run_dir / "plots" / "loss.png").is_file()
     if name == "reward":
