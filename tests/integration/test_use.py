@@ -112,14 +112,14 @@ def _one_rank(tmp_path: Path) -> Iterator[None]:
 
 
 def test_step_exports_are_checked_before_training_and_rotation_removes_only_this_runs(compose_cfg, tmp_path):
-    from ds_exp.config.features import feature_hooks
+    from ds_exp.config.features import feature_hooks, feature_settings
     from ds_exp.core.errors import RunFailed
     from ds_exp.exports.on_disk import planned_step_exports, rotated_step_exports
     from ds_exp.train.disk_space import check_disk_space
     from ds_exp.train.hooks import RunHooks
 
     cfg = compose_cfg("train.export_every=2", "train.export_keep_last=1")
-    hooks = RunHooks(feature_hooks(cfg))
+    hooks = RunHooks(feature_hooks(feature_settings(cfg)))
     run_dir = tmp_path / "run"
     assert [p.name for p in planned_step_exports(cfg.train, run_dir, 0, 8)] == [
         "hf_model-step2",

@@ -47,6 +47,8 @@ IMPORTED_WHERE_USED = {
     "psutil": "only for autotune's host-memory budget",
     "detect_secrets": "its package imports requests (0.2 s): loaded on the first text long enough to hold a token, "
     "never by --help",
+    "datasets": "data/sources.py, for a save_to_disk directory or the hub only: reading and checking local files, "
+    "as validation and the preference checks do, goes without its seconds of import",
     "ds_exp.data.pipeline": "where data is read: the CLI's job, past validation (datasets takes seconds to import, "
     "which --help and --cfg job do without); autotune: datasets reserves ~1 GB of address space, first it starves a "
     "memory limit",

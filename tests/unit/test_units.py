@@ -210,7 +210,7 @@ def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, moun
     """A 4 MiB disk: a checkpoint of 8 MiB does not fit, the export of 2 MiB does. A run from step 0, or a resume
     with steps left, needs both; a resume from a checkpoint at the last step needs only the export; a run complete
     already needs nothing; with no checkpoint ahead (train.save_every past the end) only the export counts."""
-    from ds_exp.config.features import feature_hooks
+    from ds_exp.config.features import feature_hooks, feature_settings
     from ds_exp.core.errors import RunFailed
     from ds_exp.train.disk_space import check_disk_space, saves_a_checkpoint
     from ds_exp.train.hooks import RunHooks
@@ -219,7 +219,7 @@ def test_the_disk_check_counts_only_what_the_run_will_still_write(one_rank, moun
     session = SimpleNamespace(is_main=True, run_dir=disk / "run", precision="fp32")
     cfg = compose_cfg("train.save_every=3", "precision=fp32")
     mib = 2**20
-    hooks = RunHooks(feature_hooks(cfg))
+    hooks = RunHooks(feature_hooks(feature_settings(cfg)))
 
     def check(start: int, total: int = 8) -> None:
         check_disk_space(
