@@ -53,7 +53,11 @@ def train(overrides: Sequence[str] = ()) -> dict[str, Any]:
     except DsExpError as err:
         if full_error():
             raise
-        raise _told(err) from None
+        # as the command line says it: its text with no secret, without the traceback and chain behind it
+        err.args = tuple(redact_text(a) if isinstance(a, str) else a for a in err.args)
+        if isinstance(err, ConfigError):
+            err.problems = [redact_text(p) for p in err.problems]
+        raise err.with_traceback(None) from None
     except (HydraException, OmegaConfBaseException) as err:  # a key or value Hydra refused while composing
         if full_error():
             raise
@@ -163,11 +167,3 @@ def _as_it_was() -> Iterator[None]:
         for name, value in launch.items():
             if value is None:
                 os.environ.pop(name, None)
-
-
-def _told(err: DsExpError) -> DsExpError:
-    """`err` as the command line prints it: its text with no secret, without the traceback and chain behind it."""
-    err.args = tuple(redact_text(a) if isinstance(a, str) else a for a in err.args)
-    if isinstance(err, ConfigError):
-        err.problems = [redact_text(p) for p in err.problems]
-    return err.with_traceback(None)
