@@ -184,7 +184,9 @@ def _file_task(task: str) -> TaskSpec:
     data = _data_problem(cfg)
     if data:
         raise TaskProblem(data)
-    _check_loads(path, group="group" in cfg)
+    loaded = _loads(str(path.resolve()), hash_key(path_fingerprint(path)), "group" in cfg)
+    if isinstance(loaded, str):
+        raise TaskProblem(loaded)
     material = {"yaml": path_fingerprint(path), "data": [path_fingerprint(p) for p in _data_files(cfg)]}
     metrics = {name: _metric_names(cfg)} if "group" not in cfg else {str(cfg["group"]): _aggregate_names(cfg)}
     return TaskSpec(task, name, "file", str(path.resolve()), metrics, hash_key(material))
@@ -341,12 +343,6 @@ def _bad_row(path: Path) -> str | None:
         if not isinstance(row, dict):
             return f"line {number} holds a JSON {type(row).__name__}, not an object"
     return None
-
-
-def _check_loads(path: Path, *, group: bool) -> None:
-    loaded = _loads(str(path.resolve()), hash_key(path_fingerprint(path)), group)
-    if isinstance(loaded, str):
-        raise TaskProblem(loaded)
 
 
 class _TaskLoader(yaml.SafeLoader):

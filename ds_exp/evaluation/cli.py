@@ -54,11 +54,7 @@ def parser() -> argparse.ArgumentParser:
 @entry_point("ds_exp.evaluate")
 def main(argv: list[str] | None = None) -> int:
     hold_library_logs()  # what libraries say on import stays off the console
-    return _evaluate(sys.argv[1:] if argv is None else argv)
-
-
-def _evaluate(argv: list[str]) -> int:
-    plan = make_plan(parser().parse_args(argv))
+    plan = make_plan(parser().parse_args(sys.argv[1:] if argv is None else argv))
     from ds_exp.evaluation.harness import run  # torch, transformers, lm-eval: past every refusal
 
     return run(plan)

@@ -204,7 +204,8 @@ def _task_problems(task: Any, model: ModelFit | None, asked: Asked, run_code: bo
                     f"{rows(empty, len(scored))} {'have' if len(empty) > 1 else 'has'} no field {name}, which its "
                     f"{setting} reads (lm-eval would ask with None in its place): fill it in, or leave those rows out"
                 )
-    shots = _shots(task, asked)
+    own_shots = task.config.num_fewshot  # lm-eval gives --num_fewshot, unless the task's config fixes 0
+    shots = int(asked.num_fewshot) if asked.num_fewshot is not None and own_shots != 0 else int(own_shots or 0)
     pool = len(task.fewshot_docs()) if shots else 0
     own = task.fewshot_cfg.split is not None and task.fewshot_cfg.split == config.test_split
     if shots and pool - own < shots:  # lm-eval's sampler: "Sample larger than population"
@@ -225,14 +226,6 @@ def _task_problems(task: Any, model: ModelFit | None, asked: Asked, run_code: bo
     if model is not None and model.count is not None and not found:
         found += _length_problems(task, texts, answers, shots, model, rows)
     return found, size
-
-
-def _shots(task: Any, asked: Asked) -> int:
-    """The few-shot examples lm-eval gives: --num_fewshot, unless the task's config fixes 0 (lm_eval.evaluator)."""
-    own = task.config.num_fewshot
-    if asked.num_fewshot is not None and own != 0:
-        return int(asked.num_fewshot)
-    return int(own or 0)
 
 
 def _render(task: Any, docs: list[Any], rows: _Rows, run_code: bool) -> tuple[list[str], list[list[str]]] | str | None:

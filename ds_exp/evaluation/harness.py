@@ -657,54 +657,45 @@ class BaseCache:
         files.rename(target)
 
 
-def _said_on_the_console() -> contextlib.AbstractContextManager[None]:
-    """The evaluation's lines and ds_exp's warnings on the command's console; the rest in lm_eval.log."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(ConsoleFormatter())
-    handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name == __name__)
-    return _handled(handler, "ds_exp")
-
-
 def run(plan: Plan) -> int:
     """Score what `plan` says (a checkpoint exported first) and print the table."""
-    with _said_on_the_console():
-        return _run(plan)
-
-
-def _run(plan: Plan) -> int:
-    hf_logging.disable_progress_bar()
-    if plan.checkpoint is not None:
-        assert plan.cfg is not None  # a checkpoint's run config rebuilds its model
-        print(f"ds_exp: exporting {plan.checkpoint} to {plan.model_dir} first", file=sys.stderr)
-        run_dir = run_dir_of(plan.checkpoint)
-        export_checkpoint(plan.checkpoint, run_dir, plan.cfg, plan.model_dir, adapter=False, dtype=None)
-    device = plan.harness.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    sampling = plan.cfg.eval if plan.cfg else None
-    keys = {**CLI_KEYS, "output": "--output", "device": "--device"}
-    settings = settings_of(plan.harness, sampling, template_of(plan.model_dir), device, keys)
-    data = plan.cfg.data if plan.cfg is not None else DataConfig(name="synthetic")  # the embedded task's defaults
-    what = f"{plan.model_dir} and its base model" if plan.base else str(plan.model_dir)
-    asked = f"prompts in the {settings.template} template" if settings.applied else "lm-eval's own prompts"
-    tasks = ", ".join(s.given for s in plan.specs)
-    print(redact_text(f"ds_exp: scoring {what} on {tasks} ({asked}, {device})"), file=sys.stderr)
-    evaluation = evaluate(
-        plan.model_dir,
-        plan.specs,
-        settings,
-        out_dir=plan.out_dir,
-        cache_dir=data_cache_dir(data.cache_dir),
-        builtin=builtin_of(data, plan.harness),
-        base_cfg=plan.cfg if plan.base else None,
-        title=str(plan.model_dir),
-    )
-    print(redact_text(table(evaluation.record)))
-    for line in few_questions(evaluation.record, "--limit"):
-        print(redact_text(f"ds_exp: warning: {line}"), file=sys.stderr)
-    cached = " (the base model's scores from the cache)" if plan.base and not evaluation.base_scored else ""
-    print(f"ds_exp: scores in {plan.out_dir / HARNESS_JSON}{cached}, chart harness.png, lm-eval's samples beside")
-    return 0
+    handler = logging.StreamHandler(sys.stderr)  # the evaluation's lines and ds_exp's warnings; the rest in lm_eval.log
+    handler.setFormatter(ConsoleFormatter())
+    handler.addFilter(lambda record: record.levelno >= logging.WARNING or record.name == __name__)
+    with _handled(handler, "ds_exp"):
+        hf_logging.disable_progress_bar()
+        if plan.checkpoint is not None:
+            assert plan.cfg is not None  # a checkpoint's run config rebuilds its model
+            print(f"ds_exp: exporting {plan.checkpoint} to {plan.model_dir} first", file=sys.stderr)
+            run_dir = run_dir_of(plan.checkpoint)
+            export_checkpoint(plan.checkpoint, run_dir, plan.cfg, plan.model_dir, adapter=False, dtype=None)
+        device = plan.harness.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        sampling = plan.cfg.eval if plan.cfg else None
+        keys = {**CLI_KEYS, "output": "--output", "device": "--device"}
+        settings = settings_of(plan.harness, sampling, template_of(plan.model_dir), device, keys)
+        data = plan.cfg.data if plan.cfg is not None else DataConfig(name="synthetic")  # the embedded task's defaults
+        what = f"{plan.model_dir} and its base model" if plan.base else str(plan.model_dir)
+        asked = f"prompts in the {settings.template} template" if settings.applied else "lm-eval's own prompts"
+        tasks = ", ".join(s.given for s in plan.specs)
+        print(redact_text(f"ds_exp: scoring {what} on {tasks} ({asked}, {device})"), file=sys.stderr)
+        evaluation = evaluate(
+            plan.model_dir,
+            plan.specs,
+            settings,
+            out_dir=plan.out_dir,
+            cache_dir=data_cache_dir(data.cache_dir),
+            builtin=builtin_of(data, plan.harness),
+            base_cfg=plan.cfg if plan.base else None,
+            title=str(plan.model_dir),
+        )
+        print(redact_text(table(evaluation.record)))
+        for line in few_questions(evaluation.record, "--limit"):
+            print(redact_text(f"ds_exp: warning: {line}"), file=sys.stderr)
+        cached = " (the base model's scores from the cache)" if plan.base and not evaluation.base_scored else ""
+        print(f"ds_exp: scores in {plan.out_dir / HARNESS_JSON}{cached}, chart harness.png, lm-eval's samples beside")
+        return 0
 
 
 def template_of(model_dir: Path) -> str | None:

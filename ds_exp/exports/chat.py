@@ -50,17 +50,15 @@ class Chat:
         # transformers 5 types PreTrainedModel.to through a wrapper whose first parameter is the model itself
         self.model = model.to(device).eval()  # type: ignore[arg-type]
         self.context, self.notes = context, notes or sys.stderr
-        self.stop_ids = list(generation.get("stop_token_ids") or []) or self._default_stops()
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        default_stops = [int(i) for i in (eos if isinstance(eos, list) else [eos])] if eos is not None else []
+        self.stop_ids = list(generation.get("stop_token_ids") or []) or default_stops
         self.sampling = Sampling(args.temperature, args.top_p, args.top_k, None)
         self.max_new_tokens = int(args.max_new_tokens)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0] if self.stop_ids else None
         self.hinted = False  # the empty-answer hint is said once
-
-    def _default_stops(self) -> list[int]:
-        eos = self.model.generation_config.eos_token_id
-        eos = eos if eos is not None else self.tokenizer.eos_token_id
-        return [int(i) for i in (eos if isinstance(eos, list) else [eos])] if eos is not None else []
 
     def render(self, turns: list[tuple[str, str]]) -> tuple[str, bool]:
         """The conversation as the model is asked it; a chat template that raises is one line naming the fix."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from ds_exp.config.fields import MAX_TOKENS
@@ -136,23 +135,10 @@ def chat_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(main: Callable[[list[str]], int], argv: list[str] | None) -> int:
-    hold_library_logs()  # what DeepSpeed and transformers say on import stays off the console
-    return main(sys.argv[1:] if argv is None else argv)
-
-
 @entry_point("ds_exp.export")
 def export_main(argv: list[str] | None = None) -> int:
-    return _run(_export, argv)
-
-
-@entry_point("ds_exp.chat")
-def chat_main(argv: list[str] | None = None) -> int:
-    return _run(_chat, argv)
-
-
-def _export(argv: list[str]) -> int:
-    args = export_parser().parse_args(argv)
+    hold_library_logs()  # what DeepSpeed and transformers say on import stays off the console
+    args = export_parser().parse_args(sys.argv[1:] if argv is None else argv)
     tag_dir = find_checkpoint(args.checkpoint)
     run_dir = run_dir_of(tag_dir)
     cfg = run_config(run_dir, tag_dir)  # with the model section the checkpoint was trained with
@@ -206,8 +192,10 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
-def _chat(argv: list[str]) -> int:
-    args = chat_parser().parse_args(argv)
+@entry_point("ds_exp.chat")
+def chat_main(argv: list[str] | None = None) -> int:
+    hold_library_logs()  # what DeepSpeed and transformers say on import stays off the console
+    args = chat_parser().parse_args(sys.argv[1:] if argv is None else argv)
     names = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k"}
     problems = sampling_problems(args.temperature, args.top_p, args.top_k, key=names.__getitem__)
     if args.max_new_tokens < 1:

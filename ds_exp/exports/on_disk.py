@@ -151,21 +151,17 @@ def run_config(run_dir: Path, tag_dir: Path | None = None) -> Config:
     except Exception as err:
         first = first_line(err)
         raise ConfigError(f"{config_file}: the run's config cannot be read ({first})") from None
-    launched_in = _launch_dir(hydra_file)
-    if launched_in is not None:
+    try:
+        cwd = OmegaConf.load(hydra_file).hydra.runtime.cwd
+    except Exception:  # no hydra.yaml (hydra.output_subdir=null): relative paths are taken from here
+        cwd = None
+    if cwd:
+        launched_in = Path(str(cwd))
         for section, key in (("model", "name_or_path"), ("model", "tokenizer"), ("data", "cache_dir")):
             value = getattr(getattr(cfg, section), key)
             if value and not Path(value).expanduser().is_absolute() and (launched_in / value).exists():
                 setattr(getattr(cfg, section), key, str(launched_in / value))
     return cfg
-
-
-def _launch_dir(hydra_file: Path) -> Path | None:
-    try:
-        cwd = OmegaConf.load(hydra_file).hydra.runtime.cwd
-    except Exception:  # no hydra.yaml (hydra.output_subdir=null): relative paths are taken from here
-        return None
-    return Path(str(cwd)) if cwd else None
 
 
 def _without_secrets(value: object) -> Any:

@@ -218,7 +218,8 @@ def write_export(
     from_base = [n for n, _ in model.named_parameters() if "lora_" not in n] if spec.base_path else []
     keep_base = set(from_base) - trained
     missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in keep_base}, strict=False)
-    missing = [k for k in missing if k not in keep_base and not _is_tied_copy(model, k)]
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))  # lm_head.weight: not in a tied model's state
+    missing = [k for k in missing if k not in keep_base and not (tied and k.endswith("lm_head.weight"))]
     if missing or unexpected:
         raise RuntimeError(f"export: state dict does not fit the model: missing {missing}, unexpected {unexpected}")
     _copy_added_rows(model, state, spec)
@@ -351,11 +352,6 @@ def _save_tokenizer(spec: ExportSpec, tokenizer: PreTrainedTokenizerBase, direct
             return f"copied from {source}"
     tokenizer.save_pretrained(str(directory))
     return "saved by ds_exp: the run added tokens to the base tokenizer"
-
-
-def _is_tied_copy(model: PreTrainedModel | PeftModel, key: str) -> bool:
-    """lm_head.weight is absent from the state dict of a model whose embeddings are tied."""
-    return key.endswith("lm_head.weight") and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 def _replace(src: Path, dst: Path) -> None:

@@ -162,18 +162,13 @@ def job_log() -> Path | None:
     return path if path.is_file() else None
 
 
-def find_own_sweepers() -> None:
-    """Let Hydra find hydra_plugins/ds_exp_* from anywhere (its scan misses an editable install's import hook)."""
-    ours = PACKAGE_DIR.parent / "hydra_plugins"
-    if ours.is_dir() and str(ours) not in list(hydra_plugins.__path__):
-        hydra_plugins.__path__.append(str(ours))
-
-
 @entry_point("ds_exp", exits=True)
 def main() -> int:
     """`python -m ds_exp ...` inside the error boundary; a status other than 0 ends the process."""
     hold_library_logs()  # before anything imports DeepSpeed: what it says on import goes to the log file
-    find_own_sweepers()
+    ours = PACKAGE_DIR.parent / "hydra_plugins"  # our sweepers: Hydra's scan misses an editable install's import hook
+    if ours.is_dir() and str(ours) not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(str(ours))
     sys.argv = quote_one_value_lists(strip_local_rank(sys.argv))  # data.data_split=10,0,0 is one value, not a sweep
     register_secrets(environ=os.environ)
     if wants_experiment_file(sys.argv[1:]):  # before Hydra: the command line is saved, not run

@@ -74,7 +74,11 @@ def run_command(name: str, work: Callable[[], int | None]) -> int:
     except BrokenPipeError as err:
         if not stdout_closed():  # another pipe (a child process's): not the reader of our output going away
             return report_error(err)
-        silence_stdout()
+        devnull = os.open(os.devnull, os.O_WRONLY)  # nothing buffered raises "Exception ignored ..." at exit
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
         return STDOUT_CLOSED
     except Exception as err:
         return report_error(err)
@@ -202,15 +206,6 @@ def stdout_closed() -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
     return any(events & select.POLLERR for _, events in poller.poll(0))
-
-
-def silence_stdout() -> None:
-    """Point stdout at /dev/null: nothing buffered raises "Exception ignored ... BrokenPipeError" at exit."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        os.close(devnull)
 
 
 def exit_on_error(check: Callable[[], T], what: str, after: str = "nothing was started") -> T:

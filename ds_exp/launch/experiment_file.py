@@ -340,18 +340,13 @@ def check_same_config(plan: Plan, text: str) -> None:
         (Path(tmp) / "experiment" / f"{plan.name}.yaml").write_text(text)
         dirs = [*(d for d in plan.config_dirs if Path(d) != plan.config_dir), tmp]
         got = compose_command_line([f"experiment={plan.name}"], dirs)
-    differences = config_differences(expected, got)
+    a, b = _comparable(expected), _comparable(got)  # Hydra's bookkeeping left out
+    keys = sorted(key for key in a.keys() | b.keys() if a.get(key, ...) != b.get(key, ...))
+    differences = [f"{key}: {a.get(key)!r} on the command line, {b.get(key)!r} from the file" for key in keys]
     if differences:
         raise ConfigError(
             [f"{FLAG}: the file would not compose to the command line's config; nothing was written:", *differences]
         )
-
-
-def config_differences(expected: DictConfig, got: DictConfig) -> list[str]:
-    """Keys whose values differ between two compositions (Hydra's bookkeeping left out)."""
-    a, b = _comparable(expected), _comparable(got)
-    keys = sorted(key for key in a.keys() | b.keys() if a.get(key, ...) != b.get(key, ...))
-    return [f"{key}: {a.get(key)!r} on the command line, {b.get(key)!r} from the file" for key in keys]
 
 
 def _comparable(cfg: DictConfig) -> dict[str, Any]:

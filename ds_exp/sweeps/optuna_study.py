@@ -191,7 +191,10 @@ class StudySweeper(Sweeper):
         sampler = self.make_sampler(len(study.trials))
         if sampler is not None:  # sampler=null: the study keeps optuna's default (create_study's TPESampler)
             study.sampler = sampler
-        self.save_sweep_config(sweep_dir)
+        saved = sweep_dir / "multirun.yaml"  # as Hydra's basic sweeper writes it; a continued study keeps the first
+        if saved.exists():
+            saved = sweep_dir / f"multirun-{time.strftime('%Y-%m-%d_%H-%M-%S')}.yaml"
+        OmegaConf.save(self.config, saved)
         returns = []
         continued = self.settle_abandoned(study, sweep_dir)
         write_study(sweep_dir, study, identity, self.n_trials)
@@ -266,13 +269,6 @@ class StudySweeper(Sweeper):
             return instantiate(sampler_cfg)
         except Exception as err:
             raise ConfigError(f"hydra.sweeper.sampler: {first_line(err)}") from None
-
-    def save_sweep_config(self, sweep_dir: Path) -> None:
-        """multirun.yaml as Hydra's basic sweeper writes it; a continued study keeps the first one."""
-        target = sweep_dir / "multirun.yaml"
-        if target.exists():
-            target = sweep_dir / f"multirun-{time.strftime('%Y-%m-%d_%H-%M-%S')}.yaml"
-        OmegaConf.save(self.config, target)
 
     def settle_abandoned(self, study: optuna.Study, sweep_dir: Path) -> list[Trial]:
         """Trials an earlier run left RUNNING: a stopped one goes on, a completed one is recorded, the rest failed."""

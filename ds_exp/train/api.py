@@ -53,7 +53,11 @@ def train(overrides: Sequence[str] = ()) -> dict[str, Any]:
     except DsExpError as err:
         if full_error():
             raise
-        raise _told(err) from None
+        # as the command line says it: its text with no secret, without the traceback and chain behind it
+        err.args = tuple(redact_text(a) if isinstance(a, str) else a for a in err.args)
+        if isinstance(err, ConfigError):
+            err.problems = [redact_text(p) for p in err.problems]
+        raise err.with_traceback(None) from None
     except (HydraException, OmegaConfBaseException) as err:  # a key or value Hydra refused while composing
         if full_error():
             raise
@@ -112,7 +116,10 @@ def _train(args: list[str]) -> dict[str, Any]:
             finally:  # the run let it go (Session.finish), unless it was refused first: the command line's exit would
                 release_run_dir(Path(str(config.hydra.run.dir)))
     if "error" in outcome:
-        raise _stopped(outcome["error"])
+        error = outcome["error"]
+        if isinstance(error, SystemExit) and error.code == 128 + signal.SIGINT:  # Ctrl-C's exit 130 (runtime.signals)
+            raise KeyboardInterrupt()  # as Python says it
+        raise error
     if config.get("dry_run"):
         return dict(outcome["value"])  # the plan (plan.json)
     run_dir = Path(str(config.hydra.runtime.output_dir))  # absolute, the directory taken (hydra.run.dir)
@@ -160,18 +167,3 @@ def _as_it_was() -> Iterator[None]:
         for name, value in launch.items():
             if value is None:
                 os.environ.pop(name, None)
-
-
-def _stopped(err: BaseException) -> BaseException:
-    """A Ctrl-C stop exits the command line with 130 (runtime.signals): in Python, the KeyboardInterrupt."""
-    if isinstance(err, SystemExit) and err.code == 128 + signal.SIGINT:
-        return KeyboardInterrupt()
-    return err
-
-
-def _told(err: DsExpError) -> DsExpError:
-    """`err` as the command line prints it: its text with no secret, without the traceback and chain behind it."""
-    err.args = tuple(redact_text(a) if isinstance(a, str) else a for a in err.args)
-    if isinstance(err, ConfigError):
-        err.problems = [redact_text(p) for p in err.problems]
-    return err.with_traceback(None)

@@ -27,7 +27,7 @@ from ds_exp.train.hooks import Run
 from ds_exp.train.metrics import Metrics
 from ds_exp.train.sampler import ResumableDistributedSampler
 from ds_exp.train.session import Session
-from ds_exp.train.step import Batch, StepResult, TrainStep
+from ds_exp.train.step import Batch, TrainStep
 from ds_exp.train.workload import Workload
 
 log = logging.getLogger("ds_exp.train")
@@ -123,7 +123,9 @@ class Loop:
         if self.bad_steps:
             self.report_non_finite(progress.step - 1)
         if self.work.metric_scheduler is not None and self.schedule == "greedy":
-            self.work.metric_scheduler.step(self.global_loss(result))
+            # the step's loss over all ranks: an extra collective, made only for the schedules that need it
+            loss_sum, labels = all_reduce_sum([float(result.loss_sum), float(result.label_tokens)], self.engine.device)
+            self.work.metric_scheduler.step(loss_sum / max(labels, 1.0))
         if progress.step % self.log_every == 0 or progress.step == self.work.total_steps:
             self.metrics.close(self.line_fields())
         if self.eval_every and progress.step % self.eval_every == 0:
@@ -160,11 +162,6 @@ class Loop:
                 f"{self.bad_steps} optimizer steps in a row ended with a non-finite loss (last: step {step}); lower "
                 f"optimizer.lr or use precision=bf16/fp32 (train.max_bad_steps={max_bad})"
             )
-
-    def global_loss(self, result: StepResult) -> float:
-        """The step's loss over all ranks: an extra collective, made only for schedules that need it (greedy)."""
-        loss_sum, labels = all_reduce_sum([float(result.loss_sum), float(result.label_tokens)], self.engine.device)
-        return loss_sum / max(labels, 1.0)
 
     def evaluate(self) -> dict[str, float]:
         """Collective: perplexity over the eval set; generations too when eval.every_eval asks."""

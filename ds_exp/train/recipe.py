@@ -101,7 +101,9 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
     checkpoint to resume from (deepspeed.initialize reads its format), the disk, the engine. The objective (SFT's or a
     feature's) decides the data, the model's class, the collator and the loss."""
     objective = hooks.objective()
-    ranks = parallel_layout(session, cfg.dist.sequence_parallel_size)
+    ranks = Ranks.of(session.rank, session.world, cfg.dist.sequence_parallel_size)  # checked by the feature's hooks
+    # the ranks that draw different samples: every step's global batch is micro x accumulation x dp
+    session.state.data_parallel_size, session.state.sequence_parallel_size = ranks.dp_size, ranks.size
     tokenizer, model_config = read_model_config(cfg.model, cfg.data, cfg.lora, session)
     hooks.after_model_config(Run(session, hooks), model_config)
     data = tokenized_data(cfg.data, cfg.train.seed, session, tokenizer, objective)
@@ -177,14 +179,6 @@ def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
         ranks=ranks,
         objective=objective,
     )
-
-
-def parallel_layout(session: Session, sequence_parallel_size: int) -> Ranks:
-    """This rank's place: its sequence-parallel group (checked with the world it has by the feature's hooks)."""
-    ranks = Ranks.of(session.rank, session.world, sequence_parallel_size)
-    # the ranks that draw different samples: every step's global batch is micro x accumulation x dp
-    session.state.data_parallel_size, session.state.sequence_parallel_size = ranks.dp_size, ranks.size
-    return ranks
 
 
 def read_model_config(

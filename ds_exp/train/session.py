@@ -291,13 +291,10 @@ class Session:
 
     def continue_command(self) -> str:
         """The command that continues this run, to paste: its launcher, the run directory and the resume."""
-        return command(relaunch_command(self.launch), override("hydra.run.dir", self.run_dir), self.continue_with())
-
-    def continue_with(self) -> str:
-        """The resume override: the checkpoint this attempt resumed from until it wrote its own, then resume=auto."""
-        if self.state.checkpoint is None and self.resume_source is not None:
-            return override("resume", self.resume_source)
-        return "resume=auto"
+        resume = "resume=auto"
+        if self.state.checkpoint is None and self.resume_source is not None:  # until this attempt wrote its own
+            resume = override("resume", self.resume_source)
+        return command(relaunch_command(self.launch), override("hydra.run.dir", self.run_dir), resume)
 
     def finish(self, outcome: Outcome) -> None:
         """summary.json, the sinks, the log file, the process group: whatever happened, and never hiding it."""
