@@ -201,6 +201,28 @@ def test_every_feature_is_a_package_with_its_entry():
         assert (PACKAGE / name / "feature.py").is_file(), f"ds_exp/{name}/feature.py holds the feature's entry"
 
 
+WHOLE_CONFIG_LIMIT = 40  # issue 38: a feature is handed its own settings, not the whole Config
+
+
+def takes_the_whole_config(source: str) -> list[str]:
+    """The functions with a parameter annotated `Config` (ds_exp.config.schema's), by name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            if any(p.annotation is not None and ast.unparse(p.annotation).strip("'\"") == "Config" for p in params):
+                found.append(node.name)
+    return found
+
+
+def test_few_functions_take_the_whole_config():
+    assert takes_the_whole_config(
+        "def f(cfg: Config, x: int): ...\ndef g(s: 'Config'): ...\ndef h(t: TrainConfig): ..."
+    )
+    taking = [f"{name}.{fn}" for name, path in modules().items() for fn in takes_the_whole_config(path.read_text())]
+    assert len(taking) <= WHOLE_CONFIG_LIMIT, "\n".join(taking)
+
+
 def test_the_folders_are_the_layers():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_MODULES, top
