@@ -55,10 +55,6 @@ def is_env_set_value(key: str, value: object) -> bool:
     )
 
 
-def secret_parts(text: str) -> list[str]:
-    return [text[span.start : span.end] for span in secret_spans(text)]
-
-
 def redact(tree: object) -> Any:
     """Blank every value whose key looks like a secret, and every registered secret value wherever it stands (a
     `${oc.env:WANDB_API_KEY}` under an innocent key): configs are saved and sent to wandb."""
@@ -83,7 +79,7 @@ def register_secrets(tree: object = None, environ: Mapping[str, str] | None = No
             for value in node:
                 walk(value, secret)
         elif isinstance(node, str):
-            found = [node] if secret else secret_parts(node)
+            found = [node] if secret else [node[span.start : span.end] for span in secret_spans(node)]
             _secrets.update(value for value in found if len(value) >= _MIN_SECRET_LEN)
 
     walk(tree, False)

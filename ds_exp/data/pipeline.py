@@ -32,16 +32,7 @@ log = logging.getLogger(__name__)
 
 # Bump when the stored layout changes; the code of these modules is hashed into the key as well.
 CACHE_VERSION = 2  # 2: rows are conversations (layouts), per-source templates (raw)
-_CODE_FILES = (
-    "synthetic.py",
-    "sources.py",
-    "textfiles.py",
-    "conversations.py",
-    "templates.py",
-    "splits.py",
-    "encode.py",
-    "pipeline.py",
-)
+_CODE_FILES = ("synthetic", "sources", "textfiles", "conversations", "templates", "splits", "encode", "pipeline")
 
 
 @dataclass
@@ -58,10 +49,6 @@ def _sources(data: DataConfig) -> list[tuple[DataSource | None, str, bool]]:
     ]
     listed += [(s, f"data.sft_only_sources[{i}]", True) for i, s in enumerate(data.sft_only_sources)]
     return listed or [(None, "data.synthetic", False)]
-
-
-def _load(src: DataSource | None, key: str, data: DataConfig) -> RawSource:
-    return synthetic_source(data.synthetic) if src is None else load_source(src, key)
 
 
 def plan_counts(
@@ -178,16 +165,8 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
 def _source_material(src: DataSource | None, key: str) -> dict[str, Any]:
     if src is None:
         return {"synthetic": True}
-    material: dict[str, Any] = {
-        "format": src.format,
-        "layout": src.layout,
-        "split": src.split,
-        "eval_split": src.eval_split,
-        "prompt_field": src.prompt_field,
-        "chosen_field": src.chosen_field,
-        "name": src.name,
-        "revision": src.revision,
-    }
+    names = ("format", "layout", "split", "eval_split", "prompt_field", "chosen_field", "name", "revision")
+    material: dict[str, Any] = {name: getattr(src, name) for name in names}
     path = src.path
     try:
         fmt = resolve_format(path, src.format)
@@ -206,7 +185,7 @@ def _source_material(src: DataSource | None, key: str) -> dict[str, Any]:
 
 def _code_hash() -> str:
     here = Path(__file__).resolve().parent
-    return hash_key([(name, (here / name).read_text()) for name in _CODE_FILES])
+    return hash_key([(f"{name}.py", (here / f"{name}.py").read_text()) for name in _CODE_FILES])
 
 
 def cache_material(
@@ -283,7 +262,10 @@ def prepare_sft_data(
     max_seq_len = int(data.max_seq_len)
 
     def build(tmp: Path) -> dict[str, Any]:
-        raws = [(_load(src, key_, data), sft_only) for src, key_, sft_only in _sources(data)]
+        raws = [
+            (synthetic_source(data.synthetic) if src is None else load_source(src, key_), sft_only)
+            for src, key_, sft_only in _sources(data)
+        ]
         for raw, _ in raws:
             raw.set_template(source_template(configured, template, raw))
         train_rows, eval_rows, per_source = split_and_blend(raws, data, seed)
