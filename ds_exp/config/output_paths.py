@@ -30,10 +30,6 @@ def output_path_problems(train: TrainConfig, run_dir: Path | None = None) -> lis
             )
     if problems:
         return problems
-    return _overlapping_outputs(train, run_dir)
-
-
-def _overlapping_outputs(train: TrainConfig, run_dir: Path | None) -> list[str]:
     base = run_dir.absolute() if run_dir is not None else Path("/<run dir>")  # relative paths compare alike
     paths = {
         key: Path(os.path.normpath(base / Path(str(getattr(train, key))).expanduser()))
@@ -42,7 +38,6 @@ def _overlapping_outputs(train: TrainConfig, run_dir: Path | None) -> list[str]:
     shown = {key: f"train.{key}={getattr(train, key)}" for key in paths}
     if run_dir is None and len({Path(str(getattr(train, k))).expanduser().is_absolute() for k in paths}) > 1:
         return []  # one absolute, one relative: compared once the run directory is known
-    problems = []
     for key, path in paths.items():
         if path == base:
             problems.append(
