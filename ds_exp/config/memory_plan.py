@@ -89,14 +89,8 @@ def estimate_model_states(
         grads = -(-grads // world_size)
     if stage >= 3:
         params = -(-params // world_size)
-    device = host = 0
-    for size, offloaded in ((params, offload_param != "none"), (optimizer, offload_optimizer != "none")):
-        if offloaded:
-            host += size
-        else:
-            device += size
-    device += grads
-    return MemoryEstimate(params, grads, optimizer, device, host)
+    host = (params if offload_param != "none" else 0) + (optimizer if offload_optimizer != "none" else 0)
+    return MemoryEstimate(params, grads, optimizer, params + grads + optimizer - host, host)
 
 
 @dataclass(frozen=True)
