@@ -67,12 +67,6 @@ def plan_counts(
     return share - carve, 0, carve
 
 
-def repeated_rows(train: Rows, evals: Rows) -> int:
-    """How many eval rows are, turn for turn, a train row too (an eval.json that repeats train.json)."""
-    seen = {(tuple(r), tuple(c)) for r, c in zip(train.roles, train.contents, strict=True)}
-    return sum((tuple(r), tuple(c)) in seen for r, c in zip(evals.roles, evals.contents, strict=True))
-
-
 def _rng(seed: int, *tags: int) -> np.random.Generator:
     return np.random.default_rng([seed % 2**32, *tags])
 
@@ -269,7 +263,9 @@ def prepare_sft_data(
         for raw, _ in raws:
             raw.set_template(source_template(configured, template, raw))
         train_rows, eval_rows, per_source = split_and_blend(raws, data, seed)
-        in_train = repeated_rows(train_rows, eval_rows)
+        # eval rows that are, turn for turn, a train row too (an eval.json that repeats train.json)
+        seen = {(tuple(r), tuple(c)) for r, c in zip(train_rows.roles, train_rows.contents, strict=True)}
+        in_train = sum((tuple(r), tuple(c)) in seen for r, c in zip(eval_rows.roles, eval_rows.contents, strict=True))
         unpaired = _unpaired(data, train_rows) or _unpaired(data, eval_rows) if pairs else None
         if unpaired is not None:
             raise unpaired
