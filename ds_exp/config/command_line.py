@@ -7,9 +7,13 @@ from __future__ import annotations
 import functools
 import re
 import shlex
+from typing import TYPE_CHECKING
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 _SHELL_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./~-]+")  # what the shell takes as one word, unquoted
 _IN_DOUBLE_QUOTES = re.compile(r'[^"$`\\!]*')  # what double quotes keep literally
@@ -20,9 +24,10 @@ def _parser() -> OverridesParser:
     return OverridesParser.create()
 
 
-def _hydra_reads(arg: str) -> object:
+def parse_override(arg: str) -> Override | None:
+    """Hydra's own reading of one override (key, +/++/~, value with quotes undone), None where it fails."""
     try:
-        return _parser().parse_overrides([arg])[0].value()
+        return _parser().parse_overrides([arg])[0]
     except HydraException:
         return None
 
@@ -31,7 +36,9 @@ def override(key: str, value: object) -> str:
     """`key=value` as one argument a shell and then Hydra read back to `key` and exactly `value` (as text)."""
     text = str(value)
     arg = f"{key}={text}"
-    if _hydra_reads(arg) != text:  # Hydra would read a sweep, a list, a number, an interpolation...: quote it
+    if (
+        parsed := parse_override(arg)
+    ) is None or parsed.value() != text:  # Hydra would read a sweep, a list, a number, an interpolation...: quote it
         arg = f"{key}='{_escaped(text)}'"
     return shell_word(arg)
 

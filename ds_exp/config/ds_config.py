@@ -315,20 +315,17 @@ def resolve_ds_config(cfg: Config, facts: RunFacts, *, partial: bool = False) ->
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             if get_path(ds, f"zero_optimization.{key}") == AUTO:
                 del ds["zero_optimization"][key]
-    if facts.hidden_size is not None:
-        for path, value in hidden_size_values(facts.hidden_size).items():
-            if get_path(ds, path) == AUTO:
-                set_path(ds, path, value)
-
-    if facts.world_size is not None and get_path(ds, "zero_optimization.overlap_comm") == AUTO:
+    world, steps, run_dir = facts.world_size, facts.total_steps, facts.run_dir
+    fills = {  # what only the run knows; None: not known yet (a file's own steps_per_print is cosmetic)
+        **(hidden_size_values(facts.hidden_size) if facts.hidden_size is not None else {}),
         # overlap pays only where there is communication to hide (1 H100, ZeRO-2: 266 ms a step with it, 206 without)
-        set_path(ds, "zero_optimization.overlap_comm", facts.world_size > 1)
-
-    if get_path(ds, "steps_per_print") == AUTO and facts.total_steps is not None:  # a file's own value is cosmetic
-        set_path(ds, "steps_per_print", log_interval(cfg.train, facts.total_steps))
-
-    if get_path(ds, "csv_monitor.output_path") == AUTO and facts.run_dir is not None:
-        set_path(ds, "csv_monitor.output_path", str(Path(facts.run_dir) / "ds_monitor"))
+        "zero_optimization.overlap_comm": None if world is None else world > 1,
+        "steps_per_print": None if steps is None else log_interval(cfg.train, steps),
+        "csv_monitor.output_path": None if run_dir is None else str(Path(run_dir) / "ds_monitor"),
+    }
+    for path, value in fills.items():
+        if value is not None and get_path(ds, path) == AUTO:
+            set_path(ds, path, value)
 
     if not partial:
         left = find_auto(ds)

@@ -89,14 +89,8 @@ def estimate_model_states(
         grads = -(-grads // world_size)
     if stage >= 3:
         params = -(-params // world_size)
-    device = host = 0
-    for size, offloaded in ((params, offload_param != "none"), (optimizer, offload_optimizer != "none")):
-        if offloaded:
-            host += size
-        else:
-            device += size
-    device += grads
-    return MemoryEstimate(params, grads, optimizer, device, host)
+    host = (params if offload_param != "none" else 0) + (optimizer if offload_optimizer != "none" else 0)
+    return MemoryEstimate(params, grads, optimizer, params + grads + optimizer - host, host)
 
 
 @dataclass(frozen=True)
@@ -201,6 +195,9 @@ def run_estimate(
     tokens = micro * long_context.tokens
     attention = str(cfg.model.attn_implementation or "sdpa")
     fast = FastPathSettings.of(cfg).decide(accelerator, int(cfg.zero.stage))
+    # packed rows on a varlen kernel (flash-attn's, torch's) need no length x length mask
+    varlen = attention.startswith("flash") or attention == "torch_varlen"
+    varlen |= attention == "auto" and accelerator == "cuda" and precision != "fp32"
     knobs = LongContext(
         fused_loss=fast.fused_loss,
         checkpointing=bool(cfg.model.gradient_checkpointing),
@@ -209,17 +206,10 @@ def run_estimate(
         loss_chunk_tokens=-(-tokens // tiling.loss_chunks) if tiling.loss_chunks and not fast.fused_loss else 0,
         offload=tiling.offload,
         attention_scores=attention == "eager",
-        packed_mask=bool(cfg.data.packing) and not varlen_attention(attention, accelerator, precision),
+        packed_mask=bool(cfg.data.packing) and not varlen,
     )
-    shape = ModelShape(
-        facts["hidden"],
-        facts["intermediate"],
-        facts["layers"],
-        facts["vocab"],
-        facts["heads"],
-        facts["kv_heads"],
-        tied=bool(facts["tied"]),
-    )
+    sizes = {k: facts[k] for k in ("hidden", "intermediate", "layers", "vocab", "heads", "kv_heads")}
+    shape = ModelShape(**sizes, tied=bool(facts["tied"]))
     activations = estimate_activations(
         micro_batch=micro,
         seq_len=int(cfg.data.max_seq_len),
@@ -236,12 +226,6 @@ def run_estimate(
         "model_states_bytes": states_bytes,
         "activation_bytes": activations,
     }
-
-
-def varlen_attention(attention: str, accelerator: str, precision: str) -> bool:
-    """Whether packed rows run on a varlen kernel (flash-attn's, torch's), which needs no length x length mask."""
-    auto = attention == "auto" and accelerator == "cuda" and precision != "fp32"
-    return attention.startswith("flash") or attention == "torch_varlen" or auto
 
 
 def plan_micro_batch(

@@ -14,11 +14,8 @@ from typing import Any
 from ds_exp.config.schema import EvalConfig, ModelConfig
 from ds_exp.core.errors import ConfigError
 
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
+WEIGHT_FILES = tuple(
+    f"{name}{index}" for name in ("model.safetensors", "pytorch_model.bin") for index in ("", ".index.json")
 )
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 # Keys that only rotary position embeddings have (transformers 4 and 5 spellings).

@@ -184,9 +184,8 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
                 "d": "d",
                 "weight_decay": "weight_decay",
             },
-            state_bytes=lambda settings, impl: (
-                0.0
-            ),  # a row and a column per matrix: a few bytes per thousand parameters
+            # a row and a column per matrix: a few bytes per thousand parameters
+            state_bytes=lambda settings, impl: 0.0,
             deepspeed_type="Adafactor",
             zero_stages=(0,),
             zero_note=(
@@ -213,15 +212,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = table(
             builder="deepspeed.runtime.zero.muon.muon_optimizer:MuonWithAuxAdam",
             settings=MuonConfig,
             when="pretraining-style runs: orthogonalized momentum for hidden matrices, AdamW for the rest",
-            arguments={
-                "lr": "lr",
-                "momentum": "momentum",
-                "ns_method": "ns_method",
-                "adam_lr": "adam_lr",
-                "betas": "betas",
-                "eps": "eps",
-                "weight_decay": "weight_decay",
-            },
+            arguments={k: k for k in ("lr", "momentum", "ns_method", "adam_lr", "betas", "eps", "weight_decay")},
             state_bytes=lambda settings, impl: 4.0,  # one momentum per matrix entry
             aux_state_bytes=8.0,  # AdamW's two moments for embeddings, the head, norms and biases
             deepspeed_type="muon",

@@ -17,23 +17,14 @@ def output_path_problems(train: TrainConfig, run_dir: Path | None = None) -> lis
     for key in ("checkpoint_dir", "export_dir"):
         value = str(getattr(train, key))
         path = Path(value).expanduser()
-        long = next((part for part in path.parts if len(os.fsencode(part)) > NAME_MAX), None)
-        if long is not None:
-            problems.append(
-                f"train.{key}: the name {long[:40]}... has {len(os.fsencode(long))} bytes, more than file systems "
-                f"allow ({NAME_MAX}); give a shorter name"
-            )
-        elif not train.allow_outside_run_dir and (not value or path.is_absolute() or ".." in path.parts):
+        # a name too long for any file system: shapes.path_too_long, which runs first
+        if not train.allow_outside_run_dir and (not value or path.is_absolute() or ".." in path.parts):
             problems.append(
                 f"train.{key}={value}: must be a directory inside the run directory (relative, no '..'), so that "
                 f"no run writes into or deletes from another's; set train.allow_outside_run_dir=true to allow it"
             )
     if problems:
         return problems
-    return _overlapping_outputs(train, run_dir)
-
-
-def _overlapping_outputs(train: TrainConfig, run_dir: Path | None) -> list[str]:
     base = run_dir.absolute() if run_dir is not None else Path("/<run dir>")  # relative paths compare alike
     paths = {
         key: Path(os.path.normpath(base / Path(str(getattr(train, key))).expanduser()))
@@ -42,7 +33,6 @@ def _overlapping_outputs(train: TrainConfig, run_dir: Path | None) -> list[str]:
     shown = {key: f"train.{key}={getattr(train, key)}" for key in paths}
     if run_dir is None and len({Path(str(getattr(train, k))).expanduser().is_absolute() for k in paths}) > 1:
         return []  # one absolute, one relative: compared once the run directory is known
-    problems = []
     for key, path in paths.items():
         if path == base:
             problems.append(

@@ -16,12 +16,8 @@ def conf_dir() -> Path:
     raise FileNotFoundError(f"ds_exp's conf/ directory was not found next to {PACKAGE_DIR}")
 
 
-def assets_dir() -> Path:
-    return PACKAGE_DIR / "assets"
-
-
 def embedded_tokenizer_dir() -> Path:
-    return assets_dir() / "tokenizer"
+    return PACKAGE_DIR / "assets" / "tokenizer"
 
 
 def user_cache_dir() -> Path:

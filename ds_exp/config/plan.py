@@ -79,7 +79,6 @@ def steps_per_epoch(num_train: int, train: TrainConfig, data_parallel: int) -> i
 
 
 def total_steps(num_train: int, train: TrainConfig, data_parallel: int) -> int:
-    """`data_parallel`: the data-parallel size (ds_exp.config.batch.data_parallel_size), not the world size."""
     per_epoch = steps_per_epoch(num_train, train, data_parallel)
     if per_epoch == 0:
         raise ConfigError(

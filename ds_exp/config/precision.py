@@ -13,11 +13,8 @@ def detect_accelerator() -> str:
     forced = os.environ.get("DS_ACCELERATOR")
     if forced:
         return forced
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return "cpu"
-    if glob.glob("/dev/nvidia[0-9]*"):
-        return "cuda"
-    return "cpu"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) == ""
+    return "cuda" if not hidden and glob.glob("/dev/nvidia[0-9]*") else "cpu"
 
 
 def supports_fp16(accelerator: str) -> bool:

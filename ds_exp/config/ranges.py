@@ -15,13 +15,10 @@ from ds_exp.config.schema import Config, ZeroConfig
 def _declared(kind: str) -> dict[str, Any]:
     """key -> rule of every field that declares one, across the schema and every optimizer's settings class."""
     found: dict[str, Any] = {}
-    for key, owner, f in walk_fields(Config):
+    optimizers = (leaf for entry in OPTIMIZERS.values() for leaf in walk_fields(entry.settings, "optimizer."))
+    for key, owner, f in [*walk_fields(Config), *optimizers]:  # the schema's own first
         if (declared := rule(owner, f.name, kind)) is not None:
-            found[key] = declared
-    for entry in OPTIMIZERS.values():
-        for key, owner, f in walk_fields(entry.settings, "optimizer."):
-            if (declared := rule(owner, f.name, kind)) is not None:
-                found.setdefault(key, declared)
+            found.setdefault(key, declared)
     return found
 
 

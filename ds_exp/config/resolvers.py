@@ -88,13 +88,12 @@ def _study_name(experiment_name: str, hydra: DictConfig) -> str:
 
 
 def register_resolvers() -> None:
-    resolvers: dict[str, Callable[..., DictConfig | int | None]] = {
+    resolvers: dict[str, Callable[..., DictConfig | int | str | None]] = {
         "ds_exp.deepspeed_optimizer": deepspeed_optimizer,
         "ds_exp.deepspeed_scheduler": deepspeed_scheduler,
         "ds_exp.sequence_parallel_key": sequence_parallel_key,
+        "ds_exp.study_name": study_name,
     }
     for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
-    if not OmegaConf.has_resolver("ds_exp.study_name"):
-        OmegaConf.register_new_resolver("ds_exp.study_name", study_name)

@@ -20,6 +20,11 @@ _PLATEAU = {  # torch.optim.lr_scheduler.ReduceLROnPlateau
     "eps": Spec(range=at_least(0)),
 }
 _SHAPES = ("linear", "cosine", "1-sqrt")  # warmup_stable_decay's warmup_type and decay_type
+_MIN_LR = {
+    "num_cycles": _CYCLES,
+    "min_lr": Spec(range=at_least(0), null=True),
+    "min_lr_rate": Spec(range=Range(0, 1, fix=" (a fraction of optimizer.lr)"), null=True),
+}
 
 # What each schedule of get_scheduler takes through scheduler_specific_kwargs (beyond what ds_exp passes itself)
 SCHEDULE_KWARGS: dict[str, dict[str, Spec]] = {
@@ -31,17 +36,8 @@ SCHEDULE_KWARGS: dict[str, dict[str, Spec]] = {
     "constant_with_warmup": {},
     "inverse_sqrt": {"timescale": Spec(whole=True, range=at_least(1), null=True)},
     "reduce_lr_on_plateau": _PLATEAU,
-    "cosine_with_min_lr": {
-        "num_cycles": _CYCLES,
-        "min_lr": Spec(range=at_least(0), null=True),
-        "min_lr_rate": Spec(range=Range(0, 1, fix=" (a fraction of optimizer.lr)"), null=True),
-    },
-    "cosine_warmup_with_min_lr": {
-        "num_cycles": _CYCLES,
-        "min_lr": Spec(range=at_least(0), null=True),
-        "min_lr_rate": Spec(range=Range(0, 1, fix=" (a fraction of optimizer.lr)"), null=True),
-        "warmup_lr_rate": Spec(range=FRACTION, null=True),
-    },
+    "cosine_with_min_lr": _MIN_LR,
+    "cosine_warmup_with_min_lr": {**_MIN_LR, "warmup_lr_rate": Spec(range=FRACTION, null=True)},
     "warmup_stable_decay": {
         "num_decay_steps": Spec(whole=True, range=at_least(0), auto=True),
         "num_stable_steps": Spec(whole=True, range=at_least(0), null=True),

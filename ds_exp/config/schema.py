@@ -349,12 +349,6 @@ def path_not_set(key: str) -> str:
     return f"{key}.path is not set; set it to a data file, a directory or a hub id (e.g. {hint}.path=/data/x.jsonl)"
 
 
-def missing_source_paths(missing_keys: list[str]) -> list[str]:
-    """The unset (`???`) source paths among a composed config's missing keys, as `source_problems` says them."""
-    matches = (_SOURCE_PATH.fullmatch(key) for key in missing_keys)
-    return [path_not_set(m.group(1)) for m in matches if m is not None]
-
-
 def to_config(cfg: Any) -> Config:
     """The composed config as typed objects, once, at the entry point (Hydra's own node left out)."""
     if "hydra" in cfg:
@@ -363,10 +357,10 @@ def to_config(cfg: Any) -> Config:
             del cfg["hydra"]
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # mandatory values (???) left unset: one line each, naming the key (a source path: what to put there)
-        problems: list[str] = []
-        for key in missing:
-            problems += missing_source_paths([key]) or [f"{key} is not set: give it a value ({key}=...)"]
-        raise ConfigError(problems)
+        matches = [(key, _SOURCE_PATH.fullmatch(key)) for key in missing]
+        raise ConfigError(
+            [path_not_set(m.group(1)) if m else f"{key} is not set: give it a value ({key}=...)" for key, m in matches]
+        )
     typed: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     typed.deepspeed.config = plain_tree(typed.deepspeed.config)
     return typed

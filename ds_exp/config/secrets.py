@@ -9,17 +9,15 @@ registered values and shaped secrets in what is saved, sent or logged. Import-li
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
 from omegaconf import DictConfig, DictKeyType, OmegaConf, flag_override
 
+from ds_exp.config.command_line import parse_override
 from ds_exp.config.secret_names import is_secret_name
 from ds_exp.config.secret_shapes import is_reference, redact_shapes, secret_spans
 from ds_exp.core.compat import on_compose
@@ -55,10 +53,6 @@ def is_env_set_value(key: str, value: object) -> bool:
     )
 
 
-def secret_parts(text: str) -> list[str]:
-    return [text[span.start : span.end] for span in secret_spans(text)]
-
-
 def redact(tree: object) -> Any:
     """Blank every value whose key looks like a secret, and every registered secret value wherever it stands (a
     `${oc.env:WANDB_API_KEY}` under an innocent key): configs are saved and sent to wandb."""
@@ -83,7 +77,7 @@ def register_secrets(tree: object = None, environ: Mapping[str, str] | None = No
             for value in node:
                 walk(value, secret)
         elif isinstance(node, str):
-            found = [node] if secret else secret_parts(node)
+            found = [node] if secret else [node[span.start : span.end] for span in secret_spans(node)]
             _secrets.update(value for value in found if len(value) >= _MIN_SECRET_LEN)
 
     walk(tree, False)
@@ -150,19 +144,6 @@ def secret_inside(value: object) -> bool:
     return isinstance(options, list) and secret_inside(options)
 
 
-@functools.cache
-def _parser() -> OverridesParser:
-    return OverridesParser.create()
-
-
-def _parse(override: str) -> Override | None:
-    """Hydra's own reading of one override (key, +/++/~, value with quotes undone), None where it fails."""
-    try:
-        return _parser().parse_overrides([override])[0]
-    except HydraException:
-        return None
-
-
 class _Variables:
     """The DS_EXP_SECRET_* variables of one command line: two keys that spell the same name get distinct ones."""
 
@@ -190,7 +171,7 @@ class _Variables:
 def _quoted(key_text: str, value: str) -> str | None:
     """`key_text='value'` as Hydra reads it back to `value` exactly; None when no quoting does."""
     arg = f"{key_text}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    parsed = _parse(arg)
+    parsed = parse_override(arg)
     return arg if parsed is not None and parsed.value() == value else None
 
 
@@ -206,12 +187,12 @@ def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]
             out.append(arg)
             continue
         key_text, _, raw = arg.partition("=")
-        override = _parse(arg)
+        override = parse_override(arg)
         literal = False
         if override is None:
             # Hydra's grammar rejects the value (a base64 key ending in "=", `Server=s;Password=p`); a secret is
             # the text after the first "=" as it is, anything else is left for Hydra to report
-            override, literal = _parse(f"{key_text}=x"), True
+            override, literal = parse_override(f"{key_text}=x"), True
             if override is None:
                 last = re.split(r"\W+", key_text.strip("+~"))[-1]
                 if is_secret_key(last) or secret_spans(raw):

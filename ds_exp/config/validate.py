@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_exp.config.batch import data_parallel_size, global_batch_mismatch, samples_per_rank
-from ds_exp.config.ds_config import RunFacts, get_path, is_zero_stage, load_config_file, resolve_ds_config
+from ds_exp.config.ds_config import MISSING, RunFacts, get_path, is_zero_stage, load_config_file, resolve_ds_config
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.config.model_checks import (
     arch_problems,
@@ -87,10 +87,7 @@ def _file_setting(file: str | None, path: str) -> str | None:
         loaded = load_config_file(file)
     except ConfigError:
         return None  # reported on its own
-    return file if get_path(loaded, path, _UNSET) is not _UNSET else None
-
-
-_UNSET = object()
+    return file if get_path(loaded, path) is not MISSING else None
 
 
 def _setting(file: str | None, path: str, value: object, group_key: str) -> str:

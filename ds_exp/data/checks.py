@@ -78,10 +78,9 @@ def data_config_problems(data: DataConfig) -> list[str]:
             check_own(cache, directory=True)
         except UnsafePath as err:
             problems.append(f"data.cache_dir={err}")  # the message starts with the path
-    for i, src in enumerate(data.sources):
-        problems += source_problems(src, f"data.sources[{i}]")
-    for i, src in enumerate(data.sft_only_sources):
-        problems += source_problems(src, f"data.sft_only_sources[{i}]")
+    for name in ("sources", "sft_only_sources"):
+        for i, src in enumerate(getattr(data, name)):
+            problems += source_problems(src, f"data.{name}[{i}]")
     return problems
 
 

@@ -6,6 +6,7 @@ none has for NOTICE_S rank 0 says what is being tokenized (ds_exp.core.waits.ann
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import tempfile
@@ -210,7 +211,11 @@ def encode(
     encoder = replace(encoder, progress_file=str(progress))
     try:
         with (
-            announce_while(f"tokenizing {desc} ({len(rows)} rows)", idle_s=_idle(progress), detail=_longest(rows)),
+            announce_while(
+                f"tokenizing {desc} ({len(rows)} rows)",
+                idle_s=_idle(progress),
+                detail=functools.partial(_longest, rows),
+            ),
             without_bars(len(rows) < BAR_MIN_ROWS),
         ):
             ds = raw.map(
@@ -251,14 +256,10 @@ def _idle(progress: Path) -> Callable[[], float]:
     return idle
 
 
-def _longest(rows: Rows) -> Callable[[], str]:
+def _longest(rows: Rows) -> str:
     """What a notice says of the rows: the longest (counted only once a notice is due)."""
-
-    def longest() -> str:
-        chars = max((sum(map(len, contents)) for contents in rows.contents), default=0)
-        return f"its longest row has {chars:,} characters, which the tokenizer reads whole before truncating"
-
-    return longest
+    chars = max((sum(map(len, contents)) for contents in rows.contents), default=0)
+    return f"its longest row has {chars:,} characters, which the tokenizer reads whole before truncating"
 
 
 def pack(ds: datasets.Dataset, max_seq_len: int, *, work_dir: Path | None = None) -> datasets.Dataset:

@@ -8,19 +8,9 @@ from pathlib import Path
 
 FILE_FORMATS = ("json", "jsonl", "csv", "parquet")
 FORMATS = ("auto", *FILE_FORMATS, "arrow", "dschat", "hub")
-EXTENSIONS = {
-    ".json": "json",
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".csv": "csv",
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    # gzip-compressed text, read transparently (Parquet compresses inside the file)
-    ".json.gz": "json",
-    ".jsonl.gz": "jsonl",
-    ".ndjson.gz": "jsonl",
-    ".csv.gz": "csv",
-}
+_TEXT = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
+# text may be gzip-compressed, read transparently (Parquet compresses inside the file)
+EXTENSIONS = {**_TEXT, ".parquet": "parquet", ".pq": "parquet", **{f"{e}.gz": fmt for e, fmt in _TEXT.items()}}
 # Files that mark a `datasets.save_to_disk` directory (a Dataset or a DatasetDict).
 ARROW_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
 # Hub ids look like "name" or "owner/name"; anything else that does not exist is a missing local path.

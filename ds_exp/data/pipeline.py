@@ -32,16 +32,7 @@ log = logging.getLogger(__name__)
 
 # Bump when the stored layout changes; the code of these modules is hashed into the key as well.
 CACHE_VERSION = 2  # 2: rows are conversations (layouts), per-source templates (raw)
-_CODE_FILES = (
-    "synthetic.py",
-    "sources.py",
-    "textfiles.py",
-    "conversations.py",
-    "templates.py",
-    "splits.py",
-    "encode.py",
-    "pipeline.py",
-)
+_CODE_FILES = ("synthetic", "sources", "textfiles", "conversations", "templates", "splits", "encode", "pipeline")
 
 
 @dataclass
@@ -60,10 +51,6 @@ def _sources(data: DataConfig) -> list[tuple[DataSource | None, str, bool]]:
     return listed or [(None, "data.synthetic", False)]
 
 
-def _load(src: DataSource | None, key: str, data: DataConfig) -> RawSource:
-    return synthetic_source(data.synthetic) if src is None else load_source(src, key)
-
-
 def plan_counts(
     key: str, n_train: int, n_eval: int | None, sft_only: bool, split: tuple[float, float, float], frac: float
 ) -> tuple[int, int, int]:
@@ -78,12 +65,6 @@ def plan_counts(
         return share, n_eval if sft_only else phase1_count(n_eval, split), 0
     carve = eval_carve_count(share, frac)
     return share - carve, 0, carve
-
-
-def repeated_rows(train: Rows, evals: Rows) -> int:
-    """How many eval rows are, turn for turn, a train row too (an eval.json that repeats train.json)."""
-    seen = {(tuple(r), tuple(c)) for r, c in zip(train.roles, train.contents, strict=True)}
-    return sum((tuple(r), tuple(c)) in seen for r, c in zip(evals.roles, evals.contents, strict=True))
 
 
 def _rng(seed: int, *tags: int) -> np.random.Generator:
@@ -178,16 +159,8 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
 def _source_material(src: DataSource | None, key: str) -> dict[str, Any]:
     if src is None:
         return {"synthetic": True}
-    material: dict[str, Any] = {
-        "format": src.format,
-        "layout": src.layout,
-        "split": src.split,
-        "eval_split": src.eval_split,
-        "prompt_field": src.prompt_field,
-        "chosen_field": src.chosen_field,
-        "name": src.name,
-        "revision": src.revision,
-    }
+    names = ("format", "layout", "split", "eval_split", "prompt_field", "chosen_field", "name", "revision")
+    material: dict[str, Any] = {name: getattr(src, name) for name in names}
     path = src.path
     try:
         fmt = resolve_format(path, src.format)
@@ -206,7 +179,7 @@ def _source_material(src: DataSource | None, key: str) -> dict[str, Any]:
 
 def _code_hash() -> str:
     here = Path(__file__).resolve().parent
-    return hash_key([(name, (here / name).read_text()) for name in _CODE_FILES])
+    return hash_key([(f"{name}.py", (here / f"{name}.py").read_text()) for name in _CODE_FILES])
 
 
 def cache_material(
@@ -283,11 +256,16 @@ def prepare_sft_data(
     max_seq_len = int(data.max_seq_len)
 
     def build(tmp: Path) -> dict[str, Any]:
-        raws = [(_load(src, key_, data), sft_only) for src, key_, sft_only in _sources(data)]
+        raws = [
+            (synthetic_source(data.synthetic) if src is None else load_source(src, key_), sft_only)
+            for src, key_, sft_only in _sources(data)
+        ]
         for raw, _ in raws:
             raw.set_template(source_template(configured, template, raw))
         train_rows, eval_rows, per_source = split_and_blend(raws, data, seed)
-        in_train = repeated_rows(train_rows, eval_rows)
+        # eval rows that are, turn for turn, a train row too (an eval.json that repeats train.json)
+        seen = {(tuple(r), tuple(c)) for r, c in zip(train_rows.roles, train_rows.contents, strict=True)}
+        in_train = sum((tuple(r), tuple(c)) in seen for r, c in zip(eval_rows.roles, eval_rows.contents, strict=True))
         unpaired = _unpaired(data, train_rows) or _unpaired(data, eval_rows) if pairs else None
         if unpaired is not None:
             raise unpaired

@@ -52,10 +52,6 @@ def shown_split(split: tuple[float, float, float]) -> str:
     return ",".join(f"{v:g}" for v in split)
 
 
-def phase1_share(split: tuple[float, float, float]) -> float:
-    return split[0] / sum(split)
-
-
 def _round(x: float) -> int:
     return math.floor(x + 0.5 + 1e-9)  # half up, with slack for "0.2 * 5 = 0.99999"
 
@@ -89,6 +85,6 @@ def left_for_later_phases(split: tuple[float, float, float], train_rows: int, ev
         return None
     left = f"{train_rows:,} train" + (f" and {eval_rows:,} eval" if eval_rows else "")
     return (
-        f"data.data_split={shown_split(split)} gives SFT (phase 1) {phase1_share(split):.0%} of each source: {left} "
+        f"data.data_split={shown_split(split)} gives SFT (phase 1) {split[0] / sum(split):.0%} of each source: {left} "
         "rows are left for phases 2 and 3 and not trained on (data.data_split=10,0,0 trains on every row)"
     )

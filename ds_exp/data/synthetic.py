@@ -17,19 +17,13 @@ WORDS = NOUNS + COLORS
 TASKS = ("reverse", "repeat", "sort", "lookup")
 
 
-def _words(rng: random.Random) -> list[str]:
-    return [rng.choice(WORDS) for _ in range(rng.randint(3, 6))]
-
-
 def make_example(rng: random.Random) -> dict[str, str]:
     """One prompt/chosen pair; the task is drawn uniformly."""
     task = rng.choice(TASKS)
-    if task == "reverse":
-        words = _words(rng)
-        return {"prompt": "reverse the words: " + " ".join(words), "chosen": " ".join(reversed(words))}
-    if task == "repeat":
-        words = _words(rng)
-        return {"prompt": "repeat the words: " + " ".join(words), "chosen": " ".join(words)}
+    if task in ("reverse", "repeat"):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 6))]
+        answer = reversed(words) if task == "reverse" else words
+        return {"prompt": f"{task} the words: " + " ".join(words), "chosen": " ".join(answer)}
     if task == "sort":
         digits = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
         return {

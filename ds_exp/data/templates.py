@@ -97,24 +97,21 @@ def first_template(stats: dict[str, Any]) -> str:
 
 def render_prompt(prompt: str, template: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str, bool]:
     """A user's prompt as the run's template asks the model: (text to complete, whether to add special tokens)."""
-    if template == "chat_template":
-        messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False  # type: ignore[return-value]  # tokenize=False: a str (hinted as every kind)
-    if template == "dschat" and not is_marked(("user",), (prompt,)):
-        return f" Human: {prompt} Assistant:", True
-    return prompt, True  # raw, or a prompt that holds DeepSpeed-Chat's markers already: the text as given
+    return render_conversation([("user", prompt)], template, tokenizer)
 
 
 def render_conversation(
     turns: Sequence[tuple[str, str]], template: str, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[str, bool]:
     """A conversation so far (ending with the user's turn) as the template asks the model for the next answer."""
-    if len(turns) == 1:
-        return render_prompt(turns[0][1], template, tokenizer)
+    if len(turns) == 1:  # a prompt: the user's
+        turns = [("user", turns[0][1])]
     if template == "chat_template":
         messages = [{"role": role, "content": content} for role, content in turns]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False  # type: ignore[return-value]  # tokenize=False: a str (hinted as every kind)
-    if template == "dschat":  # as render_dschat writes a conversation, the next answer's head last
+    # as render_dschat writes a conversation, the next answer's head last; a prompt that holds DeepSpeed-Chat's
+    # markers already goes as given
+    if template == "dschat" and not (len(turns) == 1 and is_marked(("user",), (turns[0][1],))):
         heads = {"user": " Human: ", "assistant": " Assistant: ", "system": ""}
         return "".join(heads[role] + content for role, content in turns) + " Assistant:", True
     return "".join(content for _, content in turns), True
