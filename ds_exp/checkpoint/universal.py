@@ -328,8 +328,6 @@ def load_state(
     return saved
 
 
-# ------------------------------------------- `python -m ds_exp.universal TAG_DIR`: one line per refusal
-
 MAX_WORKERS = 256  # processes DeepSpeed's conversion starts: more than the machine has only queue
 
 

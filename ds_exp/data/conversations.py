@@ -109,9 +109,6 @@ def detect_layout(columns: Sequence[str], prompt_field: str, chosen_field: str) 
     return "prompt_chosen"
 
 
-# ----------------------------------------------------------------------------------------------- parsing
-
-
 def text_value(value: object, key: str, column_key: str, label: str) -> str | None:
     """A prompt/chosen cell as text; None = missing. Numbers become text, anything else is a column error."""
     if value is None or isinstance(value, str):
@@ -259,8 +256,6 @@ def parse_rows(
         _keep(out, *turns, None, where, i)
     return out, layout
 
-
-# ----------------------------------------------------------------------------------------------- mixed files
 
 _WHERE = re.compile(r"^(?P<file>.*?)(?::(?P<line>\d+)|: (?P<kind>item|row) (?P<num>\d+))$")
 

@@ -66,9 +66,6 @@ class RawSource:
             self.eval.set_template(template)
 
 
-# ----------------------------------------------------------------------------------------------- readers
-
-
 def _json_records(path: Path, key: str) -> tuple[list[dict[str, Any]], Where]:
     """A JSON array of objects, an object of columns (or of one list of records), or JSON lines."""
     text = read_text(path, key, "JSON")
@@ -270,9 +267,6 @@ def _load_tables(src: DataSource, key: str, fields: list[str]) -> tuple[_Table, 
         first = first_line(err)
         raise DataError(f"{key}.path={path}: cannot load from the hub ({first}); offline? use a local copy") from None
     return (*_pick_splits(loaded, src, key, path), path)
-
-
-# ----------------------------------------------------------------------------------------------- rows
 
 
 def _parse(table: _Table, fields: Fields, key: str, label: str, locate: bool = False) -> tuple[Parsed, str]:

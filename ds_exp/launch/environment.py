@@ -237,9 +237,6 @@ def cpu_threads_per_rank(launch: LaunchInfo) -> int | None:
     return max(1, len(os.sched_getaffinity(0)) // max(launch.local_world_size, 1))
 
 
-# ---------------------------------------------------------------------------------------- SLURM node lists
-
-
 def slurm_hostnames(nodelist: str) -> list[str]:
     """A SLURM node list's hosts in order (first: rank 0's), by `scontrol show hostnames` or parse_slurm_nodelist."""
     scontrol = shutil.which("scontrol")

@@ -171,8 +171,6 @@ def load_catalog(root: Path | None = None) -> Catalog:
     return Catalog(groups, defaults, docs, parse_option(root / "config.yaml", ""))
 
 
-# ------------------------------------------------------------------------------------------- formatting
-
 _KEY_WIDTH = 40
 
 

@@ -14,7 +14,6 @@ from typing import TextIO
 
 from ds_exp.core.errors import Refused
 
-# ------------------------------------------------------------------------------------ one live run per directory
 LOCK = ".ds_exp.lock"
 # run / sweep directory -> (the open file this process locks, whether it made it, the outermost directory it made)
 _locks: dict[Path, tuple[TextIO, bool, Path | None]] = {}

@@ -253,7 +253,6 @@ def set_aside_attempt(run_dir: Path) -> Path | None:
     return target
 
 
-# --------------------------------------------------------------------------- the placeholder of ranks > 0
 _placeholder: str | None = None
 
 

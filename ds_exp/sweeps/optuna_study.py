@@ -131,7 +131,6 @@ class StudySweeper(Sweeper):
             report_user_error(err)
             raise SystemExit(err.exit_code) from None
 
-    # ------------------------------------------------------------------------------------------ the study
     def run_study(self, arguments: list[str]) -> list[list[Trial]]:
         assert self.config is not None and self.hydra_context is not None
         self.check_settings()
@@ -291,7 +290,6 @@ class StudySweeper(Sweeper):
                 raise ConfigError(missing)
         return continued
 
-    # ----------------------------------------------------------------------------------------- the trials
     def run_trials(
         self,
         study: optuna.Study,
@@ -370,9 +368,6 @@ class StudySweeper(Sweeper):
         reason = next((line[:300] for line in (error or "").splitlines() if line.strip()), "no value")
         shown = f"{self.objective}={value:.6g}" if value is not None else reason
         print(f"ds_exp: trial {trial.number} {state.name.lower()}: {shown}")
-
-
-# ------------------------------------------------------------ the study's trials across sessions, and study.json
 
 
 def write_study(sweep_dir: Path, study: Study, identity: dict[str, Any], n_trials: int) -> None:

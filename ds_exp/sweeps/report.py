@@ -268,7 +268,6 @@ def _section(make: Callable[..., str | None], sweep_dir: Path, *args: Any) -> st
         return f"\n{line[0].upper()}{line[1:]}.\n"
 
 
-# ------------------------------------------------------------------------------------------------ autotune
 AUTOTUNE_COLUMNS = ["rank", "candidate", "result", "tokens_per_s", "mfu", "estimate_mib", "peak_memory_mib", "job"]
 WARMUP_STEPS = 1  # a probe's first step (allocations, first collectives) is not its speed
 NOT_TIMED = f"no metric line after its {WARMUP_STEPS} warm-up step(s); give the probes more steps than train.log_every"

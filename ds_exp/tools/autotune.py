@@ -78,7 +78,6 @@ class Autotune(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config
         )
 
-    # ------------------------------------------------------------------------------------------- the grid
     def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
         assert self.config is not None and self.hydra_context is not None and self.launcher is not None  # setup()
         grid = [f"{key}={value}" for key, value in self.params.items()] + list(arguments)
@@ -211,7 +210,6 @@ class Autotune(Sweeper):
             f"{max(every, WARMUP_STEPS)} (experiment=autotune uses 6 with train.log_every=1)"
         )
 
-    # ------------------------------------------------------------------------------------ memory and budget
     def plan(self, cfg: Config, world: int, accelerator: str, sweep_dir: Path) -> RunPlan:
         """The probe's plan as its run makes it: what its setup would refuse is refused before anything is launched."""
         # here: datasets reserves ~1 GB of address space on import, none left for transformers under a ulimit
