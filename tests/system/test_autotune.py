@@ -214,7 +214,7 @@ def test_probes_that_were_never_timed_recommend_nothing_and_exit_non_zero(tmp_pa
     fake_autotune_sweep(tmp_path, [1], ["zero=stage1", "experiment=autotune", "train.max_steps=1"])
     config = OmegaConf.create({"dry_run": False, "hydra": {"sweep": {"dir": str(tmp_path)}, "sweeper": {}}})
     with pytest.raises(SystemExit) as exited:
-        SweepReport.report(config)
+        SweepReport().on_multirun_end(config)  # as Hydra calls it at the sweep's end
     assert exited.value.code == 1
     captured = capsys.readouterr()
     assert "ds_exp: error: autotune: no probe was timed (no metric line after its 1 warm-up step" in captured.err
