@@ -188,16 +188,16 @@ def test_dpo_losses_equal_across_zero_stages_and_ranks_and_resume_exactly(tmp_pa
 # The embedded task's rows carry a wrong answer (rejected: its first word or digit changed). DeepSpeed-Chat's order:
 # the default SFT run, then DPO and a reward model from its export, each ranking the right answer higher on held-out
 # pairs. The reward model's export reloads with transformers and scores them as the run's final evaluation did.
-# DPO's settings are the best of those measured (beta 0.1/0.5/1.0, lr 3e-4..3e-3, cosine/constant, 60-120 steps):
-# held-out accuracy 0.000 (every reward 0 at the start) -> 0.875 at 80 steps, ~0.87 beyond; issue 40's 0.9 is not
-# reached. Reward (the defaults, 60 steps): 0.580 -> 0.710.
+# Measured on the quiet 2-core machine (docs/evidence.md): DPO 0.000 (every reward 0 at the start) -> 0.96 at step
+# 300 in about 30 s; the reward model 0.585 -> 0.945 at step 500 in about 30 s.
 PREFERENCE_STEPS = [
-    "train.log_every=10",
+    "train.log_every=50",
     "train.save_final_checkpoint=false",
+    "scheduler=constant",
 ]
 SETTINGS = {
-    "dpo": ["objective.beta=0.5", "scheduler=constant", "train.max_steps=80", "train.eval_every=80"],
-    "reward": ["data.synthetic.num_train=1000", "train.max_steps=60", "train.eval_every=60"],
+    "dpo": ["objective.beta=0.5", "train.max_steps=300", "train.eval_every=300"],
+    "reward": ["optimizer.lr=3e-4", "train.max_steps=500", "train.eval_every=500"],
 }
 
 
@@ -223,7 +223,7 @@ def test_preferences_of_the_embedded_task_are_learned_after_sft(tmp_path, cache_
     assert run.ok, run.explain()
     summary = run.summary
     assert summary["initial_eval"]["reward_accuracy"] <= 0.6  # DPO: every reward 0; reward: an untrained head
-    assert summary["final_eval"]["reward_accuracy"] >= {"dpo": 0.85, "reward": 0.65}[name], summary["final_eval"]
+    assert summary["final_eval"]["reward_accuracy"] >= 0.9, summary["final_eval"]  # issue 40
     assert summary["final_eval"]["reward_margin"] > 0
     assert (run.run_dir / "plots" / "loss.png").is_file()
     if name == "reward":
