@@ -199,6 +199,8 @@ def parse_rows(
     out = Parsed(Rows(), where=[] if locate else None)
     skip = _rows_of_other_layouts(columns, get, where, fields, layout, key, label)
     out.other_layout = len(skip)
+    if layout == "prompt_chosen" and _holds_turns(columns, get, chosen_field):
+        return _conversational_pairs(columns, get, where, fields, key, skip, out), layout
     if layout == "prompt_chosen":
         names = {"prompt": prompt_field, "chosen": chosen_field}
         for role, column in names.items():
@@ -255,6 +257,61 @@ def parse_rows(
             continue
         _keep(out, *turns, None, where, i)
     return out, layout
+
+
+def _holds_turns(columns: Sequence[str], get: Callable[[str], list[Any]], column: str) -> bool:
+    """Whether a chosen column holds message lists (Hugging Face's conversational preference rows), not text."""
+    if column not in columns:
+        return False
+    return any(isinstance(v, (list, tuple)) for v in get(column) if v is not None)
+
+
+def _conversational_pairs(
+    columns: Sequence[str],
+    get: Callable[[str], list[Any]],
+    where: Callable[[int], str],
+    fields: Fields,
+    key: str,
+    skip: Collection[int],
+    out: Parsed,
+) -> Parsed:
+    """TRL's conversational preference rows: chosen/rejected as message lists ending on the answer, the prompt either
+    its own column (text or messages) or the turns the two lists share before their answers."""
+    n = len(get(fields.chosen))
+    prompts = get(fields.prompt) if fields.prompt in columns else [None] * n
+    rejecteds = get(fields.rejected) if fields.rejected and fields.rejected in columns else [None] * n
+    for i, (prompt, chosen, rejected) in enumerate(zip(prompts, get(fields.chosen), rejecteds, strict=True)):
+        if i in skip:
+            continue
+        roles, contents = chat_turns(chosen, key, where(i), fields.chosen)
+        if roles[-1] != "assistant":
+            raise DataError(
+                f"{key}: {where(i)}: {fields.chosen!r} does not end on the answer; end it on an assistant turn"
+            )
+        answer: str | None = None
+        if rejected is not None:
+            rejected_roles, rejected_contents = chat_turns(rejected, key, where(i), str(fields.rejected))
+            shared = len(roles) - 1
+            if prompt is None and (rejected_roles[:-1], rejected_contents[:-1]) != (roles[:shared], contents[:shared]):
+                raise DataError(
+                    f"{key}: {where(i)}: {fields.chosen!r} and {fields.rejected!r} differ before their answers; "
+                    f"give both the same turns before the answer, or the turns before it as {fields.prompt!r}"
+                )
+            answer = rejected_contents[-1]
+        if prompt is not None:
+            if isinstance(prompt, str):
+                prompt_roles, prompt_contents = ["user"], [prompt]
+            else:  # messages before the answer: the same checks as a conversation's, bar "no assistant turn"
+                prompt_roles, prompt_contents = chat_turns(
+                    [*prompt, {"role": "assistant", "content": ""}], key, where(i), fields.prompt
+                )
+                prompt_roles, prompt_contents = prompt_roles[:-1], prompt_contents[:-1]
+            roles, contents = [*prompt_roles, *roles[-1:]], [*prompt_contents, *contents[-1:]]
+        if not contents[-1].strip() or "user" not in roles:
+            out.dropped += 1  # a blank answer or no prompt: as a prompt/chosen row without them
+            continue
+        _keep(out, roles, contents, answer, where, i)
+    return out
 
 
 _WHERE = re.compile(r"^(?P<file>.*?)(?::(?P<line>\d+)|: (?P<kind>item|row) (?P<num>\d+))$")

@@ -26,3 +26,38 @@ def test_pairs_are_sft_examples_ending_on_either_answer(compose_cfg, tmp_path):
         assert row["rejected_input_ids"] != row["chosen_input_ids"]
     assert pairs.stats["cache_path"] != sft.stats["cache_path"]
     assert prepare_sft_data(cfg.data, tokenizer, seed=1, pairs=True).stats["cache_hit"]
+
+
+def test_conversational_preference_rows_are_the_text_rows_pairs(compose_cfg, tmp_path):
+    """Hugging Face's conversational preference rows (TRL's explicit prompt: prompt, chosen and rejected as message
+    lists; implicit: chosen and rejected each the whole conversation) give the pairs their text rows give."""
+    import json
+
+    import pytest
+
+    from ds_exp.core.errors import DataError
+
+    rows = [(f"say {word} twice", f"{word} {word}", f"{word}") for word in ("red", "blue", "gold", "pink", "owl")] * 8
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    bot = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+    layouts = {
+        "text": [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in rows],
+        "explicit": [{"prompt": [user(p)], "chosen": [bot(c)], "rejected": [bot(r)]} for p, c, r in rows],
+        "implicit": [{"chosen": [user(p), bot(c)], "rejected": [user(p), bot(r)]} for p, c, r in rows],
+    }
+    pairs = {}
+    for name, records in layouts.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        cfg = compose_cfg("data=local", f"data.sources.0.path={path}", f"data.cache_dir={tmp_path / name}")
+        pairs[name] = prepare_sft_data(cfg.data, load_tokenizer(cfg.model, cfg.data), seed=1, pairs=True)
+    for name in ("explicit", "implicit"):
+        for split in ("train", "eval"):
+            assert getattr(pairs[name], split).to_dict() == getattr(pairs["text"], split).to_dict(), (name, split)
+    # the two conversations of an implicit row must share what comes before their answers
+    bad = tmp_path / "bad.jsonl"
+    good = {"chosen": [user("a"), bot("b")], "rejected": [user("a"), bot("c")]}
+    bad.write_text(json.dumps(good) + "\n" + json.dumps({**good, "rejected": [user("d"), bot("c")]}) + "\n")
+    cfg = compose_cfg("data=local", f"data.sources.0.path={bad}", f"data.cache_dir={tmp_path / 'bad'}")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: 'chosen' and 'rejected' differ before their answers"):
+        prepare_sft_data(cfg.data, load_tokenizer(cfg.model, cfg.data), seed=1, pairs=True)
