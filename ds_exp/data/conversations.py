@@ -277,10 +277,10 @@ def _conversational_pairs(
 ) -> Parsed:
     """TRL's conversational preference rows: chosen/rejected as message lists ending on the answer, the prompt either
     its own column (text or messages) or the turns the two lists share before their answers."""
-    n = len(get(fields.chosen))
-    prompts = get(fields.prompt) if fields.prompt in columns else [None] * n
-    rejecteds = get(fields.rejected) if fields.rejected and fields.rejected in columns else [None] * n
-    for i, (prompt, chosen, rejected) in enumerate(zip(prompts, get(fields.chosen), rejecteds, strict=True)):
+    chosens = get(fields.chosen)
+    prompts = get(fields.prompt) if fields.prompt in columns else [None] * len(chosens)
+    rejecteds = get(fields.rejected) if fields.rejected and fields.rejected in columns else [None] * len(chosens)
+    for i, (prompt, chosen, rejected) in enumerate(zip(prompts, chosens, rejecteds, strict=True)):
         if i in skip:
             continue
         roles, contents = chat_turns(chosen, key, where(i), fields.chosen)
