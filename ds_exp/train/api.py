@@ -105,7 +105,7 @@ def _train(args: list[str]) -> dict[str, Any]:
                     outcome["error"] = err
 
             loader = GlobalHydra.instance().config_loader()
-            context = HydraContext(config_loader=loader, callbacks=_job_callbacks(config))
+            context = HydraContext(config_loader=loader, callbacks=compat.hydra_job_callbacks(config, _callback_failed))
             try:
                 run_hydra_job(task, config, "hydra.run.dir", None, hydra_context=context)
             except RunFailed as err:  # a user's callback failed (the run's own error, if any, is the one told)
@@ -126,21 +126,9 @@ def _train(args: list[str]) -> dict[str, Any]:
     return dict(json.loads((run_dir / "summary.json").read_text()))
 
 
-def _job_callbacks(config: DictConfig) -> Any:
-    """hydra.callbacks as Hydra's run_job calls them, but one that raises fails the run with its message: Hydra 1.3
-    catches it and only warns, in the run's log (Callbacks._notify)."""
-    callbacks = compat.hydra_job_callbacks(config)
-
-    def notify(function_name: str, reverse: bool = False, **kwargs: Any) -> None:
-        for callback in reversed(callbacks.callbacks) if reverse else callbacks.callbacks:
-            try:
-                getattr(callback, function_name)(**kwargs)
-            except Exception as err:
-                name = f"{type(callback).__module__}.{type(callback).__qualname__}.{function_name}"
-                raise RunFailed(f"the Hydra callback {name} failed: {type(err).__name__}: {first_line(err)}") from err
-
-    callbacks._notify = notify
-    return callbacks
+def _callback_failed(name: str, err: Exception) -> RunFailed:
+    """A user's Hydra callback that raised fails the run with its message (Hydra alone would only warn)."""
+    return RunFailed(f"the Hydra callback {name} failed: {type(err).__name__}: {first_line(err)}")
 
 
 @contextmanager

@@ -61,7 +61,7 @@ IMPORTED_WHERE_USED = {
 }
 # uses (not mentions) of other libraries' private names that ds_exp relies on
 PRIVATE = re.compile(
-    r"hydra\._internal|\._zero3_consolidated\w*\(|import _parse_node_list|\._usr_sig\(|\._init_weights\("
+    r"hydra\._internal|\._zero3_consolidated\w*\(|import _parse_node_list|\._usr_sig\(|\._init_weights\(|\._notify\b"
 )
 
 

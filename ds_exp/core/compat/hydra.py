@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 CHECKED = ((1, 3, 2), (1, 3, 8))  # the hydra-core versions the patches below were checked against
@@ -107,8 +108,23 @@ def _run_and_raise(func: Any) -> Any:
     return func()
 
 
-def hydra_job_callbacks(config: Any) -> Any:
-    """The callbacks of a composed config as Hydra's run mode calls them (no public API; tests/unit/test_api.py)."""
+def hydra_job_callbacks(config: Any, failed: Callable[[str, Exception], Exception] | None = None) -> Any:
+    """The callbacks of a composed config as Hydra's run mode calls them (no public API; tests/unit/test_api.py).
+    With `failed`, a callback that raises fails the run with `failed(its name, the error)`: Hydra 1.3 catches it and
+    only warns, in the run's log (Callbacks._notify, replaced on this instance)."""
     from hydra._internal.callbacks import Callbacks
 
-    return Callbacks(config)
+    callbacks = Callbacks(config)
+    if failed is None:
+        return callbacks
+
+    def notify(function_name: str, reverse: bool = False, **kwargs: Any) -> None:
+        for callback in reversed(callbacks.callbacks) if reverse else callbacks.callbacks:
+            try:
+                getattr(callback, function_name)(**kwargs)
+            except Exception as err:
+                name = f"{type(callback).__module__}.{type(callback).__qualname__}.{function_name}"
+                raise failed(name, err) from err
+
+    callbacks._notify = notify  # type: ignore[method-assign]  # this instance only
+    return callbacks
