@@ -57,6 +57,19 @@ def pin_test_environment() -> None:
         os.environ.pop(name, None)
 
 
+# pytest-xdist's workers share the machine's cores as the ranks of one launch share a node: each worker's runs (in
+# its process, forked from its zygote, its sweeps) get the worker's share of them, unless the shell set it. Two
+# workers whose runs each took every core oversubscribed the 2-core machine, and OpenMP's spinning threads then made
+# a small model's steps 3-6x slower (a 150-step reward run: 29 s alone; beside the suite 83-189 s at 2 threads,
+# 29-65 s at 1). The launcher scripts' own runs do not get it: how they set the ranks' threads is under test there.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+WORKER_SHARE = (
+    {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))}
+    if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ
+    else {}
+)
+os.environ.update(WORKER_SHARE)
+
 # The environment the tests started with: libraries imported in-process later write to os.environ (mlflow its
 # telemetry session, tensorboardX CRC32C_SW_MODE), which a user's shell would not hold (and which would give every
 # later run a zygote of its own: tests/zygote.py). conftest.py imports this module first.
@@ -134,6 +147,9 @@ def launch(
     if forked is not None:
         return Run(forked, run_dir)
     cmd = [str(REPO / "launchers" / f"{launcher}.sh"), str(nproc), *args]  # the scripts users run
+    for name in WORKER_SHARE:
+        if name not in (env or {}):
+            full_env.pop(name)
     proc = subprocess.run(cmd, cwd=where, env=full_env, capture_output=True, text=True, timeout=timeout)
     return Run(proc, run_dir)
 
@@ -143,8 +159,13 @@ def train_here(run_dir: Path, *overrides: str, cache_dir: Path | None = None) ->
     the recipe does where no process boundary is under test: the run directory and files of `launch`, without a
     child process (its start, its process group's, and the first-use costs every new process pays again). Its
     stdout and stderr are captured; a DsExpError is the exit status and message the command line would give."""
+    import torch
+
     from ds_exp import train
     from ds_exp.core.errors import DsExpError
+
+    if WORKER_SHARE:  # read when torch loads, which may have been before this module set it
+        torch.set_num_threads(int(WORKER_SHARE["OMP_NUM_THREADS"]))
 
     args = [*overrides, f"hydra.run.dir={run_dir}", *([f"data.cache_dir={cache_dir}"] if cache_dir else [])]
     out, err = io.StringIO(), io.StringIO()
