@@ -54,3 +54,28 @@ def test_every_caller_plans_a_sequence_parallel_run_alike(sequence_parallel, tmp
     assert bench == recipe and tuned == recipe
     assert (dry["data_parallel_size"], dry["global_batch_size"], dry["total_steps"]) == (2, global_batch, 25)
     assert dry["ds_config"] == recipe.ds_config
+
+
+TINY = ["model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=1"]
+
+
+def test_a_preference_pair_is_planned_as_two_rows_with_no_second_model(compose_cfg, tmp_path):
+    """The dry run of objective=dpo or reward (autotune's estimate is the same run_estimate): a micro batch of 4 pairs
+    holds the activations of SFT's 8 rows, the model states are SFT's (DPO's reference is no second copy), and the
+    plan names where the reference comes from."""
+
+    def plan(*overrides: str) -> dict:
+        return make_plan(compose_cfg(*TINY, *overrides), tmp_path, train_examples=64)
+
+    sft, sft_rows = plan("train.micro_batch_size=4"), plan("train.micro_batch_size=8")
+    for name in ("dpo", "reward"):
+        pairs = plan(f"objective={name}", "train.micro_batch_size=4")
+        assert pairs["micro_batch_size"] == 4 and pairs["global_batch_size"] == sft["global_batch_size"]
+        activations, rows = (p["memory_per_rank"]["activation_bytes"] for p in (pairs, sft))
+        assert activations == sft_rows["memory_per_rank"]["activation_bytes"] > rows
+        assert pairs["estimate_per_rank_bytes"] - activations == sft["estimate_per_rank_bytes"] - rows
+        assert f"objective={name}: each pair is two rows (the activations above count both)" in pairs["notes"][-1]
+    precomputed = plan("objective=dpo")["notes"][-1]
+    assert "DPO's reference: log-probabilities of the starting model, computed once before training" in precomputed
+    adapters = plan("objective=dpo", "lora.dim=8")["notes"][-1]
+    assert "DPO's reference: the same weights with the LoRA adapters off (no second copy" in adapters
