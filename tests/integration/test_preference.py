@@ -5,6 +5,8 @@ within 1e-4 in fp32, with and without LoRA (adapters off as the reference), with
 from __future__ import annotations
 
 import copy
+import json
+import math
 
 import pytest
 import torch
@@ -153,6 +155,37 @@ def test_dpo_steps_match_trls_dpotrainer(tmp_path, cache_dir, trl_dpo, lora):
     # the weights move: every step after the first is compared away from the start (rewards 0, loss log 2)
     assert max(abs(line[side]) for line in lines[1:] for side in ("rewards_chosen", "rewards_rejected")) > 1e-2, lines
     assert run.summary["status"] == "completed"
+
+
+# bf16 on DeepSpeed's CPU accelerator, with DeepSpeed's CPU Adam: the optimizer offloaded at ZeRO-2, the optimizer
+# and the parameters at ZeRO-3 (DPO's reference forward then gathers the offloaded parameters, as every forward does).
+OFFLOADED = {
+    "dpo_zero2": ["objective=dpo", "zero=stage2", "offload=cpu"],
+    "dpo_zero3": ["objective=dpo", "zero=stage3", "offload=cpu_all"],
+    "reward_zero3": ["objective=reward", "zero=stage3", "offload=cpu_all"],
+}
+
+
+def test_dpo_and_reward_train_in_bf16_with_the_optimizer_and_parameters_offloaded(tmp_path, cache_dir):
+    runs = {}
+    for name, overrides in OFFLOADED.items():
+        run = train_here(
+            tmp_path / name, *COMMON, *overrides, "precision=bf16", "train.max_steps=3", cache_dir=cache_dir
+        )
+        assert run.ok, run.explain()
+        summary, lines = run.summary, run.records("train")
+        assert (summary["precision"], summary["optimizer"]) == ("bf16", "DeepSpeedCPUAdam"), summary
+        zero = json.loads((run.run_dir / "ds_config.json").read_text())["zero_optimization"]
+        assert zero["offload_optimizer"]["device"] == "cpu"
+        assert zero.get("offload_param", {}).get("device", "none") == ("cpu" if "zero3" in name else "none")
+        assert [line["step"] for line in lines] == [1, 2, 3]
+        shown = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+        assert all(math.isfinite(line[key]) for line in lines for key in shown), lines
+        assert len({(line["rewards_chosen"], line["rewards_rejected"]) for line in lines}) == 3, lines  # moving
+        runs[name] = lines
+    dpo = [line["loss"] for line in runs["dpo_zero2"]]
+    assert dpo[0] == pytest.approx(math.log(2), abs=1e-3)  # the reference is the starting model, in bf16 too
+    assert_close([line["loss"] for line in runs["dpo_zero3"]], dpo, rel=1e-3)
 
 
 # The same DPO run (its reference precomputed: under ZeRO-3 every rank's forward is collective) at every ZeRO stage on
