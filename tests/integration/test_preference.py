@@ -8,6 +8,7 @@ import copy
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,7 +190,9 @@ def test_dpo_and_reward_train_in_bf16_with_the_optimizer_and_parameters_offloade
 
 
 # The same DPO run (its reference precomputed: under ZeRO-3 every rank's forward is collective) at every ZeRO stage on
-# two ranks, and on one rank accumulating the same global batch; a resume from step 3 continues its losses.
+# two ranks, and on one rank accumulating the same global batch; a resume from step 3 continues its losses, and so
+# does the 2-rank ZeRO-2 checkpoint on 1 rank at ZeRO-3 (DeepSpeed's universal format), whose reference is computed
+# afresh (a cache of its own) and is the starting model's, not the checkpoint's.
 DPO_RUN = ["objective=dpo", *FAST, "train.micro_batch_size=2", "train.save_every=3"]
 
 
@@ -200,6 +203,7 @@ def test_dpo_losses_equal_across_zero_stages_and_ranks_and_resume_exactly(tmp_pa
     reference = one.losses
     assert len(reference) == 8 and reference[0] == pytest.approx(0.693147, abs=1e-5)  # policy = reference at step 1
     assert one.records("train")[-1]["reward_accuracy"] > 0.5
+    stages = {}
     for stage in range(4):
         run = launch(
             tmp_path / f"stage{stage}", *DPO_RUN, f"zero=stage{stage}", launcher="ranks", nproc=2, cache_dir=cache_dir
@@ -209,6 +213,7 @@ def test_dpo_losses_equal_across_zero_stages_and_ranks_and_resume_exactly(tmp_pa
         assert run.summary["final_eval"]["reward_accuracy"] == pytest.approx(
             one.summary["final_eval"]["reward_accuracy"]
         )
+        stages[stage] = run
     step3 = one.run_dir / "checkpoints" / "step3"
     again = train_here(
         tmp_path / "resumed", *DPO_RUN, "train.gradient_accumulation_steps=2", f"resume={step3}", cache_dir=cache_dir
@@ -216,6 +221,24 @@ def test_dpo_losses_equal_across_zero_stages_and_ranks_and_resume_exactly(tmp_pa
     assert again.ok, again.explain()
     assert [r["step"] for r in again.records("train")] == [4, 5, 6, 7, 8]
     assert again.losses == pytest.approx(reference[3:], rel=1e-6, abs=1e-7)
+
+    fresh = tmp_path / "fresh_cache"
+    universal = train_here(
+        tmp_path / "universal",
+        *DPO_RUN,
+        "zero=stage3",
+        "train.gradient_accumulation_steps=2",
+        f"resume={stages[2].run_dir / 'checkpoints' / 'step3'}",
+        cache_dir=fresh,
+    )
+    assert universal.ok, universal.explain()
+    said = universal.proc.stdout + universal.proc.stderr
+    assert "resume: world_size: 2 in the checkpoint, 1 now" in said and "universal format (once)" in said
+    assert_close(universal.losses, reference[3:])
+    (computed,) = fresh.rglob("reference-*.npz")
+    starting = np.load(cache_dir / computed.relative_to(fresh))  # the first run's, of the starting model
+    for split, logps in np.load(computed).items():
+        np.testing.assert_allclose(logps, starting[split], rtol=1e-6)
 
 
 # The embedded task's rows carry a wrong answer (rejected: its first word or digit changed). DeepSpeed-Chat's order:
