@@ -266,8 +266,10 @@ def test_launchers_train_the_user_command(tmp_path, cache_dir, launcher):
     """`python -m ds_exp zero=stage3 precision=bf16 lora.dim=64` under every launcher: one run directory
     with checkpoints, metrics, summary, an export and one log file per rank. No rank reaches the interpreter's
     shutdown with gloo's threads still running (freed then, they aborted a completed rank now and then: SIGABRT,
-    "terminate called without an active exception")."""
+    "terminate called without an active exception"). Under DeepSpeed's launcher (DeepSpeed-Chat's), the run is
+    its step 2: objective=dpo, the reference the same weights with the adapters off, on both ranks (issue 40)."""
     nproc = 1 if launcher == "single" else 2
+    dpo = ["objective=dpo"] if launcher == "deepspeed" else []
     env = None
     probe = tmp_path / "probe"
     if launcher != "single":  # (a single run forks from the test zygote, which a start-up module never sees)
@@ -283,6 +285,7 @@ def test_launchers_train_the_user_command(tmp_path, cache_dir, launcher):
         "train.max_steps=4",
         "train.save_final_checkpoint=true",
         "train.export=true",
+        *dpo,
         launcher=launcher,
         nproc=nproc,
         cache_dir=cache_dir,
@@ -316,6 +319,13 @@ def test_launchers_train_the_user_command(tmp_path, cache_dir, launcher):
         "ds_exp: training: ZeRO stage 3, bf16, no offload, LoRA rank 64, alpha 64"
     ]
     assert said[-1].startswith("ds_exp: completed 4 steps in ") and said.count(said[-1]) == 1
+    if dpo:  # the step-1 policy is the reference (LoRA's B starts at zero), then the rewards move apart
+        lines = run.records("train")
+        assert lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and lines[0]["reward_margin"] == 0, lines
+        assert all(line["rewards_chosen"] != line["rewards_rejected"] for line in lines[1:]), lines
+        final = summary["final_eval"]
+        assert final["eval_pairs"] == 32 and 0 <= final["reward_accuracy"] <= 1 and math.isfinite(final["eval_loss"])
+        assert "ds_exp: DPO reference: the starting model, the same weights with the LoRA adapters off" in said, said
 
 
 def test_wandb_offline_files_hold_the_metrics(tmp_path, cache_dir):
