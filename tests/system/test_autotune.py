@@ -108,13 +108,17 @@ def test_autotune_locally_skips_what_cannot_fit_records_a_real_oom_and_recommend
 @pytest.mark.slow
 def test_autotune_on_slurm_runs_each_probe_as_a_two_rank_job(slurm, tmp_path):  # noqa: F811
     """No memory limit here: under `ulimit -d` a rank can fail inside submitit's own result pickling, and then the
-    sweep waits for that job forever (seen with a 1.4 GiB limit); the recorded OOM is proven locally above."""
+    sweep waits for that job forever (seen with a 1.4 GiB limit); the recorded OOM is proven locally above.
+    The probes tune DPO (issue 40): a micro batch of 2048 pairs is 4096 rows, ruled out by the 4 GiB budget where
+    2048 rows of SFT would fit; the recommended command keeps objective=dpo."""
     sweep = tmp_path / "sweep"
     proc = autotune(
         tmp_path,
+        "objective=dpo",
+        "data.synthetic.num_train=256",  # DPO's reference is computed for every pair before a probe's first step
         "zero=stage1,stage2",
         "offload=none",
-        "train.micro_batch_size=2,8192",
+        "train.micro_batch_size=2,2048",
         "hydra/launcher=slurm",
         "hydra.launcher.tasks_per_node=2",
         "hydra.launcher.timeout_min=15",
@@ -131,11 +135,16 @@ def test_autotune_on_slurm_runs_each_probe_as_a_two_rank_job(slurm, tmp_path):  
         summary = json.loads((sweep / row["job"] / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["launcher"] == "submitit"
         assert float(row["tokens_per_s"]) > 0
+        assert "reward_accuracy" in json.loads((sweep / row["job"] / "metrics.jsonl").read_text().splitlines()[-1])
+    candidates = json.loads((sweep / "autotune.json").read_text())["candidates"]
     for z in (1, 2):
-        assert rows[f"zero=stage{z} train.micro_batch_size=8192"]["result"].startswith("ruled out")
+        assert rows[f"zero=stage{z} train.micro_batch_size=2048"]["result"].startswith("ruled out")
+        (pairs,) = [c for c in candidates if {f"zero=stage{z}", "train.micro_batch_size=2048"} <= set(c["overrides"])]
+        assert pairs["estimate_bytes"] - pairs["activation_bytes"] // 2 < 4 * 2**30 < pairs["estimate_bytes"]
     assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1"]  # only the probes were queued
     command = recommended_command(proc.stdout)
     assert command[3:6] == ["-m", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2"], command
+    assert "objective=dpo" in command
     best = next(r for r in probes if r["rank"] == "1 (recommended)")
     check_dry_run_of(command, tmp_path, {"zero_stage": int(best["candidate"][len("zero=stage")]), "micro": 2})
 
