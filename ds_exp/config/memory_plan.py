@@ -104,6 +104,7 @@ class ModelShape:
     heads: int = 0  # 0 = unknown: key/value heads counted as attention heads
     kv_heads: int = 0
     tied: bool = False  # the output layer shares the input embedding's weight (tie_word_embeddings)
+    outputs: int = 0  # the output layer's width: 0 = the vocabulary (a reward model's head: 1)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def estimate_activations(
         chunk = min(t, knobs.loss_chunk_tokens)
         logits = t * hidden * w + chunk * shape.vocab * (w + 8 + (4 if w == 2 else 0))
     else:
-        logits = t * shape.vocab * (w + 8 + (4 if w == 2 else 0))  # fp32 copy of 16-bit logits for the loss
+        logits = t * (shape.outputs or shape.vocab) * (w + 8 + (4 if w == 2 else 0))  # + the loss's fp32 copy
     in_flight = 3 * t * hidden * w
     exchange = t * (2 * hidden + 2 * kv) * w if n > 1 else 0  # q, k, v and the output in the heads' layout
     mask = micro_batch * seq_len * seq_len if knobs.packed_mask or knobs.attention_scores else 0
@@ -209,7 +210,7 @@ def run_estimate(
         packed_mask=bool(cfg.data.packing) and not varlen,
     )
     sizes = {k: facts[k] for k in ("hidden", "intermediate", "layers", "vocab", "heads", "kv_heads")}
-    shape = ModelShape(**sizes, tied=bool(facts["tied"]))
+    shape = ModelShape(**sizes, tied=bool(facts["tied"]), outputs=facts.get("outputs", 0))
     activations = estimate_activations(
         micro_batch=micro,
         seq_len=int(cfg.data.max_seq_len),

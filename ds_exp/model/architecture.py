@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,15 +100,17 @@ def apply_rope_scaling(config: PretrainedConfig, scaling: dict[str, Any]) -> Non
         raise ConfigError(f"{shown}: {str(err).strip(chr(34))}") from None
 
 
-def model_facts(cfg: Config) -> dict[str, int]:
-    """Parameter counts and the shapes the memory estimate needs, from the config on the meta device."""
+def model_facts(cfg: Config, auto_class: Any = AutoModelForCausalLM) -> dict[str, int]:
+    """Parameter counts and the shapes the memory estimate needs, from the config on the meta device; `auto_class`:
+    the objective's (a reward model's one-wide head replaces the output layer and its vocabulary-wide logits)."""
     model = cfg.model
     tokenizer = None if plans_from_arch(model, dry_run=cfg.dry_run) else load_tokenizer(model, cfg.data)
     config = build_model_config(model, tokenizer)
     text = text_config(config)
     text.vocab_size = padded_vocab_size(len(tokenizer or ()), text.vocab_size, model.vocab_multiple)
-    counts = count_parameters(model, cfg.lora, config)
+    counts = count_parameters(model, cfg.lora, config, auto_class)
     hidden = int(hidden_size_of(config) or 0)
+    language_model = auto_class is AutoModelForCausalLM
     intermediate = getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None)
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     return {
@@ -117,9 +120,11 @@ def model_facts(cfg: Config) -> dict[str, int]:
         "intermediate": int(intermediate or 4 * hidden),
         "layers": int(getattr(text, "num_hidden_layers", 0) or 0),
         "vocab": int(text.vocab_size),
+        "outputs": int(text.vocab_size) if language_model else 1,
         "heads": heads,
         "kv_heads": int(getattr(text, "num_key_value_heads", 0) or heads),
-        "tied": int(bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))),
+        "tied": language_model
+        and int(bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))),
     }
 
 
@@ -150,10 +155,15 @@ class ParameterCounts:
     lora_parts: dict[str, int] = field(default_factory=dict)  # adapted layers per tower (lora.adapted_by_part)
 
 
-def count_parameters(model_cfg: ModelConfig, lora: LoraConfig, config: PretrainedConfig) -> ParameterCounts:
+def count_parameters(
+    model_cfg: ModelConfig, lora: LoraConfig, config: PretrainedConfig, auto_class: Any = AutoModelForCausalLM
+) -> ParameterCounts:
     """Exact counts from a model built on the meta device: no memory, no weights read."""
+    if auto_class is not AutoModelForCausalLM:  # a one-label head, as the build makes it (ds_exp/model/build.py)
+        config = copy.copy(config)
+        config.num_labels = 1
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+        model = auto_class.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
     total = sum(p.numel() for p in model.parameters())
     if lora.dim <= 0:
         return ParameterCounts(total, total, ())

@@ -18,6 +18,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.ds_config import IgnoredOverride, log_interval
+from ds_exp.config.features import feature_hooks, feature_settings
 from ds_exp.config.memory_plan import human_bytes, run_estimate
 from ds_exp.config.plan import RunPlan, plan_run
 from ds_exp.config.precision import detect_accelerator
@@ -31,6 +32,7 @@ from ds_exp.model.architecture import model_facts
 from ds_exp.runtime.device import resolved_precision
 from ds_exp.sweeps.jobs import check_job
 from ds_exp.sweeps.report import PLAN_FILE, WARMUP_STEPS
+from ds_exp.train.hooks import RunHooks
 
 _UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 
@@ -229,9 +231,10 @@ class Autotune(Sweeper):
 
     def model_facts(self, cfg: Config) -> dict[str, int]:
         """Parameter counts and shapes, from the model's config on the meta device (no weights), once per model."""
-        key = repr((cfg.model, cfg.lora, cfg.data.end_of_conversation_token))  # dataclasses: every field shown
+        key = repr((cfg.model, cfg.lora, cfg.data.end_of_conversation_token, cfg.objective))  # every field shown
         if key not in self._facts:
-            self._facts[key] = model_facts(cfg)
+            auto_class = RunHooks(feature_hooks(feature_settings(cfg))).objective().model_class  # a reward model's
+            self._facts[key] = model_facts(cfg, auto_class)
         return self._facts[key]
 
     def launcher_config(self) -> DictConfig:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ds_exp.config.ds_config import get_path, replaced_by_config_file
-from ds_exp.config.features import feature_settings, plan_notes
+from ds_exp.config.features import feature_hooks, feature_settings, plan_notes
 from ds_exp.config.memory_plan import (
     estimate_model_states,
     human_bytes,
@@ -39,6 +39,7 @@ from ds_exp.model.architecture import (
 )
 from ds_exp.model.tokenizer import load_tokenizer
 from ds_exp.runtime.device import resolved_precision
+from ds_exp.train.hooks import RunHooks
 
 
 def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> dict[str, Any]:
@@ -54,7 +55,8 @@ def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> 
     base_vocab = base_vocab_size(cfg.model, tokenizer, text.vocab_size)  # what the export keeps
     padded = padded_vocab_size(len(tokenizer or ()), text.vocab_size, cfg.model.vocab_multiple)
     text.vocab_size = padded
-    counts = count_parameters(cfg.model, cfg.lora, model_config)
+    auto_class = RunHooks(feature_hooks(feature_settings(cfg))).objective().model_class  # a reward model's head
+    counts = count_parameters(cfg.model, cfg.lora, model_config, auto_class)
     plan = plan_run(
         cfg,
         world_size=launch.world_size,
@@ -72,7 +74,7 @@ def make_plan(cfg: Config, run_dir: Path, train_examples: int | None = None) -> 
     if from_arch:
         notes.insert(0, arch_note(cfg.model))
     stage = int(get_path(ds_config, "zero_optimization.stage"))
-    shapes = model_facts(cfg)
+    shapes = model_facts(cfg, auto_class)
     memory = estimate_model_states(
         counts.total,
         counts.trainable,

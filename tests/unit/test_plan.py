@@ -62,19 +62,34 @@ TINY = ["model.arch.hidden_size=32", "model.arch.intermediate_size=64", "model.a
 def test_a_preference_pair_is_planned_as_two_rows_with_no_second_model(compose_cfg, tmp_path):
     """The dry run of objective=dpo or reward (autotune's estimate is the same run_estimate): a micro batch of 4 pairs
     holds the activations of SFT's 8 rows, the model states are SFT's (DPO's reference is no second copy), and the
-    plan names where the reference comes from."""
+    plan names where the reference comes from. A reward model is planned as the model it trains: a one-wide head
+    instead of the output layer (gone untied), no vocabulary-wide logits."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     def plan(*overrides: str) -> dict:
         return make_plan(compose_cfg(*TINY, *overrides), tmp_path, train_examples=64)
 
     sft, sft_rows = plan("train.micro_batch_size=4"), plan("train.micro_batch_size=8")
-    for name in ("dpo", "reward"):
-        pairs = plan(f"objective={name}", "train.micro_batch_size=4")
+    activations = {name: plan(f"objective={name}", "train.micro_batch_size=4") for name in ("dpo", "reward")}
+    for name, pairs in activations.items():
         assert pairs["micro_batch_size"] == 4 and pairs["global_batch_size"] == sft["global_batch_size"]
-        activations, rows = (p["memory_per_rank"]["activation_bytes"] for p in (pairs, sft))
-        assert activations == sft_rows["memory_per_rank"]["activation_bytes"] > rows
-        assert pairs["estimate_per_rank_bytes"] - activations == sft["estimate_per_rank_bytes"] - rows
         assert f"objective={name}: each pair is two rows (the activations above count both)" in pairs["notes"][-1]
+    dpo, reward = (activations[name]["memory_per_rank"]["activation_bytes"] for name in ("dpo", "reward"))
+    rows = sft["memory_per_rank"]["activation_bytes"]
+    assert dpo == sft_rows["memory_per_rank"]["activation_bytes"] > rows
+    assert activations["dpo"]["estimate_per_rank_bytes"] - dpo == sft["estimate_per_rank_bytes"] - rows
+    # 8 rows' logits, fp32 with the loss's copy (12 bytes each): the vocabulary's wide for SFT, one for a reward
+    tokens, vocab = 8 * compose_cfg().data.max_seq_len, sft["padded_vocab_size"]
+    assert dpo - reward == tokens * (vocab - 1) * 12
+    for tied in ("true", "false"):
+        untied = [f"model.arch.tie_word_embeddings={tied}"]
+        counted = plan(*untied, "objective=reward")["parameters"]
+        arch = {**compose_cfg(*TINY, *untied).model.arch, "vocab_size": vocab, "num_labels": 1}
+        config = AutoConfig.for_model(**arch)
+        with torch.device("meta"):
+            built = AutoModelForSequenceClassification.from_config(config)
+        assert counted == sum(p.numel() for p in built.parameters()) < plan(*untied)["parameters"] + 33
     precomputed = plan("objective=dpo")["notes"][-1]
     assert "DPO's reference: log-probabilities of the starting model, computed once before training" in precomputed
     adapters = plan("objective=dpo", "lora.dim=8")["notes"][-1]
