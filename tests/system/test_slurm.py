@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -155,7 +156,11 @@ def test_preempted_job_is_requeued_and_ends_like_an_uninterrupted_run(slurm, tmp
         job_id = newest_job_id()
         assert job_id > before and logged_steps(job) < 300, "the job ended or never trained before the signal"
         subprocess.run(["scancel", "--signal=USR2", str(job_id)], check=True, timeout=30)
-        _, stderr = proc.communicate(timeout=900)
+        # the uninterrupted run trains while SLURM requeues the job: ~25 s with idle cores (KillWait, BeginTime)
+        with ThreadPoolExecutor(1) as pool:
+            uninterrupted = pool.submit(launch, tmp_path / "reference", *REQUEUED_RUN, cache, launcher="ranks", nproc=2)
+            _, stderr = proc.communicate(timeout=900)
+            reference = uninterrupted.result()
     assert proc.returncode == 0, stderr[-4000:]
     summary = json.loads((job / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2
@@ -163,7 +168,6 @@ def test_preempted_job_is_requeued_and_ends_like_an_uninterrupted_run(slurm, tmp
     for rank in (0, 1):  # each rank caught the signal, and they saved one checkpoint together
         assert "caught SIGUSR2" in (job / "logs" / f"rank{rank}.log").read_text()
 
-    reference = launch(tmp_path / "reference", *REQUEUED_RUN, cache, launcher="ranks", nproc=2)
     assert reference.ok, reference.explain()
     assert_close(losses(job), reference.losses, rel=1e-6)
     assert summary["final_eval"]["eval_loss"] == pytest.approx(reference.summary["final_eval"]["eval_loss"], rel=1e-6)
