@@ -149,6 +149,12 @@ def smollm2_6_layers_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
     return first_layers(smollm2_dir, tmp_path_factory.mktemp("smollm2_6_layers"), 6)
 
 
+@pytest.fixture(scope="session")  # session-scoped: the tests that use it stay free to go to either worker
+def smollm2_2_layers_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct's first 2 of its 30 layers: its whole pretrained embeddings (tied, 49152 rows)."""
+    return first_layers(smollm2_dir, tmp_path_factory.mktemp("smollm2_2_layers"), 2)
+
+
 def run_cli(
     *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
