@@ -14,7 +14,7 @@ from ds_exp.core.errors import ConfigError, RunFailed
 from ds_exp.evaluation.checks import TaskSpec, device_problems, resolve_tasks, task_problems
 from ds_exp.evaluation.fit import CLI_KEYS, Asked, check_room, model_dir_fit, run_model_fit
 from ds_exp.evaluation.settings import HarnessConfig
-from ds_exp.exports.checks import check_target, find_checkpoint, run_dir_of
+from ds_exp.exports.checks import check_target, find_checkpoint, refuse_reward_model, run_dir_of
 from ds_exp.exports.on_disk import (
     ADAPTER_CONFIG,
     RUN_CONFIG,
@@ -46,6 +46,9 @@ class Plan:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     run_dir, model_dir, checkpoint, cfg, pair = _target(args.target)
+    refuse_reward_model(
+        model_dir, "lm-eval's tasks cannot score it", reward_run=cfg is not None and str(cfg.objective.name) == "reward"
+    )
     if cfg is None and args.base:
         raise ConfigError(f"--base: {args.target} is not a run's, so it has no base model to find; leave it out")
     if cfg is not None and (args.base or checkpoint is not None or (pair and not args.no_base)):

@@ -83,6 +83,18 @@ def run_dir_of(tag_dir: Path) -> Path:
     )
 
 
+def refuse_reward_model(model_dir: Path, so: str, *, reward_run: bool = False) -> None:
+    """A reward model (objective=reward) scores answers and writes none: transformers would load it as a language model
+    without its head, and what it said or scored would mean nothing."""
+    architectures = (read_config_json(model_dir, str(model_dir))[0] or {}).get("architectures") or []
+    if reward_run or (architectures and all(str(a).endswith("ForSequenceClassification") for a in architectures)):
+        raise ConfigError(
+            f"{model_dir} is a reward model (objective=reward): it scores answers and writes none, so {so}; its "
+            "held-out preference accuracy is summary.json's final_eval.reward_accuracy, and transformers' "
+            "AutoModelForSequenceClassification scores a pair with it"
+        )
+
+
 def model_dir_of(given: str) -> Path:
     """What `python -m ds_exp.chat` talks to: a Hugging Face model directory, or a run directory's final export."""
     path = Path(given).expanduser()

@@ -20,6 +20,7 @@ from ds_exp.exports.checks import (
     find_checkpoint,
     model_dir_of,
     model_settings_of,
+    refuse_reward_model,
     run_dir_of,
 )
 from ds_exp.exports.on_disk import (
@@ -208,6 +209,7 @@ def chat_main(argv: list[str] | None = None) -> int:
     if problems:
         raise ConfigError(problems)
     model_dir = model_dir_of(args.dir)
+    refuse_reward_model(model_dir, "there is nothing to chat with")
     context = context_of(model_settings_of(model_dir, str(model_dir)))
     if context is not None and args.max_new_tokens >= context[0]:
         raise ConfigError(

@@ -25,6 +25,7 @@ class PreferenceSettings:
     tiled_loss: bool = False
     model_key: str = ""  # the starting model as configured (its section, the seed, the precision)
     model_path: str | None = None  # model.name_or_path: its files are part of the reference's key
+    harness_tasks: tuple[str, ...] = ()  # eval.harness.tasks
 
     @property
     def name(self) -> str:
@@ -71,6 +72,12 @@ def preference_problems(run: PreferenceSettings, facts: CheckFacts) -> list[str]
         problems.append(
             "objective=reward with LoRA: the reward head (score) must train whole beside the adapters; add it: "
             "lora.modules_to_save=[score]"
+        )
+    if name == "reward" and run.harness_tasks:
+        problems.append(
+            f"eval.harness.tasks=[{','.join(run.harness_tasks)}]: objective=reward trains a reward model, which writes "
+            "no answers for lm-eval to score (its held-out preference accuracy is final_eval.reward_accuracy); set "
+            "eval.harness.tasks=[]"
         )
     return problems + pair_problems(run.data, name)
 

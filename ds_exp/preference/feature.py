@@ -20,6 +20,7 @@ def settings_of(cfg: Config) -> PreferenceSettings:
         tiled_loss=bool(cfg.model.tiled_loss),
         model_key=hash_key(identity),
         model_path=cfg.model.name_or_path,
+        harness_tasks=tuple(cfg.eval.harness.tasks),
     )
 
 

@@ -270,6 +270,7 @@ def test_preferences_of_the_embedded_task_are_learned_after_sft(tmp_path, cache_
     from transformers import AutoModelForSequenceClassification
 
     from ds_exp.data.pipeline import prepare_sft_data
+    from ds_exp.evaluation.cli import main as evaluate
     from ds_exp.model.tokenizer import load_tokenizer
     from ds_exp.preference.objectives import PairCollator
 
@@ -282,7 +283,8 @@ def test_preferences_of_the_embedded_task_are_learned_after_sft(tmp_path, cache_
     assert summary["final_eval"]["reward_accuracy"] >= 0.9, summary["final_eval"]  # issue 40
     assert summary["final_eval"]["reward_margin"] > 0
     assert (run.run_dir / "plots" / "loss.png").is_file()
-    if name == "reward":
+    if name == "reward":  # a reward model is scored on pairs, not by lm-eval (its export is no language model)
+        assert evaluate([str(run.run_dir), "ds_exp_synthetic"]) == 2
         model = AutoModelForSequenceClassification.from_pretrained(run.run_dir / "hf_model").eval()
         cfg = compose_cfg(*overrides, f"data.cache_dir={cache_dir}")
         tokenizer = load_tokenizer(cfg.model, cfg.data)

@@ -54,6 +54,21 @@ def test_combinations_that_cannot_work(compose_cfg):
     assert "objective.beta=0.0: must be > 0" in said and "data.packing" not in said
     said = problems(compose_cfg, "objective=reward", "lora.dim=8")
     assert "lora.modules_to_save=[score]" in said
+    said = problems(compose_cfg, "objective=reward", "eval.harness.tasks=[ds_exp_synthetic]")
+    assert "eval.harness.tasks=[ds_exp_synthetic]: objective=reward trains a reward model, which writes no" in said
+
+
+def test_a_reward_model_is_not_evaluated_or_chatted_with_as_a_language_model(tmp_path, capsys):
+    """transformers would load a reward model's export as a language model without its head: lm-eval's scores and
+    the chat's answers would mean nothing. Refused from its config.json, before any weight is read."""
+    from ds_exp.evaluation.cli import main as evaluate
+    from ds_exp.exports.cli import chat_main
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"]}))
+    for command, args in ((evaluate, [str(tmp_path), "ds_exp_synthetic"]), (chat_main, [str(tmp_path)])):
+        assert command(args) == 2
+        said = capsys.readouterr().err
+        assert f"ds_exp: error: {tmp_path} is a reward model (objective=reward): it scores answers" in said, said
 
 
 def test_sft_and_the_embedded_pairs_pass(compose_cfg):
