@@ -294,10 +294,6 @@ def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str])
             parent[path[-1]] = value
 
 
-def _hide_in_environ(cfg: DictConfig) -> None:
-    hide_config_file_secrets(cfg, os.environ)
-
-
 def hide_secrets_when_composing() -> None:
     """Every composition of this process hides its config files' secrets (see hide_config_file_secrets)."""
-    on_compose(_hide_in_environ)
+    on_compose(lambda cfg: hide_config_file_secrets(cfg, os.environ))
