@@ -1,8 +1,5 @@
-"""What the evaluation refuses before any model loads, one line each: eval.harness against the exports, lm-eval
-missing, unknown or rejected tasks, data files missing or out of reach, an objective no task reports. Light (lm-eval's
-loader imports datasets, never torch). A `TaskSpec` is a built-in, a registry name or a YAML file; its metrics are
-named as harness.json names them (`acc`, or `<metric>/<filter>` when a task has several filters).
-"""
+"""What the evaluation refuses before any model loads, one line each. Light (lm-eval's loader imports datasets, never
+torch). A `TaskSpec` is a built-in, a registry name or a YAML file, its metrics named as harness.json names them."""
 
 from __future__ import annotations
 
