@@ -1,9 +1,6 @@
-"""Row layouts -> conversations: prompt/chosen, Hugging Face messages, ShareGPT and Alpaca rows all become a
-list of (role, content) turns with role system | user | assistant. Pure standard library.
-
-Bad chat rows (unknown role, empty conversation, no assistant turn, content not a string) stop the run with
-one message naming the file and the row; rows without an answer are dropped and counted, as for prompt/chosen.
-"""
+"""Row layouts -> conversations: prompt/chosen, Hugging Face messages, ShareGPT and Alpaca rows all become a list of
+(role, content) turns with role system | user | assistant. A bad chat row stops the run with one message naming the
+file and the row; rows without an answer are dropped and counted. Pure standard library."""
 
 from __future__ import annotations
 

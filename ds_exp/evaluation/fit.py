@@ -1,8 +1,6 @@
 """Can the model be judged on the task? One light checker (never torch) before any weight loads, for validation, the
-command and the scoring: a group with no tasks, a split with no questions, rows without a field a prompt reads, a
-prompt beyond the model's positions, too few few-shot examples, the disk room lm-eval's files need; one line each.
-Lengths are lower bounds, so a refusal is certain; prompts made by a task's own code are measured only in scoring.
-"""
+command and the scoring, one line per problem. Lengths are lower bounds, so a refusal is certain; prompts made by a
+task's own code are measured only in scoring."""
 
 from __future__ import annotations
 
