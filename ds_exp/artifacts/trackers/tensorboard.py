@@ -1,7 +1,6 @@
 """TensorBoard event files on rank 0 (logger.tensorboard.dir, else <run dir>/tensorboard); a resume from step S purges
-what a killed attempt wrote past it. tensorboardX's protos are written here in the caller's thread: SummaryWriter's
-thread dies at the first write error (a full disk) and blocks forever; here the error reaches the caller.
-"""
+what a killed attempt wrote past it. Written in the caller's thread: SummaryWriter's thread dies at the first write
+error (a full disk) and blocks forever; here the error reaches the caller."""
 
 from __future__ import annotations
 
