@@ -183,7 +183,7 @@ def cache_material(
     """Everything the tokenized result depends on."""
     material: dict[str, Any] = {
         "version": CACHE_VERSION,
-        "code": hash_key([(f"{n}.py", (Path(__file__).parent / f"{n}.py").read_text()) for n in _CODE_FILES]),
+        "code": hash_key([(f"{n}.py", (Path(__file__).resolve().parent / f"{n}.py").read_text()) for n in _CODE_FILES]),
         "sources": [(key, sft_only, _source_material(src, key)) for src, key, sft_only in _sources(data)],
         "data_split": list(parse_data_split(data.data_split)),
         "eval_fraction": float(data.eval_fraction),
