@@ -107,12 +107,8 @@ def remove_stale_temporaries(directory: Path) -> None:
         return
     for entry in entries:
         match = _TMP.match(entry.name)
-        if match and match.group("host") == _host() and not _alive(int(match.group("pid"))):
+        if match and match.group("host") == socket.gethostname() and not _alive(int(match.group("pid"))):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _host() -> str:
-    return socket.gethostname()
 
 
 def _alive(pid: int) -> bool:
@@ -187,7 +183,7 @@ def convert_here(tag_dir: Path, names: list[list[str]] | None = None, workers: i
         return target
     remove_stale_temporaries(tag_dir.parent)
     needed = space_needed(tag_dir)
-    work = tag_dir.parent / f".{target.name}.tmp-{_host()}-{os.getpid()}"
+    work = tag_dir.parent / f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     try:
         work.mkdir()

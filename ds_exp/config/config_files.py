@@ -1,7 +1,5 @@
-"""A user's own config files (`--config-dir DIR experiment=NAME`, `hydra.searchpath`) checked before Hydra reads
-them: YAML that does not parse or repeats a key, an experiment file without `# @package _global_`, and defaults
-lists that include each other in a loop (not a RecursionError 2,000 lines long); one message naming the file and
-the fix. Light: yaml and Hydra's override parser only."""
+"""A user's own config files (`--config-dir`, `hydra.searchpath`) checked before Hydra reads them, each problem one
+message naming the file and the fix (a defaults loop: not a RecursionError 2,000 lines long). Light: yaml only."""
 
 from __future__ import annotations
 

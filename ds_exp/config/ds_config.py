@@ -1,11 +1,9 @@
-"""The DeepSpeed config: groups + optional user JSON, with "auto" filled (Hugging Face's convention).
-
-1. `deepspeed.config` (built from the groups in conf/config.yaml) is the base.
-2. `deepspeed.config_file` is merged over it key by key: the file wins for DeepSpeed's own keys, and its
-   `optimizer` / `scheduler` blocks make DeepSpeed own those.
-3. Keys that mirror a ds_exp setting must be "auto" or agree with it; every disagreement is reported at once.
-4. "auto" is filled from ds_exp's settings and what only the run knows (`partial`: validation leaves those).
-An explicit override the file would silently win over is refused before the run (`check_overrides_obeyed`)."""
+"""The DeepSpeed config: groups + optional user JSON, with "auto" filled (Hugging Face's convention). `deepspeed.config`
+(built from the groups in conf/config.yaml) is the base; `deepspeed.config_file` is merged over it key by key: the file
+wins for DeepSpeed's own keys, and its `optimizer` / `scheduler` blocks make DeepSpeed own those. Keys that mirror a
+ds_exp setting must be "auto" or agree with it (every disagreement reported at once); "auto" is filled from ds_exp's
+settings and what only the run knows (`partial`: validation leaves those). An explicit override the file would silently
+win over is refused before the run (`check_overrides_obeyed`)."""
 
 from __future__ import annotations
 
@@ -158,7 +156,7 @@ def groups_ds_config(section: DeepSpeedSection) -> dict[str, Any]:
 
 
 def merged_ds_config(section: DeepSpeedSection) -> dict[str, Any]:
-    """Groups, then the user's file over them (steps 1-2 of the module docstring); nothing filled yet."""
+    """Groups, then the user's file merged over them key by key; nothing filled yet."""
     base = groups_ds_config(section)
     if section.config_file:
         return deep_merge(base, load_config_file(section.config_file))

@@ -95,7 +95,8 @@ class Spec:
         if (value is None and self.null) or (value == "auto" and self.auto):
             return None
         if self.choices:
-            return None if value in self.choices else f"give one of {', '.join(map(_word, self.choices))}"
+            words = [str(c).lower() if isinstance(c, bool) else str(c) for c in self.choices]
+            return None if value in self.choices else f"give one of {', '.join(words)}"
         if self.each:
             items = value if isinstance(value, (list, tuple)) else []
             problems = [self._number_problem(item) for item in items] or ["give a non-empty list of numbers"]
@@ -111,10 +112,6 @@ class Spec:
             return "must be a finite number"
         allowed = self.range or Range()  # no range: float32's
         return None if allowed.holds(value) else allowed.why(value)
-
-
-def _word(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 FRACTION = Range(0, 1, high_open=True)  # [0, 1)

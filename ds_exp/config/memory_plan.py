@@ -1,9 +1,8 @@
-"""Byte accounting, in one place: per-rank memory of model states and activations, and a checkpoint's size on disk.
-
-Model states per parameter follow the ZeRO paper: with mixed precision 2 bytes of parameters + 2 of gradients + 4
-of fp32 master weights + the optimizer's own state (its entry's state_bytes in optimizers.py); in fp32, 4 + 4 + the
-state, + 4 master bytes at stages 1-3 (measured in bench/memory.py). Stage 1 partitions the optimizer states, stage
-2 also the gradients, stage 3 also the parameters; offload moves them to host memory. Buckets are not included."""
+"""Byte accounting in one place: per-rank memory of model states and activations, a checkpoint's size on disk. Model
+states per parameter follow the ZeRO paper: with mixed precision 2 bytes of parameters + 2 of gradients + 4 of fp32
+master weights + the optimizer's own state (its entry's state_bytes in optimizers.py); in fp32, 4 + 4 + the state,
++ 4 master bytes at stages 1-3 (measured in bench/memory.py). Stage 1 partitions the optimizer states, stage 2 also
+the gradients, stage 3 also the parameters; offload moves them to host memory. Buckets are not included."""
 
 from __future__ import annotations
 

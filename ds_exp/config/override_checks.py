@@ -1,7 +1,5 @@
-"""Command-line overrides Hydra would misread, each said in one line with its fix: an item past the end of a list
-(`data.sources.0.path=X` where the option has none), a retired key (RETIRED), another optimizer's setting, Hydra's
-own refusals in ds_exp's words (`composition_problem`), and a value that is itself a comma-separated list
-(`data.data_split=10,0,0`), quoted before Hydra reads it as a sweep (`quote_one_value_lists`)."""
+"""Command-line overrides Hydra would misread (a list item past the end, a retired key, another optimizer's setting,
+a one-value comma list it would read as a sweep), each said in one line with its fix."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Typed schema of the composed config.
-
-Registered with Hydra's ConfigStore as the base of `conf/config.yaml`, so every group YAML merges into a
-typed node: a wrong type, an unknown key or an enum value that does not exist is rejected at composition,
-before any code of ours runs. Semantic checks (combinations, ranges, paths) live in `validate.py`."""
+"""Typed schema of the composed config, the base of `conf/config.yaml` in Hydra's ConfigStore: a wrong type, an unknown
+key or enum value is rejected at composition. Semantic checks (combinations, ranges, paths): `validate.py`."""
 
 from __future__ import annotations
 

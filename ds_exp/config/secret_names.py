@@ -1,13 +1,11 @@
-"""Which names hold credentials: config keys (`logger.wandb.api_key`), keys of a DeepSpeed JSON (`comet.api_key`)
-and environment variables (`HF_TOKEN`).
-
-A name is cut into words (`_ - .`, camelCase, digits) and judged word by word, never by substring (`patience`,
-`tokenizer`, `max_new_tokens` are not secrets): words that name a credential anywhere (password, secret, auth, pat,
-...; and words ending in one: `dbpassword`); nouns that are credentials only at the end (`api_key`, `hf_token`, not
-`pad_token`, `sort_key`, `PWD`); their plurals only after a qualifier (`api_keys`, not `max_tokens`); one word
-running a qualifier and a noun together (`apitoken`, `wandbkey`, not `monkey`, `eostoken`); and a descriptor after
-the credential word makes it about the credential (`password_file`, `api_key_env`). Wrongly calling a name secret
-costs little, missing one leaks it: an unknown qualifier (`acme_token`) counts. No third-party imports."""
+"""Which names hold credentials: config keys (`logger.wandb.api_key`), keys of a DeepSpeed JSON (`comet.api_key`) and
+environment variables (`HF_TOKEN`). A name is cut into words (`_ - .`, camelCase, digits) and judged word by word, never
+by substring (`patience`, `tokenizer`, `max_new_tokens` are not secrets): words that name a credential anywhere
+(password, secret, auth, pat, ...; and words ending in one: `dbpassword`); nouns that are credentials only at the end
+(`api_key`, `hf_token`, not `pad_token`, `sort_key`, `PWD`); their plurals only after a qualifier (`api_keys`, not
+`max_tokens`); one word running a qualifier and a noun together (`apitoken`, `wandbkey`, not `monkey`, `eostoken`); and
+a descriptor after the credential word makes it about the credential (`password_file`, `api_key_env`). Wrongly calling a
+name secret costs little, missing one leaks it: an unknown qualifier (`acme_token`) counts. No third-party imports."""
 
 from __future__ import annotations
 

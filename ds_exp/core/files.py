@@ -131,20 +131,28 @@ def no_room(err: BaseException) -> str | None:
     return None
 
 
-def disk_free_bytes(path: Path) -> int:
-    """Room left for this user on the disk holding `path` (its nearest existing ancestor)."""
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None when it is missing, unreadable or not an object."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def existing_ancestor(path: Path) -> Path:
     path = path.absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
-    stat = os.statvfs(path)
+    return path
+
+
+def disk_free_bytes(path: Path) -> int:
+    """Room left for this user on the disk holding `path` (its nearest existing ancestor)."""
+    stat = os.statvfs(existing_ancestor(path))
     return stat.f_bavail * stat.f_frsize
 
 
 def same_disk(a: Path, b: Path) -> bool:
     """Whether `a` and `b` (or their nearest existing ancestors) are on one file system."""
-    devices = []
-    for path in (a.absolute(), b.absolute()):
-        while not path.exists() and path != path.parent:
-            path = path.parent
-        devices.append(path.stat().st_dev)
-    return devices[0] == devices[1]
+    return existing_ancestor(a).stat().st_dev == existing_ancestor(b).stat().st_dev

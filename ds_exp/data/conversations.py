@@ -1,9 +1,6 @@
-"""Row layouts -> conversations: prompt/chosen, Hugging Face messages, ShareGPT and Alpaca rows all become a
-list of (role, content) turns with role system | user | assistant. Pure standard library.
-
-Bad chat rows (unknown role, empty conversation, no assistant turn, content not a string) stop the run with
-one message naming the file and the row; rows without an answer are dropped and counted, as for prompt/chosen.
-"""
+"""Row layouts -> conversations: prompt/chosen, Hugging Face messages, ShareGPT and Alpaca rows all become a list of
+(role, content) turns with role system | user | assistant. A bad chat row stops the run with one message naming the
+file and the row; rows without an answer are dropped and counted. Pure standard library."""
 
 from __future__ import annotations
 
@@ -93,10 +90,8 @@ def is_marked(roles: Sequence[str], contents: Sequence[str]) -> bool:
 
 
 def detect_layout(columns: Sequence[str], prompt_field: str, chosen_field: str) -> str:
-    """auto: messages -> messages, conversations -> sharegpt, instruction + output -> alpaca, else prompt/chosen.
-
-    Prompt/answer columns that were renamed from the defaults (and exist) win: the user asked for them.
-    """
+    """auto's layout: prompt/answer columns renamed from the defaults (and present) win, the user asked for them;
+    then messages, sharegpt (conversations), alpaca (instruction + output), else prompt/chosen."""
     renamed = (prompt_field, chosen_field) != ("prompt", "chosen")
     if renamed and prompt_field in columns and chosen_field in columns:
         return "prompt_chosen"

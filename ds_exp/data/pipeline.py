@@ -177,18 +177,13 @@ def _source_material(src: DataSource | None, key: str) -> dict[str, Any]:
     return material
 
 
-def _code_hash() -> str:
-    here = Path(__file__).resolve().parent
-    return hash_key([(f"{name}.py", (here / f"{name}.py").read_text()) for name in _CODE_FILES])
-
-
 def cache_material(
     data: DataConfig, seed: int, tokenizer: PreTrainedTokenizerBase, template: str, eot: str
 ) -> dict[str, Any]:
     """Everything the tokenized result depends on."""
     material: dict[str, Any] = {
         "version": CACHE_VERSION,
-        "code": _code_hash(),
+        "code": hash_key([(f"{n}.py", (Path(__file__).resolve().parent / f"{n}.py").read_text()) for n in _CODE_FILES]),
         "sources": [(key, sft_only, _source_material(src, key)) for src, key, sft_only in _sources(data)],
         "data_split": list(parse_data_split(data.data_split)),
         "eval_fraction": float(data.eval_fraction),

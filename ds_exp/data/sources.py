@@ -1,8 +1,5 @@
-"""Reading every source kind into conversations (prompt/chosen, messages, ShareGPT or Alpaca rows).
-
-Rows are read into Python lists (not into the `datasets` cache under ~/.cache/huggingface): the only cache
-is ours, keyed on the file contents, and JSON is parsed by us so a bad row is reported by file and line.
-"""
+"""Reading every source kind into conversations. Rows are read into Python lists, not the `datasets` cache: the only
+cache is ours, keyed on the file contents, and JSON is parsed by us so a bad row is reported by file and line."""
 
 from __future__ import annotations
 

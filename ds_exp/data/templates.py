@@ -1,14 +1,13 @@
-"""Templates: how a conversation becomes one text, and which characters of it are labels.
-
-raw: the turn contents as given, then the end-of-conversation token (DeepSpeed-Chat's rows hold their markers);
-dschat: " Human: {user}" and " Assistant: {assistant}" per turn, then that token; chat_template: the tokenizer's,
-rendered turn by turn to find each answer; auto: chat_template when the tokenizer has one, else dschat, raw for
-rows with the markers. Labels are every assistant content plus the end token after it; headers, system prompts and
-user turns never are. No heavy import."""
+"""Templates: how a conversation becomes one text, and which characters of it are labels. raw: the turn contents as
+given, then the end-of-conversation token (DeepSpeed-Chat's rows hold their markers); dschat: " Human: {user}"
+and " Assistant: {assistant}" per turn, then that token; chat_template: the tokenizer's, rendered turn by turn to find
+each answer; auto: chat_template when the tokenizer has one, else dschat, raw for rows with the markers. Labels are
+every assistant content plus the end token after it; headers, system prompts and user turns never are. Light."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -180,7 +179,7 @@ def render_chat(
         head = apply(messages[:i], generation=True)
         turn = full if i == last else apply(messages[: i + 1])
         # templates that rewrite earlier turns (rare): the answer starts after the common prefix
-        start = len(head) if full.startswith(head) else _common_prefix(head, full)
+        start = len(os.path.commonprefix([head, full]))  # noqa: RUF071  # characters, not paths
         turn_end = len(turn) if full.startswith(turn) else len(full)
         content = message["content"]
         found = full.find(content, start, turn_end) if content else start
@@ -196,11 +195,6 @@ def render_chat(
         eot = next((s for s in specials if tail.startswith(s, gap)), None)
         spans.append((found, end + gap + len(eot) if eot else end))
     return full, spans
-
-
-def _common_prefix(a: str, b: str) -> int:
-    shared = min(len(a), len(b))
-    return next((i for i in range(shared) if a[i] != b[i]), shared)
 
 
 def special_strings(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:

@@ -1,8 +1,5 @@
-"""What the evaluation refuses before any model loads, one line each: eval.harness against the exports, lm-eval
-missing, unknown or rejected tasks, data files missing or out of reach, an objective no task reports. Light (lm-eval's
-loader imports datasets, never torch). A `TaskSpec` is a built-in, a registry name or a YAML file; its metrics are
-named as harness.json names them (`acc`, or `<metric>/<filter>` when a task has several filters).
-"""
+"""What the evaluation refuses before any model loads, one line each. Light (lm-eval's loader imports datasets, never
+torch). A `TaskSpec` is a built-in, a registry name or a YAML file, its metrics named as harness.json names them."""
 
 from __future__ import annotations
 
@@ -35,7 +32,7 @@ from ds_exp.data.cache import hash_key, path_fingerprint
 from ds_exp.evaluation.fit import Asked, ModelFit, loaded_problems, passkey_problems, run_model_fit
 from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.evaluation.tasks import PASSKEY, SYNTHETIC
-from ds_exp.launch.hub import hub_address, hub_cache, offline, unreachable
+from ds_exp.launch.hub import cached, hf_cache, hub_address, offline, unreachable
 
 INSTALL = 'pip install -e ".[eval]" (or pip install lm-eval)'
 LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # datasets' loaders of local files
@@ -252,19 +249,12 @@ def _data_problem(cfg: dict[str, Any]) -> str | None:
 
 
 def datasets_cache() -> Path:
-    """datasets' cache folder, by its own rules (HF_DATASETS_CACHE, HF_HOME/datasets, XDG_CACHE_HOME)."""
-    if os.environ.get("HF_DATASETS_CACHE"):
-        return Path(os.environ["HF_DATASETS_CACHE"]).expanduser()
-    default_home = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface"
-    return Path(os.environ.get("HF_HOME", default_home)).expanduser() / "datasets"
+    return hf_cache("HF_DATASETS_CACHE", "datasets")
 
 
 def dataset_cached(repo_id: str) -> bool:
     """The hub dataset was downloaded here before (datasets' own cache, or the hub's snapshots)."""
-    snapshots = hub_cache() / f"datasets--{repo_id.replace('/', '--')}" / "snapshots"
-    return (datasets_cache() / repo_id.replace("/", "___")).is_dir() or (
-        snapshots.is_dir() and any(p.is_dir() and any(p.iterdir()) for p in snapshots.iterdir())
-    )
+    return (datasets_cache() / repo_id.replace("/", "___")).is_dir() or cached(repo_id, "datasets")
 
 
 @functools.cache

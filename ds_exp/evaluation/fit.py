@@ -1,8 +1,6 @@
 """Can the model be judged on the task? One light checker (never torch) before any weight loads, for validation, the
-command and the scoring: a group with no tasks, a split with no questions, rows without a field a prompt reads, a
-prompt beyond the model's positions, too few few-shot examples, the disk room lm-eval's files need; one line each.
-Lengths are lower bounds, so a refusal is certain; prompts made by a task's own code are measured only in scoring.
-"""
+command and the scoring, one line per problem. Lengths are lower bounds, so a refusal is certain; prompts made by a
+task's own code are measured only in scoring."""
 
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ from tokenizers import Tokenizer
 from ds_exp.config.paths import embedded_tokenizer_dir
 from ds_exp.config.schema import ModelConfig
 from ds_exp.core.errors import ConfigError, RunFailed, first_line
+from ds_exp.core.files import read_json_object
 from ds_exp.launch.storage import check_free_space
 
 Count = Callable[[list[str]], list[int]]  # tokens of each text
@@ -71,14 +70,6 @@ def positions_of(config: dict[str, Any], tokenizer_config: dict[str, Any] | None
     return int(given) if isinstance(given, int) and given < 10**15 else DEFAULT_POSITIONS
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
 def light_count(tokenizer_dir: Path) -> Count | None:
     """Token counts by the tokenizer's tokenizer.json (the `tokenizers` library: no torch, no transformers)."""
     if not (tokenizer_dir / "tokenizer.json").is_file():
@@ -92,16 +83,15 @@ def light_count(tokenizer_dir: Path) -> Count | None:
 
 def model_dir_fit(directory: Path) -> ModelFit:
     """A model directory (an export, any Hugging Face model), from its JSON files."""
-    tokenizer_config = _read_json(directory / "tokenizer_config.json")
-    return ModelFit(
-        str(directory), positions_of(_read_json(directory / "config.json"), tokenizer_config), light_count(directory)
-    )
+    config = read_json_object(directory / "config.json") or {}
+    positions = positions_of(config, read_json_object(directory / "tokenizer_config.json"))
+    return ModelFit(str(directory), positions, light_count(directory))
 
 
 def run_model_fit(model: ModelConfig) -> ModelFit | None:
     """The run's model (model.arch or its checkpoint's config.json) and tokenizer; None when not on this machine."""
     local = Path(model.name_or_path).expanduser() if model.name_or_path else None
-    config = dict(model.arch or {}) if local is None else _read_json(local / "config.json")
+    config = dict(model.arch or {}) if local is None else read_json_object(local / "config.json") or {}
     if not config:
         return None
     positions = positions_of(config)  # model.rope_scaling leaves them: lm-eval cuts prompts at them all the same

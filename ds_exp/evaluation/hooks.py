@@ -1,7 +1,5 @@
-"""The run's lm-eval scores: after the run (rank 0, the final export and its base) and with eval.harness.every_save
-after each step export. A failure never fails the completed run: summary.json's `harness_status` says so, and
-`python -m ds_exp.evaluate RUN_DIR TASK...` scores it later.
-"""
+"""The run's lm-eval scores: after the run, and with eval.harness.every_save after each step export. A failure never
+fails the completed run (summary.json's `harness_status`; `python -m ds_exp.evaluate` scores it later)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@ rotation and branches, and a run's config from its directory."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from ds_exp.config.resolvers import register_resolvers
 from ds_exp.config.schema import Config, ModelConfig, schema_for, to_config
 from ds_exp.config.secrets import ENV_PREFIX
 from ds_exp.core.errors import ConfigError, first_line
+from ds_exp.core.files import read_json_object
 from ds_exp.exports.settings import ExportSettings
 from ds_exp.launch.run_config import saved_run_config
 from ds_exp.resume.branches import BRANCH_EXPORTS
@@ -41,11 +41,7 @@ def is_export(path: Path) -> bool:
 
 def read_metadata(export_dir: Path) -> dict[str, Any]:
     """An export's ds_exp_export.json; {} when missing or unreadable (a model from elsewhere)."""
-    try:
-        found = json.loads((export_dir / METADATA).read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
+    return read_json_object(export_dir / METADATA) or {}
 
 
 def planned_step_exports(settings: ExportSettings, run_dir: Path, start_step: int, total_steps: int) -> list[Path]:

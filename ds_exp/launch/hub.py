@@ -44,17 +44,21 @@ def offline() -> bool:
     return bool(offline_settings())
 
 
-def hub_cache() -> Path:
-    """huggingface_hub's cache folder, by its own rules (HF_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+def hf_cache(variable: str, folder: str) -> Path:
+    """A Hugging Face library's cache folder, by its own rules (`variable`, else HF_HOME/`folder`, XDG_CACHE_HOME)."""
+    if os.environ.get(variable):
+        return Path(os.environ[variable]).expanduser()
     default_home = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface"
-    return Path(os.environ.get("HF_HOME", default_home)).expanduser() / "hub"
+    return Path(os.environ.get("HF_HOME", default_home)).expanduser() / folder
 
 
-def cached(repo_id: str) -> bool:
-    """A snapshot of the model repository is in the local cache (what an offline load can use)."""
-    snapshots = hub_cache() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+def hub_cache() -> Path:
+    return hf_cache("HF_HUB_CACHE", "hub")
+
+
+def cached(repo_id: str, kind: str = "models") -> bool:
+    """A snapshot of the hub repository is in the local cache (what an offline load can use)."""
+    snapshots = hub_cache() / f"{kind}--{repo_id.replace('/', '--')}" / "snapshots"
     return snapshots.is_dir() and any(p.is_dir() and any(p.iterdir()) for p in snapshots.iterdir())
 
 

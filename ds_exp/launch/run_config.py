@@ -4,7 +4,6 @@ Light."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -18,7 +17,7 @@ from omegaconf.errors import ValidationError
 
 from ds_exp.config.secrets import ENV_PREFIX
 from ds_exp.core.errors import ConfigError, first_line
-from ds_exp.core.files import write_text_atomic
+from ds_exp.core.files import read_json_object, write_text_atomic
 
 _SECRET_REF = re.compile(r"\$\{oc\.env:(" + ENV_PREFIX + r"\w+)")
 
@@ -52,11 +51,7 @@ def holds_a_run(run_dir: Path, checkpoint_subdir: str) -> str | None:
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
     """The run's summary.json, or None when it is missing or unreadable."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
+    return read_json_object(run_dir / "summary.json")
 
 
 def saved_run_config(run_dir: Path) -> Path | None:

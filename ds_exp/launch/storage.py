@@ -9,15 +9,7 @@ from pathlib import Path
 
 from ds_exp.config.memory_plan import human_bytes
 from ds_exp.core.errors import ConfigError, RunFailed
-from ds_exp.core.files import disk_free_bytes
-
-
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
+from ds_exp.core.files import disk_free_bytes, existing_ancestor
 
 # the longest path a run writes below its directory, with room to spare (a conversion's per-parameter files)
 RUN_FILES_MARGIN = 200
@@ -54,7 +46,7 @@ def check_path_length(path: Path, key: str, margin: int = RUN_FILES_MARGIN) -> N
 def check_writable(path: Path, key: str) -> None:
     """`path` is, or can be created as, a directory this process can write to."""
     check_path_length(path, key)
-    existing = _existing_ancestor(path)
+    existing = existing_ancestor(path)
     if not existing.is_dir():
         raise ConfigError(f"{key}={path}: {existing} is a file, not a directory; point {key} at a directory")
     read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
@@ -68,7 +60,7 @@ def check_free_space(needs: dict[Path, int], keys: dict[Path, str]) -> None:
     names = {"train.checkpoint_dir": "one checkpoint", "train.export_dir": "the export"}
     per_device: dict[int, tuple[Path, int, list[str]]] = {}
     for path, size in needs.items():
-        existing = _existing_ancestor(path)
+        existing = existing_ancestor(path)
         device = existing.stat().st_dev
         first, total, what = per_device.get(device, (path, 0, []))
         per_device[device] = (first, total + size, [*what, names.get(keys[path], keys[path])])

@@ -1,11 +1,7 @@
-"""Long-context compute on the built model (DeepSpeed's ALST tiling, redone here for ZeRO and the exact step).
-
-Tiled MLP: each decoder MLP over a fixed number of slices, each under a non-reentrant checkpoint; unlike DeepSpeed's
-TiledMLP every rank cuts exactly as many (ZeRO-3 gathers per slice; `torch.chunk` returns fewer for some lengths).
-Tiled loss: lm_head and the cross-entropy in checkpointed chunks inside lm_head's call, returning the summed loss
-and label count the exact step expects (DeepSpeed's TiledFusedLogitsLoss applies its own loss scale). Activation
-offload: checkpointed layers' inputs saved in pinned host memory (`torch.autograd.graph.save_on_cpu`).
-"""
+"""Long-context compute on the built model: DeepSpeed's ALST tiling, redone for ZeRO and the exact step. Unlike
+DeepSpeed's TiledMLP every rank cuts exactly as many slices (ZeRO-3 gathers per slice; `torch.chunk` returns fewer
+for some lengths); unlike its TiledFusedLogitsLoss the tiled loss returns the summed loss and label count the exact
+step expects (no loss scale of its own). Activation offload: `torch.autograd.graph.save_on_cpu`, pinned."""
 
 from __future__ import annotations
 

@@ -3,14 +3,13 @@ resume continues from. Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ds_exp.core.errors import ResumeError, first_line
-from ds_exp.core.files import restore_non_finite
+from ds_exp.core.files import read_json_object, restore_non_finite
 
 COMPLETE_MARKER = "ds_exp_complete.json"
 LATEST = "latest"  # DeepSpeed's name for the file that holds the newest tag
@@ -79,11 +78,8 @@ def is_complete(tag_dir: Path) -> bool:
 
 def read_marker(tag_dir: Path) -> dict[str, Any]:
     """The completeness marker of a checkpoint (its TrainState); {} when missing, unreadable or not an object."""
-    try:
-        marker = json.loads((tag_dir / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return {}
-    return restore_non_finite(marker) if isinstance(marker, dict) and "step" in marker else {}
+    marker = read_json_object(tag_dir / COMPLETE_MARKER) or {}
+    return restore_non_finite(marker) if "step" in marker else {}
 
 
 def resume_wanted(resume: str | None, launcher: str) -> str | None:

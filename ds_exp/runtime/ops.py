@@ -127,11 +127,12 @@ def ensure_built(op: Op, *, announce: bool) -> None:
             raise  # one line already: run again
         except Exception as exc:  # a compiler error, a missing toolchain: all end the same way
             file_log.error("building %s failed", builder.name, exc_info=True)
+            cause, fix = failure_cause(exc)
             if op is not SHM_COMM:
-                raise RunFailed(build_failure_message(op, builder.name, exc)) from None
+                needed = f"needed for {op.needed_for}: {cause}. Fix: {fix}; or {op.instead}"
+                raise RunFailed(f"could not compile {op.title} ({builder.name}), {needed}") from None
             compat.skip_op(builder)  # an optimization only: DeepSpeed falls back to torch.distributed's own
             if announce:
-                cause, fix = failure_cause(exc)
                 print(
                     f"ds_exp: warning: could not compile {op.title} ({builder.name}): {cause}; {op.instead}. "
                     f"Fix: {fix}",
@@ -140,11 +141,6 @@ def ensure_built(op: Op, *, announce: bool) -> None:
                 )
         finally:
             _building[0] += time.perf_counter() - started
-
-
-def build_failure_message(op: Op, name: str, exc: BaseException) -> str:
-    cause, fix = failure_cause(exc)
-    return f"could not compile {op.title} ({name}), needed for {op.needed_for}: {cause}. Fix: {fix}; or {op.instead}"
 
 
 def failure_cause(exc: BaseException) -> tuple[str, str]:

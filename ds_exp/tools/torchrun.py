@@ -18,13 +18,6 @@ from ds_exp.launch.console import entry_point
 _NOTICES = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
 
 
-def quiet_notices() -> None:
-    """Silence torchrun's agent's notices of each rank's exit and the signals it sends."""
-    for name in list(logging.root.manager.loggerDict):
-        if any(name == prefix or name.startswith(f"{prefix}.") for prefix in _NOTICES):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
 def failure_status(err: ChildFailedError) -> tuple[int, str | None]:
     """The exit status of a failed launch, the first failure's, and what to print (None: the rank said why)."""
     rank, failure = err.get_first_failure()
@@ -46,7 +39,9 @@ def failure_status(err: ChildFailedError) -> tuple[int, str | None]:
 @entry_point("ds_exp.tools.torchrun")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    quiet_notices()
+    for name in list(logging.root.manager.loggerDict):  # torchrun's agent: no notices of each rank's exit and signals
+        if any(name == prefix or name.startswith(f"{prefix}.") for prefix in _NOTICES):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
     except ChildFailedError as err:

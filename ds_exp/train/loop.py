@@ -144,11 +144,11 @@ class Loop:
     def line_fields(self) -> dict[str, Any]:
         """What a metric line says besides its sums over ranks."""
         progress, engine = self.progress, self.engine
-        grad_norm = engine.get_global_grad_norm()
+        grad_norm, lrs = engine.get_global_grad_norm(), engine.get_lr()
         return {
             "step": progress.step,
             "epoch": progress.epoch + progress.step_in_epoch / max(self.work.steps_per_epoch, 1),
-            "lr": current_lr(engine),
+            "lr": float(lrs[0]) if lrs else float(engine.optimizer.param_groups[0]["lr"]),
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "peak_memory_bytes": peak_memory_bytes(self.session.accelerator),
             "loss_scale": loss_scale(engine) if self.session.precision == "fp16" else None,
@@ -222,11 +222,6 @@ class Loop:
         self.progress.last_save_step = self.progress.step
         self.session.state.checkpoint = str(path)
         self.hooks.at_checkpoint(self.for_hooks, step, path)
-
-
-def current_lr(engine: DeepSpeedEngine) -> float:
-    lrs = engine.get_lr()
-    return float(lrs[0]) if lrs else float(engine.optimizer.param_groups[0]["lr"])
 
 
 def loss_scale(engine: DeepSpeedEngine) -> float | None:

@@ -1,10 +1,6 @@
-"""The run's metric lines: `add` each step's sums, `close` a window every train.log_every steps, `write` its line once
-the sums over ranks arrive; to metrics.jsonl, the trackers, the progress bar and the step log.
-
-The bar is drawn on a terminal only; piped, rank 0 writes a plain line at every tenth of the run and at least once a
-minute (`PlainProgress`). A window's all-reduce starts when it closes and is awaited at the next step, so no rank
-waits on another to write a line.
-"""
+"""The run's metric lines, every train.log_every steps: to metrics.jsonl, the trackers, the progress bar (a terminal's;
+piped, a plain line every tenth of the run and at least once a minute) and the step log. A window's all-reduce starts
+when it closes and is awaited at the next step, so no rank waits on another to write a line."""
 
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
 """The supervised fine-tuning recipe (DeepSpeed-Chat step 1's main.py, readable and exact), top to bottom:
 
-    hooks = RunHooks(feature_hooks(feature_settings(cfg)))  # the features this run turns on, each its own settings
-    with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/train/session.py
-        session.start()
-        run.work = setup(cfg, session, hooks)  # named steps: model config, data, plan, resume point, model, engine
-        hooks.after_setup(run)                 # the features' named points (ds_exp/train/hooks.py), run: Run(...)
-        start = resume(cfg, session, run.work, hooks)  # the checkpoint's state, or a fresh start (train/resuming.py)
-        train(cfg, run, start)                 # the loop, evaluations, generations, checkpoints, step exports
-        hooks.after_train(run)                 # the final export (ds_exp/exports/), then each after_export
-        hooks.after_run(run)                   # the features' work on what the run left (lm-eval scores: its status)
-
-The loss of an optimizer step is the sum of token losses over the whole global batch divided by its number of
-label tokens (ds_exp/train/step.py); perplexity is exp(summed eval token loss / eval label tokens)
-(ds_exp/train/evaluate.py).
+hooks = RunHooks(feature_hooks(feature_settings(cfg)))  # the features this run turns on, each its own settings
+with Session(cfg, run_dir) as session:     # signals, process group, logs, summary.json: ds_exp/train/session.py
+    session.start()
+    run.work = setup(cfg, session, hooks)  # named steps: model config, data, plan, resume point, model, engine
+    hooks.after_setup(run)                 # the features' named points (ds_exp/train/hooks.py), run: Run(...)
+    start = resume(cfg, session, run.work, hooks)  # the checkpoint's state, or a fresh start (train/resuming.py)
+    train(cfg, run, start)                 # the loop, evaluations, generations, checkpoints, step exports
+    hooks.after_train(run)                 # the final export (ds_exp/exports/), then each after_export
+    hooks.after_run(run)                   # the features' work on what the run left (lm-eval scores: its status)
 """
 
 from __future__ import annotations

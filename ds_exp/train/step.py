@@ -1,10 +1,8 @@
-"""One optimizer step: the forward passes, the exact loss, the backward passes, and the votes every rank casts.
-
-A step's loss is the summed token loss over the whole global batch divided by its label tokens, whatever the split
-over ranks and micro batches; the step undoes DeepSpeed's average over them. Under sequence parallelism each rank
-sums its slice's token losses and DeepSpeed sums a group's gradients: the same loss. In fp16 at ZeRO stage 0 the
-step applies the loss scale DeepSpeed leaves out (Fp16LossScale).
-"""
+"""One optimizer step: the forward passes, the exact loss, the backward passes, and the votes every rank casts. A step's
+loss is the summed token loss over the whole global batch divided by its label tokens, whatever the split over ranks and
+micro batches; the step undoes DeepSpeed's average over them. Under sequence parallelism each rank sums its slice's
+token losses and DeepSpeed sums a group's gradients: the same loss. In fp16 at ZeRO stage 0 the step applies the loss
+scale DeepSpeed leaves out (Fp16LossScale)."""
 
 from __future__ import annotations
 

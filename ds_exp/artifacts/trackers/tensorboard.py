@@ -1,7 +1,6 @@
 """TensorBoard event files on rank 0 (logger.tensorboard.dir, else <run dir>/tensorboard); a resume from step S purges
-what a killed attempt wrote past it. tensorboardX's protos are written here in the caller's thread: SummaryWriter's
-thread dies at the first write error (a full disk) and blocks forever; here the error reaches the caller.
-"""
+what a killed attempt wrote past it. Written in the caller's thread: SummaryWriter's thread dies at the first write
+error (a full disk) and blocks forever; here the error reaches the caller."""
 
 from __future__ import annotations
 
@@ -42,10 +41,6 @@ class EventFile:
 
     def text(self, key: str, value: str, step: int) -> None:
         self.add(Event(summary=text(key, value)), step)
-
-    def purge_from(self, step: int) -> None:
-        """TensorBoard hides the steps from `step` on that earlier files hold (SummaryWriter's purge_step)."""
-        self.add(Event(session_log=SessionLog(status=SessionLog.START)), step)
 
     def add(self, event: Event, step: int | None = None) -> None:
         """Append one record; a write that fails leaves the file as it was (no record cut short) and is raised."""
@@ -92,7 +87,8 @@ class TensorBoardRun(Tracker):
 
         self.events: EventFile | None = EventFile(self.dir, f".step{start_step:09d}.{os.getpid()}")
         if start_step:
-            self.events.purge_from(start_step + 1)
+            # TensorBoard hides the steps from here on that earlier files hold (SummaryWriter's purge_step)
+            self.events.add(Event(session_log=SessionLog(status=SessionLog.START)), start_step + 1)
         else:
             self.events.text("config", f"```\n{json_text(redact(run.params), indent=2)}\n```", 0)
 

@@ -66,12 +66,9 @@ class WandbRun(Tracker):
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.run is not None:
             self.run.log(metrics, step=step)
-            self._check_room()
-
-    def _check_room(self) -> None:
-        """wandb's service loses what a full disk refuses without a word: the disk is looked at instead."""
-        if self.store is not None and disk_free_bytes(self.store) < FULL:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.store))
+            # wandb's service loses what a full disk refuses without a word: the disk is looked at instead
+            if self.store is not None and disk_free_bytes(self.store) < FULL:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.store))
 
     def table(self, key: str, rows: list[dict[str, Any]], step: int) -> None:
         """Rows of equal keys as a wandb Table (e.g. the generations of one evaluation)."""

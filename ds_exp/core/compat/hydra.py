@@ -101,11 +101,7 @@ def raise_hydra_errors() -> None:
     from hydra._internal import utils
 
     check_version()
-    utils.run_and_report = _run_and_raise
-
-
-def _run_and_raise(func: Any) -> Any:
-    return func()
+    utils.run_and_report = lambda func: func()
 
 
 def hydra_job_callbacks(config: Any, failed: Callable[[str, Exception], Exception] | None = None) -> Any:
