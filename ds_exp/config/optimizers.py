@@ -115,44 +115,40 @@ def _json_value(value: object) -> Any:
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def _adam_impls(adamw: bool) -> dict[str, Impl]:
-    torch_class = "torch.optim:AdamW" if adamw else "torch.optim:Adam"
-    return {
-        "torch": Impl(torch_class),
-        "torch_fused": Impl(torch_class, {"fused": True}),
-        "deepspeed_fused": Impl("deepspeed.ops.adam:FusedAdam", {"adam_w_mode": adamw}, op="FusedAdamBuilder"),
-        "deepspeed_cpu": Impl(
-            "deepspeed.ops.adam:DeepSpeedCPUAdam", {"adamw_mode": adamw}, op="CPUAdamBuilder", host=True
-        ),
-    }
-
-
 ADAM_ARGUMENTS = {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
+
+
+def _adam(adamw: bool, when: str, **more: Any) -> OptimizerEntry:
+    """adamw or adam: the same four builds, with decoupled weight decay or with L2 in the gradient."""
+    torch_class = "torch.optim:AdamW" if adamw else "torch.optim:Adam"
+    return OptimizerEntry(
+        name="adamw" if adamw else "adam",
+        builder=torch_class,
+        settings=AdamConfig,
+        when=when,
+        arguments=ADAM_ARGUMENTS,
+        impls={
+            "torch": Impl(torch_class),
+            "torch_fused": Impl(torch_class, {"fused": True}),
+            "deepspeed_fused": Impl("deepspeed.ops.adam:FusedAdam", {"adam_w_mode": adamw}, op="FusedAdamBuilder"),
+            "deepspeed_cpu": Impl(
+                "deepspeed.ops.adam:DeepSpeedCPUAdam", {"adamw_mode": adamw}, op="CPUAdamBuilder", host=True
+            ),
+        },
+        cuda_impl="torch_fused",
+        deepspeed_type="AdamW" if adamw else "Adam",
+        universal=True,
+        **more,
+    )
+
 
 OPTIMIZERS: dict[str, OptimizerEntry] = table(
     [
-        OptimizerEntry(
-            name="adamw",
-            builder="torch.optim:AdamW",
-            settings=AdamConfig,
-            when="the default: fine-tuning and pretraining alike, every ZeRO stage, offload, universal checkpoints",
-            arguments=ADAM_ARGUMENTS,
-            impls=_adam_impls(adamw=True),
-            cuda_impl="torch_fused",
-            deepspeed_type="AdamW",
-            universal=True,
-        ),
-        OptimizerEntry(
-            name="adam",
-            builder="torch.optim:Adam",
-            settings=AdamConfig,
-            when="Adam with L2 weight decay in the gradient (the original), to reproduce a recipe that used it",
-            arguments=ADAM_ARGUMENTS,
-            impls=_adam_impls(adamw=False),
-            cuda_impl="torch_fused",
-            deepspeed_type="Adam",
+        _adam(True, "the default: fine-tuning and pretraining alike, every ZeRO stage, offload, universal checkpoints"),
+        _adam(
+            False,
+            "Adam with L2 weight decay in the gradient (the original), to reproduce a recipe that used it",
             deepspeed_params={"adam_w_mode": False},
-            universal=True,
         ),
         OptimizerEntry(
             name="lion",
