@@ -159,13 +159,19 @@ def run_announced(
 def announced(what: str, *, bound: str, speak: bool | None = None, notice_s: float | None = None) -> Iterator[None]:
     """Notices about the wait on `what` while the block runs; its own call is bounded by its library (`bound`)."""
     wait = Wait(what, limit_s=None, fix="", speak=speak, notice_s=notice_s, bound=bound)
+    with _every_poll(f"ds_exp-wait: {what[:40]}", wait.tick):
+        yield
+
+
+@contextlib.contextmanager
+def _every_poll(name: str, step: Callable[[], None]) -> Iterator[None]:
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.wait(POLL_S):
-            wait.tick()
+            step()
 
-    thread = threading.Thread(target=watch, name=f"ds_exp-wait: {what[:40]}", daemon=True)
+    thread = threading.Thread(target=watch, name=name, daemon=True)
     thread.start()
     try:
         yield
@@ -185,33 +191,26 @@ def announce_while(
 ) -> Iterator[None]:
     """Notices about work this process does while the block runs (no limit: it is working, not waiting); with
     `idle_s()` (seconds without progress) only while that grows: a moving progress bar needs no words beside it."""
-    notice_s = NOTICE_S if notice_s is None else notice_s
-    stop = threading.Event()
+    notice_s = due = NOTICE_S if notice_s is None else notice_s
     started, since = time.monotonic(), time.strftime("%H:%M:%S")
     quiet = idle_s or (lambda: time.monotonic() - started)
 
-    def watch() -> None:
-        due = notice_s
-        while not stop.wait(POLL_S):
-            idle = quiet()
-            if idle < notice_s:
-                due = notice_s  # it moved: the next silence is told after notice_s again
-            elif idle >= due:
-                found = detail() if detail is not None else None
-                announce(
-                    f"{what}: no sign of progress for {duration(idle)}, still working "
-                    f"(since {since}{'; ' + found if found else ''})",
-                    speak=speak,
-                )
-                due = idle + min(MAX_INTERVAL_S, max(due, 1.0) * (NOTICE_GROWTH - 1))
+    def check() -> None:
+        nonlocal due
+        idle = quiet()
+        if idle < notice_s:
+            due = notice_s  # it moved: the next silence is told after notice_s again
+        elif idle >= due:
+            found = detail() if detail is not None else None
+            announce(
+                f"{what}: no sign of progress for {duration(idle)}, still working "
+                f"(since {since}{'; ' + found if found else ''})",
+                speak=speak,
+            )
+            due = idle + min(MAX_INTERVAL_S, max(due, 1.0) * (NOTICE_GROWTH - 1))
 
-    thread = threading.Thread(target=watch, name=f"ds_exp-working: {what[:40]}", daemon=True)
-    thread.start()
-    try:
+    with _every_poll(f"ds_exp-working: {what[:40]}", check):
         yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def unreachable(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
