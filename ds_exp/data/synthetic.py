@@ -4,6 +4,7 @@ lookup and sorting digits, mixed evenly, each answer a pure function of its prom
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 # Short English words that the embedded byte-level BPE learns as single tokens.
 # fmt: off
@@ -44,21 +45,25 @@ def generate(num_train: int, num_eval: int, seed: int) -> tuple[list[dict[str, s
     train_rng = random.Random(f"ds_exp-synthetic-train-{seed}")  # str seeds are stable across runs
     train = [make_example(train_rng) for _ in range(num_train)]
     seen = {row["prompt"] for row in train}
-    eval_rng = random.Random(f"ds_exp-synthetic-eval-{seed}")
-    eval_rows: list[dict[str, str]] = []
-    attempts = 0
-    while len(eval_rows) < num_eval:
-        row = make_example(eval_rng)
-        attempts += 1
-        # the lookup/sort spaces are large, so this only loops on absurd sizes; bound it anyway
-        if row["prompt"] in seen and attempts < 100 * (num_eval + 1):
-            continue
-        seen.add(row["prompt"])
-        eval_rows.append(row)
+    eval_rows = list(unseen_examples(random.Random(f"ds_exp-synthetic-eval-{seed}"), seen, num_eval))
     # "rejected" keeps DeepSpeed-Chat's row shape (reward-model phases): the answer, first token wrong
     for row in (*train, *eval_rows):
         row["rejected"] = _wrong(row["chosen"])
     return train, eval_rows
+
+
+def unseen_examples(rng: random.Random, seen: set[str], count: int) -> Iterator[dict[str, str]]:
+    """`count` examples whose prompts are not in `seen` (added to it), drawn as they are consumed."""
+    made = attempts = 0
+    while made < count:
+        row = make_example(rng)
+        attempts += 1
+        # the lookup/sort spaces are large, so this only loops on absurd sizes; bound it anyway
+        if row["prompt"] in seen and attempts < 100 * (count + 1):
+            continue
+        seen.add(row["prompt"])
+        made += 1
+        yield row
 
 
 def _wrong(answer: str) -> str:

@@ -16,7 +16,7 @@ import yaml
 from ds_exp.config.schema import SyntheticDataConfig
 from ds_exp.core.files import json_text
 from ds_exp.data.cache import cached_build, hash_key
-from ds_exp.data.synthetic import COLORS, NOUNS, WORDS, generate, make_example
+from ds_exp.data.synthetic import COLORS, NOUNS, WORDS, generate, unseen_examples
 
 SYNTHETIC = "ds_exp_synthetic"
 PASSKEY = "ds_exp_passkey"
@@ -127,13 +127,7 @@ def synthetic_questions(count: int, synthetic: SyntheticDataConfig) -> list[dict
     seen = {row["prompt"] for row in train}
     rng = random.Random(f"ds_exp-harness-synthetic-{synthetic.seed}")
     rows: list[dict[str, Any]] = []
-    attempts = 0
-    while len(rows) < count:
-        example = make_example(rng)
-        attempts += 1
-        if example["prompt"] in seen and attempts < 100 * (count + 1):
-            continue
-        seen.add(example["prompt"])
+    for example in unseen_examples(rng, seen, count):
         choices = [example["chosen"], *near_misses(example["prompt"], example["chosen"], rng)]
         order = list(range(len(choices)))
         rng.shuffle(order)
