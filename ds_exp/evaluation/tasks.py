@@ -61,7 +61,9 @@ def write_builtin_tasks(
         made: dict[str, Any] = {}
         if SYNTHETIC in names:
             rows = synthetic_questions(SYNTHETIC_QUESTIONS, settings.synthetic)
-            made[SYNTHETIC] = _write_task(tmp, final, SYNTHETIC, rows, multiple_choice_task(SYNTHETIC))
+            made[SYNTHETIC] = _write_task(
+                tmp, final, SYNTHETIC, rows, _lm_eval_task(SYNTHETIC, "multiple_choice", "acc", doc_to_choice="choices")
+            )
         if PASSKEY in names:
             subtasks = []
             for length in settings.passkey_lengths:
@@ -89,36 +91,31 @@ def _write_task(directory: Path, final: Path, name: str, rows: list[dict[str, An
     return len(rows)
 
 
-def multiple_choice_task(name: str) -> dict[str, Any]:
+def _lm_eval_task(name: str, output_type: str, metric: str, **more: Any) -> dict[str, Any]:
     return {
         "task": name,
         "dataset_path": "json",
         "test_split": "test",
-        "output_type": "multiple_choice",
+        "output_type": output_type,
         "doc_to_text": "question",
-        "doc_to_choice": "choices",
+        **more,
         "doc_to_target": "answer",
-        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        "metric_list": [{"metric": metric, "aggregation": "mean", "higher_is_better": True}],
         "metadata": {"version": VERSION},
     }
 
 
 def passkey_task(name: str) -> dict[str, Any]:
-    return {
-        "task": name,
-        "dataset_path": "json",
-        "test_split": "test",
-        "output_type": "generate_until",
-        "doc_to_text": "question",
-        "doc_to_target": "answer",
-        "generation_kwargs": {"until": ["\n"], "do_sample": False, "max_gen_toks": 16},
+    return _lm_eval_task(
+        name,
+        "generate_until",
+        "exact_match",
+        generation_kwargs={"until": ["\n"], "do_sample": False, "max_gen_toks": 16},
         # the first number of the answer ("The pass key is 48213." counts as 48213)
-        "filter_list": [
+        filter_list=[
             {"name": "number", "filter": [{"function": "regex", "regex_pattern": r"(\d+)"}, {"function": "take_first"}]}
         ],
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": VERSION},
-    }
+    )
 
 
 def synthetic_questions(count: int, synthetic: SyntheticDataConfig) -> list[dict[str, Any]]:
