@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ds_exp.config.override_checks import composition_problem
@@ -21,6 +24,21 @@ from ds_exp.sweeps.study_files import STUDY_FILE, is_study_sweep
 
 if TYPE_CHECKING:
     from hydra.core.config_loader import ConfigLoader
+    from hydra.plugins.launcher import Launcher
+
+
+class LaunchingSweeper(Sweeper):
+    """A sweeper whose jobs Hydra's configured launcher (hydra/launcher) starts."""
+
+    hydra_context: HydraContext | None = None
+    config: DictConfig | None = None
+    launcher: Launcher | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]] | None:

@@ -10,9 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
-from hydra.core.plugins import Plugins
-from hydra.plugins.sweeper import Sweeper
-from hydra.types import HydraContext, TaskFunction
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
@@ -32,7 +29,7 @@ from ds_exp.launch.console import report_user_error
 from ds_exp.launch.lock import live_holder
 from ds_exp.launch.run_dir import read_summary
 from ds_exp.launch.validation import validate_job
-from ds_exp.sweeps.jobs import check_job, job_dir_of
+from ds_exp.sweeps.jobs import LaunchingSweeper, check_job, job_dir_of
 from ds_exp.sweeps.search_space import SearchSpace, parse_search_space, probe_overrides
 from ds_exp.sweeps.study_files import (
     ABANDONED,
@@ -49,7 +46,6 @@ from ds_exp.sweeps.study_plot import plot_study
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from hydra.plugins.launcher import Launcher
     from optuna import Study
     from optuna.samplers import BaseSampler
     from optuna.trial import FrozenTrial, Trial
@@ -91,7 +87,7 @@ def check_storage(storage: str) -> None:
         ) from None
 
 
-class StudySweeper(Sweeper):
+class StudySweeper(LaunchingSweeper):
     """The optuna sweeper; Hydra finds it as hydra_plugins.ds_exp_optuna.optuna_sweeper.OptunaSweeper."""
 
     def __init__(
@@ -113,16 +109,7 @@ class StudySweeper(Sweeper):
         given = OmegaConf.to_container(params, resolve=True) if OmegaConf.is_config(params) else params or {}
         assert isinstance(given, dict)  # hydra.sweeper.params: a mapping (Hydra's schema)
         self.params = {str(key): value for key, value in given.items()}
-        self.hydra_context: HydraContext | None = None
-        self.config: DictConfig | None = None
-        self.launcher: Launcher | None = None
         self.exhausted = False  # set when the sampler stops the study (its whole space tried)
-
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.hydra_context, self.config = hydra_context, config
-        self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config
-        )
 
     def sweep(self, arguments: list[str]) -> list[list[Trial]]:
         try:

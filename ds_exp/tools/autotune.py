@@ -11,10 +11,7 @@ from typing import Any, NoReturn
 
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn
-from hydra.plugins.sweeper import Sweeper
-from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from ds_exp.config.ds_config import IgnoredOverride, log_interval
@@ -30,7 +27,7 @@ from ds_exp.launch.console import report_user_error
 from ds_exp.launch.validation import validate_job
 from ds_exp.model.architecture import model_facts
 from ds_exp.runtime.device import resolved_precision
-from ds_exp.sweeps.jobs import check_job
+from ds_exp.sweeps.jobs import LaunchingSweeper, check_job
 from ds_exp.sweeps.report import PLAN_FILE, WARMUP_STEPS
 from ds_exp.train.hooks import RunHooks
 
@@ -56,7 +53,7 @@ def fail(lines: Sequence[str]) -> NoReturn:
     sys.exit(2)
 
 
-class Autotune(Sweeper):
+class Autotune(LaunchingSweeper):
     def __init__(
         self,
         memory_budget: object = "auto",
@@ -73,12 +70,6 @@ class Autotune(Sweeper):
         self._examples: dict[str, int] = {}  # the training set's size, per data config (plan)
         self._refusals: list[str] = []  # settings that make the whole sweep pointless (judge collects them)
         self._composed: dict[tuple[str, ...], DictConfig] = {}  # each probe as judge composed it, for check_job
-
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.hydra_context, self.config = hydra_context, config
-        self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config
-        )
 
     def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
         assert self.config is not None and self.hydra_context is not None and self.launcher is not None  # setup()
