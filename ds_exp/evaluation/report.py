@@ -5,7 +5,6 @@ console table and the numbers summary.json and the trackers keep."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import shutil
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from typing import Any
 from ds_exp.config.secrets import redact
 from ds_exp.core.files import write_json_atomic
 from ds_exp.evaluation.fit import FEW_QUESTIONS
+from ds_exp.launch.run_logging import quiet_matplotlib
 
 HARNESS_JSON = "harness.json"
 CHART = "harness.png"
@@ -94,9 +94,7 @@ def few_questions(record: dict[str, Any], limit_key: str) -> list[str]:
 
 def chart(record: dict[str, Any], path: Path, title: str) -> None:
     """Bars of base against tuned for every task and metric (the tuned alone for one model)."""
-    mpl_log = logging.getLogger("matplotlib")  # its INFO lines on first use would reach the console
-    if mpl_log.getEffectiveLevel() < logging.WARNING:
-        mpl_log.setLevel(logging.WARNING)
+    quiet_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")

@@ -60,6 +60,13 @@ class _Held(logging.Filter):
 HELD = _Held()
 
 
+def quiet_matplotlib() -> None:
+    """matplotlib's INFO lines on first use ("generated new fontManager") stay off the console, a sweep's included."""
+    mpl_log = logging.getLogger("matplotlib")
+    if mpl_log.getEffectiveLevel() < logging.WARNING:
+        mpl_log.setLevel(logging.WARNING)
+
+
 def hold_library_logs() -> None:
     """Before DeepSpeed is imported: hold its records and output for the log file, and silence its compiler probes."""
     logging.captureWarnings(True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import math
 import textwrap
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any, NamedTuple
 
 from ds_exp.core.files import write_bytes_atomic
 from ds_exp.core.status import RunStatus
+from ds_exp.launch.run_logging import quiet_matplotlib
 from ds_exp.sweeps.study_files import study_values
 
 LABEL_WIDTH = 44  # characters of a job's label per line
@@ -93,10 +93,7 @@ def train_curve(job_dir: Path) -> Curve:
 
 def figure(rows: list[dict[str, Any]], sweep_dir: Path | None = None, curves: list[Curve] | None = None) -> Any:
     """The picture of the report's `rows`; `sweep_dir`: where a study's record is; `curves`: each job's train loss."""
-    # matplotlib's INFO ("generated new fontManager") would reach the sweep's console through Hydra's root handler
-    mpl_log = logging.getLogger("matplotlib")
-    if mpl_log.getEffectiveLevel() < logging.WARNING:
-        mpl_log.setLevel(logging.WARNING)
+    quiet_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -4,7 +4,6 @@ a picture that cannot be drawn is said once, never fails the study."""
 from __future__ import annotations
 
 import io
-import logging
 import sys
 import warnings
 from pathlib import Path
@@ -15,6 +14,7 @@ from optuna.trial import TrialState
 
 from ds_exp.core.errors import first_line
 from ds_exp.core.files import write_bytes_atomic
+from ds_exp.launch.run_logging import quiet_matplotlib
 from ds_exp.sweeps.study_files import STUDY_PLOT
 
 if TYPE_CHECKING:
@@ -33,10 +33,7 @@ def plot_study(sweep_dir: Path, study: Study, objective: str) -> None:
 
 
 def _slice_png(study: Study, objective: str) -> bytes:
-    # matplotlib's INFO lines on its first use would reach the sweep's console through Hydra's root handler
-    mpl_log = logging.getLogger("matplotlib")
-    if mpl_log.getEffectiveLevel() < logging.WARNING:
-        mpl_log.setLevel(logging.WARNING)
+    quiet_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")  # the sweeper's own process: nothing is shown, the picture is a file
