@@ -123,8 +123,9 @@ def model_facts(cfg: Config, auto_class: Any = AutoModelForCausalLM) -> dict[str
         "outputs": int(text.vocab_size) if language_model else 1,
         "heads": heads,
         "kv_heads": int(getattr(text, "num_key_value_heads", 0) or heads),
-        "tied": language_model
-        and int(bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))),
+        "tied": int(  # a reward model has no output layer to tie
+            language_model and bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+        ),
     }
 
 
