@@ -293,6 +293,11 @@ def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str])
             parent[path[-1]] = value
 
 
+def _hide_composed_secrets(cfg: DictConfig) -> None:
+    hide_config_file_secrets(cfg, os.environ)
+
+
 def hide_secrets_when_composing() -> None:
-    """Every composition of this process hides its config files' secrets (see hide_config_file_secrets)."""
-    on_compose(lambda cfg: hide_config_file_secrets(cfg, os.environ))
+    """Every composition of this process hides its config files' secrets (see hide_config_file_secrets). One hook
+    however often this is called (each in-process run calls it): a fresh lambda each time piled up a hook per run."""
+    on_compose(_hide_composed_secrets)

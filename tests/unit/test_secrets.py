@@ -263,6 +263,19 @@ def test_a_config_files_secrets_by_shape_and_place_become_interpolations(tmp_pat
     assert os.environ["DS_EXP_SECRET_FILE_HYDRA_JOB_ENV_SET_UPLOAD"] == "file-envset-2d2d"
 
 
+def test_one_hook_hides_a_compositions_secrets_however_often_runs_install_it(monkeypatch):
+    """Each in-process run (the Python API, the tests' in-process CLI) installs the hook again: a composition still
+    runs it once (a hook per run so far piled up: seconds a composition after a few hundred runs)."""
+    from ds_exp.config import secrets
+
+    hidden = []
+    monkeypatch.setattr(secrets, "hide_config_file_secrets", lambda cfg, environ: hidden.append(cfg))
+    for _ in range(3):
+        secrets.hide_secrets_when_composing()
+    _composed([], {}, monkeypatch)
+    assert len(hidden) == 1
+
+
 def test_a_run_started_with_added_keys_continues_with_resume_auto(tmp_path, monkeypatch):
     """`+logger.gh_pat=...` (or any `+key=`) on the first attempt: its saved config holds a key the schema lacks,
     which the typed merge of a resume refused ("Key 'gh_pat' not in 'LoggerConfig'"). The keys an attempt added are
