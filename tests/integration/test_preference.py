@@ -283,6 +283,14 @@ def test_preferences_of_the_embedded_task_are_learned_after_sft(tmp_path, cache_
     assert summary["final_eval"]["reward_accuracy"] >= 0.9, summary["final_eval"]  # issue 40
     assert summary["final_eval"]["reward_margin"] > 0
     assert (run.run_dir / "plots" / "loss.png").is_file()
+    if name == "dpo":  # the README's how-to: `ds_exp.evaluate` of both, the base being the SFT export it started from
+        limit = ["--limit", "20"]
+        assert evaluate([str(sft_export), "ds_exp_synthetic", *limit, "--output", str(tmp_path / "sft_eval")]) == 0
+        assert evaluate([str(run.run_dir), "ds_exp_synthetic", *limit]) == 0
+        sft = json.loads((tmp_path / "sft_eval" / "harness.json").read_text())["tasks"]["ds_exp_synthetic"]["acc"]
+        acc = json.loads((run.run_dir / "eval" / "harness.json").read_text())["tasks"]["ds_exp_synthetic"]["acc"]
+        assert acc["base"] == sft["tuned"] and acc["base"] > 0.5, (acc, sft)  # chance is 0.25
+        assert 0 <= acc["tuned"] <= 1 and acc["stderr"] > 0, acc  # the verdict, whichever way: 0.45 here (20 asked)
     if name == "reward":  # a reward model is scored on pairs, not by lm-eval (its export is no language model)
         assert evaluate([str(run.run_dir), "ds_exp_synthetic"]) == 2
         model = AutoModelForSequenceClassification.from_pretrained(run.run_dir / "hf_model").eval()

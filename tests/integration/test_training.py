@@ -266,10 +266,10 @@ def test_launchers_train_the_user_command(tmp_path, cache_dir, launcher):
     """`python -m ds_exp zero=stage3 precision=bf16 lora.dim=64` under every launcher: one run directory
     with checkpoints, metrics, summary, an export and one log file per rank. No rank reaches the interpreter's
     shutdown with gloo's threads still running (freed then, they aborted a completed rank now and then: SIGABRT,
-    "terminate called without an active exception"). Under DeepSpeed's launcher (DeepSpeed-Chat's), the run is
-    its step 2: objective=dpo, the reference the same weights with the adapters off, on both ranks (issue 40)."""
+    "terminate called without an active exception"). Under each multi-rank launcher the run is DeepSpeed-Chat's
+    step 2: objective=dpo, the reference the same weights with the adapters off, on both ranks (issue 40)."""
     nproc = 1 if launcher == "single" else 2
-    dpo = ["objective=dpo"] if launcher == "deepspeed" else []
+    dpo = ["objective=dpo"] if nproc > 1 else []
     env = None
     probe = tmp_path / "probe"
     if launcher != "single":  # (a single run forks from the test zygote, which a start-up module never sees)
