@@ -63,6 +63,7 @@ class _Once(logging.Filter):
 
 _WARNINGS_ONCE = _Once(logging.NOTSET, first_line=False)
 
+_LIBRARY_SETTINGS: list[tuple[bool, bool, int]] = []  # as the run found them (setup_run_logging)
 # Loggers that do not propagate to the root logger: the log file is attached to each of them.
 _OWN_FILE = (STEP_LOGGER, FILE_LOGGER, LIBRARY_LOGGER, "py.warnings", "DeepSpeed", "transformers")
 
@@ -148,8 +149,14 @@ def setup_run_logging(run_dir: Path, rank: int) -> Path:
                 h.addFilter(_OursOnly())
             if not isinstance(h.stream, _BarSafeStream):
                 h.setStream(_BarSafeStream(h.stream))
-    # libraries' own progress bars (loading weights, writing shards) never: ds_exp says what it is doing instead
-    transformers.utils.logging.disable_progress_bar()
+    # libraries' own progress bars (loading weights, writing shards) never: ds_exp says what it is doing instead;
+    # put back as they were when the run ends (the Python API: a notebook's bars and verbosity are its own)
+    hf_logging = transformers.utils.logging
+    if not _LIBRARY_SETTINGS:
+        _LIBRARY_SETTINGS.append(
+            (hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled(), hf_logging.get_verbosity())
+        )
+    hf_logging.disable_progress_bar()
     if rank != 0 or not on_terminal():
         # tokenizing: rank 0's bar, on a terminal only (piped, ds_exp.data.encode says it in plain lines)
         datasets.disable_progress_bars()
@@ -165,6 +172,12 @@ def _console(handler: logging.Handler, level: int, once: _Once) -> None:
 
 
 def close_run_logging() -> None:
+    hf_logging = transformers.utils.logging
+    for hf_bars, data_bars, verbosity in _LIBRARY_SETTINGS:
+        (hf_logging.enable_progress_bar if hf_bars else hf_logging.disable_progress_bar)()
+        (datasets.enable_progress_bars if data_bars else datasets.disable_progress_bars)()
+        hf_logging.set_verbosity(verbosity)
+    _LIBRARY_SETTINGS.clear()
     for logger in [logging.getLogger(name) for name in (*LOGGERS, *_OWN_FILE)] + [logging.getLogger()]:
         for h in list(logger.handlers):
             if isinstance(h, logging.FileHandler) and "/logs/rank" in h.baseFilename:

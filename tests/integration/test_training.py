@@ -93,18 +93,22 @@ def test_gradient_accumulation_equivalence(tmp_path, cache_dir, micro, accumulat
 def test_the_python_api_runs_the_recipe_here_as_the_command_line_does(tmp_path, cache_dir, monkeypatch):
     """`from ds_exp import train; summary = train([...])` (issue 35 §9): the command line's run directory (.hydra/,
     ds_exp.log, logs/, metrics.jsonl, plots/loss.png drawn at an evaluation and at the end), its summary.json
-    returned, and the process as it was: no process group, Hydra's state, logging handlers and launch variables
-    put back, so a second call trains again (another ZeRO stage, from a thread)."""
+    returned, and the process as it was: no process group, Hydra's state, logging handlers, launch variables and the
+    libraries' progress bars put back, so a second call trains again (another ZeRO stage, from a thread)."""
     import asyncio
     import logging
 
+    import datasets
     import torch.distributed as dist
+    import transformers
     from hydra.core.global_hydra import GlobalHydra
 
     from ds_exp import train
 
     monkeypatch.chdir(tmp_path)  # outputs/<experiment_name>/<time>/ lands here, as on the command line
     handlers = logging.getLogger().handlers[:]
+    datasets.enable_progress_bars()  # a notebook's (the libraries' defaults), which the run's console turns off
+    transformers.utils.logging.enable_progress_bar()
     overrides = [*FAST, "train.eval_every=4", f"data.cache_dir={cache_dir}", "experiment_name=api"]
     summary = train(overrides)
     (run_dir,) = (tmp_path / "outputs" / "api").iterdir()
@@ -119,6 +123,7 @@ def test_the_python_api_runs_the_recipe_here_as_the_command_line_does(tmp_path, 
     assert len(drawn) >= 2  # the evaluation at step 4, and the end (the one at step 8 may come too soon after)
     assert not dist.is_initialized() and not GlobalHydra.instance().is_initialized()
     assert logging.getLogger().handlers == handlers and "RANK" not in os.environ
+    assert datasets.is_progress_bar_enabled() and transformers.utils.logging.is_progress_bar_enabled()
     # off the main thread (a notebook's `await asyncio.to_thread(train, ...)`), where Python takes no signal
     # handler: the run trains without them, says so, and lets its run directory go (issue 39 §6)
     second = [*FAST, "train.max_steps=2", "zero=stage2", f"data.cache_dir={cache_dir}", "experiment_name=api2"]
