@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from hydra.core.config_loader import ConfigLoader
     from hydra.plugins.launcher import Launcher
 
+    from ds_exp.config.schema import Config
+
 
 class LaunchingSweeper(Sweeper):
     """A sweeper whose jobs Hydra's configured launcher (hydra/launcher) starts."""
@@ -71,16 +73,17 @@ def check_job(
     num: int | None = None,
     *,
     continues: bool = False,
-    composed: DictConfig | None = None,
+    composed: tuple[DictConfig, Config] | None = None,
 ) -> tuple[DictConfig | None, list[str]]:
-    """One job composed, validated, its directory checked: (config, []) or (None, problems); see _continue_job."""
+    """One job composed, validated, its directory checked: (config, []) or (None, problems); see _continue_job.
+    `composed`: the job as a sweeper already composed and validated it."""
     try:
-        cfg = composed if composed is not None else loader.load_sweep_config(config, list(overrides))
+        cfg = composed[0] if composed is not None else loader.load_sweep_config(config, list(overrides))
         if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it
             with read_write(cfg.hydra), open_dict(cfg.hydra):
                 cfg.hydra.job.num = num
         note = _continue_job(cfg, overrides) if continues and num is not None else None
-        typed = validate_job(cfg, overrides)
+        typed = composed[1] if composed is not None else validate_job(cfg, overrides)
         if num is not None:
             job_dir = job_dir_of(cfg)
             runs_here = str(cfg.hydra.launcher.get("_target_", "")).endswith("BasicLauncher")

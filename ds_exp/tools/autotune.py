@@ -69,7 +69,8 @@ class Autotune(LaunchingSweeper):
         self._facts: dict[str, dict[str, int]] = {}
         self._examples: dict[str, int] = {}  # the training set's size, per data config (plan)
         self._refusals: list[str] = []  # settings that make the whole sweep pointless (judge collects them)
-        self._composed: dict[tuple[str, ...], DictConfig] = {}  # each probe as judge composed it, for check_job
+        # each probe as judge composed and validated it, for check_job
+        self._composed: dict[tuple[str, ...], tuple[DictConfig, Config]] = {}
 
     def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
         assert self.config is not None and self.hydra_context is not None and self.launcher is not None  # setup()
@@ -106,7 +107,7 @@ class Autotune(LaunchingSweeper):
         for number, candidate in enumerate(probes):
             candidate["job"] = str(number)
             # its directory checked like a single run's (and recorded for the report) before anything is launched
-            composed = self._composed.pop(tuple(candidate["overrides"]), None)  # composed once: ~0.3 s a job
+            composed = self._composed.pop(tuple(candidate["overrides"]), None)  # once: ~0.6 s a job
             loader = self.hydra_context.config_loader
             problems += check_job(loader, self.config, candidate["overrides"], number, composed=composed)[1]
         if problems:
@@ -175,7 +176,7 @@ class Autotune(LaunchingSweeper):
             self.plan(cfg, world, accelerator, Path(self.config.hydra.sweep.dir))
         except DsExpError as err:
             return {**candidate, "verdict": "not_applicable", "reason": first_line(err)}
-        self._composed[tuple(overrides)] = composed
+        self._composed[tuple(overrides)] = composed, cfg
         return {**candidate, "verdict": "probe"}
 
     def check_settings(self) -> None:
