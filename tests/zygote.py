@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import select
@@ -254,6 +255,7 @@ def serve() -> None:
     import ds_exp.tools.dry_run
     import ds_exp.train.recipe  # noqa: F401
 
+    gc.freeze()  # the imports' ~550k objects: no collection in a child walks them again (~0.3 s a full one)
     for line in sys.stdin:
         request = json.loads(line)
         ranks = request["ranks"]
