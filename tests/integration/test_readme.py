@@ -52,8 +52,14 @@ RANKS = [
 def readme_commands(model_dir: Path | None = None) -> list[tuple[str, int, list[str]]]:
     """(the line as shown, ranks, arguments) for each ds_exp command in the README's code blocks, in order; with
     `model_dir`, only those on the real SmolLM2 checkpoint, its directory replaced by `model_dir`."""
-    commands = []
+    return [command for block in readme_blocks(model_dir) for command in block]
+
+
+def readme_blocks(model_dir: Path | None = None) -> list[list[tuple[str, int, list[str]]]]:
+    """readme_commands by code block: a block's commands run in order (one writes a file the next reads)."""
+    blocks = []
     for block in re.findall(r"^```[a-z]*\n(.*?)^```", README.read_text(), flags=re.S | re.M):
+        commands = []
         for line in block.replace("\\\n", " ").splitlines():
             line = line.strip().removeprefix("$ ")
             if model_dir is not None:
@@ -73,7 +79,9 @@ def readme_commands(model_dir: Path | None = None) -> list[tuple[str, int, list[
             if any(p in arg for arg in args for p in PLACEHOLDERS):
                 continue
             commands.append((line, ranks, args))
-    return commands
+        if commands:
+            blocks.append(commands)
+    return blocks
 
 
 def test_the_readme_shows_commands_of_every_kind():
@@ -82,8 +90,10 @@ def test_the_readme_shows_commands_of_every_kind():
     assert any(ranks > 1 for _, ranks, _ in shown) and any("-m" in args for _, _, args in shown)
 
 
-def test_every_readme_command_passes_every_check(tmp_path):
-    assert not check_commands(readme_commands(), tmp_path, FILES)
+# one test per code block, so that pytest's workers share them (the autotune line alone takes a minute)
+@pytest.mark.parametrize("block", range(len(readme_blocks())), ids=lambda n: readme_blocks()[n][0][0][:60])
+def test_every_readme_command_passes_every_check(tmp_path, block):
+    assert not check_commands(readme_blocks()[block], tmp_path, FILES)
 
 
 def check_commands(commands: list[tuple[str, int, list[str]]], tmp_path: Path, files: dict[str, str | bytes]) -> str:
