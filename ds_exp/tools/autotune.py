@@ -69,8 +69,7 @@ class Autotune(LaunchingSweeper):
         self._facts: dict[str, dict[str, int]] = {}
         self._examples: dict[str, int] = {}  # the training set's size, per data config (plan)
         self._refusals: list[str] = []  # settings that make the whole sweep pointless (judge collects them)
-        # each probe as judge composed and validated it, for check_job
-        self._composed: dict[tuple[str, ...], tuple[DictConfig, Config]] = {}
+        self._composed: dict[tuple[str, ...], tuple[DictConfig, Config]] = {}  # each probe, for check_job
 
     def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
         assert self.config is not None and self.hydra_context is not None and self.launcher is not None  # setup()
@@ -107,7 +106,7 @@ class Autotune(LaunchingSweeper):
         for number, candidate in enumerate(probes):
             candidate["job"] = str(number)
             # its directory checked like a single run's (and recorded for the report) before anything is launched
-            composed = self._composed.pop(tuple(candidate["overrides"]), None)  # once: ~0.6 s a job
+            composed = self._composed.pop(tuple(candidate["overrides"]), None)  # as judge composed and validated it
             loader = self.hydra_context.config_loader
             problems += check_job(loader, self.config, candidate["overrides"], number, composed=composed)[1]
         if problems:
