@@ -421,10 +421,9 @@ def _distinguishing_keys(group: str) -> set[str] | None:
 
 
 def check_overrides_obeyed(composed: DictConfig, cfg: Config, overrides: list[str]) -> None:
-    """IgnoredOverride naming each explicit override that deepspeed.config_file silently wins over: a DeepSpeed-only
-    key the file sets to another value, or ds_exp's optimizer / schedule choices where the file brings its own block
-    (keys ds_exp mirrors are resolve_ds_config's to refuse). `composed`: the config before typing, whose
-    interpolations say which ds_exp key feeds which DeepSpeed key."""
+    """IgnoredOverride naming each explicit override that deepspeed.config_file silently wins over: a DeepSpeed-only key
+    the file sets otherwise, or ds_exp's optimizer / schedule choices where the file brings its own block. `composed`:
+    the config before typing (its interpolations say which key feeds which)."""
     if not cfg.deepspeed.config_file or not overrides:
         return
     file = load_config_file(cfg.deepspeed.config_file)

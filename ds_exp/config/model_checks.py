@@ -300,9 +300,8 @@ def _divisors(n: int) -> str:
 
 
 def arch_problems(model: ModelConfig) -> list[str]:
-    """model.arch holds an architecture transformers can build and run (whole sizes > 0, heads that divide the
-    hidden size, key/value heads that divide the heads, an even rotary dimension, finite epsilons, dropouts in
-    [0, 1]): told here, not as a shape mismatch in the first forward pass."""
+    """model.arch holds an architecture transformers can build and run (sizes, head divisibility, rotary dimension,
+    epsilons, dropouts): told here, not as a shape mismatch in the first forward pass."""
     arch = model.arch
     if model.name_or_path is not None or arch is None:
         return []

@@ -85,9 +85,8 @@ def placement_problems(
     compile: object,
     where: Where = _plain_where,
 ) -> list[str]:
-    """Where the optimizer runs, against the merged DeepSpeed config `ds` (`where` names a value from a user's
-    file): ZeRO stages, offload, device, implementation, clipping, the DeepSpeed keys it needs, sequence parallelism
-    and train.compile. Nothing for an optimizer the settings checks refuse."""
+    """Where the optimizer runs, against the merged DeepSpeed config `ds` (`where` names a value from a user's file).
+    Nothing for an optimizer the settings checks refuse."""
     entry = entry_of(opt)
     if entry is None:  # refused by settings_problems
         return []

@@ -44,9 +44,8 @@ def plan_run(
     precision: str,
     run_dir: str | Path,
 ) -> RunPlan:
-    """The chain every caller shares. `train_examples`: the training rows after splits; `hidden_size` fills the
-    DeepSpeed buckets; `precision` is decided. ConfigError where the run cannot be planned (fewer examples than one
-    global batch, a warmup longer than the run, a DeepSpeed file that disagrees)."""
+    """The chain every caller shares (`train_examples`: the rows after splits); ConfigError where the run cannot be
+    planned (fewer examples than a global batch, warmup longer than the run)."""
     sp = max(int(cfg.dist.sequence_parallel_size), 1)
     dp = data_parallel_size(world_size, sp)
     steps = total_steps(train_examples, cfg.train, dp)
@@ -140,9 +139,8 @@ def decay_problem(scheduler: SchedulerConfig, total: int, warmup: int) -> str | 
 
 
 def eval_interval(train: TrainConfig, per_epoch: int, total: int) -> int:
-    """Optimizer steps between evaluations during training, 0 = at each epoch's end (the last step is always
-    evaluated). train.eval_every when set; else each epoch's end while that keeps the run within train.max_evals,
-    else every ceil(total / max_evals) steps (a 15-step run on a tiny data set does not spend its time evaluating)."""
+    """Optimizer steps between evaluations (0: at each epoch's end; the last step always): train.eval_every, else each
+    epoch's end within train.max_evals, else every ceil(total / max_evals) steps."""
     if train.eval_every:
         return int(train.eval_every)
     epoch_ends = (total - 1) // max(per_epoch, 1)  # ends of epochs before the last step

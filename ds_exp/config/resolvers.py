@@ -59,10 +59,9 @@ _SESSION_KEYS = ("resume", "dry_run")
 
 
 def study_name(experiment_name: object, *, _root_: DictConfig) -> str:
-    """hydra.sweeper.study_name by default: the experiment, the searched keys and a digest of the search, e.g.
-    `default-lr-3f2a9c`: the same command again continues its study, another search is a study of its own. Kept in
-    the resolver cache, which Hydra copies into every job's config (as for ${now:...}), so each job gets its sweep's
-    name; OmegaConf's use_cache does not take resolvers that read _root_."""
+    """hydra.sweeper.study_name by default, e.g. `default-lr-3f2a9c` (the experiment, the searched keys, a digest of the
+    search): the same command continues its study. Kept in the resolver cache, which Hydra copies into every job's
+    config; OmegaConf's use_cache does not take resolvers that read _root_."""
     cache = OmegaConf.get_cache(_root_).setdefault("ds_exp.study_name", {})
     if str(experiment_name) not in cache:
         cache[str(experiment_name)] = _study_name(str(experiment_name), _root_.hydra)

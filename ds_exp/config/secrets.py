@@ -175,9 +175,8 @@ def _quoted(key_text: str, value: str) -> str | None:
 
 
 def hide_secret_overrides(args: Iterable[str], environ: MutableMapping[str, str]) -> list[str]:
-    """The command line with every secret value moved into `environ`. Refused, without showing the value: a sweep
-    over a secret, a secret inside a dict value, `~key=VALUE`, and secrets under `hydra.*` keys other than
-    `hydra.job.env_set.NAME` and `hydra.sweeper.storage` (Hydra writes its own settings out resolved)."""
+    """The command line with every secret value moved into `environ`. Refused without showing it: a sweep over a secret,
+    one inside a dict value, `~key=VALUE`, and secrets under `hydra.*` (but env_set and sweeper.storage)."""
     out: list[str] = []
     problems: list[str] = []
     variables = _Variables(environ)
@@ -257,9 +256,8 @@ FILE_ENV_PREFIX = ENV_PREFIX + "FILE_"
 
 
 def hide_config_file_secrets(cfg: DictConfig, environ: MutableMapping[str, str]) -> None:
-    """Literal secrets that config files put into a composition become `${oc.env:DS_EXP_SECRET_FILE_<KEY>}` (a
-    secret by its shape: its secret parts only), their values moved into `environ`. Runs on every composition before
-    the command line's overrides apply, so Hydra saves only the interpolation."""
+    """Literal secrets from config files become `${oc.env:DS_EXP_SECRET_FILE_<KEY>}` (by shape: the secret parts only),
+    their values moved into `environ`, before the command line applies."""
     found: list[tuple[list[DictKeyType], str, bool]] = []  # (path, value, whole value)
 
     def walk(node: object, path: list[DictKeyType], secret: bool) -> None:

@@ -348,9 +348,8 @@ def _rows_of_other_layouts(
     key: str,
     label: str,
 ) -> set[int]:
-    """Rows written in another layout than the one read (a row that fills it is read, whatever else it holds):
-    skipped when the user chose the layout, else one message that says the file mixes layouts, which rows are
-    which, and how to choose."""
+    """Rows written in another layout than the one read: skipped when the user chose the layout, else one message saying
+    the file mixes layouts, which rows are which, and how to choose."""
     layouts = row_layouts(columns, get, fields)
     if layouts is None:
         return set()

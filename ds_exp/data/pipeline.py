@@ -235,9 +235,8 @@ def _unpaired(data: DataConfig, rows: Rows) -> DataError | None:
 def prepare_sft_data(
     data: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int, pairs: bool = False
 ) -> SFTData:
-    """Tokenized train/eval sets, from the cache when the same settings were built before; `seed` picks the phase
-    split, the eval carve-out and the blend order; with `pairs` each row is encoded ending on its chosen and on its
-    rejected answer. Safe from every rank and sweep job at once (one builds, the rest wait). DataError on bad input."""
+    """Tokenized train/eval sets, cached per settings; `seed` picks the phase split, eval carve-out and blend order;
+    with `pairs`, chosen and rejected rows. Safe from every rank and sweep job at once."""
     problems = data_config_problems(data)
     if problems:
         raise DataError("\n".join(problems))

@@ -47,9 +47,8 @@ def resolve_template(template: PromptTemplate | str, tokenizer: PreTrainedTokeni
 
 
 def source_template(configured: PromptTemplate | str, resolved: str, raw: RawSource) -> str:
-    """The template of one source (a sources.RawSource), given what its rows hold: rows already carrying
-    DeepSpeed-Chat's markers would be wrapped twice by dschat or a chat template (an error naming the row; auto picks
-    raw for them). The synthetic task's plain pairs render under raw as under dschat."""
+    """The template of one source (a sources.RawSource), given its rows: rows already carrying DeepSpeed-Chat's markers
+    would be wrapped twice by dschat or a chat template (an error naming the row; auto picks raw)."""
     configured = str(getattr(configured, "value", configured))
     marked, total = raw.num_marked, raw.num_rows
     if raw.key == "data.synthetic":

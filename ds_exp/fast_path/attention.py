@@ -54,9 +54,8 @@ AttentionMaskInterface.register(TORCH_VARLEN, sdpa_mask)  # the mask of a batch 
 def varlen_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: torch.Tensor, longest: int, scale: float | None
 ) -> torch.Tensor:
-    """Causal attention of each example on its own (`boundaries`: int32 starts, the total last). On CUDA torch's varlen
-    kernel (a prototype: torch 2.13 takes window_size=(-1, 0) and enable_gqa, earlier is_causal, key/value heads then
-    repeated); elsewhere one example at a time through SDPA (tests)."""
+    """Causal attention of each example on its own (`boundaries`: int32 starts, the total last): on CUDA torch's varlen
+    kernel (a prototype whose arguments changed in torch 2.13), elsewhere one example at a time through SDPA."""
     if q.device.type != "cuda":
         gqa = k.size(1) != q.size(1)
         pieces = []

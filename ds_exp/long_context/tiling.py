@@ -86,9 +86,8 @@ def chunked_loss_sum(
 
 
 def offload_saved_activations(model: Any) -> None:
-    """What the decoder's forward saves outside the checkpointed layers (each layer's input, the final norm's) goes to
-    host memory (`save_on_cpu`, pinned where CUDA is). Wrapping the decoder's public forward, not transformers'
-    private checkpoint function, keeps every other activation where it was."""
+    """What the decoder's forward saves outside the checkpointed layers goes to host memory (`save_on_cpu`, pinned where
+    CUDA is); wrapping its public forward leaves every other activation where it was."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT too
     decoder = base.get_decoder()
     decoder.forward = _Offloaded(decoder.forward)

@@ -122,10 +122,9 @@ class SetAside:
 
 
 def set_aside_branch(checkpoint_dir: Path, resumed_from: Path, run_dir: Path, exports: Sequence[Path] = ()) -> SetAside:
-    """Rank 0, once a resume is loaded, before anything is written: this run directory's checkpoints off the resumed
-    trajectory (past its step, or all when it came from another directory), with their conversions, incomplete ones
-    past the step and `exports` made on them, move to branches/<time>-resumed-at-step<N>/. `latest` then points at
-    the newest complete checkpoint left (removed if none)."""
+    """Rank 0, once a resume is loaded: this run directory's checkpoints off the resumed trajectory (with their
+    conversions and exports) move to branches/<time>-resumed-at-step<N>/; `latest` then points at the newest complete
+    checkpoint left (removed if none)."""
     step = _step_of(resumed_from)
     here = resumed_from.parent.resolve() == checkpoint_dir.resolve()
     off_trajectory = [c for c in step_dirs(checkpoint_dir) if not (here and _step_of(c) <= step)]

@@ -155,8 +155,7 @@ def sequence_parallel_change(saved: dict[str, Any], current: dict[str, Any]) -> 
 
 def universal_problem(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """Why a changed layout cannot go through the universal format with sequence parallelism at either end: DeepSpeed
-    0.19.8 takes the sequence-parallel groups for tensor parallelism (ds_to_universal rejects the checkpoint, the
-    universal loader asks for groups it does not have)."""
+    0.19.8 takes the sequence-parallel groups for tensor parallelism."""
     before, now = saved.get("sequence_parallel_size", 1), current.get("sequence_parallel_size", 1)
     if (before == 1 and now == 1) or not needs_universal(saved, current):
         return None

@@ -9,10 +9,9 @@ IGNORE_INDEX = -100
 
 
 class SFTCollator:
-    """Pads to the longest sequence of the batch (rounded up to pad_to_multiple_of); pads are found by position, not
-    pad_token_id, so a tokenizer whose pad is its eos still trains on the real eos. Packed examples carry position_ids;
-    with isolate_packed=True the batch gets them instead of an attention_mask, so each packed example attends to
-    itself. position_ids=True puts them on every batch (for sequence parallelism)."""
+    """Pads to the longest sequence (rounded up to pad_to_multiple_of), finding pads by position, not pad_token_id, so a
+    pad that is the eos still trains on the real eos. With isolate_packed=True packed batches get position_ids instead
+    of an attention_mask; position_ids=True puts them on every batch (sequence parallelism)."""
 
     rows_per_example = 1  # rows of a batch one example makes (a preference pair makes two)
 

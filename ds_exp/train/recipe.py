@@ -93,9 +93,8 @@ def recipe_main(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
 
 def setup(cfg: Config, session: Session, hooks: RunHooks) -> Workload:
-    """Everything the loop uses, as named steps, cheapest failure first: the model's config, the data, the plan, the
-    checkpoint to resume from (deepspeed.initialize reads its format), the disk, the engine. The objective (SFT's or a
-    feature's) decides the data, the model's class, the collator and the loss."""
+    """Everything the loop uses, as named steps, cheapest failure first: model config, data, plan, resume checkpoint,
+    disk, engine. The objective decides the data, the model's class, the collator and the loss."""
     objective = hooks.objective()
     ranks = Ranks.of(session.rank, session.world, cfg.dist.sequence_parallel_size)  # checked by the feature's hooks
     # the ranks that draw different samples: every step's global batch is micro x accumulation x dp

@@ -101,9 +101,8 @@ BatchResult = tuple[torch.Tensor, torch.Tensor | int, list[torch.Tensor]]  # (su
 
 
 class Objective:
-    """What a run's steps optimize, for the step, the evaluation and the metric lines: here SFT's summed next-token loss
-    over label tokens; a feature supplies another (FeatureHooks.objective). A batch's loss is a sum, the count it is
-    averaged over, and the objective's more sums."""
+    """What a run's steps optimize: here SFT's summed next-token loss over label tokens; a feature supplies another
+    (FeatureHooks.objective). A batch's loss is a sum and the count it is averaged over."""
 
     name = "sft"
     pairs = False  # trains on preference pairs: the data pipeline's chosen_* / rejected_* columns
@@ -245,8 +244,7 @@ class TrainStep:
         self, batches: list[Batch], *, stop_requested: bool, previous_loss: torch.Tensor | float | None
     ) -> StepResult:
         """One step over this rank's micro batches. Its one collective (global label tokens, stop vote, a non-finite
-        previous loss, that loss's sum) starts before the first forward and is awaited before the first backward: its
-        latency hides behind the forward, and every rank gets the same votes."""
+        previous loss) starts before the first forward and is awaited before the first backward, hiding its latency."""
         engine, device, ranks = self.engine, self.engine.device, self.ranks
         scale = self.rank_scale * len(batches)  # undoes DeepSpeed's mean over ranks and micro batches
         # reading the previous step's loss here costs nothing: that step has finished on every device by now

@@ -163,9 +163,8 @@ def forget_deepspeed_groups(process_group_type: type) -> None:
 
 
 def sequence_parallel_gradient_factor(engine: Any, sequence_parallel_size: int) -> int:
-    """The loss factor, beyond undoing DeepSpeed's mean over data-parallel ranks, for exact Ulysses gradients.
-    DeepSpeed 0.19.8's ZeRO-3 reduce-scatter path divides by the world size instead of dp: gradients N times too
-    small (zero.reduce_scatter=false is refused there). The ZeRO-3 sequence-parallel parity test catches a fix."""
+    """The loss factor for exact Ulysses gradients: DeepSpeed 0.19.8's ZeRO-3 reduce-scatter divides by the world size
+    instead of dp. The ZeRO-3 sequence-parallel parity test catches a fix."""
     if sequence_parallel_size <= 1 or engine.zero_optimization_stage() != 3:
         return 1
     return sequence_parallel_size if getattr(engine.optimizer, "reduce_scatter", True) else 1
@@ -173,8 +172,7 @@ def sequence_parallel_gradient_factor(engine: Any, sequence_parallel_size: int) 
 
 def import_deepspeed_without_mlflow() -> None:
     """`import deepspeed` with `import mlflow` failing meanwhile: DeepSpeed 0.16-0.19.8's autotuner imports mlflow
-    eagerly (about 40% of `import deepspeed`) for a feature ds_exp never runs. tests/unit/test_structure.py checks
-    this one import is all it affects."""
+    eagerly (about 40% of the import). tests/unit/test_structure.py checks this is all it affects."""
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         return
     sys.modules["mlflow"] = None  # type: ignore[assignment]  # the import system's "not importable" entry

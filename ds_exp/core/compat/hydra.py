@@ -47,9 +47,8 @@ _COMPOSE_HOOKS: list[Any] = []
 
 
 def on_compose(hook: Any) -> None:
-    """Call `hook(cfg)` on every config Hydra composes in this process, once its files are merged and before the
-    command line's overrides apply: before Hydra saves .hydra/*.yaml or a sweeper pickles a job (no public hook comes
-    that early; tests/integration/test_security.py). Installing a hook twice is a no-op."""
+    """Call `hook(cfg)` on every config Hydra composes here, before the command line applies and before it is saved or
+    pickled (no public hook that early; tests/integration/test_security.py). Idempotent per hook."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     check_version()
@@ -105,9 +104,8 @@ def raise_hydra_errors() -> None:
 
 
 def hydra_job_callbacks(config: Any, failed: Callable[[str, Exception], Exception] | None = None) -> Any:
-    """The callbacks of a composed config as Hydra's run mode calls them (no public API; tests/unit/test_api.py).
-    With `failed`, a callback that raises fails the run with `failed(its name, the error)`: Hydra 1.3 catches it and
-    only warns, in the run's log (Callbacks._notify, replaced on this instance)."""
+    """The callbacks of a composed config as Hydra's run mode calls them (no public API; tests/unit/test_api.py). With
+    `failed`, a callback that raises fails the run with `failed(its name, the error)`; Hydra 1.3 only warns."""
     from hydra._internal.callbacks import Callbacks
 
     callbacks = Callbacks(config)
