@@ -10,8 +10,7 @@ Entry points: `python -m ds_exp` (launch/cli.py), `python -m ds_exp.parity`, `ds
 `ds_exp.export` and `ds_exp.chat` (exports/); in Python, `from ds_exp import train; summary = train([...])`
 (the callable package ds_exp.train: train/api.py), whose errors are `ds_exp.DsExpError`.
 Nothing heavy is imported here, and importing ds_exp changes nothing of the process (no import hook, no patch of a
-library): `--help`, `--cfg job` and config validation never import torch or deepspeed.
-"""
+library): `--help`, `--cfg job` and config validation never import torch or deepspeed."""
 
 import importlib
 import sys

@@ -2,8 +2,7 @@
 
 A byte-level BPE (GPT-2 style: any text encodes, nothing is unknown) trained with `tokenizers` on the embedded
 synthetic task, so its words are single tokens and the default model stays tiny. Deterministic: the same
-corpus, one training thread and sorted JSON give byte-identical files (`--check` verifies the shipped copy).
-"""
+corpus, one training thread and sorted JSON give byte-identical files (`--check` verifies the shipped copy)."""
 
 from __future__ import annotations
 

@@ -9,5 +9,4 @@ harness.json, the table, the chart. hooks.py: `after_run` scores the final expor
 `after_export` each step export with every_save; a failure is the evaluation's own status, never the run's.
 
 Written: RUN_DIR/eval/; summary.json's `harness`, `harness_base`, `harness_status`; metrics.jsonl and the trackers'
-harness/<task>/<metric>.
-"""
+harness/<task>/<metric>."""

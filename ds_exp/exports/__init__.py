@@ -5,5 +5,4 @@ train.export_keep_last kept), with LoRA the adapter and the merged model; each w
 was made. `python -m ds_exp.export CHECKPOINT [DIR]` writes the same from a checkpoint; `python -m ds_exp.chat DIR`
 answers as the run's generations did. Settings: train.export* (ExportSettings, mixed into TrainConfig). Hooks:
 planned_writes, on_branch, after_step, after_train; each export then calls every feature's after_export.
-Light: settings, feature, checks, on_disk, cli; heavy: writer, run (the hooks), chat.
-"""
+Light: settings, feature, checks, on_disk, cli; heavy: writer, run (the hooks), chat."""

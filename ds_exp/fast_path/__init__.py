@@ -4,5 +4,4 @@ it runs and helps; off on CPUs), `true` (a clear message where it cannot run) or
 
 settings (light): `FastPathSettings` and `decide` (auto decided; the dry run and memory planner read it). checks
 (light). attention, fused_loss, compile: the kernels. hooks (`FastPathHooks`, every run) at the model build's points;
-the `fast path: ...` line and summary.json's fast_path.
-"""
+the `fast path: ...` line and summary.json's fast_path."""

@@ -5,5 +5,4 @@ rank runs the same number.
 
 settings (light): `LongContextSettings` and `plan` (the counts; the memory planner reads it too). checks (light):
 rope_scaling against transformers and the model, the tiling knobs. tiling (`LongContextHooks`): after LoRA and
-checkpointing, the MLPs tiled, the offload, the tiled loss unless the fused loss replaced it.
-"""
+checkpointing, the MLPs tiled, the offload, the tiled loss unless the fused loss replaced it."""

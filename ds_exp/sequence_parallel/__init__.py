@@ -4,5 +4,4 @@ layers know N only as a number (data-parallel size, padding, sampler ranks, the 
 settings (light): `SequenceParallelSettings`. checks (light): the world, the heads, the attention and packing,
 evaluation's batch size, DeepSpeed's version, ZeRO-3's reduce_scatter. ulysses (`SequenceParallelHooks`, on when
 N > 1): DeepSpeed's Ulysses attention registered before the weights (the mpu, each batch's `shard`), the model
-checked after LoRA, transformers' attention table restored after the release.
-"""
+checked after LoRA, transformers' attention table restored after the release."""

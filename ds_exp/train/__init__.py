@@ -3,8 +3,7 @@ workload, batches (collate, sampler), the loop, one step, metric lines, evaluati
 Python API (api). The package is that API too: made callable, it imports ds_exp.train.api on first call, and stays a
 package for dotted names (`import ds_exp.train.recipe`, Hydra, mock).
 
-Layer 10, heavy. May import every layer below it.
-"""
+Layer 10, heavy. May import every layer below it."""
 
 from __future__ import annotations
 

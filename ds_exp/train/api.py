@@ -7,8 +7,7 @@ Whatever ds_exp explains raises a DsExpError (ds_exp.core.errors) whose str() is
 the traceback unless HYDRA_FULL_ERROR=1; a bug is raised as it is. Ctrl-C saves a checkpoint, then raises
 KeyboardInterrupt. A call leaves the process as it found it (engine, process group it started, Hydra's global state,
 logging handlers, launch variables), so calls follow one another. The package ds_exp.train is callable
-(ds_exp/train/__init__.py); typed code imports `from ds_exp.train.api import train`.
-"""
+(ds_exp/train/__init__.py); typed code imports `from ds_exp.train.api import train`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A run as one process sees it, and the one place its failures are handled: `Session` installs the stop signals,
 joins the process group, starts the log, holds summary.json's state and the sinks; leaving, however the run ended,
-maps the outcome to a status and one message, writes summary.json and releases what a multirun's next job needs.
-"""
+maps the outcome to a status and one message, writes summary.json and releases what a multirun's next job needs."""
 
 from __future__ import annotations
 
