@@ -1,9 +1,8 @@
-"""The DeepSpeed config: groups + optional user JSON, with "auto" filled (Hugging Face's convention). `deepspeed.config`
-(built from the groups in conf/config.yaml) is the base; `deepspeed.config_file` is merged over it key by key: the file
-wins for DeepSpeed's own keys, and its `optimizer` / `scheduler` blocks make DeepSpeed own those. Keys that mirror a
-ds_exp setting must be "auto" or agree with it (every disagreement reported at once); "auto" is filled from ds_exp's
-settings and what only the run knows (`partial`: validation leaves those). An explicit override the file would silently
-win over is refused before the run (`check_overrides_obeyed`)."""
+"""The DeepSpeed config: `deepspeed.config` (from the groups in conf/config.yaml) with `deepspeed.config_file` merged
+over it key by key, "auto" filled (Hugging Face's convention). The file wins for DeepSpeed's own keys, and its
+`optimizer` / `scheduler` blocks make DeepSpeed own those; keys that mirror a ds_exp setting must be "auto" or agree
+with it (every disagreement reported at once), and an explicit override the file would silently win over is refused
+(`check_overrides_obeyed`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The features of ds_exp and the small interface through which the shared layers reach them. A feature is what a user
-turns on by name: one package `ds_exp/<name>/` with `settings.py` (its settings, each range beside its field),
-`checks.py` (refusals before heavy work), `feature.py` (`FEATURE`: how it reads its settings, when it is on, its checks,
-the dotted name of its hooks; all three light), its heavy work and hooks (ds_exp/train/hooks.py, ds_exp/model/hooks.py),
-and its command behind ds_exp/launch/console.py's `entry_point`. The shared layers import only its `settings` (the
-schema types its section) and reach it through this interface, handing each feature its own settings, never the whole
-config (tests/unit/test_structure.py keeps the rule). Light: no torch, no deepspeed."""
+turns on by name: a package `ds_exp/<name>/` with light `settings.py`, `checks.py` and `feature.py` (`FEATURE`: how it
+reads its settings, when it is on, its checks, the dotted name of its hooks), its heavy work and hooks, and its command.
+The shared layers import only its `settings` and hand each feature its own settings, never the whole config
+(tests/unit/test_structure.py). Light: no torch, no deepspeed."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Byte accounting in one place: per-rank memory of model states and activations, a checkpoint's size on disk. Model
-states per parameter follow the ZeRO paper: with mixed precision 2 bytes of parameters + 2 of gradients + 4 of fp32
-master weights + the optimizer's own state (its entry's state_bytes in optimizers.py); in fp32, 4 + 4 + the state,
-+ 4 master bytes at stages 1-3 (measured in bench/memory.py). Stage 1 partitions the optimizer states, stage 2 also
-the gradients, stage 3 also the parameters; offload moves them to host memory. Buckets are not included."""
+states per parameter follow the ZeRO paper: mixed precision 2 + 2 + 4 master bytes + the optimizer's state
+(optimizers.py); fp32 4 + 4 + the state, + 4 master bytes at stages 1-3 (bench/memory.py). Buckets are not included."""
 
 from __future__ import annotations
 
@@ -131,14 +129,13 @@ def estimate_activations(
     embedding_trains: bool = False,
 ) -> int:
     """Peak per-rank activation bytes of one micro batch's forward and backward, for a Llama-style pre-norm block
-    (checked against measured peaks in bench/long_context.py).
-
-    Per token of a rank (micro batch x seq_len / N), a layer keeps about 8 x hidden + 3 x key/value width for
-    attention and 4 x intermediate for the MLP; eager attention also heads x length x length probabilities.
-    Checkpointing keeps one hidden per layer plus one layer's full activations while it is recomputed; tiled MLPs
-    hold one tile's intermediates. Whole logits cost t x vocabulary plus the loss's fp32 copies; tiled, one chunk's.
-    A trained input embedding adds a late phase of its own: its dense gradient, and with tied embeddings the output
-    layer's too (three vocabulary x hidden tensors, measured on SmolLM2-135M; two untied)."""
+    (checked against measured peaks in bench/long_context.py). Per token of a rank (micro batch x seq_len / N), a layer
+    keeps about 8 x hidden + 3 x key/value width for attention and 4 x intermediate for the MLP; eager attention also
+    heads x length x length probabilities. Checkpointing keeps one hidden per layer plus one layer's full activations
+    while it is recomputed; tiled MLPs hold one tile's intermediates. Whole logits cost t x vocabulary plus the loss's
+    fp32 copies; tiled, one chunk's. A trained input embedding adds a late phase of its own: its dense gradient, and
+    with tied embeddings the output layer's too (three vocabulary x hidden tensors, measured on SmolLM2-135M; two
+    untied)."""
     w = 4 if precision == "fp32" else 2
     n = max(int(knobs.sequence_parallel), 1)
     t = micro_batch * -(-seq_len // n)

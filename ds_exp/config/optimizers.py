@@ -1,7 +1,6 @@
-"""The optimizers, one table: each entry owns its facts (what `optimizer=<name>` builds and how, its typed settings,
-its state bytes per parameter, where it runs: ZeRO stages, offload, universal checkpoints, device, package), and
-everything else reads them. Combined checks: optimizer_checks.py; building: ds_exp/model/optimizers.py. Adding one:
-docs/architecture.md, "How to add a component". Light: no torch."""
+"""The optimizers, one table: each entry owns its facts (what `optimizer=<name>` builds and how, its settings, state
+bytes per parameter, where it runs), and everything else reads them. Combined checks: optimizer_checks.py; building:
+ds_exp/model/optimizers.py. Light: no torch."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The run's plan, written once for every caller (the recipe, the dry run, autotune, the benchmarks), so that what
-a dry run or a probe plans is what the run trains with: world -> data-parallel size -> steps -> warmup -> DeepSpeed
-config. Every optimizer step consumes exactly one global batch; an incomplete one at an epoch's end is dropped, so
-the steps do not depend on how the global batch is split over ranks and micro batches."""
+"""The run's plan, one for every caller (the recipe, dry run, autotune, benchmarks), so what a dry run plans is what
+trains: world -> data-parallel size -> steps -> warmup -> DeepSpeed config. Each optimizer step consumes one global
+batch; an epoch's incomplete last one is dropped, so steps do not depend on the split over ranks."""
 
 from __future__ import annotations
 

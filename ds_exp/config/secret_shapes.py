@@ -1,8 +1,7 @@
-"""Which parts of a value are credentials whatever its key is called, by their shape: a URL's password; a connection
-string's or query's field named like a credential (`AccountKey=`, `Pwd=`, `&sig=`); a webhook URL's path, or the
-path segment after one named like a credential; and tokens that say what they are (detect-secrets' typed plugins,
-plus `_OWN_TOKENS` for what those miss). Entropy and keyword plugins are not used: they flag hashes and ids. A local
-path is not a URL. Light: detect-secrets loads on the first text long enough to hold a token."""
+"""Which parts of a value are credentials whatever its key, by their shape: a URL's password; a connection string's or
+query's field named like a credential (`AccountKey=`, `&sig=`); a webhook URL's path; tokens that say what they are
+(detect-secrets' typed plugins, plus `_OWN_TOKENS`). Entropy and keyword plugins flag hashes and ids, so are not used.
+Light: detect-secrets loads lazily."""
 
 from __future__ import annotations
 

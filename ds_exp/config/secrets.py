@@ -1,10 +1,8 @@
 """Secrets given on the command line, in a config file or in the environment never reach a file a run writes. A secret
-is a value under a credential's name (secret_names.py), the part of any value whose shape gives it away
-(secret_shapes.py), or a text value of `hydra.job.env_set`; taken literally unless the whole value is one interpolation.
-`hide_secret_overrides` (before Hydra parses the command line) and `hide_config_file_secrets` (as Hydra composes) move
-each into a DS_EXP_SECRET_* environment variable and leave `${oc.env:...}` in its place, so Hydra saves the
-interpolation and every process of the run inherits the value; `redact` and `redact_text` blank registered values and
-shaped secrets in what is saved, sent or logged. Import-light: no torch."""
+is a value under a credential's name (secret_names.py), the part of a value whose shape gives it away
+(secret_shapes.py), or a text value of `hydra.job.env_set`. Each is moved into a DS_EXP_SECRET_* environment variable
+with `${oc.env:...}` left in its place, so Hydra saves the interpolation and every process inherits the value; `redact`
+and `redact_text` blank them in what is saved, sent or logged. Import-light: no torch."""
 
 from __future__ import annotations
 

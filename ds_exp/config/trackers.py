@@ -1,8 +1,7 @@
-"""The trackers before anything runs: their settings (conf/logger/<name>.yaml), their checks, and the table
-(TRACKERS) whose entries own each tracker's facts (its module by dotted path, its package and pip extra, its run id's
-key in a checkpoint's marker). A tracker server that does not answer is refused now, not after the model and engine
-were built (MLflow's client retries for 246 s). Light: no tracker imported; a package is looked up, never imported.
-Adding a tracker: docs/architecture.md; tests/integration/test_trackers.py builds every entry."""
+"""The trackers before anything runs: their settings (conf/logger/<name>.yaml), their checks, and the table (TRACKERS)
+whose entries own each tracker's facts. A tracker server that does not answer is refused now, not after the engine is
+built (MLflow's client retries for 246 s). Light: a package is looked up, never imported. Adding a tracker:
+docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Files and directories ds_exp keeps outside a run directory, on a machine others share (claims, tracebacks,
-caches, build locks). Each directory is owner-only (0700) and each component checked with lstat, never followed: a
-link, another user's or a group-writable one is refused (`UnsafePath`). Files are opened with O_NOFOLLOW; ds_exp
-deletes only regular files of its own whose names match what it writes. A cache entry that is not exactly what
-ds_exp writes is a miss, said once and built again, never a crash. Standard library only."""
+"""Files and directories ds_exp keeps outside a run directory, on a machine others share (claims, tracebacks, caches,
+build locks): each directory owner-only (0700), each component checked with lstat, never followed (a link, another
+user's or a group-writable one is `UnsafePath`); files opened with O_NOFOLLOW. A cache entry that is not exactly what
+ds_exp writes is a miss, said once and built again. Standard library only."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Conversations -> unpadded input_ids and labels, through `datasets.map` with the fast tokenizer: one tokenization
-with offsets maps the template's label spans onto tokens, so boundaries are exact for any tokenizer. A huge row takes
-a fast tokenizer minutes and datasets' bar moves per batch: the Encoder touches a progress file per batch, and while
-none has for NOTICE_S rank 0 says what is being tokenized (ds_exp.core.waits.announce_while)."""
+"""Conversations -> unpadded input_ids and labels, through `datasets.map` with the fast tokenizer: offsets map the
+template's label spans onto tokens exactly, for any tokenizer. A huge row can take minutes, so the Encoder touches a
+progress file per batch and rank 0 says what is being tokenized while none moves."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Templates: how a conversation becomes one text, and which characters of it are labels. raw: the turn contents as
-given, then the end-of-conversation token (DeepSpeed-Chat's rows hold their markers); dschat: " Human: {user}"
-and " Assistant: {assistant}" per turn, then that token; chat_template: the tokenizer's, rendered turn by turn to find
-each answer; auto: chat_template when the tokenizer has one, else dschat, raw for rows with the markers. Labels are
-every assistant content plus the end token after it; headers, system prompts and user turns never are. Light."""
+"""Templates: how a conversation becomes one text, and which characters of it are labels (every assistant content plus
+the end token after it). raw: the turn contents as given, then the end-of-conversation token; dschat: " Human: {user}"
+and " Assistant: {assistant}" per turn, then that token; chat_template: the tokenizer's, rendered turn by turn; auto:
+chat_template when the tokenizer has one, else dschat, raw for rows with the markers. Light."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""lm-evaluation-harness scores of exported models through lm-eval's own API (none of its scoring redone): an HFLM of
-each model, one simple_evaluate per TASK, prompts rendered as the run trained (`RenderedLM`). The base model is what the
-run's config builds before training: the checkpoint, or its init rebuilt from train.seed, exported as the run exports.
-Its scores are cached under data.cache_dir per (model, TASK, settings), written whole under a lock, so a sweep over one
-base scores it once. Imported only where tasks are scored (lm-eval is optional)."""
+"""lm-evaluation-harness scores of exported models through lm-eval's own API: an HFLM of each model, one simple_evaluate
+per TASK, prompts rendered as the run trained (`RenderedLM`). The base model (the checkpoint, or its init rebuilt from
+train.seed) is scored once per (model, TASK, settings), cached under data.cache_dir under a lock. Imported only where
+tasks are scored."""
 
 from __future__ import annotations
 

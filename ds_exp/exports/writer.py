@@ -1,8 +1,7 @@
 """Export the trained model in Hugging Face format with the base model's identity: rank 0 gathers the full weights
-(ZeRO-3: layer by layer) to the CPU, merges LoRA in fp32, and writes a temporary directory renamed into place when
-complete. The export keeps the base's vocabulary, tokenizer, generation config and precision (weights training never
-changed re-read from the base checkpoint); ds_exp_export.json says which dtype and why, the template and stop tokens,
-the origin. `export_checkpoint` (`python -m ds_exp.export`) writes the same from a checkpoint in one CPU process."""
+(ZeRO-3: layer by layer) to the CPU, merges LoRA in fp32, and renames a complete temporary directory into place, keeping
+the base's vocabulary, tokenizer, generation config and precision; ds_exp_export.json says the dtype and why, the
+template, stop tokens and origin."""
 
 from __future__ import annotations
 

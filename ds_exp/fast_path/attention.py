@@ -1,7 +1,6 @@
 """The attention kernel a run uses (model.attn_implementation). `auto` on CUDA in 16 bits: flash_attention_2 where
-flash-attn is installed, else `torch_varlen` (torch's varlen flash kernel, registered here), else sdpa; off CUDA,
-transformers' default. Packed rows carry restarting position_ids and no mask; flash_attention_2/3 run varlen from
-position ids only for a batch of one row, so ds_exp hands them the micro batch's example boundaries."""
+flash-attn is installed, else `torch_varlen` (registered here), else sdpa; off CUDA, transformers' default.
+flash_attention_2/3 run varlen from position ids only for one row, so ds_exp hands them the example boundaries."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""model.fused_loss: Liger's fused linear cross-entropy, without the full logits tensor. Summed over this rank's label
-tokens (the exact step divides by the global count), inside the output layer's call (ds_exp/model/head_loss.py), on
-a plain Linear: one carrying LoRA adapters has no single weight (left off under auto, refused under true). It wins
-over model.tiled_loss. On a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1, tests)."""
+"""model.fused_loss: Liger's fused linear cross-entropy, without the full logits tensor: summed over this rank's label
+tokens inside the output layer's call (head_loss.py), on a plain Linear only (not one carrying LoRA). It wins over
+model.tiled_loss. On a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1, tests)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Long-context compute on the built model: DeepSpeed's ALST tiling, redone for ZeRO and the exact step. Unlike
-DeepSpeed's TiledMLP every rank cuts exactly as many slices (ZeRO-3 gathers per slice; `torch.chunk` returns fewer
-for some lengths); unlike its TiledFusedLogitsLoss the tiled loss returns the summed loss and label count the exact
-step expects (no loss scale of its own). Activation offload: `torch.autograd.graph.save_on_cpu`, pinned."""
+"""Long-context compute on the built model: DeepSpeed's ALST tiling, redone for ZeRO and the exact step: every rank cuts
+exactly as many slices (ZeRO-3 gathers per slice), and the tiled loss returns the summed loss and label count the exact
+step expects. Activation offload: `torch.autograd.graph.save_on_cpu`, pinned."""
 
 from __future__ import annotations
 

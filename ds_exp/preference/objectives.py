@@ -1,14 +1,11 @@
-"""The objectives of preference tuning (ds_exp.train.step.Objective): DPO and its variants against a reference, and
-a reward model's pairwise loss. Both read a batch of pairs made by `PairCollator`: rows chosen_0, rejected_0,
-chosen_1, ... with SFT's labels (the answers' tokens only), and the reference's log-probabilities where they were
-computed before training (ds_exp/preference/reference.py).
-
-DPO (Rafailov et al. 2023), as TRL's DPOTrainer computes it: with each answer's log-probability summed over its
-tokens, h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l)); sigmoid: -(1 - e) log s(beta h) - e log
-s(-beta h) (e: label smoothing, conservative DPO); ipo: (h' - 1 / (2 beta))^2 with each log-ratio divided by its
-answer's tokens; hinge: relu(1 - beta h). rewards: beta times each log-ratio; accuracy: the share of pairs whose
-chosen reward is the higher. A step's loss is the mean over the global batch's pairs (the step divides the summed
-loss by the pairs counted over every rank and micro batch)."""
+"""The objectives of preference tuning (ds_exp.train.step.Objective): DPO and its variants against a reference, and a
+reward model's pairwise loss, on batches of pairs from `PairCollator` (rows chosen_0, rejected_0, ... with SFT's labels,
+and precomputed reference log-probabilities where there are some). DPO (Rafailov et al. 2023), as TRL's DPOTrainer
+computes it: with each answer's log-probability summed over its tokens, h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l)
+- log ref(y_l)); sigmoid: -(1 - e) log s(beta h) - e log s(-beta h) (e: label smoothing); ipo: (h' - 1 / (2 beta))^2
+with each log-ratio divided by its answer's tokens; hinge: relu(1 - beta h). rewards: beta times each log-ratio;
+accuracy: the share of pairs whose chosen reward is the higher. A step's loss is the mean over the global batch's pairs.
+"""
 
 from __future__ import annotations
 

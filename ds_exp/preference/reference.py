@@ -1,8 +1,7 @@
 """DPO's reference without LoRA: the starting model's log-probabilities of every pair's answers, computed once before
-the first step (and before a resume loads its checkpoint, so always of the starting weights), and kept beside the
-tokenized data they belong to (its cache directory), under a key of the starting model and the precision: the next
-run on the same data and model reads them back. Each rank computes every pair in the same batches (under ZeRO-3 a
-forward is collective); no second copy of the model is ever held."""
+the first step (and before a resume loads), cached beside the tokenized data under a key of the starting model and
+precision. Each rank computes every pair in the same batches (a ZeRO-3 forward is collective); no second model copy is
+held."""
 
 from __future__ import annotations
 

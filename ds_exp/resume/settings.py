@@ -1,9 +1,7 @@
-"""What a checkpoint was written with, and whether this run can continue from it. Each checkpoint's marker records the
-settings that fix the shapes and partitioning of what it holds (model, LoRA, vocabulary padding, ZeRO stage, offload,
-precision, optimizer, world size). A changed layout (world size, ZeRO stage, offload) is converted once to DeepSpeed's
-universal format, which carries Adam's moments only and fails under sequence parallelism; dist.sequence_parallel_size is
-no layout (ZeRO partitions over all ranks). Any other change is refused before anything is written, naming each change.
-Light: no torch, no deepspeed."""
+"""What a checkpoint was written with, and whether this run can continue from it. Each marker records the settings that
+fix the shapes and partitioning of what it holds. A changed layout (world size, ZeRO stage, offload) is converted once
+to DeepSpeed's universal format (Adam's moments only; not under sequence parallelism); any other change is refused
+before anything is written, naming each. Light."""
 
 from __future__ import annotations
 

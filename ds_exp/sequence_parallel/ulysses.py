@@ -1,7 +1,6 @@
-"""Ulysses at the model build's points. The world is dp x N ranks in contiguous groups; DeepSpeed's
-`UlyssesSPAttentionHF` makes the groups (the mpu) and all-to-alls sequence shards to head shards. The data path is
-ds_exp's (resumable): a group's ranks draw the same rows and `SequenceShard` keeps each rank's slice, labels shifted
-on the whole row first. Packed rows attend per document (`isolate_documents`); generation runs unsharded."""
+"""Ulysses at the model build's points: DeepSpeed's `UlyssesSPAttentionHF` makes the groups (the mpu) of dp x N
+contiguous ranks and all-to-alls sequence to head shards. A group's ranks draw the same rows and `SequenceShard` keeps
+each one's slice; packed rows attend per document; generation runs unsharded."""
 
 from __future__ import annotations
 

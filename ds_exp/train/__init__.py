@@ -1,9 +1,7 @@
-"""A training run: the recipe (setup -> resume -> train, features at the named points of hooks), the session, the
-workload, batches (collate, sampler), the loop, one step, metric lines, evaluation and generation, resuming, and the
-Python API (api). The package is that API too: made callable, it imports ds_exp.train.api on first call, and stays a
-package for dotted names (`import ds_exp.train.recipe`, Hydra, mock).
-
-Layer 10, heavy. May import every layer below it."""
+"""A training run: the recipe, session, workload, batches, loop, step, metric lines, evaluation and generation,
+resuming, and the Python API (api). The package is that API too: made callable, it imports ds_exp.train.api on first
+call, and stays a package for dotted names (`import ds_exp.train.recipe`, Hydra, mock). Layer 10, heavy. May import
+every layer below it."""
 
 from __future__ import annotations
 

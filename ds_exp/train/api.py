@@ -1,13 +1,9 @@
-"""The Python API: `from ds_exp import train; summary = train(["zero=stage3", "lora.dim=64"])` runs what
-`python -m ds_exp zero=stage3 lora.dim=64` does, in this process on one rank (gloo on the CPU, or the one GPU): the
-same composition, run directory, checks and recipe, one argument per item (no shell quoting). It returns what the
-run wrote to summary.json (a dry run: its plan).
-
-Whatever ds_exp explains raises a DsExpError (ds_exp.core.errors) whose str() is the command line's message, without
-the traceback unless HYDRA_FULL_ERROR=1; a bug is raised as it is. Ctrl-C saves a checkpoint, then raises
-KeyboardInterrupt. A call leaves the process as it found it (engine, process group it started, Hydra's global state,
-logging handlers, launch variables), so calls follow one another. The package ds_exp.train is callable
-(ds_exp/train/__init__.py); typed code imports `from ds_exp.train.api import train`."""
+"""The Python API: `from ds_exp import train; summary = train(["zero=stage3", "lora.dim=64"])` runs what `python -m
+ds_exp zero=stage3 lora.dim=64` does, in this process on one rank (gloo on the CPU, or the one GPU), one argument per
+item (no shell quoting), and returns its summary.json (a dry run: its plan). Whatever ds_exp explains raises a
+DsExpError whose str() is the command line's message; a bug is raised as it is; Ctrl-C saves a checkpoint, then raises
+KeyboardInterrupt. A call leaves the process as it found it (engine, process group, Hydra's global state, logging
+handlers, launch variables), so calls follow one another. Typed code imports `from ds_exp.train.api import train`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""One optimizer step: the forward passes, the exact loss, the backward passes, and the votes every rank casts. A step's
-loss is the summed token loss over the whole global batch divided by its label tokens, whatever the split over ranks and
-micro batches; the step undoes DeepSpeed's average over them. Under sequence parallelism each rank sums its slice's
-token losses and DeepSpeed sums a group's gradients: the same loss. In fp16 at ZeRO stage 0 the step applies the loss
-scale DeepSpeed leaves out (Fp16LossScale)."""
+"""One optimizer step: forward passes, the exact loss, backward passes, and the votes every rank casts. A step's loss is
+the summed token loss over the global batch divided by its label tokens, whatever the split over ranks, micro batches or
+sequence-parallel slices (the step undoes DeepSpeed's average). In fp16 at ZeRO 0 it applies the loss scale DeepSpeed
+leaves out (Fp16LossScale)."""
 
 from __future__ import annotations
 
@@ -189,11 +188,10 @@ class StepResult:
 
 
 class Fp16LossScale:
-    """Multiplies the loss's gradient by the fp16 loss scale where DeepSpeed does not.
-
-    DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393): at ZeRO stage 0 `engine.backward` does not scale the loss for its
-    fp16 optimizers, yet their step() unscales: updates ~65536 times too small. The hook checks the first scaled
-    backward's gradient (one sync) and scales only if DeepSpeed did not, so a fixed DeepSpeed is left alone."""
+    """Multiplies the loss's gradient by the fp16 loss scale where DeepSpeed does not: DeepSpeed 0.19.8
+    (deepspeedai/DeepSpeed#8393) at ZeRO stage 0 does not scale the loss in `engine.backward`, yet its fp16 optimizers'
+    step() unscales. The first scaled backward's gradient (one sync) says whether DeepSpeed scaled, so a fixed DeepSpeed
+    is left alone."""
 
     def __init__(self, engine: DeepSpeedEngine) -> None:
         self.optimizer = engine.optimizer

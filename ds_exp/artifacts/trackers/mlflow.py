@@ -1,9 +1,7 @@
-"""An MLflow run on rank 0 through MlflowClient (no global active run: a multirun's jobs never share one). Where:
-logger.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else outputs/mlflow.db (artifacts in outputs/mlartifacts) in the
-launch directory; a SQLite store is opened by one process at a time (`store_opened`). What: the config as params
-(credentials blanked), metrics by step, generations and summary.json as artifacts, the end as FINISHED, KILLED
-(resumable) or FAILED; a resume continues the same run. A server gone away costs seconds, not MLflow's 246 s of retries
-(SHORT_HTTP), and its errors never show a password."""
+"""An MLflow run on rank 0 through MlflowClient (no global active run: a multirun's jobs never share one), at
+logger.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else outputs/mlflow.db in the launch directory; a SQLite store is
+opened by one process at a time (`store_opened`). A resume continues the same run. A server gone away costs seconds, not
+MLflow's 246 s of retries (SHORT_HTTP), and its errors never show a password."""
 
 from __future__ import annotations
 
