@@ -67,11 +67,6 @@ DESCRIPTORS = _set(
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
 
-def words_of(name: str) -> list[str]:
-    """`mlflowTrackingPassword` -> [mlflow, tracking, password]; `HF_TOKEN2` -> [hf, token, 2]."""
-    return re.findall(r"[a-z]+|[0-9]+", _CAMEL.sub("_", name).lower())
-
-
 def _qualifiers_only(prefix: str) -> bool:
     """`prefix` is one or more QUALIFIERS run together: `github`, `hfhub`, `openaiapi` (not `mon` of `monkey`)."""
     ends = {0}
@@ -103,7 +98,7 @@ def _run_together(word: str) -> bool:
 
 def is_secret_name(name: object) -> bool:
     """Whether a key or environment variable named `name` holds a credential (see the module docstring)."""
-    words = [w for w in words_of(str(name)) if not w.isdigit()]
+    words = re.findall(r"[a-z]+", _CAMEL.sub("_", str(name)).lower())  # `mlflowTrackingPassword`, `HF_TOKEN2`
     for i, word in enumerate(words):
         rest = words[i + 1 :]
         if any(r in DESCRIPTORS for r in rest):

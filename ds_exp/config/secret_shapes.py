@@ -99,11 +99,6 @@ def _random(token: str) -> bool:
     return -sum(n / len(token) * math.log2(n / len(token)) for n in counts.values()) > 4.3
 
 
-def _field_is_secret(name: str) -> bool:
-    compact = re.sub(r"[\s_.-]", "", name).lower()
-    return compact in _FIELD_NAMES or is_secret_name(name)
-
-
 def _url_path_spans(match: re.Match[str]) -> list[Span]:
     """The credential in a URL's path: a webhook's path, or the segment after one named like a credential."""
     host, path = match.group("host").lower(), match.group("path") or ""
@@ -139,22 +134,19 @@ def secret_spans(text: str) -> list[Span]:
             spans += _url_path_spans(match)
     if "=" in text:
         for match in _FIELD.finditer(text):
-            if _field_is_secret(match.group("name")):
+            name = match.group("name")
+            if re.sub(r"[\s_.-]", "", name).lower() in _FIELD_NAMES or is_secret_name(name):
                 value_start, value_end = match.span("secret")
                 if ";" in text and (match.start() == 0 or text[match.start() - 1] == ";"):
                     value_end = _field_end(text, value_start, value_end)
                 if text[value_start] in "{\"'" and value_end - value_start >= 2:  # keep the quotes or braces
                     value_start, value_end = value_start + 1, value_end - 1
                 if value_end > value_start:
-                    spans.append(Span(value_start, value_end, f"a {match.group('name').strip()}= field"))
+                    spans.append(Span(value_start, value_end, f"a {name.strip()}= field"))
     spans += _token_spans(text, spans)
     # an interpolation names a value, it does not hold one (`pg://bob:${oc.env:PW}@host`); a mask hides it already
-    spans = [span for span in spans if not _not_a_secret(text[span.start : span.end])]
-    return _merged(spans)
-
-
-def _not_a_secret(part: str) -> bool:
-    return is_reference(part) or part == "<redacted>" or set(part) == {"*"}
+    parts = [(span, text[span.start : span.end]) for span in spans]
+    return _merged([s for s, part in parts if not (is_reference(part) or part == "<redacted>" or set(part) == {"*"})])
 
 
 def interpolations(text: str) -> list[tuple[int, int]]:

@@ -252,11 +252,6 @@ def datasets_cache() -> Path:
     return hf_cache("HF_DATASETS_CACHE", "datasets")
 
 
-def dataset_cached(repo_id: str) -> bool:
-    """The hub dataset was downloaded here before (datasets' own cache, or the hub's snapshots)."""
-    return (datasets_cache() / repo_id.replace("/", "___")).is_dir() or cached(repo_id, "datasets")
-
-
 @functools.cache
 def _hub_away() -> str | None:
     """Why the hub cannot be reached from here (HF_HUB_OFFLINE, or no connection), once per process."""
@@ -268,7 +263,7 @@ def _hub_away() -> str | None:
 
 
 def _hub_problem(dataset: str) -> str | None:
-    if dataset_cached(dataset):
+    if (datasets_cache() / dataset.replace("/", "___")).is_dir() or cached(dataset, "datasets"):  # downloaded before
         return None
     away = _hub_away()
     if away is None:

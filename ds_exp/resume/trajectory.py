@@ -69,7 +69,8 @@ def changes(saved: dict, current: dict, step: int, lr_at: LrAt | None = None) ->
                 f"{name}: {saved[key]}{' ' + unit if unit else ''} -> {current[key]}{' ' + unit if unit else ''}"
             )
     if said:
-        before = lr_at(saved, step) if lr_at is not None and _complete(saved) else None
+        complete = all(k in saved for k in ("lr", "scheduler", "warmup_steps", "total_steps", "scheduler_kwargs"))
+        before = lr_at(saved, step) if lr_at is not None and complete else None
         after = lr_at(current, step) if lr_at is not None else None
         effect = f"the {current['scheduler']} schedule is recomputed over {current['total_steps']} steps"
         if saved.get("total_steps") != current["total_steps"]:
@@ -78,10 +79,6 @@ def changes(saved: dict, current: dict, step: int, lr_at: LrAt | None = None) ->
             effect += f"; the learning rate for step {step + 1} is {after:.1e} instead of {before:.1e}"
         said.append(effect)
     return said, refused
-
-
-def _complete(trajectory: dict) -> bool:
-    return all(k in trajectory for k in ("lr", "scheduler", "warmup_steps", "total_steps", "scheduler_kwargs"))
 
 
 def check(
