@@ -1,6 +1,5 @@
 """plots/loss.png for a run without a tracker: train and eval loss and the learning rate by step from metrics.jsonl,
-drawn by rank 0 after each evaluation and at the end; only new lines read, Agg without pyplot, skipped when due
-sooner than 50 times the last one's duration. A failure costs the picture, said once, never the run."""
+drawn by rank 0 after each evaluation and at the end. A failure costs the picture, said once, never the run."""
 
 from __future__ import annotations
 

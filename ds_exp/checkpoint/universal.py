@@ -1,6 +1,5 @@
 """Resume after the world size, ZeRO stage or offload changed: rank 0 converts the checkpoint once, in a subprocess, to
-DeepSpeed's universal format beside it (<tag>.universal/), its marker holding the source's fingerprint so a checkpoint
-rewritten in place is converted again. Stage 0 is converted and loaded by ds_exp."""
+DeepSpeed's universal format (<tag>.universal/). Stage 0 is converted and loaded by ds_exp."""
 
 from __future__ import annotations
 

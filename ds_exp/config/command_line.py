@@ -1,6 +1,5 @@
-"""Commands ds_exp prints for a person to paste, each argument quoted twice: for Hydra's override grammar (or a
-space, comma, `$` or `=` reads as a sweep, an interpolation or a list) and then for the shell.
-tests/unit/test_console_lines.py parses them back. Light: hydra's parser only."""
+"""Commands ds_exp prints for a person to paste, each argument quoted for Hydra's override grammar and then for the
+shell (tests/unit/test_console_lines.py parses them back). Light: hydra's parser only."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Components: the options users extend (optimizers, trackers), each one entry of a table that owns its facts. An
-entry names its heavy builder by dotted path, so the light layers read the table without importing it; its package
-(maybe an optional extra) is looked up, never imported, and a missing one is one line naming the extra."""
+"""Components: the options users extend (optimizers, trackers), each one entry of a table that owns its facts, naming
+its heavy builder by dotted path; its package (maybe an optional extra) is looked up, never imported."""
 
 from __future__ import annotations
 

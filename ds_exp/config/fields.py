@@ -1,6 +1,5 @@
-"""A setting's rules beside its field: a number's range (`Range`), a free-form mapping's value (`Spec`), and
-`setting()`, which declares a settings dataclass field with them; the checks (ranges.py), `--help` and the
-hostile-input generator read them from there. Light: the standard library and omegaconf's MISSING only."""
+"""A setting's rules beside its field: a number's range (`Range`), a free-form mapping's value (`Spec`), and `setting()`
+declaring a field with them, for the checks, `--help` and the hostile-input generator. Light."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The optimizers' typed settings, one dataclass per kind, each number's range beside its field and `problems` for
-what a range cannot say. The option's YAML names its class in its defaults list, so Hydra refuses a wrong type or
-another optimizer's key while it composes. Light: no torch."""
+"""The optimizers' typed settings, one dataclass per kind, each number's range beside its field; the option's YAML names
+its class, so Hydra refuses a wrong type or another optimizer's key while it composes. Light."""
 
 from __future__ import annotations
 

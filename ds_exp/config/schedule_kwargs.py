@@ -1,6 +1,5 @@
-"""scheduler.kwargs checked before anything is built: a name the schedule does not take, a wrong type or a value out
-of range would otherwise reach transformers.get_scheduler after minutes (or be silently dropped). SCHEDULE_KWARGS
-says what each schedule takes; tests/unit/test_hostile_inputs.py checks it against the installed transformers."""
+"""scheduler.kwargs checked before anything is built, against SCHEDULE_KWARGS (what each schedule takes), not after
+minutes in transformers.get_scheduler; tests/unit/test_hostile_inputs.py checks it against transformers."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Values of a shape the other checks cannot even look at, found first: a list item of another type than the schema
-says (OmegaConf lets `optimizer.betas=[{a:1}]` into a list[float]), and a path name longer than any file system allows
-(Path.exists raises ENAMETOOLONG instead of answering). Light: no torch, no deepspeed."""
+"""Values of a shape the other checks cannot look at, found first: a list item of another type than the schema says
+(OmegaConf lets `optimizer.betas=[{a:1}]` in), and a path name too long for any file system. Light."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Semantic checks of a composed config, before anything heavy: every problem one line naming the key and the fix,
-all in one ConfigError. Each value's own problems come first; the checks that combine values run only once every
-value is valid, so they neither trip over a bad one nor say it twice."""
+"""Semantic checks of a composed config, before anything heavy, all in one ConfigError. Each value's own problems come
+first; the checks that combine values run only once every value is valid."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Files written whole or not at all. JSON is strict (no bare NaN, which parsers other than Python's reject): a
-non-finite number is written as null and named in the object's `non_finite` list (`{"loss": null, "non_finite":
-["loss"]}`)."""
+"""Files written whole or not at all. JSON is strict (no bare NaN): a non-finite number is written as null and named in
+the object's `non_finite` list (`{"loss": null, "non_finite": ["loss"]}`)."""
 
 from __future__ import annotations
 

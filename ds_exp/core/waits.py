@@ -1,6 +1,5 @@
-"""Every wait on something outside the process (a lock, a tracker's server, a peer rank, another run's compiler)
-says within NOTICE_S seconds what it waits for and since when, and either ends or stops with one line naming what to
-do: rank 0 on the console, every rank in its log file. Layer 0: the standard library only."""
+"""Every wait on something outside the process says within NOTICE_S seconds what it waits for and since when, and either
+ends or stops with one line naming what to do (rank 0 on the console, every rank in its log). Standard library only."""
 
 from __future__ import annotations
 

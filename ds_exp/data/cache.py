@@ -1,6 +1,5 @@
-"""The tokenized-data cache: `<cache_dir>/<key>/{train,eval}` (Arrow) and `meta.json`, one directory per settings
-hash, built once under an `fcntl` lock. A build goes to a temporary name renamed into place, so `<key>` is always
-complete; the other processes wait on `<key>.lock` and then find it."""
+"""The tokenized-data cache: `<cache_dir>/<key>/{train,eval}` (Arrow) and `meta.json` per settings hash, built once
+under an `fcntl` lock into a temporary name renamed into place; the others wait on `<key>.lock`."""
 
 from __future__ import annotations
 

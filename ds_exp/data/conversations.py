@@ -1,6 +1,5 @@
-"""Row layouts -> conversations: prompt/chosen, Hugging Face messages, ShareGPT and Alpaca rows all become a list of
-(role, content) turns with role system | user | assistant. A bad chat row stops the run with one message naming the
-file and the row; rows without an answer are dropped and counted. Pure standard library."""
+"""Row layouts (prompt/chosen, messages, ShareGPT, Alpaca) -> lists of (role, content) turns, role system | user |
+assistant. A bad chat row stops the run naming the file and row; rows without an answer are dropped and counted."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """`prepare_sft_data` and `count_train_examples`: sources -> splits -> blend -> tokenize -> cached Arrow, as
-DeepSpeed-Chat step 1 does minus its defects: seeded phases by `data_split` (sft_only sources whole), `eval_fraction`
-of a source without an eval split held out, Arrow on disk keyed on everything that changes it, no label on padding."""
+DeepSpeed-Chat step 1 minus its defects (seeded phases, a held-out eval_fraction, no label on padding)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Split arithmetic shared by the pipeline and `count_train_examples` (which must agree exactly). data.data_split is
-DeepSpeed-Chat's --data_split (phases 1/2/3); ds_exp trains phase 1, so "10,0,0" trains on every row and "2,4,4"
-keeps 20%, which the data line says."""
+DeepSpeed-Chat's (phases 1/2/3); ds_exp trains phase 1: "2,4,4" keeps 20%, as the data line says."""
 
 from __future__ import annotations
 

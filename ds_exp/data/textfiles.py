@@ -1,6 +1,5 @@
-"""Data files as text: `.gz` read transparently, a UTF-8 byte order mark dropped (and noted once), a binary file
-named like text refused with what it looks like, and JSON objects with a repeated key refused (json keeps the
-last value silently). Pure standard library."""
+"""Data files as text: `.gz` read transparently, a UTF-8 BOM dropped (noted once), a binary file named like text
+refused, and JSON objects with a repeated key refused (json keeps the last silently). Standard library."""
 
 from __future__ import annotations
 

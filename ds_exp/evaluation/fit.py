@@ -1,6 +1,5 @@
-"""Can the model be judged on the task? One light checker (never torch) before any weight loads, for validation, the
-command and the scoring, one line per problem. Lengths are lower bounds, so a refusal is certain; prompts made by a
-task's own code are measured only in scoring."""
+"""Can the model be judged on the task? One light checker before any weight loads, for validation, the command and the
+scoring. Lengths are lower bounds, so a refusal is certain; prompts a task's code makes are measured in scoring."""
 
 from __future__ import annotations
 

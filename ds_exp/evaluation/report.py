@@ -1,6 +1,5 @@
 """What an lm-eval scoring leaves: RUN_DIR/eval/harness.json ({"tasks": {task: {metric: {"base", "tuned", "stderr"}}},
-"settings"}), harness.png, lm-eval's files under {tuned,base}/<TASK>/ (one model's evaluation: eval/<export>/), the
-console table and the numbers summary.json and the trackers keep."""
+"settings"}), harness.png, lm-eval's files under {tuned,base}/<TASK>/, the console table."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""ds_exp's offline lm-eval tasks, YAML and JSON lines generated from a seed into the data cache (pure Python).
-`ds_exp_synthetic`: multiple choice from the embedded SFT task, never trained on (chance 25%). `ds_exp_passkey`: a
-five-digit passkey hidden in filler of about N tokens (eval.harness.passkey_lengths), `ds_exp_passkey_<N>` per length.
-"""
+"""ds_exp's offline lm-eval tasks, generated from a seed into the data cache: `ds_exp_synthetic` (multiple choice from
+the embedded SFT task, chance 25%) and `ds_exp_passkey_<N>` (a passkey hidden in N tokens of filler)."""
 
 from __future__ import annotations
 

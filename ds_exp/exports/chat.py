@@ -1,6 +1,5 @@
-"""`python -m ds_exp.chat`: an export answers as it did in its run, in the template its ds_exp_export.json records
-(else the tokenizer's, else DeepSpeed-Chat's), through the run's generate call. A conversation on a terminal, else
-one answer per line of standard input."""
+"""`python -m ds_exp.chat`: an export answers as it did in its run, in the template its ds_exp_export.json records,
+through the run's generate call; a conversation on a terminal, else one answer per input line."""
 
 from __future__ import annotations
 

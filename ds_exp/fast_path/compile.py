@@ -1,6 +1,5 @@
-"""train.compile: torch.compile of each decoder layer's forward (regional: one graph for all layers, one layer's
-compile time); hooks, checkpoints, loss and embeddings stay eager. auto compiles on CUDA at ZeRO 0-2 only: ZeRO-3's
-gathers inside the forward would break the graph."""
+"""train.compile: torch.compile of each decoder layer's forward (one graph for all layers); the rest stays eager. auto
+compiles on CUDA at ZeRO 0-2 only: ZeRO-3's gathers inside the forward would break the graph."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Every command's error boundary (`@entry_point`): a DsExpError is its message and exit_code; anything else one line
-naming the file that holds its traceback, exit 1 (HYDRA_FULL_ERROR=1 shows it); Ctrl-C 130; a closed stdout 141. The
-ranks of a launch on one machine print an error once (`first_to_say`); no registered secret is printed."""
+naming its traceback's file, exit 1; Ctrl-C 130; a closed stdout 141. A launch's ranks print an error once."""
 
 from __future__ import annotations
 

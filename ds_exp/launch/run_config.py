@@ -1,6 +1,5 @@
 """A run directory remembers its run: `hydra.run.dir=R resume=auto [KEY=VALUE ...]` continues R's own config, the
-overrides being named changes the resume rules accept or refuse; a resuming sweep job too (keep/take_job_config).
-Light."""
+overrides being changes the resume rules accept or refuse; a resuming sweep job too. Light."""
 
 from __future__ import annotations
 

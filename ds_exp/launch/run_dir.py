@@ -1,6 +1,5 @@
-"""The run directory, checked before Hydra writes into it (CheckRunDir) so no run overwrites another's: a plain
-experiment_name, writable, holding a run only when `resume` names a usable checkpoint of it, resume=auto only where the
-command line names it. A resume keeps the first `.hydra/` and saves its own under `.hydra/resume-<time>/`. Light."""
+"""The run directory, checked before Hydra writes into it (CheckRunDir) so no run overwrites another's; a resume keeps
+the first `.hydra/` and saves its own under `.hydra/resume-<time>/`. Light."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""A loss computed inside the output layer's call, so the batch's logits never exist at once (the tiled and the fused
-loss). Inside that call ZeRO-3 holds the weight whole (TRL read a released one outside: huggingface/trl#3368). Both
-return the summed token loss (fp32) and label count, as token_loss_sum does from full logits."""
+"""A loss computed inside the output layer's call, so the logits never exist at once, while ZeRO-3 holds the weight
+whole (huggingface/trl#3368); it returns the summed fp32 token loss and label count, as token_loss_sum does."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""One trajectory per run directory: a save at a step that holds another branch's checkpoint, which of this run's
-checkpoints rotation may delete, and the branch a resume from an older checkpoint abandons, set aside (never
-deleted) with the exports made on it, `latest` repaired. File operations only (rank 0): no torch, no deepspeed."""
+"""One trajectory per run directory: a save over another branch's checkpoint, what rotation may delete, and the branch
+an older resume abandons, set aside (never deleted) with its exports. File operations only (rank 0)."""
 
 from __future__ import annotations
 

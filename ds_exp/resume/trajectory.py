@@ -1,6 +1,5 @@
-"""What a resume with changed settings does to the run's course, said before it happens. The length, learning rate,
-schedule and warmup may change (the schedule is recomputed at the resumed step, one line per change saying what it
-does); the global batch and the data cannot (the position in the epoch would point elsewhere): refused, with the fix."""
+"""What a resume with changed settings does to the run's course, said before it happens: length, learning rate, schedule
+and warmup may change (the schedule is recomputed); the global batch and the data cannot."""
 
 from __future__ import annotations
 

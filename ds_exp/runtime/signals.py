@@ -1,6 +1,5 @@
-"""Stop signals: every rank saves a checkpoint after the same step (voted in the loop's all-reduce), then leaves, under
-submitit requeued, elsewhere with 128 + the signal (a second SIGINT at once; after SIGHUP, no console). Before the first
-step a signal stops at once; off the main thread (ds_exp.train from a thread) none are installed, said."""
+"""Stop signals: every rank saves a checkpoint after the same step (voted), then leaves (under submitit requeued, else
+with 128 + the signal). Before the first step a signal stops at once; off the main thread none are installed."""
 
 from __future__ import annotations
 

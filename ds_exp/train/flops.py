@@ -1,6 +1,5 @@
-"""Model FLOPs and the accelerator's peak, for MFU (PaLM's accounting): 4 N + 2 N_trainable per token for the matrix
-multiplies; attention 12 L d sum(n_i^2) over a batch's examples (`mfu`), or 12 L d s per token over the row
-(`mfu_with_attention`, torchtitan's and llm-foundry's count)."""
+"""Model FLOPs and the accelerator's peak, for MFU (PaLM's accounting): 4 N + 2 N_trainable per token; attention 12 L d
+sum(n_i^2) over a batch's examples (`mfu`), or 12 L d s per token (`mfu_with_attention`)."""
 
 from __future__ import annotations
 

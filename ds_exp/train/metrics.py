@@ -1,6 +1,5 @@
-"""The run's metric lines, every train.log_every steps: to metrics.jsonl, the trackers, the progress bar (a terminal's;
-piped, a plain line every tenth of the run and at least once a minute) and the step log. A window's all-reduce starts
-when it closes and is awaited at the next step, so no rank waits on another to write a line."""
+"""The run's metric lines, every train.log_every steps: metrics.jsonl, the trackers, the progress bar (piped: a plain
+line every tenth of the run) and the step log. A window's all-reduce is awaited at the next step, so no rank waits."""
 
 from __future__ import annotations
 

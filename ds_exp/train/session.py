@@ -1,6 +1,5 @@
-"""A run as one process sees it, and the one place its failures are handled: `Session` installs the stop signals,
-joins the process group, starts the log, holds summary.json's state and the sinks; leaving, however the run ended,
-maps the outcome to a status and one message, writes summary.json and releases what a multirun's next job needs."""
+"""A run as one process sees it, and the one place its failures are handled: `Session` installs the stop signals, joins
+the process group, starts the log and holds summary.json's state; leaving maps the outcome to a status."""
 
 from __future__ import annotations
 

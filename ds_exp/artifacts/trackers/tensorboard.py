@@ -1,6 +1,5 @@
-"""TensorBoard event files on rank 0 (logger.tensorboard.dir, else <run dir>/tensorboard); a resume from step S purges
-what a killed attempt wrote past it. Written in the caller's thread: SummaryWriter's thread dies at the first write
-error (a full disk) and blocks forever; here the error reaches the caller."""
+"""TensorBoard event files on rank 0; a resume purges what a killed attempt wrote past its step. Written in the caller's
+thread: SummaryWriter's own thread dies at the first write error and blocks forever."""
 
 from __future__ import annotations
 
