@@ -247,8 +247,7 @@ def find_auto(tree: object, prefix: str = "") -> list[str]:
 
 
 def optimizer_needs(opt: OptimizerConfig, ds: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
-    """The DeepSpeed keys the optimizer needs at the config's ZeRO stage: (path, needed value, the value set or
-    MISSING, why). A user's "optimizer" block is its type's entry, not optimizer.name's."""
+    """The DeepSpeed keys the optimizer needs at the ZeRO stage: (path, needed value, the value set or MISSING, why)."""
     block = ds.get("optimizer")
     entry = entry_for_deepspeed_type(block.get("type")) if isinstance(block, dict) else entry_of(opt)
     if entry is None:
@@ -391,8 +390,7 @@ def _sources(unresolved: object, path: str) -> set[str]:
 
 
 def _feeds(key: str, sources: set[str]) -> bool:
-    """Whether an override of `key` sets one of `sources`. A group's option (`zero=stage1`) is beaten only where the
-    file changes what tells the group's options apart (zero: stage), not by a file tuning one of its keys."""
+    """Whether an override of `key` sets one of `sources` (a group's option: only where the file changes its pick)."""
     group_keys = _distinguishing_keys(key)
     if group_keys is not None:
         return any(source in group_keys for source in sources)

@@ -21,8 +21,7 @@ FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: a number past it is 
 
 @dataclass(frozen=True)
 class Range:
-    """Where a number may lie: [low, high], either end open or absent. `fix` follows the range in the message. An
-    absent end is float32's: every number of the config may reach a tensor, where a larger one is inf."""
+    """Where a number may lie: [low, high], either end open; an absent end is float32's (numbers reach tensors)."""
 
     low: float | None = None
     high: float | None = None
@@ -79,8 +78,7 @@ def above(low: float, fix: str = "") -> Range:
 
 @dataclass(frozen=True)
 class Spec:
-    """A value of a free-form mapping (scheduler.kwargs, model.rope_scaling): a whole number or a number in its
-    range, or one of `choices`; with `each`, a non-empty list of such numbers."""
+    """A free-form mapping's value: a number in its range, one of `choices`, or with `each` a list of numbers."""
 
     whole: bool = False
     range: Range | None = None
@@ -128,8 +126,7 @@ def setting(
     checked_by: str | None = None,
     factory: Callable[[], Any] | None = None,
 ) -> Any:
-    """A settings dataclass field with its rule beside it: a number's `range` (a list's: each item's), or the check
-    of a free-form value (`checked_by`)."""
+    """A settings dataclass field with its rule beside it: a number's `range`, or a free-form value's `checked_by`."""
     metadata: dict[str, Any] = {}
     if range is not None:
         metadata[RANGE] = range

@@ -22,8 +22,7 @@ _NEEDS_LORA: dict[str, object] = {
 
 
 def scope_of(lora: LoraConfig, model_scope: str | None = None) -> str | None:
-    """The substring every adapted layer's name contains: lora.module_name, else `model_scope` (model.lora_scope),
-    else `layers.` unless lora.target_modules names the layers (then the whole model)."""
+    """The substring every adapted layer's name contains: lora.module_name, else `model_scope`, else `layers.`."""
     if lora.module_name is not None:
         return str(lora.module_name)
     if model_scope:

@@ -15,8 +15,7 @@ from ds_exp.long_context.settings import LongContextSettings
 
 @dataclass(frozen=True)
 class OptimizerState:
-    """The optimizer's own fp32 state per trainable parameter, and the parameters it keeps another amount for
-    (Muon's auxiliary AdamW)."""
+    """The optimizer's own fp32 state per trainable parameter, and the parameters it keeps another amount for."""
 
     per_param: float = 8.0  # AdamW's two moments
     aux_params: int = 0
@@ -34,8 +33,7 @@ def optimizer_state(
     facts: dict[str, int] | None = None,
     accelerator: str = "cuda",
 ) -> OptimizerState:
-    """The state of the optimizer `opt` builds on `accelerator` (with its offload, and LoRA), for a model with
-    `facts` (model_facts; None: the larger of its two amounts for every parameter, an upper bound)."""
+    """The state of the optimizer `opt` builds on `accelerator`; with `facts` None, an upper bound."""
     entry = entry_of(opt) or OPTIMIZERS["adamw"]
     offloaded = str(plain(offload.optimizer)) != "none"
     impl = entry.impl_for(opt, offload=offloaded, accelerator=accelerator)
@@ -228,8 +226,7 @@ def run_estimate(
 def plan_micro_batch(
     cfg: Config, facts: dict[str, int], device_bytes: int, *, precision: str, world_size: int, use: float = 0.85
 ) -> tuple[int, bool]:
-    """The planner's micro batch and checkpointing for a GPU of `device_bytes`: the largest micro batch whose estimate
-    fits `use` of it without checkpointing (a third more compute), else with it; (1, True) when nothing fits."""
+    """The largest micro batch whose estimate fits `use` of the GPU, without checkpointing if it can; (1, True) else."""
     for checkpointing in (False, True):
         for micro in (16, 8, 4, 2, 1):
             train = replace(cfg.train, micro_batch_size=micro)
@@ -250,7 +247,6 @@ def human_bytes(n: float) -> str:
 
 
 def checkpoint_bytes(trainable: int, precision: str, state: OptimizerState = OptimizerState()) -> int:
-    """About what one DeepSpeed checkpoint takes: what trains in the training dtype, its fp32 master weights and the
-    optimizer's state. Frozen weights (LoRA's base) are not in it: they come from the model the run started from."""
+    """One DeepSpeed checkpoint's size: trained weights in the training dtype, fp32 master weights, optimizer state."""
     weight = 4 if precision == "fp32" else 2
     return trainable * (weight + 4) + state.bytes(trainable)

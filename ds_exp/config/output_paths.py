@@ -11,8 +11,7 @@ NAME_MAX = 255  # bytes per file name on Linux file systems (ext4, xfs, tmpfs, N
 
 
 def output_path_problems(train: TrainConfig, run_dir: Path | None = None) -> list[str]:
-    """Checkpoints and the export stay inside the run directory (rotation deletes in checkpoint_dir), are not the run
-    directory itself, and neither holds the other (the export replaces its whole directory)."""
+    """Checkpoints and the export stay inside the run directory, are not it, and neither holds the other."""
     problems = []
     for key in ("checkpoint_dir", "export_dir"):
         value = str(getattr(train, key))

@@ -110,8 +110,7 @@ WSD_DECAY_FRACTION = 0.2  # WSD's decay: the last 20% of the steps, as cosine-ma
 
 
 def scheduler_kwargs(scheduler: SchedulerConfig, total: int, warmup: int) -> dict:
-    """scheduler.kwargs as transformers.get_scheduler gets them: warmup_stable_decay's num_decay_steps `auto` (or
-    absent) becomes the last WSD_DECAY_FRACTION of the run's steps, within what the warmup leaves."""
+    """scheduler.kwargs for get_scheduler: WSD's num_decay_steps `auto` is WSD_DECAY_FRACTION of the run."""
     kwargs = dict(scheduler.kwargs)
     if plain(scheduler.name) == "warmup_stable_decay" and kwargs.get("num_decay_steps", "auto") in ("auto", None):
         kwargs["num_decay_steps"] = max(min(round(total * WSD_DECAY_FRACTION), total - warmup), 0)

@@ -30,8 +30,7 @@ _SKIPPED = ("model.arch", "deepspeed")  # model.arch: checked with the architect
 
 
 def number_problems(node: object, prefix: str = "") -> list[tuple[str, str]]:
-    """(key, line) for every number of a settings tree (or its section `prefix`) that is not finite, or an integer
-    beyond 64 bits (nothing in a run means nan or inf; torch, numpy and DeepSpeed overflow past 64 bits)."""
+    """(key, line) for every number of a settings tree (or its section `prefix`) not finite or beyond 64 bits."""
     problems: list[tuple[str, str]] = []
 
     def walk(value: object, key: str) -> None:

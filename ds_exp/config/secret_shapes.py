@@ -67,8 +67,7 @@ def _typed_plugins() -> tuple[Any, ...]:
 
 
 def _token_spans(text: str, own: list[Span]) -> list[Span]:
-    """Tokens that say what they are: ds_exp's own patterns, and detect-secrets' typed plugins where they find what
-    `own` (ds_exp's finer rules: a URL keeps its user and host) has not."""
+    """Tokens that say what they are: ds_exp's own patterns, and detect-secrets' typed plugins where `own` has none."""
     spans = [Span(m.start(), m.end(), "a token of a well-known service") for m in _OWN_TOKENS.finditer(text)]
     spans += [Span(*m.span("secret"), "an Authorization header's credential") for m in _AUTHORIZATION.finditer(text)]
     spans += [Span(m.start(), m.end(), "a private key") for m in _PRIVATE_KEY.finditer(text)]
@@ -172,8 +171,7 @@ def interpolations(text: str) -> list[tuple[int, int]]:
 
 
 def is_reference(text: str) -> bool:
-    """The whole of `text` is one interpolation, `${oc.env:WANDB_API_KEY}`: it names a value (anything else holding
-    `${` is taken literally when it is a credential: a password may hold those characters)."""
+    """The whole of `text` is one interpolation, `${oc.env:WANDB_API_KEY}`: it names a value, it holds none."""
     return interpolations(text) == [(0, len(text))]
 
 

@@ -41,8 +41,7 @@ ENV_SET = "hydra.job.env_set."  # a variable the job gets: a secret by its place
 
 
 def is_env_set_value(key: str, value: object) -> bool:
-    """A text value of hydra.job.env_set.NAME (numbers and flags, `OMP_NUM_THREADS: 4`, are settings; Hydra's
-    schema makes them text)."""
+    """A text value of hydra.job.env_set.NAME (Hydra's schema makes numbers and flags text too: those are settings)."""
     return (
         key.startswith(ENV_SET)
         and isinstance(value, str)
@@ -51,8 +50,7 @@ def is_env_set_value(key: str, value: object) -> bool:
 
 
 def redact(tree: object) -> Any:
-    """Blank every value whose key looks like a secret, and every registered secret value wherever it stands (a
-    `${oc.env:WANDB_API_KEY}` under an innocent key): configs are saved and sent to wandb."""
+    """Blank every value under a secret's key, and every registered secret value wherever it stands."""
     if isinstance(tree, dict):
         return {k: (REDACTED if is_secret_key(k) and holds_secret(v) else redact(v)) for k, v in tree.items()}
     if isinstance(tree, list):
@@ -63,8 +61,7 @@ def redact(tree: object) -> Any:
 
 
 def register_secrets(tree: object = None, environ: Mapping[str, str] | None = None) -> None:
-    """Remember the secret values of a config tree and of the environment (WANDB_API_KEY, HF_TOKEN,
-    DS_EXP_SECRET_*, ...), so that `redact_text` blanks them wherever they would be printed or logged."""
+    """Remember the secret values of a config tree and of the environment, so that `redact_text` blanks them."""
 
     def walk(node: object, secret: bool) -> None:
         if isinstance(node, dict):
@@ -129,8 +126,7 @@ _from_command_line: dict[str, str] = {}  # the variables hide_secret_overrides s
 
 
 def secret_inside(value: object) -> bool:
-    """A dict (or list of them) holding a credential key with a value, `+deepspeed.config.comet={api_key:...}`, or
-    a text holding a secret by its shape (a sweep's options included)."""
+    """A dict (or list of them) holding a credential key with a value, or a text holding a secret by its shape."""
     if isinstance(value, dict):
         return any((is_secret_key(k) and holds_secret(v)) or secret_inside(v) for k, v in value.items())
     if isinstance(value, list):

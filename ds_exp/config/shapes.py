@@ -19,8 +19,7 @@ PATH_KEYS = frozenset(
 
 
 def shape_problems(node: object, prefix: str = "") -> list[str]:
-    """One line per list item of the wrong type and per path-shaped value no file system can hold, in a settings
-    tree: the config, or a section of it (its keys after `prefix`)."""
+    """One line per list item of the wrong type and per impossible path, in the config or its section after `prefix`."""
     problems: list[str] = []
     _walk(node, prefix, problems)
     return problems
@@ -76,8 +75,7 @@ def _shown(value: list[Any]) -> str:
 
 
 def path_too_long(value: str, path_key: bool = True) -> str | None:
-    """Why `value`, taken as a path, cannot exist (None when it can, or when it is no path), said as
-    ds_exp.config.output_paths says it of the output directories."""
+    """Why `value`, taken as a path, cannot exist; None when it can, or when it is no path."""
     if not path_key and os.sep not in value:
         return None
     longest = max(value.split(os.sep), key=lambda part: len(os.fsencode(part)))

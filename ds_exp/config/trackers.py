@@ -26,8 +26,7 @@ _TRUE = ("1", "true", "yes")
 
 
 def without_passwords(text: str) -> str:
-    """`scheme://user:password@host` anywhere in `text` with the password hidden (the user and host stay: they say
-    which server), and every registered secret blanked."""
+    """`text` with each URL's password hidden (its user and host stay) and registered secrets blanked."""
     return redact_text(_PASSWORD_IN_URL.sub(r"\1***@", text))
 
 
@@ -146,8 +145,7 @@ class LoggerConfig:
 
 @dataclass(frozen=True)
 class TrackerEntry(Component):
-    """A tracker: `builder` is its ds_exp.artifacts.trackers.base.Tracker, built on rank 0 when its settings
-    (LoggerConfig's field named `name`, of type `settings`) are active."""
+    """A tracker: `builder` (a Tracker), built on rank 0 when its settings (LoggerConfig's field `name`) are active."""
 
     settings: type = object
     run_id_key: str | None = None  # its run's id in a checkpoint's marker ("trackers": {key: id}); None: none
@@ -215,8 +213,7 @@ def first_hop(url: SplitResult) -> tuple[str, int, str]:
 
 
 def tracker_server_problems(logger: LoggerConfig) -> list[str]:
-    """One line per tracker server that does not answer a TCP connection within seconds. Every rank checks, so that
-    all of them stop."""
+    """One line per tracker server not answering a TCP connection within seconds; every rank checks, so all stop."""
     problems = []
     for key_said, url, fix in [server for entry in TRACKERS.values() for server in entry.settings_of(logger).servers()]:
         try:

@@ -246,8 +246,7 @@ def _resume_problems(resume: str | None) -> list[str]:
 
 
 def value_problems(cfg: Config) -> list[str]:
-    """Each value's own problems: a shape no check can look at (then nothing else), else one line per key (not
-    finite, past 64 bits, outside its field's range, a bad zero.* size or scheduler.kwargs entry)."""
+    """Each value's own problems: a shape no check can look at (then nothing else), else one line per key."""
     shapes = shape_problems(cfg)
     if shapes:
         return shapes
@@ -265,8 +264,7 @@ def value_problems(cfg: Config) -> list[str]:
 def config_problems(
     cfg: Config, *, accelerator: str, world_size: int, run_dir: Path | None = None
 ) -> tuple[list[str], dict[str, Any]]:
-    """Every problem of the config's values and combinations (one line each), and the merged DeepSpeed config
-    (run-time "auto" kept; {} when it cannot be built). `run_dir`, when known, places absolute output paths."""
+    """Every problem of the config (one line each), and the merged DeepSpeed config ({} when it cannot be built)."""
     values = value_problems(cfg)
     if values:
         return values, {}

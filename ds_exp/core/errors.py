@@ -38,8 +38,7 @@ class RunFailed(DsExpError):
 
 
 class Diverged(RunFailed):
-    """The losses, evaluation or weights stopped being finite: the settings, not the set-up, are at fault (its own
-    status and exit code; an optuna study prunes such a trial)."""
+    """The losses, evaluation or weights stopped being finite: the settings are at fault, not the set-up."""
 
     exit_code = 3
     status = RunStatus.DIVERGED

@@ -19,8 +19,7 @@ _FULL_DISK_TEXTS = ("No space left on device", "database or disk is full", "Disk
 
 
 def finite_tree(payload: object, path: str = "") -> tuple[Any, list[str]]:
-    """`payload` as plain JSON values with every non-finite number replaced by None, and the dotted paths of those
-    numbers (`final_eval.perplexity`); other libraries' numbers become Python's, anything else its str()."""
+    """`payload` as plain JSON values, non-finite numbers None, and the dotted paths of those numbers."""
     if isinstance(payload, dict):
         out, bad = {}, []
         for key, value in payload.items():
@@ -100,8 +99,7 @@ def append_json_line(handle: IO[str], record: dict[str, Any], *, ensure_ascii: b
 
 
 def append_whole(file: io.FileIO, data: bytes, path: Path) -> None:
-    """Append `data` to `file` (unbuffered, for appending) whole, or cut the file back and raise: a buffered file
-    would append a failed write's leftovers after a line cut short."""
+    """Append `data` to `file` whole, or cut the file back and raise (a buffered write could leave a part behind)."""
     size = os.fstat(file.fileno()).st_size
     try:
         view = memoryview(data)

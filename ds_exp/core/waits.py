@@ -47,8 +47,7 @@ def duration(seconds: float) -> str:
 
 
 class Wait:
-    """A polling loop's wait: `tick()` says each notice when due (at growing intervals), WaitGaveUp past `limit_s`;
-    `detail()` adds what is known now (who holds a lock) to each notice and to the last line."""
+    """A polling loop's wait: `tick()` says notices when due, WaitGaveUp past `limit_s`; `detail()`: what is known."""
 
     def __init__(
         self,
@@ -213,8 +212,7 @@ def announce_while(
 
 
 def unreachable(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why a TCP connection to (host, port) does not open within `timeout_s` (probed in a helper thread: the name
-    lookup can hang); None when it opens. Remembered for PROBE_MEMORY_S."""
+    """Why a TCP connection to (host, port) does not open within `timeout_s`, None when it does; cached."""
     now = time.monotonic()
     known = _probed.get((host, port))
     if known is not None and now - known[0] < PROBE_MEMORY_S:

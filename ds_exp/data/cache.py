@@ -175,8 +175,7 @@ def cached_build(
     load: Callable[[Path], T],
     material: object,
 ) -> tuple[T, dict[str, Any], bool, Path]:
-    """(loaded, meta, cache_hit, path). `build(tmp)` writes into tmp and returns stats; `load(dir)` reads it. A
-    complete directory that fails to load is rebuilt once."""
+    """(loaded, meta, cache_hit, path) of `build(tmp)` / `load(dir)`; a directory failing to load is rebuilt once."""
     final = cache_dir / key
     try:  # the user's own directory, never a link or another's (a shared machine: ds_exp/core/private_files.py)
         private_dir(cache_dir)

@@ -43,8 +43,7 @@ def end_of_conversation(eot: str | None, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def label_ranges(offsets: Sequence[tuple[int, int]], spans: Sequence[Span], text_len: int) -> list[tuple[int, int]]:
-    """Token index ranges [lo, hi) whose tokens start inside a label span; a zero-width token (bos, eos) goes with
-    the token before it."""
+    """Token ranges [lo, hi) starting inside a label span; a zero-width token (bos, eos) goes with the one before it."""
     n = len(offsets)
     if len(spans) == 1 and spans[0][1] >= text_len:  # one answer at the end (prompt/chosen rows): one scan
         start = spans[0][0]
@@ -193,8 +192,7 @@ def without_bars(quiet: bool = True) -> Iterator[None]:
 def encode(
     rows: Rows, encoder: Encoder, *, num_proc: int | None, desc: str, work_dir: Path | None = None
 ) -> tuple[datasets.Dataset, dict[str, int]]:
-    """A datasets.Dataset with input_ids/labels (int32 lists) and counts: truncated, dropped. With `work_dir` the
-    tokens stream to an Arrow file there instead of staying in memory."""
+    """A Dataset with int32 input_ids/labels and counts; with `work_dir` tokens stream to an Arrow file there."""
     features = datasets.Features(
         {
             **{name: datasets.List(datasets.Value("int32")) for name in encoder.token_columns},

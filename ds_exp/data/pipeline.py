@@ -108,8 +108,7 @@ def split_and_blend(
 
 
 def count_train_examples(data: DataConfig) -> int:
-    """SFT train examples after splits, without tokenizing: exact unless rows are dropped at tokenization, an upper
-    bound with packing. The seed only orders rows, so the count does not take it."""
+    """SFT train examples after splits, without tokenizing (at most: packing and dropped rows make fewer)."""
     problems = data_config_problems(data)
     if problems:
         raise DataError("\n".join(problems))

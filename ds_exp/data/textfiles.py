@@ -107,8 +107,7 @@ def starts_with_bom(path: Path) -> bool:
 
 
 class StrictJSON:
-    """A reusable decoder (json.loads(s, **kw) builds one per call) that remembers every object holding a key twice:
-    `repeated` lists (key, object) of the last document decoded."""
+    """A reusable decoder that remembers every object holding a key twice: `repeated`, of the last document decoded."""
 
     def __init__(self) -> None:
         self.repeated: list[tuple[str, dict[str, Any]]] = []

@@ -218,8 +218,7 @@ def _task_problems(task: Any, model: ModelFit | None, asked: Asked, run_code: bo
 
 
 def _render(task: Any, docs: list[Any], rows: _Rows, run_code: bool) -> tuple[list[str], list[list[str]]] | str | None:
-    """(each question's text, its answers) as lm-eval renders them, or a problem naming the row; None where the task's
-    own code would have to run."""
+    """(each question's text, its answers) as lm-eval renders them, a problem naming the row, or None (task code)."""
     config = task.config
     if not run_code and any(callable(getattr(config, s, None)) for s in SETTINGS):
         return None

@@ -184,8 +184,7 @@ class RenderedLM(HFLM):
 
 
 class Progress:
-    """Requests scored while lm-eval scores one TASK: a bar on a terminal, plain lines when piped, on the console as it
-    was before library_stdout took lm-eval's output."""
+    """Requests scored while lm-eval scores one TASK: a bar on a terminal, else plain lines, on the original console."""
 
     def __init__(self, what: str) -> None:
         self.what, self.terminal = what, on_terminal()
@@ -286,8 +285,7 @@ def score(
 
 
 def redact_files(where: Path) -> None:
-    """lm-eval's files (under `where`, or that file) redacted: its results copy each task's config (a token in
-    dataset_kwargs). A file with nothing to blank is left as written."""
+    """lm-eval's files (under `where`, or that file) redacted: its results copy each task's config (tokens included)."""
     for path in [where] if where.is_file() else sorted(p for p in where.rglob("*") if p.is_file()):
         text = path.read_text(errors="replace")
         if path.suffix in (".json", ".jsonl"):
@@ -429,8 +427,7 @@ def base_scores(
     cache: BaseCache,
     out_dir: Path,
 ) -> tuple[dict[str, TaskScores], list[str]]:
-    """(the base model's scores by TASK, the TASKs scored now): cached, else scored under a lock and cached; lm-eval's
-    files copied into out_dir/<task>/."""
+    """(the base model's scores by TASK, the TASKs scored now): cached, else scored under a lock and cached."""
     found = {spec.given: cache.read(spec.fingerprint) for spec in specs}
     scored: list[str] = []
     if any(v is None for v in found.values()):

@@ -126,8 +126,7 @@ def chart(record: dict[str, Any], path: Path, title: str) -> None:
 
 @contextlib.contextmanager
 def staged(target: Path) -> Iterator[Path]:
-    """A scratch directory moved into `target` when the block completes (an earlier one's files set aside under
-    earlier/<time>/); nothing is left of one that fails."""
+    """A scratch directory moved into `target` when the block completes (earlier files set aside)."""
     made = [p for p in (target.parent, target) if not p.exists()]
     target.mkdir(parents=True, exist_ok=True)
     scratch = target / f".staging-{time.strftime('%Y%m%d-%H%M%S')}-{id(target):x}"

@@ -131,8 +131,7 @@ def train_section(run_dir: Path) -> dict[str, Any]:
 
 
 def run_config(run_dir: Path, tag_dir: Path | None = None) -> Config:
-    """The run's composed config, typed; with `tag_dir`, that checkpoint's `model` section. Relative paths from the
-    launch directory; hidden secrets are dropped (their variables are gone)."""
+    """The run's composed config, typed (with `tag_dir`, that checkpoint's `model` section); hidden secrets dropped."""
     config_file, hydra_file = _config_files(run_dir)
     recorded = read_marker(tag_dir).get("model_config") if tag_dir is not None else None
     try:

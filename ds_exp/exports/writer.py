@@ -409,8 +409,7 @@ def export_checkpoint(
 
 
 def rebuild_config(cfg: Config, *, base: bool = False) -> Config:
-    """The run's config for a rebuild in this process: no sequence parallelism, GPU kernels or compiled layers; with
-    `base`, no LoRA, gradient checkpointing or tiling. None of it changes a weight."""
+    """The run's config for a rebuild in this process, without what changes no weight (kernels, compile, SP)."""
     cfg = dataclasses.replace(cfg)
     sp = int(cfg.dist.sequence_parallel_size)
     cfg.dist = dataclasses.replace(cfg.dist, sequence_parallel_size=1)

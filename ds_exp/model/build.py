@@ -68,8 +68,7 @@ def build_model(
     hooks: Sequence[object] | None = None,
     auto_class: Any = AutoModelForCausalLM,
 ) -> BuiltModel:
-    """The model to train (ZeRO-3: inside deepspeed.zero.Init). `hooks`: the features' ModelHooks (None: those cfg turns
-    on); `auto_class`: the objective's."""
+    """The model to train (ZeRO-3: inside deepspeed.zero.Init); `hooks` None: those cfg turns on."""
     points = [
         h for h in (feature_hooks(feature_settings(cfg)) if hooks is None else hooks) if isinstance(h, ModelHooks)
     ]

@@ -54,8 +54,7 @@ def deepspeed_op(ds_config: dict[str, Any]) -> ops.Op | None:
 
 
 def prepare_deepspeed_optimizer(ds_config: dict[str, Any], accelerator: str) -> None:
-    """The op DeepSpeed will compile, built first with a notice; on a CPU, Muon runs eagerly until release_engine
-    (compiling its update costs 10-30 s per matrix shape)."""
+    """The op DeepSpeed will compile, built first with a notice; on a CPU Muon runs eagerly (compiling is slow)."""
     op = deepspeed_op(ds_config)
     if op is not None:
         ops.ensure_built(op, announce=_is_rank0())

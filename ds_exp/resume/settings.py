@@ -193,8 +193,7 @@ def optimizer_universal_problem(saved: dict[str, Any], current: dict[str, Any]) 
 
 
 def needs_universal(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether the checkpoint must go through DeepSpeed's universal format to load with `current` (not at ZeRO 0 on
-    both sides: rank 0 saved the whole optimizer state)."""
+    """Whether the checkpoint must go through the universal format to load with `current` (not ZeRO 0 on both sides)."""
     found = layout_changes(saved, current)
     both_stage0 = saved.get("zero_stage") == 0 and current.get("zero_stage") == 0
     return bool(found) and not (both_stage0 and all(line.startswith("world_size:") for line in found))

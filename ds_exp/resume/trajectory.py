@@ -22,8 +22,7 @@ def trajectory_of(
     world_size: int,
     data_key: str,
 ) -> dict:
-    """What the course of this run depends on (recorded in each checkpoint): length, warmup, learning rate,
-    schedule, global batch and data. `world_size`: the data-parallel size."""
+    """What the course of this run depends on, recorded in each checkpoint. `world_size`: the data-parallel size."""
     return {
         "total_steps": total_steps,
         "warmup_steps": warmup_steps,

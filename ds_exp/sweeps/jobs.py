@@ -75,8 +75,7 @@ def check_job(
     continues: bool = False,
     composed: tuple[DictConfig, Config] | None = None,
 ) -> tuple[DictConfig | None, list[str]]:
-    """One job composed, validated, its directory checked: (config, []) or (None, problems); see _continue_job.
-    `composed`: the job as a sweeper already composed and validated it."""
+    """One job composed, validated, its directory checked: (config, []) or (None, problems)."""
     try:
         cfg = composed[0] if composed is not None else loader.load_sweep_config(config, list(overrides))
         if num is not None:  # as the launcher will set it: hydra.sweep.subdir names the job's directory by it

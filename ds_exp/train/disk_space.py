@@ -32,8 +32,7 @@ def check_disk_space(
     start_step: int = 0,
     total_steps: int = 0,
 ) -> None:
-    """Collective: rank 0 checks that a checkpoint and the features' planned writes fit on its disk; every rank obeys.
-    A resume counts only what is still to be written."""
+    """Collective: rank 0 checks that a checkpoint and the planned writes fit on its disk; every rank obeys."""
     trainable = parameters if trainable is None else trainable
     verdict = None
     finished = start_step > 0 and start_step >= total_steps and completed_at(session.run_dir) == start_step

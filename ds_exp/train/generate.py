@@ -97,8 +97,7 @@ def labelled_prompts(eval_cfg: EvalConfig) -> list[tuple[str, str]]:
 def check_generation_room(
     eval_cfg: EvalConfig, model_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, template: str
 ) -> None:
-    """Every rendered prompt plus eval.max_new_tokens fits a learned position table (OPT, GPT-2: past it an
-    IndexError, after training); rotary models run past their context."""
+    """Every rendered prompt plus eval.max_new_tokens fits a learned position table (OPT, GPT-2), before training."""
     found = position_limit(model_config.to_dict())
     if found is None or found[2] != "learned":
         return

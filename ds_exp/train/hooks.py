@@ -32,8 +32,7 @@ from ds_exp.train.workload import Workload
 
 @dataclass
 class Run:
-    """The run as a hook sees it: the process's session (rank, run directory, summary state) and, until the engine is
-    released, what setup built."""
+    """The run as a hook sees it: the process's session and, until the engine is released, what setup built."""
 
     session: Session
     hooks: RunHooks  # every feature's: the one that exports calls their after_export
