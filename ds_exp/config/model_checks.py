@@ -365,8 +365,7 @@ def _head_problems(arch: dict[str, Any]) -> list[str]:
 
 
 def checkpoint_error(model: ModelConfig, err: BaseException, *, weights: bool = False) -> ConfigError | None:
-    """transformers' error loading the checkpoint in model.name_or_path (its weights too with `weights`) as one
-    message naming the file and the fix; None when its files explain nothing (the error is then raised as is)."""
+    """transformers' error loading model.name_or_path, as one message naming the file and the fix; else None."""
     directory = local_checkpoint(model)
     if directory is None:
         return None

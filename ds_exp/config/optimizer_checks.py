@@ -56,8 +56,7 @@ def _owner_problem(entry: OptimizerEntry, owner: Owner) -> str:
 
 
 def _learning_rate_problems(opt: OptimizerConfig) -> list[str]:
-    """An Adam-style first update divides the learning rate by (1 - beta1): beyond float32's range the first step
-    fails, as does a weight decay factor lr x decay. Smaller but absurd rates diverge, which the run reports."""
+    """Adam's first update divides lr by (1 - beta1), decay multiplies it: past float32's range the first step fails."""
     betas = list(getattr(opt, "betas", [0.0, 0.0]))
     if len(betas) != 2:  # said by its settings
         return []

@@ -24,8 +24,7 @@ class UnsafePath(DsExpError):
 
 
 def private_dir(path: Path, root: Path | None = None) -> Path:
-    """`path`, a directory of this user's that only they can write into, made (0700) where missing. Checked from
-    `root` (default: `path` itself) down; what lies above `root` is the user's own choice (a linked ~/.cache)."""
+    """`path`, a directory only this user can write into, made (0700) where missing, checked from `root` down."""
     path = Path(path)
     root = Path(root) if root is not None else path
     below = path.relative_to(root).parts
@@ -81,8 +80,7 @@ _said_misses: set[Path] = set()
 def cache_entry(
     path: Path, fields: Mapping[str, type | tuple[type, ...]], valid: Callable[[dict[str, Any]], bool] | None = None
 ) -> dict[str, Any] | None:
-    """A cache entry's JSON object when it holds each of `fields` with a value of its type (and passes `valid`);
-    None when missing, and None, said once per entry, when it is anything else (it is then built again)."""
+    """A cache entry's JSON object when each of `fields` has its type (and `valid` passes); None, said once, else."""
     try:
         entry = json.loads(Path(path).read_text())
     except FileNotFoundError:

@@ -131,8 +131,7 @@ def run_announced(
     notice_s: float | None = None,
     bound: str | None = None,
 ) -> T:
-    """`call()` in a helper thread while this thread announces the wait and takes signals; its exception is raised
-    here. Past `limit_s` the thread is left behind: `call` must be something the process can walk away from."""
+    """`call()` in a helper thread, announced, its exception raised here; past `limit_s` the thread is left behind."""
     outcome: dict[str, object] = {}
 
     def run() -> None:
@@ -187,8 +186,7 @@ def announce_while(
     speak: bool | None = None,
     notice_s: float | None = None,
 ) -> Iterator[None]:
-    """Notices about work this process does while the block runs (no limit: it is working, not waiting); with
-    `idle_s()` (seconds without progress) only while that grows: a moving progress bar needs no words beside it."""
+    """Notices about this process's work while the block runs (no limit); with `idle_s()`, only while that grows."""
     notice_s = due = NOTICE_S if notice_s is None else notice_s
     started, since = time.monotonic(), time.strftime("%H:%M:%S")
     quiet = idle_s or (lambda: time.monotonic() - started)

@@ -87,8 +87,7 @@ def last_write(cache_dir: Path, key: str) -> float | None:
 
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive flock on `<cache dir>/<key>.lock`, its holder written in it. The wait is announced with who builds
-    and how recently it wrote; it ends when the holder lets go (or dies) and gives up after STALLED_BUILD_S silent."""
+    """Exclusive flock on `<cache dir>/<key>.lock` naming its holder; the wait gives up after STALLED_BUILD_S silent."""
     cache_dir, key = path.parent, path.stem
     with path.open("a+") as fh:
         if not _try_lock(fh):

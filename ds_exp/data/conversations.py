@@ -89,8 +89,7 @@ def is_marked(roles: Sequence[str], contents: Sequence[str]) -> bool:
 
 
 def detect_layout(columns: Sequence[str], prompt_field: str, chosen_field: str) -> str:
-    """auto's layout: prompt/answer columns renamed from the defaults (and present) win, the user asked for them;
-    then messages, sharegpt (conversations), alpaca (instruction + output), else prompt/chosen."""
+    """auto's layout: renamed prompt/answer columns first, then messages, sharegpt, alpaca, else prompt/chosen."""
     renamed = (prompt_field, chosen_field) != ("prompt", "chosen")
     if renamed and prompt_field in columns and chosen_field in columns:
         return "prompt_chosen"
@@ -269,8 +268,7 @@ def _conversational_pairs(
     skip: Collection[int],
     out: Parsed,
 ) -> Parsed:
-    """TRL's conversational preference rows: chosen/rejected as message lists ending on the answer, the prompt either
-    its own column (text or messages) or the turns the two lists share before their answers."""
+    """TRL's conversational pairs: chosen/rejected message lists, the prompt its own column or their common turns."""
     chosens = get(fields.chosen)
     prompts = get(fields.prompt) if fields.prompt in columns else [None] * len(chosens)
     rejecteds = get(fields.rejected) if fields.rejected and fields.rejected in columns else [None] * len(chosens)
@@ -322,8 +320,7 @@ def _families(fields: Fields) -> dict[str, tuple[str, ...]]:
 def row_layouts(
     columns: Sequence[str], get: Callable[[str], list[Any]], fields: Fields
 ) -> list[tuple[str, ...]] | None:
-    """The layouts each row fills (in detect_layout's order of precedence; () when none); None when the table's
-    columns belong to one layout only (the common case: nothing to tell apart, and no column is read twice)."""
+    """The layouts each row fills, in detect_layout's order; None when the columns belong to one layout only."""
     families = {name: [c for c in cols if c in columns] for name, cols in _families(fields).items()}
     families = {name: cols for name, cols in families.items() if cols}
     if len(families) < 2:

@@ -40,8 +40,7 @@ def make_example(rng: random.Random) -> dict[str, str]:
 
 
 def generate(num_train: int, num_eval: int, seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """(train, eval) rows with prompt/chosen/rejected, from separate random streams (num_train does not move eval);
-    eval prompts that also occur in train are skipped, so eval perplexity measures generalization."""
+    """(train, eval) rows from separate random streams; eval prompts also in train are skipped."""
     train_rng = random.Random(f"ds_exp-synthetic-train-{seed}")  # str seeds are stable across runs
     train = [make_example(train_rng) for _ in range(num_train)]
     seen = {row["prompt"] for row in train}

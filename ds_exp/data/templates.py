@@ -80,14 +80,12 @@ def source_template(configured: PromptTemplate | str, resolved: str, raw: RawSou
 
 
 def row_markup(raw: RawSource) -> str | None:
-    """The markup a source's rows carry themselves: "dschat" when they go in as given (template raw) and at least
-    half hold DeepSpeed-Chat's " Human: ... Assistant:"; None otherwise (recorded in the cached statistics)."""
+    """The markup most of a raw source's rows carry themselves ("dschat": DeepSpeed-Chat's), else None."""
     return "dschat" if raw.template == "raw" and raw.num_marked and 2 * raw.num_marked >= raw.num_rows else None
 
 
 def first_template(stats: dict[str, Any]) -> str:
-    """How the run asks its model a prompt (generation, the export's metadata, chat, evaluate): its first source's
-    template; raw rows that carried DeepSpeed-Chat's markers were trained as dschat text, so they get that markup."""
+    """How the run asks its model a prompt: its first source's template (dschat for raw rows with the markers)."""
     sources = stats.get("per_source") or [{}]
     return str(sources[0].get("markup") or str(stats["template"]).split("+")[0])
 
@@ -157,8 +155,7 @@ def _render_pieces(pieces: list[tuple[str, str]], roles: Sequence[str], eot: str
 def render_chat(
     tokenizer: PreTrainedTokenizerBase, roles: Sequence[str], contents: Sequence[str], specials: Sequence[str]
 ) -> tuple[str, list[Span]]:
-    """The tokenizer's chat template. Assistant turn i starts where turns[:i] rendered with the generation prompt
-    ends, and ends with its content plus the token the template writes right after it (e.g. <|im_end|>)."""
+    """The tokenizer's chat template; assistant turn i spans from turns[:i]'s generation prompt to its end token."""
     messages = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
 
     def apply(turns: list[dict[str, str]], generation: bool = False) -> str:

@@ -382,8 +382,7 @@ def _an_index(found: dict[str, Any]) -> bool:
 
 @functools.cache
 def registry_index() -> dict[str, list[Any]]:
-    """lm-eval's task registry by name: [kind, YAML path, a tag's tasks]. Reading it takes seconds, so it is cached in
-    ~/.cache/ds_exp per lm-eval installation, checked, not trusted."""
+    """lm-eval's task registry by name: [kind, YAML path, a tag's tasks], cached per lm-eval installation."""
     spec = importlib.util.find_spec("lm_eval")
     tasks_dir = Path(str(spec.origin if spec else "")).parent / "tasks"
     version = importlib.metadata.version("lm_eval")

@@ -300,8 +300,7 @@ def redact_files(where: Path) -> None:
 
 
 def scores_of(found: dict[str, Any]) -> TaskScores:
-    """lm-eval's results ({"acc,none": 0.9, ...}) as harness.json names them (`<metric>`, or `<metric>/<filter>` when a
-    metric has several filters), and the questions each rests on."""
+    """lm-eval's results as harness.json names them (`<metric>` or `<metric>/<filter>`), and each one's questions."""
     out = TaskScores()
     results: dict[str, dict[str, Any]] = found["results"]
     counted = {task: int(n.get("effective", 0)) for task, n in (found.get("n-samples") or {}).items()}
@@ -608,8 +607,7 @@ def base_model_dir(cfg: Config, tuned_dir: Path, scratch: Path) -> Iterator[Path
 
 
 class BaseCache:
-    """The base model's scores under <data.cache_dir>/harness-base/<model>-<key>/, complete once renamed into place;
-    each entry checked, not trusted (another shape is a miss, said once and scored again)."""
+    """The base model's scores under <data.cache_dir>/harness-base/<model>-<key>/, each entry checked, not trusted."""
 
     def __init__(self, cache_dir: Path, identity: dict[str, Any], settings: dict[str, Any]) -> None:
         self.root = cache_dir / CACHE

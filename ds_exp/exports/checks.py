@@ -84,8 +84,7 @@ def run_dir_of(tag_dir: Path) -> Path:
 
 
 def refuse_reward_model(model_dir: Path, so: str, *, reward_run: bool = False) -> None:
-    """A reward model (objective=reward) scores answers and writes none: transformers would load it as a language model
-    without its head, and what it said or scored would mean nothing."""
+    """A reward model (objective=reward) scores answers and writes none: transformers would load it without its head."""
     architectures = (read_config_json(model_dir, str(model_dir))[0] or {}).get("architectures") or []
     if reward_run or (architectures and all(str(a).endswith("ForSequenceClassification") for a in architectures)):
         raise ConfigError(

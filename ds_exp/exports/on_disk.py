@@ -87,8 +87,7 @@ def rotated_step_exports(export_dir: Path, run_id: str | None, keep_last: int) -
 
 
 def exports_off_trajectory(export_dir: Path, run_dir: Path, step: int, *, same_directory: bool) -> list[Path]:
-    """This run directory's exports a resume from `step` abandons (past `step`, or all for another directory's
-    checkpoint), adapters too: left there, the new branch's exports would replace them."""
+    """This run directory's exports a resume from `step` abandons (the new branch's exports would replace them)."""
     found = []
     for path in [export_dir, *(p for _, p in step_exports(export_dir))]:
         for candidate in (path, adapter_dir(path)):

@@ -35,8 +35,7 @@ def torch_varlen_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """A transformers attention function: with the packed examples' boundaries (`cu_seq_lens_q`, `max_length_q`) each
-    example attends causally to itself through torch's varlen kernel; without them, sdpa."""
+    """A transformers attention function: each packed example attends causally to itself (varlen kernel); else sdpa."""
     boundaries = kwargs.get("cu_seq_lens_q")
     if boundaries is None or query.size(2) == 1 or (dropout and module.training):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -110,8 +109,7 @@ def torch_varlen_works() -> bool:
 
 
 def example_boundaries(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """A packed host batch's examples as a varlen kernel takes them (`cu_seq_lens_q/k`, `max_length_q/k`); {} when not
-    packed. A row's pad tail stays with its last example, as the other implementations' mask has it."""
+    """A packed host batch's example boundaries as a varlen kernel takes them; {} when not packed."""
     positions = batch.get("position_ids")
     if positions is None or "attention_mask" in batch:
         return {}

@@ -101,8 +101,7 @@ def apply_rope_scaling(config: PretrainedConfig, scaling: dict[str, Any]) -> Non
 
 
 def model_facts(cfg: Config, auto_class: Any = AutoModelForCausalLM) -> dict[str, int]:
-    """Parameter counts and the shapes the memory estimate needs, from the config on the meta device; `auto_class`:
-    the objective's (a reward model's one-wide head replaces the output layer and its vocabulary-wide logits)."""
+    """Parameter counts and shapes for the memory estimate, from the config on the meta device."""
     model = cfg.model
     tokenizer = None if plans_from_arch(model, dry_run=cfg.dry_run) else load_tokenizer(model, cfg.data)
     config = build_model_config(model, tokenizer)

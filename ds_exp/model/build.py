@@ -27,8 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def init_weights_by_name(model: PreTrainedModel, seed: int, *, zero3: bool) -> None:
-    """Random init from the seed and each module's name only (`_init_weights` per module, seeded by (seed, name)), so
-    every ZeRO stage starts from the same model; at stage 3 each module is gathered for the moment."""
+    """Random init from the seed and each module's name only, so every ZeRO stage starts from the same model."""
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         if not params:

@@ -83,8 +83,7 @@ def preference_problems(run: PreferenceSettings, facts: CheckFacts) -> list[str]
 
 
 def pair_problems(data: DataConfig, name: str) -> list[str]:
-    """Rows without a rejected answer, or whose two answers are the same: the first of each source, with its place.
-    The embedded task always has pairs; a hub source is checked as it is read (no network here)."""
+    """The first row of each source without a rejected answer, or with two equal answers (hub sources: when read)."""
     problems = []
     for i, src in enumerate([*data.sources, *data.sft_only_sources]):
         key = f"data.sources[{i}]" if i < len(data.sources) else f"data.sft_only_sources[{i - len(data.sources)}]"

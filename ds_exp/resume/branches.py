@@ -31,8 +31,7 @@ BRANCH_EXPORTS = "exports"  # branches/<branch>/exports/: the Hugging Face expor
 
 
 def save_verdict(checkpoint_dir: Path, path: Path, state: TrainState) -> str | None:
-    """Rank 0, before a save at `path`: "same" when a complete checkpoint there holds exactly these weights; a
-    refusal when it is another run's; None to save (a complete checkpoint of another branch is set aside first)."""
+    """Rank 0, before a save at `path`: "same" (these weights are there), a refusal (another run's), or None to save."""
     if not (path / COMPLETE_MARKER).is_file():
         return None
     marker = read_marker(path)
@@ -58,8 +57,7 @@ def save_verdict(checkpoint_dir: Path, path: Path, state: TrainState) -> str | N
 
 
 def rotated(checkpoint_dir: Path, state: TrainState, keep_last: int) -> list[Path]:
-    """The checkpoints rotation deletes after a save at state.step: this run's complete older ones, all but the
-    newest keep_last - 1 (keep_last counts the one just written). Another run's checkpoints are never touched."""
+    """The checkpoints rotation deletes after a save: this run's complete older ones but the newest keep_last - 1."""
     if keep_last <= 0:
         return []
     older = [
@@ -71,8 +69,7 @@ def rotated(checkpoint_dir: Path, state: TrainState, keep_last: int) -> list[Pat
 
 
 def belongs_to(tag_dir: Path, run_dir: Path, marker: dict[str, Any] | None = None) -> bool:
-    """Whether `run_dir` wrote `tag_dir`: everything inside a run directory is its own (its lock keeps others out);
-    a checkpoint directory outside it (train.allow_outside_run_dir) may be shared, so there the marker says."""
+    """Whether `run_dir` wrote `tag_dir`: all inside a run directory is its own; outside it, the marker says."""
     run_dir = run_dir.resolve()
     if tag_dir.resolve().is_relative_to(run_dir):
         return True
@@ -81,8 +78,7 @@ def belongs_to(tag_dir: Path, run_dir: Path, marker: dict[str, Any] | None = Non
 
 
 def is_same_run(tag_dir: Path, run_dir: Path, checkpoint_dir: Path) -> bool:
-    """Whether a resume from `tag_dir` continues the run of `run_dir` (else it starts a run of its own): written by
-    this run directory into this checkpoint directory (an older checkpoint records none: where it lies says)."""
+    """Whether a resume from `tag_dir` continues the run of `run_dir` (else it starts a run of its own)."""
     written_by = read_marker(tag_dir).get("run_dir")
     here = tag_dir.parent.resolve() == checkpoint_dir.resolve()
     return here and (written_by is None or written_by == str(run_dir.resolve()))

@@ -63,8 +63,7 @@ def settings_of(cfg: Config, world_size: int, ds_config: dict[str, Any], precisi
 
 
 def lora_settings(lora: LoraConfig, model_scope: str | None = None) -> dict[str, Any]:
-    """What LoRA's checkpoint depends on. The settings added after the first four are recorded only when they are
-    not at their defaults, so a checkpoint written before they existed compares equal under the defaults."""
+    """What LoRA's checkpoint depends on; later settings only off their defaults, so older checkpoints compare equal."""
     found: dict[str, Any] = {
         "dim": int(lora.dim),
         "alpha": float(lora.alpha if lora.alpha is not None else lora.dim),

@@ -71,8 +71,7 @@ def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
 
 
 def is_complete(tag_dir: Path) -> bool:
-    """Complete only when its marker is the JSON object ds_exp writes last: an empty, cut-short or edited marker
-    counts as missing everywhere (resume, rotation, `latest`, a conversion)."""
+    """Complete only when its marker is the JSON object ds_exp writes last; anything else counts as missing."""
     return bool(read_marker(tag_dir))
 
 

@@ -42,8 +42,7 @@ class _RankFilter(logging.Filter):
 
 
 class _Once(logging.Filter):
-    """Each record once: on the console each warning (by its first line); for Python's warnings every record, file
-    included (torch's deprecations inside DeepSpeed are raised at every step)."""
+    """Each record once: console warnings by first line; Python's warnings every record (torch warns at every step)."""
 
     def __init__(self, level: int = logging.WARNING, first_line: bool = True) -> None:
         super().__init__()

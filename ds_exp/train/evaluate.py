@@ -35,8 +35,7 @@ def evaluate(
     loss: BatchLoss | None = None,
     objective: Objective = SFT,
 ) -> dict[str, float]:
-    """Collective. Ranks with fewer examples run masked batches, so ZeRO-3's collective forwards stay in step; under
-    sequence parallelism every batch has exactly `micro_batch` rows (Ulysses is built for one batch size)."""
+    """Collective: ranks with fewer examples run masked batches, so ZeRO-3's forwards stay in step."""
     if ranks.enabled:
         rank, world = ranks.dp_rank, ranks.dp_size
     mine = list(range(rank, len(eval_set), world))

@@ -87,8 +87,7 @@ def resume(
 def continue_trajectory(
     train: TrainConfig, session: Session, state: TrainState, tag_dir: Path, hooks: RunHooks
 ) -> TrainState:
-    """Collective, once the resume is accepted: checkpoints off the resumed trajectory are set aside as a branch
-    (with the features' files: on_branch); another directory's checkpoint also gives a new run_id."""
+    """Collective, once the resume is accepted: checkpoints off the trajectory set aside as a branch."""
     run_dir, checkpoint_dir = session.run_dir, session.run_dir / train.checkpoint_dir
     decided = None
     if session.is_main:
