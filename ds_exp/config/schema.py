@@ -364,8 +364,7 @@ def to_config(cfg: Any) -> Config:
 
 
 def schema_for(saved: Any = None) -> DictConfig:
-    """The schema as a node to merge a saved config into, its `optimizer` typed as the settings of the optimizer `saved`
-    names (adamw where it names none), as Hydra's composition types it."""
+    """The schema to merge a saved config into, `optimizer` typed by the optimizer `saved` names (adamw by default)."""
     node = OmegaConf.structured(Config)
     chosen = saved.get("optimizer") if isinstance(saved, (dict, DictConfig)) else None
     name = str(chosen.get("name") or "adamw") if isinstance(chosen, (dict, DictConfig)) else "adamw"

@@ -176,8 +176,7 @@ def is_reference(text: str) -> bool:
 
 
 def _field_end(text: str, start: int, end: int) -> int:
-    """Where a connection string's field ends: at `;` (a SAS holds `&`, a password spaces), or, where that stretch
-    reads on as text (another `=`: a message quoting the field), at the first space."""
+    """Where a connection string's field ends: at `;`, or at the first space where the stretch reads on as text."""
     stops = [i for i in (text.find(";", end), text.find("\n", end)) if i >= 0]
     stretch_end = min(stops) if stops else len(text)
     stretch = text[start:stretch_end]

@@ -78,8 +78,7 @@ def _model_path_problems(model: ModelConfig) -> list[str]:
 
 
 def _file_setting(file: str | None, path: str) -> str | None:
-    """The user's DeepSpeed file (deepspeed.config_file) when it sets `path` (the file wins over the groups there),
-    else None: messages then name the file and its key, not the group override that did not set the value."""
+    """The user's DeepSpeed file when it sets `path` (messages then name the file and key), else None."""
     if not file:
         return None
     try:

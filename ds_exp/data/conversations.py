@@ -344,8 +344,7 @@ def _rows_of_other_layouts(
     key: str,
     label: str,
 ) -> set[int]:
-    """Rows written in another layout than the one read: skipped when the user chose the layout, else one message saying
-    the file mixes layouts, which rows are which, and how to choose."""
+    """Rows in another layout than the one read: skipped if the user chose it, else one message saying how to choose."""
     layouts = row_layouts(columns, get, fields)
     if layouts is None:
         return set()

@@ -260,8 +260,7 @@ def _longest(rows: Rows) -> str:
 
 
 def pack(ds: datasets.Dataset, max_seq_len: int, *, work_dir: Path | None = None) -> datasets.Dataset:
-    """Greedily concatenate consecutive examples up to max_seq_len, keeping each one's label masking; position_ids
-    restart at 0 per example. Streams, carrying only the row being filled."""
+    """Greedily concatenate consecutive examples up to max_seq_len, labels kept, position_ids restarting per example."""
     features = datasets.Features({k: datasets.List(datasets.Value("int32")) for k in PACKED_COLUMNS})
     rows_at_once = rows_per_batch(max_seq_len)
     return ds.select_columns(["input_ids", "labels"]).map(

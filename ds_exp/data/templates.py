@@ -46,8 +46,7 @@ def resolve_template(template: PromptTemplate | str, tokenizer: PreTrainedTokeni
 
 
 def source_template(configured: PromptTemplate | str, resolved: str, raw: RawSource) -> str:
-    """The template of one source (a sources.RawSource), given its rows: rows already carrying DeepSpeed-Chat's markers
-    would be wrapped twice by dschat or a chat template (an error naming the row; auto picks raw)."""
+    """One source's template given its rows: rows with DeepSpeed-Chat's markers get raw (an error if asked to wrap)."""
     configured = str(getattr(configured, "value", configured))
     marked, total = raw.num_marked, raw.num_rows
     if raw.key == "data.synthetic":

@@ -126,8 +126,7 @@ class TaskScores:
 
 
 class RenderedLM(HFLM):
-    """lm-eval's HFLM asking in the run's template: dschat as the run trained on it (" Human: {q} Assistant: {a}", the
-    space before the answer stripped before generating: the model writes it); chat_template as HFLM applies it."""
+    """lm-eval's HFLM asking in the run's template (dschat as trained, the answer's leading space left to the model)."""
 
     def __init__(self, *args: Any, template: str | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -85,8 +85,7 @@ def chunked_loss_sum(
 
 
 def offload_saved_activations(model: Any) -> None:
-    """What the decoder's forward saves outside the checkpointed layers goes to host memory (`save_on_cpu`, pinned where
-    CUDA is); wrapping its public forward leaves every other activation where it was."""
+    """What the decoder's forward saves outside the checkpointed layers goes to host memory (`save_on_cpu`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT too
     decoder = base.get_decoder()
     decoder.forward = _Offloaded(decoder.forward)

@@ -135,8 +135,7 @@ class DPO(PairObjective):
 
 
 class Reward(PairObjective):
-    """DeepSpeed-Chat step 2's reward model: a scalar on each answer's last token (transformers' sequence
-    classification head with one label), trained with -log s(r_chosen - r_rejected); its rewards are the scores."""
+    """DeepSpeed-Chat step 2's reward model: a scalar per answer's last token, loss -log s(r_chosen - r_rejected)."""
 
     name = "reward"
     generates = False

@@ -81,8 +81,7 @@ def lora_settings(lora: LoraConfig, model_scope: str | None = None) -> dict[str,
 
 
 def changes(saved: dict[str, Any], current: dict[str, Any], *, hashed: bool = False) -> list[str]:
-    """One line per setting that differs (unrecorded or unknown ones are not compared). A model is the same however
-    spelled (a trailing slash); with `hashed` (the build checks the frozen base's SHA-256) any place holding it."""
+    """One line per recorded setting that differs (a model path the same however spelled, or anywhere with `hashed`)."""
     lines = []
     for key, why in _WHY.items():
         if key not in saved or (key != "lora" and (saved[key] is None or current.get(key) is None)):
@@ -110,8 +109,7 @@ def base_gone(name: str | None) -> bool:
 
 
 def moved_base(model: ModelConfig, to: str | None) -> ModelConfig:
-    """For export and evaluate (they read a run's saved config): its `model` section with the base where it is now
-    (`to`: --base DIR; the build checks the frozen weights' SHA-256); refused when the recorded directory is gone."""
+    """A run's saved `model` section with the base where it is now (`to`: --base DIR); refused when it is gone."""
     if to is None:
         if base_gone(model.name_or_path):
             raise ConfigError(
@@ -151,8 +149,7 @@ def sequence_parallel_change(saved: dict[str, Any], current: dict[str, Any]) -> 
 
 
 def universal_problem(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """Why a changed layout cannot go through the universal format with sequence parallelism at either end: DeepSpeed
-    0.19.8 takes the sequence-parallel groups for tensor parallelism."""
+    """Why a changed layout cannot be converted with sequence parallelism (DeepSpeed 0.19.8 takes its groups for TP)."""
     before, now = saved.get("sequence_parallel_size", 1), current.get("sequence_parallel_size", 1)
     if (before == 1 and now == 1) or not needs_universal(saved, current):
         return None

@@ -62,8 +62,7 @@ def check_heads(config: PretrainedConfig, size: int) -> None:
 
 
 def isolate_documents(core: AttentionFunction) -> AttentionFunction:
-    """`core` run per document where a row's position_ids restart (a block-diagonal causal mask, never built): under
-    Ulysses no mask reaches the core, so plain sdpa would let packed documents attend to each other."""
+    """`core` run per document where position_ids restart: under Ulysses no mask reaches it to keep documents apart."""
 
     def attention(
         module: torch.nn.Module,

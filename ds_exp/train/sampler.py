@@ -15,8 +15,7 @@ def _mix(seed: int, epoch: int) -> int:
 
 
 class ResumableDistributedSampler(Sampler[int]):
-    """Rank r yields positions r, r+W, ... of one permutation of (seed, epoch); `set_start(n)` skips an epoch's first n
-    samples over all ranks, `skip(n)` this rank's. drop_last=False pads by repeating: every rank yields as many."""
+    """Rank r yields positions r, r+W, ... of a permutation of (seed, epoch); resumable (`set_start`, `skip`)."""
 
     def __init__(
         self,
