@@ -26,6 +26,7 @@ from ds_exp.config.optimizer_settings import OptimizerConfig, Owner
 from ds_exp.config.optimizers import OPTIMIZERS, register_optimizer_settings
 from ds_exp.config.secrets import hide_secrets_when_composing
 from ds_exp.config.trackers import LoggerConfig
+from ds_exp.core.compat import cache_config_files
 from ds_exp.core.errors import ConfigError
 from ds_exp.evaluation.settings import HarnessConfig
 from ds_exp.exports.settings import ExportSettings
@@ -384,3 +385,4 @@ def register_configs() -> None:
     store.store(name="ds_exp_schema", node=Config)
     register_optimizer_settings(store)  # the base of each conf/optimizer/<name>.yaml
     hide_secrets_when_composing()  # literal credentials in config files never reach what Hydra saves
+    cache_config_files()  # each file parsed once per process, not once per composition

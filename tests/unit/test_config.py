@@ -750,3 +750,26 @@ def test_an_override_the_users_deepspeed_file_wins_over_is_named_and_tuning_is_n
         "scheduler=linear",
     ]
     assert beaten({}, "zero=stage1") == []
+
+
+def test_composition_reads_a_config_file_again_once_it_is_edited_and_never_shares_it(tmp_path):
+    """Each file is parsed once per process (ds_exp/core/compat/hydra.py cache_config_files): a notebook that edits a
+    YAML between two runs gets the edit, and what one composition changes in its config no other composition sees."""
+    import os
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from ds_exp.core.compat import hydra as hydra_compat
+
+    conf = shutil.copytree(conf_dir(), tmp_path / "conf")
+    lora = conf / "lora" / "default.yaml"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        first = compose(config_name="config")
+        first.lora.dim = 123  # a caller's change to its own copy
+        again = compose(config_name="config")
+        lora.write_text(lora.read_text().replace(f"dim: {again.lora.dim}", "dim: 48", 1))
+        os.utime(lora, ns=(lora.stat().st_atime_ns, lora.stat().st_mtime_ns + 1))  # even within the clock's tick
+        edited = compose(config_name="config")
+    assert any(str(conf) in key[1] for key in hydra_compat._PARSED)  # the files were cached, not read each time
+    assert again.lora.dim not in (123, 48) and edited.lora.dim == 48

@@ -23,6 +23,7 @@ from ds_exp.core.compat.deepspeed import (
 from ds_exp.core.compat.hydra import (
     basic_sweep_jobs,
     before_overrides,
+    cache_config_files,
     hydra_job_callbacks,
     on_compose,
     raise_hydra_errors,
