@@ -79,8 +79,8 @@ _PARSED: dict[tuple[Any, ...], Any] = {}
 def cache_config_files() -> None:
     """Parse each config file once per process: Hydra reads every YAML file of the tree again for each composition
     (an autotune grid composes each cell, a notebook each run), and copying a parsed file's config takes 1/6 of the
-    time parsing it again does (conf/, measured). Each composition gets its own copy; a file written since (its
-    inode, size, mtime or ctime changed) is read again. Hydra's own packaged files (pkg://hydra.*) are installed, not edited;
+    time parsing it again does (conf/, measured). Each composition gets its own copy; a file written since (its inode,
+    size, mtime or ctime changed) is read again. Hydra's own packaged files (pkg://hydra.*) are installed, not edited;
     the ConfigStore's nodes (structured configs) are never cached. At the repository: Hydra's plugin scan executes
     its config source modules again, which would replace a patched source class."""
     from hydra._internal.config_repository import ConfigRepository
