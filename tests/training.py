@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from tests.zygote import run_python, run_ranks
 
@@ -154,11 +155,13 @@ def launch(
     return Run(proc, run_dir)
 
 
-def train_here(run_dir: Path, *overrides: str, cache_dir: Path | None = None) -> Run:
+def train_here(run_dir: Path, *overrides: str, cache_dir: Path | None = None, env: dict[str, str] | None = None) -> Run:
     """One rank of the recipe in this process, through ds_exp's Python API (ds_exp/train/api.py), for tests of what
     the recipe does where no process boundary is under test: the run directory and files of `launch`, without a
     child process (its start, its process group's, and the first-use costs every new process pays again). Its
-    stdout and stderr are captured; a DsExpError is the exit status and message the command line would give."""
+    stdout and stderr are captured; a DsExpError is the exit status and message the command line would give. `env`:
+    variables the run reads when it runs (WANDB_MODE, DS_EXP_*), set for the run only; what libraries read when
+    they are imported needs a process of its own (`launch`)."""
     import torch
 
     from ds_exp import train
@@ -169,7 +172,8 @@ def train_here(run_dir: Path, *overrides: str, cache_dir: Path | None = None) ->
 
     args = [*overrides, f"hydra.run.dir={run_dir}", *([f"data.cache_dir={cache_dir}"] if cache_dir else [])]
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    environment = mock.patch.dict(os.environ, env) if env else contextlib.nullcontext()
+    with environment, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             train(args)
             code = 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training import FAST, REPO, Run, assert_close, free_port, launch, logged_steps, user_env
+from tests.training import FAST, REPO, Run, assert_close, free_port, launch, logged_steps, train_here, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def uninterrupted_2ranks(tmp_path_factory, cache_dir) -> Run:
 
 @pytest.fixture(scope="module")
 def uninterrupted_1rank(tmp_path_factory, cache_dir) -> Run:
-    run = launch(tmp_path_factory.mktemp("uninterrupted1") / "run", *RESUMABLE, cache_dir=cache_dir)
+    run = train_here(tmp_path_factory.mktemp("uninterrupted1") / "run", *RESUMABLE, cache_dir=cache_dir)
     assert run.ok, run.explain()
     return run
 
@@ -146,7 +146,7 @@ def test_kill_while_saving_leaves_the_previous_checkpoint_in_charge(tmp_path, ca
 
 def test_a_run_that_keeps_producing_nan_stops_with_the_step_named(tmp_path, cache_dir):
     # a learning rate this large overflows fp32 within a few steps: every later loss is NaN
-    run = launch(
+    run = train_here(
         tmp_path / "run",
         *FAST,
         "train.max_steps=60",
@@ -176,7 +176,7 @@ def test_a_run_whose_weights_stop_being_finite_saves_and_exports_nothing_of_them
     """ZeRO stage 0 in fp32: a learning rate of 1e30 makes the weights NaN after step 2, well within
     train.max_bad_steps. The save at step 2 is refused; step 1's checkpoint stays the newest, nothing is exported,
     the run ends `diverged` with exit status 3, and every JSON file it wrote is strict JSON."""
-    run = launch(
+    run = train_here(
         tmp_path / "run",
         *FAST,
         "optimizer.lr=1e30",
@@ -209,7 +209,7 @@ def test_fp16_overflow_skips_steps_without_failing(tmp_path, cache_dir):
 
     if not torch.cuda.is_available():
         pytest.skip("fp16 needs CUDA (DeepSpeed's CPU accelerator refuses fp16)")
-    run = launch(tmp_path / "run", *FAST, "precision=fp16", "precision.initial_scale_power=32", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *FAST, "precision=fp16", "precision.initial_scale_power=32", cache_dir=cache_dir)
     assert run.ok, run.explain()
     assert run.records("train")[-1]["skipped_steps"] > 0
     assert "skipped" in (run.run_dir / "logs" / "rank0.log").read_text()
@@ -221,18 +221,18 @@ def test_fp16_overflow_skips_steps_without_failing(tmp_path, cache_dir):
 # mount_tmpfs: tests/conftest.py
 
 
-def test_unwritable_run_directory_is_refused_before_anything_starts(tmp_path, mount_tmpfs):
+def test_unwritable_run_directory_is_refused_before_anything_starts(mount_tmpfs):
     read_only = mount_tmpfs("1m", read_only=True)
-    run = launch(read_only / "run", *FAST, cwd=tmp_path)
+    run = train_here(read_only / "run", *FAST)
     assert run.proc.returncode == 2, run.explain()
     assert "Traceback" not in run.proc.stderr
     assert f"hydra.run.dir={read_only / 'run'}: {read_only} is on a read-only file system" in run.proc.stderr
     assert "point hydra.run.dir at a writable directory" in run.proc.stderr
 
 
-def test_a_disk_too_small_for_a_checkpoint_is_refused_before_training(tmp_path, cache_dir, mount_tmpfs):
+def test_a_disk_too_small_for_a_checkpoint_is_refused_before_training(cache_dir, mount_tmpfs):
     small = mount_tmpfs("4m")  # one checkpoint of the tiny model (fp32 weights + Adam) is about 8 MB
-    run = launch(small / "run", *RESUMABLE, cache_dir=cache_dir, cwd=tmp_path)
+    run = train_here(small / "run", *RESUMABLE, cache_dir=cache_dir)
     assert run.proc.returncode == 1, run.explain()
     assert "Traceback" not in run.proc.stderr
     assert "not enough disk space for train.checkpoint_dir=" in run.proc.stderr

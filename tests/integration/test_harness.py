@@ -6,6 +6,7 @@ sweep of four jobs; SmolLM2's scores are lm-eval's own, with its chat template a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -16,7 +17,7 @@ import torch
 
 from tests.integration.test_trackers import history as mlflow_history
 from tests.integration.test_trackers import mlflow_runs, scalars
-from tests.training import launch
+from tests.training import train_here
 from tests.wandb_files import history
 
 TASK = "ds_exp_synthetic"
@@ -25,18 +26,20 @@ CHANCE = 0.25  # four choices
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory, cache_dir):
-    """`python -m ds_exp` on its embedded defaults, scored on ds_exp_synthetic at its end and at step 125 (an
-    export of train.export_every), with every tracker."""
-    run = launch(
-        tmp_path_factory.mktemp("harness") / "run",
-        f"eval.harness.tasks=[{TASK}]",
-        "train.export_every=125",
-        "eval.harness.every_save=true",
-        "logger=[wandb,tensorboard,mlflow]",
-        "logger.wandb.mode=offline",
-        cache_dir=cache_dir,
-        env={"WANDB_MODE": "offline"},
-    )
+    """The default run (its embedded defaults, in this process), scored on ds_exp_synthetic at its end and at
+    step 125 (an export of train.export_every), with every tracker."""
+    root = tmp_path_factory.mktemp("harness")
+    with contextlib.chdir(root):  # where the run is started: MLflow's default store is outputs/mlflow.db there
+        run = train_here(
+            root / "run",
+            f"eval.harness.tasks=[{TASK}]",
+            "train.export_every=125",
+            "eval.harness.every_save=true",
+            "logger=[wandb,tensorboard,mlflow]",
+            "logger.wandb.mode=offline",
+            cache_dir=cache_dir,
+            env={"WANDB_MODE": "offline"},
+        )
     assert run.ok, run.explain()
     return run
 

@@ -31,7 +31,7 @@ from ds_exp.checkpoint.universal import (
 )
 from ds_exp.core.errors import ResumeError
 from ds_exp.resume.store import read_marker
-from tests.training import FAST, Run, assert_close, free_port, launch, user_env
+from tests.training import FAST, Run, assert_close, free_port, launch, train_here, user_env
 
 pytestmark = pytest.mark.slow
 SAVING = [*FAST, "train.save_every=4"]  # global batch 4 x ranks x accumulation; checkpoints at steps 4 and 8
@@ -46,16 +46,11 @@ def checksums(root: Path) -> dict[str, str]:
 
 
 def resumed(reference: Run, run_dir: Path, *overrides: str, cache_dir: Path, nproc: int = 1) -> Run:
-    tag_dir = reference.run_dir / "checkpoints" / "step4"
-    run = launch(
-        run_dir,
-        *SAVING,
-        f"resume={tag_dir}",
-        *overrides,
-        launcher="ranks" if nproc > 1 else "single",
-        nproc=nproc,
-        cache_dir=cache_dir,
-    )
+    args = [*SAVING, f"resume={reference.run_dir / 'checkpoints' / 'step4'}", *overrides]
+    if nproc > 1:
+        run = launch(run_dir, *args, launcher="ranks", nproc=nproc, cache_dir=cache_dir)
+    else:
+        run = train_here(run_dir, *args, cache_dir=cache_dir)
     assert run.ok, run.explain()
     return run
 
@@ -96,7 +91,7 @@ def zero3_one_rank(zero2_two_ranks, tmp_path_factory, cache_dir) -> tuple[Run, d
 @pytest.fixture(scope="module")
 def lora_one_rank(tmp_path_factory, cache_dir) -> Run:
     """Uninterrupted: 1 rank, ZeRO stage 0 (the default), LoRA, 2 accumulation steps: global batch 8."""
-    run = launch(
+    run = train_here(
         tmp_path_factory.mktemp("ref") / "lora_1rank",
         *SAVING,
         "lora.dim=8",
@@ -204,7 +199,7 @@ def test_a_failed_conversion_leaves_nothing_that_is_trusted(zero2_two_ranks, tmp
 @pytest.fixture(scope="module")
 def bf16_zero3_one_rank(tmp_path_factory, cache_dir) -> Run:
     """Uninterrupted: 1 rank, bf16, ZeRO-3 (global batch 4)."""
-    run = launch(
+    run = train_here(
         tmp_path_factory.mktemp("ref") / "bf16_zero3", *SAVING, "precision=bf16", "zero=stage3", cache_dir=cache_dir
     )
     assert run.ok, run.explain()

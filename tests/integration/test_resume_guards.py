@@ -19,7 +19,7 @@ import pytest
 
 from ds_exp.model.engine import lr_at
 from ds_exp.resume.store import COMPLETE_MARKER, complete_checkpoints
-from tests.training import FAST, free_port, launch, logged_steps, user_env
+from tests.training import FAST, free_port, launch, logged_steps, train_here, user_env
 
 pytestmark = pytest.mark.slow
 SAVED = [*FAST, "train.save_final_checkpoint=true", "train.eval_at_start=true"]
@@ -32,7 +32,7 @@ def checksums(root: Path) -> dict[str, str]:
 
 @pytest.fixture
 def finished(tmp_path, cache_dir):
-    run = launch(tmp_path / "run", *SAVED, cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *SAVED, cache_dir=cache_dir)
     assert run.ok, run.explain()
     return run
 
@@ -42,7 +42,7 @@ def console(run) -> str:
 
 
 def test_training_longer_names_the_new_schedule_and_keeps_the_first_perplexity(finished, cache_dir):
-    longer = launch(finished.run_dir, *SAVED, "train.max_steps=12", "resume=auto", cache_dir=cache_dir)
+    longer = train_here(finished.run_dir, *SAVED, "train.max_steps=12", "resume=auto", cache_dir=cache_dir)
     assert longer.ok, longer.explain()
     said = console(longer)
     assert "the run's length (train.max_steps / train.epochs): 8 steps -> 12 steps" in said
@@ -61,7 +61,7 @@ def test_training_longer_names_the_new_schedule_and_keeps_the_first_perplexity(f
 
 
 def test_a_new_learning_rate_takes_effect_and_is_named(finished, cache_dir):
-    again = launch(
+    again = train_here(
         finished.run_dir, *SAVED, "train.max_steps=10", "optimizer.lr=5e-4", "resume=auto", cache_dir=cache_dir
     )
     assert again.ok, again.explain()
@@ -74,7 +74,7 @@ def test_a_new_learning_rate_takes_effect_and_is_named(finished, cache_dir):
 
 def test_a_changed_global_batch_is_refused_and_changes_nothing(finished, cache_dir):
     before = checksums(finished.run_dir)
-    again = launch(finished.run_dir, *SAVED, "train.max_steps=12", "resume=auto", "train.micro_batch_size=2")
+    again = train_here(finished.run_dir, *SAVED, "train.max_steps=12", "resume=auto", "train.micro_batch_size=2")
     assert again.proc.returncode == 2, again.explain()
     err = again.proc.stderr
     assert "cannot be continued with these settings" in err and "the global batch is 2 samples, it was 4" in err
@@ -84,7 +84,7 @@ def test_a_changed_global_batch_is_refused_and_changes_nothing(finished, cache_d
 
 def test_changed_data_are_refused_and_the_runs_files_stay(finished, cache_dir):
     before = checksums(finished.run_dir)
-    again = launch(finished.run_dir, *SAVED, "train.max_steps=12", "resume=auto", "data.synthetic.num_train=320")
+    again = train_here(finished.run_dir, *SAVED, "train.max_steps=12", "resume=auto", "data.synthetic.num_train=320")
     assert again.proc.returncode == 2, again.explain()
     assert "the training data differ from the checkpoint's" in again.proc.stderr
     # found once the data are tokenized: the attempt added its config (.hydra/resume-*) and log lines, nothing else
@@ -211,7 +211,7 @@ def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside_and_continu
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
-    first = launch(
+    first = train_here(
         run_dir, *FAST, "train.save_every=2", "train.keep_last=2", "train.export_every=7", cache_dir=cache_dir
     )
     assert first.ok, first.explain()
@@ -253,7 +253,7 @@ def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside_and_continu
     assert checksums(branch / "step8") == first_step8
 
     before = checksums(run_dir)
-    elsewhere = launch(copy, *again, "train.max_steps=10", f"resume={ckpts / 'step8'}", cache_dir=cache_dir)
+    elsewhere = train_here(copy, *again, "train.max_steps=10", f"resume={ckpts / 'step8'}", cache_dir=cache_dir)
     assert elsewhere.ok, elsewhere.explain()
     assert checksums(run_dir) == before  # nothing rotated, moved or rewritten in the other directory
     (set_aside,) = (copy / "checkpoints" / "branches").iterdir()

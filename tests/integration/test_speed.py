@@ -12,7 +12,7 @@ from ds_exp.config.ds_config import RunFacts, resolve_ds_config
 from ds_exp.model.optimizers import optimizer_impl
 from ds_exp.runtime.ops import deepspeed_arch_list
 from ds_exp.train.flops import FlopsModel, flops_model, peak_flops, sum_squared_lengths
-from tests.training import FAST, launch
+from tests.training import FAST, launch, train_here
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def test_overlap_comm_only_where_there_is_communication(compose_cfg):
 
 
 def test_mfu_tokens_per_device_and_optimizer_in_metrics_and_summary(tmp_path, cache_dir):
-    run = launch(tmp_path / "run", *FAST, "train.peak_tflops=0.5", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *FAST, "train.peak_tflops=0.5", cache_dir=cache_dir)
     assert run.ok, run.explain()
     lines = run.records("train")
     for line in lines:
@@ -127,7 +127,7 @@ def test_mfu_tokens_per_device_and_optimizer_in_metrics_and_summary(tmp_path, ca
 
 
 def test_without_a_known_peak_mfu_is_left_out(tmp_path, cache_dir):
-    run = launch(tmp_path / "run", *FAST, "train.max_steps=2", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *FAST, "train.max_steps=2", cache_dir=cache_dir)
     assert run.ok, run.explain()
     assert all(line["mfu"] is None and line["tflops_per_device"] > 0 for line in run.records("train"))
     assert run.summary["mfu"] is None and run.summary["device"] is None

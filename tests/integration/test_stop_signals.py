@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training import FAST, Run, assert_close, free_port, launch, logged_steps, user_env
+from tests.training import FAST, Run, assert_close, free_port, launch, logged_steps, train_here, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ STOPPABLE = [*FAST, "train.max_steps=100", "train.log_every=10"]
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, cache_dir) -> Run:
-    run = launch(tmp_path_factory.mktemp("uninterrupted") / "run", *STOPPABLE, cache_dir=cache_dir)
+    run = train_here(tmp_path_factory.mktemp("uninterrupted") / "run", *STOPPABLE, cache_dir=cache_dir)
     assert run.ok, run.explain()
     return run
 

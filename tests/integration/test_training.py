@@ -4,6 +4,7 @@ recipe runs in the test's process through the Python API (tests/training.py trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -334,14 +335,15 @@ def test_launchers_train_the_user_command(tmp_path, cache_dir, launcher):
 
 
 def test_wandb_offline_files_hold_the_metrics(tmp_path, cache_dir):
-    run = launch(
-        tmp_path / "run",
-        *FAST,
-        "logger=wandb",
-        "logger.wandb.mode=offline",
-        cache_dir=cache_dir,
-        env={"WANDB_MODE": "offline"},
-    )
+    with contextlib.chdir(tmp_path):  # where the run is started: the console names its wandb files from there
+        run = train_here(
+            tmp_path / "run",
+            *FAST,
+            "logger=wandb",
+            "logger.wandb.mode=offline",
+            cache_dir=cache_dir,
+            env={"WANDB_MODE": "offline"},
+        )
     assert run.ok, run.explain()
     (run_file,) = (run.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     # wandb's own lines stay off the console (its run history came after the final line): ds_exp says where it is

@@ -183,7 +183,7 @@ def zero0(tmp_path_factory, cache_dir):
     task that fails while the final export is scored."""
     root = tmp_path_factory.mktemp("zero0")
     failing = task_yaml(root, "failing", "raise RuntimeError('this document cannot be rendered')")
-    run = launch(
+    run = train_here(
         root / "run",
         *FAST,
         f"eval.harness.tasks=[{failing}]",  # an lm-eval task that fails while it is scored: the run completes
@@ -475,7 +475,7 @@ def test_export_of_a_zero2_lora_checkpoint_merged_and_as_an_adapter(
     from ds_exp.model.build import build_model
     from ds_exp.model.tokenizer import load_tokenizer
 
-    run = launch(
+    run = train_here(
         tmp_path_factory.mktemp("lora") / "run",
         *FAST,
         "zero=stage2",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training import FAST, REPO, free_port, launch, user_env
+from tests.training import FAST, REPO, free_port, launch, train_here, user_env
 
 SAVED = [*FAST, "train.save_final_checkpoint=true", "train.export=true"]
 
@@ -35,14 +35,14 @@ def checksums(root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, cache_dir):
-    run = launch(tmp_path_factory.mktemp("finished") / "run", *SAVED, cache_dir=cache_dir)
+    run = train_here(tmp_path_factory.mktemp("finished") / "run", *SAVED, cache_dir=cache_dir)
     assert run.ok, run.explain()
     return run
 
 
 def test_a_fresh_run_into_a_finished_runs_directory_is_refused_and_changes_nothing(finished, cache_dir):
     before = checksums(finished.run_dir)
-    again = launch(finished.run_dir, *SAVED, "train.max_steps=3", cache_dir=cache_dir)
+    again = train_here(finished.run_dir, *SAVED, "train.max_steps=3", cache_dir=cache_dir)
     assert again.proc.returncode == 2, again.explain()
     assert "already holds a run (summary.json: status completed at step 8)" in again.proc.stderr
     assert "resume=auto" in again.proc.stderr and "Traceback" not in again.proc.stderr
@@ -52,7 +52,7 @@ def test_a_fresh_run_into_a_finished_runs_directory_is_refused_and_changes_nothi
 def test_resume_auto_of_a_finished_run_has_nothing_to_do_and_changes_nothing(finished, cache_dir):
     before = checksums(finished.run_dir)
     logs = {name: (finished.run_dir / name).read_text() for name in ("ds_exp.log", "logs/rank0.log")}
-    again = launch(finished.run_dir, *SAVED, "resume=auto", cache_dir=cache_dir)
+    again = train_here(finished.run_dir, *SAVED, "resume=auto", cache_dir=cache_dir)
     assert again.ok, again.explain()
     assert "is complete at step 8 of 8" in again.proc.stdout and "nothing to do" in again.proc.stdout
     after = checksums(finished.run_dir)
@@ -95,10 +95,10 @@ def test_a_resume_with_other_shapes_is_refused_and_changes_nothing(finished, cac
 
 
 def test_a_resume_that_trains_on_keeps_the_first_attempts_config(tmp_path, cache_dir):
-    first = launch(tmp_path / "run", *SAVED, cache_dir=cache_dir)
+    first = train_here(tmp_path / "run", *SAVED, cache_dir=cache_dir)
     assert first.ok, first.explain()
     original = (first.run_dir / ".hydra" / "overrides.yaml").read_text()
-    longer = launch(first.run_dir, *SAVED, "train.max_steps=12", "resume=auto", cache_dir=cache_dir)
+    longer = train_here(first.run_dir, *SAVED, "train.max_steps=12", "resume=auto", cache_dir=cache_dir)
     assert longer.ok, longer.explain()
     assert (first.run_dir / ".hydra" / "overrides.yaml").read_text() == original
     (resumed_config,) = (first.run_dir / ".hydra").glob("resume-*/overrides.yaml")
@@ -107,13 +107,13 @@ def test_a_resume_that_trains_on_keeps_the_first_attempts_config(tmp_path, cache
 
 
 def test_rotation_never_deletes_another_runs_checkpoints(tmp_path, cache_dir):
-    other = launch(tmp_path / "other", *SAVED, "train.save_every=4", "train.keep_last=0", cache_dir=cache_dir)
+    other = train_here(tmp_path / "other", *SAVED, "train.save_every=4", "train.keep_last=0", cache_dir=cache_dir)
     assert other.ok, other.explain()
     shared = other.run_dir / "checkpoints"
     theirs = {k: v for k, v in checksums(shared).items() if k.startswith("step")}
     assert sorted(p.name for p in shared.glob("step*")) == ["step4", "step8"]
     outside = ("train.allow_outside_run_dir=true", f"train.checkpoint_dir={shared}", "train.export=false")
-    mine = launch(
+    mine = train_here(
         tmp_path / "mine",
         *SAVED,
         *outside,
@@ -127,20 +127,20 @@ def test_rotation_never_deletes_another_runs_checkpoints(tmp_path, cache_dir):
     assert sorted(p.name for p in shared.glob("step*")) == ["step4", "step7", "step8"]
     assert {k: v for k, v in checksums(shared).items() if k in theirs} == theirs
     # and a checkpoint of the other run is never overwritten by this one
-    clash = launch(tmp_path / "clash", *SAVED, *outside, "train.max_steps=4", cache_dir=cache_dir)
+    clash = train_here(tmp_path / "clash", *SAVED, *outside, "train.max_steps=4", cache_dir=cache_dir)
     assert clash.proc.returncode == 1, clash.explain()
     assert f"{shared / 'step4'} is a complete checkpoint of another run" in clash.proc.stderr
     assert {k: v for k, v in checksums(shared).items() if k in theirs} == theirs
 
 
 def test_a_damaged_checkpoint_names_the_previous_complete_one(tmp_path, cache_dir):
-    run = launch(tmp_path / "run", *SAVED, "train.save_every=4", "train.export=false", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *SAVED, "train.save_every=4", "train.export=false", cache_dir=cache_dir)
     assert run.ok, run.explain()
     newest = run.run_dir / "checkpoints" / "step8"
     weights = next(newest.glob("*model_states.pt"))
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as by a full disk or a copy cut short
     summary = (run.run_dir / "summary.json").read_bytes()
-    again = launch(run.run_dir, *SAVED, "train.max_steps=12", "resume=auto", cache_dir=cache_dir)
+    again = train_here(run.run_dir, *SAVED, "train.max_steps=12", "resume=auto", cache_dir=cache_dir)
     assert again.proc.returncode == 2, again.explain()
     assert f"{newest} cannot be read" in again.proc.stderr and "Traceback" not in again.proc.stderr
     assert f"resume={run.run_dir / 'checkpoints' / 'step4'}" in again.proc.stderr
@@ -235,7 +235,7 @@ def test_sigterm_during_tokenization_stops_within_seconds(tmp_path):
 
 
 def test_keep_last_zero_says_what_it_means(tmp_path, cache_dir):
-    run = launch(tmp_path / "run", *FAST, "train.keep_last=0", "train.max_steps=2", cache_dir=cache_dir)
+    run = train_here(tmp_path / "run", *FAST, "train.keep_last=0", "train.max_steps=2", cache_dir=cache_dir)
     assert run.ok, run.explain()
     assert "train.keep_last=0: no checkpoint is ever deleted" in run.proc.stderr + run.proc.stdout
 
@@ -351,6 +351,7 @@ def test_a_finished_run_whose_lock_is_a_directory_is_refused_and_changes_nothing
     assert not (run_dir / ".ds_exp.lock").exists()  # the run ended: its lock file went with it
     (run_dir / ".ds_exp.lock").mkdir()
     before = checksums(run_dir)
+    # the command line: its Hydra callback (CheckRunDir) is where such an error became a warning
     again = launch(run_dir, *SAVED, "resume=auto", "train.max_steps=12", cache_dir=cache_dir, cwd=tmp_path)
     assert again.proc.returncode == 2, again.explain()
     assert f"{run_dir / '.ds_exp.lock'} is a directory, not ds_exp's lock file" in again.proc.stderr

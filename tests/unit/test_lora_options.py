@@ -14,7 +14,7 @@ import torch
 from ds_exp.config.lora_checks import lora_problems
 from ds_exp.core.errors import ConfigError
 from ds_exp.resume.settings import changes, lora_settings
-from tests.training import FAST, assert_close, launch
+from tests.training import FAST, assert_close, train_here
 
 LORA = ["lora.dim=8", "lora.target_modules=[q_proj,v_proj]", "lora.modules_to_save=[lm_head]"]
 VARIANTS = [*LORA, "lora.use_dora=true", "lora.use_rslora=true"]
@@ -204,17 +204,17 @@ def test_lora_options_export_and_resume_exactly(tmp_path, cache_dir, compose_cfg
 
     common = [*FAST, "train.max_steps=6", "train.save_every=3", "train.export=true"]
     common += ["scheduler=constant", *VARIANTS]
-    first = launch(tmp_path / "first", *common, cache_dir=cache_dir)
+    first = train_here(tmp_path / "first", *common, cache_dir=cache_dir)
     assert first.ok, first.explain()
     step3 = first.run_dir / "checkpoints" / "step3"
 
-    refused = launch(tmp_path / "refused", *common, f"resume={step3}", "lora.use_dora=false", cache_dir=cache_dir)
+    refused = train_here(tmp_path / "refused", *common, f"resume={step3}", "lora.use_dora=false", cache_dir=cache_dir)
     assert refused.proc.returncode != 0 and "Traceback" not in refused.proc.stderr
     assert "- lora: " in refused.proc.stderr and "use_dora" in refused.proc.stderr, refused.explain()
     assert not (tmp_path / "refused" / "summary.json").exists()
 
     # at ZeRO-3: the checkpoint goes through DeepSpeed's universal format, adapters, magnitudes and copies included
-    resumed = launch(tmp_path / "resumed", *common, f"resume={step3}", "zero=stage3", cache_dir=cache_dir)
+    resumed = train_here(tmp_path / "resumed", *common, f"resume={step3}", "zero=stage3", cache_dir=cache_dir)
     assert resumed.ok, resumed.explain()
     assert_close(resumed.losses, first.losses[3:], rel=1e-6)
     a, b = (load_file(run.run_dir / "hf_model" / "model.safetensors") for run in (first, resumed))
