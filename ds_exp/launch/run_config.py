@@ -1,5 +1,5 @@
 """A run directory remembers its run: `hydra.run.dir=R resume=auto [KEY=VALUE ...]` continues R's own config, the
-overrides being changes the resume rules accept or refuse; a resuming sweep job too. Light."""
+overrides being named changes the resume rules accept or refuse; a resuming sweep job too. Light."""
 
 from __future__ import annotations
 

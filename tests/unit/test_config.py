@@ -772,4 +772,5 @@ def test_composition_reads_a_config_file_again_once_it_is_edited_and_never_share
         os.utime(lora, ns=(lora.stat().st_atime_ns, lora.stat().st_mtime_ns + 1))  # even within the clock's tick
         edited = compose(config_name="config")
     assert any(str(conf) in key[1] for key in hydra_compat._PARSED)  # the files were cached, not read each time
+    assert [key[2] for key in hydra_compat._PARSED if key[1] == str(conf) and "lora" in key[2]] == ["lora/default"]
     assert again.lora.dim not in (123, 48) and edited.lora.dim == 48

@@ -104,10 +104,10 @@ def cache_config_files() -> None:
             version = ()
         else:
             return original(self, config_path)
-        key = (kind, path, config_path, *version)
-        if key not in _PARSED:
-            _PARSED[key] = original(self, config_path)
-        return copy.deepcopy(_PARSED[key])
+        key = (kind, path, config_path)
+        if key not in _PARSED or _PARSED[key][0] != version:  # one entry per file: an edit replaces it
+            _PARSED[key] = version, original(self, config_path)
+        return copy.deepcopy(_PARSED[key][1])
 
     load_config._ds_exp_cached = True  # type: ignore[attr-defined]
     ConfigRepository.load_config = load_config  # type: ignore[method-assign]
